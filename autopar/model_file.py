@@ -1,0 +1,236 @@
+"""Load a user's model.py and build its model and batch without allocating real memory.
+
+The contract (ARCHITECTURE.md):
+
+    def build_model(**kw) -> torch.nn.Module     # called under FakeTensorMode when planning
+    def example_batch(batch_size: int, **kw)      # a tensor, or a tuple/list/dict of tensors
+    def loss_fn(output, batch) -> torch.Tensor    # optional
+
+``**kw`` are the ``model.<name>=<value>`` overrides; each function receives the ones its
+signature names (all of them if it takes ``**kw``). How a batch reaches the model: a dict is
+passed as keyword arguments (only the keys ``forward`` accepts, so labels may ride along for
+``loss_fn``), a tuple/list positionally (only as many items as ``forward`` takes), a tensor as
+the single argument. Without ``loss_fn`` the loss is ``output.loss`` (Hugging Face models), else
+``output.mean()``.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import ModelFileError
+
+REQUIRED_FUNCTIONS = ("build_model", "example_batch")
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A loaded model.py: its functions plus what identifies the file (for stale-plan checks)."""
+
+    path: Path
+    sha256: str
+    build_model: Callable[..., torch.nn.Module]
+    example_batch: Callable[..., Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import model.py from a path (not from sys.path) and check the contract's functions."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ModelFileError(f"Model file {path} does not exist.",
+                             "pass the path of a model.py that defines build_model() and "
+                             "example_batch(batch_size).")
+    source = path.read_bytes()
+    try:
+        compile(source, str(path), "exec")
+    except SyntaxError as err:
+        raise ModelFileError(f"{path.name} line {err.lineno}: syntax error: {err.msg}.",
+                             "correct the syntax; `python -m py_compile` shows the same error.") from None
+    module_name = f"autopar_user_model_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered so dataclasses/pickle inside the user's file can find their module; the file's
+    # folder goes on sys.path so it can import its neighbours, as `python model.py` would.
+    sys.modules[module_name] = module
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to fix
+        raise ModelFileError(f"Importing {path.name} raised {_describe(err, path)}.",
+                             "make the file importable on its own (`python -c 'import ...'`).") from None
+    missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
+    if missing:
+        raise ModelFileError(
+            f"{path.name} does not define {', '.join(f'{m}()' for m in missing)}.",
+            "define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) "
+            "(see the model.py contract in the README).")
+    loss_fn = getattr(module, "loss_fn", None)
+    return ModelFile(path=path, sha256=hashlib.sha256(source).hexdigest(),
+                     build_model=module.build_model, example_batch=module.example_batch,
+                     loss_fn=loss_fn if callable(loss_fn) else None)
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn``'s signature can take."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    names = {p.name for p in params
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def check_model_kwargs(model_file: ModelFile, kwargs: dict[str, Any]) -> None:
+    """Refuse an override that neither build_model nor example_batch takes (a typo, usually)."""
+    used = set(accepted_kwargs(model_file.build_model, kwargs))
+    used |= set(accepted_kwargs(model_file.example_batch, kwargs))
+    unused = sorted(set(kwargs) - used)
+    if unused:
+        known = sorted(_named_parameters(model_file.build_model) | _named_parameters(model_file.example_batch))
+        raise ModelFileError(
+            f"model.{unused[0]} is not a parameter of build_model() or example_batch() in "
+            f"{model_file.path.name}.",
+            f"use one of: {', '.join('model.' + k for k in known) or '(none)'}.")
+
+
+def build_model(model_file: ModelFile, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """Call build_model with the kwargs it accepts, turning its exceptions into clear errors."""
+    model = _call_user(model_file, model_file.build_model, **accepted_kwargs(model_file.build_model, kwargs))
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(f"build_model() in {model_file.path.name} returned "
+                             f"{type(model).__name__}, not a torch.nn.Module.",
+                             "return the model instance.")
+    return model
+
+
+def make_batch(model_file: ModelFile, batch_size: int, kwargs: dict[str, Any]) -> Any:
+    """Call example_batch and check every leaf is a tensor."""
+    batch = _call_user(model_file, model_file.example_batch, batch_size,
+                       **accepted_kwargs(model_file.example_batch, kwargs))
+    leaves, _ = tree_flatten(batch)
+    bad = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+    if not leaves or bad:
+        raise ModelFileError(
+            f"example_batch() in {model_file.path.name} returned "
+            f"{'nothing' if not leaves else 'non-tensor values (' + ', '.join(sorted(set(bad))) + ')'}.",
+            "return a tensor, or a tuple/list/dict whose values are tensors.")
+    return batch
+
+
+@dataclass
+class FakeBuild:
+    """A model and batch living in one FakeTensorMode: shapes and dtypes only, no storage."""
+
+    fake_mode: FakeTensorMode
+    model: torch.nn.Module
+    batch: Any
+
+
+def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int) -> FakeBuild:
+    """Build model and batch under FakeTensorMode, so a 70B model costs no real memory.
+
+    Models built on the meta device (``with torch.device("meta")``) are accepted too: their
+    parameters are materialised as fake CPU tensors.
+    """
+    check_model_kwargs(model_file, kwargs)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake_mode:
+        model = build_model(model_file, kwargs)
+        if any(t.device.type == "meta" for t in _tensors_of(model)):
+            model = model.to_empty(device="cpu")
+        batch = make_batch(model_file, batch_size, kwargs)
+    real = [name for name, t in _named_tensors_of(model) if not isinstance(t, FakeTensor)]
+    if real:
+        raise ModelFileError(
+            f"build_model() in {model_file.path.name} produced real tensors ({real[0]} and "
+            f"{len(real) - 1} more), so planning would allocate the model's full memory.",
+            "create parameters inside build_model() with ordinary constructors (nn.Linear, "
+            "torch.empty, ...) instead of loading or reusing tensors made outside it; autopar "
+            "calls it under FakeTensorMode, where such constructors allocate nothing.")
+    return FakeBuild(fake_mode=fake_mode, model=model, batch=batch)
+
+
+def model_inputs(model: torch.nn.Module, batch: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) for the model's forward: dict -> kwargs, tuple/list -> positional."""
+    if isinstance(batch, dict):
+        return (), accepted_kwargs(model.forward, batch)
+    if isinstance(batch, (tuple, list)):
+        forward = inspect.signature(model.forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in forward):
+            return tuple(batch), {}
+        positional = [p for p in forward if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        return tuple(batch[: max(1, len(positional))]), {}
+    return (batch,), {}
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """Run the model on a batch as the contract says."""
+    args, kwargs = model_inputs(model, batch)
+    return model(*args, **kwargs)
+
+
+def compute_loss(model_file: ModelFile, output: Any, batch: Any) -> torch.Tensor:
+    """loss_fn(output, batch) if the file defines it, else output.loss, else output.mean()."""
+    if model_file.loss_fn is not None:
+        return model_file.loss_fn(output, batch)
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.float().mean()
+    raise ModelFileError(f"The model returned {type(output).__name__} with no loss and "
+                         f"{model_file.path.name} defines no loss_fn(output, batch).",
+                         "define loss_fn, or return a tensor or an object with a .loss.")
+
+
+def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except ModelFileError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's function failed; say where
+        call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        raise ModelFileError(f"{fn.__name__}({call}) in {model_file.path.name} raised "
+                             f"{_describe(err, model_file.path)}.",
+                             "fix the function, or the model.<name> overrides it was given.") from None
+
+
+def _describe(err: BaseException, path: Path) -> str:
+    """'ValueError: message (model.py:12)', locating the innermost frame in the user's file."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == path]
+    where = f" ({path.name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
+def _named_parameters(fn: Callable[..., Any]) -> set[str]:
+    return {p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            and p.name != "batch_size"}
+
+
+def _named_tensors_of(model: torch.nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _tensors_of(model: torch.nn.Module):
+    return (t for _, t in _named_tensors_of(model))

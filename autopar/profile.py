@@ -1,0 +1,384 @@
+"""ModelProfile: what one training step of the model costs, per op and per layer.
+
+Run commands:
+
+    autopar profile examples/gpt.py model.layers=12 --out profile.json
+
+Every number is read off the captured joint graph (autopar.trace): FLOPs from PyTorch's formulas
+(autopar.trace.ops), bytes from the fake tensors' shapes and dtypes, and activation memory as the
+storages that forward ops create and backward ops read (the tensors autograd saves). Byte and
+FLOP counts are for the profiled micro-batch (`micro_batch_size` samples); the cost model scales
+them to other micro-batch sizes and parallel splits.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from autopar.model_file import ModelFile, build_fake
+from autopar.serialize import from_jsonable, to_jsonable
+from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
+from autopar.trace.ops import OpClass, classify, flop_count, op_name
+
+PRECISION_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """One ATen op of the training step. Bytes are logical tensor sizes; views move nothing."""
+
+    name: str
+    target: str
+    op_class: str
+    phase: str
+    module: str | None
+    layer: str
+    flops: int
+    bytes_read: int
+    bytes_written: int
+    output_bytes: int
+    saved_for_backward_bytes: int
+    inputs: list[str]
+
+
+@dataclass(frozen=True)
+class OpClassCost:
+    """Aggregate of one op class within a layer and phase (the cost model's roofline input)."""
+
+    flops: int = 0
+    bytes: int = 0
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One pipeline-cuttable unit: a block of the container, an embedding, a norm, a head.
+
+    ``activation_bytes`` is what autograd keeps for backward for the profiled micro-batch;
+    ``input_bytes``/``output_bytes`` are the tensors crossing the layer's boundary forward
+    (what a pipeline stage sends, and what full recomputation keeps).
+    """
+
+    name: str
+    index: int
+    is_block: bool
+    repeat_of: str | None
+    param_count: int
+    param_bytes: int
+    flops_forward: int
+    flops_backward: int
+    bytes_forward: int
+    bytes_backward: int
+    activation_bytes: int
+    input_bytes: int
+    output_bytes: int
+    num_ops: int
+    forward_by_class: dict[str, OpClassCost]
+    backward_by_class: dict[str, OpClassCost]
+    param_names: list[str]
+
+
+@dataclass(frozen=True)
+class CoverageEntry:
+    """An ATen op met in the trace that has no FLOP formula; `costed_by` says how we price it."""
+
+    op: str
+    op_class: str
+    count: int
+    costed_by: str
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Profile of one training step (forward + loss + backward) at `micro_batch_size` samples."""
+
+    model_name: str
+    model_path: str
+    model_sha256: str
+    model_kwargs: dict[str, Any]
+    micro_batch_size: int
+    tokens_per_sample: int | None
+    precision: str
+    param_count: int
+    param_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    flops_forward: int
+    flops_backward: int
+    activation_bytes: int
+    num_nodes: int
+    seconds: float
+    block_container: str | None
+    torch_version: str
+    param_shapes: dict[str, list[int]]
+    layers: list[LayerProfile]
+    coverage: list[CoverageEntry]
+    ops: list[OpProfile] = field(default_factory=list)
+
+    @property
+    def flops_total(self) -> int:
+        return self.flops_forward + self.flops_backward
+
+    @property
+    def blocks(self) -> list[LayerProfile]:
+        return [layer for layer in self.layers if layer.is_block]
+
+    def layer(self, name: str) -> LayerProfile:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def uncosted_ops(self) -> list[CoverageEntry]:
+        """Ops we could neither count FLOPs for nor classify: their cost is unknown."""
+        return [entry for entry in self.coverage if entry.op_class == OpClass.OTHER]
+
+    def summary(self) -> dict[str, Any]:
+        """The CLI's JSON summary keys (everything but the per-op list)."""
+        return {
+            "model": self.model_name, "param_count": self.param_count, "param_bytes": self.param_bytes,
+            "flops_forward": self.flops_forward, "flops_backward": self.flops_backward,
+            "activation_bytes": self.activation_bytes, "micro_batch_size": self.micro_batch_size,
+            "precision": self.precision, "num_nodes": self.num_nodes, "seconds": self.seconds,
+            "layers": [{"name": layer.name, "param_count": layer.param_count,
+                        "flops_forward": layer.flops_forward, "flops_backward": layer.flops_backward,
+                        "activation_bytes": layer.activation_bytes, "repeat_of": layer.repeat_of}
+                       for layer in self.layers],
+        }
+
+    def to_json(self, include_ops: bool = True) -> str:
+        data = to_jsonable(self)
+        if not include_ops:
+            data["ops"] = []
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelProfile":
+        return from_jsonable(cls, json.loads(text))
+
+    def save(self, path: str | Path, include_ops: bool = True) -> None:
+        Path(path).write_text(self.to_json(include_ops))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelProfile":
+        return cls.from_json(Path(path).read_text())
+
+
+def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_batch_size: int = 1,
+                  precision: str = "fp32") -> ModelProfile:
+    """Build the model on fake tensors, capture one training step and profile it."""
+    if precision not in PRECISION_DTYPES:
+        from autopar.errors import ConfigError
+
+        raise ConfigError(f"Unknown precision '{precision}'.", f"use one of {', '.join(PRECISION_DTYPES)}.")
+    start = time.perf_counter()
+    build = build_fake(model_file, model_kwargs, micro_batch_size)
+    captured = capture_training_step(model_file, build, autocast_dtype=PRECISION_DTYPES[precision])
+    grouping = group_layers(build.model, captured)
+    facts = profile_ops(captured, grouping)
+    ops = facts.ops
+    layers = aggregate_layers(facts, grouping, build.model)
+    coverage = coverage_report(ops)
+    params = list(build.model.named_parameters())
+    buffers = list(build.model.named_buffers())
+    batch_leaves, _ = tree_flatten(build.batch)
+    return ModelProfile(
+        model_name=model_file.name, model_path=str(model_file.path), model_sha256=model_file.sha256,
+        model_kwargs=dict(model_kwargs), micro_batch_size=micro_batch_size,
+        tokens_per_sample=_tokens_per_sample(batch_leaves), precision=precision,
+        param_count=sum(p.numel() for _, p in params),
+        param_bytes=sum(_nbytes(p) for _, p in params),
+        buffer_bytes=sum(_nbytes(b) for _, b in buffers),
+        input_bytes=sum(_nbytes(t) for t in batch_leaves),
+        flops_forward=sum(layer.flops_forward for layer in layers),
+        flops_backward=sum(layer.flops_backward for layer in layers),
+        activation_bytes=sum(op.saved_for_backward_bytes for op in ops),
+        num_nodes=len(captured.graph_module.graph.nodes),
+        seconds=round(time.perf_counter() - start, 3),
+        block_container=grouping.container, torch_version=torch.__version__,
+        param_shapes={name: list(p.shape) for name, p in params},
+        layers=layers, coverage=coverage, ops=ops)
+
+
+@dataclass
+class GraphFacts:
+    """What profile_ops reads off the graph.
+
+    Attributes:
+        ops: one entry per call_function node, in graph order.
+        saved_by_layer: bytes autograd keeps for each layer's backward. A saved tensor counts
+            toward every layer whose backward reads it (the stage holding that layer holds it),
+            so a block's own input is part of its activation memory, as in Megatron's formula.
+        boundary_in / boundary_out: per layer, the forward tensors entering / leaving it
+            (producer node -> bytes), i.e. what a pipeline stage boundary there would send.
+    """
+
+    ops: list[OpProfile]
+    saved_by_layer: dict[str, int]
+    boundary_in: dict[str, dict[str, int]]
+    boundary_out: dict[str, dict[str, int]]
+
+
+def profile_ops(captured: CapturedStep, grouping: LayerGrouping) -> GraphFacts:
+    """Per-op FLOPs, bytes moved, new allocations and bytes saved for backward."""
+    graph = captured.graph_module.graph
+    producer: dict[int, str] = {}  # storage id -> node that allocated it
+    storage_bytes: dict[int, int] = {}
+    placeholder_storages: set[int] = set()
+    for node in graph.nodes:
+        for tensor in _tensors(node.meta.get("val")):
+            key = _storage_key(tensor)
+            if key not in producer:
+                producer[key] = node.name
+                storage_bytes[key] = tensor.untyped_storage().nbytes()
+            if node.op == "placeholder":
+                placeholder_storages.add(key)
+
+    # Storages allocated in forward that backward reads are what autograd saves.
+    saved_by_op: dict[str, int] = defaultdict(int)
+    saved_by_layer: dict[str, int] = defaultdict(int)
+    seen: set[int] = set()
+    seen_in_layer: set[tuple[int, str]] = set()
+    for node in graph.nodes:
+        if captured.node_phase.get(node.name) != BACKWARD or node.op != "call_function":
+            continue
+        layer = grouping.node_layer[node.name]
+        for arg in node.all_input_nodes:
+            for tensor in _tensors(arg.meta.get("val")):
+                key = _storage_key(tensor)
+                owner = producer.get(key)
+                if key in placeholder_storages or owner is None or captured.node_phase.get(owner) != FORWARD:
+                    continue
+                if key not in seen:
+                    seen.add(key)
+                    saved_by_op[owner] += storage_bytes[key]
+                if (key, layer) not in seen_in_layer:
+                    seen_in_layer.add((key, layer))
+                    saved_by_layer[layer] += storage_bytes[key]
+
+    ops: list[OpProfile] = []
+    allocated: set[int] = set(placeholder_storages)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        op_class = classify(node.target)
+        outputs = list(_tensors(node.meta.get("val")))
+        is_view = op_class == OpClass.VIEW
+        new_storages = [t for t in outputs if _storage_key(t) not in allocated]
+        allocated.update(_storage_key(t) for t in outputs)
+        inputs = node.all_input_nodes
+        flops = flop_count(node.target, *_arg_values(node), node.meta.get("val"))
+        ops.append(OpProfile(
+            name=node.name, target=op_name(node.target), op_class=op_class.value,
+            phase=captured.node_phase[node.name], module=captured.node_module.get(node.name),
+            layer=grouping.node_layer[node.name], flops=flops or 0,
+            bytes_read=0 if is_view else sum(_nbytes(t) for arg in inputs for t in _tensors(arg.meta.get("val"))),
+            bytes_written=0 if is_view else sum(_nbytes(t) for t in outputs),
+            output_bytes=sum(t.untyped_storage().nbytes() for t in new_storages),
+            saved_for_backward_bytes=saved_by_op.get(node.name, 0),
+            inputs=[arg.name for arg in inputs]))
+
+    boundary_in: dict[str, dict[str, int]] = defaultdict(dict)
+    boundary_out: dict[str, dict[str, int]] = defaultdict(dict)
+    for node in graph.nodes:
+        if node.op != "call_function" or captured.node_phase[node.name] != FORWARD:
+            continue
+        layer = grouping.node_layer[node.name]
+        for arg in node.all_input_nodes:
+            source = grouping.node_layer.get(arg.name)
+            if arg.op != "call_function" or source is None or source == layer:
+                continue
+            size = sum(_nbytes(t) for t in _tensors(arg.meta.get("val")))
+            boundary_in[layer][arg.name] = size
+            boundary_out[source][arg.name] = size
+    return GraphFacts(ops=ops, saved_by_layer=dict(saved_by_layer), boundary_in=dict(boundary_in),
+                      boundary_out=dict(boundary_out))
+
+
+def aggregate_layers(facts: GraphFacts, grouping: LayerGrouping, model: torch.nn.Module) -> list[LayerProfile]:
+    """Sum ops into layers."""
+    params = dict(model.named_parameters())
+    per_layer: dict[str, list[OpProfile]] = defaultdict(list)
+    for op in facts.ops:
+        per_layer[op.layer].append(op)
+    layers = []
+    for index, name in enumerate(grouping.layer_names):
+        layer_ops = per_layer[name]
+        names = [p for p, layer in grouping.param_layer.items() if layer == name]
+        layers.append(LayerProfile(
+            name=name, index=index, is_block=name in grouping.block_names,
+            repeat_of=grouping.repeat_of.get(name),
+            param_count=sum(params[p].numel() for p in names),
+            param_bytes=sum(_nbytes(params[p]) for p in names),
+            flops_forward=sum(op.flops for op in layer_ops if op.phase == FORWARD),
+            flops_backward=sum(op.flops for op in layer_ops if op.phase == BACKWARD),
+            bytes_forward=sum(op.bytes_read + op.bytes_written for op in layer_ops if op.phase == FORWARD),
+            bytes_backward=sum(op.bytes_read + op.bytes_written for op in layer_ops if op.phase == BACKWARD),
+            activation_bytes=facts.saved_by_layer.get(name, 0),
+            input_bytes=sum(facts.boundary_in.get(name, {}).values()),
+            output_bytes=sum(facts.boundary_out.get(name, {}).values()),
+            num_ops=len(layer_ops),
+            forward_by_class=_by_class(op for op in layer_ops if op.phase == FORWARD),
+            backward_by_class=_by_class(op for op in layer_ops if op.phase == BACKWARD),
+            param_names=names))
+    return layers
+
+
+def coverage_report(ops: list[OpProfile]) -> list[CoverageEntry]:
+    """Ops without a FLOP formula, how often they occur, and how the cost model prices them."""
+    how = {OpClass.VIEW: "free (aliasing view)", OpClass.OTHER: "UNKNOWN: no formula, no class"}
+    counts = Counter((op.target, op.op_class) for op in ops
+                     if op.flops == 0 and op.op_class not in (OpClass.GEMM, OpClass.ATTENTION))
+    return [CoverageEntry(op=target, op_class=op_class, count=count,
+                          costed_by=how.get(OpClass(op_class), "bytes moved (memory-bound roofline)"))
+            for (target, op_class), count in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+
+
+def _by_class(ops: Iterator[OpProfile]) -> dict[str, OpClassCost]:
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for op in ops:
+        entry = totals[op.op_class]
+        entry[0] += op.flops
+        entry[1] += op.bytes_read + op.bytes_written
+        entry[2] += 1
+    return {name: OpClassCost(*values) for name, values in sorted(totals.items())}
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _arg_values(node: torch.fx.Node) -> tuple[tuple, dict]:
+    """The node's args and kwargs with fx nodes replaced by their fake values."""
+    def value(arg: Any) -> Any:
+        return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+    args = torch.fx.node.map_aggregate(node.args, value)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+    return tuple(args), dict(kwargs)
+
+
+def _tokens_per_sample(leaves: list[torch.Tensor]) -> int | None:
+    """Sequence length of the first integer (token id) input with a sequence dimension."""
+    for tensor in leaves:
+        if not tensor.dtype.is_floating_point and tensor.dim() >= 2:
+            return int(tensor.shape[1])
+    return None

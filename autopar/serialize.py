@@ -1,0 +1,73 @@
+"""Lossless JSON round-trip for the dataclasses that cross stage boundaries.
+
+`to_jsonable` turns a dataclass tree into plain JSON values; `from_jsonable(cls, data)` rebuilds
+it from the field type hints, so every artifact (ModelProfile, Plan, ...) gets `to_json` /
+`from_json` without hand-written converters that drift from the fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses to dicts, enums to values, tuples to lists; everything else as it is."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(item) for item in obj]
+    if isinstance(obj, dict):
+        return {str(key): to_jsonable(value) for key, value in obj.items()}
+    return obj
+
+
+def from_jsonable(cls: type[T], data: Any) -> T:
+    """Rebuild a value of type ``cls`` (a dataclass or a typing annotation) from JSON data."""
+    return _convert(cls, data)
+
+
+def dumps(obj: Any) -> str:
+    """Stable JSON text (sorted keys are not used: field order is the dataclass's, for readers)."""
+    return json.dumps(to_jsonable(obj), indent=1)
+
+
+def _convert(annotation: Any, data: Any) -> Any:
+    if data is None:
+        return None
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        candidates = [a for a in args if a is not type(None)]
+        return _convert(candidates[0], data) if len(candidates) == 1 else data
+    if dataclasses.is_dataclass(annotation):
+        hints = typing.get_type_hints(annotation)
+        kwargs = {f.name: _convert(hints[f.name], data[f.name])
+                  for f in dataclasses.fields(annotation) if f.init and f.name in data}
+        return annotation(**kwargs)
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return annotation(data)
+    if origin is list:
+        return [_convert(args[0], item) for item in data] if args else list(data)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], item) for item in data)
+        return tuple(_convert(a, item) for a, item in zip(args, data)) if args else tuple(data)
+    if origin is dict:
+        key_type, value_type = args if args else (str, Any)
+        return {_convert(key_type, k): _convert(value_type, v) for k, v in data.items()}
+    if annotation in (int, float, str, bool):
+        return annotation(data)
+    if annotation is Path:
+        return Path(data)
+    return data

@@ -1,0 +1,200 @@
+"""Capture one training step (forward, loss and backward) as an fx graph of ATen ops.
+
+We trace `make_fx` over a function that runs the model functionally, computes the loss and
+calls `torch.autograd.grad`, with every tensor a FakeTensor: the joint graph costs no real
+memory, and a model written for eager mode (including Hugging Face code that checks
+`is_fake_tensor` to skip data-dependent branches) runs unchanged.
+
+Every node is annotated (``node.meta["custom"]``) with the FQN of the innermost module whose
+forward produced it. Backward nodes are matched to the forward op that created their autograd
+node through `seq_nr`: hooks on the autograd graph publish each node's sequence number while
+it runs, which is how PyTorch's own AOT tracer copies forward metadata onto backward nodes.
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+
+from autopar.errors import TraceError
+from autopar.model_file import FakeBuild, ModelFile, compute_loss, model_inputs
+
+MODULE_KEY = "autopar_module"
+PHASE_KEY = "autopar_phase"
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass
+class CapturedStep:
+    """The joint graph plus what is needed to read it.
+
+    Attributes:
+        graph_module: forward + backward ATen graph; placeholders are parameters, buffers, then
+            the batch's tensors, in that order.
+        param_names: FQN of each parameter placeholder (tied weights appear once).
+        buffer_names: FQN of each buffer placeholder.
+        node_module: fx node name -> FQN of the module that produced it ("" for the root, None
+            for code outside the model such as the loss).
+        node_phase: fx node name -> "forward" or "backward".
+    """
+
+    graph_module: torch.fx.GraphModule
+    param_names: list[str]
+    buffer_names: list[str]
+    node_module: dict[str, str | None]
+    node_phase: dict[str, str]
+
+
+def capture_training_step(model_file: ModelFile, build: FakeBuild,
+                          autocast_dtype: torch.dtype | None = None) -> CapturedStep:
+    """Trace forward + loss + backward of ``build.model`` on ``build.batch``.
+
+    Args:
+        model_file: supplies the loss and how a batch is fed to the model.
+        build: model and batch made under one FakeTensorMode.
+        autocast_dtype: trace under CPU autocast to this dtype (mixed precision), or None.
+    """
+    model = build.model
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    module_names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
+    annotations = _ModuleAnnotations(module_names)
+
+    def training_step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], batch: Any):
+        args, kwargs = model_inputs(model, batch)
+        autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                    else contextlib.nullcontext())
+        with annotations.installed(), autocast:
+            output = functional_call(model, {**params, **buffers}, args, kwargs)
+            loss = compute_loss(model_file, output, batch)
+        _publish_seq_nr_during_backward(loss)
+        with fx_traceback.annotate({PHASE_KEY: BACKWARD}):
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        return loss, grads
+
+    with fx_traceback.preserve_node_meta(), build.fake_mode:
+        try:
+            graph_module = make_fx(training_step)(params, buffers, build.batch)
+        except Exception as err:  # noqa: BLE001 - reported with the module and construct
+            raise _trace_error(err, annotations.stack_at_failure, model_file.path) from None
+        finally:
+            annotations.unwind()
+    node_module, node_phase = _attribute_nodes(graph_module)
+    return CapturedStep(graph_module=graph_module, param_names=list(params),
+                        buffer_names=list(buffers), node_module=node_module, node_phase=node_phase)
+
+
+class _ModuleAnnotations:
+    """Global forward hooks that tag every traced op with its innermost module's FQN."""
+
+    def __init__(self, module_names: dict[torch.nn.Module, str]):
+        self.module_names = module_names
+        self.open: list[tuple[str, contextlib.AbstractContextManager]] = []
+        self.stack_at_failure: list[str] = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(self._enter)
+        post = torch.nn.modules.module.register_module_forward_hook(self._exit)
+        try:
+            yield
+        except Exception:
+            self.stack_at_failure = [name for name, _ in self.open]
+            raise
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        name = self.module_names.get(module)
+        if name is None:
+            return
+        context = fx_traceback.annotate({MODULE_KEY: name})
+        context.__enter__()
+        self.open.append((name, context))
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.module_names.get(module) is not None and self.open:
+            self.open.pop()[1].__exit__(None, None, None)
+
+    def unwind(self) -> None:
+        """Close annotations left open by a forward that raised."""
+        while self.open:
+            with contextlib.suppress(Exception):
+                self.open.pop()[1].__exit__(None, None, None)
+
+
+def _publish_seq_nr_during_backward(loss: torch.Tensor) -> None:
+    """Make each backward op carry the seq_nr of the forward op whose autograd node it runs."""
+    if loss.grad_fn is None:
+        raise TraceError("The loss does not depend on any parameter, so there is no backward to plan.",
+                         "return a loss computed from the model's output.")
+    seen: set[torch.autograd.graph.Node] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        seq_nr = node._sequence_nr()
+        node.register_prehook(lambda grad_outputs, seq_nr=seq_nr: fx_traceback.set_grad_fn_seq_nr(seq_nr))
+        node.register_hook(lambda grad_inputs, grad_outputs: fx_traceback.reset_grad_fn_seq_nr())
+        todo.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _attribute_nodes(graph_module: torch.fx.GraphModule) -> tuple[dict[str, str | None], dict[str, str]]:
+    """Phase and owning module of every node (backward nodes via their forward op's seq_nr)."""
+    node_module: dict[str, str | None] = {}
+    node_phase: dict[str, str] = {}
+    module_of_seq_nr: dict[int, str | None] = {}
+    previous_backward_module: str | None = None
+    for node in graph_module.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        seq_nr = node.meta.get("seq_nr")
+        if custom.get(PHASE_KEY) == BACKWARD:
+            node_phase[node.name] = BACKWARD
+            module = module_of_seq_nr.get(seq_nr, previous_backward_module)
+            previous_backward_module = module
+        else:
+            node_phase[node.name] = FORWARD
+            module = custom.get(MODULE_KEY)
+            if seq_nr is not None and node.op == "call_function":
+                module_of_seq_nr.setdefault(seq_nr, module)
+        node_module[node.name] = module
+    return node_module, node_phase
+
+
+def _trace_error(err: Exception, module_stack: list[str], model_path: Path) -> TraceError:
+    """Name the module and the construct that stopped tracing, and how to fix it."""
+    module = module_stack[-1] if module_stack else "(outside any module)"
+    where = _innermost_user_frame(err)
+    text = f"{type(err).__name__}: {err}".splitlines()[0]
+    data_dependent = any(word in str(err) for word in ("_local_scalar_dense", "data-dependent",
+                                                       "DataDependent", "item()"))
+    if data_dependent or "DataDependent" in type(err).__name__:
+        construct = "data-dependent control flow (a Python branch or .item() on a tensor's value)"
+        fix = ("make the branch depend on shapes or configuration instead of tensor values, use "
+               "torch.where / torch._check, or move the check out of forward().")
+    else:
+        construct = f"an operation that cannot run on fake tensors ({text})"
+        fix = ("write the module with standard torch ops, or register a fake/meta kernel for a "
+               "custom op (torch.library.register_fake).")
+    return TraceError(f"Tracing stopped in module '{module}' at {where}: {construct}.", fix)
+
+
+def _innermost_user_frame(err: Exception) -> str:
+    """The last frame outside torch's own sources, as 'file.py:12 (`code`)'."""
+    torch_dir = str(Path(torch.__file__).parent)
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(torch_dir) and "/autopar/" not in f.filename.replace("\\", "/")]
+    if not frames:
+        return "an unknown location"
+    frame = frames[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} (`{(frame.line or '').strip()}`)"

@@ -1,0 +1,109 @@
+"""What each ATen op costs: its class (for the roofline), its FLOPs and the bytes it moves.
+
+FLOPs come from PyTorch's own formulas (`torch.utils.flop_counter.flop_registry`), so totals
+agree with `FlopCounterMode`. `EXTRA_FLOP_FORMULAS` adds the few ops PyTorch has no formula for
+but which we meet when tracing on CPU (the CPU flash-attention kernels take the same arguments
+as the CUDA ones); pass it as `FlopCounterMode(custom_mapping=...)` to compare like with like.
+Ops with no FLOP formula are priced by the bytes they move; the ones whose class we do not know
+either are listed in the profile's coverage report, never silently costed as zero.
+"""
+from __future__ import annotations
+
+import operator
+from enum import StrEnum
+from typing import Any, Callable
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+
+class OpClass(StrEnum):
+    """Roofline classes: each gets its own achievable-efficiency factor in the cost model."""
+
+    GEMM = "gemm"
+    ATTENTION = "attention"
+    ELEMENTWISE = "elementwise"
+    NORM = "norm"
+    REDUCTION = "reduction"
+    MEMORY = "memory"  # copies, gathers, embedding lookups, concatenation: bandwidth-bound
+    VIEW = "view"  # aliasing ops: no data moved
+    OTHER = "other"  # no formula and no known class: listed in the coverage report
+
+
+EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[aten._scaled_dot_product_flash_attention_backward],
+}
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {**flop_registry, **EXTRA_FLOP_FORMULAS}
+
+_ATTENTION_WORDS = ("attention", "flex_attention")
+_NORM_OPS = {
+    aten.native_layer_norm, aten.native_layer_norm_backward, aten.native_batch_norm,
+    aten.native_batch_norm_backward, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_no_training, aten.native_group_norm, aten.native_group_norm_backward,
+    aten._fused_rms_norm, aten._fused_rms_norm_backward, aten._softmax, aten._softmax_backward_data,
+    aten._log_softmax, aten._log_softmax_backward_data,
+}
+_MEMORY_OPS = {
+    aten.clone, aten.copy_, aten._to_copy, aten.cat, aten.stack, aten.embedding,
+    aten.embedding_dense_backward, aten.index, aten.index_put, aten.index_select, aten.gather,
+    aten.scatter, aten.scatter_add, aten.slice_backward, aten.select_backward, aten.constant_pad_nd,
+    aten.new_zeros, aten.new_ones, aten.new_empty, aten.zeros, aten.ones, aten.empty, aten.full,
+    aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.arange, aten.scalar_tensor,
+    aten.contiguous, aten.repeat, aten.roll, aten.flip, aten.tril, aten.triu, aten.masked_fill,
+    aten.fill, aten.split_with_sizes, aten.unbind, aten.nll_loss_forward, aten.nll_loss_backward,
+    aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward, aten._unsafe_index,
+    aten.cumsum, aten.sort, aten.topk, aten.bernoulli, aten.native_dropout,
+    aten.native_dropout_backward, aten.lift_fresh_copy, aten.randint, aten.rand, aten.randn,
+    aten.avg_pool2d, aten.avg_pool2d_backward, aten._adaptive_avg_pool2d,
+    aten._adaptive_avg_pool2d_backward, aten.upsample_nearest2d,
+}
+# Reshape-like ops that never copy in the traces we see (the input is always contiguous there).
+_VIEW_LIKE = {aten._unsafe_view, aten.lift_fresh}
+
+
+def packet_of(target: Any) -> Any:
+    """The overload packet (e.g. aten.mm) of an OpOverload (aten.mm.default)."""
+    return getattr(target, "overloadpacket", target)
+
+
+def op_name(target: Any) -> str:
+    """A stable printable name: 'aten.mm.default', 'getitem'."""
+    if target is operator.getitem:
+        return "getitem"
+    return str(target)
+
+
+def classify(target: Any) -> OpClass:
+    """Which roofline class an fx call_function target belongs to."""
+    if target is operator.getitem:
+        return OpClass.VIEW
+    packet = packet_of(target)
+    name = str(packet)
+    if any(word in name for word in _ATTENTION_WORDS):
+        return OpClass.ATTENTION
+    if packet in FLOP_FORMULAS:
+        return OpClass.GEMM
+    if getattr(target, "is_view", False) or packet in _VIEW_LIKE:
+        return OpClass.VIEW
+    if packet in _NORM_OPS:
+        return OpClass.NORM
+    if packet in _MEMORY_OPS:
+        return OpClass.MEMORY
+    tags = getattr(target, "tags", ())
+    if torch.Tag.reduction in tags:
+        return OpClass.REDUCTION
+    if torch.Tag.pointwise in tags:
+        return OpClass.ELEMENTWISE
+    return OpClass.OTHER
+
+
+def flop_count(target: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
+    """FLOPs of one op from its argument and output values (fake tensors); None if no formula."""
+    formula = FLOP_FORMULAS.get(packet_of(target))
+    if formula is None:
+        return None
+    return int(formula(*args, **kwargs, out_val=out))

@@ -1,0 +1,1 @@
+"""Hydra configuration shipped with autopar (installed as the package `autopar.conf`)."""

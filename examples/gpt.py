@@ -1,0 +1,89 @@
+"""A GPT-2-style decoder written in plain torch.nn, the way a user would write one.
+
+Size comes from keyword arguments (Hydra overrides ``model.<name>=<value>``):
+
+    autopar profile examples/gpt.py model.layers=24 model.hidden=2048 model.heads=16
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        self.heads = heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        # -1 for the head count keeps the module correct when tensor parallelism gives each
+        # rank only a slice of the heads.
+        shape = (batch, seq, -1, hidden // self.heads)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc_in = nn.Linear(hidden, 4 * hidden)
+        self.fc_out = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden)
+        self.attn = CausalSelfAttention(hidden, heads)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(seq_len, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int = 128,
+                vocab: int = 1024) -> nn.Module:
+    return GPT(layers, hidden, heads, seq_len, vocab)
+
+
+def example_batch(batch_size: int, seq_len: int = 128, vocab: int = 1024, **_: object):
+    tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def loss_fn(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(0, 1))

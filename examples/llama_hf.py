@@ -1,0 +1,32 @@
+"""Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig``: no weights are downloaded.
+
+The defaults are a tiny Llama for tests; Llama-3-70B's shape is
+
+    autopar profile examples/llama_hf.py model.layers=80 model.hidden=8192 model.heads=64 \\
+        model.kv_heads=8 model.ffn=28672 model.vocab=128256 model.seq_len=4096
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build_model(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
+                ffn: int = 352, vocab: int = 512, seq_len: int = 64) -> torch.nn.Module:
+    config = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        max_position_embeddings=seq_len,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def example_batch(batch_size: int, seq_len: int = 64, vocab: int = 512, **_: object):
+    tokens = torch.randint(0, vocab, (batch_size, seq_len))
+    return {"input_ids": tokens, "labels": tokens}

@@ -46,6 +46,8 @@ class OpProfile:
     output_bytes: int
     saved_for_backward_bytes: int
     inputs: list[str]
+    input_shapes: list[list[int]]
+    output_shapes: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,11 @@ class ModelProfile:
     block_container: str | None
     torch_version: str
     param_shapes: dict[str, list[int]]
+    placeholders: dict[str, str]
     layers: list[LayerProfile]
     coverage: list[CoverageEntry]
     ops: list[OpProfile] = field(default_factory=list)
+    """Per-op detail (may be left out of a saved profile with include_ops=False)."""
 
     @property
     def flops_total(self) -> int:
@@ -204,6 +208,7 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         seconds=round(time.perf_counter() - start, 3),
         block_container=grouping.container, torch_version=torch.__version__,
         param_shapes={name: list(p.shape) for name, p in params},
+        placeholders=_placeholder_roles(captured),
         layers=layers, coverage=coverage, ops=ops)
 
 
@@ -283,7 +288,9 @@ def profile_ops(captured: CapturedStep, grouping: LayerGrouping) -> GraphFacts:
             bytes_written=0 if is_view else sum(_nbytes(t) for t in outputs),
             output_bytes=sum(t.untyped_storage().nbytes() for t in new_storages),
             saved_for_backward_bytes=saved_by_op.get(node.name, 0),
-            inputs=[arg.name for arg in inputs]))
+            inputs=[arg.name for arg in inputs],
+            input_shapes=[list(t.shape) for arg in inputs for t in _tensors(arg.meta.get("val"))],
+            output_shapes=[list(t.shape) for t in outputs]))
 
     boundary_in: dict[str, dict[str, int]] = defaultdict(dict)
     boundary_out: dict[str, dict[str, int]] = defaultdict(dict)
@@ -339,6 +346,14 @@ def coverage_report(ops: list[OpProfile]) -> list[CoverageEntry]:
     return [CoverageEntry(op=target, op_class=op_class, count=count,
                           costed_by=how.get(OpClass(op_class), "bytes moved (memory-bound roofline)"))
             for (target, op_class), count in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+
+
+def _placeholder_roles(captured: CapturedStep) -> dict[str, str]:
+    """Graph input name -> 'param:<fqn>', 'buffer:<fqn>' or 'input:<index>' (batch tensors)."""
+    names = [n.name for n in captured.graph_module.graph.nodes if n.op == "placeholder"]
+    roles = ([f"param:{p}" for p in captured.param_names] + [f"buffer:{b}" for b in captured.buffer_names])
+    roles += [f"input:{i}" for i in range(len(names) - len(roles))]
+    return dict(zip(names, roles))
 
 
 def _by_class(ops: Iterator[OpProfile]) -> dict[str, OpClassCost]:

@@ -15,6 +15,7 @@ the single argument. Without ``loss_fn`` the loss is ``output.loss`` (Hugging Fa
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
@@ -22,7 +23,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -142,15 +143,18 @@ class FakeBuild:
     batch: Any
 
 
-def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int) -> FakeBuild:
+
+def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
+               dtype: torch.dtype | None = None) -> FakeBuild:
     """Build model and batch under FakeTensorMode, so a 70B model costs no real memory.
 
     Models built on the meta device (``with torch.device("meta")``) are accepted too: their
-    parameters are materialised as fake CPU tensors.
+    parameters are materialised as fake CPU tensors. With ``dtype``, floating-point
+    parameters and inputs are created in that dtype (16-bit training) through the default dtype.
     """
     check_model_kwargs(model_file, kwargs)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with fake_mode:
+    with fake_mode, _default_dtype(dtype):
         model = build_model(model_file, kwargs)
         if any(t.device.type == "meta" for t in _tensors_of(model)):
             model = model.to_empty(device="cpu")
@@ -219,6 +223,17 @@ def _describe(err: BaseException, path: Path) -> str:
     frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == path]
     where = f" ({path.name}:{frames[-1].lineno})" if frames else ""
     return f"{type(err).__name__}: {err}{where}"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _named_parameters(fn: Callable[..., Any]) -> set[str]:

@@ -27,6 +27,9 @@ from autopar.serialize import from_jsonable, to_jsonable
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
 
+# Mixed precision is traced the way FSDP2 (MixedPrecisionPolicy) and Megatron run it: parameters
+# and activations in 16 bit, fp32 master weights and optimizer states kept by the optimizer
+# (priced by the cost model from parameter counts).
 PRECISION_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -183,8 +186,8 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
 
         raise ConfigError(f"Unknown precision '{precision}'.", f"use one of {', '.join(PRECISION_DTYPES)}.")
     start = time.perf_counter()
-    build = build_fake(model_file, model_kwargs, micro_batch_size)
-    captured = capture_training_step(model_file, build, autocast_dtype=PRECISION_DTYPES[precision])
+    build = build_fake(model_file, model_kwargs, micro_batch_size, dtype=PRECISION_DTYPES[precision])
+    captured = capture_training_step(model_file, build)
     grouping = group_layers(build.model, captured)
     facts = profile_ops(captured, grouping)
     ops = facts.ops

@@ -80,7 +80,7 @@ def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int
     return GPT(layers, hidden, heads, seq_len, vocab)
 
 
-def example_batch(batch_size: int, seq_len: int = 128, vocab: int = 1024, **_: object):
+def example_batch(batch_size: int, seq_len: int = 128, vocab: int = 1024):
     tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
     return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 

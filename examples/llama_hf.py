@@ -27,6 +27,6 @@ def build_model(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: in
     return LlamaForCausalLM(config)
 
 
-def example_batch(batch_size: int, seq_len: int = 64, vocab: int = 512, **_: object):
+def example_batch(batch_size: int, seq_len: int = 64, vocab: int = 512):
     tokens = torch.randint(0, vocab, (batch_size, seq_len))
     return {"input_ids": tokens, "labels": tokens}

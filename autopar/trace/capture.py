@@ -52,14 +52,12 @@ class CapturedStep:
     node_phase: dict[str, str]
 
 
-def capture_training_step(model_file: ModelFile, build: FakeBuild,
-                          autocast_dtype: torch.dtype | None = None) -> CapturedStep:
+def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedStep:
     """Trace forward + loss + backward of ``build.model`` on ``build.batch``.
 
     Args:
         model_file: supplies the loss and how a batch is fed to the model.
         build: model and batch made under one FakeTensorMode.
-        autocast_dtype: trace under CPU autocast to this dtype (mixed precision), or None.
     """
     model = build.model
     params = dict(model.named_parameters())
@@ -69,9 +67,7 @@ def capture_training_step(model_file: ModelFile, build: FakeBuild,
 
     def training_step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], batch: Any):
         args, kwargs = model_inputs(model, batch)
-        autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
-                    else contextlib.nullcontext())
-        with annotations.installed(), autocast:
+        with annotations.installed():
             output = functional_call(model, {**params, **buffers}, args, kwargs)
             loss = compute_loss(model_file, output, batch)
         _publish_seq_nr_during_backward(loss)

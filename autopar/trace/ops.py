@@ -61,6 +61,12 @@ _MEMORY_OPS = {
     aten.avg_pool2d, aten.avg_pool2d_backward, aten._adaptive_avg_pool2d,
     aten._adaptive_avg_pool2d_backward, aten.upsample_nearest2d,
 }
+# Losses reduce their (elementwise) input to a scalar: priced as reductions.
+_LOSS_OPS = {
+    aten.mse_loss, aten.mse_loss_backward, aten.l1_loss, aten.smooth_l1_loss, aten.smooth_l1_loss_backward,
+    aten.huber_loss, aten.huber_loss_backward, aten.binary_cross_entropy, aten.binary_cross_entropy_backward,
+    aten.binary_cross_entropy_with_logits, aten.nll_loss2d_forward, aten.nll_loss2d_backward,
+}
 # Reshape-like ops that never copy in the traces we see (the input is always contiguous there).
 _VIEW_LIKE = {aten._unsafe_view, aten.lift_fresh}
 
@@ -94,7 +100,7 @@ def classify(target: Any) -> OpClass:
     if packet in _MEMORY_OPS:
         return OpClass.MEMORY
     tags = getattr(target, "tags", ())
-    if torch.Tag.reduction in tags:
+    if torch.Tag.reduction in tags or packet in _LOSS_OPS:
         return OpClass.REDUCTION
     if torch.Tag.pointwise in tags:
         return OpClass.ELEMENTWISE

@@ -1,0 +1,101 @@
+"""`autopar` command line: ``autopar <verb> MODEL.py [key=value ...] [options]``.
+
+Exit codes: 0 success, 1 a problem with the input (message says how to fix it), 2 an internal
+error (a bug in autopar: the traceback is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+
+from autopar.errors import UserError
+
+PROFILE_EXAMPLES = """examples:
+  autopar profile examples/gpt.py
+  autopar profile examples/gpt.py model.layers=24 model.hidden=2048 train.micro_batch_size=4
+  autopar profile examples/llama_hf.py model.layers=80 model.hidden=8192 model.heads=64 \\
+      model.kv_heads=8 model.ffn=28672 model.vocab=128256 model.seq_len=4096 --out profile.json
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Piped output keeps wide tables readable instead of folding them at 80 columns.
+    console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 120)
+    errors = Console(stderr=True)
+    try:
+        return args.handler(args, console)
+    except UserError as err:
+        errors.print(f"[bold red]error:[/] {err}", markup=True, highlight=False, soft_wrap=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001 - anything else is our bug: show everything
+        errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
+        traceback.print_exc()
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Plan and compile parallel PyTorch training.")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    _add_verb(verbs, "profile", "trace one training step and report FLOPs, bytes and memory per layer",
+              PROFILE_EXAMPLES, _profile)
+    return parser
+
+
+def _add_verb(verbs: argparse._SubParsersAction, name: str, help_text: str, examples: str,
+              handler: Callable[[argparse.Namespace, Console], int]) -> argparse.ArgumentParser:
+    sub = verbs.add_parser(name, help=help_text, description=help_text, epilog=examples,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_argument("model", help="path of the model.py (defines build_model and example_batch)")
+    sub.add_argument("overrides", nargs="*", metavar="key=value",
+                     help="Hydra overrides: model.<kwarg>=..., train.<field>=..., cluster=<preset>, ...")
+    sub.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
+    sub.add_argument("-v", "--verbose", action="store_true", help="print more detail")
+    sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    sub.set_defaults(handler=handler)
+    return sub
+
+
+def _profile(args: argparse.Namespace, console: Console) -> int:
+    from autopar.config import compose_config
+    from autopar.driver import run_profile
+    from autopar.report.terminal import print_profile
+
+    cfg = compose_config(args.overrides)
+    with console.status(f"Tracing one training step of {args.model} on fake tensors ..."):
+        profile = run_profile(args.model, cfg)
+    print_profile(profile, console)
+    if args.verbose:
+        for entry in profile.coverage:
+            console.print(f"  {entry.op:50s} {entry.op_class:12s} ×{entry.count:<6d} {entry.costed_by}")
+    if args.out is not None:
+        write_atomically(args.out, profile.to_json())
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder, so a crash leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Human-readable quantities (binary units for bytes, decimal for FLOPs and counts)."""
+from __future__ import annotations
+
+
+def format_bytes(value: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def format_flops(value: float) -> str:
+    return _decimal(value, "FLOP")
+
+
+def format_count(value: float) -> str:
+    return _decimal(value, "").strip()
+
+
+def _decimal(value: float, suffix: str) -> str:
+    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}{suffix}"
+    return f"{value:.0f} {suffix}"

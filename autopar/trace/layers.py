@@ -83,6 +83,8 @@ def group_layers(model: nn.Module, captured: CapturedStep) -> LayerGrouping:
     """Assign every op of the captured step to a layer and detect repeated layers."""
     container = find_block_container(model)
     blocks, others = layer_units(model, container)
+    if not blocks and not others:
+        return _single_layer(captured)
     units = sorted(blocks + others, key=len, reverse=True)  # longest prefix wins
     graph = captured.graph_module.graph
 
@@ -122,6 +124,14 @@ def group_layers(model: nn.Module, captured: CapturedStep) -> LayerGrouping:
     return LayerGrouping(container=container, layer_names=order,
                          block_names=[name for name in order if name in set(blocks)],
                          node_layer=node_layer, param_layer=param_layer, repeat_of=repeat_of)
+
+
+def _single_layer(captured: CapturedStep, name: str = "model") -> LayerGrouping:
+    """A model without submodules is one layer."""
+    nodes = [n.name for n in captured.graph_module.graph.nodes if n.op in ("call_function", "get_attr")]
+    return LayerGrouping(container=None, layer_names=[name], block_names=[],
+                         node_layer=dict.fromkeys(nodes, name),
+                         param_layer=dict.fromkeys(captured.param_names, name), repeat_of={})
 
 
 def _join(prefix: str, name: str) -> str:

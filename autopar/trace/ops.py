@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Any, Callable
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
 aten = torch.ops.aten
 
@@ -32,12 +32,13 @@ class OpClass(StrEnum):
     OTHER = "other"  # no formula and no known class: listed in the coverage report
 
 
+# Shape-level formulas, in the form FlopCounterMode(custom_mapping=...) expects.
 EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
-    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
-    aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        flop_registry[aten._scaled_dot_product_flash_attention_backward],
+    aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__,
 }
-FLOP_FORMULAS: dict[Any, Callable[..., int]] = {**flop_registry, **EXTRA_FLOP_FORMULAS}
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    **flop_registry, **{op: shape_wrapper(formula) for op, formula in EXTRA_FLOP_FORMULAS.items()}}
 
 _ATTENTION_WORDS = ("attention", "flex_attention")
 _NORM_OPS = {

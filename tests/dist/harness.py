@@ -1,0 +1,71 @@
+"""Run a function on N local gloo ranks (one process each) and collect what each returns.
+
+    results = run_ranks(my_fn, world_size=4, arg)   # my_fn(rank, world_size, arg) -> picklable
+
+The function must be importable (defined at module level) because ranks are spawned fresh.
+When any rank raises, the others are stopped and `RankFailure` carries the failing rank's
+traceback, so a test failure shows the real error instead of a hung or silent process group.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message holds its rank number and traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; results by rank."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args), daemon=True)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    outcome: dict[int, Any] = {}
+    try:
+        while len(outcome) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+            if not ok:
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
+            outcome[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=10 if len(outcome) == world_size else 0.1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [outcome[rank] for rank in range(world_size)]
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit from user code
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

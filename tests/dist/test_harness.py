@@ -1,0 +1,30 @@
+"""The gloo harness itself: collectives across real processes, and failures that surface."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist.harness import RankFailure, run_ranks
+
+
+def _all_reduce_rank_ids(rank: int, world_size: int) -> list[float]:
+    tensor = torch.tensor([float(rank), 1.0])
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one is broken on purpose")
+    return rank
+
+
+def test_all_reduce_over_four_ranks():
+    results = run_ranks(_all_reduce_rank_ids, 4)
+    assert results == [[6.0, 4.0]] * 4
+
+
+def test_failing_rank_traceback_is_surfaced():
+    with pytest.raises(RankFailure, match=r"rank 1 of 2 failed:(.|\n)*ValueError: rank one is broken on purpose"):
+        run_ranks(_fail_on_rank_one, 2, timeout_s=60)

@@ -1,0 +1,48 @@
+"""`autopar profile` from the command line: output file, overrides, exit codes."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+from autopar.cli import main
+
+
+def test_profile_writes_required_json_keys(examples_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    code = main(["profile", str(examples_dir / "gpt.py"), "model.layers=2", "model.hidden=64", "model.heads=2",
+                 "train.micro_batch_size=3", "train.precision=fp32", "--out", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    for key in ("param_count", "param_bytes", "flops_forward", "flops_backward", "layers", "num_nodes", "seconds"):
+        assert key in data
+    assert data["micro_batch_size"] == 3
+    assert [layer["name"] for layer in data["layers"]][2:4] == ["blocks.0", "blocks.1"]
+    for layer in data["layers"]:
+        assert {"name", "param_count", "flops_forward", "flops_backward", "activation_bytes"} <= set(layer)
+    assert "blocks.0 … blocks.1" in capsys.readouterr().out
+
+
+def test_unknown_override_exits_1_with_one_line(examples_dir, capsys):
+    assert main(["profile", str(examples_dir / "gpt.py"), "train.micro_bach_size=2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "micro_bach_size" in err and len(err.splitlines()) <= 3
+
+
+def test_bad_override_value_exits_1(examples_dir, capsys):
+    assert main(["profile", str(examples_dir / "gpt.py"), "train.micro_batch_size=many"]) == 1
+    assert "micro_batch_size" in capsys.readouterr().err
+
+
+def test_missing_model_file_exits_1_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", str(tmp_path / "nope.py"), "--out", str(out)]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("autopar") or str(__import__("pathlib").Path(sys.executable).parent / "autopar")
+    result = subprocess.run([exe, "profile", "--help"], capture_output=True, text=True, check=True)
+    assert "examples:" in result.stdout and "model.<kwarg>" in result.stdout

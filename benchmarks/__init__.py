@@ -1,0 +1,1 @@
+"""Benchmarks: speed and memory targets, measured and written as markdown tables (`make bench`)."""

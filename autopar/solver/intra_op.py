@@ -1,0 +1,360 @@
+"""Operator-wise tensor parallelism: an Alpa-style ILP over one layer's forward graph.
+
+Given a layer of the profiled graph and a TP degree t, choose for every op how it runs on the
+TP group, so that compute (divided by t where sharded) plus resharding communication is least.
+Megatron's column-then-row pairing is not written anywhere here: it is what the optimum is.
+
+Sharding states of a tensor (DTensor vocabulary on the TP axis):
+    R = Replicate(), S = Shard(feature/head dim), P = Partial() (sum pending).
+
+The program (built by `IntraOpSolver.solve`):
+
+    variables   x[v,k] ∈ {0,1}   op v runs strategy k              (`_add_strategy_choice`)
+                e[u,v,a,b] ∈ {0,1}  edge u→v carries state a out of u and b into v
+                                                                  (`_add_edge_linearisation`)
+                g[u] ∈ {0,1}     tensor u (state R) feeds a column-parallel op, so its gradient
+                                 needs one all-reduce in backward   (`_add_backward_all_reduce`)
+    constraints Σ_k x[v,k] = 1 for every op v
+                Σ_b e[u,v,a,b] = Σ_{k: out(k)=a} x[u,k],  Σ_a e[u,v,a,b] = Σ_{k: in(k)=b} x[v,k]
+                g[u] ≥ x[v,col] for every column-parallel consumer v of u
+                ops leaving the layer produce R (the residual stream between layers)
+    objective   min Σ x[v,k]·compute(v,k) + Σ e[u,v,a,b]·reshard(a→b, bytes(u)) + Σ g[u]·AR(bytes(u))
+
+Only reshardings a module-level TP plan (torch's parallelize_module styles) can express are
+offered, so every solution can be generated as code: S→R all-gather (a colwise layer with a
+replicated output), P→R all-reduce (rowwise). Strategies per op: a parameterised GEMM may replicate (R→R, full cost), go column-parallel
+(R→S, cost/t, backward all-reduce of its input's gradient) or row-parallel (S→P, cost/t); an
+embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); attention, views,
+elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
+feature dim) need R; the loss may take vocabulary-sharded logits (loss parallel) for three
+small all-reduces. Compute of an op counts forward and backward: its forward cost times its module's
+backward/forward ratio from the profile.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+from ortools.sat.python import cp_model
+
+if TYPE_CHECKING:
+    from autopar.profile import ModelProfile, OpProfile
+
+TIME_UNITS_PER_S = 1e9  # CP-SAT needs integers: costs are scaled to nanoseconds
+
+
+class State(StrEnum):
+    R = "Replicate()"
+    S = "Shard(feature)"
+    P = "Partial()"
+
+
+class Style(StrEnum):
+    """What the solution means for a parameterised module (names follow torch's TP styles)."""
+
+    REPLICATE = "replicate"
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on rows: RowwiseParallel on nn.Embedding
+    HIDDEN_PARALLEL = "hidden_parallel"  # embedding sharded on columns: ColwiseParallel on nn.Embedding
+
+
+class TPCosts(Protocol):
+    """Prices the ILP needs: per-op compute time on one GPU and collectives on the TP group."""
+
+    def op_time_s(self, op: "OpProfile") -> float: ...
+    def all_reduce_s(self, nbytes: float) -> float: ...
+    def all_gather_s(self, nbytes: float) -> float: ...
+    def reduce_scatter_s(self, nbytes: float) -> float: ...
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    inputs: State  # required state of every activation input
+    output: State
+    compute_divisor: bool  # compute divided by t
+    style: Style | None = None  # meaning for a parameterised module
+    splits_input: bool = False  # column-parallel: backward all-reduce of the input gradient
+    extra_comm: str | None = None  # "loss_parallel": three all-reduces of b·s floats
+
+
+@dataclass
+class IntraOpSolution:
+    """Chosen strategy per op and what it costs per training step of the layer (one micro-batch)."""
+
+    layer: str
+    tp: int
+    op_strategy: dict[str, str]
+    module_style: dict[str, Style]
+    compute_s: float
+    comm_s: float
+    comm_events: list[tuple[str, str, int]] = field(default_factory=list)  # (collective, tensor, bytes)
+    status: str = "OPTIMAL"
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+_REPLICATE = Strategy("replicate", State.R, State.R, False, Style.REPLICATE)
+_COLWISE = Strategy("colwise", State.R, State.S, True, Style.COLWISE, splits_input=True)
+_ROWWISE = Strategy("rowwise", State.S, State.P, True, Style.ROWWISE)
+_ALL_R = Strategy("R", State.R, State.R, False)
+_ALL_S = Strategy("S", State.S, State.S, True)
+_VOCAB = Strategy("vocab_parallel", State.R, State.P, True, Style.VOCAB_PARALLEL)
+_HIDDEN = Strategy("hidden_parallel", State.R, State.S, True, Style.HIDDEN_PARALLEL)
+_LOSS_PARALLEL = Strategy("loss_parallel", State.S, State.R, True, extra_comm="loss_parallel")
+_VIEW_P = Strategy("P", State.P, State.P, False)
+
+# Resharding a module-level TP plan can express: local ops keep their state, a colwise output
+# can be gathered (output_layouts=Replicate()), a rowwise output all-reduced (the default).
+# Slicing a replicated activation or reduce-scattering onto the feature dim is not offered.
+_REALISABLE = {(State.R, State.R), (State.S, State.S), (State.P, State.P), (State.S, State.R), (State.P, State.R)}
+
+_LOSS_TARGETS = ("_log_softmax", "nll_loss_forward", "cross_entropy")
+
+
+class IntraOpSolver:
+    """Builds and solves the program in the module docstring for one layer."""
+
+    def __init__(self, profile: "ModelProfile", costs: TPCosts, tp: int, time_limit_s: float = 10.0,
+                 seed: int = 0):
+        self.profile = profile
+        self.costs = costs
+        self.tp = tp
+        self.time_limit_s = time_limit_s
+        self.seed = seed
+        self._params = _parameter_derived(profile)
+        self._external = {op.name: op for op in profile.ops if op.phase == "forward"}
+
+    def solve(self, layer: str) -> IntraOpSolution:
+        ops = [op for op in self.profile.ops if op.layer == layer and op.phase == "forward"
+               and op.name not in self._params]
+        by_name = {op.name: op for op in ops}
+        backward_ratio = self._backward_ratio(layer)
+        strategies = {op.name: self._strategies(op, by_name) for op in ops}
+        model = cp_model.CpModel()
+        choice = self._add_strategy_choice(model, strategies)
+        objective: list[tuple[int, cp_model.IntVar]] = []
+        compute_terms: dict[tuple[str, int], float] = {}
+        for op in ops:
+            base = self.costs.op_time_s(op) * (1.0 + backward_ratio.get(op.module, backward_ratio[None]))
+            for index, strategy in enumerate(strategies[op.name]):
+                seconds = base / self.tp if strategy.compute_divisor else base
+                if strategy.extra_comm == "loss_parallel":
+                    seconds += 3 * self.costs.all_reduce_s(self._loss_parallel_bytes(op))
+                compute_terms[(op.name, index)] = seconds
+                objective.append((_units(seconds), choice[(op.name, index)]))
+        edges = self._edges(ops, by_name)
+        edge_vars = self._add_edge_linearisation(model, edges, strategies, choice)
+        for (source, target, state_out, state_in), var in edge_vars.items():
+            objective.append((_units(self._reshard_s(state_out, state_in, by_name[source])), var))
+        all_reduce_vars = self._add_backward_all_reduce(model, edges, strategies, choice, by_name)
+        for source, var in all_reduce_vars.items():
+            objective.append((_units(self.costs.all_reduce_s(self._bytes(by_name[source]))), var))
+        self._add_layer_outputs_replicated(model, ops, strategies, choice)
+        model.minimize(sum(coefficient * var for coefficient, var in objective))
+
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = self.time_limit_s
+        solver.parameters.random_seed = self.seed
+        solver.parameters.num_workers = 1  # deterministic and fast enough for one layer
+        status = solver.solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise RuntimeError(f"intra-op ILP for {layer} at tp={self.tp}: {solver.status_name(status)}")
+        return self._read_solution(layer, solver, status, ops, strategies, choice, compute_terms, edge_vars,
+                                   all_reduce_vars, by_name)
+
+    # -- constraints -------------------------------------------------------------------------
+
+    def _add_strategy_choice(self, model: cp_model.CpModel, strategies: dict[str, list[Strategy]]):
+        choice = {}
+        for name, options in strategies.items():
+            variables = [model.new_bool_var(f"x[{name},{s.name}]") for s in options]
+            model.add_exactly_one(variables)
+            choice.update({(name, index): var for index, var in enumerate(variables)})
+        return choice
+
+    def _add_edge_linearisation(self, model, edges, strategies, choice):
+        """e[u,v,a,b] marginals equal the strategy choices at both ends (exact linearisation)."""
+        edge_vars = {}
+        for source, target in edges:
+            out_states = {s.output for s in strategies[source]}
+            in_states = {s.inputs for s in strategies[target]}
+            pair = {(a, b): model.new_bool_var(f"e[{source},{target},{a.name},{b.name}]")
+                    for a in out_states for b in in_states if (a, b) in _REALISABLE}
+            for a in out_states:
+                model.add(sum(pair[(a, b)] for b in in_states if (a, b) in pair) ==
+                          sum(choice[(source, k)] for k, s in enumerate(strategies[source]) if s.output == a))
+            for b in in_states:
+                model.add(sum(pair[(a, b)] for a in out_states if (a, b) in pair) ==
+                          sum(choice[(target, k)] for k, s in enumerate(strategies[target]) if s.inputs == b))
+            edge_vars.update({(source, target, a, b): var for (a, b), var in pair.items()})
+        return edge_vars
+
+    def _add_backward_all_reduce(self, model, edges, strategies, choice, by_name):
+        """One all-reduce per tensor (views resolved to the viewed tensor) whose consumers include
+        a column-parallel op: their partial input gradients are summed locally first."""
+        consumers = defaultdict(list)
+        for source, target in edges:
+            consumers[_view_root(source, by_name)].append(target)
+        result = {}
+        for source, targets in consumers.items():
+            splitting = [choice[(t, k)] for t in targets for k, s in enumerate(strategies[t]) if s.splits_input]
+            if not splitting:
+                continue
+            var = model.new_bool_var(f"g[{source}]")
+            for x in splitting:
+                model.add_implication(x, var)
+            result[source] = var
+        return result
+
+    def _add_layer_outputs_replicated(self, model, ops, strategies, choice):
+        """Tensors that leave the layer, and the loss, must be replicated."""
+        consumers_outside = self._consumed_outside(ops)
+        for op in ops:
+            if op.name in consumers_outside or op.output_shapes == [[]]:
+                for k, strategy in enumerate(strategies[op.name]):
+                    if strategy.output != State.R:
+                        model.add(choice[(op.name, k)] == 0)
+
+    # -- graph reading -----------------------------------------------------------------------
+
+    def _strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"]) -> list[Strategy]:
+        options = self._candidate_strategies(op, by_name)
+        # Activations from other layers arrive replicated and cannot be re-sharded in place.
+        if any(name not in by_name and not self._is_param(name) for name in op.inputs):
+            options = [s for s in options if s.inputs == State.R]
+        return options
+
+    def _candidate_strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"]) -> list[Strategy]:
+        activation_inputs = [name for name in op.inputs if name in by_name or not self._is_param(name)]
+        has_param = any(self._is_param(name) for name in op.inputs)
+        if op.op_class == "gemm" and has_param and self.tp > 1:
+            return [_REPLICATE, _COLWISE, _ROWWISE]
+        if "embedding" in op.target and "backward" not in op.target and has_param and self.tp > 1:
+            return [_REPLICATE, _VOCAB, _HIDDEN]
+        if not activation_inputs or self.tp == 1:
+            return [_ALL_R]
+        if any(word in op.target for word in _LOSS_TARGETS):
+            return [_ALL_R, _LOSS_PARALLEL]
+        if op.op_class in ("reduction", "norm"):
+            return [_ALL_R]
+        if op.op_class == "view":
+            return [_ALL_R, _ALL_S, _VIEW_P]
+        return [_ALL_R, _ALL_S]
+
+    def _edges(self, ops, by_name) -> list[tuple[str, str]]:
+        """Activation edges inside the layer (inputs from other layers arrive replicated)."""
+        return [(source, op.name) for op in ops for source in dict.fromkeys(op.inputs) if source in by_name]
+
+    def _consumed_outside(self, ops) -> set[str]:
+        names = {op.name for op in ops}
+        layer = ops[0].layer if ops else None
+        return {source for op in self.profile.ops if op.layer != layer and op.phase == "forward"
+                for source in op.inputs if source in names}
+
+    def _is_param(self, name: str) -> bool:
+        return name in self._params
+
+
+    def _backward_ratio(self, layer: str) -> dict[str | None, float]:
+        """Per module (and for the whole layer under key None): backward time / forward time."""
+        forward, backward = defaultdict(float), defaultdict(float)
+        for op in self.profile.ops:
+            if op.layer != layer:
+                continue
+            target = forward if op.phase == "forward" else backward
+            seconds = self.costs.op_time_s(op)
+            target[op.module] += seconds
+            target[None] += seconds
+        ratio = {module: backward[module] / forward[module] for module in forward if forward[module] > 0}
+        ratio.setdefault(None, 2.0)
+        return ratio
+
+    # -- costs ---------------------------------------------------------------------------------
+
+    def _bytes(self, op: "OpProfile") -> int:
+        return op.bytes_written or op.output_bytes or _shape_bytes(op)
+
+    def _loss_parallel_bytes(self, op: "OpProfile") -> float:
+        shape = op.output_shapes[0] if op.output_shapes else [1]
+        rows = 1
+        for dim in shape[:-1]:
+            rows *= dim
+        return 4.0 * rows
+
+    def _reshard_s(self, state_out: State, state_in: State, source: "OpProfile") -> float:
+        """Forward + backward time to turn `state_out` into `state_in` for one tensor."""
+        if state_out == state_in:
+            return 0.0
+        full = self._bytes(source)  # profiled tensors are unsharded: this is the full size
+        if (state_out, state_in) == (State.S, State.R):
+            return self.costs.all_gather_s(full)
+        if (state_out, state_in) == (State.P, State.R):
+            return self.costs.all_reduce_s(full)
+        raise ValueError(f"no realisable resharding {state_out.name}->{state_in.name}")
+
+    def _read_solution(self, layer, solver, status, ops, strategies, choice, compute_terms, edge_vars,
+                       all_reduce_vars, by_name) -> IntraOpSolution:
+        op_strategy, module_style = {}, {}
+        compute = 0.0
+        for op in ops:
+            for k, strategy in enumerate(strategies[op.name]):
+                if solver.value(choice[(op.name, k)]):
+                    op_strategy[op.name] = strategy.name
+                    compute += compute_terms[(op.name, k)]
+                    if strategy.style is not None and op.module is not None:
+                        module_style[op.module] = strategy.style
+        comm, events = 0.0, []
+        for (source, target, a, b), var in edge_vars.items():
+            if solver.value(var) and a != b:
+                seconds = self._reshard_s(a, b, by_name[source])
+                comm += seconds
+                events.append((f"{a.name}->{b.name}", source, self._bytes(by_name[source])))
+        for source, var in all_reduce_vars.items():
+            if solver.value(var):
+                comm += self.costs.all_reduce_s(self._bytes(by_name[source]))
+                events.append(("backward all-reduce", source, self._bytes(by_name[source])))
+        return IntraOpSolution(layer=layer, tp=self.tp, op_strategy=op_strategy, module_style=module_style,
+                               compute_s=compute, comm_s=comm, comm_events=events,
+                               status=solver.status_name(status))
+
+
+def _parameter_derived(profile: "ModelProfile") -> set[str]:
+    """Graph inputs, and forward ops computed from them alone without creating activations
+    (weight transposes and casts, position ids, masks, rotary tables): they are sharded with
+    their parameter or are cheap constants, never resharded as activations."""
+    derived = set(profile.placeholders)
+    for op in profile.ops:
+        if (op.phase == "forward" and op.op_class not in ("gemm", "attention") and "embedding" not in op.target
+                and all(name in derived for name in op.inputs)):
+            derived.add(op.name)
+    return derived
+
+
+def _view_root(name: str, by_name: dict[str, "OpProfile"]) -> str:
+    """Follow view ops back to the tensor they alias (within the layer)."""
+    while name in by_name and by_name[name].op_class == "view" and by_name[name].inputs:
+        source = by_name[name].inputs[0]
+        if source not in by_name:
+            break
+        name = source
+    return name
+
+
+def _units(seconds: float) -> int:
+    return int(round(seconds * TIME_UNITS_PER_S))
+
+
+def _shape_bytes(op: "OpProfile") -> int:
+    total = 0
+    for shape in op.output_shapes:
+        count = 1
+        for dim in shape:
+            count *= dim
+        total += 2 * count
+    return total

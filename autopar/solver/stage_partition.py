@@ -1,0 +1,253 @@
+"""Layer-wise pipeline partition: contiguous layers to stages, with per-layer recomputation,
+balancing stage time under per-stage memory limits (CP-SAT).
+
+Inputs are already priced by the cost model: for layer l and recompute option r, the
+training time of one micro-batch `time_s[l][r]` (forward + backward + recomputation) on a
+reference device, its activation bytes per in-flight micro-batch `activation_bytes[l][r]`,
+and its micro-batch-independent bytes `static_bytes[l]` (parameters, gradients, optimizer
+states as the ZeRO stage shards them). Each pipeline stage j (virtual stage with interleaving)
+runs on device d(j) = j mod p, which has a speed factor (time multiplier; heterogeneous
+clusters), a memory capacity and holds `in_flight[d]` micro-batches of activations.
+
+The program (`StagePartitioner.solve`):
+
+    variables  x[l,j] ∈ {0,1} layer l on virtual stage j    y[l,r] ∈ {0,1} layer l uses option r
+               w[l,j,r] = x[l,j] ∧ y[l,r]                     (`_add_assignment`)
+               D_d ≥ 0 device time per micro-batch, M ≥ D_d for all d    (`_add_device_times`)
+    constraints every layer on one stage and one option; stages contiguous and non-empty:
+               s(l) = Σ_j j·x[l,j], s(0) = 0, s(L-1) = P-1, s(l) ≤ s(l+1) ≤ s(l) + 1
+                                                                 (`_add_contiguity`)
+               Σ_{l,r,j on d} (static_bytes[l] + in_flight[d]·activation_bytes[l][r])·w[l,j,r]
+                   + overhead_bytes[d] ≤ capacity[d]             (`_add_memory_limits`)
+    objective  min (m - 1)·M + (1/v)·Σ_d D_d + (1 - 1/v)·M, with D_d = speed[d]·Σ_{j on d} T_j and
+               T_j = Σ_{l,r} time_s[l][r]·w[l,j,r] + send_s[l]·(l is the last layer of j)
+
+The objective is the pipeline step time of `pipeline_step_time_s` below (GPipe, 1F1B and
+interleaved 1F1B share it; they differ in `in_flight`): for equal stages it is
+(m + (p-1)/v)·D, the bubble fraction (p-1)/(v·m) of Narayanan et al. 2021, eq. for the
+interleaved schedule; for unequal stages the fill and drain pass every stage once and the
+steady state is paced by the slowest device.
+`brute_force_partition` enumerates every partition and option for tests.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+TIME_UNITS_PER_S = 1e6  # microseconds: step times of seconds stay well inside int64 products
+MEMORY_UNIT_BYTES = 2**20  # memory constraints in MiB (rounded up, so feasibility is kept)
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Everything the partitioner needs, priced per layer by the cost model.
+
+    Attributes:
+        time_s: [layer][option] training time of one micro-batch on a speed-1.0 device.
+        activation_bytes: [layer][option] activation bytes one in-flight micro-batch keeps.
+        static_bytes: [layer] bytes independent of micro-batches (params, grads, optimizer).
+        send_s: [layer] time to send the layer's output to the next stage and its gradient back.
+        devices: p, the number of pipeline ranks.
+        chunks: v, model chunks per device (1 unless interleaved).
+        micro_batches: m.
+        in_flight: [device] micro-batches whose activations the device holds at its peak.
+        capacity_bytes: [device] memory available for the model on that device.
+        overhead_bytes: [device] memory used regardless of the layers it gets (buffers, headroom).
+        speed: [device] time multiplier (1.0 = reference device; 2.0 = twice as slow).
+        option_names: names of the recompute options, e.g. ("none", "selective", "full").
+    """
+
+    time_s: list[list[float]]
+    activation_bytes: list[list[int]]
+    static_bytes: list[int]
+    send_s: list[float]
+    devices: int
+    chunks: int
+    micro_batches: int
+    in_flight: list[float]
+    capacity_bytes: list[int]
+    overhead_bytes: list[int]
+    speed: list[float] = field(default_factory=list)
+    option_names: tuple[str, ...] = ("none",)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.time_s)
+
+    @property
+    def num_stages(self) -> int:
+        return self.devices * self.chunks
+
+    def speed_of(self, device: int) -> float:
+        return self.speed[device] if self.speed else 1.0
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stage boundaries (first layer index of each virtual stage), option per layer, and cost."""
+
+    stage_starts: list[int]
+    options: list[int]
+    step_time_s: float
+    device_time_s: list[float]
+    device_memory_bytes: list[int]
+    status: str = "OPTIMAL"
+
+    def stages(self, num_layers: int) -> list[list[int]]:
+        bounds = self.stage_starts + [num_layers]
+        return [list(range(bounds[j], bounds[j + 1])) for j in range(len(self.stage_starts))]
+
+
+def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks: int) -> float:
+    """Step time of a pipeline from per-device time per micro-batch (see module docstring)."""
+    slowest = max(device_time_s)
+    return (micro_batches - 1) * slowest + sum(device_time_s) / chunks + (1 - 1 / chunks) * slowest
+
+
+def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[int]) -> Partition | None:
+    """Price one partition with the ILP's own integer arithmetic; None if it breaks a memory
+    limit. The ILP and the brute force both go through here, so their optima compare exactly."""
+    stages = Partition(stage_starts, options, 0.0, [], []).stages(problem.num_layers)
+    device_units = [0] * problem.devices
+    device_mib = [_mib_up(overhead) for overhead in problem.overhead_bytes]
+    device_bytes = list(problem.overhead_bytes)
+    for j, layers in enumerate(stages):
+        device = j % problem.devices
+        speed = problem.speed_of(device)
+        device_units[device] += sum(_time_units(speed * problem.time_s[l][options[l]]) for l in layers)
+        if j < problem.num_stages - 1:
+            device_units[device] += _time_units(speed * problem.send_s[layers[-1]])
+        for l in layers:
+            layer_bytes = problem.static_bytes[l] + problem.in_flight[device] * problem.activation_bytes[l][options[l]]
+            device_mib[device] += _mib_up(layer_bytes)
+            device_bytes[device] += int(layer_bytes)
+    if any(used > _mib_down(cap) for used, cap in zip(device_mib, problem.capacity_bytes)):
+        return None
+    v, m = problem.chunks, problem.micro_batches
+    objective = ((m - 1) * v + (v - 1)) * max(device_units) + sum(device_units)
+    return Partition(list(stage_starts), list(options), objective / v / TIME_UNITS_PER_S,
+                     [units / TIME_UNITS_PER_S for units in device_units], device_bytes)
+
+
+class StagePartitioner:
+    """Solves the program in the module docstring."""
+
+    def __init__(self, time_limit_s: float = 20.0, seed: int = 0, workers: int = 1):
+        self.time_limit_s = time_limit_s
+        self.seed = seed
+        self.workers = workers
+
+    def solve(self, problem: PartitionProblem) -> Partition | None:
+        """Optimal partition, or None when no partition fits in memory."""
+        L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
+        if L < P:
+            return None
+        model = cp_model.CpModel()
+        x, w, last = self._add_assignment(model, problem, L, P, options)
+        self._add_contiguity(model, x, last, L, P)
+        self._add_memory_limits(model, problem, w, L, P, options)
+        slowest, device_time = self._add_device_times(model, problem, w, last, L, P, options)
+        v, m = problem.chunks, problem.micro_batches
+        # Objective scaled by v so every coefficient is an integer.
+        model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_time))
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = self.time_limit_s
+        solver.parameters.random_seed = self.seed
+        solver.parameters.num_workers = self.workers
+        status = solver.solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        starts = [l for l in range(L) if l == 0 or any(solver.value(last[(l - 1, j)]) for j in range(P - 1))]
+        chosen = [next(r for j in range(P) for r in range(options) if solver.value(w[(l, j, r)]))
+                  for l in range(L)]
+        result = evaluate(problem, starts, chosen)
+        if result is None:  # evaluate() uses the ILP's own units: this would be a bug
+            raise AssertionError("ILP partition breaks a memory limit")
+        return Partition(result.stage_starts, result.options, result.step_time_s, result.device_time_s,
+                         result.device_memory_bytes, solver.status_name(status))
+
+    def _add_assignment(self, model, problem, L, P, options):
+        x = {(l, j): model.new_bool_var(f"x[{l},{j}]") for l in range(L) for j in range(P)}
+        y = {(l, r): model.new_bool_var(f"y[{l},{r}]") for l in range(L) for r in range(options)}
+        w = {}
+        for l in range(L):
+            model.add_exactly_one(x[(l, j)] for j in range(P))
+            model.add_exactly_one(y[(l, r)] for r in range(options))
+            for j in range(P):
+                for r in range(options):
+                    var = model.new_bool_var(f"w[{l},{j},{r}]")
+                    model.add_multiplication_equality(var, [x[(l, j)], y[(l, r)]])
+                    w[(l, j, r)] = var
+                model.add(sum(w[(l, j, r)] for r in range(options)) == x[(l, j)])
+        # last[l, j]: layer l is the last layer of stage j (it sends to stage j + 1).
+        last = {}
+        for l in range(L - 1):
+            for j in range(P - 1):
+                var = model.new_bool_var(f"last[{l},{j}]")
+                model.add_multiplication_equality(var, [x[(l, j)], x[(l + 1, j + 1)]])
+                last[(l, j)] = var
+        return x, w, last
+
+    def _add_contiguity(self, model, x, last, L, P):
+        stage = [sum(j * x[(l, j)] for j in range(P)) for l in range(L)]
+        model.add(stage[0] == 0)
+        model.add(stage[L - 1] == P - 1)
+        for l in range(L - 1):
+            model.add(stage[l] <= stage[l + 1])
+            model.add(stage[l + 1] <= stage[l] + 1)
+
+    def _add_memory_limits(self, model, problem, w, L, P, options):
+        for device in range(problem.devices):
+            terms = []
+            for j in range(device, P, problem.devices):
+                for l in range(L):
+                    for r in range(options):
+                        layer_bytes = problem.static_bytes[l] + problem.in_flight[device] * problem.activation_bytes[l][r]
+                        terms.append(_mib_up(layer_bytes) * w[(l, j, r)])
+            model.add(sum(terms) + _mib_up(problem.overhead_bytes[device]) <= _mib_down(problem.capacity_bytes[device]))
+
+    def _add_device_times(self, model, problem, w, last, L, P, options):
+        horizon = int(sum(max(row) for row in problem.time_s) * TIME_UNITS_PER_S * max(problem.speed or [1.0]) * 2
+                      + sum(problem.send_s) * TIME_UNITS_PER_S * 2) + 1
+        slowest = model.new_int_var(0, horizon, "slowest")
+        device_time = []
+        for device in range(problem.devices):
+            speed = problem.speed_of(device)
+            terms = []
+            for j in range(device, P, problem.devices):
+                terms += [_time_units(speed * problem.time_s[l][r]) * w[(l, j, r)]
+                          for l in range(L) for r in range(options)]
+                if j < P - 1:
+                    terms += [_time_units(speed * problem.send_s[l]) * last[(l, j)] for l in range(L - 1)]
+            var = model.new_int_var(0, horizon, f"D[{device}]")
+            model.add(var == sum(terms))
+            model.add(slowest >= var)
+            device_time.append(var)
+        return slowest, device_time
+
+
+def brute_force_partition(problem: PartitionProblem) -> Partition | None:
+    """Every contiguous partition and option per layer, priced by `evaluate` (tests only)."""
+    L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
+    best: Partition | None = None
+    for cuts in itertools.combinations(range(1, L), P - 1):
+        starts = [0, *cuts]
+        for chosen in itertools.product(range(options), repeat=L):
+            candidate = evaluate(problem, starts, list(chosen))
+            if candidate is not None and (best is None or candidate.step_time_s < best.step_time_s - 1e-12):
+                best = candidate
+    return best
+
+
+def _time_units(seconds: float) -> int:
+    return int(round(seconds * TIME_UNITS_PER_S))
+
+
+def _mib_up(nbytes: float) -> int:
+    return -(-int(nbytes) // MEMORY_UNIT_BYTES)
+
+
+def _mib_down(nbytes: float) -> int:
+    return int(nbytes) // MEMORY_UNIT_BYTES

@@ -1,0 +1,81 @@
+"""Layer-wise partition ILP: equal to brute force on random small instances, balanced on
+uneven models, memory limits respected."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autopar.solver.stage_partition import (PartitionProblem, StagePartitioner, brute_force_partition,
+                                            pipeline_step_time_s)
+
+GiB = 2**30
+
+
+def random_problem(rng: random.Random, layers: int, devices: int, chunks: int, options: int) -> PartitionProblem:
+    time = [[rng.uniform(0.5, 2.0) * (1 + 0.3 * r) for r in range(options)] for _ in range(layers)]
+    activation = [[int(rng.uniform(0.5, 3.0) * GiB / (1 + r)) for r in range(options)] for _ in range(layers)]
+    static = [int(rng.uniform(0.5, 4.0) * GiB) for _ in range(layers)]
+    total = sum(static) + sum(max(a) for a in activation)
+    return PartitionProblem(
+        time_s=time, activation_bytes=activation, static_bytes=static,
+        send_s=[rng.uniform(0.0, 0.2) for _ in range(layers)], devices=devices, chunks=chunks,
+        micro_batches=rng.choice([2, 4, 8]), in_flight=[float(devices - d) for d in range(devices)],
+        capacity_bytes=[int(total * rng.uniform(0.4, 1.0))] * devices, overhead_bytes=[GiB // 2] * devices,
+        speed=[rng.choice([1.0, 1.0, 1.7]) for _ in range(devices)],
+        option_names=("none", "selective", "full")[:options])
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_ilp_equals_brute_force(seed):
+    rng = random.Random(seed)
+    devices = rng.choice([2, 3])
+    chunks = rng.choice([1, 1, 2]) if devices == 2 else 1
+    problem = random_problem(rng, layers=rng.randint(devices * chunks, 6), devices=devices, chunks=chunks,
+                             options=rng.choice([1, 2]))
+    expected = brute_force_partition(problem)
+    found = StagePartitioner().solve(problem)
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and found.status == "OPTIMAL"
+        assert found.step_time_s == expected.step_time_s
+
+
+def test_uneven_model_is_balanced_within_one_layer():
+    """A heavy head layer gets a stage nearly to itself; the slowest stage is no more than
+    one layer's time above the best possible (total / stages) bound."""
+    times = [1.0] * 12 + [4.0]
+    problem = PartitionProblem(time_s=[[t] for t in times], activation_bytes=[[0]] * 13, static_bytes=[0] * 13,
+                               send_s=[0.0] * 13, devices=4, chunks=1, micro_batches=16,
+                               in_flight=[4, 3, 2, 1], capacity_bytes=[GiB] * 4, overhead_bytes=[0] * 4)
+    partition = StagePartitioner().solve(problem)
+    assert max(partition.device_time_s) <= sum(times) / 4 + max(times)
+    assert partition.stages(13)[-1] == [12]
+    assert max(partition.device_time_s) == 4.0
+
+
+def test_memory_limit_forces_recompute_and_is_respected():
+    """Without room for stored activations the solver picks the recompute option."""
+    problem = PartitionProblem(time_s=[[1.0, 1.3]] * 4, activation_bytes=[[2 * GiB, GiB // 8]] * 4,
+                               static_bytes=[GiB] * 4, send_s=[0.0] * 4, devices=2, chunks=1, micro_batches=4,
+                               in_flight=[2.0, 1.0], capacity_bytes=[4 * GiB] * 2, overhead_bytes=[0, 0])
+    partition = StagePartitioner().solve(problem)
+    assert partition is not None
+    assert all(used <= 4 * GiB for used in partition.device_memory_bytes)
+    assert 1 in partition.options[:2]  # the first stage holds 2 micro-batches: it must recompute
+
+
+def test_nothing_fits_returns_none():
+    problem = PartitionProblem(time_s=[[1.0]] * 2, activation_bytes=[[0]] * 2, static_bytes=[8 * GiB] * 2,
+                               send_s=[0.0] * 2, devices=2, chunks=1, micro_batches=2, in_flight=[2, 1],
+                               capacity_bytes=[4 * GiB] * 2, overhead_bytes=[0, 0])
+    assert StagePartitioner().solve(problem) is None
+
+
+def test_step_time_formula_matches_bubble_fraction():
+    """Equal stages: (m + (p-1)/v)·D, i.e. bubble fraction (p-1)/(v·m) (Narayanan et al. 2021)."""
+    p, m, v, device_time = 4, 8, 2, 3.0
+    step = pipeline_step_time_s([device_time] * p, m, v)
+    assert step == pytest.approx((m + (p - 1) / v) * device_time)
+    assert (step - m * device_time) / (m * device_time) == pytest.approx((p - 1) / (v * m))

@@ -1,0 +1,163 @@
+"""Plan: the single source of truth after solving, read by codegen, report and run.
+
+A plan serialises to JSON (`to_json` / `from_json`, lossless) so it can be replayed without
+solving again; `provenance` records what it was made from (model file hash, cluster, versions)
+so a stale plan is detected.
+
+Mesh axes are named by `MeshAxis` and listed innermost (fastest links) to outermost in
+`mesh_order`; rank r's coordinate on each axis follows from reshaping range(world_size) to the
+mesh shape in that order (see `rank_grid`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from autopar.serialize import from_jsonable, to_jsonable
+
+
+class MeshAxis(StrEnum):
+    TP = "tp"
+    CP = "cp"
+    PP = "pp"
+    DP = "dp"
+
+
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class Recompute(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What the cost model predicts for the plan (per training step)."""
+
+    step_time_s: float = 0.0
+    tokens_per_s: float | None = None
+    samples_per_s: float = 0.0
+    mfu: float = 0.0
+    peak_memory_bytes: int = 0
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+    memory_breakdown: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    """How the plan was found: solver status, objective, time, candidates priced, gap."""
+
+    status: str = "PINNED"
+    objective: float = 0.0
+    seconds: float = 0.0
+    candidates: int = 0
+    gap: float = 0.0
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What the plan was made from, to refuse replaying it against something else."""
+
+    model_path: str = ""
+    model_sha256: str = ""
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    cluster: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete parallelisation of one model on one cluster.
+
+    Attributes:
+        dp, tp, pp, cp: parallel degrees; their product is the world size.
+        mesh_order: axis names innermost -> outermost (innermost gets the fastest links).
+        zero_stage: 0 (DDP), 1 (sharded optimizer), 2 (+ gradients), 3 (+ parameters, FSDP).
+        hybrid_shard: ZeRO shards within a node and replicates across nodes (2-D DP mesh).
+        micro_batch_size: samples per micro-batch per DP rank.
+        num_micro_batches: micro-batches per step (gradient accumulation / pipeline depth).
+        schedule, chunks: pipeline schedule and model chunks per PP rank (v, interleaved only).
+        stages: layer names of each (virtual) pipeline stage in order; stage j runs on PP rank
+            j mod pp. One stage holding every layer when pp == 1.
+        recompute: layer name -> none / selective / full activation recomputation.
+        tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel
+            (the operator-wise ILP's choice; modules not listed stay replicated).
+        sequence_parallel: shard norms/residuals along the sequence inside TP groups.
+        loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
+        cp_strategy: ulysses (head all-to-all) or ring (K/V passed around the CP ring).
+        dp_sync: gradient synchronisation algorithm: ring, tree, hierarchical or ps.
+        layer_names, block_container: the profile's layer order and block container FQN.
+        global_batch_size, precision, optimizer: the training settings planned for.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    mesh_order: list[str] = field(default_factory=lambda: [a.value for a in MeshAxis])
+    zero_stage: int = 0
+    hybrid_shard: bool = False
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    schedule: str = Schedule.ONE_F_ONE_B.value
+    chunks: int = 1
+    stages: list[list[str]] = field(default_factory=list)
+    recompute: dict[str, str] = field(default_factory=dict)
+    tp_styles: dict[str, str] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    cp_strategy: str = "ulysses"
+    dp_sync: str = "ring"
+    layer_names: list[str] = field(default_factory=list)
+    block_container: str | None = None
+    global_batch_size: int = 1
+    precision: str = "bf16"
+    optimizer: str = "adam"
+    predicted: Predicted = field(default_factory=Predicted)
+    solver: SolverInfo = field(default_factory=SolverInfo)
+    provenance: Provenance = field(default_factory=Provenance)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def degree(self, axis: str) -> int:
+        return getattr(self, MeshAxis(axis).value)
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Mesh shape outermost first (DeviceMesh order), e.g. (dp, pp, cp, tp)."""
+        return tuple(self.degree(axis) for axis in reversed(self.mesh_order))
+
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return tuple(reversed(self.mesh_order))
+
+    def rank_grid(self) -> list:
+        """Nested lists of ranks in DeviceMesh order: rank r sits at its mesh coordinate."""
+        import torch
+
+        return torch.arange(self.world_size).reshape(self.mesh_shape()).tolist()
+
+    def with_updates(self, **changes: Any) -> "Plan":
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(to_jsonable(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return from_jsonable(cls, json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())

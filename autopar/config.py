@@ -27,12 +27,73 @@ class TrainConfig:
 
 
 @dataclass
+class SolverConfig:
+    """How the planner searches (everything not pinned under plan.* is searched)."""
+
+    objective: str = "throughput"
+    """throughput (fastest plan that fits), memory (least memory within 5% of the fastest), or
+    min_gpus (fewest GPUs reaching target_tokens_per_s)."""
+    target_tokens_per_s: float = 0.0
+    """Throughput to reach with objective=min_gpus."""
+    time_limit_s: float = 60.0
+    """Wall-clock budget for the whole search; the best plan so far is returned with its gap."""
+    threads: int = 1
+    """CP-SAT worker threads (1 keeps runs reproducible and fits small machines)."""
+    seed: int = 0
+    """CP-SAT random seed; with threads=1 the same inputs give the same plan."""
+    top_k: int = 5
+    """Runners-up to report with the reason each lost."""
+    allow_cross_node_tp: bool = False
+    """Let a tensor-parallel group span nodes (slow links; off as in every production setup)."""
+    max_micro_batch_size: int = 16
+    """Largest micro-batch size considered."""
+    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "interleaved_1f1b"])
+    """Pipeline schedules considered."""
+    recompute_options: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    """Per-layer activation recomputation choices considered."""
+
+
+@dataclass
+class PlanPins:
+    """Fixed choices: a value pins that decision, null (the default) leaves it to the solver."""
+
+    dp: int | None = None
+    """Data-parallel degree."""
+    tp: int | None = None
+    """Tensor-parallel degree."""
+    pp: int | None = None
+    """Pipeline-parallel degree (number of pipeline ranks)."""
+    cp: int | None = None
+    """Context-parallel degree (sequence split across ranks)."""
+    zero_stage: int | None = None
+    """ZeRO stage 0-3."""
+    hybrid_shard: bool | None = None
+    """Shard within a node, replicate across nodes."""
+    micro_batch_size: int | None = None
+    """Samples per micro-batch per data-parallel rank."""
+    schedule: str | None = None
+    """gpipe, 1f1b or interleaved_1f1b."""
+    chunks: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    recompute: str | None = None
+    """none, selective or full for every layer."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism inside tensor-parallel groups."""
+    cp_strategy: str | None = None
+    """ulysses or ring."""
+    dp_sync: str | None = None
+    """ring, tree, hierarchical or ps."""
+
+
+@dataclass
 class AutoparConfig:
     """Root of the composed configuration."""
 
     model: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the model file's build_model() and example_batch()."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    solver: SolverConfig = field(default_factory=SolverConfig)
+    plan: PlanPins = field(default_factory=PlanPins)
 
 
 def register_configs() -> None:
@@ -40,6 +101,8 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="autopar_schema", node=AutoparConfig)
     store.store(group="train", name="train_schema", node=TrainConfig)
+    store.store(group="solver", name="solver_schema", node=SolverConfig)
+    store.store(group="plan", name="plan_schema", node=PlanPins)
 
 
 def normalise_overrides(overrides: list[str]) -> list[str]:

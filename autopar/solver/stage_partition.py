@@ -19,9 +19,12 @@ The program (`StagePartitioner.solve`):
                                                                  (`_add_contiguity`)
                Σ_{l,r,j on d} (static_bytes[l] + in_flight[d]·activation_bytes[l][r])·w[l,j,r]
                    + overhead_bytes[d] ≤ capacity[d]             (`_add_memory_limits`)
-    objective  min (m - 1)·M + (1/v)·Σ_d D_d + (1 - 1/v)·M, with D_d = speed[d]·Σ_{j on d} T_j and
-               T_j = Σ_{l,r} time_s[l][r]·w[l,j,r] + send_s[l]·(l is the last layer of j)
+               E ≥ speed[d]·Σ_{l, j on d} per_step_s[l]·x[l,j] for all d
+    objective  min (m - 1)·M + (1/v)·Σ_d D_d + (1 - 1/v)·M + E, with D_d = speed[d]·Σ_{j on d} T_j
+               and T_j = Σ_{l,r} time_s[l][r]·w[l,j,r] + send_s[l]·(l is the last layer of j)
 
+`per_step_s[l]` is time spent once per step for layer l (the exposed part of its gradient
+synchronisation and its optimizer update): the slowest device's sum is added once.
 The objective is the pipeline step time of `pipeline_step_time_s` below (GPipe, 1F1B and
 interleaved 1F1B share it; they differ in `in_flight`): for equal stages it is
 (m + (p-1)/v)·D, the bubble fraction (p-1)/(v·m) of Narayanan et al. 2021, eq. for the
@@ -57,6 +60,7 @@ class PartitionProblem:
         overhead_bytes: [device] memory used regardless of the layers it gets (buffers, headroom).
         speed: [device] time multiplier (1.0 = reference device; 2.0 = twice as slow).
         option_names: names of the recompute options, e.g. ("none", "selective", "full").
+        per_step_s: [layer] time once per step (exposed gradient sync, optimizer update).
     """
 
     time_s: list[list[float]]
@@ -71,6 +75,7 @@ class PartitionProblem:
     overhead_bytes: list[int]
     speed: list[float] = field(default_factory=list)
     option_names: tuple[str, ...] = ("none",)
+    per_step_s: list[float] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -111,6 +116,7 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
     limit. The ILP and the brute force both go through here, so their optima compare exactly."""
     stages = Partition(stage_starts, options, 0.0, [], []).stages(problem.num_layers)
     device_units = [0] * problem.devices
+    per_step_units = [0] * problem.devices
     device_mib = [_mib_up(overhead) for overhead in problem.overhead_bytes]
     device_bytes = list(problem.overhead_bytes)
     for j, layers in enumerate(stages):
@@ -119,6 +125,8 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
         device_units[device] += sum(_time_units(speed * problem.time_s[l][options[l]]) for l in layers)
         if j < problem.num_stages - 1:
             device_units[device] += _time_units(speed * problem.send_s[layers[-1]])
+        if problem.per_step_s:
+            per_step_units[device] += sum(_time_units(speed * problem.per_step_s[l]) for l in layers)
         for l in layers:
             layer_bytes = problem.static_bytes[l] + problem.in_flight[device] * problem.activation_bytes[l][options[l]]
             device_mib[device] += _mib_up(layer_bytes)
@@ -126,7 +134,7 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
     if any(used > _mib_down(cap) for used, cap in zip(device_mib, problem.capacity_bytes)):
         return None
     v, m = problem.chunks, problem.micro_batches
-    objective = ((m - 1) * v + (v - 1)) * max(device_units) + sum(device_units)
+    objective = ((m - 1) * v + (v - 1)) * max(device_units) + sum(device_units) + v * max(per_step_units)
     return Partition(list(stage_starts), list(options), objective / v / TIME_UNITS_PER_S,
                      [units / TIME_UNITS_PER_S for units in device_units], device_bytes)
 
@@ -149,9 +157,10 @@ class StagePartitioner:
         self._add_contiguity(model, x, last, L, P)
         self._add_memory_limits(model, problem, w, L, P, options)
         slowest, device_time = self._add_device_times(model, problem, w, last, L, P, options)
+        once = self._add_per_step_time(model, problem, x, L, P)
         v, m = problem.chunks, problem.micro_batches
         # Objective scaled by v so every coefficient is an integer.
-        model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_time))
+        model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_time) + v * once)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = self.time_limit_s
         solver.parameters.random_seed = self.seed
@@ -226,6 +235,18 @@ class StagePartitioner:
             model.add(slowest >= var)
             device_time.append(var)
         return slowest, device_time
+
+    def _add_per_step_time(self, model, problem, x, L, P):
+        """E ≥ the once-per-step time of every device (0 when the problem has none)."""
+        if not problem.per_step_s:
+            return 0
+        horizon = int(sum(problem.per_step_s) * TIME_UNITS_PER_S * max(problem.speed or [1.0])) + 1
+        once = model.new_int_var(0, horizon, "per_step")
+        for device in range(problem.devices):
+            speed = problem.speed_of(device)
+            model.add(once >= sum(_time_units(speed * problem.per_step_s[l]) * x[(l, j)]
+                                  for j in range(device, P, problem.devices) for l in range(L)))
+        return once
 
 
 def brute_force_partition(problem: PartitionProblem) -> Partition | None:

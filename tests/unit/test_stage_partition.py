@@ -23,7 +23,8 @@ def random_problem(rng: random.Random, layers: int, devices: int, chunks: int, o
         micro_batches=rng.choice([2, 4, 8]), in_flight=[float(devices - d) for d in range(devices)],
         capacity_bytes=[int(total * rng.uniform(0.4, 1.0))] * devices, overhead_bytes=[GiB // 2] * devices,
         speed=[rng.choice([1.0, 1.0, 1.7]) for _ in range(devices)],
-        option_names=("none", "selective", "full")[:options])
+        option_names=("none", "selective", "full")[:options],
+        per_step_s=[rng.uniform(0.0, 1.0) for _ in range(layers)] if rng.random() < 0.5 else [])
 
 
 @pytest.mark.parametrize("seed", range(24))

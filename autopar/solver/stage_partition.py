@@ -249,11 +249,13 @@ class StagePartitioner:
         return once
 
 
-def brute_force_partition(problem: PartitionProblem) -> Partition | None:
-    """Every contiguous partition and option per layer, priced by `evaluate` (tests only)."""
+def brute_force_partition(problem: PartitionProblem, allowed_starts: set[int] | None = None) -> Partition | None:
+    """Every contiguous partition (cuts only at `allowed_starts` if given) and option per
+    layer, priced by `evaluate` (tests only)."""
     L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
     best: Partition | None = None
-    for cuts in itertools.combinations(range(1, L), P - 1):
+    positions = [l for l in range(1, L) if allowed_starts is None or l in allowed_starts]
+    for cuts in itertools.combinations(positions, P - 1):
         starts = [0, *cuts]
         for chosen in itertools.product(range(options), repeat=L):
             candidate = evaluate(problem, starts, list(chosen))

@@ -80,3 +80,54 @@ def test_step_time_formula_matches_bubble_fraction():
     step = pipeline_step_time_s([device_time] * p, m, v)
     assert step == pytest.approx((m + (p - 1) / v) * device_time)
     assert (step - m * device_time) / (m * device_time) == pytest.approx((p - 1) / (v * m))
+
+
+def block_problem(rng: random.Random, blocks: int, devices: int, chunks: int, options: int) -> PartitionProblem:
+    """Prefix (embedding), identical blocks, suffix (norm + head) as in a transformer."""
+    block_time = [rng.uniform(0.5, 1.5) * (1 + 0.3 * r) for r in range(options)]
+    block_act = [int(rng.uniform(0.5, 2.0) * GiB / (1 + 2 * r)) for r in range(options)]
+    layers = 1 + blocks + 2
+    time = [[0.2 * (1 + 0.1 * r) for r in range(options)]] + [block_time] * blocks + \
+        [[0.1] * options, [rng.uniform(1, 3) * (1 + 0.1 * r) for r in range(options)]]
+    activation = [[GiB // 4] * options] + [block_act] * blocks + [[GiB // 8] * options, [2 * GiB // (1 + r) for r in range(options)]]
+    static = [2 * GiB] + [GiB] * blocks + [0, 2 * GiB]
+    total = sum(static) + sum(max(a) for a in activation)
+    return PartitionProblem(
+        time_s=time, activation_bytes=activation, static_bytes=static,
+        send_s=[0.05] + [0.02] * blocks + [0.02, 0.0], devices=devices, chunks=chunks,
+        micro_batches=rng.choice([4, 8]), in_flight=[float(devices - d) for d in range(devices)],
+        capacity_bytes=[int(total * rng.uniform(0.5, 1.0))] * devices, overhead_bytes=[GiB // 4] * devices,
+        speed=[rng.choice([1.0, 1.5]) for _ in range(devices)],
+        per_step_s=[0.01] * layers if rng.random() < 0.5 else [])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_compressed_block_partition_equals_brute_force(seed):
+    from autopar.solver.block_partition import BlockPartitioner, find_block_run
+
+    rng = random.Random(100 + seed)
+    devices = rng.choice([2, 3])
+    chunks = 2 if devices == 2 and rng.random() < 0.3 else 1
+    problem = block_problem(rng, blocks=rng.randint(3, 6), devices=devices, chunks=chunks,
+                            options=rng.choice([1, 2]))
+    run = find_block_run(problem)
+    assert run is not None and run.first == 1
+    allowed = set(range(run.first, run.first + run.count + 1))
+    expected = brute_force_partition(problem, allowed_starts=allowed)
+    found = BlockPartitioner().solve(problem, run)
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and found.step_time_s == expected.step_time_s
+
+
+def test_compressed_partition_solves_96_blocks_on_64_stages_to_optimality():
+    """GPT-3 175B's 96 blocks on 32 pipeline ranks × 2 chunks (planner benchmarks time it)."""
+    from autopar.solver.block_partition import BlockPartitioner, find_block_run
+
+    rng = random.Random(7)
+    problem = block_problem(rng, blocks=96, devices=32, chunks=2, options=3)
+    problem = PartitionProblem(**{**problem.__dict__, "capacity_bytes": [80 * GiB] * 32})
+    found = BlockPartitioner().solve(problem, find_block_run(problem))
+    assert found is not None and found.status == "OPTIMAL"
+    assert sorted(len(stage) for stage in found.stages(problem.num_layers))[-1] <= 4

@@ -1,0 +1,152 @@
+"""Pipeline partition for models made of identical blocks: the same program as
+`stage_partition`, compressed so a 96-layer model on 64 stages solves in milliseconds.
+
+Transformers are a prefix (embeddings), K identical blocks and a suffix (final norm, head).
+Cuts fall at block boundaries; the prefix stays with the first stage and the suffix with the
+last, and either of those stages may hold no block at all (the uneven embedding/head stages).
+Because the blocks are identical, a stage is described by how many blocks it holds with each
+recompute option; the order inside a stage does not change time or memory.
+
+    variables  n[j] ∈ [0, K]  blocks on virtual stage j;  k[j,r] ∈ [0, K] of them with option r;
+               y[l,r] ∈ {0,1} option of each prefix/suffix layer; z ∈ {0,1}: n[0] = 0
+    constraints Σ_j n[j] = K, Σ_r k[j,r] = n[j], n[j] ≥ 1 for stages that hold nothing else,
+               memory per device as in `stage_partition`, D_d, M, E as there
+    objective  identical to `stage_partition` (same integer units), so `evaluate` prices the
+               decoded partition to exactly the optimum's value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from autopar.solver.stage_partition import (Partition, PartitionProblem, _mib_down, _mib_up, _time_units,
+                                            evaluate)
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Layers [first, first + count) are identical blocks."""
+
+    first: int
+    count: int
+
+
+def find_block_run(problem: PartitionProblem) -> BlockRun | None:
+    """The longest run of layers with identical prices (time, memory, send, per-step)."""
+    def key(l: int) -> tuple:
+        return (tuple(problem.time_s[l]), tuple(problem.activation_bytes[l]), problem.static_bytes[l],
+                problem.send_s[l], problem.per_step_s[l] if problem.per_step_s else 0.0)
+
+    best = BlockRun(0, 0)
+    start = 0
+    for l in range(1, problem.num_layers + 1):
+        if l == problem.num_layers or key(l) != key(start):
+            if l - start > best.count:
+                best = BlockRun(start, l - start)
+            start = l
+    return best if best.count >= 2 else None
+
+
+class BlockPartitioner:
+    """Solves the compressed program for a problem whose middle layers are identical."""
+
+    def __init__(self, time_limit_s: float = 10.0, seed: int = 0, workers: int = 1):
+        self.time_limit_s = time_limit_s
+        self.seed = seed
+        self.workers = workers
+
+    def solve(self, problem: PartitionProblem, run: BlockRun) -> Partition | None:
+        P, p, v = problem.num_stages, problem.devices, problem.chunks
+        K, f = run.count, run.first
+        prefix = list(range(0, f))
+        suffix = list(range(f + K, problem.num_layers))
+        options = len(problem.time_s[0])
+        if P - 2 > K or (P == 1 and not K):
+            return None
+        model = cp_model.CpModel()
+        n = [model.new_int_var(0, K, f"n[{j}]") for j in range(P)]
+        k = [[model.new_int_var(0, K, f"k[{j},{r}]") for r in range(options)] for j in range(P)]
+        y = {l: [model.new_bool_var(f"y[{l},{r}]") for r in range(options)] for l in prefix + suffix}
+        model.add(sum(n) == K)
+        for j in range(P):
+            model.add(sum(k[j]) == n[j])
+            holds_other = (j == 0 and prefix) or (j == P - 1 and suffix)
+            if not holds_other:
+                model.add(n[j] >= 1)
+        for choices in y.values():
+            model.add_exactly_one(choices)
+        empty_first = model.new_bool_var("n0_is_zero")
+        model.add(n[0] == 0).only_enforce_if(empty_first)
+        model.add(n[0] >= 1).only_enforce_if(~empty_first)
+        if not prefix:
+            model.add(empty_first == 0)
+
+        block = f  # any block's prices stand for all of them
+        device_time, per_step, memory = [[] for _ in range(p)], [[] for _ in range(p)], [[] for _ in range(p)]
+        for j in range(P):
+            d = j % p
+            speed = problem.speed_of(d)
+            device_time[d] += [_time_units(speed * problem.time_s[block][r]) * k[j][r] for r in range(options)]
+            memory[d] += [_mib_up(problem.static_bytes[block] + problem.in_flight[d] * problem.activation_bytes[block][r])
+                          * k[j][r] for r in range(options)]
+            if problem.per_step_s:
+                per_step[d].append(_time_units(speed * problem.per_step_s[block]) * n[j])
+            if j < P - 1:
+                block_send = _time_units(speed * problem.send_s[block])
+                if j == 0 and prefix:
+                    prefix_send = _time_units(speed * problem.send_s[prefix[-1]])
+                    device_time[d].append(block_send + (prefix_send - block_send) * empty_first)
+                else:
+                    device_time[d].append(block_send)
+            edge_layers = (prefix if j == 0 else []) + (suffix if j == P - 1 else [])
+            for l in edge_layers:
+                device_time[d] += [_time_units(speed * problem.time_s[l][r]) * y[l][r] for r in range(options)]
+                memory[d] += [_mib_up(problem.static_bytes[l] + problem.in_flight[d] * problem.activation_bytes[l][r])
+                              * y[l][r] for r in range(options)]
+                if problem.per_step_s:
+                    per_step[d].append(_time_units(speed * problem.per_step_s[l]))
+
+        horizon = 10**15
+        slowest = model.new_int_var(0, horizon, "slowest")
+        once = model.new_int_var(0, horizon, "per_step")
+        device_vars = []
+        for d in range(p):
+            var = model.new_int_var(0, horizon, f"D[{d}]")
+            model.add(var == sum(device_time[d]))
+            model.add(slowest >= var)
+            model.add(once >= sum(per_step[d]))
+            model.add(sum(memory[d]) + _mib_up(problem.overhead_bytes[d]) <= _mib_down(problem.capacity_bytes[d]))
+            device_vars.append(var)
+        m = problem.micro_batches
+        model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_vars) + v * once)
+
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = self.time_limit_s
+        solver.parameters.random_seed = self.seed
+        solver.parameters.num_workers = self.workers
+        status = solver.solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        starts, chosen = self._decode(solver, problem, run, n, k, y, prefix, suffix)
+        result = evaluate(problem, starts, chosen)
+        if result is None:
+            raise AssertionError("compressed partition breaks a memory limit")
+        return Partition(result.stage_starts, result.options, result.step_time_s, result.device_time_s,
+                         result.device_memory_bytes, solver.status_name(status))
+
+    @staticmethod
+    def _decode(solver, problem, run, n, k, y, prefix, suffix) -> tuple[list[int], list[int]]:
+        """Stage starts, and options: within a stage option 0's blocks first, then option 1's, ..."""
+        starts, chosen = [0], [0] * problem.num_layers
+        for l in prefix + suffix:
+            chosen[l] = next(r for r, var in enumerate(y[l]) if solver.value(var))
+        position = run.first
+        for j, count in enumerate(n):
+            if j > 0:
+                starts.append(position)
+            for r, var in enumerate(k[j]):
+                for l in range(position, position + solver.value(var)):
+                    chosen[l] = r
+                position += solver.value(var)
+        return starts, chosen

@@ -1,0 +1,210 @@
+"""The search space: every global configuration of a plan (all but the layer partition).
+
+A `Candidate` fixes the parallel degrees and their order on the topology, the ZeRO stage,
+micro-batching, the pipeline schedule and the sequence/context-parallel options. What is
+legal follows from the model (heads and hidden sizes divisible by TP, layers by stages), the
+batch (global batch = dp × micro-batch × micro-batches), the cluster (TP inside a node unless
+allowed) and the user's pins. Orders of mesh axes that put every group on the same links are
+equivalent; only one of each kind is kept.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.profile import ModelProfile
+
+AXES = ("tp", "cp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One global configuration; the partition solver completes it into a plan."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    mesh_order: tuple[str, ...]
+    zero_stage: int
+    hybrid_shard: bool
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str
+    chunks: int
+    sequence_parallel: bool
+    cp_strategy: str
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def degree(self, axis: str) -> int:
+        return getattr(self, axis)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What divisibility rules need from the profile."""
+
+    num_blocks: int
+    num_layers: int
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    tokens_per_sample: int | None
+    split_dims: tuple[int, ...]  # weight dims a TP split divides (output and input features)
+
+    @classmethod
+    def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
+        heads = kv_heads = head_dim = None
+        attention = [op for op in profile.ops if op.op_class == "attention" and op.phase == "forward"]
+        if attention and len(attention[0].input_shapes) >= 2 and len(attention[0].input_shapes[0]) == 4:
+            heads, head_dim = attention[0].input_shapes[0][1], attention[0].input_shapes[0][3]
+            kv_heads = attention[0].input_shapes[1][1]
+        dims: set[int] = set()
+        blocks = {layer.name for layer in profile.blocks}
+        for name, shape in profile.param_shapes.items():
+            if len(shape) == 2 and any(name.startswith(block + ".") for block in blocks):
+                dims.update(shape)
+        # Grouped-query attention: K/V projections have fewer heads than Q (HF repeats them
+        # before attention), visible as projection widths that are a multiple of head_dim.
+        if head_dim:
+            kv_widths = [d // head_dim for d in dims if d % head_dim == 0 and d // head_dim < (heads or 0)]
+            if kv_widths:
+                kv_heads = min(kv_widths)
+        return cls(num_blocks=len(blocks), num_layers=len(profile.layers), heads=heads, kv_heads=kv_heads,
+                   head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)))
+
+    def tp_divides(self, tp: int) -> bool:
+        if any(dim % tp for dim in self.split_dims):
+            return False
+        return all(count is None or count % tp == 0 for count in (self.heads, self.kv_heads))
+
+    def tp_problem(self, tp: int) -> str | None:
+        """Why a TP degree is illegal (for error messages), or None."""
+        for label, count in (("attention heads", self.heads), ("key/value heads", self.kv_heads)):
+            if count is not None and count % tp:
+                return f"{count} {label} are not divisible by tp={tp}"
+        bad = [dim for dim in self.split_dims if dim % tp]
+        if bad:
+            return f"weight dimension {bad[0]} is not divisible by tp={tp}"
+        return None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int, global_batch_size: int,
+                         solver: "SolverConfig", pins: "PlanPins") -> Iterator[Candidate]:
+    """Every legal candidate, in a fixed order (the tie-break order of the search)."""
+    def pinned(name: str, values: list):
+        value = getattr(pins, name)
+        return [value] if value is not None else values
+
+    for tp in pinned("tp", divisors(world_size)):
+        if not shape.tp_divides(tp) or (tp > gpus_per_node and not solver.allow_cross_node_tp):
+            continue
+        for cp in pinned("cp", _cp_options(shape, world_size // tp if world_size % tp == 0 else 0)):
+            if world_size % (tp * cp):
+                continue
+            for pp in pinned("pp", [d for d in divisors(world_size // (tp * cp)) if d <= max(1, shape.num_blocks)]):
+                if world_size % (tp * cp * pp):
+                    continue
+                dp = world_size // (tp * cp * pp)
+                if pins.dp is not None and pins.dp != dp or global_batch_size % dp:
+                    continue
+                yield from _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_batch_size,
+                                           solver, pins, pinned)
+
+
+def _cp_options(shape: ModelShape, remaining: int) -> list[int]:
+    if not shape.tokens_per_sample or remaining == 0:
+        return [1]
+    # Ring attention's load-balanced causal sharding cuts each sequence into 2·cp chunks.
+    return [cp for cp in divisors(remaining) if shape.tokens_per_sample % (2 * cp) == 0]
+
+
+def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_batch_size, solver, pins, pinned):
+    per_rank = global_batch_size // dp
+    for micro_batch_size in pinned("micro_batch_size", [b for b in divisors(per_rank) if b <= solver.max_micro_batch_size]):
+        if per_rank % micro_batch_size:
+            continue
+        micro_batches = per_rank // micro_batch_size
+        for schedule, chunks in _schedules(shape, pp, micro_batches, solver, pinned):
+            for zero_stage in pinned("zero_stage", [0, 1, 2, 3] if dp > 1 else [0]):
+                hybrid_options = [False, True] if zero_stage >= 2 and dp > 1 and world_size > gpus_per_node else [False]
+                for hybrid_shard in pinned("hybrid_shard", hybrid_options):
+                    for sequence_parallel in pinned("sequence_parallel", [False, True] if tp > 1 else [False]):
+                        for cp_strategy in pinned("cp_strategy", _cp_strategies(shape, tp, cp)):
+                            for order in legal_mesh_orders(tp, cp, pp, dp, gpus_per_node,
+                                                           solver.allow_cross_node_tp):
+                                yield Candidate(dp=dp, tp=tp, pp=pp, cp=cp, mesh_order=order, zero_stage=zero_stage,
+                                                hybrid_shard=hybrid_shard, micro_batch_size=micro_batch_size,
+                                                num_micro_batches=micro_batches, schedule=schedule, chunks=chunks,
+                                                sequence_parallel=sequence_parallel, cp_strategy=cp_strategy)
+
+
+def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield ("1f1b", 1)  # no pipeline: micro-batches are gradient accumulation
+        return
+    if micro_batches < pp:
+        return  # fewer micro-batches than stages leaves ranks idle: never worth it
+    for schedule in pinned("schedule", list(solver.schedules)):
+        if schedule != "interleaved_1f1b":
+            yield (schedule, 1)
+            continue
+        for chunks in pinned("chunks", [2, 4]):
+            # torch's interleaved schedule needs micro-batches in multiples of the stages.
+            if chunks > 1 and shape.num_blocks >= pp * chunks and micro_batches % pp == 0:
+                yield (schedule, chunks)
+
+
+def _cp_strategies(shape: ModelShape, tp: int, cp: int) -> list[str]:
+    if cp == 1:
+        return ["ulysses"]
+    strategies = ["ring"]
+    if shape.heads and shape.heads % (tp * cp) == 0 and (shape.kv_heads or shape.heads) % (tp * cp) == 0:
+        strategies.insert(0, "ulysses")
+    return strategies
+
+
+@functools.lru_cache(maxsize=4096)
+def legal_mesh_orders(tp: int, cp: int, pp: int, dp: int, gpus_per_node: int,
+                      allow_cross_node_tp: bool) -> tuple[tuple[str, ...], ...]:
+    """Distinct orders whose TP groups stay inside a node (unless allowed)."""
+    degrees = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+    return tuple(order for order in distinct_mesh_orders(degrees, gpus_per_node)
+                 if allow_cross_node_tp or _group_span(order, "tp", degrees, gpus_per_node)[0] == 1)
+
+
+def distinct_mesh_orders(degrees: dict[str, int], gpus_per_node: int) -> list[tuple[str, ...]]:
+    """Orders of the axes (innermost first) that differ in which links some group crosses.
+
+    Two orders are equivalent when every axis's group spans the same number of nodes with the
+    same ranks per node; the first such order in the canonical (tp, cp, pp, dp) sequence is kept.
+    """
+    seen: dict[tuple, tuple[str, ...]] = {}
+    for order in itertools.permutations(AXES):
+        signature = tuple(_group_span(order, axis, degrees, gpus_per_node) for axis in AXES)
+        seen.setdefault(signature, order)
+    return list(seen.values())
+
+
+def _group_span(order: tuple[str, ...], axis: str, degrees: dict[str, int], gpus_per_node: int) -> tuple[int, int]:
+    """(nodes spanned, ranks per node) of one group of `axis` when axes are laid out in `order`."""
+    size = degrees[axis]
+    if size == 1:
+        return (1, 1)
+    stride = 1
+    for inner in order[: order.index(axis)]:
+        stride *= degrees[inner]
+    ranks = [i * stride for i in range(size)]
+    nodes = {rank // gpus_per_node for rank in ranks}
+    return (len(nodes), size // len(nodes))

@@ -1,0 +1,61 @@
+"""Search space: legality rules (divisibility, TP inside a node, batch arithmetic, pins)."""
+from __future__ import annotations
+
+from autopar.config import PlanPins, SolverConfig
+from autopar.solver.space import ModelShape, distinct_mesh_orders, enumerate_candidates, _group_span
+
+SHAPE = ModelShape(num_blocks=8, num_layers=11, heads=16, kv_heads=4, head_dim=64, tokens_per_sample=1024,
+                   split_dims=(1024, 4096))
+
+
+def candidates(world=16, per_node=8, batch=32, **pins):
+    return list(enumerate_candidates(SHAPE, world, per_node, batch, SolverConfig(), PlanPins(**pins)))
+
+
+def test_every_candidate_is_consistent():
+    found = candidates()
+    assert found
+    for c in found:
+        assert c.world_size == 16
+        assert c.dp * c.micro_batch_size * c.num_micro_batches == 32
+        assert SHAPE.kv_heads % c.tp == 0 and SHAPE.heads % c.tp == 0
+        assert c.pp <= SHAPE.num_blocks and c.pp * c.chunks <= SHAPE.num_blocks
+        assert c.pp == 1 or c.num_micro_batches >= c.pp
+
+
+def test_tp_limited_by_kv_heads_and_kept_inside_a_node():
+    tps = {c.tp for c in candidates(world=64)}
+    assert tps == {1, 2, 4}  # 4 KV heads
+    for c in candidates(world=64):
+        degrees = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp}
+        assert _group_span(c.mesh_order, "tp", degrees, 8)[0] == 1
+
+
+def test_pins_fix_decisions():
+    found = candidates(tp=2, pp=2, zero_stage=1)
+    assert found and {(c.tp, c.pp, c.zero_stage) for c in found} == {(2, 2, 1)}
+
+
+def test_contradictory_pin_leaves_nothing():
+    assert candidates(tp=3) == []
+
+
+def test_equivalent_orders_are_collapsed():
+    # Everything inside one node: every order uses the same links.
+    assert len(distinct_mesh_orders({"tp": 2, "cp": 1, "pp": 2, "dp": 2}, 8)) == 1
+    # TP 8 fills a node; PP 2 x DP 4 across nodes: which of PP or DP is "inner" changes nothing
+    # about node counts per group here except the order of their strides.
+    orders = distinct_mesh_orders({"tp": 8, "cp": 1, "pp": 2, "dp": 4}, 8)
+    assert ("tp", "cp", "pp", "dp") in orders
+
+
+def test_shape_from_profile_reads_heads_and_kv_heads(examples_dir):
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+
+    profile = profile_model(load_model_file(examples_dir / "llama_hf.py"),
+                            {"layers": 2, "hidden": 128, "heads": 8, "kv_heads": 2, "ffn": 256}, 1, "fp32")
+    shape = ModelShape.from_profile(profile)
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.num_blocks) == (8, 2, 16, 2)
+    assert shape.tp_divides(2) and not shape.tp_divides(4)
+    assert "2 key/value heads are not divisible by tp=4" == shape.tp_problem(4)

@@ -25,7 +25,7 @@ The program (`StagePartitioner.solve`):
 
 `per_step_s[l]` is time spent once per step for layer l (the exposed part of its gradient
 synchronisation and its optimizer update): the slowest device's sum is added once.
-The objective is the pipeline step time of `pipeline_step_time_s` below (GPipe, 1F1B and
+The objective is the pipeline step time of `cost_models.pipeline.pipeline_step_time_s` (GPipe, 1F1B and
 interleaved 1F1B share it; they differ in `in_flight`): for equal stages it is
 (m + (p-1)/v)·D, the bubble fraction (p-1)/(v·m) of Narayanan et al. 2021, eq. for the
 interleaved schedule; for unequal stages the fill and drain pass every stage once and the
@@ -38,6 +38,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
+
+from cost_models.pipeline import pipeline_step_time_s  # noqa: F401 - the formula the objective encodes
 
 TIME_UNITS_PER_S = 1e6  # microseconds: step times of seconds stay well inside int64 products
 MEMORY_UNIT_BYTES = 2**20  # memory constraints in MiB (rounded up, so feasibility is kept)
@@ -103,12 +105,6 @@ class Partition:
     def stages(self, num_layers: int) -> list[list[int]]:
         bounds = self.stage_starts + [num_layers]
         return [list(range(bounds[j], bounds[j + 1])) for j in range(len(self.stage_starts))]
-
-
-def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks: int) -> float:
-    """Step time of a pipeline from per-device time per micro-batch (see module docstring)."""
-    slowest = max(device_time_s)
-    return (micro_batches - 1) * slowest + sum(device_time_s) / chunks + (1 - 1 / chunks) * slowest
 
 
 def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[int]) -> Partition | None:

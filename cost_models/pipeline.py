@@ -1,4 +1,6 @@
-"""Pipeline schedules: step time from stage times, bubble, and activations held in flight.
+"""Pipeline schedules: step time from stage times, bubble, activations held in flight, and the
+exact pricing of a layer partition (`PartitionProblem` / `evaluate`) that the planner's
+partition ILP encodes.
 
 Step time (used identically by the planner's partition ILP): with D_d the time of device d
 for one micro-batch (all its stages/chunks, forward + backward + sends), m micro-batches and v
@@ -13,6 +15,8 @@ GPipe keeps all m micro-batches' activations, 1F1B at most p - d on device d, in
 1F1B that times 1 + (p-1)/(p·m) (Korthikanti et al. 2022, §4.2.3).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 
 def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks: int = 1) -> float:
@@ -35,3 +39,109 @@ def in_flight_micro_batches(schedule: str, stages: int, micro_batches: int, devi
     if schedule == "interleaved_1f1b":
         held *= 1 + (stages - 1) / (stages * micro_batches)
     return held
+
+
+TIME_UNITS_PER_S = 1e6  # microseconds: step times of seconds stay well inside int64 products
+MEMORY_UNIT_BYTES = 2**20  # memory constraints in MiB (rounded up, so feasibility is kept)
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Everything the partitioner needs, priced per layer by the cost model.
+
+    Attributes:
+        time_s: [layer][option] training time of one micro-batch on a speed-1.0 device.
+        activation_bytes: [layer][option] activation bytes one in-flight micro-batch keeps.
+        static_bytes: [layer] bytes independent of micro-batches (params, grads, optimizer).
+        send_s: [layer] time to send the layer's output to the next stage and its gradient back.
+        devices: p, the number of pipeline ranks.
+        chunks: v, model chunks per device (1 unless interleaved).
+        micro_batches: m.
+        in_flight: [device] micro-batches whose activations the device holds at its peak.
+        capacity_bytes: [device] memory available for the model on that device.
+        overhead_bytes: [device] memory used regardless of the layers it gets (buffers, headroom).
+        speed: [device] time multiplier (1.0 = reference device; 2.0 = twice as slow).
+        option_names: names of the recompute options, e.g. ("none", "selective", "full").
+        per_step_s: [layer] time once per step (exposed gradient sync, optimizer update).
+    """
+
+    time_s: list[list[float]]
+    activation_bytes: list[list[int]]
+    static_bytes: list[int]
+    send_s: list[float]
+    devices: int
+    chunks: int
+    micro_batches: int
+    in_flight: list[float]
+    capacity_bytes: list[int]
+    overhead_bytes: list[int]
+    speed: list[float] = field(default_factory=list)
+    option_names: tuple[str, ...] = ("none",)
+    per_step_s: list[float] = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.time_s)
+
+    @property
+    def num_stages(self) -> int:
+        return self.devices * self.chunks
+
+    def speed_of(self, device: int) -> float:
+        return self.speed[device] if self.speed else 1.0
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stage boundaries (first layer index of each virtual stage), option per layer, and cost."""
+
+    stage_starts: list[int]
+    options: list[int]
+    step_time_s: float
+    device_time_s: list[float]
+    device_memory_bytes: list[int]
+    status: str = "OPTIMAL"
+
+    def stages(self, num_layers: int) -> list[list[int]]:
+        bounds = self.stage_starts + [num_layers]
+        return [list(range(bounds[j], bounds[j + 1])) for j in range(len(self.stage_starts))]
+
+
+def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[int]) -> Partition | None:
+    """Price one partition with the ILP's own integer arithmetic; None if it breaks a memory
+    limit. The ILP and the brute force both go through here, so their optima compare exactly."""
+    stages = Partition(stage_starts, options, 0.0, [], []).stages(problem.num_layers)
+    device_units = [0] * problem.devices
+    per_step_units = [0] * problem.devices
+    device_mib = [mib_up(overhead) for overhead in problem.overhead_bytes]
+    device_bytes = list(problem.overhead_bytes)
+    for j, layers in enumerate(stages):
+        device = j % problem.devices
+        speed = problem.speed_of(device)
+        device_units[device] += sum(time_units(speed * problem.time_s[l][options[l]]) for l in layers)
+        if j < problem.num_stages - 1:
+            device_units[device] += time_units(speed * problem.send_s[layers[-1]])
+        if problem.per_step_s:
+            per_step_units[device] += sum(time_units(speed * problem.per_step_s[l]) for l in layers)
+        for l in layers:
+            layer_bytes = problem.static_bytes[l] + problem.in_flight[device] * problem.activation_bytes[l][options[l]]
+            device_mib[device] += mib_up(layer_bytes)
+            device_bytes[device] += int(layer_bytes)
+    if any(used > mib_down(cap) for used, cap in zip(device_mib, problem.capacity_bytes)):
+        return None
+    v, m = problem.chunks, problem.micro_batches
+    objective = ((m - 1) * v + (v - 1)) * max(device_units) + sum(device_units) + v * max(per_step_units)
+    return Partition(list(stage_starts), list(options), objective / v / TIME_UNITS_PER_S,
+                     [units / TIME_UNITS_PER_S for units in device_units], device_bytes)
+
+
+def time_units(seconds: float) -> int:
+    return int(round(seconds * TIME_UNITS_PER_S))
+
+
+def mib_up(nbytes: float) -> int:
+    return -(-int(nbytes) // MEMORY_UNIT_BYTES)
+
+
+def mib_down(nbytes: float) -> int:
+    return int(nbytes) // MEMORY_UNIT_BYTES

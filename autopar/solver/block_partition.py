@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from autopar.solver.stage_partition import (Partition, PartitionProblem, _mib_down, _mib_up, _time_units,
-                                            evaluate)
+from cost_models.pipeline import Partition, PartitionProblem, evaluate, mib_down, mib_up, time_units
 
 
 @dataclass(frozen=True)
@@ -87,25 +86,25 @@ class BlockPartitioner:
         for j in range(P):
             d = j % p
             speed = problem.speed_of(d)
-            device_time[d] += [_time_units(speed * problem.time_s[block][r]) * k[j][r] for r in range(options)]
-            memory[d] += [_mib_up(problem.static_bytes[block] + problem.in_flight[d] * problem.activation_bytes[block][r])
+            device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[j][r] for r in range(options)]
+            memory[d] += [mib_up(problem.static_bytes[block] + problem.in_flight[d] * problem.activation_bytes[block][r])
                           * k[j][r] for r in range(options)]
             if problem.per_step_s:
-                per_step[d].append(_time_units(speed * problem.per_step_s[block]) * n[j])
+                per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[j])
             if j < P - 1:
-                block_send = _time_units(speed * problem.send_s[block])
+                block_send = time_units(speed * problem.send_s[block])
                 if j == 0 and prefix:
-                    prefix_send = _time_units(speed * problem.send_s[prefix[-1]])
+                    prefix_send = time_units(speed * problem.send_s[prefix[-1]])
                     device_time[d].append(block_send + (prefix_send - block_send) * empty_first)
                 else:
                     device_time[d].append(block_send)
             edge_layers = (prefix if j == 0 else []) + (suffix if j == P - 1 else [])
             for l in edge_layers:
-                device_time[d] += [_time_units(speed * problem.time_s[l][r]) * y[l][r] for r in range(options)]
-                memory[d] += [_mib_up(problem.static_bytes[l] + problem.in_flight[d] * problem.activation_bytes[l][r])
+                device_time[d] += [time_units(speed * problem.time_s[l][r]) * y[l][r] for r in range(options)]
+                memory[d] += [mib_up(problem.static_bytes[l] + problem.in_flight[d] * problem.activation_bytes[l][r])
                               * y[l][r] for r in range(options)]
                 if problem.per_step_s:
-                    per_step[d].append(_time_units(speed * problem.per_step_s[l]))
+                    per_step[d].append(time_units(speed * problem.per_step_s[l]))
 
         horizon = 10**15
         slowest = model.new_int_var(0, horizon, "slowest")
@@ -116,7 +115,7 @@ class BlockPartitioner:
             model.add(var == sum(device_time[d]))
             model.add(slowest >= var)
             model.add(once >= sum(per_step[d]))
-            model.add(sum(memory[d]) + _mib_up(problem.overhead_bytes[d]) <= _mib_down(problem.capacity_bytes[d]))
+            model.add(sum(memory[d]) + mib_up(problem.overhead_bytes[d]) <= mib_down(problem.capacity_bytes[d]))
             device_vars.append(var)
         m = problem.micro_batches
         model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_vars) + v * once)

@@ -19,7 +19,8 @@ from typing import Callable, Protocol
 
 from autopar.solver.block_partition import BlockPartitioner, find_block_run
 from autopar.solver.space import Candidate
-from autopar.solver.stage_partition import Partition, PartitionProblem, StagePartitioner
+from autopar.solver.stage_partition import StagePartitioner
+from cost_models.pipeline import Partition, PartitionProblem
 
 
 class CandidatePricer(Protocol):

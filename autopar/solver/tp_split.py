@@ -1,0 +1,101 @@
+"""The cost model's operator-wise TP splitter, backed by the intra-op ILP.
+
+`cost_models` prices a layer under tensor parallelism through a `TPSplitter`; this one solves
+`IntraOpSolver` for the layer kind, TP degree and TP group placement, and reads off which ops
+run sharded (their compute divides by t), the collectives the split needs, and which saved
+activations and parameters are sharded.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.solver.intra_op import IntraOpSolver
+from cost_models.collectives import Collective, collective_time_s
+from cost_models.compute import FLOP_BOUND_CLASSES, LayerCompute, compute_dtype, op_roofline_s, op_time_s
+from cost_models.hardware import GPUSpec
+from cost_models.step import TPLayerSplit
+from cost_models.topology import GroupPlacement
+
+if TYPE_CHECKING:
+    from autopar.profile import ModelProfile
+
+_SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel"}
+_COLLECTIVE_OF_EVENT = {"P->R": Collective.ALL_REDUCE, "S->R": Collective.ALL_GATHER,
+                        "backward all-reduce": Collective.ALL_REDUCE}
+
+
+class _GroupCosts:
+    """TPCosts for the ILP: roofline op times and collectives on the TP group."""
+
+    def __init__(self, gpu: GPUSpec, dtype: str, group: GroupPlacement):
+        self.gpu, self.dtype, self.group = gpu, dtype, group
+
+    def op_time_s(self, op) -> float:
+        return op_time_s(op, self.gpu, self.dtype)
+
+    def all_reduce_s(self, nbytes: float) -> float:
+        return collective_time_s(Collective.ALL_REDUCE, nbytes, self.group)
+
+    def all_gather_s(self, nbytes: float) -> float:
+        return collective_time_s(Collective.ALL_GATHER, nbytes, self.group)
+
+    def reduce_scatter_s(self, nbytes: float) -> float:
+        return collective_time_s(Collective.REDUCE_SCATTER, nbytes, self.group)
+
+
+class ILPSplitter:
+    """TPSplitter for cost_models.step.PlanPricer."""
+
+    def __init__(self, profile: "ModelProfile", time_limit_s: float = 10.0):
+        self.profile = profile
+        self.time_limit_s = time_limit_s
+        self.dtype = compute_dtype(profile.precision)
+        self.solutions: dict[tuple[str, int], dict[str, str]] = {}
+
+    def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
+        solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
+        solution = solver.solve(layer_name)
+        self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
+        ops = [op for op in self.profile.ops if op.layer == layer_name]
+        sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
+        sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
+
+        def sharded(op) -> bool:
+            return op.name in sharded_ops if op.phase == "forward" else op.module in sharded_modules
+
+        forward = [op for op in ops if op.phase == "forward" and op.op_class != "view"]
+        backward = [op for op in ops if op.phase == "backward" and op.op_class != "view"]
+
+        def total(selected, divide: bool) -> float:
+            return sum(op_roofline_s(op, gpu, self.dtype) / (tp if divide and sharded(op) else 1) for op in selected)
+
+        nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
+        compute = LayerCompute(forward_s=total(forward, True), backward_s=total(backward, True),
+                               forward_nongemm_s=total(nongemm, True), forward_launches=len(forward),
+                               backward_launches=len(backward), forward_nongemm_launches=len(nongemm))
+        comm = tuple((_COLLECTIVE_OF_EVENT[kind].value, float(nbytes)) for kind, _, nbytes in solution.comm_events
+                     if kind in _COLLECTIVE_OF_EVENT)
+        saved_all = sum(op.saved_for_backward_bytes for op in forward)
+        saved_sharded = sum(op.saved_for_backward_bytes for op in forward if sharded(op))
+        params = self.profile.layer(layer_name).param_count
+        split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
+                           if style.value != "replicate")
+        return TPLayerSplit(
+            compute=compute,
+            replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in forward if not sharded(op)),
+            replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in backward if not sharded(op)),
+            comm=comm,
+            tp_sharded_activation_fraction=saved_sharded / saved_all if saved_all else 0.0,
+            tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
+            styles={module: style.value for module, style in solution.module_style.items()})
+
+
+def _module_params(profile: "ModelProfile", module: str) -> int:
+    count = 0
+    for name, shape in profile.param_shapes.items():
+        if name.rsplit(".", 1)[0] == module:
+            size = 1
+            for dim in shape:
+                size *= dim
+            count += size
+    return count

@@ -12,8 +12,9 @@ broadcast/reduce/send. With per-message latency α and link bandwidth B:
                                                                    log-depth latency, no 1/n gain)
     halving-doubling a-r      2·⌈log2 n⌉·α + 2(n-1)/n · S/B      (Rabenseifner, Thakur et al. 2005)
     hierarchical a-r          intra reduce-scatter + inter all-reduce of S/g + intra all-gather
-    parameter server a-r      2·α + 2(n-1)·S/B at the server (it receives n-1 gradients and
-                              sends n-1 copies back: O(N) traffic, the classic bottleneck)
+    parameter server a-r      2(n-1)·α + 2(n-1)·S/B at the server (it receives n-1 gradients and
+                              sends n-1 copies back, one message each: O(N) traffic, the classic
+                              bottleneck of Li et al. 2014's design once workers outnumber servers)
     broadcast / reduce        ⌈log2 n⌉·α + S/B (pipelined)
     scatter / gather          (n-1)·α + (n-1)/n · S/B
     all-to-all                (n-1)·α + (n-1)/n · S/B
@@ -89,7 +90,7 @@ def flat_time_s(op: Collective, algorithm: Algorithm, nbytes: float, n: int, lin
         if algorithm is Algorithm.HALVING_DOUBLING:
             return 2 * log_n * a + 2 * (n - 1) / n * nbytes / b
         if algorithm is Algorithm.PARAMETER_SERVER:
-            return 2 * a + 2 * (n - 1) * nbytes / b
+            return 2 * (n - 1) * a + 2 * (n - 1) * nbytes / b
     if op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         if algorithm is Algorithm.HALVING_DOUBLING:
             return log_n * a + (n - 1) / n * nbytes / b

@@ -1,6 +1,7 @@
 """Structured configs: the schema Hydra validates every preset and override against.
 
-Config groups (conf/): ``train/`` and ``cluster/`` hold presets extending these dataclasses.
+Config groups (conf/): ``cluster/``, ``train/``, ``solver/`` and ``plan/`` hold presets extending
+these dataclasses (the cluster schema, `ClusterConfig`, lives with the cost model).
 ``model.<name>=<value>`` overrides are free-form: they become keyword arguments of the user's
 build_model() / example_batch() and are checked against those signatures instead.
 """
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+from cost_models.topology import ClusterConfig
 
 
 @dataclass
@@ -91,6 +94,7 @@ class AutoparConfig:
 
     model: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the model file's build_model() and example_batch()."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     solver: SolverConfig = field(default_factory=SolverConfig)
     plan: PlanPins = field(default_factory=PlanPins)
@@ -100,6 +104,7 @@ def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent)."""
     store = ConfigStore.instance()
     store.store(name="autopar_schema", node=AutoparConfig)
+    store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     store.store(group="train", name="train_schema", node=TrainConfig)
     store.store(group="solver", name="solver_schema", node=SolverConfig)
     store.store(group="plan", name="plan_schema", node=PlanPins)

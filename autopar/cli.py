@@ -25,6 +25,21 @@ PROFILE_EXAMPLES = """examples:
 """
 
 
+ESTIMATE_EXAMPLES = """examples:
+  autopar estimate examples/gpt.py cluster=dgx_a100_80g cluster.nodes=64 plan.tp=8 plan.pp=2 \\
+      plan.zero_stage=1 plan.micro_batch_size=4 plan.recompute=full plan.schedule=interleaved_1f1b \\
+      plan.chunks=2 train.global_batch_size=1536 model.layers=48 model.hidden=6144 model.heads=48 \\
+      model.seq_len=2048 model.vocab=50257 --out estimate.json
+  autopar estimate examples/gpt.py cluster=dgx_h100 cluster.inter_node_bandwidth_GBps=12.5 plan.tp=8
+"""
+
+PLAN_EXAMPLES = """examples:
+  autopar plan examples/gpt.py cluster=dgx_a100_80g cluster.nodes=4 train.global_batch_size=256
+  autopar plan examples/llama_hf.py cluster=dgx_h100 cluster.nodes=64 plan.tp=8 --top-k 5 --out plan.json
+  autopar plan examples/gpt.py solver.objective=memory solver.time_limit_s=30
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -49,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     _add_verb(verbs, "profile", "trace one training step and report FLOPs, bytes and memory per layer",
               PROFILE_EXAMPLES, _profile)
+    _add_verb(verbs, "estimate", "predict step time, throughput, MFU and memory of one fixed plan (plan.*=...)",
+              ESTIMATE_EXAMPLES, _estimate)
+    plan = _add_verb(verbs, "plan", "search for the fastest plan that fits and explain the runners-up",
+                     PLAN_EXAMPLES, _plan)
+    plan.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
     return parser
 
 
@@ -81,6 +101,41 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     if args.out is not None:
         write_atomically(args.out, profile.to_json())
         console.print(f"wrote {args.out}")
+    return 0
+
+
+def _estimate(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from autopar.config import compose_config
+    from autopar.driver import run_estimate
+    from autopar.report.terminal import print_estimate
+
+    cfg = compose_config(args.overrides)
+    with console.status("Tracing and pricing ..."):
+        profile, layout, estimate = run_estimate(args.model, cfg)
+    print_estimate(profile, layout, estimate, console)
+    if args.out is not None:
+        write_atomically(args.out, json.dumps(estimate.to_dict(), indent=1))
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    from autopar.config import compose_config
+    from autopar.driver import run_plan
+    from autopar.report.terminal import print_plan
+
+    overrides = list(args.overrides) + ([f"solver.top_k={args.top_k}"] if args.top_k is not None else [])
+    cfg = compose_config(overrides)
+    with console.status("Tracing, pricing and solving ...") as status:
+        def progress(done: int, total: int) -> None:
+            status.update(f"Solving: candidate {done} of {total} in bound order ...")
+        result = run_plan(args.model, cfg, progress=progress)
+    print_plan(result, console)
+    out = args.out or Path("plan.json")
+    write_atomically(out, result.plan.to_json())
+    console.print(f"wrote {out}")
     return 0
 
 

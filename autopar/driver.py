@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
+from autopar.errors import ConfigError
 from autopar.model_file import load_model_file
 from autopar.profile import ModelProfile, profile_model
+from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
+from cost_models.topology import ClusterSpec
 
 
 def model_kwargs(cfg: Any) -> dict[str, Any]:
@@ -20,3 +23,63 @@ def run_profile(model_path: str | Path, cfg: Any) -> ModelProfile:
     model_file = load_model_file(model_path)
     return profile_model(model_file, model_kwargs(cfg), micro_batch_size=cfg.train.micro_batch_size,
                          precision=cfg.train.precision)
+
+
+def build_cluster(cfg: Any) -> ClusterSpec:
+    try:
+        return ClusterSpec.from_config(cfg.cluster)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"Invalid cluster: {err}", "see conf/cluster/ for the presets and fields.") from None
+
+
+def train_spec(cfg: Any) -> TrainSpec:
+    return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
+                     optimizer=cfg.train.optimizer)
+
+
+def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
+    """A fully specified layout from plan.* overrides; unset degrees default to 1, dp fills the rest."""
+    pins = cfg.plan
+    tp, pp, cp = pins.tp or 1, pins.pp or 1, pins.cp or 1
+    if cluster.world_size % (tp * pp * cp):
+        raise ConfigError(f"tp×pp×cp = {tp * pp * cp} does not divide the cluster's {cluster.world_size} GPUs.",
+                          "change plan.tp/pp/cp or cluster.nodes.")
+    dp = pins.dp or cluster.world_size // (tp * pp * cp)
+    micro = pins.micro_batch_size or 1
+    if cfg.train.global_batch_size % (dp * micro):
+        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+                          f"dp×micro_batch_size = {dp}×{micro}.", "change the batch or plan.micro_batch_size.")
+    schedule = pins.schedule or ("interleaved_1f1b" if (pins.chunks or 1) > 1 else "1f1b")
+    return ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=pins.zero_stage or 0,
+                          hybrid_shard=bool(pins.hybrid_shard), micro_batch_size=micro,
+                          num_micro_batches=cfg.train.global_batch_size // (dp * micro), schedule=schedule,
+                          chunks=pins.chunks or 1, sequence_parallel=bool(pins.sequence_parallel),
+                          cp_strategy=pins.cp_strategy or "ulysses", dp_sync=pins.dp_sync or "auto",
+                          recompute=pins.recompute or "none")
+
+
+def run_estimate(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, ParallelLayout, Estimate]:
+    """Price the layout the plan.* overrides describe (`autopar estimate`)."""
+    from autopar.solver.tp_split import ILPSplitter
+
+    profile = run_profile(model_path, cfg)
+    cluster = build_cluster(cfg)
+    layout = pinned_layout(cfg, cluster)
+    pricer = PlanPricer(profile, cluster, train_spec(cfg), ILPSplitter(profile))
+    try:
+        return profile, layout, pricer.estimate(layout)
+    except ValueError as err:
+        raise ConfigError(f"This plan cannot run: {err}.", "change the plan.* overrides.") from None
+
+
+def run_plan(model_path: str | Path, cfg: Any, progress: Callable[[int, int], None] | None = None):
+    """Stages 1-4: profile, then search for the fastest plan that fits (`autopar plan`)."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.solver.planner import Planner
+
+    profile = run_profile(model_path, cfg)
+    cluster = build_cluster(cfg)
+    solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
+    pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
+    planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress)
+    return planner.run()

@@ -66,10 +66,11 @@ class ComputeModel:
         for op in profile.ops:
             self._ops_by_layer.setdefault(op.layer, []).append(op)
         self._cache: dict[tuple[str, str], LayerCompute] = {}
+        self._kinds = {layer.name: layer.repeat_of or layer.name for layer in profile.layers}
 
     def kind(self, layer_name: str) -> str:
         """Repeated layers share their first occurrence's costs."""
-        return self.profile.layer(layer_name).repeat_of or layer_name
+        return self._kinds[layer_name]
 
     def layer(self, layer_name: str, gpu: GPUSpec) -> LayerCompute:
         key = (self.kind(layer_name), gpu.name)

@@ -149,13 +149,20 @@ class PlanPricer:
         self.b0 = profile.micro_batch_size
         self._splits: dict[tuple, TPLayerSplit] = {}
         self._problems: dict[tuple, "PartitionProblem"] = {}
+        self._devices: dict[tuple, Any] = {}
+        self._placements: dict[tuple, GroupPlacement] = {}
+        self._collectives: dict[tuple, float] = {}
+        self._row_cache: dict[tuple, list] = {}
         self._fractions = {layer.name: self._selective_keep_fraction(layer.name) for layer in self.layers}
         self._attention_bytes = self._attention_input_bytes()
 
     # -- placement --------------------------------------------------------------------------
 
     def placement(self, layout: Any, axis: str) -> GroupPlacement:
-        return self.cluster.strided_placement(layout.degree(axis), mesh_strides(layout)[axis])
+        key = (axis, tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
+        if key not in self._placements:
+            self._placements[key] = self.cluster.strided_placement(layout.degree(axis), mesh_strides(layout)[axis])
+        return self._placements[key]
 
     def pp_rank_gpus(self, layout: Any) -> list[list[GPUSpec]]:
         """GPU types of the ranks of each pipeline rank."""
@@ -192,28 +199,32 @@ class PlanPricer:
                layout.chunks, layout.sequence_parallel, layout.cp_strategy, getattr(layout, "dp_sync", "auto"))
         if key in self._problems:
             return self._problems[key]
-        pp_gpus = self.pp_rank_gpus(layout)
-        if layout.tp > 1 and not self._tp_groups_homogeneous(layout):
+        devices = self._device_facts(layout)
+        if devices is None:
             self._problems[key] = None
             return None
-        reference = pp_gpus[0][0]
+        reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
-        times, activations, statics, sends, per_step = [], [], [], [], []
-        for layer in self.layers:
-            split = self.split(layer.name, layout, reference)
-            times.append([self._layer_time_s(layer, split, layout, scale, option) for option in self.recompute_options])
-            activations.append([int(self._activation_bytes(layer, split, layout, scale, option))
-                                for option in self.recompute_options])
-            statics.append(int(self._static_bytes(layer, split, layout)))
-            sends.append(self._send_s(layer, layout, scale))
-            per_step.append(self._per_step_s(layer, split, layout, scale, reference))
-        distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
-        total = {name: sum(self.split(l.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
-                           for l in self.layers) for name, gpu in distinct.items()}
-        slowest_gpu = [max(group, key=lambda g: total[g.name]) for group in pp_gpus]
-        speed = [total[g.name] / total[reference.name] for g in slowest_gpu]
-        capacity = [int(min(g.memory_bytes for g in group) * (1 - self.cluster.memory_headroom_fraction))
-                    for group in pp_gpus]
+        times = self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
+                                            layout.micro_batch_size, self._zero_key(layout),
+                                            self.placement(layout, "tp"), self.placement(layout, "cp")),
+                           lambda layer, split: [self._layer_time_s(layer, split, layout, scale, option)
+                                                 for option in self.recompute_options], reference)
+        activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
+                                                        layout.micro_batch_size),
+                                 lambda layer, split: [int(self._activation_bytes(layer, split, layout, scale, option))
+                                                       for option in self.recompute_options], reference)
+        statics = self._rows("static", layout, (layout.tp, layout.zero_stage if layout.dp > 1 else 0,
+                                                self._shard_size(layout) if layout.dp > 1 else 1),
+                             lambda layer, split: int(self._static_bytes(layer, split, layout)), reference)
+        sends = self._rows("send", layout, (layout.pp, self.placement(layout, "pp"), layout.micro_batch_size,
+                                            layout.cp, layout.tp if layout.sequence_parallel else 1),
+                           lambda layer, split: self._send_s(layer, layout, scale), reference)
+        per_step = self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
+                                                   layout.hybrid_shard, self.placement(layout, "dp"),
+                                                   self._shard_size(layout), layout.micro_batch_size,
+                                                   getattr(layout, "dp_sync", "auto")),
+                              lambda layer, split: self._per_step_s(layer, split, layout, scale, reference), reference)
         overhead = self._overhead_bytes(layout, scale)
         problem = PartitionProblem(
             time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
@@ -224,6 +235,57 @@ class PlanPricer:
             option_names=self.recompute_options, per_step_s=per_step)
         self._problems[key] = problem
         return problem
+
+    def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:
+        """One value per layer, priced once per layer kind and cached by what the value depends on
+        (the planner prices tens of thousands of configurations that share most of these)."""
+        full_key = (what, reference.name, key)
+        if full_key not in self._row_cache:
+            by_kind = {}
+            for layer in self.layers:
+                kind = self.compute.kind(layer.name)
+                if kind not in by_kind:
+                    by_kind[kind] = price(layer, self.split(layer.name, layout, reference))
+            self._row_cache[full_key] = [by_kind[self.compute.kind(layer.name)] for layer in self.layers]
+        return self._row_cache[full_key]
+
+    def _zero_key(self, layout: Any) -> tuple:
+        if layout.zero_stage < 2 or layout.dp == 1:
+            return ()
+        return (layout.zero_stage, self._shard_group(layout))
+
+    def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
+        """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
+        group would mix GPU types. Cached per rank layout."""
+        key = (layout.tp, layout.cp, layout.pp, layout.dp, tuple(layout.mesh_order))
+        if key not in self._devices:
+            self._devices[key] = self._compute_device_facts(layout)
+        return self._devices[key]
+
+    def _compute_device_facts(self, layout: Any):
+        if layout.tp > 1 and not self._tp_groups_homogeneous(layout):
+            return None
+        pp_gpus = self.pp_rank_gpus(layout)
+        reference = pp_gpus[0][0]
+        distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
+        total = {name: sum(self.split(l.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
+                           for l in self.layers) for name, gpu in distinct.items()}
+        slowest_gpu = [max(group, key=lambda g: total[g.name]) for group in pp_gpus]
+        speed = [total[g.name] / total[reference.name] for g in slowest_gpu]
+        capacity = [int(min(g.memory_bytes for g in group) * (1 - self.cluster.memory_headroom_fraction))
+                    for group in pp_gpus]
+        return reference, speed, capacity
+
+    def collective_s(self, op: Collective, nbytes: float, group: GroupPlacement) -> float:
+        """Cheapest-algorithm time, memoised (the planner asks the same questions many times)."""
+        key = (op, nbytes, group)
+        if key not in self._collectives:
+            self._collectives[key] = collective_time_s(op, nbytes, group)
+        return self._collectives[key]
+
+    def fixed_time_s(self, layout: Any) -> float:
+        """Step time outside the per-layer prices: none (every cost is attributed to a layer)."""
+        return 0.0
 
     def _tp_groups_homogeneous(self, layout: Any) -> bool:
         """A TP group never mixes GPU types (its ranks run in lockstep)."""
@@ -246,7 +308,7 @@ class PlanPricer:
                                                        + split.replicated_backward_s)
             seconds -= saved
         tp_group = self.placement(layout, "tp")
-        tp_comm = sum(collective_time_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.comm)
+        tp_comm = sum(self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.comm)
         seconds += tp_comm * (1.5 if option == "full" else 1.0)  # full recompute repeats the forward half
         seconds += self._cp_time_s(layer, layout, scale, compute)
         seconds += self._zero_micro_batch_s(layer, split, layout, compute, per_token)
@@ -261,9 +323,9 @@ class PlanPricer:
         group = self.placement(layout, "cp")
         if layout.cp_strategy == "ulysses":
             # q, k, v to head-sharded layout and the output back: forward and backward.
-            return 8 * collective_time_s(Collective.ALL_TO_ALL, nbytes / 3, group)
+            return 8 * self.collective_s(Collective.ALL_TO_ALL, nbytes / 3, group)
         # Ring: cp-1 steps pass this rank's K and V block; backward passes K, V and their grads.
-        step = collective_time_s(Collective.SEND_RECV, 2 * nbytes / 3, group)
+        step = self.collective_s(Collective.SEND_RECV, 2 * nbytes / 3, group)
         exchange = 3 * (layout.cp - 1) * step
         attention = (compute.forward_s + compute.backward_s) * scale / layout.cp * 0.5
         return max(0.0, exchange - attention)
@@ -275,10 +337,10 @@ class PlanPricer:
         group = self._shard_group(layout)
         params = self._tp_params(layer, split, layout)
         weights, grads, _ = state_bytes_per_param(self.train.precision, self.train.optimizer)
-        rs = collective_time_s(Collective.REDUCE_SCATTER, params * grads, group)
+        rs = self.collective_s(Collective.REDUCE_SCATTER, params * grads, group)
         exposed = max(0.0, rs - compute.backward_s * per_token)
         if layout.zero_stage == 3:
-            gather = collective_time_s(Collective.ALL_GATHER, params * weights, group)
+            gather = self.collective_s(Collective.ALL_GATHER, params * weights, group)
             exposed += max(0.0, gather - compute.forward_s * per_token)
             exposed += max(0.0, gather + rs - compute.backward_s * per_token) - max(0.0, rs - compute.backward_s * per_token)
         return exposed
@@ -295,15 +357,15 @@ class PlanPricer:
             sync = self.dp_sync_cost(layout, params * grads).seconds
             exposed = max(0.0, sync - backward)
             if layout.zero_stage == 1:
-                exposed += collective_time_s(Collective.ALL_GATHER, params * weights, self._shard_group(layout))
+                exposed += self.collective_s(Collective.ALL_GATHER, params * weights, self._shard_group(layout))
             return update + exposed
         exposed = 0.0
         if layout.hybrid_shard and self._shard_size(layout) < layout.dp:
             replicas = self.cluster.strided_placement(layout.dp // self._shard_size(layout),
                                                       mesh_strides(layout)["dp"] * self._shard_size(layout))
-            exposed = collective_time_s(Collective.ALL_REDUCE, params * grads / self._shard_size(layout), replicas)
+            exposed = self.collective_s(Collective.ALL_REDUCE, params * grads / self._shard_size(layout), replicas)
         if layout.zero_stage == 2:
-            exposed += collective_time_s(Collective.ALL_GATHER, params * weights, self._shard_group(layout))
+            exposed += self.collective_s(Collective.ALL_GATHER, params * weights, self._shard_group(layout))
         return update + exposed
 
     def dp_sync_cost(self, layout: Any, nbytes: float):
@@ -324,6 +386,8 @@ class PlanPricer:
         return group.per_node
 
     def _shard_group(self, layout: Any) -> GroupPlacement:
+        if not layout.hybrid_shard:
+            return self.placement(layout, "dp")
         return self.cluster.strided_placement(self._shard_size(layout), mesh_strides(layout)["dp"])
 
     def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
@@ -345,7 +409,7 @@ class PlanPricer:
         if layout.pp == 1:
             return 0.0
         nbytes = layer.output_bytes * scale / layout.cp / (layout.tp if layout.sequence_parallel else 1)
-        return 2 * collective_time_s(Collective.SEND_RECV, nbytes, self.placement(layout, "pp"))
+        return 2 * self.collective_s(Collective.SEND_RECV, nbytes, self.placement(layout, "pp"))
 
     def _overhead_bytes(self, layout: Any, scale: float) -> int:
         weights, _, _ = state_bytes_per_param(self.train.precision, self.train.optimizer)

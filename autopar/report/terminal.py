@@ -53,3 +53,67 @@ def print_profile(profile: ModelProfile, console: Console) -> None:
         listed = ", ".join(f"{entry.op} ×{entry.count}" for entry in unknown)
         console.print(f"[yellow]warning:[/] no FLOP formula and no cost class for: {listed}; "
                       "their time is unknown to the cost model.")
+
+
+def print_estimate(profile: ModelProfile, layout, estimate, console: Console) -> None:
+    """Predicted step time, throughput, MFU and memory of one layout, with breakdowns."""
+    console.print(f"[bold]{profile.model_name}[/]: dp={layout.dp} tp={layout.tp} pp={layout.pp} cp={layout.cp} "
+                  f"ZeRO-{layout.zero_stage} micro-batch {layout.micro_batch_size} × {layout.num_micro_batches} "
+                  f"{layout.schedule}{f' (v={layout.chunks})' if layout.chunks > 1 else ''}")
+    rate = (f"{estimate.tokens_per_s:,.0f} tokens/s" if estimate.tokens_per_s is not None
+            else f"{estimate.samples_per_s:,.1f} samples/s")
+    console.print(f"step {estimate.step_time_s * 1e3:,.1f} ms, {rate}, {estimate.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+                  f"MFU {estimate.mfu:.1%} (HFU {estimate.hfu:.1%}), peak memory "
+                  f"{format_bytes(estimate.peak_memory_bytes)}{'' if estimate.fits else ' [red](does not fit)[/]'}")
+    console.print(breakdown_table("time per step", {k: f"{v * 1e3:,.1f} ms" for k, v in estimate.time_breakdown.items()}))
+    console.print(breakdown_table("memory of the fullest rank",
+                                  {k: format_bytes(v) for k, v in estimate.memory_breakdown.items()}))
+
+
+def breakdown_table(title: str, rows: dict[str, str]) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("part")
+    table.add_column("value", justify="right")
+    for key, value in rows.items():
+        table.add_row(key, value)
+    return table
+
+
+def plan_summary(plan) -> str:
+    """One line: degrees, ZeRO, micro-batching, schedule."""
+    parts = [f"dp={plan.dp}", f"tp={plan.tp}", f"pp={plan.pp}", f"cp={plan.cp}", f"ZeRO-{plan.zero_stage}",
+             f"micro-batch {plan.micro_batch_size}×{plan.num_micro_batches}"]
+    if plan.pp > 1:
+        parts.append(plan.schedule + (f" v={plan.chunks}" if plan.chunks > 1 else ""))
+    if plan.sequence_parallel:
+        parts.append("SP")
+    recompute = sorted(set(plan.recompute.values()))
+    parts.append("recompute " + "/".join(recompute))
+    return " ".join(parts)
+
+
+def print_plan(result, console: Console) -> None:
+    """The winner, why, and the runners-up with the reason each lost."""
+    plan = result.plan
+    predicted = plan.predicted
+    rate = (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s is not None
+            else f"{predicted.samples_per_s:,.1f} samples/s")
+    console.print(f"[bold green]plan[/]: {plan_summary(plan)}  (mesh {' → '.join(plan.mesh_order)}, innermost first)")
+    console.print(f"predicted step {predicted.step_time_s * 1e3:,.1f} ms, {rate}, MFU {predicted.mfu:.1%}, "
+                  f"peak memory {format_bytes(predicted.peak_memory_bytes)}")
+    if plan.pp > 1:
+        console.print("stages: " + ", ".join(f"{len(stage)} layers" for stage in plan.stages))
+    solver = plan.solver
+    console.print(f"solver {solver.status} in {solver.seconds:.1f} s over {solver.candidates:,} candidates"
+                  f"{f', gap {solver.gap:.1%}' if solver.gap else ''}")
+    for note in result.binding:
+        console.print(f"binding: {note}")
+    if result.alternatives:
+        table = Table(title="runners-up", title_justify="left")
+        table.add_column("plan")
+        table.add_column("step", justify="right")
+        table.add_column("why it lost")
+        for alternative in result.alternatives:
+            table.add_row(plan_summary(alternative.plan), f"{alternative.plan.predicted.step_time_s * 1e3:,.1f} ms",
+                          alternative.reason)
+        console.print(table)

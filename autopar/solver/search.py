@@ -54,10 +54,22 @@ class SearchResult:
     rejected: dict[str, int]
 
 
+_WORK: dict[int, tuple[list, float]] = {}
+
+
+def _work_s(time_s: list[list[float]]) -> float:
+    """Σ_l min_r time: memoised per table (the pricer shares tables between candidates)."""
+    cached = _WORK.get(id(time_s))
+    if cached is None or cached[0] is not time_s:
+        cached = (time_s, sum(min(row) for row in time_s))
+        _WORK[id(time_s)] = cached
+    return cached[1]
+
+
 def lower_bound_s(problem: PartitionProblem) -> float:
     """A step time no partition of the problem can beat (see module docstring)."""
     speeds = [problem.speed_of(d) for d in range(problem.devices)]
-    work = sum(min(row) for row in problem.time_s)
+    work = _work_s(problem.time_s)
     slowest = work / sum(1.0 / s for s in speeds)
     v, m = problem.chunks, problem.micro_batches
     once = min(speeds) * sum(problem.per_step_s) / problem.devices if problem.per_step_s else 0.0

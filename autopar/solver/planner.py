@@ -1,0 +1,214 @@
+"""The planner: profile + cluster + settings -> the fastest plan that fits, and why.
+
+Composes the stage-level pieces: the search space (`space`), the cost model's pricer
+(`cost_models.step.PlanPricer`, with the operator-wise ILP as its TP splitter), and the
+branch-and-bound search over candidates with the partition ILP inside (`search`). When nothing
+fits, the same search is re-run on bigger clusters to name the smallest change that would fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from autopar.errors import UserError
+from autopar.plan import Plan, Predicted, Provenance, SolverInfo
+from autopar.solver.search import PlanSearch, Scored, SearchResult
+from autopar.solver.space import Candidate, ModelShape, enumerate_candidates
+from autopar.solver.tp_split import ILPSplitter
+from cost_models.hardware import known_gpus
+from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
+from cost_models.topology import ClusterSpec
+
+if TYPE_CHECKING:
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.profile import ModelProfile
+
+
+class InfeasibleError(UserError):
+    """No plan fits; the message names the smallest change that would."""
+
+
+@dataclass
+class Alternative:
+    """A runner-up and why it lost to the winner."""
+
+    plan: Plan
+    reason: str
+
+
+@dataclass
+class PlanningResult:
+    plan: Plan
+    alternatives: list[Alternative]
+    search: SearchResult
+    estimate: Estimate
+    binding: list[str] = field(default_factory=list)
+
+
+def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none",
+              dp_sync: str = "auto") -> ParallelLayout:
+    return ParallelLayout(dp=candidate.dp, tp=candidate.tp, pp=candidate.pp, cp=candidate.cp,
+                          mesh_order=tuple(candidate.mesh_order), zero_stage=candidate.zero_stage,
+                          hybrid_shard=candidate.hybrid_shard, micro_batch_size=candidate.micro_batch_size,
+                          num_micro_batches=candidate.num_micro_batches, schedule=candidate.schedule,
+                          chunks=candidate.chunks, sequence_parallel=candidate.sequence_parallel,
+                          cp_strategy=candidate.cp_strategy, dp_sync=dp_sync,
+                          stages=tuple(tuple(s) for s in stages), recompute=recompute)
+
+
+class Planner:
+    """Plans one model (profile) for one cluster."""
+
+    def __init__(self, profile: "ModelProfile", cluster: ClusterSpec, train: TrainSpec, solver: "SolverConfig",
+                 pins: "PlanPins", progress: Callable[[int, int], None] | None = None):
+        self.profile = profile
+        self.cluster = cluster
+        self.train = train
+        self.solver = solver
+        self.pins = pins
+        self.progress = progress
+        self.shape = ModelShape.from_profile(profile)
+        self.splitter = ILPSplitter(profile)
+        options = (pins.recompute,) if pins.recompute else tuple(solver.recompute_options)
+        self.pricer = PlanPricer(profile, cluster, train, self.splitter, recompute_options=options)
+
+    def candidates(self, cluster: ClusterSpec | None = None) -> list[Candidate]:
+        cluster = cluster or self.cluster
+        return list(enumerate_candidates(self.shape, cluster.world_size, cluster.gpus_per_node,
+                                         self.train.global_batch_size, self.solver, self.pins))
+
+    def run(self) -> PlanningResult:
+        self._check_pins()
+        candidates = self.candidates()
+        if not candidates:
+            raise UserError(self._why_no_candidates(), "change the pins or train.global_batch_size.")
+        search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=max(1, self.solver.top_k + 1),
+                            seed=self.solver.seed, workers=self.solver.threads, progress=self.progress)
+        result = search.run(candidates)
+        if not result.best:
+            raise InfeasibleError(*self._smallest_fitting_change())
+        winner = self._choose(result)
+        plan, estimate = self.to_plan(winner, result)
+        alternatives = [Alternative(self.to_plan(other, result)[0], self._why_lost(other, winner))
+                        for other in result.best if other is not winner][: self.solver.top_k]
+        return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
+                              binding=self._binding_constraints(winner))
+
+    def _choose(self, result: SearchResult) -> Scored:
+        if self.solver.objective != "memory":
+            return result.best[0]
+        fastest = result.best[0].step_time_s
+        close = [s for s in result.best if s.step_time_s <= 1.05 * fastest]
+        return min(close, key=lambda s: (max(s.partition.device_memory_bytes), s.step_time_s, s.index))
+
+    # -- turning a solution into a Plan ------------------------------------------------------------
+
+    def to_plan(self, scored: Scored, result: SearchResult) -> tuple[Plan, Estimate]:
+        names = [layer.name for layer in self.profile.layers]
+        stages = [[names[l] for l in stage] for stage in scored.partition.stages(len(names))]
+        options = self.pricer.recompute_options
+        recompute = {names[l]: options[o] for l, o in enumerate(scored.partition.options)}
+        layout = layout_of(scored.candidate, stages, recompute)
+        estimate = self.pricer.estimate(layout)
+        dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else "reduce_scatter"
+        plan = Plan(
+            dp=scored.candidate.dp, tp=scored.candidate.tp, pp=scored.candidate.pp, cp=scored.candidate.cp,
+            mesh_order=list(scored.candidate.mesh_order), zero_stage=scored.candidate.zero_stage,
+            hybrid_shard=scored.candidate.hybrid_shard, micro_batch_size=scored.candidate.micro_batch_size,
+            num_micro_batches=scored.candidate.num_micro_batches, schedule=scored.candidate.schedule,
+            chunks=scored.candidate.chunks, stages=stages, recompute=recompute,
+            tp_styles=self._tp_styles(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
+            loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
+                              for module, style in self._tp_styles(scored.candidate.tp).items()),
+            cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync, layer_names=names,
+            block_container=self.profile.block_container, global_batch_size=self.train.global_batch_size,
+            precision=self.train.precision, optimizer=self.train.optimizer,
+            predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
+                                samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
+                                peak_memory_bytes=estimate.peak_memory_bytes,
+                                time_breakdown=estimate.time_breakdown, memory_breakdown=estimate.memory_breakdown),
+            solver=SolverInfo(status=result.status, objective=scored.step_time_s, seconds=round(result.seconds, 3),
+                              candidates=result.candidates, gap=result.gap),
+            provenance=Provenance(model_path=self.profile.model_path, model_sha256=self.profile.model_sha256,
+                                  model_kwargs=dict(self.profile.model_kwargs), cluster=self.cluster.name))
+        return plan, estimate
+
+    def _tp_styles(self, tp: int) -> dict[str, str]:
+        """Module FQN -> style for every layer, repeating each layer kind's ILP solution."""
+        if tp == 1:
+            return {}
+        styles: dict[str, str] = {}
+        for layer in self.profile.layers:
+            kind = layer.repeat_of or layer.name
+            for module, style in self.splitter.solutions.get((kind, tp), {}).items():
+                styles[layer.name + module[len(kind):] if module.startswith(kind) else module] = style
+        return styles
+
+    # -- explanations --------------------------------------------------------------------------------
+
+    def _why_lost(self, other: Scored, winner: Scored) -> str:
+        slower = other.step_time_s / winner.step_time_s - 1
+        return f"slower by {slower:.1%}" if slower > 1e-9 else "equal step time; later in the tie-break order"
+
+    def _binding_constraints(self, winner: Scored) -> list[str]:
+        """Which limits shape the winner (memory per stage, divisibility, TP inside a node)."""
+        notes = []
+        problem = self.pricer.partition_problem(winner.candidate)
+        for device, used in enumerate(winner.partition.device_memory_bytes):
+            if used > 0.9 * problem.capacity_bytes[device]:
+                notes.append(f"memory of pipeline rank {device}: {used / 2**30:.1f} of "
+                             f"{problem.capacity_bytes[device] / 2**30:.1f} GiB usable")
+        bigger_tp = winner.candidate.tp * 2
+        if self.shape.tp_problem(bigger_tp):
+            notes.append(f"tp={bigger_tp} is impossible: {self.shape.tp_problem(bigger_tp)}")
+        elif bigger_tp > self.cluster.gpus_per_node and not self.solver.allow_cross_node_tp:
+            notes.append(f"TP kept inside a node of {self.cluster.gpus_per_node} GPUs")
+        if self.train.global_batch_size % (winner.candidate.dp * 2):
+            notes.append(f"global batch {self.train.global_batch_size} limits data parallelism")
+        return notes
+
+    def _check_pins(self) -> None:
+        if self.pins.tp is not None and self.shape.tp_problem(self.pins.tp):
+            legal = [t for t in (1, 2, 4, 8, 16) if not self.shape.tp_problem(t)]
+            raise UserError(f"plan.tp={self.pins.tp} cannot split this model: {self.shape.tp_problem(self.pins.tp)}.",
+                            f"use one of tp={', '.join(map(str, legal))} or leave plan.tp unset.")
+        product = 1
+        for axis in ("dp", "tp", "pp", "cp"):
+            product *= getattr(self.pins, axis) or 1
+        if product > self.cluster.world_size or self.cluster.world_size % product:
+            raise UserError(f"The pinned degrees multiply to {product}, which does not divide the cluster's "
+                            f"{self.cluster.world_size} GPUs.", "change the pins or cluster.nodes.")
+
+    def _why_no_candidates(self) -> str:
+        batch = self.train.global_batch_size
+        return (f"No plan satisfies the constraints: {self.cluster.world_size} GPUs, global batch {batch}, "
+                f"{self.shape.num_blocks} blocks and the pins given (every data-parallel degree must divide the "
+                f"global batch, and TP must divide the heads).")
+
+    def _smallest_fitting_change(self) -> tuple[str, str]:
+        """Re-run the search on larger clusters / bigger GPUs: the first that fits is the answer."""
+        from dataclasses import replace
+
+        problem = (f"Nothing fits in memory on {self.cluster.world_size} × {self.cluster.node_gpus[0].name} "
+                   f"({self.cluster.node_gpus[0].memory_bytes / 1e9:.0f} GB) with every split, ZeRO stage, "
+                   "micro-batch size and recomputation the search allows.")
+        quick = replace(self.solver, time_limit_s=min(20.0, self.solver.time_limit_s), top_k=0)
+        for factor in (2, 4, 8, 16):
+            bigger = replace(self.cluster, node_gpus=self.cluster.node_gpus * factor)
+            if self._fits(bigger, quick):
+                return problem, f"use {factor}× the nodes ({bigger.world_size} GPUs; cluster.nodes={bigger.nodes})."
+        current = self.cluster.node_gpus[0]
+        for name in sorted(known_gpus(), key=lambda n: (len(n), n)):
+            from cost_models.hardware import get_gpu
+
+            gpu = get_gpu(name)
+            if gpu.memory_bytes > current.memory_bytes and name != "cpu":
+                bigger = replace(self.cluster, node_gpus=tuple(gpu for _ in self.cluster.node_gpus))
+                if self._fits(bigger, quick):
+                    return problem, f"use {name} GPUs ({gpu.memory_bytes / 1e9:.0f} GB) instead."
+        return problem, "use a larger cluster or a smaller model; even 16× the nodes does not fit."
+
+    def _fits(self, cluster: ClusterSpec, solver: "SolverConfig") -> bool:
+        planner = Planner(self.profile, cluster, self.train, solver, self.pins)
+        candidates = planner.candidates()
+        return bool(candidates) and bool(PlanSearch(planner.pricer, time_limit_s=solver.time_limit_s).run(candidates).best)

@@ -1,0 +1,41 @@
+"""Reference planner for tests: every candidate, every partition, every recompute option.
+
+Prices each complete plan with the cost model (`cost_models.pipeline.evaluate` on the
+pricer's per-layer prices) and returns the fastest that fits. It enumerates exactly the space
+the real search covers — cuts at block boundaries when the model is prefix + identical blocks +
+suffix, anywhere otherwise — so the two must agree on the optimum's step time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.solver.block_partition import find_block_run
+from autopar.solver.space import Candidate
+from autopar.solver.stage_partition import brute_force_partition
+from cost_models.pipeline import Partition
+
+
+@dataclass(frozen=True)
+class BruteForceBest:
+    candidate: Candidate
+    partition: Partition
+    step_time_s: float
+
+
+def brute_force_plan(pricer, candidates: list[Candidate]) -> BruteForceBest | None:
+    best: BruteForceBest | None = None
+    for candidate in candidates:
+        problem = pricer.partition_problem(candidate)
+        if problem is None:
+            continue
+        run = find_block_run(problem)
+        allowed = None
+        if run is not None and problem.num_layers - run.count <= 4:
+            allowed = set(range(run.first, run.first + run.count + 1))
+        partition = brute_force_partition(problem, allowed_starts=allowed)
+        if partition is None:
+            continue
+        step = partition.step_time_s + pricer.fixed_time_s(candidate)
+        if best is None or step < best.step_time_s:
+            best = BruteForceBest(candidate, partition, step)
+    return best

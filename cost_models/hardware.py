@@ -42,7 +42,7 @@ class GPUSpec:
     intra_node_link: str
     intra_node_bandwidth_GBps: float
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
-    launch_overhead_s: float = 4e-6
+    launch_overhead_s: float = 9e-6  # eager PyTorch per-op cost, fitted to H100 runs (benchmarks/measured)
     source: str = ""
 
     def flops(self, dtype: str) -> float:

@@ -101,6 +101,7 @@ class Partition:
     device_time_s: list[float]
     device_memory_bytes: list[int]
     status: str = "OPTIMAL"
+    bound_s: float | None = None  # proven lower bound on this problem's step time (= step if OPTIMAL)
 
     def stages(self, num_layers: int) -> list[list[int]]:
         bounds = self.stage_starts + [num_layers]

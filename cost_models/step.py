@@ -41,6 +41,9 @@ CUDA_CONTEXT_BYTES = int(0.75 * GiB)
 DP_BUCKET_BYTES = 25 * 2**20
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 16}  # read p, g, states; write p, states (fp32)
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
+# Slowdown of computation running beside NCCL kernels, as a share of the overlapped
+# communication time (typically 10-30% for overlapped GEMMs; calibration may refit it).
+OVERLAP_INTERFERENCE = 0.2
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,13 @@ class Estimate:
         return asdict(self)
 
 
+def exposed_s(comm_s: float, compute_s: float) -> float:
+    """Time a collective adds when overlapped with `compute_s` of independent work: what does not
+    fit under the compute, plus OVERLAP_INTERFERENCE of what does (communication kernels take
+    SMs and memory bandwidth from the overlapped computation)."""
+    return max(0.0, comm_s - compute_s) + OVERLAP_INTERFERENCE * min(comm_s, compute_s)
+
+
 def mesh_strides(layout: Any) -> dict[str, int]:
     """Rank stride of each mesh axis (innermost axis stride 1)."""
     strides, stride = {}, 1
@@ -153,6 +163,8 @@ class PlanPricer:
         self._placements: dict[tuple, GroupPlacement] = {}
         self._collectives: dict[tuple, float] = {}
         self._row_cache: dict[tuple, list] = {}
+        self._largest_params = max(layer.param_count for layer in self.layers)
+        self._largest_activation = max(layer.activation_bytes for layer in self.layers)
         self._fractions = {layer.name: self._selective_keep_fraction(layer.name) for layer in self.layers}
         self._attention_bytes = self._attention_input_bytes()
 
@@ -207,7 +219,7 @@ class PlanPricer:
         scale = layout.micro_batch_size / self.b0
         times = self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
                                             layout.micro_batch_size, self._zero_key(layout),
-                                            self.placement(layout, "tp"), self.placement(layout, "cp")),
+                                            self._span(layout, "tp"), self._span(layout, "cp")),
                            lambda layer, split: [self._layer_time_s(layer, split, layout, scale, option)
                                                  for option in self.recompute_options], reference)
         activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
@@ -217,11 +229,11 @@ class PlanPricer:
         statics = self._rows("static", layout, (layout.tp, layout.zero_stage if layout.dp > 1 else 0,
                                                 self._shard_size(layout) if layout.dp > 1 else 1),
                              lambda layer, split: int(self._static_bytes(layer, split, layout)), reference)
-        sends = self._rows("send", layout, (layout.pp, self.placement(layout, "pp"), layout.micro_batch_size,
+        sends = self._rows("send", layout, (layout.pp, self._span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
                            lambda layer, split: self._send_s(layer, layout, scale), reference)
         per_step = self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
-                                                   layout.hybrid_shard, self.placement(layout, "dp"),
+                                                   layout.hybrid_shard, self._span(layout, "dp"),
                                                    self._shard_size(layout), layout.micro_batch_size,
                                                    getattr(layout, "dp_sync", "auto")),
                               lambda layer, split: self._per_step_s(layer, split, layout, scale, reference), reference)
@@ -249,10 +261,16 @@ class PlanPricer:
             self._row_cache[full_key] = [by_kind[self.compute.kind(layer.name)] for layer in self.layers]
         return self._row_cache[full_key]
 
+    def _span(self, layout: Any, axis: str) -> tuple[int, int, int]:
+        """A cheap cache key for a group's placement: (size, nodes, ranks per node)."""
+        group = self.placement(layout, axis)
+        return (group.size, group.nodes, group.per_node)
+
     def _zero_key(self, layout: Any) -> tuple:
         if layout.zero_stage < 2 or layout.dp == 1:
             return ()
-        return (layout.zero_stage, self._shard_group(layout))
+        group = self._shard_group(layout)
+        return (layout.zero_stage, group.size, group.nodes, group.per_node)
 
     def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
@@ -328,7 +346,7 @@ class PlanPricer:
         step = self.collective_s(Collective.SEND_RECV, 2 * nbytes / 3, group)
         exchange = 3 * (layout.cp - 1) * step
         attention = (compute.forward_s + compute.backward_s) * scale / layout.cp * 0.5
-        return max(0.0, exchange - attention)
+        return exposed_s(exchange, attention)
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
                             per_token: float) -> float:
@@ -338,12 +356,12 @@ class PlanPricer:
         params = self._tp_params(layer, split, layout)
         weights, grads, _ = state_bytes_per_param(self.train.precision, self.train.optimizer)
         rs = self.collective_s(Collective.REDUCE_SCATTER, params * grads, group)
-        exposed = max(0.0, rs - compute.backward_s * per_token)
-        if layout.zero_stage == 3:
-            gather = self.collective_s(Collective.ALL_GATHER, params * weights, group)
-            exposed += max(0.0, gather - compute.forward_s * per_token)
-            exposed += max(0.0, gather + rs - compute.backward_s * per_token) - max(0.0, rs - compute.backward_s * per_token)
-        return exposed
+        backward = compute.backward_s * per_token
+        if layout.zero_stage == 2:
+            return exposed_s(rs, backward)
+        gather = self.collective_s(Collective.ALL_GATHER, params * weights, group)
+        # ZeRO-3 gathers the layer's parameters before its forward and again before its backward.
+        return exposed_s(gather, compute.forward_s * per_token) + exposed_s(gather + rs, backward)
 
     def _per_step_s(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, gpu: GPUSpec) -> float:
         params = self._tp_params(layer, split, layout)
@@ -355,7 +373,7 @@ class PlanPricer:
         backward = split.compute.backward_s * scale / layout.cp
         if layout.zero_stage <= 1:
             sync = self.dp_sync_cost(layout, params * grads).seconds
-            exposed = max(0.0, sync - backward)
+            exposed = exposed_s(sync, backward)
             if layout.zero_stage == 1:
                 exposed += self.collective_s(Collective.ALL_GATHER, params * weights, self._shard_group(layout))
             return update + exposed
@@ -413,14 +431,14 @@ class PlanPricer:
 
     def _overhead_bytes(self, layout: Any, scale: float) -> int:
         weights, _, _ = state_bytes_per_param(self.train.precision, self.train.optimizer)
-        largest = max(layer.param_count for layer in self.layers) / layout.tp
+        largest = self._largest_params / layout.tp
         overhead = CUDA_CONTEXT_BYTES if self.cluster.node_gpus[0].name != "cpu" else 0
         if layout.zero_stage == 3 and layout.dp > 1:
             overhead += 2 * largest * weights  # this layer's and the prefetched next layer's params
         if layout.dp > 1:
             overhead += 2 * DP_BUCKET_BYTES
         # The layer being recomputed holds its full activations while its backward runs.
-        overhead += max(layer.activation_bytes for layer in self.layers) * scale / layout.tp / layout.cp
+        overhead += self._largest_activation * scale / layout.tp / layout.cp
         return int(overhead)
 
     def _selective_keep_fraction(self, layer_name: str) -> float:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from cost_models.pipeline import Partition, PartitionProblem, evaluate, mib_down, mib_up, time_units
+from autopar.solver.stage_partition import priced_solution, solve_deterministically, unresolved
+from cost_models.pipeline import Partition, PartitionProblem, mib_down, mib_up, time_units
 
 
 @dataclass(frozen=True)
@@ -64,41 +65,50 @@ class BlockPartitioner:
         if P - 2 > K or (P == 1 and not K):
             return None
         model = cp_model.CpModel()
-        n = [model.new_int_var(0, K, f"n[{j}]") for j in range(P)]
-        k = [[model.new_int_var(0, K, f"k[{j},{r}]") for r in range(options)] for j in range(P)]
+        # Per device, not per chunk: how a device's blocks spread over its v chunks changes no
+        # cost term (its time and memory are sums over its blocks), so only totals are decided.
+        n = [model.new_int_var(0, K, f"n[{d}]") for d in range(p)]
+        k = [[model.new_int_var(0, K, f"k[{d},{r}]") for r in range(options)] for d in range(p)]
         y = {l: [model.new_bool_var(f"y[{l},{r}]") for r in range(options)] for l in prefix + suffix}
-        model.add(sum(n) == K)
-        for j in range(P):
-            model.add(sum(k[j]) == n[j])
-            holds_other = (j == 0 and prefix) or (j == P - 1 and suffix)
-            if not holds_other:
-                model.add(n[j] >= 1)
-        for choices in y.values():
-            model.add_exactly_one(choices)
-        empty_first = model.new_bool_var("n0_is_zero")
-        model.add(n[0] == 0).only_enforce_if(empty_first)
-        model.add(n[0] >= 1).only_enforce_if(~empty_first)
+        empty_first = model.new_bool_var("first_stage_without_blocks")
+        empty_last = model.new_bool_var("last_stage_without_blocks")
         if not prefix:
             model.add(empty_first == 0)
+        if not suffix:
+            model.add(empty_last == 0)
+        model.add(sum(n) == K)
+        for d in range(p):
+            model.add(sum(k[d]) == n[d])
+            # Every chunk holds at least one block, except a first/last stage that holds the
+            # prefix/suffix and may hold nothing else.
+            minimum = v - (empty_first if d == 0 else 0) - (empty_last if d == p - 1 else 0)
+            model.add(n[d] >= minimum)
+        if v == 1:  # the empty stage is the device's only chunk: the device holds no block
+            model.add(n[0] == 0).only_enforce_if(empty_first)
+            model.add(n[p - 1] == 0).only_enforce_if(empty_last)
+        if P == 1:
+            model.add(empty_first == 0)
+            model.add(empty_last == 0)
+        for choices in y.values():
+            model.add_exactly_one(choices)
 
         block = f  # any block's prices stand for all of them
         device_time, per_step, memory = [[] for _ in range(p)], [[] for _ in range(p)], [[] for _ in range(p)]
-        for j in range(P):
-            d = j % p
+        for d in range(p):
             speed = problem.speed_of(d)
-            device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[j][r] for r in range(options)]
+            device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][r] for r in range(options)]
             memory[d] += [mib_up(problem.static_bytes[block] + problem.in_flight[d] * problem.activation_bytes[block][r])
-                          * k[j][r] for r in range(options)]
+                          * k[d][r] for r in range(options)]
             if problem.per_step_s:
-                per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[j])
-            if j < P - 1:
-                block_send = time_units(speed * problem.send_s[block])
-                if j == 0 and prefix:
-                    prefix_send = time_units(speed * problem.send_s[prefix[-1]])
-                    device_time[d].append(block_send + (prefix_send - block_send) * empty_first)
-                else:
-                    device_time[d].append(block_send)
-            edge_layers = (prefix if j == 0 else []) + (suffix if j == P - 1 else [])
+                per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d])
+            block_send = time_units(speed * problem.send_s[block])
+            senders = v - (1 if d == p - 1 else 0)  # every stage but the last sends its output
+            if d == 0 and prefix and P > 1:
+                prefix_send = time_units(speed * problem.send_s[prefix[-1]])
+                device_time[d].append(senders * block_send + (prefix_send - block_send) * empty_first)
+            else:
+                device_time[d].append(senders * block_send)
+            edge_layers = (prefix if d == 0 else []) + (suffix if d == (P - 1) % p else [])
             for l in edge_layers:
                 device_time[d] += [time_units(speed * problem.time_s[l][r]) * y[l][r] for r in range(options)]
                 memory[d] += [mib_up(problem.static_bytes[l] + problem.in_flight[d] * problem.activation_bytes[l][r])
@@ -120,32 +130,37 @@ class BlockPartitioner:
         m = problem.micro_batches
         model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_vars) + v * once)
 
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = self.time_limit_s
-        solver.parameters.random_seed = self.seed
-        solver.parameters.num_workers = self.workers
-        status = solver.solve(model)
+        solver, status = solve_deterministically(model, self.time_limit_s, self.seed, self.workers)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return None
-        starts, chosen = self._decode(solver, problem, run, n, k, y, prefix, suffix)
-        result = evaluate(problem, starts, chosen)
-        if result is None:
-            raise AssertionError("compressed partition breaks a memory limit")
-        return Partition(result.stage_starts, result.options, result.step_time_s, result.device_time_s,
-                         result.device_memory_bytes, solver.status_name(status))
+            return unresolved(problem, solver, status)
+        starts, chosen = self._decode(solver, problem, run, n, k, y, prefix, suffix,
+                                      solver.value(empty_first), solver.value(empty_last))
+        return priced_solution(problem, starts, chosen, solver, status)
 
     @staticmethod
-    def _decode(solver, problem, run, n, k, y, prefix, suffix) -> tuple[list[int], list[int]]:
-        """Stage starts, and options: within a stage option 0's blocks first, then option 1's, ..."""
+    def _decode(solver, problem, run, n, k, y, prefix, suffix, empty_first, empty_last) -> tuple[list[int], list[int]]:
+        """Spread each device's blocks over its chunks (evenly, first chunks get the remainder;
+        an empty first/last stage gets none), then lay the stages out in order. Within a device,
+        option 0's blocks come first, then option 1's, ..."""
+        P, p, v = problem.num_stages, problem.devices, problem.chunks
+        counts = [0] * P
+        for d in range(p):
+            chunks = [j for j in range(d, P, p) if not (j == 0 and empty_first) and not (j == P - 1 and empty_last)]
+            total = solver.value(n[d])
+            for position, j in enumerate(chunks):
+                counts[j] = total // len(chunks) + (1 if position < total % len(chunks) else 0)
+        options_left = [[solver.value(var) for var in k[d]] for d in range(p)]
         starts, chosen = [0], [0] * problem.num_layers
         for l in prefix + suffix:
             chosen[l] = next(r for r, var in enumerate(y[l]) if solver.value(var))
         position = run.first
-        for j, count in enumerate(n):
+        for j in range(P):
             if j > 0:
                 starts.append(position)
-            for r, var in enumerate(k[j]):
-                for l in range(position, position + solver.value(var)):
-                    chosen[l] = r
-                position += solver.value(var)
+            left = options_left[j % p]
+            for _ in range(counts[j]):
+                option = next(r for r, count in enumerate(left) if count > 0)
+                left[option] -= 1
+                chosen[position] = option
+                position += 1
         return starts, chosen

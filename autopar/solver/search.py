@@ -5,8 +5,11 @@ memory for that configuration) plus a partition-independent time. Its step time 
 the lower bound `lower_bound_s` (perfectly balanced stages, cheapest recompute option, no
 p2p), so candidates are visited in order of that bound and the partition ILP is solved only
 while the bound can still beat the k-th best plan found: when the loop stops on the bound,
-the best plan is optimal within the space (status OPTIMAL); if the time limit stops it first,
-the status is FEASIBLE with gap = (best - smallest unexplored bound) / best.
+the best plan is optimal within the space (status OPTIMAL). Each partition solve has a
+deterministic work limit; one that stops early still proves a lower bound, which prunes the
+candidate if it cannot beat the best plan. If the time limit stops the loop, or a stopped solve
+could still beat the best plan, the status is FEASIBLE with
+gap = (best - smallest bound not excluded) / best.
 Ties are broken by enumeration order (smaller TP, then CP, PP, micro-batch, ...), so the same
 inputs always give the same plan.
 """
@@ -54,31 +57,55 @@ class SearchResult:
     rejected: dict[str, int]
 
 
-_WORK: dict[int, tuple[list, float]] = {}
+_TABLE_SUMS: dict[int, tuple[list, float]] = {}
 
 
-def _work_s(time_s: list[list[float]]) -> float:
-    """Σ_l min_r time: memoised per table (the pricer shares tables between candidates)."""
-    cached = _WORK.get(id(time_s))
-    if cached is None or cached[0] is not time_s:
-        cached = (time_s, sum(min(row) for row in time_s))
-        _WORK[id(time_s)] = cached
+def _table_sum(table: list) -> float:
+    """Σ over layers of the row minimum (or the value): memoised per table object, since the
+    pricer shares one table between the many candidates it applies to."""
+    cached = _TABLE_SUMS.get(id(table))
+    if cached is None or cached[0] is not table:
+        cached = (table, sum(min(row) if isinstance(row, list) else row for row in table))
+        _TABLE_SUMS[id(table)] = cached
     return cached[1]
 
 
+_LONGEST_RUN: dict[int, tuple[list, int, float]] = {}
+
+
+def _longest_identical_run(time_s: list[list[float]]) -> tuple[int, float]:
+    """(length, fastest time) of the longest run of layers with identical time rows."""
+    cached = _LONGEST_RUN.get(id(time_s))
+    if cached is None or cached[0] is not time_s:
+        best, start = (0, 0.0), 0
+        for l in range(1, len(time_s) + 1):
+            if l == len(time_s) or time_s[l] != time_s[start]:
+                if l - start > best[0]:
+                    best = (l - start, min(time_s[start]))
+                start = l
+        cached = (time_s, *best)
+        _LONGEST_RUN[id(time_s)] = cached
+    return cached[1], cached[2]
+
+
 def lower_bound_s(problem: PartitionProblem) -> float:
-    """A step time no partition of the problem can beat (see module docstring)."""
+    """A step time no partition of the problem can beat (see module docstring): the work,
+    the fewest possible sends (one per stage boundary) and, for identical blocks, the
+    pigeonhole fact that some device holds at least ceil(K / p) of them."""
     speeds = [problem.speed_of(d) for d in range(problem.devices)]
-    work = _work_s(problem.time_s)
+    sends = (problem.num_stages - 1) * min(problem.send_s) if problem.send_s else 0.0
+    work = _table_sum(problem.time_s) + sends
     slowest = work / sum(1.0 / s for s in speeds)
+    blocks, block_time = _longest_identical_run(problem.time_s)
+    slowest = max(slowest, -(-blocks // problem.devices) * block_time * min(speeds))
     v, m = problem.chunks, problem.micro_batches
-    once = min(speeds) * sum(problem.per_step_s) / problem.devices if problem.per_step_s else 0.0
+    once = min(speeds) * _table_sum(problem.per_step_s) / problem.devices if problem.per_step_s else 0.0
     return (m - 1 + 1 - 1 / v) * slowest + min(speeds) * work / v + once
 
 
 def memory_cannot_fit(problem: PartitionProblem) -> bool:
     """Even with the least activation memory, the layers' bytes exceed all devices together."""
-    need = sum(problem.static_bytes) + sum(min(row) * min(problem.in_flight) for row in problem.activation_bytes)
+    need = _table_sum(problem.static_bytes) + _table_sum(problem.activation_bytes) * min(problem.in_flight)
     return need + sum(problem.overhead_bytes) > sum(problem.capacity_bytes)
 
 
@@ -86,12 +113,13 @@ class PlanSearch:
     """Branch and bound over candidates with the partition ILP as the inner solver."""
 
     def __init__(self, pricer: CandidatePricer, time_limit_s: float = 60.0, top_k: int = 1, seed: int = 0,
-                 workers: int = 1, progress: Callable[[int, int], None] | None = None):
+                 workers: int = 1, progress: Callable[[int, int], None] | None = None,
+                 solve_work_limit: float = 2.0):
         self.pricer = pricer
         self.time_limit_s = time_limit_s
         self.top_k = max(1, top_k)
-        self.general = StagePartitioner(time_limit_s=min(30.0, time_limit_s), seed=seed, workers=workers)
-        self.blocks = BlockPartitioner(time_limit_s=min(30.0, time_limit_s), seed=seed, workers=workers)
+        self.general = StagePartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
+        self.blocks = BlockPartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
         self.progress = progress
 
     def run(self, candidates: list[Candidate]) -> SearchResult:
@@ -111,25 +139,29 @@ class PlanSearch:
 
         best: list[Scored] = []  # max-heap by negated time, size top_k
         solved: dict[int, Partition | None] = {}
-        status, gap, explored = "OPTIMAL", 0.0, 0
+        open_bounds: list[float] = []  # lower bounds of solves stopped by their work limit
+        stopped_at: float | None = None
+        explored = 0
         for position, (bound, index, candidate, problem) in enumerate(bounded):
             kth = -best[0].step_time_s if len(best) == self.top_k else float("inf")
             if bound >= kth:
                 break
             if time.perf_counter() - start > self.time_limit_s:
-                status = "FEASIBLE"
-                top = min((-item.step_time_s for item in best), default=float("inf"))
-                gap = (top - bound) / top if best else 1.0
+                stopped_at = bound
                 break
             key = id(problem)
             if key not in solved:
-                solved[key] = self._solve_partition(problem)
+                solved[key] = self._solve_partition(problem, kth - self.pricer.fixed_time_s(candidate))
             explored += 1
             if self.progress:
                 self.progress(position + 1, len(bounded))
             partition = solved[key]
             if partition is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
+                continue
+            if partition.status != "OPTIMAL":
+                open_bounds.append(partition.bound_s + self.pricer.fixed_time_s(candidate))
+            if not partition.stage_starts:
                 continue
             scored = Scored(partition.step_time_s + self.pricer.fixed_time_s(candidate), index, candidate, partition)
             entry = Scored(-scored.step_time_s, -scored.index, candidate, partition)
@@ -138,12 +170,29 @@ class PlanSearch:
             elif entry > best[0]:
                 heapq.heapreplace(best, entry)
         ranked = sorted(Scored(-e.step_time_s, -e.index, e.candidate, e.partition) for e in best)
-        return SearchResult(best=ranked, status=status if ranked else "INFEASIBLE",
+        status, gap = "OPTIMAL", 0.0
+        if ranked:
+            top = ranked[0].step_time_s
+            unexcluded = [b for b in open_bounds + ([stopped_at] if stopped_at is not None else []) if b < top]
+            if unexcluded:
+                status, gap = "FEASIBLE", (top - min(unexcluded)) / top
+        elif open_bounds or stopped_at is not None:
+            status = "UNKNOWN"
+        return SearchResult(best=ranked, status=status if ranked or status == "UNKNOWN" else "INFEASIBLE",
                             seconds=time.perf_counter() - start, candidates=len(candidates),
                             partitions_solved=len(solved), gap=gap, rejected=rejected)
 
-    def _solve_partition(self, problem: PartitionProblem) -> Partition | None:
+    def _solve_partition(self, problem: PartitionProblem, beat_s: float = float("inf")) -> Partition | None:
+        """Solve briefly first: the bound of a short solve often already shows the candidate
+        cannot beat `beat_s`; only otherwise spend the full work limit."""
         run = find_block_run(problem)
-        if run is not None and problem.num_layers - run.count <= 4:
-            return self.blocks.solve(problem, run)
-        return self.general.solve(problem)
+        partitioner = self.blocks if run is not None and problem.num_layers - run.count <= 4 else self.general
+        full = partitioner.time_limit_s
+        partitioner.time_limit_s = min(full, 0.2)
+        try:
+            quick = partitioner.solve(problem, run) if partitioner is self.blocks else partitioner.solve(problem)
+        finally:
+            partitioner.time_limit_s = full
+        if quick is None or quick.status == "OPTIMAL" or quick.bound_s >= beat_s:
+            return quick
+        return partitioner.solve(problem, run) if partitioner is self.blocks else partitioner.solve(problem)

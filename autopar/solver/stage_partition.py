@@ -42,6 +42,38 @@ from cost_models.pipeline import (TIME_UNITS_PER_S, Partition, PartitionProblem,
                                    time_units)
 
 
+def solve_deterministically(model: cp_model.CpModel, time_limit_s: float, seed: int, workers: int):
+    """Solve with a deterministic work limit (CP-SAT's deterministic seconds) rather than wall
+    time, so the same inputs give the same answer on any machine load."""
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    return solver, solver.solve(model)
+
+
+def priced_solution(problem: PartitionProblem, starts: list[int], options: list[int], solver: cp_model.CpSolver,
+                    status: int) -> Partition:
+    """Price the decoded solution with `evaluate` and attach the solver's status and proven
+    lower bound (objective units are v·µs, as in the models' objectives)."""
+    result = evaluate(problem, starts, options)
+    if result is None:  # evaluate() uses the ILP's own units: this would be a bug
+        raise AssertionError("ILP partition breaks a memory limit")
+    bound = solver.best_objective_bound / problem.chunks / TIME_UNITS_PER_S
+    return Partition(result.stage_starts, result.options, result.step_time_s, result.device_time_s,
+                     result.device_memory_bytes, solver.status_name(status),
+                     result.step_time_s if status == cp_model.OPTIMAL else min(bound, result.step_time_s))
+
+
+def unresolved(problem: PartitionProblem, solver: cp_model.CpSolver, status: int) -> Partition | None:
+    """None when the problem is proven infeasible; otherwise (work limit reached before any
+    solution) a placeholder with no partition and the proven lower bound."""
+    if status == cp_model.INFEASIBLE:
+        return None
+    bound = max(0.0, solver.best_objective_bound) / problem.chunks / TIME_UNITS_PER_S
+    return Partition([], [], float("inf"), [], [], solver.status_name(status), bound)
+
+
 class StagePartitioner:
     """Solves the program in the module docstring."""
 
@@ -64,21 +96,13 @@ class StagePartitioner:
         v, m = problem.chunks, problem.micro_batches
         # Objective scaled by v so every coefficient is an integer.
         model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_time) + v * once)
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = self.time_limit_s
-        solver.parameters.random_seed = self.seed
-        solver.parameters.num_workers = self.workers
-        status = solver.solve(model)
+        solver, status = solve_deterministically(model, self.time_limit_s, self.seed, self.workers)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return None
+            return unresolved(problem, solver, status)
         starts = [l for l in range(L) if l == 0 or any(solver.value(last[(l - 1, j)]) for j in range(P - 1))]
         chosen = [next(r for j in range(P) for r in range(options) if solver.value(w[(l, j, r)]))
                   for l in range(L)]
-        result = evaluate(problem, starts, chosen)
-        if result is None:  # evaluate() uses the ILP's own units: this would be a bug
-            raise AssertionError("ILP partition breaks a memory limit")
-        return Partition(result.stage_starts, result.options, result.step_time_s, result.device_time_s,
-                         result.device_memory_bytes, solver.status_name(status))
+        return priced_solution(problem, starts, chosen, solver, status)
 
     def _add_assignment(self, model, problem, L, P, options):
         x = {(l, j): model.new_bool_var(f"x[{l},{j}]") for l in range(L) for j in range(P)}

@@ -75,15 +75,15 @@ def test_bad_layouts_fail_clearly(gpt_profile):
 
 
 def test_mixed_cluster_slower_stage_has_speed_factor(examples_dir):
-    """At a realistic size the A100 stage runs GEMMs ~2-3x slower than the H100 stage
-    (312·0.87 vs 989·0.80 TFLOP/s) and memory-bound ops 1.6x (2.0 vs 3.35 TB/s)."""
+    """At this size the A100 stage runs GEMMs ~2-3x slower than the H100 stage
+    (312·0.87 vs 989·0.80 TFLOP/s), memory-bound ops 1.6x (2.0 vs 3.35 TB/s), launches alike."""
     gpt_profile = profile_model(load_model_file(examples_dir / "gpt.py"),
                                 {"layers": 2, "hidden": 1024, "heads": 8, "seq_len": 1024, "vocab": 512}, 2, "bf16")
     cluster = ClusterSpec.from_config(ClusterConfig(
         name="mixed", gpus_per_node=2, node_groups=[NodeGroupConfig("H100-SXM", 1), NodeGroupConfig("A100-80GB", 1)]))
     pricer = PlanPricer(gpt_profile, cluster, TrainSpec(global_batch_size=8), ILPSplitter(gpt_profile))
     problem = pricer.partition_problem(ParallelLayout(tp=2, pp=2, micro_batch_size=2, num_micro_batches=4))
-    assert problem.speed[0] == 1.0 and 1.6 < problem.speed[1] < 3.0  # A100 stage slower than the H100 one
+    assert problem.speed[0] == 1.0 and 1.3 < problem.speed[1] < 3.0  # A100 stage slower than the H100 one
     # A TP group may not span both GPU types.
     assert pricer.partition_problem(ParallelLayout(tp=2, pp=2, micro_batch_size=2, num_micro_batches=4,
                                                    mesh_order=("pp", "tp", "cp", "dp"))) is None

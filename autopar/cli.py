@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan = _add_verb(verbs, "plan", "search for the fastest plan that fits and explain the runners-up",
                      PLAN_EXAMPLES, _plan)
     plan.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
+    calibrate = verbs.add_parser("calibrate", help="measure this machine's GEMM, memory and all-reduce speed",
+                                 description="Measure GEMM throughput, memory bandwidth and the all-reduce "
+                                             "latency/bandwidth of local ranks, and write a hardware profile.",
+                                 epilog="examples:\n  autopar calibrate --out hw.yaml\n"
+                                        "  autopar estimate examples/gpt.py cluster=calibrated plan.dp=4",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    calibrate.add_argument("--out", type=Path, default=Path("hw.yaml"), help="hardware profile to write")
+    calibrate.add_argument("--ranks", type=int, default=2, help="local ranks for the all-reduce measurement")
+    calibrate.add_argument("--ranks-per-node", type=int, default=4,
+                           help="training ranks sharing this host's cores (cpu_gloo's gpus_per_node)")
+    calibrate.add_argument("--gpu", default="cpu", help="catalogue entry the measurements replace")
+    calibrate.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    calibrate.set_defaults(handler=_calibrate)
     return parser
 
 
@@ -136,6 +149,20 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     out = args.out or Path("plan.json")
     write_atomically(out, result.plan.to_json())
     console.print(f"wrote {out}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    from cost_models.calibrate import calibrate
+
+    with console.status("Measuring GEMM, memory bandwidth and all-reduce ..."):
+        profile = calibrate(args.out, gpu_name=args.gpu, ranks=args.ranks, ranks_per_node=args.ranks_per_node)
+    gpu = profile["gpus"][args.gpu]
+    link = profile["links"]["intra"]
+    console.print(f"GEMM {max(gpu['peak_flops'].values()) / 1e9:,.1f} GFLOP/s per rank, memory "
+                  f"{gpu['memory_bandwidth_Bps'] / 1e9:,.1f} GB/s, all-reduce link "
+                  f"{link['bandwidth_Bps'] / 1e9:,.2f} GB/s with {link['latency_s'] * 1e6:,.0f} µs per message")
+    console.print(f"wrote {args.out}; use it with cluster=calibrated cluster.hardware_profile={args.out}")
     return 0
 
 

@@ -171,11 +171,15 @@ def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
 
 
 def model_inputs(model: torch.nn.Module, batch: Any) -> tuple[tuple, dict]:
-    """(args, kwargs) for the model's forward: dict -> kwargs, tuple/list -> positional."""
+    """(args, kwargs) for the model's forward: dict -> kwargs, tuple/list -> positional.
+
+    Wrappers that forward everything (DDP's ``forward(*inputs, **kwargs)``) are looked through
+    to the wrapped module's signature."""
+    inner = getattr(model, "module", model)
     if isinstance(batch, dict):
-        return (), accepted_kwargs(model.forward, batch)
+        return (), accepted_kwargs(inner.forward, batch)
     if isinstance(batch, (tuple, list)):
-        forward = inspect.signature(model.forward).parameters.values()
+        forward = inspect.signature(inner.forward).parameters.values()
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in forward):
             return tuple(batch), {}
         positional = [p for p in forward if p.kind in (inspect.Parameter.POSITIONAL_ONLY,

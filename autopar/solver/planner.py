@@ -7,7 +7,7 @@ fits, the same search is re-run on bigger clusters to name the smallest change t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.errors import UserError
@@ -45,15 +45,9 @@ class PlanningResult:
     binding: list[str] = field(default_factory=list)
 
 
-def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none",
-              dp_sync: str = "auto") -> ParallelLayout:
-    return ParallelLayout(dp=candidate.dp, tp=candidate.tp, pp=candidate.pp, cp=candidate.cp,
-                          mesh_order=tuple(candidate.mesh_order), zero_stage=candidate.zero_stage,
-                          hybrid_shard=candidate.hybrid_shard, micro_batch_size=candidate.micro_batch_size,
-                          num_micro_batches=candidate.num_micro_batches, schedule=candidate.schedule,
-                          chunks=candidate.chunks, sequence_parallel=candidate.sequence_parallel,
-                          cp_strategy=candidate.cp_strategy, dp_sync=dp_sync,
-                          stages=tuple(tuple(s) for s in stages), recompute=recompute)
+def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
+    """The candidate completed with its stage split and per-layer recomputation."""
+    return replace(candidate, stages=tuple(tuple(stage) for stage in stages), recompute=recompute)
 
 
 class Planner:
@@ -187,8 +181,6 @@ class Planner:
 
     def _smallest_fitting_change(self) -> tuple[str, str]:
         """Re-run the search on larger clusters / bigger GPUs: the first that fits is the answer."""
-        from dataclasses import replace
-
         problem = (f"Nothing fits in memory on {self.cluster.world_size} × {self.cluster.node_gpus[0].name} "
                    f"({self.cluster.node_gpus[0].memory_bytes / 1e9:.0f} GB) with every split, ZeRO stage, "
                    "micro-batch size and recomputation the search allows.")

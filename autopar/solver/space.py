@@ -1,6 +1,6 @@
 """The search space: every global configuration of a plan (all but the layer partition).
 
-A `Candidate` fixes the parallel degrees and their order on the topology, the ZeRO stage,
+A candidate (a `ParallelLayout` without its stage split) fixes the parallel degrees and their order on the topology, the ZeRO stage,
 micro-batching, the pipeline schedule and the sequence/context-parallel options. What is
 legal follows from the model (heads and hidden sizes divisible by TP, layers by stages), the
 batch (global batch = dp × micro-batch × micro-batches), the cluster (TP inside a node unless
@@ -14,6 +14,8 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from cost_models.step import ParallelLayout
+
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
     from autopar.profile import ModelProfile
@@ -21,30 +23,8 @@ if TYPE_CHECKING:
 AXES = ("tp", "cp", "pp", "dp")
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One global configuration; the partition solver completes it into a plan."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    mesh_order: tuple[str, ...]
-    zero_stage: int
-    hybrid_shard: bool
-    micro_batch_size: int
-    num_micro_batches: int
-    schedule: str
-    chunks: int
-    sequence_parallel: bool
-    cp_strategy: str
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def degree(self, axis: str) -> int:
-        return getattr(self, axis)
+# A candidate is a layout whose stage split and recomputation the partition solver completes.
+Candidate = ParallelLayout
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,33 @@ class Planner:
                                          self.train.global_batch_size, self.solver, self.pins))
 
     def run(self) -> PlanningResult:
+        if self.solver.objective == "min_gpus":
+            return self._fewest_gpus()
+        return self._fastest()
+
+    def _fewest_gpus(self) -> PlanningResult:
+        """The smallest prefix of the cluster's nodes whose fastest plan reaches the target."""
+        target = self.solver.target_tokens_per_s
+        if target <= 0:
+            raise UserError("solver.objective=min_gpus needs a throughput to reach.",
+                            "set solver.target_tokens_per_s=<tokens per second>.")
+        best_seen = 0.0
+        for nodes in range(1, self.cluster.nodes + 1):
+            cluster = replace(self.cluster, node_gpus=self.cluster.node_gpus[:nodes])
+            fastest = replace(self.solver, objective="throughput")
+            planner = Planner(self.profile, cluster, self.train, fastest, self.pins, self.progress)
+            try:
+                result = planner._fastest()
+            except UserError:
+                continue
+            rate = result.plan.predicted.tokens_per_s or 0.0
+            best_seen = max(best_seen, rate)
+            if rate >= target:
+                return result
+        raise UserError(f"No plan on up to {self.cluster.world_size} GPUs reaches {target:,.0f} tokens/s "
+                        f"(best {best_seen:,.0f}).", "raise cluster.nodes or lower solver.target_tokens_per_s.")
+
+    def _fastest(self) -> PlanningResult:
         self._check_pins()
         candidates = self.candidates()
         if not candidates:

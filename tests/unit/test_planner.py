@@ -134,3 +134,20 @@ def test_nothing_fits_names_the_smallest_change(examples_dir):
                       SolverConfig(time_limit_s=20), PlanPins())
     with pytest.raises(InfeasibleError, match=r"Nothing fits.*Fix: use \d+× the nodes"):
         planner.run()
+
+
+def test_min_gpus_picks_the_fewest_nodes_meeting_the_target(examples_dir):
+    profile = profile_of(examples_dir, "gpt.py", GPT_1B)
+    spec = cluster("A100-80GB", 4, 8)
+    train = TrainSpec(global_batch_size=64)
+
+    def fastest_on(nodes: int) -> float:
+        sub = ClusterSpec.from_config(ClusterConfig(name="t", gpu="A100-80GB", nodes=nodes, gpus_per_node=8))
+        return Planner(profile, sub, train, SolverConfig(), PlanPins()).run().plan.predicted.tokens_per_s
+
+    one, two = fastest_on(1), fastest_on(2)
+    assert two > one
+    target = (one + two) / 2  # one node is too slow, two nodes are enough
+    plan = Planner(profile, spec, train, SolverConfig(objective="min_gpus", target_tokens_per_s=target),
+                   PlanPins()).run().plan
+    assert plan.world_size == 16 and plan.predicted.tokens_per_s >= target

@@ -91,6 +91,13 @@ class BlockPartitioner:
             model.add(empty_last == 0)
         for choices in y.values():
             model.add_exactly_one(choices)
+        # Hint: blocks spread evenly, fastest option (a good start for the search; not a constraint).
+        for d in range(p):
+            share = K // p + (1 if d < K % p else 0)
+            model.add_hint(n[d], share)
+            fastest = min(range(options), key=lambda r: problem.time_s[f][r])
+            for r in range(options):
+                model.add_hint(k[d][r], share if r == fastest else 0)
 
         block = f  # any block's prices stand for all of them
         device_time, per_step, memory = [[] for _ in range(p)], [[] for _ in range(p)], [[] for _ in range(p)]

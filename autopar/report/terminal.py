@@ -81,8 +81,13 @@ def breakdown_table(title: str, rows: dict[str, str]) -> Table:
 
 def plan_summary(plan) -> str:
     """One line: degrees, ZeRO, micro-batching, schedule."""
-    parts = [f"dp={plan.dp}", f"tp={plan.tp}", f"pp={plan.pp}", f"cp={plan.cp}", f"ZeRO-{plan.zero_stage}",
+    parts = [f"dp={plan.dp}", f"tp={plan.tp}", f"pp={plan.pp}", f"cp={plan.cp}",
+             f"ZeRO-{plan.zero_stage}" + (" hybrid" if plan.hybrid_shard else ""),
              f"micro-batch {plan.micro_batch_size}×{plan.num_micro_batches}"]
+    if list(plan.mesh_order) != ["tp", "cp", "pp", "dp"]:
+        parts.append("mesh " + ">".join(plan.mesh_order))
+    if plan.cp > 1:
+        parts.append(plan.cp_strategy)
     if plan.pp > 1:
         parts.append(plan.schedule + (f" v={plan.chunks}" if plan.chunks > 1 else ""))
     if plan.sequence_parallel:

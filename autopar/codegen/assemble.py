@@ -1,0 +1,80 @@
+"""Concatenate the runtime sections into one module: merged imports, then each section's code.
+
+Imports from ``autopar.codegen.sections`` are dropped (every section shares the generated
+file's namespace); the rest are merged per module so the file has one import block.
+"""
+from __future__ import annotations
+
+import ast
+from importlib import resources
+
+SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "optimizer", "train")
+_INTERNAL = "autopar"
+
+
+def section_source(name: str) -> str:
+    return resources.files("autopar.codegen.sections").joinpath(f"{name}.py").read_text()
+
+
+class ImportBlock:
+    """Imports gathered from several sources, merged and printed in a stable order."""
+
+    def __init__(self) -> None:
+        self.plain: set[str] = set()
+        self.from_names: dict[str, set[str]] = {}
+
+    def add(self, node: ast.Import | ast.ImportFrom) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                self.plain.add(alias.name if alias.asname is None else f"{alias.name} as {alias.asname}")
+            return
+        if node.module == "__future__" or (node.module or "").split(".")[0] == _INTERNAL:
+            return
+        names = self.from_names.setdefault(node.module, set())
+        for alias in node.names:
+            names.add(alias.name if alias.asname is None else f"{alias.name} as {alias.asname}")
+
+    def source(self) -> str:
+        stdlib = sorted(p for p in self.plain if not p.startswith("torch"))
+        torch_plain = sorted(p for p in self.plain if p.startswith("torch"))
+        lines = [f"import {p}" for p in stdlib]
+        lines += [_from_line(m, n) for m, n in sorted(self.from_names.items()) if not m.startswith("torch")]
+        lines.append("")
+        lines += [f"import {p}" for p in torch_plain]
+        lines += [_from_line(m, n) for m, n in sorted(self.from_names.items()) if m.startswith("torch")]
+        return "\n".join(lines).strip("\n") + "\n"
+
+
+def _from_line(module: str, names: set[str]) -> str:
+    joined = ", ".join(sorted(names))
+    line = f"from {module} import {joined}"
+    if len(line) <= 110:
+        return line
+    return f"from {module} import (\n    " + ",\n    ".join(sorted(names)) + ",\n)"
+
+
+def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
+    """(first line of the module docstring, code without docstring and imports); imports go to ``imports``."""
+    tree = ast.parse(source)
+    drop: set[int] = set()
+    summary = ""
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        summary = body[0].value.value.strip().splitlines()[0]
+        drop.update(range(body[0].lineno, body[0].end_lineno + 1))
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.add(node)
+            drop.update(range(node.lineno, node.end_lineno + 1))
+    lines = [line for number, line in enumerate(source.splitlines(), start=1) if number not in drop]
+    return summary, "\n".join(lines).strip("\n") + "\n"
+
+
+def assemble_sections(imports: ImportBlock) -> str:
+    """All sections' code, each under a banner naming its job."""
+    parts = []
+    for name in SECTIONS:
+        summary, code = split_section(section_source(name), imports)
+        parts.append(f"# {'=' * 96}\n# {summary}\n# {'=' * 96}\n\n{code}")
+    return "\n\n".join(parts)

@@ -1,0 +1,406 @@
+"""Plan -> ``parallel_<model>.py`` (+ launch.sh, sbatch.sh, plan.json, a copy of model.py).
+
+The generated module is the plan made concrete: the plan itself as data, the plan-specific
+tensor-parallel styles as code, and the runtime sections (mesh, TP, recomputation, pipeline,
+ZeRO/FSDP, optimizer, training loop) a user can read and edit. It imports torch and the
+user's model.py only.
+"""
+from __future__ import annotations
+
+import math
+import pprint
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autopar.codegen.assemble import ImportBlock, assemble_sections
+from autopar.codegen.errors import CodegenError
+from autopar.codegen.launch import launch_script, sbatch_script
+from autopar.codegen.model_facts import ModelFacts, inspect_model
+from autopar.codegen.tp_plan import TPPlan, build_tp_plan
+from autopar.model_file import load_model_file
+from autopar.plan import Plan
+
+DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+@dataclass(frozen=True)
+class GeneratedFiles:
+    """Paths of what `generate` wrote."""
+
+    script: Path
+    launch: Path
+    sbatch: Path
+    plan: Path
+    model_copy: Path
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Decisions code generation adds to the plan (derived, not searched).
+
+    Attributes:
+        dp_replicate, dp_shard: the data-parallel degree split into replicas x shard group.
+        pipeline_split: "modules" (drop other stages' layers) or "none" without pipelining.
+        fsdp_groups: module FQNs per FSDP group, bottom-up.
+        notes: adjustments worth telling the reader.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    pipeline_split: str
+    fsdp_groups: list[list[str]]
+    notes: list[str]
+
+
+def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_kwargs: dict[str, Any] | None = None,
+             gpus_per_node: int | None = None, optimizer: dict[str, Any] | None = None,
+             steps: int = 10) -> GeneratedFiles:
+    """Write the parallel training module for ``plan`` and its launch scripts into ``out_dir``.
+
+    Args:
+        plan: the plan to realise.
+        model_path: the user's model.py (copied next to the generated module).
+        out_dir: folder to write into (created if missing).
+        model_kwargs: build_model/example_batch keyword arguments; default: the plan's provenance.
+        gpus_per_node: ranks per node of the target cluster (launch scripts, hybrid-shard group
+            size); default: every rank on one node.
+        optimizer: AdamW settings (lr, betas, eps, weight_decay); default `DEFAULT_OPTIMIZER`.
+        steps: default number of training steps of the generated script.
+    """
+    model_path = Path(model_path)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(plan.provenance.model_kwargs if model_kwargs is None else model_kwargs)
+    gpus_per_node = gpus_per_node or plan.world_size
+    facts = inspect_model(model_path, kwargs, batch_size=max(1, plan.micro_batch_size))
+    check_plan(plan, facts)
+    tp = build_tp_plan(plan, facts)
+    layout = derive_layout(plan, facts, gpus_per_node)
+    name = model_path.stem
+    script = out_dir / f"parallel_{name}.py"
+    model_copy = out_dir / model_path.name
+    if model_path.resolve() != model_copy.resolve():
+        shutil.copyfile(model_path, model_copy)
+    sha = load_model_file(model_path).sha256
+    settings = {**DEFAULT_OPTIMIZER, **(optimizer or {})}
+    script.write_text(render_module(plan, name, model_path.name, sha, kwargs, facts, tp, layout, settings, steps,
+                                    gpus_per_node))
+    plan_path = out_dir / "plan.json"
+    plan.save(plan_path)
+    launch = out_dir / "launch.sh"
+    launch.write_text(launch_script(script.name, plan.world_size, gpus_per_node))
+    sbatch = out_dir / "sbatch.sh"
+    sbatch.write_text(sbatch_script(script.name, plan.world_size, gpus_per_node, f"autopar-{name}"))
+    for path in (launch, sbatch, script):
+        path.chmod(0o755)
+    return GeneratedFiles(script=script, launch=launch, sbatch=sbatch, plan=plan_path, model_copy=model_copy)
+
+
+def check_plan(plan: Plan, facts: ModelFacts) -> None:
+    """Refuse plans the generated code cannot run, with the reason and the fix."""
+    if plan.cp > 1:
+        raise CodegenError("context parallelism (cp > 1) is not generated yet.", "plan with plan.cp=1.")
+    layers = [layer for stage in plan.stages for layer in stage]
+    if not plan.stages or sorted(layers) != sorted(plan.layer_names) or len(set(layers)) != len(layers):
+        raise CodegenError("the plan's stages do not list every layer exactly once.",
+                           "re-plan; stages must partition plan.layer_names.")
+    missing = [layer for layer in layers if layer not in facts.modules]
+    if missing:
+        raise CodegenError(f"the plan names layer {missing[0]}, which the model does not have.",
+                           "re-plan for this model file.")
+    if len(plan.stages) != plan.pp * max(1, plan.chunks if plan.schedule == "interleaved_1f1b" else 1):
+        raise CodegenError(f"the plan has {len(plan.stages)} stages for pp={plan.pp}, chunks={plan.chunks}.",
+                           "re-plan; a pipeline has pp x chunks stages (chunks only with interleaved_1f1b).")
+    if plan.pp > 1:
+        check_pipeline_cuts(plan, facts)
+    if plan.dp * plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
+        raise CodegenError(f"dp ({plan.dp}) x micro_batch_size ({plan.micro_batch_size}) x num_micro_batches "
+                           f"({plan.num_micro_batches}) != global_batch_size ({plan.global_batch_size}).",
+                           "re-plan; the batch arithmetic must hold.")
+
+
+def check_pipeline_cuts(plan: Plan, facts: ModelFacts) -> None:
+    """A stage may start at a block of the container or at a layer after it: there the residual
+    stream is a layer's first input. Cuts between embeddings (token | position) are not."""
+    container = plan.block_container
+    if container is None:
+        raise CodegenError("pipeline parallelism needs the model's layers in a ModuleList/ModuleDict; none was found.",
+                           "plan with plan.pp=1.")
+    blocks = set(facts.children.get(container, []))
+    order = plan.layer_names
+    first_block = min((order.index(b) for b in blocks if b in order), default=len(order))
+    for index, stage in enumerate(plan.stages[1:], start=1):
+        first = stage[0]
+        if first not in blocks and order.index(first) < first_block:
+            raise CodegenError(f"stage {index} starts at {first}, before the block container {container}: the "
+                               "layers before it do not hand on one activation.",
+                               f"keep the layers before {container} on the first stage.")
+    container_modules = {name for name in facts.modules if name == container or name.startswith(container + ".")}
+    covered = set(order)
+    for name, module in facts.modules.items():
+        direct = module.has_parameters and name not in container_modules and not any(
+            name == layer or name.startswith(layer + ".") for layer in covered)
+        if direct and not any(layer.startswith(name + ".") or name == "" for layer in covered):
+            raise CodegenError(f"module {name} holds parameters outside every layer, so no stage owns them.",
+                               "plan with plan.pp=1.")
+
+
+def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
+    """dp split, pipeline split method and FSDP groups for the plan."""
+    notes: list[str] = []
+    dp_shard = 1 if plan.zero_stage <= 1 else plan.dp
+    if plan.hybrid_shard and plan.zero_stage >= 2:
+        order = list(plan.mesh_order)
+        inner = math.prod(plan.degree(axis) for axis in order[:order.index("dp")])
+        dp_per_node = max(1, gpus_per_node // inner)
+        dp_shard = math.gcd(plan.dp, dp_per_node)
+        notes.append(f"hybrid sharding: ZeRO-{plan.zero_stage} within groups of {dp_shard} data-parallel ranks "
+                     f"(one node), replicated {plan.dp // dp_shard}x across nodes")
+    container = plan.block_container
+    blocks = facts.children.get(container, []) if container else []
+    order = plan.layer_names
+    block_layers = [layer for layer in order if layer in set(blocks)]
+    after = order[order.index(block_layers[-1]) + 1:] if block_layers else []
+    groups = [[block] for block in block_layers]
+    if after:
+        groups.append(after)  # final norm and head gathered together: they run back to back
+    if not block_layers:
+        groups = [[layer] for layer in order]
+    return Layout(dp_replicate=plan.dp // dp_shard, dp_shard=dp_shard,
+                  pipeline_split="modules" if plan.pp > 1 else "none", fsdp_groups=groups, notes=notes)
+
+
+def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts,
+                  tp: TPPlan, layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int) -> str:
+    """The generated module's source."""
+    imports = ImportBlock()
+    sections = assemble_sections(imports)
+    for module, names in (("torch.distributed.tensor", {"Replicate", "Shard"}),
+                          ("torch.distributed.tensor.parallel", {"ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+                                                                 "PrepareModuleInput", "PrepareModuleInputOutput",
+                                                                 "ParallelStyle"}),
+                          ("torch.distributed.elastic.multiprocessing.errors", {"record"}),
+                          ("pathlib", {"Path"})):
+        imports.from_names.setdefault(module, set()).update(names)
+    parts = [
+        header(plan, name, model_file, tp, layout, gpus_per_node),
+        "from __future__ import annotations\n",
+        imports.source(),
+        plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps),
+        sections,
+        main_section(),
+    ]
+    return "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
+
+
+def _fmt_seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def summarise_recompute(plan: Plan) -> str:
+    modes: dict[str, list[str]] = {}
+    for layer in plan.layer_names:
+        modes.setdefault(plan.recompute.get(layer, "none"), []).append(layer)
+    if set(modes) <= {"none"}:
+        return "none"
+    return "; ".join(f"{mode}: {len(layers)} layer(s)" for mode, layers in modes.items())
+
+
+def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, gpus_per_node: int) -> str:
+    """The module docstring: what the plan is, what it should cost, how to run it."""
+    p = plan.predicted
+    nodes = max(1, -(-plan.world_size // gpus_per_node))
+    zero = {0: "ZeRO-0 (replicated, gradients all-reduced)", 1: "ZeRO-1 (optimizer state sharded)",
+            2: "ZeRO-2 (+ gradients sharded)", 3: "ZeRO-3 / FSDP (+ parameters sharded)"}[plan.zero_stage]
+    lines = [
+        f"Parallel training of {model_file}, generated by autopar from plan.json.",
+        "",
+        "Plan",
+        f"  ranks        {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp} x cp {plan.cp}"
+        f"  (mesh axes innermost first: {' -> '.join(plan.mesh_order)})",
+        f"  data         {zero}" + (", hybrid across nodes" if layout.dp_replicate > 1 and layout.dp_shard > 1 else ""),
+        f"  batch        {plan.global_batch_size} samples = dp {plan.dp} x {plan.num_micro_batches} micro-batches"
+        f" x {plan.micro_batch_size}",
+    ]
+    if plan.tp > 1:
+        split = sum(1 for s in tp.styles.values() if s.style in ("ColwiseParallel", "RowwiseParallel"))
+        lines.append(f"  tensor       {split} modules split over {plan.tp} ranks"
+                     + (", sequence parallel" if plan.sequence_parallel else "")
+                     + (", loss parallel" if tp.loss_parallel else ""))
+    if plan.pp > 1:
+        sizes = ", ".join(str(len(s)) for s in plan.stages)
+        lines.append(f"  pipeline     {len(plan.stages)} stages ({sizes} layers), schedule {plan.schedule}"
+                     + (f" with {plan.chunks} chunks per rank" if plan.schedule == "interleaved_1f1b" else ""))
+    lines.append(f"  recompute    {summarise_recompute(plan)}")
+    lines.append(f"  precision    {plan.precision} on GPUs (fp32 on CPUs), optimizer AdamW")
+    lines += ["", "Predicted by the cost model (per step)"]
+    if p.step_time_s:
+        lines.append(f"  step time    {_fmt_seconds(p.step_time_s)}"
+                     + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else f", {p.samples_per_s:,.1f} samples/s")
+                     + (f", MFU {p.mfu:.1%}" if p.mfu else ""))
+        if p.time_breakdown:
+            lines.append("  time         " + ", ".join(f"{k} {_fmt_seconds(v)}" for k, v in p.time_breakdown.items() if v))
+        lines.append(f"  peak memory  {_fmt_bytes(p.peak_memory_bytes)} per rank")
+    else:
+        lines.append("  (no prediction recorded in the plan)")
+    lines.append(f"  solver       {plan.solver.status}, {plan.solver.candidates} candidates, {plan.solver.seconds:.1f} s")
+    notes = tp.notes + layout.notes
+    if notes:
+        lines += ["", "Adjustments made when generating"] + [f"  - {note}" for note in notes]
+    lines += [
+        "",
+        "Run",
+        f"  ./launch.sh --steps 10                      ({nodes} node(s) x {min(plan.world_size, gpus_per_node)} ranks; sbatch.sh for SLURM)",
+        f"  torchrun --nproc-per-node {plan.world_size} parallel_{name}.py --steps 10   (one machine)",
+        "  Uses NCCL on GPUs and gloo on CPUs; each step appends a JSON record to run.jsonl.",
+        "",
+        "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN the rest of the plan; the",
+        "sections below apply them in order (pipeline cut, TP, recomputation, FSDP, optimizer).",
+    ]
+    return '"""' + "\n".join(lines) + '\n"""'
+
+
+def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts, tp: TPPlan,
+                 layout: Layout, optimizer: dict[str, Any], steps: int) -> str:
+    banner = f"# {'=' * 96}\n# The plan\n# {'=' * 96}\n"
+    plan_data = pprint.pformat(_plain(plan), width=110, sort_dicts=False)
+    body = [
+        banner,
+        "# The plan as the planner wrote it (plan.json). parallel_config() and train_config() read it.",
+        f"PLAN = {plan_data}",
+        "",
+        "# The user's model file (copied next to this one) and what it was planned with.",
+        f"MODEL_FILE = str(Path(__file__).with_name({model_file!r}))",
+        f"MODEL_SHA256 = {sha!r}",
+        f"MODEL_KWARGS = {pprint.pformat(model_kwargs, width=110)}",
+        f"OPTIMIZER = {pprint.pformat(dict(optimizer), width=110, sort_dicts=False)}",
+        f"DEFAULT_STEPS = {steps}",
+        "",
+        "# Derived when generating: data-parallel ranks = replicas x shard group (ZeRO shards inside a",
+        "# group), the FSDP groups bottom-up, and parameters that are one tensor under several names.",
+        f"DP_REPLICATE, DP_SHARD = {layout.dp_replicate}, {layout.dp_shard}",
+        f"FSDP_GROUPS = {pprint.pformat(layout.fsdp_groups, width=110, compact=True)}",
+        f"TIED_PARAMETERS = {pprint.pformat(facts.tied_parameters, width=110)}",
+        f"LOSS_PARALLEL = {tp.loss_parallel}",
+        "",
+        tp_plan_source(plan, tp),
+        "",
+        PARALLEL_CONFIG_SOURCE,
+    ]
+    return "\n".join(body)
+
+
+def _plain(plan: Plan) -> Any:
+    import json
+    return json.loads(plan.to_json())
+
+
+PARALLEL_CONFIG_SOURCE = '''
+def parallel_config(plan: dict) -> ParallelConfig:
+    """The plan's parallel decisions as the training code takes them."""
+    return ParallelConfig(
+        dims=ParallelDims(dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, pp=plan["pp"], cp=plan["cp"], tp=plan["tp"],
+                          mesh_order=tuple(plan["mesh_order"])),
+        zero_stage=plan["zero_stage"],
+        stages=plan["stages"],
+        schedule=plan["schedule"],
+        recompute=plan["recompute"],
+        fsdp_groups=FSDP_GROUPS,
+        tied_parameters=TIED_PARAMETERS,
+        loss_parallel=LOSS_PARALLEL,
+    )
+
+
+def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
+    """Batch sizes and precision from the plan; steps, seed, lr and files from the command line."""
+    return TrainConfig(
+        model_file=args.model_file,
+        model_kwargs=MODEL_KWARGS,
+        global_batch_size=plan["global_batch_size"],
+        micro_batch_size=plan["micro_batch_size"],
+        num_micro_batches=plan["num_micro_batches"],
+        precision=plan["precision"],
+        optimizer={**OPTIMIZER, "lr": args.lr},
+        steps=args.steps,
+        seed=args.seed,
+        log_file=args.log_file,
+        save_final=args.save_final,
+    )
+'''.strip("\n")
+
+
+def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
+    """``def tp_plan()``: the TP styles as code, one loop for blocks that share a layout."""
+    doc = '    """Module FQN -> tensor-parallel style (from the plan\'s operator-wise split)."""'
+    if not tp.styles:
+        return (f"def tp_plan() -> dict[str, ParallelStyle]:\n{doc}\n"
+                "    return {}  # the plan uses no tensor parallelism")
+    container = plan.block_container
+    blocks = [layer for layer in plan.layer_names if container and layer.startswith(container + ".")
+              and layer.count(".") == container.count(".") + 1]
+    per_block: dict[str, dict[str, Any]] = {b: {} for b in blocks}
+    top: dict[str, Any] = {}
+    for module, spec in tp.styles.items():
+        block = next((b for b in blocks if module.startswith(b + ".")), None)
+        if block is None:
+            top[module] = spec
+        else:
+            per_block[block][module[len(block) + 1:]] = spec
+    lines = [f"def tp_plan() -> dict[str, ParallelStyle]:", doc, "    plan: dict[str, ParallelStyle] = {"]
+    for module, spec in top.items():
+        lines.append(f"        {module!r}: {spec.source()},  # {spec.why}" if spec.why else f"        {module!r}: {spec.source()},")
+    lines.append("    }")
+    # Blocks with the same relative layout share one loop.
+    groups: dict[tuple, list[str]] = {}
+    for block, relative in per_block.items():
+        key = tuple((k, v.source()) for k, v in relative.items())
+        if key:
+            groups.setdefault(key, []).append(block)
+    for key, members in groups.items():
+        relative = per_block[members[0]]
+        names = _block_range_source(members, container)
+        lines.append(f"    for block in {names}:")
+        lines.append("        plan.update({")
+        for suffix, spec in relative.items():
+            comment = f"  # {spec.why}" if spec.why else ""
+            lines.append(f"            f\"{{block}}.{suffix}\": {spec.source()},{comment}")
+        lines.append("        })")
+    lines.append("    return plan")
+    # The first block's own entry (entering sequence parallelism) is a top-level key.
+    return "\n".join(lines)
+
+
+def _block_range_source(members: list[str], container: str) -> str:
+    indices = [m[len(container) + 1:] for m in members]
+    if all(i.isdigit() for i in indices):
+        numbers = [int(i) for i in indices]
+        if numbers == list(range(numbers[0], numbers[-1] + 1)):
+            return f'[f"{container}.{{i}}" for i in range({numbers[0]}, {numbers[-1] + 1})]'
+    return repr(members)
+
+
+def main_section() -> str:
+    return f'''# {'=' * 96}
+# Entry point
+# {'=' * 96}
+
+@record
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    """Train with the plan; see the module docstring for how to launch."""
+    args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "model_file": MODEL_FILE,
+                             "log_file": str(Path(__file__).with_name("run.jsonl"))}})
+    return run(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256)
+
+
+if __name__ == "__main__":
+    main()'''

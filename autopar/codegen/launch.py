@@ -1,0 +1,61 @@
+"""Launch scripts for a generated module: torchrun (any cluster) and SLURM sbatch."""
+from __future__ import annotations
+
+
+def launch_script(script: str, world_size: int, gpus_per_node: int) -> str:
+    """``launch.sh``: torchrun on this node; run it on every node of a multi-node job.
+
+    Args:
+        script: the generated module's file name.
+        world_size: ranks the plan needs.
+        gpus_per_node: ranks per node.
+    """
+    nodes = max(1, -(-world_size // gpus_per_node))
+    per_node = min(world_size, gpus_per_node)
+    return f"""#!/usr/bin/env bash
+# Launch {script} on {nodes} node(s) x {per_node} rank(s) = {world_size} ranks, as planned.
+# Run this same command on every node; the nodes meet at RDZV_HOST:RDZV_PORT (the first node).
+#   single node:  ./launch.sh --steps 10
+#   multi-node:   RDZV_HOST=node0 ./launch.sh --steps 10     (on each node)
+# Extra arguments go to the training script (--steps, --lr, --seed, --log-file).
+set -euo pipefail
+cd "$(dirname "$0")"
+NNODES=${{NNODES:-{nodes}}}
+NPROC_PER_NODE=${{NPROC_PER_NODE:-{per_node}}}
+RDZV_HOST=${{RDZV_HOST:-localhost}}
+RDZV_PORT=${{RDZV_PORT:-29500}}
+RDZV_ID=${{RDZV_ID:-{script.removesuffix('.py')}}}
+exec torchrun \\
+    --nnodes="$NNODES" \\
+    --nproc-per-node="$NPROC_PER_NODE" \\
+    --rdzv-backend=c10d \\
+    --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" \\
+    --rdzv-id="$RDZV_ID" \\
+    {script} "$@"
+"""
+
+
+def sbatch_script(script: str, world_size: int, gpus_per_node: int, job_name: str) -> str:
+    """``sbatch.sh``: one torchrun per node under SLURM, meeting at the job's first node."""
+    nodes = max(1, -(-world_size // gpus_per_node))
+    per_node = min(world_size, gpus_per_node)
+    return f"""#!/usr/bin/env bash
+# Submit with: sbatch sbatch.sh --steps 100    (arguments go to {script})
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={per_node}
+#SBATCH --cpus-per-task=16
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
+RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+RDZV_PORT=${{RDZV_PORT:-29500}}
+srun torchrun \\
+    --nnodes="$SLURM_NNODES" \\
+    --nproc-per-node={per_node} \\
+    --rdzv-backend=c10d \\
+    --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" \\
+    --rdzv-id="$SLURM_JOB_ID" \\
+    {script} "$@"
+"""

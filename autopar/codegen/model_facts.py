@@ -1,0 +1,108 @@
+"""What code generation needs to know about the model beyond the plan, found without real memory.
+
+The model is built and run once under FakeTensorMode (as planning does), and we record:
+each module's class, which parameters are tied, and how each module is called (its first
+input positionally or by keyword), which decides how a tensor-parallel input style is written.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.model_file import build_fake, call_model, load_model_file
+
+NORM_CLASS_HINTS = ("norm",)
+
+
+@dataclass(frozen=True)
+class ModuleFacts:
+    """One module: its kind and how its forward was called.
+
+    Attributes:
+        class_name: the module's class.
+        kind: "linear", "embedding", "norm", "container" or "other".
+        first_input: None if the first input came positionally, else its keyword name.
+        has_parameters: whether it directly or indirectly holds parameters.
+        called: whether the forward ran the module (unused modules get no styles).
+    """
+
+    class_name: str
+    kind: str
+    first_input: str | None
+    has_parameters: bool
+    called: bool
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Facts about the model as the plan's model kwargs build it.
+
+    Attributes:
+        modules: FQN -> ModuleFacts, in definition order ("" is the root).
+        tied_parameters: groups of parameter FQNs sharing one tensor (definition order).
+        children: FQN -> its direct children's FQNs.
+    """
+
+    modules: dict[str, ModuleFacts]
+    tied_parameters: list[list[str]]
+    children: dict[str, list[str]] = field(default_factory=dict)
+
+    def kind(self, name: str) -> str:
+        return self.modules[name].kind if name in self.modules else "other"
+
+
+def module_kind(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return "container"
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or any(h in type(module).__name__.lower() for h in NORM_CLASS_HINTS):
+        return "norm"
+    return "other"
+
+
+def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_size: int = 1) -> ModelFacts:
+    """Build ``model_path``'s model under FakeTensorMode, run one forward, and record its facts."""
+    model_file = load_model_file(model_path)
+    build = build_fake(model_file, model_kwargs, batch_size)
+    model = build.model
+    first_inputs: dict[str, str | None] = {}
+    handles = []
+    for name, module in model.named_modules():
+        def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            if name in first_inputs:
+                return
+            if args:
+                first_inputs[name] = None
+            else:
+                parameters = list(inspect.signature(mod.forward).parameters)
+                first_inputs[name] = parameters[0] if parameters and parameters[0] in kwargs else next(iter(kwargs), None)
+        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    try:
+        with build.fake_mode, torch.no_grad():
+            call_model(model, build.batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    modules = {name: ModuleFacts(class_name=type(module).__name__, kind=module_kind(module),
+                                 first_input=first_inputs.get(name), has_parameters=any(True for _ in module.parameters()),
+                                 called=name in first_inputs)
+               for name, module in model.named_modules()}
+    children = {name: [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+                for name, module in model.named_modules()}
+    return ModelFacts(modules=modules, tied_parameters=tied_parameter_groups(model), children=children)
+
+
+def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
+    """Parameter FQNs that name the same tensor, grouped, first definition first."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(parameter), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]

@@ -1,0 +1,8 @@
+"""Runtime code that `autopar.codegen` copies into every generated ``parallel_<model>.py``.
+
+Each module here is one section of the generated file and does one job. They are ordinary
+modules (importable and testable on their own); when a file is generated, their imports from
+``autopar.codegen.sections`` are dropped, because in the generated file every section lives in
+the same namespace. Nothing in this package may import anything but the standard library and
+torch: the generated file must run where only torch and the user's model.py are installed.
+"""

@@ -1,0 +1,117 @@
+"""The model.py contract: load the user's file by path, make batches, feed them, take the loss.
+
+A few lines re-implemented here (rather than imported from autopar) so the generated file runs
+where autopar is not installed.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def load_model_file(path: str | Path) -> Any:
+    """Import model.py from its path; its folder goes on sys.path so it can import neighbours."""
+    path = Path(path).resolve()
+    spec = importlib.util.spec_from_file_location(f"user_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec.loader.exec_module(module)
+    return module
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn``'s signature takes (all of them if it has **kw)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    names = {p.name for p in params
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def build_model(model_module: Any, model_kwargs: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The unsharded model, on CPU, from ``seed``: every rank builds the same weights, so the
+    sharded model starts exactly where a single-device run of the original would."""
+    torch.manual_seed(seed)
+    return model_module.build_model(**accepted_kwargs(model_module.build_model, model_kwargs))
+
+
+def make_batch(model_module: Any, model_kwargs: dict[str, Any], batch_size: int, seed: int) -> Any:
+    """``example_batch(batch_size)`` drawn from its own seed, without disturbing the global RNG.
+
+    Every rank draws the same global batch for a step and keeps its data-parallel slice, so any
+    plan (and the single-process reference) trains on exactly the same samples.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_module.example_batch(batch_size, **accepted_kwargs(model_module.example_batch, model_kwargs))
+
+
+def model_inputs(model: torch.nn.Module, batch: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) for forward: a dict batch becomes keyword arguments (only those forward
+    takes, so labels may ride along for the loss), a tuple/list positional ones, a tensor the
+    single argument."""
+    forward = inspect.signature(model.forward).parameters.values()
+    if isinstance(batch, dict):
+        return (), accepted_kwargs(model.forward, batch)
+    if isinstance(batch, (tuple, list)):
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in forward):
+            return tuple(batch), {}
+        positional = [p for p in forward if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        return tuple(batch[: max(1, len(positional))]), {}
+    return (batch,), {}
+
+
+def compute_loss(model_module: Any, output: Any, batch: Any) -> torch.Tensor:
+    """``loss_fn(output, batch)`` if model.py defines it, else ``output.loss``, else the mean."""
+    loss_fn = getattr(model_module, "loss_fn", None)
+    if callable(loss_fn):
+        return loss_fn(output, batch)
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.float().mean()
+    raise TypeError(f"the model returned {type(output).__name__} with no loss and model.py "
+                    "defines no loss_fn(output, batch)")
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every tensor in the batch (dim 0 is the sample dim)."""
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_batch(v, start, stop) for v in batch)
+    return batch[start:stop]
+
+
+def move_batch(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, dict):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_batch(v, device) for v in batch)
+    return batch.to(device)
+
+
+def tokens_per_sample(batch: Any) -> int:
+    """Sequence length of the first integer tensor of shape (batch, seq, ...); 1 for other data."""
+    leaves = list(batch.values()) if isinstance(batch, dict) else list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and not leaf.is_floating_point():
+            return int(leaf.shape[1])
+    return 1

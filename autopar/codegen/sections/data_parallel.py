@@ -1,0 +1,73 @@
+"""Data parallelism and ZeRO: FSDP2 ``fully_shard`` on the data-parallel axes.
+
+ZeRO stage -> what is sharded over the shard group (``dp_shard`` ranks):
+    3: parameters, gradients and optimizer state; parameters re-gathered for backward
+    2: gradients and optimizer state; parameters stay gathered from forward to backward
+    1: optimizer state only (parameters replicated; see optimizer.py)
+    0: nothing (every rank holds everything; gradients all-reduced, as DDP does)
+Stages 0 and 1 use the same ``fully_shard`` machinery on a shard group of one rank, so
+gradient averaging works the same way alongside tensor and pipeline parallelism.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], reshard_after_forward: bool,
+               param_dtype: torch.dtype | None, root: nn.Module | None = None) -> None:
+    """Shard parameters over the data-parallel mesh, one communication group per entry of ``groups``.
+
+    FSDP goes bottom-up: each transformer block is its own group (its parameters are gathered
+    just before it runs and freed after), then the final norm and head together, then the
+    root, which takes every parameter not yet grouped (embeddings).
+
+    Args:
+        model: the model or pipeline stage (applied after TP and activation checkpointing).
+        dp_mesh: 1-D (FSDP) or 2-D (replicate, shard: hybrid) data-parallel mesh.
+        groups: module FQNs per group, bottom-up; modules ``model`` does not hold are skipped,
+            and so is a module sharing a parameter with one outside its group (a tied head).
+        reshard_after_forward: True for ZeRO-3, False for ZeRO-0/1/2.
+        param_dtype: dtype parameters are gathered and computed in (bf16 on GPUs), or None.
+        root: the module wrapped last (a pipeline stage around ``model``); default ``model``.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    for group in groups:
+        modules = [model.get_submodule(name) for name in group if _holds(model, name)]
+        modules = [m for m in modules if not _shares_parameters_outside(model, m, modules)]
+        if modules:
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh,
+                        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    # The root's parameters are needed first in backward, so they are never resharded early.
+    fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+
+
+def dp_mesh_of(mesh: DeviceMesh, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """The data-parallel submesh: 2-D (replicate, shard) when ranks replicate shard groups."""
+    if dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip (or resume) the gradient reduction of a FSDP-wrapped model, for accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    try:
+        return bool(list(model.get_submodule(name).parameters()))
+    except AttributeError:
+        return False
+
+
+def _shares_parameters_outside(model: nn.Module, module: nn.Module, group: list[nn.Module]) -> bool:
+    """Whether a module outside ``group`` holds one of ``module``'s parameters (a tie), which
+    FSDP cannot shard in two groups."""
+    mine = {id(p) for p in module.parameters()}
+    inside = {id(sub) for m in group for sub in m.modules()}
+    return any(id(p) in mine for other in model.modules() if id(other) not in inside
+               for p in other.parameters(recurse=False))

@@ -1,0 +1,306 @@
+"""Pipeline parallelism: cut the model into stages at the plan's layer boundaries and schedule them.
+
+A stage is a copy of the whole model in which the layers of other stages are dropped:
+    - layers of *earlier* stages become `SkippedLayer`s that return zeros of the right shape
+      (worked out on the meta device, so they cost neither memory nor compute);
+    - the first layer of a *later* stage becomes a `StageExit`, which ends the stage by raising
+      `StageBoundary` with its input: the activation to send on;
+    - the stage's own first layer gets its input replaced by the activation received.
+The model's own forward runs unchanged on every stage, so whatever it computes between layers
+(positions, rotary tables, masks, the loss) is computed where it is needed. This relies on
+the residual stream entering each layer as its first argument, and on the code between layers
+using no parameters of its own, which holds for models whose blocks live in a ModuleList or
+ModuleDict (GPT-2, Llama and most decoder stacks). Otherwise `split_with_tracer` cuts an
+exported graph instead. The model's batch goes to every stage as keyword arguments (the
+schedule splits it into micro-batches), and the last stage returns the loss.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+from torch.distributed.tensor import DTensor
+
+from autopar.codegen.sections.contract import compute_loss, model_inputs
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class StageBoundary(Exception):
+    """Raised by a `StageExit` to end a stage's forward with the activation it carries."""
+
+    def __init__(self, activation: torch.Tensor):
+        super().__init__("stage boundary")
+        self.activation = activation
+
+
+def _first_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | int, Any]:
+    """Where a layer's first input is (position 0 or its keyword) and its value."""
+    if args:
+        return 0, args[0]
+    name = next(iter(inspect.signature(module.forward).parameters))
+    return name, kwargs[name]
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _zeros_like_meta(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.zeros(value.shape, dtype=value.dtype, device=device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_zeros_like_meta(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _zeros_like_meta(v, device) for k, v in value.items()}
+    return value
+
+
+class SkippedLayer(nn.Module):
+    """Stands in for a layer of an earlier stage: zeros shaped like that layer's output.
+
+    Only shapes matter: the stage replaces its own first layer's input with the activation it
+    received, so these values are never used for anything but shape and dtype.
+    """
+
+    def __init__(self, layer: nn.Module, device: torch.device):
+        super().__init__()
+        self._shape_model = [copy.deepcopy(layer).to("meta")]  # a list: not a registered submodule
+        self.device = device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            shapes = self._shape_model[0](*_to_meta(args), **_to_meta(kwargs))
+        return _zeros_like_meta(shapes, self.device)
+
+
+class StageExit(nn.Module):
+    """Stands in for the first layer of the next stage: ends this stage with the layer's input."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self._signature_of = [layer]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _, activation = _first_input(self._signature_of[0], args, kwargs)
+        raise StageBoundary(activation)
+
+
+def batch_to_kwargs(batch: Any) -> dict[str, torch.Tensor]:
+    """The batch as flat keyword arguments ``batch_0, batch_1, ...`` (the schedule passes
+    keyword arguments to every stage and splits them into micro-batches)."""
+    if isinstance(batch, dict):
+        return {f"batch_{i}": v for i, v in enumerate(batch.values())}
+    if isinstance(batch, (tuple, list)):
+        return {f"batch_{i}": v for i, v in enumerate(batch)}
+    return {"batch_0": batch}
+
+
+def kwargs_to_batch(kwargs: dict[str, torch.Tensor], like: Any) -> Any:
+    """Inverse of `batch_to_kwargs`, shaped like the example batch ``like``."""
+    values = [kwargs[f"batch_{i}"] for i in range(len(kwargs))]
+    if isinstance(like, dict):
+        return dict(zip(like.keys(), values))
+    if isinstance(like, (tuple, list)):
+        return type(like)(values)
+    return values[0]
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage: the model with other stages' layers dropped (see the module docstring).
+
+    forward(*received, **batch) returns the activation for the next stage, or on the last
+    stage the loss of this micro-batch.
+    """
+
+    def __init__(self, model: nn.Module, model_module: Any, example_batch: Any, first_layer: str | None,
+                 is_last: bool):
+        super().__init__()
+        self.model = model
+        self._model_module = model_module
+        self._example_batch = example_batch
+        self._first_layer = first_layer
+        self._is_last = is_last
+        self._received: torch.Tensor | None = None
+
+    def attach_input(self) -> None:
+        """Route the received activation into the stage's first layer. Called after TP,
+        recomputation and FSDP have wrapped the layers, so it runs before all their hooks."""
+        if self._first_layer is None:
+            return
+        layer = self.model.get_submodule(self._first_layer)
+
+        def replace_first_input(module: nn.Module, args: tuple, kwargs: dict):
+            where, _ = _first_input(module, args, kwargs)
+            if where == 0:
+                return (self._received,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, where: self._received}
+
+        layer.register_forward_pre_hook(replace_first_input, with_kwargs=True, prepend=True)
+
+    def forward(self, *received: torch.Tensor, **batch_kwargs: torch.Tensor) -> torch.Tensor:
+        batch = kwargs_to_batch(batch_kwargs, self._example_batch)
+        self._received = received[0] if received else None
+        try:
+            args, kwargs = model_inputs(self.model, batch)
+            output = self.model(*args, **kwargs)
+        except StageBoundary as boundary:
+            activation = boundary.activation
+            # Activations travel as plain tensors; the next layer's input style re-wraps them.
+            return activation.to_local() if isinstance(activation, DTensor) else activation
+        finally:
+            self._received = None
+        if not self._is_last:
+            raise RuntimeError("a pipeline stage ran to the end of the model without reaching the next stage")
+        loss = compute_loss(self._model_module, output, batch)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def split_stage(model: nn.Module, stages: list[list[str]], stage_index: int, model_module: Any,
+                example_batch: Any, device: torch.device) -> PipelineStageModule:
+    """Stage ``stage_index`` of ``model``: its layers kept, the others dropped.
+
+    Args:
+        model: the full model (left untouched; the stage is a copy).
+        stages: layer FQNs of every stage in order (plan.stages).
+        stage_index: which stage to build.
+        model_module: the user's model.py (for the loss on the last stage).
+        example_batch: a batch, for its structure.
+        device: where zeros for skipped layers are made.
+    """
+    stage = copy.deepcopy(model)
+    earlier = [name for s in stages[:stage_index] for name in s]
+    later = [name for s in stages[stage_index + 1:] for name in s]
+    for name in earlier:
+        _replace(stage, name, SkippedLayer(stage.get_submodule(name), device))
+    for name in later:
+        _replace(stage, name, StageExit(stage.get_submodule(name)))
+    return PipelineStageModule(stage, model_module, example_batch,
+                               first_layer=stages[stage_index][0] if stage_index > 0 else None,
+                               is_last=stage_index == len(stages) - 1)
+
+
+def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    owner, _, attribute = name.rpartition(".")
+    model.get_submodule(owner).register_module(attribute, replacement)
+
+
+def local_stage_indices(num_stages: int, pp: int, pp_rank: int) -> list[int]:
+    """Stages this pipeline rank runs: j, j + pp, ... (looping placement for interleaving)."""
+    return list(range(pp_rank, num_stages, pp))
+
+
+def build_pipeline(stage_modules: list[nn.Module], stage_indices: list[int], num_stages: int, pp_mesh: DeviceMesh,
+                   device: torch.device, schedule: str, num_micro_batches: int):
+    """The pipeline schedule running this rank's stages.
+
+    Args:
+        stage_modules: this rank's stage modules, parallelised (TP, recompute, FSDP) already.
+        stage_indices: their stage numbers.
+        num_stages: stages in the whole pipeline (pp x chunks).
+        pp_mesh: the 1-D pipeline submesh (point-to-point sends go over its group).
+        device: this rank's device.
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
+        num_micro_batches: micro-batches per step per data-parallel rank.
+    """
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(module, index, num_stages, device, group=group)
+              for module, index in zip(stage_modules, stage_indices)]
+    schedule_class = SCHEDULES[schedule]
+    # The last stage already returns the loss; the schedule divides gradients by the number of
+    # micro-batches (scale_grads), which makes them those of the mean loss over the batch.
+    if schedule_class is ScheduleInterleaved1F1B:
+        return schedule_class(stages, n_microbatches=num_micro_batches, loss_fn=_loss_is_output)
+    if len(stages) != 1:
+        raise ValueError(f"schedule {schedule!r} runs one stage per rank, got {len(stages)}")
+    return schedule_class(stages[0], n_microbatches=num_micro_batches, loss_fn=_loss_is_output)
+
+
+def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output
+
+
+def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool) -> torch.Tensor | None:
+    """One forward and backward of every micro-batch; the mean micro-batch loss on the last stage."""
+    kwargs = batch_to_kwargs(batch)
+    samples = next(iter(kwargs.values())).shape[0]
+    losses: list[torch.Tensor] = []
+    # The schedule wants a target to hand its loss function; the loss is already computed.
+    target = torch.zeros(samples, device=next(iter(kwargs.values())).device)
+    schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+    if not is_last_stage:
+        return None
+    return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+
+class TiedGradientSync:
+    """Sums the gradients of a parameter tied across stages (a GPT token embedding on the first
+    stage and the LM head on the last), so both copies take the same step as the single tensor
+    would."""
+
+    def __init__(self, tied_parameters: list[list[str]], stages: list[list[str]], mesh: DeviceMesh, pp: int):
+        self.groups: list[tuple[list[str], dist.ProcessGroup | None]] = []
+        ranks = mesh.mesh
+        pp_dim = mesh.mesh_dim_names.index("pp")
+        rows = ranks.movedim(pp_dim, -1).reshape(-1, pp)
+        me = dist.get_rank()
+        for names in tied_parameters:
+            owners = sorted({index % pp for index, layers in enumerate(stages)
+                             for name in names if _layer_of(name, layers) is not None})
+            group = None
+            if len(owners) > 1:
+                # new_group is collective: every rank creates every group, keeps its own.
+                for row in rows:
+                    members = [int(row[o]) for o in owners]
+                    created = dist.new_group(members)
+                    if me in members:
+                        group = created
+            self.groups.append((names, group))
+
+    @torch.no_grad()
+    def __call__(self, stage_modules: list[nn.Module]) -> None:
+        for names, group in self.groups:
+            copies = list({id(p): p for module in stage_modules
+                           for name, p in named_parameters_in_stage(module) if name in names}.values())
+            if not copies or (len(copies) == 1 and group is None):
+                continue
+            for p in copies:
+                # Autograd may leave a sharded parameter's gradient in another layout (an
+                # embedding's comes back replicated); all copies must agree before summing.
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+            total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for grad in grads:
+                grad.copy_(total)
+
+
+def _layer_of(parameter: str, layers: list[str]) -> str | None:
+    return next((layer for layer in layers if parameter.startswith(layer + ".")), None)
+
+
+def named_parameters_in_stage(stage: nn.Module):
+    """A stage's parameters by their FQN in the unsharded model (ties listed under each name)."""
+    for name, parameter in stage.named_parameters(remove_duplicate=False):
+        name = strip_wrapper_prefixes(name)
+        yield (name[len("model."):] if name.startswith("model.") else name), parameter
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """A parameter FQN without the activation-checkpoint wrapper's extra level."""
+    return name.replace("_checkpoint_wrapped_module.", "")

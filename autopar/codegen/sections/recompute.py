@@ -1,0 +1,68 @@
+"""Activation recomputation per layer: full (keep only the layer input) or selective."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Selective recomputation keeps what is expensive to redo (matrix products, attention and the
+# tensor-parallel collectives) and recomputes the cheap element-wise work: the split the cost
+# model prices (kept = GEMM and attention outputs).
+_SAVED_OP_NAMES = (
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",
+    "_c10d_functional.reduce_scatter_tensor",
+)
+
+
+def _saved_ops() -> set:
+    """The ops above that this torch build has (attention kernels differ between builds)."""
+    ops = set()
+    for name in _SAVED_OP_NAMES:
+        namespace, _, op = name.partition(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            ops.add(packet.default)
+    return ops
+
+
+_SAVED_OPS = _saved_ops()
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
+    """Wrap each layer the plan recomputes in a checkpoint wrapper.
+
+    Args:
+        model: the model or pipeline stage; layers it does not hold are ignored.
+        recompute: layer FQN -> "none" | "selective" | "full".
+    """
+    for name, mode in recompute.items():
+        if mode == "none" or not _holds(model, name):
+            continue
+        layer = model.get_submodule(name)
+        if mode == "full":
+            wrapped = checkpoint_wrapper(layer)
+        elif mode == "selective":
+            wrapped = checkpoint_wrapper(layer, context_fn=_selective_context)
+        else:
+            raise ValueError(f"unknown recompute mode {mode!r} for {name}")
+        owner, _, attribute = name.rpartition(".")
+        model.get_submodule(owner).register_module(attribute, wrapped)
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    try:
+        return bool(list(model.get_submodule(name).parameters()))
+    except AttributeError:
+        return False

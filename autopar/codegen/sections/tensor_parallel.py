@@ -1,0 +1,44 @@
+"""Tensor and sequence parallelism: apply a plan of per-module parallel styles."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle],
+             tied_parameters: list[list[str]]) -> None:
+    """Shard the modules named in ``plan`` over the tensor-parallel axis.
+
+    Colwise modules shard their weight's output features (attention heads, MLP columns),
+    rowwise ones the input features; a column-parallel module followed by its row-parallel
+    partner keeps the activation sharded in between, so the pair costs one all-reduce (or, with
+    sequence parallelism, an all-gather before and a reduce-scatter after).
+
+    Args:
+        model: the model, or one pipeline stage of it (``plan`` must only name its modules).
+        tp_mesh: the 1-D tensor-parallel submesh.
+        plan: module FQN -> parallel style.
+        tied_parameters: groups of parameter FQNs that share one tensor in the model (a GPT
+            LM head tied to the token embedding); sharding replaces each module's parameter,
+            so the ties are restored afterwards (the styles of tied modules agree by design).
+    """
+    parallelize_module(model, tp_mesh, plan)
+    tie_parameters(model, tied_parameters)
+
+
+def tie_parameters(model: nn.Module, tied_parameters: list[list[str]]) -> None:
+    """Make every FQN of a tied group that ``model`` holds point at the first one's parameter."""
+    for group in tied_parameters:
+        present = [name for name in group if _has_parameter(model, name)]
+        for name in present[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, model.get_parameter(present[0]))
+
+
+def _has_parameter(model: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(model.get_parameter(name), torch.nn.Parameter)
+    except AttributeError:
+        return False

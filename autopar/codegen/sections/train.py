@@ -1,0 +1,307 @@
+"""Training: set up the parallel model on this rank, run steps, log them, save what was trained."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
+
+from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
+                                               make_batch, model_inputs, move_batch, slice_batch,
+                                               tokens_per_sample)
+from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
+from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
+from autopar.codegen.sections.optimizer import build_optimizer
+from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
+                                               local_stage_indices, named_parameters_in_stage, run_pipeline,
+                                               split_stage, strip_wrapper_prefixes)
+from autopar.codegen.sections.recompute import apply_recompute
+from autopar.codegen.sections.tensor_parallel import apply_tp
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The plan's parallel decisions, as the functions above take them.
+
+    Attributes:
+        dims: degrees and mesh axis order.
+        zero_stage: 0-3 (see data_parallel.py).
+        stages: layer FQNs per (virtual) pipeline stage; stage j runs on pipeline rank j mod pp.
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
+        recompute: layer FQN -> "none" | "selective" | "full".
+        fsdp_groups: module FQNs grouped for FSDP, bottom-up.
+        tied_parameters: parameter FQNs sharing one tensor.
+        loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
+    """
+
+    dims: ParallelDims
+    zero_stage: int
+    stages: list[list[str]]
+    schedule: str
+    recompute: dict[str, str]
+    fsdp_groups: list[list[str]]
+    tied_parameters: list[list[str]]
+    loss_parallel: bool
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how long.
+
+    Attributes:
+        model_file: path of the user's model.py.
+        model_kwargs: keyword arguments for build_model / example_batch.
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        micro_batch_size, num_micro_batches: per data-parallel rank and step.
+        precision: "bf16" (used on GPUs; CPUs train in fp32) or "fp32".
+        optimizer: AdamW settings (lr, betas, eps, weight_decay).
+        steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
+        log_file: JSON lines, one record per step (rank 0 appends), or None.
+        save_final: where rank 0 saves the trained parameters as full tensors, or None.
+    """
+
+    model_file: str
+    model_kwargs: dict[str, Any]
+    global_batch_size: int
+    micro_batch_size: int
+    num_micro_batches: int
+    precision: str
+    optimizer: dict[str, Any]
+    steps: int
+    seed: int = 0
+    log_file: str | None = None
+    save_final: str | None = None
+
+
+@dataclass
+class ParallelModel:
+    """This rank's part of the model and what trains it."""
+
+    modules: list[nn.Module]  # the whole model, or this rank's pipeline stages
+    optimizer: Any
+    mesh: DeviceMesh
+    device: torch.device
+    is_last_stage: bool
+    schedule: Any = None
+    tied_sync: TiedGradientSync | None = None
+    step_hooks: list[Callable[[], None]] = field(default_factory=list)
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 on GPUs when the plan says so; CPUs compute in fp32."""
+    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
+
+
+def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: DeviceMesh, config: ParallelConfig,
+                tp_plan: dict[str, ParallelStyle], param_dtype: torch.dtype | None) -> None:
+    """Apply the plan to one model (or pipeline stage) in the order the techniques compose.
+
+    Args:
+        model: the model whose FQNs the plan names (a stage's inner model copy).
+        root: the module FSDP wraps last (the stage module, or the model itself).
+        layers: the layers this module holds.
+        mesh: the full DeviceMesh.
+        config: the plan's parallel decisions.
+        tp_plan: module FQN -> tensor-parallel style for the whole model.
+        param_dtype: compute dtype for FSDP's gathered parameters, or None.
+    """
+    dims = config.dims
+
+    def held(name: str) -> bool:
+        return any(name == layer or name.startswith(layer + ".") for layer in layers)
+
+    # TP first: it replaces parameters by DTensors that the later wrappers must see.
+    if dims.tp_enabled:
+        apply_tp(model, mesh[MeshAxis.TP.value], {k: v for k, v in tp_plan.items() if held(k)},
+                 config.tied_parameters)
+    # Activation checkpointing after TP (it wraps the parallelised layers) and before FSDP
+    # (FSDP must wrap the checkpointed layer, so parameters are gathered inside recomputation).
+    apply_recompute(model, {k: v for k, v in config.recompute.items() if held(k)})
+    if dims.dp_enabled:
+        # FSDP last, bottom-up: blocks, then final norm + head, then the root.
+        apply_fsdp(model, dp_mesh_of(mesh, dims.dp_replicate, dims.dp_shard),
+                   [[n for n in group if held(n)] for group in config.fsdp_groups],
+                   reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype, root=root)
+
+
+def setup(train: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
+          model_module: Any, device: torch.device) -> ParallelModel:
+    """Build the unsharded model from the seed, cut it, parallelise it, and make its optimizer."""
+    dims = config.dims
+    if dims.cp > 1:
+        raise NotImplementedError("context parallelism (cp > 1) is not generated yet; plan with plan.cp=1")
+    dims.check_world_size(dist.get_world_size())
+    mesh = build_mesh(dims, device.type)
+    model = build_model(model_module, train.model_kwargs, train.seed)
+    param_dtype = compute_dtype(train.precision, device)
+    plan = tp_plan() if dims.tp_enabled else {}
+    zero1 = mesh[MeshAxis.DP_REPLICATE.value].get_group() if config.zero_stage == 1 else None
+    if not dims.pp_enabled:
+        model.to(device)
+        layers = [layer for stage in config.stages for layer in stage]
+        parallelize(model, model, layers, mesh, config, plan, param_dtype)
+        optimizer = build_optimizer(list(model.parameters()), train.optimizer, zero1)
+        return ParallelModel([model], optimizer, mesh, device, is_last_stage=True)
+
+    pp_rank = mesh[MeshAxis.PP.value].get_local_rank()
+    indices = local_stage_indices(len(config.stages), dims.pp, pp_rank)
+    example = make_batch(model_module, train.model_kwargs, train.micro_batch_size, train.seed)
+    stages: list[PipelineStageModule] = []
+    for index in indices:
+        stage = split_stage(model, config.stages, index, model_module, example, device).to(device)
+        parallelize(stage.model, stage, config.stages[index], mesh, config, plan, param_dtype)
+        stage.attach_input()
+        stages.append(stage)
+    del model  # each stage holds its own layers now
+    schedule = build_pipeline(stages, indices, len(config.stages), mesh[MeshAxis.PP.value], device,
+                              config.schedule, train.num_micro_batches)
+    parameters = list({id(p): p for stage in stages for p in stage.parameters()}.values())
+    optimizer = build_optimizer(parameters, train.optimizer, zero1)
+    return ParallelModel(stages, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
+                         schedule=schedule,
+                         tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp))
+
+
+def local_batch(train: TrainConfig, model_module: Any, step: int, rank_in_dp: int, device: torch.device) -> Any:
+    """This data-parallel rank's slice of step ``step``'s global batch."""
+    batch = make_batch(model_module, train.model_kwargs, train.global_batch_size, train.seed + 1 + step)
+    per_rank = train.micro_batch_size * train.num_micro_batches
+    return move_batch(slice_batch(batch, rank_in_dp * per_rank, (rank_in_dp + 1) * per_rank), device)
+
+
+def train_step(parallel: ParallelModel, batch: Any, train: TrainConfig, config: ParallelConfig,
+               model_module: Any) -> torch.Tensor | None:
+    """Forward and backward of every micro-batch, then one optimizer step.
+
+    Returns the mean micro-batch loss on ranks of the last pipeline stage, else None.
+    """
+    loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
+    dtype = compute_dtype(train.precision, parallel.device)
+    autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    if parallel.schedule is not None:
+        with loss_context(), autocast:
+            loss = run_pipeline(parallel.schedule, batch, parallel.is_last_stage)
+        parallel.tied_sync(parallel.modules)
+    else:
+        model = parallel.modules[0]
+        n = train.num_micro_batches
+        total = torch.zeros((), device=parallel.device)
+        for i in range(n):
+            micro = slice_batch(batch, i * train.micro_batch_size, (i + 1) * train.micro_batch_size)
+            # ZeRO-0/1 keep full gradients, so they are reduced once, after the last micro-batch;
+            # ZeRO-2/3 shard gradients, so each micro-batch's are reduce-scattered as they come.
+            if config.zero_stage <= 1:
+                set_gradient_sync(model, i == n - 1)
+            with loss_context():
+                with autocast:
+                    args, kwargs = model_inputs(model, micro)
+                    loss = compute_loss(model_module, model(*args, **kwargs), micro)
+                (loss / n).backward()
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
+        loss = total / n
+    parallel.optimizer.step()
+    parallel.optimizer.zero_grad()
+    return loss
+
+
+def global_loss(loss: torch.Tensor | None, dims: ParallelDims, device: torch.device) -> float:
+    """The loss as the last pipeline stage sees it, averaged over data-parallel ranks (every
+    rank of the last stage contributes; tensor-parallel ranks hold the same value)."""
+    value = torch.zeros((), dtype=torch.float64, device=device)
+    if loss is not None:
+        value += loss.double()
+    dist.all_reduce(value)
+    return float(value) / (dims.dp * dims.tp * dims.cp)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPUs, resident set size on CPUs."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def save_full_state(parallel: ParallelModel, path: str) -> None:
+    """Gather every parameter to a full tensor and save them on rank 0 under their FQNs in the
+    unsharded model (tied parameters appear under each of their names)."""
+    state: dict[str, torch.Tensor] = {}
+    for module in parallel.modules:
+        named = (named_parameters_in_stage(module) if isinstance(module, PipelineStageModule)
+                 else ((strip_wrapper_prefixes(n), p) for n, p in module.named_parameters(remove_duplicate=False)))
+        for name, parameter in named:
+            full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+            state[name] = full.detach().float().cpu()
+    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, parts, dst=0)
+    if dist.get_rank() == 0:
+        merged = {name: tensor for part in parts for name, tensor in part.items()}
+        torch.save(merged, path)
+
+
+def run(train: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
+        expected_sha256: str | None = None) -> list[dict[str, float]]:
+    """Train for ``train.steps`` steps on this rank; returns the per-step records (rank 0 also
+    appends them to ``train.log_file``). Joins the default process group, creating it from the
+    torchrun environment if needed."""
+    device, backend = pick_device()
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend)
+    try:
+        if expected_sha256 and file_sha256(train.model_file) != expected_sha256 and dist.get_rank() == 0:
+            print(f"warning: {train.model_file} changed since the plan was made; the plan may not fit it")
+        model_module = load_model_file(train.model_file)
+        parallel = setup(train, config, tp_plan, model_module, device)
+        rank_in_dp = dp_rank(parallel.mesh, config.dims)
+        records = []
+        for step in range(train.steps):
+            batch = local_batch(train, model_module, step, rank_in_dp, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            loss = train_step(parallel, batch, train, config, model_module)
+            loss_value = global_loss(loss, config.dims, device)
+            step_time_s = time.perf_counter() - start
+            memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
+            dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+            record = {"step": step, "loss": loss_value, "step_time_s": step_time_s,
+                      "tokens_per_s": train.global_batch_size * tokens_per_sample(batch) / step_time_s,
+                      "peak_memory_bytes": int(memory)}
+            records.append(record)
+            if dist.get_rank() == 0:
+                print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
+                      f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
+                      flush=True)
+                if train.log_file:
+                    with open(train.log_file, "a") as log:
+                        log.write(json.dumps(record) + "\n")
+        if train.save_final:
+            save_full_state(parallel, train.save_final)
+        return records
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Namespace:
+    """Command-line overrides of the generated defaults."""
+    parser = argparse.ArgumentParser(description="Train with the generated parallel plan (launch with torchrun).")
+    parser.add_argument("--steps", type=int, default=defaults["steps"], help="optimizer steps to run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
+    parser.add_argument("--lr", type=float, default=defaults["lr"], help="AdamW learning rate")
+    parser.add_argument("--model-file", default=defaults["model_file"], help="the model.py to train")
+    parser.add_argument("--log-file", default=defaults["log_file"], help="append one JSON record per step here")
+    parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")
+    return parser.parse_args(argv)

@@ -1,0 +1,237 @@
+"""The plan's per-module tensor-parallel choices -> torch parallel styles, as source code.
+
+The operator-wise solver names one style per parameterised module (colwise, rowwise,
+vocab_parallel, hidden_parallel, replicate). How activations are laid out between modules
+follows from those choices and the model's structure:
+
+- A *paired region* is a module whose linear children are all split, some column-wise and some
+  row-wise (attention: q/k/v then out; MLP: up/gate then down). Inside it the activation stays
+  sharded: columns produce shards, rows consume them and all-reduce (Megatron's pairing).
+- A column-parallel linear outside a paired region gathers its output (``output_layouts=
+  Replicate()``), and a row-parallel one slices its replicated input, so any mixture of styles
+  still computes the unsharded model's function.
+- With sequence parallelism the residual stream between layers is sharded along the sequence
+  (dim 1): norms run on their shard (``SequenceParallel``), a region gathers the sequence on
+  entry and reduce-scatters on exit, the first block slices its input, and the head gathers.
+- Parameters tied across modules (a GPT head and its token embedding) must be sharded alike:
+  the embedding takes the layout the head's style gives the shared weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.codegen.errors import CodegenError
+from autopar.codegen.model_facts import ModelFacts
+from autopar.plan import Plan
+
+SPLIT_STYLES = ("colwise", "rowwise")
+# Placement of a module's weight under each style (for matching tied parameters).
+_WEIGHT_PLACEMENT = {("linear", "colwise"): "Shard(0)", ("linear", "rowwise"): "Shard(1)",
+                     ("embedding", "vocab_parallel"): "Shard(0)", ("embedding", "hidden_parallel"): "Shard(1)"}
+_STYLE_FOR_PLACEMENT = {("linear", "Shard(0)"): "colwise", ("linear", "Shard(1)"): "rowwise",
+                        ("embedding", "Shard(0)"): "vocab_parallel", ("embedding", "Shard(1)"): "hidden_parallel"}
+
+
+@dataclass(frozen=True)
+class StyleSpec:
+    """One parallel style as source: ``ColwiseParallel(output_layouts=Replicate())``.
+
+    Attributes:
+        style: torch class name.
+        arguments: keyword -> source of its value, in order.
+        why: a short comment for the generated line.
+    """
+
+    style: str
+    arguments: tuple[tuple[str, str], ...] = ()
+    why: str = ""
+
+    def source(self) -> str:
+        return f"{self.style}({', '.join(f'{k}={v}' for k, v in self.arguments)})"
+
+
+@dataclass
+class TPPlan:
+    """Module FQN -> style, plus notes on adjustments made to the plan's choices."""
+
+    styles: dict[str, StyleSpec] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    loss_parallel: bool = False
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _module_of(parameter: str) -> str:
+    return parameter.rpartition(".")[0]
+
+
+def harmonise_tied(styles: dict[str, str], facts: ModelFacts, notes: list[str]) -> dict[str, str]:
+    """Give modules sharing a tied weight styles that shard the weight the same way.
+
+    The linear member (the head) decides: its style follows from the loss and logits, while
+    the embedding can read either layout of the table."""
+    styles = dict(styles)
+    for group in facts.tied_parameters:
+        modules = [_module_of(p) for p in group]
+        kinds = {m: facts.kind(m) for m in modules}
+        placements = {m: _WEIGHT_PLACEMENT.get((kinds[m], styles.get(m, "replicate")), "Replicate()") for m in modules}
+        if len(set(placements.values())) <= 1:
+            continue
+        leader = next((m for m in modules if kinds[m] == "linear"), modules[0])
+        for module in modules:
+            if module == leader:
+                continue
+            wanted = _STYLE_FOR_PLACEMENT.get((kinds[module], placements[leader]), "replicate")
+            notes.append(f"{module}: {styles.get(module, 'replicate')} -> {wanted} (its weight is tied to "
+                         f"{leader}, which is {styles.get(leader, 'replicate')})")
+            styles[module] = wanted
+    return styles
+
+
+def paired_regions(styles: dict[str, str], facts: ModelFacts) -> set[str]:
+    """Modules whose linear children are all split, with both column- and row-wise among them."""
+    regions = set()
+    for name, children in facts.children.items():
+        linears = [c for c in children if facts.kind(c) == "linear"]
+        chosen = {styles.get(c, "replicate") for c in linears}
+        if linears and chosen <= set(SPLIT_STYLES) and chosen == set(SPLIT_STYLES):
+            regions.add(name)
+    return regions
+
+
+def _input_layout_args(facts: ModelFacts, module: str, layout: str, desired: str) -> tuple[tuple[str, str], ...]:
+    """PrepareModuleInput arguments for the module's first input, positional or by keyword."""
+    keyword = facts.modules[module].first_input if module in facts.modules else None
+    if keyword is None:
+        return (("input_layouts", f"({layout},)"), ("desired_input_layouts", f"({desired},)"))
+    return (("input_kwarg_layouts", f'{{"{keyword}": {layout}}}'),
+            ("desired_input_kwarg_layouts", f'{{"{keyword}": {desired}}}'))
+
+
+def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
+    """The torch TP plan realising ``plan.tp_styles`` (see the module docstring)."""
+    result = TPPlan()
+    if plan.tp <= 1:
+        return result
+    styles = {m: s for m, s in plan.tp_styles.items() if m in facts.modules}
+    missing = sorted(set(plan.tp_styles) - set(styles))
+    if missing:
+        raise CodegenError(f"the plan shards {missing[0]}, which the model does not have.",
+                           "re-plan for this model file (the plan was made for another model).")
+    styles = harmonise_tied(styles, facts, result.notes)
+    regions = paired_regions(styles, facts)
+    sp = plan.sequence_parallel
+    container = plan.block_container
+    blocks = facts.children.get(container, []) if container is not None else []
+    block_set = set(blocks)
+    after_container = _units_after_container(plan, container)
+    head = _head(styles, facts, after_container)
+    result.loss_parallel = plan.loss_parallel and head is not None and styles.get(head) == "colwise"
+    if plan.loss_parallel and not result.loss_parallel:
+        result.notes.append("loss parallel dropped: the LM head is not column-parallel")
+
+    out: dict[str, StyleSpec] = {}
+    for module, style in styles.items():
+        kind = facts.kind(module)
+        parent = _parent(module)
+        in_region = parent in regions
+        if kind == "embedding":
+            if style == "vocab_parallel":
+                out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Replicate()"), ("output_layouts", "Replicate()")),
+                                        "vocabulary-parallel embedding: each rank holds a slice of the rows")
+            elif style == "hidden_parallel":
+                out[module] = StyleSpec("ColwiseParallel", (("input_layouts", "Replicate()"), ("output_layouts", "Replicate()")),
+                                        "embedding split along the hidden dim")
+            continue
+        if style not in SPLIT_STYLES:
+            continue
+        if kind != "linear":
+            raise CodegenError(f"the plan splits {module} ({facts.modules[module].class_name}) {style}, but only "
+                               "nn.Linear and nn.Embedding modules can be split.",
+                               f"pin {module} to replicate, or plan with plan.tp=1.")
+        stream_input = sp and (module == head or module in after_container)
+        if module == head and style == "colwise":
+            arguments = [("input_layouts", "Shard(1)" if sp else "Replicate()")]
+            if result.loss_parallel:
+                arguments += [("output_layouts", "Shard(-1)"), ("use_local_output", "False")]
+                why = "LM head: logits stay vocabulary-sharded into the loss (loss parallel)"
+            else:
+                arguments += [("output_layouts", "Replicate()")]
+                why = "LM head: logits gathered for the loss"
+            out[module] = StyleSpec("ColwiseParallel", tuple(arguments), why)
+        elif style == "colwise" and in_region:
+            out[module] = StyleSpec("ColwiseParallel", (), "output stays sharded for the row-parallel partner")
+        elif style == "colwise":
+            out[module] = StyleSpec("ColwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),
+                                                        ("output_layouts", "Replicate()")),
+                                    "no row-parallel partner: output gathered")
+        elif in_region:
+            out[module] = StyleSpec("RowwiseParallel", (("output_layouts", "Shard(1)"),) if sp else (),
+                                    "reduce-scatter onto sequence shards" if sp else "all-reduce the partial sums")
+        else:
+            out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),),
+                                    "no column-parallel partner: input sliced locally")
+    if sp:
+        out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_container, head))
+    result.styles = {name: out[name] for name in facts.modules if name in out}
+    return result
+
+
+def _units_after_container(plan: Plan, container: str | None) -> list[str]:
+    """Layers after the block container in layer order (final norm, head)."""
+    if container is None:
+        return []
+    names = plan.layer_names
+    block_indices = [i for i, n in enumerate(names) if n.startswith(container + ".")]
+    return names[max(block_indices) + 1:] if block_indices else []
+
+
+def _head(styles: dict[str, str], facts: ModelFacts, after_container: list[str]) -> str | None:
+    """The LM head: the last linear layer after the block container."""
+    linears = [n for n in after_container if facts.kind(n) == "linear"]
+    return linears[-1] if linears else None
+
+
+def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, str], regions: set[str],
+                              blocks: list[str], block_set: set[str], after_container: list[str],
+                              head: str | None) -> dict[str, StyleSpec]:
+    """Styles that keep the residual stream sharded along the sequence between layers."""
+    if not blocks:
+        raise CodegenError("sequence parallelism needs a block container (ModuleList of layers); the model has none.",
+                           "plan with plan.sequence_parallel=false.")
+    out: dict[str, StyleSpec] = {}
+    out[blocks[0]] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, blocks[0], "Replicate()", "Shard(1)")
+                               + (("use_local_output", "True"),),
+                               "enter sequence parallelism: each rank keeps its slice of the sequence")
+    for block in blocks:
+        for child in facts.children.get(block, []):
+            kind = facts.kind(child)
+            if not facts.modules[child].has_parameters:
+                continue
+            if kind == "norm":
+                out[child] = StyleSpec("SequenceParallel", (), "norm on this rank's sequence slice")
+            elif child in regions:
+                out[child] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, child, "Shard(1)", "Replicate()")
+                                       + (("use_local_output", "True"),), "all-gather the sequence before the split matmuls")
+            elif kind == "linear":
+                raise CodegenError(f"sequence parallelism cannot wrap {child}: a linear layer called directly on the "
+                                   "residual stream.", "plan with plan.sequence_parallel=false.")
+            else:
+                out[child] = StyleSpec("PrepareModuleInputOutput",
+                                       _input_layout_args(facts, child, "Shard(1)", "Replicate()")
+                                       + (("use_local_input", "True"), ("output_layouts", "(Replicate(),)"),
+                                          ("desired_output_layouts", "(Shard(1),)"), ("use_local_output", "True")),
+                                       "replicated sub-module: gather the sequence in, slice it out")
+    for unit in after_container:
+        kind = facts.kind(unit)
+        if kind == "norm":
+            out[unit] = StyleSpec("SequenceParallel", (), "final norm on this rank's sequence slice")
+        elif unit != head and facts.modules.get(unit) and facts.modules[unit].has_parameters and unit not in styles:
+            out[unit] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, unit, "Shard(1)", "Replicate()")
+                                  + (("use_local_output", "True"),), "leave sequence parallelism")
+    if head is not None and styles.get(head, "replicate") not in SPLIT_STYLES:
+        out[head] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, head, "Shard(1)", "Replicate()")
+                              + (("use_local_output", "True"),), "leave sequence parallelism: the head is replicated")
+    return out

@@ -42,7 +42,8 @@ class Layout:
 
     Attributes:
         dp_replicate, dp_shard: the data-parallel degree split into replicas x shard group.
-        pipeline_split: "modules" (drop other stages' layers) or "none" without pipelining.
+        pipeline_split: "modules" (drop other stages' layers), "tracer" (cut an exported graph) or
+            "none" without pipelining.
         fsdp_groups: module FQNs per FSDP group, bottom-up.
         notes: adjustments worth telling the reader.
     """
@@ -113,38 +114,51 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
     if len(plan.stages) != plan.pp * max(1, plan.chunks if plan.schedule == "interleaved_1f1b" else 1):
         raise CodegenError(f"the plan has {len(plan.stages)} stages for pp={plan.pp}, chunks={plan.chunks}.",
                            "re-plan; a pipeline has pp x chunks stages (chunks only with interleaved_1f1b).")
-    if plan.pp > 1:
-        check_pipeline_cuts(plan, facts)
     if plan.dp * plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
         raise CodegenError(f"dp ({plan.dp}) x micro_batch_size ({plan.micro_batch_size}) x num_micro_batches "
                            f"({plan.num_micro_batches}) != global_batch_size ({plan.global_batch_size}).",
                            "re-plan; the batch arithmetic must hold.")
 
 
-def check_pipeline_cuts(plan: Plan, facts: ModelFacts) -> None:
-    """A stage may start at a block of the container or at a layer after it: there the residual
-    stream is a layer's first input. Cuts between embeddings (token | position) are not."""
+def module_split_problem(plan: Plan, facts: ModelFacts) -> str | None:
+    """Why stages cannot be cut by dropping other stages' layers (None if they can).
+
+    A stage may start at a block of the container or at a layer after it, where the residual
+    stream is a layer's first input; not between embeddings (token | position), which do not
+    hand on one activation. Parameters outside every layer would belong to no stage."""
     container = plan.block_container
-    if container is None:
-        raise CodegenError("pipeline parallelism needs the model's layers in a ModuleList/ModuleDict; none was found.",
-                           "plan with plan.pp=1.")
+    if container is None or container not in facts.modules:
+        return "the model has no block container (ModuleList/ModuleDict of layers)"
     blocks = set(facts.children.get(container, []))
     order = plan.layer_names
     first_block = min((order.index(b) for b in blocks if b in order), default=len(order))
     for index, stage in enumerate(plan.stages[1:], start=1):
         first = stage[0]
         if first not in blocks and order.index(first) < first_block:
-            raise CodegenError(f"stage {index} starts at {first}, before the block container {container}: the "
-                               "layers before it do not hand on one activation.",
-                               f"keep the layers before {container} on the first stage.")
-    container_modules = {name for name in facts.modules if name == container or name.startswith(container + ".")}
-    covered = set(order)
+            return f"stage {index} starts at {first}, before the block container {container}"
     for name, module in facts.modules.items():
-        direct = module.has_parameters and name not in container_modules and not any(
-            name == layer or name.startswith(layer + ".") for layer in covered)
-        if direct and not any(layer.startswith(name + ".") or name == "" for layer in covered):
-            raise CodegenError(f"module {name} holds parameters outside every layer, so no stage owns them.",
-                               "plan with plan.pp=1.")
+        inside = any(name == layer or name.startswith(layer + ".") for layer in order)
+        ancestor = name == "" or any(layer.startswith(name + ".") for layer in order)
+        if module.has_parameters and not inside and not ancestor:
+            return f"module {name} holds parameters outside every layer"
+    return None
+
+
+def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str]) -> str:
+    """"modules" when the stages can be cut by dropping layers, else "tracer" (torch's
+    pipeline() on an exported graph), which supports data parallelism but not TP/recompute."""
+    if plan.pp <= 1:
+        return "none"
+    problem = module_split_problem(plan, facts)
+    if problem is None:
+        return "modules"
+    if plan.tp > 1 or any(mode != "none" for mode in plan.recompute.values()):
+        raise CodegenError(f"the pipeline cannot be cut by modules ({problem}), and the traced split "
+                           "supports neither tensor parallelism nor recomputation.",
+                           "move the stage boundaries to block boundaries, or plan with plan.tp=1 "
+                           "and plan.recompute=none.")
+    notes.append(f"pipeline stages cut from an exported graph ({problem})")
+    return "tracer"
 
 
 def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
@@ -168,8 +182,9 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
         groups.append(after)  # final norm and head gathered together: they run back to back
     if not block_layers:
         groups = [[layer] for layer in order]
-    return Layout(dp_replicate=plan.dp // dp_shard, dp_shard=dp_shard,
-                  pipeline_split="modules" if plan.pp > 1 else "none", fsdp_groups=groups, notes=notes)
+    split = pipeline_split(plan, facts, notes)
+    return Layout(dp_replicate=plan.dp // dp_shard, dp_shard=dp_shard, pipeline_split=split, fsdp_groups=groups,
+                  notes=notes)
 
 
 def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts,
@@ -292,6 +307,7 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         f"FSDP_GROUPS = {pprint.pformat(layout.fsdp_groups, width=110, compact=True)}",
         f"TIED_PARAMETERS = {pprint.pformat(facts.tied_parameters, width=110)}",
         f"LOSS_PARALLEL = {tp.loss_parallel}",
+        f"PIPELINE_SPLIT = {layout.pipeline_split!r}  # how stages are cut (see pipeline.py)",
         "",
         tp_plan_source(plan, tp),
         "",
@@ -318,6 +334,7 @@ def parallel_config(plan: dict) -> ParallelConfig:
         fsdp_groups=FSDP_GROUPS,
         tied_parameters=TIED_PARAMETERS,
         loss_parallel=LOSS_PARALLEL,
+        pipeline_split=PIPELINE_SPLIT,
     )
 
 

@@ -11,7 +11,9 @@ The model's own forward runs unchanged on every stage, so whatever it computes b
 the residual stream entering each layer as its first argument, and on the code between layers
 using no parameters of its own, which holds for models whose blocks live in a ModuleList or
 ModuleDict (GPT-2, Llama and most decoder stacks). Otherwise `split_with_tracer` cuts an
-exported graph instead. The model's batch goes to every stage as keyword arguments (the
+exported graph of the model and its loss instead (torch's ``pipeline()`` with split points);
+such stages are graphs, so tensor parallelism and recomputation, which act on modules, are
+not available with them. The model's batch goes to every stage as keyword arguments (the
 schedule splits it into micro-batches), and the last stage returns the loss.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+                                          ScheduleInterleaved1F1B, SplitPoint, pipeline)
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen.sections.contract import compute_loss, model_inputs
@@ -198,27 +200,61 @@ def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
     model.get_submodule(owner).register_module(attribute, replacement)
 
 
+class TracedLoss(nn.Module):
+    """Model + loss as one module for the tracer: forward(*batch) -> loss of that micro-batch."""
+
+    def __init__(self, model: nn.Module, model_module: Any, example_batch: Any):
+        super().__init__()
+        self.model = model
+        self._model_module = model_module
+        self._example_batch = example_batch
+
+    def forward(self, *leaves: torch.Tensor) -> torch.Tensor:
+        # Copies made here belong to the first stage, which hands them on; the traced
+        # pipeline cannot feed the batch to later stages any other way (labels for the loss).
+        leaves = tuple(leaf.clone() for leaf in leaves)
+        batch = kwargs_to_batch({f"batch_{i}": leaf for i, leaf in enumerate(leaves)}, self._example_batch)
+        args, kwargs = model_inputs(self.model, batch)
+        return compute_loss(self._model_module, self.model(*args, **kwargs), batch)
+
+
+def split_with_tracer(model: nn.Module, stages: list[list[str]], model_module: Any, example_micro_batch: Any):
+    """Export model + loss on one micro-batch and cut the graph where each stage's first layer
+    begins; returns torch's ``Pipe`` (``pipe.get_stage_module(i)``, ``pipe.build_stage(...)``)."""
+    traced = TracedLoss(model, model_module, example_micro_batch)
+    leaves = tuple(batch_to_kwargs(example_micro_batch).values())
+    split_spec = {f"model.{stage[0]}": SplitPoint.BEGINNING for stage in stages[1:]}
+    return pipeline(traced, mb_args=leaves, split_spec=split_spec)
+
+
 def local_stage_indices(num_stages: int, pp: int, pp_rank: int) -> list[int]:
     """Stages this pipeline rank runs: j, j + pp, ... (looping placement for interleaving)."""
     return list(range(pp_rank, num_stages, pp))
 
 
-def build_pipeline(stage_modules: list[nn.Module], stage_indices: list[int], num_stages: int, pp_mesh: DeviceMesh,
-                   device: torch.device, schedule: str, num_micro_batches: int):
-    """The pipeline schedule running this rank's stages.
+def module_stages(stage_modules: list[nn.Module], stage_indices: list[int], num_stages: int, pp_mesh: DeviceMesh,
+                  device: torch.device) -> list[PipelineStage]:
+    """Pipeline stages around this rank's stage modules (already parallelised: TP, recompute, FSDP).
 
     Args:
-        stage_modules: this rank's stage modules, parallelised (TP, recompute, FSDP) already.
+        stage_modules: this rank's `PipelineStageModule`s.
         stage_indices: their stage numbers.
         num_stages: stages in the whole pipeline (pp x chunks).
         pp_mesh: the 1-D pipeline submesh (point-to-point sends go over its group).
         device: this rank's device.
+    """
+    return [PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group())
+            for module, index in zip(stage_modules, stage_indices)]
+
+
+def build_pipeline(stages: list[Any], schedule: str, num_micro_batches: int):
+    """The pipeline schedule running this rank's stages.
+
+    Args:
+        stages: this rank's pipeline stages (one, or chunks of them for interleaving).
         schedule: "gpipe", "1f1b" or "interleaved_1f1b".
         num_micro_batches: micro-batches per step per data-parallel rank.
     """
-    group = pp_mesh.get_group()
-    stages = [PipelineStage(module, index, num_stages, device, group=group)
-              for module, index in zip(stage_modules, stage_indices)]
     schedule_class = SCHEDULES[schedule]
     # The last stage already returns the loss; the schedule divides gradients by the number of
     # micro-batches (scale_grads), which makes them those of the mean loss over the batch.
@@ -233,14 +269,20 @@ def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool) -> torch.Tensor | None:
-    """One forward and backward of every micro-batch; the mean micro-batch loss on the last stage."""
+def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool, traced: bool = False) -> torch.Tensor | None:
+    """One forward and backward of every micro-batch; the mean micro-batch loss on the last stage.
+
+    Module stages take the batch as keyword arguments on every stage; traced stages take it as
+    positional arguments of the first stage only."""
     kwargs = batch_to_kwargs(batch)
-    samples = next(iter(kwargs.values())).shape[0]
+    first = next(iter(kwargs.values()))
     losses: list[torch.Tensor] = []
     # The schedule wants a target to hand its loss function; the loss is already computed.
-    target = torch.zeros(samples, device=next(iter(kwargs.values())).device)
-    schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+    target = torch.zeros(first.shape[0], device=first.device)
+    if traced:
+        schedule.step(*kwargs.values(), target=target, losses=losses, return_outputs=False)
+    else:
+        schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
     if not is_last_stage:
         return None
     return torch.stack([loss.detach().float() for loss in losses]).mean()
@@ -278,6 +320,8 @@ class TiedGradientSync:
             if not copies or (len(copies) == 1 and group is None):
                 continue
             for p in copies:
+                if p.grad is None:  # a copy this stage never used (the traced split keeps some)
+                    p.grad = torch.zeros_like(p)
                 # Autograd may leave a sharded parameter's gradient in another layout (an
                 # embedding's comes back replicated); all copies must agree before summing.
                 if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:

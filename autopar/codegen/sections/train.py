@@ -25,8 +25,9 @@ from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_g
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
 from autopar.codegen.sections.optimizer import build_optimizer
 from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
-                                               local_stage_indices, named_parameters_in_stage, run_pipeline,
-                                               split_stage, strip_wrapper_prefixes)
+                                               local_stage_indices, module_stages, named_parameters_in_stage,
+                                               run_pipeline, split_stage, split_with_tracer,
+                                               strip_wrapper_prefixes)
 from autopar.codegen.sections.recompute import apply_recompute
 from autopar.codegen.sections.tensor_parallel import apply_tp
 
@@ -44,6 +45,7 @@ class ParallelConfig:
         fsdp_groups: module FQNs grouped for FSDP, bottom-up.
         tied_parameters: parameter FQNs sharing one tensor.
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
+        pipeline_split: "modules" (drop other stages' layers) or "tracer" (cut an exported graph).
     """
 
     dims: ParallelDims
@@ -54,6 +56,7 @@ class ParallelConfig:
     fsdp_groups: list[list[str]]
     tied_parameters: list[list[str]]
     loss_parallel: bool
+    pipeline_split: str = "modules"
 
 
 @dataclass(frozen=True)
@@ -156,20 +159,32 @@ def setup(train: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict
         return ParallelModel([model], optimizer, mesh, device, is_last_stage=True)
 
     pp_rank = mesh[MeshAxis.PP.value].get_local_rank()
+    pp_mesh = mesh[MeshAxis.PP.value]
     indices = local_stage_indices(len(config.stages), dims.pp, pp_rank)
     example = make_batch(model_module, train.model_kwargs, train.micro_batch_size, train.seed)
-    stages: list[PipelineStageModule] = []
-    for index in indices:
-        stage = split_stage(model, config.stages, index, model_module, example, device).to(device)
-        parallelize(stage.model, stage, config.stages[index], mesh, config, plan, param_dtype)
-        stage.attach_input()
-        stages.append(stage)
+    modules: list[nn.Module] = []
+    if config.pipeline_split == "tracer":
+        pipe = split_with_tracer(model, config.stages, model_module, example)
+        pipeline_stages = []
+        for index in indices:
+            module = pipe.get_stage_module(index).to(device)
+            if dims.dp_enabled:
+                apply_fsdp(module, dp_mesh_of(mesh, dims.dp_replicate, dims.dp_shard), [],
+                           reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype)
+            modules.append(module)
+            pipeline_stages.append(pipe.build_stage(index, device, pp_mesh.get_group()))
+    else:
+        for index in indices:
+            stage = split_stage(model, config.stages, index, model_module, example, device).to(device)
+            parallelize(stage.model, stage, config.stages[index], mesh, config, plan, param_dtype)
+            stage.attach_input()
+            modules.append(stage)
+        pipeline_stages = module_stages(modules, indices, len(config.stages), pp_mesh, device)
     del model  # each stage holds its own layers now
-    schedule = build_pipeline(stages, indices, len(config.stages), mesh[MeshAxis.PP.value], device,
-                              config.schedule, train.num_micro_batches)
-    parameters = list({id(p): p for stage in stages for p in stage.parameters()}.values())
+    schedule = build_pipeline(pipeline_stages, config.schedule, train.num_micro_batches)
+    parameters = list({id(p): p for module in modules for p in module.parameters()}.values())
     optimizer = build_optimizer(parameters, train.optimizer, zero1)
-    return ParallelModel(stages, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
+    return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp))
 
@@ -192,7 +207,8 @@ def train_step(parallel: ParallelModel, batch: Any, train: TrainConfig, config: 
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
     if parallel.schedule is not None:
         with loss_context(), autocast:
-            loss = run_pipeline(parallel.schedule, batch, parallel.is_last_stage)
+            loss = run_pipeline(parallel.schedule, batch, parallel.is_last_stage,
+                                traced=config.pipeline_split == "tracer")
         parallel.tied_sync(parallel.modules)
     else:
         model = parallel.modules[0]
@@ -238,7 +254,7 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
     unsharded model (tied parameters appear under each of their names)."""
     state: dict[str, torch.Tensor] = {}
     for module in parallel.modules:
-        named = (named_parameters_in_stage(module) if isinstance(module, PipelineStageModule)
+        named = (named_parameters_in_stage(module) if parallel.schedule is not None
                  else ((strip_wrapper_prefixes(n), p) for n, p in module.named_parameters(remove_duplicate=False)))
         for name, parameter in named:
             full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter

@@ -1,0 +1,121 @@
+"""Run a generated module on local ranks with torchrun (gloo on CPU, NCCL on GPUs).
+
+The generated module does the training and the logging; this launches it, collects the records
+it appended to ``run.jsonl``, and when a rank fails, finds that rank's error in torchrun's
+report (the module's ``main`` is wrapped in torch's ``record``, so the traceback is kept).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from autopar.errors import UserError
+from autopar.plan import Plan
+
+LOG_NAME = "run.jsonl"
+
+
+@dataclass
+class RunResult:
+    """What a local run did.
+
+    Attributes:
+        returncode: torchrun's exit status (0 when every rank succeeded).
+        records: the per-step records this run appended to run.jsonl.
+        failed_rank: the first rank that failed, if any.
+        error: that rank's error (exception and traceback as torchrun reported it), else "".
+        output: everything the ranks and torchrun printed.
+    """
+
+    returncode: int
+    records: list[dict] = field(default_factory=list)
+    failed_rank: int | None = None
+    error: str = ""
+    output: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def find_script(out_dir: Path) -> Path:
+    scripts = sorted(out_dir.glob("parallel_*.py"))
+    if len(scripts) != 1:
+        raise UserError(f"{out_dir} holds {len(scripts)} generated modules (parallel_*.py), expected one.",
+                        "pass the folder `autopar compile` wrote.")
+    return scripts[0]
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The JSON records of a run.jsonl (missing file: none)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None = None, *,
+              extra_args: Sequence[str] = (), echo: bool = False, timeout_s: float | None = None,
+              env: dict[str, str] | None = None) -> RunResult:
+    """Launch ``out_dir``'s generated module on ``nproc`` local ranks and wait for it.
+
+    Args:
+        out_dir: folder with parallel_<model>.py (and plan.json) as `generate` wrote it.
+        nproc: ranks to start; default the plan's world size.
+        steps: training steps; default the module's own default.
+        extra_args: more arguments for the module (``--lr``, ``--seed``, ``--save-final``).
+        echo: also print the ranks' output as it comes.
+        timeout_s: kill the run after this long (returncode 124).
+        env: environment for the ranks (default: this process's).
+    """
+    out_dir = Path(out_dir)
+    script = find_script(out_dir)
+    if nproc is None:
+        nproc = Plan.load(out_dir / "plan.json").world_size
+    log = out_dir / LOG_NAME
+    before = len(read_records(log))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(script), "--log-file", str(log)]
+    if steps is not None:
+        command += ["--steps", str(steps)]
+    command += list(extra_args)
+    lines: list[str] = []
+    process = subprocess.Popen(command, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env if env is not None else dict(os.environ))
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if echo:
+                print(line, end="", flush=True)
+        returncode = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        returncode = 124
+    output = "".join(lines)
+    result = RunResult(returncode=returncode, records=read_records(log)[before:], output=output)
+    if returncode != 0:
+        result.failed_rank, result.error = failing_rank(output)
+    return result
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n(.*?)\n={10,}", re.S)
+_RANK = re.compile(r"rank\s*:\s*(\d+)")
+
+
+def failing_rank(output: str) -> tuple[int | None, str]:
+    """(rank, error text) of the first failure in torchrun's report, or the output's tail."""
+    match = _ROOT_CAUSE.search(output)
+    if match:
+        block = match.group(1)
+        rank = _RANK.search(block)
+        return (int(rank.group(1)) if rank else None), block.strip()
+    ranked = re.findall(r"^\[rank(\d+)\]:.*$", output, re.M)
+    tail = "\n".join(output.strip().splitlines()[-40:])
+    return (int(ranked[0]) if ranked else None), tail

@@ -200,14 +200,13 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
                           ("pathlib", {"Path"})):
         imports.from_names.setdefault(module, set()).update(names)
     parts = [
-        header(plan, name, model_file, tp, layout, gpus_per_node),
-        "from __future__ import annotations\n",
-        imports.source(),
+        header(plan, name, model_file, tp, layout, gpus_per_node) + "\n\nfrom __future__ import annotations\n\n"
+        + imports.source(),
         plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps),
         sections,
         main_section(),
     ]
-    return "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
+    return "\n\n\n".join(part.strip("\n") for part in parts) + "\n"
 
 
 def _fmt_seconds(seconds: float) -> str:
@@ -243,7 +242,8 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "Plan",
         f"  ranks        {plan.world_size} = dp {plan.dp} x tp {plan.tp} x pp {plan.pp} x cp {plan.cp}"
         f"  (mesh axes innermost first: {' -> '.join(plan.mesh_order)})",
-        f"  data         {zero}" + (", hybrid across nodes" if layout.dp_replicate > 1 and layout.dp_shard > 1 else ""),
+        (f"  data         {zero}" + (", hybrid across nodes" if layout.dp_replicate > 1 and layout.dp_shard > 1 else "")
+         if plan.dp > 1 else "  data         one data-parallel rank"),
         f"  batch        {plan.global_batch_size} samples = dp {plan.dp} x {plan.num_micro_batches} micro-batches"
         f" x {plan.micro_batch_size}",
     ]
@@ -309,7 +309,9 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         f"LOSS_PARALLEL = {tp.loss_parallel}",
         f"PIPELINE_SPLIT = {layout.pipeline_split!r}  # how stages are cut (see pipeline.py)",
         "",
+        "",
         tp_plan_source(plan, tp),
+        "",
         "",
         PARALLEL_CONFIG_SOURCE,
     ]
@@ -374,8 +376,12 @@ def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
         else:
             per_block[block][module[len(block) + 1:]] = spec
     lines = [f"def tp_plan() -> dict[str, ParallelStyle]:", doc, "    plan: dict[str, ParallelStyle] = {"]
+    previous = None
     for module, spec in top.items():
-        lines.append(f"        {module!r}: {spec.source()},  # {spec.why}" if spec.why else f"        {module!r}: {spec.source()},")
+        if spec.why and spec.why != previous:
+            lines.append(f"        # {spec.why}")
+        previous = spec.why
+        lines.append(_entry(f"        {module!r}: ", spec))
     lines.append("    }")
     # Blocks with the same relative layout share one loop.
     groups: dict[tuple, list[str]] = {}
@@ -388,13 +394,25 @@ def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
         names = _block_range_source(members, container)
         lines.append(f"    for block in {names}:")
         lines.append("        plan.update({")
+        previous = None
         for suffix, spec in relative.items():
-            comment = f"  # {spec.why}" if spec.why else ""
-            lines.append(f"            f\"{{block}}.{suffix}\": {spec.source()},{comment}")
+            if spec.why and spec.why != previous:
+                lines.append(f"            # {spec.why}")
+            previous = spec.why
+            lines.append(_entry(f"            f\"{{block}}.{suffix}\": ", spec))
         lines.append("        })")
     lines.append("    return plan")
-    # The first block's own entry (entering sequence parallelism) is a top-level key.
     return "\n".join(lines)
+
+
+def _entry(prefix: str, spec) -> str:
+    """One ``key: Style(...)`` line, its arguments wrapped when the line would be long."""
+    line = f"{prefix}{spec.source()},"
+    if len(line) <= 110:
+        return line
+    indent = " " * (len(prefix) - len(prefix.lstrip()) + 4)
+    arguments = "".join(f"\n{indent}{k}={v}," for k, v in spec.arguments)
+    return f"{prefix}{spec.style}({arguments}\n{indent[:-4]}),"
 
 
 def _block_range_source(members: list[str], container: str) -> str:
@@ -416,7 +434,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train with the plan; see the module docstring for how to launch."""
     args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "model_file": MODEL_FILE,
                              "log_file": str(Path(__file__).with_name("run.jsonl"))}})
-    return run(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256)
+    return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256)
 
 
 if __name__ == "__main__":

@@ -50,5 +50,5 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
         loss.backward()
         adamw.step()
         adamw.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return ReferenceRun(losses=losses, parameters={n: p.detach().clone() for n, p in model.named_parameters()})

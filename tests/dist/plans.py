@@ -75,6 +75,14 @@ def split_stages(model: TinyModel, count: int) -> list[list[str]]:
     return stages
 
 
+def boundary_stages(model: TinyModel) -> list[list[str]]:
+    """Four stages cut where the planner cuts tiny models: embeddings alone, two blocks, two
+    blocks, norm and head. Exercises a stage starting at the first block (which enters sequence
+    parallelism) and one starting at the final norm."""
+    blocks = model.block_names
+    return [model.prologue, blocks[:2], blocks[2:], model.epilogue]
+
+
 def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
               schedule: str = "1f1b", chunks: int = 1, recompute: dict[str, str] | None = None,
               num_micro_batches: int | None = None, stages: list[list[str]] | None = None,

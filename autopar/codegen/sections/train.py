@@ -139,7 +139,7 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
                    reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype, root=root)
 
 
-def setup(train: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
+def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
           model_module: Any, device: torch.device) -> ParallelModel:
     """Build the unsharded model from the seed, cut it, parallelise it, and make its optimizer."""
     dims = config.dims
@@ -147,21 +147,21 @@ def setup(train: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict
         raise NotImplementedError("context parallelism (cp > 1) is not generated yet; plan with plan.cp=1")
     dims.check_world_size(dist.get_world_size())
     mesh = build_mesh(dims, device.type)
-    model = build_model(model_module, train.model_kwargs, train.seed)
-    param_dtype = compute_dtype(train.precision, device)
+    model = build_model(model_module, training.model_kwargs, training.seed)
+    param_dtype = compute_dtype(training.precision, device)
     plan = tp_plan() if dims.tp_enabled else {}
     zero1 = mesh[MeshAxis.DP_REPLICATE.value].get_group() if config.zero_stage == 1 else None
     if not dims.pp_enabled:
         model.to(device)
         layers = [layer for stage in config.stages for layer in stage]
         parallelize(model, model, layers, mesh, config, plan, param_dtype)
-        optimizer = build_optimizer(list(model.parameters()), train.optimizer, zero1)
+        optimizer = build_optimizer(list(model.parameters()), training.optimizer, zero1)
         return ParallelModel([model], optimizer, mesh, device, is_last_stage=True)
 
     pp_rank = mesh[MeshAxis.PP.value].get_local_rank()
     pp_mesh = mesh[MeshAxis.PP.value]
     indices = local_stage_indices(len(config.stages), dims.pp, pp_rank)
-    example = make_batch(model_module, train.model_kwargs, train.micro_batch_size, train.seed)
+    example = make_batch(model_module, training.model_kwargs, training.micro_batch_size, training.seed)
     modules: list[nn.Module] = []
     if config.pipeline_split == "tracer":
         pipe = split_with_tracer(model, config.stages, model_module, example)
@@ -181,29 +181,29 @@ def setup(train: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict
             modules.append(stage)
         pipeline_stages = module_stages(modules, indices, len(config.stages), pp_mesh, device)
     del model  # each stage holds its own layers now
-    schedule = build_pipeline(pipeline_stages, config.schedule, train.num_micro_batches)
+    schedule = build_pipeline(pipeline_stages, config.schedule, training.num_micro_batches)
     parameters = list({id(p): p for module in modules for p in module.parameters()}.values())
-    optimizer = build_optimizer(parameters, train.optimizer, zero1)
+    optimizer = build_optimizer(parameters, training.optimizer, zero1)
     return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp))
 
 
-def local_batch(train: TrainConfig, model_module: Any, step: int, rank_in_dp: int, device: torch.device) -> Any:
+def local_batch(training: TrainConfig, model_module: Any, step: int, rank_in_dp: int, device: torch.device) -> Any:
     """This data-parallel rank's slice of step ``step``'s global batch."""
-    batch = make_batch(model_module, train.model_kwargs, train.global_batch_size, train.seed + 1 + step)
-    per_rank = train.micro_batch_size * train.num_micro_batches
+    batch = make_batch(model_module, training.model_kwargs, training.global_batch_size, training.seed + 1 + step)
+    per_rank = training.micro_batch_size * training.num_micro_batches
     return move_batch(slice_batch(batch, rank_in_dp * per_rank, (rank_in_dp + 1) * per_rank), device)
 
 
-def train_step(parallel: ParallelModel, batch: Any, train: TrainConfig, config: ParallelConfig,
+def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, config: ParallelConfig,
                model_module: Any) -> torch.Tensor | None:
     """Forward and backward of every micro-batch, then one optimizer step.
 
     Returns the mean micro-batch loss on ranks of the last pipeline stage, else None.
     """
     loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
-    dtype = compute_dtype(train.precision, parallel.device)
+    dtype = compute_dtype(training.precision, parallel.device)
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
     if parallel.schedule is not None:
         with loss_context(), autocast:
@@ -212,10 +212,10 @@ def train_step(parallel: ParallelModel, batch: Any, train: TrainConfig, config: 
         parallel.tied_sync(parallel.modules)
     else:
         model = parallel.modules[0]
-        n = train.num_micro_batches
+        n = training.num_micro_batches
         total = torch.zeros((), device=parallel.device)
         for i in range(n):
-            micro = slice_batch(batch, i * train.micro_batch_size, (i + 1) * train.micro_batch_size)
+            micro = slice_batch(batch, i * training.micro_batch_size, (i + 1) * training.micro_batch_size)
             # ZeRO-0/1 keep full gradients, so they are reduced once, after the last micro-batch;
             # ZeRO-2/3 shard gradients, so each micro-batch's are reduce-scattered as they come.
             if config.zero_stage <= 1:
@@ -266,45 +266,45 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
         torch.save(merged, path)
 
 
-def run(train: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
+def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
         expected_sha256: str | None = None) -> list[dict[str, float]]:
-    """Train for ``train.steps`` steps on this rank; returns the per-step records (rank 0 also
-    appends them to ``train.log_file``). Joins the default process group, creating it from the
+    """Train for ``training.steps`` steps on this rank; returns the per-step records (rank 0 also
+    appends them to ``training.log_file``). Joins the default process group, creating it from the
     torchrun environment if needed."""
     device, backend = pick_device()
     created = not dist.is_initialized()
     if created:
         dist.init_process_group(backend)
     try:
-        if expected_sha256 and file_sha256(train.model_file) != expected_sha256 and dist.get_rank() == 0:
-            print(f"warning: {train.model_file} changed since the plan was made; the plan may not fit it")
-        model_module = load_model_file(train.model_file)
-        parallel = setup(train, config, tp_plan, model_module, device)
+        if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
+            print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
+        model_module = load_model_file(training.model_file)
+        parallel = setup(training, config, tp_plan, model_module, device)
         rank_in_dp = dp_rank(parallel.mesh, config.dims)
         records = []
-        for step in range(train.steps):
-            batch = local_batch(train, model_module, step, rank_in_dp, device)
+        for step in range(training.steps):
+            batch = local_batch(training, model_module, step, rank_in_dp, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            loss = train_step(parallel, batch, train, config, model_module)
+            loss = train_step(parallel, batch, training, config, model_module)
             loss_value = global_loss(loss, config.dims, device)
             step_time_s = time.perf_counter() - start
             memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
             dist.all_reduce(memory, op=dist.ReduceOp.MAX)
             record = {"step": step, "loss": loss_value, "step_time_s": step_time_s,
-                      "tokens_per_s": train.global_batch_size * tokens_per_sample(batch) / step_time_s,
+                      "tokens_per_s": training.global_batch_size * tokens_per_sample(batch) / step_time_s,
                       "peak_memory_bytes": int(memory)}
             records.append(record)
             if dist.get_rank() == 0:
                 print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
                       f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
                       flush=True)
-                if train.log_file:
-                    with open(train.log_file, "a") as log:
+                if training.log_file:
+                    with open(training.log_file, "a") as log:
                         log.write(json.dumps(record) + "\n")
-        if train.save_final:
-            save_full_state(parallel, train.save_final)
+        if training.save_final:
+            save_full_state(parallel, training.save_final)
         return records
     finally:
         if created:

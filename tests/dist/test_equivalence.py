@@ -1,0 +1,170 @@
+"""Every kind of split trains like the unsharded model: numerical parity of the *generated
+module* with a single-process run of the original model.
+
+For each case a plan is generated into ``parallel_<model>.py``, run for 3 optimizer steps on
+gloo ranks from the same seed, and compared with `run_reference` (same weights, same batches,
+AdamW): the loss of every step and every parameter after the last step, gathered to full
+tensors. One spawn of ranks per world size runs all of that size's cases in sequence.
+
+Tolerances (fp32 throughout):
+- Sharding changes only the order of floating-point sums (a matmul split over ranks, gradients
+  reduced over ranks, micro-batches accumulated), which perturbs results at ~1e-7 relative.
+  Losses must agree to rtol 1e-5; parameters to rtol 1e-4 and atol 1e-5.
+- atol: some gradients are zero in exact arithmetic (a key bias cannot change a softmax over
+  keys), so in fp32 they are rounding noise of ~1e-9 whose sign depends on summation order.
+  AdamW divides by sqrt(v) + eps, which turns such noise into steps of up to lr * noise / eps;
+  the tests use eps = 1e-6 (instead of 1e-8, which would make those steps ~lr/10 and
+  different for *any* change of reduction order, including a different GPU) so the amplified
+  noise stays below 1e-5 in absolute terms. Every other parameter is held to rtol 1e-4.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.codegen import generate
+from autopar.codegen.generate import DEFAULT_OPTIMIZER
+from autopar.runtime import read_records, run_reference
+from tests.dist.harness import RankFailure, run_ranks
+from tests.dist.plans import GLOBAL_BATCH, GPT, LLAMA, MODELS, TinyModel, boundary_stages, make_plan
+
+STEPS = 3
+OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}  # see the module docstring
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parallel configuration: plan pins and how many ranks it needs."""
+
+    name: str
+    pins: dict = field(default_factory=dict)
+    gpus_per_node: int | None = None
+
+    def plan(self, model: TinyModel):
+        pins = dict(self.pins)
+        if pins.pop("boundary_stages", False):
+            pins["stages"] = boundary_stages(model)
+        recompute = pins.pop("recompute_blocks", None)
+        if recompute:
+            pins["recompute"] = {b: mode for b, mode in zip(model.block_names, recompute)}
+        return make_plan(model, **pins)
+
+
+CASES = [
+    Case("dp2", dict(dp=2)),
+    Case("zero1_dp2", dict(dp=2, zero=1)),
+    Case("zero2_dp2", dict(dp=2, zero=2)),
+    Case("zero3_dp4", dict(dp=4, zero=3)),
+    Case("tp2", dict(tp=2)),
+    Case("tp2_sp", dict(tp=2, sp=True)),
+    Case("pp2_gpipe", dict(pp=2, schedule="gpipe")),
+    Case("pp2_1f1b", dict(pp=2, schedule="1f1b")),
+    Case("pp2_interleaved_v2", dict(pp=2, schedule="interleaved_1f1b", chunks=2, boundary_stages=True)),
+    Case("recompute_dp2", dict(dp=2, recompute_blocks=["full", "full", "selective", "selective"])),
+    Case("dp2_tp2", dict(dp=2, tp=2)),
+    Case("dp2_pp2", dict(dp=2, pp=2)),
+    Case("tp2_pp2_sp", dict(tp=2, pp=2, sp=True)),
+    Case("zero3_dp2_tp2_pp2", dict(dp=2, tp=2, pp=2, zero=3, sp=True, schedule="interleaved_1f1b", chunks=2,
+                                    boundary_stages=True, recompute_blocks=["none", "selective", "full", "none"],
+                                    num_micro_batches=2)),
+    # Beyond the list: hybrid sharding (ZeRO-3 inside a "node" of 2 ranks, replicated across 2).
+    Case("zero3_hybrid_2x2", dict(dp=4, zero=3, hybrid=True), gpus_per_node=2),
+]
+IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES]
+
+
+def _import_generated(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_generated_cases(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> list[str]:
+    """Run each generated module's ``main`` in this rank's (shared) process group."""
+    torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun's default arranges
+    done = []
+    for case_id, script, log_file, final in jobs:
+        module = _import_generated(script, f"generated_{case_id.replace('-', '_')}")
+        try:
+            module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
+        except Exception as err:
+            raise RuntimeError(f"case {case_id} failed on rank {rank}") from err
+        done.append(case_id)
+    return done
+
+
+@dataclass
+class Outcome:
+    losses: list[float] | None = None
+    parameters: dict[str, torch.Tensor] | None = None
+    error: str | None = None
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+    """Generate every case, run them grouped by world size, and collect losses and parameters."""
+    root = tmp_path_factory.mktemp("equivalence")
+    by_world: dict[int, list[tuple[str, str, str, str]]] = {}
+    results: dict[str, Outcome] = {}
+    for model_name, model in MODELS.items():
+        for case in CASES:
+            case_id = f"{model_name}-{case.name}"
+            plan = case.plan(model)
+            out = root / case_id
+            files = generate(plan, model.path, out, optimizer=OPTIMIZER, gpus_per_node=case.gpus_per_node)
+            by_world.setdefault(plan.world_size, []).append(
+                (case_id, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
+    for world_size, jobs in sorted(by_world.items()):
+        try:
+            run_ranks(_run_generated_cases, world_size, jobs, timeout_s=900)
+        except RankFailure as failure:
+            for case_id, *_ in jobs:
+                results.setdefault(case_id, Outcome(error=str(failure)))
+        for case_id, _, log_file, final in jobs:
+            if case_id in results:
+                continue
+            if not Path(final).exists():
+                results[case_id] = Outcome(error=f"{case_id} saved no parameters")
+                continue
+            results[case_id] = Outcome(losses=[r["loss"] for r in read_records(log_file)],
+                                       parameters=torch.load(final))
+    return results
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, object]:
+    return {name: run_reference(model.path, model.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER)
+            for name, model in MODELS.items()}
+
+
+@pytest.mark.parametrize("case_id", IDS)
+def test_generated_module_matches_unsharded_model(case_id, outcomes, references):
+    """Loss per step and final parameters equal the single-process run of the original model."""
+    outcome = outcomes[case_id]
+    assert outcome.error is None, outcome.error
+    reference = references[case_id.split("-")[0]]
+    torch.testing.assert_close(torch.tensor(outcome.losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert set(reference.parameters) <= set(outcome.parameters)
+    for name, expected in reference.parameters.items():
+        torch.testing.assert_close(outcome.parameters[name], expected, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # The loss moved: three steps of training happened (guards against a no-op run).
+    assert outcome.losses[0] != outcome.losses[-1]
+
+
+@pytest.mark.parametrize("case", [c.name for c in CASES if "pp2" in c.name])
+def test_tied_embedding_and_head_stay_identical_across_stages(case, outcomes):
+    """GPT ties its LM head to the token embedding; pipeline stages hold one copy each, and the
+    summed gradient keeps both copies equal, as the single tensor would be."""
+    outcome = outcomes[f"gpt-{case}"]
+    assert outcome.error is None, outcome.error
+    torch.testing.assert_close(outcome.parameters["lm_head.weight"], outcome.parameters["wte.weight"],
+                               rtol=0, atol=0)

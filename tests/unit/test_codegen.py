@@ -1,0 +1,178 @@
+"""Code generation without ranks: what the generated module contains and how plans map to it."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
+
+from autopar.codegen import CodegenError, generate
+from autopar.codegen.model_facts import inspect_model
+from autopar.codegen.tp_plan import build_tp_plan
+from autopar.plan import Plan, Predicted, SolverInfo
+from tests.dist.plans import GPT, LLAMA, make_plan
+
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _load(path: Path):
+    """Import a generated module (its top level only defines things; main() is guarded)."""
+    name = f"generated_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gpt_3d(tmp_path_factory):
+    """GPT with every technique at once: ZeRO-3 x TP+SP x interleaved PP, recompute, a prediction."""
+    plan = make_plan(GPT, dp=2, tp=2, pp=2, zero=3, sp=True, schedule="interleaved_1f1b", chunks=2,
+                     recompute={"blocks.1": "selective", "blocks.2": "full"}).with_updates(
+        predicted=Predicted(step_time_s=0.0456, tokens_per_s=98765.0, mfu=0.377, peak_memory_bytes=5 * 2**30,
+                            time_breakdown={"compute": 0.04, "bubble": 0.0056}),
+        solver=SolverInfo(status="OPTIMAL", candidates=321, seconds=1.5))
+    out = tmp_path_factory.mktemp("gpt_3d")
+    return plan, generate(plan, GPT.path, out, gpus_per_node=4)
+
+
+def test_generated_module_imports_only_torch_the_stdlib_and_nothing_of_autopar(gpt_3d):
+    _, files = gpt_3d
+    tree = ast.parse(files.script.read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    assert roots - STDLIB == {"torch"}
+    assert "autopar" not in files.script.read_text().split('"""', 2)[2]  # nothing below the header docstring
+
+
+def test_header_summarises_plan_and_prediction(gpt_3d):
+    plan, files = gpt_3d
+    header = ast.get_docstring(ast.parse(files.script.read_text()))
+    assert "8 = dp 2 x tp 2 x pp 2 x cp 1" in header
+    assert "ZeRO-3" in header and "sequence parallel" in header and "loss parallel" in header
+    assert "4 stages" in header and "interleaved_1f1b with 2 chunks per rank" in header
+    assert "45.6 ms" in header and "98,765 tokens/s" in header and "MFU 37.7%" in header and "5.0 GiB" in header
+    assert "OPTIMAL, 321 candidates" in header
+    assert "torchrun --nproc-per-node 8" in header
+
+
+def test_plan_is_embedded_as_data_and_read_back(gpt_3d):
+    plan, files = gpt_3d
+    module = _load(files.script)
+    assert module.PLAN == json.loads(plan.to_json())
+    config = module.parallel_config(module.PLAN)
+    assert (config.dims.dp, config.dims.tp, config.dims.pp) == (2, 2, 2)
+    assert config.dims.mesh_axes() == (("dp_replicate", 1), ("dp_shard", 2), ("pp", 2), ("cp", 1), ("tp", 2))
+    assert config.stages == plan.stages and config.schedule == "interleaved_1f1b"
+    assert config.recompute["blocks.1"] == "selective" and config.recompute["blocks.2"] == "full"
+    assert config.tied_parameters == [["wte.weight", "lm_head.weight"]]
+    assert config.fsdp_groups[-1] == ["ln_f", "lm_head"] and ["blocks.0"] in config.fsdp_groups
+    assert module.PIPELINE_SPLIT == "modules"
+
+
+def test_user_facing_functions_exist(gpt_3d):
+    module = _load(gpt_3d[1].script)
+    for name in ("build_mesh", "apply_tp", "apply_recompute", "apply_fsdp", "build_pipeline", "split_stage",
+                 "train_step", "train", "main"):
+        assert callable(getattr(module, name)), name
+
+
+def test_tp_plan_pairs_columns_with_rows_and_shards_the_sequence(gpt_3d):
+    plan = _load(gpt_3d[1].script).tp_plan()
+    assert isinstance(plan["blocks.2.attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["blocks.2.attn.out_proj"], RowwiseParallel)
+    assert plan["blocks.2.attn.out_proj"].output_layouts == (Shard(1),)  # reduce-scatter onto the sequence
+    assert isinstance(plan["blocks.2.ln_1"], SequenceParallel)
+    assert isinstance(plan["blocks.2.mlp"], PrepareModuleInput)
+    assert plan["blocks.0"].desired_input_layouts == (Shard(1),)  # the first block enters SP
+    head = plan["lm_head"]
+    assert head.output_layouts == (Shard(-1),) and not head.use_local_output  # loss parallel
+    # The tied embedding shards its table like the head does (rows = vocabulary).
+    assert isinstance(plan["wte"], RowwiseParallel)
+
+
+def test_llama_attention_called_by_keyword_gets_a_keyword_input_style():
+    facts = inspect_model(LLAMA.path, LLAMA.kwargs)
+    tp = build_tp_plan(make_plan(LLAMA, tp=2, sp=True), facts)
+    attention = tp.styles["model.layers.1.self_attn"]
+    assert dict(attention.arguments)["input_kwarg_layouts"] == '{"hidden_states": Shard(1)}'
+    assert "input_layouts" in dict(tp.styles["model.layers.1.mlp"].arguments)
+
+
+def test_column_without_row_partner_gathers_its_output_and_lone_row_slices_its_input():
+    facts = inspect_model(GPT.path, GPT.kwargs)
+    plan = make_plan(GPT, tp=2)
+    styles = dict(plan.tp_styles)
+    styles["blocks.0.attn.out_proj"] = "replicate"  # q/k/v column-parallel, output replicated
+    styles["blocks.0.mlp.fc_in"] = "replicate"  # fc_out row-parallel alone
+    tp = build_tp_plan(plan.with_updates(tp_styles=styles), facts)
+    assert dict(tp.styles["blocks.0.attn.q_proj"].arguments)["output_layouts"] == "Replicate()"
+    assert dict(tp.styles["blocks.0.mlp.fc_out"].arguments)["input_layouts"] == "Replicate()"
+    assert "blocks.0.attn.out_proj" not in tp.styles
+    assert tp.styles["blocks.1.attn.q_proj"].arguments == ()  # untouched blocks keep the pairing
+
+
+def test_tied_embedding_follows_the_head():
+    facts = inspect_model(GPT.path, GPT.kwargs)
+    plan = make_plan(GPT, tp=2)
+    tp = build_tp_plan(plan.with_updates(tp_styles={**plan.tp_styles, "wte": "replicate"}), facts)
+    assert tp.styles["wte"].style == "RowwiseParallel"
+    assert any("wte: replicate -> vocab_parallel" in note for note in tp.notes)
+
+
+def test_launch_scripts_name_the_cluster_shape(tmp_path):
+    plan = make_plan(GPT, dp=4, tp=2, pp=2, zero=3)  # 16 ranks
+    files = generate(plan, GPT.path, tmp_path, gpus_per_node=8)
+    launch = files.launch.read_text()
+    for flag in ("--nnodes=", "--nproc-per-node=", "--rdzv-backend=c10d", "--rdzv-endpoint=", "--rdzv-id="):
+        assert flag in launch
+    assert "NNODES=${NNODES:-2}" in launch and "NPROC_PER_NODE=${NPROC_PER_NODE:-8}" in launch
+    sbatch = files.sbatch.read_text()
+    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch and "srun torchrun" in sbatch
+    for script in (files.launch, files.sbatch):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert files.model_copy.read_bytes() == GPT.path.read_bytes()
+    assert Plan.load(files.plan) == plan
+
+
+def test_hybrid_sharding_shards_inside_a_node_and_replicates_across(tmp_path):
+    plan = make_plan(GPT, dp=4, tp=2, zero=3, hybrid=True)  # 8 ranks, tp innermost
+    module = _load(generate(plan, GPT.path, tmp_path, gpus_per_node=4).script)
+    assert (module.DP_REPLICATE, module.DP_SHARD) == (2, 2)  # 4 GPUs per node / tp 2 = 2 dp ranks per node
+
+
+def test_zero_stages_map_to_replicas_and_shard_groups(tmp_path):
+    for zero, expected in ((0, (4, 1)), (1, (4, 1)), (2, (1, 4)), (3, (1, 4))):
+        module = _load(generate(make_plan(GPT, dp=4, zero=zero), GPT.path, tmp_path / str(zero)).script)
+        assert (module.DP_REPLICATE, module.DP_SHARD) == expected
+
+
+def test_cut_inside_the_embeddings_falls_back_to_the_traced_split(tmp_path):
+    stages = [["wte"], ["wpe"] + GPT.block_names + GPT.epilogue]
+    module = _load(generate(make_plan(GPT, pp=2, stages=stages), GPT.path, tmp_path / "a").script)
+    assert module.PIPELINE_SPLIT == "tracer"
+    with pytest.raises(CodegenError, match="traced split supports neither tensor parallelism"):
+        generate(make_plan(GPT, pp=2, tp=2, stages=stages), GPT.path, tmp_path / "b")
+
+
+def test_plans_the_code_cannot_run_are_refused_with_a_fix(tmp_path):
+    with pytest.raises(CodegenError, match="context parallelism"):
+        generate(make_plan(GPT).with_updates(cp=2), GPT.path, tmp_path)
+    with pytest.raises(CodegenError, match="does not have"):
+        generate(make_plan(GPT, tp=2).with_updates(tp_styles={"blocks.9.attn.q_proj": "colwise"}), GPT.path, tmp_path)
+    with pytest.raises(CodegenError, match="every layer exactly once"):
+        generate(make_plan(GPT).with_updates(stages=[["wte"]]), GPT.path, tmp_path)
+    with pytest.raises(CodegenError, match="global_batch_size"):
+        generate(make_plan(GPT, dp=2).with_updates(global_batch_size=6), GPT.path, tmp_path)

@@ -1,0 +1,100 @@
+"""Running generated modules the way users do: torchrun via `run_local`, launch.sh, and a
+Python that cannot import autopar."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from autopar.codegen import generate
+from autopar.codegen.generate import DEFAULT_OPTIMIZER
+from autopar.plan import Plan
+from autopar.runtime import read_records, run_local, run_reference
+from tests.dist.harness import free_port
+from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
+
+RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes"}
+
+
+@pytest.fixture(scope="module")
+def gpt_dp2(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpt_dp2")
+    generate(make_plan(GPT, dp=2), GPT.path, out)
+    return out
+
+
+def test_run_local_trains_and_appends_one_record_per_step(gpt_dp2):
+    result = run_local(gpt_dp2, steps=2)
+    assert result.ok, result.error
+    assert [r["step"] for r in result.records] == [0, 1]
+    assert all(set(r) == RECORD_KEYS for r in result.records)
+    reference = run_reference(GPT.path, GPT.kwargs, GLOBAL_BATCH, 2, DEFAULT_OPTIMIZER)
+    for record, expected in zip(result.records, reference.losses):
+        assert record["loss"] == pytest.approx(expected, rel=1e-5)
+        tokens = GLOBAL_BATCH * GPT.kwargs["seq_len"]
+        assert record["tokens_per_s"] == pytest.approx(tokens / record["step_time_s"], rel=1e-6)
+        assert record["peak_memory_bytes"] > 0
+    again = run_local(gpt_dp2, steps=1)
+    assert again.ok and len(read_records(gpt_dp2 / "run.jsonl")) == 3  # appended, not overwritten
+
+
+BROKEN_MODEL = '''
+import os
+import torch
+from torch import nn
+
+
+def build_model(hidden: int = 8) -> nn.Module:
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank one cannot build the model")
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.Linear(hidden, hidden))
+
+
+def example_batch(batch_size: int, hidden: int = 8):
+    return torch.randn(batch_size, hidden)
+'''
+
+
+def test_failing_rank_is_named_with_its_error(tmp_path):
+    model = tmp_path / "broken.py"
+    model.write_text(BROKEN_MODEL)
+    plan = Plan(dp=2, stages=[["0", "1"]], layer_names=["0", "1"], global_batch_size=4, micro_batch_size=2,
+                num_micro_batches=1, precision="fp32")
+    generate(plan, model, tmp_path / "out")
+    result = run_local(tmp_path / "out", steps=1, timeout_s=120)
+    assert not result.ok
+    assert result.failed_rank == 1
+    assert "RuntimeError: rank one cannot build the model" in result.error
+
+
+def test_generated_module_runs_where_autopar_is_not_installed(gpt_dp2, tmp_path):
+    """Ranks run `python -S` (no site-packages, so no installed autopar) with only torch's
+    folder on PYTHONPATH, from a copy of the output folder outside the repository."""
+    out = tmp_path / "cluster"
+    shutil.copytree(gpt_dp2, out, ignore=shutil.ignore_patterns("run.jsonl"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONPATH"] = sysconfig.get_paths()["purelib"]
+    probe = subprocess.run([sys.executable, "-S", "-c", "import torch, autopar"], env=env, cwd=out,
+                           capture_output=True, text=True)
+    assert "No module named 'autopar'" in probe.stderr  # the control: autopar really is out of reach
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+                sys.executable, "-S", "parallel_gpt.py", "--steps", "1"]
+    run = subprocess.run(launcher, env=env, cwd=out, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert len(read_records(out / "run.jsonl")) == 1
+
+
+def test_launch_script_runs_torchrun_with_rendezvous(gpt_dp2, tmp_path):
+    out = tmp_path / "launch"
+    shutil.copytree(gpt_dp2, out, ignore=shutil.ignore_patterns("run.jsonl"))
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               RDZV_PORT=str(free_port()))
+    run = subprocess.run(["bash", "launch.sh", "--steps", "1"], env=env, cwd=out, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert [r["step"] for r in read_records(out / "run.jsonl")] == [0]

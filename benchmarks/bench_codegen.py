@@ -1,0 +1,187 @@
+"""Overhead of generated code: its step time vs a hand-written torch.distributed version of the
+same plan (GPT, 4 gloo ranks: dp 2 x tp 2, ZeRO-3, sequence and loss parallel).
+
+Both versions are built in the same 4 processes from the same weights and trained on the same
+batches; their steps alternate (generated, hand-written, generated, ...) so machine noise hits
+both alike. ratio = hand-written / generated step time (1.0: no overhead; target >= 0.97).
+
+    python -m benchmarks.bench_codegen
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 512}
+RANKS = 4
+WARMUP, MEASURED = 2, 12
+
+
+def _plan():
+    from autopar.plan import Plan, Provenance
+
+    blocks = [f"blocks.{i}" for i in range(GPT["layers"])]
+    styles = {"wte": "vocab_parallel", "lm_head": "colwise"}
+    for block in blocks:
+        styles.update({f"{block}.attn.q_proj": "colwise", f"{block}.attn.k_proj": "colwise",
+                       f"{block}.attn.v_proj": "colwise", f"{block}.attn.out_proj": "rowwise",
+                       f"{block}.mlp.fc_in": "colwise", f"{block}.mlp.fc_out": "rowwise"})
+    layers = ["wte", "wpe"] + blocks + ["ln_f", "lm_head"]
+    return Plan(dp=2, tp=2, zero_stage=3, micro_batch_size=2, num_micro_batches=2, stages=[layers],
+                recompute=dict.fromkeys(layers, "none"), tp_styles=styles, sequence_parallel=True,
+                loss_parallel=True, layer_names=layers, block_container="blocks", global_batch_size=8,
+                precision="fp32", provenance=Provenance(model_kwargs=GPT))
+
+
+# -- the hand-written version of the same plan --------------------------------------------------
+
+def _hand_written(model_file, seed: int):
+    """The plan written by hand with torch's APIs, the way a user would without autopar."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(seed)
+    model = model_file.build_model(**GPT)
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True),
+            "ln_f": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(GPT["layers"]):
+        for norm in ("ln_1", "ln_2"):
+            plan[f"blocks.{i}.{norm}"] = SequenceParallel()
+        for region in ("attn", "mlp"):
+            plan[f"blocks.{i}.{region}"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                             desired_input_layouts=(Replicate(),),
+                                                             use_local_output=True)
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.out_proj", "mlp.fc_out"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
+    parallelize_module(model, mesh["tp"], plan)
+    model.lm_head.weight = model.wte.weight
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
+    fully_shard(model.ln_f, mesh=mesh["dp"], reshard_after_forward=True)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    return model, optimizer, mesh["dp"].get_local_rank()
+
+
+def _hand_step(model, optimizer, batch: dict, model_file) -> float:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    total = 0.0
+    for i in range(2):
+        micro = {k: v[i * 2:(i + 1) * 2] for k, v in batch.items()}
+        with loss_parallel():
+            loss = model_file.loss_fn(model(micro["tokens"]), micro)
+            (loss / 2).backward()
+        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+    optimizer.step()
+    optimizer.zero_grad()
+    value = torch.tensor(total / 2, dtype=torch.float64)
+    dist.all_reduce(value)
+    return float(value) / RANKS
+
+
+# -- side by side --------------------------------------------------------------------------------
+
+def _rank(rank: int, port: int, script: str, queue) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(RANKS))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+        spec = importlib.util.spec_from_file_location("generated_bench", script)
+        generated = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = generated
+        spec.loader.exec_module(generated)
+        args = generated.parse_args([], {"steps": 1, "lr": 3e-4, "model_file": generated.MODEL_FILE, "log_file": None})
+        training, config = generated.train_config(generated.PLAN, args), generated.parallel_config(generated.PLAN)
+        model_module = generated.load_model_file(training.model_file)
+        parallel = generated.setup(training, config, generated.tp_plan, model_module, torch.device("cpu"))
+        dp_rank = generated.dp_rank(parallel.mesh, config.dims)
+        model, optimizer, hand_dp_rank = _hand_written(model_module, training.seed)
+        times = {"generated": [], "hand_written": []}
+        losses = {"generated": [], "hand_written": []}
+        for step in range(WARMUP + MEASURED):
+            batch = generated.local_batch(training, model_module, step, dp_rank, torch.device("cpu"))
+            hand_batch = generated.local_batch(training, model_module, step, hand_dp_rank, torch.device("cpu"))
+            # Alternate which goes first so neither always follows the other's cache state.
+            order = ("generated", "hand_written") if step % 2 == 0 else ("hand_written", "generated")
+            for which in order:
+                dist.barrier()
+                start = time.perf_counter()
+                if which == "generated":
+                    loss = generated.global_loss(generated.train_step(parallel, batch, training, config, model_module),
+                                                 config.dims, torch.device("cpu"))
+                else:
+                    loss = _hand_step(model, optimizer, hand_batch, model_module)
+                elapsed = time.perf_counter() - start
+                if step >= WARMUP:
+                    times[which].append(elapsed)
+                losses[which].append(loss)
+        queue.put((rank, times, losses))
+    except Exception as err:  # noqa: BLE001 - reported to the parent instead of hanging it
+        import traceback
+        queue.put((rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run() -> dict:
+    from autopar.codegen import generate
+
+    with tempfile.TemporaryDirectory() as folder:
+        script = generate(_plan(), REPO / "examples" / "gpt.py", folder).script
+        context = mp.get_context("spawn")
+        queue = context.Queue()
+        port = _free_port()
+        processes = [context.Process(target=_rank, args=(rank, port, str(script), queue)) for rank in range(RANKS)]
+        for process in processes:
+            process.start()
+        results = [queue.get(timeout=900) for _ in range(RANKS)]
+        for process in processes:
+            process.join()
+    errors = [value for _, value, losses in results if losses is None]
+    if errors:
+        raise RuntimeError(errors[0])
+    times, losses = next(value for rank, value, losses in results if rank == 0), results[0][2]
+    generated_s = statistics.median(times["generated"])
+    hand_s = statistics.median(times["hand_written"])
+    return {
+        "plan": "GPT 4x128, dp2 x tp2, ZeRO-3, SP, loss parallel, 4 gloo ranks",
+        "generated_step_ms": round(generated_s * 1e3, 2),
+        "hand_written_step_ms": round(hand_s * 1e3, 2),
+        "ratio": round(hand_s / generated_s, 3),
+        "target": ">= 0.97",
+        "same_losses": all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses["generated"], losses["hand_written"])),
+        "steps_measured": MEASURED,
+    }
+
+
+if __name__ == "__main__":
+    print(run())

@@ -1,23 +1,36 @@
 """GPU catalogue: dense peak FLOP/s per dtype, memory size and bandwidth, intra-node link.
 
-Every number is a vendor datasheet figure for dense math (no sparsity); sources per entry.
-Achievable fractions (`efficiency`) default to measured matmul results (stas00/ml-engineering,
-"Maximum Achievable Matmul FLOPS": A100 87%, H100 80%, B200 78%) and are what calibration
-overwrites.
+Every number is a vendor datasheet figure for dense math (no sparsity); the source is named on
+each entry. Peaks are what the silicon can do; `efficiency` is the fraction of it that each op
+class reaches in practice. The GEMM defaults come from measured dense bf16 matmuls
+(stas00/ml-engineering, "Maximum Achievable Matmul FLOPS": A100 87%, H100 80%, B200 78%);
+calibration (`cost_models.calibrate`) overwrites peaks, efficiencies and launch overhead with
+measurements of the machine at hand.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 TERA = 1e12
 GB = 1e9
 GiB = 2**30
 
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+# Fraction of peak FLOP/s (gemm, attention: compute-bound classes) or of memory bandwidth (the
+# memory-bound classes) that a kernel of each class reaches. GEMM: the measured matmul shares
+# above; fused attention runs below GEMM efficiency (FlashAttention-2 paper, Dao 2023, Fig. 4:
+# 50-70% of peak forward, less backward); element-wise and copy kernels stream at ~70% of HBM
+# bandwidth, norms and reductions a little lower (two passes or a reduction tree).
 DEFAULT_EFFICIENCY = {
-    # Fraction of peak FLOP/s (gemm, attention) or of memory bandwidth (the rest) reached.
     "gemm": 0.80, "attention": 0.55, "elementwise": 0.70, "norm": 0.60, "reduction": 0.60,
     "memory": 0.70, "other": 0.50, "view": 1.0,
 }
+
+# Host-side cost of one eager PyTorch op on a GPU (dispatcher + kernel launch). Fitted to the
+# H100 forward/backward timings committed in benchmarks/measured/ (tests/unit/test_cost_vs_gpu.py).
+DEFAULT_LAUNCH_OVERHEAD_S = 9e-6
 
 
 @dataclass(frozen=True)
@@ -25,13 +38,14 @@ class GPUSpec:
     """One accelerator type.
 
     Attributes:
+        name: catalogue key, e.g. "H100-SXM".
         peak_flops: dense peak FLOP/s per dtype name (fp32, tf32, bf16, fp16, fp8).
         memory_bytes: device memory (HBM) in bytes.
         memory_bandwidth_Bps: device memory bandwidth, bytes per second.
-        intra_node_link: interconnect between GPUs of one node.
+        intra_node_link: interconnect between the GPUs of one node (NVLink generation, PCIe).
         intra_node_bandwidth_GBps: per-GPU unidirectional bandwidth on that link.
         efficiency: achievable fraction per op class (see DEFAULT_EFFICIENCY).
-        launch_overhead_s: fixed time per kernel launch.
+        launch_overhead_s: fixed time per op (kernel launch and framework dispatch).
         source: where the numbers come from.
     """
 
@@ -42,64 +56,91 @@ class GPUSpec:
     intra_node_link: str
     intra_node_bandwidth_GBps: float
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
-    launch_overhead_s: float = 9e-6  # eager PyTorch per-op cost, fitted to H100 runs (benchmarks/measured)
+    launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S
     source: str = ""
 
     def flops(self, dtype: str) -> float:
-        """Peak FLOP/s for a dtype; fp16 falls back to bf16 and vice versa."""
+        """Peak FLOP/s for a dtype; bf16 and fp16 stand in for each other (same tensor-core
+        rate on every GPU here that has both)."""
         for name in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype)):
             if name in self.peak_flops:
                 return self.peak_flops[name]
-        raise KeyError(f"{self.name} has no {dtype} peak")
+        raise KeyError(f"{self.name} has no {dtype} peak (it has {', '.join(sorted(self.peak_flops))})")
+
+    def efficiency_of(self, op_class: str) -> float:
+        return self.efficiency.get(op_class, self.efficiency.get("other", DEFAULT_EFFICIENCY["other"]))
+
+    @functools.cached_property
+    def signature(self) -> tuple:
+        """Hashable identity of every number that prices an op: the cache key for per-layer
+        compute (a calibrated "cpu" and the catalogue's "cpu" must not share cached times)."""
+        return (self.name, tuple(sorted(self.peak_flops.items())), self.memory_bandwidth_Bps,
+                tuple(sorted(self.efficiency.items())), self.launch_overhead_s)
 
     def with_overrides(self, **changes) -> "GPUSpec":
         return replace(self, **changes)
 
 
-def _gpu(name: str, fp32: float, tf32: float | None, bf16: float, fp8: float | None, memory_gb: float,
-         bandwidth_GBps: float, link: str, link_GBps: float, source: str, memory_gib: bool = False,
+def _gpu(name: str, *, peaks_tflops: dict[str, float], memory_gb: float, bandwidth_GBps: float, link: str,
+         link_GBps: float, source: str, memory_gib: bool = False,
          efficiency: dict[str, float] | None = None) -> GPUSpec:
-    peaks = {"fp32": fp32 * TERA, "bf16": bf16 * TERA, "fp16": bf16 * TERA}
-    if tf32:
-        peaks["tf32"] = tf32 * TERA
-    if fp8:
-        peaks["fp8"] = fp8 * TERA
     eff = dict(DEFAULT_EFFICIENCY)
     eff.update(efficiency or {})
-    return GPUSpec(name=name, peak_flops=peaks, memory_bytes=int(memory_gb * (GiB if memory_gib else GB)),
-                   memory_bandwidth_Bps=bandwidth_GBps * GB, intra_node_link=link, intra_node_bandwidth_GBps=link_GBps,
-                   efficiency=eff, source=source)
+    return GPUSpec(name=name, peak_flops={dtype: tflops * TERA for dtype, tflops in peaks_tflops.items()},
+                   memory_bytes=int(memory_gb * (GiB if memory_gib else GB)), memory_bandwidth_Bps=bandwidth_GBps * GB,
+                   intra_node_link=link, intra_node_bandwidth_GBps=link_GBps, efficiency=eff, source=source)
 
 
 CATALOGUE: dict[str, GPUSpec] = {spec.name: spec for spec in (
-    # NVIDIA V100 datasheet (SXM2 32GB): 15.7 fp32, 125 fp16 tensor TFLOP/s; 900 GB/s; NVLink 2.
-    _gpu("V100-32GB", 15.7, None, 125, None, 32, 900, "NVLink2", 150, "NVIDIA V100 datasheet"),
-    # NVIDIA A100 datasheet (SXM): 19.5 fp32, 156 tf32, 312 bf16; 1,555 / 2,039 GB/s; NVLink 3.
-    _gpu("A100-40GB", 19.5, 156, 312, None, 40, 1555, "NVLink3", 300, "NVIDIA A100 datasheet",
+    # NVIDIA V100 datasheet (SXM2 32GB): 15.7 fp32, 125 fp16 tensor TFLOP/s; 900 GB/s HBM2;
+    # NVLink 2 at 150 GB/s per direction. Volta has no bf16 tensor cores: bf16 math runs on the
+    # CUDA cores at the fp32 rate.
+    _gpu("V100-32GB", peaks_tflops={"fp32": 15.7, "fp16": 125, "bf16": 15.7}, memory_gb=32, bandwidth_GBps=900,
+         link="NVLink2", link_GBps=150, source="NVIDIA V100 datasheet"),
+    # NVIDIA A100 datasheet (SXM): 19.5 fp32, 156 tf32, 312 bf16/fp16; 40 GB HBM2 at 1,555 GB/s
+    # or 80 GB HBM2e at 2,039 GB/s; NVLink 3 at 300 GB/s per direction. No fp8.
+    _gpu("A100-40GB", peaks_tflops={"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, memory_gb=40,
+         bandwidth_GBps=1555, link="NVLink3", link_GBps=300, source="NVIDIA A100 datasheet",
          efficiency={"gemm": 0.87}),
-    _gpu("A100-80GB", 19.5, 156, 312, None, 80, 2039, "NVLink3", 300, "NVIDIA A100 datasheet",
+    _gpu("A100-80GB", peaks_tflops={"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, memory_gb=80,
+         bandwidth_GBps=2039, link="NVLink3", link_GBps=300, source="NVIDIA A100 datasheet",
          efficiency={"gemm": 0.87}),
-    # NVIDIA H100 datasheet: SXM 67 fp32, 494.5 tf32, 989 bf16, 1,979 fp8; 3,350 GB/s; NVLink 4.
-    _gpu("H100-SXM", 67, 494.5, 989, 1979, 80, 3350, "NVLink4", 450, "NVIDIA H100 datasheet"),
-    # PCIe card: 51 fp32, 378 tf32, 756 bf16, 1,513 fp8; 2,000 GB/s; PCIe Gen5 x16 (64 GB/s).
-    _gpu("H100-PCIe", 51, 378, 756, 1513, 80, 2000, "PCIe5", 64, "NVIDIA H100 datasheet"),
-    # NVIDIA H200 page: H100 SXM compute, 141 GB at 4,800 GB/s.
-    _gpu("H200", 67, 494.5, 989, 1979, 141, 4800, "NVLink4", 450, "NVIDIA H200 product page"),
-    # NVIDIA HGX B200 pages: 80 fp32, ~1,100 tf32, 2,250 bf16, 4,500 fp8; ~180 GB usable at 8 TB/s.
-    _gpu("B200", 80, 1100, 2250, 4500, 180, 8000, "NVLink5", 900, "NVIDIA HGX B200 pages",
+    # NVIDIA H100 datasheet, SXM5: 67 fp32, 494.5 tf32, 989 bf16/fp16, 1,979 fp8 (dense, half the
+    # sparsity figures); 80 GB HBM3 at 3,350 GB/s; NVLink 4 at 450 GB/s per direction.
+    _gpu("H100-SXM", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979}, memory_gb=80,
+         bandwidth_GBps=3350, link="NVLink4", link_GBps=450, source="NVIDIA H100 datasheet"),
+    # Same datasheet, PCIe card: 51 fp32, 378 tf32, 756 bf16/fp16, 1,513 fp8; 80 GB HBM2e at
+    # 2,000 GB/s; PCIe Gen5 x16 (64 GB/s per direction) between cards.
+    _gpu("H100-PCIe", peaks_tflops={"fp32": 51, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513}, memory_gb=80,
+         bandwidth_GBps=2000, link="PCIe5", link_GBps=64, source="NVIDIA H100 datasheet"),
+    # NVIDIA H200 product page: H100 SXM compute; 141 GB HBM3e at 4,800 GB/s; NVLink 4.
+    _gpu("H200", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979}, memory_gb=141,
+         bandwidth_GBps=4800, link="NVLink4", link_GBps=450, source="NVIDIA H200 product page"),
+    # NVIDIA HGX B200 pages (per GPU, dense): 80 fp32, ~1,100 tf32, 2,250 bf16/fp16, 4,500 fp8;
+    # ~180 GB usable HBM3e at 8 TB/s; NVLink 5 at 900 GB/s per direction.
+    _gpu("B200", peaks_tflops={"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, memory_gb=180,
+         bandwidth_GBps=8000, link="NVLink5", link_GBps=900, source="NVIDIA HGX B200 pages",
          efficiency={"gemm": 0.78}),
-    # NVIDIA L40S datasheet: 91.6 fp32, 183 tf32, 362 bf16, 733 fp8 (dense); 48 GB at 864 GB/s; PCIe4.
-    _gpu("L40S", 91.6, 183, 362, 733, 48, 864, "PCIe4", 32, "NVIDIA L40S datasheet"),
-    # AMD Instinct MI300X datasheet: 163.4 fp32, 653.7 tf32, 1,307.4 bf16, 2,614.9 fp8; 192 GB at
-    # 5.3 TB/s; Infinity Fabric 7 x 64 GB/s links to the other GPUs of the node.
-    _gpu("MI300X", 163.4, 653.7, 1307.4, 2614.9, 192, 5300, "InfinityFabric", 448, "AMD MI300X datasheet",
+    # NVIDIA L40S datasheet (dense): 91.6 fp32, 183 tf32, 362 bf16/fp16, 733 fp8; 48 GB GDDR6 at
+    # 864 GB/s; no NVLink, PCIe Gen4 x16 (32 GB/s per direction).
+    _gpu("L40S", peaks_tflops={"fp32": 91.6, "tf32": 183, "bf16": 362, "fp16": 362, "fp8": 733}, memory_gb=48,
+         bandwidth_GBps=864, link="PCIe4", link_GBps=32, source="NVIDIA L40S datasheet"),
+    # AMD Instinct MI300X datasheet (dense): 163.4 fp32 matrix, 653.7 tf32, 1,307.4 bf16/fp16,
+    # 2,614.9 fp8; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 64 GB/s per direction to
+    # the node's other GPUs (448 GB/s). GEMM efficiency is lower in practice than on NVIDIA
+    # parts (ml-engineering's matmul table: ~60% with the vendor BLAS).
+    _gpu("MI300X", peaks_tflops={"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
+         memory_gb=192, bandwidth_GBps=5300, link="InfinityFabric", link_GBps=448, source="AMD MI300X datasheet",
          efficiency={"gemm": 0.60}),
-    # This 2-core CPU host: one gloo rank per process. Orders of magnitude only; run
-    # `autopar calibrate` to replace them with measurements.
-    _gpu("cpu", 0.05, None, 0.01, None, 24, 10, "shared-memory", 2, "rough figures for a 2-core x86 host",
-         memory_gib=True, efficiency={"gemm": 1.0, "attention": 1.0, "elementwise": 1.0, "norm": 1.0,
-                                      "reduction": 1.0, "memory": 1.0, "other": 1.0}),
+    # A CPU "device": one gloo rank per process on a small x86 host. Orders of magnitude only
+    # (~50 GFLOP/s fp32 GEMM per rank with its share of the cores, ~10 GB/s of memory
+    # bandwidth, ~20 µs per eager op); `autopar calibrate` replaces them with measurements.
+    # Efficiencies are 1.0 because calibration measures achieved, not peak, rates.
+    _gpu("cpu", peaks_tflops={"fp32": 0.05, "bf16": 0.01, "fp16": 0.01}, memory_gb=24, bandwidth_GBps=10,
+         link="shared-memory", link_GBps=2, source="rough figures for a 2-core x86 host", memory_gib=True,
+         efficiency={name: 1.0 for name in DEFAULT_EFFICIENCY}),
 )}
+CATALOGUE["cpu"] = CATALOGUE["cpu"].with_overrides(launch_overhead_s=20e-6)
 
 
 def known_gpus() -> list[str]:
@@ -109,6 +150,6 @@ def known_gpus() -> list[str]:
 def get_gpu(name: str) -> GPUSpec:
     """Look a GPU up by name (case-insensitive), or fail naming the known ones."""
     for key, spec in CATALOGUE.items():
-        if key.lower() == name.lower():
+        if key.lower() == str(name).lower():
             return spec
     raise ValueError(f"Unknown GPU type '{name}'. Known types: {', '.join(known_gpus())}.")

@@ -5,25 +5,39 @@ mixed-precision Adam keeps 2Ψ (16-bit weights) + 2Ψ (16-bit gradients) + KΨ w
 master weights, momentum, variance); ZeRO-1 divides the K part by N_d, ZeRO-2 also the
 gradients, ZeRO-3 everything: (2+2+K)Ψ, 2Ψ+2Ψ+KΨ/N_d, 2Ψ+(2+K)Ψ/N_d, (2+2+K)Ψ/N_d.
 fp32 training keeps 4Ψ weights, 4Ψ gradients and K = 8 (momentum, variance); SGD with momentum
-has K = 4 (fp32) or 8 (mixed: master + momentum).
+has K = 4 (fp32: momentum) or 8 (mixed: fp32 master + momentum); plain SGD K = 0 / 4.
 
-Activations come from the profile (bytes autograd saves per layer, which on a GPU matched
-CUDA's allocator to 0.01% for our GPT) scaled to the micro-batch, then divided where the
-parallel split applies them: tensor parallelism divides the tensors between column- and
-row-parallel layers, sequence parallelism divides the rest too, context parallelism divides
-everything by cp — the per-layer forms sbh(10 + 24/t) and sbh·34/t of Korthikanti et al. 2022
-(Table 2) for Megatron's layer. Full recomputation keeps only the layer input; selective keeps
-the GEMM and attention outputs and recomputes the cheap element-wise ops.
+Activations come from the profile: the bytes autograd saves for each layer's backward (on a GPU
+they matched CUDA's allocator to 0.01% for our GPT, benchmarks/measured/), scaled to the
+micro-batch and divided where the parallel split applies: tensors produced by tensor-parallel
+(sharded) ops divide by t, the rest (layer norms, residual stream) only under sequence
+parallelism; context parallelism divides everything by cp. For Megatron's layer this is
+Korthikanti et al. 2022, Table 2: sbh(10 + 24/t + 5as/(ht)) with TP and sbh(34 + 5as/h)/t with
+TP+SP (the 5as/h score term is absent with fused/flash attention, and the two sbh dropout masks
+without dropout: our GPT saves 32·sbh in 16-bit units).
+
+Recomputation (`LayerActivations`):
+  none       everything autograd saves;
+  selective  what the generated code's checkpoint policy keeps (autopar/codegen recompute
+             section, torch selective checkpointing): the layer input plus every GEMM and
+             attention output, recomputing the element-wise ops, norms and the like. With an
+             unfused attention this also drops the a·s² score/softmax tensors (Megatron's
+             selective recomputation); with flash attention those are never stored;
+  full       only the layer input (Korthikanti et al.: 2sbh per layer).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 STATE_BYTES_PER_PARAM = {
-    # precision -> optimizer -> (weights, gradients, optimizer states K)
-    "mixed": {"adam": (2, 2, 12), "sgd": (2, 2, 8)},
-    "fp32": {"adam": (4, 4, 8), "sgd": (4, 4, 4)},
+    # precision kind -> optimizer -> (weights, gradients, optimizer states K) bytes per parameter
+    "mixed": {"adam": (2, 2, 12), "sgd": (2, 2, 8), "sgd_plain": (2, 2, 4)},
+    "fp32": {"adam": (4, 4, 8), "sgd": (4, 4, 4), "sgd_plain": (4, 4, 0)},
 }
+OPTIMIZERS = tuple(STATE_BYTES_PER_PARAM["fp32"])
+RECOMPUTE_OPTIONS = ("none", "selective", "full")
+KEPT_BY_SELECTIVE = ("gemm", "attention")
 
 
 @dataclass(frozen=True)
@@ -40,11 +54,12 @@ class ModelStates:
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer states) bytes per parameter."""
     kind = "fp32" if precision == "fp32" else "mixed"
     try:
         return STATE_BYTES_PER_PARAM[kind][optimizer]
     except KeyError:
-        raise ValueError(f"Unknown optimizer '{optimizer}': use adam or sgd.") from None
+        raise ValueError(f"Unknown optimizer '{optimizer}': use one of {', '.join(OPTIMIZERS)}.") from None
 
 
 def model_states(params: float, precision: str, optimizer: str, zero_stage: int, shard_ranks: int) -> ModelStates:
@@ -59,39 +74,91 @@ def model_states(params: float, precision: str, optimizer: str, zero_stage: int,
 
 
 @dataclass(frozen=True)
-class ActivationSplit:
-    """How a layer's saved activations divide under one parallel configuration.
+class LayerActivations:
+    """Bytes one micro-batch keeps for a layer at the profiled micro-batch size, split by what
+    tensor parallelism shards.
 
     Attributes:
-        tp_sharded_fraction: share of the saved bytes living between column- and row-parallel
-            layers (divided by tp); the rest is replicated unless sequence parallelism is on.
-        keep_fraction_selective: share kept under selective recomputation.
+        saved_sharded_bytes: saved tensors produced by TP-sharded ops (÷ t).
+        saved_replicated_bytes: the other saved tensors (÷ t only under sequence parallelism).
+        selective_sharded_bytes, selective_replicated_bytes: the same under selective recompute.
+        input_bytes: the layer input, all that full recomputation keeps (replicated).
     """
 
-    tp_sharded_fraction: float
-    keep_fraction_selective: float
+    saved_sharded_bytes: float
+    saved_replicated_bytes: float
+    selective_sharded_bytes: float
+    selective_replicated_bytes: float
+    input_bytes: float
+
+    @property
+    def saved_bytes(self) -> float:
+        return self.saved_sharded_bytes + self.saved_replicated_bytes
 
 
-def activation_bytes(layer_bytes: float, input_bytes: float, scale: float, split: ActivationSplit, tp: int,
-                     sequence_parallel: bool, cp: int, recompute: str) -> float:
-    """Bytes one in-flight micro-batch keeps for one layer.
+def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: set[str] = frozenset(),
+                      row_parallel: set[str] = frozenset(), tp: int = 1) -> LayerActivations:
+    """Account a layer's activations from its forward ops.
 
     Args:
-        layer_bytes: the profile's saved bytes for the layer (profiled micro-batch, no split).
-        input_bytes: the layer's input (what full recomputation checkpoints).
-        scale: micro-batch size / profiled micro-batch size.
-        split: the layer's TP sharding and selective-recompute fractions.
+        layer: the LayerProfile (activation_bytes, input_bytes).
+        forward_ops: the layer's forward OpProfiles.
+        sharded_outputs: names of ops whose outputs TP shards.
+        row_parallel: names of row-parallel GEMMs: under TP they keep their partial output and
+            the all-reduced copy (the checkpoint policy saves collective outputs too).
+        tp: the TP degree (row-parallel doubling applies only when tp > 1).
     """
-    if recompute == "full":
-        kept = input_bytes / (tp if sequence_parallel else 1)
-    else:
-        fraction = split.keep_fraction_selective if recompute == "selective" else 1.0
-        saved = layer_bytes * fraction
-        if sequence_parallel:
-            kept = saved / tp
+    ops = list(forward_ops)
+    total = float(layer.activation_bytes)
+    sharded = float(sum(op.saved_for_backward_bytes for op in ops if op.name in sharded_outputs))
+    sharded = min(sharded, total)
+    kept_sharded = kept_replicated = 0.0
+    for op in ops:
+        if op.op_class not in KEPT_BY_SELECTIVE:
+            continue
+        if op.name in sharded_outputs:
+            kept_sharded += op.output_bytes
         else:
-            sharded = min(saved, layer_bytes * split.tp_sharded_fraction)
-            kept = sharded / tp + (saved - sharded)
+            kept_replicated += op.output_bytes * (2 if tp > 1 and op.name in row_parallel else 1)
+    kept_replicated += layer.input_bytes if total else 0.0
+    kept = kept_sharded + kept_replicated
+    if kept > total > 0:  # never more than keeping everything
+        kept_sharded, kept_replicated = kept_sharded * total / kept, kept_replicated * total / kept
+    return LayerActivations(saved_sharded_bytes=sharded, saved_replicated_bytes=total - sharded,
+                            selective_sharded_bytes=kept_sharded, selective_replicated_bytes=kept_replicated,
+                            input_bytes=float(layer.input_bytes) if total else 0.0)
+
+
+def activations_from_fraction(layer: Any, base: LayerActivations, sharded_fraction: float) -> LayerActivations:
+    """A split given only as the share of saved bytes TP shards (splitters without per-op detail)."""
+    total, kept = base.saved_bytes, base.selective_sharded_bytes + base.selective_replicated_bytes
+    return LayerActivations(saved_sharded_bytes=total * sharded_fraction,
+                            saved_replicated_bytes=total * (1 - sharded_fraction),
+                            selective_sharded_bytes=kept * sharded_fraction,
+                            selective_replicated_bytes=kept * (1 - sharded_fraction), input_bytes=base.input_bytes)
+
+
+def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_parallel: bool, cp: int,
+                     recompute: str) -> float:
+    """Bytes one in-flight micro-batch keeps for one layer on one rank.
+
+    Args:
+        acts: the layer's activations at the profiled micro-batch.
+        scale: micro-batch size / profiled micro-batch size.
+        tp, cp: tensor- and context-parallel degrees.
+        sequence_parallel: the replicated part is split along the sequence over the TP group.
+        recompute: "none", "selective" or "full".
+    """
+    replicated_divisor = tp if sequence_parallel else 1
+    saved = acts.saved_sharded_bytes / tp + acts.saved_replicated_bytes / replicated_divisor
+    if recompute == "full":  # a layer that saves less than its input is better left alone
+        kept = min(saved, acts.input_bytes / replicated_divisor)
+    elif recompute == "selective":
+        kept = min(saved, acts.selective_sharded_bytes / tp + acts.selective_replicated_bytes / replicated_divisor)
+    elif recompute == "none":
+        kept = saved
+    else:
+        raise ValueError(f"recompute '{recompute}' is not one of {', '.join(RECOMPUTE_OPTIONS)}")
     return scale * kept / cp
 
 
@@ -99,11 +166,12 @@ def megatron_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, 
                                     flash: bool = False, dropout: bool = True) -> float:
     """Korthikanti et al. 2022, Table 2 (16-bit): sbh(34 + 5as/h) without parallelism,
     sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34 + 5as/h)/t with TP+SP. `flash` drops the 5as/h
-    score term (not stored by fused attention); `dropout=False` drops the two sbh masks."""
-    base = 34 - (0 if dropout else 2)
+    score term (not stored by fused attention); `dropout=False` drops the two sbh masks (both
+    in the replicated part)."""
+    masks = 0 if dropout else 2
     scores = 0 if flash else 5 * a * s / h
     if t == 1:
-        return s * b * h * (base + scores)
+        return s * b * h * (34 - masks + scores)
     if sequence_parallel:
-        return s * b * h * (base + scores) / t
-    return s * b * h * (10 - (0 if dropout else 2) + 24 / t + scores / t)
+        return s * b * h * (34 - masks + scores) / t
+    return s * b * h * (10 - masks + 24 / t + scores / t)

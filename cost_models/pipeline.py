@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 
 def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks: int = 1) -> float:
+    """The closed form above: D_d per device (forward + backward + its sends for one micro-batch)."""
     slowest = max(device_time_s)
     return (micro_batches - 1) * slowest + sum(device_time_s) / chunks + (1 - 1 / chunks) * slowest
 
@@ -39,6 +40,45 @@ def in_flight_micro_batches(schedule: str, stages: int, micro_batches: int, devi
     if schedule == "interleaved_1f1b":
         held *= 1 + (stages - 1) / (stages * micro_batches)
     return held
+
+
+def simulate_schedule(forward_s: list[float], backward_s: list[float], micro_batches: int, schedule: str = "1f1b",
+                      p2p_s: float = 0.0) -> float:
+    """Makespan of GPipe or 1F1B (one chunk per stage) by playing the schedule op by op: each
+    stage runs its ops in the schedule's order, a forward waits for the previous stage's
+    forward of that micro-batch and a backward for the next stage's backward, each hop p2p_s.
+    The reference the closed form is tested against (uneven stages included)."""
+    p, m = len(forward_s), micro_batches
+    order: list[list[tuple[str, int]]] = []
+    for s in range(p):
+        if schedule == "gpipe":
+            order.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            continue
+        warmup = min(p - s - 1, m)
+        ops = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            ops += [("F", warmup + i), ("B", i)]
+        ops += [("B", i) for i in range(m - warmup, m)]
+        order.append(ops)
+    done: dict[tuple[str, int, int], float] = {}
+    position, clock = [0] * p, [0.0] * p
+    while len(done) < 2 * p * m:
+        progressed = False
+        for s in range(p):
+            while position[s] < len(order[s]):
+                kind, i = order[s][position[s]]
+                deps = [("F", s - 1, i)] if kind == "F" and s > 0 else []
+                deps += [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else []) if kind == "B" else []
+                if any(dep not in done for dep in deps):
+                    break
+                ready = max([clock[s]] + [done[dep] + (p2p_s if dep[1] != s else 0.0) for dep in deps])
+                clock[s] = ready + (forward_s[s] if kind == "F" else backward_s[s])
+                done[(kind, s, i)] = clock[s]
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule deadlocked")
+    return max(done.values())
 
 
 TIME_UNITS_PER_S = 1e6  # microseconds: step times of seconds stay well inside int64 products

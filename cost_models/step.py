@@ -1,54 +1,78 @@
-"""Step assembly: price a parallel layout into per-layer times and memory, then a step.
+"""Step assembly: price a parallel layout into per-layer times and memory, then a training step.
+
+    from cost_models import estimate, ParallelLayout, TrainSpec, ClusterSpec
+    est = estimate(profile, cluster, ParallelLayout(dp=8, zero_stage=1), TrainSpec(global_batch_size=64))
 
 `PlanPricer.partition_problem` turns one configuration (degrees, mesh order, ZeRO, micro-batching,
 schedule, SP/CP) into the per-layer prices the planner's partition ILP balances; `estimate`
-prices a complete layout (with its stage split) through the same numbers, so a plan's
-prediction and the solver's objective are one computation.
+prices a complete layout (with its stage split) through the same numbers, so a plan's prediction
+and the solver's objective are one computation.
 
-Per layer and micro-batch (compute from `compute.py`, collectives from `collectives.py`):
-    time = compute / cp (÷ tp where sharded, replicated ops ÷ tp too under SP)
-           + TP collectives on the critical path (the operator-wise split's all-reduces)
+Per layer and micro-batch, on the pipeline rank's GPU (compute from `compute.py`, collectives
+from `collectives.py`, TP split from `tp_sharding.py`):
+    time = compute / cp (sharded ops ÷ tp; replicated ops ÷ tp too under SP)
+           + recomputation (selective: the non-GEMM forward again; full: the forward again)
+           + TP collectives, on the critical path (forward ones again under full recompute)
            + CP exchange (Ulysses: 4 all-to-alls each way; ring: K/V passed cp-1 times,
              overlapped with attention, only the excess exposed)
-           + ZeRO-3 parameter all-gathers / ZeRO-2,3 gradient reduce-scatters beyond the
+           + ZeRO-2/3 gradient reduce-scatter and ZeRO-3 parameter all-gathers beyond the
              compute they overlap with (prefetch)
-           + recomputation (selective: element-wise forward again; full: forward again)
-Once per step and layer: gradient synchronisation over DP not hidden behind that layer's
-backward (bucketed overlap), ZeRO-1/2's parameter all-gather after the update, and the
-optimizer's memory-bound update.
-Memory per device: `memory.py`'s model states and activations × in-flight micro-batches of the
-schedule (`pipeline.py`), plus buffers (prefetched parameters, DP buckets, the recomputed
-layer's working set, the CUDA context) under (1 - headroom) of the GPU's memory.
+Once per step and layer: gradient synchronisation over the data-parallel (× context-parallel)
+group not hidden behind that layer's backward of the last micro-batch (bucketed overlap,
+DDP/Megatron style), the ZeRO-1/2 parameter all-gather after the update, and the optimizer's
+memory-bound update.
+Step time from the per-device sums by the pipeline formula (`pipeline.py`).
+Memory per device: model states (`memory.py`) of its layers, activations x in-flight
+micro-batches of the schedule, plus buffers (prefetched ZeRO-3 parameters, DP buckets, one
+layer's working set, the CUDA context), against (1 - headroom) of the GPU's memory.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from cost_models.collectives import Algorithm, Collective, best_algorithm, collective_time_s
-from cost_models.compute import ComputeModel, LayerCompute
+from cost_models.collectives import Algorithm, Collective, CollectiveCost, best_algorithm, collective_time_s
+from cost_models.compute import ComputeModel, LayerCompute, price_classes
 from cost_models.hardware import GiB, GPUSpec
-from cost_models.memory import ActivationSplit, activation_bytes, model_states, state_bytes_per_param
-from cost_models.pipeline import in_flight_micro_batches
+from cost_models.memory import (OPTIMIZERS, RECOMPUTE_OPTIONS, LayerActivations, activation_bytes,
+                                activations_from_fraction, layer_activations, model_states, state_bytes_per_param)
+from cost_models.pipeline import Partition, PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.topology import ClusterSpec, GroupPlacement
+from cost_models.tp_sharding import PropagationSplitter, TPLayerSplit, TPSplitter
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
-    from cost_models.pipeline import Partition, PartitionProblem
 
-CUDA_CONTEXT_BYTES = int(0.75 * GiB)
-DP_BUCKET_BYTES = 25 * 2**20
-OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 16}  # read p, g, states; write p, states (fp32)
-RECOMPUTE_OPTIONS = ("none", "selective", "full")
+__all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", "validate_layout", "TPLayerSplit",
+           "TPSplitter"]
+
+AXES = ("tp", "cp", "pp", "dp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CP_STRATEGIES = ("ulysses", "ring")
+DP_SYNC = ("auto", "ring", "tree", "hierarchical", "ps", "halving_doubling")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
+DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
+# Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
+# momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
+OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
 # Slowdown of computation running beside NCCL kernels, as a share of the overlapped
-# communication time (typically 10-30% for overlapped GEMMs; calibration may refit it).
+# communication time (typically 10-30% for overlapped GEMMs); fitted with the launch overhead
+# to the H100 runs in benchmarks/measured/.
 OVERLAP_INTERFERENCE = 0.2
 
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """Training settings the cost depends on."""
+    """Training settings the cost depends on.
+
+    Attributes:
+        global_batch_size: samples per optimizer step across all data-parallel ranks.
+        precision: fp32, or bf16 / fp16 mixed precision (must match the profile's).
+        optimizer: adam (two fp32 states), sgd (momentum) or sgd_plain (no state).
+    """
 
     global_batch_size: int
     precision: str = "bf16"
@@ -57,13 +81,31 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A plan as the cost model sees it (autopar.plan.Plan carries the same fields)."""
+    """A plan as the cost model sees it (autopar.plan.Plan carries the same fields).
+
+    Attributes:
+        dp, tp, pp, cp: data-, tensor-, pipeline- and context-parallel degrees.
+        mesh_order: mesh axes innermost (consecutive ranks, fastest links) to outermost.
+        zero_stage: 0-3, sharding over the data-parallel (x context-parallel) ranks.
+        hybrid_shard: shard within a node, replicate across nodes (HSDP).
+        micro_batch_size: samples per micro-batch per data-parallel rank.
+        num_micro_batches: micro-batches per step (pipeline depth / gradient accumulation).
+        schedule: gpipe, 1f1b or interleaved_1f1b.
+        chunks: model chunks per pipeline rank (v, interleaved schedule).
+        stages: layer names per pipeline stage (pp x chunks of them, in model order; stage j
+            runs on pipeline rank j % pp); empty: an even split by layer count.
+        recompute: none | selective | full for every layer, or {layer name: option}.
+        sequence_parallel: split the TP-replicated activations along the sequence too.
+        cp_strategy: ulysses (all-to-all of heads) or ring (K/V passed around).
+        dp_sync: gradient all-reduce algorithm: auto (the cheapest), ring, tree, hierarchical,
+            ps (parameter server) or halving_doubling.
+    """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    mesh_order: tuple[str, ...] = ("tp", "cp", "pp", "dp")
+    mesh_order: tuple[str, ...] = AXES
     zero_stage: int = 0
     hybrid_shard: bool = False
     micro_batch_size: int = 1
@@ -73,8 +115,8 @@ class ParallelLayout:
     sequence_parallel: bool = False
     cp_strategy: str = "ulysses"
     dp_sync: str = "auto"
-    stages: tuple[tuple[str, ...], ...] = ()
-    recompute: Any = "none"  # one option for every layer, or {layer: option}
+    stages: tuple[tuple[str, ...], ...] | list[list[str]] = ()
+    recompute: Any = "none"
 
     @property
     def world_size(self) -> int:
@@ -84,28 +126,28 @@ class ParallelLayout:
         return getattr(self, axis)
 
 
-@dataclass(frozen=True)
-class TPLayerSplit:
-    """A layer kind under tensor parallelism of degree t, at the profiled micro-batch."""
-
-    compute: LayerCompute  # after sharding
-    replicated_forward_s: float  # part of compute.forward_s that sequence parallelism divides
-    replicated_backward_s: float
-    comm: tuple[tuple[str, float], ...]  # (collective, bytes) per micro-batch, forward + backward
-    tp_sharded_activation_fraction: float
-    tp_sharded_param_fraction: float
-    styles: dict[str, str] = field(default_factory=dict)
-
-
-class TPSplitter(Protocol):
-    """Chooses and prices a layer's operator-wise TP split (autopar's intra-op ILP)."""
-
-    def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit: ...
-
-
 @dataclass
 class Estimate:
-    """The predicted cost of one training step of a layout."""
+    """The predicted cost of one training step of a layout.
+
+    Attributes:
+        step_time_s: one optimizer step.
+        tokens_per_s: tokens per second (None when the model has no sequence dimension).
+        samples_per_s: samples per second.
+        tflops_per_gpu: model FLOPs (no recomputation) per second per GPU, in TFLOP/s.
+        mfu, hfu: model / hardware (with recomputation) FLOPs over the GPUs' dense peak.
+        peak_memory_bytes: most any rank allocates (max over pipeline ranks).
+        memory_breakdown: the peak rank's bytes: params, grads, optimizer, activations,
+            buffers; headroom (kept free) and capacity (what may be allocated).
+        time_breakdown: seconds per step: compute, recompute, tp_comm, cp_comm, pp_comm,
+            dp_comm (exposed), bubble, optimizer; they add up to step_time_s.
+        dp_sync_algorithm: the gradient synchronisation chosen.
+        device_time_s: per pipeline rank, busy time of one micro-batch.
+        device_memory_bytes: per pipeline rank, allocated bytes.
+        stages: layer names per (virtual) stage; recompute: option per layer.
+        fits: every rank's memory within capacity.
+        stage_details: per pipeline rank: GPU, layers, time, memory, in-flight micro-batches.
+    """
 
     step_time_s: float
     tokens_per_s: float | None
@@ -122,6 +164,7 @@ class Estimate:
     stages: list[list[str]]
     recompute: list[str]
     fits: bool
+    stage_details: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,69 +186,208 @@ def mesh_strides(layout: Any) -> dict[str, int]:
     return strides
 
 
+def group_ranks(layout: Any, axes: tuple[str, ...]) -> list[int]:
+    """Ranks of the group through rank 0 spanned by `axes`."""
+    strides = mesh_strides(layout)
+    ranks = [0]
+    for axis in axes:
+        ranks = [r + i * strides[axis] for r in ranks for i in range(layout.degree(axis))]
+    return sorted(ranks)
+
+
+# -- the module-level entry point ---------------------------------------------------------------
+
+_PRICERS: "OrderedDict[tuple, PlanPricer]" = OrderedDict()
+_SHARED: "OrderedDict[int, tuple[Any, ComputeModel, PropagationSplitter | None]]" = OrderedDict()
+_CACHE_SIZE = 8
+
+
+def estimate(profile: "ModelProfile", cluster: ClusterSpec, layout: ParallelLayout, train: TrainSpec,
+             tp_splitter: TPSplitter | None = None) -> Estimate:
+    """Predict one training step of `layout` for `profile` on `cluster`.
+
+    Per-layer prices are computed once per (profile, cluster, training settings) and reused
+    across calls: the planner asks thousands of times.
+
+    Raises:
+        ValueError: the layout cannot run (degrees vs GPUs, batch arithmetic, stages, ...).
+    """
+    key = (id(profile), id(cluster), train, id(tp_splitter))
+    pricer = _PRICERS.get(key)
+    if pricer is None or pricer.profile is not profile or pricer.cluster is not cluster:
+        pricer = PlanPricer(profile, cluster, train, tp_splitter)
+        _PRICERS[key] = pricer
+        while len(_PRICERS) > _CACHE_SIZE:
+            _PRICERS.popitem(last=False)
+    _PRICERS.move_to_end(key)
+    return pricer.estimate(layout)
+
+
+def _shared_models(profile: "ModelProfile") -> tuple[ComputeModel, PropagationSplitter | None]:
+    """Compute model and TP propagation of a profile, shared by every pricer of it."""
+    entry = _SHARED.get(id(profile))
+    if entry is None or entry[0] is not profile:
+        entry = (profile, ComputeModel(profile), PropagationSplitter(profile) if profile.ops else None)
+        _SHARED[id(profile)] = entry
+        while len(_SHARED) > _CACHE_SIZE:
+            _SHARED.popitem(last=False)
+    return entry[1], entry[2]
+
+
 class PlanPricer:
-    """Prices configurations of one model on one cluster; caches what repeats across calls."""
+    """Prices configurations of one model on one cluster; caches what repeats across calls.
+
+    Args:
+        profile: the traced model (autopar.profile.ModelProfile).
+        cluster: where it runs.
+        train: batch, precision, optimizer.
+        tp_splitter: prices a layer under TP (default: the propagation of tp_sharding.py).
+        recompute_options: the recompute choices the partition problem offers per layer.
+    """
 
     def __init__(self, profile: "ModelProfile", cluster: ClusterSpec, train: TrainSpec,
                  tp_splitter: TPSplitter | None = None, recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS):
+        validate_train(train, profile)
         self.profile = profile
         self.cluster = cluster
         self.train = train
-        self.tp_splitter = tp_splitter
+        self.compute, propagation = _shared_models(profile)
+        self.tp_splitter = tp_splitter or propagation
         self.recompute_options = tuple(recompute_options)
-        self.compute = ComputeModel(profile)
         self.layers = profile.layers
         self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
         self.b0 = profile.micro_batch_size
+        self.weights_bytes, self.grads_bytes, _ = state_bytes_per_param(train.precision, train.optimizer)
         self._splits: dict[tuple, TPLayerSplit] = {}
-        self._problems: dict[tuple, "PartitionProblem"] = {}
+        self._base_acts: dict[str, LayerActivations] = {}
+        self._problems: dict[tuple, PartitionProblem | None] = {}
         self._devices: dict[tuple, Any] = {}
         self._placements: dict[tuple, GroupPlacement] = {}
-        self._collectives: dict[tuple, float] = {}
+        self._collectives: dict[tuple, Any] = {}
+        self._rank_gpus: dict[tuple, list[list[GPUSpec]]] = {}
+        self._peak_flops = sum(self.cluster.gpu_of_rank(r).flops(self.compute.dtype)
+                               for r in range(cluster.world_size))
         self._row_cache: dict[tuple, list] = {}
-        self._largest_params = max(layer.param_count for layer in self.layers)
-        self._largest_activation = max(layer.activation_bytes for layer in self.layers)
-        self._fractions = {layer.name: self._selective_keep_fraction(layer.name) for layer in self.layers}
+        self._largest_params = max((layer.param_count for layer in self.layers), default=0)
+        self._largest_activation = max((layer.activation_bytes for layer in self.layers), default=0)
         self._attention_bytes = self._attention_input_bytes()
+        self.heads = self._attention_heads()
 
-    # -- placement --------------------------------------------------------------------------
+    # -- placement ----------------------------------------------------------------------------
 
-    def placement(self, layout: Any, axis: str) -> GroupPlacement:
-        key = (axis, tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
+    def placement(self, layout: Any, axes: str | tuple[str, ...]) -> GroupPlacement:
+        """Where the group through rank 0 along one mesh axis (or several) sits."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        key = (axes, tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
         if key not in self._placements:
-            self._placements[key] = self.cluster.strided_placement(layout.degree(axis), mesh_strides(layout)[axis])
+            self._placements[key] = self.cluster.group_links(group_ranks(layout, axes))
+        return self._placements[key]
+
+    def grad_group(self, layout: Any) -> GroupPlacement:
+        """Ranks holding the same parameters: data- x context-parallel (CP ranks see other
+        tokens, so their gradients are summed too)."""
+        return self.placement(layout, ("dp", "cp"))
+
+    def _grad_size(self, layout: Any) -> int:
+        return layout.dp * layout.cp
+
+    def _shard_size(self, layout: Any) -> int:
+        """Ranks ZeRO shards over: the gradient group, or its part on one node (hybrid)."""
+        return self._shard_group(layout).size
+
+    def _shard_group(self, layout: Any) -> GroupPlacement:
+        if not layout.hybrid_shard:
+            return self.grad_group(layout)
+        key = ("shard", tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
+        if key not in self._placements:
+            ranks = group_ranks(layout, ("dp", "cp"))
+            self._placements[key] = self.cluster.group_links(
+                [r for r in ranks if r // self.cluster.gpus_per_node == 0])
+        return self._placements[key]
+
+    def _replica_group(self, layout: Any) -> GroupPlacement:
+        """Hybrid sharding's replicas: one rank per node of the gradient group."""
+        key = ("replica", tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
+        if key not in self._placements:
+            firsts: dict[int, int] = {}
+            for rank in group_ranks(layout, ("dp", "cp")):
+                firsts.setdefault(rank // self.cluster.gpus_per_node, rank)
+            self._placements[key] = self.cluster.group_links(sorted(firsts.values()))
         return self._placements[key]
 
     def pp_rank_gpus(self, layout: Any) -> list[list[GPUSpec]]:
         """GPU types of the ranks of each pipeline rank."""
-        strides = mesh_strides(layout)
-        groups: list[list[GPUSpec]] = [[] for _ in range(layout.pp)]
-        for rank in range(layout.world_size):
-            groups[(rank // strides["pp"]) % layout.pp].append(self.cluster.gpu_of_rank(rank))
-        return groups
+        key = (tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
+        if key not in self._rank_gpus:
+            strides = mesh_strides(layout)
+            groups: list[list[GPUSpec]] = [[] for _ in range(layout.pp)]
+            for rank in range(layout.world_size):
+                groups[(rank // strides["pp"]) % layout.pp].append(self.cluster.gpu_of_rank(rank))
+            self._rank_gpus[key] = groups
+        return self._rank_gpus[key]
+
+    def collective_s(self, op: Collective, nbytes: float, group: GroupPlacement) -> float:
+        """Cheapest-algorithm time, memoised (the planner asks the same questions many times)."""
+        key = (op, nbytes, group)
+        if key not in self._collectives:
+            self._collectives[key] = collective_time_s(op, nbytes, group)
+        return self._collectives[key]
+
+    def dp_sync_cost(self, layout: Any, nbytes: float) -> CollectiveCost:
+        """Gradient all-reduce on the gradient group: the pinned algorithm or the cheapest."""
+        group = self.grad_group(layout)
+        algorithm = getattr(layout, "dp_sync", "auto") or "auto"
+        key = ("dp_sync", algorithm, nbytes, group)
+        if key not in self._collectives:
+            if algorithm == "auto":
+                cost = best_algorithm(Collective.ALL_REDUCE, nbytes, group)
+            else:
+                chosen = Algorithm(algorithm)
+                cost = CollectiveCost(Collective.ALL_REDUCE, chosen,
+                                      collective_time_s(Collective.ALL_REDUCE, nbytes, group, chosen))
+            self._collectives[key] = cost
+        return self._collectives[key]
 
     # -- per-layer prices ---------------------------------------------------------------------
 
     def split(self, layer_name: str, layout: Any, gpu: GPUSpec) -> TPLayerSplit:
+        """The layer kind under the layout's TP degree on `gpu` (cached)."""
         kind = self.compute.kind(layer_name)
         group = self.placement(layout, "tp")
-        key = (kind, layout.tp, group.nodes, group.per_node, gpu.name)
+        key = (kind, layout.tp, group.nodes, group.per_node, gpu.signature)
         if key not in self._splits:
             if layout.tp == 1:
                 compute = self.compute.layer(kind, gpu)
-                self._splits[key] = TPLayerSplit(compute=compute, replicated_forward_s=compute.forward_s,
-                                                 replicated_backward_s=compute.backward_s, comm=(),
-                                                 tp_sharded_activation_fraction=0.0, tp_sharded_param_fraction=0.0)
+                self._splits[key] = TPLayerSplit(
+                    compute=compute, replicated_forward_s=compute.forward_s, replicated_backward_s=compute.backward_s,
+                    comm=(), tp_sharded_activation_fraction=0.0, tp_sharded_param_fraction=0.0,
+                    activations=self._base_activations(kind))
             elif self.tp_splitter is None:
-                raise ValueError("tensor parallelism needs an operator-wise splitter (autopar's intra-op solver)")
+                raise ValueError("tp > 1 needs the profile's per-op detail (re-profile without include_ops=False)")
             else:
                 self._splits[key] = self.tp_splitter.split(kind, layout.tp, group, gpu)
         return self._splits[key]
 
-    def partition_problem(self, layout: Any) -> "PartitionProblem | None":
-        """Per-layer prices of a configuration for the partition solver (None if it cannot run)."""
-        from cost_models.pipeline import PartitionProblem
+    def _base_activations(self, kind: str) -> LayerActivations:
+        """Activation accounting without TP (every saved tensor whole)."""
+        if kind not in self._base_acts:
+            layer = self.profile.layer(kind)
+            if self.profile.ops:
+                forward = [op for op in self.compute.ops_by_layer.get(kind, []) if op.phase == "forward"]
+                self._base_acts[kind] = layer_activations(layer, forward)
+            else:  # no per-op detail: selective recomputation keeps everything
+                total = float(layer.activation_bytes)
+                self._base_acts[kind] = LayerActivations(0.0, total, 0.0, total, float(layer.input_bytes))
+        return self._base_acts[kind]
 
+    def layer_activations(self, layer: Any, split: TPLayerSplit) -> LayerActivations:
+        if split.activations is not None:
+            return split.activations
+        kind = self.compute.kind(layer.name)
+        return activations_from_fraction(layer, self._base_activations(kind), split.tp_sharded_activation_fraction)
+
+    def partition_problem(self, layout: Any) -> PartitionProblem | None:
+        """Per-layer prices of a configuration for the partition solver (None if it cannot run)."""
         key = (layout.dp, layout.tp, layout.pp, layout.cp, tuple(layout.mesh_order), layout.zero_stage,
                layout.hybrid_shard, layout.micro_batch_size, layout.num_micro_batches, layout.schedule,
                layout.chunks, layout.sequence_parallel, layout.cp_strategy, getattr(layout, "dp_sync", "auto"))
@@ -217,27 +399,20 @@ class PlanPricer:
             return None
         reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
-        times = self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
-                                            layout.micro_batch_size, self._zero_key(layout),
-                                            self._span(layout, "tp"), self._span(layout, "cp")),
-                           lambda layer, split: [self._layer_time_s(layer, split, layout, scale, option)
-                                                 for option in self.recompute_options], reference)
+        times = [[sum(parts.values()) for parts in row] for row in self.time_parts_rows(layout, reference)]
         activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
                                                         layout.micro_batch_size),
-                                 lambda layer, split: [int(self._activation_bytes(layer, split, layout, scale, option))
+                                 lambda layer, split: [int(activation_bytes(self.layer_activations(layer, split), scale,
+                                                                            layout.tp, layout.sequence_parallel,
+                                                                            layout.cp, option))
                                                        for option in self.recompute_options], reference)
-        statics = self._rows("static", layout, (layout.tp, layout.zero_stage if layout.dp > 1 else 0,
-                                                self._shard_size(layout) if layout.dp > 1 else 1),
-                             lambda layer, split: int(self._static_bytes(layer, split, layout)), reference)
+        statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout)),
+                             lambda layer, split: int(self._states(layer, split, layout).total_bytes), reference)
         sends = self._rows("send", layout, (layout.pp, self._span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
                            lambda layer, split: self._send_s(layer, layout, scale), reference)
-        per_step = self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
-                                                   layout.hybrid_shard, self._span(layout, "dp"),
-                                                   self._shard_size(layout), layout.micro_batch_size,
-                                                   getattr(layout, "dp_sync", "auto")),
-                              lambda layer, split: self._per_step_s(layer, split, layout, scale, reference), reference)
-        overhead = self._overhead_bytes(layout, scale)
+        per_step = [sum(parts.values()) for parts in self.per_step_rows(layout, reference)]
+        overhead = self._overhead_bytes(layout, scale, reference)
         problem = PartitionProblem(
             time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
             devices=layout.pp, chunks=layout.chunks, micro_batches=layout.num_micro_batches,
@@ -248,10 +423,28 @@ class PlanPricer:
         self._problems[key] = problem
         return problem
 
+    def time_parts_rows(self, layout: Any, reference: GPUSpec) -> list[list[dict[str, float]]]:
+        """[layer][recompute option] -> seconds per micro-batch by kind (layer_time_parts)."""
+        scale = layout.micro_batch_size / self.b0
+        return self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
+                                           layout.micro_batch_size, self._zero_key(layout),
+                                           self._span(layout, "tp"), self._span(layout, "cp")),
+                          lambda layer, split: [self.layer_time_parts(layer, split, layout, scale, option, reference)
+                                                for option in self.recompute_options], reference)
+
+    def per_step_rows(self, layout: Any, reference: GPUSpec) -> list[dict[str, float]]:
+        """[layer] -> seconds once per step by kind (per_step_parts)."""
+        scale = layout.micro_batch_size / self.b0
+        return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
+                                               layout.hybrid_shard, self._span(layout, ("dp", "cp")),
+                                               self._shard_size(layout), layout.micro_batch_size,
+                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order)),
+                          lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
+
     def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:
         """One value per layer, priced once per layer kind and cached by what the value depends on
         (the planner prices tens of thousands of configurations that share most of these)."""
-        full_key = (what, reference.name, key)
+        full_key = (what, reference.signature, key)
         if full_key not in self._row_cache:
             by_kind = {}
             for layer in self.layers:
@@ -261,16 +454,21 @@ class PlanPricer:
             self._row_cache[full_key] = [by_kind[self.compute.kind(layer.name)] for layer in self.layers]
         return self._row_cache[full_key]
 
-    def _span(self, layout: Any, axis: str) -> tuple[int, int, int]:
-        """A cheap cache key for a group's placement: (size, nodes, ranks per node)."""
-        group = self.placement(layout, axis)
-        return (group.size, group.nodes, group.per_node)
+    def _span(self, layout: Any, axes: str | tuple[str, ...]) -> tuple[int, int, int, int]:
+        """A cheap cache key for a group's placement."""
+        group = self.placement(layout, axes)
+        return (group.size, group.nodes, group.per_node, group.min_per_node)
 
     def _zero_key(self, layout: Any) -> tuple:
-        if layout.zero_stage < 2 or layout.dp == 1:
+        if layout.zero_stage < 2 or self._grad_size(layout) == 1:
             return ()
         group = self._shard_group(layout)
         return (layout.zero_stage, group.size, group.nodes, group.per_node)
+
+    def _zero_key_static(self, layout: Any) -> tuple:
+        if self._grad_size(layout) == 1:
+            return (0, 1)
+        return (layout.zero_stage, self._shard_size(layout))
 
     def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
@@ -288,25 +486,19 @@ class PlanPricer:
         distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
         total = {name: sum(self.split(l.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
                            for l in self.layers) for name, gpu in distinct.items()}
+        # A pipeline rank's data-parallel replicas run in lockstep: the slowest GPU type paces it.
         slowest_gpu = [max(group, key=lambda g: total[g.name]) for group in pp_gpus]
-        speed = [total[g.name] / total[reference.name] for g in slowest_gpu]
+        speed = [total[g.name] / total[reference.name] if total[reference.name] else 1.0 for g in slowest_gpu]
         capacity = [int(min(g.memory_bytes for g in group) * (1 - self.cluster.memory_headroom_fraction))
                     for group in pp_gpus]
         return reference, speed, capacity
-
-    def collective_s(self, op: Collective, nbytes: float, group: GroupPlacement) -> float:
-        """Cheapest-algorithm time, memoised (the planner asks the same questions many times)."""
-        key = (op, nbytes, group)
-        if key not in self._collectives:
-            self._collectives[key] = collective_time_s(op, nbytes, group)
-        return self._collectives[key]
 
     def fixed_time_s(self, layout: Any) -> float:
         """Step time outside the per-layer prices: none (every cost is attributed to a layer)."""
         return 0.0
 
     def _tp_groups_homogeneous(self, layout: Any) -> bool:
-        """A TP group never mixes GPU types (its ranks run in lockstep)."""
+        """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
         strides = mesh_strides(layout)
         for rank in range(layout.world_size):
             if (rank // strides["tp"]) % layout.tp == 0:
@@ -315,22 +507,30 @@ class PlanPricer:
                     return False
         return True
 
-    def _layer_time_s(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, option: str) -> float:
-        gpu_overhead = self.cluster.node_gpus[0].launch_overhead_s
+    def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, option: str,
+                         gpu: GPUSpec) -> dict[str, float]:
+        """Seconds one micro-batch spends on a layer, by kind (compute, recompute, tp_comm,
+        cp_comm, dp_comm)."""
         compute = split.compute
+        overhead = gpu.launch_overhead_s
         forward_passes, nongemm_passes = {"none": (1.0, 0.0), "selective": (1.0, 1.0), "full": (2.0, 0.0)}[option]
         per_token = scale / layout.cp
-        seconds = compute.time_s(per_token, gpu_overhead, forward_passes, nongemm_passes)
+        plain = compute.time_s(per_token, overhead)
+        total = compute.time_s(per_token, overhead, forward_passes, nongemm_passes)
         if layout.sequence_parallel and layout.tp > 1:
-            saved = (1 - 1 / layout.tp) * per_token * (forward_passes * split.replicated_forward_s
-                                                       + split.replicated_backward_s)
-            seconds -= saved
+            # Replicated ops (norms, residual adds, dropout) run on 1/t of the sequence.
+            share = (1 - 1 / layout.tp) * per_token
+            plain -= share * (split.replicated_forward_s + split.replicated_backward_s)
+            total -= share * (forward_passes * split.replicated_forward_s + split.replicated_backward_s)
         tp_group = self.placement(layout, "tp")
-        tp_comm = sum(self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.comm)
-        seconds += tp_comm * (1.5 if option == "full" else 1.0)  # full recompute repeats the forward half
-        seconds += self._cp_time_s(layer, layout, scale, compute)
-        seconds += self._zero_micro_batch_s(layer, split, layout, compute, per_token)
-        return seconds
+        forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
+        tp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.comm]
+        tp_comm = sum(tp_times)
+        if option == "full":  # the re-run forward repeats its collectives
+            tp_comm += sum(tp_times[:forward_count])
+        return {"compute": plain, "recompute": total - plain, "tp_comm": tp_comm,
+                "cp_comm": self._cp_time_s(layer, layout, scale, compute),
+                "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)}
 
     def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute) -> float:
         if layout.cp == 1:
@@ -340,113 +540,91 @@ class PlanPricer:
             return 0.0
         group = self.placement(layout, "cp")
         if layout.cp_strategy == "ulysses":
-            # q, k, v to head-sharded layout and the output back: forward and backward.
+            # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to head-sharded layout and the
+            # output back, each one all-to-all, forward and backward.
             return 8 * self.collective_s(Collective.ALL_TO_ALL, nbytes / 3, group)
-        # Ring: cp-1 steps pass this rank's K and V block; backward passes K, V and their grads.
+        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's K and V block forward;
+        # backward passes K, V and their gradients; overlapped with the blockwise attention.
         step = self.collective_s(Collective.SEND_RECV, 2 * nbytes / 3, group)
         exchange = 3 * (layout.cp - 1) * step
         attention = (compute.forward_s + compute.backward_s) * scale / layout.cp * 0.5
         return exposed_s(exchange, attention)
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
-                            per_token: float) -> float:
-        if layout.zero_stage < 2 or layout.dp == 1:
+                            per_token: float, overhead: float) -> float:
+        """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute."""
+        if layout.zero_stage < 2 or self._grad_size(layout) == 1:
             return 0.0
         group = self._shard_group(layout)
         params = self._tp_params(layer, split, layout)
-        weights, grads, _ = state_bytes_per_param(self.train.precision, self.train.optimizer)
-        rs = self.collective_s(Collective.REDUCE_SCATTER, params * grads, group)
-        backward = compute.backward_s * per_token
+        rs = self.collective_s(Collective.REDUCE_SCATTER, params * self.grads_bytes, group)
+        backward = compute.backward_s * per_token + compute.backward_launches * overhead
         if layout.zero_stage == 2:
             return exposed_s(rs, backward)
-        gather = self.collective_s(Collective.ALL_GATHER, params * weights, group)
+        gather = self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, group)
+        forward = compute.forward_s * per_token + compute.forward_launches * overhead
         # ZeRO-3 gathers the layer's parameters before its forward and again before its backward.
-        return exposed_s(gather, compute.forward_s * per_token) + exposed_s(gather + rs, backward)
+        return exposed_s(gather, forward) + exposed_s(gather + rs, backward)
 
-    def _per_step_s(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, gpu: GPUSpec) -> float:
+    def per_step_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float,
+                       gpu: GPUSpec) -> dict[str, float]:
+        """Seconds once per step for a layer: optimizer update and exposed gradient sync."""
         params = self._tp_params(layer, split, layout)
-        weights, grads, _ = state_bytes_per_param(self.train.precision, self.train.optimizer)
-        shard = self._shard_size(layout) if layout.zero_stage >= 1 else 1
-        update = params / shard * OPTIMIZER_BYTES_PER_PARAM.get(self.train.optimizer, 28) / gpu.memory_bandwidth_Bps
-        if layout.dp == 1 or params == 0:
-            return update
-        backward = split.compute.backward_s * scale / layout.cp
-        if layout.zero_stage <= 1:
-            sync = self.dp_sync_cost(layout, params * grads).seconds
-            exposed = exposed_s(sync, backward)
-            if layout.zero_stage == 1:
-                exposed += self.collective_s(Collective.ALL_GATHER, params * weights, self._shard_group(layout))
-            return update + exposed
+        grad_size = self._grad_size(layout)
+        shard = self._shard_size(layout) if layout.zero_stage >= 1 and grad_size > 1 else 1
+        bandwidth = gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise")
+        update = params / shard * OPTIMIZER_BYTES_PER_PARAM.get(self.train.optimizer, 28) / bandwidth
+        if grad_size == 1 or params == 0:
+            return {"optimizer": update, "dp_comm": 0.0}
+        per_token = scale / layout.cp
+        backward = split.compute.backward_s * per_token + split.compute.backward_launches * gpu.launch_overhead_s
         exposed = 0.0
-        if layout.hybrid_shard and self._shard_size(layout) < layout.dp:
-            replicas = self.cluster.strided_placement(layout.dp // self._shard_size(layout),
-                                                      mesh_strides(layout)["dp"] * self._shard_size(layout))
-            exposed = self.collective_s(Collective.ALL_REDUCE, params * grads / self._shard_size(layout), replicas)
+        if layout.zero_stage <= 1:
+            exposed = exposed_s(self.dp_sync_cost(layout, params * self.grads_bytes).seconds, backward)
+            if layout.zero_stage == 1:  # updated shards gathered back to every replica
+                exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes,
+                                             self._shard_group(layout))
+            return {"optimizer": update, "dp_comm": exposed}
+        if layout.hybrid_shard and self._shard_size(layout) < grad_size:
+            exposed += self.collective_s(Collective.ALL_REDUCE, params * self.grads_bytes / self._shard_size(layout),
+                                         self._replica_group(layout))
         if layout.zero_stage == 2:
-            exposed += self.collective_s(Collective.ALL_GATHER, params * weights, self._shard_group(layout))
-        return update + exposed
-
-    def dp_sync_cost(self, layout: Any, nbytes: float):
-        """Gradient all-reduce on the DP group: the pinned algorithm or the cheapest."""
-        group = self.placement(layout, "dp")
-        algorithm = getattr(layout, "dp_sync", "auto")
-        if algorithm in (None, "auto"):
-            return best_algorithm(Collective.ALL_REDUCE, nbytes, group)
-        from cost_models.collectives import CollectiveCost
-
-        chosen = Algorithm(algorithm)
-        return CollectiveCost(Collective.ALL_REDUCE, chosen, collective_time_s(Collective.ALL_REDUCE, nbytes, group, chosen))
-
-    def _shard_size(self, layout: Any) -> int:
-        if not layout.hybrid_shard:
-            return layout.dp
-        group = self.placement(layout, "dp")
-        return group.per_node
-
-    def _shard_group(self, layout: Any) -> GroupPlacement:
-        if not layout.hybrid_shard:
-            return self.placement(layout, "dp")
-        return self.cluster.strided_placement(self._shard_size(layout), mesh_strides(layout)["dp"])
+            exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, self._shard_group(layout))
+        return {"optimizer": update, "dp_comm": exposed}
 
     def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
         sharded = layer.param_count * split.tp_sharded_param_fraction
         return sharded / layout.tp + (layer.param_count - sharded)
 
-    def _static_bytes(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
-        shard = self._shard_size(layout) if layout.dp > 1 else 1
+    def _states(self, layer: Any, split: TPLayerSplit, layout: Any):
+        grad_size = self._grad_size(layout)
         return model_states(self._tp_params(layer, split, layout), self.train.precision, self.train.optimizer,
-                            layout.zero_stage if layout.dp > 1 else 0, shard).total_bytes
-
-    def _activation_bytes(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, option: str) -> float:
-        fractions = ActivationSplit(tp_sharded_fraction=split.tp_sharded_activation_fraction,
-                                    keep_fraction_selective=self._fractions[layer.name])
-        return activation_bytes(layer.activation_bytes, layer.input_bytes, scale, fractions, layout.tp,
-                                layout.sequence_parallel, layout.cp, option)
+                            layout.zero_stage if grad_size > 1 else 0,
+                            self._shard_size(layout) if grad_size > 1 else 1)
 
     def _send_s(self, layer: Any, layout: Any, scale: float) -> float:
+        """Activation to the next stage forward and its gradient back (Narayanan et al. 2021:
+        b·s·h per micro-batch; ÷ t under SP, ÷ cp)."""
         if layout.pp == 1:
             return 0.0
         nbytes = layer.output_bytes * scale / layout.cp / (layout.tp if layout.sequence_parallel else 1)
         return 2 * self.collective_s(Collective.SEND_RECV, nbytes, self.placement(layout, "pp"))
 
-    def _overhead_bytes(self, layout: Any, scale: float) -> int:
-        weights, _, _ = state_bytes_per_param(self.train.precision, self.train.optimizer)
-        largest = self._largest_params / layout.tp
-        overhead = CUDA_CONTEXT_BYTES if self.cluster.node_gpus[0].name != "cpu" else 0
-        if layout.zero_stage == 3 and layout.dp > 1:
-            overhead += 2 * largest * weights  # this layer's and the prefetched next layer's params
-        if layout.dp > 1:
-            overhead += 2 * DP_BUCKET_BYTES
-        # The layer being recomputed holds its full activations while its backward runs.
-        overhead += self._largest_activation * scale / layout.tp / layout.cp
-        return int(overhead)
+    def _overhead_bytes(self, layout: Any, scale: float, gpu: GPUSpec) -> int:
+        return int(sum(self._buffers(layout, scale, gpu).values()))
 
-    def _selective_keep_fraction(self, layer_name: str) -> float:
-        kind = self.compute.kind(layer_name)
-        saved = [op for op in self.profile.ops if op.layer == kind and op.saved_for_backward_bytes]
-        total = sum(op.saved_for_backward_bytes for op in saved)
-        kept = sum(op.saved_for_backward_bytes for op in saved if op.op_class in ("gemm", "attention"))
-        return kept / total if total else 1.0
+    def _buffers(self, layout: Any, scale: float, gpu: GPUSpec) -> dict[str, float]:
+        """Memory besides model states and stored activations."""
+        largest = self._largest_params / layout.tp
+        buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
+        if layout.zero_stage == 3 and self._grad_size(layout) > 1:
+            # This layer's and the prefetched next layer's gathered parameters (FSDP's default).
+            buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
+        if self._grad_size(layout) > 1:
+            buffers["dp_buckets"] = 2 * DP_BUCKET_BYTES
+        # A layer's full activations while its backward (or its recomputation) runs.
+        buffers["working_set"] = self._largest_activation * scale / layout.tp / layout.cp
+        return buffers
 
     def _attention_input_bytes(self) -> dict[str, float]:
         result: dict[str, float] = {}
@@ -455,13 +633,20 @@ class PlanPricer:
                 result[op.layer] = result.get(op.layer, 0.0) + op.bytes_read
         return result
 
+    def _attention_heads(self) -> int | None:
+        """Attention heads (dim 1 of the first fused attention's query), for Ulysses' divisibility."""
+        for op in self.profile.ops:
+            if op.op_class == "attention" and op.phase == "forward" and op.input_shapes and \
+                    len(op.input_shapes[0]) == 4:
+                return int(op.input_shapes[0][1])
+        return None
+
     # -- a complete layout ----------------------------------------------------------------------
 
     def estimate(self, layout: ParallelLayout) -> Estimate:
-        """Price a layout with its stage split (balanced when `layout.stages` is empty)."""
-        from cost_models.pipeline import evaluate
-
-        validate_layout(layout, self.cluster, self.train, len(self.layers))
+        """Price a layout with its stage split (an even split when `layout.stages` is empty)."""
+        validate_layout(layout, self.cluster, self.train, [layer.name for layer in self.layers],
+                        self.profile.tokens_per_sample, self.heads, self.recompute_options)
         problem = self.partition_problem(layout)
         if problem is None:
             raise ValueError("a tensor-parallel group would mix GPU types; change the mesh order or tp")
@@ -470,39 +655,32 @@ class PlanPricer:
         partition = evaluate(problem, starts, options)
         fits = partition is not None
         if partition is None:
-            partition = evaluate(_unbounded(problem), starts, options)
+            partition = evaluate(replace(problem, capacity_bytes=[2**62] * problem.devices), starts, options)
         return self._assemble(layout, problem, partition, fits)
 
     def stage_starts(self, layout: ParallelLayout) -> list[int]:
         stages = layout.pp * layout.chunks
         if layout.stages:
-            if len(layout.stages) != stages:
-                raise ValueError(f"{len(layout.stages)} stages given for pp={layout.pp} × chunks={layout.chunks}")
             return [self.layer_index[stage[0]] for stage in layout.stages]
         count = len(self.layers)
-        if count < stages:
-            raise ValueError(f"{count} layers cannot fill {stages} pipeline stages")
         return [round(j * count / stages) for j in range(stages)]
 
     def layer_options(self, layout: ParallelLayout) -> list[int]:
         recompute = layout.recompute
         names = [recompute.get(layer.name, "none") if isinstance(recompute, dict) else recompute
                  for layer in self.layers]
-        unknown = sorted(set(names) - set(self.recompute_options))
-        if unknown:
-            raise ValueError(f"recompute '{unknown[0]}' is not one of {', '.join(self.recompute_options)}")
         return [self.recompute_options.index(name) for name in names]
 
-    def _assemble(self, layout: ParallelLayout, problem: "PartitionProblem", partition: "Partition",
+    def _assemble(self, layout: ParallelLayout, problem: PartitionProblem, partition: Partition,
                   fits: bool) -> Estimate:
         step = partition.step_time_s
-        samples = self.train.global_batch_size / step
+        batch = self.train.global_batch_size
+        samples = batch / step
         tokens = samples * self.profile.tokens_per_sample if self.profile.tokens_per_sample else None
-        model_flops = self.profile.flops_total * self.train.global_batch_size / self.b0
-        recompute_flops = sum(
-            layer.flops_forward * (1.0 if problem.option_names[option] == "full" else 0.0)
-            for layer, option in zip(self.layers, partition.options)) * self.train.global_batch_size / self.b0
-        peak = sum(self.cluster.gpu_of_rank(r).flops(self.compute.dtype) for r in range(layout.world_size))
+        model_flops = self.profile.flops_total * batch / self.b0
+        recompute_flops = sum(self._recompute_flops(layer, problem.option_names[option])
+                              for layer, option in zip(self.layers, partition.options)) * batch / self.b0
+        peak = self._peak_flops
         slowest = max(range(layout.pp), key=lambda d: partition.device_time_s[d])
         peak_device = max(range(layout.pp), key=lambda d: partition.device_memory_bytes[d])
         stages = partition.stages(len(self.layers))
@@ -516,84 +694,170 @@ class PlanPricer:
             dp_sync_algorithm=self._dp_algorithm(layout),
             device_time_s=partition.device_time_s, device_memory_bytes=partition.device_memory_bytes,
             stages=[[self.layers[l].name for l in stage] for stage in stages],
-            recompute=[problem.option_names[o] for o in partition.options], fits=fits)
+            recompute=[problem.option_names[o] for o in partition.options], fits=fits,
+            stage_details=self._stage_details(layout, problem, partition, stages))
+
+    def _recompute_flops(self, layer: Any, option: str) -> float:
+        if option == "full":
+            return layer.flops_forward
+        if option == "selective":
+            cost = layer.forward_by_class
+            return sum(c.flops for name, c in cost.items() if name not in ("gemm", "attention"))
+        return 0.0
 
     def _dp_algorithm(self, layout: ParallelLayout) -> str:
-        if layout.dp == 1:
+        if self._grad_size(layout) == 1:
             return "none"
         if layout.zero_stage >= 2:
             return "reduce_scatter (ring)"
         params = max(layer.param_count for layer in self.layers)
-        return self.dp_sync_cost(layout, params * 2).algorithm.value
+        return self.dp_sync_cost(layout, params * self.grads_bytes).algorithm.value
+
+    def _device_layers(self, layout: ParallelLayout, stages: list[list[int]], device: int) -> list[int]:
+        return [l for j, stage in enumerate(stages) if j % layout.pp == device for l in stage]
 
     def _memory_breakdown(self, layout, problem, partition, device, stages) -> dict[str, int]:
-        layers = [l for j, stage in enumerate(stages) if j % layout.pp == device for l in stage]
+        reference = self._device_facts(layout)[0]
         states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-        for l in layers:
+        for l in self._device_layers(layout, stages, device):
             layer = self.layers[l]
-            split = self.split(layer.name, layout, self.cluster.node_gpus[0])
-            shard = self._shard_size(layout) if layout.dp > 1 else 1
-            s = model_states(self._tp_params(layer, split, layout), self.train.precision, self.train.optimizer,
-                             layout.zero_stage if layout.dp > 1 else 0, shard)
+            s = self._states(layer, self.split(layer.name, layout, reference), layout)
             states["params"] += s.params_bytes
             states["grads"] += s.grads_bytes
             states["optimizer"] += s.optimizer_bytes
-        activations = sum(problem.in_flight[device] * problem.activation_bytes[l][partition.options[l]] for l in layers)
-        gpu = self.cluster.node_gpus[0]
+        activations = sum(problem.in_flight[device] * problem.activation_bytes[l][partition.options[l]]
+                          for l in self._device_layers(layout, stages, device))
+        memory = min(g.memory_bytes for g in self.pp_rank_gpus(layout)[device])
         return {**{k: int(v) for k, v in states.items()}, "activations": int(activations),
                 "buffers": int(problem.overhead_bytes[device]),
-                "capacity": int(problem.capacity_bytes[device]),
-                "headroom": int(gpu.memory_bytes * self.cluster.memory_headroom_fraction)}
+                "headroom": int(memory * self.cluster.memory_headroom_fraction),
+                "capacity": int(problem.capacity_bytes[device])}
 
     def _time_breakdown(self, layout, problem, partition, device, stages) -> dict[str, float]:
+        """Seconds per step on the critical pipeline rank, adding up to the step time."""
         m = layout.num_micro_batches
-        scale = layout.micro_batch_size / self.b0
-        layers = [l for j, stage in enumerate(stages) if j % layout.pp == device for l in stage]
-        gpu = self.cluster.node_gpus[0]
-        compute = tp = cp = zero = 0.0
-        for l in layers:
-            layer = self.layers[l]
-            option = problem.option_names[partition.options[l]]
-            split = self.split(layer.name, layout, gpu)
-            total = problem.time_s[l][partition.options[l]]
-            tp_part = sum(collective_time_s(Collective(op), n * scale / layout.cp, self.placement(layout, "tp"))
-                          for op, n in split.comm) * (1.5 if option == "full" else 1.0)
-            cp_part = self._cp_time_s(layer, layout, scale, split.compute)
-            zero_part = self._zero_micro_batch_s(layer, split, layout, split.compute, scale / layout.cp)
-            tp, cp, zero = tp + tp_part, cp + cp_part, zero + zero_part
-            compute += total - tp_part - cp_part - zero_part
-        sends = sum(problem.send_s[stage[-1]] for j, stage in enumerate(stages)
-                    if j % layout.pp == device and j < len(stages) - 1)
-        per_step = max(sum(problem.per_step_s[l] for j, stage in enumerate(stages) if j % layout.pp == d for l in stage)
-                       * problem.speed_of(d) for d in range(layout.pp))
-        busy = m * partition.device_time_s[device]
+        reference = self._device_facts(layout)[0]
+        time_rows, step_rows = self.time_parts_rows(layout, reference), self.per_step_rows(layout, reference)
         speed = problem.speed_of(device)
-        return {"compute": m * compute * speed, "tp_comm": m * tp * speed, "cp_comm": m * cp * speed,
-                "zero_comm": m * zero * speed, "pp_comm": m * sends * speed,
-                "bubble": max(0.0, partition.step_time_s - busy - per_step),
-                "dp_sync_and_optimizer": per_step}
+        parts = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm"), 0.0)
+        for l in self._device_layers(layout, stages, device):
+            for name, seconds in time_rows[l][partition.options[l]].items():
+                parts[name] += m * seconds * speed
+        parts["pp_comm"] = m * speed * sum(problem.send_s[stage[-1]] for j, stage in enumerate(stages)
+                                           if j % layout.pp == device and j < len(stages) - 1)
+        per_device = []
+        for d in range(layout.pp):
+            totals = {"optimizer": 0.0, "dp_comm": 0.0}
+            for l in self._device_layers(layout, stages, d):
+                for name, seconds in step_rows[l].items():
+                    totals[name] += seconds * problem.speed_of(d)
+            per_device.append(totals)
+        once = max(per_device, key=lambda totals: totals["optimizer"] + totals["dp_comm"])
+        parts["dp_comm"] += once["dp_comm"]
+        parts["optimizer"] = once["optimizer"]
+        busy = sum(parts.values())
+        parts["bubble"] = max(0.0, partition.step_time_s - busy)
+        return {key: parts[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
+                                            "bubble", "optimizer")}
+
+    def _stage_details(self, layout, problem, partition, stages) -> list[dict[str, Any]]:
+        pp_gpus = self.pp_rank_gpus(layout)
+        return [{"pp_rank": d, "gpu": sorted({g.name for g in pp_gpus[d]}),
+                 "layers": [self.layers[l].name for l in self._device_layers(layout, stages, d)],
+                 "time_per_micro_batch_s": partition.device_time_s[d],
+                 "memory_bytes": partition.device_memory_bytes[d],
+                 "capacity_bytes": problem.capacity_bytes[d],
+                 "in_flight_micro_batches": problem.in_flight[d], "speed": problem.speed_of(d)}
+                for d in range(layout.pp)]
 
 
-def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, num_layers: int) -> None:
+def validate_train(train: TrainSpec, profile: Any) -> None:
+    """Clear errors for training settings the cost model cannot price."""
+    if train.precision not in PRECISIONS:
+        raise ValueError(f"precision '{train.precision}' is not one of {', '.join(PRECISIONS)}")
+    if train.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    if train.global_batch_size < 1:
+        raise ValueError(f"global batch size must be at least 1, got {train.global_batch_size}")
+    if (train.precision == "fp32") != (profile.precision == "fp32"):
+        raise ValueError(f"the profile was traced in {profile.precision} but training is {train.precision}: "
+                         "profile the model in the training precision (bytes moved and saved differ)")
+
+
+def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,
+                    tokens_per_sample: int | None = None, heads: int | None = None,
+                    recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS) -> None:
     """Clear errors for layouts that cannot run, before pricing them."""
+    names = list(layer_names) if not isinstance(layer_names, int) else None
+    num_layers = len(names) if names is not None else layer_names
+    for axis in AXES:
+        if not isinstance(layout.degree(axis), int) or layout.degree(axis) < 1:
+            raise ValueError(f"{axis} must be a positive integer, got {layout.degree(axis)!r}")
+    if sorted(layout.mesh_order) != sorted(AXES):
+        raise ValueError(f"mesh_order {tuple(layout.mesh_order)} must order exactly the axes {', '.join(AXES)}")
     if layout.world_size != cluster.world_size:
         raise ValueError(f"dp×tp×pp×cp = {layout.dp}×{layout.tp}×{layout.pp}×{layout.cp} = {layout.world_size}, "
                          f"but the cluster has {cluster.world_size} GPUs")
+    if layout.micro_batch_size < 1 or layout.num_micro_batches < 1:
+        raise ValueError("micro_batch_size and num_micro_batches must be at least 1")
     if layout.dp * layout.micro_batch_size * layout.num_micro_batches != train.global_batch_size:
         raise ValueError(f"global batch {train.global_batch_size} ≠ dp {layout.dp} × micro-batch "
                          f"{layout.micro_batch_size} × micro-batches {layout.num_micro_batches}")
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule '{layout.schedule}': use {', '.join(SCHEDULES)}")
+    if layout.chunks < 1:
+        raise ValueError(f"chunks must be at least 1, got {layout.chunks}")
+    if layout.chunks > 1:
+        if layout.schedule != "interleaved_1f1b":
+            raise ValueError("chunks > 1 needs schedule=interleaved_1f1b")
+        if layout.pp == 1:
+            raise ValueError("interleaving model chunks needs pp > 1")
+        if layout.num_micro_batches % layout.pp:
+            raise ValueError(f"the interleaved schedule needs micro-batches ({layout.num_micro_batches}) in "
+                             f"multiples of pp ({layout.pp})")
     if layout.pp * layout.chunks > num_layers:
         raise ValueError(f"{num_layers} layers cannot fill pp {layout.pp} × chunks {layout.chunks} stages")
-    if layout.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise ValueError(f"unknown schedule '{layout.schedule}': use gpipe, 1f1b or interleaved_1f1b")
-    if layout.schedule != "interleaved_1f1b" and layout.chunks != 1:
-        raise ValueError("chunks > 1 needs schedule=interleaved_1f1b")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {layout.zero_stage}")
+    if layout.hybrid_shard and layout.zero_stage == 0:
+        raise ValueError("hybrid_shard needs zero_stage >= 1 (there is nothing to shard)")
+    if layout.cp_strategy not in CP_STRATEGIES:
+        raise ValueError(f"unknown cp_strategy '{layout.cp_strategy}': use {', '.join(CP_STRATEGIES)}")
+    if getattr(layout, "dp_sync", "auto") not in DP_SYNC:
+        raise ValueError(f"unknown dp_sync '{layout.dp_sync}': use {', '.join(DP_SYNC)}")
+    if layout.cp > 1 and tokens_per_sample:
+        # Ring attention's load-balanced causal split cuts each sequence into 2·cp chunks.
+        chunks = 2 * layout.cp if layout.cp_strategy == "ring" else layout.cp
+        if tokens_per_sample % chunks:
+            raise ValueError(f"sequence length {tokens_per_sample} is not divisible into {chunks} chunks for "
+                             f"cp={layout.cp} ({layout.cp_strategy})")
+    if layout.cp > 1 and layout.cp_strategy == "ulysses" and heads and heads % (layout.tp * layout.cp):
+        raise ValueError(f"Ulysses needs the {heads} attention heads divisible by tp×cp = {layout.tp * layout.cp}; "
+                         "use cp_strategy=ring")
+    _validate_recompute(layout.recompute, names, recompute_options)
+    if layout.stages and names is not None:
+        _validate_stages(layout, names)
 
 
-def _unbounded(problem: "PartitionProblem") -> "PartitionProblem":
-    """The same problem with unlimited memory (to price a plan that does not fit)."""
-    from dataclasses import replace
+def _validate_recompute(recompute: Any, names: list[str] | None, options: tuple[str, ...]) -> None:
+    values = recompute.values() if isinstance(recompute, dict) else [recompute]
+    unknown = sorted({str(v) for v in values} - set(options))
+    if unknown:
+        raise ValueError(f"recompute '{unknown[0]}' is not one of {', '.join(options)}")
+    if isinstance(recompute, dict) and names is not None:
+        stray = sorted(set(recompute) - set(names))
+        if stray:
+            raise ValueError(f"recompute names unknown layers: {', '.join(stray[:3])}")
 
-    return replace(problem, capacity_bytes=[2**62] * problem.devices)
+
+def _validate_stages(layout: ParallelLayout, names: list[str]) -> None:
+    stages = [list(stage) for stage in layout.stages]
+    if len(stages) != layout.pp * layout.chunks:
+        raise ValueError(f"{len(stages)} stages given for pp={layout.pp} × chunks={layout.chunks}")
+    if any(not stage for stage in stages):
+        raise ValueError("every pipeline stage needs at least one layer")
+    flat = [name for stage in stages for name in stage]
+    if flat != names:
+        missing = sorted(set(names) - set(flat))
+        raise ValueError("stages must list every layer once, in model order"
+                         + (f" (missing: {', '.join(missing[:3])})" if missing else ""))

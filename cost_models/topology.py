@@ -1,10 +1,14 @@
-"""Cluster topology: nodes of GPUs, two link levels, and what a process group crosses.
+"""Cluster topology: nodes of GPUs, two link levels, and which links a process group crosses.
 
 `ClusterConfig` is the flat, Hydra-friendly description (presets in conf/cluster/);
-`ClusterSpec.from_config` turns it into GPUs per rank and links. Ranks are numbered node by
-node (rank r sits on node r // gpus_per_node, as torchrun assigns them), so a process group's
-ranks decide which links it crosses: all on one node -> the intra-node link (NVLink/PCIe),
-otherwise the inter-node NIC bandwidth per GPU is the bottleneck.
+`ClusterSpec.from_config` resolves it into a GPU type per rank and two link levels. Ranks are
+numbered node by node (rank r sits on node r // gpus_per_node, as torchrun assigns them), so a
+process group's ranks decide what it crosses (`ClusterSpec.group_links`): all on one node ->
+the intra-node link (NVLink / PCIe); several nodes -> the network, where each GPU drives its own
+NIC. A ring or tree spanning nodes runs one channel per NIC (NCCL builds as many rings as the
+node has NICs), so its bandwidth is that of all the group's NICs on a node, capped by the
+intra-node link: DGX A100 clusters reach an all-reduce busbw of ~192 GB/s on 8 x 25 GB/s NICs
+(NVIDIA GTC24 S62129). Point-to-point traffic and all-to-all get one NIC per GPU.
 """
 from __future__ import annotations
 
@@ -15,6 +19,17 @@ from typing import Any
 import yaml
 
 from cost_models.hardware import GB, GPUSpec, get_gpu
+
+INTRA_NODE = "intra_node"
+INTER_NODE = "inter_node"
+
+# Share of a link's datasheet rate that NCCL's large-message bus bandwidth reaches (nccl-tests
+# all-reduce busbw, NVIDIA GTC24 S62129): NVLink2 122/150, NVLink3 232/300, NVLink4 370/450,
+# PCIe Gen4 24/32, Gen5 48/64; RDMA NICs 24/25 (200 Gb/s) and 48/50 (400 Gb/s). Links not
+# measured there take NVLink's ~0.8. Calibrated links are measured rates and skip this.
+LINK_EFFICIENCY = {"NVLink2": 0.81, "NVLink3": 0.77, "NVLink4": 0.82, "NVLink5": 0.82, "PCIe4": 0.75,
+                   "PCIe5": 0.75, "InfinityFabric": 0.8, "shared-memory": 1.0}
+NETWORK_EFFICIENCY = 0.96
 
 
 @dataclass
@@ -34,41 +49,69 @@ class ClusterConfig:
     name: str = "cpu_gloo"
     """Preset name, shown in reports."""
     gpu: str = "cpu"
-    """GPU type of every node (ignored when node_groups is set)."""
+    """GPU type of every node (ignored when node_groups is set); see cost_models.hardware."""
     nodes: int = 1
     """Number of nodes (ignored when node_groups is set)."""
     gpus_per_node: int = 4
     """GPUs (ranks) per node."""
     intra_node_bandwidth_GBps: float | None = None
-    """Per-GPU unidirectional bandwidth inside a node; default: the GPU's link from the catalogue."""
+    """Per-GPU unidirectional link rate inside a node, GB/s (datasheet; ~80% of it is reached, see
+    LINK_EFFICIENCY); null: the GPU's link from the catalogue."""
     intra_node_latency_us: float = 3.0
     """Per-message latency (alpha) inside a node, microseconds."""
     inter_node_bandwidth_GBps: float = 25.0
-    """Per-GPU network bandwidth between nodes (e.g. 25 for 200 Gb/s, 50 for 400 Gb/s NICs)."""
+    """Network rate per GPU between nodes, GB/s (25 for one 200 Gb/s NIC per GPU, 50 for 400 Gb/s; 96%
+    of it is reached)."""
     inter_node_latency_us: float = 8.0
     """Per-message latency (alpha) between nodes, microseconds."""
     memory_headroom_fraction: float = 0.05
-    """Share of GPU memory left to the allocator's fragmentation and the CUDA context."""
+    """Share of each GPU's memory kept free for allocator fragmentation and the CUDA context's slack."""
     price_per_gpu_hour: float = 0.0
-    """Cost of one GPU for an hour, for cost-per-token reports."""
+    """Cost of one GPU for an hour (any currency), for cost-per-token reports."""
     node_groups: list[NodeGroupConfig] = field(default_factory=list)
-    """Mixed clusters: node groups in rank order (empty: `nodes` nodes of `gpu`)."""
+    """Mixed clusters: node groups in rank order, e.g. [{gpu: H100-SXM, nodes: 8}, {gpu: A100-80GB, nodes: 8}]
+    (empty: `nodes` nodes of `gpu`)."""
     hardware_profile: str | None = None
-    """Calibration YAML (from `autopar calibrate`) overriding GPU and link numbers."""
+    """Calibration YAML written by `autopar calibrate`, overriding GPU and link numbers."""
 
 
 @dataclass(frozen=True)
 class Link:
-    """Alpha-beta parameters of one link level."""
+    """Alpha-beta parameters of one link level.
+
+    Attributes:
+        bandwidth_Bps: unidirectional bandwidth per GPU, bytes per second (beta = 1 / bandwidth).
+        latency_s: per-message latency alpha.
+        name: what it is (NVLink4, network, ...).
+        per_collective: calibrated (op name, latency_s, bandwidth_Bps) replacing alpha and beta
+            for that collective (each collective has its own protocol overheads).
+    """
 
     bandwidth_Bps: float
     latency_s: float
     name: str
+    per_collective: tuple[tuple[str, float, float], ...] = ()
+
+    def alpha_beta(self, op: str) -> tuple[float, float]:
+        """(latency_s, bandwidth_Bps) for a collective, calibrated where measured."""
+        for name, latency, bandwidth in self.per_collective:
+            if name == op:
+                return latency, bandwidth
+        return self.latency_s, self.bandwidth_Bps
 
 
 @dataclass(frozen=True)
 class GroupPlacement:
-    """Where a process group sits: its size, nodes spanned, ranks per node and bottleneck link."""
+    """Where a process group sits and what it crosses.
+
+    Attributes:
+        size: ranks in the group.
+        nodes: nodes it spans.
+        per_node: most ranks of the group on one node.
+        link: bottleneck link of one rank's traffic (intra-node link, or its NIC across nodes).
+        intra, inter: the cluster's two link levels (hierarchical algorithms use both).
+        min_per_node: fewest ranks of the group on one of its nodes (NICs a ring can use there).
+    """
 
     size: int
     nodes: int
@@ -76,15 +119,39 @@ class GroupPlacement:
     link: Link
     intra: Link
     inter: Link
+    min_per_node: int = 0
 
     @property
     def crosses_nodes(self) -> bool:
         return self.nodes > 1
 
+    @property
+    def level(self) -> str:
+        """"intra_node" or "inter_node": the slowest level the group's traffic crosses."""
+        return INTER_NODE if self.crosses_nodes else INTRA_NODE
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        return self.link.bandwidth_Bps
+
+    @property
+    def latency_s(self) -> float:
+        return self.link.latency_s
+
+    @property
+    def ring_link(self) -> Link:
+        """Link of a ring/tree collective: across nodes one channel per NIC of the group's ranks
+        on a node, capped by the intra-node link the channels also traverse."""
+        if not self.crosses_nodes:
+            return self.intra
+        nics = max(1, self.min_per_node or self.per_node)
+        return Link(min(self.intra.bandwidth_Bps, nics * self.inter.bandwidth_Bps), self.inter.latency_s,
+                    f"{nics} x {self.inter.name}", self.inter.per_collective)
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Resolved cluster: a GPUSpec per rank and the two link levels."""
+    """Resolved cluster: a GPUSpec per node and the two link levels."""
 
     name: str
     gpus_per_node: int
@@ -97,28 +164,36 @@ class ClusterSpec:
 
     @classmethod
     def from_config(cls, config: Any) -> "ClusterSpec":
-        """Build from a ClusterConfig (or any object/DictConfig with its fields)."""
+        """Build from a ClusterConfig (or any object / DictConfig with its fields)."""
         groups = list(getattr(config, "node_groups", None) or [])
         if not groups:
             groups = [NodeGroupConfig(gpu=config.gpu, nodes=config.nodes)]
-        if config.gpus_per_node < 1 or sum(int(g.nodes) for g in groups) < 1:
+        if int(config.gpus_per_node) < 1 or sum(int(g.nodes) for g in groups) < 1 or any(int(g.nodes) < 0
+                                                                                         for g in groups):
             raise ValueError(f"Cluster '{config.name}' has no GPUs: set cluster.nodes and "
                              "cluster.gpus_per_node to at least 1.")
+        headroom = float(getattr(config, "memory_headroom_fraction", 0.05))
+        if not 0 <= headroom < 1:
+            raise ValueError(f"memory_headroom_fraction must be in [0, 1), got {headroom}")
         node_gpus = tuple(get_gpu(g.gpu) for g in groups for _ in range(int(g.nodes)))
-        profile = _load_profile(config.hardware_profile) if getattr(config, "hardware_profile", None) else {}
+        path = getattr(config, "hardware_profile", None)
+        profile = load_hardware_profile(path) if path else {}
         node_gpus = tuple(_apply_gpu_profile(gpu, profile.get("gpus", {}).get(gpu.name, {})) for gpu in node_gpus)
         intra_bw = config.intra_node_bandwidth_GBps or min(g.intra_node_bandwidth_GBps for g in node_gpus)
-        intra = Link(intra_bw * GB, config.intra_node_latency_us * 1e-6, node_gpus[0].intra_node_link)
-        inter = Link(config.inter_node_bandwidth_GBps * GB, config.inter_node_latency_us * 1e-6, "network")
+        link_name = min(node_gpus, key=lambda g: g.intra_node_bandwidth_GBps).intra_node_link
+        intra = Link(intra_bw * GB * LINK_EFFICIENCY.get(link_name, 0.8), config.intra_node_latency_us * 1e-6,
+                     link_name)
+        inter = Link(config.inter_node_bandwidth_GBps * GB * NETWORK_EFFICIENCY, config.inter_node_latency_us * 1e-6,
+                     "network")
         links = profile.get("links", {})
         if "intra" in links:
-            intra = Link(links["intra"]["bandwidth_Bps"], links["intra"]["latency_s"], intra.name + " (calibrated)")
+            intra = _calibrated_link(links["intra"], intra.name + " (calibrated)")
         if "inter" in links:
-            inter = Link(links["inter"]["bandwidth_Bps"], links["inter"]["latency_s"], "network (calibrated)")
+            inter = _calibrated_link(links["inter"], "network (calibrated)")
         return cls(name=config.name, gpus_per_node=int(config.gpus_per_node), node_gpus=node_gpus, intra=intra,
-                   inter=inter, memory_headroom_fraction=config.memory_headroom_fraction,
-                   price_per_gpu_hour=config.price_per_gpu_hour,
-                   calibration=str(config.hardware_profile) if profile else "catalogue (datasheets)")
+                   inter=inter, memory_headroom_fraction=headroom,
+                   price_per_gpu_hour=float(getattr(config, "price_per_gpu_hour", 0.0)),
+                   calibration=str(path) if profile else "catalogue (datasheets)")
 
     @property
     def nodes(self) -> int:
@@ -135,33 +210,50 @@ class ClusterSpec:
     def gpu_of_rank(self, rank: int) -> GPUSpec:
         return self.node_gpus[rank // self.gpus_per_node]
 
-    def placement(self, ranks: list[int] | tuple[int, ...]) -> GroupPlacement:
-        """Which links a group of ranks crosses."""
-        nodes = {rank // self.gpus_per_node for rank in ranks}
-        per_node = max(sum(1 for r in ranks if r // self.gpus_per_node == n) for n in nodes)
-        link = self.intra if len(nodes) == 1 else self.inter
-        return GroupPlacement(size=len(ranks), nodes=len(nodes), per_node=per_node, link=link,
-                              intra=self.intra, inter=self.inter)
+    def gpu_types(self) -> list[str]:
+        """GPU type name of every rank, in rank order."""
+        return [gpu.name for gpu in self.node_gpus for _ in range(self.gpus_per_node)]
+
+    def group_links(self, ranks: list[int] | tuple[int, ...]) -> GroupPlacement:
+        """Which level a process group of these ranks crosses, and its bottleneck link."""
+        if not ranks:
+            raise ValueError("a process group needs at least one rank")
+        if min(ranks) < 0 or max(ranks) >= self.world_size:
+            raise ValueError(f"ranks must lie in [0, {self.world_size}), got {min(ranks)}..{max(ranks)}")
+        counts: dict[int, int] = {}
+        for rank in ranks:
+            counts[rank // self.gpus_per_node] = counts.get(rank // self.gpus_per_node, 0) + 1
+        link = self.intra if len(counts) == 1 else self.inter
+        return GroupPlacement(size=len(ranks), nodes=len(counts), per_node=max(counts.values()), link=link,
+                              intra=self.intra, inter=self.inter, min_per_node=min(counts.values()))
 
     def strided_placement(self, size: int, stride: int) -> GroupPlacement:
         """Placement of the group {0, stride, 2·stride, ...} (a mesh axis with that stride)."""
-        return self.placement([i * stride for i in range(size)])
+        return self.group_links([i * stride for i in range(size)])
 
 
-def _load_profile(path: str | Path) -> dict:
+def load_hardware_profile(path: str | Path) -> dict:
+    """Read a calibration YAML (see cost_models.calibrate for its layout)."""
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict):
         raise ValueError(f"Hardware profile {path} is not a mapping.")
     return data
 
 
+def _calibrated_link(entry: dict, name: str) -> Link:
+    per_op = tuple((op, float(fit["latency_s"]), float(fit["bandwidth_Bps"]))
+                   for op, fit in sorted((entry.get("collectives") or {}).items()))
+    return Link(float(entry["bandwidth_Bps"]), float(entry["latency_s"]), name, per_op)
+
+
 def _apply_gpu_profile(gpu: GPUSpec, overrides: dict) -> GPUSpec:
     if not overrides:
         return gpu
     peak = dict(gpu.peak_flops)
-    peak.update(overrides.get("peak_flops", {}))
+    peak.update({k: float(v) for k, v in overrides.get("peak_flops", {}).items()})
     efficiency = dict(gpu.efficiency)
-    efficiency.update(overrides.get("efficiency", {}))
+    efficiency.update({k: float(v) for k, v in overrides.get("efficiency", {}).items()})
     return gpu.with_overrides(peak_flops=peak, efficiency=efficiency,
-                              memory_bandwidth_Bps=overrides.get("memory_bandwidth_Bps", gpu.memory_bandwidth_Bps),
-                              launch_overhead_s=overrides.get("launch_overhead_s", gpu.launch_overhead_s))
+                              memory_bandwidth_Bps=float(overrides.get("memory_bandwidth_Bps",
+                                                                       gpu.memory_bandwidth_Bps)),
+                              launch_overhead_s=float(overrides.get("launch_overhead_s", gpu.launch_overhead_s)))

@@ -1,0 +1,110 @@
+"""Collectives: the alpha-beta formulas by hand, the seeds' parameter-server comparison, and the
+predicted bus bandwidth against NVIDIA's published nccl-tests measurements (GTC24 S62129)."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.collectives import (Algorithm, Collective, best_algorithm, bus_bandwidth, collective_time_s,
+                                     flat_time_s, parameter_server_load_bytes, ring_per_worker_bytes)
+from cost_models.topology import ClusterConfig, ClusterSpec, Link
+
+GB = 1e9
+LINK = Link(bandwidth_Bps=100 * GB, latency_s=5e-6, name="test")
+
+
+def cluster(gpu: str, nodes: int, per_node: int = 8, nic_GBps: float = 25.0) -> ClusterSpec:
+    return ClusterSpec.from_config(ClusterConfig(name="t", gpu=gpu, nodes=nodes, gpus_per_node=per_node,
+                                                 inter_node_bandwidth_GBps=nic_GBps))
+
+
+def test_ring_all_reduce_is_the_textbook_formula():
+    n, size = 8, 1 * GB
+    expected = 2 * (n - 1) / n * size / (100 * GB) + 2 * (n - 1) * 5e-6  # 2(N-1)/N·M/bw + 2(N-1)·α
+    assert flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, size, n, LINK) == pytest.approx(expected, rel=1e-12)
+    # nccl-tests: a ring's busbw tends to the link bandwidth as latency vanishes.
+    seconds = flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, 64 * GB, n, LINK)
+    assert bus_bandwidth(Collective.ALL_REDUCE, n, 64 * GB, seconds) == pytest.approx(100 * GB, rel=1e-4)
+
+
+def test_parameter_server_grows_with_workers_while_ring_traffic_stays_flat():
+    """Parameter server: n-1 pushes and n-1 pulls through the server's one link, O(N)·M; ring:
+    each worker sends 2(N-1)/N·M whatever N."""
+    size = 1 * GB
+    nic = Link(bandwidth_Bps=25 * GB, latency_s=10e-6, name="nic")
+    workers = (4, 8, 16, 32)
+    ps = [flat_time_s(Collective.ALL_REDUCE, Algorithm.PARAMETER_SERVER, size, n, nic) for n in workers]
+    ring = [flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, size, n, nic) for n in workers]
+    assert ps == sorted(ps) and ps[-1] / ps[0] == pytest.approx(31 / 3, rel=1e-3)
+    assert ps[0] == pytest.approx(2 * 3 * size / (25 * GB) + 2 * 3 * 10e-6)
+    assert max(ring) / min(ring) < 1.35  # 2·31/32 vs 2·3/4 of M: bounded by 4/3 plus latency
+    assert [parameter_server_load_bytes(size, n) for n in workers] == [2 * (n - 1) * size for n in workers]
+    assert [ring_per_worker_bytes(size, n) for n in workers] == pytest.approx([2 * (n - 1) / n * size for n in workers])
+
+
+def test_other_primitives_by_hand():
+    a, b, s, n = 5e-6, 100 * GB, 8e8, 8
+    assert flat_time_s(Collective.ALL_GATHER, Algorithm.RING, s, n, LINK) == pytest.approx(7 * a + 7 / 8 * s / b)
+    assert flat_time_s(Collective.REDUCE_SCATTER, Algorithm.RING, s, n, LINK) == pytest.approx(7 * a + 7 / 8 * s / b)
+    assert flat_time_s(Collective.BROADCAST, Algorithm.RING, s, n, LINK) == pytest.approx(3 * a + s / b)
+    assert flat_time_s(Collective.SCATTER, Algorithm.RING, s, n, LINK) == pytest.approx(7 * a + 7 / 8 * s / b)
+    assert flat_time_s(Collective.SEND_RECV, Algorithm.RING, s, 2, LINK) == pytest.approx(a + s / b)
+    assert flat_time_s(Collective.ALL_REDUCE, Algorithm.TREE, s, n, LINK) == pytest.approx(6 * a + 2 * s / b)
+    # Halving-doubling: log-depth latency with the ring's bandwidth term for a power of two ...
+    assert flat_time_s(Collective.ALL_REDUCE, Algorithm.HALVING_DOUBLING, s, n, LINK) == \
+        pytest.approx(6 * a + 2 * 7 / 8 * s / b)
+    # ... and, for 6 ranks, the 4-rank core plus one exchange each way with the 2 surplus ranks.
+    assert flat_time_s(Collective.ALL_REDUCE, Algorithm.HALVING_DOUBLING, s, 6, LINK) == \
+        pytest.approx(4 * a + 2 * 3 / 4 * s / b + 2 * (a + s / b))
+    assert flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, s, 1, LINK) == 0.0
+
+
+def test_hierarchical_all_reduce_is_three_phases():
+    spec = cluster("A100-80GB", nodes=2, per_node=4)
+    group = spec.group_links(list(range(8)))
+    intra, inter = spec.intra, spec.inter
+    s = 1e9
+    expected = (3 * intra.latency_s + 3 / 4 * s / intra.bandwidth_Bps            # intra reduce-scatter
+                + 2 * inter.latency_s + 2 * 1 / 2 * (s / 4) / inter.bandwidth_Bps  # inter all-reduce of S/4
+                + 3 * intra.latency_s + 3 / 4 * s / intra.bandwidth_Bps)         # intra all-gather
+    assert collective_time_s(Collective.ALL_REDUCE, s, group, Algorithm.HIERARCHICAL) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("gpu,nodes,measured_GBps", [
+    ("A100-80GB", 1, 232),   # NVLink3, one DGX A100
+    ("H100-SXM", 1, 370),    # NVLink4, one DGX H100
+    ("A100-80GB", 16, 192),  # DGX A100 cluster, 8 x 200 Gb/s per node
+    ("H100-SXM", 16, 380),   # DGX H100 cluster, 8 x 400 Gb/s per node
+])
+def test_large_all_reduce_busbw_matches_published_nccl_tests(gpu, nodes, measured_GBps):
+    """NVIDIA GTC24 S62129: large-message all-reduce busbw per system. The model's datasheet
+    rates x link efficiency, with one ring channel per NIC across nodes, land within 4%."""
+    spec = cluster(gpu, nodes, nic_GBps=50 if gpu == "H100-SXM" else 25)
+    group = spec.group_links(list(range(spec.world_size)))
+    size = 16 * 2**30
+    cost = best_algorithm(Collective.ALL_REDUCE, size, group)
+    assert cost.algorithm in (Algorithm.RING, Algorithm.TREE)  # at 128 ranks the two are within 1%
+    assert bus_bandwidth(Collective.ALL_REDUCE, group.size, size, cost.seconds) / GB == \
+        pytest.approx(measured_GBps, rel=0.04)
+
+
+def test_small_messages_across_nodes_take_the_tree():
+    spec = cluster("H100-SXM", nodes=16, nic_GBps=50)
+    everyone = spec.group_links(list(range(spec.world_size)))
+    small = best_algorithm(Collective.ALL_REDUCE, 64 * 2**10, everyone)
+    assert small.algorithm is Algorithm.TREE  # 2·log2(128) latencies instead of 2·127
+    assert small.seconds < collective_time_s(Collective.ALL_REDUCE, 64 * 2**10, everyone, Algorithm.RING) / 5
+
+
+def test_all_to_all_across_nodes_is_limited_by_each_gpus_nic():
+    """Every rank's off-node share (n-g)/n·S leaves through its own NIC: no NIC aggregation."""
+    spec = cluster("H100-SXM", nodes=2, nic_GBps=50)
+    group = spec.group_links(list(range(16)))
+    s = 1e9
+    seconds = collective_time_s(Collective.ALL_TO_ALL, s, group, Algorithm.RING)
+    assert seconds == pytest.approx(15 * spec.inter.latency_s + (8 / 16) * s / spec.inter.bandwidth_Bps)
+
+
+def test_calibrated_per_collective_alpha_beta_replace_the_links():
+    link = Link(1 * GB, 1e-5, "measured", per_collective=(("all_gather", 2e-4, 0.5 * GB),))
+    assert flat_time_s(Collective.ALL_GATHER, Algorithm.RING, 1e6, 2, link) == pytest.approx(2e-4 + 0.5e6 / (0.5 * GB))
+    assert flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, 1e6, 2, link) == pytest.approx(2e-5 + 1e6 / GB)

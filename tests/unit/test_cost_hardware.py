@@ -1,0 +1,121 @@
+"""GPU catalogue (datasheet numbers), cluster topology (which links a group crosses), the
+cluster presets as structured configs, and calibration profiles overriding both."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from cost_models.hardware import get_gpu, known_gpus
+from cost_models.topology import (INTER_NODE, INTRA_NODE, LINK_EFFICIENCY, NETWORK_EFFICIENCY, ClusterConfig,
+                                  ClusterSpec, NodeGroupConfig)
+
+GB = 1e9
+PRESETS = Path(__file__).resolve().parents[2] / "conf" / "cluster"
+
+
+def test_catalogue_has_every_required_gpu_and_clear_unknown_error():
+    for name in ("V100-32GB", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "L40S",
+                 "MI300X", "cpu"):
+        assert name in known_gpus()
+    with pytest.raises(ValueError, match="Unknown GPU type 'Z9000'. Known types: .*A100-80GB.*MI300X"):
+        get_gpu("Z9000")
+
+
+@pytest.mark.parametrize("name,dtype,tflops", [
+    ("A100-80GB", "bf16", 312), ("A100-80GB", "tf32", 156), ("A100-40GB", "fp32", 19.5),
+    ("H100-SXM", "bf16", 989), ("H100-SXM", "fp8", 1979), ("H100-PCIe", "bf16", 756),
+    ("B200", "bf16", 2250), ("MI300X", "fp8", 2614.9), ("L40S", "bf16", 362), ("V100-32GB", "fp16", 125),
+])
+def test_dense_peaks_are_the_datasheet_numbers(name, dtype, tflops):
+    assert get_gpu(name).flops(dtype) == pytest.approx(tflops * 1e12)
+
+
+def test_memory_and_bandwidth_from_datasheets():
+    assert get_gpu("H200").memory_bytes == 141e9 and get_gpu("H200").memory_bandwidth_Bps == 4800e9
+    assert get_gpu("a100-40gb").memory_bandwidth_Bps == 1555e9  # lookup ignores case
+    assert get_gpu("H100-SXM").intra_node_bandwidth_GBps == 450
+
+
+def test_dtype_fallbacks():
+    # Volta has no bf16 tensor cores: bf16 runs at the fp32 rate, fp16 on tensor cores.
+    assert get_gpu("V100-32GB").flops("bf16") == get_gpu("V100-32GB").flops("fp32")
+    with pytest.raises(KeyError, match="A100-80GB has no fp8"):
+        get_gpu("A100-80GB").flops("fp8")
+
+
+def test_calibrated_spec_has_its_own_cache_signature():
+    gpu = get_gpu("cpu")
+    assert gpu.with_overrides(peak_flops={"fp32": 1e11}).signature != gpu.signature
+    assert gpu.with_overrides(memory_bytes=1).signature == gpu.signature  # memory does not price ops
+
+
+def test_group_links_decide_the_level_and_bottleneck():
+    spec = ClusterSpec.from_config(ClusterConfig(name="x", gpu="A100-80GB", nodes=2, gpus_per_node=8,
+                                                 inter_node_bandwidth_GBps=25))
+    inside = spec.group_links(list(range(8)))
+    assert inside.level == INTRA_NODE and inside.bandwidth_Bps == pytest.approx(300 * GB * LINK_EFFICIENCY["NVLink3"])
+    across = spec.strided_placement(2, 8)  # rank 0 and rank 8: one GPU per node
+    assert across.level == INTER_NODE and across.bandwidth_Bps == pytest.approx(25 * GB * NETWORK_EFFICIENCY)
+    assert across.ring_link.bandwidth_Bps == pytest.approx(25 * GB * NETWORK_EFFICIENCY)
+    everyone = spec.group_links(list(range(16)))  # a ring gets one channel per NIC: 8 x 24 GB/s
+    assert everyone.ring_link.bandwidth_Bps == pytest.approx(8 * 25 * GB * NETWORK_EFFICIENCY)
+    assert everyone.latency_s == pytest.approx(8e-6)
+    with pytest.raises(ValueError, match=r"ranks must lie in \[0, 16\)"):
+        spec.group_links([0, 16])
+
+
+def test_mixed_cluster_has_a_gpu_type_per_rank():
+    spec = ClusterSpec.from_config(ClusterConfig(
+        name="mixed", gpus_per_node=8, node_groups=[NodeGroupConfig("H100-SXM", 2), NodeGroupConfig("A100-80GB", 1)]))
+    types = spec.gpu_types()
+    assert len(types) == 24 and types[:16] == ["H100-SXM"] * 16 and types[16:] == ["A100-80GB"] * 8
+    assert spec.gpu_of_rank(17).name == "A100-80GB" and not spec.homogeneous
+    # The slower GPU's link bounds the intra-node level.
+    assert spec.intra.name == "NVLink3"
+
+
+def test_bad_clusters_fail_clearly():
+    with pytest.raises(ValueError, match="has no GPUs"):
+        ClusterSpec.from_config(ClusterConfig(name="empty", gpu="H100-SXM", nodes=0))
+    with pytest.raises(ValueError, match="Unknown GPU type"):
+        ClusterSpec.from_config(ClusterConfig(name="typo", gpu="H1OO"))
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.yaml") if p.stem != "calibrated"))
+def test_presets_are_structured_cluster_configs(preset):
+    """Each preset's keys are ClusterConfig fields, and it resolves to a cluster."""
+    data = yaml.safe_load((PRESETS / f"{preset}.yaml").read_text())
+    fields = {f.name for f in dataclasses.fields(ClusterConfig)}
+    keys = set(data) - {"defaults"}
+    assert keys <= fields and data["defaults"] == ["cluster_schema", "_self_"]
+    config = OmegaConf.merge(OmegaConf.structured(ClusterConfig), {k: data[k] for k in keys})
+    spec = ClusterSpec.from_config(config)
+    assert spec.world_size == spec.nodes * config.gpus_per_node and spec.name == preset
+
+
+def test_mixed_preset_is_an_h100_node_and_an_a100_node():
+    data = yaml.safe_load((PRESETS / "mixed_h100_a100.yaml").read_text())
+    spec = ClusterSpec.from_config(OmegaConf.merge(OmegaConf.structured(ClusterConfig),
+                                                   {k: v for k, v in data.items() if k != "defaults"}))
+    assert spec.gpu_types() == ["H100-SXM"] * 8 + ["A100-80GB"] * 8
+
+
+def test_hardware_profile_overrides_gpu_and_links(tmp_path):
+    profile = {"gpus": {"cpu": {"peak_flops": {"fp32": 7.5e10}, "efficiency": {"elementwise": 0.25},
+                                "memory_bandwidth_Bps": 2e10, "launch_overhead_s": 4e-6}},
+               "links": {"intra": {"bandwidth_Bps": 1.2e9, "latency_s": 2e-4,
+                                   "collectives": {"all_gather": {"bandwidth_Bps": 6e8, "latency_s": 3e-4}}}}}
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    spec = ClusterSpec.from_config(ClusterConfig(name="calibrated", gpu="cpu", hardware_profile=str(path)))
+    gpu = spec.node_gpus[0]
+    assert gpu.flops("fp32") == 7.5e10 and gpu.efficiency["elementwise"] == 0.25
+    assert gpu.efficiency["gemm"] == 1.0  # untouched entries stay
+    assert gpu.memory_bandwidth_Bps == 2e10 and gpu.launch_overhead_s == 4e-6
+    assert spec.intra.bandwidth_Bps == 1.2e9 and spec.intra.latency_s == 2e-4  # measured: no efficiency factor
+    assert spec.intra.alpha_beta("all_gather") == (3e-4, 6e8)
+    assert spec.calibration == str(path)

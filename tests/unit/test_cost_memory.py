@@ -1,0 +1,79 @@
+"""Memory: the ZeRO paper's model states, and Megatron's per-layer activation formulas (no
+parallelism, TP, TP+SP, recomputation) against what memory.py computes from a traced GPT."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.memory import activation_bytes, megatron_layer_activation_bytes, model_states, state_bytes_per_param
+from cost_models.tp_sharding import PropagationSplitter
+from tests.unit.test_cost_profiles import A, B, H, S, SBH_BYTES, gpt
+
+GB = 1e9
+# The traced profile also holds what Megatron's count leaves out: the attention's fp32
+# log-sum-exp (b·a·s·4 bytes) and the layer norms' mean and rstd (b·s per norm and statistic).
+EXTRA_BYTES = B * A * S * 4 + 2 * 2 * B * S * 2
+
+
+@pytest.mark.parametrize("stage,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_model_states(stage, expected_gb):
+    """ZeRO paper §3 worked example: Ψ = 7.5B, N_d = 64, mixed-precision Adam (K = 12)."""
+    states = model_states(7.5e9, "bf16", "adam", stage, 64)
+    assert states.total_bytes / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+def test_bytes_per_parameter_by_precision_and_optimizer():
+    assert state_bytes_per_param("fp32", "adam") == (4, 4, 8)        # weights, grads, m and v
+    assert state_bytes_per_param("bf16", "adam") == (2, 2, 12)       # + fp32 master weights
+    assert state_bytes_per_param("fp16", "sgd") == (2, 2, 8)         # master + momentum
+    assert state_bytes_per_param("fp32", "sgd_plain") == (4, 4, 0)
+    stage2 = model_states(1e9, "fp32", "adam", 2, 4)
+    assert (stage2.params_bytes, stage2.grads_bytes, stage2.optimizer_bytes) == (4e9, 1e9, 2e9)
+    with pytest.raises(ValueError, match="Unknown optimizer 'lamb'"):
+        state_bytes_per_param("bf16", "lamb")
+
+
+def test_megatron_formula_values():
+    s, b, h, a = 2048, 1, 4096, 32
+    assert megatron_layer_activation_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert megatron_layer_activation_bytes(s, b, h, a, t=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert megatron_layer_activation_bytes(s, b, h, a, t=8, sequence_parallel=True) == \
+        s * b * h * (34 + 5 * a * s / h) / 8
+    assert megatron_layer_activation_bytes(s, b, h, a, flash=True, dropout=False) == 32 * s * b * h
+
+
+def block(tp: int):
+    return PropagationSplitter(gpt()).split("blocks.1", tp).activations
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_block_activation_matches_megatron_formula(tp, sp):
+    """Megatron's sbh(34 + 5as/h), sbh(10 + 24/t + ...) and sbh(34 + ...)/t with flash attention
+    (no 5as/h term) and without dropout (no 2 masks): our GPT's block, within 2%."""
+    expected = megatron_layer_activation_bytes(S, B, H, A, t=tp, sequence_parallel=sp, flash=True, dropout=False)
+    assert activation_bytes(block(tp), 1.0, tp, sp, 1, "none") == pytest.approx(expected, rel=0.02)
+
+
+def test_full_recompute_keeps_only_the_layer_input():
+    assert activation_bytes(block(1), 1.0, 1, False, 1, "full") == 2 * SBH_BYTES  # Korthikanti: 2sbh
+    assert activation_bytes(block(4), 1.0, 4, True, 1, "full") == 2 * SBH_BYTES / 4  # SP splits the input
+
+
+def test_selective_keeps_the_input_and_every_gemm_and_attention_output():
+    """Hand count in sbh (16-bit): input x 2, q/k/v 6, attention output 2 (+ its fp32
+    log-sum-exp), out_proj 2, fc_in 8, fc_out 2 = 22; element-wise outputs are recomputed.
+    Under TP the column-parallel outputs (q/k/v, attention, fc_in: 16) divide by t, and each
+    row-parallel output is kept twice (partial sums and the all-reduced copy)."""
+    lse = B * A * S * 4
+    assert activation_bytes(block(1), 1.0, 1, False, 1, "selective") == pytest.approx(22 * SBH_BYTES + lse)
+    assert activation_bytes(block(2), 1.0, 2, False, 1, "selective") == \
+        pytest.approx((16 * SBH_BYTES + lse) / 2 + (2 + 2 * 2 + 2 * 2) * SBH_BYTES)
+
+
+def test_activations_scale_with_micro_batch_and_divide_by_cp():
+    acts = block(1)
+    base = activation_bytes(acts, 1.0, 1, False, 1, "none")
+    assert base == pytest.approx(32 * SBH_BYTES + EXTRA_BYTES)
+    assert activation_bytes(acts, 3.0, 1, False, 1, "none") == pytest.approx(3 * base)
+    assert activation_bytes(acts, 1.0, 1, False, 4, "none") == pytest.approx(base / 4)
+    with pytest.raises(ValueError, match="recompute 'some'"):
+        activation_bytes(acts, 1.0, 1, False, 1, "some")

@@ -6,6 +6,13 @@ batches; their steps alternate (generated, hand-written, generated, ...) so mach
 both alike. ratio = hand-written / generated step time (1.0: no overhead; target >= 0.97).
 
     python -m benchmarks.bench_codegen
+
+On a GPU, ``fake_rank_memory`` runs rank 0 of a generated module for a large plan with torch's
+``fake`` process-group backend standing in for the other ranks (collectives return at once), so
+one GPU shows the memory one rank of the full plan would use, to compare with the plan's
+predicted peak:
+
+    python -m benchmarks.bench_codegen --fake-rank OUT_DIR      # OUT_DIR from autopar compile
 """
 from __future__ import annotations
 
@@ -183,5 +190,42 @@ def run() -> dict:
     }
 
 
+def fake_rank_memory(out_dir: str | Path, steps: int = 3) -> dict:
+    """Rank 0 of ``out_dir``'s generated module on this GPU, other ranks faked; peak memory of
+    the training steps (set-up excluded) against the plan's prediction. Needs only torch."""
+    import json
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    out_dir = Path(out_dir)
+    plan = json.loads((out_dir / "plan.json").read_text())
+    world_size = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"]
+    if plan["pp"] > 1:
+        raise ValueError("a faked pipeline rank cannot run: stages exchange shapes with their neighbours "
+                         "before the first step, and the fake backend carries no data")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        script = next(out_dir.glob("parallel_*.py"))
+        spec = importlib.util.spec_from_file_location("generated_fake_rank", script)
+        generated = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = generated
+        spec.loader.exec_module(generated)
+        args = generated.parse_args(["--steps", str(steps)], {"steps": steps, "lr": 3e-4,
+                                                            "model_file": generated.MODEL_FILE, "log_file": None})
+        records = generated.train(generated.train_config(generated.PLAN, args), generated.parallel_config(generated.PLAN),
+                                  generated.tp_plan)
+    finally:
+        dist.destroy_process_group()
+    measured = max(r["peak_memory_bytes"] for r in records)
+    predicted = plan["predicted"]["peak_memory_bytes"]
+    return {"plan": script.name, "world_size": world_size, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "measured_peak_GiB": round(measured / 2**30, 2), "predicted_peak_GiB": round(predicted / 2**30, 2),
+            "measured_over_predicted": round(measured / predicted, 3) if predicted else None,
+            "step_time_s": [round(r["step_time_s"], 4) for r in records]}
+
+
 if __name__ == "__main__":
-    print(run())
+    if len(sys.argv) > 2 and sys.argv[1] == "--fake-rank":
+        print(fake_rank_memory(sys.argv[2]))
+    else:
+        print(run())

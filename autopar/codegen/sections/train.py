@@ -151,10 +151,12 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     param_dtype = compute_dtype(training.precision, device)
     plan = tp_plan() if dims.tp_enabled else {}
     zero1 = mesh[MeshAxis.DP_REPLICATE.value].get_group() if config.zero_stage == 1 else None
+    # Parallelised on the CPU copy: TP and FSDP move each shard to the device as they make it,
+    # so no GPU ever holds the whole model; what stays unsharded moves afterwards.
     if not dims.pp_enabled:
-        model.to(device)
         layers = [layer for stage in config.stages for layer in stage]
         parallelize(model, model, layers, mesh, config, plan, param_dtype)
+        model.to(device)
         optimizer = build_optimizer(list(model.parameters()), training.optimizer, zero1)
         return ParallelModel([model], optimizer, mesh, device, is_last_stage=True)
 
@@ -175,8 +177,9 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             pipeline_stages.append(pipe.build_stage(index, device, pp_mesh.get_group()))
     else:
         for index in indices:
-            stage = split_stage(model, config.stages, index, model_module, example, device).to(device)
+            stage = split_stage(model, config.stages, index, model_module, example, device)
             parallelize(stage.model, stage, config.stages[index], mesh, config, plan, param_dtype)
+            stage.to(device)
             stage.attach_input()
             modules.append(stage)
         pipeline_stages = module_stages(modules, indices, len(config.stages), pp_mesh, device)
@@ -280,6 +283,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
         model_module = load_model_file(training.model_file)
         parallel = setup(training, config, tp_plan, model_module, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # report training's peak, not set-up's
         rank_in_dp = dp_rank(parallel.mesh, config.dims)
         records = []
         for step in range(training.steps):

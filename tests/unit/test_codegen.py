@@ -176,3 +176,17 @@ def test_plans_the_code_cannot_run_are_refused_with_a_fix(tmp_path):
         generate(make_plan(GPT).with_updates(stages=[["wte"]]), GPT.path, tmp_path)
     with pytest.raises(CodegenError, match="global_batch_size"):
         generate(make_plan(GPT, dp=2).with_updates(global_batch_size=6), GPT.path, tmp_path)
+
+
+def test_sections_share_one_namespace_without_clashes():
+    """The generated file concatenates the sections, so no two may define the same name."""
+    from autopar.codegen.assemble import SECTIONS, section_source
+
+    owner: dict[str, str] = {}
+    for section in SECTIONS:
+        for node in ast.parse(section_source(section)).body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+                t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            for name in names:
+                assert name not in owner, f"{name} defined in {owner.get(name)} and {section}"
+                owner[name] = section

@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from autopar.codegen.sections.recompute import holds_parameters
+
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], reshard_after_forward: bool,
                param_dtype: torch.dtype | None, root: nn.Module | None = None) -> None:
@@ -35,7 +37,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], r
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     for group in groups:
-        modules = [model.get_submodule(name) for name in group if _holds(model, name)]
+        modules = [model.get_submodule(name) for name in group if holds_parameters(model, name)]
         modules = [m for m in modules if not _shares_parameters_outside(model, m, modules)]
         if modules:
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh,
@@ -55,13 +57,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip (or resume) the gradient reduction of a FSDP-wrapped model, for accumulation."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
-
-
-def _holds(model: nn.Module, name: str) -> bool:
-    try:
-        return bool(list(model.get_submodule(name).parameters()))
-    except AttributeError:
-        return False
 
 
 def _shares_parameters_outside(model: nn.Module, module: nn.Module, group: list[nn.Module]) -> bool:

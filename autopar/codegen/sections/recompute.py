@@ -48,7 +48,7 @@ def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
         recompute: layer FQN -> "none" | "selective" | "full".
     """
     for name, mode in recompute.items():
-        if mode == "none" or not _holds(model, name):
+        if mode == "none" or not holds_parameters(model, name):
             continue
         layer = model.get_submodule(name)
         if mode == "full":
@@ -61,7 +61,8 @@ def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
         model.get_submodule(owner).register_module(attribute, wrapped)
 
 
-def _holds(model: nn.Module, name: str) -> bool:
+def holds_parameters(model: nn.Module, name: str) -> bool:
+    """Whether ``model`` has module ``name`` with parameters (a pipeline stage drops others')."""
     try:
         return bool(list(model.get_submodule(name).parameters()))
     except AttributeError:

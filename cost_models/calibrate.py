@@ -279,7 +279,9 @@ def calibrate(out: str | Path, gpu_name: str = "cpu", ranks: int = 2, ranks_per_
     profile = {
         "measured_on": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                         "torch": str(torch.__version__), "ranks": ranks, "ranks_per_node": ranks_per_node,
-                        "threads_per_rank": max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))},
+                        **({"host_cores": os.cpu_count() or 1,
+                            "threads_per_rank": max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))}
+                           if device == "cpu" else {})},
         "gpus": {gpu_name: {"peak_flops": peaks, "efficiency": efficiency, "memory_bandwidth_Bps": bandwidth,
                             "launch_overhead_s": overhead}},
         "links": {"intra": {"bandwidth_Bps": fits["all_reduce"].bandwidth_Bps,

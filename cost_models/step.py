@@ -54,8 +54,8 @@ DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flig
 # momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
 # Slowdown of computation running beside NCCL kernels, as a share of the overlapped
-# communication time (typically 10-30% for overlapped GEMMs); fitted with the launch overhead
-# to the H100 runs in benchmarks/measured/.
+# communication time: NCCL's kernels occupy SMs and memory bandwidth. An assumption (overlapped
+# GEMMs typically lose 10-30%), not yet measured here: the committed H100 runs are single-GPU.
 OVERLAP_INTERFERENCE = 0.2
 
 
@@ -180,7 +180,6 @@ class PlanPricer:
 
     def __init__(self, profile: "ModelProfile", cluster: ClusterSpec, train: TrainSpec,
                  tp_splitter: TPSplitter | None = None, recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS):
-        validate_train(train, profile)
         self.profile = profile
         self.cluster = cluster
         self.train = train
@@ -190,7 +189,6 @@ class PlanPricer:
         self.layers = profile.layers
         self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
         self.b0 = profile.micro_batch_size
-        self.weights_bytes, self.grads_bytes, _ = state_bytes_per_param(train.precision, train.optimizer)
         self._splits: dict[tuple, TPLayerSplit] = {}
         self._base_acts: dict[str, LayerActivations] = {}
         self._problems: dict[tuple, PartitionProblem | None] = {}
@@ -205,6 +203,14 @@ class PlanPricer:
         self._largest_activation = max((layer.activation_bytes for layer in self.layers), default=0)
         self._attention_bytes = self._attention_input_bytes()
         self.heads = self._attention_heads()
+
+    @property
+    def weights_bytes(self) -> int:
+        return state_bytes_per_param(self.train.precision, self.train.optimizer)[0]
+
+    @property
+    def grads_bytes(self) -> int:
+        return state_bytes_per_param(self.train.precision, self.train.optimizer)[1]
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -326,6 +332,7 @@ class PlanPricer:
                layout.chunks, layout.sequence_parallel, layout.cp_strategy, getattr(layout, "dp_sync", "auto"))
         if key in self._problems:
             return self._problems[key]
+        validate_train(self.train, self.profile)
         devices = self._device_facts(layout)
         if devices is None:
             self._problems[key] = None
@@ -577,7 +584,12 @@ class PlanPricer:
     # -- a complete layout ----------------------------------------------------------------------
 
     def estimate(self, layout: ParallelLayout) -> Estimate:
-        """Price a layout with its stage split (an even split when `layout.stages` is empty)."""
+        """Price a layout with its stage split (an even split when `layout.stages` is empty).
+
+        Raises:
+            ValueError: the layout or the training settings cannot run.
+        """
+        validate_train(self.train, self.profile)
         validate_layout(layout, self.cluster, self.train, [layer.name for layer in self.layers],
                         self.profile.tokens_per_sample, self.heads, self.recompute_options)
         problem = self.partition_problem(layout)

@@ -3,6 +3,7 @@ small and by invariants (the breakdown adds up, ZeRO shrinks states, recomputati
 for time) where it is not."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -204,3 +205,16 @@ def test_models_without_a_sequence_report_samples_only():
     est = estimate(profile, spec("cpu", per_node=2), ParallelLayout(dp=2, micro_batch_size=4),
                    TrainSpec(global_batch_size=8, precision="fp32"))
     assert est.tokens_per_s is None and est.samples_per_s == pytest.approx(8 / est.step_time_s)
+
+
+def test_profiles_saved_without_ops_price_from_class_totals():
+    """A profile stored with include_ops=False still prices tp = 1 plans (a roofline per op class
+    of each layer instead of per op: close), not tp > 1."""
+    profile = gpt()
+    bare = dataclasses.replace(profile, ops=[])
+    layout, train = ParallelLayout(dp=8, micro_batch_size=2), TrainSpec(global_batch_size=16)
+    full, coarse = estimate(profile, spec(), layout, train), estimate(bare, spec(), layout, train)
+    assert coarse.step_time_s == pytest.approx(full.step_time_s, rel=0.1)
+    assert coarse.memory_breakdown["activations"] == full.memory_breakdown["activations"]
+    with pytest.raises(ValueError, match="per-op detail"):
+        estimate(bare, spec(), ParallelLayout(dp=4, tp=2, micro_batch_size=4), train)

@@ -251,19 +251,24 @@ def calibrate(out: str | Path, gpu_name: str = "cpu", ranks: int = 2, ranks_per_
         gpu_name: catalogue entry the measurements replace (e.g. "cpu", "H100-SXM").
         ranks: local processes for the collectives (2-4).
         ranks_per_node: training ranks that will share this host's cores (CPU): compute is
-            measured with each one's share of the threads, as the ranks will run.
+            measured with each one's share of the threads, as the ranks will run, and scaled
+            down when the ranks outnumber the cores.
         quick: fewer sizes and repeats (a smoke test, ~10 s).
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    per_rank = max(1, cores // max(1, ranks_per_node))
+    # More ranks than cores time-share them: each keeps cores / (ranks x threads) of its speed.
+    share = min(1.0, cores / (max(1, ranks_per_node) * per_rank)) if device == "cpu" else 1.0
     if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ranks_per_node)))
+        torch.set_num_threads(per_rank)
     try:
-        gemm = {n: measure_gemm_flops(n, device=device) for n in GEMM_SIZES[device][-1 if quick else 0:]}
+        gemm = {n: share * measure_gemm_flops(n, device=device) for n in GEMM_SIZES[device][-1 if quick else 0:]}
         flops = max(gemm.values())
-        bandwidth = measure_copy_bandwidth(2**25 if quick else 2**27, device=device)
-        efficiency = {"gemm": 1.0, **measure_efficiencies(flops, bandwidth, device)}
-        overhead = measure_launch_overhead(device=device)
+        bandwidth = share * measure_copy_bandwidth(2**25 if quick else 2**27, device=device)
+        efficiency = {"gemm": 1.0, **measure_efficiencies(flops / share, bandwidth / share, device)}
+        overhead = measure_launch_overhead(device=device) / share
     finally:
         torch.set_num_threads(threads)
     sizes = QUICK_SIZES_BYTES if quick else SIZES_BYTES
@@ -279,8 +284,7 @@ def calibrate(out: str | Path, gpu_name: str = "cpu", ranks: int = 2, ranks_per_
     profile = {
         "measured_on": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                         "torch": str(torch.__version__), "ranks": ranks, "ranks_per_node": ranks_per_node,
-                        **({"host_cores": os.cpu_count() or 1,
-                            "threads_per_rank": max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))}
+                        **({"host_cores": cores, "threads_per_rank": per_rank, "core_share": share}
                            if device == "cpu" else {})},
         "gpus": {gpu_name: {"peak_flops": peaks, "efficiency": efficiency, "memory_bandwidth_Bps": bandwidth,
                             "launch_overhead_s": overhead}},

@@ -193,7 +193,7 @@ class _Propagation:
         for op in forward:
             handler = getattr(self, f"on_{op.op_class}", self.on_other)
             handler(op)
-        for root, (layer, nbytes) in self._col_inputs.items():
+        for layer, nbytes in self._col_inputs.values():  # Megatron's f: the input's gradient, summed
             self.result.comm.setdefault(layer, []).append((ALL_REDUCE, nbytes, "backward"))
         self._backward(forward)
         return self.result

@@ -29,6 +29,7 @@ class ModuleFacts:
         first_input: None if the first input came positionally, else its keyword name.
         has_parameters: whether it directly or indirectly holds parameters.
         called: whether the forward ran the module (unused modules get no styles).
+        outputs: how many values forward returned as a tuple/list, or None for a single value.
     """
 
     class_name: str
@@ -36,6 +37,7 @@ class ModuleFacts:
     first_input: str | None
     has_parameters: bool
     called: bool
+    outputs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
     build = build_fake(model_file, model_kwargs, batch_size)
     model = build.model
     first_inputs: dict[str, str | None] = {}
+    outputs: dict[str, int | None] = {}
     handles = []
     for name, module in model.named_modules():
         def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
@@ -84,7 +87,10 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
             else:
                 parameters = list(inspect.signature(mod.forward).parameters)
                 first_inputs[name] = parameters[0] if parameters and parameters[0] in kwargs else next(iter(kwargs), None)
+        def record_output(mod: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+            outputs.setdefault(name, len(output) if isinstance(output, (tuple, list)) else None)
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+        handles.append(module.register_forward_hook(record_output))
     try:
         with build.fake_mode, torch.no_grad():
             call_model(model, build.batch)
@@ -93,7 +99,7 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
             handle.remove()
     modules = {name: ModuleFacts(class_name=type(module).__name__, kind=module_kind(module),
                                  first_input=first_inputs.get(name), has_parameters=any(True for _ in module.parameters()),
-                                 called=name in first_inputs)
+                                 called=name in first_inputs, outputs=outputs.get(name))
                for name, module in model.named_modules()}
     children = {name: [f"{name}.{child}" if name else child for child, _ in module.named_children()]
                 for name, module in model.named_modules()}

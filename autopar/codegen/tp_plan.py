@@ -219,10 +219,14 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
                 raise CodegenError(f"sequence parallelism cannot wrap {child}: a linear layer called directly on the "
                                    "residual stream.", "plan with plan.sequence_parallel=false.")
             else:
+                # Only the first output is the residual-stream update (attention may also
+                # return its weights); the others pass through untouched.
+                extra = ", None" * ((facts.modules[child].outputs or 1) - 1)
                 out[child] = StyleSpec("PrepareModuleInputOutput",
                                        _input_layout_args(facts, child, "Shard(1)", "Replicate()")
-                                       + (("use_local_input", "True"), ("output_layouts", "(Replicate(),)"),
-                                          ("desired_output_layouts", "(Shard(1),)"), ("use_local_output", "True")),
+                                       + (("use_local_input", "True"), ("output_layouts", f"(Replicate(){extra},)"),
+                                          ("desired_output_layouts", f"(Shard(1){extra},)"),
+                                          ("use_local_output", "True")),
                                        "replicated sub-module: gather the sequence in, slice it out")
     for unit in after_container:
         kind = facts.kind(unit)

@@ -29,6 +29,9 @@ class TinyModel:
     epilogue: list[str]  # layers after it
     block_tp: dict[str, str]  # block-relative module -> style
     top_tp: dict[str, str] = field(default_factory=dict)
+    # A split the operator-wise solver also returns for tiny layers, where communication
+    # outweighs compute: attention inputs column-parallel, the rest replicated.
+    mixed_tp: dict[str, str] = field(default_factory=dict)
 
     @property
     def block_names(self) -> list[str]:
@@ -46,6 +49,7 @@ GPT = TinyModel(
     block_tp={"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
               "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"},
     top_tp={"wte": "vocab_parallel", "wpe": "replicate", "lm_head": "colwise"},
+    mixed_tp={"attn.out_proj": "replicate", "mlp.fc_in": "replicate", "mlp.fc_out": "replicate"},
 )
 LLAMA = TinyModel(
     name="llama_hf", path=REPO / "examples" / "llama_hf.py",
@@ -55,6 +59,8 @@ LLAMA = TinyModel(
               "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
               "mlp.down_proj": "rowwise"},
     top_tp={"model.embed_tokens": "vocab_parallel", "lm_head": "colwise"},
+    mixed_tp={"self_attn.o_proj": "replicate", "mlp.gate_proj": "replicate", "mlp.up_proj": "replicate",
+              "mlp.down_proj": "replicate"},
 )
 MODELS = {m.name: m for m in (GPT, LLAMA)}
 
@@ -86,7 +92,7 @@ def boundary_stages(model: TinyModel) -> list[list[str]]:
 def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
               schedule: str = "1f1b", chunks: int = 1, recompute: dict[str, str] | None = None,
               num_micro_batches: int | None = None, stages: list[list[str]] | None = None,
-              hybrid: bool = False) -> Plan:
+              hybrid: bool = False, mixed_tp: bool = False) -> Plan:
     """A plan for ``model`` with the given pins and the solver's TP split."""
     per_rank = GLOBAL_BATCH // dp
     n = num_micro_batches or (4 if pp > 1 else 2)
@@ -97,6 +103,8 @@ def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: 
         tp_styles.update(model.top_tp)
         for block in model.block_names:
             tp_styles.update({f"{block}.{k}": v for k, v in model.block_tp.items()})
+            if mixed_tp:
+                tp_styles.update({f"{block}.{k}": v for k, v in model.mixed_tp.items()})
     layers = model.layer_names
     return Plan(
         dp=dp, tp=tp, pp=pp, cp=1, mesh_order=["tp", "cp", "pp", "dp"], zero_stage=zero, hybrid_shard=hybrid,

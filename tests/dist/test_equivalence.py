@@ -62,6 +62,7 @@ CASES = [
     Case("zero3_dp4", dict(dp=4, zero=3)),
     Case("tp2", dict(tp=2)),
     Case("tp2_sp", dict(tp=2, sp=True)),
+    Case("tp2_sp_mixed_split", dict(tp=2, sp=True, mixed_tp=True)),
     Case("pp2_gpipe", dict(pp=2, schedule="gpipe")),
     Case("pp2_1f1b", dict(pp=2, schedule="1f1b")),
     Case("pp2_interleaved_v2", dict(pp=2, schedule="interleaved_1f1b", chunks=2, boundary_stages=True)),

@@ -192,6 +192,8 @@ class PlanPricer:
         self._splits: dict[tuple, TPLayerSplit] = {}
         self._base_acts: dict[str, LayerActivations] = {}
         self._problems: dict[tuple, PartitionProblem | None] = {}
+        self._shared_rows: dict[tuple, dict[str, Any] | None] = {}
+        self._in_flight_cache: dict[tuple, list[float]] = {}
         self._devices: dict[tuple, Any] = {}
         self._placements: dict[tuple, GroupPlacement] = {}
         self._collectives: dict[tuple, Any] = {}
@@ -332,10 +334,26 @@ class PlanPricer:
                layout.chunks, layout.sequence_parallel, layout.cp_strategy, getattr(layout, "dp_sync", "auto"))
         if key in self._problems:
             return self._problems[key]
+        rows = self._partition_rows(layout)
+        problem = None if rows is None else PartitionProblem(
+            **rows, devices=layout.pp, chunks=layout.chunks, micro_batches=layout.num_micro_batches,
+            in_flight=self._in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks),
+            option_names=self.recompute_options)
+        self._problems[key] = problem
+        return problem
+
+    def _partition_rows(self, layout: Any) -> dict[str, Any] | None:
+        """The schedule-independent part of a partition problem (per-layer prices, memory per
+        device, speeds), shared by the layouts that differ only in pipeline schedule and chunks."""
+        key = (layout.dp, layout.tp, layout.pp, layout.cp, tuple(layout.mesh_order), layout.zero_stage,
+               layout.hybrid_shard, layout.micro_batch_size, layout.sequence_parallel, layout.cp_strategy,
+               getattr(layout, "dp_sync", "auto"))
+        if key in self._shared_rows:
+            return self._shared_rows[key]
         validate_train(self.train, self.profile)
         devices = self._device_facts(layout)
         if devices is None:
-            self._problems[key] = None
+            self._shared_rows[key] = None
             return None
         reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
@@ -353,15 +371,17 @@ class PlanPricer:
                            lambda layer, split: self._send_s(layer, layout, scale), reference)
         per_step = [sum(parts.values()) for parts in self.per_step_rows(layout, reference)]
         overhead = self._overhead_bytes(layout, scale, reference)
-        problem = PartitionProblem(
-            time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
-            devices=layout.pp, chunks=layout.chunks, micro_batches=layout.num_micro_batches,
-            in_flight=[in_flight_micro_batches(layout.schedule, layout.pp, layout.num_micro_batches, d, layout.chunks)
-                       for d in range(layout.pp)],
-            capacity_bytes=capacity, overhead_bytes=[overhead] * layout.pp, speed=speed,
-            option_names=self.recompute_options, per_step_s=per_step)
-        self._problems[key] = problem
-        return problem
+        rows = dict(time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
+                    capacity_bytes=capacity, overhead_bytes=[overhead] * layout.pp, speed=speed, per_step_s=per_step)
+        self._shared_rows[key] = rows
+        return rows
+
+    def _in_flight(self, schedule: str, stages: int, micro_batches: int, chunks: int) -> list[float]:
+        key = (schedule, stages, micro_batches, chunks)
+        if key not in self._in_flight_cache:
+            self._in_flight_cache[key] = [in_flight_micro_batches(schedule, stages, micro_batches, d, chunks)
+                                          for d in range(stages)]
+        return self._in_flight_cache[key]
 
     def time_parts_rows(self, layout: Any, reference: GPUSpec) -> list[list[dict[str, float]]]:
         """[layer][recompute option] -> seconds per micro-batch by kind (layer_time_parts)."""

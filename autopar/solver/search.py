@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from autopar.solver.block_partition import BlockPartitioner, find_block_run
+from autopar.solver.bounds import block_lower_bound_s, lower_bound_s, memory_cannot_fit
 from autopar.solver.space import Candidate
 from autopar.solver.stage_partition import StagePartitioner
 from cost_models.pipeline import Partition, PartitionProblem
@@ -55,58 +56,7 @@ class SearchResult:
     partitions_solved: int
     gap: float
     rejected: dict[str, int]
-
-
-_TABLE_SUMS: dict[int, tuple[list, float]] = {}
-
-
-def _table_sum(table: list) -> float:
-    """Σ over layers of the row minimum (or the value): memoised per table object, since the
-    pricer shares one table between the many candidates it applies to."""
-    cached = _TABLE_SUMS.get(id(table))
-    if cached is None or cached[0] is not table:
-        cached = (table, sum(min(row) if isinstance(row, list) else row for row in table))
-        _TABLE_SUMS[id(table)] = cached
-    return cached[1]
-
-
-_LONGEST_RUN: dict[int, tuple[list, int, float]] = {}
-
-
-def _longest_identical_run(time_s: list[list[float]]) -> tuple[int, float]:
-    """(length, fastest time) of the longest run of layers with identical time rows."""
-    cached = _LONGEST_RUN.get(id(time_s))
-    if cached is None or cached[0] is not time_s:
-        best, start = (0, 0.0), 0
-        for l in range(1, len(time_s) + 1):
-            if l == len(time_s) or time_s[l] != time_s[start]:
-                if l - start > best[0]:
-                    best = (l - start, min(time_s[start]))
-                start = l
-        cached = (time_s, *best)
-        _LONGEST_RUN[id(time_s)] = cached
-    return cached[1], cached[2]
-
-
-def lower_bound_s(problem: PartitionProblem) -> float:
-    """A step time no partition of the problem can beat (see module docstring): the work,
-    the fewest possible sends (one per stage boundary) and, for identical blocks, the
-    pigeonhole fact that some device holds at least ceil(K / p) of them."""
-    speeds = [problem.speed_of(d) for d in range(problem.devices)]
-    sends = (problem.num_stages - 1) * min(problem.send_s) if problem.send_s else 0.0
-    work = _table_sum(problem.time_s) + sends
-    slowest = work / sum(1.0 / s for s in speeds)
-    blocks, block_time = _longest_identical_run(problem.time_s)
-    slowest = max(slowest, -(-blocks // problem.devices) * block_time * min(speeds))
-    v, m = problem.chunks, problem.micro_batches
-    once = min(speeds) * _table_sum(problem.per_step_s) / problem.devices if problem.per_step_s else 0.0
-    return (m - 1 + 1 - 1 / v) * slowest + min(speeds) * work / v + once
-
-
-def memory_cannot_fit(problem: PartitionProblem) -> bool:
-    """Even with the least activation memory, the layers' bytes exceed all devices together."""
-    need = _table_sum(problem.static_bytes) + _table_sum(problem.activation_bytes) * min(problem.in_flight)
-    return need + sum(problem.overhead_bytes) > sum(problem.capacity_bytes)
+    pruned: int = 0  # excluded by the memory-aware bound without a partition solve
 
 
 class PlanSearch:
@@ -142,6 +92,7 @@ class PlanSearch:
         open_bounds: list[float] = []  # lower bounds of solves stopped by their work limit
         stopped_at: float | None = None
         explored = 0
+        pruned = 0  # candidates the memory-aware bound excluded without a solve
         for position, (bound, index, candidate, problem) in enumerate(bounded):
             kth = -best[0].step_time_s if len(best) == self.top_k else float("inf")
             if bound >= kth:
@@ -151,7 +102,15 @@ class PlanSearch:
                 break
             key = id(problem)
             if key not in solved:
-                solved[key] = self._solve_partition(problem, kth - self.pricer.fixed_time_s(candidate))
+                fixed = self.pricer.fixed_time_s(candidate)
+                tighter = self._memory_aware_bound(problem)
+                if tighter + fixed >= kth:
+                    if tighter == float("inf"):
+                        rejected["memory"] = rejected.get("memory", 0) + 1
+                    else:
+                        pruned += 1
+                    continue
+                solved[key] = self._solve_partition(problem, kth - fixed)
             explored += 1
             if self.progress:
                 self.progress(position + 1, len(bounded))
@@ -180,7 +139,15 @@ class PlanSearch:
             status = "UNKNOWN"
         return SearchResult(best=ranked, status=status if ranked or status == "UNKNOWN" else "INFEASIBLE",
                             seconds=time.perf_counter() - start, candidates=len(candidates),
-                            partitions_solved=len(solved), gap=gap, rejected=rejected)
+                            partitions_solved=len(solved), gap=gap, rejected=rejected, pruned=pruned)
+
+    @staticmethod
+    def _memory_aware_bound(problem: PartitionProblem) -> float:
+        """`block_lower_bound_s` where the block program applies, else the plain bound."""
+        run = find_block_run(problem)
+        if run is None or problem.num_layers - run.count > 4:
+            return lower_bound_s(problem)
+        return max(lower_bound_s(problem), block_lower_bound_s(problem, run))
 
     def _solve_partition(self, problem: PartitionProblem, beat_s: float = float("inf")) -> Partition | None:
         """Solve briefly first: the bound of a short solve often already shows the candidate

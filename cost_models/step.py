@@ -194,6 +194,7 @@ class PlanPricer:
         self._problems: dict[tuple, PartitionProblem | None] = {}
         self._shared_rows: dict[tuple, dict[str, Any] | None] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
+        self._totals_cache: dict[int, tuple[list, list]] = {}
         self._devices: dict[tuple, Any] = {}
         self._placements: dict[tuple, GroupPlacement] = {}
         self._collectives: dict[tuple, Any] = {}
@@ -357,7 +358,7 @@ class PlanPricer:
             return None
         reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
-        times = [[sum(parts.values()) for parts in row] for row in self.time_parts_rows(layout, reference)]
+        times = self._totals(self.time_parts_rows(layout, reference))
         activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
                                                         layout.micro_batch_size),
                                  lambda layer, split: [int(activation_bytes(self.layer_activations(layer, split), scale,
@@ -369,12 +370,22 @@ class PlanPricer:
         sends = self._rows("send", layout, (layout.pp, self._span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
                            lambda layer, split: self._send_s(layer, layout, scale), reference)
-        per_step = [sum(parts.values()) for parts in self.per_step_rows(layout, reference)]
+        per_step = self._totals(self.per_step_rows(layout, reference))
         overhead = self._overhead_bytes(layout, scale, reference)
         rows = dict(time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
                     capacity_bytes=capacity, overhead_bytes=[overhead] * layout.pp, speed=speed, per_step_s=per_step)
         self._shared_rows[key] = rows
         return rows
+
+    def _totals(self, rows: list) -> list:
+        """Each layer's parts summed (per option where a layer has several), memoised per table:
+        `_rows` hands the same table to every layout it applies to."""
+        cached = self._totals_cache.get(id(rows))
+        if cached is None or cached[0] is not rows:
+            cached = (rows, [[sum(parts.values()) for parts in row] if isinstance(row, list) else sum(row.values())
+                             for row in rows])
+            self._totals_cache[id(rows)] = cached
+        return cached[1]
 
     def _in_flight(self, schedule: str, stages: int, micro_batches: int, chunks: int) -> list[float]:
         key = (schedule, stages, micro_batches, chunks)
@@ -475,13 +486,8 @@ class PlanPricer:
         overhead = gpu.launch_overhead_s
         forward_passes, nongemm_passes = {"none": (1.0, 0.0), "selective": (1.0, 1.0), "full": (2.0, 0.0)}[option]
         per_token = scale / layout.cp
-        plain = compute.time_s(per_token, overhead)
-        total = compute.time_s(per_token, overhead, forward_passes, nongemm_passes)
-        if layout.sequence_parallel and layout.tp > 1:
-            # Replicated ops (norms, residual adds, dropout) run on 1/t of the sequence.
-            share = (1 - 1 / layout.tp) * per_token
-            plain -= share * (split.replicated_forward_s + split.replicated_backward_s)
-            total -= share * (forward_passes * split.replicated_forward_s + split.replicated_backward_s)
+        plain = self._compute_s(split, layout, per_token, gpu)
+        total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
         tp_group = self.placement(layout, "tp")
         forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
         tp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.comm]
@@ -491,6 +497,32 @@ class PlanPricer:
         return {"compute": plain, "recompute": total - plain, "tp_comm": tp_comm,
                 "cp_comm": self._cp_time_s(layer, layout, scale, compute),
                 "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)}
+
+    @staticmethod
+    def _compute_s(split: TPLayerSplit, layout: Any, per_token: float, gpu: GPUSpec, forward_passes: float = 1.0,
+                   nongemm_passes: float = 0.0) -> float:
+        """Compute seconds of a layer's micro-batch, recomputation included as asked."""
+        seconds = split.compute.time_s(per_token, gpu.launch_overhead_s, forward_passes, nongemm_passes)
+        if layout.sequence_parallel and layout.tp > 1:
+            # Replicated ops (norms, residual adds, dropout) run on 1/t of the sequence.
+            share = (1 - 1 / layout.tp) * per_token
+            seconds -= share * (forward_passes * split.replicated_forward_s + split.replicated_backward_s)
+        return seconds
+
+    def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:
+        """(per-layer compute seconds of a micro-batch, speed per pipeline rank), or None when the
+        layout cannot run. No communication and no recomputation: every option's price is at
+        least this, and it costs a fraction of `partition_problem`, so the search orders
+        candidates by it and prices only those that could still win."""
+        devices = self._device_facts(layout)
+        if devices is None:
+            return None
+        reference, speed, _ = devices
+        per_token = layout.micro_batch_size / self.b0 / layout.cp
+        rows = self._rows("compute_floor", layout, (layout.tp, self._span(layout, "tp"), layout.sequence_parallel,
+                                                    layout.cp, layout.micro_batch_size),
+                          lambda layer, split: self._compute_s(split, layout, per_token, reference), reference)
+        return rows, speed
 
     def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute) -> float:
         if layout.cp == 1:

@@ -77,7 +77,35 @@ def lower_bound_s(problem: PartitionProblem) -> float:
     slowest = max(slowest, -(-blocks // problem.devices) * block_time * min(speeds))
     once = min(speeds) * table_sum(problem.per_step_s) / problem.devices if problem.per_step_s else 0.0
     return (pipeline_step_s(slowest, min(speeds) * work, once, problem.micro_batches, problem.chunks)
-            - rounding_slack_s(problem))
+            - problem_slack_s(problem))
+
+
+def floor_bound_s(layer_s: list[float], speeds: list[float], micro_batches: int, chunks: int) -> float:
+    """`lower_bound_s` from compute alone (the pricer's `compute_floor`): below it, before the
+    candidate's full prices exist. Balanced devices, plus the pigeonhole on identical layers."""
+    work, longest, block = _floor_summary(layer_s)
+    slowest = work / sum(1.0 / s for s in speeds)
+    slowest = max(slowest, -(-longest // len(speeds)) * block * min(speeds))
+    return (pipeline_step_s(slowest, min(speeds) * work, 0.0, micro_batches, chunks)
+            - rounding_slack_s(micro_batches, len(speeds), len(layer_s), len(speeds) * chunks))
+
+
+_FLOOR_SUMMARIES: dict[int, tuple[list, float, int, float]] = {}
+
+
+def _floor_summary(layer_s: list[float]) -> tuple[float, int, float]:
+    """(Σ seconds, length and value of the longest run of equal layers), memoised per list."""
+    cached = _FLOOR_SUMMARIES.get(id(layer_s))
+    if cached is None or cached[0] is not layer_s:
+        longest, value, start = 0, 0.0, 0
+        for l in range(1, len(layer_s) + 1):
+            if l == len(layer_s) or layer_s[l] != layer_s[start]:
+                if l - start > longest:
+                    longest, value = l - start, layer_s[start]
+                start = l
+        cached = (layer_s, sum(layer_s), longest, value)
+        _FLOOR_SUMMARIES[id(layer_s)] = cached
+    return cached[1], cached[2], cached[3]
 
 
 def memory_cannot_fit(problem: PartitionProblem) -> bool:
@@ -139,15 +167,14 @@ def block_lower_bound_s(problem: PartitionProblem, run: "BlockRun") -> float:
     slowest = max(candidates[K - 1], max(row[0] for row in device_times))
     total = least_total(device_times, K)
     once = min(problem.speed_of(d) for d in range(p)) * table_sum(problem.per_step_s) / p if problem.per_step_s else 0.0
-    return pipeline_step_s(slowest, total, once, problem.micro_batches, v) - rounding_slack_s(problem)
+    return pipeline_step_s(slowest, total, once, problem.micro_batches, v) - problem_slack_s(problem)
 
 
-def rounding_slack_s(problem: PartitionProblem) -> float:
+def rounding_slack_s(micro_batches: int, devices: int, num_layers: int, num_stages: int) -> float:
     """How far below the exact value the ILP's objective can fall: it rounds every time term to
     whole units (half a unit each), and the step formula weighs a device's terms up to m + p + 1
     times. A bound lowered by this never prunes a candidate that ties the best plan."""
-    terms = 2 * problem.num_layers + problem.num_stages
-    return (problem.micro_batches + problem.devices + 1) * terms * 0.5 / TIME_UNITS_PER_S
+    return (micro_batches + devices + 1) * (2 * num_layers + num_stages) * 0.5 / TIME_UNITS_PER_S
 
 
 def least_total(device_times: list[list[float]], blocks: int) -> float:
@@ -166,3 +193,7 @@ def least_total(device_times: list[list[float]], blocks: int) -> float:
         if taken[d] + 1 < len(row):
             heapq.heappush(heap, (row[taken[d] + 1] - row[taken[d]], d))
     return total
+
+
+def problem_slack_s(problem: PartitionProblem) -> float:
+    return rounding_slack_s(problem.micro_batches, problem.devices, problem.num_layers, problem.num_stages)

@@ -1,11 +1,14 @@
 """Top-level search: best plan over every candidate configuration, exact within the space.
 
-Each candidate (autopar.solver.space) is priced into a `PartitionProblem` (per-layer times and
-memory for that configuration) plus a partition-independent time. Its step time is at least
-the lower bound `lower_bound_s` (perfectly balanced stages, cheapest recompute option, no
-p2p), so candidates are visited in order of that bound and the partition ILP is solved only
-while the bound can still beat the k-th best plan found: when the loop stops on the bound,
-the best plan is optimal within the space (status OPTIMAL). Each partition solve has a
+Branch and bound with three bounds, cheapest first (autopar.solver.bounds):
+1. every candidate gets a floor from compute alone (`compute_floor`, `floor_bound_s`) and the
+   candidates are taken in floor order;
+2. a candidate is priced in full (per-layer times and memory for its configuration, a
+   `PartitionProblem`) only when its floor is below the best priced bound still waiting, and
+   its `lower_bound_s` (balanced stages, fastest options) orders the priced ones;
+3. before its partition ILP is solved, the memory-aware `block_lower_bound_s` may exclude it.
+The loop stops when the smallest bound left cannot beat the k-th best plan found: the best
+plan is then optimal within the space (status OPTIMAL). Each partition solve has a
 deterministic work limit; one that stops early still proves a lower bound, which prunes the
 candidate if it cannot beat the best plan. If the time limit stops the loop, or a stopped solve
 could still beat the best plan, the status is FEASIBLE with
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from autopar.solver.block_partition import BlockPartitioner, find_block_run
-from autopar.solver.bounds import block_lower_bound_s, lower_bound_s, memory_cannot_fit
+from autopar.solver.bounds import block_lower_bound_s, floor_bound_s, lower_bound_s, memory_cannot_fit
 from autopar.solver.space import Candidate
 from autopar.solver.stage_partition import StagePartitioner
 from cost_models.pipeline import Partition, PartitionProblem
@@ -32,6 +35,9 @@ class CandidatePricer(Protocol):
 
     def partition_problem(self, candidate: Candidate) -> PartitionProblem | None:
         """Per-layer prices under the candidate, or None when it cannot run at all."""
+
+    def compute_floor(self, candidate: Candidate) -> tuple[list[float], list[float]] | None:
+        """(per-layer seconds below every option's price, speed per pipeline rank), or None."""
 
     def fixed_time_s(self, candidate: Candidate) -> float:
         """Step time that does not depend on the partition (e.g. the optimizer's launch)."""
@@ -57,6 +63,7 @@ class SearchResult:
     gap: float
     rejected: dict[str, int]
     pruned: int = 0  # excluded by the memory-aware bound without a partition solve
+    priced: int = 0  # candidates whose full prices were computed (the rest fell to their floor)
 
 
 class PlanSearch:
@@ -75,34 +82,47 @@ class PlanSearch:
     def run(self, candidates: list[Candidate]) -> SearchResult:
         start = time.perf_counter()
         rejected: dict[str, int] = {}
-        bounded: list[tuple[float, int, Candidate, PartitionProblem]] = []
-        for index, candidate in enumerate(candidates):
-            problem = self.pricer.partition_problem(candidate)
-            if problem is None:
-                rejected["cannot run"] = rejected.get("cannot run", 0) + 1
-                continue
-            if memory_cannot_fit(problem):
-                rejected["memory"] = rejected.get("memory", 0) + 1
-                continue
-            bounded.append((lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index, candidate, problem))
-        bounded.sort(key=lambda item: (item[0], item[1]))
-
+        floors = self._floors(candidates, rejected)
+        waiting: list[tuple[float, int, Candidate, PartitionProblem]] = []  # priced, by lower bound
+        next_floor = 0
         best: list[Scored] = []  # max-heap by negated time, size top_k
         solved: dict[int, Partition | None] = {}
         open_bounds: list[float] = []  # lower bounds of solves stopped by their work limit
         stopped_at: float | None = None
-        explored = 0
-        pruned = 0  # candidates the memory-aware bound excluded without a solve
-        for position, (bound, index, candidate, problem) in enumerate(bounded):
+        pruned = priced = 0
+        while stopped_at is None:
             kth = -best[0].step_time_s if len(best) == self.top_k else float("inf")
-            if bound >= kth:
+            # Price, in floor order, every candidate whose floor is below the best priced bound:
+            # then no unpriced candidate can beat the one about to be solved.
+            while next_floor < len(floors) and (not waiting or floors[next_floor][0] < waiting[0][0]):
+                floor, index, candidate = floors[next_floor]
+                if floor >= kth:
+                    next_floor = len(floors)  # sorted: nothing later can beat the k-th best either
+                    break
+                if time.perf_counter() - start > self.time_limit_s:
+                    stopped_at = min(floor, waiting[0][0]) if waiting else floor
+                    break
+                next_floor += 1
+                priced += 1
+                problem = self.pricer.partition_problem(candidate)
+                if problem is None:
+                    rejected["cannot run"] = rejected.get("cannot run", 0) + 1
+                elif memory_cannot_fit(problem):
+                    rejected["memory"] = rejected.get("memory", 0) + 1
+                else:
+                    heapq.heappush(waiting, (lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index,
+                                             candidate, problem))
+            if stopped_at is not None or not waiting or waiting[0][0] >= kth:
                 break
             if time.perf_counter() - start > self.time_limit_s:
-                stopped_at = bound
+                stopped_at = waiting[0][0]
                 break
+            bound, index, candidate, problem = heapq.heappop(waiting)
+            if self.progress:
+                self.progress(next_floor, len(floors))
+            fixed = self.pricer.fixed_time_s(candidate)
             key = id(problem)
             if key not in solved:
-                fixed = self.pricer.fixed_time_s(candidate)
                 tighter = self._memory_aware_bound(problem)
                 if tighter + fixed >= kth:
                     if tighter == float("inf"):
@@ -111,18 +131,15 @@ class PlanSearch:
                         pruned += 1
                     continue
                 solved[key] = self._solve_partition(problem, kth - fixed)
-            explored += 1
-            if self.progress:
-                self.progress(position + 1, len(bounded))
             partition = solved[key]
             if partition is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
                 continue
             if partition.status != "OPTIMAL":
-                open_bounds.append(partition.bound_s + self.pricer.fixed_time_s(candidate))
+                open_bounds.append(partition.bound_s + fixed)
             if not partition.stage_starts:
                 continue
-            scored = Scored(partition.step_time_s + self.pricer.fixed_time_s(candidate), index, candidate, partition)
+            scored = Scored(partition.step_time_s + fixed, index, candidate, partition)
             entry = Scored(-scored.step_time_s, -scored.index, candidate, partition)
             if len(best) < self.top_k:
                 heapq.heappush(best, entry)
@@ -139,7 +156,22 @@ class PlanSearch:
             status = "UNKNOWN"
         return SearchResult(best=ranked, status=status if ranked or status == "UNKNOWN" else "INFEASIBLE",
                             seconds=time.perf_counter() - start, candidates=len(candidates),
-                            partitions_solved=len(solved), gap=gap, rejected=rejected, pruned=pruned)
+                            partitions_solved=len(solved), gap=gap, rejected=rejected, pruned=pruned,
+                            priced=priced)
+
+    def _floors(self, candidates: list[Candidate], rejected: dict[str, int]) -> list[tuple[float, int, Candidate]]:
+        """(compute-only lower bound, index, candidate) of every runnable candidate, ascending."""
+        floors = []
+        for index, candidate in enumerate(candidates):
+            floor = self.pricer.compute_floor(candidate)
+            if floor is None:
+                rejected["cannot run"] = rejected.get("cannot run", 0) + 1
+                continue
+            layer_s, speeds = floor
+            floors.append((floor_bound_s(layer_s, speeds, candidate.num_micro_batches, candidate.chunks)
+                           + self.pricer.fixed_time_s(candidate), index, candidate))
+        floors.sort(key=lambda item: (item[0], item[1]))
+        return floors
 
     @staticmethod
     def _memory_aware_bound(problem: PartitionProblem) -> float:

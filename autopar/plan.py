@@ -60,6 +60,7 @@ class SolverInfo:
     seconds: float = 0.0
     candidates: int = 0
     gap: float = 0.0
+    priced: int = 0  # candidates priced in full; the others were excluded by a cheaper bound
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,24 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         return from_jsonable(cls, json.loads(text))
 
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(to_jsonable(self), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "Plan":
+        import yaml
+
+        return from_jsonable(cls, yaml.safe_load(text))
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """JSON, or YAML when the name ends in .yaml/.yml."""
+        path = Path(path)
+        path.write_text(self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(Path(path).read_text())
+        path = Path(path)
+        text = path.read_text()
+        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)

@@ -149,7 +149,8 @@ class Planner:
                                 peak_memory_bytes=estimate.peak_memory_bytes,
                                 time_breakdown=estimate.time_breakdown, memory_breakdown=estimate.memory_breakdown),
             solver=SolverInfo(status=result.status, objective=scored.step_time_s, seconds=round(result.seconds, 3),
-                              candidates=result.candidates, gap=result.gap),
+                              candidates=result.candidates, gap=result.gap,
+                              priced=result.priced),
             provenance=Provenance(model_path=self.profile.model_path, model_sha256=self.profile.model_sha256,
                                   model_kwargs=dict(self.profile.model_kwargs), cluster=self.cluster.name))
         return plan, estimate

@@ -151,3 +151,17 @@ def test_min_gpus_picks_the_fewest_nodes_meeting_the_target(examples_dir):
     plan = Planner(profile, spec, train, SolverConfig(objective="min_gpus", target_tokens_per_s=target),
                    PlanPins()).run().plan
     assert plan.world_size == 16 and plan.predicted.tokens_per_s >= target
+
+
+def test_plan_round_trips_through_json_and_yaml(examples_dir, tmp_path):
+    """A planned Plan (every field filled by the planner) survives JSON and YAML unchanged, and
+    the solver record says how many candidates it priced out of the space."""
+    from autopar.plan import Plan
+
+    plan = plan_for(examples_dir, GPT_1B, cluster("H100-SXM", 2, 8), batch=64)
+    assert 0 < plan.solver.priced <= plan.solver.candidates
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_yaml(plan.to_yaml()) == plan
+    plan.save(tmp_path / "plan.yaml")
+    assert (tmp_path / "plan.yaml").read_text().startswith("dp:")
+    assert Plan.load(tmp_path / "plan.yaml") == plan

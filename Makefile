@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Plans a 1.3B GPT for 2 DGX H100 nodes and writes its module and launch scripts, then compiles
+# a tiny GPT for this machine (4 gloo ranks) and trains it for a few steps.
 demo: setup
-	$(VENV)/bin/autopar profile examples/gpt.py
+	$(VENV)/bin/autopar compile examples/gpt.py cluster=dgx_h100 cluster.nodes=2 model.layers=24 \
+		model.hidden=2048 model.heads=16 model.seq_len=2048 train.global_batch_size=512 --out-dir demo/gpt_dgx_h100
+	$(VENV)/bin/autopar compile examples/gpt.py cluster=cpu_gloo model.layers=4 model.hidden=128 model.heads=4 \
+		model.seq_len=64 model.vocab=512 train.global_batch_size=16 train.precision=fp32 --out-dir demo/gpt_cpu
+	$(VENV)/bin/autopar run demo/gpt_cpu --steps 5
 
 test: setup
 	$(PY) -m pytest -q tests
@@ -27,4 +33,4 @@ bench: setup
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info demo

@@ -40,6 +40,19 @@ PLAN_EXAMPLES = """examples:
 """
 
 
+COMPILE_EXAMPLES = """examples:
+  autopar compile examples/gpt.py cluster=dgx_h100 cluster.nodes=2 train.global_batch_size=256 --out-dir out/gpt
+  autopar compile examples/gpt.py cluster=dgx_h100 cluster.nodes=2 --plan plan.json --out-dir out/gpt
+  autopar compile examples/gpt.py cluster=cpu_gloo model.layers=2 model.hidden=64 model.heads=4 \\
+      model.seq_len=32 model.vocab=128 train.global_batch_size=8 train.precision=fp32 --out-dir out/tiny
+"""
+
+RUN_EXAMPLES = """examples:
+  autopar run out/tiny --steps 5
+  autopar run out/tiny --nproc 4 --steps 20 --echo
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -69,6 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
     plan = _add_verb(verbs, "plan", "search for the fastest plan that fits and explain the runners-up",
                      PLAN_EXAMPLES, _plan)
     plan.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
+    compile_ = _add_verb(verbs, "compile", "profile, plan and write the parallel training module and launch scripts",
+                         COMPILE_EXAMPLES, _compile, out=False)
+    compile_.add_argument("--out-dir", type=Path, required=True,
+                          help="folder for plan.json, parallel_<model>.py, launch.sh, sbatch.sh (replaced whole)")
+    compile_.add_argument("--plan", type=Path, default=None,
+                          help="reuse this saved plan instead of solving (must match the model file and cluster)")
+    compile_.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
+    run = verbs.add_parser("run", help="run a compiled folder on local ranks (gloo on CPU, NCCL on GPUs)",
+                           description="Launch DIR/parallel_<model>.py with torchrun on this machine; one JSON "
+                                       "record per step is appended to DIR/run.jsonl.",
+                           epilog=RUN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("out_dir", type=Path, metavar="DIR", help="folder `autopar compile` wrote")
+    run.add_argument("--nproc", type=int, default=None, help="local ranks (default and only choice: the plan's world size)")
+    run.add_argument("--steps", type=int, default=None, help="training steps (default: the module's own)")
+    run.add_argument("--echo", action="store_true", help="print the ranks' output as it comes")
+    run.add_argument("-v", "--verbose", action="store_true", help="print more detail")
+    run.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    run.set_defaults(handler=_run)
     calibrate = verbs.add_parser("calibrate", help="measure this machine's GEMM, memory and all-reduce speed",
                                  description="Measure GEMM throughput, memory bandwidth and the all-reduce "
                                              "latency/bandwidth of local ranks, and write a hardware profile.",
@@ -86,13 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_verb(verbs: argparse._SubParsersAction, name: str, help_text: str, examples: str,
-              handler: Callable[[argparse.Namespace, Console], int]) -> argparse.ArgumentParser:
+              handler: Callable[[argparse.Namespace, Console], int], out: bool = True) -> argparse.ArgumentParser:
     sub = verbs.add_parser(name, help=help_text, description=help_text, epilog=examples,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.add_argument("model", help="path of the model.py (defines build_model and example_batch)")
     sub.add_argument("overrides", nargs="*", metavar="key=value",
                      help="Hydra overrides: model.<kwarg>=..., train.<field>=..., cluster=<preset>, ...")
-    sub.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
+    if out:
+        sub.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
     sub.add_argument("-v", "--verbose", action="store_true", help="print more detail")
     sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     sub.set_defaults(handler=handler)
@@ -149,6 +181,53 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     out = args.out or Path("plan.json")
     write_atomically(out, result.plan.to_json())
     console.print(f"wrote {out}")
+    return 0
+
+
+def _compile(args: argparse.Namespace, console: Console) -> int:
+    from autopar.config import compose_config
+    from autopar.driver import run_compile
+    from autopar.report.terminal import print_plan
+
+    overrides = list(args.overrides) + ([f"solver.top_k={args.top_k}"] if args.top_k is not None else [])
+    cfg = compose_config(overrides)
+    with console.status("Tracing, pricing and solving ..." if args.plan is None else "Generating ...") as status:
+        def progress(done: int, total: int) -> None:
+            status.update(f"Solving: candidate {done} of {total} in bound order ...")
+        plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress)
+    if result is not None:
+        print_plan(result, console)
+    else:
+        console.print(f"reused {args.plan}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
+                      f"ZeRO-{plan.zero_stage}, predicted {plan.predicted.step_time_s:.3g} s/step")
+    console.print(f"wrote {', '.join(str(path) for path in files.values())}")
+    console.print(f"run it here with `autopar run {args.out_dir}`, on the cluster with {files['launch']}")
+    return 0
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from autopar.driver import read_plan
+    from autopar.runtime import run_local
+
+    plan = read_plan(args.out_dir / "plan.json")
+    if args.nproc is not None and args.nproc != plan.world_size:
+        raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
+                        f"run it with --nproc {plan.world_size} (or omit --nproc), or compile again for "
+                        f"{args.nproc} GPUs.")
+    with console.status(f"Running {plan.world_size} local ranks ..."):
+        result = run_local(args.out_dir, plan.world_size, args.steps, echo=args.echo)
+    if not result.ok:
+        where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
+        raise UserError(f"The run failed on {where} (exit {result.returncode}):\n{result.error}",
+                        "fix the error above (rerun with --echo for every rank's output).")
+    table = Table("step", "loss", "step time", "tokens/s", "peak memory")
+    for record in result.records:
+        table.add_row(str(record["step"]), f"{record['loss']:.5f}", f"{record['step_time_s'] * 1e3:.1f} ms",
+                      f"{record['tokens_per_s']:,.0f}", f"{record['peak_memory_bytes'] / 2**20:,.1f} MiB")
+    console.print(table)
+    console.print(f"appended {len(result.records)} records to {args.out_dir / 'run.jsonl'}")
     return 0
 
 

@@ -83,3 +83,78 @@ def run_plan(model_path: str | Path, cfg: Any, progress: Callable[[int, int], No
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
     planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress)
     return planner.run()
+
+
+def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
+    """A plan from `autopar plan --out`, refused when it was made for another model file,
+    other model settings or another cluster (replaying it would train something unplanned)."""
+    plan = read_plan(plan_path)
+    model_file = load_model_file(model_path)
+    made_for = plan.provenance
+    if made_for.model_sha256 and made_for.model_sha256 != model_file.sha256:
+        raise ConfigError(f"{plan_path} was planned for a different model file ({made_for.model_path or 'unknown'}, "
+                          f"sha256 {made_for.model_sha256[:12]}…); {model_path} has sha256 {model_file.sha256[:12]}….",
+                          "plan again: `autopar compile MODEL.py ...` without --plan.")
+    given = model_kwargs(cfg)
+    changed = {k: (made_for.model_kwargs[k], v) for k, v in given.items()
+               if k in made_for.model_kwargs and made_for.model_kwargs[k] != v}
+    if changed:
+        listed = ", ".join(f"model.{k}={new} (plan: {old})" for k, (old, new) in sorted(changed.items()))
+        raise ConfigError(f"{plan_path} was planned for other model settings: {listed}.",
+                          "drop those overrides or plan again without --plan.")
+    cluster = build_cluster(cfg)
+    if made_for.cluster and made_for.cluster != cluster.name or plan.world_size != cluster.world_size:
+        raise ConfigError(f"{plan_path} was planned for cluster {made_for.cluster or '?'} with {plan.world_size} GPUs; "
+                          f"this run asks for {cluster.name} with {cluster.world_size} GPUs.",
+                          f"pass cluster={made_for.cluster or '<preset>'} with the same nodes, or plan again.")
+    return plan
+
+
+def read_plan(plan_path: str | Path):
+    """Plan.load with a clear error for a missing or corrupted file."""
+    from autopar.plan import Plan
+
+    path = Path(plan_path)
+    if not path.is_file():
+        raise ConfigError(f"No plan file at {path}.", "pass the plan.json that `autopar plan --out` wrote.")
+    try:
+        return Plan.load(path)
+    except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
+        raise ConfigError(f"{path} is not a readable plan ({type(err).__name__}: {err}).",
+                          "re-create it with `autopar plan MODEL.py ... --out plan.json`.") from None
+
+
+def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
+                progress: Callable[[int, int], None] | None = None):
+    """Stages 1-5: plan (or reuse a saved plan) and write the parallel module and launch
+    scripts into ``out_dir``, all or nothing: files are built in a sibling folder that replaces
+    ``out_dir`` only once everything is written."""
+    import shutil
+    import tempfile
+
+    from autopar.codegen import generate
+
+    result = None
+    if plan_path is not None:
+        plan = load_saved_plan(plan_path, model_path, cfg)
+    else:
+        result = run_plan(model_path, cfg, progress=progress)
+        plan = result.plan
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".partial"))
+    staging.chmod(0o755)  # mkdtemp's folder is private; the output is an ordinary folder
+    try:
+        files = generate(plan, model_path, staging, gpus_per_node=build_cluster(cfg).gpus_per_node)
+        if out_dir.exists():
+            previous = out_dir.with_name(f".{out_dir.name}.previous")
+            shutil.rmtree(previous, ignore_errors=True)
+            out_dir.rename(previous)
+            staging.rename(out_dir)
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return plan, result, {name: out_dir / path.name for name, path in vars(files).items()}

@@ -66,6 +66,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+        for embedding in (self.wte, self.wpe):  # GPT-2's scale: unit-variance logits start near ln(vocab)
+            nn.init.normal_(embedding.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

@@ -74,7 +74,7 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         timeout_s: kill the run after this long (returncode 124).
         env: environment for the ranks (default: this process's).
     """
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # the ranks run inside it
     script = find_script(out_dir)
     if nproc is None:
         nproc = Plan.load(out_dir / "plan.json").world_size

@@ -1,0 +1,110 @@
+"""`autopar compile` and `autopar run` end to end: the folder is written whole or not at all, a
+saved plan is reused only for the model and cluster it was made for, and a compiled folder
+trains on local gloo ranks exactly like the unsharded model."""
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from autopar.cli import main
+from autopar.codegen.generate import DEFAULT_OPTIMIZER
+from autopar.plan import Plan
+from autopar.runtime import run_reference
+
+TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 128}
+OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32",
+             *[f"model.{k}={v}" for k, v in TINY.items()]]
+RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes"}
+
+
+@pytest.fixture(scope="module")
+def compiled(examples_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile") / "gpt"
+    assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--out-dir", str(out), "-q"]) == 0
+    return out
+
+
+def test_compile_writes_the_module_scripts_and_plan(compiled):
+    names = {path.name for path in compiled.iterdir()}
+    assert {"plan.json", "parallel_gpt.py", "launch.sh", "sbatch.sh", "gpt.py"} <= names
+    plan = Plan.load(compiled / "plan.json")
+    assert plan.world_size == 2 and plan.solver.status == "OPTIMAL"
+    assert "--nproc-per-node" in (compiled / "launch.sh").read_text()
+    assert not [p for p in compiled.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_run_trains_like_the_unsharded_model(compiled, capsys):
+    assert main(["run", str(compiled), "--steps", "3", "--echo"]) == 0
+    records = [json.loads(line) for line in (compiled / "run.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(set(r) == RECORD_KEYS for r in records)
+    reference = run_reference(compiled / "gpt.py", TINY, 8, 3, DEFAULT_OPTIMIZER)
+    assert [r["loss"] for r in records] == pytest.approx(reference.losses, rel=1e-5)
+
+
+def test_run_refuses_another_rank_count(compiled, capsys):
+    assert main(["run", str(compiled), "--nproc", "3"]) == 1
+    assert "compiled for 2 ranks" in capsys.readouterr().err
+
+
+def test_saved_plan_is_reused_without_solving(examples_dir, compiled, tmp_path, capsys):
+    out = tmp_path / "again"
+    code = main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--plan", str(compiled / "plan.json"),
+                 "--out-dir", str(out)])
+    assert code == 0
+    assert "reused" in capsys.readouterr().out
+    assert Plan.load(out / "plan.json") == Plan.load(compiled / "plan.json")
+
+
+@pytest.mark.parametrize("change, message", [
+    (["cluster.gpus_per_node=4"], "planned for cluster"),
+    (["model.hidden=128"], "other model settings"),
+])
+def test_mismatched_plan_is_refused_and_nothing_is_written(examples_dir, compiled, tmp_path, capsys, change,
+                                                           message):
+    out = tmp_path / "refused"
+    code = main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, *change, "--plan",
+                 str(compiled / "plan.json"), "--out-dir", str(out)])
+    assert code == 1
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_for_another_model_file_is_refused(examples_dir, compiled, tmp_path, capsys):
+    edited = tmp_path / "gpt.py"
+    edited.write_text((examples_dir / "gpt.py").read_text() + "\n# edited\n")
+    code = main(["compile", str(edited), *OVERRIDES, "--plan", str(compiled / "plan.json"),
+                 "--out-dir", str(tmp_path / "out")])
+    assert code == 1
+    assert "different model file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupted_plan_is_a_clear_error(examples_dir, tmp_path, capsys):
+    broken = tmp_path / "plan.json"
+    broken.write_text('{"dp": 2, "tp": ')
+    code = main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--plan", str(broken),
+                 "--out-dir", str(tmp_path / "out")])
+    assert code == 1
+    assert "not a readable plan" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, compiled, tmp_path, monkeypatch):
+    """An error half-way through code generation keeps the previous compile as it was."""
+    generate_module = importlib.import_module("autopar.codegen.generate")
+
+    out = tmp_path / "kept"
+    out.mkdir()
+    (out / "plan.json").write_text("previous")
+
+    def broken_launch(*args, **kwargs):
+        raise generate_module.CodegenError("launch scripts cannot be written.", "none.")
+
+    monkeypatch.setattr(generate_module, "launch_script", broken_launch)
+    code = main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--plan", str(compiled / "plan.json"),
+                 "--out-dir", str(out)])
+    assert code == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"]
+    assert (out / "plan.json").read_text() == "previous"

@@ -86,6 +86,12 @@ class PlanPins:
     """ulysses or ring."""
     dp_sync: str | None = None
     """ring, tree, hierarchical or ps."""
+    stages: list[list[str]] | None = None
+    """Layer names of each pipeline stage, in order (virtual stages for interleaved schedules);
+    fixes the layer-wise split instead of solving it (pp × chunks must equal their number)."""
+    layer_recompute: dict[str, str] | None = None
+    """Per-layer recomputation (layer name -> none/selective/full; unlisted layers: none);
+    with pp > 1 it needs plan.stages as well."""
 
 
 @dataclass

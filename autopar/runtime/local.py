@@ -105,17 +105,25 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     return result
 
 
-_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n(.*?)\n={10,}", re.S)
+_BLOCK = re.compile(r"^\[\d+\]:\n(.*?)(?=^\[\d+\]:\n|^-{10,}|^={10,}|\Z)", re.S | re.M)
 _RANK = re.compile(r"rank\s*:\s*(\d+)")
+# A rank that dies takes its peers' collectives down with it; their errors are consequences.
+_CONSEQUENCES = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+                 "Signal 15 (SIGTERM)")
 
 
 def failing_rank(output: str) -> tuple[int | None, str]:
-    """(rank, error text) of the first failure in torchrun's report, or the output's tail."""
-    match = _ROOT_CAUSE.search(output)
-    if match:
-        block = match.group(1)
-        rank = _RANK.search(block)
-        return (int(rank.group(1)) if rank else None), block.strip()
+    """(rank, error text) of the failure that caused the others, or the output's tail.
+
+    torchrun names the earliest failure its root cause, but when one rank raises, its peers
+    often fail first, inside a collective the dead rank no longer answers; so a failure that
+    is only such a consequence is passed over while another rank has a cause of its own."""
+    report = output[output.find("Failures:"):] if "Failures:" in output else output
+    blocks = [block.strip() for block in _BLOCK.findall(report) if _RANK.search(block)]
+    if blocks:
+        causes = [b for b in blocks if not any(symptom in b for symptom in _CONSEQUENCES)]
+        block = (causes or blocks)[0]
+        return int(_RANK.search(block).group(1)), block
     ranked = re.findall(r"^\[rank(\d+)\]:.*$", output, re.M)
     tail = "\n".join(output.strip().splitlines()[-40:])
     return (int(ranked[0]) if ranked else None), tail

@@ -16,6 +16,7 @@ from autopar.solver.search import PlanSearch, Scored, SearchResult
 from autopar.solver.space import Candidate, ModelShape, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter
 from cost_models.hardware import known_gpus
+from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
 
@@ -63,13 +64,20 @@ class Planner:
         self.progress = progress
         self.shape = ModelShape.from_profile(profile)
         self.splitter = ILPSplitter(profile)
-        options = (pins.recompute,) if pins.recompute else tuple(solver.recompute_options)
+        options = (pins.recompute,) if pins.recompute and not pins.layer_recompute else tuple(solver.recompute_options)
+        if pins.layer_recompute:
+            options = tuple(dict.fromkeys([*options, "none", *pins.layer_recompute.values()]))
         self.pricer = PlanPricer(profile, cluster, train, self.splitter, recompute_options=options)
 
     def candidates(self, cluster: ClusterSpec | None = None) -> list[Candidate]:
         cluster = cluster or self.cluster
-        return list(enumerate_candidates(self.shape, cluster.world_size, cluster.gpus_per_node,
-                                         self.train.global_batch_size, self.solver, self.pins))
+        found = enumerate_candidates(self.shape, cluster.world_size, cluster.gpus_per_node,
+                                     self.train.global_batch_size, self.solver, self.pins)
+        if self.pins.stages:
+            return [c for c in found if c.pp * c.chunks == len(self.pins.stages)]
+        if self.pins.layer_recompute:
+            return [c for c in found if c.pp == 1]
+        return list(found)
 
     def run(self) -> PlanningResult:
         if self.solver.objective == "min_gpus":
@@ -104,7 +112,8 @@ class Planner:
         if not candidates:
             raise UserError(self._why_no_candidates(), "change the pins or train.global_batch_size.")
         search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=max(1, self.solver.top_k + 1),
-                            seed=self.solver.seed, workers=self.solver.threads, progress=self.progress)
+                            seed=self.solver.seed, workers=self.solver.threads, progress=self.progress,
+                            fixed_partition=self._pinned_partition())
         result = search.run(candidates)
         if not result.best:
             raise InfeasibleError(*self._smallest_fitting_change())
@@ -189,7 +198,33 @@ class Planner:
             notes.append(f"global batch {self.train.global_batch_size} limits data parallelism")
         return notes
 
+    def _pinned_partition(self) -> Callable[[PartitionProblem], Partition | None] | None:
+        """The layer-wise split and per-layer recomputation the pins fix, priced as they are
+        (None when the solver chooses them)."""
+        if not self.pins.stages and not self.pins.layer_recompute:
+            return None
+        names = [layer.name for layer in self.profile.layers]
+        starts = [0]
+        for stage in (self.pins.stages or [])[1:]:
+            starts.append(names.index(stage[0]))
+        chosen = self.pins.layer_recompute or {}
+        options = [self.pricer.recompute_options.index(chosen.get(name, "none")) for name in names]
+        return lambda problem: evaluate(problem, starts, options)
+
     def _check_pins(self) -> None:
+        names = [layer.name for layer in self.profile.layers]
+        if self.pins.stages:
+            flat = [name for stage in self.pins.stages for name in stage]
+            if flat != names or not all(self.pins.stages):
+                raise UserError("plan.stages must list every layer once, in model order, in non-empty stages "
+                                f"(the layers are {', '.join(names)}).", "fix plan.stages or leave it unset.")
+        unknown = sorted(set(self.pins.layer_recompute or {}) - set(names))
+        if unknown:
+            raise UserError(f"plan.layer_recompute names unknown layers: {', '.join(unknown)}.",
+                            f"use layer names from `autopar profile` ({names[0]} ... {names[-1]}).")
+        if self.pins.layer_recompute and not self.pins.stages and (self.pins.pp or 1) != 1:
+            raise UserError("plan.layer_recompute with a pipeline needs the stages fixed as well.",
+                            "add plan.stages=[[...], ...] or pin plan.pp=1.")
         if self.pins.tp is not None and self.shape.tp_problem(self.pins.tp):
             legal = [t for t in (1, 2, 4, 8, 16) if not self.shape.tp_problem(t)]
             raise UserError(f"plan.tp={self.pins.tp} cannot split this model: {self.shape.tp_problem(self.pins.tp)}.",

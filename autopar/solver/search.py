@@ -71,8 +71,10 @@ class PlanSearch:
 
     def __init__(self, pricer: CandidatePricer, time_limit_s: float = 60.0, top_k: int = 1, seed: int = 0,
                  workers: int = 1, progress: Callable[[int, int], None] | None = None,
-                 solve_work_limit: float = 2.0):
+                 solve_work_limit: float = 2.0,
+                 fixed_partition: Callable[[PartitionProblem], Partition | None] | None = None):
         self.pricer = pricer
+        self.fixed_partition = fixed_partition  # pinned split: priced, not solved
         self.time_limit_s = time_limit_s
         self.top_k = max(1, top_k)
         self.general = StagePartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
@@ -184,6 +186,8 @@ class PlanSearch:
     def _solve_partition(self, problem: PartitionProblem, beat_s: float = float("inf")) -> Partition | None:
         """Solve briefly first: the bound of a short solve often already shows the candidate
         cannot beat `beat_s`; only otherwise spend the full work limit."""
+        if self.fixed_partition is not None:
+            return self.fixed_partition(problem)
         run = find_block_run(problem)
         partitioner = self.blocks if run is not None and problem.num_layers - run.count <= 4 else self.general
         full = partitioner.time_limit_s

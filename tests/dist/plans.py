@@ -1,16 +1,21 @@
 """Plans for the code-generation tests, built in one place.
 
-Each plan is what the operator-wise TP solver and the stage partitioner choose for our tiny
-models (Megatron pairing: attention q/k/v and MLP-in column-parallel, their outputs row-parallel,
-the LM head column-parallel with loss parallel, the embedding vocabulary-parallel), with the
-degrees, ZeRO stage, schedule and recomputation of the case pinned.
+Each plan comes from the planner with the case's degrees, ZeRO stage, schedule, micro-batching,
+sequence parallelism and (where the case needs them) stage split and recomputation pinned; the
+operator-wise TP split, the mesh order and the other choices are the solver's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from autopar.plan import Plan, Provenance
+from autopar.config import PlanPins, SolverConfig
+from autopar.model_file import load_model_file
+from autopar.plan import Plan
+from autopar.profile import profile_model
+from autopar.solver.planner import Planner
+from cost_models.step import TrainSpec
+from cost_models.topology import ClusterConfig, ClusterSpec
 
 REPO = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH = 8
@@ -27,11 +32,6 @@ class TinyModel:
     container: str
     blocks: int
     epilogue: list[str]  # layers after it
-    block_tp: dict[str, str]  # block-relative module -> style
-    top_tp: dict[str, str] = field(default_factory=dict)
-    # A split the operator-wise solver also returns for tiny layers, where communication
-    # outweighs compute: attention inputs column-parallel, the rest replicated.
-    mixed_tp: dict[str, str] = field(default_factory=dict)
 
     @property
     def block_names(self) -> list[str]:
@@ -46,39 +46,13 @@ GPT = TinyModel(
     name="gpt", path=REPO / "examples" / "gpt.py",
     kwargs=dict(layers=4, hidden=32, heads=4, seq_len=16, vocab=64),
     prologue=["wte", "wpe"], container="blocks", blocks=4, epilogue=["ln_f", "lm_head"],
-    block_tp={"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
-              "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"},
-    top_tp={"wte": "vocab_parallel", "wpe": "replicate", "lm_head": "colwise"},
-    mixed_tp={"attn.out_proj": "replicate", "mlp.fc_in": "replicate", "mlp.fc_out": "replicate"},
 )
 LLAMA = TinyModel(
     name="llama_hf", path=REPO / "examples" / "llama_hf.py",
     kwargs=dict(layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64, seq_len=16),
     prologue=["model.embed_tokens"], container="model.layers", blocks=4, epilogue=["model.norm", "lm_head"],
-    block_tp={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-              "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-              "mlp.down_proj": "rowwise"},
-    top_tp={"model.embed_tokens": "vocab_parallel", "lm_head": "colwise"},
-    mixed_tp={"self_attn.o_proj": "replicate", "mlp.gate_proj": "replicate", "mlp.up_proj": "replicate",
-              "mlp.down_proj": "replicate"},
 )
 MODELS = {m.name: m for m in (GPT, LLAMA)}
-
-
-def split_stages(model: TinyModel, count: int) -> list[list[str]]:
-    """``count`` contiguous stages: embeddings with the first blocks, norm and head with the last;
-    with as many stages as blocks + 2, embeddings and head get stages of their own."""
-    blocks = model.block_names
-    if count == len(blocks) + 2:
-        return [model.prologue] + [[b] for b in blocks] + [model.epilogue]
-    per = [len(blocks) // count + (1 if i < len(blocks) % count else 0) for i in range(count)]
-    stages, start = [], 0
-    for size in per:
-        stages.append(blocks[start:start + size])
-        start += size
-    stages[0] = model.prologue + stages[0]
-    stages[-1] = stages[-1] + model.epilogue
-    return stages
 
 
 def boundary_stages(model: TinyModel) -> list[list[str]]:
@@ -89,31 +63,35 @@ def boundary_stages(model: TinyModel) -> list[list[str]]:
     return [model.prologue, blocks[:2], blocks[2:], model.epilogue]
 
 
+# Communication priced as on a fast intra-node link: the operator-wise solver then picks
+# Megatron's pairing for the tiny blocks. At 30 µs per message it keeps attention column/row
+# parallel but replicates the MLP (communication outweighs its compute): a genuinely mixed split.
+FAST_LINK_US, SLOW_LINK_US = 3.0, 30.0
+_PROFILES: dict[str, object] = {}
+
+
+def _profile(model: TinyModel):
+    if model.name not in _PROFILES:
+        _PROFILES[model.name] = profile_model(load_model_file(model.path), dict(model.kwargs), 1, "fp32")
+    return _PROFILES[model.name]
+
+
 def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
               schedule: str = "1f1b", chunks: int = 1, recompute: dict[str, str] | None = None,
               num_micro_batches: int | None = None, stages: list[list[str]] | None = None,
-              hybrid: bool = False, mixed_tp: bool = False) -> Plan:
-    """A plan for ``model`` with the given pins and the solver's TP split."""
+              hybrid: bool = False, mixed_tp: bool = False, gpus_per_node: int | None = None) -> Plan:
+    """The planner's plan for ``model`` with the case's choices pinned; everything else (the
+    operator-wise TP split, mesh order, the stage split where not pinned) is the solver's."""
     per_rank = GLOBAL_BATCH // dp
-    n = num_micro_batches or (4 if pp > 1 else 2)
-    n = min(n, per_rank)
-    virtual = pp * (chunks if schedule == "interleaved_1f1b" else 1)
-    tp_styles = {}
-    if tp > 1:
-        tp_styles.update(model.top_tp)
-        for block in model.block_names:
-            tp_styles.update({f"{block}.{k}": v for k, v in model.block_tp.items()})
-            if mixed_tp:
-                tp_styles.update({f"{block}.{k}": v for k, v in model.mixed_tp.items()})
-    layers = model.layer_names
-    return Plan(
-        dp=dp, tp=tp, pp=pp, cp=1, mesh_order=["tp", "cp", "pp", "dp"], zero_stage=zero, hybrid_shard=hybrid,
-        micro_batch_size=per_rank // n, num_micro_batches=n, schedule=schedule,
-        chunks=chunks if schedule == "interleaved_1f1b" else 1,
-        stages=stages or split_stages(model, virtual),
-        recompute={layer: (recompute or {}).get(layer, "none") for layer in layers},
-        tp_styles=tp_styles, sequence_parallel=sp and tp > 1, loss_parallel=tp > 1,
-        layer_names=layers, block_container=model.container, global_batch_size=GLOBAL_BATCH,
-        precision="fp32", optimizer="adam",
-        provenance=Provenance(model_path=str(model.path), model_kwargs=dict(model.kwargs)),
-    )
+    n = min(num_micro_batches or (4 if pp > 1 else 2), per_rank)
+    world = dp * tp * pp
+    cluster = ClusterSpec.from_config(ClusterConfig(
+        name="tiny_cpu", gpu="cpu", nodes=world // (gpus_per_node or world), gpus_per_node=gpus_per_node or world,
+        intra_node_latency_us=SLOW_LINK_US if mixed_tp else FAST_LINK_US, intra_node_bandwidth_GBps=1.5))
+    pins = PlanPins(dp=dp, tp=tp, pp=pp, cp=1, zero_stage=zero, hybrid_shard=hybrid, micro_batch_size=per_rank // n,
+                    sequence_parallel=sp and tp > 1, schedule=schedule if pp > 1 else None,
+                    chunks=chunks if schedule == "interleaved_1f1b" else 1, stages=stages,
+                    layer_recompute=recompute)
+    solver = SolverConfig(time_limit_s=60, top_k=0)
+    train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
+    return Planner(_profile(model), cluster, train, solver, pins).run().plan

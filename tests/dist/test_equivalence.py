@@ -52,7 +52,7 @@ class Case:
         recompute = pins.pop("recompute_blocks", None)
         if recompute:
             pins["recompute"] = {b: mode for b, mode in zip(model.block_names, recompute)}
-        return make_plan(model, **pins)
+        return make_plan(model, gpus_per_node=self.gpus_per_node, **pins)
 
 
 CASES = [

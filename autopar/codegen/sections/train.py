@@ -310,6 +310,9 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
                         log.write(json.dumps(record) + "\n")
         if training.save_final:
             save_full_state(parallel, training.save_final)
+        # Every rank past its last collective before any tears the group down: gloo aborts a
+        # process whose peer exits while a transfer thread is still winding down.
+        dist.barrier()
         return records
     finally:
         if created:

@@ -17,7 +17,7 @@ from autopar.codegen import CodegenError, generate
 from autopar.codegen.model_facts import inspect_model
 from autopar.codegen.tp_plan import build_tp_plan
 from autopar.plan import Plan, Predicted, SolverInfo
-from tests.dist.plans import GPT, LLAMA, make_plan
+from tests.dist.plans import GPT, LLAMA, boundary_stages, make_plan
 
 STDLIB = set(sys.stdlib_module_names)
 
@@ -36,7 +36,7 @@ def _load(path: Path):
 def gpt_3d(tmp_path_factory):
     """GPT with every technique at once: ZeRO-3 x TP+SP x interleaved PP, recompute, a prediction."""
     plan = make_plan(GPT, dp=2, tp=2, pp=2, zero=3, sp=True, schedule="interleaved_1f1b", chunks=2,
-                     recompute={"blocks.1": "selective", "blocks.2": "full"}).with_updates(
+                     recompute={"blocks.1": "selective", "blocks.2": "full"}, stages=boundary_stages(GPT)).with_updates(
         predicted=Predicted(step_time_s=0.0456, tokens_per_s=98765.0, mfu=0.377, peak_memory_bytes=5 * 2**30,
                             time_breakdown={"compute": 0.04, "bubble": 0.0056}),
         solver=SolverInfo(status="OPTIMAL", candidates=321, seconds=1.5))

@@ -64,9 +64,9 @@ def boundary_stages(model: TinyModel) -> list[list[str]]:
 
 
 # Communication priced as on a fast intra-node link: the operator-wise solver then picks
-# Megatron's pairing for the tiny blocks. At 30 µs per message it keeps attention column/row
-# parallel but replicates the MLP (communication outweighs its compute): a genuinely mixed split.
-FAST_LINK_US, SLOW_LINK_US = 3.0, 30.0
+# Megatron's pairing for the tiny blocks. At 40 µs per message it splits part of each block and
+# replicates the rest (communication outweighs their compute): a genuinely mixed split.
+FAST_LINK_US, SLOW_LINK_US = 3.0, 40.0
 _PROFILES: dict[str, object] = {}
 
 

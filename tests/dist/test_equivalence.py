@@ -169,3 +169,19 @@ def test_tied_embedding_and_head_stay_identical_across_stages(case, outcomes):
     assert outcome.error is None, outcome.error
     torch.testing.assert_close(outcome.parameters["lm_head.weight"], outcome.parameters["wte.weight"],
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_planned_tp_splits_shard_the_blocks(model):
+    """The planner's operator-wise split is what the TP cases exercise: Megatron's pairing on the
+    fast link (every block linear split, column then row), part split and part replicated on the
+    slow one."""
+    tiny = MODELS[model]
+    block = tiny.block_names[0]
+
+    def block_styles(case: Case) -> list[str]:
+        return [style for module, style in case.plan(tiny).tp_styles.items() if module.startswith(block + ".")]
+
+    assert sorted(set(block_styles(Case("tp2", dict(tp=2))))) == ["colwise", "rowwise"]
+    mixed = set(block_styles(Case("tp2_sp_mixed_split", dict(tp=2, sp=True, mixed_tp=True))))
+    assert "colwise" in mixed and "replicate" in mixed

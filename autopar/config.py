@@ -89,9 +89,9 @@ class PlanPins:
     stages: list[list[str]] | None = None
     """Layer names of each pipeline stage, in order (virtual stages for interleaved schedules);
     fixes the layer-wise split instead of solving it (pp × chunks must equal their number)."""
-    layer_recompute: dict[str, str] | None = None
-    """Per-layer recomputation (layer name -> none/selective/full; unlisted layers: none);
-    with pp > 1 it needs plan.stages as well."""
+    layer_recompute: dict[str, str] = field(default_factory=dict)
+    """Per-layer recomputation (layer name -> none/selective/full; unlisted layers: none), e.g.
+    plan.layer_recompute='{blocks.0: full}'; with pp > 1 it needs plan.stages as well."""
 
 
 @dataclass
@@ -117,10 +117,11 @@ def register_configs() -> None:
 
 
 def normalise_overrides(overrides: list[str]) -> list[str]:
-    """Let ``model.<name>=<value>`` add keys: the model section has no fixed schema."""
+    """Let ``model.<name>=<value>`` add keys (the model section has no fixed schema), and a
+    per-layer map replace the empty one (its keys are the model's layer names)."""
     result = []
     for item in overrides:
-        if item.startswith("model.") and "=" in item:
+        if (item.startswith("model.") or item.startswith("plan.layer_recompute=")) and "=" in item:
             item = "++" + item
         result.append(item)
     return result

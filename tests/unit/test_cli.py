@@ -46,3 +46,25 @@ def test_console_script_is_installed():
     exe = shutil.which("autopar") or str(__import__("pathlib").Path(sys.executable).parent / "autopar")
     result = subprocess.run([exe, "profile", "--help"], capture_output=True, text=True, check=True)
     assert "examples:" in result.stdout and "model.<kwarg>" in result.stdout
+
+
+def test_stage_split_and_layer_recompute_pins_reach_the_plan(examples_dir, tmp_path):
+    """plan.stages and plan.layer_recompute from the command line fix the layer-wise split and
+    per-layer recomputation; the rest is still searched."""
+    out = tmp_path / "plan.json"
+    code = main(["plan", str(examples_dir / "gpt.py"), "cluster=cpu_gloo", "cluster.gpus_per_node=2",
+                 "model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32", "model.vocab=128",
+                 "train.global_batch_size=8", "train.precision=fp32",
+                 "plan.stages=[[wte,wpe,blocks.0],[blocks.1,ln_f,lm_head]]", "plan.layer_recompute={blocks.0: full}",
+                 "--out", str(out), "-q"])
+    assert code == 0
+    plan = json.loads(out.read_text())
+    assert plan["pp"] == 2 and plan["stages"] == [["wte", "wpe", "blocks.0"], ["blocks.1", "ln_f", "lm_head"]]
+    assert plan["recompute"]["blocks.0"] == "full" and plan["recompute"]["blocks.1"] == "none"
+
+
+def test_stage_pin_that_skips_a_layer_exits_1(examples_dir, capsys):
+    code = main(["plan", str(examples_dir / "gpt.py"), "cluster=cpu_gloo", "model.layers=2",
+                 "plan.stages=[[wte,wpe,blocks.0],[ln_f,lm_head]]"])
+    assert code == 1
+    assert "plan.stages must list every layer once" in capsys.readouterr().err

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from autopar.profile import ModelProfile
 
 
+UNBOUNDED_BYTES = 2**60  # memory limit for "how much would it need" re-solves
+
+
 class InfeasibleError(UserError):
     """No plan fits; the message names the smallest change that would."""
 
@@ -121,6 +124,7 @@ class Planner:
         plan, estimate = self.to_plan(winner, result)
         alternatives = [Alternative(self.to_plan(other, result)[0], self._why_lost(other, winner))
                         for other in result.best if other is not winner][: self.solver.top_k]
+        alternatives += self._faster_but_too_big(result, winner, search)
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
                               binding=self._binding_constraints(winner))
 
@@ -176,6 +180,29 @@ class Planner:
         return styles
 
     # -- explanations --------------------------------------------------------------------------------
+
+    def _faster_but_too_big(self, result: SearchResult, winner: Scored, search: PlanSearch) -> list[Alternative]:
+        """Candidates memory refused that would otherwise beat the winner: each re-solved with
+        memory unbounded, reported with how far over the GPU it goes (at most 3, fastest first)."""
+        found: list[Alternative] = []
+        for bound, index, candidate, problem in result.over_memory:
+            if len(found) == min(3, self.solver.top_k) or bound >= winner.step_time_s:
+                break
+            unbounded = replace(problem, capacity_bytes=[UNBOUNDED_BYTES] * problem.devices)
+            partition = search.solve_partition(unbounded)
+            if partition is None or not partition.stage_starts:
+                continue
+            scored = Scored(partition.step_time_s + self.pricer.fixed_time_s(candidate), index, candidate, partition)
+            if scored.step_time_s >= winner.step_time_s:
+                continue
+            over = [used - cap for used, cap in zip(partition.device_memory_bytes, problem.capacity_bytes)]
+            rank = max(range(len(over)), key=over.__getitem__)
+            faster = 1 - scored.step_time_s / winner.step_time_s
+            found.append(Alternative(self.to_plan(scored, result)[0],
+                                     (f"faster by {faster:.1%}" if faster >= 0.001 else "faster by <0.1%")
+                                     + f" but over memory by {over[rank] / 1e9:.1f} GB"
+                                     + (f" on pipeline rank {rank}" if problem.devices > 1 else "")))
+        return found
 
     def _why_lost(self, other: Scored, winner: Scored) -> str:
         slower = other.step_time_s / winner.step_time_s - 1

@@ -30,6 +30,9 @@ from autopar.solver.stage_partition import StagePartitioner
 from cost_models.pipeline import Partition, PartitionProblem
 
 
+OVER_MEMORY_KEPT = 16
+
+
 class CandidatePricer(Protocol):
     """What the search needs from the cost model for one candidate."""
 
@@ -64,6 +67,9 @@ class SearchResult:
     rejected: dict[str, int]
     pruned: int = 0  # excluded by the memory-aware bound without a partition solve
     priced: int = 0  # candidates whose full prices were computed (the rest fell to their floor)
+    # (bound, index, candidate, problem) of candidates refused for memory, fastest bound first:
+    # what the report shows as "would be faster, but does not fit"
+    over_memory: list = field(default_factory=list)
 
 
 class PlanSearch:
@@ -92,6 +98,7 @@ class PlanSearch:
         open_bounds: list[float] = []  # lower bounds of solves stopped by their work limit
         stopped_at: float | None = None
         pruned = priced = 0
+        over_memory: list[tuple[float, int, Candidate, PartitionProblem]] = []  # bound below the k-th best then
         while stopped_at is None:
             kth = -best[0].step_time_s if len(best) == self.top_k else float("inf")
             # Price, in floor order, every candidate whose floor is below the best priced bound:
@@ -111,6 +118,8 @@ class PlanSearch:
                     rejected["cannot run"] = rejected.get("cannot run", 0) + 1
                 elif memory_cannot_fit(problem):
                     rejected["memory"] = rejected.get("memory", 0) + 1
+                    over_memory.append((lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index,
+                                        candidate, problem))
                 else:
                     heapq.heappush(waiting, (lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index,
                                              candidate, problem))
@@ -129,13 +138,15 @@ class PlanSearch:
                 if tighter + fixed >= kth:
                     if tighter == float("inf"):
                         rejected["memory"] = rejected.get("memory", 0) + 1
+                        over_memory.append((bound, index, candidate, problem))
                     else:
                         pruned += 1
                     continue
-                solved[key] = self._solve_partition(problem, kth - fixed)
+                solved[key] = self.solve_partition(problem, kth - fixed)
             partition = solved[key]
             if partition is None:
                 rejected["memory"] = rejected.get("memory", 0) + 1
+                over_memory.append((bound, index, candidate, problem))
                 continue
             if partition.status != "OPTIMAL":
                 open_bounds.append(partition.bound_s + fixed)
@@ -159,7 +170,7 @@ class PlanSearch:
         return SearchResult(best=ranked, status=status if ranked or status == "UNKNOWN" else "INFEASIBLE",
                             seconds=time.perf_counter() - start, candidates=len(candidates),
                             partitions_solved=len(solved), gap=gap, rejected=rejected, pruned=pruned,
-                            priced=priced)
+                            priced=priced, over_memory=sorted(over_memory, key=lambda item: item[:2])[:OVER_MEMORY_KEPT])
 
     def _floors(self, candidates: list[Candidate], rejected: dict[str, int]) -> list[tuple[float, int, Candidate]]:
         """(compute-only lower bound, index, candidate) of every runnable candidate, ascending."""
@@ -183,7 +194,7 @@ class PlanSearch:
             return lower_bound_s(problem)
         return max(lower_bound_s(problem), block_lower_bound_s(problem, run))
 
-    def _solve_partition(self, problem: PartitionProblem, beat_s: float = float("inf")) -> Partition | None:
+    def solve_partition(self, problem: PartitionProblem, beat_s: float = float("inf")) -> Partition | None:
         """Solve briefly first: the bound of a short solve often already shows the candidate
         cannot beat `beat_s`; only otherwise spend the full work limit."""
         if self.fixed_partition is not None:

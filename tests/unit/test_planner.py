@@ -165,3 +165,20 @@ def test_plan_round_trips_through_json_and_yaml(examples_dir, tmp_path):
     plan.save(tmp_path / "plan.yaml")
     assert (tmp_path / "plan.yaml").read_text().startswith("dp:")
     assert Plan.load(tmp_path / "plan.yaml") == plan
+
+
+def test_faster_plans_that_do_not_fit_are_named_with_their_overage(examples_dir):
+    """With ZeRO pinned off, pure data parallelism would be fastest but its replicated states
+    (~3.8B params x 16 B) overflow a 40 GB GPU: it is listed as a runner-up that lost on memory,
+    with a prediction that is faster than the winner and a peak above the GPU."""
+    shape = {"layers": 8, "hidden": 6144, "heads": 48, "seq_len": 1024, "vocab": 50304}
+    profile = profile_of(examples_dir, "gpt.py", shape)
+    spec = cluster("A100-40GB", 1, 8)
+    result = Planner(profile, spec, TrainSpec(global_batch_size=64), SolverConfig(top_k=5),
+                     PlanPins(zero_stage=0)).run()
+    too_big = [a for a in result.alternatives if "over memory" in a.reason]
+    assert too_big
+    for alternative in too_big:
+        assert alternative.plan.predicted.step_time_s < result.plan.predicted.step_time_s
+        assert alternative.plan.predicted.peak_memory_bytes > 40e9
+    assert result.plan.predicted.peak_memory_bytes <= 40e9

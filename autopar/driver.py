@@ -138,6 +138,11 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     if plan_path is not None:
         plan = load_saved_plan(plan_path, model_path, cfg)
     else:
+        # The code generator builds no context parallelism yet: search only what it can build.
+        if cfg.plan.cp not in (None, 1):
+            raise ConfigError(f"plan.cp={cfg.plan.cp}: context parallelism cannot be compiled into code yet.",
+                              "drop plan.cp (compile plans with cp=1), or price it with `autopar plan`.")
+        cfg.plan.cp = 1
         result = run_plan(model_path, cfg, progress=progress)
         plan = result.plan
     out_dir = Path(out_dir)

@@ -108,3 +108,24 @@ def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, com
     assert code == 1
     assert [p.name for p in tmp_path.iterdir()] == ["kept"]
     assert (out / "plan.json").read_text() == "previous"
+
+
+def test_compile_plans_only_what_it_can_generate(examples_dir, tmp_path, capsys, monkeypatch):
+    """Context parallelism is priced by `autopar plan` but not generated: compile asks the planner
+    for cp=1 plans only, and refuses a cp pin up front instead of after solving."""
+    import autopar.driver as driver
+
+    asked = []
+    real_run_plan = driver.run_plan
+
+    def spy(model_path, cfg, progress=None):
+        asked.append(cfg.plan.cp)
+        return real_run_plan(model_path, cfg, progress=progress)
+
+    monkeypatch.setattr(driver, "run_plan", spy)
+    assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--out-dir", str(tmp_path / "a"), "-q"]) == 0
+    assert asked == [1] and Plan.load(tmp_path / "a" / "plan.json").cp == 1
+    code = main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "plan.cp=2", "--out-dir", str(tmp_path / "b")])
+    assert code == 1
+    assert "context parallelism cannot be compiled" in capsys.readouterr().err
+    assert asked == [1] and not (tmp_path / "b").exists()

@@ -376,12 +376,7 @@ def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
         else:
             per_block[block][module[len(block) + 1:]] = spec
     lines = [f"def tp_plan() -> dict[str, ParallelStyle]:", doc, "    plan: dict[str, ParallelStyle] = {"]
-    previous = None
-    for module, spec in top.items():
-        if spec.why and spec.why != previous:
-            lines.append(f"        # {spec.why}")
-        previous = spec.why
-        lines.append(_entry(f"        {module!r}: ", spec))
+    lines += _entries({f"{module!r}": spec for module, spec in top.items()}, "        ")
     lines.append("    }")
     # Blocks with the same relative layout share one loop.
     groups: dict[tuple, list[str]] = {}
@@ -394,15 +389,21 @@ def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
         names = _block_range_source(members, container)
         lines.append(f"    for block in {names}:")
         lines.append("        plan.update({")
-        previous = None
-        for suffix, spec in relative.items():
-            if spec.why and spec.why != previous:
-                lines.append(f"            # {spec.why}")
-            previous = spec.why
-            lines.append(_entry(f"            f\"{{block}}.{suffix}\": ", spec))
+        lines += _entries({f'f"{{block}}.{suffix}"': spec for suffix, spec in relative.items()}, "            ")
         lines.append("        })")
     lines.append("    return plan")
     return "\n".join(lines)
+
+
+def _entries(specs: dict[str, Any], indent: str) -> list[str]:
+    """``key: Style(...)`` lines, each run of styles with the same reason under one comment."""
+    lines, previous = [], None
+    for key, spec in specs.items():
+        if spec.why and spec.why != previous:
+            lines.append(f"{indent}# {spec.why}")
+        previous = spec.why
+        lines.append(_entry(f"{indent}{key}: ", spec))
+    return lines
 
 
 def _entry(prefix: str, spec) -> str:

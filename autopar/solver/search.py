@@ -99,6 +99,11 @@ class PlanSearch:
         stopped_at: float | None = None
         pruned = priced = 0
         over_memory: list[tuple[float, int, Candidate, PartitionProblem]] = []  # bound below the k-th best then
+
+        def refuse_for_memory(*item: object) -> None:
+            rejected["memory"] = rejected.get("memory", 0) + 1
+            over_memory.append(item)
+
         while stopped_at is None:
             kth = -best[0].step_time_s if len(best) == self.top_k else float("inf")
             # Price, in floor order, every candidate whose floor is below the best priced bound:
@@ -116,13 +121,12 @@ class PlanSearch:
                 problem = self.pricer.partition_problem(candidate)
                 if problem is None:
                     rejected["cannot run"] = rejected.get("cannot run", 0) + 1
-                elif memory_cannot_fit(problem):
-                    rejected["memory"] = rejected.get("memory", 0) + 1
-                    over_memory.append((lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index,
-                                        candidate, problem))
                 else:
-                    heapq.heappush(waiting, (lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index,
-                                             candidate, problem))
+                    item = (lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index, candidate, problem)
+                    if memory_cannot_fit(problem):
+                        refuse_for_memory(*item)
+                    else:
+                        heapq.heappush(waiting, item)
             if stopped_at is not None or not waiting or waiting[0][0] >= kth:
                 break
             if time.perf_counter() - start > self.time_limit_s:
@@ -137,16 +141,14 @@ class PlanSearch:
                 tighter = self._memory_aware_bound(problem)
                 if tighter + fixed >= kth:
                     if tighter == float("inf"):
-                        rejected["memory"] = rejected.get("memory", 0) + 1
-                        over_memory.append((bound, index, candidate, problem))
+                        refuse_for_memory(bound, index, candidate, problem)
                     else:
                         pruned += 1
                     continue
                 solved[key] = self.solve_partition(problem, kth - fixed)
             partition = solved[key]
             if partition is None:
-                rejected["memory"] = rejected.get("memory", 0) + 1
-                over_memory.append((bound, index, candidate, problem))
+                refuse_for_memory(bound, index, candidate, problem)
                 continue
             if partition.status != "OPTIMAL":
                 open_bounds.append(partition.bound_s + fixed)

@@ -19,7 +19,14 @@ import torch.multiprocessing as mp
 
 
 class RankFailure(RuntimeError):
-    """A rank raised; the message holds its rank number and traceback."""
+    """A rank raised; the message holds its rank number and traceback.
+
+    ``killed`` lists ranks whose process died by a signal (no Python exception: e.g. a C++ abort
+    inside the transport), whose peers then fail with lost connections."""
+
+    def __init__(self, message: str, killed: list[int] | None = None):
+        super().__init__(message)
+        self.killed = killed or []
 
 
 def free_port() -> int:
@@ -46,7 +53,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 missing = sorted(set(range(world_size)) - set(outcome))
                 raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
             if not ok:
-                raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
+                killed = _killed_by_signal(processes)
+                note = "".join(f"\nrank {r} died by signal {-processes[r].exitcode}" for r in killed)
+                raise RankFailure(f"rank {rank} of {world_size} failed:{note}\n{value}", killed)
             outcome[rank] = value
     finally:
         for process in processes:
@@ -55,6 +64,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 process.kill()
                 process.join()
     return [outcome[rank] for rank in range(world_size)]
+
+
+def _killed_by_signal(processes: list, wait_s: float = 2.0) -> list[int]:
+    """Ranks whose process ended by a signal (checked after a short grace period)."""
+    for process in processes:
+        process.join(timeout=wait_s / len(processes))
+    return [rank for rank, process in enumerate(processes) if process.exitcode is not None and process.exitcode < 0]
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:

@@ -28,3 +28,18 @@ def test_all_reduce_over_four_ranks():
 def test_failing_rank_traceback_is_surfaced():
     with pytest.raises(RankFailure, match=r"rank 1 of 2 failed:(.|\n)*ValueError: rank one is broken on purpose"):
         run_ranks(_fail_on_rank_one, 2, timeout_s=60)
+
+
+def _abort_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        import os
+
+        os.abort()  # dies by SIGABRT, as a C++ abort in a transport thread would
+    dist.all_reduce(torch.ones(1))
+
+
+def test_rank_killed_by_a_signal_is_named():
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_abort_on_rank_one, 2, timeout_s=60)
+    assert failure.value.killed == [1]
+    assert "rank 1 died by signal 6" in str(failure.value)

@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from autopar.serialize import from_jsonable, to_jsonable
+from autopar.serialize import WALL_CLOCK, from_jsonable, to_jsonable
 
 
 class MeshAxis(StrEnum):
@@ -57,7 +57,8 @@ class SolverInfo:
 
     status: str = "PINNED"
     objective: float = 0.0
-    seconds: float = 0.0
+    # wall time: shown after solving, not written to plan.json nor compared (determinism rule)
+    seconds: float = field(default=0.0, compare=False, metadata={WALL_CLOCK: True})
     candidates: int = 0
     gap: float = 0.0
     priced: int = 0  # candidates priced in full; the others were excluded by a cheaper bound
@@ -72,6 +73,19 @@ class Provenance:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     cluster: str = ""
     versions: dict[str, str] = field(default_factory=dict)
+
+
+def software_versions() -> dict[str, str]:
+    """Installed autopar, torch and ortools versions: a plan replayed under others may differ."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("autopar", "torch", "ortools"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
 
 
 @dataclass(frozen=True)

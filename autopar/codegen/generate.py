@@ -319,8 +319,12 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
 
 
 def _plain(plan: Plan) -> Any:
+    """The plan as JSON values, less the software versions (plan.json beside the module keeps
+    them; the module itself names nothing of autopar)."""
     import json
-    return json.loads(plan.to_json())
+    data = json.loads(plan.to_json())
+    data["provenance"].pop("versions", None)
+    return data
 
 
 PARALLEL_CONFIG_SOURCE = '''

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.errors import UserError
-from autopar.plan import Plan, Predicted, Provenance, SolverInfo
+from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchResult
 from autopar.solver.space import Candidate, ModelShape, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter
@@ -165,7 +165,8 @@ class Planner:
                               candidates=result.candidates, gap=result.gap,
                               priced=result.priced),
             provenance=Provenance(model_path=self.profile.model_path, model_sha256=self.profile.model_sha256,
-                                  model_kwargs=dict(self.profile.model_kwargs), cluster=self.cluster.name))
+                                  model_kwargs=dict(self.profile.model_kwargs), cluster=self.cluster.name,
+                                  versions=software_versions()))
         return plan, estimate
 
     def _tp_styles(self, tp: int) -> dict[str, str]:

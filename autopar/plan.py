@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from autopar.serialize import WALL_CLOCK, from_jsonable, to_jsonable
+from autopar.serialize import from_jsonable, to_jsonable
 
 
 class MeshAxis(StrEnum):
@@ -57,8 +57,9 @@ class SolverInfo:
 
     status: str = "PINNED"
     objective: float = 0.0
-    # wall time: shown after solving, not written to plan.json nor compared (determinism rule)
-    seconds: float = field(default=0.0, compare=False, metadata={WALL_CLOCK: True})
+    # Wall time of the search: written (plan.json's documented keys include it) but not part of
+    # the plan's identity, so two plans from the same inputs compare equal.
+    seconds: float = field(default=0.0, compare=False)
     candidates: int = 0
     gap: float = 0.0
     priced: int = 0  # candidates priced in full; the others were excluded by a cheaper bound

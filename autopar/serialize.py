@@ -15,17 +15,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-WALL_CLOCK = "wall_clock"  # field metadata key: a measured time, not part of the artifact's identity
 
 
 def to_jsonable(obj: Any) -> Any:
-    """Dataclasses to dicts, enums to values, tuples to lists; everything else as it is.
-
-    Fields marked ``metadata={WALL_CLOCK: True}`` (measured wall time) are left out, so the same
-    inputs give the same text byte for byte; they read back as their defaults."""
+    """Dataclasses to dicts, enums to values, tuples to lists; everything else as it is."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not f.metadata.get(WALL_CLOCK)}
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Enum):
         return obj.value
     if isinstance(obj, Path):

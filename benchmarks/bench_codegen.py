@@ -16,7 +16,6 @@ predicted peak:
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import statistics
@@ -28,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from autopar.runtime.generated import command_line, import_generated
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 512}
@@ -115,11 +116,8 @@ def _rank(rank: int, port: int, script: str, queue) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(RANKS))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-        spec = importlib.util.spec_from_file_location("generated_bench", script)
-        generated = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = generated
-        spec.loader.exec_module(generated)
-        args = generated.parse_args([], {"steps": 1, "lr": 3e-4, "model_file": generated.MODEL_FILE, "log_file": None})
+        generated = import_generated(script, "generated_bench")
+        args = command_line(generated)
         training, config = generated.train_config(generated.PLAN, args), generated.parallel_config(generated.PLAN)
         model_module = generated.load_model_file(training.model_file)
         parallel = generated.setup(training, config, generated.tp_plan, model_module, torch.device("cpu"))
@@ -192,7 +190,8 @@ def run() -> dict:
 
 def fake_rank_memory(out_dir: str | Path, steps: int = 3) -> dict:
     """Rank 0 of ``out_dir``'s generated module on this GPU, other ranks faked; peak memory of
-    the training steps (set-up excluded) against the plan's prediction. Needs only torch."""
+    the training steps (set-up excluded) against the plan's prediction. Needs torch and this
+    repository only (autopar.runtime.generated imports nothing else)."""
     import json
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -206,12 +205,8 @@ def fake_rank_memory(out_dir: str | Path, steps: int = 3) -> dict:
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         script = next(out_dir.glob("parallel_*.py"))
-        spec = importlib.util.spec_from_file_location("generated_fake_rank", script)
-        generated = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = generated
-        spec.loader.exec_module(generated)
-        args = generated.parse_args(["--steps", str(steps)], {"steps": steps, "lr": 3e-4,
-                                                            "model_file": generated.MODEL_FILE, "log_file": None})
+        generated = import_generated(script, "generated_fake_rank")
+        args = command_line(generated, steps=steps)
         records = generated.train(generated.train_config(generated.PLAN, args), generated.parallel_config(generated.PLAN),
                                   generated.tp_plan)
     finally:

@@ -2,13 +2,12 @@
 prices, checked on the generated module's own setup (2 gloo ranks, tiny GPT)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.runtime.generated import command_line, import_generated
 from autopar.codegen import generate
 from tests.dist.harness import run_ranks
 from tests.dist.plans import GPT, make_plan
@@ -32,11 +31,8 @@ def _inspect(rank: int, world_size: int, scripts: dict[str, str]) -> dict[str, d
     torch.set_num_threads(1)
     facts = {}
     for name, script in scripts.items():
-        spec = importlib.util.spec_from_file_location(f"layout_{name}", script)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        args = module.parse_args([], {"steps": 1, "lr": 1e-3, "model_file": module.MODEL_FILE, "log_file": None})
+        module = import_generated(script, f"layout_{name}")
+        args = command_line(module, lr=1e-3)
         training, config = module.train_config(module.PLAN, args), module.parallel_config(module.PLAN)
         model_module = module.load_model_file(training.model_file)
         parallel = module.setup(training, config, module.tp_plan, model_module, torch.device("cpu"))

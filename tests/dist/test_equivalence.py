@@ -19,14 +19,13 @@ Tolerances (fp32 throughout):
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
+from autopar.runtime.generated import import_generated
 from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.runtime import read_records, run_reference
@@ -79,20 +78,12 @@ CASES = [
 IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES]
 
 
-def _import_generated(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run_generated_cases(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> list[str]:
     """Run each generated module's ``main`` in this rank's (shared) process group."""
     torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun's default arranges
     done = []
     for case_id, script, log_file, final in jobs:
-        module = _import_generated(script, f"generated_{case_id.replace('-', '_')}")
+        module = import_generated(script, f"generated_{case_id.replace('-', '_')}")
         try:
             module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
         except Exception as err:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
+from autopar.runtime.generated import import_generated
 from autopar.codegen import CodegenError, generate
 from autopar.codegen.model_facts import inspect_model
 from autopar.codegen.tp_plan import build_tp_plan
@@ -24,12 +24,7 @@ STDLIB = set(sys.stdlib_module_names)
 
 def _load(path: Path):
     """Import a generated module (its top level only defines things; main() is guarded)."""
-    name = f"generated_{path.parent.name}_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_generated(path, f"generated_{path.parent.name}_{path.stem}")
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,16 @@ ESTIMATE_EXAMPLES = """examples:
 PLAN_EXAMPLES = """examples:
   autopar plan examples/gpt.py cluster=dgx_a100_80g cluster.nodes=4 train.global_batch_size=256
   autopar plan examples/llama_hf.py cluster=dgx_h100 cluster.nodes=64 plan.tp=8 --top-k 5 --out plan.json
-  autopar plan examples/gpt.py solver.objective=memory solver.time_limit_s=30
+  autopar plan examples/gpt.py solver.objective=memory solver.time_limit_s=30 --report report/
+  # a sweep (Hydra multirun): one plan per point, sweep.csv + sweep.md + sweep.png in --out-dir
+  autopar plan examples/gpt.py -m cluster.nodes=1,2,4,8,16 cluster=dgx_a100_80g,dgx_h100 \\
+      train.global_batch_size=512 --out-dir sweeps/gpt
+"""
+
+REPORT_EXAMPLES = """examples:
+  autopar report out/gpt                  # re-render the report of a compiled folder
+  autopar report plan.json --out-dir rep  # price a saved plan again and write its report
+  autopar report plan.json --model path/to/model.py
 """
 
 
@@ -55,7 +64,14 @@ RUN_EXAMPLES = """examples:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Options may sit between overrides (`plan MODEL -m a=1,2 b=3`): argparse leaves the overrides
+    # after an option unparsed, so they are collected here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra if item.startswith("-") or "=" not in item or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     # Piped output keeps wide tables readable instead of folding them at 80 columns.
     console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 120)
     errors = Console(stderr=True)
@@ -82,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan = _add_verb(verbs, "plan", "search for the fastest plan that fits and explain the runners-up",
                      PLAN_EXAMPLES, _plan)
     plan.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
+    plan.add_argument("--report", type=Path, default=None, metavar="DIR",
+                      help="also write the plan report (report.html, report.md, timeline.json, ...) into DIR")
+    plan.add_argument("-m", "--multirun", action="store_true",
+                      help="sweep: plan every combination of the comma-separated overrides (Hydra multirun)")
+    plan.add_argument("--out-dir", type=Path, default=None,
+                      help="sweep output folder (default multirun/<date>/<time>)")
     compile_ = _add_verb(verbs, "compile", "profile, plan and write the parallel training module and launch scripts",
                          COMPILE_EXAMPLES, _compile, out=False)
     compile_.add_argument("--out-dir", type=Path, required=True,
@@ -89,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--plan", type=Path, default=None,
                           help="reuse this saved plan instead of solving (must match the model file and cluster)")
     compile_.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
+    report = verbs.add_parser("report", help="write the plan report (HTML, markdown, timeline) of a plan or compiled folder",
+                              description="Render report.html (self-contained), report.md, timeline.json (Chrome "
+                                          "trace) and figures for a compiled folder or a plan.json.",
+                              epilog=REPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_argument("source", type=Path, metavar="PLAN_OR_DIR", help="a folder `autopar compile` wrote, or a plan.json")
+    report.add_argument("--out-dir", type=Path, default=None,
+                        help="where to write (default: the folder itself, or the plan file's folder)")
+    report.add_argument("--model", type=Path, default=None,
+                        help="the model.py, when it is no longer where the plan says (re-pricing a plan.json)")
+    report.add_argument("-v", "--verbose", action="store_true", help="print more detail")
+    report.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    report.set_defaults(handler=_report)
     run = verbs.add_parser("run", help="run a compiled folder on local ranks (gloo on CPU, NCCL on GPUs)",
                            description="Launch DIR/parallel_<model>.py with torchrun on this machine; one JSON "
                                        "record per step is appended to DIR/run.jsonl.",
@@ -168,10 +202,12 @@ def _estimate(args: argparse.Namespace, console: Console) -> int:
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
     from autopar.config import compose_config
-    from autopar.driver import run_plan
+    from autopar.driver import report_of, run_plan
     from autopar.report.terminal import print_plan
 
     overrides = list(args.overrides) + ([f"solver.top_k={args.top_k}"] if args.top_k is not None else [])
+    if args.multirun:
+        return _sweep(args, overrides, console)
     cfg = compose_config(overrides)
     with console.status("Tracing, pricing and solving ...") as status:
         def progress(done: int, total: int) -> None:
@@ -181,6 +217,56 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     out = args.out or Path("plan.json")
     write_atomically(out, result.plan.to_json())
     console.print(f"wrote {out}")
+    if args.report is not None:
+        with console.status("Writing the report ..."):
+            files = write_report_atomically(report_of(result), args.report)
+        console.print(f"wrote {files['report.html']} (and report.md, timeline.json)")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, overrides: list[str], console: Console) -> int:
+    import time
+
+    from rich.progress import Progress
+
+    from autopar.sweep import run_sweep
+    from autopar.report.terminal import print_sweep
+
+    out_dir = args.out_dir or Path("multirun") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("Sweeping", total=None)
+
+        def on_point(point, total: int) -> None:
+            progress.update(task, total=total, completed=point.index,
+                            description=f"Planning point {point.index + 1} of {total}: {' '.join(point.swept)}")
+        rows = run_sweep(args.model, overrides, out_dir, on_point=on_point)
+    print_sweep(rows, console)
+    console.print(f"wrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.md'}, {out_dir / 'sweep.png'}")
+    return 0
+
+
+def _report(args: argparse.Namespace, console: Console) -> int:
+    from autopar.driver import read_plan, rebuild_report
+    from autopar.report.document import load_report
+
+    source: Path = args.source
+    if source.is_dir():
+        saved, plan_file, out_dir = source / "report.json", source / "plan.json", args.out_dir or source
+    else:
+        saved, plan_file, out_dir = None, source, args.out_dir or source.parent
+    with console.status("Writing the report ...") as status:
+        if saved is not None and saved.is_file() and args.model is None:
+            try:
+                report = load_report(saved)
+            except Exception as err:  # noqa: BLE001 - any parse failure means the same thing
+                raise UserError(f"{saved} is not a readable report ({type(err).__name__}).",
+                                f"delete it to price {plan_file} again, or compile again.") from None
+        else:
+            plan = read_plan(plan_file)
+            status.update("Tracing the model and pricing the plan again ...")
+            report = rebuild_report(plan, args.model)
+        files = write_report_atomically(report, out_dir)
+    console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}")
     return 0
 
 
@@ -243,6 +329,23 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
                   f"{link['bandwidth_Bps'] / 1e9:,.2f} GB/s with {link['latency_s'] * 1e6:,.0f} µs per message")
     console.print(f"wrote {args.out}; use it with cluster=calibrated cluster.hardware_profile={args.out}")
     return 0
+
+
+def write_report_atomically(report, out_dir: Path) -> dict[str, Path]:
+    """Render into a staging folder, then move the files in, so a failure leaves nothing half-written."""
+    import shutil
+
+    from autopar.report.render import write_report
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".report.", suffix=".partial"))
+    try:
+        files = write_report(report, staging)
+        for path in files.values():
+            os.replace(path, out_dir / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {name: out_dir / path.name for name, path in files.items()}
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -72,17 +72,73 @@ def run_estimate(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, Parall
         raise ConfigError(f"This plan cannot run: {err}.", "change the plan.* overrides.") from None
 
 
-def run_plan(model_path: str | Path, cfg: Any, progress: Callable[[int, int], None] | None = None):
-    """Stages 1-4: profile, then search for the fastest plan that fits (`autopar plan`)."""
+def run_plan(model_path: str | Path, cfg: Any, progress: Callable[[int, int], None] | None = None,
+             profile: ModelProfile | None = None):
+    """Stages 1-4: profile (unless given), then search for the fastest plan that fits (`autopar plan`)."""
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
 
-    profile = run_profile(model_path, cfg)
+    profile = profile or run_profile(model_path, cfg)
     cluster = build_cluster(cfg)
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
     planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress)
-    return planner.run()
+    result = planner.run()
+    result.plan = with_cluster_config(result.plan, cfg)
+    return result
+
+
+def cluster_config(cfg: Any) -> dict[str, Any]:
+    return dict(OmegaConf.to_container(cfg.cluster, resolve=True))
+
+
+def with_cluster_config(plan: Any, cfg: Any) -> Any:
+    """Record every cluster.* setting in the plan, so it can be priced again and a replay on
+    another cluster is caught."""
+    from dataclasses import replace
+
+    return plan.with_updates(provenance=replace(plan.provenance, cluster_config=cluster_config(cfg)))
+
+
+def report_of(result: Any) -> Any:
+    """The full report of a planning result (runners-up and binding limits included)."""
+    from autopar.report.document import build_report
+
+    return build_report(result.plan, result.estimate, result.pricer, result.alternatives, result.binding)
+
+
+def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
+    """Price a saved plan again from its provenance (model file, its settings, the cluster) and
+    build its report; runners-up are not part of a plan file, so the report has none."""
+    from autopar.report.document import build_report, layout_of_plan
+    from autopar.solver.tp_split import ILPSplitter
+    from cost_models.topology import ClusterConfig
+
+    made_for = plan.provenance
+    path = Path(model_path or made_for.model_path)
+    if not path.is_file():
+        raise ConfigError(f"The plan's model file {path} is not there (the report prices the plan again from it).",
+                          "pass --model PATH to the model.py the plan was made for.")
+    if not made_for.cluster_config:
+        raise ConfigError("This plan does not record its cluster settings (made by an older autopar).",
+                          "plan again with `autopar plan ... --out plan.json`.")
+    model_file = load_model_file(path)
+    if made_for.model_sha256 and model_file.sha256 != made_for.model_sha256:
+        raise ConfigError(f"{path} changed since the plan was made (sha256 {model_file.sha256[:12]}…, plan: "
+                          f"{made_for.model_sha256[:12]}…).", "plan again, or pass --model with the original file.")
+    profile = profile_model(model_file, dict(made_for.model_kwargs), micro_batch_size=made_for.traced_micro_batch_size,
+                            precision=plan.precision)
+    schema = OmegaConf.structured(ClusterConfig)
+    cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
+    train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer)
+    pricer = PlanPricer(profile, cluster, train, ILPSplitter(profile))
+    try:
+        estimate = pricer.estimate(layout_of_plan(plan))
+    except ValueError as err:
+        raise ConfigError(f"The plan cannot be priced on its cluster: {err}.", "plan again.") from None
+    return build_report(plan, estimate, pricer,
+                        notes=["Rebuilt from plan.json alone: the runners-up and binding limits are recorded only "
+                               "when the report is written by `autopar compile` or `autopar plan --report`."])
 
 
 def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
@@ -133,10 +189,11 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     import tempfile
 
     from autopar.codegen import generate
+    from autopar.report.render import write_report
 
     result = None
     if plan_path is not None:
-        plan = load_saved_plan(plan_path, model_path, cfg)
+        plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
     else:
         # The code generator builds no context parallelism yet: search only what it can build.
         if cfg.plan.cp not in (None, 1):
@@ -151,6 +208,7 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     staging.chmod(0o755)  # mkdtemp's folder is private; the output is an ordinary folder
     try:
         files = generate(plan, model_path, staging, gpus_per_node=build_cluster(cfg).gpus_per_node)
+        write_report(report_of(result) if result is not None else rebuild_report(plan, model_path), staging)
         if out_dir.exists():
             previous = out_dir.with_name(f".{out_dir.name}.previous")
             shutil.rmtree(previous, ignore_errors=True)
@@ -162,4 +220,6 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return plan, result, {name: out_dir / path.name for name, path in vars(files).items()}
+    written = {name: out_dir / path.name for name, path in vars(files).items()}
+    written["report"] = out_dir / "report.html"
+    return plan, result, written

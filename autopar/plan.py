@@ -74,6 +74,8 @@ class Provenance:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     cluster: str = ""
     versions: dict[str, str] = field(default_factory=dict)
+    cluster_config: dict[str, Any] = field(default_factory=dict)  # every cluster.* setting, to price it again
+    traced_micro_batch_size: int = 1  # the batch the profile was traced with (prices scale from it)
 
 
 def software_versions() -> dict[str, str]:
@@ -160,6 +162,22 @@ class Plan:
         import torch
 
         return torch.arange(self.world_size).reshape(self.mesh_shape()).tolist()
+
+    def summary(self) -> str:
+        """One line: degrees, ZeRO, micro-batching, schedule, SP/CP, recomputation."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}",
+                 f"ZeRO-{self.zero_stage}" + (" hybrid" if self.hybrid_shard else ""),
+                 f"micro-batch {self.micro_batch_size}×{self.num_micro_batches}"]
+        if list(self.mesh_order) != [a.value for a in MeshAxis]:
+            parts.append("mesh " + ">".join(self.mesh_order))
+        if self.cp > 1:
+            parts.append(self.cp_strategy)
+        if self.pp > 1:
+            parts.append(self.schedule + (f" v={self.chunks}" if self.chunks > 1 else ""))
+        if self.sequence_parallel:
+            parts.append("SP")
+        parts.append("recompute " + "/".join(sorted(set(self.recompute.values())) or ["none"]))
+        return " ".join(parts)
 
     def with_updates(self, **changes: Any) -> "Plan":
         return replace(self, **changes)

@@ -27,7 +27,6 @@ CASES = [
 def run() -> list[dict]:
     from autopar.config import compose_config
     from autopar.driver import run_plan
-    from autopar.report.terminal import plan_summary
 
     rows = []
     for name, example, overrides in CASES:
@@ -37,7 +36,7 @@ def run() -> list[dict]:
         plan = result.plan
         rows.append({"case": name, "wall_s": round(wall_s, 1), "solver_s": plan.solver.seconds,
                      "status": plan.solver.status, "candidates": plan.solver.candidates,
-                     "plan": plan_summary(plan), "step_s": round(plan.predicted.step_time_s, 2),
+                     "plan": plan.summary(), "step_s": round(plan.predicted.step_time_s, 2),
                      "mfu": round(plan.predicted.mfu, 3),
                      "peak_GiB": round(plan.predicted.peak_memory_bytes / 2**30, 1),
                      "met": wall_s < 60 and plan.solver.status == "OPTIMAL"})

@@ -79,7 +79,10 @@ class Estimate:
         device_memory_bytes: per pipeline rank, allocated bytes.
         stages: layer names per (virtual) stage; recompute: option per layer.
         fits: every rank's memory within capacity.
-        stage_details: per pipeline rank: GPU, layers, time, memory, in-flight micro-batches.
+        stage_details: per pipeline rank: GPU, layers, time, memory (and its breakdown),
+            in-flight micro-batches, exposed gradient sync and optimizer time per step.
+        stage_timings: per (virtual) stage: forward, backward and send seconds of one
+            micro-batch (what the timeline plays through the schedule).
     """
 
     step_time_s: float
@@ -98,6 +101,7 @@ class Estimate:
     recompute: list[str]
     fits: bool
     stage_details: list[dict[str, Any]] = field(default_factory=list)
+    stage_timings: list[dict[str, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -692,7 +696,8 @@ class PlanPricer:
             device_time_s=partition.device_time_s, device_memory_bytes=partition.device_memory_bytes,
             stages=[[self.layers[l].name for l in stage] for stage in stages],
             recompute=[problem.option_names[o] for o in partition.options], fits=fits,
-            stage_details=self._stage_details(layout, problem, partition, stages))
+            stage_details=self._stage_details(layout, problem, partition, stages),
+            stage_timings=self._stage_timings(layout, problem, partition, stages))
 
     def _recompute_flops(self, layer: Any, option: str) -> float:
         if option == "full":
@@ -734,7 +739,7 @@ class PlanPricer:
         """Seconds per step on the critical pipeline rank, adding up to the step time."""
         m = layout.num_micro_batches
         reference = self._device_facts(layout)[0]
-        time_rows, step_rows = self.time_parts_rows(layout, reference), self.per_step_rows(layout, reference)
+        time_rows = self.time_parts_rows(layout, reference)
         speed = problem.speed_of(device)
         parts = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm"), 0.0)
         for l in self._device_layers(layout, stages, device):
@@ -742,13 +747,7 @@ class PlanPricer:
                 parts[name] += m * seconds * speed
         parts["pp_comm"] = m * speed * sum(problem.send_s[stage[-1]] for j, stage in enumerate(stages)
                                            if j % layout.pp == device and j < len(stages) - 1)
-        per_device = []
-        for d in range(layout.pp):
-            totals = {"optimizer": 0.0, "dp_comm": 0.0}
-            for l in self._device_layers(layout, stages, d):
-                for name, seconds in step_rows[l].items():
-                    totals[name] += seconds * problem.speed_of(d)
-            per_device.append(totals)
+        per_device = self._per_step_by_device(layout, problem, stages)
         once = max(per_device, key=lambda totals: totals["optimizer"] + totals["dp_comm"])
         parts["dp_comm"] += once["dp_comm"]
         parts["optimizer"] = once["optimizer"]
@@ -759,10 +758,49 @@ class PlanPricer:
 
     def _stage_details(self, layout, problem, partition, stages) -> list[dict[str, Any]]:
         pp_gpus = self.pp_rank_gpus(layout)
+        per_step = self._per_step_by_device(layout, problem, stages)
         return [{"pp_rank": d, "gpu": sorted({g.name for g in pp_gpus[d]}),
                  "layers": [self.layers[l].name for l in self._device_layers(layout, stages, d)],
                  "time_per_micro_batch_s": partition.device_time_s[d],
                  "memory_bytes": partition.device_memory_bytes[d],
                  "capacity_bytes": problem.capacity_bytes[d],
-                 "in_flight_micro_batches": problem.in_flight[d], "speed": problem.speed_of(d)}
+                 "memory_breakdown": self._memory_breakdown(layout, problem, partition, d, stages),
+                 "in_flight_micro_batches": problem.in_flight[d], "speed": problem.speed_of(d),
+                 "dp_comm_s": per_step[d]["dp_comm"], "optimizer_s": per_step[d]["optimizer"]}
                 for d in range(layout.pp)]
+
+    def _per_step_by_device(self, layout, problem, stages) -> list[dict[str, float]]:
+        """Per pipeline rank: exposed gradient synchronisation and optimizer seconds, once per step."""
+        rows = self.per_step_rows(layout, self._device_facts(layout)[0])
+        result = []
+        for d in range(layout.pp):
+            totals = {"optimizer": 0.0, "dp_comm": 0.0}
+            for l in self._device_layers(layout, stages, d):
+                for name, seconds in rows[l].items():
+                    totals[name] += seconds * problem.speed_of(d)
+            result.append(totals)
+        return result
+
+    def _stage_timings(self, layout, problem, partition, stages) -> list[dict[str, float]]:
+        """Per (virtual) stage, one micro-batch: forward, backward (with its recomputation) and
+        the send of its output to the next stage (half of the layer's send_s, the other half
+        being the gradient coming back). A layer's time outside recomputation is split between
+        forward and backward by its traced FLOPs (backward ~2x forward): the sum per device is
+        the partition's device time, which the timeline plays through the schedule."""
+        rows = self.time_parts_rows(layout, self._device_facts(layout)[0])
+        timings = []
+        for j, stage in enumerate(stages):
+            speed = problem.speed_of(j % layout.pp)
+            forward = backward = 0.0
+            for l in stage:
+                layer, option = self.layers[l], partition.options[l]
+                recompute = rows[l][option]["recompute"] * speed
+                rest = problem.time_s[l][option] * speed - recompute
+                flops = layer.flops_forward + layer.flops_backward
+                share = layer.flops_forward / flops if flops else 1 / 3
+                forward += share * rest
+                backward += (1 - share) * rest + recompute
+            send = problem.send_s[stage[-1]] * speed / 2 if j < len(stages) - 1 else 0.0
+            timings.append({"stage": j, "pp_rank": j % layout.pp, "forward_s": forward, "backward_s": backward,
+                            "send_s": send})
+        return timings

@@ -79,31 +79,13 @@ def breakdown_table(title: str, rows: dict[str, str]) -> Table:
     return table
 
 
-def plan_summary(plan) -> str:
-    """One line: degrees, ZeRO, micro-batching, schedule."""
-    parts = [f"dp={plan.dp}", f"tp={plan.tp}", f"pp={plan.pp}", f"cp={plan.cp}",
-             f"ZeRO-{plan.zero_stage}" + (" hybrid" if plan.hybrid_shard else ""),
-             f"micro-batch {plan.micro_batch_size}×{plan.num_micro_batches}"]
-    if list(plan.mesh_order) != ["tp", "cp", "pp", "dp"]:
-        parts.append("mesh " + ">".join(plan.mesh_order))
-    if plan.cp > 1:
-        parts.append(plan.cp_strategy)
-    if plan.pp > 1:
-        parts.append(plan.schedule + (f" v={plan.chunks}" if plan.chunks > 1 else ""))
-    if plan.sequence_parallel:
-        parts.append("SP")
-    recompute = sorted(set(plan.recompute.values()))
-    parts.append("recompute " + "/".join(recompute))
-    return " ".join(parts)
-
-
 def print_plan(result, console: Console) -> None:
     """The winner, why, and the runners-up with the reason each lost."""
     plan = result.plan
     predicted = plan.predicted
     rate = (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s is not None
             else f"{predicted.samples_per_s:,.1f} samples/s")
-    console.print(f"[bold green]plan[/]: {plan_summary(plan)}  (mesh {' → '.join(plan.mesh_order)}, innermost first)")
+    console.print(f"[bold green]plan[/]: {plan.summary()}  (mesh {' → '.join(plan.mesh_order)}, innermost first)")
     console.print(f"predicted step {predicted.step_time_s * 1e3:,.1f} ms, {rate}, MFU {predicted.mfu:.1%}, "
                   f"peak memory {format_bytes(predicted.peak_memory_bytes)}")
     if plan.pp > 1:
@@ -111,14 +93,33 @@ def print_plan(result, console: Console) -> None:
     solver = plan.solver
     console.print(f"solver {solver.status} in {solver.seconds:.1f} s over {solver.candidates:,} candidates"
                   f"{f', gap {solver.gap:.1%}' if solver.gap else ''}")
-    for note in result.binding:
-        console.print(f"binding: {note}")
+    for binding in result.binding:
+        console.print(f"binding: {binding.constraint} [dim]→ {binding.relaxing}[/]")
     if result.alternatives:
         table = Table(title="runners-up", title_justify="left")
         table.add_column("plan")
         table.add_column("step", justify="right")
         table.add_column("why it lost")
         for alternative in result.alternatives:
-            table.add_row(plan_summary(alternative.plan), f"{alternative.plan.predicted.step_time_s * 1e3:,.1f} ms",
+            table.add_row(alternative.plan.summary(), f"{alternative.plan.predicted.step_time_s * 1e3:,.1f} ms",
                           alternative.reason)
         console.print(table)
+
+
+def print_sweep(rows: list[dict], console: Console) -> None:
+    """One line per sweep point: GPUs, the plan's degrees, step time, throughput, MFU, cost."""
+    table = Table(title="sweep", title_justify="left")
+    for column in ("#", "point", "GPUs", "plan", "step", "tokens/s", "MFU", "memory", "$/M tokens"):
+        table.add_column(column, justify="right" if column not in ("point", "plan") else "left")
+    for row in rows:
+        if row["status"] != "ok":
+            table.add_row(str(row["point"]), row["overrides"], str(row["gpus"] or ""), f"[red]{row['status']}[/]",
+                          "", "", "", "", "")
+            continue
+        cost = row["cost_per_million_tokens"]
+        table.add_row(str(row["point"]), row["overrides"], str(row["gpus"]),
+                      f"dp{row['dp']} tp{row['tp']} pp{row['pp']} cp{row['cp']} ZeRO-{row['zero_stage']}",
+                      f"{row['step_time_s'] * 1e3:,.1f} ms",
+                      f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] is not None else "",
+                      f"{row['mfu']:.1%}", f"{row['peak_memory_gib']:.1f} GiB", f"{cost:.3f}" if cost else "")
+    console.print(table)

@@ -40,13 +40,22 @@ class Alternative:
     reason: str
 
 
+@dataclass(frozen=True)
+class Binding:
+    """A limit that shapes the chosen plan, and what relaxing it would buy."""
+
+    constraint: str
+    relaxing: str
+
+
 @dataclass
 class PlanningResult:
     plan: Plan
     alternatives: list[Alternative]
     search: SearchResult
     estimate: Estimate
-    binding: list[str] = field(default_factory=list)
+    binding: list[Binding] = field(default_factory=list)
+    pricer: PlanPricer | None = None  # what priced the plan (the report re-uses its numbers)
 
 
 def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
@@ -126,7 +135,7 @@ class Planner:
                         for other in result.best if other is not winner][: self.solver.top_k]
         alternatives += self._faster_but_too_big(result, winner, search)
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
-                              binding=self._binding_constraints(winner))
+                              binding=self._binding_constraints(winner, alternatives), pricer=self.pricer)
 
     def _choose(self, result: SearchResult) -> Scored:
         if self.solver.objective != "memory":
@@ -166,6 +175,7 @@ class Planner:
                               priced=result.priced),
             provenance=Provenance(model_path=self.profile.model_path, model_sha256=self.profile.model_sha256,
                                   model_kwargs=dict(self.profile.model_kwargs), cluster=self.cluster.name,
+                                  traced_micro_batch_size=self.profile.micro_batch_size,
                                   versions=software_versions()))
         return plan, estimate
 
@@ -209,22 +219,58 @@ class Planner:
         slower = other.step_time_s / winner.step_time_s - 1
         return f"slower by {slower:.1%}" if slower > 1e-9 else "equal step time; later in the tie-break order"
 
-    def _binding_constraints(self, winner: Scored) -> list[str]:
-        """Which limits shape the winner (memory per stage, divisibility, TP inside a node)."""
-        notes = []
+    def _binding_constraints(self, winner: Scored, alternatives: list[Alternative]) -> list[Binding]:
+        """Which limits shape the winner, each with what relaxing it would buy (priced where the
+        search can price it: more memory, TP across nodes)."""
+        found: list[Binding] = []
         problem = self.pricer.partition_problem(winner.candidate)
-        for device, used in enumerate(winner.partition.device_memory_bytes):
-            if used > 0.9 * problem.capacity_bytes[device]:
-                notes.append(f"memory of pipeline rank {device}: {used / 2**30:.1f} of "
-                             f"{problem.capacity_bytes[device] / 2**30:.1f} GiB usable")
+        too_big = [a for a in alternatives if "over memory" in a.reason]
+        full = [f"pipeline rank {d}: {used / 2**30:.1f} of {problem.capacity_bytes[d] / 2**30:.1f} GiB usable"
+                for d, used in enumerate(winner.partition.device_memory_bytes)
+                if used > 0.9 * problem.capacity_bytes[d]]
+        if too_big or full:
+            constraint = "GPU memory" + (f" ({'; '.join(full)})" if full else "")
+            relaxing = (f"more memory per GPU would allow {too_big[0].plan.summary()}: {too_big[0].reason}"
+                        if too_big else "no faster plan was refused for memory: more memory buys nothing here")
+            found.append(Binding(constraint, relaxing))
         bigger_tp = winner.candidate.tp * 2
-        if self.shape.tp_problem(bigger_tp):
-            notes.append(f"tp={bigger_tp} is impossible: {self.shape.tp_problem(bigger_tp)}")
+        heads_problem = self.shape.tp_problem(bigger_tp)
+        if heads_problem:
+            found.append(Binding(f"head divisibility: tp={bigger_tp} is impossible ({heads_problem})",
+                                 "a model whose heads divide by the larger degree could be split further; "
+                                 "nothing to relax in the plan"))
         elif bigger_tp > self.cluster.gpus_per_node and not self.solver.allow_cross_node_tp:
-            notes.append(f"TP kept inside a node of {self.cluster.gpus_per_node} GPUs")
-        if self.train.global_batch_size % (winner.candidate.dp * 2):
-            notes.append(f"global batch {self.train.global_batch_size} limits data parallelism")
-        return notes
+            found.append(Binding(f"TP kept inside a node of {self.cluster.gpus_per_node} GPUs",
+                                 self._cross_node_tp_gain(winner)))
+        batch, step = self.train.global_batch_size, winner.candidate.dp * winner.candidate.micro_batch_size
+        if batch % (winner.candidate.dp * 2) and winner.candidate.dp * 2 * winner.candidate.tp * winner.candidate.pp \
+                * winner.candidate.cp <= self.cluster.world_size:
+            found.append(Binding(f"batch divisibility: global batch {batch} does not split over dp={winner.candidate.dp * 2}",
+                                 f"train.global_batch_size={-(-batch // (2 * step)) * 2 * step} would allow "
+                                 f"dp={winner.candidate.dp * 2}; plan again with it to price that"))
+        pinned = [f"plan.{name}={value}" for name, value in vars(self.pins).items()
+                  if value not in (None, {}, []) and name not in ("stages", "layer_recompute")]
+        if pinned:
+            found.append(Binding("your pins: " + ", ".join(pinned),
+                                 "drop a pin to let the solver choose that decision (plan again to price it)"))
+        return found
+
+    def _cross_node_tp_gain(self, winner: Scored) -> str:
+        """Price the plans with TP groups spanning nodes, the search otherwise leaves out."""
+        wider = replace(self.solver, allow_cross_node_tp=True)
+        extra = [c for c in enumerate_candidates(self.shape, self.cluster.world_size, self.cluster.gpus_per_node,
+                                                 self.train.global_batch_size, wider, self.pins)
+                 if c.tp > self.cluster.gpus_per_node]
+        if not extra:
+            return "no plan with TP across nodes exists for this model and batch"
+        search = PlanSearch(self.pricer, time_limit_s=min(10.0, self.solver.time_limit_s), seed=self.solver.seed)
+        best = search.run(extra).best
+        if not best:
+            return "no plan with TP across nodes fits in memory"
+        change = best[0].step_time_s / winner.step_time_s - 1
+        return (f"the best plan with TP across nodes (tp={best[0].candidate.tp}) is "
+                + (f"{-change:.1%} faster" if change < 0 else f"{change:.1%} slower") + ": "
+                + ("allow it with solver.allow_cross_node_tp=true" if change < 0 else "keeping TP inside costs nothing"))
 
     def _pinned_partition(self) -> Callable[[PartitionProblem], Partition | None] | None:
         """The layer-wise split and per-layer recomputation the pins fix, priced as they are

@@ -1,0 +1,135 @@
+"""The plan in sentences and the rank grid: which rank holds which coordinate and which layers.
+
+Rank r's coordinate on a mesh axis is (r // stride) % degree, with strides growing from the
+innermost axis (`Plan.mesh_order`); a group along an axis is the ranks differing only there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.plan import Plan
+from autopar.report.document import AXIS_NAMES, PlanReport
+from autopar.report.units import format_count
+
+ZERO_WORDS = {0: "every DP rank keeps full parameters, gradients and optimizer states (DDP)",
+              1: "optimizer states sharded over the DP ranks (ZeRO-1)",
+              2: "optimizer states and gradients sharded over the DP ranks (ZeRO-2)",
+              3: "parameters, gradients and optimizer states sharded over the DP ranks (ZeRO-3 / FSDP)"}
+
+
+@dataclass(frozen=True)
+class RankCell:
+    """One rank in the grid: node, local index, mesh coordinate and the layers it holds."""
+
+    rank: int
+    node: int
+    local: int
+    coords: dict[str, int]
+    layers: str
+
+
+def strides(plan: Plan) -> dict[str, int]:
+    result, stride = {}, 1
+    for axis in plan.mesh_order:
+        result[axis] = stride
+        stride *= plan.degree(axis)
+    return result
+
+
+def coordinate(plan: Plan, rank: int) -> dict[str, int]:
+    return {axis: (rank // stride) % plan.degree(axis) for axis, stride in strides(plan).items()}
+
+
+def layer_span(layers: list[str]) -> str:
+    """'blocks.0 … blocks.9 (10 layers)' or the names when few."""
+    if len(layers) <= 3:
+        return ", ".join(layers)
+    return f"{layers[0]} … {layers[-1]} ({len(layers)} layers)"
+
+
+def pp_rank_layers(plan: Plan) -> list[list[str]]:
+    """Layers each pipeline rank holds (all its virtual stages)."""
+    held: list[list[str]] = [[] for _ in range(plan.pp)]
+    stages = plan.stages or [plan.layer_names]
+    for j, stage in enumerate(stages):
+        held[j % plan.pp].extend(stage)
+    return held
+
+
+def rank_cells(plan: Plan, gpus_per_node: int, limit: int | None = None) -> list[RankCell]:
+    held = [layer_span(layers) for layers in pp_rank_layers(plan)]
+    count = plan.world_size if limit is None else min(limit, plan.world_size)
+    cells = []
+    for rank in range(count):
+        coords = coordinate(plan, rank)
+        cells.append(RankCell(rank, rank // gpus_per_node, rank % gpus_per_node, coords, held[coords["pp"]]))
+    return cells
+
+
+def group_nodes(plan: Plan, axis: str, gpus_per_node: int) -> list[int]:
+    """Nodes the group through rank 0 along `axis` touches."""
+    stride = strides(plan)[axis]
+    return sorted({(i * stride) // gpus_per_node for i in range(plan.degree(axis))})
+
+
+def node_range(nodes: list[int]) -> str:
+    if len(nodes) == 1:
+        return f"node {nodes[0]}"
+    if nodes == list(range(nodes[0], nodes[-1] + 1)):
+        return f"nodes {nodes[0]}-{nodes[-1]}"
+    return "nodes " + ", ".join(map(str, nodes[:6])) + (", ..." if len(nodes) > 6 else "")
+
+
+def describe_axes(plan: Plan, gpus_per_node: int) -> list[str]:
+    """One sentence per parallel axis, innermost first, saying where its groups sit."""
+    sentences = []
+    for axis in plan.mesh_order:
+        degree = plan.degree(axis)
+        if degree == 1:
+            continue
+        nodes = group_nodes(plan, axis, gpus_per_node)
+        stride = strides(plan)[axis]
+        where = ("inside each node" if len(nodes) == 1 and plan.world_size > gpus_per_node
+                 else "inside the node" if len(nodes) == 1 else f"across {node_range(nodes)}"
+                 + (" (and likewise for the other groups)" if plan.world_size // gpus_per_node > len(nodes) else ""))
+        members = ", ".join(str(i * stride) for i in range(min(degree, 4))) + (", ..." if degree > 4 else "")
+        what = {"tp": "tensor-parallel: each layer's matrices split across the group",
+                "cp": f"context-parallel: the sequence split across the group ({plan.cp_strategy})",
+                "pp": "pipeline-parallel: consecutive layers on consecutive ranks of the group",
+                "dp": "data-parallel: each group member trains on its own share of the batch"}[axis]
+        sentences.append(f"{AXIS_NAMES[axis]} {degree} {where}: {what} (rank 0's group: ranks {members}).")
+    return sentences
+
+
+def describe_plan(report: PlanReport) -> list[str]:
+    """The plan in words, one short paragraph per decision."""
+    plan, cluster = report.plan, report.cluster
+    gpus = plan.world_size
+    kinds = sorted(set(cluster.gpu_types))
+    lines = [f"{report.model_name} ({format_count(report.param_count)} parameters) on {cluster.nodes} node(s) × "
+             f"{cluster.gpus_per_node} {' + '.join(kinds)} = {gpus} GPUs: {plan.summary()}."]
+    if gpus == 1:
+        lines.append("One GPU: no parallelism.")
+    lines += describe_axes(plan, cluster.gpus_per_node)
+    if plan.dp * plan.cp > 1:
+        lines.append(ZERO_WORDS[plan.zero_stage] + (", replicated across nodes (hybrid sharding)"
+                                                    if plan.hybrid_shard else "") +
+                     f"; gradients synchronised with {plan.dp_sync}.")
+    if plan.pp > 1:
+        sizes = [len(stage) for stage in plan.stages]
+        lines.append(f"Pipeline schedule {plan.schedule}" + (f" with {plan.chunks} chunks per rank" if plan.chunks > 1
+                                                             else "")
+                     + f": {plan.num_micro_batches} micro-batches of {plan.micro_batch_size}; stage sizes "
+                     f"{', '.join(map(str, sizes))} layers.")
+    else:
+        lines.append(f"{plan.num_micro_batches} micro-batch(es) of {plan.micro_batch_size} per DP rank per step"
+                     + (" (gradient accumulation)." if plan.num_micro_batches > 1 else "."))
+    if plan.sequence_parallel:
+        lines.append("Sequence parallelism: norms, dropout and residuals run on 1/tp of the sequence inside TP "
+                     "groups.")
+    recomputed = {option: sum(1 for value in plan.recompute.values() if value == option)
+                  for option in ("selective", "full")}
+    if any(recomputed.values()):
+        lines.append("Activation recomputation: " + ", ".join(f"{count} layers {option}"
+                                                               for option, count in recomputed.items() if count) + ".")
+    return lines

@@ -54,6 +54,16 @@ class SolverConfig:
     """Pipeline schedules considered."""
     recompute_options: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
     """Per-layer activation recomputation choices considered."""
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages considered when there is data parallelism."""
+    interleave_chunks: list[int] = field(default_factory=lambda: [2, 4])
+    """Model chunks per pipeline rank considered for the interleaved schedule."""
+    max_tp: int = 0
+    """Largest tensor-parallel degree searched (0: no bound beyond the node and the heads)."""
+    max_pp: int = 0
+    """Largest pipeline-parallel degree searched (0: up to the number of layers)."""
+    max_cp: int = 0
+    """Largest context-parallel degree searched (0: no bound beyond the sequence)."""
 
 
 @dataclass

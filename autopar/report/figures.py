@@ -51,7 +51,7 @@ def memory_figure(stage_details: list[dict[str, Any]], path: str | Path) -> None
 def time_figure(time_breakdown: dict[str, float], path: str | Path) -> None:
     """One horizontal stacked bar: where the step's time goes on the critical pipeline rank."""
     plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(9, 1.8))
+    figure, axes = plt.subplots(figsize=(9, 2.0))
     scale, unit = (1e3, "ms") if sum(time_breakdown.values()) < 10 else (1.0, "s")
     left = 0.0
     for part, seconds in time_breakdown.items():
@@ -61,7 +61,7 @@ def time_figure(time_breakdown: dict[str, float], path: str | Path) -> None:
         left += seconds * scale
     axes.set_yticks([])
     axes.set_xlabel(f"time per step ({unit})")
-    axes.legend(fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.45), frameon=False)
+    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

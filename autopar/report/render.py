@@ -123,7 +123,7 @@ def stages_section(report: PlanReport) -> Section:
         shown = ", ".join(layers) if len(layers) <= 4 else f"{layers[0]} … {layers[-1]}"
         breakdown = detail["memory_breakdown"]
         rows.append([str(detail["pp_rank"]), ", ".join(detail["gpu"]), f"{len(layers)}: {shown}",
-                     _ms(detail["time_per_micro_batch_s"]), f"{detail['in_flight_micro_batches']:g}",
+                     _ms(detail["time_per_micro_batch_s"]), f"{detail['in_flight_micro_batches']:.3g}",
                      *(format_bytes(breakdown[part]) for part in ("params", "grads", "optimizer", "activations",
                                                                   "buffers")),
                      f"{format_bytes(detail['memory_bytes'])} / {format_bytes(detail['capacity_bytes'])}",
@@ -227,7 +227,8 @@ def write_report(report: PlanReport, folder: str | Path) -> dict[str, Path]:
                                                            "plan": plan.summary(),
                                                            "predicted_step_time_s": plan.predicted.step_time_s})
     files["timeline.json"].write_text(json.dumps(trace))
-    render_png(timeline, files["timeline.png"], f"{report.model_name}: one simulated step ({plan.summary()})")
+    render_png(timeline, files["timeline.png"], f"{report.model_name}: one simulated training step, {plan.schedule}, "
+                                                f"{plan.num_micro_batches} micro-batches")
     memory_figure(report.estimate["stage_details"], files["memory.png"])
     time_figure(plan.predicted.time_breakdown, files["time.png"])
     parts = sections(report)

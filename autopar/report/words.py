@@ -11,10 +11,10 @@ from autopar.plan import Plan
 from autopar.report.document import AXIS_NAMES, PlanReport
 from autopar.report.units import format_count
 
-ZERO_WORDS = {0: "every DP rank keeps full parameters, gradients and optimizer states (DDP)",
-              1: "optimizer states sharded over the DP ranks (ZeRO-1)",
-              2: "optimizer states and gradients sharded over the DP ranks (ZeRO-2)",
-              3: "parameters, gradients and optimizer states sharded over the DP ranks (ZeRO-3 / FSDP)"}
+ZERO_WORDS = {0: "Every DP rank keeps full parameters, gradients and optimizer states (DDP)",
+              1: "Optimizer states sharded over the DP ranks (ZeRO-1)",
+              2: "Optimizer states and gradients sharded over the DP ranks (ZeRO-2)",
+              3: "Parameters, gradients and optimizer states sharded over the DP ranks (ZeRO-3 / FSDP)"}
 
 
 @dataclass(frozen=True)

@@ -225,13 +225,18 @@ class Planner:
         found: list[Binding] = []
         problem = self.pricer.partition_problem(winner.candidate)
         too_big = [a for a in alternatives if "over memory" in a.reason]
-        full = [f"pipeline rank {d}: {used / 2**30:.1f} of {problem.capacity_bytes[d] / 2**30:.1f} GiB usable"
-                for d, used in enumerate(winner.partition.device_memory_bytes)
-                if used > 0.9 * problem.capacity_bytes[d]]
+        used = winner.partition.device_memory_bytes
+        full = [d for d, nbytes in enumerate(used) if nbytes > 0.9 * problem.capacity_bytes[d]]
         if too_big or full:
-            constraint = "GPU memory" + (f" ({'; '.join(full)})" if full else "")
-            relaxing = (f"more memory per GPU would allow {too_big[0].plan.summary()}: {too_big[0].reason}"
-                        if too_big else "no faster plan was refused for memory: more memory buys nothing here")
+            fullest = max(range(len(used)), key=lambda d: used[d] / problem.capacity_bytes[d])
+            constraint = "GPU memory" + (
+                f" ({len(full)} of {len(used)} pipeline ranks above 90% of the usable memory; fullest: rank "
+                f"{fullest}, {used[fullest] / 2**30:.1f} of {problem.capacity_bytes[fullest] / 2**30:.1f} GiB)"
+                if full else "")
+            nearest = min(too_big, key=lambda a: a.plan.predicted.peak_memory_bytes, default=None)
+            relaxing = (f"{len(too_big)} faster plan(s) were refused for memory; the one needing the least, "
+                        f"{nearest.plan.summary()}, is {nearest.reason}" if nearest
+                        else "no faster plan was refused for memory: more memory buys nothing here")
             found.append(Binding(constraint, relaxing))
         bigger_tp = winner.candidate.tp * 2
         heads_problem = self.shape.tp_problem(bigger_tp)

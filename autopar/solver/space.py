@@ -87,13 +87,18 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
         value = getattr(pins, name)
         return [value] if value is not None else values
 
-    for tp in pinned("tp", divisors(world_size)):
+    def bounded(values: list[int], bound: int) -> list[int]:
+        return [v for v in values if not bound or v <= bound]
+
+    for tp in pinned("tp", bounded(divisors(world_size), solver.max_tp)):
         if not shape.tp_divides(tp) or (tp > gpus_per_node and not solver.allow_cross_node_tp):
             continue
-        for cp in pinned("cp", _cp_options(shape, world_size // tp if world_size % tp == 0 else 0)):
+        for cp in pinned("cp", bounded(_cp_options(shape, world_size // tp if world_size % tp == 0 else 0),
+                                       solver.max_cp)):
             if world_size % (tp * cp):
                 continue
-            for pp in pinned("pp", [d for d in divisors(world_size // (tp * cp)) if d <= max(1, shape.num_blocks)]):
+            for pp in pinned("pp", bounded([d for d in divisors(world_size // (tp * cp)) if d <= max(1, shape.num_blocks)],
+                                           solver.max_pp)):
                 if world_size % (tp * cp * pp):
                     continue
                 dp = world_size // (tp * cp * pp)
@@ -117,7 +122,7 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
             continue
         micro_batches = per_rank // micro_batch_size
         for schedule, chunks in _schedules(shape, pp, micro_batches, solver, pinned):
-            for zero_stage in pinned("zero_stage", [0, 1, 2, 3] if dp > 1 else [0]):
+            for zero_stage in pinned("zero_stage", list(solver.zero_stages) if dp > 1 else [0]):
                 hybrid_options = [False, True] if zero_stage >= 2 and dp > 1 and world_size > gpus_per_node else [False]
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
                     for sequence_parallel in pinned("sequence_parallel", [False, True] if tp > 1 else [False]):
@@ -140,7 +145,7 @@ def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -
         if schedule != "interleaved_1f1b":
             yield (schedule, 1)
             continue
-        for chunks in pinned("chunks", [2, 4]):
+        for chunks in pinned("chunks", list(solver.interleave_chunks)):
             # torch's interleaved schedule needs micro-batches in multiples of the stages.
             if chunks > 1 and shape.num_blocks >= pp * chunks and micro_batches % pp == 0:
                 yield (schedule, chunks)

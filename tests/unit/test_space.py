@@ -59,3 +59,14 @@ def test_shape_from_profile_reads_heads_and_kv_heads(examples_dir):
     assert (shape.heads, shape.kv_heads, shape.head_dim, shape.num_blocks) == (8, 2, 16, 2)
     assert shape.tp_divides(2) and not shape.tp_divides(4)
     assert "2 key/value heads are not divisible by tp=4" == shape.tp_problem(4)
+
+
+def test_solver_bounds_shrink_the_space_to_exactly_the_bounded_part():
+    """solver.max_tp/max_pp/max_cp, zero_stages and interleave_chunks remove candidates outside
+    them and keep every other one."""
+    everything = candidates()
+    bounded = SolverConfig(max_tp=2, max_pp=2, max_cp=1, zero_stages=[0, 3], interleave_chunks=[2])
+    found = list(enumerate_candidates(SHAPE, 16, 8, 32, bounded, PlanPins()))
+    inside = [c for c in everything if c.tp <= 2 and c.pp <= 2 and c.cp == 1 and c.zero_stage in (0, 3)
+              and c.chunks in (1, 2)]
+    assert found == inside and len(found) < len(everything)

@@ -28,7 +28,8 @@ def compiled(examples_dir, tmp_path_factory):
 
 def test_compile_writes_the_module_scripts_and_plan(compiled):
     names = {path.name for path in compiled.iterdir()}
-    assert {"plan.json", "parallel_gpt.py", "launch.sh", "sbatch.sh", "gpt.py"} <= names
+    assert {"plan.json", "parallel_gpt.py", "launch.sh", "sbatch.sh", "gpt.py", "report.html", "report.md",
+            "report.json", "timeline.json", "timeline.png"} <= names
     plan = Plan.load(compiled / "plan.json")
     assert plan.world_size == 2 and plan.solver.status == "OPTIMAL"
     assert "--nproc-per-node" in (compiled / "launch.sh").read_text()
@@ -55,6 +56,7 @@ def test_saved_plan_is_reused_without_solving(examples_dir, compiled, tmp_path, 
     assert code == 0
     assert "reused" in capsys.readouterr().out
     assert Plan.load(out / "plan.json") == Plan.load(compiled / "plan.json")
+    assert "Rebuilt from plan.json" in (out / "report.md").read_text()  # priced again for the report
 
 
 @pytest.mark.parametrize("change, message", [
@@ -119,12 +121,13 @@ def test_compile_plans_only_what_it_can_generate(examples_dir, tmp_path, capsys,
     real_run_plan = driver.run_plan
 
     def spy(model_path, cfg, progress=None):
-        asked.append(cfg.plan.cp)
+        asked.append(cfg.solver.max_cp)
         return real_run_plan(model_path, cfg, progress=progress)
 
     monkeypatch.setattr(driver, "run_plan", spy)
     assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--out-dir", str(tmp_path / "a"), "-q"]) == 0
     assert asked == [1] and Plan.load(tmp_path / "a" / "plan.json").cp == 1
+    assert "without context parallelism" in (tmp_path / "a" / "report.md").read_text()
     code = main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "plan.cp=2", "--out-dir", str(tmp_path / "b")])
     assert code == 1
     assert "context parallelism cannot be compiled" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from autopar.plan import Plan
 from autopar.report.document import AXIS_NAMES, PlanReport
 from autopar.report.units import format_count
+from cost_models.step import mesh_strides
 
 ZERO_WORDS = {0: "Every DP rank keeps full parameters, gradients and optimizer states (DDP)",
               1: "Optimizer states sharded over the DP ranks (ZeRO-1)",
@@ -28,16 +29,8 @@ class RankCell:
     layers: str
 
 
-def strides(plan: Plan) -> dict[str, int]:
-    result, stride = {}, 1
-    for axis in plan.mesh_order:
-        result[axis] = stride
-        stride *= plan.degree(axis)
-    return result
-
-
 def coordinate(plan: Plan, rank: int) -> dict[str, int]:
-    return {axis: (rank // stride) % plan.degree(axis) for axis, stride in strides(plan).items()}
+    return {axis: (rank // stride) % plan.degree(axis) for axis, stride in mesh_strides(plan).items()}
 
 
 def layer_span(layers: list[str]) -> str:
@@ -68,7 +61,7 @@ def rank_cells(plan: Plan, gpus_per_node: int, limit: int | None = None) -> list
 
 def group_nodes(plan: Plan, axis: str, gpus_per_node: int) -> list[int]:
     """Nodes the group through rank 0 along `axis` touches."""
-    stride = strides(plan)[axis]
+    stride = mesh_strides(plan)[axis]
     return sorted({(i * stride) // gpus_per_node for i in range(plan.degree(axis))})
 
 
@@ -88,7 +81,7 @@ def describe_axes(plan: Plan, gpus_per_node: int) -> list[str]:
         if degree == 1:
             continue
         nodes = group_nodes(plan, axis, gpus_per_node)
-        stride = strides(plan)[axis]
+        stride = mesh_strides(plan)[axis]
         where = ("inside each node" if len(nodes) == 1 and plan.world_size > gpus_per_node
                  else "inside the node" if len(nodes) == 1 else f"across {node_range(nodes)}"
                  + (" (and likewise for the other groups)" if plan.world_size // gpus_per_node > len(nodes) else ""))

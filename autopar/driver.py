@@ -191,28 +191,19 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     from autopar.codegen import generate
     from autopar.report.render import write_report
 
-    result, notes = None, []
+    result = None
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
     else:
-        # The code generator builds no context parallelism yet: search only what it can build.
-        if cfg.plan.cp not in (None, 1):
-            raise ConfigError(f"plan.cp={cfg.plan.cp}: context parallelism cannot be compiled into code yet.",
-                              "drop plan.cp (compile plans with cp=1), or price it with `autopar plan`.")
-        cfg.solver.max_cp = 1
         result = run_plan(model_path, cfg, progress=progress)
         plan = result.plan
-        notes.append("compile searched plans without context parallelism (cp=1): its code generation is not "
-                     "built yet; `autopar plan` prices CP plans too.")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".partial"))
     staging.chmod(0o755)  # mkdtemp's folder is private; the output is an ordinary folder
     try:
         files = generate(plan, model_path, staging, gpus_per_node=build_cluster(cfg).gpus_per_node)
-        report = report_of(result) if result is not None else rebuild_report(plan, model_path)
-        report.notes += notes
-        write_report(report, staging)
+        write_report(report_of(result) if result is not None else rebuild_report(plan, model_path), staging)
         if out_dir.exists():
             previous = out_dir.with_name(f".{out_dir.name}.previous")
             shutil.rmtree(previous, ignore_errors=True)

@@ -69,8 +69,10 @@ class GPT(nn.Module):
         for embedding in (self.wte, self.wpe):  # GPT-2's scale: unit-variance logits start near ln(vocab)
             nn.init.normal_(embedding.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # Positions are an argument so context parallelism can give each rank its tokens' places.
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)

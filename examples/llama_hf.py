@@ -28,5 +28,12 @@ def build_model(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: in
 
 
 def example_batch(batch_size: int, seq_len: int = 64, vocab: int = 512):
-    tokens = torch.randint(0, vocab, (batch_size, seq_len))
-    return {"input_ids": tokens, "labels": tokens}
+    # Targets shifted here rather than inside the model (as `labels` would be), so each token's
+    # target stays with it when context parallelism splits the sequence across ranks.
+    tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
+    return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def loss_fn(output, batch: dict) -> torch.Tensor:
+    # Logits in fp32 for the loss, as the model's own labels= loss computes it.
+    return torch.nn.functional.cross_entropy(output.logits.float().flatten(0, 1), batch["targets"].flatten(0, 1))

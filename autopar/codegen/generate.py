@@ -102,7 +102,7 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
 def check_plan(plan: Plan, facts: ModelFacts) -> None:
     """Refuse plans the generated code cannot run, with the reason and the fix."""
     if plan.cp > 1:
-        raise CodegenError("context parallelism (cp > 1) is not generated yet.", "plan with plan.cp=1.")
+        check_context_parallel(plan, facts)
     layers = [layer for stage in plan.stages for layer in stage]
     if not plan.stages or sorted(layers) != sorted(plan.layer_names) or len(set(layers)) != len(layers):
         raise CodegenError("the plan's stages do not list every layer exactly once.",
@@ -118,6 +118,22 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
         raise CodegenError(f"dp ({plan.dp}) x micro_batch_size ({plan.micro_batch_size}) x num_micro_batches "
                            f"({plan.num_micro_batches}) != global_batch_size ({plan.global_batch_size}).",
                            "re-plan; the batch arithmetic must hold.")
+
+
+def check_context_parallel(plan: Plan, facts: ModelFacts) -> None:
+    """What context parallelism needs from the model and the plan."""
+    if facts.position_argument is None:
+        raise CodegenError("context parallelism gives each rank part of every sequence, so the model must take "
+                           "the global positions of its tokens, but its forward has no position_ids/positions "
+                           "argument.", "add `position_ids=None` to forward (use it instead of arange), or plan "
+                           "with plan.cp=1.")
+    if plan.zero_stage < 2:
+        raise CodegenError(f"context parallelism shards gradients over data- x context-parallel ranks, which "
+                           f"needs ZeRO-2 or 3 (the plan has ZeRO-{plan.zero_stage}).", "re-plan (the planner "
+                           "pairs cp > 1 with ZeRO >= 2), or pin plan.zero_stage=2.")
+    if plan.pp > 1:
+        raise CodegenError("context parallelism with pipeline parallelism is not generated yet.",
+                           "plan with plan.pp=1 or plan.cp=1.")
 
 
 def module_split_problem(plan: Plan, facts: ModelFacts) -> str | None:
@@ -308,6 +324,8 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         f"TIED_PARAMETERS = {pprint.pformat(facts.tied_parameters, width=110)}",
         f"LOSS_PARALLEL = {tp.loss_parallel}",
         f"PIPELINE_SPLIT = {layout.pipeline_split!r}  # how stages are cut (see pipeline.py)",
+        f"POSITION_ARGUMENT = {facts.position_argument!r}  # forward's token positions (context parallelism)",
+        f"MASK_ARGUMENT = {facts.mask_argument!r}  # forward's padding mask (context parallelism)",
         "",
         "",
         tp_plan_source(plan, tp),
@@ -341,6 +359,9 @@ def parallel_config(plan: dict) -> ParallelConfig:
         tied_parameters=TIED_PARAMETERS,
         loss_parallel=LOSS_PARALLEL,
         pipeline_split=PIPELINE_SPLIT,
+        cp_strategy=plan["cp_strategy"],
+        position_argument=POSITION_ARGUMENT,
+        mask_argument=MASK_ARGUMENT,
     )
 
 

@@ -48,11 +48,16 @@ class ModelFacts:
         modules: FQN -> ModuleFacts, in definition order ("" is the root).
         tied_parameters: groups of parameter FQNs sharing one tensor (definition order).
         children: FQN -> its direct children's FQNs.
+        position_argument: the root forward's token-position argument (position_ids / positions),
+            which context parallelism feeds with each rank's global positions; None if it has none.
+        mask_argument: the root forward's padding-mask argument (attention_mask), or None.
     """
 
     modules: dict[str, ModuleFacts]
     tied_parameters: list[list[str]]
     children: dict[str, list[str]] = field(default_factory=dict)
+    position_argument: str | None = None
+    mask_argument: str | None = None
 
     def kind(self, name: str) -> str:
         return self.modules[name].kind if name in self.modules else "other"
@@ -103,7 +108,19 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
                for name, module in model.named_modules()}
     children = {name: [f"{name}.{child}" if name else child for child, _ in module.named_children()]
                 for name, module in model.named_modules()}
-    return ModelFacts(modules=modules, tied_parameters=tied_parameter_groups(model), children=children)
+    return ModelFacts(modules=modules, tied_parameters=tied_parameter_groups(model), children=children,
+                      position_argument=position_argument(model),
+                      mask_argument="attention_mask" if "attention_mask" in inspect.signature(model.forward).parameters
+                      else None)
+
+
+POSITION_ARGUMENTS = ("position_ids", "positions")
+
+
+def position_argument(model: nn.Module) -> str | None:
+    """The forward argument that takes token positions, if the model has one."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in POSITION_ARGUMENTS if name in parameters), None)
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:

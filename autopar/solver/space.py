@@ -101,6 +101,8 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
                                            solver.max_pp)):
                 if world_size % (tp * cp * pp):
                     continue
+                if cp > 1 and pp > 1:
+                    continue  # context parallelism inside pipeline stages is not generated yet
                 dp = world_size // (tp * cp * pp)
                 if pins.dp is not None and pins.dp != dp or global_batch_size % dp:
                     continue
@@ -122,7 +124,7 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
             continue
         micro_batches = per_rank // micro_batch_size
         for schedule, chunks in _schedules(shape, pp, micro_batches, solver, pinned):
-            for zero_stage in pinned("zero_stage", list(solver.zero_stages) if dp > 1 else [0]):
+            for zero_stage in pinned("zero_stage", _zero_stages(solver, dp, cp)):
                 hybrid_options = [False, True] if zero_stage >= 2 and dp > 1 and world_size > gpus_per_node else [False]
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
                     for sequence_parallel in pinned("sequence_parallel", [False, True] if tp > 1 else [False]):
@@ -133,6 +135,15 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                                                 hybrid_shard=hybrid_shard, micro_batch_size=micro_batch_size,
                                                 num_micro_batches=micro_batches, schedule=schedule, chunks=chunks,
                                                 sequence_parallel=sequence_parallel, cp_strategy=cp_strategy)
+
+
+def _zero_stages(solver, dp: int, cp: int) -> list[int]:
+    """ZeRO stages for a gradient group of dp x cp ranks. Context parallelism goes with ZeRO-2/3:
+    the generated code shards over the flattened data- x context-parallel axis (FSDP cannot
+    replicate over a group interleaving other mesh axes)."""
+    if dp * cp == 1:
+        return [0]
+    return [z for z in solver.zero_stages if cp == 1 or z >= 2]
 
 
 def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -> Iterator[tuple[str, int]]:

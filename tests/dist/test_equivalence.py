@@ -43,6 +43,7 @@ class Case:
     name: str
     pins: dict = field(default_factory=dict)
     gpus_per_node: int | None = None
+    models: tuple[str, ...] = ("gpt", "llama_hf")
 
     def plan(self, model: TinyModel):
         pins = dict(self.pins)
@@ -74,8 +75,16 @@ CASES = [
                                     num_micro_batches=2)),
     # Beyond the list: hybrid sharding (ZeRO-3 inside a "node" of 2 ranks, replicated across 2).
     Case("zero3_hybrid_2x2", dict(dp=4, zero=3, hybrid=True), gpus_per_node=2),
+    # Context parallelism: each strategy at cp 2 and 4, with TP + SP, and with data parallelism.
+    Case("cp2_ulysses", dict(cp=2, cp_strategy="ulysses", zero=2)),
+    Case("cp2_ring", dict(cp=2, cp_strategy="ring", zero=2)),
+    Case("cp4_ulysses", dict(cp=4, cp_strategy="ulysses", zero=2), models=("gpt",)),  # tiny Llama: 2 KV heads
+    Case("cp4_ring", dict(cp=4, cp_strategy="ring", zero=3)),
+    Case("cp2_tp2_sp_ulysses", dict(cp=2, tp=2, sp=True, cp_strategy="ulysses", zero=2), models=("gpt",)),
+    Case("cp2_tp2_ring", dict(cp=2, tp=2, cp_strategy="ring", zero=2)),
+    Case("zero3_dp2_cp2_ring", dict(dp=2, cp=2, cp_strategy="ring", zero=3)),
 ]
-IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES]
+IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES if model in case.models]
 
 
 def _run_generated_cases(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> list[str]:
@@ -107,6 +116,8 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     results: dict[str, Outcome] = {}
     for model_name, model in MODELS.items():
         for case in CASES:
+            if model_name not in case.models:
+                continue
             case_id = f"{model_name}-{case.name}"
             plan = case.plan(model)
             out = root / case_id

@@ -6,7 +6,9 @@ ZeRO stage -> what is sharded over the shard group (``dp_shard`` ranks):
     1: optimizer state only (parameters replicated; see optimizer.py)
     0: nothing (every rank holds everything; gradients all-reduced, as DDP does)
 Stages 0 and 1 use the same ``fully_shard`` machinery on a shard group of one rank, so
-gradient averaging works the same way alongside tensor and pipeline parallelism.
+gradient averaging works the same way alongside tensor and pipeline parallelism. With context
+parallelism the shard group spans data- x context-parallel ranks (ZeRO-2/3 only: FSDP cannot
+replicate over a group that interleaves other mesh axes, so the planner pairs CP with ZeRO >= 2).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from autopar.codegen.sections.mesh import MeshAxis, ParallelDims
 from autopar.codegen.sections.recompute import holds_parameters
 
 
@@ -46,11 +49,20 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], r
     fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
 
 
-def dp_mesh_of(mesh: DeviceMesh, dp_replicate: int, dp_shard: int) -> DeviceMesh:
-    """The data-parallel submesh: 2-D (replicate, shard) when ranks replicate shard groups."""
-    if dp_replicate > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+def dp_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The mesh gradients are averaged over, as FSDP takes it: 2-D (replicate, shard) when ranks
+    replicate shard groups, else 1-D. Context-parallel ranks join the shard group (they hold
+    the same parameters and see other tokens), flattened with it into one axis."""
+    if not dims.cp_enabled:
+        if dims.dp_replicate > 1:
+            return mesh[MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value]
+        return mesh[MeshAxis.DP_SHARD.value]
+    names = mesh.mesh_dim_names
+    pair = tuple(sorted((MeshAxis.DP_SHARD.value, MeshAxis.CP.value), key=names.index))
+    flattened = mesh[pair]._flatten("dp_shard_cp")
+    if dims.dp_replicate > 1:
+        return mesh[MeshAxis.DP_REPLICATE.value, "dp_shard_cp"]
+    return flattened
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -72,6 +72,16 @@ class ParallelDims:
     def dp_enabled(self) -> bool:
         return self.dp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def grad_sync_enabled(self) -> bool:
+        """Whether gradients are averaged across ranks: data-parallel ranks see other samples,
+        context-parallel ranks other tokens of the same samples."""
+        return self.dp * self.cp > 1
+
     def mesh_axes(self) -> tuple[tuple[str, int], ...]:
         """(axis, size) outermost first, as DeviceMesh wants; "dp" expands to replicate, shard."""
         axes: list[tuple[str, int]] = []

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, model_inputs, move_batch, slice_batch,
                                                tokens_per_sample)
+from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
 from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
 from autopar.codegen.sections.optimizer import build_optimizer
@@ -46,6 +47,9 @@ class ParallelConfig:
         tied_parameters: parameter FQNs sharing one tensor.
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
         pipeline_split: "modules" (drop other stages' layers) or "tracer" (cut an exported graph).
+        cp_strategy: "ulysses" or "ring" (context parallelism's attention; see context_parallel.py).
+        position_argument: the model's forward argument for token positions (context parallelism).
+        mask_argument: the model's padding-mask argument, filled with ones under context parallelism.
     """
 
     dims: ParallelDims
@@ -57,6 +61,9 @@ class ParallelConfig:
     tied_parameters: list[list[str]]
     loss_parallel: bool
     pipeline_split: str = "modules"
+    cp_strategy: str = "ulysses"
+    position_argument: str | None = None
+    mask_argument: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,9 +139,9 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
     # Activation checkpointing after TP (it wraps the parallelised layers) and before FSDP
     # (FSDP must wrap the checkpointed layer, so parameters are gathered inside recomputation).
     apply_recompute(model, {k: v for k, v in config.recompute.items() if held(k)})
-    if dims.dp_enabled:
+    if dims.grad_sync_enabled:
         # FSDP last, bottom-up: blocks, then final norm + head, then the root.
-        apply_fsdp(model, dp_mesh_of(mesh, dims.dp_replicate, dims.dp_shard),
+        apply_fsdp(model, dp_mesh_of(mesh, dims),
                    [[n for n in group if held(n)] for group in config.fsdp_groups],
                    reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype, root=root)
 
@@ -143,8 +150,6 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
           model_module: Any, device: torch.device) -> ParallelModel:
     """Build the unsharded model from the seed, cut it, parallelise it, and make its optimizer."""
     dims = config.dims
-    if dims.cp > 1:
-        raise NotImplementedError("context parallelism (cp > 1) is not generated yet; plan with plan.cp=1")
     dims.check_world_size(dist.get_world_size())
     mesh = build_mesh(dims, device.type)
     model = build_model(model_module, training.model_kwargs, training.seed)
@@ -170,8 +175,8 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         pipeline_stages = []
         for index in indices:
             module = pipe.get_stage_module(index).to(device)
-            if dims.dp_enabled:
-                apply_fsdp(module, dp_mesh_of(mesh, dims.dp_replicate, dims.dp_shard), [],
+            if dims.grad_sync_enabled:
+                apply_fsdp(module, dp_mesh_of(mesh, dims), [],
                            reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype)
             modules.append(module)
             pipeline_stages.append(pipe.build_stage(index, device, pp_mesh.get_group()))
@@ -192,11 +197,28 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp))
 
 
-def local_batch(training: TrainConfig, model_module: Any, step: int, rank_in_dp: int, device: torch.device) -> Any:
-    """This data-parallel rank's slice of step ``step``'s global batch."""
+def local_batch(training: TrainConfig, config: ParallelConfig, model_module: Any, step: int, mesh: DeviceMesh,
+                device: torch.device) -> Any:
+    """This rank's part of step ``step``'s global batch: its data-parallel slice of the samples
+    and, with context parallelism, its share of every sequence."""
     batch = make_batch(model_module, training.model_kwargs, training.global_batch_size, training.seed + 1 + step)
     per_rank = training.micro_batch_size * training.num_micro_batches
-    return move_batch(slice_batch(batch, rank_in_dp * per_rank, (rank_in_dp + 1) * per_rank), device)
+    rank_in_dp = dp_rank(mesh, config.dims)
+    batch = slice_batch(batch, rank_in_dp * per_rank, (rank_in_dp + 1) * per_rank)
+    if config.dims.cp_enabled:
+        batch = shard_sequence(batch, tokens_per_sample(batch), config.dims.cp,
+                               mesh[MeshAxis.CP.value].get_local_rank(), config.position_argument, config.mask_argument)
+    return move_batch(batch, device)
+
+
+def attention_context(parallel: ParallelModel, config: ParallelConfig, training: TrainConfig,
+                      model_module: Any) -> Any:
+    """Context-parallel attention over the CP group while training runs (nothing without CP)."""
+    if not config.dims.cp_enabled:
+        return contextlib.nullcontext()
+    sample = make_batch(model_module, training.model_kwargs, 1, training.seed)
+    return context_parallel_attention(parallel.mesh[MeshAxis.CP.value].get_group(), config.cp_strategy,
+                                      tokens_per_sample(sample))
 
 
 def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, config: ParallelConfig,
@@ -269,6 +291,32 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
         torch.save(merged, path)
 
 
+def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
+               step: int) -> dict[str, float]:
+    """One optimizer step, timed; rank 0 prints it and appends it to the log file."""
+    device = parallel.device
+    batch = local_batch(training, config, model_module, step, parallel.mesh, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    loss = train_step(parallel, batch, training, config, model_module)
+    loss_value = global_loss(loss, config.dims, device)
+    step_time_s = time.perf_counter() - start
+    memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    tokens = training.global_batch_size * tokens_per_sample(batch) * config.dims.cp  # CP ranks hold 1/cp each
+    record = {"step": step, "loss": loss_value, "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
+              "peak_memory_bytes": int(memory)}
+    if dist.get_rank() == 0:
+        print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
+              f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
+              flush=True)
+        if training.log_file:
+            with open(training.log_file, "a") as log:
+                log.write(json.dumps(record) + "\n")
+    return record
+
+
 def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
         expected_sha256: str | None = None) -> list[dict[str, float]]:
     """Train for ``training.steps`` steps on this rank; returns the per-step records (rank 0 also
@@ -285,29 +333,10 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         parallel = setup(training, config, tp_plan, model_module, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # report training's peak, not set-up's
-        rank_in_dp = dp_rank(parallel.mesh, config.dims)
         records = []
-        for step in range(training.steps):
-            batch = local_batch(training, model_module, step, rank_in_dp, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            loss = train_step(parallel, batch, training, config, model_module)
-            loss_value = global_loss(loss, config.dims, device)
-            step_time_s = time.perf_counter() - start
-            memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
-            dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-            record = {"step": step, "loss": loss_value, "step_time_s": step_time_s,
-                      "tokens_per_s": training.global_batch_size * tokens_per_sample(batch) / step_time_s,
-                      "peak_memory_bytes": int(memory)}
-            records.append(record)
-            if dist.get_rank() == 0:
-                print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
-                      f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
-                      flush=True)
-                if training.log_file:
-                    with open(training.log_file, "a") as log:
-                        log.write(json.dumps(record) + "\n")
+        with attention_context(parallel, config, training, model_module):
+            for step in range(training.steps):
+                records.append(timed_step(parallel, training, config, model_module, step))
         if training.save_final:
             save_full_state(parallel, training.save_final)
         # Every rank past its last collective before any tears the group down: gloo aborts a

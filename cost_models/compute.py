@@ -75,6 +75,8 @@ class LayerCompute:
         forward_nongemm_s: the part of forward that selective recomputation runs again (every
             op but GEMMs and attention, whose outputs it keeps).
         *_launches: ops launched (each costs the GPU's launch overhead, independent of size).
+        attention_s: the fused attention kernels' share of forward + backward (what ring
+            attention overlaps its K/V transfers with).
     """
 
     forward_s: float
@@ -83,6 +85,7 @@ class LayerCompute:
     forward_launches: int
     backward_launches: int
     forward_nongemm_launches: int
+    attention_s: float = 0.0
 
     def time_s(self, scale: float, overhead_s: float, forward_passes: float = 1.0, nongemm_passes: float = 0.0) -> float:
         """Forward(s) + backward (+ selective re-forward) at `scale` x the profiled micro-batch."""
@@ -100,7 +103,8 @@ def price_ops(ops: list, gpu: GPUSpec, dtype: str) -> LayerCompute:
         forward_s=sum(op_roofline_s(op, gpu, dtype) for op in forward),
         backward_s=sum(op_roofline_s(op, gpu, dtype) for op in backward),
         forward_nongemm_s=sum(op_roofline_s(op, gpu, dtype) for op in nongemm),
-        forward_launches=len(forward), backward_launches=len(backward), forward_nongemm_launches=len(nongemm))
+        forward_launches=len(forward), backward_launches=len(backward), forward_nongemm_launches=len(nongemm),
+        attention_s=sum(op_roofline_s(op, gpu, dtype) for op in forward + backward if op.op_class == "attention"))
 
 
 def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
@@ -119,7 +123,8 @@ def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
     backward, backward_n = total(layer.backward_by_class)
     nongemm, nongemm_n = total(layer.forward_by_class,
                                [c for c in layer.forward_by_class if c not in FLOP_BOUND_CLASSES])
-    return LayerCompute(forward, backward, nongemm, forward_n, backward_n, nongemm_n)
+    attention = sum(total(by_class, ["attention"])[0] for by_class in (layer.forward_by_class, layer.backward_by_class))
+    return LayerCompute(forward, backward, nongemm, forward_n, backward_n, nongemm_n, attention)
 
 
 class ComputeModel:

@@ -28,6 +28,7 @@ layer's working set, the CUDA context), against (1 - headroom) of the GPU's memo
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,18 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def attention_io_bytes(op: Any) -> tuple[float, float]:
+    """(query bytes, key + value bytes) entering a fused attention op, at the element size of its
+    output (the compute dtype). Grouped-query attention has fewer K/V heads than query heads, which
+    is what makes ring attention's K/V traffic smaller than Ulysses' all-to-alls. Falls back to
+    thirds of the bytes read when shapes are missing."""
+    shapes = op.input_shapes[:3]
+    if len(shapes) < 3 or not op.output_shapes or not op.output_shapes[0]:
+        return op.bytes_read / 3, 2 * op.bytes_read / 3
+    element = op.output_bytes / max(1, math.prod(op.output_shapes[0]))
+    return element * math.prod(shapes[0]), element * (math.prod(shapes[1]) + math.prod(shapes[2]))
 
 
 def exposed_s(comm_s: float, compute_s: float) -> float:
@@ -531,20 +544,23 @@ class PlanPricer:
     def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute) -> float:
         if layout.cp == 1:
             return 0.0
-        nbytes = self._attention_bytes.get(self.compute.kind(layer.name), 0.0) * scale / (layout.cp * layout.tp)
-        if nbytes == 0:
+        q, kv = (b * scale / (layout.cp * layout.tp)
+                 for b in self._attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0)))
+        if q + kv == 0:
             return 0.0
         group = self.placement(layout, "cp")
         if layout.cp_strategy == "ulysses":
-            # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to head-sharded layout and the
-            # output back, each one all-to-all, forward and backward.
-            return 8 * self.collective_s(Collective.ALL_TO_ALL, nbytes / 3, group)
+            # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
+            # output (q's size) back, one all-to-all each, and the same for their gradients; on
+            # the critical path (attention needs all of them).
+            return 2 * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
+                        + self.collective_s(Collective.ALL_TO_ALL, kv, group))
         # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's K and V block forward;
-        # backward passes K, V and their gradients; overlapped with the blockwise attention.
-        step = self.collective_s(Collective.SEND_RECV, 2 * nbytes / 3, group)
-        exchange = 3 * (layout.cp - 1) * step
-        attention = (compute.forward_s + compute.backward_s) * scale / layout.cp * 0.5
-        return exposed_s(exchange, attention)
+        # backward passes K, V and their gradients; each transfer overlaps the attention of the
+        # block in hand, so at long sequences (attention quadratic, transfers linear) it hides.
+        exchange = 3 * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
+        attention = compute.attention_s or 0.5 * (compute.forward_s + compute.backward_s)
+        return exposed_s(exchange, attention * scale / layout.cp)
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
                             per_token: float, overhead: float) -> float:
@@ -622,11 +638,16 @@ class PlanPricer:
         buffers["working_set"] = self._largest_activation * scale / layout.tp / layout.cp
         return buffers
 
-    def _attention_input_bytes(self) -> dict[str, float]:
-        result: dict[str, float] = {}
+    def _attention_input_bytes(self) -> dict[str, tuple[float, float]]:
+        """Per layer, (query, key + value) bytes entering fused attention: what context
+        parallelism moves. Only those inputs: a mask the model materialised (Hugging Face builds
+        an S x S one when traced) is not part of the exchange."""
+        result: dict[str, tuple[float, float]] = {}
         for op in self.profile.ops:
             if op.op_class == "attention" and op.phase == "forward":
-                result[op.layer] = result.get(op.layer, 0.0) + op.bytes_read
+                q, kv = attention_io_bytes(op)
+                before = result.get(op.layer, (0.0, 0.0))
+                result[op.layer] = (before[0] + q, before[1] + kv)
         return result
 
     def _attention_heads(self) -> int | None:

@@ -438,7 +438,8 @@ class PropagationSplitter:
         nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
         compute = LayerCompute(forward_s=seconds(forward, True), backward_s=seconds(backward, True),
                                forward_nongemm_s=seconds(nongemm, True), forward_launches=len(forward),
-                               backward_launches=len(backward), forward_nongemm_launches=len(nongemm))
+                               backward_launches=len(backward), forward_nongemm_launches=len(nongemm),
+                               attention_s=seconds([op for op in ops if op.op_class == "attention"], True))
         comm = run.comm.get(layer_name, [])
         ordered = [(c, b) for c, b, phase in comm if phase == "forward"] + \
                   [(c, b) for c, b, phase in comm if phase == "backward"]

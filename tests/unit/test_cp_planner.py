@@ -1,0 +1,67 @@
+"""Context parallelism in the planner: long sequences get CP, and the strategy (Ulysses or ring)
+is whichever the cost model prices lower, checked against brute force over the same space."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.config import PlanPins, SolverConfig
+from autopar.model_file import load_model_file
+from autopar.profile import profile_model
+from autopar.solver.brute_force import brute_force_plan
+from autopar.solver.planner import InfeasibleError, Planner
+from cost_models.step import TrainSpec
+from cost_models.topology import ClusterConfig, ClusterSpec
+
+_PROFILES: dict = {}
+
+
+def llama(examples_dir, heads: int, kv_heads: int, seq_len: int, layers: int = 2):
+    """A Llama of 128-dim heads (hidden = 128 x heads), bf16."""
+    key = (heads, kv_heads, seq_len, layers)
+    if key not in _PROFILES:
+        kwargs = dict(layers=layers, hidden=128 * heads, heads=heads, kv_heads=kv_heads, ffn=448 * heads, vocab=32000,
+                      seq_len=seq_len)
+        _PROFILES[key] = profile_model(load_model_file(examples_dir / "llama_hf.py"), kwargs, 1, "bf16")
+    return _PROFILES[key]
+
+
+def h100s(nodes: int, per_node: int, inter_GBps: float = 50.0) -> ClusterSpec:
+    return ClusterSpec.from_config(ClusterConfig(name="h100", gpu="H100-SXM", nodes=nodes, gpus_per_node=per_node,
+                                                 inter_node_bandwidth_GBps=inter_GBps))
+
+
+def test_128k_tokens_on_64_h100_use_context_parallelism(examples_dir):
+    """Llama-3-8B's shape at 128k tokens on 8 DGX H100: the fastest plan that fits splits the
+    sequence; the best plan without CP is slower or does not fit at all."""
+    profile = llama(examples_dir, heads=32, kv_heads=8, seq_len=131072, layers=32)
+    train = TrainSpec(global_batch_size=16)
+    plan = Planner(profile, h100s(8, 8), train, SolverConfig(top_k=0), PlanPins()).run().plan
+    assert plan.cp > 1 and plan.predicted.peak_memory_bytes > 0
+    try:
+        without = Planner(profile, h100s(8, 8), train, SolverConfig(top_k=0), PlanPins(cp=1)).run().plan
+    except InfeasibleError:
+        return
+    assert without.predicted.step_time_s > plan.predicted.step_time_s
+
+
+@pytest.mark.parametrize("heads, kv_heads, seq_len, nodes, per_node, cp, inter_GBps, expected", [
+    # Many heads, CP inside one NVLink node: the all-to-alls are cheap -> Ulysses.
+    (32, 8, 32768, 1, 8, 8, 50.0, "ulysses"),
+    # 12 heads do not split over cp=8: Ulysses is illegal -> ring.
+    (12, 4, 32768, 1, 8, 8, 50.0, "ring"),
+    # CP across a slow network: short sequences -> Ulysses (ring's transfers are not hidden) ...
+    (32, 8, 4096, 2, 1, 2, 12.5, "ulysses"),
+    # ... very long ones -> ring (quadratic attention hides the linear K/V traffic).
+    (32, 8, 131072, 2, 1, 2, 12.5, "ring"),
+])
+def test_cp_strategy_is_the_cheaper_one(examples_dir, heads, kv_heads, seq_len, nodes, per_node, cp, inter_GBps,
+                                        expected):
+    profile = llama(examples_dir, heads, kv_heads, seq_len)
+    cluster = h100s(nodes, per_node, inter_GBps)
+    pins = PlanPins(cp=cp, tp=1, pp=1, zero_stage=3, micro_batch_size=1)
+    planner = Planner(profile, cluster, TrainSpec(global_batch_size=cluster.world_size // cp), SolverConfig(top_k=1),
+                      pins)
+    plan = planner.run().plan
+    best = brute_force_plan(planner.pricer, planner.candidates())
+    assert plan.predicted.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
+    assert plan.cp_strategy == best.candidate.cp_strategy == expected

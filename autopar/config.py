@@ -96,6 +96,9 @@ class PlanPins:
     """ulysses or ring."""
     dp_sync: str | None = None
     """ring, tree, hierarchical or ps."""
+    dp_shares: list[int] | None = None
+    """Samples per micro-batch of each data-parallel rank (uneven shares, pp=1), e.g. [3, 1];
+    unset: even, or in proportion to GPU speed on mixed clusters."""
     stages: list[list[str]] | None = None
     """Layer names of each pipeline stage, in order (virtual stages for interleaved schedules);
     fixes the layer-wise split instead of solving it (pp × chunks must equal their number)."""

@@ -112,6 +112,9 @@ class Plan:
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
         cp_strategy: ulysses (head all-to-all) or ring (K/V passed around the CP ring).
         dp_sync: gradient synchronisation algorithm: ring, tree, hierarchical or ps.
+        dp_bucket_bytes: gradient bytes per synchronisation bucket (hierarchical / ps).
+        dp_shares: samples per micro-batch of each data-parallel rank when uneven (mixed GPU
+            types get shares in proportion to their speed); empty: micro_batch_size each.
         layer_names, block_container: the profile's layer order and block container FQN.
         global_batch_size, precision, optimizer: the training settings planned for.
     """
@@ -134,6 +137,8 @@ class Plan:
     loss_parallel: bool = False
     cp_strategy: str = "ulysses"
     dp_sync: str = "ring"
+    dp_bucket_bytes: int = 25 * 2**20
+    dp_shares: list[int] = field(default_factory=list)
     layer_names: list[str] = field(default_factory=list)
     block_container: str | None = None
     global_batch_size: int = 1

@@ -50,6 +50,8 @@ class ParallelLayout:
         cp_strategy: ulysses (all-to-all of heads) or ring (K/V passed around).
         dp_sync: gradient all-reduce algorithm: auto (the cheapest), ring, tree, hierarchical,
             ps (parameter server) or halving_doubling.
+        dp_shares: samples per micro-batch of each data-parallel rank when they differ (uneven
+            shares for mixed GPU types; they sum to dp x micro_batch_size); empty: even.
     """
 
     dp: int = 1
@@ -66,6 +68,7 @@ class ParallelLayout:
     sequence_parallel: bool = False
     cp_strategy: str = "ulysses"
     dp_sync: str = "auto"
+    dp_shares: tuple[int, ...] = ()
     stages: tuple[tuple[str, ...], ...] | list[list[str]] = ()
     recompute: Any = "none"
 
@@ -109,6 +112,13 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
     if layout.dp * layout.micro_batch_size * layout.num_micro_batches != train.global_batch_size:
         raise ValueError(f"global batch {train.global_batch_size} ≠ dp {layout.dp} × micro-batch "
                          f"{layout.micro_batch_size} × micro-batches {layout.num_micro_batches}")
+    shares = tuple(getattr(layout, "dp_shares", ()) or ())
+    if shares and (len(shares) != layout.dp or sum(shares) != layout.dp * layout.micro_batch_size
+                   or min(shares) < 1):
+        raise ValueError(f"dp_shares {list(shares)} must give each of the {layout.dp} data-parallel ranks at least "
+                         f"one sample and sum to dp x micro_batch_size = {layout.dp * layout.micro_batch_size}")
+    if shares and layout.pp > 1:
+        raise ValueError("uneven data-parallel shares need pp=1 (each pipeline replica would run another schedule)")
     if layout.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule '{layout.schedule}': use {', '.join(SCHEDULES)}")
     if layout.chunks < 1:

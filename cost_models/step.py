@@ -51,6 +51,8 @@ __all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", 
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
+BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
+POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.PARAMETER_SERVER)  # run after backward (gradient_sync.py)
 # Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
 # momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
@@ -106,6 +108,18 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def proportional_shares(weights: list[float], total: int) -> tuple[int, ...]:
+    """Integers summing to `total`, at least 1 each, proportional to `weights` (largest
+    remainder: the shares furthest below their ideal get the leftover units)."""
+    ideal = [total * w / sum(weights) for w in weights]
+    shares = [max(1, int(x)) for x in ideal]
+    while sum(shares) > total:
+        shares[max(range(len(shares)), key=lambda i: shares[i] - ideal[i])] -= 1
+    while sum(shares) < total:
+        shares[max(range(len(shares)), key=lambda i: ideal[i] - shares[i])] += 1
+    return tuple(shares)
 
 
 def attention_io_bytes(op: Any) -> tuple[float, float]:
@@ -293,19 +307,58 @@ class PlanPricer:
         return self._collectives[key]
 
     def dp_sync_cost(self, layout: Any, nbytes: float) -> CollectiveCost:
-        """Gradient all-reduce on the gradient group: the pinned algorithm or the cheapest."""
+        """Gradient all-reduce on the gradient group: the pinned algorithm or the layout's choice."""
         group = self.grad_group(layout)
-        algorithm = getattr(layout, "dp_sync", "auto") or "auto"
+        pinned = getattr(layout, "dp_sync", "auto") or "auto"
+        algorithm = self.auto_dp_sync(layout) if pinned == "auto" else Algorithm(pinned)
         key = ("dp_sync", algorithm, nbytes, group)
         if key not in self._collectives:
-            if algorithm == "auto":
-                cost = best_algorithm(Collective.ALL_REDUCE, nbytes, group)
-            else:
-                chosen = Algorithm(algorithm)
-                cost = CollectiveCost(Collective.ALL_REDUCE, chosen,
-                                      collective_time_s(Collective.ALL_REDUCE, nbytes, group, chosen))
-            self._collectives[key] = cost
+            self._collectives[key] = CollectiveCost(Collective.ALL_REDUCE, algorithm,
+                                                    collective_time_s(Collective.ALL_REDUCE, nbytes, group, algorithm))
         return self._collectives[key]
+
+    def exposed_dp_sync_s(self, cost: CollectiveCost, backward_s: float) -> float:
+        """What a gradient all-reduce adds to the step: FSDP's ring/tree reductions overlap the
+        backward; the generated hierarchical and parameter-server exchanges run after it."""
+        if cost.algorithm in POST_BACKWARD_SYNC:
+            return cost.seconds
+        return exposed_s(cost.seconds, backward_s)
+
+    def auto_dp_sync(self, layout: Any) -> Algorithm:
+        """The algorithm adding least to the step for the largest layer's gradients (one choice per
+        layout: the generated code uses one): ring, tree, hierarchical, and with ZeRO-0 a
+        parameter server (it holds the whole optimizer, which ZeRO-1 shards)."""
+        group = self.grad_group(layout)
+        key = ("auto_dp_sync", layout.zero_stage, layout.tp, layout.micro_batch_size, group)
+        if key not in self._collectives:
+            largest = max(self.layers, key=lambda layer: layer.param_count)
+            nbytes = largest.param_count * self.grads_bytes / layout.tp
+            gpu = self._device_facts(layout)[0]
+            backward = (self.compute.layer(largest.name, gpu).backward_s * layout.micro_batch_size / self.b0
+                        / (layout.tp * layout.cp))
+            options = [Algorithm.RING, Algorithm.TREE] + ([Algorithm.HIERARCHICAL] if group.crosses_nodes else [])
+            options += [Algorithm.PARAMETER_SERVER] if layout.zero_stage == 0 else []
+            costs = [CollectiveCost(Collective.ALL_REDUCE, a, collective_time_s(Collective.ALL_REDUCE, nbytes, group, a))
+                     for a in options]
+            self._collectives[key] = min(costs, key=lambda c: (self.exposed_dp_sync_s(c, backward),
+                                                               options.index(c.algorithm))).algorithm
+        return self._collectives[key]
+
+    def dp_bucket_bytes(self, layout: Any) -> int:
+        """Bucket size of the generated hierarchical / parameter-server exchange: the smallest
+        candidate whose per-bucket latency adds under 1% to the exchange of all gradients (small
+        buckets bound the extra memory; too small ones pay a latency per bucket)."""
+        group = self.grad_group(layout)
+        if group.size == 1:
+            return DP_BUCKET_BYTES
+        algorithm = self.dp_sync_cost(layout, 1.0).algorithm
+        total = sum(layer.param_count for layer in self.layers) * 4 / layout.tp / layout.pp  # fp32 gradients
+        whole = collective_time_s(Collective.ALL_REDUCE, total, group, algorithm)
+        latency = collective_time_s(Collective.ALL_REDUCE, 1.0, group, algorithm)
+        for bucket in BUCKET_CHOICES_BYTES:
+            if (math.ceil(total / bucket) - 1) * latency <= 0.01 * whole:
+                return bucket
+        return BUCKET_CHOICES_BYTES[-1]
 
     # -- per-layer prices ---------------------------------------------------------------------
 
@@ -349,14 +402,18 @@ class PlanPricer:
         """Per-layer prices of a configuration for the partition solver (None if it cannot run)."""
         key = (layout.dp, layout.tp, layout.pp, layout.cp, tuple(layout.mesh_order), layout.zero_stage,
                layout.hybrid_shard, layout.micro_batch_size, layout.num_micro_batches, layout.schedule,
-               layout.chunks, layout.sequence_parallel, layout.cp_strategy, getattr(layout, "dp_sync", "auto"))
+               layout.chunks, layout.sequence_parallel, layout.cp_strategy, getattr(layout, "dp_sync", "auto"),
+               tuple(getattr(layout, "dp_shares", ()) or ()))
         if key in self._problems:
             return self._problems[key]
         rows = self._partition_rows(layout)
+        in_flight = self._in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks)
+        shares = self.dp_shares(layout) if rows is not None else ()
+        if shares:  # the rank with the largest share holds that many samples' activations
+            in_flight = [held * max(shares) / layout.micro_batch_size for held in in_flight]
         problem = None if rows is None else PartitionProblem(
             **rows, devices=layout.pp, chunks=layout.chunks, micro_batches=layout.num_micro_batches,
-            in_flight=self._in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks),
-            option_names=self.recompute_options)
+            in_flight=in_flight, option_names=self.recompute_options)
         self._problems[key] = problem
         return problem
 
@@ -365,7 +422,7 @@ class PlanPricer:
         device, speeds), shared by the layouts that differ only in pipeline schedule and chunks."""
         key = (layout.dp, layout.tp, layout.pp, layout.cp, tuple(layout.mesh_order), layout.zero_stage,
                layout.hybrid_shard, layout.micro_batch_size, layout.sequence_parallel, layout.cp_strategy,
-               getattr(layout, "dp_sync", "auto"))
+               getattr(layout, "dp_sync", "auto"), tuple(getattr(layout, "dp_shares", ()) or ()))
         if key in self._shared_rows:
             return self._shared_rows[key]
         validate_train(self.train, self.profile)
@@ -461,7 +518,8 @@ class PlanPricer:
     def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
         group would mix GPU types. Cached per rank layout."""
-        key = (layout.tp, layout.cp, layout.pp, layout.dp, tuple(layout.mesh_order))
+        key = (layout.tp, layout.cp, layout.pp, layout.dp, tuple(layout.mesh_order), layout.micro_batch_size,
+               tuple(getattr(layout, "dp_shares", ()) or ()))
         if key not in self._devices:
             self._devices[key] = self._compute_device_facts(layout)
         return self._devices[key]
@@ -474,12 +532,38 @@ class PlanPricer:
         distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
         total = {name: sum(self.split(l.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
                            for l in self.layers) for name, gpu in distinct.items()}
-        # A pipeline rank's data-parallel replicas run in lockstep: the slowest GPU type paces it.
+        # A pipeline rank's data-parallel replicas run in lockstep: the slowest GPU type paces it,
+        # unless each data-parallel rank gets a share of the batch (then the slowest share does).
         slowest_gpu = [max(group, key=lambda g: total[g.name]) for group in pp_gpus]
         speed = [total[g.name] / total[reference.name] if total[reference.name] else 1.0 for g in slowest_gpu]
+        shares = self.dp_shares(layout, total)
+        if shares and total[reference.name]:
+            gpus = self.dp_rank_gpus(layout)
+            speed = [max(b * total[g.name] for b, g in zip(shares, gpus))
+                     / (layout.micro_batch_size * total[reference.name])]
         capacity = [int(min(g.memory_bytes for g in group) * (1 - self.cluster.memory_headroom_fraction))
                     for group in pp_gpus]
         return reference, speed, capacity
+
+    def dp_rank_gpus(self, layout: Any) -> list[GPUSpec]:
+        """GPU type of each data-parallel rank (its first rank: TP groups are one type)."""
+        stride = mesh_strides(layout)["dp"]
+        return [self.cluster.gpu_of_rank(r * stride) for r in range(layout.dp)]
+
+    def dp_shares(self, layout: Any, total: dict[str, float] | None = None) -> tuple[int, ...]:
+        """Samples per micro-batch of each data-parallel rank: the layout's own, or, when its
+        data-parallel ranks mix GPU types (pp=1), shares in proportion to each GPU's speed
+        (largest remainder, at least one each) so all finish together; () when even."""
+        pinned = tuple(getattr(layout, "dp_shares", ()) or ())
+        if pinned or layout.pp > 1 or layout.dp == 1:
+            return pinned
+        gpus = self.dp_rank_gpus(layout)
+        if len({g.name for g in gpus}) == 1:
+            return ()
+        if total is None:
+            total = {g.name: sum(self.split(l.name, layout, g).compute.time_s(1.0, g.launch_overhead_s)
+                                 for l in self.layers) for g in gpus}
+        return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)
 
     def fixed_time_s(self, layout: Any) -> float:
         """Step time outside the per-layer prices: none (every cost is attributed to a layer)."""
@@ -592,7 +676,7 @@ class PlanPricer:
         backward = split.compute.backward_s * per_token + split.compute.backward_launches * gpu.launch_overhead_s
         exposed = 0.0
         if layout.zero_stage <= 1:
-            exposed = exposed_s(self.dp_sync_cost(layout, params * self.grads_bytes).seconds, backward)
+            exposed = self.exposed_dp_sync_s(self.dp_sync_cost(layout, params * self.grads_bytes), backward)
             if layout.zero_stage == 1:  # updated shards gathered back to every replica
                 exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes,
                                              self._shard_group(layout))

@@ -103,6 +103,9 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
     """Refuse plans the generated code cannot run, with the reason and the fix."""
     if plan.cp > 1:
         check_context_parallel(plan, facts)
+    if plan.dp_sync == "ps" and plan.zero_stage != 0:
+        raise CodegenError(f"a parameter server holds the whole optimizer, which ZeRO-{plan.zero_stage} shards.",
+                           "re-plan (the planner offers ps with ZeRO-0 only) or pin plan.zero_stage=0.")
     layers = [layer for stage in plan.stages for layer in stage]
     if not plan.stages or sorted(layers) != sorted(plan.layer_names) or len(set(layers)) != len(layers):
         raise CodegenError("the plan's stages do not list every layer exactly once.",
@@ -114,6 +117,10 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
     if len(plan.stages) != plan.pp * max(1, plan.chunks if plan.schedule == "interleaved_1f1b" else 1):
         raise CodegenError(f"the plan has {len(plan.stages)} stages for pp={plan.pp}, chunks={plan.chunks}.",
                            "re-plan; a pipeline has pp x chunks stages (chunks only with interleaved_1f1b).")
+    if plan.dp_shares and (plan.pp > 1 or len(plan.dp_shares) != plan.dp
+                           or sum(plan.dp_shares) != plan.dp * plan.micro_batch_size):
+        raise CodegenError(f"uneven data-parallel shares {plan.dp_shares} need pp=1 and one share per data-parallel "
+                           f"rank summing to dp x micro_batch_size.", "re-plan.")
     if plan.dp * plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
         raise CodegenError(f"dp ({plan.dp}) x micro_batch_size ({plan.micro_batch_size}) x num_micro_batches "
                            f"({plan.num_micro_batches}) != global_batch_size ({plan.global_batch_size}).",
@@ -218,7 +225,7 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
     parts = [
         header(plan, name, model_file, tp, layout, gpus_per_node) + "\n\nfrom __future__ import annotations\n\n"
         + imports.source(),
-        plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps),
+        plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps, gpus_per_node),
         sections,
         main_section(),
     ]
@@ -302,7 +309,7 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
 
 
 def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts, tp: TPPlan,
-                 layout: Layout, optimizer: dict[str, Any], steps: int) -> str:
+                 layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int) -> str:
     banner = f"# {'=' * 96}\n# The plan\n# {'=' * 96}\n"
     plan_data = pprint.pformat(_plain(plan), width=110, sort_dicts=False)
     body = [
@@ -326,6 +333,7 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         f"PIPELINE_SPLIT = {layout.pipeline_split!r}  # how stages are cut (see pipeline.py)",
         f"POSITION_ARGUMENT = {facts.position_argument!r}  # forward's token positions (context parallelism)",
         f"MASK_ARGUMENT = {facts.mask_argument!r}  # forward's padding mask (context parallelism)",
+        f"GPUS_PER_NODE = {gpus_per_node}  # ranks per node (hierarchical gradient all-reduce)",
         "",
         "",
         tp_plan_source(plan, tp),
@@ -362,6 +370,9 @@ def parallel_config(plan: dict) -> ParallelConfig:
         cp_strategy=plan["cp_strategy"],
         position_argument=POSITION_ARGUMENT,
         mask_argument=MASK_ARGUMENT,
+        dp_sync=plan["dp_sync"],
+        dp_bucket_bytes=plan["dp_bucket_bytes"],
+        gpus_per_node=GPUS_PER_NODE,
     )
 
 
@@ -379,6 +390,7 @@ def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         log_file=args.log_file,
         save_final=args.save_final,
+        dp_shares=plan["dp_shares"],
     )
 '''.strip("\n")
 

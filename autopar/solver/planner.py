@@ -163,7 +163,9 @@ class Planner:
             tp_styles=self._tp_styles(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
                               for module, style in self._tp_styles(scored.candidate.tp).items()),
-            cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync, layer_names=names,
+            cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync,
+            dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout), dp_shares=list(self.pricer.dp_shares(layout)),
+            layer_names=names,
             block_container=self.profile.block_container, global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,

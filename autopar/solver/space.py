@@ -123,8 +123,11 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
         if per_rank % micro_batch_size:
             continue
         micro_batches = per_rank // micro_batch_size
+        shares = _shares(pins, dp, pp, micro_batch_size)
+        if pins.dp_shares and not shares:
+            continue  # the pinned shares do not fit this data-parallel degree / micro-batch
         for schedule, chunks in _schedules(shape, pp, micro_batches, solver, pinned):
-            for zero_stage in pinned("zero_stage", _zero_stages(solver, dp, cp)):
+            for zero_stage in pinned("zero_stage", _zero_stages(solver, dp, cp, pins.dp_sync)):
                 hybrid_options = [False, True] if zero_stage >= 2 and dp > 1 and world_size > gpus_per_node else [False]
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
                     for sequence_parallel in pinned("sequence_parallel", [False, True] if tp > 1 else [False]):
@@ -134,16 +137,31 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                                 yield Candidate(dp=dp, tp=tp, pp=pp, cp=cp, mesh_order=order, zero_stage=zero_stage,
                                                 hybrid_shard=hybrid_shard, micro_batch_size=micro_batch_size,
                                                 num_micro_batches=micro_batches, schedule=schedule, chunks=chunks,
-                                                sequence_parallel=sequence_parallel, cp_strategy=cp_strategy)
+                                                sequence_parallel=sequence_parallel, cp_strategy=cp_strategy,
+                                                dp_sync=pins.dp_sync or "auto", dp_shares=shares)
 
 
-def _zero_stages(solver, dp: int, cp: int) -> list[int]:
+def _shares(pins, dp: int, pp: int, micro_batch_size: int) -> tuple[int, ...]:
+    """Pinned uneven data-parallel shares where they apply (they must fit the candidate)."""
+    shares = tuple(pins.dp_shares or ())
+    if shares and (len(shares) != dp or pp > 1 or sum(shares) != dp * micro_batch_size):
+        return ()
+    return shares
+
+
+def _zero_stages(solver, dp: int, cp: int, dp_sync: str | None = None) -> list[int]:
     """ZeRO stages for a gradient group of dp x cp ranks. Context parallelism goes with ZeRO-2/3:
     the generated code shards over the flattened data- x context-parallel axis (FSDP cannot
-    replicate over a group interleaving other mesh axes)."""
+    replicate over a group interleaving other mesh axes). A pinned all-reduce algorithm needs
+    unsharded gradients (ZeRO-0/1), and a parameter server the whole optimizer (ZeRO-0)."""
     if dp * cp == 1:
         return [0]
-    return [z for z in solver.zero_stages if cp == 1 or z >= 2]
+    stages = [z for z in solver.zero_stages if cp == 1 or z >= 2]
+    if dp_sync in ("ring", "tree", "hierarchical", "halving_doubling"):
+        stages = [z for z in stages if z <= 1]
+    elif dp_sync == "ps":
+        stages = [z for z in stages if z == 0]
+    return stages
 
 
 def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -> Iterator[tuple[str, int]]:

@@ -80,7 +80,8 @@ def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: 
               schedule: str = "1f1b", chunks: int = 1, recompute: dict[str, str] | None = None,
               num_micro_batches: int | None = None, stages: list[list[str]] | None = None,
               hybrid: bool = False, mixed_tp: bool = False, gpus_per_node: int | None = None, cp: int = 1,
-              cp_strategy: str | None = None) -> Plan:
+              cp_strategy: str | None = None, dp_sync: str | None = None,
+              dp_shares: list[int] | None = None) -> Plan:
     """The planner's plan for ``model`` with the case's choices pinned; everything else (the
     operator-wise TP split, mesh order, the stage split where not pinned) is the solver's."""
     per_rank = GLOBAL_BATCH // dp
@@ -89,7 +90,7 @@ def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: 
     cluster = ClusterSpec.from_config(ClusterConfig(
         name="tiny_cpu", gpu="cpu", nodes=world // (gpus_per_node or world), gpus_per_node=gpus_per_node or world,
         intra_node_latency_us=SLOW_LINK_US if mixed_tp else FAST_LINK_US, intra_node_bandwidth_GBps=1.5))
-    pins = PlanPins(dp=dp, tp=tp, pp=pp, cp=cp, cp_strategy=cp_strategy, zero_stage=zero, hybrid_shard=hybrid, micro_batch_size=per_rank // n,
+    pins = PlanPins(dp=dp, tp=tp, pp=pp, cp=cp, cp_strategy=cp_strategy, dp_sync=dp_sync, dp_shares=dp_shares, zero_stage=zero, hybrid_shard=hybrid, micro_batch_size=per_rank // n,
                     sequence_parallel=sp and tp > 1, schedule=schedule if pp > 1 else None,
                     chunks=chunks if schedule == "interleaved_1f1b" else 1, stages=stages,
                     layer_recompute=recompute)

@@ -49,6 +49,9 @@ class Case:
         pins = dict(self.pins)
         if pins.pop("boundary_stages", False):
             pins["stages"] = boundary_stages(model)
+        if pins.pop("uneven_stages", False):
+            blocks = model.block_names
+            pins["stages"] = [model.prologue + blocks[:3], blocks[3:] + model.epilogue]
         recompute = pins.pop("recompute_blocks", None)
         if recompute:
             pins["recompute"] = {b: mode for b, mode in zip(model.block_names, recompute)}
@@ -83,6 +86,15 @@ CASES = [
     Case("cp2_tp2_sp_ulysses", dict(cp=2, tp=2, sp=True, cp_strategy="ulysses", zero=2), models=("gpt",)),
     Case("cp2_tp2_ring", dict(cp=2, tp=2, cp_strategy="ring", zero=2)),
     Case("zero3_dp2_cp2_ring", dict(dp=2, cp=2, cp_strategy="ring", zero=3)),
+    # Gradient synchronisation algorithms on 4 ranks as 2 "nodes" x 2 (flat ring is dp2/zero3_dp4).
+    Case("dp4_hierarchical", dict(dp=4, dp_sync="hierarchical"), gpus_per_node=2),
+    Case("zero1_dp4_hierarchical", dict(dp=4, zero=1, dp_sync="hierarchical"), gpus_per_node=2),
+    Case("dp4_parameter_server", dict(dp=4, dp_sync="ps"), gpus_per_node=2),
+    Case("dp2_tp2_parameter_server", dict(dp=2, tp=2, dp_sync="ps"), gpus_per_node=2),
+    # Heterogeneous clusters: uneven data-parallel shares (3:1 samples, losses weighted by them)
+    # and an uneven pipeline split (3 blocks on the first stage, 1 on the second).
+    Case("dp2_shares_3_1", dict(dp=2, dp_shares=[3, 1], zero=2)),
+    Case("pp2_uneven_3_1", dict(pp=2, uneven_stages=True)),
 ]
 IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES if model in case.models]
 

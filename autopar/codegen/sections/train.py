@@ -23,6 +23,7 @@ from autopar.codegen.sections.contract import (build_model, compute_loss, file_s
                                                tokens_per_sample)
 from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
 from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
+from autopar.codegen.sections.gradient_sync import HierarchicalSync, ParameterServer, dp_groups, node_subgroups
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
 from autopar.codegen.sections.optimizer import build_optimizer
 from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
@@ -50,6 +51,10 @@ class ParallelConfig:
         cp_strategy: "ulysses" or "ring" (context parallelism's attention; see context_parallel.py).
         position_argument: the model's forward argument for token positions (context parallelism).
         mask_argument: the model's padding-mask argument, filled with ones under context parallelism.
+        dp_sync: gradient synchronisation: "ring" or "tree" (FSDP's reduction), "hierarchical" or
+            "ps" (gradient_sync.py, ZeRO-0/1 without context parallelism).
+        dp_bucket_bytes: bucket size of the hierarchical / parameter-server exchange.
+        gpus_per_node: ranks per node (which ranks share a node for the hierarchical all-reduce).
     """
 
     dims: ParallelDims
@@ -64,6 +69,15 @@ class ParallelConfig:
     cp_strategy: str = "ulysses"
     position_argument: str | None = None
     mask_argument: str | None = None
+    dp_sync: str = "ring"
+    dp_bucket_bytes: int = 25 * 2**20
+    gpus_per_node: int = 8
+
+    @property
+    def custom_gradient_sync(self) -> bool:
+        """Gradients averaged by gradient_sync.py instead of FSDP."""
+        return (self.dp_sync in ("hierarchical", "ps") and self.zero_stage <= 1 and self.dims.dp > 1
+                and not self.dims.cp_enabled)
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,7 @@ class TrainConfig:
         model_kwargs: keyword arguments for build_model / example_batch.
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         micro_batch_size, num_micro_batches: per data-parallel rank and step.
+        dp_shares: samples per micro-batch of each data-parallel rank when uneven (else empty).
         precision: "bf16" (used on GPUs; CPUs train in fp32) or "fp32".
         optimizer: AdamW settings (lr, betas, eps, weight_decay).
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
@@ -93,6 +108,20 @@ class TrainConfig:
     seed: int = 0
     log_file: str | None = None
     save_final: str | None = None
+    dp_shares: list[int] = field(default_factory=list)
+
+    def share(self, rank_in_dp: int) -> tuple[int, int]:
+        """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
+        if not self.dp_shares:
+            return rank_in_dp * self.micro_batch_size * self.num_micro_batches, self.micro_batch_size
+        return sum(self.dp_shares[:rank_in_dp]) * self.num_micro_batches, self.dp_shares[rank_in_dp]
+
+    def loss_weight(self, rank_in_dp: int) -> float:
+        """Factor on this rank's mean loss so averaging over data-parallel ranks weights each by
+        its samples (1 when shares are even)."""
+        if not self.dp_shares:
+            return 1.0
+        return self.dp_shares[rank_in_dp] * len(self.dp_shares) / sum(self.dp_shares)
 
 
 @dataclass
@@ -139,7 +168,7 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
     # Activation checkpointing after TP (it wraps the parallelised layers) and before FSDP
     # (FSDP must wrap the checkpointed layer, so parameters are gathered inside recomputation).
     apply_recompute(model, {k: v for k, v in config.recompute.items() if held(k)})
-    if dims.grad_sync_enabled:
+    if dims.grad_sync_enabled and not config.custom_gradient_sync:
         # FSDP last, bottom-up: blocks, then final norm + head, then the root.
         apply_fsdp(model, dp_mesh_of(mesh, dims),
                    [[n for n in group if held(n)] for group in config.fsdp_groups],
@@ -162,7 +191,7 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         layers = [layer for stage in config.stages for layer in stage]
         parallelize(model, model, layers, mesh, config, plan, param_dtype)
         model.to(device)
-        optimizer = build_optimizer(list(model.parameters()), training.optimizer, zero1)
+        optimizer = make_optimizer(list(model.parameters()), training, config, mesh, zero1)
         return ParallelModel([model], optimizer, mesh, device, is_last_stage=True)
 
     pp_rank = mesh[MeshAxis.PP.value].get_local_rank()
@@ -175,7 +204,7 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         pipeline_stages = []
         for index in indices:
             module = pipe.get_stage_module(index).to(device)
-            if dims.grad_sync_enabled:
+            if dims.grad_sync_enabled and not config.custom_gradient_sync:
                 apply_fsdp(module, dp_mesh_of(mesh, dims), [],
                            reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype)
             modules.append(module)
@@ -191,10 +220,26 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     del model  # each stage holds its own layers now
     schedule = build_pipeline(pipeline_stages, config.schedule, training.num_micro_batches)
     parameters = list({id(p): p for module in modules for p in module.parameters()}.values())
-    optimizer = build_optimizer(parameters, training.optimizer, zero1)
+    optimizer = make_optimizer(parameters, training, config, mesh, zero1)
     return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp))
+
+
+def make_optimizer(parameters: list[nn.Parameter], training: TrainConfig, config: ParallelConfig, mesh: DeviceMesh,
+                   zero1: dist.ProcessGroup | None) -> Any:
+    """AdamW (sharded for ZeRO-1), behind the plan's gradient synchronisation when it is not FSDP's."""
+    if not config.custom_gradient_sync:
+        return build_optimizer(parameters, training.optimizer, zero1)
+    axis = MeshAxis.DP_REPLICATE.value
+    if config.dp_sync == "ps":
+        return ParameterServer(parameters, lambda owned: build_optimizer(owned, training.optimizer, None),
+                               mesh[axis].get_group(), config.dp_bucket_bytes)
+    intra, inter = node_subgroups(dp_groups(mesh, axis), config.gpus_per_node)
+    intra_group, _ = dist.new_subgroups_by_enumeration(intra)
+    inter_group, _ = dist.new_subgroups_by_enumeration(inter)
+    return HierarchicalSync(parameters, build_optimizer(parameters, training.optimizer, zero1), intra_group,
+                            inter_group, config.dims.dp, config.dp_bucket_bytes)
 
 
 def local_batch(training: TrainConfig, config: ParallelConfig, model_module: Any, step: int, mesh: DeviceMesh,
@@ -202,9 +247,8 @@ def local_batch(training: TrainConfig, config: ParallelConfig, model_module: Any
     """This rank's part of step ``step``'s global batch: its data-parallel slice of the samples
     and, with context parallelism, its share of every sequence."""
     batch = make_batch(model_module, training.model_kwargs, training.global_batch_size, training.seed + 1 + step)
-    per_rank = training.micro_batch_size * training.num_micro_batches
-    rank_in_dp = dp_rank(mesh, config.dims)
-    batch = slice_batch(batch, rank_in_dp * per_rank, (rank_in_dp + 1) * per_rank)
+    first, size = training.share(dp_rank(mesh, config.dims))
+    batch = slice_batch(batch, first, first + size * training.num_micro_batches)
     if config.dims.cp_enabled:
         batch = shard_sequence(batch, tokens_per_sample(batch), config.dims.cp,
                                mesh[MeshAxis.CP.value].get_local_rank(), config.position_argument, config.mask_argument)
@@ -238,9 +282,12 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
     else:
         model = parallel.modules[0]
         n = training.num_micro_batches
+        rank_in_dp = dp_rank(parallel.mesh, config.dims)
+        _, size = training.share(rank_in_dp)
+        weight = training.loss_weight(rank_in_dp)
         total = torch.zeros((), device=parallel.device)
         for i in range(n):
-            micro = slice_batch(batch, i * training.micro_batch_size, (i + 1) * training.micro_batch_size)
+            micro = slice_batch(batch, i * size, (i + 1) * size)
             # ZeRO-0/1 keep full gradients, so they are reduced once, after the last micro-batch;
             # ZeRO-2/3 shard gradients, so each micro-batch's are reduce-scattered as they come.
             if config.zero_stage <= 1:
@@ -248,7 +295,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
             with loss_context():
                 with autocast:
                     args, kwargs = model_inputs(model, micro)
-                    loss = compute_loss(model_module, model(*args, **kwargs), micro)
+                    loss = compute_loss(model_module, model(*args, **kwargs), micro) * weight
                 (loss / n).backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n

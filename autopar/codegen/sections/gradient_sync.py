@@ -1,0 +1,148 @@
+"""Gradient synchronisation across data-parallel ranks by the algorithm the planner priced cheapest.
+
+    ring          FSDP's reduction (NCCL's ring; on gloo its own ring): nothing to do here.
+    hierarchical  per bucket: reduce-scatter inside each node, all-reduce of each shard across
+                  nodes (one rank per node and shard), all-gather inside the node. Moves 1/g of
+                  the data over the network (g = data-parallel ranks per node).
+    ps            parameter server (Li et al. 2014): the first rank of each data-parallel group
+                  holds the optimizer and its state; workers push their gradients to it, it
+                  averages and steps, and they pull the updated parameters. O(n) traffic at the
+                  server, no optimizer state on workers.
+Both wrap the optimizer (sync, then step), so the training loop is the same for every plan.
+Gradients travel in flat buckets of the plan's size (bounded extra memory per step).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.codegen.sections.optimizer import _local
+
+
+def dp_groups(mesh: DeviceMesh, axis: str) -> list[list[int]]:
+    """Every group of ranks along ``axis`` (all of them: new process groups are made collectively)."""
+    grid = mesh.mesh
+    dim = mesh.mesh_dim_names.index(axis)
+    return grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+
+
+def node_subgroups(groups: list[list[int]], gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(intra-node, inter-node) subgroups of each data-parallel group: ranks sharing a node, and
+    ranks at the same position on their nodes."""
+    intra, inter = [], []
+    for group in groups:
+        by_node: dict[int, list[int]] = {}
+        for rank in group:
+            by_node.setdefault(rank // gpus_per_node, []).append(rank)
+        nodes = list(by_node.values())
+        if len({len(n) for n in nodes}) != 1:
+            raise ValueError(f"hierarchical all-reduce needs the same data-parallel ranks on every node, got {nodes}")
+        intra += nodes
+        inter += [list(column) for column in zip(*nodes)]
+    return intra, inter
+
+
+def buckets(parameters: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters grouped up to ``bucket_bytes`` of fp32 gradient each."""
+    result: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in parameters:
+        nbytes = _local(p).numel() * 4
+        if result[-1] and size + nbytes > bucket_bytes:
+            result.append([])
+            size = 0
+        result[-1].append(p)
+        size += nbytes
+    return [b for b in result if b]
+
+
+def ensure_grads(parameters: list[nn.Parameter]) -> None:
+    """Zero gradients for parameters backward did not reach, so every rank's buckets line up."""
+    for p in parameters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def flat_grads(bucket: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1).float()
+                      for p in bucket])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+class HierarchicalSync:
+    """Average gradients over the data-parallel group in three steps (see the module docstring),
+    then run the wrapped optimizer."""
+
+    def __init__(self, parameters: list[nn.Parameter], optimizer, intra: dist.ProcessGroup,
+                 inter: dist.ProcessGroup, dp: int, bucket_bytes: int):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.optimizer, self.intra, self.inter, self.dp = optimizer, intra, inter, dp
+        self.buckets = buckets(self.parameters, bucket_bytes)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        per_node = dist.get_world_size(self.intra)
+        ensure_grads(self.parameters)
+        for bucket in self.buckets:
+            flat = flat_grads(bucket)
+            padded = torch.nn.functional.pad(flat, (0, -flat.numel() % per_node))
+            shard = torch.empty(padded.numel() // per_node, dtype=padded.dtype, device=padded.device)
+            dist.reduce_scatter_tensor(shard, padded, group=self.intra)
+            dist.all_reduce(shard, group=self.inter)
+            dist.all_gather_into_tensor(padded, shard, group=self.intra)
+            unflatten_into(padded[:flat.numel()] / self.dp, [_local(p.grad) for p in bucket])
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class ParameterServer:
+    """The group's first rank serves: receives every worker's gradients (push), averages them,
+    steps the only optimizer, and sends the parameters back (pull)."""
+
+    def __init__(self, parameters: list[nn.Parameter], make_optimizer, group: dist.ProcessGroup, bucket_bytes: int):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.server = self.ranks[0]
+        self.is_server = dist.get_rank() == self.server
+        self.optimizer = make_optimizer(self.parameters) if self.is_server else None
+        self.buckets = buckets(self.parameters, bucket_bytes)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        workers = [r for r in self.ranks if r != self.server]
+        for bucket in self.buckets:
+            flat = flat_grads(bucket)
+            if self.is_server:
+                received = [torch.empty_like(flat) for _ in workers]
+                for work in [dist.irecv(buf, src=w, group=self.group) for buf, w in zip(received, workers)]:
+                    work.wait()
+                total = flat + sum(received)
+                ensure_grads(bucket)
+                unflatten_into(total / len(self.ranks), [_local(p.grad) for p in bucket])
+            else:
+                dist.send(flat, dst=self.server, group=self.group)
+        if self.is_server:
+            self.optimizer.step()
+        for bucket in self.buckets:
+            flat = torch.cat([_local(p).detach().reshape(-1).float() for p in bucket])
+            if self.is_server:
+                for work in [dist.isend(flat, dst=w, group=self.group) for w in workers]:
+                    work.wait()
+            else:
+                dist.recv(flat, src=self.server, group=self.group)
+                unflatten_into(flat, [_local(p).data for p in bucket])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters:
+            p.grad = None

@@ -8,7 +8,8 @@ from __future__ import annotations
 import ast
 from importlib import resources
 
-SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "optimizer", "train")
+SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "optimizer", "checkpoint",
+            "train")
 _INTERNAL = "autopar"
 
 

@@ -1,4 +1,4 @@
-"""Training: set up the parallel model on this rank, run steps, log them, save what was trained."""
+"""Training: set up the parallel model on this rank, run steps, log them, checkpoint and save what was trained."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
+from autopar.codegen.sections.checkpoint import (CheckpointConfig, Checkpointer, consolidated_weights,
+                                                 inject_failure, latest_checkpoint, write_weights)
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, model_inputs, move_batch, slice_batch,
                                                tokens_per_sample)
@@ -73,6 +75,9 @@ class TrainConfig:
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
         log_file: JSON lines, one record per step (rank 0 appends), or None.
         save_final: where rank 0 saves the trained parameters as full tensors, or None.
+        checkpoint: checkpoint folder and frequency, async saving, export (see checkpoint.py).
+        fail_at_step: fault injection: the last rank kills itself at this step in torchrun's
+            first attempt (see `inject_failure`), or None.
     """
 
     model_file: str
@@ -86,6 +91,8 @@ class TrainConfig:
     seed: int = 0
     log_file: str | None = None
     save_final: str | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fail_at_step: int | None = None
 
 
 @dataclass
@@ -269,6 +276,19 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
         torch.save(merged, path)
 
 
+def export(checkpointer: Checkpointer, checkpoint: CheckpointConfig) -> None:
+    """Write the trained weights as one file: read back from the final checkpoint when there is
+    one (rank 0 alone, from disk), else gathered from the ranks."""
+    if checkpoint.enabled:
+        if dist.get_rank() == 0:
+            _, folder = latest_checkpoint(checkpoint.directory)
+            write_weights(consolidated_weights(folder), checkpoint.export)
+        return
+    state = checkpointer.full_state()
+    if dist.get_rank() == 0:
+        write_weights(state, checkpoint.export)
+
+
 def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
         expected_sha256: str | None = None) -> list[dict[str, float]]:
     """Train for ``training.steps`` steps on this rank; returns the per-step records (rank 0 also
@@ -286,9 +306,14 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # report training's peak, not set-up's
         rank_in_dp = dp_rank(parallel.mesh, config.dims)
+        checkpointer = Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer,
+                                    pipelined=parallel.schedule is not None,
+                                    tied_parameters=config.tied_parameters)
+        first_step = checkpointer.resume() if training.checkpoint.enabled else 0
         records = []
-        for step in range(training.steps):
+        for step in range(first_step, training.steps):
             batch = local_batch(training, model_module, step, rank_in_dp, device)
+            inject_failure(step, training.fail_at_step)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
@@ -308,8 +333,14 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
                 if training.log_file:
                     with open(training.log_file, "a") as log:
                         log.write(json.dumps(record) + "\n")
+            if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
+                checkpointer.save(step + 1)
+        if training.checkpoint.enabled:
+            checkpointer.finish(max(first_step, training.steps))
         if training.save_final:
             save_full_state(parallel, training.save_final)
+        if training.checkpoint.export:
+            export(checkpointer, training.checkpoint)
         # Every rank past its last collective before any tears the group down: gloo aborts a
         # process whose peer exits while a transfer thread is still winding down.
         dist.barrier()
@@ -328,4 +359,16 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--model-file", default=defaults["model_file"], help="the model.py to train")
     parser.add_argument("--log-file", default=defaults["log_file"], help="append one JSON record per step here")
     parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")
+    parser.add_argument("--checkpoint-dir", default=defaults.get("checkpoint_dir"),
+                        help="checkpoint folder (DIR/step_<n>/); resuming starts from its latest complete one")
+    parser.add_argument("--checkpoint-every", type=int, default=defaults.get("checkpoint_every", 0), metavar="N",
+                        help="save a checkpoint every N steps and after the last (0: no checkpoints, no resuming)")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="write checkpoints in the background while training goes on")
+    parser.add_argument("--export", default=None, metavar="PATH",
+                        help="write the trained weights as one file (.safetensors, else torch.save); without "
+                             "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")
+    parser.add_argument("--fail-at-step", type=int, default=None, metavar="STEP",
+                        help="fault injection: the last rank kills itself (SIGKILL) at STEP in torchrun's first "
+                             "attempt, to try restarts (--max-restarts) and resuming")
     return parser.parse_args(argv)

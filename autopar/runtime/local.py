@@ -62,7 +62,7 @@ def read_records(path: str | Path) -> list[dict]:
 
 def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None = None, *,
               extra_args: Sequence[str] = (), echo: bool = False, timeout_s: float | None = None,
-              env: dict[str, str] | None = None) -> RunResult:
+              env: dict[str, str] | None = None, max_restarts: int = 0) -> RunResult:
     """Launch ``out_dir``'s generated module on ``nproc`` local ranks and wait for it.
 
     Args:
@@ -73,6 +73,8 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         echo: also print the ranks' output as it comes.
         timeout_s: kill the run after this long (returncode 124).
         env: environment for the ranks (default: this process's).
+        max_restarts: times torchrun restarts all ranks after one fails (they resume from the
+            latest checkpoint when the module checkpoints).
     """
     out_dir = Path(out_dir).resolve()  # the ranks run inside it
     script = find_script(out_dir)
@@ -81,7 +83,7 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     log = out_dir / LOG_NAME
     before = len(read_records(log))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(script), "--log-file", str(log)]
+               f"--max-restarts={max_restarts}", str(script), "--log-file", str(log)]
     if steps is not None:
         command += ["--steps", str(steps)]
     command += list(extra_args)

@@ -1,6 +1,13 @@
 """Launch scripts for a generated module: torchrun (any cluster) and SLURM sbatch."""
 from __future__ import annotations
 
+# Restarted ranks must not meet in the store of the attempt before: torchrun's agent shares one
+# TCPStore across attempts by default, and the new process group then reads the dead ranks'
+# addresses (pytorch/pytorch#135712). With sharing off, every attempt gets a fresh store.
+STORE_PER_ATTEMPT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+STORE_PER_ATTEMPT = ("# A fresh rendezvous store per restart (a shared one hands restarted ranks stale addresses).\n"
+                     "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
+
 
 def launch_script(script: str, world_size: int, gpus_per_node: int) -> str:
     """``launch.sh``: torchrun on this node; run it on every node of a multi-node job.
@@ -28,6 +35,7 @@ RDZV_HOST=${{RDZV_HOST:-localhost}}
 RDZV_PORT=${{RDZV_PORT:-29500}}
 RDZV_ID=${{RDZV_ID:-{script.removesuffix('.py')}}}
 MAX_RESTARTS=${{MAX_RESTARTS:-3}}
+{STORE_PER_ATTEMPT}
 exec torchrun \\
     --nnodes="$NNODES" \\
     --nproc-per-node="$NPROC_PER_NODE" \\
@@ -56,6 +64,7 @@ cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
 RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 RDZV_PORT=${{RDZV_PORT:-29500}}
 MAX_RESTARTS=${{MAX_RESTARTS:-3}}  # restarts of failed ranks; use --checkpoint-every N to resume
+{STORE_PER_ATTEMPT}
 srun torchrun \\
     --nnodes="$SLURM_NNODES" \\
     --nproc-per-node={per_node} \\

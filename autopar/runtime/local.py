@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.errors import UserError
 from autopar.plan import Plan
 
@@ -88,8 +89,9 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         command += ["--steps", str(steps)]
     command += list(extra_args)
     lines: list[str] = []
+    env = {**STORE_PER_ATTEMPT_ENV, **(env if env is not None else os.environ)}  # restarts need it (see launch.py)
     process = subprocess.Popen(command, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env if env is not None else dict(os.environ))
+                               env=env)
     try:
         for line in process.stdout:
             lines.append(line)

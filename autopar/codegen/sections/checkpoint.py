@@ -267,7 +267,7 @@ class Checkpointer:
         for key, source in source_of.items():
             section, name = origin[key]
             loaded[section][name] = request[source]
-        set_model_state_dict(self.model, loaded["model"])
+        set_model_state_dict(self.model, loaded["model"])  # first: ZeRO-1 copies its slice from the parameters
         if isinstance(self.optimizer, torch.optim.Optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, loaded["optimizer"], options=_FLAT_OPTIMIZER)
         else:

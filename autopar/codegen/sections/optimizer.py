@@ -107,7 +107,9 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any], fqns: list[str]) -> None:
-        """Take this rank's slice of a state in the form `flat_state_dict` writes."""
+        """Take this rank's slice of a state in the form `flat_state_dict` writes. Call it after
+        loading the parameters: the slice this rank updates is a copy of them, taken again here."""
+        self.shard.copy_(torch.cat([_local(p).detach().reshape(-1).float() for p in self.parameters])[self.start:self.stop])
         state: dict[str, torch.Tensor] = {"step": flat[f"state.{fqns[0]}.step"].detach().clone().float()}
         for name in ("exp_avg", "exp_avg_sq"):
             whole = torch.cat([_local(flat[f"state.{fqn}.{name}"]).reshape(-1).float() for fqn in fqns])

@@ -19,6 +19,7 @@ from whichever of its names the checkpoint holds.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -311,12 +312,25 @@ def write_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     if path.suffix == ".safetensors":
-        from safetensors.torch import save_file  # optional: only this format needs it
-
-        save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(tmp))
+        _safetensors().save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(tmp))
     else:
         torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def _safetensors() -> Any:
+    """safetensors.torch, imported only when asked for: the module itself needs nothing but torch."""
+    try:
+        return importlib.import_module("safetensors.torch")
+    except ModuleNotFoundError:
+        raise RuntimeError("exporting to .safetensors needs the safetensors package (pip install "
+                           "safetensors); or export to a .pt path (torch.save)") from None
+
+
+def check_export_path(path: str | Path | None) -> None:
+    """Fail before training, not after it, when the export format cannot be written."""
+    if path is not None and Path(path).suffix == ".safetensors":
+        _safetensors()
 
 
 def export_latest_checkpoint(directory: str | Path, path: str | Path) -> Path:

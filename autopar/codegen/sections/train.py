@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
-from autopar.codegen.sections.checkpoint import (CheckpointConfig, Checkpointer, consolidated_weights,
-                                                 inject_failure, latest_checkpoint, write_weights)
+from autopar.codegen.sections.checkpoint import (CheckpointConfig, Checkpointer, check_export_path,
+                                                 consolidated_weights, inject_failure, latest_checkpoint,
+                                                 write_weights)
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, model_inputs, move_batch, slice_batch,
                                                tokens_per_sample)
@@ -301,6 +302,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     try:
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
+        check_export_path(training.checkpoint.export)
         model_module = load_model_file(training.model_file)
         parallel = setup(training, config, tp_plan, model_module, device)
         if device.type == "cuda":

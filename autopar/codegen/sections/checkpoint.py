@@ -104,14 +104,16 @@ def _global_fqn(name: str, pipelined: bool) -> str:
 
 
 def _tied_alias(key: str, available: set[str], tied_parameters: list[list[str]]) -> str | None:
-    """``key`` with its parameter replaced by a tied one the checkpoint holds, or None."""
-    for group in tied_parameters:
-        for name in group:
-            for section in ("model.", "optimizer.state.", "optimizer.param_groups."):
-                if not key.startswith(section + name) or key[len(section + name):][:1] not in ("", "."):
-                    continue
-                rest = key[len(section + name):]
-                alias = next((section + other + rest for other in group if section + other + rest in available), None)
+    """``key`` with its parameter named by another of its tied names, one the checkpoint holds, or
+    None. (A pipeline's last stage asks for the state of ``lm_head.weight``; a run without
+    pipeline saved the optimizer state of the one tensor under ``wte.weight`` only.)"""
+    for section in ("model.", "optimizer.state.", "optimizer.param_groups."):
+        rest = key[len(section):] if key.startswith(section) else None
+        for group in tied_parameters if rest is not None else []:
+            for name in (n for n in group if rest == n or rest.startswith(n + ".")):
+                suffix = rest[len(name):]
+                alias = next((f"{section}{other}{suffix}" for other in group
+                              if f"{section}{other}{suffix}" in available), None)
                 if alias is not None:
                     return alias
     return None
@@ -167,7 +169,7 @@ class Checkpointer:
         self.last_saved: int | None = None
         # Async saves plan over their own gloo group from a background thread, so their
         # collectives never interleave with training's (and NCCL runs need a CPU group anyway).
-        self.group = dist.new_group(backend="gloo") if config.async_save else None
+        self.group = dist.new_group(backend="gloo") if config.enabled and config.async_save else None
 
     def _state(self, step: int) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
         """This rank's state under checkpoint keys, and where each key came from: ("model" |
@@ -252,22 +254,10 @@ class Checkpointer:
     def load(self, folder: Path) -> int:
         """Load ``folder`` into the model, optimizer and RNGs (resharding as needed); returns its step."""
         state, origin = self._state(0)  # the shapes and shardings to load into
-        available = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
-        request: dict[str, Any] = {}
-        source_of: dict[str, str] = {}
-        for key, value in state.items():
-            source = key if key in available else _tied_alias(key, available, self.tied_parameters)
-            if source is None and key.startswith("rng."):
-                continue  # this rank did not exist in the run that saved: it keeps its seeded RNG
-            if source is None or source in request:
-                raise RuntimeError(f"checkpoint {folder} has no {key!r}: it was written for another model "
-                                   "(or its optimizer differs)")
-            request[source], source_of[key] = value, source
-        dcp.load(request, checkpoint_id=folder)
         loaded: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}, "train": {}, "rng": {}}
-        for key, source in source_of.items():
+        for key, value in self._read(folder, state).items():
             section, name = origin[key]
-            loaded[section][name] = request[source]
+            loaded[section][name] = value
         set_model_state_dict(self.model, loaded["model"])  # first: ZeRO-1 copies its slice from the parameters
         if isinstance(self.optimizer, torch.optim.Optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, loaded["optimizer"], options=_FLAT_OPTIMIZER)
@@ -276,9 +266,37 @@ class Checkpointer:
         _set_rng_state(loaded["rng"])
         return int(loaded["train"]["step"])
 
+    @torch.no_grad()
+    def _read(self, folder: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``'s values read from ``folder``, tensors in place: each key from itself or from a
+        tied name the checkpoint holds. RNG states of ranks the saving run did not have are left out."""
+        available = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+        request: dict[str, Any] = {}
+        source_of: dict[str, str] = {}
+        for key, value in state.items():
+            source = key if key in available else _tied_alias(key, available, self.tied_parameters)
+            if source is None and key.startswith("rng."):
+                continue  # this rank keeps its seeded RNG
+            if source is None:
+                raise RuntimeError(f"checkpoint {folder} has no {key!r}: it was written for another model "
+                                   "(or with another optimizer)")
+            source_of[key] = source
+            request.setdefault(source, value)
+        dcp.load(request, checkpoint_id=folder)
+        values = {}
+        for key, source in source_of.items():
+            value = request[source]
+            if isinstance(value, torch.Tensor) and value is not state[key]:
+                # Two copies of a tied tensor on this rank (the traced pipeline split keeps them):
+                # the second gets its own copy of what was read for the first.
+                value = state[key].copy_(value)
+            values[key] = value
+        return values
+
     def finish(self, step: int) -> None:
-        """Save the last step (unless just saved) and wait for every save to be written."""
-        if self.last_saved != step:
+        """Save the state after the last step (unless saved or resumed at or past it) and wait for
+        every save to be written."""
+        if self.last_saved is None or self.last_saved < step:
             self.save(step)
         self.wait()
 

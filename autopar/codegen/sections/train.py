@@ -277,7 +277,7 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
         torch.save(merged, path)
 
 
-def export(checkpointer: Checkpointer, checkpoint: CheckpointConfig) -> None:
+def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointConfig) -> None:
     """Write the trained weights as one file: read back from the final checkpoint when there is
     one (rank 0 alone, from disk), else gathered from the ranks."""
     if checkpoint.enabled:
@@ -338,11 +338,11 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
                 checkpointer.save(step + 1)
         if training.checkpoint.enabled:
-            checkpointer.finish(max(first_step, training.steps))
+            checkpointer.finish(training.steps)
         if training.save_final:
             save_full_state(parallel, training.save_final)
         if training.checkpoint.export:
-            export(checkpointer, training.checkpoint)
+            export_trained_weights(checkpointer, training.checkpoint)
         # Every rank past its last collective before any tears the group down: gloo aborts a
         # process whose peer exits while a transfer thread is still winding down.
         dist.barrier()

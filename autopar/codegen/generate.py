@@ -2,7 +2,7 @@
 
 The generated module is the plan made concrete: the plan itself as data, the plan-specific
 tensor-parallel styles as code, and the runtime sections (mesh, TP, recomputation, pipeline,
-ZeRO/FSDP, optimizer, training loop) a user can read and edit. It imports torch and the
+ZeRO/FSDP, optimizer, checkpoints, training loop) a user can read and edit. It imports torch and the
 user's model.py only.
 """
 from __future__ import annotations

@@ -59,6 +59,7 @@ COMPILE_EXAMPLES = """examples:
 RUN_EXAMPLES = """examples:
   autopar run out/tiny --steps 5
   autopar run out/tiny --nproc 4 --steps 20 --echo
+  autopar run out/tiny --steps 100 --checkpoint-every 20 --max-restarts 3
 """
 
 
@@ -131,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, default=None, help="local ranks (default and only choice: the plan's world size)")
     run.add_argument("--steps", type=int, default=None, help="training steps (default: the module's own)")
     run.add_argument("--echo", action="store_true", help="print the ranks' output as it comes")
+    run.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                     help="checkpoint every N steps into DIR/checkpoints and resume from the latest complete one")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                     help="restart all ranks up to K times after one fails (torchrun --max-restarts)")
     run.add_argument("-v", "--verbose", action="store_true", help="print more detail")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     run.set_defaults(handler=_run)
@@ -303,7 +308,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                         f"run it with --nproc {plan.world_size} (or omit --nproc), or compile again for "
                         f"{args.nproc} GPUs.")
     with console.status(f"Running {plan.world_size} local ranks ..."):
-        result = run_local(args.out_dir, plan.world_size, args.steps, echo=args.echo)
+        extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
+        result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
+                           max_restarts=args.max_restarts)
     if not result.ok:
         where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
         raise UserError(f"The run failed on {where} (exit {result.returncode}):\n{result.error}",

@@ -2,7 +2,7 @@
 
 The generated module is the plan made concrete: the plan itself as data, the plan-specific
 tensor-parallel styles as code, and the runtime sections (mesh, TP, recomputation, pipeline,
-ZeRO/FSDP, optimizer, training loop) a user can read and edit. It imports torch and the
+ZeRO/FSDP, optimizer, checkpoints, training loop) a user can read and edit. It imports torch and the
 user's model.py only.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Layout:
 
 def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_kwargs: dict[str, Any] | None = None,
              gpus_per_node: int | None = None, optimizer: dict[str, Any] | None = None,
-             steps: int = 10) -> GeneratedFiles:
+             steps: int = 10, checkpoint_every: int = 0) -> GeneratedFiles:
     """Write the parallel training module for ``plan`` and its launch scripts into ``out_dir``.
 
     Args:
@@ -69,6 +69,8 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
             size); default: every rank on one node.
         optimizer: AdamW settings (lr, betas, eps, weight_decay); default `DEFAULT_OPTIMIZER`.
         steps: default number of training steps of the generated script.
+        checkpoint_every: default checkpoint frequency of the generated script (0: off unless
+            ``--checkpoint-every`` asks).
     """
     model_path = Path(model_path)
     out_dir = Path(out_dir)
@@ -87,7 +89,7 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
     sha = load_model_file(model_path).sha256
     settings = {**DEFAULT_OPTIMIZER, **(optimizer or {})}
     script.write_text(render_module(plan, name, model_path.name, sha, kwargs, facts, tp, layout, settings, steps,
-                                    gpus_per_node))
+                                    gpus_per_node, checkpoint_every))
     plan_path = out_dir / "plan.json"
     plan.save(plan_path)
     launch = out_dir / "launch.sh"
@@ -211,7 +213,8 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
 
 
 def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts,
-                  tp: TPPlan, layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int) -> str:
+                  tp: TPPlan, layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int,
+                  checkpoint_every: int = 0) -> str:
     """The generated module's source."""
     imports = ImportBlock()
     sections = assemble_sections(imports)
@@ -225,7 +228,8 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
     parts = [
         header(plan, name, model_file, tp, layout, gpus_per_node) + "\n\nfrom __future__ import annotations\n\n"
         + imports.source(),
-        plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps, gpus_per_node),
+        plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps, gpus_per_node,
+                     checkpoint_every),
         sections,
         main_section(),
     ]
@@ -301,6 +305,9 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         f"  ./launch.sh --steps 10                      ({nodes} node(s) x {min(plan.world_size, gpus_per_node)} ranks; sbatch.sh for SLURM)",
         f"  torchrun --nproc-per-node {plan.world_size} parallel_{name}.py --steps 10   (one machine)",
         "  Uses NCCL on GPUs and gloo on CPUs; each step appends a JSON record to run.jsonl.",
+        "  --checkpoint-every N saves to checkpoints/step_<n>/ (DCP, any plan can load it) and resumes from",
+        "  the latest complete one; launch.sh restarts failed ranks (MAX_RESTARTS, default 3);",
+        f"  python parallel_{name}.py --export model.safetensors consolidates the latest checkpoint.",
         "",
         "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN the rest of the plan; the",
         "sections below apply them in order (pipeline cut, TP, recomputation, FSDP, optimizer).",
@@ -309,7 +316,8 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
 
 
 def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts, tp: TPPlan,
-                 layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int) -> str:
+                 layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int,
+                 checkpoint_every: int = 0) -> str:
     banner = f"# {'=' * 96}\n# The plan\n# {'=' * 96}\n"
     plan_data = pprint.pformat(_plain(plan), width=110, sort_dicts=False)
     body = [
@@ -323,6 +331,9 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         f"MODEL_KWARGS = {pprint.pformat(model_kwargs, width=110)}",
         f"OPTIMIZER = {pprint.pformat(dict(optimizer), width=110, sort_dicts=False)}",
         f"DEFAULT_STEPS = {steps}",
+        "# Checkpoints (checkpoint.py): CHECKPOINT_DIR/step_<n>/ every CHECKPOINT_EVERY steps; 0 turns them off.",
+        'CHECKPOINT_DIR = str(Path(__file__).with_name("checkpoints"))',
+        f"CHECKPOINT_EVERY = {checkpoint_every}",
         "",
         "# Derived when generating: data-parallel ranks = replicas x shard group (ZeRO shards inside a",
         "# group), the FSDP groups bottom-up, and parameters that are one tensor under several names.",
@@ -377,7 +388,7 @@ def parallel_config(plan: dict) -> ParallelConfig:
 
 
 def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
-    """Batch sizes and precision from the plan; steps, seed, lr and files from the command line."""
+    """Batch sizes and precision from the plan; steps, seed, lr, files and checkpoints from the command line."""
     return TrainConfig(
         model_file=args.model_file,
         model_kwargs=MODEL_KWARGS,
@@ -391,6 +402,9 @@ def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
         log_file=args.log_file,
         save_final=args.save_final,
         dp_shares=plan["dp_shares"],
+        checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
+                                    async_save=args.async_checkpoint, export=args.export),
+        fail_at_step=args.fail_at_step,
     )
 '''.strip("\n")
 
@@ -471,7 +485,12 @@ def main_section() -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train with the plan; see the module docstring for how to launch."""
     args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "model_file": MODEL_FILE,
-                             "log_file": str(Path(__file__).with_name("run.jsonl"))}})
+                             "log_file": str(Path(__file__).with_name("run.jsonl")),
+                             "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY}})
+    if args.export and "RANK" not in os.environ:  # not under torchrun: only consolidate the latest checkpoint
+        folder = export_latest_checkpoint(args.checkpoint_dir, args.export)
+        print(f"exported {{folder}} to {{args.export}}")
+        return []
     return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256)
 
 

@@ -1,6 +1,13 @@
 """Launch scripts for a generated module: torchrun (any cluster) and SLURM sbatch."""
 from __future__ import annotations
 
+# Restarted ranks must not meet in the store of the attempt before: torchrun's agent shares one
+# TCPStore across attempts by default, and the new process group then reads the dead ranks'
+# addresses (pytorch/pytorch#135712). With sharing off, every attempt gets a fresh store.
+STORE_PER_ATTEMPT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+STORE_PER_ATTEMPT = ("# A fresh rendezvous store per restart (a shared one hands restarted ranks stale addresses).\n"
+                     "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
+
 
 def launch_script(script: str, world_size: int, gpus_per_node: int) -> str:
     """``launch.sh``: torchrun on this node; run it on every node of a multi-node job.
@@ -17,7 +24,9 @@ def launch_script(script: str, world_size: int, gpus_per_node: int) -> str:
 # Run this same command on every node; the nodes meet at RDZV_HOST:RDZV_PORT (the first node).
 #   single node:  ./launch.sh --steps 10
 #   multi-node:   RDZV_HOST=node0 ./launch.sh --steps 10     (on each node)
-# Extra arguments go to the training script (--steps, --lr, --seed, --log-file).
+# Extra arguments go to the training script (--steps, --lr, --seed, --log-file, --checkpoint-every).
+# A failed rank makes torchrun restart all ranks, up to MAX_RESTARTS times; with checkpoints
+# (--checkpoint-every N) they resume from the latest complete one.
 set -euo pipefail
 cd "$(dirname "$0")"
 NNODES=${{NNODES:-{nodes}}}
@@ -25,12 +34,15 @@ NPROC_PER_NODE=${{NPROC_PER_NODE:-{per_node}}}
 RDZV_HOST=${{RDZV_HOST:-localhost}}
 RDZV_PORT=${{RDZV_PORT:-29500}}
 RDZV_ID=${{RDZV_ID:-{script.removesuffix('.py')}}}
+MAX_RESTARTS=${{MAX_RESTARTS:-3}}
+{STORE_PER_ATTEMPT}
 exec torchrun \\
     --nnodes="$NNODES" \\
     --nproc-per-node="$NPROC_PER_NODE" \\
     --rdzv-backend=c10d \\
     --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" \\
     --rdzv-id="$RDZV_ID" \\
+    --max-restarts="$MAX_RESTARTS" \\
     {script} "$@"
 """
 
@@ -51,11 +63,14 @@ set -euo pipefail
 cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
 RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 RDZV_PORT=${{RDZV_PORT:-29500}}
+MAX_RESTARTS=${{MAX_RESTARTS:-3}}  # restarts of failed ranks; use --checkpoint-every N to resume
+{STORE_PER_ATTEMPT}
 srun torchrun \\
     --nnodes="$SLURM_NNODES" \\
     --nproc-per-node={per_node} \\
     --rdzv-backend=c10d \\
     --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" \\
     --rdzv-id="$SLURM_JOB_ID" \\
+    --max-restarts="$MAX_RESTARTS" \\
     {script} "$@"
 """

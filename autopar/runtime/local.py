@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.errors import UserError
 from autopar.plan import Plan
 
@@ -62,7 +63,7 @@ def read_records(path: str | Path) -> list[dict]:
 
 def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None = None, *,
               extra_args: Sequence[str] = (), echo: bool = False, timeout_s: float | None = None,
-              env: dict[str, str] | None = None) -> RunResult:
+              env: dict[str, str] | None = None, max_restarts: int = 0) -> RunResult:
     """Launch ``out_dir``'s generated module on ``nproc`` local ranks and wait for it.
 
     Args:
@@ -73,6 +74,8 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         echo: also print the ranks' output as it comes.
         timeout_s: kill the run after this long (returncode 124).
         env: environment for the ranks (default: this process's).
+        max_restarts: times torchrun restarts all ranks after one fails (they resume from the
+            latest checkpoint when the module checkpoints).
     """
     out_dir = Path(out_dir).resolve()  # the ranks run inside it
     script = find_script(out_dir)
@@ -81,13 +84,14 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     log = out_dir / LOG_NAME
     before = len(read_records(log))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(script), "--log-file", str(log)]
+               f"--max-restarts={max_restarts}", str(script), "--log-file", str(log)]
     if steps is not None:
         command += ["--steps", str(steps)]
     command += list(extra_args)
     lines: list[str] = []
+    env = {**STORE_PER_ATTEMPT_ENV, **(env if env is not None else os.environ)}  # restarts need it (see launch.py)
     process = subprocess.Popen(command, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env if env is not None else dict(os.environ))
+                               env=env)
     try:
         for line in process.stdout:
             lines.append(line)

@@ -1,6 +1,8 @@
 """The optimizer: AdamW, with its state sharded over data-parallel replicas for ZeRO-1."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,13 +62,68 @@ class ShardedAdamW:
         flat_grad = torch.cat([g.reshape(-1).float() for g in grads])
         self.shard.grad = flat_grad[self.start:self.stop].clone()
         self.inner.step()
-        gathered = torch.empty(self.shard_numel * dist.get_world_size(self.group), dtype=self.shard.dtype,
-                               device=self.shard.device)
-        padded = torch.zeros(self.shard_numel, dtype=self.shard.dtype, device=self.shard.device)
-        padded[: self.stop - self.start] = self.shard
+        for p, value in zip(self.parameters, self._per_parameter(self._gather(self.shard))):
+            _local(p).copy_(value)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice put back together: one flat vector of all parameters."""
+        gathered = torch.empty(self.shard_numel * dist.get_world_size(self.group), dtype=shard.dtype,
+                               device=shard.device)
+        padded = torch.zeros(self.shard_numel, dtype=shard.dtype, device=shard.device)
+        padded[: self.stop - self.start] = shard
         dist.all_gather_into_tensor(gathered, padded, group=self.group)
-        offset = 0
+        return gathered[: self.numel]
+
+    def _per_parameter(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` cut into views shaped like each parameter's local storage."""
+        views, offset = [], 0
         for p in self.parameters:
             local = _local(p)
-            local.copy_(gathered[offset:offset + local.numel()].view_as(local))
+            views.append(flat[offset:offset + local.numel()].view_as(local))
             offset += local.numel()
+        return views
+
+    @torch.no_grad()
+    def flat_state_dict(self, fqns: list[str]) -> dict[str, Any]:
+        """The state in plain AdamW's flattened form (``state.<fqn>.step|exp_avg|exp_avg_sq``,
+        ``param_groups.<fqn>.<option>``), each moment shaped and placed like its parameter. The
+        slices are gathered for it, so a ZeRO-1 checkpoint loads under any plan (and back).
+
+        Args:
+            fqns: each parameter's FQN, in the order of ``self.parameters``.
+        """
+        state = self.inner.state.get(self.shard, {})
+        flat: dict[str, Any] = {}
+        for name in ("exp_avg", "exp_avg_sq"):
+            full = self._gather(state.get(name, torch.zeros_like(self.shard)).detach())
+            for fqn, p, value in zip(fqns, self.parameters, self._per_parameter(full)):
+                flat[f"state.{fqn}.{name}"] = _like(p, value.clone())
+        step = state.get("step", torch.zeros((), dtype=torch.float32))
+        options = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}
+        for fqn in fqns:
+            flat[f"state.{fqn}.step"] = step.clone()
+            flat.update({f"param_groups.{fqn}.{k}": v for k, v in options.items()})
+        return flat
+
+    @torch.no_grad()
+    def load_flat_state_dict(self, flat: dict[str, Any], fqns: list[str]) -> None:
+        """Take this rank's slice of a state in the form `flat_state_dict` writes. Call it after
+        loading the parameters: the slice this rank updates is a copy of them, taken again here."""
+        self.shard.copy_(torch.cat([_local(p).detach().reshape(-1).float() for p in self.parameters])[self.start:self.stop])
+        state: dict[str, torch.Tensor] = {"step": flat[f"state.{fqns[0]}.step"].detach().clone().float()}
+        for name in ("exp_avg", "exp_avg_sq"):
+            whole = torch.cat([_local(flat[f"state.{fqn}.{name}"]).reshape(-1).float() for fqn in fqns])
+            state[name] = whole[self.start:self.stop].to(self.shard.device).clone()
+        self.inner.state[self.shard] = state
+        group = self.inner.param_groups[0]
+        for k in group:
+            if k != "params" and f"param_groups.{fqns[0]}.{k}" in flat:
+                group[k] = flat[f"param_groups.{fqns[0]}.{k}"]
+
+
+def _like(parameter: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as the same kind of tensor as ``parameter`` (a DTensor shard placed like it)."""
+    if isinstance(parameter, DTensor):
+        return DTensor.from_local(local, parameter.device_mesh, parameter.placements, run_check=False,
+                                  shape=parameter.shape, stride=parameter.stride())
+    return local

@@ -1,4 +1,4 @@
-"""Training: set up the parallel model on this rank, run steps, log them, save what was trained."""
+"""Training: set up the parallel model on this rank, run steps, log them, checkpoint and save what was trained."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
+from autopar.codegen.sections.checkpoint import (CheckpointConfig, Checkpointer, check_export_path,
+                                                 consolidated_weights, inject_failure, latest_checkpoint,
+                                                 write_weights)
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, model_inputs, move_batch, slice_batch,
                                                tokens_per_sample)
@@ -95,6 +98,9 @@ class TrainConfig:
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
         log_file: JSON lines, one record per step (rank 0 appends), or None.
         save_final: where rank 0 saves the trained parameters as full tensors, or None.
+        checkpoint: checkpoint folder and frequency, async saving, export (see checkpoint.py).
+        fail_at_step: fault injection: the last rank kills itself at this step in torchrun's
+            first attempt (see `inject_failure`), or None.
     """
 
     model_file: str
@@ -108,6 +114,8 @@ class TrainConfig:
     seed: int = 0
     log_file: str | None = None
     save_final: str | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
@@ -364,6 +372,19 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     return record
 
 
+def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointConfig) -> None:
+    """Write the trained weights as one file: read back from the final checkpoint when there is
+    one (rank 0 alone, from disk), else gathered from the ranks."""
+    if checkpoint.enabled:
+        if dist.get_rank() == 0:
+            _, folder = latest_checkpoint(checkpoint.directory)
+            write_weights(consolidated_weights(folder), checkpoint.export)
+        return
+    state = checkpointer.full_state()
+    if dist.get_rank() == 0:
+        write_weights(state, checkpoint.export)
+
+
 def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
         expected_sha256: str | None = None) -> list[dict[str, float]]:
     """Train for ``training.steps`` steps on this rank; returns the per-step records (rank 0 also
@@ -376,16 +397,28 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     try:
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
+        check_export_path(training.checkpoint.export)
         model_module = load_model_file(training.model_file)
         parallel = setup(training, config, tp_plan, model_module, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # report training's peak, not set-up's
+        checkpointer = Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer,
+                                    pipelined=parallel.schedule is not None,
+                                    tied_parameters=config.tied_parameters)
+        first_step = checkpointer.resume() if training.checkpoint.enabled else 0
         records = []
         with attention_context(parallel, config, training, model_module):
-            for step in range(training.steps):
+            for step in range(first_step, training.steps):
+                inject_failure(step, training.fail_at_step)
                 records.append(timed_step(parallel, training, config, model_module, step))
+                if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
+                    checkpointer.save(step + 1)
+        if training.checkpoint.enabled:
+            checkpointer.finish(training.steps)
         if training.save_final:
             save_full_state(parallel, training.save_final)
+        if training.checkpoint.export:
+            export_trained_weights(checkpointer, training.checkpoint)
         # Every rank past its last collective before any tears the group down: gloo aborts a
         # process whose peer exits while a transfer thread is still winding down.
         dist.barrier()
@@ -404,4 +437,16 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--model-file", default=defaults["model_file"], help="the model.py to train")
     parser.add_argument("--log-file", default=defaults["log_file"], help="append one JSON record per step here")
     parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")
+    parser.add_argument("--checkpoint-dir", default=defaults.get("checkpoint_dir"),
+                        help="checkpoint folder (DIR/step_<n>/); resuming starts from its latest complete one")
+    parser.add_argument("--checkpoint-every", type=int, default=defaults.get("checkpoint_every", 0), metavar="N",
+                        help="save a checkpoint every N steps and after the last (0: no checkpoints, no resuming)")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="write checkpoints in the background while training goes on")
+    parser.add_argument("--export", default=None, metavar="PATH",
+                        help="write the trained weights as one file (.safetensors, else torch.save); without "
+                             "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")
+    parser.add_argument("--fail-at-step", type=int, default=None, metavar="STEP",
+                        help="fault injection: the last rank kills itself (SIGKILL) at STEP in torchrun's first "
+                             "attempt, to try restarts (--max-restarts) and resuming")
     return parser.parse_args(argv)

@@ -1,0 +1,360 @@
+"""Checkpoints: save with torch.distributed.checkpoint (DCP), resume from the latest complete one, export.
+
+``DIR/step_<n>/`` holds the state after n optimizer steps: every rank writes its own shards and
+DCP's coordinator writes the metadata once all of them are written; rank 0 then adds
+``COMPLETE``. A folder without it (a run killed while saving) is never resumed from. Keys name
+the unsharded model's FQNs, so DCP reshards on load: a checkpoint written under one plan (DP4)
+loads under another (TP2 x DP2, ZeRO-3, a pipeline).
+    model.<fqn>                          parameters and buffers (DTensor shards, as the plan places them)
+    optimizer.state.<fqn>.<name>         AdamW's step and moments (optimizer.param_groups.<fqn>.<option>)
+    train.step                           optimizer steps done, which is the data position too:
+                                         the batch of step s is drawn from seed + 1 + s
+    rng.rank<r>.cpu, rng.rank<r>.cuda    each rank's random number generator states
+Pipeline stages save their parameters under the whole model's FQNs; a parameter tied across
+stages (token embedding and LM head) is saved under the name it has on each stage and loaded
+from whichever of its names the checkpoint holds.
+
+    torchrun ... parallel_<model>.py --checkpoint-every 100 [--checkpoint-dir DIR] [--async-checkpoint]
+    python parallel_<model>.py --export model.safetensors   (no torchrun: consolidate the latest checkpoint)
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from autopar.codegen.sections.pipeline import strip_wrapper_prefixes
+
+COMPLETE = "COMPLETE"
+_STEP_FOLDER = re.compile(r"step_(\d+)")
+# Flattened optimizer state ("state.<fqn>.<name>") is what lets DCP reshard it between plans.
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint.
+
+    Attributes:
+        directory: folder of the ``step_<n>/`` checkpoints.
+        every: save after every ``every`` optimizer steps and after the last one, and resume from
+            the latest complete checkpoint on start; 0 turns checkpoints off.
+        async_save: write in a background thread (``dcp.async_save``) while training goes on.
+        export: write the trained weights here as one file of full tensors (safetensors for a
+            ``.safetensors`` path, else ``torch.save``), or None.
+    """
+
+    directory: str | None = None
+    every: int = 0
+    async_save: bool = False
+    export: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 and self.directory is not None
+
+
+def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(steps, folder) of every checkpoint marked complete, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in root.iterdir()
+             if (match := _STEP_FOLDER.fullmatch(path.name)) and (path / COMPLETE).is_file()]
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
+    """The complete checkpoint with the most steps, or None."""
+    found = complete_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _mark_complete(folder: Path, step: int) -> None:
+    """Write the COMPLETE marker atomically (safe to call twice, from two threads)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{COMPLETE}.")
+    with os.fdopen(fd, "w") as handle:
+        json.dump({"step": step, "world_size": dist.get_world_size()}, handle)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, folder / COMPLETE)
+
+
+def _global_fqn(name: str, pipelined: bool) -> str:
+    """A state-dict FQN as the unsharded model names it: this rank's pipeline stages sit in a
+    ModuleList, each holding the model copy under ``model``."""
+    return re.sub(r"^\d+\.model\.", "", name) if pipelined else name
+
+
+def _tied_alias(key: str, available: set[str], tied_parameters: list[list[str]]) -> str | None:
+    """``key`` with its parameter named by another of its tied names, one the checkpoint holds, or
+    None. (A pipeline's last stage asks for the state of ``lm_head.weight``; a run without
+    pipeline saved the optimizer state of the one tensor under ``wte.weight`` only.)"""
+    for section in ("model.", "optimizer.state.", "optimizer.param_groups."):
+        rest = key[len(section):] if key.startswith(section) else None
+        for group in tied_parameters if rest is not None else []:
+            for name in (n for n in group if rest == n or rest.startswith(n + ".")):
+                suffix = rest[len(name):]
+                alias = next((f"{section}{other}{suffix}" for other in group
+                              if f"{section}{other}{suffix}" in available), None)
+                if alias is not None:
+                    return alias
+    return None
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+    state = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    rank = dist.get_rank()
+    if f"rng.rank{rank}.cpu" in state:
+        torch.set_rng_state(state[f"rng.rank{rank}.cpu"])
+    if torch.cuda.is_available() and f"rng.rank{rank}.cuda" in state:
+        torch.cuda.set_rng_state(state[f"rng.rank{rank}.cuda"])
+
+
+def inject_failure(step: int, fail_at_step: int | None) -> None:
+    """Fault injection (``--fail-at-step``): the last rank kills itself with SIGKILL when it
+    starts step ``fail_at_step`` in torchrun's first attempt, to exercise restarts and resuming
+    (later attempts pass the step, so a restarted run can finish)."""
+    if fail_at_step is None or step != fail_at_step:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and dist.get_rank() == dist.get_world_size() - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Checkpointer:
+    """Saves this rank's part of the training state and loads it back, under any plan.
+
+    Args:
+        config: directory, frequency, async saving.
+        modules: the model, or this rank's pipeline stages.
+        optimizer: torch's AdamW, or the ZeRO-1 `ShardedAdamW` (which gathers its state into
+            AdamW's per-parameter form, so its checkpoints load under any plan too).
+        pipelined: whether ``modules`` are pipeline stages.
+        tied_parameters: parameter FQNs sharing one tensor.
+    """
+
+    def __init__(self, config: CheckpointConfig, modules: list[nn.Module], optimizer: Any, pipelined: bool,
+                 tied_parameters: list[list[str]]):
+        self.config = config
+        self.model = nn.ModuleList(modules) if pipelined else modules[0]
+        self.optimizer = optimizer
+        self.pipelined = pipelined
+        self.tied_parameters = tied_parameters
+        self.pending: Future | None = None
+        self.pending_folder: tuple[Path, int] | None = None
+        self.last_saved: int | None = None
+        # Async saves plan over their own gloo group from a background thread, so their
+        # collectives never interleave with training's (and NCCL runs need a CPU group anyway).
+        self.group = dist.new_group(backend="gloo") if config.enabled and config.async_save else None
+
+    def _state(self, step: int) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+        """This rank's state under checkpoint keys, and where each key came from: ("model" |
+        "optimizer", its key in torch's state dict) or ("train" | "rng", key)."""
+        state: dict[str, Any] = {}
+        origin: dict[str, tuple[str, str]] = {}
+        for key, value in get_model_state_dict(self.model).items():
+            name = f"model.{_global_fqn(key, self.pipelined)}"
+            state[name], origin[name] = value, ("model", key)
+        for key, value in self._optimizer_state().items():
+            section, _, fqn_and_name = key.partition(".")
+            name = f"optimizer.{section}.{_global_fqn(fqn_and_name, self.pipelined)}"
+            state[name], origin[name] = value, ("optimizer", key)
+        state["train.step"], origin["train.step"] = torch.tensor(step, dtype=torch.int64), ("train", "step")
+        for key, value in _rng_state().items():
+            state[key], origin[key] = value, ("rng", key)
+        return state, origin
+
+    def _parameter_fqns(self) -> list[str]:
+        names = {id(p): strip_wrapper_prefixes(n) for n, p in self.model.named_parameters()}
+        return [names[id(p)] for p in self.optimizer.parameters]
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT_OPTIMIZER)
+        return self.optimizer.flat_state_dict(self._parameter_fqns())
+
+    def save(self, step: int) -> None:
+        """Write ``DIR/step_<step>/`` and mark it complete once every rank's part is on disk."""
+        self.wait()  # one save in flight at a time
+        folder = Path(self.config.directory) / f"step_{step}"
+        if dist.get_rank() == 0:
+            # Leftovers of an attempt killed while writing this step: marker first, so a crash
+            # half-way through the removal never leaves a marked, partial folder.
+            (folder / COMPLETE).unlink(missing_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+        dist.barrier()
+        state, _ = self._state(step)
+        self.last_saved = step
+        if not self.config.async_save:
+            dcp.save(state, checkpoint_id=folder)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                _mark_complete(folder, step)
+            return
+        # The copy to CPU happens now; writing goes on in a thread. DCP's coordinator (rank 0)
+        # finishes a save only after gathering every rank's write results and writing the
+        # metadata, so rank 0's save being done means the whole checkpoint is on disk.
+        self.pending = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+        self.pending_folder = folder, step
+        if dist.get_rank() == 0:
+            def mark_when_written(done: Future) -> None:
+                if done.exception() is None:
+                    _mark_complete(folder, step)
+
+            self.pending.add_done_callback(mark_when_written)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and marked."""
+        if self.pending is None:
+            return
+        self.pending.result()
+        self.pending = None
+        if dist.get_rank() == 0:
+            _mark_complete(*self.pending_folder)  # its callback may still be on its way
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint, if any; returns the optimizer steps it holds (0
+        without one). Rank 0 picks the folder so every rank loads the same one."""
+        choice = [latest_checkpoint(self.config.directory) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return 0
+        step, folder = choice[0]
+        self.load(Path(folder))
+        if dist.get_rank() == 0:
+            print(f"resumed from {folder} ({step} steps done)", flush=True)
+        self.last_saved = step
+        return step
+
+    def load(self, folder: Path) -> int:
+        """Load ``folder`` into the model, optimizer and RNGs (resharding as needed); returns its step."""
+        state, origin = self._state(0)  # the shapes and shardings to load into
+        loaded: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}, "train": {}, "rng": {}}
+        for key, value in self._read(folder, state).items():
+            section, name = origin[key]
+            loaded[section][name] = value
+        set_model_state_dict(self.model, loaded["model"])  # first: ZeRO-1 copies its slice from the parameters
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, loaded["optimizer"], options=_FLAT_OPTIMIZER)
+        else:
+            self.optimizer.load_flat_state_dict(loaded["optimizer"], self._parameter_fqns())
+        _set_rng_state(loaded["rng"])
+        return int(loaded["train"]["step"])
+
+    @torch.no_grad()
+    def _read(self, folder: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``'s values read from ``folder``, tensors in place: each key from itself or from a
+        tied name the checkpoint holds. RNG states of ranks the saving run did not have are left out."""
+        available = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+        request: dict[str, Any] = {}
+        source_of: dict[str, str] = {}
+        for key, value in state.items():
+            source = key if key in available else _tied_alias(key, available, self.tied_parameters)
+            if source is None and key.startswith("rng."):
+                continue  # this rank keeps its seeded RNG
+            if source is None:
+                raise RuntimeError(f"checkpoint {folder} has no {key!r}: it was written for another model "
+                                   "(or with another optimizer)")
+            source_of[key] = source
+            request.setdefault(source, value)
+        dcp.load(request, checkpoint_id=folder)
+        values = {}
+        for key, source in source_of.items():
+            value = request[source]
+            if isinstance(value, torch.Tensor) and value is not state[key]:
+                # Two copies of a tied tensor on this rank (the traced pipeline split keeps them):
+                # the second gets its own copy of what was read for the first.
+                value = state[key].copy_(value)
+            values[key] = value
+        return values
+
+    def finish(self, step: int) -> None:
+        """Save the state after the last step (unless saved or resumed at or past it) and wait for
+        every save to be written."""
+        if self.last_saved is None or self.last_saved < step:
+            self.save(step)
+        self.wait()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict as full tensors under unsharded FQNs (every rank takes part;
+        all ranks hold the result). Gathers the whole model on each rank: for small models or
+        runs without checkpoints; the export of a checkpoint reads it from disk instead."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        mine = {_global_fqn(k, self.pipelined): v.detach().cpu() for k, v in state.items()}
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return {name: tensor for part in parts for name, tensor in part.items()}
+
+
+def consolidated_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The model entries of a checkpoint as full tensors, read in this process alone."""
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return {key[len("model."):]: tensor for key, tensor in state.items()}
+
+
+def write_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """One file for inference: safetensors for a ``.safetensors`` path (needs the safetensors
+    package), else ``torch.save``. Written beside and renamed, so a crash leaves no half file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if path.suffix == ".safetensors":
+        _safetensors().save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(tmp))
+    else:
+        torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _safetensors() -> Any:
+    """safetensors.torch, imported only when asked for: the module itself needs nothing but torch."""
+    try:
+        return importlib.import_module("safetensors.torch")
+    except ModuleNotFoundError:
+        raise RuntimeError("exporting to .safetensors needs the safetensors package (pip install "
+                           "safetensors); or export to a .pt path (torch.save)") from None
+
+
+def check_export_path(path: str | Path | None) -> None:
+    """Fail before training, not after it, when the export format cannot be written."""
+    if path is not None and Path(path).suffix == ".safetensors":
+        _safetensors()
+
+
+def export_latest_checkpoint(directory: str | Path, path: str | Path) -> Path:
+    """Consolidate the latest complete checkpoint of ``directory`` into ``path``; returns its folder."""
+    latest = latest_checkpoint(directory)
+    if latest is None:
+        raise FileNotFoundError(f"no complete checkpoint in {directory} to export")
+    write_weights(consolidated_weights(latest[1]), path)
+    return latest[1]

@@ -124,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-v", "--verbose", action="store_true", help="print more detail")
     report.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     report.set_defaults(handler=_report)
+    validate = verbs.add_parser("validate", help="run a compiled folder a few steps and compare predictions with measurements",
+                                description="Train DIR's plan on local ranks for a few steps; per rank, print predicted vs "
+                                            "measured step time, its compute/communication split and peak memory, and "
+                                            "write DIR/validate.json (input of `autopar calibrate --from`).",
+                                epilog="examples:\n  autopar validate out/tiny --steps 6\n"
+                                       "  autopar calibrate --from out/tiny/validate.json --out hw.yaml",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    validate.add_argument("out_dir", type=Path, metavar="DIR", help="folder `autopar compile` wrote")
+    validate.add_argument("--steps", type=int, default=5, help="timed steps (2 warm-up steps are not counted)")
+    validate.add_argument("-v", "--verbose", action="store_true", help="print more detail")
+    validate.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    validate.set_defaults(handler=_validate)
     run = verbs.add_parser("run", help="run a compiled folder on local ranks (gloo on CPU, NCCL on GPUs)",
                            description="Launch DIR/parallel_<model>.py with torchrun on this machine; one JSON "
                                        "record per step is appended to DIR/run.jsonl.",
@@ -321,6 +333,17 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                       f"{record['tokens_per_s']:,.0f}", f"{record['peak_memory_bytes'] / 2**20:,.1f} MiB")
     console.print(table)
     console.print(f"appended {len(result.records)} records to {args.out_dir / 'run.jsonl'}")
+    return 0
+
+
+def _validate(args: argparse.Namespace, console: Console) -> int:
+    from autopar.report.terminal import print_validation
+    from autopar.runtime.validate import validate
+
+    with console.status(f"Running and measuring {args.out_dir} ..."):
+        result = validate(args.out_dir, steps=args.steps)
+    print_validation(result, console)
+    console.print(f"wrote {args.out_dir / 'validate.json'}")
     return 0
 
 

@@ -9,7 +9,7 @@ import ast
 from importlib import resources
 
 SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "context_parallel",
-            "gradient_sync", "optimizer", "checkpoint", "train")
+            "gradient_sync", "optimizer", "checkpoint", "measure", "train")
 _INTERNAL = "autopar"
 
 

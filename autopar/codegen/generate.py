@@ -402,6 +402,7 @@ def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
         log_file=args.log_file,
         save_final=args.save_final,
         dp_shares=plan["dp_shares"],
+        measure_dir=args.measure_dir,
         checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
                                     async_save=args.async_checkpoint, export=args.export),
         fail_at_step=args.fail_at_step,

@@ -123,3 +123,22 @@ def print_sweep(rows: list[dict], console: Console) -> None:
                       f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] is not None else "",
                       f"{row['mfu']:.1%}", f"{row['peak_memory_gib']:.1f} GiB", f"{cost:.3f}" if cost else "")
     console.print(table)
+
+
+def print_validation(validation, console: Console) -> None:
+    """Per rank: predicted vs measured step time, communication and memory, with the error."""
+    table = Table(title=f"{validation.plan} on {validation.device}", title_justify="left")
+    for column in ("rank", "PP", "step pred", "step meas", "err", "comm pred", "comm meas", "memory pred",
+                   "memory meas", "err"):
+        table.add_column(column, justify="right")
+    for rank in validation.ranks:
+        p, m = rank.predicted, rank.measured
+        table.add_row(str(rank.rank), str(rank.pp_rank), f"{p['step_time_s'] * 1e3:,.1f} ms",
+                      f"{m['step_time_s'] * 1e3:,.1f} ms", f"{rank.error_pct['step_time_s']:+.0f}%",
+                      f"{p['comm_s'] * 1e3:,.1f} ms", f"{m['comm_s'] * 1e3:,.1f} ms",
+                      format_bytes(p["peak_memory_bytes"]), format_bytes(m["peak_memory_bytes"]),
+                      f"{rank.error_pct['peak_memory_bytes']:+.0f}%")
+    console.print(table)
+    summary = validation.summary
+    console.print(f"step time: predicted {summary['predicted_step_time_s'] * 1e3:,.1f} ms, measured (slowest rank) "
+                  f"{summary['measured_step_time_s'] * 1e3:,.1f} ms ({summary['step_time_error_pct']:+.0f}%)")

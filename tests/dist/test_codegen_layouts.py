@@ -47,7 +47,7 @@ def _inspect(rank: int, world_size: int, scripts: dict[str, str]) -> dict[str, d
         if name in ("zero2", "zero3"):
             # One forward without backward: ZeRO-3 frees the gathered block parameters right
             # away; ZeRO-2 keeps them for the backward that would follow.
-            batch = module.local_batch(training, model_module, 0, rank, torch.device("cpu"))
+            batch = module.local_batch(training, config, model_module, 0, parallel.mesh, torch.device("cpu"))
             micro = module.slice_batch(batch, 0, training.micro_batch_size)
             root(**module.model_inputs(root, micro)[1])
             fact["block_weight_after_forward"] = type(root.blocks[1].attn.q_proj.weight).__name__

@@ -26,6 +26,7 @@ from autopar.codegen.sections.contract import (build_model, compute_loss, file_s
                                                tokens_per_sample)
 from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
 from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
+from autopar.codegen.sections.measure import profiled_split, tracked_peak, write_measurements
 from autopar.codegen.sections.gradient_sync import HierarchicalSync, ParameterServer, dp_groups, node_subgroups
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
 from autopar.codegen.sections.optimizer import build_optimizer
@@ -93,6 +94,7 @@ class TrainConfig:
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         micro_batch_size, num_micro_batches: per data-parallel rank and step.
         dp_shares: samples per micro-batch of each data-parallel rank when uneven (else empty).
+        measure_dir: where each rank writes its measurements (`autopar validate`), or None.
         precision: "bf16" (used on GPUs; CPUs train in fp32) or "fp32".
         optimizer: AdamW settings (lr, betas, eps, weight_decay).
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
@@ -117,6 +119,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
+    measure_dir: str | None = None
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
         """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
@@ -346,6 +349,22 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
         torch.save(merged, path)
 
 
+NCCL_ALGORITHMS = {"ring": "ring", "tree": "tree"}
+
+
+def measure(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
+            records: list[dict[str, float]]) -> None:
+    """Two more steps after the timed ones: one under the profiler (compute vs communication),
+    one under memory tracking; then this rank's measurements go to ``training.measure_dir``."""
+    def step(index: int) -> Callable[[], float]:
+        return lambda: timed_step(parallel, training, config, model_module, index)["step_time_s"]
+
+    split = profiled_split(step(training.steps))
+    memory = tracked_peak(step(training.steps + 1), parallel.device, parallel.modules, parallel.optimizer)
+    times = [record["step_time_s"] for record in records]
+    write_measurements(training.measure_dir, times, split, memory, warmup=min(2, max(0, len(times) - 1)))
+
+
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
                step: int) -> dict[str, float]:
     """One optimizer step, timed; rank 0 prints it and appends it to the log file."""
@@ -391,6 +410,10 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     appends them to ``training.log_file``). Joins the default process group, creating it from the
     torchrun environment if needed."""
     device, backend = pick_device()
+    if config.dp_sync in NCCL_ALGORITHMS and backend == "nccl":
+        # The all-reduce algorithm the planner priced (NCCL reads this when it starts; other
+        # collectives keep NCCL's own choice). A user's setting wins.
+        os.environ.setdefault("NCCL_ALGO", f"allreduce:{NCCL_ALGORITHMS[config.dp_sync]}")
     created = not dist.is_initialized()
     if created:
         dist.init_process_group(backend)
@@ -413,6 +436,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
                 records.append(timed_step(parallel, training, config, model_module, step))
                 if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
                     checkpointer.save(step + 1)
+            if training.measure_dir:
+                measure(parallel, training, config, model_module, records)
         if training.checkpoint.enabled:
             checkpointer.finish(training.steps)
         if training.save_final:
@@ -437,6 +462,9 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--model-file", default=defaults["model_file"], help="the model.py to train")
     parser.add_argument("--log-file", default=defaults["log_file"], help="append one JSON record per step here")
     parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")
+    parser.add_argument("--measure-dir", default=None,
+                        help="after training, profile one step and track one step's memory; each rank writes "
+                             "rank_<r>.json here (autopar validate)")
     parser.add_argument("--checkpoint-dir", default=defaults.get("checkpoint_dir"),
                         help="checkpoint folder (DIR/step_<n>/); resuming starts from its latest complete one")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.get("checkpoint_every", 0), metavar="N",

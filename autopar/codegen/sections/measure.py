@@ -1,0 +1,73 @@
+"""Measurement for `autopar validate`: per-rank step times, compute vs communication, peak memory.
+
+With ``--measure-dir DIR`` every rank times each step, runs one warm step under torch.profiler to
+split its time into communication (time inside collectives and point-to-point calls, which on a
+blocking backend is time waiting for peers) and the rest, measures its peak memory (the CUDA
+allocator's peak on GPUs; on CPUs PyTorch's MemTracker, which counts tensor bytes rather than the
+process's resident set), and writes DIR/rank_<r>.json.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+COMM_MARKERS = ("gloo:", "nccl:", "c10d::", "record_param_comms", "all_reduce", "allreduce", "all_gather",
+                "allgather", "reduce_scatter", "_reduce_scatter", "all_to_all", "alltoall", "broadcast", "send",
+                "recv", "barrier")
+
+
+def is_communication(name: str) -> bool:
+    lowered = name.lower()
+    return any(marker in lowered for marker in COMM_MARKERS)
+
+
+def profiled_split(run_step: Callable[[], float]) -> dict[str, float]:
+    """Run one step under the profiler: wall seconds and the seconds spent in communication
+    calls (outermost ones only, so nested records are not counted twice)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = run_step()
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if is_communication(e.name) and e.time_range.end > e.time_range.start)
+    comm_us, covered_until = 0.0, float("-inf")
+    for start, end in intervals:  # union of intervals: nested and overlapping calls count once
+        if end <= covered_until:
+            continue
+        comm_us += end - max(start, covered_until)
+        covered_until = end
+    comm = min(wall, comm_us / 1e6)
+    return {"step_time_s": wall, "comm_s": comm, "compute_s": wall - comm}
+
+
+def tracked_peak(run_step: Callable[[], float], device: torch.device, modules: list, optimizer: Any) -> dict[str, Any]:
+    """Peak memory of one step and its breakdown by PyTorch's own accounting."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step()
+        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)), "memory_breakdown": {}}
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*modules, *([optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []))
+    with tracker:
+        run_step()
+    peaks = tracker.get_tracker_snapshot("peak").get(device, {})
+    breakdown = {str(getattr(key, "value", key)): int(value) for key, value in peaks.items() if key != "Total"}
+    return {"peak_memory_bytes": int(peaks.get("Total", sum(breakdown.values()))), "memory_breakdown": breakdown}
+
+
+def write_measurements(folder: str | Path, step_times_s: list[float], split: dict[str, float],
+                       memory: dict[str, Any], warmup: int) -> None:
+    warm = step_times_s[warmup:] or step_times_s
+    record = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "step_times_s": step_times_s,
+              "median_step_time_s": statistics.median(warm), **{f"profiled_{k}": v for k, v in split.items()},
+              **memory}
+    path = Path(folder) / f"rank_{dist.get_rank()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))

@@ -62,8 +62,8 @@ def run_estimate(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, Parall
     """Price the layout the plan.* overrides describe (`autopar estimate`)."""
     from autopar.solver.tp_split import ILPSplitter
 
+    cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
     profile = run_profile(model_path, cfg)
-    cluster = build_cluster(cfg)
     layout = pinned_layout(cfg, cluster)
     pricer = PlanPricer(profile, cluster, train_spec(cfg), ILPSplitter(profile))
     try:
@@ -78,8 +78,8 @@ def run_plan(model_path: str | Path, cfg: Any, progress: Callable[[int, int], No
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
 
+    cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
     profile = profile or run_profile(model_path, cfg)
-    cluster = build_cluster(cfg)
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
     planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress)

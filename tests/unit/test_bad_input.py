@@ -1,0 +1,180 @@
+"""Bad input through the command line: every case exits 1 with one paragraph naming the problem
+and the fix, writes nothing, and shows no traceback from inside torch."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+from tests.conftest import write_model_file
+
+TINY_GPT = ["model.layers=1", "model.hidden=64", "model.heads=4", "model.seq_len=16", "model.vocab=128",
+            "train.global_batch_size=8", "train.precision=fp32"]
+
+
+def fails(capsys, argv: list[str], *words: str, unwritten: tuple[Path, ...] = ()) -> str:
+    """Run the CLI, check it exits 1 with one paragraph containing every word (case-insensitive)
+    and without a traceback, that no path in ``unwritten`` exists; return the message."""
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 1, err
+    assert err.startswith("error:") and "Fix:" in err, err
+    assert "Traceback" not in err and "\n\n" not in err, err
+    for word in words:
+        assert word.lower() in err.lower(), f"{word!r} missing from: {err}"
+    for path in unwritten:
+        assert not path.exists(), f"{path} was written"
+    return err
+
+
+def outputs(tmp_path: Path) -> tuple[Path, ...]:
+    """What a plan/compile/report run would write under tmp_path."""
+    return tmp_path / "plan.json", tmp_path / "out", tmp_path / "report"
+
+
+def _address_space_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@pytest.fixture
+def capped_memory():
+    """Caps this process's address space a few GiB above its current size while the test runs,
+    so that a regression which really attempts a 260 GiB allocation fails at once instead of
+    exhausting the machine."""
+    current = _address_space_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if current is None:
+        yield
+        return
+    cap = current + 6 * 2**30
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+# -- 1, 2: the model file itself ----------------------------------------------------------------
+
+def test_syntax_error_names_file_and_line(tmp_path, capsys):
+    model = write_model_file(tmp_path, "import torch\n\ndef build_model(:\n    pass\n")
+    fails(capsys, ["plan", str(model), "--out", str(tmp_path / "plan.json")], "model.py line 3", "syntax error",
+          "py_compile", unwritten=outputs(tmp_path))
+
+
+@pytest.mark.parametrize("source, missing", [
+    ("import torch\ndef example_batch(batch_size):\n    return torch.zeros(batch_size, 2)\n", "build_model()"),
+    ("import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n", "example_batch()"),
+])
+def test_missing_contract_function_is_named(tmp_path, capsys, source, missing):
+    model = write_model_file(tmp_path, source)
+    fails(capsys, ["compile", str(model), "--out-dir", str(tmp_path / "out")], f"does not define {missing}",
+          "define build_model(**kw)", unwritten=outputs(tmp_path))
+
+
+# -- 3: real allocations ------------------------------------------------------------------------
+
+HUGE_AT_IMPORT = """
+import torch
+TABLE = torch.ones(70_000_000_000)  # 70B fp32 values: 260 GiB
+def build_model():
+    return torch.nn.Linear(4, 4)
+def example_batch(batch_size):
+    return torch.randn(batch_size, 4)
+"""
+
+HUGE_NUMPY_IN_BUILD = """
+import numpy as np
+import torch
+def build_model():
+    model = torch.nn.Linear(4, 4)
+    model.table = torch.from_numpy(np.ones(70_000_000_000, dtype=np.float32))
+    return model
+def example_batch(batch_size):
+    return torch.randn(batch_size, 4)
+"""
+
+
+def test_huge_real_tensor_at_import_is_refused_before_allocating(tmp_path, capsys, capped_memory):
+    """The guard names the size from a meta run: an attempted allocation would instead fail
+    with the allocator's own message (or, uncapped, exhaust the machine)."""
+    model = write_model_file(tmp_path, HUGE_AT_IMPORT)
+    fails(capsys, ["plan", str(model), "--out", str(tmp_path / "plan.json")], "260.8 GiB", "model.py:3",
+          "refused before allocating", "torch.device('meta')", "build_model()", "checkpoints",
+          unwritten=outputs(tmp_path))
+
+
+def test_running_out_of_memory_in_build_model_explains_meta_building(tmp_path, capsys, capped_memory):
+    model = write_model_file(tmp_path, HUGE_NUMPY_IN_BUILD)
+    fails(capsys, ["compile", str(model), "--out-dir", str(tmp_path / "out")], "build_model()", "ran out of memory",
+          "model.py:6", "FakeTensorMode", "torch.device('meta')", unwritten=outputs(tmp_path))
+
+
+def test_small_tensors_at_import_are_allowed(tmp_path):
+    """The guard refuses only large allocations: module-level constants still work."""
+    model = write_model_file(tmp_path, HUGE_AT_IMPORT.replace("70_000_000_000", "1000"))
+    out = tmp_path / "profile.json"
+    assert main(["profile", str(model), "--out", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["param_count"] == 20
+
+
+# -- 4: untraceable control flow ----------------------------------------------------------------
+
+DATA_DEPENDENT = """
+import torch
+from torch import nn
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+    def forward(self, x):
+        y = self.proj(x)
+        if y.sum() > 0:
+            return y
+        return -y
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.head = nn.Linear(8, 1)
+    def forward(self, x):
+        return self.head(self.gate(x))
+def build_model():
+    return Net()
+def example_batch(batch_size):
+    return torch.randn(batch_size, 8)
+"""
+
+
+def test_data_dependent_branch_names_module_and_fix(tmp_path, capsys):
+    model = write_model_file(tmp_path, DATA_DEPENDENT)
+    err = fails(capsys, ["plan", str(model), "--out", str(tmp_path / "plan.json")], "module 'gate'", "model.py:10",
+                "if y.sum() > 0", "data-dependent control flow", "torch.where", unwritten=outputs(tmp_path))
+    assert "site-packages" not in err and "/torch/" not in err
+
+
+# -- 6: impossible clusters ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("override", ["cluster.nodes=0", "cluster.gpus_per_node=0"])
+def test_cluster_without_gpus(examples_dir, tmp_path, capsys, override):
+    fails(capsys, ["plan", str(examples_dir / "mlp.py"), override, "--out", str(tmp_path / "plan.json")],
+          "has no GPUs", "at least 1", unwritten=outputs(tmp_path))
+
+
+def test_unknown_gpu_lists_known_types(examples_dir, tmp_path, capsys):
+    from cost_models.hardware import known_gpus
+
+    err = fails(capsys, ["compile", str(examples_dir / "mlp.py"), "cluster.gpu=H1000", "--out-dir",
+                         str(tmp_path / "out")], "Unknown GPU type 'H1000'", unwritten=outputs(tmp_path))
+    assert all(name in err for name in known_gpus())

@@ -173,11 +173,17 @@ def read_plan(plan_path: str | Path):
     path = Path(plan_path)
     if not path.is_file():
         raise ConfigError(f"No plan file at {path}.", "pass the plan.json that `autopar plan --out` wrote.")
+    fix = "re-create it with `autopar plan MODEL.py ... --out plan.json` (or `autopar compile` for a folder)."
     try:
-        return Plan.load(path)
+        plan = Plan.load(path)
     except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
-        raise ConfigError(f"{path} is not a readable plan ({type(err).__name__}: {err}).",
-                          "re-create it with `autopar plan MODEL.py ... --out plan.json`.") from None
+        text = " ".join(f"{type(err).__name__}: {err}".split())
+        raise ConfigError(f"{path} is not a readable plan ({text[:200]}).", fix) from None
+    problems = plan.problems()
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise ConfigError(f"{path} is not a valid plan: {problems[0]}{more}.", fix)
+    return plan
 
 
 def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,

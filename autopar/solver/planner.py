@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchResult
-from autopar.solver.space import Candidate, ModelShape, enumerate_candidates
+from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter
 from cost_models.hardware import known_gpus
+from cost_models.layout import CP_STRATEGIES, DP_SYNC, SCHEDULES
+from cost_models.memory import RECOMPUTE_OPTIONS
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
@@ -291,6 +293,14 @@ class Planner:
         return lambda problem: evaluate(problem, starts, options)
 
     def _check_pins(self) -> None:
+        """Contradictory or impossible pins, each named with the values that would work."""
+        self._check_pinned_values()
+        self._check_pinned_layers()
+        self._check_pinned_tp()  # before the GPU count: a degree the model cannot take is the first problem
+        self._check_pinned_degrees()
+        self._check_pinned_batching()
+
+    def _check_pinned_layers(self) -> None:
         names = [layer.name for layer in self.profile.layers]
         if self.pins.stages:
             flat = [name for stage in self.pins.stages for name in stage]
@@ -304,16 +314,78 @@ class Planner:
         if self.pins.layer_recompute and not self.pins.stages and (self.pins.pp or 1) != 1:
             raise UserError("plan.layer_recompute with a pipeline needs the stages fixed as well.",
                             "add plan.stages=[[...], ...] or pin plan.pp=1.")
-        if self.pins.tp is not None and self.shape.tp_problem(self.pins.tp):
-            legal = [t for t in (1, 2, 4, 8, 16) if not self.shape.tp_problem(t)]
-            raise UserError(f"plan.tp={self.pins.tp} cannot split this model: {self.shape.tp_problem(self.pins.tp)}.",
-                            f"use one of tp={', '.join(map(str, legal))} or leave plan.tp unset.")
+
+    def _check_pinned_values(self) -> None:
+        """Pins outside their field's choices (the schema types them only as int / str)."""
+        choices = {"schedule": SCHEDULES, "recompute": RECOMPUTE_OPTIONS, "cp_strategy": CP_STRATEGIES,
+                   "dp_sync": DP_SYNC, "zero_stage": (0, 1, 2, 3)}
+        for name, allowed in choices.items():
+            value = getattr(self.pins, name)
+            if value is not None and value not in allowed:
+                raise UserError(f"plan.{name}={value} is not a valid choice.",
+                                f"use one of {', '.join(map(str, allowed))}, or leave plan.{name} unset.")
+        for value in (self.pins.layer_recompute or {}).values():
+            if value not in RECOMPUTE_OPTIONS:
+                raise UserError(f"plan.layer_recompute uses '{value}', which is not a recomputation choice.",
+                                f"use {', '.join(RECOMPUTE_OPTIONS)}.")
+        for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "chunks"):
+            value = getattr(self.pins, name)
+            if value is not None and value < 1:
+                raise UserError(f"plan.{name}={value}: it must be at least 1.", f"pin plan.{name} to 1 or more, "
+                                "or leave it unset for the solver to choose.")
+        if self.train.global_batch_size < 1:
+            raise UserError(f"train.global_batch_size={self.train.global_batch_size}: a step needs samples.",
+                            "set train.global_batch_size to 1 or more.")
+
+    def _check_pinned_degrees(self) -> None:
+        world = self.cluster.world_size
+        pinned = {axis: getattr(self.pins, axis) for axis in ("dp", "tp", "pp", "cp") if getattr(self.pins, axis)}
         product = 1
-        for axis in ("dp", "tp", "pp", "cp"):
-            product *= getattr(self.pins, axis) or 1
-        if product > self.cluster.world_size or self.cluster.world_size % product:
-            raise UserError(f"The pinned degrees multiply to {product}, which does not divide the cluster's "
-                            f"{self.cluster.world_size} GPUs.", "change the pins or cluster.nodes.")
+        for value in pinned.values():
+            product *= value
+        listed = "×".join(f"{axis}={value}" for axis, value in pinned.items())
+        if product > world:
+            raise UserError(f"The pinned degrees {listed} need {product} GPUs; the cluster has {world}.",
+                            "lower the pins, or add GPUs (cluster.nodes / cluster.gpus_per_node).")
+        if world % product:
+            raise UserError(f"The pinned degrees {listed} multiply to {product}, which does not divide the "
+                            f"cluster's {world} GPUs (every GPU needs a place on the mesh).",
+                            "pin degrees whose product divides the GPU count, or change cluster.nodes.")
+        blocks = max(1, self.shape.num_blocks)
+        if self.pins.pp is not None and self.pins.pp > blocks:
+            raise UserError(f"plan.pp={self.pins.pp} needs more pipeline stages than the model's {blocks} "
+                            "repeated blocks.", f"use plan.pp of at most {blocks}, or leave it unset.")
+
+    def _check_pinned_tp(self) -> None:
+        tp = self.pins.tp
+        if tp is None:
+            return
+        node = self.cluster.gpus_per_node
+        legal = [t for t in divisors(self.cluster.world_size) if not self.shape.tp_problem(t)
+                 and (t <= node or self.solver.allow_cross_node_tp)]
+        if self.shape.tp_problem(tp):
+            raise UserError(f"plan.tp={tp} cannot split this model: {self.shape.tp_problem(tp)}.",
+                            f"use one of tp={', '.join(map(str, legal))} (legal on this cluster) or leave "
+                            "plan.tp unset.")
+        if tp > node and not self.solver.allow_cross_node_tp:
+            raise UserError(f"plan.tp={tp} spans nodes of {node} GPUs; tensor parallelism is kept inside a node.",
+                            f"use one of tp={', '.join(map(str, legal))}, or set solver.allow_cross_node_tp=true.")
+
+    def _check_pinned_batching(self) -> None:
+        batch, dp, micro = self.train.global_batch_size, self.pins.dp, self.pins.micro_batch_size
+        world = self.cluster.world_size
+        if dp is not None and batch % dp:
+            legal = [d for d in divisors(world) if batch % d == 0]
+            raise UserError(f"plan.dp={dp} does not divide train.global_batch_size={batch}: every data-parallel "
+                            "rank must get the same number of samples.",
+                            f"pin plan.dp to one of {', '.join(map(str, legal))} (they divide both the batch and the "
+                            f"{world} GPUs), or make train.global_batch_size a multiple of {dp} "
+                            f"(e.g. {-(-batch // dp) * dp}).")
+        per_rank = batch // dp if dp else batch
+        if micro is not None and per_rank % micro:
+            where = f"the {per_rank} samples per data-parallel rank" if dp else f"the global batch of {batch}"
+            raise UserError(f"plan.micro_batch_size={micro} does not divide {where}.",
+                            "pin a micro-batch size that divides it, or leave plan.micro_batch_size unset.")
 
     def _why_no_candidates(self) -> str:
         batch = self.train.global_batch_size

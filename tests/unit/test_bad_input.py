@@ -178,3 +178,96 @@ def test_unknown_gpu_lists_known_types(examples_dir, tmp_path, capsys):
     err = fails(capsys, ["compile", str(examples_dir / "mlp.py"), "cluster.gpu=H1000", "--out-dir",
                          str(tmp_path / "out")], "Unknown GPU type 'H1000'", unwritten=outputs(tmp_path))
     assert all(name in err for name in known_gpus())
+
+
+# -- 9: contradictory pins ----------------------------------------------------------------------
+
+HEADS_32 = ["model.layers=1", "model.hidden=256", "model.heads=32", "model.seq_len=16", "model.vocab=128",
+            "train.precision=fp32", "cluster=dgx_h100"]
+
+
+def test_tp_that_does_not_divide_the_heads_lists_legal_degrees(examples_dir, tmp_path, capsys):
+    err = fails(capsys, ["plan", str(examples_dir / "gpt.py"), *HEADS_32, "plan.tp=3", "--out",
+                         str(tmp_path / "plan.json")], "plan.tp=3", "32 attention heads are not divisible by tp=3",
+                unwritten=outputs(tmp_path))
+    legal = err.split("use one of tp=")[1].split(" (")[0]
+    assert legal == "1, 2, 4, 8"  # 16 and 32 divide the heads but not into one 8-GPU node
+    out = tmp_path / "legal.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *HEADS_32, "plan.tp=8", "--out", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["tp"] == 8
+
+
+def test_dp_that_does_not_divide_the_batch(examples_dir, tmp_path, capsys):
+    fails(capsys, ["plan", str(examples_dir / "gpt.py"), *HEADS_32, "cluster.gpus_per_node=6", "plan.dp=3",
+                   "train.global_batch_size=8", "--out", str(tmp_path / "plan.json")],
+          "plan.dp=3 does not divide train.global_batch_size=8", "one of 1, 2", "multiple of 3",
+          unwritten=outputs(tmp_path))
+
+
+def test_pins_needing_more_gpus_than_the_cluster_has(examples_dir, tmp_path, capsys):
+    fails(capsys, ["compile", str(examples_dir / "gpt.py"), *HEADS_32, "plan.dp=4", "plan.tp=4", "--out-dir",
+                   str(tmp_path / "out")], "dp=4×tp=4 need 16 GPUs; the cluster has 8", "cluster.nodes",
+          unwritten=outputs(tmp_path))
+
+
+@pytest.mark.parametrize("pin, words", [
+    ("plan.schedule=zigzag", ("plan.schedule=zigzag", "gpipe, 1f1b, interleaved_1f1b")),
+    ("plan.zero_stage=5", ("plan.zero_stage=5", "0, 1, 2, 3")),
+    ("plan.pp=2", ("plan.pp=2", "1 repeated blocks", "at most 1")),
+    ("plan.micro_batch_size=3", ("plan.micro_batch_size=3", "global batch of 8")),
+])
+def test_impossible_single_pins(examples_dir, tmp_path, capsys, pin, words):
+    fails(capsys, ["plan", str(examples_dir / "gpt.py"), *TINY_GPT, pin, "--out", str(tmp_path / "plan.json")],
+          *words, unwritten=outputs(tmp_path))
+
+
+# -- 10: corrupted plan files -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_plan(examples_dir, tmp_path_factory) -> Path:
+    """A real plan.json of the tiny GPT on the CPU cluster (planned once for these tests)."""
+    out = tmp_path_factory.mktemp("saved") / "plan.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY_GPT, "cluster=cpu_gloo", "--out", str(out), "-q"]) == 0
+    return out
+
+
+def corrupted(saved_plan: Path, folder: Path, how: str) -> Path:
+    """plan.json cut in half, or parsable but inconsistent (a layer dropped from its stages)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = saved_plan.read_text()
+    if how == "truncated":
+        text = text[: len(text) // 2]
+    else:
+        data = json.loads(text)
+        data["stages"][0] = data["stages"][0][1:]
+        text = json.dumps(data)
+    path = folder / "plan.json"
+    path.write_text(text)
+    return path
+
+
+CORRUPTION = pytest.mark.parametrize("how, words", [("truncated", ("not a readable plan", "JSONDecodeError")),
+                                                    ("inconsistent", ("not a valid plan", "stages"))])
+
+
+@CORRUPTION
+def test_corrupted_plan_given_to_report(saved_plan, tmp_path, capsys, how, words):
+    plan = corrupted(saved_plan, tmp_path / "in", how)
+    fails(capsys, ["report", str(plan), "--out-dir", str(tmp_path / "report")], *words, "autopar plan",
+          unwritten=outputs(tmp_path))
+    fails(capsys, ["report", str(plan.parent)], *words)
+    assert sorted(p.name for p in plan.parent.iterdir()) == ["plan.json"]
+
+
+@CORRUPTION
+def test_corrupted_plan_given_to_run(saved_plan, tmp_path, capsys, how, words):
+    plan = corrupted(saved_plan, tmp_path / "out", how)
+    fails(capsys, ["run", str(plan.parent), "--steps", "1"], *words)
+    assert sorted(p.name for p in plan.parent.iterdir()) == ["plan.json"]
+
+
+@CORRUPTION
+def test_corrupted_plan_given_to_compile(examples_dir, saved_plan, tmp_path, capsys, how, words):
+    plan = corrupted(saved_plan, tmp_path / "in", how)
+    fails(capsys, ["compile", str(examples_dir / "gpt.py"), *TINY_GPT, "cluster=cpu_gloo", "--plan", str(plan),
+                   "--out-dir", str(tmp_path / "out")], *words, unwritten=outputs(tmp_path))

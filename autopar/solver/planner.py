@@ -15,7 +15,7 @@ from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versi
 from autopar.solver.search import PlanSearch, Scored, SearchResult
 from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter
-from cost_models.hardware import known_gpus
+from cost_models.hardware import get_gpu, known_gpus
 from cost_models.layout import CP_STRATEGIES, DP_SYNC, SCHEDULES
 from cost_models.memory import RECOMPUTE_OPTIONS
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
@@ -255,8 +255,7 @@ class Planner:
             found.append(Binding(f"batch divisibility: global batch {batch} does not split over dp={winner.candidate.dp * 2}",
                                  f"train.global_batch_size={-(-batch // (2 * step)) * 2 * step} would allow "
                                  f"dp={winner.candidate.dp * 2}; plan again with it to price that"))
-        pinned = [f"plan.{name}={value}" for name, value in vars(self.pins).items()
-                  if value not in (None, {}, []) and name not in ("stages", "layer_recompute")]
+        pinned = self._pin_overrides()
         if pinned:
             found.append(Binding("your pins: " + ", ".join(pinned),
                                  "drop a pin to let the solver choose that decision (plan again to price it)"))
@@ -387,6 +386,11 @@ class Planner:
             raise UserError(f"plan.micro_batch_size={micro} does not divide {where}.",
                             "pin a micro-batch size that divides it, or leave plan.micro_batch_size unset.")
 
+    def _pin_overrides(self) -> list[str]:
+        """The pins as the plan.<name>=<value> overrides that set them (layer maps left out)."""
+        return [f"plan.{name}={value}" for name, value in vars(self.pins).items()
+                if value not in (None, {}, []) and name not in ("stages", "layer_recompute")]
+
     def _why_no_candidates(self) -> str:
         batch = self.train.global_batch_size
         return (f"No plan satisfies the constraints: {self.cluster.world_size} GPUs, global batch {batch}, "
@@ -395,23 +399,24 @@ class Planner:
 
     def _smallest_fitting_change(self) -> tuple[str, str]:
         """Re-run the search on larger clusters / bigger GPUs: the first that fits is the answer."""
+        pins = self._pin_overrides()
         problem = (f"Nothing fits in memory on {self.cluster.world_size} × {self.cluster.node_gpus[0].name} "
                    f"({self.cluster.node_gpus[0].memory_bytes / 1e9:.0f} GB) with every split, ZeRO stage, "
-                   "micro-batch size and recomputation the search allows.")
+                   "micro-batch size and recomputation the search allows"
+                   + (f" under your pins ({', '.join(pins)})." if pins else "."))
         quick = replace(self.solver, time_limit_s=min(20.0, self.solver.time_limit_s), top_k=0)
         for factor in (2, 4, 8, 16):
             bigger = replace(self.cluster, node_gpus=self.cluster.node_gpus * factor)
             if self._fits(bigger, quick):
                 return problem, f"use {factor}× the nodes ({bigger.world_size} GPUs; cluster.nodes={bigger.nodes})."
         current = self.cluster.node_gpus[0]
-        for name in sorted(known_gpus(), key=lambda n: (len(n), n)):
-            from cost_models.hardware import get_gpu
-
-            gpu = get_gpu(name)
-            if gpu.memory_bytes > current.memory_bytes and name != "cpu":
+        # The GPU with the least memory that fits is the smallest change.
+        for gpu in sorted((get_gpu(name) for name in known_gpus()), key=lambda g: (g.memory_bytes, g.name)):
+            if gpu.memory_bytes > current.memory_bytes and gpu.name != "cpu":
                 bigger = replace(self.cluster, node_gpus=tuple(gpu for _ in self.cluster.node_gpus))
                 if self._fits(bigger, quick):
-                    return problem, f"use {name} GPUs ({gpu.memory_bytes / 1e9:.0f} GB) instead."
+                    return problem, (f"use {gpu.name} GPUs ({gpu.memory_bytes / 1e9:.0f} GB) instead "
+                                     f"(cluster.gpu={gpu.name}).")
         return problem, "use a larger cluster or a smaller model; even 16× the nodes does not fit."
 
     def _fits(self, cluster: ClusterSpec, solver: "SolverConfig") -> bool:

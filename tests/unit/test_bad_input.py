@@ -3,9 +3,8 @@ and the fix, writes nothing, and shows no traceback from inside torch."""
 from __future__ import annotations
 
 import json
-import os
+import re
 import resource
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -271,3 +270,67 @@ def test_corrupted_plan_given_to_compile(examples_dir, saved_plan, tmp_path, cap
     plan = corrupted(saved_plan, tmp_path / "in", how)
     fails(capsys, ["compile", str(examples_dir / "gpt.py"), *TINY_GPT, "cluster=cpu_gloo", "--plan", str(plan),
                    "--out-dir", str(tmp_path / "out")], *words, unwritten=outputs(tmp_path))
+
+
+# -- 7: nothing fits in memory ------------------------------------------------------------------
+
+def _suggested(err: str, key: str) -> str:
+    """The value the message suggests for ``key`` (e.g. '... cluster.nodes=2).' -> '2')."""
+    found = re.search(rf"{re.escape(key)}=([\w.-]+?)\)", err)
+    assert found, f"no {key}= suggestion in: {err}"
+    return found.group(1)
+
+
+def test_model_too_big_names_more_nodes_that_really_fit(examples_dir, tmp_path, capsys):
+    """1.6B parameters with Adam need ~26 GB; the CPU 'GPU' has 19 GiB usable."""
+    args = ["plan", str(examples_dir / "gpt.py"), "cluster=cpu_gloo", "cluster.gpus_per_node=1", "model.layers=2",
+            "model.hidden=8192", "model.heads=8", "model.seq_len=32", "model.vocab=128", "train.global_batch_size=8",
+            "train.precision=fp32"]
+    err = fails(capsys, args + ["--out", str(tmp_path / "plan.json")], "Nothing fits in memory on 1 × cpu",
+                "the nodes", unwritten=outputs(tmp_path))
+    nodes = int(_suggested(err, "cluster.nodes"))
+    assert nodes > 1
+    out = tmp_path / "fits.json"
+    assert main(args + [f"cluster.nodes={nodes}", "--out", str(out), "-q"]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"] == nodes
+
+
+def test_pinned_model_too_big_names_a_bigger_gpu_that_really_fits(examples_dir, tmp_path, capsys):
+    """5B parameters pinned to one GPU (more nodes cannot help): the smallest GPU that holds
+    them is named."""
+    args = ["plan", str(examples_dir / "gpt.py"), "cluster=dgx_h100", "cluster.gpus_per_node=1", "model.layers=4",
+            "model.hidden=10240", "model.heads=8", "model.seq_len=32", "model.vocab=128", "train.global_batch_size=8",
+            "plan.dp=1", "plan.tp=1", "plan.pp=1"]
+    err = fails(capsys, args + ["--out", str(tmp_path / "plan.json")], "Nothing fits in memory on 1 × H100-SXM",
+                "under your pins (plan.dp=1", unwritten=outputs(tmp_path))
+    gpu = _suggested(err, "cluster.gpu")
+    assert gpu == "H200"  # the smallest catalogue GPU above 80 GB
+    out = tmp_path / "fits.json"
+    assert main(args + [f"cluster.gpu={gpu}", "--out", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["dp"] == 1
+
+
+# -- 8: the solver's time limit -----------------------------------------------------------------
+
+TIME_LIMITED = ["cluster=dgx_h100", "cluster.nodes=2", "model.layers=8", "model.hidden=256", "model.heads=8",
+                "model.seq_len=64", "model.vocab=512", "train.global_batch_size=64", "train.precision=fp32"]
+
+
+def test_time_limit_returns_a_plan_marked_not_optimal(examples_dir, tmp_path, capsys):
+    """A 1 ms limit on ~6,600 candidates: the search still returns the first plan it finds
+    (deterministically: it stops right after), marked FEASIBLE with its gap everywhere."""
+    out, report = tmp_path / "plan.json", tmp_path / "report"
+    code = main(["plan", str(examples_dir / "gpt.py"), *TIME_LIMITED, "solver.time_limit_s=0.001", "--out", str(out),
+                 "--report", str(report)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    solver = json.loads(out.read_text())["solver"]
+    assert solver["status"] == "FEASIBLE" and 0 < solver["gap"] < 1
+    assert "not proven optimal" in " ".join(printed.split()) and f"gap {solver['gap']:.1%}" in printed
+    assert "Not proven optimal" in (report / "report.md").read_text()
+    full = tmp_path / "full.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *TIME_LIMITED, "--out", str(full), "-q"]) == 0
+    optimal = json.loads(full.read_text())["solver"]
+    assert optimal["status"] == "OPTIMAL"
+    assert optimal["objective"] <= solver["objective"] and optimal["objective"] >= solver["objective"] * (1 - solver["gap"]) - 1e-9

@@ -102,16 +102,17 @@ def with_cluster_config(plan: Any, cfg: Any) -> Any:
 
 def report_of(result: Any) -> Any:
     """The full report of a planning result (runners-up and binding limits included)."""
-    from autopar.report.document import build_report
+    from autopar.report.document import build_report, replication_notes
 
-    return build_report(result.plan, result.estimate, result.pricer, result.alternatives, result.binding)
+    return build_report(result.plan, result.estimate, result.pricer, result.alternatives, result.binding,
+                        notes=replication_notes(result.replicated_ops, result.plan.tp))
 
 
 def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     """Price a saved plan again from its provenance (model file, its settings, the cluster) and
     build its report; runners-up are not part of a plan file, so the report has none."""
-    from autopar.report.document import build_report, layout_of_plan
-    from autopar.solver.tp_split import ILPSplitter
+    from autopar.report.document import build_report, layout_of_plan, replication_notes
+    from autopar.solver.tp_split import ILPSplitter, replicated_ops
     from cost_models.topology import ClusterConfig
 
     made_for = plan.provenance
@@ -131,14 +132,16 @@ def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
     train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer)
-    pricer = PlanPricer(profile, cluster, train, ILPSplitter(profile))
+    splitter = ILPSplitter(profile)
+    pricer = PlanPricer(profile, cluster, train, splitter)
     try:
         estimate = pricer.estimate(layout_of_plan(plan))
     except ValueError as err:
         raise ConfigError(f"The plan cannot be priced on its cluster: {err}.", "plan again.") from None
     return build_report(plan, estimate, pricer,
                         notes=["Rebuilt from plan.json alone: the runners-up and binding limits are recorded only "
-                               "when the report is written by `autopar compile` or `autopar plan --report`."])
+                               "when the report is written by `autopar compile` or `autopar plan --report`."]
+                        + replication_notes(replicated_ops(splitter, plan.tp), plan.tp))
 
 
 def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):

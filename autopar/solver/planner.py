@@ -14,7 +14,7 @@ from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchResult
 from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
-from autopar.solver.tp_split import ILPSplitter
+from autopar.solver.tp_split import ILPSplitter, replicated_ops
 from cost_models.hardware import get_gpu, known_gpus
 from cost_models.layout import CP_STRATEGIES, DP_SYNC, SCHEDULES
 from cost_models.memory import RECOMPUTE_OPTIONS
@@ -58,6 +58,8 @@ class PlanningResult:
     estimate: Estimate
     binding: list[Binding] = field(default_factory=list)
     pricer: PlanPricer | None = None  # what priced the plan (the report re-uses its numbers)
+    # op target -> modules where the plan's TP found no split for the op and replicates it
+    replicated_ops: dict[str, list[str]] = field(default_factory=dict)
 
 
 def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
@@ -137,7 +139,8 @@ class Planner:
                         for other in result.best if other is not winner][: self.solver.top_k]
         alternatives += self._faster_but_too_big(result, winner, search)
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
-                              binding=self._binding_constraints(winner, alternatives), pricer=self.pricer)
+                              binding=self._binding_constraints(winner, alternatives), pricer=self.pricer,
+                              replicated_ops=replicated_ops(self.splitter, plan.tp))
 
     def _choose(self, result: SearchResult) -> Scored:
         if self.solver.objective != "memory":

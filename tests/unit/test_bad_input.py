@@ -163,6 +163,52 @@ def test_data_dependent_branch_names_module_and_fix(tmp_path, capsys):
     assert "site-packages" not in err and "/torch/" not in err
 
 
+# -- 5: an op no tensor-parallel split covers ---------------------------------------------------
+
+SORTING_BLOCKS = """
+import torch
+from torch import nn
+class Mix(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+    def forward(self, x):
+        # sorting along the features: a shard of them sorts to something else
+        return x + self.down(torch.sort(self.up(x), dim=-1).values)
+class Net(nn.Module):
+    def __init__(self, hidden, layers):
+        super().__init__()
+        self.embed = nn.Linear(16, hidden)
+        self.blocks = nn.ModuleList(Mix(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, 1)
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+def build_model(hidden=256, layers=2):
+    return Net(hidden, layers)
+def example_batch(batch_size):
+    return torch.randn(batch_size, 64, 16)
+"""
+
+
+def test_op_without_a_tp_split_is_replicated_and_reported(tmp_path, capsys):
+    """The ILP may not feed the sort a feature shard (column-parallel `up` into row-parallel
+    `down` would sort each rank's slice): the sort runs replicated and the report says so."""
+    model = write_model_file(tmp_path, SORTING_BLOCKS)
+    out, report = tmp_path / "plan.json", tmp_path / "report"
+    assert main(["plan", str(model), "cluster=dgx_h100", "plan.tp=2", "train.global_batch_size=8", "--out", str(out),
+                 "--report", str(report)]) == 0
+    assert "replicated under TP: aten.sort" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert plan["tp"] == 2
+    assert all(plan["tp_styles"].get(f"blocks.{i}.down") != "rowwise" for i in range(2))
+    notes = [line for line in (report / "report.md").read_text().splitlines() if "aten.sort" in line]
+    assert len(notes) == 1 and "replicated" in notes[0] and "blocks.0, blocks.1" in notes[0]
+
+
 # -- 6: impossible clusters ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("override", ["cluster.nodes=0", "cluster.gpus_per_node=0"])

@@ -72,7 +72,8 @@ def load_model_file(path: str | Path) -> ModelFile:
     try:
         compile(source, str(path), "exec")
     except SyntaxError as err:
-        raise ModelFileError(f"{path.name} line {err.lineno}: syntax error: {err.msg}.",
+        code = f" (`{err.text.strip()}`)" if err.text and err.text.strip() else ""
+        raise ModelFileError(f"{path.name}:{err.lineno}: syntax error: {err.msg}{code}.",
                              "correct the syntax; `python -m py_compile` shows the same error.") from None
     module_name = f"autopar_user_model_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)

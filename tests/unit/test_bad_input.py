@@ -68,7 +68,7 @@ def capped_memory():
 
 def test_syntax_error_names_file_and_line(tmp_path, capsys):
     model = write_model_file(tmp_path, "import torch\n\ndef build_model(:\n    pass\n")
-    fails(capsys, ["plan", str(model), "--out", str(tmp_path / "plan.json")], "model.py line 3", "syntax error",
+    fails(capsys, ["plan", str(model), "--out", str(tmp_path / "plan.json")], "model.py:3: syntax error", "`def build_model(:`",
           "py_compile", unwritten=outputs(tmp_path))
 
 

@@ -126,7 +126,7 @@ class Planner:
         self._check_pins()
         candidates = self.candidates()
         if not candidates:
-            raise UserError(self._why_no_candidates(), "change the pins or train.global_batch_size.")
+            raise UserError(self._why_no_candidates(), self._no_candidates_fix())
         search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=max(1, self.solver.top_k + 1),
                             seed=self.solver.seed, workers=self.solver.threads, progress=self.progress,
                             fixed_partition=self._pinned_partition())
@@ -395,10 +395,29 @@ class Planner:
                 if value not in (None, {}, []) and name not in ("stages", "layer_recompute")]
 
     def _why_no_candidates(self) -> str:
-        batch = self.train.global_batch_size
-        return (f"No plan satisfies the constraints: {self.cluster.world_size} GPUs, global batch {batch}, "
-                f"{self.shape.num_blocks} blocks and the pins given (every data-parallel degree must divide the "
-                f"global batch, and TP must divide the heads).")
+        pins = self._pin_overrides()
+        return (f"No plan satisfies the constraints: the {self.cluster.world_size} GPUs must split as "
+                f"dp×tp×pp×cp with dp dividing the global batch {self.train.global_batch_size}, tp dividing "
+                f"the model's heads and weights within a node of {self.cluster.gpus_per_node} GPUs, pp at most "
+                f"the {max(1, self.shape.num_blocks)} blocks, cp cutting the sequence into 2·cp equal chunks" + (f", and your pins ({', '.join(pins)})." if pins else "."))
+
+    def _no_candidates_fix(self) -> str:
+        """The nearest larger global batch that admits a plan, else dropping the pins."""
+        batch, world = self.train.global_batch_size, self.cluster.world_size
+        for larger in range(batch + 1, batch + 2 * world + 1):
+            if self._any_candidate(larger, self.pins):
+                return (f"use train.global_batch_size={larger} (the nearest larger batch with a legal split)"
+                        + (", or change the pins." if self._pin_overrides() else "."))
+        if self._pin_overrides() and self._any_candidate(batch, replace(self.pins, dp=None, tp=None, pp=None, cp=None,
+                                                                        micro_batch_size=None)):
+            return "drop the pinned degrees and micro-batch size (plan.dp/tp/pp/cp/micro_batch_size)."
+        return ("use a cluster this model can fill (fewer GPUs per node or nodes, cluster.gpus_per_node / "
+                "cluster.nodes), or a global batch divisible by more data-parallel ranks.")
+
+    def _any_candidate(self, batch: int, pins: "PlanPins") -> bool:
+        found = enumerate_candidates(self.shape, self.cluster.world_size, self.cluster.gpus_per_node, batch,
+                                     self.solver, pins)
+        return next(iter(found), None) is not None
 
     def _smallest_fitting_change(self) -> tuple[str, str]:
         """Re-run the search on larger clusters / bigger GPUs: the first that fits is the answer."""

@@ -36,6 +36,13 @@ def outputs(tmp_path: Path) -> tuple[Path, ...]:
     return tmp_path / "plan.json", tmp_path / "out", tmp_path / "report"
 
 
+def _suggested(err: str, key: str, end: str = ")") -> str:
+    """The value the message suggests for ``key`` (e.g. '... cluster.nodes=2).' -> '2')."""
+    found = re.search(rf"{re.escape(key)}=([\w.-]+?){re.escape(end)}", err)
+    assert found, f"no {key}= suggestion in: {err}"
+    return found.group(1)
+
+
 def _address_space_bytes() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -255,6 +262,20 @@ def test_pins_needing_more_gpus_than_the_cluster_has(examples_dir, tmp_path, cap
           unwritten=outputs(tmp_path))
 
 
+def test_batch_no_split_can_serve_names_the_nearest_batch_that_can(examples_dir, tmp_path, capsys):
+    """23 samples on 6 GPUs: dp must be 1 and a 2-head model cannot fill 6 GPUs with tp/pp/cp."""
+    args = ["plan", str(examples_dir / "gpt.py"), "model.layers=1", "model.hidden=64", "model.heads=2",
+            "model.seq_len=16", "model.vocab=128", "train.precision=fp32", "cluster=dgx_h100",
+            "cluster.gpus_per_node=6"]
+    err = fails(capsys, args + ["train.global_batch_size=23", "--out", str(tmp_path / "plan.json")],
+                "No plan satisfies the constraints", "global batch 23", unwritten=outputs(tmp_path))
+    batch = int(_suggested(err, "train.global_batch_size", end=" "))
+    assert batch == 24
+    out = tmp_path / "fits.json"
+    assert main(args + [f"train.global_batch_size={batch}", "--out", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["global_batch_size"] == 24
+
+
 @pytest.mark.parametrize("pin, words", [
     ("plan.schedule=zigzag", ("plan.schedule=zigzag", "gpipe, 1f1b, interleaved_1f1b")),
     ("plan.zero_stage=5", ("plan.zero_stage=5", "0, 1, 2, 3")),
@@ -319,13 +340,6 @@ def test_corrupted_plan_given_to_compile(examples_dir, saved_plan, tmp_path, cap
 
 
 # -- 7: nothing fits in memory ------------------------------------------------------------------
-
-def _suggested(err: str, key: str) -> str:
-    """The value the message suggests for ``key`` (e.g. '... cluster.nodes=2).' -> '2')."""
-    found = re.search(rf"{re.escape(key)}=([\w.-]+?)\)", err)
-    assert found, f"no {key}= suggestion in: {err}"
-    return found.group(1)
-
 
 def test_model_too_big_names_more_nodes_that_really_fit(examples_dir, tmp_path, capsys):
     """1.6B parameters with Adam need ~26 GB; the CPU 'GPU' has 19 GiB usable."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import resource
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,27 @@ def test_running_out_of_memory_in_build_model_explains_meta_building(tmp_path, c
     model = write_model_file(tmp_path, HUGE_NUMPY_IN_BUILD)
     fails(capsys, ["compile", str(model), "--out-dir", str(tmp_path / "out")], "build_model()", "ran out of memory",
           "model.py:6", "FakeTensorMode", "torch.device('meta')", unwritten=outputs(tmp_path))
+
+
+def test_huge_tensor_made_inside_build_model_costs_nothing(tmp_path, capped_memory):
+    """The same 70B values created in build_model(), even with device='cpu', are fake tensors:
+    planning proceeds (under a cap far below their 260 GiB)."""
+    model = write_model_file(tmp_path, textwrap.dedent("""
+        import torch
+        class Huge(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.table = torch.nn.Parameter(torch.empty(70_000_000_000 // 4096, 4096, device="cpu"))
+            def forward(self, x):
+                return x @ self.table[:4].T
+        def build_model():
+            return Huge()
+        def example_batch(batch_size):
+            return torch.randn(batch_size, 4096)
+    """))
+    out = tmp_path / "profile.json"
+    assert main(["profile", str(model), "--out", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["param_count"] == 70_000_000_000 // 4096 * 4096
 
 
 def test_small_tensors_at_import_are_allowed(tmp_path):

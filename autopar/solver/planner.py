@@ -399,7 +399,8 @@ class Planner:
         return (f"No plan satisfies the constraints: the {self.cluster.world_size} GPUs must split as "
                 f"dp×tp×pp×cp with dp dividing the global batch {self.train.global_batch_size}, tp dividing "
                 f"the model's heads and weights within a node of {self.cluster.gpus_per_node} GPUs, pp at most "
-                f"the {max(1, self.shape.num_blocks)} blocks, cp cutting the sequence into 2·cp equal chunks" + (f", and your pins ({', '.join(pins)})." if pins else "."))
+                f"the {max(1, self.shape.num_blocks)} blocks, cp cutting the sequence into 2·cp equal chunks"
+                + (f", and your pins ({', '.join(pins)})." if pins else "."))
 
     def _no_candidates_fix(self) -> str:
         """The nearest larger global batch that admits a plan, else dropping the pins."""

@@ -39,7 +39,8 @@ class SolverConfig:
     target_tokens_per_s: float = 0.0
     """Throughput to reach with objective=min_gpus."""
     time_limit_s: float = 60.0
-    """Wall-clock budget for the whole search; the best plan so far is returned with its gap."""
+    """Wall-clock budget for the whole search; the best plan so far is returned with its gap (the
+    search always runs until it has found one plan, however short the budget)."""
     threads: int = 1
     """CP-SAT worker threads (1 keeps runs reproducible and fits small machines)."""
     seed: int = 0

@@ -62,8 +62,8 @@ def run_estimate(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, Parall
     """Price the layout the plan.* overrides describe (`autopar estimate`)."""
     from autopar.solver.tp_split import ILPSplitter
 
+    cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
     profile = run_profile(model_path, cfg)
-    cluster = build_cluster(cfg)
     layout = pinned_layout(cfg, cluster)
     pricer = PlanPricer(profile, cluster, train_spec(cfg), ILPSplitter(profile))
     try:
@@ -78,8 +78,8 @@ def run_plan(model_path: str | Path, cfg: Any, progress: Callable[[int, int], No
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
 
+    cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
     profile = profile or run_profile(model_path, cfg)
-    cluster = build_cluster(cfg)
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
     planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress)
@@ -102,16 +102,17 @@ def with_cluster_config(plan: Any, cfg: Any) -> Any:
 
 def report_of(result: Any) -> Any:
     """The full report of a planning result (runners-up and binding limits included)."""
-    from autopar.report.document import build_report
+    from autopar.report.document import build_report, replication_notes
 
-    return build_report(result.plan, result.estimate, result.pricer, result.alternatives, result.binding)
+    return build_report(result.plan, result.estimate, result.pricer, result.alternatives, result.binding,
+                        notes=replication_notes(result.replicated_ops, result.plan.tp))
 
 
 def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     """Price a saved plan again from its provenance (model file, its settings, the cluster) and
     build its report; runners-up are not part of a plan file, so the report has none."""
-    from autopar.report.document import build_report, layout_of_plan
-    from autopar.solver.tp_split import ILPSplitter
+    from autopar.report.document import build_report, layout_of_plan, replication_notes
+    from autopar.solver.tp_split import ILPSplitter, replicated_ops
     from cost_models.topology import ClusterConfig
 
     made_for = plan.provenance
@@ -131,14 +132,16 @@ def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
     train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer)
-    pricer = PlanPricer(profile, cluster, train, ILPSplitter(profile))
+    splitter = ILPSplitter(profile)
+    pricer = PlanPricer(profile, cluster, train, splitter)
     try:
         estimate = pricer.estimate(layout_of_plan(plan))
     except ValueError as err:
         raise ConfigError(f"The plan cannot be priced on its cluster: {err}.", "plan again.") from None
     return build_report(plan, estimate, pricer,
                         notes=["Rebuilt from plan.json alone: the runners-up and binding limits are recorded only "
-                               "when the report is written by `autopar compile` or `autopar plan --report`."])
+                               "when the report is written by `autopar compile` or `autopar plan --report`."]
+                        + replication_notes(replicated_ops(splitter, plan.tp), plan.tp))
 
 
 def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
@@ -173,11 +176,17 @@ def read_plan(plan_path: str | Path):
     path = Path(plan_path)
     if not path.is_file():
         raise ConfigError(f"No plan file at {path}.", "pass the plan.json that `autopar plan --out` wrote.")
+    fix = "re-create it with `autopar plan MODEL.py ... --out plan.json` (or `autopar compile` for a folder)."
     try:
-        return Plan.load(path)
+        plan = Plan.load(path)
     except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
-        raise ConfigError(f"{path} is not a readable plan ({type(err).__name__}: {err}).",
-                          "re-create it with `autopar plan MODEL.py ... --out plan.json`.") from None
+        text = " ".join(f"{type(err).__name__}: {err}".split())
+        raise ConfigError(f"{path} is not a readable plan ({text[:200]}).", fix) from None
+    problems = plan.problems()
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise ConfigError(f"{path} is not a valid plan: {problems[0]}{more}.", fix)
+    return plan
 
 
 def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,

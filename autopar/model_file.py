@@ -27,11 +27,23 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.errors import ModelFileError
 
 REQUIRED_FUNCTIONS = ("build_model", "example_batch")
+
+# Importing model.py may create tensors for real (planning never needs their values): one op
+# whose outputs exceed this is refused before it allocates. Constants, masks and lookup tables
+# are far smaller; weights belong in build_model(), which runs on fake tensors.
+IMPORT_ALLOCATION_LIMIT_BYTES = 2 * 2**30
+
+META_BUILD_FIX = ("build the model without touching real memory: create its tensors inside build_model() "
+                  "(autopar calls it under FakeTensorMode, where even a 70B model costs no memory) or under "
+                  "`with torch.device('meta'):`; don't create large tensors at import time or with real storage "
+                  "(numpy arrays, explicit device='cpu' tensors made outside build_model) and don't load "
+                  "checkpoints in build_model: load weights in the training script instead.")
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,8 @@ def load_model_file(path: str | Path) -> ModelFile:
     try:
         compile(source, str(path), "exec")
     except SyntaxError as err:
-        raise ModelFileError(f"{path.name} line {err.lineno}: syntax error: {err.msg}.",
+        code = f" (`{err.text.strip()}`)" if err.text and err.text.strip() else ""
+        raise ModelFileError(f"{path.name}:{err.lineno}: syntax error: {err.msg}{code}.",
                              "correct the syntax; `python -m py_compile` shows the same error.") from None
     module_name = f"autopar_user_model_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -71,8 +84,16 @@ def load_model_file(path: str | Path) -> ModelFile:
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
     try:
-        spec.loader.exec_module(module)
+        with _AllocationGuard(IMPORT_ALLOCATION_LIMIT_BYTES):
+            spec.loader.exec_module(module)
+    except _OversizedAllocation as err:
+        raise ModelFileError(f"Importing {path.name} creates a real tensor of {err.nbytes / 2**30:,.1f} GiB "
+                             f"({err.op}{_location(err, path)}); planning must not allocate the model's memory "
+                             "(refused before allocating).", META_BUILD_FIX) from None
     except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to fix
+        if _is_out_of_memory(err):
+            raise ModelFileError(f"Importing {path.name} ran out of memory: {_describe(err, path)}.",
+                                 META_BUILD_FIX) from None
         raise ModelFileError(f"Importing {path.name} raised {_describe(err, path)}.",
                              "make the file importable on its own (`python -c 'import ...'`).") from None
     missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
@@ -166,7 +187,7 @@ def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
             f"{len(real) - 1} more), so planning would allocate the model's full memory.",
             "create parameters inside build_model() with ordinary constructors (nn.Linear, "
             "torch.empty, ...) instead of loading or reusing tensors made outside it; autopar "
-            "calls it under FakeTensorMode, where such constructors allocate nothing.")
+            "calls it under FakeTensorMode, where such constructors allocate nothing. " + META_BUILD_FIX)
     return FakeBuild(fake_mode=fake_mode, model=model, batch=batch)
 
 
@@ -217,6 +238,10 @@ def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwar
         raise
     except Exception as err:  # noqa: BLE001 - the user's function failed; say where
         call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        if _is_out_of_memory(err):
+            raise ModelFileError(f"{fn.__name__}({call}) in {model_file.path.name} ran out of memory "
+                                 f"({_describe(err, model_file.path)}): it allocates real memory, which planning "
+                                 "never needs.", META_BUILD_FIX) from None
         raise ModelFileError(f"{fn.__name__}({call}) in {model_file.path.name} raised "
                              f"{_describe(err, model_file.path)}.",
                              "fix the function, or the model.<name> overrides it was given.") from None
@@ -224,9 +249,70 @@ def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwar
 
 def _describe(err: BaseException, path: Path) -> str:
     """'ValueError: message (model.py:12)', locating the innermost frame in the user's file."""
+    where = _location(err, path)
+    return f"{type(err).__name__}: {err}" + (f" ({where.removeprefix(', ')})" if where else "")
+
+
+def _location(err: BaseException, path: Path) -> str:
+    """', model.py:12' for the innermost frame of the traceback in the user's file, or ''."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == path]
-    where = f" ({path.name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(err).__name__}: {err}{where}"
+    return f", {path.name}:{frames[-1].lineno}" if frames else ""
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    """MemoryError (numpy), or torch's allocator refusing ('not enough memory', 'out of memory')."""
+    text = str(err).lower()
+    return isinstance(err, MemoryError) or any(words in text for words in (
+        "not enough memory", "out of memory", "cannot allocate memory", "can't allocate memory",
+        "unable to allocate"))
+
+
+class _OversizedAllocation(Exception):
+    """An op would create more real memory than the guard allows (raised before it runs)."""
+
+    def __init__(self, op: str, nbytes: int):
+        super().__init__(f"{op} would allocate {nbytes} bytes")
+        self.op, self.nbytes = op, nbytes
+
+
+class _AllocationGuard(TorchDispatchMode):
+    """Refuses any op whose outputs would exceed ``limit_bytes``, before it allocates them.
+
+    Each op is first run on meta copies of its arguments, which gives its output sizes without
+    storage; ops without a meta kernel run unchecked."""
+
+    def __init__(self, limit_bytes: int):
+        super().__init__()
+        self.limit_bytes = limit_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        nbytes = _new_output_bytes(func, args, kwargs)
+        if nbytes is not None and nbytes > self.limit_bytes:
+            raise _OversizedAllocation(str(func.overloadpacket.__name__), nbytes)
+        return func(*args, **kwargs)
+
+
+def _new_output_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
+    """Bytes of the new tensors ``func`` returns (views and in-place results excluded), from a
+    meta run; None when the op cannot run on meta."""
+    schema = func._schema
+    fresh = [not ret.alias_info for ret in schema.returns]
+    if not any(fresh):
+        return 0
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    meta_args, meta_kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+    if any(arg.name == "device" for arg in schema.arguments):
+        meta_kwargs["device"] = torch.device("meta")
+    try:
+        out = func(*meta_args, **meta_kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel: the op is allowed to run as written
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return sum(t.numel() * t.element_size() for t, new in zip(outs, fresh) if new and isinstance(t, torch.Tensor))
 
 
 @contextlib.contextmanager

@@ -38,6 +38,10 @@ class Recompute(StrEnum):
     FULL = "full"
 
 
+# What `tp_styles` may say of a module (the operator-wise ILP's `Style` values).
+TP_STYLES = ("replicate", "colwise", "rowwise", "vocab_parallel", "hidden_parallel")
+
+
 @dataclass(frozen=True)
 class Predicted:
     """What the cost model predicts for the plan (per training step)."""
@@ -183,6 +187,49 @@ class Plan:
             parts.append("SP")
         parts.append("recompute " + "/".join(sorted(set(self.recompute.values())) or ["none"]))
         return " ".join(parts)
+
+    def problems(self) -> list[str]:
+        """What makes the plan unusable (a corrupted or hand-edited plan.json); empty when none.
+
+        Only the plan's own consistency: whether it suits a model or cluster is checked where
+        those are known."""
+        found = [f"{axis}={self.degree(axis)!r} is not a positive integer" for axis in MeshAxis
+                 if not isinstance(self.degree(axis), int) or self.degree(axis) < 1]
+        if sorted(self.mesh_order) != sorted(a.value for a in MeshAxis):
+            found.append(f"mesh_order {list(self.mesh_order)} must order exactly the axes tp, cp, pp, dp")
+        if self.zero_stage not in (0, 1, 2, 3):
+            found.append(f"zero_stage={self.zero_stage!r} is not 0-3")
+        if self.schedule not in {s.value for s in Schedule}:
+            found.append(f"schedule '{self.schedule}' is not one of {', '.join(s.value for s in Schedule)}")
+        for name in ("micro_batch_size", "num_micro_batches", "chunks", "global_batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                found.append(f"{name}={getattr(self, name)!r} is not a positive integer")
+        if found:
+            return found  # the checks below assume sane numbers
+        if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch_size:
+            found.append(f"dp × micro_batch_size × num_micro_batches = {self.dp}×{self.micro_batch_size}×"
+                         f"{self.num_micro_batches} is not the global batch {self.global_batch_size}")
+        found += self._layer_problems()
+        return found
+
+    def _layer_problems(self) -> list[str]:
+        if not self.layer_names:
+            return ["it lists no layers (layer_names)"]
+        found = []
+        if [name for stage in self.stages for name in stage] != list(self.layer_names) or not all(self.stages):
+            found.append("stages do not list every layer once, in order")
+        if len(self.stages) != self.pp * self.chunks:
+            found.append(f"{len(self.stages)} stages for pp × chunks = {self.pp}×{self.chunks}")
+        stray = sorted(set(self.recompute) - set(self.layer_names))
+        if stray:
+            found.append(f"recompute names unknown layers ({', '.join(stray[:3])})")
+        bad = sorted({str(v) for v in self.recompute.values()} - {r.value for r in Recompute})
+        if bad:
+            found.append(f"recompute '{bad[0]}' is not one of {', '.join(r.value for r in Recompute)}")
+        styles = sorted({str(v) for v in self.tp_styles.values()} - set(TP_STYLES))
+        if styles:
+            found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")
+        return found
 
     def with_updates(self, **changes: Any) -> "Plan":
         return replace(self, **changes)

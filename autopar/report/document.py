@@ -176,6 +176,17 @@ def process_groups(plan: Plan, estimate: Estimate, pricer: PlanPricer) -> list[G
     return rows
 
 
+def replication_notes(replicated: dict[str, list[str]], tp: int) -> list[str]:
+    """One note per op that tensor parallelism could not split (from the planner's result)."""
+    notes = []
+    for target, modules in sorted(replicated.items()):
+        shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
+        notes.append(f"{target} is replicated on every rank of the TP group (tp={tp}) in {shown}: no "
+                     "tensor-parallel split covers it (it needs whole activations), so the operator-wise ILP "
+                     "fell back to replicating it and pays for gathering its input.")
+    return notes
+
+
 def uncosted_notes(profile: Any) -> list[str]:
     unknown = profile.uncosted_ops()
     if not unknown:

@@ -93,6 +93,12 @@ def print_plan(result, console: Console) -> None:
     solver = plan.solver
     console.print(f"solver {solver.status} in {solver.seconds:.1f} s over {solver.candidates:,} candidates"
                   f"{f', gap {solver.gap:.1%}' if solver.gap else ''}")
+    if solver.status not in ("OPTIMAL", "PINNED"):
+        console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its time limit with the best plan "
+                      f"found, at most {solver.gap:.1%} slower than the bound; raise solver.time_limit_s to search on.")
+    for target, modules in sorted(getattr(result, "replicated_ops", {}).items()):
+        console.print(f"replicated under TP: {target} in {', '.join(modules[:4])}"
+                      f"{' ...' if len(modules) > 4 else ''} (no tensor-parallel split covers it)")
     for binding in result.binding:
         console.print(f"binding: {binding.constraint} [dim]→ {binding.relaxing}[/]")
     if result.alternatives:

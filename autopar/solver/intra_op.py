@@ -26,7 +26,9 @@ replicated output), P→R all-reduce (rowwise). Strategies per op: a parameteris
 (R→S, cost/t, backward all-reduce of its input's gradient) or row-parallel (S→P, cost/t); an
 embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); attention, views,
 elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
-feature dim) need R; the loss may take vocabulary-sharded logits (loss parallel) for three
+feature dim) need R; ops no split strategy covers (sorting, scans, FFTs along a dimension,
+and ops of unknown kind) fall back to R and are listed in the solution (`replicated_ops`) so the
+report can say so; the loss may take vocabulary-sharded logits (loss parallel) for three
 small all-reduces. Compute of an op counts forward and backward: its forward cost times its module's
 backward/forward ratio from the profile.
 """
@@ -93,6 +95,7 @@ class IntraOpSolution:
     comm_s: float
     comm_events: list[tuple[str, str, int]] = field(default_factory=list)  # (collective, tensor, bytes)
     status: str = "OPTIMAL"
+    replicated_ops: list[tuple[str, str]] = field(default_factory=list)  # (op target, module): no split covers it
 
     @property
     def time_s(self) -> float:
@@ -115,6 +118,19 @@ _VIEW_P = Strategy("P", State.P, State.P, False)
 _REALISABLE = {(State.R, State.R), (State.S, State.S), (State.P, State.P), (State.S, State.R), (State.P, State.R)}
 
 _LOSS_TARGETS = ("_log_softmax", "nll_loss_forward", "cross_entropy")
+
+# Ops that combine values along a dimension that may be the sharded one (sorts, selections,
+# scans, FFTs): run on a shard they would give a different answer, and no strategy here splits
+# them, so they run replicated. Ops of unknown kind (class "other") are treated the same way.
+_UNSPLITTABLE_OPS = {"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian", "mode", "cumsum",
+                     "cumprod", "cummax", "cummin", "logcumsumexp", "searchsorted", "unique_dim",
+                     "unique_consecutive", "_unique2"}
+
+
+def unsplittable(op: "OpProfile") -> bool:
+    """Whether no TP strategy covers the op (it must see whole activations)."""
+    packet = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
+    return op.op_class == "other" or packet in _UNSPLITTABLE_OPS or "fft" in packet
 
 
 class IntraOpSolver:
@@ -165,8 +181,11 @@ class IntraOpSolver:
         status = solver.solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"intra-op ILP for {layer} at tp={self.tp}: {solver.status_name(status)}")
-        return self._read_solution(layer, solver, status, ops, strategies, choice, compute_terms, edge_vars,
-                                   all_reduce_vars, by_name)
+        solution = self._read_solution(layer, solver, status, ops, strategies, choice, compute_terms, edge_vars,
+                                       all_reduce_vars, by_name)
+        solution.replicated_ops = [(op.target, op.module or layer) for op in ops if self.tp > 1 and unsplittable(op)
+                                   and any(name in by_name or not self._is_param(name) for name in op.inputs)]
+        return solution
 
     # -- constraints -------------------------------------------------------------------------
 
@@ -241,7 +260,7 @@ class IntraOpSolver:
             return [_ALL_R]
         if any(word in op.target for word in _LOSS_TARGETS):
             return [_ALL_R, _LOSS_PARALLEL]
-        if op.op_class in ("reduction", "norm"):
+        if op.op_class in ("reduction", "norm") or unsplittable(op):
             return [_ALL_R]
         if op.op_class == "view":
             return [_ALL_R, _ALL_S, _VIEW_P]

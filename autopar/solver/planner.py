@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchResult
-from autopar.solver.space import Candidate, ModelShape, enumerate_candidates
-from autopar.solver.tp_split import ILPSplitter
-from cost_models.hardware import known_gpus
+from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
+from autopar.solver.tp_split import ILPSplitter, replicated_ops
+from cost_models.hardware import get_gpu, known_gpus
+from cost_models.layout import CP_STRATEGIES, DP_SYNC, SCHEDULES
+from cost_models.memory import RECOMPUTE_OPTIONS
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
@@ -56,6 +58,8 @@ class PlanningResult:
     estimate: Estimate
     binding: list[Binding] = field(default_factory=list)
     pricer: PlanPricer | None = None  # what priced the plan (the report re-uses its numbers)
+    # op target -> modules where the plan's TP found no split for the op and replicates it
+    replicated_ops: dict[str, list[str]] = field(default_factory=dict)
 
 
 def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
@@ -122,7 +126,7 @@ class Planner:
         self._check_pins()
         candidates = self.candidates()
         if not candidates:
-            raise UserError(self._why_no_candidates(), "change the pins or train.global_batch_size.")
+            raise UserError(self._why_no_candidates(), self._no_candidates_fix())
         search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=max(1, self.solver.top_k + 1),
                             seed=self.solver.seed, workers=self.solver.threads, progress=self.progress,
                             fixed_partition=self._pinned_partition())
@@ -135,7 +139,8 @@ class Planner:
                         for other in result.best if other is not winner][: self.solver.top_k]
         alternatives += self._faster_but_too_big(result, winner, search)
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
-                              binding=self._binding_constraints(winner, alternatives), pricer=self.pricer)
+                              binding=self._binding_constraints(winner, alternatives), pricer=self.pricer,
+                              replicated_ops=replicated_ops(self.splitter, plan.tp))
 
     def _choose(self, result: SearchResult) -> Scored:
         if self.solver.objective != "memory":
@@ -255,8 +260,7 @@ class Planner:
             found.append(Binding(f"batch divisibility: global batch {batch} does not split over dp={winner.candidate.dp * 2}",
                                  f"train.global_batch_size={-(-batch // (2 * step)) * 2 * step} would allow "
                                  f"dp={winner.candidate.dp * 2}; plan again with it to price that"))
-        pinned = [f"plan.{name}={value}" for name, value in vars(self.pins).items()
-                  if value not in (None, {}, []) and name not in ("stages", "layer_recompute")]
+        pinned = self._pin_overrides()
         if pinned:
             found.append(Binding("your pins: " + ", ".join(pinned),
                                  "drop a pin to let the solver choose that decision (plan again to price it)"))
@@ -293,6 +297,14 @@ class Planner:
         return lambda problem: evaluate(problem, starts, options)
 
     def _check_pins(self) -> None:
+        """Contradictory or impossible pins, each named with the values that would work."""
+        self._check_pinned_values()
+        self._check_pinned_layers()
+        self._check_pinned_tp()  # before the GPU count: a degree the model cannot take is the first problem
+        self._check_pinned_degrees()
+        self._check_pinned_batching()
+
+    def _check_pinned_layers(self) -> None:
         names = [layer.name for layer in self.profile.layers]
         if self.pins.stages:
             flat = [name for stage in self.pins.stages for name in stage]
@@ -306,42 +318,130 @@ class Planner:
         if self.pins.layer_recompute and not self.pins.stages and (self.pins.pp or 1) != 1:
             raise UserError("plan.layer_recompute with a pipeline needs the stages fixed as well.",
                             "add plan.stages=[[...], ...] or pin plan.pp=1.")
-        if self.pins.tp is not None and self.shape.tp_problem(self.pins.tp):
-            legal = [t for t in (1, 2, 4, 8, 16) if not self.shape.tp_problem(t)]
-            raise UserError(f"plan.tp={self.pins.tp} cannot split this model: {self.shape.tp_problem(self.pins.tp)}.",
-                            f"use one of tp={', '.join(map(str, legal))} or leave plan.tp unset.")
+
+    def _check_pinned_values(self) -> None:
+        """Pins outside their field's choices (the schema types them only as int / str)."""
+        choices = {"schedule": SCHEDULES, "recompute": RECOMPUTE_OPTIONS, "cp_strategy": CP_STRATEGIES,
+                   "dp_sync": DP_SYNC, "zero_stage": (0, 1, 2, 3)}
+        for name, allowed in choices.items():
+            value = getattr(self.pins, name)
+            if value is not None and value not in allowed:
+                raise UserError(f"plan.{name}={value} is not a valid choice.",
+                                f"use one of {', '.join(map(str, allowed))}, or leave plan.{name} unset.")
+        for value in (self.pins.layer_recompute or {}).values():
+            if value not in RECOMPUTE_OPTIONS:
+                raise UserError(f"plan.layer_recompute uses '{value}', which is not a recomputation choice.",
+                                f"use {', '.join(RECOMPUTE_OPTIONS)}.")
+        for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "chunks"):
+            value = getattr(self.pins, name)
+            if value is not None and value < 1:
+                raise UserError(f"plan.{name}={value}: it must be at least 1.", f"pin plan.{name} to 1 or more, "
+                                "or leave it unset for the solver to choose.")
+        if self.train.global_batch_size < 1:
+            raise UserError(f"train.global_batch_size={self.train.global_batch_size}: a step needs samples.",
+                            "set train.global_batch_size to 1 or more.")
+
+    def _check_pinned_degrees(self) -> None:
+        world = self.cluster.world_size
+        pinned = {axis: getattr(self.pins, axis) for axis in ("dp", "tp", "pp", "cp") if getattr(self.pins, axis)}
         product = 1
-        for axis in ("dp", "tp", "pp", "cp"):
-            product *= getattr(self.pins, axis) or 1
-        if product > self.cluster.world_size or self.cluster.world_size % product:
-            raise UserError(f"The pinned degrees multiply to {product}, which does not divide the cluster's "
-                            f"{self.cluster.world_size} GPUs.", "change the pins or cluster.nodes.")
+        for value in pinned.values():
+            product *= value
+        listed = "×".join(f"{axis}={value}" for axis, value in pinned.items())
+        if product > world:
+            raise UserError(f"The pinned degrees {listed} need {product} GPUs; the cluster has {world}.",
+                            "lower the pins, or add GPUs (cluster.nodes / cluster.gpus_per_node).")
+        if world % product:
+            raise UserError(f"The pinned degrees {listed} multiply to {product}, which does not divide the "
+                            f"cluster's {world} GPUs (every GPU needs a place on the mesh).",
+                            "pin degrees whose product divides the GPU count, or change cluster.nodes.")
+        blocks = max(1, self.shape.num_blocks)
+        if self.pins.pp is not None and self.pins.pp > blocks:
+            raise UserError(f"plan.pp={self.pins.pp} needs more pipeline stages than the model's {blocks} "
+                            "repeated blocks.", f"use plan.pp of at most {blocks}, or leave it unset.")
+
+    def _check_pinned_tp(self) -> None:
+        tp = self.pins.tp
+        if tp is None:
+            return
+        node = self.cluster.gpus_per_node
+        legal = [t for t in divisors(self.cluster.world_size) if not self.shape.tp_problem(t)
+                 and (t <= node or self.solver.allow_cross_node_tp)]
+        if self.shape.tp_problem(tp):
+            raise UserError(f"plan.tp={tp} cannot split this model: {self.shape.tp_problem(tp)}.",
+                            f"use one of tp={', '.join(map(str, legal))} (legal on this cluster) or leave "
+                            "plan.tp unset.")
+        if tp > node and not self.solver.allow_cross_node_tp:
+            raise UserError(f"plan.tp={tp} spans nodes of {node} GPUs; tensor parallelism is kept inside a node.",
+                            f"use one of tp={', '.join(map(str, legal))}, or set solver.allow_cross_node_tp=true.")
+
+    def _check_pinned_batching(self) -> None:
+        batch, dp, micro = self.train.global_batch_size, self.pins.dp, self.pins.micro_batch_size
+        world = self.cluster.world_size
+        if dp is not None and batch % dp:
+            legal = [d for d in divisors(world) if batch % d == 0]
+            raise UserError(f"plan.dp={dp} does not divide train.global_batch_size={batch}: every data-parallel "
+                            "rank must get the same number of samples.",
+                            f"pin plan.dp to one of {', '.join(map(str, legal))} (they divide both the batch and the "
+                            f"{world} GPUs), or make train.global_batch_size a multiple of {dp} "
+                            f"(e.g. {-(-batch // dp) * dp}).")
+        per_rank = batch // dp if dp else batch
+        if micro is not None and per_rank % micro:
+            where = f"the {per_rank} samples per data-parallel rank" if dp else f"the global batch of {batch}"
+            raise UserError(f"plan.micro_batch_size={micro} does not divide {where}.",
+                            "pin a micro-batch size that divides it, or leave plan.micro_batch_size unset.")
+
+    def _pin_overrides(self) -> list[str]:
+        """The pins as the plan.<name>=<value> overrides that set them (layer maps left out)."""
+        return [f"plan.{name}={value}" for name, value in vars(self.pins).items()
+                if value not in (None, {}, []) and name not in ("stages", "layer_recompute")]
 
     def _why_no_candidates(self) -> str:
-        batch = self.train.global_batch_size
-        return (f"No plan satisfies the constraints: {self.cluster.world_size} GPUs, global batch {batch}, "
-                f"{self.shape.num_blocks} blocks and the pins given (every data-parallel degree must divide the "
-                f"global batch, and TP must divide the heads).")
+        pins = self._pin_overrides()
+        return (f"No plan satisfies the constraints: the {self.cluster.world_size} GPUs must split as "
+                f"dp×tp×pp×cp with dp dividing the global batch {self.train.global_batch_size}, tp dividing "
+                f"the model's heads and weights within a node of {self.cluster.gpus_per_node} GPUs, pp at most "
+                f"the {max(1, self.shape.num_blocks)} blocks, cp cutting the sequence into 2·cp equal chunks"
+                + (f", and your pins ({', '.join(pins)})." if pins else "."))
+
+    def _no_candidates_fix(self) -> str:
+        """The nearest larger global batch that admits a plan, else dropping the pins."""
+        batch, world = self.train.global_batch_size, self.cluster.world_size
+        for larger in range(batch + 1, batch + 2 * world + 1):
+            if self._any_candidate(larger, self.pins):
+                return (f"use train.global_batch_size={larger} (the nearest larger batch with a legal split)"
+                        + (", or change the pins." if self._pin_overrides() else "."))
+        if self._pin_overrides() and self._any_candidate(batch, replace(self.pins, dp=None, tp=None, pp=None, cp=None,
+                                                                        micro_batch_size=None)):
+            return "drop the pinned degrees and micro-batch size (plan.dp/tp/pp/cp/micro_batch_size)."
+        return ("use a cluster this model can fill (fewer GPUs per node or nodes, cluster.gpus_per_node / "
+                "cluster.nodes), or a global batch divisible by more data-parallel ranks.")
+
+    def _any_candidate(self, batch: int, pins: "PlanPins") -> bool:
+        found = enumerate_candidates(self.shape, self.cluster.world_size, self.cluster.gpus_per_node, batch,
+                                     self.solver, pins)
+        return next(iter(found), None) is not None
 
     def _smallest_fitting_change(self) -> tuple[str, str]:
         """Re-run the search on larger clusters / bigger GPUs: the first that fits is the answer."""
+        pins = self._pin_overrides()
         problem = (f"Nothing fits in memory on {self.cluster.world_size} × {self.cluster.node_gpus[0].name} "
                    f"({self.cluster.node_gpus[0].memory_bytes / 1e9:.0f} GB) with every split, ZeRO stage, "
-                   "micro-batch size and recomputation the search allows.")
+                   "micro-batch size and recomputation the search allows"
+                   + (f" under your pins ({', '.join(pins)})." if pins else "."))
         quick = replace(self.solver, time_limit_s=min(20.0, self.solver.time_limit_s), top_k=0)
         for factor in (2, 4, 8, 16):
             bigger = replace(self.cluster, node_gpus=self.cluster.node_gpus * factor)
             if self._fits(bigger, quick):
                 return problem, f"use {factor}× the nodes ({bigger.world_size} GPUs; cluster.nodes={bigger.nodes})."
         current = self.cluster.node_gpus[0]
-        for name in sorted(known_gpus(), key=lambda n: (len(n), n)):
-            from cost_models.hardware import get_gpu
-
-            gpu = get_gpu(name)
-            if gpu.memory_bytes > current.memory_bytes and name != "cpu":
+        # The GPU with the least memory that fits is the smallest change.
+        for gpu in sorted((get_gpu(name) for name in known_gpus()), key=lambda g: (g.memory_bytes, g.name)):
+            if gpu.memory_bytes > current.memory_bytes and gpu.name != "cpu":
                 bigger = replace(self.cluster, node_gpus=tuple(gpu for _ in self.cluster.node_gpus))
                 if self._fits(bigger, quick):
-                    return problem, f"use {name} GPUs ({gpu.memory_bytes / 1e9:.0f} GB) instead."
+                    return problem, (f"use {gpu.name} GPUs ({gpu.memory_bytes / 1e9:.0f} GB) instead "
+                                     f"(cluster.gpu={gpu.name}).")
         return problem, "use a larger cluster or a smaller model; even 16× the nodes does not fit."
 
     def _fits(self, cluster: ClusterSpec, solver: "SolverConfig") -> bool:

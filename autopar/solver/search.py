@@ -12,7 +12,9 @@ plan is then optimal within the space (status OPTIMAL). Each partition solve has
 deterministic work limit; one that stops early still proves a lower bound, which prunes the
 candidate if it cannot beat the best plan. If the time limit stops the loop, or a stopped solve
 could still beat the best plan, the status is FEASIBLE with
-gap = (best - smallest bound not excluded) / best.
+gap = (best - smallest bound not excluded) / best. The time limit stops the search only once it
+has a plan: a limit too short to find one still returns the first plan found (marked FEASIBLE),
+never a false "nothing fits".
 Ties are broken by enumeration order (smaller TP, then CP, PP, micro-batch, ...), so the same
 inputs always give the same plan.
 """
@@ -113,7 +115,7 @@ class PlanSearch:
                 if floor >= kth:
                     next_floor = len(floors)  # sorted: nothing later can beat the k-th best either
                     break
-                if time.perf_counter() - start > self.time_limit_s:
+                if best and time.perf_counter() - start > self.time_limit_s:
                     stopped_at = min(floor, waiting[0][0]) if waiting else floor
                     break
                 next_floor += 1
@@ -129,7 +131,7 @@ class PlanSearch:
                         heapq.heappush(waiting, item)
             if stopped_at is not None or not waiting or waiting[0][0] >= kth:
                 break
-            if time.perf_counter() - start > self.time_limit_s:
+            if best and time.perf_counter() - start > self.time_limit_s:
                 stopped_at = waiting[0][0]
                 break
             bound, index, candidate, problem = heapq.heappop(waiting)

@@ -51,11 +51,14 @@ class ILPSplitter:
         self.time_limit_s = time_limit_s
         self.dtype = compute_dtype(profile.precision)
         self.solutions: dict[tuple[str, int], dict[str, str]] = {}
+        # (layer, tp) -> (op target, module) of ops no split strategy covers, run replicated
+        self.replicated: dict[tuple[str, int], list[tuple[str, str]]] = {}
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
         solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
         solution = solver.solve(layer_name)
         self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
+        self.replicated[(layer_name, tp)] = solution.replicated_ops
         ops = [op for op in self.profile.ops if op.layer == layer_name]
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
         sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
@@ -88,6 +91,22 @@ class ILPSplitter:
             tp_sharded_activation_fraction=saved_sharded / saved_all if saved_all else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
             styles={module: style.value for module, style in solution.module_style.items()})
+
+
+def replicated_ops(splitter: ILPSplitter, tp: int) -> dict[str, list[str]]:
+    """Op target -> modules (in every layer, repeats included) where tensor parallelism of degree
+    ``tp`` found no split and replicated the op, for the layers the splitter has solved."""
+    found: dict[str, list[str]] = {}
+    if tp == 1:
+        return found
+    for layer in splitter.profile.layers:
+        kind = layer.repeat_of or layer.name
+        for target, module in splitter.replicated.get((kind, tp), splitter.replicated.get((layer.name, tp), [])):
+            name = layer.name + module[len(kind):] if module.startswith(kind) else module
+            found.setdefault(target, [])
+            if name not in found[target]:
+                found[target].append(name)
+    return found
 
 
 def _module_params(profile: "ModelProfile", module: str) -> int:

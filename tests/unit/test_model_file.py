@@ -27,7 +27,7 @@ def test_missing_file_names_the_path(tmp_path):
 
 def test_syntax_error_names_the_line(tmp_path):
     path = write_model_file(tmp_path, "def build_model(:\n    pass\n")
-    with pytest.raises(ModelFileError, match=r"line 1: syntax error"):
+    with pytest.raises(ModelFileError, match=r"model.py:1: syntax error: .* \(`def build_model\(:`\)"):
         load_model_file(path)
 
 

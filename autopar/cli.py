@@ -162,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--ranks-per-node", type=int, default=4,
                            help="training ranks sharing this host's cores (cpu_gloo's gpus_per_node)")
     calibrate.add_argument("--gpu", default="cpu", help="catalogue entry the measurements replace")
+    calibrate.add_argument("--from", dest="validations", type=Path, nargs="+", default=None, metavar="VALIDATE_JSON",
+                           help="instead of measuring kernels, refit the cost model to these `autopar validate` "
+                                "results (compute and per-collective correction factors)")
+    calibrate.add_argument("--base", type=Path, default=None,
+                           help="with --from: the hardware profile the runs were priced with (kept, factors added)")
     calibrate.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     calibrate.set_defaults(handler=_calibrate)
     return parser
@@ -348,6 +353,8 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    if args.validations:
+        return _calibrate_from_runs(args, console)
     from cost_models.calibrate import calibrate
 
     with console.status("Measuring GEMM, memory bandwidth and all-reduce ..."):
@@ -358,6 +365,25 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
                   f"{gpu['memory_bandwidth_Bps'] / 1e9:,.1f} GB/s, all-reduce link "
                   f"{link['bandwidth_Bps'] / 1e9:,.2f} GB/s with {link['latency_s'] * 1e6:,.0f} µs per message")
     console.print(f"wrote {args.out}; use it with cluster=calibrated cluster.hardware_profile={args.out}")
+    return 0
+
+
+def _calibrate_from_runs(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from cost_models.feedback import fit_time_scale, write_profile
+
+    runs = []
+    for path in args.validations:
+        try:
+            runs.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            raise UserError(f"{path} is not a readable validate.json ({type(err).__name__}).",
+                            "pass files written by `autopar validate DIR`.") from None
+    scale = fit_time_scale(runs)
+    write_profile(scale, args.out, args.base, [str(path) for path in args.validations])
+    console.print("fitted factors (measured / predicted): " + ", ".join(f"{k} {v:.3g}" for k, v in scale.items()))
+    console.print(f"wrote {args.out}; price with it: cluster.hardware_profile={args.out}")
     return 0
 
 

@@ -595,9 +595,15 @@ class PlanPricer:
         tp_comm = sum(tp_times)
         if option == "full":  # the re-run forward repeats its collectives
             tp_comm += sum(tp_times[:forward_count])
-        return {"compute": plain, "recompute": total - plain, "tp_comm": tp_comm,
-                "cp_comm": self._cp_time_s(layer, layout, scale, compute),
-                "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)}
+        return self._scaled({"compute": plain, "recompute": total - plain, "tp_comm": tp_comm,
+                             "cp_comm": self._cp_time_s(layer, layout, scale, compute),
+                             "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)})
+
+    def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
+        """Parts times the cluster's measured correction factors (1 unless calibrated from runs)."""
+        if not self.cluster.time_scale:
+            return parts
+        return {part: seconds * self.cluster.scale_of(part) for part, seconds in parts.items()}
 
     @staticmethod
     def _compute_s(split: TPLayerSplit, layout: Any, per_token: float, gpu: GPUSpec, forward_passes: float = 1.0,
@@ -671,7 +677,7 @@ class PlanPricer:
         bandwidth = gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise")
         update = params / shard * OPTIMIZER_BYTES_PER_PARAM.get(self.train.optimizer, 28) / bandwidth
         if grad_size == 1 or params == 0:
-            return {"optimizer": update, "dp_comm": 0.0}
+            return self._scaled({"optimizer": update, "dp_comm": 0.0})
         per_token = scale / layout.cp
         backward = split.compute.backward_s * per_token + split.compute.backward_launches * gpu.launch_overhead_s
         exposed = 0.0
@@ -680,13 +686,13 @@ class PlanPricer:
             if layout.zero_stage == 1:  # updated shards gathered back to every replica
                 exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes,
                                              self._shard_group(layout))
-            return {"optimizer": update, "dp_comm": exposed}
+            return self._scaled({"optimizer": update, "dp_comm": exposed})
         if layout.hybrid_shard and self._shard_size(layout) < grad_size:
             exposed += self.collective_s(Collective.ALL_REDUCE, params * self.grads_bytes / self._shard_size(layout),
                                          self._replica_group(layout))
         if layout.zero_stage == 2:
             exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, self._shard_group(layout))
-        return {"optimizer": update, "dp_comm": exposed}
+        return self._scaled({"optimizer": update, "dp_comm": exposed})
 
     def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
         sharded = layer.param_count * split.tp_sharded_param_fraction
@@ -704,7 +710,8 @@ class PlanPricer:
         if layout.pp == 1:
             return 0.0
         nbytes = layer.output_bytes * scale / layout.cp / (layout.tp if layout.sequence_parallel else 1)
-        return 2 * self.collective_s(Collective.SEND_RECV, nbytes, self.placement(layout, "pp"))
+        return 2 * self.collective_s(Collective.SEND_RECV, nbytes, self.placement(layout, "pp")) * \
+            self.cluster.scale_of("pp_comm")
 
     def _overhead_bytes(self, layout: Any, scale: float, gpu: GPUSpec) -> int:
         return int(sum(self._buffers(layout, scale, gpu).values()))

@@ -161,6 +161,10 @@ class ClusterSpec:
     memory_headroom_fraction: float
     price_per_gpu_hour: float = 0.0
     calibration: str = "catalogue (datasheets)"
+    time_scale: tuple[tuple[str, float], ...] = ()  # measured/predicted factors per step-time part (feedback.py)
+
+    def scale_of(self, part: str) -> float:
+        return next((factor for name, factor in self.time_scale if name == part), 1.0)
 
     @classmethod
     def from_config(cls, config: Any) -> "ClusterSpec":
@@ -193,7 +197,8 @@ class ClusterSpec:
         return cls(name=config.name, gpus_per_node=int(config.gpus_per_node), node_gpus=node_gpus, intra=intra,
                    inter=inter, memory_headroom_fraction=headroom,
                    price_per_gpu_hour=float(getattr(config, "price_per_gpu_hour", 0.0)),
-                   calibration=str(path) if profile else "catalogue (datasheets)")
+                   calibration=str(path) if profile else "catalogue (datasheets)",
+                   time_scale=tuple(sorted((str(k), float(v)) for k, v in (profile.get("time_scale") or {}).items())))
 
     @property
     def nodes(self) -> int:

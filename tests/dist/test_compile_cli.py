@@ -112,23 +112,22 @@ def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, com
     assert (out / "plan.json").read_text() == "previous"
 
 
-def test_compile_plans_only_what_it_can_generate(examples_dir, tmp_path, capsys, monkeypatch):
-    """Context parallelism is priced by `autopar plan` but not generated: compile asks the planner
-    for cp=1 plans only, and refuses a cp pin up front instead of after solving."""
-    import autopar.driver as driver
-
-    asked = []
-    real_run_plan = driver.run_plan
-
-    def spy(model_path, cfg, progress=None):
-        asked.append(cfg.solver.max_cp)
-        return real_run_plan(model_path, cfg, progress=progress)
-
-    monkeypatch.setattr(driver, "run_plan", spy)
-    assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--out-dir", str(tmp_path / "a"), "-q"]) == 0
-    assert asked == [1] and Plan.load(tmp_path / "a" / "plan.json").cp == 1
-    assert "without context parallelism" in (tmp_path / "a" / "report.md").read_text()
-    code = main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "plan.cp=2", "--out-dir", str(tmp_path / "b")])
+def test_compile_generates_context_parallel_plans_and_refuses_models_without_positions(examples_dir, tmp_path,
+                                                                                         capsys):
+    """A cp pin compiles into a module that shards sequences (GPT takes `positions`); a model
+    whose forward takes no token positions is refused before anything is written."""
+    out = tmp_path / "cp"
+    assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "plan.cp=2", "plan.cp_strategy=ring",
+                 "--out-dir", str(out), "-q"]) == 0
+    plan = Plan.load(out / "plan.json")
+    assert plan.cp == 2 and plan.cp_strategy == "ring" and plan.zero_stage >= 2
+    source = (out / "parallel_gpt.py").read_text()
+    assert "def ring_attention(" in source and "POSITION_ARGUMENT = 'positions'" in source
+    model = tmp_path / "no_positions.py"
+    model.write_text((examples_dir / "gpt.py").read_text().replace(
+        "def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None)",
+        "def forward(self, tokens: torch.Tensor)").replace("if positions is None:", "if True:"))
+    code = main(["compile", str(model), *OVERRIDES, "plan.cp=2", "--out-dir", str(tmp_path / "b")])
     assert code == 1
-    assert "context parallelism cannot be compiled" in capsys.readouterr().err
-    assert asked == [1] and not (tmp_path / "b").exists()
+    assert "position_ids" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()

@@ -724,7 +724,9 @@ class PlanPricer:
             # This layer's and the prefetched next layer's gathered parameters (FSDP's default).
             buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
         if self._grad_size(layout) > 1:
-            buffers["dp_buckets"] = 2 * DP_BUCKET_BYTES
+            # Two reduction buffers in flight, each at most a bucket and at most the largest
+            # layer's gradients (FSDP reduces one layer group at a time).
+            buffers["dp_buckets"] = 2 * min(DP_BUCKET_BYTES, largest * self.grads_bytes)
         # A layer's full activations while its backward (or its recomputation) runs.
         buffers["working_set"] = self._largest_activation * scale / layout.tp / layout.cp
         return buffers

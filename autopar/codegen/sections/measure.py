@@ -53,7 +53,19 @@ def tracked_peak(run_step: Callable[[], float], device: torch.device, modules: l
         return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)), "memory_breakdown": {}}
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    roots = {id(module) for module in modules}
+
+    class StepTracker(MemTracker):
+        """MemTracker over a step of several micro-batches: it refuses a root module's second
+        forward (it assumes one per iteration), so module stats restart there; the peak of the
+        whole step is kept."""
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            if id(module) in roots and module in self.memory_tracking and not self._mod_tracker.is_bw:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    tracker = StepTracker()
     tracker.track_external(*modules, *([optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []))
     with tracker:
         run_step()

@@ -112,34 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--plan", type=Path, default=None,
                           help="reuse this saved plan instead of solving (must match the model file and cluster)")
     compile_.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
-    report = verbs.add_parser("report", help="write the plan report (HTML, markdown, timeline) of a plan or compiled folder",
-                              description="Render report.html (self-contained), report.md, timeline.json (Chrome "
-                                          "trace) and figures for a compiled folder or a plan.json.",
-                              epilog=REPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report = _add_plain_verb(verbs, "report", "write the plan report (HTML, markdown, timeline) of a plan or compiled folder",
+                             "Render report.html (self-contained), report.md, timeline.json (Chrome trace) and figures "
+                             "for a compiled folder or a plan.json.", REPORT_EXAMPLES, _report)
     report.add_argument("source", type=Path, metavar="PLAN_OR_DIR", help="a folder `autopar compile` wrote, or a plan.json")
     report.add_argument("--out-dir", type=Path, default=None,
                         help="where to write (default: the folder itself, or the plan file's folder)")
     report.add_argument("--model", type=Path, default=None,
                         help="the model.py, when it is no longer where the plan says (re-pricing a plan.json)")
-    report.add_argument("-v", "--verbose", action="store_true", help="print more detail")
-    report.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    report.set_defaults(handler=_report)
-    validate = verbs.add_parser("validate", help="run a compiled folder a few steps and compare predictions with measurements",
-                                description="Train DIR's plan on local ranks for a few steps; per rank, print predicted vs "
-                                            "measured step time, its compute/communication split and peak memory, and "
-                                            "write DIR/validate.json (input of `autopar calibrate --from`).",
-                                epilog="examples:\n  autopar validate out/tiny --steps 6\n"
-                                       "  autopar calibrate --from out/tiny/validate.json --out hw.yaml",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    validate = _add_plain_verb(verbs, "validate", "run a compiled folder a few steps and compare predictions with "
+                               "measurements", "Train DIR's plan on local ranks for a few steps; per rank, print predicted "
+                               "vs measured step time, its compute/communication split and peak memory, and write "
+                               "DIR/validate.json (input of `autopar calibrate --from`).",
+                               "examples:\n  autopar validate out/tiny --steps 6\n"
+                               "  autopar calibrate --from out/tiny/validate.json --out hw.yaml", _validate)
     validate.add_argument("out_dir", type=Path, metavar="DIR", help="folder `autopar compile` wrote")
     validate.add_argument("--steps", type=int, default=5, help="timed steps (2 warm-up steps are not counted)")
-    validate.add_argument("-v", "--verbose", action="store_true", help="print more detail")
-    validate.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    validate.set_defaults(handler=_validate)
-    run = verbs.add_parser("run", help="run a compiled folder on local ranks (gloo on CPU, NCCL on GPUs)",
-                           description="Launch DIR/parallel_<model>.py with torchrun on this machine; one JSON "
-                                       "record per step is appended to DIR/run.jsonl.",
-                           epilog=RUN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = _add_plain_verb(verbs, "run", "run a compiled folder on local ranks (gloo on CPU, NCCL on GPUs)",
+                          "Launch DIR/parallel_<model>.py with torchrun on this machine; one JSON record per step is "
+                          "appended to DIR/run.jsonl.", RUN_EXAMPLES, _run)
     run.add_argument("out_dir", type=Path, metavar="DIR", help="folder `autopar compile` wrote")
     run.add_argument("--nproc", type=int, default=None, help="local ranks (default and only choice: the plan's world size)")
     run.add_argument("--steps", type=int, default=None, help="training steps (default: the module's own)")
@@ -148,15 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoint every N steps into DIR/checkpoints and resume from the latest complete one")
     run.add_argument("--max-restarts", type=int, default=0, metavar="K",
                      help="restart all ranks up to K times after one fails (torchrun --max-restarts)")
-    run.add_argument("-v", "--verbose", action="store_true", help="print more detail")
-    run.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    run.set_defaults(handler=_run)
-    calibrate = verbs.add_parser("calibrate", help="measure this machine's GEMM, memory and all-reduce speed",
-                                 description="Measure GEMM throughput, memory bandwidth and the all-reduce "
-                                             "latency/bandwidth of local ranks, and write a hardware profile.",
-                                 epilog="examples:\n  autopar calibrate --out hw.yaml\n"
-                                        "  autopar estimate examples/gpt.py cluster=calibrated plan.dp=4",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    calibrate = _add_plain_verb(verbs, "calibrate", "measure this machine (or refit to measured runs) into a hardware "
+                                "profile", "Measure GEMM throughput, memory bandwidth and the collectives' latency/"
+                                "bandwidth of local ranks, or (--from) fit correction factors to `autopar validate` "
+                                "results; write a hardware profile.",
+                                "examples:\n  autopar calibrate --out hw.yaml\n"
+                                "  autopar estimate examples/gpt.py cluster=calibrated plan.dp=4\n"
+                                "  autopar calibrate --from out/a/validate.json out/b/validate.json --out hw.yaml",
+                                _calibrate)
     calibrate.add_argument("--out", type=Path, default=Path("hw.yaml"), help="hardware profile to write")
     calibrate.add_argument("--ranks", type=int, default=2, help="local ranks for the all-reduce measurement")
     calibrate.add_argument("--ranks-per-node", type=int, default=4,
@@ -167,9 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 "results (compute and per-collective correction factors)")
     calibrate.add_argument("--base", type=Path, default=None,
                            help="with --from: the hardware profile the runs were priced with (kept, factors added)")
-    calibrate.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    calibrate.set_defaults(handler=_calibrate)
     return parser
+
+
+def _add_plain_verb(verbs: argparse._SubParsersAction, name: str, help_text: str, description: str, examples: str,
+                    handler: Callable[[argparse.Namespace, Console], int]) -> argparse.ArgumentParser:
+    """A verb that takes no model file: its parser with -v/-q; the caller adds its arguments."""
+    sub = verbs.add_parser(name, help=help_text, description=description, epilog=examples,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_argument("-v", "--verbose", action="store_true", help="print more detail")
+    sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    sub.set_defaults(handler=handler)
+    return sub
 
 
 def _add_verb(verbs: argparse._SubParsersAction, name: str, help_text: str, examples: str,

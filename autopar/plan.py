@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from autopar.serialize import from_jsonable, to_jsonable
+from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable
 
 
 class MeshAxis(StrEnum):
@@ -61,9 +61,9 @@ class SolverInfo:
 
     status: str = "PINNED"
     objective: float = 0.0
-    # Wall time of the search: written (plan.json's documented keys include it) but not part of
-    # the plan's identity, so two plans from the same inputs compare equal.
-    seconds: float = field(default=0.0, compare=False)
+    # Wall time of the search: shown by the terminal and the report, but neither part of the
+    # plan's identity nor written to plan.json, so the same inputs give the same file byte for byte.
+    seconds: float = field(default=0.0, compare=False, metadata={TRANSIENT: True})
     candidates: int = 0
     gap: float = 0.0
     priced: int = 0  # candidates priced in full; the others were excluded by a cheaper bound

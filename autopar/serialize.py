@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+# Field metadata key: a field that is not written (e.g. a wall time, which would make two files
+# from the same inputs differ); reading such a file gives the field its default.
+TRANSIENT = "transient"
 
 
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses to dicts, enums to values, tuples to lists; everything else as it is."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.metadata.get(TRANSIENT)}
     if isinstance(obj, Enum):
         return obj.value
     if isinstance(obj, Path):

@@ -81,6 +81,7 @@ class PlanReport:
     binding: list[BindingRow] = field(default_factory=list)
     groups: list[GroupRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    solver_seconds: float = 0.0  # the search's wall time (not in plan.json, which stays byte-stable)
 
     def to_json(self) -> str:
         return json.dumps(to_jsonable(self), indent=1)
@@ -120,7 +121,8 @@ def build_report(plan: Plan, estimate: Estimate, pricer: PlanPricer, alternative
         alternatives=[AlternativeRow(a.plan.summary(), a.plan.predicted.step_time_s, a.plan.predicted.tokens_per_s,
                                      a.plan.predicted.peak_memory_bytes, a.reason) for a in alternatives],
         binding=[BindingRow(b.constraint, b.relaxing) for b in binding],
-        groups=process_groups(plan, estimate, pricer), notes=list(notes) + uncosted_notes(profile))
+        groups=process_groups(plan, estimate, pricer), notes=list(notes) + uncosted_notes(profile),
+        solver_seconds=plan.solver.seconds)
 
 
 def cluster_facts(cluster: ClusterSpec) -> ClusterFacts:

@@ -383,7 +383,7 @@ def test_pinned_model_too_big_names_a_bigger_gpu_that_really_fits(examples_dir, 
     them is named."""
     args = ["plan", str(examples_dir / "gpt.py"), "cluster=dgx_h100", "cluster.gpus_per_node=1", "model.layers=4",
             "model.hidden=10240", "model.heads=8", "model.seq_len=32", "model.vocab=128", "train.global_batch_size=8",
-            "plan.dp=1", "plan.tp=1", "plan.pp=1"]
+            "plan.dp=1", "plan.tp=1", "plan.pp=1", "plan.cp=1"]
     err = fails(capsys, args + ["--out", str(tmp_path / "plan.json")], "Nothing fits in memory on 1 × H100-SXM",
                 "under your pins (plan.dp=1", unwritten=outputs(tmp_path))
     gpu = _suggested(err, "cluster.gpu")
@@ -395,12 +395,12 @@ def test_pinned_model_too_big_names_a_bigger_gpu_that_really_fits(examples_dir, 
 
 # -- 8: the solver's time limit -----------------------------------------------------------------
 
-TIME_LIMITED = ["cluster=dgx_h100", "cluster.nodes=2", "model.layers=8", "model.hidden=256", "model.heads=8",
-                "model.seq_len=64", "model.vocab=512", "train.global_batch_size=64", "train.precision=fp32"]
+TIME_LIMITED = ["cluster=dgx_h100", "cluster.nodes=8", "model.layers=16", "model.hidden=1024", "model.heads=16",
+                "model.seq_len=512", "model.vocab=4096", "train.global_batch_size=512"]
 
 
 def test_time_limit_returns_a_plan_marked_not_optimal(examples_dir, tmp_path, capsys):
-    """A 1 ms limit on ~6,600 candidates: the search still returns the first plan it finds
+    """A 1 ms limit on ~5,700 candidates: the search still returns the first plan it finds
     (deterministically: it stops right after), marked FEASIBLE with its gap everywhere."""
     out, report = tmp_path / "plan.json", tmp_path / "report"
     code = main(["plan", str(examples_dir / "gpt.py"), *TIME_LIMITED, "solver.time_limit_s=0.001", "--out", str(out),

@@ -1,4 +1,4 @@
-"""Measurement for `autopar validate`: per-rank step times, compute vs communication, peak memory.
+"""Measurement for validation runs: per-rank step times, compute vs communication, peak memory.
 
 With ``--measure-dir DIR`` every rank times each step, runs one warm step under torch.profiler to
 split its time into communication (time inside collectives and point-to-point calls, which on a

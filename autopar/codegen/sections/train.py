@@ -94,7 +94,7 @@ class TrainConfig:
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         micro_batch_size, num_micro_batches: per data-parallel rank and step.
         dp_shares: samples per micro-batch of each data-parallel rank when uneven (else empty).
-        measure_dir: where each rank writes its measurements (`autopar validate`), or None.
+        measure_dir: where each rank writes its measurements (validation runs), or None.
         precision: "bf16" (used on GPUs; CPUs train in fp32) or "fp32".
         optimizer: AdamW settings (lr, betas, eps, weight_decay).
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
@@ -464,7 +464,7 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")
     parser.add_argument("--measure-dir", default=None,
                         help="after training, profile one step and track one step's memory; each rank writes "
-                             "rank_<r>.json here (autopar validate)")
+                             "rank_<r>.json here (for validating the plan)")
     parser.add_argument("--checkpoint-dir", default=defaults.get("checkpoint_dir"),
                         help="checkpoint folder (DIR/step_<n>/); resuming starts from its latest complete one")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.get("checkpoint_every", 0), metavar="N",

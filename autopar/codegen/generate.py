@@ -140,9 +140,6 @@ def check_context_parallel(plan: Plan, facts: ModelFacts) -> None:
         raise CodegenError(f"context parallelism shards gradients over data- x context-parallel ranks, which "
                            f"needs ZeRO-2 or 3 (the plan has ZeRO-{plan.zero_stage}).", "re-plan (the planner "
                            "pairs cp > 1 with ZeRO >= 2), or pin plan.zero_stage=2.")
-    if plan.pp > 1:
-        raise CodegenError("context parallelism with pipeline parallelism is not generated yet.",
-                           "plan with plan.pp=1 or plan.cp=1.")
 
 
 def module_split_problem(plan: Plan, facts: ModelFacts) -> str | None:

@@ -101,8 +101,6 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
                                            solver.max_pp)):
                 if world_size % (tp * cp * pp):
                     continue
-                if cp > 1 and pp > 1:
-                    continue  # context parallelism inside pipeline stages is not generated yet
                 dp = world_size // (tp * cp * pp)
                 if pins.dp is not None and pins.dp != dp or global_batch_size % dp:
                     continue

@@ -86,6 +86,8 @@ CASES = [
     Case("cp2_tp2_sp_ulysses", dict(cp=2, tp=2, sp=True, cp_strategy="ulysses", zero=2), models=("gpt",)),
     Case("cp2_tp2_ring", dict(cp=2, tp=2, cp_strategy="ring", zero=2)),
     Case("zero3_dp2_cp2_ring", dict(dp=2, cp=2, cp_strategy="ring", zero=3)),
+    Case("cp2_pp2_ring", dict(cp=2, pp=2, cp_strategy="ring", zero=2)),
+    Case("cp2_pp2_ulysses", dict(cp=2, pp=2, cp_strategy="ulysses", zero=2), models=("gpt",)),
     # Gradient synchronisation algorithms on 4 ranks as 2 "nodes" x 2 (flat ring is dp2/zero3_dp4).
     Case("dp4_hierarchical", dict(dp=4, dp_sync="hierarchical"), gpus_per_node=2),
     Case("zero1_dp4_hierarchical", dict(dp=4, zero=1, dp_sync="hierarchical"), gpus_per_node=2),

@@ -177,6 +177,8 @@ def context_parallel_attention(group: dist.ProcessGroup, strategy: str, seq_len:
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if attn_mask is not None and is_local_causal_mask(attn_mask, query.shape[2], key.shape[2]):
             attn_mask, is_causal = None, True  # a causal mask built for the local tokens means causal
+        if query.is_meta:  # a pipeline stage inferring shapes: local attention has the output's shape
+            return original(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if attn_mask is not None or dropout_p:
             raise ValueError("context parallelism supports causal or full attention without another mask "
                              "or dropout (call scaled_dot_product_attention with is_causal=True)")

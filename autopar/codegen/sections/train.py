@@ -209,6 +209,9 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     pp_mesh = mesh[MeshAxis.PP.value]
     indices = local_stage_indices(len(config.stages), dims.pp, pp_rank)
     example = make_batch(model_module, training.model_kwargs, training.micro_batch_size, training.seed)
+    if dims.cp_enabled:  # stages see this rank's share of each sequence
+        example = shard_sequence(example, tokens_per_sample(example), dims.cp, mesh[MeshAxis.CP.value].get_local_rank(),
+                                 config.position_argument, config.mask_argument)
     modules: list[nn.Module] = []
     if config.pipeline_split == "tracer":
         pipe = split_with_tracer(model, config.stages, model_module, example)

@@ -72,8 +72,12 @@ def sections(report: PlanReport) -> list[Section]:
         "idle time.", Image("time.png", "step time breakdown")]))
     result.append(mesh_section(report))
     result.append(stages_section(report))
+    simulated = plan_timeline(plan, estimate).step_time_s
     result.append(Section("Timeline of one step", [
         Image("timeline.png", "simulated timeline"),
+        f"Simulated step {_ms(simulated)} against the cost model's {_ms(predicted.step_time_s)} "
+        f"({simulated / predicted.step_time_s - 1:+.1%}): the simulation plays every op in order with each rank's "
+        "sends queued on its link; the planner's closed form paces the steady state by the slowest rank.",
         f"Simulated with the plan's per-stage times through the {plan.schedule} schedule; open timeline.json in "
         "Perfetto or chrome://tracing for the interactive view (one process per pipeline rank, standing for its "
         "DP × TP × CP ranks)."]))

@@ -341,15 +341,10 @@ def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 @contextlib.contextmanager
 def _one_forward_per_root(tracker: Any, model: nn.Module) -> Iterator[None]:
-    """MemTracker refuses a root module's second forward in one tracking (it takes it for a
-    second iteration); micro-batches are exactly that, so its per-module statistics (not the
-    peak, which is global) are reset before each. Registered before the tracker's own hooks."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    if not isinstance(tracker, MemTracker) or hasattr(tracker, "_root_mod"):  # FSDPMemTracker has no such check
-        yield
-        return
-
+    """MemTracker and FSDPMemTracker refuse a root module's second forward in one tracking (they
+    take it for a second iteration); micro-batches are exactly that, so their per-module
+    statistics (not the peak, which is global) are reset before each. A global hook registered
+    before the tracker's: it runs first."""
     def reset(module: nn.Module, args: tuple) -> None:
         if module is model and model in tracker.memory_tracking:
             tracker.reset_mod_stats()

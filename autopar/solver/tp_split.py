@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.solver.intra_op import IntraOpSolver
+from autopar.solver.intra_op import IntraOpSolver, parameter_derived
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import FLOP_BOUND_CLASSES, LayerCompute, compute_dtype, op_roofline_s, op_time_s
 from cost_models.hardware import GPUSpec
+from cost_models.memory import layer_activations
 from cost_models.step import TPLayerSplit
 from cost_models.topology import GroupPlacement
 
 if TYPE_CHECKING:
-    from autopar.profile import ModelProfile
+    from autopar.profile import ModelProfile, OpProfile
 
 _SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel"}
+_SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel"}  # saved outputs divide by t
+_PARTIAL_OUTPUT = {"rowwise", "vocab_parallel"}  # partial sums, reduced afterwards
 _COLLECTIVE_OF_EVENT = {"P->R": Collective.ALL_REDUCE, "S->R": Collective.ALL_GATHER,
                         "backward all-reduce": Collective.ALL_REDUCE}
 
@@ -50,6 +53,7 @@ class ILPSplitter:
         self.profile = profile
         self.time_limit_s = time_limit_s
         self.dtype = compute_dtype(profile.precision)
+        self.parameter_derived = parameter_derived(profile)
         self.solutions: dict[tuple[str, int], dict[str, str]] = {}
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
@@ -75,9 +79,15 @@ class ILPSplitter:
                                backward_launches=len(backward), forward_nongemm_launches=len(nongemm))
         comm = tuple((_COLLECTIVE_OF_EVENT[kind].value, float(nbytes)) for kind, _, nbytes in solution.comm_events
                      if kind in _COLLECTIVE_OF_EVENT)
-        saved_all = sum(op.saved_for_backward_bytes for op in forward)
-        saved_sharded = sum(op.saved_for_backward_bytes for op in forward if sharded(op))
-        params = self.profile.layer(layer_name).param_count
+        layer = self.profile.layer(layer_name)
+        by_name = {op.name: op for op in ops}
+        strategy = solution.op_strategy
+        colwise = {op.name for op in forward if strategy.get(op.name) == "colwise"}
+        acts = layer_activations(layer, forward,
+                                 sharded_outputs={op.name for op in forward if strategy.get(op.name) in _SHARDED_OUTPUT},
+                                 row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
+                                 tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
+        params = layer.param_count
         split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
                            if style.value != "replicate")
         return TPLayerSplit(
@@ -85,9 +95,23 @@ class ILPSplitter:
             replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in forward if not sharded(op)),
             replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in backward if not sharded(op)),
             comm=comm,
-            tp_sharded_activation_fraction=saved_sharded / saved_all if saved_all else 0.0,
+            tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
-            styles={module: style.value for module, style in solution.module_style.items()})
+            styles={module: style.value for module, style in solution.module_style.items()}, activations=acts)
+
+
+def _column_inputs(ops_by_name: dict[str, "OpProfile"], colwise: set[str], params: set[str]) -> set[str]:
+    """The ops (through views) whose outputs column-parallel GEMMs read as activations: under
+    sequence parallelism torch all-gathers them and autograd keeps the whole copy."""
+    producers = set()
+    for name in colwise:
+        for source in ops_by_name[name].inputs:
+            op = ops_by_name.get(source)
+            while op is not None and op.op_class == "view" and len(op.inputs) == 1:
+                source, op = op.inputs[0], ops_by_name.get(op.inputs[0])
+            if source not in params and source in ops_by_name:
+                producers.add(source)
+    return producers
 
 
 def _module_params(profile: "ModelProfile", module: str) -> int:

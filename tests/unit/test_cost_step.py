@@ -131,7 +131,9 @@ def test_sequence_and_context_parallelism_split_activations():
     train = TrainSpec(global_batch_size=2)
     tp = estimate(profile, spec(per_node=4), ParallelLayout(tp=4, micro_batch_size=2), train)
     sp = estimate(profile, spec(per_node=4), ParallelLayout(tp=4, sequence_parallel=True, micro_batch_size=2), train)
-    assert sp.memory_breakdown["activations"] < 0.7 * tp.memory_breakdown["activations"]
+    # A block keeps sbh(8 + 24/t) without SP and sbh(4 + 30/t) with torch's SP (the all-gathered
+    # GEMM inputs stay whole, see cost_models/memory.py): 11.5/14 at t = 4.
+    assert sp.memory_breakdown["activations"] < 0.85 * tp.memory_breakdown["activations"]
     assert sp.time_breakdown["tp_comm"] == pytest.approx(tp.time_breakdown["tp_comm"])  # RS + AG = AR
     cp = estimate(profile, spec(per_node=4), ParallelLayout(cp=4, micro_batch_size=2, cp_strategy="ring"), train)
     alone = estimate(profile, spec(per_node=1), ParallelLayout(micro_batch_size=2), train)

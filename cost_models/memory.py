@@ -7,6 +7,18 @@ gradients, ZeRO-3 everything: (2+2+K)Ψ, 2Ψ+2Ψ+KΨ/N_d, 2Ψ+(2+K)Ψ/N_d, (2+2+
 fp32 training keeps 4Ψ weights, 4Ψ gradients and K = 8 (momentum, variance); SGD with momentum
 has K = 4 (fp32: momentum) or 8 (mixed: fp32 master + momentum); plain SGD K = 0 / 4.
 
+The generated code keeps its states as FSDP2 does (`trained_model_states`), which measured on
+fake tensors differs from the paper's split (autopar.runtime.fake_memory): parameters and
+gradients stay fp32 whatever the compute precision (MixedPrecisionPolicy gathers a bf16 copy to
+compute with, reduce_dtype fp32), AdamW holds its two fp32 moments (K = 8); FSDP keeps
+parameters sharded between uses from ZeRO-2 on (ZeRO-2 does not free the gathered copy between
+forward and backward), ZeRO-1's ShardedAdamW also keeps an fp32 copy of the slice it updates.
+The gathered compute copy is held from a layer's forward to its backward: the whole stage for
+ZeRO-0..2 (FSDP all-gathers into a new buffer even on a shard group of one; without FSDP,
+autocast's bf16 copies of the weights are saved for backward), two layers for ZeRO-3. Per
+rank, mixed precision: ZeRO-0 18Ψ, ZeRO-1 10Ψ + 12Ψ/N_d, ZeRO-2 2Ψ + 16Ψ/N_d, ZeRO-3 16Ψ/N_d
+(+ two layers' copies), against the paper's 16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d and 16Ψ/N_d.
+
 Activations come from the profile: the bytes autograd saves for each layer's backward (on a GPU
 they matched CUDA's allocator to 0.01% for our GPT, benchmarks/measured/), scaled to the
 micro-batch and divided where the parallel split applies: tensors produced by tensor-parallel
@@ -52,15 +64,18 @@ KEPT_BY_SELECTIVE = ("gemm", "attention")
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of weights, gradients and optimizer states on one rank."""
+    """Bytes of weights, gradients and optimizer states on one rank; ``compute_copy_bytes``:
+    the parameters gathered in the compute precision, held from forward to backward (a buffer
+    in the reported breakdown, counted with the states where the partition adds up memory)."""
 
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
+    compute_copy_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.compute_copy_bytes
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
@@ -81,6 +96,35 @@ def model_states(params: float, precision: str, optimizer: str, zero_stage: int,
     return ModelStates(params_bytes=params * weights / (n if zero_stage >= 3 else 1),
                        grads_bytes=params * grads / (n if zero_stage >= 2 else 1),
                        optimizer_bytes=params * states / (n if zero_stage >= 1 else 1))
+
+
+def trained_model_states(params: float, precision: str, optimizer: str, zero_stage: int, shard_ranks: int,
+                         fsdp: bool = True) -> ModelStates:
+    """Model states of `params` parameters as the generated code keeps them (see the module
+    docstring): fp32 weights and gradients, fp32 optimizer state, sharded over `shard_ranks` by
+    FSDP from ZeRO-2 on (weights, gradients) and ZeRO-1 on (optimizer state, plus ZeRO-1's fp32
+    copy of the updated slice), and the compute-precision copy held from forward to backward.
+
+    Args:
+        fsdp: whether FSDP wraps the model (data or context parallelism with FSDP's gradient
+            reduction); without it, mixed precision's copy is autocast's bf16 weights.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero_stage}")
+    weights, grads, states = state_bytes_per_param("fp32", optimizer)
+    n = max(1, shard_ranks)
+    mixed = precision != "fp32"
+    if zero_stage == 3:
+        copy = 0.0  # two layers at a time: a buffer of the step (cost_models.step)
+    elif fsdp:
+        copy = params * (2 if mixed else 4)
+    else:
+        copy = params * 2 if mixed else 0.0
+    return ModelStates(params_bytes=params * weights / (n if zero_stage >= 2 else 1),
+                       grads_bytes=params * grads / (n if zero_stage >= 2 else 1),
+                       optimizer_bytes=params * (states + (weights if zero_stage == 1 and n > 1 else 0))
+                       / (n if zero_stage >= 1 else 1),
+                       compute_copy_bytes=copy)
 
 
 @dataclass(frozen=True)

@@ -169,55 +169,68 @@ def _measure_stages(generated: ModuleType, parallel: Any, batch: Any, training: 
     micro = generated.slice_batch(batch, 0, training.micro_batch_size)
     indices = generated.local_stage_indices(len(config.stages), config.dims.pp, pp_rank)
     received = _stage_inputs(generated, training, config, model_module, parallel.mesh, fake_mode, micro, indices)
-    _stage_step(generated, parallel, micro, received, config)  # warm-up: the optimizer state
-    tracker = _tracker(parallel.modules[0] if len(parallel.modules) == 1 else None, parallel.optimizer,
-                       propagation, extra_modules=parallel.modules)
-    with tracker:
-        activations, after_backward = _stage_step(generated, parallel, micro, received, config, tracker)
-    peak = _snapshot(tracker, "peak")
+    _stage_step(generated, parallel, micro, received, config, indices)  # warm-up: the optimizer state
+    trackers = _stage_step(generated, parallel, micro, received, config, indices, propagation)
+    activations = {index: t.activation_bytes for index, t in trackers.items()}
     in_flight = schedule_in_flight(parallel.schedule, pp_rank, indices)
-    held = max_in_flight_bytes(parallel.schedule, pp_rank, activations)
-    one = _by_category(peak)
-    states = _by_category(after_backward)
-    measured = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-                "activations": held, "buffers": one["buffers"]}
+    states = [_by_category(t.after_backward) for t in trackers.values()]
+    peaks = [_snapshot(t.tracker, "peak") for t in trackers.values()]
+    # Each stage module's tracker sees its own parameters and gradients, and the one optimizer.
+    measured = {"params": sum(s["params"] for s in states), "grads": sum(s["grads"] for s in states),
+                "optimizer": max(s["optimizer"] for s in states),
+                "activations": max_in_flight_bytes(parallel.schedule, pp_rank, activations),
+                "buffers": max(_by_category(peak)["buffers"] for peak in peaks)}
     measured["total"] = sum(measured[c] for c in CATEGORIES)
-    what = (f"pp rank {pp_rank}: one micro-batch of {training.micro_batch_size} through stage(s) {indices} forward "
-            f"and backward, then the optimizer step; params/grads/optimizer after that backward; activations = "
-            f"measured per-micro-batch activations {[activations[i] for i in indices]} x in-flight micro-batches "
-            f"{in_flight} of torch's schedule; buffers = the rest of the one-micro-batch peak; total = their sum")
-    return measured, {"tracker": peak, "untracked_bytes": _untracked_bytes(tracker), "in_flight": in_flight,
-                      "what_was_measured": what}
+    what = (f"pp rank {pp_rank}: one micro-batch of {training.micro_batch_size} through stage(s) {indices}, forward "
+            f"and backward (one tracker per stage module); params/grads/optimizer after that backward; activations = "
+            f"measured per-micro-batch activations {[activations[i] for i in indices]} bytes x in-flight "
+            f"micro-batches {in_flight} of torch's schedule at its worst step; buffers = the rest of the "
+            f"one-micro-batch peak (the optimizer step is not tracked); total = their sum")
+    return measured, {"tracker": _sum_snapshots(peaks), "in_flight": in_flight, "what_was_measured": what,
+                      "untracked_bytes": _untracked_bytes(*(t.tracker for t in trackers.values()))}
+
+
+@dataclass
+class _StageTracking:
+    """One stage module's tracker and what it saw of one micro-batch."""
+
+    tracker: Any
+    activation_bytes: int = 0
+    after_backward: dict[str, int] = field(default_factory=dict)
 
 
 def _stage_step(generated: ModuleType, parallel: Any, micro: Any, received: dict[int, torch.Tensor], config: Any,
-                tracker: Any = None) -> tuple[dict[int, int], dict[str, int]]:
-    """Forward and backward of one micro-batch through each local stage, then the optimizer.
-
-    Returns (activation bytes each stage's forward left for backward, tracker snapshot after
-    the last backward); empty without a tracker."""
+                indices: list[int], propagation: ShardingPropagation | None = None) -> dict[int, _StageTracking]:
+    """Forward and backward of one micro-batch through each local stage, then the optimizer;
+    with ``propagation``, each stage module under its own tracker (FSDPMemTracker takes one root)."""
     loss_context = generated.loss_parallel if config.loss_parallel else contextlib.nullcontext
     dtype = parallel.compute_dtype
     kwargs = generated.batch_to_kwargs(micro)
-    activations: dict[int, int] = {}
-    after_backward: dict[str, int] = {}
-    indices = generated.local_stage_indices(len(config.stages), config.dims.pp,
-                                            parallel.mesh["pp"].get_local_rank())
+    tracked: dict[int, _StageTracking] = {}
     for index, module in zip(indices, parallel.modules):
-        before = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
+        tracker = _tracker(module, parallel.optimizer, propagation) if propagation is not None else None
         inputs = () if index == 0 else (received[index].detach().requires_grad_(),)
-        with loss_context(), torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        with tracker or contextlib.nullcontext(), loss_context(), \
+                torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            before = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
             output = module(*inputs, **kwargs)
-            if tracker:
-                activations[index] = _snapshot(tracker, "current").get("Activation", 0) - before
+            after_forward = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
             output.backward(None if output.dim() == 0 else torch.ones_like(output))
+        if tracker is not None:
+            tracked[index] = _StageTracking(tracker, after_forward - before, _snapshot(tracker, "current"))
     if parallel.tied_sync is not None:
         parallel.tied_sync(parallel.modules)
-    if tracker:
-        after_backward = _snapshot(tracker, "current")
     parallel.optimizer.step()
     parallel.optimizer.zero_grad()
-    return activations, after_backward
+    return tracked
+
+
+def _sum_snapshots(snapshots: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for snapshot in snapshots:
+        for key, value in snapshot.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def _stage_inputs(generated: ModuleType, training: Any, config: Any, model_module: Any, mesh: Any, fake_mode: Any,
@@ -225,15 +238,18 @@ def _stage_inputs(generated: ModuleType, training: Any, config: Any, model_modul
     """Fake tensors shaped like what each local stage (but the first) receives: the input of its
     first layer in this rank's shard of the whole model (built and parallelised as for pp = 1,
     run forward once without autograd)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     wanted = {config.stages[i][0]: i for i in indices if i > 0}
     if not wanted:
         return {}
-    with torch.device("meta"):
-        model = generated.build_model(model_module, training.model_kwargs, training.seed)
     layers = [layer for stage in config.stages for layer in stage]
     plan = generated.tp_plan() if config.dims.tp_enabled else {}
     dtype = generated.compute_dtype(training.precision, torch.device("cpu"), as_gpu=True)
-    generated.parallelize(model, model, layers, mesh, config, plan, dtype)
+    with unset_fake_temporarily():  # built on meta like setup's model: device meshes need real tensors
+        with torch.device("meta"):
+            model = generated.build_model(model_module, training.model_kwargs, training.seed)
+        generated.parallelize(model, model, layers, mesh, config, plan, dtype)
     seen: dict[int, torch.Tensor] = {}
 
     def capture(name: str):
@@ -308,21 +324,20 @@ def _ignoring_propagation(tracker_class: type, propagation: ShardingPropagation)
     return Tracker
 
 
-def _tracker(model: nn.Module | None, optimizer: Any, propagation: ShardingPropagation,
-             extra_modules: list[nn.Module] = ()) -> Any:
-    """FSDPMemTracker for one FSDP-wrapped root, else MemTracker over the modules; the optimizer's
-    state (and, for ZeRO-1, the slice of parameters it updates, a copy it owns) as optimizer state."""
+def _tracker(model: nn.Module, optimizer: Any, propagation: ShardingPropagation) -> Any:
+    """FSDPMemTracker for an FSDP-wrapped root, else MemTracker; the optimizer's state (and, for
+    ZeRO-1, the slice of parameters it updates, a copy it owns) as optimizer state."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
     inner = _torch_optimizers(optimizer)
-    if model is not None and isinstance(model, FSDPModule) and len(inner) <= 1:
+    if isinstance(model, FSDPModule) and len(inner) <= 1:
         tracker = _ignoring_propagation(FSDPMemTracker, propagation)(model, inner[0] if inner else None)
     else:
         tracker = _ignoring_propagation(MemTracker, propagation)()
-        tracker.track_external(*(extra_modules or [model]), *inner)
-    parameters = {id(p) for m in (extra_modules or [model]) for p in m.parameters()}
+        tracker.track_external(model, *inner)
+    parameters = {id(p) for p in model.parameters()}
     owned = [p for o in inner for group in o.param_groups for p in group["params"] if id(p) not in parameters]
     for tensor in owned:
         tracker._update_and_maybe_create_winfos(tensor, tracker._ref_class.OPT)
@@ -377,11 +392,12 @@ def _by_category(snapshot: dict[str, int]) -> dict[str, int]:
     return result
 
 
-def _untracked_bytes(tracker: Any) -> int:
-    """Bytes of live fake tensors the tracker has no record of (made before it started and not
+def _untracked_bytes(*trackers: Any) -> int:
+    """Bytes of live fake tensors no tracker has a record of (made before it started and not
     registered): what a measurement would miss. Fake storages are only counted, never held."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    gc.collect()  # what only reference cycles keep (the stage-input probe's model) is not held
     seen: set[int] = set()
     missing = 0
     with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
@@ -392,7 +408,7 @@ def _untracked_bytes(tracker: Any) -> int:
         if id(storage) in seen or storage.nbytes() == 0:
             continue
         seen.add(id(storage))
-        if tracker._WINFO.get(storage, (None, None))[0] is None:
+        if all(tracker._WINFO.get(storage, (None, None))[0] is None for tracker in trackers):
             missing += storage.nbytes()
     return missing
 

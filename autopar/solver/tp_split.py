@@ -7,7 +7,8 @@ activations and parameters are sharded.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 from autopar.solver.intra_op import IntraOpSolver, parameter_derived
 from cost_models.collectives import Collective, collective_time_s
@@ -55,11 +56,14 @@ class ILPSplitter:
         self.dtype = compute_dtype(profile.precision)
         self.parameter_derived = parameter_derived(profile)
         self.solutions: dict[tuple[str, int], dict[str, str]] = {}
+        self._tied_readers = _tied_readers(profile)
+        self._styles: dict[tuple, dict[str, str]] = {}
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
         solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
         solution = solver.solve(layer_name)
         self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
+        self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]
         ops = [op for op in self.profile.ops if op.layer == layer_name]
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
         sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
@@ -90,6 +94,7 @@ class ILPSplitter:
         params = layer.param_count
         split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
                            if style.value != "replicate")
+        split_params += self._tied_split_params(layer, solution.module_style, tp, group, gpu)
         return TPLayerSplit(
             compute=compute,
             replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in forward if not sharded(op)),
@@ -98,6 +103,46 @@ class ILPSplitter:
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
             styles={module: style.value for module, style in solution.module_style.items()}, activations=acts)
+
+
+    def _tied_split_params(self, layer: Any, own_styles: dict, tp: int, group: GroupPlacement, gpu: GPUSpec) -> int:
+        """Parameters of ``layer`` its own solution replicates but a GEMM of another layer reads
+        and splits (a GPT head tied to the token embedding): the generated code shards a tied
+        weight as its linear user does (autopar.codegen.tp_plan.harmonise_tied)."""
+        count = 0
+        for name in layer.param_names:
+            module = name.rpartition(".")[0]
+            reader = self._tied_readers.get(name)
+            if reader is None or (module in own_styles and own_styles[module].value != "replicate"):
+                continue
+            other_layer, other_module = reader
+            key = (other_layer, tp, group, gpu.signature)
+            if key not in self._styles:
+                solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
+                self._styles[key] = {m: st.value for m, st in solver.solve(other_layer).module_style.items()}
+            if self._styles[key].get(other_module) in ("colwise", "rowwise"):
+                count += math.prod(self.profile.param_shapes.get(name, [0]))
+        return count
+
+
+def _tied_readers(profile: "ModelProfile") -> dict[str, tuple[str, str]]:
+    """Parameter FQN -> (layer, module) of a forward GEMM reading it from a layer that does not
+    own it: the tied parameters and their linear user."""
+    owner = {name: layer.name for layer in profile.layers for name in layer.param_names}
+    by_name = {op.name: op for op in profile.ops}
+    readers: dict[str, tuple[str, str]] = {}
+    for op in profile.ops:
+        if op.phase != "forward" or op.op_class != "gemm" or op.module is None:
+            continue
+        for source in op.inputs:
+            view = by_name.get(source)
+            while view is not None and view.op_class == "view" and len(view.inputs) == 1:
+                source, view = view.inputs[0], by_name.get(view.inputs[0])
+            role = profile.placeholders.get(source, "")
+            name = role[len("param:"):] if role.startswith("param:") else None
+            if name is not None and owner.get(name) not in (None, op.layer):
+                readers.setdefault(name, (op.layer, op.module))
+    return readers
 
 
 def _column_inputs(ops_by_name: dict[str, "OpProfile"], colwise: set[str], params: set[str]) -> set[str]:

@@ -1,10 +1,12 @@
-"""Memory: the ZeRO paper's model states, and Megatron's per-layer activation formulas (no
-parallelism, TP, TP+SP, recomputation) against what memory.py computes from a traced GPT."""
+"""Memory: the ZeRO paper's model states and the generated code's (FSDP2), and Megatron's
+per-layer activation formulas (no parallelism, TP, TP+SP, recomputation) against what memory.py
+computes from a traced GPT."""
 from __future__ import annotations
 
 import pytest
 
-from cost_models.memory import activation_bytes, megatron_layer_activation_bytes, model_states, state_bytes_per_param
+from cost_models.memory import (activation_bytes, megatron_layer_activation_bytes, model_states, state_bytes_per_param,
+                                trained_model_states)
 from cost_models.tp_sharding import PropagationSplitter
 from tests.unit.test_cost_profiles import A, B, H, S, SBH_BYTES, gpt
 
@@ -19,6 +21,26 @@ def test_zero_paper_model_states(stage, expected_gb):
     """ZeRO paper §3 worked example: Ψ = 7.5B, N_d = 64, mixed-precision Adam (K = 12)."""
     states = model_states(7.5e9, "bf16", "adam", stage, 64)
     assert states.total_bytes / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+@pytest.mark.parametrize("stage,per_param", [(0, lambda n: 18), (1, lambda n: 10 + 12 / n), (2, lambda n: 2 + 16 / n),
+                                              (3, lambda n: 16 / n)])
+def test_generated_code_states_are_fsdp2s(stage, per_param):
+    """What the generated code keeps per parameter and rank under mixed precision, as fake_memory
+    measured it (FSDPMemTracker): fp32 parameters and gradients, AdamW's fp32 moments, ZeRO-1's
+    fp32 slice copy, and the bf16 copy FSDP gathers for ZeRO-0..2 (ZeRO-3's two layers are a
+    buffer of the step): the paper's 16Ψ total only for ZeRO-3."""
+    states = trained_model_states(1e9, "bf16", "adam", stage, 8)
+    assert states.total_bytes == pytest.approx(1e9 * per_param(8))
+    assert states.params_bytes == 1e9 * 4 / (8 if stage >= 2 else 1)  # fp32 master weights
+
+
+def test_generated_code_states_without_fsdp_and_in_fp32():
+    """No FSDP (one data-parallel rank): autocast's bf16 weight copies are saved for backward
+    (2Ψ), fp32 needs none; FSDP in fp32 still gathers a copy (measured: 4Ψ on a group of one)."""
+    assert trained_model_states(1e9, "bf16", "adam", 0, 1, fsdp=False).total_bytes == 18e9
+    assert trained_model_states(1e9, "fp32", "adam", 0, 1, fsdp=False).total_bytes == 16e9
+    assert trained_model_states(1e9, "fp32", "adam", 0, 8).total_bytes == 20e9
 
 
 def test_bytes_per_parameter_by_precision_and_optimizer():

@@ -111,8 +111,21 @@ def report_of(result: Any) -> Any:
 def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     """Price a saved plan again from its provenance (model file, its settings, the cluster) and
     build its report; runners-up are not part of a plan file, so the report has none."""
-    from autopar.report.document import build_report, layout_of_plan, replication_notes
-    from autopar.solver.tp_split import ILPSplitter, replicated_ops
+    from autopar.report.document import build_report, replication_notes
+    from autopar.solver.tp_split import replicated_ops
+
+    pricer, estimate = price_saved_plan(plan, model_path)
+    return build_report(plan, estimate, pricer,
+                        notes=["Rebuilt from plan.json alone: the runners-up and binding limits are recorded only "
+                               "when the report is written by `autopar compile` or `autopar plan --report`."]
+                        + replication_notes(replicated_ops(pricer.tp_splitter, plan.tp), plan.tp))
+
+
+def price_saved_plan(plan: Any, model_path: str | Path | None = None) -> tuple[PlanPricer, Estimate]:
+    """The pricer and estimate of a saved plan, priced again from its provenance (the model file,
+    its settings, the cluster): what the report shows and what a measurement is compared with."""
+    from autopar.report.document import layout_of_plan
+    from autopar.solver.tp_split import ILPSplitter
     from cost_models.topology import ClusterConfig
 
     made_for = plan.provenance
@@ -135,13 +148,9 @@ def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     splitter = ILPSplitter(profile)
     pricer = PlanPricer(profile, cluster, train, splitter)
     try:
-        estimate = pricer.estimate(layout_of_plan(plan))
+        return pricer, pricer.estimate(layout_of_plan(plan))
     except ValueError as err:
         raise ConfigError(f"The plan cannot be priced on its cluster: {err}.", "plan again.") from None
-    return build_report(plan, estimate, pricer,
-                        notes=["Rebuilt from plan.json alone: the runners-up and binding limits are recorded only "
-                               "when the report is written by `autopar compile` or `autopar plan --report`."]
-                        + replication_notes(replicated_ops(splitter, plan.tp), plan.tp))
 
 
 def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):

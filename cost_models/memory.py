@@ -7,6 +7,18 @@ gradients, ZeRO-3 everything: (2+2+K)Ψ, 2Ψ+2Ψ+KΨ/N_d, 2Ψ+(2+K)Ψ/N_d, (2+2+
 fp32 training keeps 4Ψ weights, 4Ψ gradients and K = 8 (momentum, variance); SGD with momentum
 has K = 4 (fp32: momentum) or 8 (mixed: fp32 master + momentum); plain SGD K = 0 / 4.
 
+The generated code keeps its states as FSDP2 does (`trained_model_states`), which measured on
+fake tensors differs from the paper's split (autopar.runtime.fake_memory): parameters and
+gradients stay fp32 whatever the compute precision (MixedPrecisionPolicy gathers a bf16 copy to
+compute with, reduce_dtype fp32), AdamW holds its two fp32 moments (K = 8); FSDP keeps
+parameters sharded between uses from ZeRO-2 on (ZeRO-2 does not free the gathered copy between
+forward and backward), ZeRO-1's ShardedAdamW also keeps an fp32 copy of the slice it updates.
+The gathered compute copy is held from a layer's forward to its backward: the whole stage for
+ZeRO-0..2 (FSDP all-gathers into a new buffer even on a shard group of one; without FSDP,
+autocast's bf16 copies of the weights are saved for backward), two layers for ZeRO-3. Per
+rank, mixed precision: ZeRO-0 18Ψ, ZeRO-1 10Ψ + 12Ψ/N_d, ZeRO-2 2Ψ + 16Ψ/N_d, ZeRO-3 16Ψ/N_d
+(+ two layers' copies), against the paper's 16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d and 16Ψ/N_d.
+
 Activations come from the profile: the bytes autograd saves for each layer's backward (on a GPU
 they matched CUDA's allocator to 0.01% for our GPT, benchmarks/measured/), scaled to the
 micro-batch and divided where the parallel split applies: tensors produced by tensor-parallel
@@ -16,13 +28,23 @@ Korthikanti et al. 2022, Table 2: sbh(10 + 24/t + 5as/(ht)) with TP and sbh(34 +
 TP+SP (the 5as/h score term is absent with fused/flash attention, and the two sbh dropout masks
 without dropout: our GPT saves 32·sbh in 16-bit units).
 
+One difference from Megatron under sequence parallelism: Megatron keeps the sequence-sharded
+input of its column-parallel GEMMs and all-gathers it again in backward; torch's (DTensor)
+sequence parallelism, which the generated code uses, lets autograd keep the all-gathered input,
+whole on every TP rank. Those tensors (the norms' outputs feeding QKV and the MLP's first GEMM:
+4sbh of a GPT block) are `saved_full_bytes`, never divided by t: TP+SP keeps sbh(4 + 30/t).
+Measured with fake tensors and PyTorch's MemTracker (autopar.runtime.fake_memory).
+
 Recomputation (`LayerActivations`):
   none       everything autograd saves;
   selective  what the generated code's checkpoint policy keeps (autopar/codegen recompute
              section, torch selective checkpointing): the layer input plus every GEMM and
              attention output, recomputing the element-wise ops, norms and the like. With an
              unfused attention this also drops the a·s² score/softmax tensors (Megatron's
-             selective recomputation); with flash attention those are never stored;
+             selective recomputation); with flash attention those are never stored. The policy
+             also keeps collective outputs: a row-parallel GEMM's partial sums (whole) and their
+             reduced copy, and under sequence parallelism the all-gathered GEMM inputs (whole):
+             a GPT block keeps sbh(8 + 22/t) under TP+SP (fake_memory measured 19sbh at t = 2);
   full       only the layer input (Korthikanti et al.: 2sbh per layer).
 """
 from __future__ import annotations
@@ -42,15 +64,18 @@ KEPT_BY_SELECTIVE = ("gemm", "attention")
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of weights, gradients and optimizer states on one rank."""
+    """Bytes of weights, gradients and optimizer states on one rank; ``compute_copy_bytes``:
+    the parameters gathered in the compute precision, held from forward to backward (a buffer
+    in the reported breakdown, counted with the states where the partition adds up memory)."""
 
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
+    compute_copy_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.compute_copy_bytes
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
@@ -73,6 +98,35 @@ def model_states(params: float, precision: str, optimizer: str, zero_stage: int,
                        optimizer_bytes=params * states / (n if zero_stage >= 1 else 1))
 
 
+def trained_model_states(params: float, precision: str, optimizer: str, zero_stage: int, shard_ranks: int,
+                         fsdp: bool = True) -> ModelStates:
+    """Model states of `params` parameters as the generated code keeps them (see the module
+    docstring): fp32 weights and gradients, fp32 optimizer state, sharded over `shard_ranks` by
+    FSDP from ZeRO-2 on (weights, gradients) and ZeRO-1 on (optimizer state, plus ZeRO-1's fp32
+    copy of the updated slice), and the compute-precision copy held from forward to backward.
+
+    Args:
+        fsdp: whether FSDP wraps the model (data or context parallelism with FSDP's gradient
+            reduction); without it, mixed precision's copy is autocast's bf16 weights.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero_stage}")
+    weights, grads, states = state_bytes_per_param("fp32", optimizer)
+    n = max(1, shard_ranks)
+    mixed = precision != "fp32"
+    if zero_stage == 3:
+        copy = 0.0  # two layers at a time: a buffer of the step (cost_models.step)
+    elif fsdp:
+        copy = params * (2 if mixed else 4)
+    else:
+        copy = params * 2 if mixed else 0.0
+    return ModelStates(params_bytes=params * weights / (n if zero_stage >= 2 else 1),
+                       grads_bytes=params * grads / (n if zero_stage >= 2 else 1),
+                       optimizer_bytes=params * (states + (weights if zero_stage == 1 and n > 1 else 0))
+                       / (n if zero_stage >= 1 else 1),
+                       compute_copy_bytes=copy)
+
+
 @dataclass(frozen=True)
 class LayerActivations:
     """Bytes one micro-batch keeps for a layer at the profiled micro-batch size, split by what
@@ -83,6 +137,12 @@ class LayerActivations:
         saved_replicated_bytes: the other saved tensors (÷ t only under sequence parallelism).
         selective_sharded_bytes, selective_replicated_bytes: the same under selective recompute.
         input_bytes: the layer input, all that full recomputation keeps (replicated).
+        saved_full_bytes: saved tensors every TP rank holds whole even under sequence
+            parallelism: the inputs of column-parallel GEMMs (all-gathered under SP).
+        selective_full_bytes: kept whole under selective recompute with TP: row-parallel GEMMs'
+            partial sums.
+        selective_gathered_bytes: kept whole under selective recompute with TP+SP: the
+            all-gathered inputs of column-parallel GEMMs (collective outputs).
     """
 
     saved_sharded_bytes: float
@@ -90,14 +150,18 @@ class LayerActivations:
     selective_sharded_bytes: float
     selective_replicated_bytes: float
     input_bytes: float
+    saved_full_bytes: float = 0.0
+    selective_full_bytes: float = 0.0
+    selective_gathered_bytes: float = 0.0
 
     @property
     def saved_bytes(self) -> float:
-        return self.saved_sharded_bytes + self.saved_replicated_bytes
+        return self.saved_sharded_bytes + self.saved_replicated_bytes + self.saved_full_bytes
 
 
 def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: set[str] = frozenset(),
-                      row_parallel: set[str] = frozenset(), tp: int = 1) -> LayerActivations:
+                      row_parallel: set[str] = frozenset(), tp: int = 1,
+                      gathered: set[str] = frozenset()) -> LayerActivations:
     """Account a layer's activations from its forward ops.
 
     Args:
@@ -107,26 +171,37 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: s
         row_parallel: names of row-parallel GEMMs: under TP they keep their partial output and
             the all-reduced copy (the checkpoint policy saves collective outputs too).
         tp: the TP degree (row-parallel doubling applies only when tp > 1).
+        gathered: names of ops whose (replicated) output a column-parallel GEMM reads: under
+            sequence parallelism that input is all-gathered and kept whole.
     """
     ops = list(forward_ops)
     total = float(layer.activation_bytes)
-    sharded = float(sum(op.saved_for_backward_bytes for op in ops if op.name in sharded_outputs))
-    sharded = min(sharded, total)
-    kept_sharded = kept_replicated = 0.0
+    sharded = min(float(sum(op.saved_for_backward_bytes for op in ops if op.name in sharded_outputs)), total)
+    full = float(sum(op.saved_for_backward_bytes for op in ops if op.name in gathered and op.name not in sharded_outputs))
+    full = min(full, total - sharded) if tp > 1 else 0.0
+    kept_sharded = kept_replicated = kept_full = kept_gathered = 0.0
     for op in ops:
+        if tp > 1 and op.name in gathered and op.name not in sharded_outputs:
+            kept_gathered += op.output_bytes
         if op.op_class not in KEPT_BY_SELECTIVE:
             continue
         if op.name in sharded_outputs:
             kept_sharded += op.output_bytes
+        elif tp > 1 and op.name in row_parallel:
+            kept_full += op.output_bytes  # the partial sums, whole on every rank
+            kept_replicated += op.output_bytes  # the reduced copy (reduce-scattered under SP)
         else:
-            kept_replicated += op.output_bytes * (2 if tp > 1 and op.name in row_parallel else 1)
+            kept_replicated += op.output_bytes
     kept_replicated += layer.input_bytes if total else 0.0
-    kept = kept_sharded + kept_replicated
-    if kept > total > 0:  # never more than keeping everything
-        kept_sharded, kept_replicated = kept_sharded * total / kept, kept_replicated * total / kept
-    return LayerActivations(saved_sharded_bytes=sharded, saved_replicated_bytes=total - sharded,
+    kept = kept_sharded + kept_replicated + kept_full + kept_gathered
+    if tp == 1 and kept > total > 0:  # never more than keeping everything (TP adds collective outputs)
+        shrink = total / kept
+        kept_sharded, kept_replicated, kept_full, kept_gathered = (
+            kept_sharded * shrink, kept_replicated * shrink, kept_full * shrink, kept_gathered * shrink)
+    return LayerActivations(saved_sharded_bytes=sharded, saved_replicated_bytes=total - sharded - full,
                             selective_sharded_bytes=kept_sharded, selective_replicated_bytes=kept_replicated,
-                            input_bytes=float(layer.input_bytes) if total else 0.0)
+                            input_bytes=float(layer.input_bytes) if total else 0.0, saved_full_bytes=full,
+                            selective_full_bytes=kept_full, selective_gathered_bytes=kept_gathered)
 
 
 def activations_from_fraction(layer: Any, base: LayerActivations, sharded_fraction: float) -> LayerActivations:
@@ -150,11 +225,18 @@ def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_par
         recompute: "none", "selective" or "full".
     """
     replicated_divisor = tp if sequence_parallel else 1
-    saved = acts.saved_sharded_bytes / tp + acts.saved_replicated_bytes / replicated_divisor
+    saved = acts.saved_sharded_bytes / tp + acts.saved_replicated_bytes / replicated_divisor + acts.saved_full_bytes
     if recompute == "full":  # a layer that saves less than its input is better left alone
         kept = min(saved, acts.input_bytes / replicated_divisor)
     elif recompute == "selective":
-        kept = min(saved, acts.selective_sharded_bytes / tp + acts.selective_replicated_bytes / replicated_divisor)
+        # What the checkpoint policy saves, even where that is more than the layer saves without
+        # recomputation (under TP+SP it keeps whole collective outputs: sbh(8 + 22/t) against
+        # sbh(4 + 30/t) for a GPT block, more from t = 2 on): the generated code wraps the layer anyway.
+        gathered = acts.selective_gathered_bytes if sequence_parallel and tp > 1 else 0.0
+        kept = (acts.selective_sharded_bytes / tp + acts.selective_replicated_bytes / replicated_divisor
+                + acts.selective_full_bytes + gathered)
+        if tp == 1:
+            kept = min(saved, kept)
     elif recompute == "none":
         kept = saved
     else:

@@ -38,7 +38,7 @@ from cost_models.compute import ComputeModel, LayerCompute
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.layout import ParallelLayout, TrainSpec, validate_layout, validate_train
 from cost_models.memory import (RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, activations_from_fraction,
-                                layer_activations, model_states, state_bytes_per_param)
+                                layer_activations, state_bytes_per_param, trained_model_states)
 from cost_models.pipeline import Partition, PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.topology import ClusterSpec, GroupPlacement
 from cost_models.tp_sharding import PropagationSplitter, TPLayerSplit, TPSplitter
@@ -513,7 +513,7 @@ class PlanPricer:
     def _zero_key_static(self, layout: Any) -> tuple:
         if self._grad_size(layout) == 1:
             return (0, 1)
-        return (layout.zero_stage, self._shard_size(layout))
+        return (layout.zero_stage, self._shard_size(layout), self._uses_fsdp(layout))
 
     def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
@@ -700,9 +700,17 @@ class PlanPricer:
 
     def _states(self, layer: Any, split: TPLayerSplit, layout: Any):
         grad_size = self._grad_size(layout)
-        return model_states(self._tp_params(layer, split, layout), self.train.precision, self.train.optimizer,
-                            layout.zero_stage if grad_size > 1 else 0,
-                            self._shard_size(layout) if grad_size > 1 else 1)
+        return trained_model_states(self._tp_params(layer, split, layout), self.train.precision,
+                                    self.train.optimizer, layout.zero_stage if grad_size > 1 else 0,
+                                    self._shard_size(layout) if grad_size > 1 else 1, fsdp=self._uses_fsdp(layout))
+
+    def _uses_fsdp(self, layout: Any) -> bool:
+        """Whether the generated code wraps the model in FSDP: gradients averaged over ranks by
+        FSDP's reduction, not the hierarchical / parameter-server exchange (ZeRO-0/1 only)."""
+        if self._grad_size(layout) == 1:
+            return False
+        return layout.zero_stage >= 2 or layout.cp > 1 or \
+            self.dp_sync_cost(layout, 1.0).algorithm not in POST_BACKWARD_SYNC
 
     def _send_s(self, layer: Any, layout: Any, scale: float) -> float:
         """Activation to the next stage forward and its gradient back (Narayanan et al. 2021:
@@ -717,16 +725,19 @@ class PlanPricer:
         return int(sum(self._buffers(layout, scale, gpu).values()))
 
     def _buffers(self, layout: Any, scale: float, gpu: GPUSpec) -> dict[str, float]:
-        """Memory besides model states and stored activations."""
+        """Memory besides model states and stored activations (the gathered compute copy of
+        ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
         largest = self._largest_params / layout.tp
         buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
         if layout.zero_stage == 3 and self._grad_size(layout) > 1:
             # This layer's and the prefetched next layer's gathered parameters (FSDP's default).
             buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
-        if self._grad_size(layout) > 1:
-            # Two reduction buffers in flight, each at most a bucket and at most the largest
-            # layer's gradients (FSDP reduces one layer group at a time).
-            buffers["dp_buckets"] = 2 * min(DP_BUCKET_BYTES, largest * self.grads_bytes)
+        if self._uses_fsdp(layout):
+            # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).
+            buffers["gradient_reduce"] = largest * 4
+        elif self._grad_size(layout) > 1:
+            # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
+            buffers["dp_buckets"] = 2 * self.dp_bucket_bytes(layout)
         # A layer's full activations while its backward (or its recomputation) runs.
         buffers["working_set"] = self._largest_activation * scale / layout.tp / layout.cp
         return buffers
@@ -834,18 +845,20 @@ class PlanPricer:
 
     def _memory_breakdown(self, layout, problem, partition, device, stages) -> dict[str, int]:
         reference = self._device_facts(layout)[0]
-        states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+        states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "compute_copy": 0.0}
         for l in self._device_layers(layout, stages, device):
             layer = self.layers[l]
             s = self._states(layer, self.split(layer.name, layout, reference), layout)
             states["params"] += s.params_bytes
             states["grads"] += s.grads_bytes
             states["optimizer"] += s.optimizer_bytes
+            states["compute_copy"] += s.compute_copy_bytes
         activations = sum(problem.in_flight[device] * problem.activation_bytes[l][partition.options[l]]
                           for l in self._device_layers(layout, stages, device))
         memory = min(g.memory_bytes for g in self.pp_rank_gpus(layout)[device])
+        copy = states.pop("compute_copy")
         return {**{k: int(v) for k, v in states.items()}, "activations": int(activations),
-                "buffers": int(problem.overhead_bytes[device]),
+                "buffers": int(problem.overhead_bytes[device] + copy),
                 "headroom": int(memory * self.cluster.memory_headroom_fraction),
                 "capacity": int(problem.capacity_bytes[device])}
 

@@ -90,6 +90,8 @@ class TPSharding:
         comm: layer -> [(collective, bytes, phase)] at the profiled micro-batch.
         param_styles: parameter FQN -> style of the split.
         styles: module FQN -> style.
+        column_inputs: forward ops whose outputs column-parallel GEMMs read (all-gathered and
+            kept whole under sequence parallelism).
     """
 
     tp: int
@@ -99,6 +101,7 @@ class TPSharding:
     comm: dict[str, list[tuple[str, float, str]]] = field(default_factory=dict)
     param_styles: dict[str, str] = field(default_factory=dict)
     styles: dict[str, str] = field(default_factory=dict)
+    column_inputs: set[str] = field(default_factory=set)
 
 
 def propagate(profile: "ModelProfile", tp: int) -> TPSharding:
@@ -195,6 +198,7 @@ class _Propagation:
             handler(op)
         for layer, nbytes in self._col_inputs.values():  # Megatron's f: the input's gradient, summed
             self.result.comm.setdefault(layer, []).append((ALL_REDUCE, nbytes, "backward"))
+        self.result.column_inputs = set(self._col_inputs)
         self._backward(forward)
         return self.result
 
@@ -443,7 +447,7 @@ class PropagationSplitter:
         comm = run.comm.get(layer_name, [])
         ordered = [(c, b) for c, b, phase in comm if phase == "forward"] + \
                   [(c, b) for c, b, phase in comm if phase == "backward"]
-        acts = layer_activations(layer, forward, run.sharded_outputs, run.row_parallel, tp)
+        acts = layer_activations(layer, forward, run.sharded_outputs, run.row_parallel, tp, run.column_inputs)
         params = {name: math.prod(self.profile.param_shapes.get(name, [0])) for name in layer.param_names}
         split_params = sum(count for name, count in params.items() if name in run.param_styles)
         modules = {op.module for op in forward}

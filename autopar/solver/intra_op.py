@@ -143,7 +143,7 @@ class IntraOpSolver:
         self.tp = tp
         self.time_limit_s = time_limit_s
         self.seed = seed
-        self._params = _parameter_derived(profile)
+        self._params = parameter_derived(profile)
         self._external = {op.name: op for op in profile.ops if op.phase == "forward"}
 
     def solve(self, layer: str) -> IntraOpSolution:
@@ -343,7 +343,7 @@ class IntraOpSolver:
                                status=solver.status_name(status))
 
 
-def _parameter_derived(profile: "ModelProfile") -> set[str]:
+def parameter_derived(profile: "ModelProfile") -> set[str]:
     """Graph inputs, and forward ops computed from them alone without creating activations
     (weight transposes and casts, position ids, masks, rotary tables): they are sharded with
     their parameter or are cheap constants, never resharded as activations."""

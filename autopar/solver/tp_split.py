@@ -7,19 +7,23 @@ activations and parameters are sharded.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
-from autopar.solver.intra_op import IntraOpSolver
+from autopar.solver.intra_op import IntraOpSolver, parameter_derived
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import FLOP_BOUND_CLASSES, LayerCompute, compute_dtype, op_roofline_s, op_time_s
 from cost_models.hardware import GPUSpec
+from cost_models.memory import layer_activations
 from cost_models.step import TPLayerSplit
 from cost_models.topology import GroupPlacement
 
 if TYPE_CHECKING:
-    from autopar.profile import ModelProfile
+    from autopar.profile import ModelProfile, OpProfile
 
 _SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel"}
+_SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel"}  # saved outputs divide by t
+_PARTIAL_OUTPUT = {"rowwise", "vocab_parallel"}  # partial sums, reduced afterwards
 _COLLECTIVE_OF_EVENT = {"P->R": Collective.ALL_REDUCE, "S->R": Collective.ALL_GATHER,
                         "backward all-reduce": Collective.ALL_REDUCE}
 
@@ -50,15 +54,19 @@ class ILPSplitter:
         self.profile = profile
         self.time_limit_s = time_limit_s
         self.dtype = compute_dtype(profile.precision)
+        self.parameter_derived = parameter_derived(profile)
         self.solutions: dict[tuple[str, int], dict[str, str]] = {}
         # (layer, tp) -> (op target, module) of ops no split strategy covers, run replicated
         self.replicated: dict[tuple[str, int], list[tuple[str, str]]] = {}
+        self._tied_readers = _tied_readers(profile)
+        self._styles: dict[tuple, dict[str, str]] = {}
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
         solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
         solution = solver.solve(layer_name)
         self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
         self.replicated[(layer_name, tp)] = solution.replicated_ops
+        self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]
         ops = [op for op in self.profile.ops if op.layer == layer_name]
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
         sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
@@ -78,19 +86,80 @@ class ILPSplitter:
                                backward_launches=len(backward), forward_nongemm_launches=len(nongemm))
         comm = tuple((_COLLECTIVE_OF_EVENT[kind].value, float(nbytes)) for kind, _, nbytes in solution.comm_events
                      if kind in _COLLECTIVE_OF_EVENT)
-        saved_all = sum(op.saved_for_backward_bytes for op in forward)
-        saved_sharded = sum(op.saved_for_backward_bytes for op in forward if sharded(op))
-        params = self.profile.layer(layer_name).param_count
+        layer = self.profile.layer(layer_name)
+        by_name = {op.name: op for op in ops}
+        strategy = solution.op_strategy
+        colwise = {op.name for op in forward if strategy.get(op.name) == "colwise"}
+        acts = layer_activations(layer, forward,
+                                 sharded_outputs={op.name for op in forward if strategy.get(op.name) in _SHARDED_OUTPUT},
+                                 row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
+                                 tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
+        params = layer.param_count
         split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
                            if style.value != "replicate")
+        split_params += self._tied_split_params(layer, solution.module_style, tp, group, gpu)
         return TPLayerSplit(
             compute=compute,
             replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in forward if not sharded(op)),
             replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in backward if not sharded(op)),
             comm=comm,
-            tp_sharded_activation_fraction=saved_sharded / saved_all if saved_all else 0.0,
+            tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
-            styles={module: style.value for module, style in solution.module_style.items()})
+            styles={module: style.value for module, style in solution.module_style.items()}, activations=acts)
+
+
+    def _tied_split_params(self, layer: Any, own_styles: dict, tp: int, group: GroupPlacement, gpu: GPUSpec) -> int:
+        """Parameters of ``layer`` its own solution replicates but a GEMM of another layer reads
+        and splits (a GPT head tied to the token embedding): the generated code shards a tied
+        weight as its linear user does (autopar.codegen.tp_plan.harmonise_tied)."""
+        count = 0
+        for name in layer.param_names:
+            module = name.rpartition(".")[0]
+            reader = self._tied_readers.get(name)
+            if reader is None or (module in own_styles and own_styles[module].value != "replicate"):
+                continue
+            other_layer, other_module = reader
+            key = (other_layer, tp, group, gpu.signature)
+            if key not in self._styles:
+                solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
+                self._styles[key] = {m: st.value for m, st in solver.solve(other_layer).module_style.items()}
+            if self._styles[key].get(other_module) in ("colwise", "rowwise"):
+                count += math.prod(self.profile.param_shapes.get(name, [0]))
+        return count
+
+
+def _tied_readers(profile: "ModelProfile") -> dict[str, tuple[str, str]]:
+    """Parameter FQN -> (layer, module) of a forward GEMM reading it from a layer that does not
+    own it: the tied parameters and their linear user."""
+    owner = {name: layer.name for layer in profile.layers for name in layer.param_names}
+    by_name = {op.name: op for op in profile.ops}
+    readers: dict[str, tuple[str, str]] = {}
+    for op in profile.ops:
+        if op.phase != "forward" or op.op_class != "gemm" or op.module is None:
+            continue
+        for source in op.inputs:
+            view = by_name.get(source)
+            while view is not None and view.op_class == "view" and len(view.inputs) == 1:
+                source, view = view.inputs[0], by_name.get(view.inputs[0])
+            role = profile.placeholders.get(source, "")
+            name = role[len("param:"):] if role.startswith("param:") else None
+            if name is not None and owner.get(name) not in (None, op.layer):
+                readers.setdefault(name, (op.layer, op.module))
+    return readers
+
+
+def _column_inputs(ops_by_name: dict[str, "OpProfile"], colwise: set[str], params: set[str]) -> set[str]:
+    """The ops (through views) whose outputs column-parallel GEMMs read as activations: under
+    sequence parallelism torch all-gathers them and autograd keeps the whole copy."""
+    producers = set()
+    for name in colwise:
+        for source in ops_by_name[name].inputs:
+            op = ops_by_name.get(source)
+            while op is not None and op.op_class == "view" and len(op.inputs) == 1:
+                source, op = op.inputs[0], ops_by_name.get(op.inputs[0])
+            if source not in params and source in ops_by_name:
+                producers.add(source)
+    return producers
 
 
 def replicated_ops(splitter: ILPSplitter, tp: int) -> dict[str, list[str]]:

@@ -1,10 +1,12 @@
-"""Memory: the ZeRO paper's model states, and Megatron's per-layer activation formulas (no
-parallelism, TP, TP+SP, recomputation) against what memory.py computes from a traced GPT."""
+"""Memory: the ZeRO paper's model states and the generated code's (FSDP2), and Megatron's
+per-layer activation formulas (no parallelism, TP, TP+SP, recomputation) against what memory.py
+computes from a traced GPT."""
 from __future__ import annotations
 
 import pytest
 
-from cost_models.memory import activation_bytes, megatron_layer_activation_bytes, model_states, state_bytes_per_param
+from cost_models.memory import (activation_bytes, megatron_layer_activation_bytes, model_states, state_bytes_per_param,
+                                trained_model_states)
 from cost_models.tp_sharding import PropagationSplitter
 from tests.unit.test_cost_profiles import A, B, H, S, SBH_BYTES, gpt
 
@@ -19,6 +21,26 @@ def test_zero_paper_model_states(stage, expected_gb):
     """ZeRO paper §3 worked example: Ψ = 7.5B, N_d = 64, mixed-precision Adam (K = 12)."""
     states = model_states(7.5e9, "bf16", "adam", stage, 64)
     assert states.total_bytes / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+@pytest.mark.parametrize("stage,per_param", [(0, lambda n: 18), (1, lambda n: 10 + 12 / n), (2, lambda n: 2 + 16 / n),
+                                              (3, lambda n: 16 / n)])
+def test_generated_code_states_are_fsdp2s(stage, per_param):
+    """What the generated code keeps per parameter and rank under mixed precision, as fake_memory
+    measured it (FSDPMemTracker): fp32 parameters and gradients, AdamW's fp32 moments, ZeRO-1's
+    fp32 slice copy, and the bf16 copy FSDP gathers for ZeRO-0..2 (ZeRO-3's two layers are a
+    buffer of the step): the paper's 16Ψ total only for ZeRO-3."""
+    states = trained_model_states(1e9, "bf16", "adam", stage, 8)
+    assert states.total_bytes == pytest.approx(1e9 * per_param(8))
+    assert states.params_bytes == 1e9 * 4 / (8 if stage >= 2 else 1)  # fp32 master weights
+
+
+def test_generated_code_states_without_fsdp_and_in_fp32():
+    """No FSDP (one data-parallel rank): autocast's bf16 weight copies are saved for backward
+    (2Ψ), fp32 needs none; FSDP in fp32 still gathers a copy (measured: 4Ψ on a group of one)."""
+    assert trained_model_states(1e9, "bf16", "adam", 0, 1, fsdp=False).total_bytes == 18e9
+    assert trained_model_states(1e9, "fp32", "adam", 0, 1, fsdp=False).total_bytes == 16e9
+    assert trained_model_states(1e9, "fp32", "adam", 0, 8).total_bytes == 20e9
 
 
 def test_bytes_per_parameter_by_precision_and_optimizer():
@@ -48,8 +70,13 @@ def block(tp: int):
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
 def test_block_activation_matches_megatron_formula(tp, sp):
     """Megatron's sbh(34 + 5as/h), sbh(10 + 24/t + ...) and sbh(34 + ...)/t with flash attention
-    (no 5as/h term) and without dropout (no 2 masks): our GPT's block, within 2%."""
+    (no 5as/h term) and without dropout (no 2 masks): our GPT's block, within 2%. Under sequence
+    parallelism torch keeps the all-gathered inputs of the QKV and first MLP GEMMs whole (2sbh
+    each, where Megatron keeps 2sbh/t and gathers again in backward): 4sbh(1 - 1/t) more, as
+    measured on the generated code's tensors (autopar.runtime.fake_memory)."""
     expected = megatron_layer_activation_bytes(S, B, H, A, t=tp, sequence_parallel=sp, flash=True, dropout=False)
+    if sp:
+        expected += 4 * SBH_BYTES * (1 - 1 / tp)
     assert activation_bytes(block(tp), 1.0, tp, sp, 1, "none") == pytest.approx(expected, rel=0.02)
 
 
@@ -67,6 +94,22 @@ def test_selective_keeps_the_input_and_every_gemm_and_attention_output():
     assert activation_bytes(block(1), 1.0, 1, False, 1, "selective") == pytest.approx(22 * SBH_BYTES + lse)
     assert activation_bytes(block(2), 1.0, 2, False, 1, "selective") == \
         pytest.approx((16 * SBH_BYTES + lse) / 2 + (2 + 2 * 2 + 2 * 2) * SBH_BYTES)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_selective_under_sequence_parallelism_keeps_whole_collective_outputs(tp):
+    """TP+SP, selective: the checkpoint policy keeps collective outputs, so the two all-gathered
+    GEMM inputs (2sbh each) and the two row-parallel partial sums (2sbh each) stay whole; the
+    column-parallel outputs (16sbh + log-sum-exp), the layer input and the reduce-scattered
+    copies (2sbh each) divide by t: sbh(8 + 22/t). fake_memory measured 19sbh for a GPT block at
+    t = 2 (GPT-3 175B sizes)."""
+    lse = B * A * S * 4
+    norm_stats = 2 * 2 * B * S * 4  # the two norms' fp32 mean and rstd, kept whole with their output here
+    expected = (16 * SBH_BYTES + lse + 6 * SBH_BYTES) / tp + 8 * SBH_BYTES
+    selective = activation_bytes(block(tp), 1.0, tp, True, 1, "selective")
+    assert selective == pytest.approx(expected + norm_stats, rel=0.01)
+    # ... which is no less than keeping everything sbh(4 + 30/t): the planner must not pick it.
+    assert selective >= activation_bytes(block(tp), 1.0, tp, True, 1, "none")
 
 
 def test_activations_scale_with_micro_batch_and_divide_by_cp():

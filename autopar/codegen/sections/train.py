@@ -147,11 +147,13 @@ class ParallelModel:
     schedule: Any = None
     tied_sync: TiedGradientSync | None = None
     step_hooks: list[Callable[[], None]] = field(default_factory=list)
+    compute_dtype: torch.dtype | None = None  # see `compute_dtype`
 
 
-def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 on GPUs when the plan says so; CPUs compute in fp32."""
-    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
+def compute_dtype(precision: str, device: torch.device, as_gpu: bool = False) -> torch.dtype | None:
+    """bf16 on GPUs when the plan says so; CPUs compute in fp32 (unless standing in for a GPU:
+    a fake-tensor rank measuring a GPU plan's memory)."""
+    return torch.bfloat16 if precision == "bf16" and (device.type == "cuda" or as_gpu) else None
 
 
 def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: DeviceMesh, config: ParallelConfig,
@@ -187,13 +189,21 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
 
 
 def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
-          model_module: Any, device: torch.device) -> ParallelModel:
-    """Build the unsharded model from the seed, cut it, parallelise it, and make its optimizer."""
+          model_module: Any, device: torch.device, fake_mode: Any = None) -> ParallelModel:
+    """Build the unsharded model from the seed, cut it, parallelise it, and make its optimizer.
+
+    ``fake_mode`` (a FakeTensorMode; None for training) measures one rank of a plan without its
+    memory: the model is built on the meta device, parallelised there (the mesh stays real), and
+    this rank's shards and optimizer are made as fake tensors; it computes in the plan's
+    precision as on a GPU. Train steps must then run under ``fake_mode`` too.
+    """
     dims = config.dims
     dims.check_world_size(dist.get_world_size())
     mesh = build_mesh(dims, device.type)
-    model = build_model(model_module, training.model_kwargs, training.seed)
-    param_dtype = compute_dtype(training.precision, device)
+    with torch.device("meta") if fake_mode is not None else contextlib.nullcontext():
+        model = build_model(model_module, training.model_kwargs, training.seed)
+    param_dtype = compute_dtype(training.precision, device, as_gpu=fake_mode is not None)
+    materialised = fake_mode if fake_mode is not None else contextlib.nullcontext()
     plan = tp_plan() if dims.tp_enabled else {}
     zero1 = mesh[MeshAxis.DP_REPLICATE.value].get_group() if config.zero_stage == 1 else None
     # Parallelised on the CPU copy: TP and FSDP move each shard to the device as they make it,
@@ -201,9 +211,10 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     if not dims.pp_enabled:
         layers = [layer for stage in config.stages for layer in stage]
         parallelize(model, model, layers, mesh, config, plan, param_dtype)
-        model.to(device)
-        optimizer = make_optimizer(list(model.parameters()), training, config, mesh, zero1)
-        return ParallelModel([model], optimizer, mesh, device, is_last_stage=True)
+        with materialised:
+            place(model, device)
+            optimizer = make_optimizer(list(model.parameters()), training, config, mesh, zero1)
+        return ParallelModel([model], optimizer, mesh, device, is_last_stage=True, compute_dtype=param_dtype)
 
     pp_rank = mesh[MeshAxis.PP.value].get_local_rank()
     pp_mesh = mesh[MeshAxis.PP.value]
@@ -214,6 +225,8 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
                                  config.position_argument, config.mask_argument)
     modules: list[nn.Module] = []
     if config.pipeline_split == "tracer":
+        if fake_mode is not None:
+            raise ValueError("a traced pipeline split cannot be built on fake tensors (it exports the model)")
         pipe = split_with_tracer(model, config.stages, model_module, example)
         pipeline_stages = []
         for index in indices:
@@ -227,17 +240,29 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         for index in indices:
             stage = split_stage(model, config.stages, index, model_module, example, device)
             parallelize(stage.model, stage, config.stages[index], mesh, config, plan, param_dtype)
-            stage.to(device)
+            with materialised:
+                place(stage, device)
             stage.attach_input()
             modules.append(stage)
         pipeline_stages = module_stages(modules, indices, len(config.stages), pp_mesh, device)
     del model  # each stage holds its own layers now
     schedule = build_pipeline(pipeline_stages, config.schedule, training.num_micro_batches)
     parameters = list({id(p): p for module in modules for p in module.parameters()}.values())
-    optimizer = make_optimizer(parameters, training, config, mesh, zero1)
+    with materialised:
+        optimizer = make_optimizer(parameters, training, config, mesh, zero1)
     return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
-                         tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp))
+                         tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp),
+                         compute_dtype=param_dtype)
+
+
+def place(module: nn.Module, device: torch.device) -> None:
+    """Move a parallelised module to ``device``; one built on the meta device gets storage
+    there instead (fake tensors when a FakeTensorMode is active: see `setup`)."""
+    if any(p.is_meta for p in module.parameters()):
+        module.to_empty(device=device)
+    else:
+        module.to(device)
 
 
 def make_optimizer(parameters: list[nn.Parameter], training: TrainConfig, config: ParallelConfig, mesh: DeviceMesh,
@@ -286,7 +311,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
     Returns the mean micro-batch loss on ranks of the last pipeline stage, else None.
     """
     loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
-    dtype = compute_dtype(training.precision, parallel.device)
+    dtype = parallel.compute_dtype
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
     if parallel.schedule is not None:
         with loss_context(), autocast:

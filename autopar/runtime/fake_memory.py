@@ -1,0 +1,516 @@
+"""One rank of a compiled plan on fake tensors: its memory as PyTorch tracks it, next to the
+cost model's prediction for that rank. No GPU and no cluster needed.
+
+    python -m autopar.runtime.fake_memory out/llama70b              # rank 0, prints JSON
+    python -m autopar.runtime.fake_memory out/llama70b --rank 300
+
+How: torch's ``fake`` process-group backend stands in for the other N-1 ranks (collectives
+return at once); the generated module's ``setup(..., fake_mode=...)`` builds the model on the
+meta device, shards it with the real mesh (DTensor, FSDP2) and gives this rank's shards fake
+storage (FakeTensorMode: shapes and dtypes, no bytes), so a 70B model on 512 GPUs is measured
+in a few GB of host memory. PyTorch's MemTracker (FSDPMemTracker for an FSDP-wrapped model)
+then attributes every tensor of a training step to parameters, gradients, optimizer state,
+activations or temporaries. It runs on the CPU, computing in the plan's precision as the GPU
+would (bf16 parameters gathered by FSDP, autocast).
+
+What is measured:
+  pp = 1  the generated ``train_step`` (every micro-batch, backward, optimizer step), after one
+          warm-up step that creates the optimizer state, as on every step but the first;
+          the peak is the tracker's, its breakdown the categories at that moment.
+  pp > 1  a pipeline schedule cannot run on fake data (its stages first agree on shapes and on
+          a static/dynamic vote by exchanging values), so each stage module of this rank runs
+          one micro-batch forward and backward, then the optimizer steps. Parameters, gradients
+          and optimizer state are measured after that backward; activations are the bytes the
+          forward left for backward (measured per stage module) summed over the micro-batches
+          torch's own schedule keeps in flight on this rank (its ``pipeline_order``); buffers
+          are the rest of the one-micro-batch peak. The stage's input, received from the
+          previous stage in a real run, is a fake tensor shaped like the activation this
+          rank's shard of the whole model passes there.
+
+The prediction is ``stage_details[pp_rank]["memory_breakdown"]`` of the plan priced again from
+plan.json (`autopar.driver.price_saved_plan`). The CUDA context it includes holds no tensors
+(nothing to measure on fake tensors) and is left out of both totals.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.runtime.generated import command_line, import_generated
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+# MemTracker's and FSDPMemTracker's reference types -> the cost model's categories; every other
+# type (FSDP's gathered parameters and their all-gather / reduce-scatter buffers, unsharded
+# gradients, backward temporaries, inputs, module buffers) is a buffer in the cost model's sense.
+CATEGORY_OF = {"Parameter": "params", "Sharded Param": "params", "Gradient": "grads", "Sharded Grad": "grads",
+               "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations"}
+FORWARD_ACTIONS = ("F",)
+BACKWARD_ACTIONS = ("B", "I")  # full backward, or backward-input (frees the stage's activations)
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds, by the cost model's categories.
+
+    Attributes:
+        rank, pp_rank: the global rank and its pipeline coordinate.
+        measured: per category at the measured peak (see the module docstring for pp > 1), and
+            "total".
+        predicted: the cost model's per category for that pipeline rank, and "total" (CUDA
+            context excluded).
+        error_pct: (predicted - measured) / measured x 100 per category and for the total.
+        what_was_measured: how the measured numbers were obtained, in words.
+        tracker: the tracker's own categories at its peak (bytes), unmapped.
+        untracked_bytes: live fake tensors the tracker never saw (set up before it started and
+            not owned by the model or optimizer); 0 when everything was accounted.
+        cuda_context_bytes: what the prediction adds for the CUDA context (not compared).
+        in_flight: micro-batches in flight per local stage at the schedule's worst step (pp > 1).
+    """
+
+    plan: str
+    world_size: int
+    rank: int
+    pp_rank: int
+    measured: dict[str, int]
+    predicted: dict[str, int]
+    error_pct: dict[str, float | None]
+    what_was_measured: str
+    tracker: dict[str, int] = field(default_factory=dict)
+    untracked_bytes: int = 0
+    cuda_context_bytes: int = 0
+    in_flight: list[int] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank ``rank`` of ``world_size``, the others faked (torch's ``fake`` backend)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], dict[str, Any]]:
+    """Rank ``rank`` of the compiled folder's plan, measured on fake tensors.
+
+    Returns:
+        (bytes per category and "total", details: pp_rank, in_flight, tracker, untracked_bytes,
+        what_was_measured).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    out_dir = Path(out_dir)
+    plan = json.loads((out_dir / "plan.json").read_text())
+    world_size = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"]
+    with fake_world(rank, world_size):
+        generated = import_generated(next(out_dir.glob("parallel_*.py")), f"fake_memory_{out_dir.name}")
+        training = generated.train_config(generated.PLAN, command_line(generated))
+        config = generated.parallel_config(generated.PLAN)
+        model_module = generated.load_model_file(training.model_file)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        device = torch.device("cpu")
+        parallel = generated.setup(training, config, generated.tp_plan, model_module, device, fake_mode=fake_mode)
+        pp_rank = parallel.mesh["pp"].get_local_rank() if config.dims.pp_enabled else 0
+        with ShardingPropagation().active() as propagation, fake_mode, \
+                generated.attention_context(parallel, config, training, model_module):
+            batch = generated.local_batch(training, config, model_module, 0, parallel.mesh, device)
+            if parallel.schedule is None:
+                measured, details = _measure_step(generated, parallel, batch, training, config, model_module,
+                                                  propagation)
+            else:
+                measured, details = _measure_stages(generated, parallel, batch, training, config, model_module,
+                                                    fake_mode, pp_rank, propagation)
+    return measured, {"pp_rank": pp_rank, **details}
+
+
+def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any,
+                  model_module: Any, propagation: ShardingPropagation) -> tuple[dict[str, int], dict[str, Any]]:
+    """The generated train_step, tracked after a warm-up step (pp = 1)."""
+    generated.train_step(parallel, batch, training, config, model_module)  # optimizer state exists after it
+    model = parallel.modules[0]
+    tracker = _tracker(model, parallel.optimizer, propagation)
+    with _one_forward_per_root(tracker, model), tracker:
+        generated.train_step(parallel, batch, training, config, model_module)
+    peak = _snapshot(tracker, "peak")
+    measured = _by_category(peak)
+    what = (f"train_step measured: {training.num_micro_batches} micro-batch(es) of {training.micro_batch_size}, "
+            "backward, optimizer step; breakdown at the tracker's peak")
+    return measured, {"tracker": peak, "untracked_bytes": _untracked_bytes(tracker), "in_flight": [],
+                      "what_was_measured": what}
+
+
+def _measure_stages(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any, model_module: Any,
+                    fake_mode: Any, pp_rank: int, propagation: ShardingPropagation
+                    ) -> tuple[dict[str, int], dict[str, Any]]:
+    """One micro-batch through each local stage module, its activations scaled by the
+    schedule's in-flight micro-batches (pp > 1; see the module docstring)."""
+    micro = generated.slice_batch(batch, 0, training.micro_batch_size)
+    indices = generated.local_stage_indices(len(config.stages), config.dims.pp, pp_rank)
+    received = _stage_inputs(generated, training, config, model_module, parallel.mesh, fake_mode, micro, indices)
+    _stage_step(generated, parallel, micro, received, config, indices)  # warm-up: the optimizer state
+    trackers = _stage_step(generated, parallel, micro, received, config, indices, propagation)
+    activations = {index: t.activation_bytes for index, t in trackers.items()}
+    in_flight = schedule_in_flight(parallel.schedule, pp_rank, indices)
+    states = [_by_category(t.after_backward) for t in trackers.values()]
+    peaks = [_snapshot(t.tracker, "peak") for t in trackers.values()]
+    # Each stage module's tracker sees its own parameters and gradients, and the one optimizer.
+    measured = {"params": sum(s["params"] for s in states), "grads": sum(s["grads"] for s in states),
+                "optimizer": max(s["optimizer"] for s in states),
+                "activations": max_in_flight_bytes(parallel.schedule, pp_rank, activations),
+                "buffers": max(_by_category(peak)["buffers"] for peak in peaks)}
+    measured["total"] = sum(measured[c] for c in CATEGORIES)
+    what = (f"pp rank {pp_rank}: one micro-batch of {training.micro_batch_size} through stage(s) {indices}, forward "
+            f"and backward (one tracker per stage module); params/grads/optimizer after that backward; activations = "
+            f"measured per-micro-batch activations {[activations[i] for i in indices]} bytes x in-flight "
+            f"micro-batches {in_flight} of torch's schedule at its worst step; buffers = the rest of the "
+            f"one-micro-batch peak (the optimizer step is not tracked); total = their sum")
+    return measured, {"tracker": _sum_snapshots(peaks), "in_flight": in_flight, "what_was_measured": what,
+                      "untracked_bytes": _untracked_bytes(*(t.tracker for t in trackers.values()))}
+
+
+@dataclass
+class _StageTracking:
+    """One stage module's tracker and what it saw of one micro-batch."""
+
+    tracker: Any
+    activation_bytes: int = 0
+    after_backward: dict[str, int] = field(default_factory=dict)
+
+
+def _stage_step(generated: ModuleType, parallel: Any, micro: Any, received: dict[int, torch.Tensor], config: Any,
+                indices: list[int], propagation: ShardingPropagation | None = None) -> dict[int, _StageTracking]:
+    """Forward and backward of one micro-batch through each local stage, then the optimizer;
+    with ``propagation``, each stage module under its own tracker (FSDPMemTracker takes one root)."""
+    loss_context = generated.loss_parallel if config.loss_parallel else contextlib.nullcontext
+    dtype = parallel.compute_dtype
+    kwargs = generated.batch_to_kwargs(micro)
+    tracked: dict[int, _StageTracking] = {}
+    for index, module in zip(indices, parallel.modules):
+        tracker = _tracker(module, parallel.optimizer, propagation) if propagation is not None else None
+        inputs = () if index == 0 else (received[index].detach().requires_grad_(),)
+        with tracker or contextlib.nullcontext(), loss_context(), \
+                torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            before = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
+            output = module(*inputs, **kwargs)
+            after_forward = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
+            output.backward(None if output.dim() == 0 else torch.ones_like(output))
+        if tracker is not None:
+            tracked[index] = _StageTracking(tracker, after_forward - before, _snapshot(tracker, "current"))
+    if parallel.tied_sync is not None:
+        parallel.tied_sync(parallel.modules)
+    parallel.optimizer.step()
+    parallel.optimizer.zero_grad()
+    return tracked
+
+
+def _sum_snapshots(snapshots: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for snapshot in snapshots:
+        for key, value in snapshot.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def _stage_inputs(generated: ModuleType, training: Any, config: Any, model_module: Any, mesh: Any, fake_mode: Any,
+                  micro: Any, indices: list[int]) -> dict[int, torch.Tensor]:
+    """Fake tensors shaped like what each local stage (but the first) receives: the input of its
+    first layer in this rank's shard of the whole model (built and parallelised as for pp = 1,
+    run forward once without autograd)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    wanted = {config.stages[i][0]: i for i in indices if i > 0}
+    if not wanted:
+        return {}
+    layers = [layer for stage in config.stages for layer in stage]
+    plan = generated.tp_plan() if config.dims.tp_enabled else {}
+    dtype = generated.compute_dtype(training.precision, torch.device("cpu"), as_gpu=True)
+    with unset_fake_temporarily():  # built on meta like setup's model: device meshes need real tensors
+        with torch.device("meta"):
+            model = generated.build_model(model_module, training.model_kwargs, training.seed)
+        generated.parallelize(model, model, layers, mesh, config, plan, dtype)
+    seen: dict[int, torch.Tensor] = {}
+
+    def capture(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            value = args[0] if args else next(iter(kwargs.values()))
+            local = value.to_local() if hasattr(value, "to_local") else value
+            seen[wanted[name]] = torch.zeros_like(local.detach())
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(capture(name), with_kwargs=True, prepend=True)
+               for name in wanted]
+    loss_context = generated.loss_parallel if config.loss_parallel else contextlib.nullcontext
+    with fake_mode:
+        generated.place(model, torch.device("cpu"))
+        args, kwargs = generated.model_inputs(model, micro)
+        with torch.no_grad(), loss_context(), torch.autocast("cpu", dtype=dtype or torch.float32,
+                                                             enabled=dtype is not None):
+            model(*args, **kwargs)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+# -- the tracker --------------------------------------------------------------------------------
+
+class ShardingPropagation:
+    """Whether DTensor is working out an op's output shape right now.
+
+    DTensor learns an op's global output shape by running it on global-shape fake tensors under
+    the active fake mode (``ShardingPropagator._propagate_tensor_meta_non_cached``, and under a
+    fake mode it never uses its cache). On a real rank that mode is a private one the trackers
+    ignore; here it is ours, so the trackers would count those global-shape tensors (tp times
+    a shard, a whole unsharded parameter in the optimizer step) as this rank's memory. torch
+    enters ``ShardingPropagator._fake_mode_lock`` around exactly that computation; while
+    `active` this stands in for it and counts."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self) -> "ShardingPropagation":
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.depth -= 1
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["ShardingPropagation"]:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        if not hasattr(ShardingPropagator, "_fake_mode_lock"):
+            raise RuntimeError("this torch has no ShardingPropagator._fake_mode_lock: DTensor's shape propagation "
+                               "cannot be told apart from this rank's tensors")
+        previous = ShardingPropagator._fake_mode_lock
+        ShardingPropagator._fake_mode_lock = self
+        try:
+            yield self
+        finally:
+            ShardingPropagator._fake_mode_lock = previous
+
+
+def _ignoring_propagation(tracker_class: type, propagation: ShardingPropagation) -> type:
+    """``tracker_class`` that lets DTensor's shape propagation run untracked."""
+
+    class Tracker(tracker_class):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+            if propagation.depth:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    Tracker.__name__ = tracker_class.__name__
+    return Tracker
+
+
+def _tracker(model: nn.Module, optimizer: Any, propagation: ShardingPropagation) -> Any:
+    """FSDPMemTracker for an FSDP-wrapped root, else MemTracker; the optimizer's state (and, for
+    ZeRO-1, the slice of parameters it updates, a copy it owns) as optimizer state."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = _torch_optimizers(optimizer)
+    if isinstance(model, FSDPModule) and len(inner) <= 1:
+        tracker = _ignoring_propagation(FSDPMemTracker, propagation)(model, inner[0] if inner else None)
+    else:
+        tracker = _ignoring_propagation(MemTracker, propagation)()
+        tracker.track_external(model, *inner)
+    parameters = {id(p) for p in model.parameters()}
+    owned = [p for o in inner for group in o.param_groups for p in group["params"] if id(p) not in parameters]
+    for tensor in owned:
+        tracker._update_and_maybe_create_winfos(tensor, tracker._ref_class.OPT)
+    return tracker
+
+
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind the generated one (ZeRO-1's and the gradient exchanges'
+    wrappers hold theirs as an attribute)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return [value for value in vars(optimizer).values() if isinstance(value, torch.optim.Optimizer)]
+
+
+@contextlib.contextmanager
+def _one_forward_per_root(tracker: Any, model: nn.Module) -> Iterator[None]:
+    """MemTracker and FSDPMemTracker refuse a root module's second forward in one tracking (they
+    take it for a second iteration); micro-batches are exactly that, so their per-module
+    statistics (not the peak, which is global) are reset before each. A global hook registered
+    before the tracker's: it runs first."""
+    def reset(module: nn.Module, args: tuple) -> None:
+        if module is model and model in tracker.memory_tracking:
+            tracker.reset_mod_stats()
+
+    handle = nn.modules.module.register_module_forward_pre_hook(reset)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _snapshot(tracker: Any, which: str) -> dict[str, int]:
+    """The tracker's CPU snapshot as {category name: bytes} (one device: this rank's)."""
+    snapshot = tracker.get_tracker_snapshot(which)
+    merged: dict[str, int] = {}
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            name = getattr(key, "value", key)
+            merged[name] = merged.get(name, 0) + int(value)
+    return merged
+
+
+def _by_category(snapshot: dict[str, int]) -> dict[str, int]:
+    """A tracker snapshot in the cost model's categories, with their total."""
+    result = dict.fromkeys(CATEGORIES, 0)
+    for name, value in snapshot.items():
+        if name != "Total":
+            result[CATEGORY_OF.get(name, "buffers")] += value
+    result["total"] = sum(result[c] for c in CATEGORIES)
+    return result
+
+
+def _untracked_bytes(*trackers: Any) -> int:
+    """Bytes of live fake tensors no tracker has a record of (made before it started and not
+    registered): what a measurement would miss. Fake storages are only counted, never held."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()  # what only reference cycles keep (the stage-input probe's model) is not held
+    seen: set[int] = set()
+    missing = 0
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, FakeTensor)]
+    for obj in objects:
+        storage = obj.untyped_storage()
+        if id(storage) in seen or storage.nbytes() == 0:
+            continue
+        seen.add(id(storage))
+        if all(tracker._WINFO.get(storage, (None, None))[0] is None for tracker in trackers):
+            missing += storage.nbytes()
+    return missing
+
+
+# -- the schedule -------------------------------------------------------------------------------
+
+def _stage_actions(schedule: Any, pp_rank: int) -> list[tuple[str, int, int]]:
+    """(computation, stage, micro-batch) of this rank's compute actions, in torch's order."""
+    actions = []
+    for action in schedule.pipeline_order.get(pp_rank, []):
+        if action is None:
+            continue
+        kind = getattr(action.computation_type, "value", str(action.computation_type))
+        actions.append((str(kind), action.stage_index, action.microbatch_index))
+    return actions
+
+
+def max_in_flight_bytes(schedule: Any, pp_rank: int, per_stage_bytes: dict[int, int]) -> int:
+    """Most activation bytes this rank holds at once when torch's schedule plays its actions:
+    each forward adds its stage's per-micro-batch bytes, each backward frees them."""
+    held = peak = 0
+    for kind, stage, _ in _stage_actions(schedule, pp_rank):
+        if kind in FORWARD_ACTIONS:
+            held += per_stage_bytes.get(stage, 0)
+            peak = max(peak, held)
+        elif kind in BACKWARD_ACTIONS:
+            held -= per_stage_bytes.get(stage, 0)
+    return peak
+
+
+def schedule_in_flight(schedule: Any, pp_rank: int, indices: list[int]) -> list[int]:
+    """Micro-batches of each local stage in flight at the step where the most are."""
+    counts = dict.fromkeys(indices, 0)
+    best = dict(counts)
+    for kind, stage, _ in _stage_actions(schedule, pp_rank):
+        counts[stage] = counts.get(stage, 0) + (1 if kind in FORWARD_ACTIONS else -1 if kind in BACKWARD_ACTIONS else 0)
+        if sum(counts.values()) > sum(best.values()):
+            best = dict(counts)
+    return [best.get(i, 0) for i in indices]
+
+
+# -- the prediction and the comparison ----------------------------------------------------------
+
+def pipeline_rank(plan: Any, rank: int) -> int:
+    """The pipeline coordinate of ``rank`` (mesh axes innermost first: rank = sum coord x stride)."""
+    stride = 1
+    for axis in plan.mesh_order:
+        if axis == "pp":
+            return (rank // stride) % plan.pp
+        stride *= plan.degree(axis)
+    return 0
+
+
+def predict_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], int]:
+    """The cost model's bytes per category for ``rank``'s pipeline rank, priced again from the
+    folder's plan.json and model file; "total" leaves out the CUDA context, returned apart."""
+    from autopar.driver import price_saved_plan
+    from autopar.plan import Plan
+    from cost_models.step import CUDA_CONTEXT_BYTES
+
+    out_dir = Path(out_dir)
+    plan = Plan.load(out_dir / "plan.json")
+    _, estimate = price_saved_plan(plan, out_dir / Path(plan.provenance.model_path).name)
+    details = estimate.stage_details[pipeline_rank(plan, rank)]
+    breakdown = details["memory_breakdown"]
+    context = CUDA_CONTEXT_BYTES if any(gpu != "cpu" for gpu in details["gpu"]) else 0
+    predicted = {c: int(breakdown[c]) for c in CATEGORIES}
+    predicted["buffers"] -= context
+    predicted["total"] = sum(predicted[c] for c in CATEGORIES)
+    return predicted, context
+
+
+def error_pct(measured: dict[str, int], predicted: dict[str, int]) -> dict[str, float | None]:
+    """(predicted - measured) / measured x 100 per key: how far the prediction is off what the
+    rank holds (None where nothing was measured)."""
+    return {key: (round(100 * (predicted[key] - measured[key]) / measured[key], 1) if measured[key] else None)
+            for key in (*CATEGORIES, "total")}
+
+
+def check_rank(out_dir: str | Path, rank: int = 0) -> RankMemory:
+    """Measure ``rank`` of a compiled folder on fake tensors and compare with its prediction."""
+    out_dir = Path(out_dir)
+    measured, details = measure_rank(out_dir, rank)
+    predicted, context = predict_rank(out_dir, rank)
+    plan = json.loads((out_dir / "plan.json").read_text())
+    return RankMemory(plan=out_dir.name, world_size=plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"], rank=rank,
+                      pp_rank=details["pp_rank"], measured=measured, predicted=predicted,
+                      error_pct=error_pct(measured, predicted), what_was_measured=details["what_was_measured"],
+                      tracker=details["tracker"], untracked_bytes=details["untracked_bytes"],
+                      cuda_context_bytes=context, in_flight=details["in_flight"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autopar.runtime.fake_memory",
+                                     description="Measure one rank of a compiled plan on fake tensors (no GPU) and "
+                                                 "compare with the cost model's prediction; prints JSON.")
+    parser.add_argument("out_dir", help="a folder written by `autopar compile`")
+    parser.add_argument("--rank", type=int, default=0, help="the global rank to measure (default 0)")
+    args = parser.parse_args(argv)
+    print(check_rank(args.out_dir, args.rank).to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -140,7 +140,7 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
             batch = generated.local_batch(training, config, model_module, 0, parallel.mesh, device)
             if parallel.schedule is None:
                 measured, details = _measure_step(generated, parallel, batch, training, config, model_module,
-                                                  propagation)
+                                                  fake_mode, propagation)
             else:
                 measured, details = _measure_stages(generated, parallel, batch, training, config, model_module,
                                                     fake_mode, pp_rank, propagation)
@@ -148,7 +148,8 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
 
 
 def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any,
-                  model_module: Any, propagation: ShardingPropagation) -> tuple[dict[str, int], dict[str, Any]]:
+                  model_module: Any, fake_mode: Any, propagation: ShardingPropagation
+                  ) -> tuple[dict[str, int], dict[str, Any]]:
     """The generated train_step, tracked after a warm-up step (pp = 1)."""
     generated.train_step(parallel, batch, training, config, model_module)  # optimizer state exists after it
     model = parallel.modules[0]
@@ -159,7 +160,7 @@ def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: An
     measured = _by_category(peak)
     what = (f"train_step measured: {training.num_micro_batches} micro-batch(es) of {training.micro_batch_size}, "
             "backward, optimizer step; breakdown at the tracker's peak")
-    return measured, {"tracker": peak, "untracked_bytes": _untracked_bytes(tracker), "in_flight": [],
+    return measured, {"tracker": peak, "untracked_bytes": _untracked_bytes(fake_mode, tracker), "in_flight": [],
                       "what_was_measured": what}
 
 
@@ -197,7 +198,7 @@ def _measure_stages(generated: ModuleType, parallel: Any, batch: Any, training: 
             f"{in_flight} of torch's schedule at its worst step; buffers = the rest of the micro-batch's peak, "
             f"FSDP's gathered parameters of every local stage (the optimizer step is not tracked); total = their sum")
     return measured, {"tracker": _sum_snapshots(peaks), "in_flight": in_flight, "what_was_measured": what,
-                      "untracked_bytes": _untracked_bytes(*(t.tracker for t in trackers.values()))}
+                      "untracked_bytes": _untracked_bytes(fake_mode, *(t.tracker for t in trackers.values()))}
 
 
 @dataclass
@@ -442,9 +443,9 @@ def _by_category(snapshot: dict[str, int]) -> dict[str, int]:
     return result
 
 
-def _untracked_bytes(*trackers: Any) -> int:
-    """Bytes of live fake tensors no tracker has a record of (made before it started and not
-    registered): what a measurement would miss. Fake storages are only counted, never held."""
+def _untracked_bytes(fake_mode: Any, *trackers: Any) -> int:
+    """Bytes of this rank's live fake tensors (made under ``fake_mode``) no tracker has a record
+    of (made before it started and not registered): what the measurement misses."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     gc.collect()  # what only reference cycles keep (the stage-input probe's model) is not held
@@ -452,7 +453,7 @@ def _untracked_bytes(*trackers: Any) -> int:
     missing = 0
     with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
         warnings.simplefilter("ignore")
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, FakeTensor)]
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, FakeTensor) and obj.fake_mode is fake_mode]
     for obj in objects:
         storage = obj.untyped_storage()
         if id(storage) in seen or storage.nbytes() == 0:

@@ -18,14 +18,21 @@ What is measured:
           warm-up step that creates the optimizer state, as on every step but the first;
           the peak is the tracker's, its breakdown the categories at that moment.
   pp > 1  a pipeline schedule cannot run on fake data (its stages first agree on shapes and on
-          a static/dynamic vote by exchanging values), so each stage module of this rank runs
-          one micro-batch forward and backward, then the optimizer steps. Parameters, gradients
-          and optimizer state are measured after that backward; activations are the bytes the
-          forward left for backward (measured per stage module) summed over the micro-batches
-          torch's own schedule keeps in flight on this rank (its ``pipeline_order``); buffers
-          are the rest of the one-micro-batch peak. The stage's input, received from the
-          previous stage in a real run, is a fake tensor shaped like the activation this
-          rank's shard of the whole model passes there.
+          a static/dynamic vote by exchanging values), so each stage module of this rank runs a
+          micro-batch forward and backward under its own tracker, with FSDP set as torch's
+          PipelineStage sets it (no resharding after backward, gradients accumulated whole until
+          the step's last micro-batch) and gradients already accumulating from an earlier
+          micro-batch. Parameters, gradients and optimizer state are read after that backward;
+          activations are the bytes each stage's forward left for backward, summed over the
+          micro-batches torch's own schedule keeps in flight on this rank at its worst step
+          (``pipeline_order``); buffers are FSDP's gathered parameters of every local stage plus
+          the rest of the largest micro-batch peak; the total is their sum. The optimizer step
+          is not tracked. A stage's input, received from the previous stage in a real run, is a
+          fake tensor shaped like the activation this rank's shard of the whole model passes there.
+
+Not seen on the CPU: the CUDA caching allocator's rounding and fragmentation, and CUDA's
+autocast op lists, which differ from the CPU's (CUDA runs layer_norm in fp32, so a GPT block's
+q, k and v projections each cast and keep their own bf16 copy of its output; the CPU keeps one).
 
 The prediction is ``stage_details[pp_rank]["memory_breakdown"]`` of the plan priced again from
 plan.json (`autopar.driver.price_saved_plan`). The CUDA context it includes holds no tensors

@@ -99,7 +99,7 @@ def model_states(params: float, precision: str, optimizer: str, zero_stage: int,
 
 
 def trained_model_states(params: float, precision: str, optimizer: str, zero_stage: int, shard_ranks: int,
-                         fsdp: bool = True) -> ModelStates:
+                         fsdp: bool = True, pipelined: bool = False) -> ModelStates:
     """Model states of `params` parameters as the generated code keeps them (see the module
     docstring): fp32 weights and gradients, fp32 optimizer state, sharded over `shard_ranks` by
     FSDP from ZeRO-2 on (weights, gradients) and ZeRO-1 on (optimizer state, plus ZeRO-1's fp32
@@ -108,20 +108,25 @@ def trained_model_states(params: float, precision: str, optimizer: str, zero_sta
     Args:
         fsdp: whether FSDP wraps the model (data or context parallelism with FSDP's gradient
             reduction); without it, mixed precision's copy is autocast's bf16 weights.
+        pipelined: a pipeline stage (pp > 1): torch's schedule turns FSDP's resharding after
+            backward and its gradient reduction off until the step's last micro-batch, so the
+            stage keeps its gathered copy and accumulates whole fp32 gradients whatever the
+            ZeRO stage (measured: FSDPMemTracker, fake_memory).
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {zero_stage}")
     weights, grads, states = state_bytes_per_param("fp32", optimizer)
     n = max(1, shard_ranks)
     mixed = precision != "fp32"
-    if zero_stage == 3:
+    held_whole = fsdp and pipelined
+    if zero_stage == 3 and not held_whole:
         copy = 0.0  # two layers at a time: a buffer of the step (cost_models.step)
     elif fsdp:
         copy = params * (2 if mixed else 4)
     else:
         copy = params * 2 if mixed else 0.0
     return ModelStates(params_bytes=params * weights / (n if zero_stage >= 2 else 1),
-                       grads_bytes=params * grads / (n if zero_stage >= 2 else 1),
+                       grads_bytes=params * grads / (n if zero_stage >= 2 and not held_whole else 1),
                        optimizer_bytes=params * (states + (weights if zero_stage == 1 and n > 1 else 0))
                        / (n if zero_stage >= 1 else 1),
                        compute_copy_bytes=copy)

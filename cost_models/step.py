@@ -513,7 +513,7 @@ class PlanPricer:
     def _zero_key_static(self, layout: Any) -> tuple:
         if self._grad_size(layout) == 1:
             return (0, 1)
-        return (layout.zero_stage, self._shard_size(layout), self._uses_fsdp(layout))
+        return (layout.zero_stage, self._shard_size(layout), self._uses_fsdp(layout), layout.pp > 1)
 
     def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
@@ -702,7 +702,8 @@ class PlanPricer:
         grad_size = self._grad_size(layout)
         return trained_model_states(self._tp_params(layer, split, layout), self.train.precision,
                                     self.train.optimizer, layout.zero_stage if grad_size > 1 else 0,
-                                    self._shard_size(layout) if grad_size > 1 else 1, fsdp=self._uses_fsdp(layout))
+                                    self._shard_size(layout) if grad_size > 1 else 1, fsdp=self._uses_fsdp(layout),
+                                    pipelined=layout.pp > 1)
 
     def _uses_fsdp(self, layout: Any) -> bool:
         """Whether the generated code wraps the model in FSDP: gradients averaged over ranks by
@@ -729,8 +730,9 @@ class PlanPricer:
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
         largest = self._largest_params / layout.tp
         buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
-        if layout.zero_stage == 3 and self._grad_size(layout) > 1:
-            # This layer's and the prefetched next layer's gathered parameters (FSDP's default).
+        if layout.zero_stage == 3 and self._grad_size(layout) > 1 and layout.pp == 1:
+            # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
+            # a pipeline stage keeps all of its layers', see `trained_model_states`).
             buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
         if self._uses_fsdp(layout):
             # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).

@@ -18,14 +18,21 @@ What is measured:
           warm-up step that creates the optimizer state, as on every step but the first;
           the peak is the tracker's, its breakdown the categories at that moment.
   pp > 1  a pipeline schedule cannot run on fake data (its stages first agree on shapes and on
-          a static/dynamic vote by exchanging values), so each stage module of this rank runs
-          one micro-batch forward and backward, then the optimizer steps. Parameters, gradients
-          and optimizer state are measured after that backward; activations are the bytes the
-          forward left for backward (measured per stage module) summed over the micro-batches
-          torch's own schedule keeps in flight on this rank (its ``pipeline_order``); buffers
-          are the rest of the one-micro-batch peak. The stage's input, received from the
-          previous stage in a real run, is a fake tensor shaped like the activation this
-          rank's shard of the whole model passes there.
+          a static/dynamic vote by exchanging values), so each stage module of this rank runs a
+          micro-batch forward and backward under its own tracker, with FSDP set as torch's
+          PipelineStage sets it (no resharding after backward, gradients accumulated whole until
+          the step's last micro-batch) and gradients already accumulating from an earlier
+          micro-batch. Parameters, gradients and optimizer state are read after that backward;
+          activations are the bytes each stage's forward left for backward, summed over the
+          micro-batches torch's own schedule keeps in flight on this rank at its worst step
+          (``pipeline_order``); buffers are FSDP's gathered parameters of every local stage plus
+          the rest of the largest micro-batch peak; the total is their sum. The optimizer step
+          is not tracked. A stage's input, received from the previous stage in a real run, is a
+          fake tensor shaped like the activation this rank's shard of the whole model passes there.
+
+Not seen on the CPU: the CUDA caching allocator's rounding and fragmentation, and CUDA's
+autocast op lists, which differ from the CPU's (CUDA runs layer_norm in fp32, so a GPT block's
+q, k and v projections each cast and keep their own bf16 copy of its output; the CPU keeps one).
 
 The prediction is ``stage_details[pp_rank]["memory_breakdown"]`` of the plan priced again from
 plan.json (`autopar.driver.price_saved_plan`). The CUDA context it includes holds no tensors
@@ -52,10 +59,12 @@ from autopar.runtime.generated import command_line, import_generated
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 # MemTracker's and FSDPMemTracker's reference types -> the cost model's categories; every other
-# type (FSDP's gathered parameters and their all-gather / reduce-scatter buffers, unsharded
-# gradients, backward temporaries, inputs, module buffers) is a buffer in the cost model's sense.
+# type (FSDP's gathered parameters and their all-gather / reduce-scatter buffers, backward
+# temporaries, inputs, module buffers) is a buffer in the cost model's sense. FSDP's unsharded
+# gradients are gradients: a pipeline stage accumulates them there until the step's end.
 CATEGORY_OF = {"Parameter": "params", "Sharded Param": "params", "Gradient": "grads", "Sharded Grad": "grads",
-               "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations"}
+               "Unsharded Grad": "grads", "Optstate": "optimizer", "OptState": "optimizer",
+               "Activation": "activations"}
 FORWARD_ACTIONS = ("F",)
 BACKWARD_ACTIONS = ("B", "I")  # full backward, or backward-input (frees the stage's activations)
 
@@ -138,7 +147,7 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
             batch = generated.local_batch(training, config, model_module, 0, parallel.mesh, device)
             if parallel.schedule is None:
                 measured, details = _measure_step(generated, parallel, batch, training, config, model_module,
-                                                  propagation)
+                                                  fake_mode, propagation)
             else:
                 measured, details = _measure_stages(generated, parallel, batch, training, config, model_module,
                                                     fake_mode, pp_rank, propagation)
@@ -146,7 +155,8 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
 
 
 def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any,
-                  model_module: Any, propagation: ShardingPropagation) -> tuple[dict[str, int], dict[str, Any]]:
+                  model_module: Any, fake_mode: Any, propagation: ShardingPropagation
+                  ) -> tuple[dict[str, int], dict[str, Any]]:
     """The generated train_step, tracked after a warm-up step (pp = 1)."""
     generated.train_step(parallel, batch, training, config, model_module)  # optimizer state exists after it
     model = parallel.modules[0]
@@ -157,7 +167,7 @@ def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: An
     measured = _by_category(peak)
     what = (f"train_step measured: {training.num_micro_batches} micro-batch(es) of {training.micro_batch_size}, "
             "backward, optimizer step; breakdown at the tracker's peak")
-    return measured, {"tracker": peak, "untracked_bytes": _untracked_bytes(tracker), "in_flight": [],
+    return measured, {"tracker": peak, "untracked_bytes": _untracked_bytes(fake_mode, tracker), "in_flight": [],
                       "what_was_measured": what}
 
 
@@ -169,25 +179,33 @@ def _measure_stages(generated: ModuleType, parallel: Any, batch: Any, training: 
     micro = generated.slice_batch(batch, 0, training.micro_batch_size)
     indices = generated.local_stage_indices(len(config.stages), config.dims.pp, pp_rank)
     received = _stage_inputs(generated, training, config, model_module, parallel.mesh, fake_mode, micro, indices)
-    _stage_step(generated, parallel, micro, received, config, indices)  # warm-up: the optimizer state
-    trackers = _stage_step(generated, parallel, micro, received, config, indices, propagation)
+    _stage_micro_batch(generated, parallel, micro, received, config, indices)  # a whole step first: the
+    _finish_stage_step(parallel)                                               # optimizer state exists
+    _stage_micro_batch(generated, parallel, micro, received, config, indices)  # gradients accumulating
+    trackers = _stage_micro_batch(generated, parallel, micro, received, config, indices, propagation)
+    _finish_stage_step(parallel)
     activations = {index: t.activation_bytes for index, t in trackers.items()}
     in_flight = schedule_in_flight(parallel.schedule, pp_rank, indices)
     states = [_by_category(t.after_backward) for t in trackers.values()]
     peaks = [_snapshot(t.tracker, "peak") for t in trackers.values()]
-    # Each stage module's tracker sees its own parameters and gradients, and the one optimizer.
+    # Each stage module's tracker sees its own parameters and gradients, and the one optimizer;
+    # FSDP's gathered copy of a stage is held while its micro-batches are in flight (all stages
+    # at once under interleaving), the other buffers come and go with one stage's work.
+    gathered = [peak.get("Unsharded Param", 0) for peak in peaks]
     measured = {"params": sum(s["params"] for s in states), "grads": sum(s["grads"] for s in states),
                 "optimizer": max(s["optimizer"] for s in states),
                 "activations": max_in_flight_bytes(parallel.schedule, pp_rank, activations),
-                "buffers": max(_by_category(peak)["buffers"] for peak in peaks)}
+                "buffers": sum(gathered) + max(_by_category(peak)["buffers"] - copy
+                                               for peak, copy in zip(peaks, gathered))}
     measured["total"] = sum(measured[c] for c in CATEGORIES)
-    what = (f"pp rank {pp_rank}: one micro-batch of {training.micro_batch_size} through stage(s) {indices}, forward "
-            f"and backward (one tracker per stage module); params/grads/optimizer after that backward; activations = "
-            f"measured per-micro-batch activations {[activations[i] for i in indices]} bytes x in-flight "
-            f"micro-batches {in_flight} of torch's schedule at its worst step; buffers = the rest of the "
-            f"one-micro-batch peak (the optimizer step is not tracked); total = their sum")
+    what = (f"pp rank {pp_rank}: a micro-batch of {training.micro_batch_size} through stage(s) {indices}, forward and "
+            f"backward with FSDP set as torch's schedule sets it (gradients accumulating from an earlier micro-batch; "
+            f"one tracker per stage module); params/grads/optimizer after its backward; activations = measured "
+            f"per-micro-batch activations {[activations[i] for i in indices]} bytes x in-flight micro-batches "
+            f"{in_flight} of torch's schedule at its worst step; buffers = the rest of the micro-batch's peak, "
+            f"FSDP's gathered parameters of every local stage (the optimizer step is not tracked); total = their sum")
     return measured, {"tracker": _sum_snapshots(peaks), "in_flight": in_flight, "what_was_measured": what,
-                      "untracked_bytes": _untracked_bytes(*(t.tracker for t in trackers.values()))}
+                      "untracked_bytes": _untracked_bytes(fake_mode, *(t.tracker for t in trackers.values()))}
 
 
 @dataclass
@@ -199,17 +217,27 @@ class _StageTracking:
     after_backward: dict[str, int] = field(default_factory=dict)
 
 
-def _stage_step(generated: ModuleType, parallel: Any, micro: Any, received: dict[int, torch.Tensor], config: Any,
-                indices: list[int], propagation: ShardingPropagation | None = None) -> dict[int, _StageTracking]:
-    """Forward and backward of one micro-batch through each local stage, then the optimizer;
-    with ``propagation``, each stage module under its own tracker (FSDPMemTracker takes one root)."""
+def _stage_micro_batch(generated: ModuleType, parallel: Any, micro: Any, received: dict[int, torch.Tensor],
+                       config: Any, indices: list[int], propagation: ShardingPropagation | None = None
+                       ) -> dict[int, _StageTracking]:
+    """Forward and backward of one micro-batch through each local stage, with FSDP's resharding
+    and gradient reduction off as torch's PipelineStage sets them for every micro-batch; with
+    ``propagation``, each stage module under its own tracker (FSDPMemTracker takes one root)."""
+    from torch.distributed.fsdp import FSDPModule
+
     loss_context = generated.loss_parallel if config.loss_parallel else contextlib.nullcontext
     dtype = parallel.compute_dtype
     kwargs = generated.batch_to_kwargs(micro)
     tracked: dict[int, _StageTracking] = {}
     for index, module in zip(indices, parallel.modules):
         tracker = _tracker(module, parallel.optimizer, propagation) if propagation is not None else None
+        if tracker is not None:
+            _tag_accumulated_grads(tracker, module)
         inputs = () if index == 0 else (received[index].detach().requires_grad_(),)
+        if isinstance(module, FSDPModule):
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
         with tracker or contextlib.nullcontext(), loss_context(), \
                 torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
             before = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
@@ -217,12 +245,42 @@ def _stage_step(generated: ModuleType, parallel: Any, micro: Any, received: dict
             after_forward = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
             output.backward(None if output.dim() == 0 else torch.ones_like(output))
         if tracker is not None:
+            _tag_accumulated_grads(tracker, module)
             tracked[index] = _StageTracking(tracker, after_forward - before, _snapshot(tracker, "current"))
+    return tracked
+
+
+def _finish_stage_step(parallel: Any) -> None:
+    """The schedule's last actions: reduce the accumulated gradients, sync tied copies, step."""
+    for stage in _pipeline_stages(parallel.schedule):
+        stage.perform_reduce_grad(1)
     if parallel.tied_sync is not None:
         parallel.tied_sync(parallel.modules)
     parallel.optimizer.step()
     parallel.optimizer.zero_grad()
-    return tracked
+
+
+def _tag_accumulated_grads(tracker: Any, module: nn.Module) -> None:
+    """FSDPMemTracker names gradients in FSDP's reduction hook; without reduction (a pipeline's
+    micro-batches) FSDP accumulates them unsharded in fp32, which the tracker leaves as
+    backward temporaries: name them unsharded gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(tracker, "_root_mod"):
+        return
+    reftype = tracker._ref_class.UNSHARDED_GRAD
+    for sub in module.modules():
+        group = sub._get_fsdp_state()._fsdp_param_group if isinstance(sub, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            for grad in (fsdp_param.unsharded_accumulated_grad, fsdp_param._unsharded_param.grad):
+                if grad is not None:
+                    tracker._update_and_maybe_create_winfos(grad, reftype)
+
+
+def _pipeline_stages(schedule: Any) -> list[Any]:
+    """The PipelineStage objects a schedule runs (one, or a rank's chunks when interleaved)."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
 
 
 def _sum_snapshots(snapshots: list[dict[str, int]]) -> dict[str, int]:
@@ -392,9 +450,9 @@ def _by_category(snapshot: dict[str, int]) -> dict[str, int]:
     return result
 
 
-def _untracked_bytes(*trackers: Any) -> int:
-    """Bytes of live fake tensors no tracker has a record of (made before it started and not
-    registered): what a measurement would miss. Fake storages are only counted, never held."""
+def _untracked_bytes(fake_mode: Any, *trackers: Any) -> int:
+    """Bytes of this rank's live fake tensors (made under ``fake_mode``) no tracker has a record
+    of (made before it started and not registered): what the measurement misses."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     gc.collect()  # what only reference cycles keep (the stage-input probe's model) is not held
@@ -402,7 +460,7 @@ def _untracked_bytes(*trackers: Any) -> int:
     missing = 0
     with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
         warnings.simplefilter("ignore")
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, FakeTensor)]
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, FakeTensor) and obj.fake_mode is fake_mode]
     for obj in objects:
         storage = obj.untyped_storage()
         if id(storage) in seen or storage.nbytes() == 0:

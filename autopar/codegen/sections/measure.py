@@ -45,12 +45,25 @@ def profiled_split(run_step: Callable[[], float]) -> dict[str, float]:
     return {"step_time_s": wall, "comm_s": comm, "compute_s": wall - comm}
 
 
+def cuda_peak(device: torch.device) -> dict[str, Any]:
+    """The allocator's peak since its last reset plus what the device holds outside the allocator
+    (CUDA context, NCCL buffers): what the cost model predicts, CUDA context included. The
+    allocator's reserved peak is kept beside it: the gap is fragmentation, which the plan's
+    headroom must cover."""
+    allocated = int(torch.cuda.max_memory_allocated(device))
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - int(torch.cuda.memory_reserved(device)))
+    return {"peak_memory_bytes": allocated + outside,
+            "memory_breakdown": {"allocated_peak": allocated, "reserved_peak": int(torch.cuda.max_memory_reserved(device)),
+                                 "outside_allocator": outside}}
+
+
 def tracked_peak(run_step: Callable[[], float], device: torch.device, modules: list, optimizer: Any) -> dict[str, Any]:
     """Peak memory of one step and its breakdown by PyTorch's own accounting."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         run_step()
-        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)), "memory_breakdown": {}}
+        return cuda_peak(device)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     roots = {id(module) for module in modules}

@@ -22,7 +22,19 @@ def build_optimizer(parameters: list[nn.Parameter], settings: dict, zero1_group:
                    weight_decay=settings["weight_decay"])
     if zero1_group is not None and dist.get_world_size(zero1_group) > 1:
         return ShardedAdamW(parameters, zero1_group, **options)
-    return torch.optim.AdamW(parameters, **options)
+    # foreach (CUDA's default, forced here so CPU runs take the same path): one fused update per
+    # group, and a DTensor op refuses plain tensors or another mesh's DTensors beside it.
+    return torch.optim.AdamW(uniform_groups(parameters), foreach=True, **options)
+
+
+def uniform_groups(parameters: list[nn.Parameter]) -> list[dict]:
+    """``parameters`` as optimizer groups that each hold one kind: plain tensors, or DTensors of
+    one mesh (what TP leaves replicated stays plain beside its sharded weights)."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for parameter in parameters:
+        kind = parameter.device_mesh if isinstance(parameter, DTensor) else None
+        groups.setdefault(kind, []).append(parameter)
+    return [{"params": members} for members in groups.values()]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

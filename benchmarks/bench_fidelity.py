@@ -45,28 +45,6 @@ PLANS = [  # (name, model file, model overrides, ranks, pins)
 STEPS = 6
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation (average ranks for ties)."""
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        result = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                result[order[k]] = (i + j) / 2
-            i = j + 1
-        return result
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.mean(rx), statistics.mean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    norm = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / norm if norm else float("nan")
-
-
 def repriced_step_s(plan, model_path: Path, profile: Path) -> float:
     """The plan priced again with the refitted hardware profile."""
     from autopar.driver import rebuild_report
@@ -81,7 +59,7 @@ def run() -> list[dict]:
     from autopar.config import compose_config
     from autopar.driver import run_compile
     from autopar.runtime.validate import validate
-    from cost_models.feedback import fit_time_scale, write_profile
+    from cost_models.feedback import fit_time_scale, spearman, write_profile
 
     work = Path(tempfile.mkdtemp(prefix="fidelity-"))
     runs = []

@@ -15,6 +15,7 @@ the pricer multiplies into those parts of every later plan; other numbers stay a
 from __future__ import annotations
 
 import itertools
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,25 @@ def write_profile(scale: dict[str, float], out: str | Path, base: str | Path | N
     profile["time_scale_sources"] = list(sources)
     Path(out).write_text(yaml.safe_dump(profile, sort_keys=False))
     return profile
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2
+            i = j + 1
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    norm = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / norm if norm else float("nan")

@@ -707,9 +707,11 @@ class PlanPricer:
 
     def _uses_fsdp(self, layout: Any) -> bool:
         """Whether the generated code wraps the model in FSDP: gradients averaged over ranks by
-        FSDP's reduction, not the hierarchical / parameter-server exchange (ZeRO-0/1 only)."""
+        FSDP's reduction, not the hierarchical / parameter-server exchange (ZeRO-0/1 only); on a
+        lone data-parallel rank for its mixed precision when a GPU computes in 16 bit
+        (codegen's `fsdp_wraps`)."""
         if self._grad_size(layout) == 1:
-            return False
+            return self.train.precision != "fp32" and any(gpu.name != "cpu" for gpu in self.cluster.node_gpus)
         return layout.zero_stage >= 2 or layout.cp > 1 or \
             self.dp_sync_cost(layout, 1.0).algorithm not in POST_BACKWARD_SYNC
 

@@ -148,6 +148,11 @@ class LayerActivations:
             partial sums.
         selective_gathered_bytes: kept whole under selective recompute with TP+SP: the
             all-gathered inputs of column-parallel GEMMs (collective outputs).
+        unwrapped_sharded_bytes, unwrapped_replicated_bytes: saved by the layer's ops that run
+            outside its module (the loss a model file computes on the head's logits): no
+            recomputation wrapper covers them, so every option keeps them (part of the saved
+            totals above). On an H100, a 1B Llama recomputing every layer at micro-batch 8 kept
+            its fp32 log-softmax (2.1 GB) that full recomputation was priced without.
     """
 
     saved_sharded_bytes: float
@@ -158,6 +163,11 @@ class LayerActivations:
     saved_full_bytes: float = 0.0
     selective_full_bytes: float = 0.0
     selective_gathered_bytes: float = 0.0
+    unwrapped_sharded_bytes: float = 0.0
+    unwrapped_replicated_bytes: float = 0.0
+
+    def unwrapped_bytes(self, tp: int, replicated_divisor: int) -> float:
+        return self.unwrapped_sharded_bytes / tp + self.unwrapped_replicated_bytes / replicated_divisor
 
     @property
     def saved_bytes(self) -> float:
@@ -184,11 +194,14 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: s
     sharded = min(float(sum(op.saved_for_backward_bytes for op in ops if op.name in sharded_outputs)), total)
     full = float(sum(op.saved_for_backward_bytes for op in ops if op.name in gathered and op.name not in sharded_outputs))
     full = min(full, total - sharded) if tp > 1 else 0.0
+    unwrapped = [op for op in ops if not runs_inside(op.module, layer.name)]
+    unwrapped_sharded = float(sum(op.saved_for_backward_bytes for op in unwrapped if op.name in sharded_outputs))
+    unwrapped_replicated = float(sum(op.saved_for_backward_bytes for op in unwrapped)) - unwrapped_sharded
     kept_sharded = kept_replicated = kept_full = kept_gathered = 0.0
     for op in ops:
         if tp > 1 and op.name in gathered and op.name not in sharded_outputs:
             kept_gathered += op.output_bytes
-        if op.op_class not in KEPT_BY_SELECTIVE:
+        if op.op_class not in KEPT_BY_SELECTIVE or not runs_inside(op.module, layer.name):
             continue
         if op.name in sharded_outputs:
             kept_sharded += op.output_bytes
@@ -206,7 +219,13 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: s
     return LayerActivations(saved_sharded_bytes=sharded, saved_replicated_bytes=total - sharded - full,
                             selective_sharded_bytes=kept_sharded, selective_replicated_bytes=kept_replicated,
                             input_bytes=float(layer.input_bytes) if total else 0.0, saved_full_bytes=full,
-                            selective_full_bytes=kept_full, selective_gathered_bytes=kept_gathered)
+                            selective_full_bytes=kept_full, selective_gathered_bytes=kept_gathered,
+                            unwrapped_sharded_bytes=unwrapped_sharded, unwrapped_replicated_bytes=unwrapped_replicated)
+
+
+def runs_inside(module: str | None, layer: str) -> bool:
+    """Whether an op ran inside the layer's module (what its recomputation wrapper reruns)."""
+    return module is not None and (module == layer or module.startswith(layer + "."))
 
 
 def activations_from_fraction(layer: Any, base: LayerActivations, sharded_fraction: float) -> LayerActivations:
@@ -215,7 +234,8 @@ def activations_from_fraction(layer: Any, base: LayerActivations, sharded_fracti
     return LayerActivations(saved_sharded_bytes=total * sharded_fraction,
                             saved_replicated_bytes=total * (1 - sharded_fraction),
                             selective_sharded_bytes=kept * sharded_fraction,
-                            selective_replicated_bytes=kept * (1 - sharded_fraction), input_bytes=base.input_bytes)
+                            selective_replicated_bytes=kept * (1 - sharded_fraction), input_bytes=base.input_bytes,
+                            unwrapped_replicated_bytes=base.unwrapped_sharded_bytes + base.unwrapped_replicated_bytes)
 
 
 def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_parallel: bool, cp: int,
@@ -231,15 +251,16 @@ def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_par
     """
     replicated_divisor = tp if sequence_parallel else 1
     saved = acts.saved_sharded_bytes / tp + acts.saved_replicated_bytes / replicated_divisor + acts.saved_full_bytes
+    unwrapped = acts.unwrapped_bytes(tp, replicated_divisor)
     if recompute == "full":  # a layer that saves less than its input is better left alone
-        kept = min(saved, acts.input_bytes / replicated_divisor)
+        kept = min(saved, acts.input_bytes / replicated_divisor + unwrapped)
     elif recompute == "selective":
         # What the checkpoint policy saves, even where that is more than the layer saves without
         # recomputation (under TP+SP it keeps whole collective outputs: sbh(8 + 22/t) against
         # sbh(4 + 30/t) for a GPT block, more from t = 2 on): the generated code wraps the layer anyway.
         gathered = acts.selective_gathered_bytes if sequence_parallel and tp > 1 else 0.0
         kept = (acts.selective_sharded_bytes / tp + acts.selective_replicated_bytes / replicated_divisor
-                + acts.selective_full_bytes + gathered)
+                + acts.selective_full_bytes + gathered + unwrapped)
         if tp == 1:
             kept = min(saved, kept)
     elif recompute == "none":

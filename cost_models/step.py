@@ -234,7 +234,7 @@ class PlanPricer:
                                for r in range(cluster.world_size))
         self._row_cache: dict[tuple, list] = {}
         self._largest_params = max((layer.param_count for layer in self.layers), default=0)
-        self._largest_activation = max((layer.activation_bytes for layer in self.layers), default=0)
+        self._largest_working_set = max((self._working_set_bytes(layer) for layer in self.layers), default=0)
         self._attention_bytes = self._attention_input_bytes()
         self.heads = self._attention_heads()
 
@@ -743,8 +743,18 @@ class PlanPricer:
             # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
             buffers["dp_buckets"] = 2 * self.dp_bucket_bytes(layout)
         # A layer's full activations while its backward (or its recomputation) runs.
-        buffers["working_set"] = self._largest_activation * scale / layout.tp / layout.cp
+        buffers["working_set"] = self._largest_working_set * scale / layout.tp / layout.cp
         return buffers
+
+    def _working_set_bytes(self, layer: Any) -> float:
+        """What a layer's backward holds beyond the stored activations, at the profiled
+        micro-batch: its full activations (recomputed, or gradients as large) or, where more, its
+        two largest gradient temporaries alive together (an op's incoming and outgoing gradient:
+        a loss's logit gradients, twice what its log-softmax saved; on an H100 a 1B Llama at
+        micro-batch 8 held 2 GB more than the layer's activations there)."""
+        ops = self.compute.ops_by_layer.get(self.compute.kind(layer.name), [])
+        gradients = sorted((op.output_bytes for op in ops if op.phase == "backward"), reverse=True)
+        return max(float(layer.activation_bytes), float(sum(gradients[:2])))
 
     def _attention_input_bytes(self) -> dict[str, tuple[float, float]]:
         """Per layer, (query, key + value) bytes entering fused attention: what context

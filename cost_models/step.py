@@ -51,6 +51,7 @@ __all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", 
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
+RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
 BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
 POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.PARAMETER_SERVER)  # run after backward (gradient_sync.py)
 # Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
@@ -236,6 +237,7 @@ class PlanPricer:
         self._largest_params = max((layer.param_count for layer in self.layers), default=0)
         self._largest_working_set = max((self._working_set_bytes(layer) for layer in self.layers), default=0)
         self._attention_bytes = self._attention_input_bytes()
+        self._score_elements = self._attention_scores()
         self.heads = self._attention_heads()
 
     @property
@@ -742,8 +744,15 @@ class PlanPricer:
         elif self._grad_size(layout) > 1:
             # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
             buffers["dp_buckets"] = 2 * self.dp_bucket_bytes(layout)
-        # A layer's full activations while its backward (or its recomputation) runs.
-        buffers["working_set"] = self._largest_working_set * scale / layout.tp / layout.cp
+        # A layer's full activations while its backward (or its recomputation) runs; under ring
+        # attention, where more, one K/V block's fp32 scores and their exponentials, alive
+        # together while the block runs (in forward, and in backward, which recomputes them).
+        # Transients of different moments: the larger counts, not their sum.
+        ring = 0.0
+        if layout.cp > 1 and layout.cp_strategy == "ring":
+            block = 4 * self._score_elements * scale / layout.tp / layout.cp ** 2
+            ring = 2 * min(block, RING_TILE_SCORE_BYTES)  # codegen tiles a block's queries to this
+        buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
         return buffers
 
     def _working_set_bytes(self, layer: Any) -> float:
@@ -767,6 +776,17 @@ class PlanPricer:
                 before = result.get(op.layer, (0.0, 0.0))
                 result[op.layer] = (before[0] + q, before[1] + kv)
         return result
+
+    def _attention_scores(self) -> float:
+        """Elements of the largest fused attention's score matrix (batch x heads x queries x
+        keys) at the profiled micro-batch: what ring attention's blocks materialise."""
+        largest = 0.0
+        for op in self.profile.ops:
+            if op.op_class == "attention" and op.phase == "forward" and len(op.input_shapes) >= 2 and \
+                    len(op.input_shapes[0]) == 4 and len(op.input_shapes[1]) == 4:
+                batch, heads, queries, _ = op.input_shapes[0]
+                largest = max(largest, float(batch * heads * queries * op.input_shapes[1][2]))
+        return largest
 
     def _attention_heads(self) -> int | None:
         """Attention heads (dim 1 of the first fused attention's query), for Ulysses' divisibility."""

@@ -65,3 +65,37 @@ def test_cp_strategy_is_the_cheaper_one(examples_dir, heads, kv_heads, seq_len, 
     best = brute_force_plan(planner.pricer, planner.candidates())
     assert plan.predicted.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
     assert plan.cp_strategy == best.candidate.cp_strategy == expected
+
+
+def test_ring_tiles_are_priced_as_generated():
+    """The cost model's ring-attention working set assumes the tile size the generated code uses."""
+    from autopar.codegen.sections.context_parallel import RING_TILE_SCORE_BYTES as generated
+    from cost_models.step import RING_TILE_SCORE_BYTES as priced
+
+    assert generated == priced
+
+
+def test_ring_query_tiles_compute_the_same_attention(monkeypatch):
+    """Tiling a K/V block's queries (recomputed per tile in backward) changes neither the
+    attention, its log-sum-exp nor the gradients, causal mask included."""
+    import torch
+
+    from autopar.codegen.sections import context_parallel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    query_pos, key_pos = torch.arange(10, 20), torch.arange(5, 15)
+
+    def attend(tile_bytes: int):
+        monkeypatch.setattr(context_parallel, "RING_TILE_SCORE_BYTES", tile_bytes)
+        out, lse = context_parallel._tiled_block_attention(q, k, v, query_pos, key_pos, 0.5)
+        (out.sum() + lse.sum()).backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        return out.detach(), lse.detach(), grads
+
+    whole = attend(2**30)
+    tiled = attend(4 * 2 * 3 * 10 * 3)  # three query rows per tile: tiles of 3, 3, 3 and 1
+    for a, b in zip(whole[:2] + tuple(whole[2]), tiled[:2] + tuple(tiled[2])):
+        torch.testing.assert_close(a, b)

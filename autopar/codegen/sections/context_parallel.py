@@ -106,6 +106,26 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_po
     return torch.matmul(torch.exp(scores - lse), v), lse
 
 
+# The most fp32 score bytes one attention tile materialises (the cost model prices the same).
+RING_TILE_SCORE_BYTES = 256 * 2**20
+
+
+def _tiled_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
+                           key_pos: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V block's attention in query tiles whose scores fit RING_TILE_SCORE_BYTES, each
+    recomputed in backward: kept, a block's scores make attention memory quadratic in the
+    sequence (Llama-3-70B at 8192 tokens, cp 2: 343 GiB per rank, measured on fake tensors);
+    this way a rank keeps its blocks' outputs and log-sum-exps, and one tile's scores at a time."""
+    batch, heads, queries, _ = q.shape
+    rows = max(1, RING_TILE_SCORE_BYTES // (4 * batch * heads * k.shape[-2]))
+    tiles = [rerun_in_backward(_block_attention, q[:, :, start:start + rows], k, v, query_pos[start:start + rows],
+                               key_pos, scale, use_reentrant=False)
+             for start in range(0, queries, rows)]
+    if len(tiles) == 1:
+        return tiles[0]
+    return torch.cat([out for out, _ in tiles], dim=2), torch.cat([lse for _, lse in tiles], dim=2)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, seq_len: int,
                    causal: bool, scale: float | None) -> torch.Tensor:
     """Attention of local queries over every rank's keys, block by block around the ring."""
@@ -123,11 +143,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         following = _RingPass.apply(block, group, pending) if step < cp - 1 else None
         owner = (rank - step) % cp
         key_pos = local_positions(seq_len, cp, owner).to(q.device) if causal else None
-        # Recomputed in backward: kept, a block's scores would make attention memory quadratic
-        # in the sequence (Llama-3-70B at 8192 tokens, cp 2: 343 GiB per rank, measured on fake
-        # tensors); recomputed, a rank keeps its blocks' outputs and log-sum-exps.
-        block_out, block_lse = rerun_in_backward(_block_attention, q, block[0], block[1], query_pos, key_pos, scale,
-                                                  use_reentrant=False)
+        block_out, block_lse = _tiled_block_attention(q, block[0], block[1], query_pos, key_pos, scale)
         if out is None:
             out, lse = block_out, block_lse
         else:

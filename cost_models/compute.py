@@ -12,7 +12,7 @@ Layers are priced by their first occurrence (`repeat_of`), once per GPU signatur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from cost_models.hardware import GPUSpec
 
@@ -77,6 +77,7 @@ class LayerCompute:
         *_launches: ops launched (each costs the GPU's launch overhead, independent of size).
         attention_s: the fused attention kernels' share of forward + backward (what ring
             attention overlaps its K/V transfers with).
+        attention_forward_s: their forward share (what a recomputed ring attention runs again).
     """
 
     forward_s: float
@@ -86,6 +87,7 @@ class LayerCompute:
     backward_launches: int
     forward_nongemm_launches: int
     attention_s: float = 0.0
+    attention_forward_s: float = 0.0
 
     def time_s(self, scale: float, overhead_s: float, forward_passes: float = 1.0, nongemm_passes: float = 0.0) -> float:
         """Forward(s) + backward (+ selective re-forward) at `scale` x the profiled micro-batch."""
@@ -94,17 +96,26 @@ class LayerCompute:
                                 + nongemm_passes * self.forward_nongemm_launches))
 
 
+def compute_of_ops(forward: Sequence[Any], backward: Sequence[Any],
+                   seconds: Callable[[Sequence[Any]], float]) -> LayerCompute:
+    """LayerCompute of a layer's forward and backward ops (views excluded), ``seconds`` pricing
+    a list of them (a TP split divides the ops it shards)."""
+    forward = [op for op in forward if op.op_class != "view"]
+    backward = [op for op in backward if op.op_class != "view"]
+    nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
+    attention_forward = [op for op in forward if op.op_class == "attention"]
+    attention_forward_s = seconds(attention_forward)
+    return LayerCompute(
+        forward_s=seconds(forward), backward_s=seconds(backward), forward_nongemm_s=seconds(nongemm),
+        forward_launches=len(forward), backward_launches=len(backward), forward_nongemm_launches=len(nongemm),
+        attention_s=attention_forward_s + seconds([op for op in backward if op.op_class == "attention"]),
+        attention_forward_s=attention_forward_s)
+
+
 def price_ops(ops: list, gpu: GPUSpec, dtype: str) -> LayerCompute:
     """LayerCompute of a layer's ops."""
-    forward = [op for op in ops if op.phase == "forward" and op.op_class != "view"]
-    backward = [op for op in ops if op.phase == "backward" and op.op_class != "view"]
-    nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
-    return LayerCompute(
-        forward_s=sum(op_roofline_s(op, gpu, dtype) for op in forward),
-        backward_s=sum(op_roofline_s(op, gpu, dtype) for op in backward),
-        forward_nongemm_s=sum(op_roofline_s(op, gpu, dtype) for op in nongemm),
-        forward_launches=len(forward), backward_launches=len(backward), forward_nongemm_launches=len(nongemm),
-        attention_s=sum(op_roofline_s(op, gpu, dtype) for op in forward + backward if op.op_class == "attention"))
+    return compute_of_ops([op for op in ops if op.phase == "forward"], [op for op in ops if op.phase == "backward"],
+                          lambda selected: sum(op_roofline_s(op, gpu, dtype) for op in selected))
 
 
 def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
@@ -123,8 +134,9 @@ def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
     backward, backward_n = total(layer.backward_by_class)
     nongemm, nongemm_n = total(layer.forward_by_class,
                                [c for c in layer.forward_by_class if c not in FLOP_BOUND_CLASSES])
-    attention = sum(total(by_class, ["attention"])[0] for by_class in (layer.forward_by_class, layer.backward_by_class))
-    return LayerCompute(forward, backward, nongemm, forward_n, backward_n, nongemm_n, attention)
+    attention_forward = total(layer.forward_by_class, ["attention"])[0]
+    attention = attention_forward + total(layer.backward_by_class, ["attention"])[0]
+    return LayerCompute(forward, backward, nongemm, forward_n, backward_n, nongemm_n, attention, attention_forward)
 
 
 class ComputeModel:

@@ -44,7 +44,9 @@ Recomputation (`LayerActivations`):
              selective recomputation); with flash attention those are never stored. The policy
              also keeps collective outputs: a row-parallel GEMM's partial sums (whole) and their
              reduced copy, and under sequence parallelism the all-gathered GEMM inputs (whole):
-             a GPT block keeps sbh(8 + 22/t) under TP+SP (fake_memory measured 19sbh at t = 2);
+             a GPT block keeps sbh(8 + 22/t) under TP+SP (fake_memory measured 19sbh at t = 2).
+             Ring attention is plain matrix products whose quadratic fp32 scores the policy would
+             keep, so the generated code recomputes it whole (nothing inside it kept);
   full       only the layer input (Korthikanti et al.: 2sbh per layer).
 """
 from __future__ import annotations

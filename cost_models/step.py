@@ -597,8 +597,13 @@ class PlanPricer:
         tp_comm = sum(tp_times)
         if option == "full":  # the re-run forward repeats its collectives
             tp_comm += sum(tp_times[:forward_count])
-        return self._scaled({"compute": plain, "recompute": total - plain, "tp_comm": tp_comm,
-                             "cp_comm": self._cp_time_s(layer, layout, scale, compute),
+        recompute = total - plain
+        if option == "selective" and layout.cp > 1 and layout.cp_strategy == "ring":
+            # Selective recomputation keeps attention's output, but ring attention runs in a
+            # region it recomputes whole (its quadratic scores are never kept).
+            recompute += compute.attention_forward_s * per_token
+        return self._scaled({"compute": plain, "recompute": recompute, "tp_comm": tp_comm,
+                             "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
                              "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)})
 
     def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
@@ -633,7 +638,14 @@ class PlanPricer:
                           lambda layer, split: self._compute_s(split, layout, per_token, reference), reference)
         return rows, speed
 
-    def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute) -> float:
+    @staticmethod
+    def _reruns_cp_exchange(layout: Any, option: str) -> bool:
+        """Whether a recomputed layer repeats its context-parallel exchanges in backward: under
+        full recomputation, and under selective too, whose policy keeps GEMM, attention and
+        tensor-parallel collective outputs but not ring's K/V passes or Ulysses' all-to-alls."""
+        return layout.cp > 1 and option in ("full", "selective")
+
+    def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute, option: str = "none") -> float:
         if layout.cp == 1:
             return 0.0
         q, kv = (b * scale / (layout.cp * layout.tp)
@@ -641,17 +653,21 @@ class PlanPricer:
         if q + kv == 0:
             return 0.0
         group = self.placement(layout, "cp")
+        forwards = 2 if self._reruns_cp_exchange(layout, option) else 1
         if layout.cp_strategy == "ulysses":
             # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
             # output (q's size) back, one all-to-all each, and the same for their gradients; on
-            # the critical path (attention needs all of them).
-            return 2 * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
-                        + self.collective_s(Collective.ALL_TO_ALL, kv, group))
-        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's K and V block forward;
-        # backward passes K, V and their gradients; each transfer overlaps the attention of the
-        # block in hand, so at long sequences (attention quadratic, transfers linear) it hides.
-        exchange = 3 * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
-        attention = compute.attention_s or 0.5 * (compute.forward_s + compute.backward_s)
+            # the critical path (attention needs all of them). A recomputed forward repeats them.
+            return (forwards + 1) * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
+                                     + self.collective_s(Collective.ALL_TO_ALL, kv, group))
+        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's K and V block forward (again
+        # in a recomputed forward); backward passes K, V and their gradients; each transfer
+        # overlaps the attention of the block in hand, so at long sequences (attention quadratic,
+        # transfers linear) it hides.
+        exchange = (forwards + 2) * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
+        attention = compute.attention_s + (forwards - 1) * compute.attention_forward_s
+        if not compute.attention_s:
+            attention = 0.5 * (compute.forward_s + compute.backward_s)
         return exposed_s(exchange, attention * scale / layout.cp)
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
@@ -838,7 +854,7 @@ class PlanPricer:
         samples = batch / step
         tokens = samples * self.profile.tokens_per_sample if self.profile.tokens_per_sample else None
         model_flops = self.profile.flops_total * batch / self.b0
-        recompute_flops = sum(self._recompute_flops(layer, problem.option_names[option])
+        recompute_flops = sum(self._recompute_flops(layer, problem.option_names[option], layout)
                               for layer, option in zip(self.layers, partition.options)) * batch / self.b0
         peak = self._peak_flops
         slowest = max(range(layout.pp), key=lambda d: partition.device_time_s[d])
@@ -858,12 +874,12 @@ class PlanPricer:
             stage_details=self._stage_details(layout, problem, partition, stages),
             stage_timings=self._stage_timings(layout, problem, partition, stages))
 
-    def _recompute_flops(self, layer: Any, option: str) -> float:
+    def _recompute_flops(self, layer: Any, option: str, layout: ParallelLayout) -> float:
         if option == "full":
             return layer.flops_forward
         if option == "selective":
-            cost = layer.forward_by_class
-            return sum(c.flops for name, c in cost.items() if name not in ("gemm", "attention"))
+            kept = ("gemm",) if layout.cp > 1 and layout.cp_strategy == "ring" else ("gemm", "attention")
+            return sum(c.flops for name, c in layer.forward_by_class.items() if name not in kept)
         return 0.0
 
     def _dp_algorithm(self, layout: ParallelLayout) -> str:

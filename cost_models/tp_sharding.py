@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cost_models.compute import FLOP_BOUND_CLASSES, LayerCompute, compute_dtype, ops_by_layer, op_roofline_s
+from cost_models.compute import LayerCompute, compute_dtype, compute_of_ops, ops_by_layer, op_roofline_s
 from cost_models.hardware import GPUSpec
 from cost_models.memory import LayerActivations, layer_activations
 from cost_models.topology import GroupPlacement
@@ -439,11 +439,7 @@ class PropagationSplitter:
         def replicated(selected) -> float:
             return seconds([op for op in selected if op.name not in run.sharded_work], False)
 
-        nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
-        compute = LayerCompute(forward_s=seconds(forward, True), backward_s=seconds(backward, True),
-                               forward_nongemm_s=seconds(nongemm, True), forward_launches=len(forward),
-                               backward_launches=len(backward), forward_nongemm_launches=len(nongemm),
-                               attention_s=seconds([op for op in ops if op.op_class == "attention"], True))
+        compute = compute_of_ops(forward, backward, lambda selected: seconds(selected, True))
         comm = run.comm.get(layer_name, [])
         ordered = [(c, b) for c, b, phase in comm if phase == "forward"] + \
                   [(c, b) for c, b, phase in comm if phase == "backward"]

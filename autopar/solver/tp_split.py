@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.solver.intra_op import IntraOpSolver, parameter_derived
 from cost_models.collectives import Collective, collective_time_s
-from cost_models.compute import FLOP_BOUND_CLASSES, LayerCompute, compute_dtype, op_roofline_s, op_time_s
+from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
 from cost_models.hardware import GPUSpec
 from cost_models.memory import layer_activations
 from cost_models.step import TPLayerSplit
@@ -77,13 +77,10 @@ class ILPSplitter:
         forward = [op for op in ops if op.phase == "forward" and op.op_class != "view"]
         backward = [op for op in ops if op.phase == "backward" and op.op_class != "view"]
 
-        def total(selected, divide: bool) -> float:
-            return sum(op_roofline_s(op, gpu, self.dtype) / (tp if divide and sharded(op) else 1) for op in selected)
+        def seconds(selected) -> float:
+            return sum(op_roofline_s(op, gpu, self.dtype) / (tp if sharded(op) else 1) for op in selected)
 
-        nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
-        compute = LayerCompute(forward_s=total(forward, True), backward_s=total(backward, True),
-                               forward_nongemm_s=total(nongemm, True), forward_launches=len(forward),
-                               backward_launches=len(backward), forward_nongemm_launches=len(nongemm))
+        compute = compute_of_ops(forward, backward, seconds)
         comm = tuple((_COLLECTIVE_OF_EVENT[kind].value, float(nbytes)) for kind, _, nbytes in solution.comm_events
                      if kind in _COLLECTIVE_OF_EVENT)
         layer = self.profile.layer(layer_name)

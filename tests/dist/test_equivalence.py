@@ -88,6 +88,12 @@ CASES = [
     Case("zero3_dp2_cp2_ring", dict(dp=2, cp=2, cp_strategy="ring", zero=3)),
     Case("cp2_pp2_ring", dict(cp=2, pp=2, cp_strategy="ring", zero=2)),
     Case("cp2_pp2_ulysses", dict(cp=2, pp=2, cp_strategy="ulysses", zero=2), models=("gpt",)),
+    # Recomputation around CP attention: the recomputed forward repeats the ring passes and
+    # all-to-alls, and selective recomputation keeps nothing inside ring attention.
+    Case("cp2_ring_recompute", dict(cp=2, cp_strategy="ring", zero=2,
+                                    recompute_blocks=["selective", "full", "selective", "none"])),
+    Case("cp2_ulysses_recompute", dict(cp=2, cp_strategy="ulysses", zero=2,
+                                       recompute_blocks=["full", "selective", "none", "selective"]), models=("gpt",)),
     # Gradient synchronisation algorithms on 4 ranks as 2 "nodes" x 2 (flat ring is dp2/zero3_dp4).
     Case("dp4_hierarchical", dict(dp=4, dp_sync="hierarchical"), gpus_per_node=2),
     Case("zero1_dp4_hierarchical", dict(dp=4, zero=1, dp_sync="hierarchical"), gpus_per_node=2),

@@ -99,3 +99,33 @@ def test_ring_query_tiles_compute_the_same_attention(monkeypatch):
     tiled = attend(4 * 2 * 3 * 10 * 3)  # three query rows per tile: tiles of 3, 3, 3 and 1
     for a, b in zip(whole[:2] + tuple(whole[2]), tiled[:2] + tuple(tiled[2])):
         torch.testing.assert_close(a, b)
+
+
+def test_recomputation_repeats_cp_exchanges_and_ring_attention(examples_dir):
+    """A recomputed layer (full or selective: the checkpoint policy keeps neither ring passes nor
+    all-to-all outputs) runs its CP exchanges again: Ulysses' four all-to-alls go from two rounds
+    (forward, backward) to three. Selective recomputation keeps attention's output, except under
+    ring attention, which the generated code reruns whole: exactly the attention forward more."""
+    from cost_models.compute import op_roofline_s
+    from cost_models.layout import ParallelLayout
+    from cost_models.step import estimate
+
+    profile = llama(examples_dir, heads=32, kv_heads=8, seq_len=16384)
+    cluster = h100s(2, 1, inter_GBps=12.5)  # CP across nodes, so the exchanges show
+
+    def parts(strategy: str, option: str) -> dict[str, float]:
+        layout = ParallelLayout(cp=2, cp_strategy=strategy, recompute=option, micro_batch_size=1, zero_stage=3)
+        return estimate(profile, cluster, layout, TrainSpec(global_batch_size=1)).time_breakdown
+
+    ulysses = {option: parts("ulysses", option) for option in ("none", "selective", "full")}
+    ring = {option: parts("ring", option) for option in ("none", "selective", "full")}
+    assert ulysses["selective"]["cp_comm"] == pytest.approx(1.5 * ulysses["none"]["cp_comm"], rel=1e-9)
+    assert ulysses["full"]["cp_comm"] == pytest.approx(1.5 * ulysses["none"]["cp_comm"], rel=1e-9)
+    assert ring["selective"]["cp_comm"] == pytest.approx(ring["full"]["cp_comm"], rel=1e-9)
+    assert ring["selective"]["cp_comm"] > ring["none"]["cp_comm"]
+    gpu = cluster.gpu_of_rank(0)
+    attention_forward = sum(op_roofline_s(op, gpu, "bf16") for op in profile.ops
+                            if op.op_class == "attention" and op.phase == "forward") / 2  # each CP rank's half
+    extra = ring["selective"]["recompute"] - ulysses["selective"]["recompute"]
+    assert extra == pytest.approx(attention_forward, rel=1e-6)
+    assert ring["full"]["recompute"] == pytest.approx(ulysses["full"]["recompute"], rel=1e-9)

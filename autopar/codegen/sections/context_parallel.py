@@ -31,6 +31,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.utils.checkpoint import checkpoint as rerun_in_backward
 
+from autopar.codegen.sections.recompute import never_kept_by_selective
+
 
 def chunk_order(cp: int) -> list[int]:
     """Global chunk indices in the order the CP ranks hold them: rank i has (i, 2cp-1-i)."""
@@ -215,7 +217,8 @@ def context_parallel_attention(group: dist.ProcessGroup, strategy: str, seq_len:
                              "or dropout (call scaled_dot_product_attention with is_causal=True)")
         if strategy == "ulysses":
             return ulysses_attention(query, key, value, group, seq_len, is_causal, scale, original)
-        return ring_attention(query, key, value, group, seq_len, is_causal, scale)
+        with never_kept_by_selective():
+            return ring_attention(query, key, value, group, seq_len, is_causal, scale)
 
     F.scaled_dot_product_attention = attention
     try:

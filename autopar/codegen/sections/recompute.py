@@ -1,6 +1,9 @@
 """Activation recomputation per layer: full (keep only the layer input) or selective."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -32,7 +35,26 @@ def _saved_ops() -> set:
 _SAVED_OPS = _saved_ops()
 
 
+# Set while code runs whose every op selective recomputation must rerun rather than keep.
+_recomputed_regions: list[bool] = []
+
+
+@contextlib.contextmanager
+def never_kept_by_selective() -> Iterator[None]:
+    """Ops run inside are recomputed by selective recomputation whatever their kind. Ring
+    attention runs in here: its matrix products make fp32 scores quadratic in the sequence,
+    which the policy above would keep (a Llama layer at 8192 tokens, cp 2: several GiB each).
+    The region runs again in the recomputed forward, so forward and recomputation agree."""
+    _recomputed_regions.append(True)
+    try:
+        yield
+    finally:
+        _recomputed_regions.pop()
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if _recomputed_regions:
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -150,6 +150,9 @@ class LayerActivations:
             partial sums.
         selective_gathered_bytes: kept whole under selective recompute with TP+SP: the
             all-gathered inputs of column-parallel GEMMs (collective outputs).
+        selective_attention_sharded_bytes, selective_attention_replicated_bytes: the attention
+            outputs among the selective bytes, which ring attention does not keep (the generated
+            code recomputes it whole).
         unwrapped_sharded_bytes, unwrapped_replicated_bytes: saved by the layer's ops that run
             outside its module (the loss a model file computes on the head's logits): no
             recomputation wrapper covers them, so every option keeps them (part of the saved
@@ -167,6 +170,8 @@ class LayerActivations:
     selective_gathered_bytes: float = 0.0
     unwrapped_sharded_bytes: float = 0.0
     unwrapped_replicated_bytes: float = 0.0
+    selective_attention_sharded_bytes: float = 0.0
+    selective_attention_replicated_bytes: float = 0.0
 
     def unwrapped_bytes(self, tp: int, replicated_divisor: int) -> float:
         return self.unwrapped_sharded_bytes / tp + self.unwrapped_replicated_bytes / replicated_divisor
@@ -199,12 +204,17 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: s
     unwrapped = [op for op in ops if not runs_inside(op.module, layer.name)]
     unwrapped_sharded = float(sum(op.saved_for_backward_bytes for op in unwrapped if op.name in sharded_outputs))
     unwrapped_replicated = float(sum(op.saved_for_backward_bytes for op in unwrapped)) - unwrapped_sharded
-    kept_sharded = kept_replicated = kept_full = kept_gathered = 0.0
+    kept_sharded = kept_replicated = kept_full = kept_gathered = attention_sharded = attention_replicated = 0.0
     for op in ops:
         if tp > 1 and op.name in gathered and op.name not in sharded_outputs:
             kept_gathered += op.output_bytes
         if op.op_class not in KEPT_BY_SELECTIVE or not runs_inside(op.module, layer.name):
             continue
+        if op.op_class == "attention":
+            if op.name in sharded_outputs:
+                attention_sharded += op.output_bytes
+            else:
+                attention_replicated += op.output_bytes
         if op.name in sharded_outputs:
             kept_sharded += op.output_bytes
         elif tp > 1 and op.name in row_parallel:
@@ -216,13 +226,16 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: s
     kept = kept_sharded + kept_replicated + kept_full + kept_gathered
     if tp == 1 and kept > total > 0:  # never more than keeping everything (TP adds collective outputs)
         shrink = total / kept
-        kept_sharded, kept_replicated, kept_full, kept_gathered = (
-            kept_sharded * shrink, kept_replicated * shrink, kept_full * shrink, kept_gathered * shrink)
+        kept_sharded, kept_replicated, kept_full, kept_gathered, attention_sharded, attention_replicated = (
+            kept_sharded * shrink, kept_replicated * shrink, kept_full * shrink, kept_gathered * shrink,
+            attention_sharded * shrink, attention_replicated * shrink)
     return LayerActivations(saved_sharded_bytes=sharded, saved_replicated_bytes=total - sharded - full,
                             selective_sharded_bytes=kept_sharded, selective_replicated_bytes=kept_replicated,
                             input_bytes=float(layer.input_bytes) if total else 0.0, saved_full_bytes=full,
                             selective_full_bytes=kept_full, selective_gathered_bytes=kept_gathered,
-                            unwrapped_sharded_bytes=unwrapped_sharded, unwrapped_replicated_bytes=unwrapped_replicated)
+                            unwrapped_sharded_bytes=unwrapped_sharded, unwrapped_replicated_bytes=unwrapped_replicated,
+                            selective_attention_sharded_bytes=attention_sharded,
+                            selective_attention_replicated_bytes=attention_replicated)
 
 
 def runs_inside(module: str | None, layer: str) -> bool:
@@ -241,7 +254,7 @@ def activations_from_fraction(layer: Any, base: LayerActivations, sharded_fracti
 
 
 def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_parallel: bool, cp: int,
-                     recompute: str) -> float:
+                     recompute: str, keeps_attention: bool = True) -> float:
     """Bytes one in-flight micro-batch keeps for one layer on one rank.
 
     Args:
@@ -250,6 +263,8 @@ def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_par
         tp, cp: tensor- and context-parallel degrees.
         sequence_parallel: the replicated part is split along the sequence over the TP group.
         recompute: "none", "selective" or "full".
+        keeps_attention: selective recomputation keeps attention's output (False under ring
+            attention, which it recomputes whole).
     """
     replicated_divisor = tp if sequence_parallel else 1
     saved = acts.saved_sharded_bytes / tp + acts.saved_replicated_bytes / replicated_divisor + acts.saved_full_bytes
@@ -263,6 +278,9 @@ def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_par
         gathered = acts.selective_gathered_bytes if sequence_parallel and tp > 1 else 0.0
         kept = (acts.selective_sharded_bytes / tp + acts.selective_replicated_bytes / replicated_divisor
                 + acts.selective_full_bytes + gathered + unwrapped)
+        if not keeps_attention:
+            kept -= (acts.selective_attention_sharded_bytes / tp
+                     + acts.selective_attention_replicated_bytes / replicated_divisor)
         if tp == 1:
             kept = min(saved, kept)
     elif recompute == "none":

@@ -435,11 +435,12 @@ class PlanPricer:
         reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
         times = self._totals(self.time_parts_rows(layout, reference))
+        keeps_attention = layout.cp == 1 or layout.cp_strategy != "ring"
         activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
-                                                        layout.micro_batch_size),
+                                                        layout.micro_batch_size, keeps_attention),
                                  lambda layer, split: [int(activation_bytes(self.layer_activations(layer, split), scale,
                                                                             layout.tp, layout.sequence_parallel,
-                                                                            layout.cp, option))
+                                                                            layout.cp, option, keeps_attention))
                                                        for option in self.recompute_options], reference)
         statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout)),
                              lambda layer, split: int(self._states(layer, split, layout).total_bytes), reference)

@@ -106,6 +106,15 @@ def test_selective_keeps_the_input_and_every_gemm_and_attention_output():
         pytest.approx((16 * SBH_BYTES + lse) / 2 + (2 + 2 * 2 + 2 * 2) * SBH_BYTES)
 
 
+def test_selective_under_ring_attention_keeps_no_attention_output():
+    """Ring attention runs where the checkpoint policy keeps nothing: the hand count above less
+    the attention output (2sbh) and its log-sum-exp: 20sbh, and under TP 14sbh / t + 10sbh."""
+    assert activation_bytes(block(1), 1.0, 1, False, 1, "selective", keeps_attention=False) == \
+        pytest.approx(20 * SBH_BYTES)
+    assert activation_bytes(block(2), 1.0, 2, False, 1, "selective", keeps_attention=False) == \
+        pytest.approx(14 * SBH_BYTES / 2 + (2 + 2 * 2 + 2 * 2) * SBH_BYTES)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_selective_under_sequence_parallelism_keeps_whole_collective_outputs(tp):
     """TP+SP, selective: the checkpoint policy keeps collective outputs, so the two all-gathered

@@ -435,7 +435,7 @@ class PlanPricer:
         reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
         times = self._totals(self.time_parts_rows(layout, reference))
-        keeps_attention = layout.cp == 1 or layout.cp_strategy != "ring"
+        keeps_attention = not self._ring_attention(layout)
         activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
                                                         layout.micro_batch_size, keeps_attention),
                                  lambda layer, split: [int(activation_bytes(self.layer_activations(layer, split), scale,
@@ -599,7 +599,7 @@ class PlanPricer:
         if option == "full":  # the re-run forward repeats its collectives
             tp_comm += sum(tp_times[:forward_count])
         recompute = total - plain
-        if option == "selective" and layout.cp > 1 and layout.cp_strategy == "ring":
+        if option == "selective" and self._ring_attention(layout):
             # Selective recomputation keeps attention's output, but ring attention runs in a
             # region it recomputes whole (its quadratic scores are never kept).
             recompute += compute.attention_forward_s * per_token
@@ -638,6 +638,12 @@ class PlanPricer:
                                                     layout.cp, layout.micro_batch_size),
                           lambda layer, split: self._compute_s(split, layout, per_token, reference), reference)
         return rows, speed
+
+    @staticmethod
+    def _ring_attention(layout: Any) -> bool:
+        """Whether attention runs as ring attention: blockwise scores in the working set, and
+        nothing of it (scores or output) kept by selective recomputation, which reruns it whole."""
+        return layout.cp > 1 and layout.cp_strategy == "ring"
 
     @staticmethod
     def _reruns_cp_exchange(layout: Any, option: str) -> bool:
@@ -766,7 +772,7 @@ class PlanPricer:
         # together while the block runs (in forward, and in backward, which recomputes them).
         # Transients of different moments: the larger counts, not their sum.
         ring = 0.0
-        if layout.cp > 1 and layout.cp_strategy == "ring":
+        if self._ring_attention(layout):
             block = 4 * self._score_elements * scale / layout.tp / layout.cp ** 2
             ring = 2 * min(block, RING_TILE_SCORE_BYTES)  # codegen tiles a block's queries to this
         buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
@@ -879,7 +885,7 @@ class PlanPricer:
         if option == "full":
             return layer.flops_forward
         if option == "selective":
-            kept = ("gemm",) if layout.cp > 1 and layout.cp_strategy == "ring" else ("gemm", "attention")
+            kept = ("gemm",) if self._ring_attention(layout) else ("gemm", "attention")
             return sum(c.flops for name, c in layer.forward_by_class.items() if name not in kept)
         return 0.0
 

@@ -111,6 +111,7 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
 
 _BLOCK = re.compile(r"^\[\d+\]:\n(.*?)(?=^\[\d+\]:\n|^-{10,}|^={10,}|\Z)", re.S | re.M)
 _RANK = re.compile(r"rank\s*:\s*(\d+)")
+_FATAL = "Fatal Python error"  # how faulthandler starts the stack of a rank killed by a signal
 # A rank that dies takes its peers' collectives down with it; their errors are consequences.
 _CONSEQUENCES = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
                  "Signal 15 (SIGTERM)")
@@ -127,6 +128,9 @@ def failing_rank(output: str) -> tuple[int | None, str]:
     if blocks:
         causes = [b for b in blocks if not any(symptom in b for symptom in _CONSEQUENCES)]
         block = (causes or blocks)[0]
+        if "Signal" in block and _FATAL in output:  # died in C++: add the stack its faulthandler printed
+            stack = output[output.find(_FATAL):]
+            block += "\n" + "\n".join(stack.splitlines()[:40])
         return int(_RANK.search(block).group(1)), block
     ranked = re.findall(r"^\[rank(\d+)\]:.*$", output, re.M)
     tail = "\n".join(output.strip().splitlines()[-40:])

@@ -60,16 +60,31 @@ def example_batch(batch_size: int, hidden: int = 8):
 '''
 
 
-def test_failing_rank_is_named_with_its_error(tmp_path):
+def run_broken(tmp_path, source: str):
     model = tmp_path / "broken.py"
-    model.write_text(BROKEN_MODEL)
+    model.write_text(source)
     plan = Plan(dp=2, stages=[["0", "1"]], layer_names=["0", "1"], global_batch_size=4, micro_batch_size=2,
                 num_micro_batches=1, precision="fp32")
     generate(plan, model, tmp_path / "out")
-    result = run_local(tmp_path / "out", steps=1, timeout_s=120)
+    return run_local(tmp_path / "out", steps=1, timeout_s=120)
+
+
+def test_failing_rank_is_named_with_its_error(tmp_path):
+    result = run_broken(tmp_path, BROKEN_MODEL)
     assert not result.ok
     assert result.failed_rank == 1
     assert "RuntimeError: rank one cannot build the model" in result.error
+
+
+def test_rank_killed_in_native_code_shows_its_python_stack(tmp_path):
+    """A rank dying by a signal (a crash in C++) has no Python exception; torchrun's workers print
+    their Python stack (faulthandler), and the error carries it: the signal and the call that died."""
+    crashing = BROKEN_MODEL.replace('raise RuntimeError("rank one cannot build the model")',
+                                    "import signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    result = run_broken(tmp_path, crashing)
+    assert not result.ok and result.failed_rank == 1
+    assert "SIGSEGV" in result.error
+    assert "Fatal Python error: Segmentation fault" in result.error and "build_model" in result.error
 
 
 def test_generated_module_runs_where_autopar_is_not_installed(gpt_dp2, tmp_path):

@@ -98,10 +98,8 @@ class LayerCompute:
 
 def compute_of_ops(forward: Sequence[Any], backward: Sequence[Any],
                    seconds: Callable[[Sequence[Any]], float]) -> LayerCompute:
-    """LayerCompute of a layer's forward and backward ops (views excluded), ``seconds`` pricing
-    a list of them (a TP split divides the ops it shards)."""
-    forward = [op for op in forward if op.op_class != "view"]
-    backward = [op for op in backward if op.op_class != "view"]
+    """LayerCompute of a layer's forward and backward ops (views left out by the caller),
+    ``seconds`` pricing a list of them (a TP split divides the ops it shards)."""
     nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
     attention_forward = [op for op in forward if op.op_class == "attention"]
     attention_forward_s = seconds(attention_forward)
@@ -114,7 +112,9 @@ def compute_of_ops(forward: Sequence[Any], backward: Sequence[Any],
 
 def price_ops(ops: list, gpu: GPUSpec, dtype: str) -> LayerCompute:
     """LayerCompute of a layer's ops."""
-    return compute_of_ops([op for op in ops if op.phase == "forward"], [op for op in ops if op.phase == "backward"],
+    priced = [op for op in ops if op.op_class != "view"]
+    return compute_of_ops([op for op in priced if op.phase == "forward"],
+                          [op for op in priced if op.phase == "backward"],
                           lambda selected: sum(op_roofline_s(op, gpu, dtype) for op in selected))
 
 

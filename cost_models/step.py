@@ -645,13 +645,6 @@ class PlanPricer:
         nothing of it (scores or output) kept by selective recomputation, which reruns it whole."""
         return layout.cp > 1 and layout.cp_strategy == "ring"
 
-    @staticmethod
-    def _reruns_cp_exchange(layout: Any, option: str) -> bool:
-        """Whether a recomputed layer repeats its context-parallel exchanges in backward: under
-        full recomputation, and under selective too, whose policy keeps GEMM, attention and
-        tensor-parallel collective outputs but not ring's K/V passes or Ulysses' all-to-alls."""
-        return layout.cp > 1 and option in ("full", "selective")
-
     def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute, option: str = "none") -> float:
         if layout.cp == 1:
             return 0.0
@@ -660,7 +653,9 @@ class PlanPricer:
         if q + kv == 0:
             return 0.0
         group = self.placement(layout, "cp")
-        forwards = 2 if self._reruns_cp_exchange(layout, option) else 1
+        # A recomputed layer (full, or selective, whose policy keeps GEMM, attention and TP
+        # collective outputs but not ring passes or all-to-alls) repeats its forward exchanges.
+        forwards = 2 if option in ("full", "selective") else 1
         if layout.cp_strategy == "ulysses":
             # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
             # output (q's size) back, one all-to-all each, and the same for their gradients; on
@@ -672,9 +667,8 @@ class PlanPricer:
         # overlaps the attention of the block in hand, so at long sequences (attention quadratic,
         # transfers linear) it hides.
         exchange = (forwards + 2) * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
-        attention = compute.attention_s + (forwards - 1) * compute.attention_forward_s
-        if not compute.attention_s:
-            attention = 0.5 * (compute.forward_s + compute.backward_s)
+        attention = (compute.attention_s + (forwards - 1) * compute.attention_forward_s
+                     or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch goes in first so resolving the project pulls no multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test wheel-check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The built wheel, installed with torch alone into a fresh venv (build/wheel-venv), plans,
+# compiles, runs and reports a tiny GPT from a temporary folder outside the repository (~1 min).
+wheel-check: setup
+	TORCH_SPEC="$(TORCH_SPEC)" .ci/wheel-check $(PY)
 
 bench: setup
 	$(PY) -m benchmarks.run

@@ -1,6 +1,6 @@
 """Cluster topology: nodes of GPUs, two link levels, and which links a process group crosses.
 
-`ClusterConfig` is the flat, Hydra-friendly description (presets in conf/cluster/);
+`ClusterConfig` is the flat, Hydra-friendly description (presets in autopar/conf/cluster/);
 `ClusterSpec.from_config` resolves it into a GPU type per rank and two link levels. Ranks are
 numbered node by node (rank r sits on node r // gpus_per_node, as torchrun assigns them), so a
 process group's ranks decide what it crosses (`ClusterSpec.group_links`): all on one node ->

@@ -16,7 +16,7 @@ from autopar.driver import build_cluster, run_plan
 from autopar.errors import ConfigError
 from cost_models import topology
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "autopar" / "conf"
 TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32", "model.vocab=128",
         "train.global_batch_size=8", "train.precision=fp32"]
 

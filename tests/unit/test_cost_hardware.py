@@ -14,7 +14,7 @@ from cost_models.topology import (INTER_NODE, INTRA_NODE, LINK_EFFICIENCY, NETWO
                                   ClusterSpec, NodeGroupConfig)
 
 GB = 1e9
-PRESETS = Path(__file__).resolve().parents[2] / "conf" / "cluster"
+PRESETS = Path(__file__).resolve().parents[2] / "autopar" / "conf" / "cluster"
 
 
 def test_catalogue_has_every_required_gpu_and_clear_unknown_error():

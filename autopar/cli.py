@@ -11,11 +11,11 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from rich.console import Console
 
-from autopar.errors import UserError
+from autopar.errors import ConfigError, UserError
 
 PROFILE_EXAMPLES = """examples:
   autopar profile examples/gpt.py
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     # Options may sit between overrides (`plan MODEL -m a=1,2 b=3`): argparse leaves the overrides
     # after an option unparsed, so they are collected here.
     args, extra = parser.parse_known_args(argv)
-    stray = [item for item in extra if item.startswith("-") or "=" not in item or not hasattr(args, "overrides")]
+    stray = [item for item in extra
+             if item.startswith("-") or ("=" not in item and not item.startswith("~")) or not hasattr(args, "overrides")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
@@ -102,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--report", type=Path, default=None, metavar="DIR",
                       help="also write the plan report (report.html, report.md, timeline.json, ...) into DIR")
     plan.add_argument("-m", "--multirun", action="store_true",
-                      help="sweep: plan every combination of the comma-separated overrides (Hydra multirun)")
+                      help="sweep (Hydra multirun): plan every point of the sweep overrides through hydra/sweeper "
+                           "and hydra/launcher")
     plan.add_argument("--out-dir", type=Path, default=None,
-                      help="sweep output folder (default multirun/<date>/<time>)")
+                      help="sweep output folder, the same as hydra.sweep.dir=DIR (default multirun/<date>/<time>)")
     compile_ = _add_verb(verbs, "compile", "profile, plan and write the parallel training module and launch scripts",
                          COMPILE_EXAMPLES, _compile, out=False)
     compile_.add_argument("--out-dir", type=Path, required=True,
@@ -173,96 +175,182 @@ def _add_plain_verb(verbs: argparse._SubParsersAction, name: str, help_text: str
 
 def _add_verb(verbs: argparse._SubParsersAction, name: str, help_text: str, examples: str,
               handler: Callable[[argparse.Namespace, Console], int], out: bool = True) -> argparse.ArgumentParser:
-    sub = verbs.add_parser(name, help=help_text, description=help_text, epilog=examples,
+    from autopar.hydra_app import config_help
+
+    sub = verbs.add_parser(name, help=help_text, description=help_text,
+                           epilog=f"{examples}\n{config_help().text()}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.add_argument("model", help="path of the model.py (defines build_model and example_batch)")
     sub.add_argument("overrides", nargs="*", metavar="key=value",
-                     help="Hydra overrides: model.<kwarg>=..., train.<field>=..., cluster=<preset>, ...")
+                     help="Hydra overrides: model.<kwarg>=..., train.<field>=..., cluster=<preset>, "
+                          "+key=value, ~key, hydra.<setting>=...")
     if out:
         sub.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
+    sub.add_argument("-c", "--cfg", choices=("job", "hydra", "all"), default=None,
+                     help="print the composed configuration (job: autopar's, hydra: Hydra's, all) and stop")
+    sub.add_argument("--info", nargs="?", const="all", default=None,
+                     choices=("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
+                     help="print Hydra's information about the configuration and stop")
+    sub.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations first")
+    sub.add_argument("-p", "--package", default=None, help="with --cfg: print only this part, e.g. cluster")
     sub.add_argument("-v", "--verbose", action="store_true", help="print more detail")
     sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     sub.set_defaults(handler=handler)
     return sub
 
 
-def _profile(args: argparse.Namespace, console: Console) -> int:
+def _hydra_overrides(args: argparse.Namespace, verb: str, defaults: dict[str, str],
+                     extra: list[str] | None = None) -> list[str]:
+    """The verb's overrides as Hydra gets them, checked first (in autopar's words, before torch is
+    imported, so a typo costs a fraction of a second); ``defaults`` are hydra.* settings the
+    verb uses unless the user set them."""
+    from autopar import hydra_app
     from autopar.config import compose_config
-    from autopar.driver import run_profile
-    from autopar.report.terminal import print_profile
 
-    cfg = compose_config(args.overrides)
-    with console.status(f"Tracing one training step of {args.model} on fake tensors ..."):
-        profile = run_profile(args.model, cfg)
-    print_profile(profile, console)
-    if args.verbose:
-        for entry in profile.coverage:
-            console.print(f"  {entry.op:50s} {entry.op_class:12s} ×{entry.count:<6d} {entry.costed_by}")
-    if args.out is not None:
-        write_atomically(args.out, profile.to_json())
-        console.print(f"wrote {args.out}")
+    overrides = hydra_app.with_defaults(verb, list(args.overrides) + (extra or []), defaults)
+    if not getattr(args, "multirun", False):
+        compose_config(overrides, hydra=True)
+    return overrides
+
+
+def _show_requested(args: argparse.Namespace) -> bool:
+    return args.cfg is not None or args.info is not None
+
+
+def _show(args: argparse.Namespace, overrides: list[str]) -> int:
+    from autopar import hydra_app
+
+    flags = hydra_app.HydraFlags(cfg=args.cfg, info=args.info, resolve=args.resolve, package=args.package)
+    return hydra_app.show(flags, overrides)
+
+
+def _run_job(job: Callable[[Any], Any], overrides: list[str]) -> Any:
+    """Run ``job(cfg)`` as a Hydra job in this process; what it raised is raised here."""
+    from autopar import hydra_app
+
+    outcome = hydra_app.run(job, overrides)
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome
+
+
+# Verbs whose output is a file the user names (or none): Hydra's run folder is the current one
+# and Hydra writes nothing into it (compile keeps `.hydra/` in the folder it compiles).
+NO_RUN_FOLDER = {"hydra.run.dir": ".", "hydra.output_subdir": "null"}
+
+
+def _profile(args: argparse.Namespace, console: Console) -> int:
+    overrides = _hydra_overrides(args, "profile", NO_RUN_FOLDER)
+    if _show_requested(args):
+        return _show(args, overrides)
+
+    def job(cfg: Any) -> None:
+        from autopar.driver import run_profile
+        from autopar.report.terminal import print_profile
+
+        with console.status(f"Tracing one training step of {args.model} on fake tensors ..."):
+            profile = run_profile(args.model, cfg)
+        print_profile(profile, console)
+        if args.verbose:
+            for entry in profile.coverage:
+                console.print(f"  {entry.op:50s} {entry.op_class:12s} ×{entry.count:<6d} {entry.costed_by}")
+        if args.out is not None:
+            write_atomically(args.out, profile.to_json())
+            console.print(f"wrote {args.out}")
+
+    _run_job(job, overrides)
     return 0
 
 
 def _estimate(args: argparse.Namespace, console: Console) -> int:
-    import json
+    overrides = _hydra_overrides(args, "estimate", NO_RUN_FOLDER)
+    if _show_requested(args):
+        return _show(args, overrides)
 
-    from autopar.config import compose_config
-    from autopar.driver import run_estimate
-    from autopar.report.terminal import print_estimate
+    def job(cfg: Any) -> None:
+        import json
 
-    cfg = compose_config(args.overrides)
-    with console.status("Tracing and pricing ..."):
-        profile, layout, estimate = run_estimate(args.model, cfg)
-    print_estimate(profile, layout, estimate, console)
-    if args.out is not None:
-        write_atomically(args.out, json.dumps(estimate.to_dict(), indent=1))
-        console.print(f"wrote {args.out}")
+        from autopar.driver import run_estimate
+        from autopar.report.terminal import print_estimate
+
+        with console.status("Tracing and pricing ..."):
+            profile, layout, estimate = run_estimate(args.model, cfg)
+        print_estimate(profile, layout, estimate, console)
+        if args.out is not None:
+            write_atomically(args.out, json.dumps(estimate.to_dict(), indent=1))
+            console.print(f"wrote {args.out}")
+
+    _run_job(job, overrides)
     return 0
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
-    from autopar.config import compose_config
-    from autopar.driver import report_of, run_plan
-    from autopar.report.terminal import print_plan
-
-    overrides = list(args.overrides) + ([f"solver.top_k={args.top_k}"] if args.top_k is not None else [])
+    top_k = [f"solver.top_k={args.top_k}"] if args.top_k is not None else []
     if args.multirun:
-        return _sweep(args, overrides, console)
-    cfg = compose_config(overrides)
-    with console.status("Tracing, pricing and solving ...") as status:
-        def progress(done: int, total: int) -> None:
-            status.update(f"Solving: candidate {done} of {total} in bound order ...")
-        result = run_plan(args.model, cfg, progress=progress)
-    print_plan(result, console)
-    out = args.out or Path("plan.json")
-    write_atomically(out, result.plan.to_json())
-    console.print(f"wrote {out}")
-    if args.report is not None:
-        with console.status("Writing the report ..."):
-            files = write_report_atomically(report_of(result), args.report)
-        console.print(f"wrote {files['report.html']} (and report.md, timeline.json)")
+        return _sweep(args, top_k, console)
+    # Without --out, plan.json goes to Hydra's run folder (outputs/<date>/<time>, or
+    # hydra.run.dir) beside .hydra/, the record of the configuration that made it; both are
+    # written once the plan exists, so a failed run leaves no folder behind.
+    defaults = {"hydra.run.dir": str(args.out.parent)} if args.out else {}
+    overrides = _hydra_overrides(args, "plan", {**defaults, "hydra.output_subdir": "null"}, top_k)
+    if _show_requested(args):
+        return _show(args, overrides)
+
+    def job(cfg: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from autopar.driver import report_of, run_plan
+        from autopar.report.terminal import print_plan
+
+        with console.status("Tracing, pricing and solving ...") as status:
+            def progress(done: int, total: int) -> None:
+                status.update(f"Solving: candidate {done} of {total} in bound order ...")
+            result = run_plan(args.model, cfg, progress=progress)
+        print_plan(result, console)
+        from autopar.hydra_app import write_provenance
+
+        out = args.out or Path(HydraConfig.get().runtime.output_dir) / "plan.json"
+        if args.out is None:
+            write_provenance(cfg, out.parent)
+        write_atomically(out, result.plan.to_json())
+        where = "" if args.out else " (Hydra's run folder: choose it with hydra.run.dir=DIR, or pass --out FILE)"
+        console.print(f"wrote {_shown_path(out)}{where}")
+        if args.report is not None:
+            with console.status("Writing the report ..."):
+                files = write_report_atomically(report_of(result), args.report)
+            console.print(f"wrote {files['report.html']} (and report.md, timeline.json)")
+
+    _run_job(job, overrides)
     return 0
 
 
-def _sweep(args: argparse.Namespace, overrides: list[str], console: Console) -> int:
-    import time
+def _shown_path(path: Path) -> Path:
+    """A path as the user would type it: relative to the current folder when inside it."""
+    try:
+        return path.resolve().relative_to(Path.cwd())
+    except ValueError:
+        return path
 
-    from rich.progress import Progress
 
-    from autopar.sweep import run_sweep
+def _sweep(args: argparse.Namespace, top_k: list[str], console: Console) -> int:
+    from autopar import hydra_app
     from autopar.report.terminal import print_sweep
+    from autopar.sweep import check_sweep, run_sweep, validation_overrides
 
-    out_dir = args.out_dir or Path("multirun") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("Sweeping", total=None)
-
-        def on_point(point, total: int) -> None:
-            progress.update(task, total=total, completed=point.index,
-                            description=f"Planning point {point.index + 1} of {total}: {' '.join(point.swept)}")
-        rows = run_sweep(args.model, overrides, out_dir, on_point=on_point)
+    overrides = hydra_app.with_defaults("plan", list(args.overrides) + top_k, {})
+    given = [item for item in overrides if item.startswith("hydra.sweep.dir=")]
+    if args.out_dir is not None and given:
+        raise ConfigError(f"Both --out-dir {args.out_dir} and {given[0]} name the sweep folder.",
+                          "give one of them.")
+    check_sweep(overrides)  # every swept value, before Hydra runs anything
+    fixed = validation_overrides(overrides)[0]
+    out_dir = args.out_dir or Path(hydra_app.resolved_hydra_setting(fixed, "hydra.sweep.dir"))
+    if _show_requested(args):
+        return _show(args, overrides + [f"hydra.sweep.dir={out_dir}"])
+    rows = run_sweep(args.model, overrides, out_dir, quiet=args.quiet)
     print_sweep(rows, console)
-    console.print(f"wrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.md'}, {out_dir / 'sweep.png'}")
+    console.print(f"wrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.md'}, {out_dir / 'sweep.png'} and one folder "
+                  "per point (plan.json, .hydra/)")
     return 0
 
 
@@ -292,23 +380,30 @@ def _report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _compile(args: argparse.Namespace, console: Console) -> int:
-    from autopar.config import compose_config
-    from autopar.driver import run_compile
-    from autopar.report.terminal import print_plan
+    top_k = [f"solver.top_k={args.top_k}"] if args.top_k is not None else []
+    overrides = _hydra_overrides(args, "compile", NO_RUN_FOLDER, top_k)
+    if _show_requested(args):
+        return _show(args, overrides)
 
-    overrides = list(args.overrides) + ([f"solver.top_k={args.top_k}"] if args.top_k is not None else [])
-    cfg = compose_config(overrides)
-    with console.status("Tracing, pricing and solving ..." if args.plan is None else "Generating ...") as status:
-        def progress(done: int, total: int) -> None:
-            status.update(f"Solving: candidate {done} of {total} in bound order ...")
-        plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress)
-    if result is not None:
-        print_plan(result, console)
-    else:
-        console.print(f"reused {args.plan}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
-                      f"ZeRO-{plan.zero_stage}, predicted {plan.predicted.step_time_s:.3g} s/step")
-    console.print(f"wrote {', '.join(str(path) for path in files.values())}")
-    console.print(f"run it here with `autopar run {args.out_dir}`, on the cluster with {files['launch']}")
+    def job(cfg: Any) -> None:
+        from autopar import hydra_app
+        from autopar.driver import run_compile
+        from autopar.report.terminal import print_plan
+
+        with console.status("Tracing, pricing and solving ..." if args.plan is None else "Generating ...") as status:
+            def progress(done: int, total: int) -> None:
+                status.update(f"Solving: candidate {done} of {total} in bound order ...")
+            plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress,
+                                              provenance=hydra_app.provenance_files(cfg))
+        if result is not None:
+            print_plan(result, console)
+        else:
+            console.print(f"reused {args.plan}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
+                          f"ZeRO-{plan.zero_stage}, predicted {plan.predicted.step_time_s:.3g} s/step")
+        console.print(f"wrote {', '.join(str(path) for path in files.values())}")
+        console.print(f"run it here with `autopar run {args.out_dir}`, on the cluster with {files['launch']}")
+
+    _run_job(job, overrides)
     return 0
 
 

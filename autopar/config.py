@@ -7,11 +7,14 @@ build_model() / example_batch() and are checked against those signatures instead
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from autopar.errors import ConfigError
 from cost_models.topology import ClusterConfig
 
 
@@ -108,6 +111,24 @@ class PlanPins:
     plan.layer_recompute='{blocks.0: full}'; with pp > 1 it needs plan.stages as well."""
 
 
+# What a sweep point is worth to a sweeper that optimises (hydra/sweeper=optuna), and which way
+# is better: the sweeper's `direction` must agree.
+SWEEP_OBJECTIVES = {"cost_per_million_tokens": "minimize", "step_time_s": "minimize",
+                    "tokens_per_s": "maximize", "tokens_per_s_per_dollar": "maximize"}
+
+
+@dataclass
+class SweepConfig:
+    """What each point of a sweep (`autopar plan -m ...`) returns to Hydra's sweeper."""
+
+    objective: str = "cost_per_million_tokens"
+    """cost_per_million_tokens or step_time_s (minimise), tokens_per_s or tokens_per_s_per_dollar
+    (maximise); an optimising sweeper (hydra/sweeper=optuna) searches for its best value."""
+    max_step_time_s: float = 0.0
+    """Deadline on the predicted step time (0: none); a point over it, or without a plan, scores
+    the objective's worst value (infinite cost or time, zero throughput)."""
+
+
 @dataclass
 class AutoparConfig:
     """Root of the composed configuration."""
@@ -118,6 +139,7 @@ class AutoparConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     solver: SolverConfig = field(default_factory=SolverConfig)
     plan: PlanPins = field(default_factory=PlanPins)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 def register_configs() -> None:
@@ -141,23 +163,108 @@ def normalise_overrides(overrides: list[str]) -> list[str]:
     return result
 
 
-def compose_config(overrides: list[str] | None = None) -> Any:
+def compose_config(overrides: list[str] | None = None, hydra: bool = False) -> Any:
     """Compose conf/config.yaml with command-line style overrides, as the CLI does.
 
-    Raises ConfigError (one line, exit 1) for unknown keys, bad values or unknown presets.
+    hydra=True also composes (and so checks) the ``hydra`` node and its overrides (hydra.run.dir,
+    hydra/launcher=..., ...), as Hydra's own run would. Raises ConfigError (one line, exit 1) for
+    unknown keys, values of the wrong type, unknown presets, or `+key` adding a field a schema
+    does not have; nothing heavier than Hydra is imported, so a typo is reported at once.
     """
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from autopar.errors import ConfigError
-
     register_configs()
+    given = list(overrides or [])
     try:
         with initialize_config_module(config_module="autopar.conf", version_base=None):
-            return compose(config_name="config", overrides=normalise_overrides(list(overrides or [])))
+            cfg = compose(config_name="config", overrides=normalise_overrides(given), return_hydra_config=hydra)
     except (HydraException, OmegaConfBaseException) as err:
-        message = " ".join(str(err).split())
-        raise ConfigError(f"Invalid configuration: {message}",
-                          "check the override's spelling against `autopar <verb> --help` and the "
-                          "presets in conf/.") from None
+        raise config_error(err) from None
+    added = fields_outside_schema(cfg)
+    if added:
+        path, known = added[0]
+        raise ConfigError(f"Invalid configuration: {path} is not a field of {path.rsplit('.', 1)[0]} "
+                          f"(+ can add keys only where the schema allows any: model.*, plan.layer_recompute.*).",
+                          f"drop it, or use one of {', '.join(known)}{_did_you_mean(path, known)}.")
+    return cfg
+
+
+def fields_outside_schema(cfg: Any) -> list[tuple[str, list[str]]]:
+    """Keys that `+key=value` added to a dataclass-typed node (Hydra opens the struct flag to add
+    them, so OmegaConf accepts them and they would be silently ignored), with that node's fields."""
+    from omegaconf import DictConfig, OmegaConf
+
+    found = []
+
+    def walk(node: Any, path: str) -> None:
+        schema = OmegaConf.get_type(node)
+        names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+        for key in node.keys():
+            where = f"{path}.{key}" if path else str(key)
+            if where == "hydra":  # Hydra's own node, with its own schema
+                continue
+            if names is not None and key not in names:
+                found.append((where, names))
+            elif names is not None and isinstance(node._get_node(key), DictConfig):
+                walk(node._get_node(key), where)
+
+    walk(cfg, "")
+    return found
+
+
+def _did_you_mean(path: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(path.rsplit(".", 1)[-1], known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+# OmegaConf's validation messages, in the words of what the field expects.
+_EXPECTED = (("converted to Integer", "an integer is expected"), ("converted to Float", "a number is expected"),
+             ("is not a valid bool", "true or false is expected"),
+             ("is not a ListConfig, list or tuple", "a list is expected, e.g. [a,b]"),
+             ("is not a DictConfig, dict", "a mapping is expected, e.g. {a: 1}"))
+
+
+def config_error(err: Exception) -> ConfigError:
+    """One-line ConfigError for a Hydra/OmegaConf composition failure, naming the key and what it
+    expects (Hydra's own message is often only 'Error merging override ...')."""
+    from autopar.errors import ConfigError
+
+    cause = err
+    while cause.__cause__ is not None and not getattr(cause, "full_key", None):
+        cause = cause.__cause__
+    key = getattr(cause, "full_key", None)
+    first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    if key:
+        for marker, expected in _EXPECTED:
+            if marker in first:
+                value = f"={first.split(chr(39))[1]}" if first.count("'") >= 2 else ""
+                return ConfigError(f"Invalid configuration: {key}{value}: {expected}.",
+                                   f"give {key} a value of that type (`autopar plan --cfg job` prints the "
+                                   "composed configuration with its types' defaults).")
+        if "does not support deletion" in first:
+            return ConfigError(f"Invalid configuration: ~{key} would delete a field of the schema.",
+                               f"set it instead ({key}=VALUE); only keys the schema leaves open (model.*, "
+                               "plan.layer_recompute.*) can be deleted.")
+        if "not in '" in first:
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            known = _schema_fields(parent)
+            return ConfigError(f"Invalid configuration: {key} is not a field of {parent or 'the configuration'}.",
+                               f"check the spelling{_did_you_mean(key, known)}; `autopar plan --help` lists every "
+                               "group and field.")
+    message = " ".join(str(err).split())
+    return ConfigError(f"Invalid configuration: {message}",
+                       "check the override's spelling against `autopar <verb> --help` and the presets of "
+                       "autopar/conf/.")
+
+
+def _schema_fields(path: str) -> list[str]:
+    """Field names of the dataclass at a dotted path of the root schema ([] where there is none)."""
+    schema: Any = AutoparConfig
+    for part in [p for p in path.split(".") if p]:
+        by_name = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+        if part not in by_name or by_name[part].default_factory is dataclasses.MISSING:
+            return []
+        schema = by_name[part].default_factory
+    return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []

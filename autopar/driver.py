@@ -199,10 +199,11 @@ def read_plan(plan_path: str | Path):
 
 
 def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
-                progress: Callable[[int, int], None] | None = None):
+                progress: Callable[[int, int], None] | None = None, provenance: dict[str, str] | None = None):
     """Stages 1-5: plan (or reuse a saved plan) and write the parallel module and launch
     scripts into ``out_dir``, all or nothing: files are built in a sibling folder that replaces
-    ``out_dir`` only once everything is written."""
+    ``out_dir`` only once everything is written. ``provenance`` (relative path -> text, e.g.
+    Hydra's .hydra/config.yaml) is written with them."""
     import shutil
     import tempfile
 
@@ -222,6 +223,9 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     try:
         files = generate(plan, model_path, staging, gpus_per_node=build_cluster(cfg).gpus_per_node)
         write_report(report_of(result) if result is not None else rebuild_report(plan, model_path), staging)
+        for relative, text in (provenance or {}).items():
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            (staging / relative).write_text(text)
         if out_dir.exists():
             previous = out_dir.with_name(f".{out_dir.name}.previous")
             shutil.rmtree(previous, ignore_errors=True)

@@ -1,108 +1,227 @@
 """Sweeps: one plan per point of a Hydra multirun (`autopar plan MODEL.py -m cluster.nodes=1,2,4 ...`).
 
-The override list is expanded with Hydra's own sweep grammar (comma lists, range(), choice(),
-glob()), as `@hydra.main` multirun would; every point is planned in this process (the model is
-traced once per distinct model/train setting) and one row per point goes to sweep.csv and
-sweep.md, with a scaling plot of throughput and MFU against GPUs (sweep.png). Each point's
-plan.json is kept in a numbered folder, as Hydra's multirun output does.
+The sweep goes through Hydra's sweeper and launcher (`autopar.hydra_app.multirun`): the basic
+sweeper expands comma lists, range(), choice() and glob(); hydra/sweeper=optuna searches a space
+for the best `sweep.objective` (cost per million tokens, tokens/s per dollar, ... under
+`sweep.max_step_time_s`); hydra/launcher=joblib|submitit_local|submitit_slurm runs the points in
+parallel or on a cluster. Each point is a Hydra job: its folder (hydra.sweep.dir/<job number>)
+holds `.hydra/` (config and overrides), plan.json and sweep_row.json; once the sweep returns,
+the rows are gathered into sweep.csv, sweep.md and a scaling plot of throughput and MFU against
+GPUs (sweep.png) in hydra.sweep.dir.
 """
 from __future__ import annotations
 
 import csv
 import io
+import json
+import math
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from autopar.config import SWEEP_OBJECTIVES
 from autopar.errors import ConfigError, UserError
 
 GPU_COUNT_KEYS = ("cluster.nodes", "cluster.gpus_per_node", "cluster.node_groups")
 COLUMNS = ("point", "overrides", "series", "status", "gpus", "cluster", "dp", "tp", "pp", "cp", "zero_stage",
            "micro_batch_size", "num_micro_batches", "schedule", "step_time_s", "tokens_per_s", "samples_per_s",
-           "mfu", "peak_memory_gib", "cost_per_million_tokens")
+           "mfu", "peak_memory_gib", "cost_per_million_tokens", "objective")
+ROW_FILE = "sweep_row.json"
 
 
-@dataclass(frozen=True)
-class SweepPoint:
-    index: int
-    overrides: list[str]  # every override of this point (fixed ones included)
-    swept: list[str]  # the ones that vary between points
-
-
-def expand(overrides: list[str]) -> list[SweepPoint]:
-    """Cartesian product of the sweep overrides, in Hydra's BasicSweeper order."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+def validation_overrides(overrides: list[str]) -> list[list[str]]:
+    """Override lists that together try every value of every swept key once (an interval only at
+    its ends), so a typo or a value of the wrong type anywhere is caught before any point runs,
+    without composing the whole product."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
     from hydra.errors import HydraException
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        batches = BasicSweeper.split_arguments(parsed, None)
     except HydraException as err:
         raise ConfigError(f"Invalid sweep: {' '.join(str(err).split())}",
-                          "write sweeps as key=a,b,c (or range(1,9), choice(...)).") from None
-    swept_keys = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-    points = batches[0] if batches else [[]]
-    return [SweepPoint(i, list(point), [item for item in point if item.split("=", 1)[0] in swept_keys])
-            for i, point in enumerate(points)]
+                          "write sweeps as key=a,b,c (or range(1,9), choice(...), interval(...) with Optuna).") from None
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    lists = [fixed]
+    for o in parsed:
+        if not o.is_sweep_override():
+            continue
+        key = o.get_key_element()
+        sweep = o.value()
+        if isinstance(sweep, IntervalSweep):
+            values = [_number(sweep.start), _number(sweep.end)]
+        else:
+            values = list(o.sweep_string_iterator())
+        lists += [fixed + [f"{key}={value}"] for value in values]
+    return lists
 
 
-def series_name(point: SweepPoint) -> str:
-    """What distinguishes a line in the scaling plot: the swept settings other than GPU count."""
-    rest = [item for item in point.swept if item.split("=", 1)[0].lstrip("+~") not in GPU_COUNT_KEYS]
-    return " ".join(rest) or "plan"
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def row_of(point: SweepPoint, plan: Any, price_per_gpu_hour: float, cluster_name: str) -> dict[str, Any]:
+def check_sweep(overrides: list[str]) -> None:
+    """Every swept value composes, and an optimising sweeper's direction matches the objective."""
+    from omegaconf import OmegaConf
+
+    from autopar.config import compose_config
+
+    cfg = None
+    for item in validation_overrides(overrides):
+        cfg = compose_config(item, hydra=True)
+    objective = cfg.sweep.objective
+    if objective not in SWEEP_OBJECTIVES:
+        raise ConfigError(f"sweep.objective={objective} is not an objective autopar knows.",
+                          f"use one of {', '.join(SWEEP_OBJECTIVES)}.")
+    direction = OmegaConf.select(cfg, "hydra.sweeper.direction", default=None)
+    if isinstance(direction, str) and direction.lower() != SWEEP_OBJECTIVES[objective]:
+        raise ConfigError(f"hydra.sweeper.direction={direction} would search for the worst {objective}.",
+                          f"set hydra.sweeper.direction={SWEEP_OBJECTIVES[objective]}, or pick another "
+                          "sweep.objective.")
+
+
+def objective_value(row: dict[str, Any], objective: str, max_step_time_s: float) -> float:
+    """The number a point returns to the sweeper: its objective, or the objective's worst value
+    when it has no plan or misses the step-time deadline."""
+    minimise = SWEEP_OBJECTIVES[objective] == "minimize"
+    worst = math.inf if minimise else 0.0
+    if row.get("status") != "ok" or (max_step_time_s and row["step_time_s"] > max_step_time_s):
+        return worst
+    if objective == "tokens_per_s_per_dollar":
+        cost = row.get("cost_per_million_tokens")
+        return 1e6 / cost if cost else worst
+    value = row.get(objective)
+    return float(value) if value is not None else worst
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """Hydra's task for one sweep point: plan it, keep plan.json and the row in the job's folder,
+    return the objective. Plain data, so a launcher can pickle it to another process or machine;
+    it never raises (a point without a plan is a row that says why)."""
+
+    model_path: str
+    quiet: bool = False
+
+    def __call__(self, cfg: Any) -> float:
+        from hydra.core.hydra_config import HydraConfig
+
+        job = HydraConfig.get()
+        folder = Path(job.runtime.output_dir)
+        overrides = list(job.overrides.task)
+        self.say(f"[{job.job.num}] {' '.join(overrides)}: planning ...")
+        row = self.plan_row(cfg, folder)
+        row.update(point=job.job.num, overrides=overrides)
+        row["objective"] = objective_value(row, cfg.sweep.objective, cfg.sweep.max_step_time_s)
+        (folder / ROW_FILE).write_text(json.dumps(row, indent=1))
+        self.say(f"[{job.job.num}] {row['status']}"
+                 + (f": {row['step_time_s']:.4g} s/step, {row['tokens_per_s']:,.0f} tokens/s" if row["status"] == "ok"
+                    else ""))
+        return row["objective"]
+
+    def say(self, line: str) -> None:
+        # A plain print: the launcher may run this point in another process, away from the CLI's console.
+        if not self.quiet:
+            print(line, flush=True)
+
+    def plan_row(self, cfg: Any, folder: Path) -> dict[str, Any]:
+        from autopar.driver import build_cluster, run_plan
+
+        try:
+            cluster = build_cluster(cfg)
+            result = run_plan(self.model_path, cfg, profile=_profile(self.model_path, cfg))
+        except UserError as err:
+            return failed_row(None, err.problem)
+        except Exception as err:  # noqa: BLE001 - a bug: its traceback goes in the row, the sweep goes on
+            return failed_row(None, f"internal error {type(err).__name__}: {err}", traceback.format_exc())
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "plan.json").write_text(result.plan.to_json())
+        return row_of(result.plan, cluster.price_per_gpu_hour, cluster.name)
+
+
+# A sweep over clusters traces the model once per process (the basic launcher runs every point
+# in this one; joblib workers each keep their own).
+_PROFILES: dict[str, Any] = {}
+
+
+def _profile(model_path: str, cfg: Any) -> Any:
+    from autopar.driver import model_kwargs, run_profile
+
+    key = repr((model_path, model_kwargs(cfg), cfg.train.micro_batch_size, cfg.train.precision))
+    if key not in _PROFILES:
+        _PROFILES[key] = run_profile(model_path, cfg)
+    return _PROFILES[key]
+
+
+def row_of(plan: Any, price_per_gpu_hour: float, cluster_name: str) -> dict[str, Any]:
     predicted = plan.predicted
     cost = (price_per_gpu_hour * plan.world_size / 3600 / predicted.tokens_per_s * 1e6
             if price_per_gpu_hour and predicted.tokens_per_s else None)
-    return {"point": point.index, "overrides": " ".join(point.swept), "series": series_name(point), "status": "ok",
-            "gpus": plan.world_size, "cluster": cluster_name, "dp": plan.dp, "tp": plan.tp, "pp": plan.pp,
-            "cp": plan.cp, "zero_stage": plan.zero_stage, "micro_batch_size": plan.micro_batch_size,
+    return {"status": "ok", "gpus": plan.world_size, "cluster": cluster_name, "dp": plan.dp, "tp": plan.tp,
+            "pp": plan.pp, "cp": plan.cp, "zero_stage": plan.zero_stage, "micro_batch_size": plan.micro_batch_size,
             "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule,
             "step_time_s": predicted.step_time_s, "tokens_per_s": predicted.tokens_per_s,
             "samples_per_s": predicted.samples_per_s, "mfu": predicted.mfu,
             "peak_memory_gib": predicted.peak_memory_bytes / 2**30, "cost_per_million_tokens": cost}
 
 
-def failed_row(point: SweepPoint, gpus: int | None, error: UserError) -> dict[str, Any]:
+def failed_row(gpus: int | None, problem: str, details: str | None = None) -> dict[str, Any]:
     row = dict.fromkeys(COLUMNS)
-    row.update({"point": point.index, "overrides": " ".join(point.swept), "series": series_name(point),
-                "status": f"no plan: {error.problem}", "gpus": gpus})
+    row.update({"status": f"no plan: {problem}", "gpus": gpus})
+    if details:
+        row["traceback"] = details
     return row
 
 
-def run_sweep(model_path: str | Path, overrides: list[str], out_dir: str | Path,
-              on_point: Callable[[SweepPoint, int], None] | None = None) -> list[dict[str, Any]]:
-    """Plan every point; a point without a plan (infeasible, bad pins) becomes a row saying why."""
-    from autopar.config import compose_config
-    from autopar.driver import build_cluster, model_kwargs, run_plan, run_profile
+def run_sweep(model_path: str | Path, overrides: list[str], sweep_dir: str | Path,
+              quiet: bool = False) -> list[dict[str, Any]]:
+    """Check every swept value, run the sweep through Hydra (``overrides`` carry the sweeper,
+    launcher and hydra.* settings; hydra.sweep.dir is set to ``sweep_dir``), then gather the
+    points' rows into sweep.csv/md/png. Rows older than this sweep (a reused folder) are ignored."""
+    from autopar import hydra_app
 
-    out_dir = Path(out_dir)
-    points = expand(overrides)
-    configs = [compose_config(point.overrides) for point in points]  # every point valid before any work
-    rows = []
-    profiles: dict[str, Any] = {}  # a sweep over clusters traces the model once
-    for point, cfg in zip(points, configs):
-        if on_point is not None:
-            on_point(point, len(points))
-        cluster = build_cluster(cfg)
-        key = repr((model_kwargs(cfg), cfg.train.micro_batch_size, cfg.train.precision))
-        try:
-            if key not in profiles:
-                profiles[key] = run_profile(model_path, cfg)
-            result = run_plan(model_path, cfg, profile=profiles[key])
-        except UserError as err:
-            rows.append(failed_row(point, cluster.world_size, err))
-            continue
-        folder = out_dir / str(point.index)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "plan.json").write_text(result.plan.to_json())
-        (folder / "overrides.txt").write_text("\n".join(point.overrides) + "\n")
-        rows.append(row_of(point, result.plan, cluster.price_per_gpu_hour, cluster.name))
-    write_sweep(rows, out_dir)
+    check_sweep(overrides)
+    sweep_dir = Path(sweep_dir)
+    started = time.time()
+    code = hydra_app.multirun(PlanPoint(str(Path(model_path).resolve()), quiet),
+                              [item for item in overrides if not item.startswith("hydra.sweep.dir=")]
+                              + [f"hydra.sweep.dir={sweep_dir}"])
+    if code:
+        raise UserError(f"The sweep stopped (Hydra exit {code}); see the message above.",
+                        "fix the sweep's settings (launcher, sweeper) and run it again.")
+    rows = gather_rows(sweep_dir, since=started - 1.0)
+    write_sweep(rows, sweep_dir)
     return rows
+
+
+def gather_rows(sweep_dir: Path, since: float) -> list[dict[str, Any]]:
+    """The rows this sweep's jobs wrote, by job number, with the settings that vary between them."""
+    rows = []
+    for path in sweep_dir.rglob(ROW_FILE):
+        if path.stat().st_mtime >= since:
+            rows.append(json.loads(path.read_text()))
+    rows.sort(key=lambda row: row["point"])
+    varying = _varying_keys([row["overrides"] for row in rows])
+    for row in rows:
+        swept = [item for item in row["overrides"] if item.split("=", 1)[0].lstrip("+~") in varying]
+        row["overrides"] = " ".join(swept)
+        rest = [item for item in swept if item.split("=", 1)[0].lstrip("+~") not in GPU_COUNT_KEYS]
+        row["series"] = " ".join(rest) or "plan"
+    return rows
+
+
+def _varying_keys(point_overrides: list[list[str]]) -> set[str]:
+    values: dict[str, set[str]] = {}
+    for items in point_overrides:
+        for item in items:
+            key, _, value = item.partition("=")
+            values.setdefault(key.lstrip("+~"), set()).add(value)
+    return {key for key, seen in values.items()
+            if len(seen) > 1 or sum(key == i.partition("=")[0].lstrip("+~") for o in point_overrides for i in o)
+            < len(point_overrides)}
 
 
 def _cell(value: Any) -> str:

@@ -36,6 +36,15 @@ def test_compile_writes_the_module_scripts_and_plan(compiled):
     assert not [p for p in compiled.parent.iterdir() if p.name.startswith(".")]  # no staging left
 
 
+def test_compiled_folder_keeps_the_hydra_config_that_made_it(compiled):
+    """.hydra/config.yaml and overrides.yaml travel with the module: the plan's provenance."""
+    import yaml
+
+    assert yaml.safe_load((compiled / ".hydra" / "overrides.yaml").read_text())[:4] == OVERRIDES[:4]
+    config = yaml.safe_load((compiled / ".hydra" / "config.yaml").read_text())
+    assert config["cluster"]["gpus_per_node"] == 2 and config["model"]["hidden"] == 64
+
+
 def test_run_trains_like_the_unsharded_model(compiled, capsys):
     assert main(["run", str(compiled), "--steps", "3", "--echo"]) == 0
     records = [json.loads(line) for line in (compiled / "run.jsonl").read_text().splitlines()]

@@ -1,0 +1,152 @@
+"""Hydra semantics of the CLI: hydra.* settings honoured, provenance in each output folder,
+--cfg/--info/--help, +/~ overrides checked against the schemas, typed errors before torch is
+imported, and sweeps through Hydra's launchers and sweepers (basic, joblib, Optuna)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autopar.cli import main
+from autopar.config import compose_config
+from autopar.errors import ConfigError
+from autopar.plan import Plan
+
+TINY = ["cluster=cpu_gloo", "model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32",
+        "model.vocab=128", "train.global_batch_size=8", "train.precision=fp32"]
+
+
+def error_of(capsys, argv: list[str]) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "Traceback" not in err
+    return " ".join(err.split())
+
+
+@pytest.mark.parametrize("override, words", [
+    ("cluster.nodes=two", "cluster.nodes=two: an integer is expected"),
+    ("solver.time_limit_s=fast", "solver.time_limit_s=fast: a number is expected"),
+    ("plan.hybrid_shard=maybe", "plan.hybrid_shard=maybe: true or false is expected"),
+    ("solver.schedules=gpipe", "solver.schedules: a list is expected"),
+    ("cluster.nodez=2", "cluster.nodez is not a field of cluster. Fix: check the spelling (did you mean nodes?)"),
+])
+def test_typed_errors_name_what_the_field_expects(examples_dir, capsys, override, words):
+    assert words in error_of(capsys, ["plan", str(examples_dir / "gpt.py"), override])
+
+
+def test_plus_adds_keys_only_where_the_schema_allows(examples_dir, capsys):
+    """`+key=value` on a dataclass section used to be accepted and ignored; the model section
+    (build_model's keywords) stays open."""
+    assert "cluster.foo is not a field of cluster" in error_of(capsys, ["plan", str(examples_dir / "gpt.py"),
+                                                                          "+cluster.foo=1"])
+    assert "plan.tpp is not a field of plan" in error_of(capsys, ["estimate", str(examples_dir / "gpt.py"),
+                                                                    "+plan.tpp=2"])
+    assert "(did you mean tp?)" in error_of(capsys, ["profile", str(examples_dir / "gpt.py"), "+plan.tpp=2"])
+    assert compose_config(["+model.dropout=0.1"]).model.dropout == 0.1
+
+
+def test_tilde_deletes_open_keys_but_not_schema_fields():
+    assert "layers" not in compose_config(["model.layers=2", "model.hidden=64", "~model.layers"]).model
+    with pytest.raises(ConfigError, match=r"~cluster.nodes would delete a field of the schema"):
+        compose_config(["~cluster.nodes"])
+
+
+def test_config_error_is_reported_before_torch_is_imported(examples_dir):
+    """A typo costs a fraction of a second: the configuration is checked before the model
+    (and torch, ~10 s to import on a loaded 2-core machine) is loaded."""
+    code = ("import sys; from autopar.cli import main; rc = main(['plan', sys.argv[1], 'cluster.nodez=2']); "
+            "print('torch imported:', 'torch' in sys.modules); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(examples_dir / "gpt.py")], capture_output=True, text=True)
+    assert done.returncode == 1 and "cluster.nodez" in done.stderr
+    assert "torch imported: False" in done.stdout
+
+
+def test_cfg_job_prints_the_composed_config_and_writes_nothing(examples_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "cluster.gpus_per_node=2", "--cfg", "job"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["cluster"]["name"] == "cpu_gloo" and cfg["cluster"]["gpus_per_node"] == 2
+    assert cfg["model"]["layers"] == 2 and cfg["train"]["precision"] == "fp32" and "hydra" not in cfg
+    assert main(["compile", str(examples_dir / "gpt.py"), "hydra.run.dir=somewhere", "-c", "hydra", "--out-dir",
+                 "x"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["hydra"]["run"]["dir"] == "somewhere"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_and_help_list_groups_and_fields(examples_dir, capsys):
+    assert main(["plan", str(examples_dir / "gpt.py"), "--info", "defaults"]) == 0
+    assert "cluster/dgx_h100" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert "cluster=  calibrated | cpu_gloo" in text and "global_batch_size:int" in text
+    assert "hydra/launcher=basic|joblib|submitit_local|submitit_slurm" in text
+
+
+def test_plan_writes_into_the_hydra_run_dir_with_its_provenance(examples_dir, tmp_path, monkeypatch, capsys):
+    """Without --out the plan goes to Hydra's run folder, says so, and keeps .hydra/ beside it;
+    a failed plan leaves no folder behind."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "hydra.run.dir=runs/a"]) == 0
+    assert "wrote runs/a/plan.json (Hydra's run folder" in " ".join(capsys.readouterr().out.split())
+    assert Plan.load(tmp_path / "runs/a/plan.json").world_size == 4
+    assert yaml.safe_load((tmp_path / "runs/a/.hydra/overrides.yaml").read_text())[0] == "cluster=cpu_gloo"
+    assert yaml.safe_load((tmp_path / "runs/a/.hydra/config.yaml").read_text())["model"]["hidden"] == 64
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "plan.tp=3"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no outputs/<date>/<time> left over
+
+
+def test_sweep_writes_into_hydra_sweep_dir(examples_dir, tmp_path, monkeypatch):
+    """`autopar plan MODEL -m cluster.nodes=1,2 hydra.sweep.dir=D` writes into D: one folder per
+    point with its plan and .hydra/, and the sweep's tables."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "cluster.gpus_per_node=1", "-m", "cluster.nodes=1,2",
+                 "hydra.sweep.dir=D", "-q"]) == 0
+    rows = list(csv.DictReader((tmp_path / "D/sweep.csv").open()))
+    assert [(row["overrides"], int(row["gpus"])) for row in rows] == [("cluster.nodes=1", 1), ("cluster.nodes=2", 2)]
+    for point in ("0", "1"):
+        assert Plan.load(tmp_path / "D" / point / "plan.json").world_size == int(point) + 1
+        assert f"cluster.nodes={int(point) + 1}" in (tmp_path / "D" / point / ".hydra/overrides.yaml").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["D"]
+
+
+def test_joblib_launcher_plans_points_in_parallel_processes(examples_dir, tmp_path):
+    out = tmp_path / "sweep"
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=1,2",
+                 "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "--out-dir", str(out), "-q"]) == 0
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    assert [int(row["gpus"]) for row in rows] == [1, 2] and {row["status"] for row in rows} == {"ok"}
+    assert (out / "multirun.yaml").is_file() and Plan.load(out / "1" / "plan.json").world_size == 2
+
+
+def test_optuna_minimises_cost_per_million_tokens_under_a_step_time_bound(examples_dir, tmp_path):
+    """Optuna's best value is the cheapest cost per million tokens among the points it tried that
+    meet the deadline; a point over the deadline scores an infinite cost."""
+    out = tmp_path / "sweep"
+    deadline_s = 0.005
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=choice(1,2,4)",
+                 "cluster.price_per_gpu_hour=2", "sweep.objective=cost_per_million_tokens",
+                 f"sweep.max_step_time_s={deadline_s}", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",
+                 "hydra.sweeper.direction=minimize", "hydra.sweeper.sampler.seed=3", "--out-dir", str(out), "-q"]) == 0
+    rows = [json.loads(path.read_text()) for path in sorted(out.glob("*/sweep_row.json"))]
+    assert len(rows) == 4
+    for row in rows:
+        expected = row["cost_per_million_tokens"] if row["step_time_s"] <= deadline_s else math.inf
+        assert row["objective"] == expected
+    best = yaml.safe_load((out / "optimization_results.yaml").read_text())
+    assert best["best_value"] == min(row["objective"] for row in rows) < math.inf
+    best_row = min(rows, key=lambda row: row["objective"])
+    assert best["best_params"]["cluster.gpus_per_node"] == best_row["gpus"]
+
+
+def test_optuna_direction_must_match_the_objective(examples_dir, tmp_path, capsys):
+    err = error_of(capsys, ["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=choice(1,2)",
+                            "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "--out-dir", str(tmp_path / "s")])
+    assert "set hydra.sweeper.direction=minimize" in err and not (tmp_path / "s").exists()

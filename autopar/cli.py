@@ -299,12 +299,12 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     def job(cfg: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from autopar.driver import report_of, run_plan
+        from autopar.driver import precision_note, report_of, run_plan
+        from autopar.progress import PhaseProgress
         from autopar.report.terminal import print_plan
 
-        with console.status("Tracing, pricing and solving ...") as status:
-            def progress(done: int, total: int) -> None:
-                status.update(f"Solving: candidate {done} of {total} in bound order ...")
+        _note(console, precision_note(cfg))
+        with PhaseProgress(console, f"planning {args.model}") as progress:
             result = run_plan(args.model, cfg, progress=progress)
         print_plan(result, console)
         from autopar.hydra_app import write_provenance
@@ -322,6 +322,12 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
     _run_job(job, overrides)
     return 0
+
+
+def _note(console: Console, text: str | None) -> None:
+    """A setting that will not be honoured as given, said before the work starts."""
+    if text:
+        console.print(f"[bold yellow]note:[/] {text}", highlight=False)
 
 
 def _shown_path(path: Path) -> Path:
@@ -387,12 +393,12 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
 
     def job(cfg: Any) -> None:
         from autopar import hydra_app
-        from autopar.driver import run_compile
+        from autopar.driver import precision_note, run_compile
+        from autopar.progress import PhaseProgress
         from autopar.report.terminal import print_plan
 
-        with console.status("Tracing, pricing and solving ..." if args.plan is None else "Generating ...") as status:
-            def progress(done: int, total: int) -> None:
-                status.update(f"Solving: candidate {done} of {total} in bound order ...")
+        _note(console, precision_note(cfg))
+        with PhaseProgress(console, f"planning {args.model}" if args.plan is None else f"reusing {args.plan}") as progress:
             plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress,
                                               provenance=hydra_app.provenance_files(cfg))
         if result is not None:

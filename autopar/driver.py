@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -11,6 +11,9 @@ from autopar.model_file import load_model_file
 from autopar.profile import ModelProfile, profile_model
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
+
+if TYPE_CHECKING:
+    from autopar.progress import Reporter
 
 
 def model_kwargs(cfg: Any) -> dict[str, Any]:
@@ -72,20 +75,37 @@ def run_estimate(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, Parall
         raise ConfigError(f"This plan cannot run: {err}.", "change the plan.* overrides.") from None
 
 
-def run_plan(model_path: str | Path, cfg: Any, progress: Callable[[int, int], None] | None = None,
+def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = None,
              profile: ModelProfile | None = None):
-    """Stages 1-4: profile (unless given), then search for the fastest plan that fits (`autopar plan`)."""
+    """Stages 1-4: profile (unless given), then search for the fastest plan that fits (`autopar plan`);
+    ``progress`` hears of each phase and search step."""
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
 
     cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
-    profile = profile or run_profile(model_path, cfg)
+    if profile is None:
+        if progress:
+            progress.phase(f"tracing one training step of {model_path} on fake tensors")
+        profile = run_profile(model_path, cfg)
+    if progress:
+        progress.phase(f"traced {len(profile.ops):,} ops in {len(profile.layers)} layers; building the search space")
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
-    planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress)
+    planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress.search if progress else None)
     result = planner.run()
     result.plan = with_cluster_config(result.plan, cfg)
     return result
+
+
+def precision_note(cfg: Any) -> str | None:
+    """What to tell when the requested precision is not what will run: the generated module
+    computes in fp32 on CPU ranks (gloo), whatever train.precision says."""
+    gpus = {cfg.cluster.gpu, *(group.gpu for group in cfg.cluster.node_groups)}
+    if cfg.train.precision != "fp32" and "cpu" in gpus:
+        return (f"train.precision={cfg.train.precision}: CPU ranks compute in fp32, so the generated module trains "
+                f"in fp32 there (the plan is priced in {cfg.train.precision}); set train.precision=fp32 to price "
+                "what runs.")
+    return None
 
 
 def cluster_config(cfg: Any) -> dict[str, Any]:
@@ -114,11 +134,15 @@ def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     from autopar.report.document import build_report, replication_notes
     from autopar.solver.tp_split import replicated_ops
 
+    from dataclasses import replace
+
     pricer, estimate = price_saved_plan(plan, model_path)
-    return build_report(plan, estimate, pricer,
-                        notes=["Rebuilt from plan.json alone: the runners-up and binding limits are recorded only "
-                               "when the report is written by `autopar compile` or `autopar plan --report`."]
-                        + replication_notes(replicated_ops(pricer.tp_splitter, plan.tp), plan.tp))
+    report = build_report(plan, estimate, pricer,
+                          notes=["Rebuilt from plan.json alone: the runners-up, binding limits and the search's "
+                                 "wall time are recorded only when the report is written by `autopar compile` or "
+                                 "`autopar plan --report`."]
+                          + replication_notes(replicated_ops(pricer.tp_splitter, plan.tp), plan.tp))
+    return replace(report, solver_seconds=None)
 
 
 def price_saved_plan(plan: Any, model_path: str | Path | None = None) -> tuple[PlanPricer, Estimate]:
@@ -199,7 +223,7 @@ def read_plan(plan_path: str | Path):
 
 
 def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
-                progress: Callable[[int, int], None] | None = None, provenance: dict[str, str] | None = None):
+                progress: "Reporter | None" = None, provenance: dict[str, str] | None = None):
     """Stages 1-5: plan (or reuse a saved plan) and write the parallel module and launch
     scripts into ``out_dir``, all or nothing: files are built in a sibling folder that replaces
     ``out_dir`` only once everything is written. ``provenance`` (relative path -> text, e.g.
@@ -217,6 +241,8 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
         result = run_plan(model_path, cfg, progress=progress)
         plan = result.plan
     out_dir = Path(out_dir)
+    if progress:
+        progress.phase(f"writing the module, launch scripts and report into {out_dir}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".partial"))
     staging.chmod(0o755)  # mkdtemp's folder is private; the output is an ordinary folder

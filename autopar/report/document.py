@@ -81,7 +81,9 @@ class PlanReport:
     binding: list[BindingRow] = field(default_factory=list)
     groups: list[GroupRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    solver_seconds: float = 0.0  # the search's wall time (not in plan.json, which stays byte-stable)
+    # The search's wall time; None when the report was rebuilt from plan.json, which keeps no
+    # wall time so that it stays byte-stable.
+    solver_seconds: float | None = 0.0
 
     def to_json(self) -> str:
         return json.dumps(to_jsonable(self), indent=1)

@@ -59,7 +59,9 @@ def sections(report: PlanReport) -> list[Section]:
         ["cost per million tokens", f"{cost:,.4f} (at {report.cluster.price_per_gpu_hour}/GPU-hour)" if cost
          else "set cluster.price_per_gpu_hour"],
         ["solver", f"{solver.status}, {solver.candidates:,} candidates ({solver.priced:,} priced in full), "
-                   f"{report.solver_seconds:.1f} s" + (f", gap {solver.gap:.1%}" if solver.gap else "")]])]))
+                   + (f"{report.solver_seconds:.1f} s" if report.solver_seconds is not None
+                      else "search time not recorded (priced again from plan.json)")
+                   + (f", gap {solver.gap:.1%}" if solver.gap else "")]])]))
     if solver.status not in ("OPTIMAL", "PINNED"):
         result[-1].blocks.insert(0, f"**Not proven optimal**: the solver stopped with status {solver.status}; "
                                     f"this is the best plan found, at most {solver.gap:.1%} from the bound.")

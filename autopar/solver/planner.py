@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
-from autopar.solver.search import PlanSearch, Scored, SearchResult
+from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
 from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter, replicated_ops
 from cost_models.hardware import get_gpu, known_gpus
@@ -71,7 +71,7 @@ class Planner:
     """Plans one model (profile) for one cluster."""
 
     def __init__(self, profile: "ModelProfile", cluster: ClusterSpec, train: TrainSpec, solver: "SolverConfig",
-                 pins: "PlanPins", progress: Callable[[int, int], None] | None = None):
+                 pins: "PlanPins", progress: Callable[[SearchProgress], None] | None = None):
         self.profile = profile
         self.cluster = cluster
         self.train = train

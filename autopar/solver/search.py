@@ -74,11 +74,30 @@ class SearchResult:
     over_memory: list = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where the search is, for a progress display: the phase (pricing the candidates' compute
+    floors, or solving in bound order), how far, and once a plan is found its step time and the
+    relative gap to the lowest bound still open."""
+
+    phase: str  # "pricing" | "solving"
+    done: int
+    total: int
+    incumbent_s: float | None = None
+    bound_s: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        if self.incumbent_s is None or self.bound_s is None:
+            return None
+        return max(0.0, (self.incumbent_s - self.bound_s) / self.incumbent_s)
+
+
 class PlanSearch:
     """Branch and bound over candidates with the partition ILP as the inner solver."""
 
     def __init__(self, pricer: CandidatePricer, time_limit_s: float = 60.0, top_k: int = 1, seed: int = 0,
-                 workers: int = 1, progress: Callable[[int, int], None] | None = None,
+                 workers: int = 1, progress: Callable[[SearchProgress], None] | None = None,
                  solve_work_limit: float = 2.0,
                  fixed_partition: Callable[[PartitionProblem], Partition | None] | None = None):
         self.pricer = pricer
@@ -92,6 +111,8 @@ class PlanSearch:
     def run(self, candidates: list[Candidate]) -> SearchResult:
         start = time.perf_counter()
         rejected: dict[str, int] = {}
+        if self.progress:
+            self.progress(SearchProgress("pricing", 0, len(candidates)))
         floors = self._floors(candidates, rejected)
         waiting: list[tuple[float, int, Candidate, PartitionProblem]] = []  # priced, by lower bound
         next_floor = 0
@@ -136,7 +157,8 @@ class PlanSearch:
                 break
             bound, index, candidate, problem = heapq.heappop(waiting)
             if self.progress:
-                self.progress(next_floor, len(floors))
+                incumbent = min(-entry.step_time_s for entry in best) if best else None
+                self.progress(SearchProgress("solving", next_floor, len(floors), incumbent, bound))
             fixed = self.pricer.fixed_time_s(candidate)
             key = id(problem)
             if key not in solved:

@@ -150,3 +150,36 @@ def test_optuna_direction_must_match_the_objective(examples_dir, tmp_path, capsy
     err = error_of(capsys, ["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=choice(1,2)",
                             "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "--out-dir", str(tmp_path / "s")])
     assert "set hydra.sweeper.direction=minimize" in err and not (tmp_path / "s").exists()
+
+
+def test_progress_by_phase_in_a_log(examples_dir, tmp_path, capsys):
+    """Not on a terminal, each phase is a timestamped line (the solver's too), and bf16 on CPU
+    ranks is said to train in fp32."""
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY[:-1], "train.precision=bf16", "--out",
+                 str(tmp_path / "plan.json")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: train.precision=bf16: CPU ranks compute in fp32" in out
+    phases = ["tracing one training step", "traced", "ops in 6 layers", "pricing", "candidates (compute floors)",
+              "solving: candidate"]
+    positions = [out.index(words) for words in phases]
+    assert positions == sorted(positions)
+
+
+def test_solving_lines_show_the_incumbent_and_gap_at_most_every_interval():
+    from rich.console import Console
+
+    from autopar.progress import PhaseProgress
+    from autopar.solver.search import SearchProgress
+
+    console = Console(record=True, force_terminal=False, width=200)
+    with PhaseProgress(console, "planning", interval_s=3600) as progress:
+        progress.phase("tracing")
+        progress.search(SearchProgress("pricing", 0, 10))
+        progress.search(SearchProgress("solving", 1, 10))
+        progress.search(SearchProgress("solving", 2, 10, incumbent_s=0.010, bound_s=0.008))  # within the interval
+    lines = console.export_text().splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == [
+        "tracing", "pricing 10 candidates (compute floors)", "solving: candidate 1 of 10 in bound order"]
+    progress = PhaseProgress(console, "planning", interval_s=0.0)
+    progress.search(SearchProgress("solving", 2, 10, incumbent_s=0.010, bound_s=0.008))
+    assert console.export_text().strip().endswith("best plan so far 10.0 ms/step, gap ≤ 20.0%")

@@ -140,6 +140,10 @@ def test_report_verb_rerenders_a_folder_and_reprices_a_bare_plan(reported, tmp_p
     first = json.loads((reported / "report.json").read_text())
     assert again["estimate"]["step_time_s"] == pytest.approx(first["estimate"]["step_time_s"], rel=1e-9)
     assert again["alternatives"] == [] and "Rebuilt from plan.json" in (bare / "report.md").read_text()
+    # plan.json keeps no wall time (byte-stable), so the re-priced report says so instead of "0.0 s"
+    assert again["solver_seconds"] is None and first["solver_seconds"] > 0
+    assert "search time not recorded" in (bare / "report.md").read_text()
+    assert "search time not recorded" not in (reported / "report.md").read_text()
 
 
 def test_report_of_a_corrupted_plan_exits_1_and_writes_nothing(tmp_path, capsys):

@@ -94,7 +94,7 @@ def test_plan_writes_into_the_hydra_run_dir_with_its_provenance(examples_dir, tm
     """Without --out the plan goes to Hydra's run folder, says so, and keeps .hydra/ beside it;
     a failed plan leaves no folder behind."""
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "hydra.run.dir=runs/a"]) == 0
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "hydra.run.dir=runs/${hydra.job.name}", "hydra.job.name=a"]) == 0
     assert "wrote runs/a/plan.json (Hydra's run folder" in " ".join(capsys.readouterr().out.split())
     assert Plan.load(tmp_path / "runs/a/plan.json").world_size == 4
     assert yaml.safe_load((tmp_path / "runs/a/.hydra/overrides.yaml").read_text())[0] == "cluster=cpu_gloo"

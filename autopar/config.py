@@ -207,8 +207,8 @@ def fields_outside_schema(cfg: Any) -> list[tuple[str, list[str]]]:
                 continue
             if names is not None and key not in names:
                 found.append((where, names))
-            elif names is not None and isinstance(node._get_node(key), DictConfig):
-                walk(node._get_node(key), where)
+            elif names is not None and isinstance(node[key], DictConfig):
+                walk(node[key], where)
 
     walk(cfg, "")
     return found

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
+from rich.markup import escape
 
 from autopar.errors import ConfigError, UserError
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args, console)
     except UserError as err:
-        errors.print(f"[bold red]error:[/] {err}", markup=True, highlight=False, soft_wrap=True)
+        errors.print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
         return err.exit_code
     except KeyboardInterrupt:
         return 130

@@ -254,6 +254,11 @@ def config_error(err: Exception) -> ConfigError:
                                f"check the spelling{_did_you_mean(key, known)}; `autopar plan --help` lists every "
                                "group and field.")
     message = " ".join(str(err).split())
+    if "Could not find 'hydra/launcher/" in message or "Could not find 'hydra/sweeper/" in message:
+        return ConfigError(f"Invalid configuration: {message.split(' Config search path')[0]}",
+                           "Hydra's plugins are extras: pip install 'autopar[joblib]' (hydra/launcher=joblib), "
+                           "'autopar[submitit]' (submitit_local, submitit_slurm) or 'autopar[optuna]' "
+                           "(hydra/sweeper=optuna).")
     return ConfigError(f"Invalid configuration: {message}",
                        "check the override's spelling against `autopar <verb> --help` and the presets of "
                        "autopar/conf/.")

@@ -183,3 +183,10 @@ def test_solving_lines_show_the_incumbent_and_gap_at_most_every_interval():
     progress = PhaseProgress(console, "planning", interval_s=0.0)
     progress.search(SearchProgress("solving", 2, 10, incumbent_s=0.010, bound_s=0.008))
     assert console.export_text().strip().endswith("best plan so far 10.0 ms/step, gap ≤ 20.0%")
+
+
+def test_a_missing_plugin_names_the_extra_that_installs_it(examples_dir, tmp_path, capsys):
+    err = error_of(capsys, ["plan", str(examples_dir / "gpt.py"), "-m", "cluster.nodes=1,2", "hydra/launcher=ray",
+                            "--out-dir", str(tmp_path / "s")])
+    assert "Could not find 'hydra/launcher/ray'" in err and "pip install 'autopar[joblib]'" in err
+    assert not (tmp_path / "s").exists()

@@ -38,9 +38,16 @@ PLAN_EXAMPLES = """examples:
   autopar plan examples/gpt.py cluster=dgx_a100_80g cluster.nodes=4 train.global_batch_size=256
   autopar plan examples/llama_hf.py cluster=dgx_h100 cluster.nodes=64 plan.tp=8 --top-k 5 --out plan.json
   autopar plan examples/gpt.py solver.objective=memory solver.time_limit_s=30 --report report/
-  # a sweep (Hydra multirun): one plan per point, sweep.csv + sweep.md + sweep.png in --out-dir
+  autopar plan examples/gpt.py cluster=cpu_gloo --cfg job   # print the composed configuration
+  # a sweep (Hydra multirun): one plan per point, sweep.csv + sweep.md + sweep.png in hydra.sweep.dir
   autopar plan examples/gpt.py -m cluster.nodes=1,2,4,8,16 cluster=dgx_a100_80g,dgx_h100 \\
-      train.global_batch_size=512 --out-dir sweeps/gpt
+      train.global_batch_size=512 hydra.sweep.dir=sweeps/gpt
+  # in parallel processes, or one SLURM job per point
+  autopar plan examples/gpt.py -m cluster.nodes=1,2,4,8 hydra/launcher=joblib hydra.launcher.n_jobs=4
+  autopar plan examples/gpt.py -m cluster.nodes=8,16,32 hydra/launcher=submitit_slurm hydra.launcher.partition=cpu
+  # Optuna: the cluster size with the lowest cost per million tokens, steps of at most 2 s
+  autopar plan examples/gpt.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=20 hydra.sweeper.direction=minimize \\
+      'cluster.nodes=choice(1,2,4,8,16)' sweep.objective=cost_per_million_tokens sweep.max_step_time_s=2
 """
 
 REPORT_EXAMPLES = """examples:

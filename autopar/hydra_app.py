@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import textwrap
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -188,13 +189,15 @@ class ConfigHelp:
     def text(self) -> str:
         lines = ["configuration (Hydra; key=value overrides, +key=value adds where the schema allows):"]
         for group, options in self.groups.items():
-            lines.append(f"  {group}=  {' | '.join(options)}")
+            lines.append(textwrap.fill(f"{group}=  {' | '.join(options)}", 100, initial_indent="  ",
+                                       subsequent_indent="      "))
         for section, names in self.fields.items():
-            lines.append(f"  {section}.  {' '.join(names)}")
-        lines.append("  hydra.  run.dir=DIR (single runs)  sweep.dir=DIR (sweeps)  job.name=NAME  "
-                     "hydra/launcher=basic|joblib|submitit_local|submitit_slurm  hydra/sweeper=basic|optuna")
-        lines.append("  --cfg job|hydra|all prints the composed configuration; --info shows Hydra's view "
-                     "(defaults, search path, plugins)")
+            lines.append(textwrap.fill(f"{section}.  {'  '.join(names)}", 100, initial_indent="  ",
+                                       subsequent_indent="      ", break_on_hyphens=False))
+        lines.append("  hydra.  run.dir=DIR (single runs)  sweep.dir=DIR (sweeps)  job.name=NAME")
+        lines.append("  hydra/launcher=basic|joblib|submitit_local|submitit_slurm  hydra/sweeper=basic|optuna")
+        lines.append("  --cfg job|hydra|all prints the composed configuration; --info shows Hydra's view\n"
+                     "      (defaults, search path, plugins)")
         return "\n".join(lines)
 
 

@@ -298,7 +298,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     # Without --out, plan.json goes to Hydra's run folder (outputs/<date>/<time>, or
     # hydra.run.dir) beside .hydra/, the record of the configuration that made it; both are
     # written once the plan exists, so a failed run leaves no folder behind.
-    defaults = {"hydra.run.dir": str(args.out.parent)} if args.out else {}
+    defaults = {"hydra.run.dir": args.out.parent} if args.out else {}
     overrides = _hydra_overrides(args, "plan", {**defaults, "hydra.output_subdir": "null"}, top_k)
     if _show_requested(args):
         return _show(args, overrides)

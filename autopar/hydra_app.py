@@ -12,13 +12,15 @@ reported in autopar's words before Hydra or torch do any work. A task never rais
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import textwrap
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from autopar.config import compose_config, normalise_overrides, register_configs
+from autopar.errors import UserError
 
 # Hydra's logging would reconfigure the root logger and write <job>.log files; autopar prints
 # its own progress, so both are off unless the user picks a logging preset.
@@ -58,22 +60,30 @@ def given_keys(overrides: list[str]) -> set[str]:
     return {item.split("=", 1)[0].lstrip("+~") for item in overrides}
 
 
-def with_defaults(verb: str, overrides: list[str], defaults: dict[str, str]) -> list[str]:
+def with_defaults(verb: str, overrides: list[str], defaults: dict[str, str | Path]) -> list[str]:
     """The user's overrides plus autopar's defaults for those Hydra settings the user left alone
     (the job is named after the verb; Hydra's logging is quiet)."""
     keys = given_keys(overrides)
-    extra = [f"{key}={value}" for key, value in {"hydra.job.name": verb, **defaults}.items() if key not in keys]
+    extra = [setting(key, value) for key, value in {"hydra.job.name": verb, **defaults}.items() if key not in keys]
     extra += [item for item in QUIET_LOGGING if item.split("=", 1)[0] not in keys]
     return normalise_overrides(list(overrides)) + extra
+
+
+def setting(key: str, value: str | Path) -> str:
+    """``key=value`` in Hydra's override grammar, quoting a value (a path with spaces, commas,
+    brackets...) that would otherwise be parsed as something else."""
+    text = str(value)
+    if re.fullmatch(r"[\w./:@+-]+", text):
+        return f"{key}={text}"
+    return f"{key}='" + text.replace("'", "\\'") + "'"
 
 
 def resolved_hydra_setting(overrides: list[str], key: str) -> str:
     """The value Hydra would use for a hydra.* setting (e.g. hydra.sweep.dir, with ${now:...}
     resolved once), so the caller can pin it and knows where the output goes."""
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
     from hydra.core.utils import setup_globals
+    from omegaconf import OmegaConf
 
     setup_globals()  # the ${now:...} resolver
     cfg = compose_config(overrides, hydra=True)
@@ -104,10 +114,11 @@ def run(task: Callable[[Any], Any], overrides: list[str]) -> TaskOutcome:
             outcome.error = err
         return outcome.value
 
-    pinned = [item for item in overrides if not item.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir}"]
+    pinned = [item for item in overrides if not item.startswith("hydra.run.dir=")] + [setting("hydra.run.dir", run_dir)]
     code = _call_hydra(HydraFlags(), pinned, job)
     if outcome.error is None and code:
-        outcome.error = SystemExit(code)
+        outcome.error = UserError(f"Hydra stopped the run (exit {code}); its message is above.",
+                                  "fix the setting it names.")
     if outcome.error is not None:
         for folder in created:  # deepest first; stops at the first that is not empty
             try:

@@ -188,7 +188,7 @@ def run_sweep(model_path: str | Path, overrides: list[str], sweep_dir: str | Pat
     started = time.time()
     code = hydra_app.multirun(PlanPoint(str(Path(model_path).resolve()), quiet),
                               [item for item in overrides if not item.startswith("hydra.sweep.dir=")]
-                              + [f"hydra.sweep.dir={sweep_dir}"])
+                              + [hydra_app.setting("hydra.sweep.dir", sweep_dir)])
     if code:
         raise UserError(f"The sweep stopped (Hydra exit {code}); see the message above.",
                         "fix the sweep's settings (launcher, sweeper) and run it again.")

@@ -190,3 +190,16 @@ def test_a_missing_plugin_names_the_extra_that_installs_it(examples_dir, tmp_pat
                             "--out-dir", str(tmp_path / "s")])
     assert "Could not find 'hydra/launcher/ray'" in err and "pip install 'autopar[joblib]'" in err
     assert not (tmp_path / "s").exists()
+
+
+def test_folders_with_spaces_commas_and_quotes_reach_hydra_whole(examples_dir, tmp_path):
+    """autopar passes --out's folder and --out-dir to Hydra as overrides: quoted, so a comma is
+    not a sweep and a space not a parse error."""
+    from autopar.hydra_app import setting
+
+    odd = "runs [1], it's a b"
+    cfg = compose_config([setting("hydra.run.dir", odd), setting("hydra.sweep.dir", odd)], hydra=True)
+    assert cfg.hydra.run.dir == odd and cfg.hydra.sweep.dir == odd
+    out = tmp_path / odd / "plan.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "--out", str(out), "-q"]) == 0
+    assert Plan.load(out).world_size == 4

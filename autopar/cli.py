@@ -207,7 +207,7 @@ def _add_verb(verbs: argparse._SubParsersAction, name: str, help_text: str, exam
     return sub
 
 
-def _hydra_overrides(args: argparse.Namespace, verb: str, defaults: dict[str, str],
+def _hydra_overrides(args: argparse.Namespace, verb: str, defaults: dict[str, str | Path],
                      extra: list[str] | None = None) -> list[str]:
     """The verb's overrides as Hydra gets them, checked first (in autopar's words, before torch is
     imported, so a typo costs a fraction of a second); ``defaults`` are hydra.* settings the

@@ -1,6 +1,6 @@
 """Structured configs: the schema Hydra validates every preset and override against.
 
-Config groups (conf/): ``cluster/``, ``train/``, ``solver/`` and ``plan/`` hold presets extending
+Config groups (autopar/conf/): ``cluster/``, ``train/``, ``solver/`` and ``plan/`` hold presets extending
 these dataclasses (the cluster schema, `ClusterConfig`, lives with the cost model).
 ``model.<name>=<value>`` overrides are free-form: they become keyword arguments of the user's
 build_model() / example_batch() and are checked against those signatures instead.

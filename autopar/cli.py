@@ -231,10 +231,17 @@ def _show(args: argparse.Namespace, overrides: list[str]) -> int:
     return hydra_app.show(flags, overrides)
 
 
-def _run_job(job: Callable[[Any], Any], overrides: list[str]) -> Any:
-    """Run ``job(cfg)`` as a Hydra job in this process; what it raised is raised here."""
+def _run_job(args: argparse.Namespace, job: Callable[[Any], Any], overrides: list[str]) -> Any:
+    """Run ``job(cfg)`` as a Hydra job in this process; what it raised is raised here. Under
+    hydra.job.chdir=true the job runs inside its output folder, so the paths given on the command
+    line are made absolute first (as hydra.utils.to_absolute_path would)."""
     from autopar import hydra_app
 
+    if any(item.replace(" ", "").lower() == "hydra.job.chdir=true" for item in overrides):
+        for name in ("model", "out", "out_dir", "plan", "report"):
+            value = getattr(args, name, None)
+            if value is not None:
+                setattr(args, name, type(value)(Path(value).resolve()))
     outcome = hydra_app.run(job, overrides)
     if outcome.error is not None:
         raise outcome.error
@@ -265,7 +272,7 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
             write_atomically(args.out, profile.to_json())
             console.print(f"wrote {args.out}")
 
-    _run_job(job, overrides)
+    _run_job(args, job, overrides)
     return 0
 
 
@@ -287,7 +294,7 @@ def _estimate(args: argparse.Namespace, console: Console) -> int:
             write_atomically(args.out, json.dumps(estimate.to_dict(), indent=1))
             console.print(f"wrote {args.out}")
 
-    _run_job(job, overrides)
+    _run_job(args, job, overrides)
     return 0
 
 
@@ -327,7 +334,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
                 files = write_report_atomically(report_of(result), args.report)
             console.print(f"wrote {files['report.html']} (and report.md, timeline.json)")
 
-    _run_job(job, overrides)
+    _run_job(args, job, overrides)
     return 0
 
 
@@ -422,7 +429,7 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
         console.print(f"wrote {', '.join(str(path) for path in files.values())}")
         console.print(f"run it here with `autopar run {args.out_dir}`, on the cluster with {files['launch']}")
 
-    _run_job(job, overrides)
+    _run_job(args, job, overrides)
     return 0
 
 

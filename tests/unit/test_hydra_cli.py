@@ -203,3 +203,11 @@ def test_folders_with_spaces_commas_and_quotes_reach_hydra_whole(examples_dir, t
     out = tmp_path / odd / "plan.json"
     assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "--out", str(out), "-q"]) == 0
     assert Plan.load(out).world_size == 4
+
+
+def test_chdir_runs_the_job_in_its_folder_with_the_given_paths_intact(examples_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt.py").write_text((examples_dir / "gpt.py").read_text())
+    assert main(["plan", "gpt.py", *TINY, "hydra.job.chdir=true", "hydra.run.dir=run", "-q"]) == 0
+    assert Plan.load(tmp_path / "run" / "plan.json").world_size == 4
+    assert Path.cwd() == tmp_path

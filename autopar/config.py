@@ -114,7 +114,7 @@ class PlanPins:
 # What a sweep point is worth to a sweeper that optimises (hydra/sweeper=optuna), and which way
 # is better: the sweeper's `direction` must agree.
 SWEEP_OBJECTIVES = {"cost_per_million_tokens": "minimize", "step_time_s": "minimize",
-                    "tokens_per_s": "maximize", "tokens_per_s_per_dollar": "maximize"}
+                    "tokens_per_s": "maximize", "tokens_per_dollar": "maximize"}
 
 
 @dataclass
@@ -122,7 +122,7 @@ class SweepConfig:
     """What each point of a sweep (`autopar plan -m ...`) returns to Hydra's sweeper."""
 
     objective: str = "cost_per_million_tokens"
-    """cost_per_million_tokens or step_time_s (minimise), tokens_per_s or tokens_per_s_per_dollar
+    """cost_per_million_tokens or step_time_s (minimise), tokens_per_s or tokens_per_dollar
     (maximise); an optimising sweeper (hydra/sweeper=optuna) searches for its best value."""
     max_step_time_s: float = 0.0
     """Deadline on the predicted step time (0: none); a point over it, or without a plan, scores

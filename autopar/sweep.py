@@ -90,7 +90,7 @@ def objective_value(row: dict[str, Any], objective: str, max_step_time_s: float)
     worst = math.inf if minimise else 0.0
     if row.get("status") != "ok" or (max_step_time_s and row["step_time_s"] > max_step_time_s):
         return worst
-    if objective == "tokens_per_s_per_dollar":
+    if objective == "tokens_per_dollar":  # what one dollar of GPU time trains
         cost = row.get("cost_per_million_tokens")
         return 1e6 / cost if cost else worst
     value = row.get(objective)

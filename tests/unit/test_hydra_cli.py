@@ -211,3 +211,25 @@ def test_chdir_runs_the_job_in_its_folder_with_the_given_paths_intact(examples_d
     assert main(["plan", "gpt.py", *TINY, "hydra.job.chdir=true", "hydra.run.dir=run", "-q"]) == 0
     assert Plan.load(tmp_path / "run" / "plan.json").world_size == 4
     assert Path.cwd() == tmp_path
+
+
+def test_objective_values_of_a_row():
+    """Hand-worked: 2 GPUs at $3/GPU-hour and 10,000 tokens/s cost 6/3600/1e4*1e6 = $0.1667 per
+    million tokens, so a dollar trains 6 million tokens; over the deadline or without a plan the
+    worst value (infinite cost, no throughput)."""
+    from autopar.sweep import objective_value, row_of
+
+    class Predicted:
+        step_time_s, tokens_per_s, samples_per_s, mfu, peak_memory_bytes = 0.5, 10_000.0, 20.0, 0.4, 2**30
+
+    class FakePlan:
+        world_size, dp, tp, pp, cp, zero_stage, micro_batch_size, num_micro_batches = 2, 2, 1, 1, 1, 0, 1, 4
+        schedule, predicted = "1f1b", Predicted()
+
+    row = row_of(FakePlan(), 3.0, "test")
+    assert row["cost_per_million_tokens"] == pytest.approx(6 / 3600 / 1e4 * 1e6)
+    assert objective_value(row, "tokens_per_dollar", 0.0) == pytest.approx(6e6)
+    assert objective_value(row, "step_time_s", 1.0) == 0.5
+    assert objective_value(row, "cost_per_million_tokens", 0.4) == math.inf
+    assert objective_value(row, "tokens_per_s", 0.4) == 0.0
+    assert objective_value({"status": "no plan: too big"}, "tokens_per_dollar", 0.0) == 0.0

@@ -1,12 +1,15 @@
 """`autopar` command line: ``autopar <verb> MODEL.py [key=value ...] [options]``.
 
-Exit codes: 0 success, 1 a problem with the input (message says how to fix it), 2 an internal
-error (a bug in autopar: the traceback is printed).
+Exit codes: 0 success, 1 a problem with the input or the environment (a full disk, a read-only
+folder; the message says how to fix it), 2 an internal error (a bug in autopar: the traceback is
+printed).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shlex
 import sys
 import tempfile
 import traceback
@@ -83,10 +86,41 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+    except OSError as err:
+        # The environment, not autopar: a full disk, a read-only folder, a path that is a folder.
+        if err.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        errors.print(f"[bold red]error:[/] {environment_error_message(err)}", markup=True, highlight=False,
+                     soft_wrap=True)
+        return 1
     except Exception:  # noqa: BLE001 - anything else is our bug: show everything
         errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
         traceback.print_exc()
         return 2
+
+
+# errno -> (what happened, what to do); every other OSError is still reported as a bug.
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC: ("the disk is full", "free space on that disk (or write elsewhere) and run the command again; "
+                                       "nothing was written half-way"),
+    errno.EDQUOT: ("the disk quota is exhausted", "free space in your quota (or write elsewhere) and run again"),
+    errno.EROFS: ("it is on a read-only file system", "write somewhere writable (--out / --out-dir)"),
+    errno.EACCES: ("permission is denied", "write somewhere you may write (--out / --out-dir), or fix the "
+                                           "permissions"),
+    errno.EPERM: ("the operation is not permitted", "write somewhere you may write (--out / --out-dir)"),
+    errno.EISDIR: ("it is a folder where a file was expected", "pass a file path, not a folder"),
+    errno.ENOTDIR: ("part of the path is a file, not a folder", "pass a path whose folders are folders"),
+    errno.EEXIST: ("something is already there", "remove it or choose another path"),
+    errno.ENAMETOOLONG: ("the name is too long", "choose a shorter path"),
+}
+
+
+def environment_error_message(err: OSError) -> str:
+    """One paragraph naming the path, the cause and the fix of an environment error."""
+    what, fix = ENVIRONMENT_ERRNOS[err.errno]
+    path = err.filename if err.filename is not None else "a file"
+    other = f" (moving it to {err.filename2})" if err.filename2 is not None else ""
+    return f"{path}{other}: {what} ({os.strerror(err.errno)}). Fix: {fix}."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_ = _add_verb(verbs, "compile", "profile, plan and write the parallel training module and launch scripts",
                          COMPILE_EXAMPLES, _compile, out=False)
     compile_.add_argument("--out-dir", type=Path, required=True,
-                          help="folder for plan.json, parallel_<model>.py, launch.sh, sbatch.sh (replaced whole)")
+                          help="folder for plan.json, parallel_<model>.py, launch.sh, sbatch.sh, the report; in an "
+                               "existing folder only autopar's own files are replaced, everything else is kept")
+    compile_.add_argument("--force", action="store_true",
+                          help="also replace files in --out-dir that autopar did not write or that were edited")
     compile_.add_argument("--plan", type=Path, default=None,
                           help="reuse this saved plan instead of solving (must match the model file and cluster)")
     compile_.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
@@ -119,7 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out-dir", type=Path, default=None,
                         help="where to write (default: the folder itself, or the plan file's folder)")
     report.add_argument("--model", type=Path, default=None,
-                        help="the model.py, when it is no longer where the plan says (re-pricing a plan.json)")
+                        help="the model.py to price a plan.json again with (checked against the plan's sha256); "
+                             "without it the model file named inside the plan is never imported")
+    report.add_argument("--force", action="store_true",
+                        help="replace report files in the folder that autopar did not write or that were edited")
     validate = _add_plain_verb(verbs, "validate", "run a compiled folder a few steps and compare predictions with "
                                "measurements", "Train DIR's plan on local ranks for a few steps; per rank, print predicted "
                                "vs measured step time, its compute/communication split and peak memory, and write "
@@ -191,6 +231,7 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     from autopar.driver import run_profile
     from autopar.report.terminal import print_profile
 
+    _check_out(args)
     cfg = compose_config(args.overrides)
     with console.status(f"Tracing one training step of {args.model} on fake tensors ..."):
         profile = run_profile(args.model, cfg)
@@ -204,6 +245,14 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """Refuse an --out that cannot be written before tracing, not after."""
+    from autopar.output_dir import check_out_file
+
+    if args.out is not None:
+        check_out_file(args.out)
+
+
 def _estimate(args: argparse.Namespace, console: Console) -> int:
     import json
 
@@ -211,6 +260,7 @@ def _estimate(args: argparse.Namespace, console: Console) -> int:
     from autopar.driver import run_estimate
     from autopar.report.terminal import print_estimate
 
+    _check_out(args)
     cfg = compose_config(args.overrides)
     with console.status("Tracing and pricing ..."):
         profile, layout, estimate = run_estimate(args.model, cfg)
@@ -229,6 +279,13 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     overrides = list(args.overrides) + ([f"solver.top_k={args.top_k}"] if args.top_k is not None else [])
     if args.multirun:
         return _sweep(args, overrides, console)
+    from autopar.output_dir import check_out_dir, check_out_file
+    from autopar.report.render import REPORT_FILES
+
+    # Before planning: a place that cannot take the result is refused before the work is done.
+    check_out_file(args.out or Path("plan.json"))
+    if args.report is not None:
+        check_out_dir(args.report, REPORT_FILES, force=False, flag="--report", whole_folder=False, can_force=False)
     cfg = compose_config(overrides)
     with console.status("Tracing, pricing and solving ...") as status:
         def progress(done: int, total: int) -> None:
@@ -268,13 +325,16 @@ def _sweep(args: argparse.Namespace, overrides: list[str], console: Console) -> 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
     from autopar.driver import read_plan, rebuild_report
+    from autopar.output_dir import check_out_dir
     from autopar.report.document import load_report
+    from autopar.report.render import REPORT_FILES
 
     source: Path = args.source
     if source.is_dir():
         saved, plan_file, out_dir = source / "report.json", source / "plan.json", args.out_dir or source
     else:
         saved, plan_file, out_dir = None, source, args.out_dir or source.parent
+    check_out_dir(out_dir, REPORT_FILES, force=args.force, whole_folder=False)
     with console.status("Writing the report ...") as status:
         if saved is not None and saved.is_file() and args.model is None:
             try:
@@ -284,9 +344,15 @@ def _report(args: argparse.Namespace, console: Console) -> int:
                                 f"delete it to price {plan_file} again, or compile again.") from None
         else:
             plan = read_plan(plan_file)
+            if args.model is None:
+                named = plan.provenance.model_path or "its model file"
+                raise UserError(f"Reporting {plan_file} means pricing it again, which imports its model file; autopar "
+                                f"imports only a file named on the command line, never the one a plan names ({named}).",
+                                "pass --model PATH/TO/model.py (its sha256 is checked against the plan before it is "
+                                "imported).")
             status.update("Tracing the model and pricing the plan again ...")
             report = rebuild_report(plan, args.model)
-        files = write_report_atomically(report, out_dir)
+        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True)
     console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}")
     return 0
 
@@ -301,14 +367,17 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
     with console.status("Tracing, pricing and solving ..." if args.plan is None else "Generating ...") as status:
         def progress(done: int, total: int) -> None:
             status.update(f"Solving: candidate {done} of {total} in bound order ...")
-        plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress)
+        plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress,
+                                          force=args.force)
     if result is not None:
         print_plan(result, console)
     else:
         console.print(f"reused {args.plan}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
                       f"ZeRO-{plan.zero_stage}, predicted {plan.predicted.step_time_s:.3g} s/step")
     console.print(f"wrote {', '.join(str(path) for path in files.values())}")
-    console.print(f"run it here with `autopar run {args.out_dir}`, on the cluster with {files['launch']}")
+    # One line, taken literally: the command can be copied into a shell whatever the folder's name.
+    console.print(f"run it here with `autopar run {shlex.quote(str(args.out_dir))}`, on the cluster with "
+                  f"{shlex.quote(str(files['launch']))}", soft_wrap=True, markup=False, highlight=False)
     return 0
 
 
@@ -352,6 +421,9 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    from autopar.output_dir import check_out_file
+
+    check_out_file(args.out)  # before measuring for seconds
     if args.validations:
         return _calibrate_from_runs(args, console)
     from cost_models.calibrate import calibrate
@@ -386,20 +458,16 @@ def _calibrate_from_runs(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def write_report_atomically(report, out_dir: Path) -> dict[str, Path]:
-    """Render into a staging folder, then move the files in, so a failure leaves nothing half-written."""
-    import shutil
-
+def write_report_atomically(report, out_dir: Path, force: bool = False, flag: str = "--report",
+                            can_force: bool = False) -> dict[str, Path]:
+    """Render into a staging folder, then move the files in, so a failure leaves nothing
+    half-written; report files autopar did not write there are not replaced without ``force``."""
+    from autopar.output_dir import install, staging_dir
     from autopar.report.render import write_report
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".report.", suffix=".partial"))
-    try:
+    with staging_dir(out_dir) as staging:
         files = write_report(report, staging)
-        for path in files.values():
-            os.replace(path, out_dir / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        install(staging, out_dir, force=force, flag=flag, whole_folder=False, can_force=can_force)
     return {name: out_dir / path.name for name, path in files.items()}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 
 import pytest
 
@@ -93,13 +94,17 @@ def test_corrupted_plan_is_a_clear_error(examples_dir, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, compiled, tmp_path, monkeypatch):
     """An error half-way through code generation keeps the previous compile as it was."""
     generate_module = importlib.import_module("autopar.codegen.generate")
 
     out = tmp_path / "kept"
-    out.mkdir()
-    (out / "plan.json").write_text("previous")
+    shutil.copytree(compiled, out)
+    before = _files(out)
 
     def broken_launch(*args, **kwargs):
         raise generate_module.CodegenError("launch scripts cannot be written.", "none.")
@@ -109,7 +114,25 @@ def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, com
                  "--out-dir", str(out)])
     assert code == 1
     assert [p.name for p in tmp_path.iterdir()] == ["kept"]
-    assert (out / "plan.json").read_text() == "previous"
+    assert _files(out) == before  # and no staging folder left inside
+
+
+def test_recompiling_a_trained_folder_keeps_its_checkpoints_and_run_records(examples_dir, compiled, tmp_path):
+    """Train, compile again into the same folder, train on: the checkpoint and the records of the
+    first run survive the compile and the second run resumes from that checkpoint."""
+    out = tmp_path / "trained"
+    shutil.copytree(compiled, out)
+    (out / "run.jsonl").unlink(missing_ok=True)
+    assert main(["run", str(out), "--steps", "2", "--checkpoint-every", "2"]) == 0
+    trained = {name: data for name, data in _files(out).items() if name.startswith(("checkpoints", "run.jsonl"))}
+    assert any(name.endswith("COMPLETE") for name in trained)
+    assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--plan", str(out / "plan.json"),
+                 "--out-dir", str(out), "-q"]) == 0
+    after = _files(out)
+    assert {name: after[name] for name in trained} == trained
+    assert main(["run", str(out), "--steps", "3", "--checkpoint-every", "2"]) == 0
+    records = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # the second run trained step 3 only
 
 
 def test_compile_generates_context_parallel_plans_and_refuses_models_without_positions(examples_dir, tmp_path,

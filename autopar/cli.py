@@ -112,6 +112,7 @@ ENVIRONMENT_ERRNOS = {
     errno.ENOTDIR: ("part of the path is a file, not a folder", "pass a path whose folders are folders"),
     errno.EEXIST: ("something is already there", "remove it or choose another path"),
     errno.ENAMETOOLONG: ("the name is too long", "choose a shorter path"),
+    errno.ENOENT: ("it does not exist", "check the path (a file or folder named in the command, or its folder)"),
 }
 
 

@@ -199,9 +199,15 @@ def _check_writable(out_dir: Path, flag: str) -> None:
     if not probe.is_dir():
         raise OutputDirError(f"{flag} {out_dir} lies under {probe}, which is a file, not a folder.",
                              f"pass a folder path to {flag}.")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise OutputDirError(f"{flag} {out_dir}: {probe} is not writable (read-only or not yours).",
-                             f"pass a folder you can write to {flag}.")
+    # Permission bits do not tell (root passes them on a read-only mount): a file is created.
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".autopar-probe.")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise OutputDirError(f"{flag} {out_dir}: nothing can be written into {probe} "
+                             f"({os.strerror(err.errno) if err.errno else err}; read-only or not yours).",
+                             f"pass a path you can write to {flag}.") from None
 
 
 def _write_manifest(out_dir: Path, manifest: Manifest) -> None:

@@ -284,6 +284,16 @@ def test_calibrate_checks_its_output_before_measuring(tmp_path, capsys, monkeypa
         raise AssertionError("measured before checking --out")
     monkeypatch.setattr(cost_models.calibrate, "calibrate", measure)
     fails(capsys, ["calibrate", "--out", str(tmp_path)], "is a folder")
+    # /proc takes no new files, even from root (whose permission bits say yes).
+    fails(capsys, ["calibrate", "--out", "/proc/hw.yaml"], "/proc", "nothing can be written")
+
+
+def test_a_read_only_location_is_refused_before_the_model_is_read(tmp_path, capsys):
+    model = write_model_file(tmp_path, MARKED_MODEL)
+    fails(capsys, ["plan", str(model), "--out", "/proc/plan.json"], "nothing can be written")
+    fails(capsys, ["compile", str(model), "--out-dir", "/proc/autopar_out"], "nothing can be written")
+    fails(capsys, ["plan", str(model), "--report", "/proc/autopar_report"], "nothing can be written")
+    assert not (tmp_path / "IMPORTED").exists()
 
 
 @pytest.mark.parametrize("code, words", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only")])

@@ -8,9 +8,9 @@ later write into the same folder:
   unmodified), or its content would not change; anything else that would be replaced (a file
   the user wrote or edited) is refused without ``--force``, and the message lists it;
 - refuses a non-empty folder without a manifest (not an autopar output) without ``--force``;
-- keeps every other file (``checkpoints/``, ``run.jsonl``, the user's notes) untouched, and
-  removes only files an earlier write listed in the manifest, still unmodified, that this write
-  no longer produces (a module generated for a model file of another name);
+- keeps every other file (``checkpoints/``, ``run.jsonl``, the user's notes) untouched; a
+  compile removes only files an earlier compile listed in the manifest, still unmodified, that
+  it no longer produces (a module generated for a model file of another name);
 - is all or nothing: files are built in a staging folder on the same file system and moved in
   one by one with ``os.replace`` only once all of them are written.
 
@@ -20,7 +20,6 @@ and again just before the files are moved in (`install`), since the folder may c
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -116,27 +115,19 @@ def install(staging: Path, out_dir: Path, *, force: bool, flag: str = "--out-dir
     for name in new:
         os.replace(staging / name, out_dir / name)
     files = dict(new)
-    if previous is not None:
-        for name, sha in previous.files.items():
-            if name in new:
-                continue
-            path = out_dir / name
-            # An earlier write's file that this one no longer produces: removed only when it is
-            # still exactly what autopar wrote; an edited one stays, and stays listed.
-            if path.is_file() and not path.is_symlink() and sha256_of(path) == sha:
-                path.unlink()
-            elif path.exists():
-                files[name] = sha
+    for name, sha in (previous.files if previous is not None else {}).items():
+        path = out_dir / name
+        if name in new or not (path.exists() or path.is_symlink()):
+            continue
+        # A whole output (compile) drops an earlier compile's file it no longer produces, only
+        # while it is still exactly what autopar wrote; a partial write (a report into a compiled
+        # folder) keeps the rest of the folder as it is.
+        if whole_folder and path.is_file() and not path.is_symlink() and sha256_of(path) == sha:
+            path.unlink()
+        else:
+            files[name] = sha
     _write_manifest(out_dir, Manifest(files=files))
     return {name: out_dir / name for name in new}
-
-
-def update_manifest(out_dir: Path, written: dict[str, Path], *, keep_others: bool = True) -> None:
-    """Record files just written into ``out_dir`` (a report re-rendered in place) in its manifest."""
-    previous = Manifest.read(out_dir)
-    files = dict(previous.files) if previous is not None and keep_others else {}
-    files.update({name: sha256_of(path) for name, path in written.items()})
-    _write_manifest(out_dir, Manifest(files=files))
 
 
 @contextlib.contextmanager
@@ -219,10 +210,6 @@ def _write_manifest(out_dir: Path, manifest: Manifest) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def is_disk_full(err: OSError) -> bool:
-    return err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def check_out_file(path: Path, flag: str = "--out") -> None:

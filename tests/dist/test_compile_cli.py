@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,7 @@ from autopar.cli import main
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.plan import Plan
 from autopar.runtime import run_reference
+from tests.dist.harness import free_port
 
 TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 128}
 OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32",
@@ -154,3 +159,21 @@ def test_compile_generates_context_parallel_plans_and_refuses_models_without_pos
     assert code == 1
     assert "position_ids" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_launch_script_of_a_hostile_file_and_folder_name_trains_and_runs_nothing_else(examples_dir, tmp_path):
+    """Spaces, quotes, unicode and `$(...)` in the model file's and the folder's names: launch.sh
+    runs the real torchrun on the generated module for one step, and no `touch X` runs."""
+    hostile = "g x$(touch X)y 'é\""
+    model = tmp_path / f"{hostile}.py"
+    shutil.copyfile(examples_dir / "gpt.py", model)
+    out = tmp_path / f"out {hostile} ü"
+    assert main(["compile", str(model), *OVERRIDES, "--out-dir", str(out), "-q"]) == 0
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               RDZV_PORT=str(free_port()), MAX_RESTARTS="0")
+    run = subprocess.run(["bash", str(out / "launch.sh"), "--steps", "1"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [0]
+    assert not list(tmp_path.rglob("X")), "a $(...) in a file name ran"

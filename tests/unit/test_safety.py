@@ -119,6 +119,17 @@ def test_out_dir_dot_is_a_folder_like_any_other(examples_dir, tmp_path, capsys, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
 
 
+def test_a_report_into_a_compiled_folder_keeps_the_compiled_files(compiled, tmp_path):
+    out = copy_of(compiled, tmp_path)
+    before = snapshot(out)
+    assert main(["report", str(out), "-q"]) == 0
+    after = snapshot(out)
+    assert set(after) == set(before)
+    assert {k: v for k, v in after.items() if not k.startswith(("report", "timeline", "memory", "time", "autopar"))} \
+        == {k: v for k, v in before.items() if not k.startswith(("report", "timeline", "memory", "time", "autopar"))}
+    assert set(Manifest.read(out).files) == set(Manifest.read(compiled).files)
+
+
 def test_install_removes_only_unmodified_files_of_an_earlier_write(tmp_path):
     out, staging = tmp_path / "out", tmp_path / "staging"
     staging.mkdir()

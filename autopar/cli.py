@@ -1,12 +1,15 @@
 """`autopar` command line: ``autopar <verb> MODEL.py [key=value ...] [options]``.
 
-Exit codes: 0 success, 1 a problem with the input (message says how to fix it), 2 an internal
-error (a bug in autopar: the traceback is printed).
+Exit codes: 0 success, 1 a problem with the input or the environment (a full disk, a read-only
+folder; the message says how to fix it), 2 an internal error (a bug in autopar: the traceback is
+printed).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shlex
 import sys
 import tempfile
 import traceback
@@ -17,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autopar.errors import ConfigError, UserError
+from autopar.output_dir import write_atomically
 
 PROFILE_EXAMPLES = """examples:
   autopar profile examples/gpt.py
@@ -92,10 +96,42 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+    except OSError as err:
+        # The environment, not autopar: a full disk, a read-only folder, a path that is a folder.
+        if err.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        errors.print(f"[bold red]error:[/] {environment_error_message(err)}", markup=True, highlight=False,
+                     soft_wrap=True)
+        return 1
     except Exception:  # noqa: BLE001 - anything else is our bug: show everything
         errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
         traceback.print_exc()
         return 2
+
+
+# errno -> (what happened, what to do); every other OSError is still reported as a bug.
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC: ("the disk is full", "free space on that disk (or write elsewhere) and run the command again; "
+                                       "nothing was written half-way"),
+    errno.EDQUOT: ("the disk quota is exhausted", "free space in your quota (or write elsewhere) and run again"),
+    errno.EROFS: ("it is on a read-only file system", "write somewhere writable (--out / --out-dir)"),
+    errno.EACCES: ("permission is denied", "write somewhere you may write (--out / --out-dir), or fix the "
+                                           "permissions"),
+    errno.EPERM: ("the operation is not permitted", "write somewhere you may write (--out / --out-dir)"),
+    errno.EISDIR: ("it is a folder where a file was expected", "pass a file path, not a folder"),
+    errno.ENOTDIR: ("part of the path is a file, not a folder", "pass a path whose folders are folders"),
+    errno.EEXIST: ("something is already there", "remove it or choose another path"),
+    errno.ENAMETOOLONG: ("the name is too long", "choose a shorter path"),
+    errno.ENOENT: ("it does not exist", "check the path (a file or folder named in the command, or its folder)"),
+}
+
+
+def environment_error_message(err: OSError) -> str:
+    """One paragraph naming the path, the cause and the fix of an environment error."""
+    what, fix = ENVIRONMENT_ERRNOS[err.errno]
+    path = err.filename if err.filename is not None else "a file"
+    other = f" (moving it to {err.filename2})" if err.filename2 is not None else ""
+    return f"{path}{other}: {what} ({os.strerror(err.errno)}). Fix: {fix}."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_ = _add_verb(verbs, "compile", "profile, plan and write the parallel training module and launch scripts",
                          COMPILE_EXAMPLES, _compile, out=False)
     compile_.add_argument("--out-dir", type=Path, required=True,
-                          help="folder for plan.json, parallel_<model>.py, launch.sh, sbatch.sh (replaced whole)")
+                          help="folder for plan.json, parallel_<model>.py, launch.sh, sbatch.sh, the report; in an "
+                               "existing folder only autopar's own files are replaced, everything else is kept")
+    compile_.add_argument("--force", action="store_true",
+                          help="also replace files in --out-dir that autopar did not write or that were edited")
     compile_.add_argument("--plan", type=Path, default=None,
                           help="reuse this saved plan instead of solving (must match the model file and cluster)")
     compile_.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
@@ -129,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out-dir", type=Path, default=None,
                         help="where to write (default: the folder itself, or the plan file's folder)")
     report.add_argument("--model", type=Path, default=None,
-                        help="the model.py, when it is no longer where the plan says (re-pricing a plan.json)")
+                        help="the model.py to price a plan.json again with (checked against the plan's sha256); "
+                             "without it the model file named inside the plan is never imported")
+    report.add_argument("--force", action="store_true",
+                        help="replace report files in the folder that autopar did not write or that were edited")
     validate = _add_plain_verb(verbs, "validate", "run a compiled folder a few steps and compare predictions with "
                                "measurements", "Train DIR's plan on local ranks for a few steps; per rank, print predicted "
                                "vs measured step time, its compute/communication split and peak memory, and write "
@@ -257,6 +299,7 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     overrides = _hydra_overrides(args, "profile", NO_RUN_FOLDER)
     if _show_requested(args):
         return _show(args, overrides)
+    _check_out(args)
 
     def job(cfg: Any) -> None:
         from autopar.driver import run_profile
@@ -276,10 +319,19 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """Refuse an --out that cannot be written before tracing, not after."""
+    from autopar.output_dir import check_out_file
+
+    if args.out is not None:
+        check_out_file(args.out)
+
+
 def _estimate(args: argparse.Namespace, console: Console) -> int:
     overrides = _hydra_overrides(args, "estimate", NO_RUN_FOLDER)
     if _show_requested(args):
         return _show(args, overrides)
+    _check_out(args)
 
     def job(cfg: Any) -> None:
         import json
@@ -309,6 +361,13 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     overrides = _hydra_overrides(args, "plan", {**defaults, "hydra.output_subdir": "null"}, top_k)
     if _show_requested(args):
         return _show(args, overrides)
+    from autopar.output_dir import check_out_dir
+    from autopar.report.render import REPORT_FILES
+
+    # Before planning: a place that cannot take the result is refused before the work is done.
+    _check_out(args)
+    if args.report is not None:
+        check_out_dir(args.report, REPORT_FILES, force=False, flag="--report", whole_folder=False, can_force=False)
 
     def job(cfg: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -382,13 +441,16 @@ def _sweep(args: argparse.Namespace, top_k: list[str], console: Console) -> int:
 
 def _report(args: argparse.Namespace, console: Console) -> int:
     from autopar.driver import read_plan, rebuild_report
+    from autopar.output_dir import check_out_dir
     from autopar.report.document import load_report
+    from autopar.report.render import REPORT_FILES
 
     source: Path = args.source
     if source.is_dir():
         saved, plan_file, out_dir = source / "report.json", source / "plan.json", args.out_dir or source
     else:
         saved, plan_file, out_dir = None, source, args.out_dir or source.parent
+    check_out_dir(out_dir, REPORT_FILES, force=args.force, whole_folder=False)
     with console.status("Writing the report ...") as status:
         if saved is not None and saved.is_file() and args.model is None:
             try:
@@ -398,9 +460,15 @@ def _report(args: argparse.Namespace, console: Console) -> int:
                                 f"delete it to price {plan_file} again, or compile again.") from None
         else:
             plan = read_plan(plan_file)
+            if args.model is None:
+                named = plan.provenance.model_path or "its model file"
+                raise UserError(f"Reporting {plan_file} means pricing it again, which imports its model file; autopar "
+                                f"imports only a file named on the command line, never the one a plan names ({named}).",
+                                "pass --model PATH/TO/model.py (its sha256 is checked against the plan before it is "
+                                "imported).")
             status.update("Tracing the model and pricing the plan again ...")
             report = rebuild_report(plan, args.model)
-        files = write_report_atomically(report, out_dir)
+        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True)
     console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}")
     return 0
 
@@ -420,14 +488,16 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
         _note(console, precision_note(cfg))
         with PhaseProgress(console, f"planning {args.model}" if args.plan is None else f"reusing {args.plan}") as progress:
             plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress,
-                                              provenance=hydra_app.provenance_files(cfg))
+                                              provenance=hydra_app.provenance_files(cfg), force=args.force)
         if result is not None:
             print_plan(result, console)
         else:
             console.print(f"reused {args.plan}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
                           f"ZeRO-{plan.zero_stage}, predicted {plan.predicted.step_time_s:.3g} s/step")
         console.print(f"wrote {', '.join(str(path) for path in files.values())}")
-        console.print(f"run it here with `autopar run {args.out_dir}`, on the cluster with {files['launch']}")
+        # One line, taken literally: the command can be copied into a shell whatever the folder's name.
+        console.print(f"run it here with `autopar run {shlex.quote(str(args.out_dir))}`, on the cluster with "
+                      f"{shlex.quote(str(files['launch']))}", soft_wrap=True, markup=False, highlight=False)
 
     _run_job(args, job, overrides)
     return 0
@@ -473,6 +543,9 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    from autopar.output_dir import check_out_file
+
+    check_out_file(args.out)  # before measuring for seconds
     if args.validations:
         return _calibrate_from_runs(args, console)
     from cost_models.calibrate import calibrate
@@ -507,34 +580,17 @@ def _calibrate_from_runs(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def write_report_atomically(report, out_dir: Path) -> dict[str, Path]:
-    """Render into a staging folder, then move the files in, so a failure leaves nothing half-written."""
-    import shutil
-
+def write_report_atomically(report, out_dir: Path, force: bool = False, flag: str = "--report",
+                            can_force: bool = False) -> dict[str, Path]:
+    """Render into a staging folder, then move the files in, so a failure leaves nothing
+    half-written; report files autopar did not write there are not replaced without ``force``."""
+    from autopar.output_dir import install, staging_dir
     from autopar.report.render import write_report
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".report.", suffix=".partial"))
-    try:
+    with staging_dir(out_dir) as staging:
         files = write_report(report, staging)
-        for path in files.values():
-            os.replace(path, out_dir / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        install(staging, out_dir, force=force, flag=flag, whole_folder=False, can_force=can_force)
     return {name: out_dir / path.name for name, path in files.items()}
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder, so a crash leaves no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 if __name__ == "__main__":

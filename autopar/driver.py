@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from autopar.errors import ConfigError
-from autopar.model_file import load_model_file
+from autopar.model_file import file_sha256, load_model_file
 from autopar.profile import ModelProfile, profile_model
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
@@ -29,6 +29,17 @@ def run_profile(model_path: str | Path, cfg: Any) -> ModelProfile:
 
 
 def build_cluster(cfg: Any) -> ClusterSpec:
+    """The cluster of the cluster.* settings, refused at once beyond the supported size."""
+    from autopar.solver.space import MAX_WORLD_SIZE
+
+    # Counted from the settings, before the per-node list of a billion-node cluster is built.
+    groups = list(cfg.cluster.get("node_groups") or []) or [cfg.cluster]
+    nodes, per_node = sum(max(0, int(g.nodes)) for g in groups), int(cfg.cluster.gpus_per_node)
+    if nodes * per_node > MAX_WORLD_SIZE:
+        raise ConfigError(f"The cluster has {nodes * per_node:,} GPUs ({nodes:,} nodes); autopar plans clusters of "
+                          f"up to {MAX_WORLD_SIZE:,} GPUs (larger ones would not finish in bounded time).",
+                          f"use at most {MAX_WORLD_SIZE // max(1, per_node):,} nodes of {per_node} GPUs "
+                          "(cluster.nodes).")
     try:
         return ClusterSpec.from_config(cfg.cluster)
     except (ValueError, OSError) as err:
@@ -128,9 +139,10 @@ def report_of(result: Any) -> Any:
                         notes=replication_notes(result.replicated_ops, result.plan.tp))
 
 
-def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
-    """Price a saved plan again from its provenance (model file, its settings, the cluster) and
-    build its report; runners-up are not part of a plan file, so the report has none."""
+def rebuild_report(plan: Any, model_path: str | Path) -> Any:
+    """Price a saved plan again from its provenance (its model settings, the cluster) with the
+    model file ``model_path`` and build its report; runners-up are not part of a plan file, so
+    the report has none."""
     from autopar.report.document import build_report, replication_notes
     from autopar.solver.tp_split import replicated_ops
 
@@ -145,25 +157,29 @@ def rebuild_report(plan: Any, model_path: str | Path | None = None) -> Any:
     return replace(report, solver_seconds=None)
 
 
-def price_saved_plan(plan: Any, model_path: str | Path | None = None) -> tuple[PlanPricer, Estimate]:
-    """The pricer and estimate of a saved plan, priced again from its provenance (the model file,
-    its settings, the cluster): what the report shows and what a measurement is compared with."""
+def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Estimate]:
+    """The pricer and estimate of a saved plan, priced again from its provenance (its model
+    settings, the cluster) with the model file ``model_path``: what the report shows and what a
+    measurement is compared with.
+
+    The model file is always one the user named (or the copy inside a compiled folder they
+    named), never the path recorded in the plan: a plan can come from anywhere, and importing
+    the file it names would run whatever that file does. Its sha256 is checked against the plan
+    before it is imported."""
     from autopar.report.document import layout_of_plan
     from autopar.solver.tp_split import ILPSplitter
     from cost_models.topology import ClusterConfig
 
     made_for = plan.provenance
-    path = Path(model_path or made_for.model_path)
+    path = Path(model_path)
     if not path.is_file():
-        raise ConfigError(f"The plan's model file {path} is not there (the report prices the plan again from it).",
+        raise ConfigError(f"The model file {path} is not there (the plan is priced again from it).",
                           "pass --model PATH to the model.py the plan was made for.")
     if not made_for.cluster_config:
         raise ConfigError("This plan does not record its cluster settings (made by an older autopar).",
                           "plan again with `autopar plan ... --out plan.json`.")
+    check_model_sha256(path, made_for.model_sha256, "the plan was made for")
     model_file = load_model_file(path)
-    if made_for.model_sha256 and model_file.sha256 != made_for.model_sha256:
-        raise ConfigError(f"{path} changed since the plan was made (sha256 {model_file.sha256[:12]}…, plan: "
-                          f"{made_for.model_sha256[:12]}…).", "plan again, or pass --model with the original file.")
     profile = profile_model(model_file, dict(made_for.model_kwargs), micro_batch_size=made_for.traced_micro_batch_size,
                             precision=plan.precision)
     schema = OmegaConf.structured(ClusterConfig)
@@ -181,11 +197,13 @@ def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
     """A plan from `autopar plan --out`, refused when it was made for another model file,
     other model settings or another cluster (replaying it would train something unplanned)."""
     plan = read_plan(plan_path)
-    model_file = load_model_file(model_path)
     made_for = plan.provenance
-    if made_for.model_sha256 and made_for.model_sha256 != model_file.sha256:
+    if not Path(model_path).is_file():
+        load_model_file(model_path)  # its own clear error for a missing file
+    sha = file_sha256(model_path)  # before importing: a mismatch is refused without running the file
+    if made_for.model_sha256 and made_for.model_sha256 != sha:
         raise ConfigError(f"{plan_path} was planned for a different model file ({made_for.model_path or 'unknown'}, "
-                          f"sha256 {made_for.model_sha256[:12]}…); {model_path} has sha256 {model_file.sha256[:12]}….",
+                          f"sha256 {made_for.model_sha256[:12]}…); {model_path} has sha256 {sha[:12]}….",
                           "plan again: `autopar compile MODEL.py ...` without --plan.")
     given = model_kwargs(cfg)
     changed = {k: (made_for.model_kwargs[k], v) for k, v in given.items()
@@ -200,6 +218,14 @@ def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
                           f"this run asks for {cluster.name} with {cluster.world_size} GPUs.",
                           f"pass cluster={made_for.cluster or '<preset>'} with the same nodes, or plan again.")
     return plan
+
+
+def check_model_sha256(path: Path, expected: str, made_for: str) -> None:
+    """Refuse, before importing it, a model file whose bytes are not the ones ``expected``."""
+    sha = file_sha256(path)
+    if expected and sha != expected:
+        raise ConfigError(f"{path} is not the model file {made_for} (sha256 {sha[:12]}…, plan: {expected[:12]}…); "
+                          "it was not imported.", "pass --model with the original model.py, or plan again.")
 
 
 def read_plan(plan_path: str | Path):
@@ -222,47 +248,44 @@ def read_plan(plan_path: str | Path):
     return plan
 
 
-def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
-                progress: "Reporter | None" = None, provenance: dict[str, str] | None = None):
-    """Stages 1-5: plan (or reuse a saved plan) and write the parallel module and launch
-    scripts into ``out_dir``, all or nothing: files are built in a sibling folder that replaces
-    ``out_dir`` only once everything is written. ``provenance`` (relative path -> text, e.g.
-    Hydra's .hydra/config.yaml) is written with them."""
-    import shutil
-    import tempfile
+def compiled_file_names(model_path: str | Path) -> list[str]:
+    """The files `autopar compile` writes for a model file (known before planning, so an output
+    folder that cannot take them is refused before any work)."""
+    from autopar.report.render import REPORT_FILES
 
+    name = Path(model_path).name
+    return [f"parallel_{Path(name).stem}.py", name, "plan.json", "launch.sh", "sbatch.sh", *REPORT_FILES]
+
+
+def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
+                progress: "Reporter | None" = None, force: bool = False,
+                provenance: dict[str, str] | None = None):
+    """Stages 1-5: plan (or reuse a saved plan) and write the parallel module and launch
+    scripts into ``out_dir``, all or nothing and without losing anything autopar did not write
+    there (see autopar/output_dir.py): the folder is checked before planning, files are built in
+    a staging folder and moved in once all are written."""
     from autopar.codegen import generate
+    from autopar.output_dir import check_out_dir, install, staging_dir, write_atomically
     from autopar.report.render import write_report
 
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, compiled_file_names(model_path), force=force)
     result = None
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
     else:
         result = run_plan(model_path, cfg, progress=progress)
         plan = result.plan
-    out_dir = Path(out_dir)
     if progress:
         progress.phase(f"writing the module, launch scripts and report into {out_dir}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".partial"))
-    staging.chmod(0o755)  # mkdtemp's folder is private; the output is an ordinary folder
-    try:
+    with staging_dir(out_dir) as staging:
         files = generate(plan, model_path, staging, gpus_per_node=build_cluster(cfg).gpus_per_node)
         write_report(report_of(result) if result is not None else rebuild_report(plan, model_path), staging)
-        for relative, text in (provenance or {}).items():
-            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            (staging / relative).write_text(text)
-        if out_dir.exists():
-            previous = out_dir.with_name(f".{out_dir.name}.previous")
-            shutil.rmtree(previous, ignore_errors=True)
-            out_dir.rename(previous)
-            staging.rename(out_dir)
-            shutil.rmtree(previous, ignore_errors=True)
-        else:
-            staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        install(staging, out_dir, force=force)
+    # Hydra's record of the settings (.hydra/config.yaml, overrides.yaml) lives in a folder of
+    # its own that only autopar writes; each file replaces the previous compile's atomically.
+    for relative, text in (provenance or {}).items():
+        write_atomically(out_dir / relative, text)
     written = {name: out_dir / path.name for name, path in vars(files).items()}
     written["report"] = out_dir / "report.html"
     return plan, result, written

@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+try:
+    import resource
+except ImportError:  # not on Windows: there the address-space cap is not set
+    resource = None
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,6 +43,19 @@ REQUIRED_FUNCTIONS = ("build_model", "example_batch")
 # whose outputs exceed this is refused before it allocates. Constants, masks and lookup tables
 # are far smaller; weights belong in build_model(), which runs on fake tensors.
 IMPORT_ALLOCATION_LIMIT_BYTES = 2 * 2**30
+
+# The torch guard cannot see numpy arrays, `array`, bytearrays or C extensions: while the user's
+# code runs (import, build_model, example_batch) the process's address space is capped this far
+# above its size, so such an allocation fails with MemoryError before it takes the memory
+# (Linux RLIMIT_AS; elsewhere the cap is not set). Room for imports of large libraries remains.
+USER_CODE_ADDRESS_SPACE_HEADROOM_BYTES = 4 * 2**30
+_CAP_GIB = USER_CODE_ADDRESS_SPACE_HEADROOM_BYTES // 2**30
+
+# Tracing costs time per module (about 0.1 s per GPT block on a 2-core machine), so a model of
+# more modules than this is refused while it is being built, before the tracing that would not
+# end (model.layers=100000). The largest dense models have a few thousand modules; a
+# 1,800-block GPT traces in about 4 minutes.
+MAX_MODULES = 20_000
 
 META_BUILD_FIX = ("build the model without touching real memory: create its tensors inside build_model() "
                   "(autopar calls it under FakeTensorMode, where even a 70B model costs no memory) or under "
@@ -84,7 +102,7 @@ def load_model_file(path: str | Path) -> ModelFile:
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
     try:
-        with _AllocationGuard(IMPORT_ALLOCATION_LIMIT_BYTES):
+        with _AllocationGuard(IMPORT_ALLOCATION_LIMIT_BYTES), address_space_cap():
             spec.loader.exec_module(module)
     except _OversizedAllocation as err:
         raise ModelFileError(f"Importing {path.name} creates a real tensor of {err.nbytes / 2**30:,.1f} GiB "
@@ -92,8 +110,9 @@ def load_model_file(path: str | Path) -> ModelFile:
                              "(refused before allocating).", META_BUILD_FIX) from None
     except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to fix
         if _is_out_of_memory(err):
-            raise ModelFileError(f"Importing {path.name} ran out of memory: {_describe(err, path)}.",
-                                 META_BUILD_FIX) from None
+            raise ModelFileError(f"Importing {path.name} ran out of memory: {_describe(err, path)}; planning caps "
+                                 f"real allocations (numpy arrays, buffers) at {_CAP_GIB} GiB, so this one was "
+                                 "refused before it was made.", META_BUILD_FIX) from None
         raise ModelFileError(f"Importing {path.name} raised {_describe(err, path)}.",
                              "make the file importable on its own (`python -c 'import ...'`).") from None
     missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
@@ -106,6 +125,11 @@ def load_model_file(path: str | Path) -> ModelFile:
     return ModelFile(path=path, sha256=hashlib.sha256(source).hexdigest(),
                      build_model=module.build_model, example_batch=module.example_batch,
                      loss_fn=loss_fn if callable(loss_fn) else None)
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes: what plans record, checked before a file is imported."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +157,8 @@ def check_model_kwargs(model_file: ModelFile, kwargs: dict[str, Any]) -> None:
 
 def build_model(model_file: ModelFile, kwargs: dict[str, Any]) -> torch.nn.Module:
     """Call build_model with the kwargs it accepts, turning its exceptions into clear errors."""
-    model = _call_user(model_file, model_file.build_model, **accepted_kwargs(model_file.build_model, kwargs))
+    with _module_count_limit(model_file, MAX_MODULES):
+        model = _call_user(model_file, model_file.build_model, **accepted_kwargs(model_file.build_model, kwargs))
     if not isinstance(model, torch.nn.Module):
         raise ModelFileError(f"build_model() in {model_file.path.name} returned "
                              f"{type(model).__name__}, not a torch.nn.Module.",
@@ -233,7 +258,8 @@ def compute_loss(model_file: ModelFile, output: Any, batch: Any) -> torch.Tensor
 
 def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
-        return fn(*args, **kwargs)
+        with address_space_cap():
+            return fn(*args, **kwargs)
     except ModelFileError:
         raise
     except Exception as err:  # noqa: BLE001 - the user's function failed; say where
@@ -241,10 +267,63 @@ def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwar
         if _is_out_of_memory(err):
             raise ModelFileError(f"{fn.__name__}({call}) in {model_file.path.name} ran out of memory "
                                  f"({_describe(err, model_file.path)}): it allocates real memory, which planning "
-                                 "never needs.", META_BUILD_FIX) from None
+                                 f"never needs (planning caps real allocations at {_CAP_GIB} GiB, so this one was "
+                                 "refused before it was made).", META_BUILD_FIX) from None
         raise ModelFileError(f"{fn.__name__}({call}) in {model_file.path.name} raised "
                              f"{_describe(err, model_file.path)}.",
                              "fix the function, or the model.<name> overrides it was given.") from None
+
+
+def _address_space_bytes() -> int | None:
+    """This process's virtual size (Linux), or None where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[0]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def address_space_cap(headroom_bytes: int = USER_CODE_ADDRESS_SPACE_HEADROOM_BYTES) -> Iterator[None]:
+    """Cap the process's address space ``headroom_bytes`` above its current size while the
+    block runs (any allocation beyond it raises MemoryError at once, allocating nothing), then
+    restore the previous soft limit. Nested caps keep the outer one."""
+    current = _address_space_bytes()
+    if current is None or resource is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = current + headroom_bytes
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield  # already capped as tightly (an outer cap, or the user's own ulimit)
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@contextlib.contextmanager
+def _module_count_limit(model_file: ModelFile, limit: int) -> Iterator[None]:
+    """Refuse, as soon as it happens, a build that registers more than ``limit`` submodules."""
+    count = 0
+
+    def count_module(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise ModelFileError(f"build_model() in {model_file.path.name} creates more than {limit:,} modules; "
+                                 f"autopar plans models of up to {limit:,} modules (tracing a larger one would not "
+                                 "finish in bounded time).", "use fewer layers (e.g. a smaller model.layers).")
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(count_module)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _describe(err: BaseException, path: Path) -> str:

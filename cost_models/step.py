@@ -291,7 +291,11 @@ class PlanPricer:
         return self._placements[key]
 
     def pp_rank_gpus(self, layout: Any) -> list[list[GPUSpec]]:
-        """GPU types of the ranks of each pipeline rank."""
+        """GPU types of the ranks of each pipeline rank (callers take sets, minima and maxima of
+        them, so on a one-type cluster one GPU stands for all: a per-rank list of 65,536 GPUs
+        took most of the search's time)."""
+        if self.cluster.homogeneous:
+            return [[self.cluster.node_gpus[0]] for _ in range(layout.pp)]
         key = (tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
         if key not in self._rank_gpus:
             strides = mesh_strides(layout)
@@ -558,7 +562,7 @@ class PlanPricer:
         data-parallel ranks mix GPU types (pp=1), shares in proportion to each GPU's speed
         (largest remainder, at least one each) so all finish together; () when even."""
         pinned = tuple(getattr(layout, "dp_shares", ()) or ())
-        if pinned or layout.pp > 1 or layout.dp == 1:
+        if pinned or layout.pp > 1 or layout.dp == 1 or self.cluster.homogeneous:
             return pinned
         gpus = self.dp_rank_gpus(layout)
         if len({g.name for g in gpus}) == 1:
@@ -574,6 +578,8 @@ class PlanPricer:
 
     def _tp_groups_homogeneous(self, layout: Any) -> bool:
         """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
+        if self.cluster.homogeneous:
+            return True
         strides = mesh_strides(layout)
         for rank in range(layout.world_size):
             if (rank // strides["tp"]) % layout.tp == 0:

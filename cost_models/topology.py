@@ -12,6 +12,7 @@ intra-node link: DGX A100 clusters reach an all-reduce busbw of ~192 GB/s on 8 x
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,8 +209,9 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
-    @property
+    @functools.cached_property
     def homogeneous(self) -> bool:
+        """One GPU type everywhere (asked per candidate: cached, as a cluster has up to 8192 nodes)."""
         return len({gpu.name for gpu in self.node_gpus}) == 1
 
     def gpu_of_rank(self, rank: int) -> GPUSpec:

@@ -309,7 +309,9 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN the rest of the plan; the",
         "sections below apply them in order (pipeline cut, TP, recomputation, FSDP, optimizer).",
     ]
-    return '"""' + "\n".join(lines) + '\n"""'
+    # A file name may hold quotes or backslashes: escaped, they cannot end the docstring early.
+    text = "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
+    return '"""' + text + '\n"""'
 
 
 def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts, tp: TPPlan,

@@ -1,12 +1,31 @@
 """Launch scripts for a generated module: torchrun (any cluster) and SLURM sbatch."""
 from __future__ import annotations
 
+import re
+import shlex
+
 # Restarted ranks must not meet in the store of the attempt before: torchrun's agent shares one
 # TCPStore across attempts by default, and the new process group then reads the dead ranks'
 # addresses (pytorch/pytorch#135712). With sharing off, every attempt gets a fresh store.
 STORE_PER_ATTEMPT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 STORE_PER_ATTEMPT = ("# A fresh rendezvous store per restart (a shared one hands restarted ranks stale addresses).\n"
                      "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
+
+
+def shell_word(name: str) -> str:
+    """A file name as one shell word that runs nothing (spaces, quotes, `$(...)` stay literal)."""
+    return shlex.quote(name)
+
+
+def comment_text(name: str) -> str:
+    """A file name fit for a `#` comment line: a newline in it would start a command line."""
+    return "".join(ch if ch.isprintable() else "?" for ch in name)
+
+
+def plain_token(name: str) -> str:
+    """A file name reduced to letters, digits, `_`, `.` and `-`: for values that are not paths
+    (a rendezvous id, a job name) and must survive any quoting."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "autopar"
 
 
 def launch_script(script: str, world_size: int, gpus_per_node: int) -> str:
@@ -20,7 +39,7 @@ def launch_script(script: str, world_size: int, gpus_per_node: int) -> str:
     nodes = max(1, -(-world_size // gpus_per_node))
     per_node = min(world_size, gpus_per_node)
     return f"""#!/usr/bin/env bash
-# Launch {script} on {nodes} node(s) x {per_node} rank(s) = {world_size} ranks, as planned.
+# Launch {comment_text(script)} on {nodes} node(s) x {per_node} rank(s) = {world_size} ranks, as planned.
 # Run this same command on every node; the nodes meet at RDZV_HOST:RDZV_PORT (the first node).
 #   single node:  ./launch.sh --steps 10
 #   multi-node:   RDZV_HOST=node0 ./launch.sh --steps 10     (on each node)
@@ -33,7 +52,7 @@ NNODES=${{NNODES:-{nodes}}}
 NPROC_PER_NODE=${{NPROC_PER_NODE:-{per_node}}}
 RDZV_HOST=${{RDZV_HOST:-localhost}}
 RDZV_PORT=${{RDZV_PORT:-29500}}
-RDZV_ID=${{RDZV_ID:-{script.removesuffix('.py')}}}
+RDZV_ID=${{RDZV_ID:-{plain_token(script.removesuffix('.py'))}}}
 MAX_RESTARTS=${{MAX_RESTARTS:-3}}
 {STORE_PER_ATTEMPT}
 exec torchrun \\
@@ -43,7 +62,7 @@ exec torchrun \\
     --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" \\
     --rdzv-id="$RDZV_ID" \\
     --max-restarts="$MAX_RESTARTS" \\
-    {script} "$@"
+    {shell_word(script)} "$@"
 """
 
 
@@ -52,8 +71,8 @@ def sbatch_script(script: str, world_size: int, gpus_per_node: int, job_name: st
     nodes = max(1, -(-world_size // gpus_per_node))
     per_node = min(world_size, gpus_per_node)
     return f"""#!/usr/bin/env bash
-# Submit with: sbatch sbatch.sh --steps 100    (arguments go to {script})
-#SBATCH --job-name={job_name}
+# Submit with: sbatch sbatch.sh --steps 100    (arguments go to {comment_text(script)})
+#SBATCH --job-name={plain_token(job_name)}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node={per_node}
@@ -72,5 +91,5 @@ srun torchrun \\
     --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" \\
     --rdzv-id="$SLURM_JOB_ID" \\
     --max-restarts="$MAX_RESTARTS" \\
-    {script} "$@"
+    {shell_word(script)} "$@"
 """

@@ -220,14 +220,16 @@ def to_html(report: PlanReport, parts: list[Section], folder: Path) -> str:
             f"<body>{''.join(body)}</body></html>\n")
 
 
+REPORT_FILES = ("report.json", "timeline.json", "timeline.png", "memory.png", "time.png", "report.md", "report.html")
+
+
 def write_report(report: PlanReport, folder: str | Path) -> dict[str, Path]:
     """Write every report file into `folder` (created if needed); returns name -> path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     plan = report.plan
     timeline = plan_timeline(plan, report.estimate)
-    files = {name: folder / name for name in ("report.json", "timeline.json", "timeline.png", "memory.png",
-                                              "time.png", "report.md", "report.html")}
+    files = {name: folder / name for name in REPORT_FILES}
     files["report.json"].write_text(report.to_json())
     trace = chrome_trace(timeline, pp_rank_members(plan), {"model": report.model_name, "cluster": report.cluster.name,
                                                            "plan": plan.summary(),

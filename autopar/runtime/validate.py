@@ -96,7 +96,9 @@ def validate(out_dir: str | Path, steps: int = 5, timeout_s: float | None = None
     out_dir = Path(out_dir)
     plan = read_plan(out_dir / "plan.json")
     report_file = out_dir / "report.json"
-    report = load_report(report_file) if report_file.is_file() else rebuild_report(plan)
+    # Without a saved report the folder's own model copy (what the ranks will import) prices it.
+    report = (load_report(report_file) if report_file.is_file()
+              else rebuild_report(plan, out_dir / Path(plan.provenance.model_path).name))
     folder = out_dir / "measure"
     shutil.rmtree(folder, ignore_errors=True)
     result = run_local(out_dir, plan.world_size, steps, extra_args=["--measure-dir", str(folder.resolve())],

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
-from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
+from autopar.solver.space import MAX_WORLD_SIZE, Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter, replicated_ops
 from cost_models.hardware import get_gpu, known_gpus
 from cost_models.layout import CP_STRATEGIES, DP_SYNC, SCHEDULES
@@ -407,7 +407,11 @@ class Planner:
     def _no_candidates_fix(self) -> str:
         """The nearest larger global batch that admits a plan, else dropping the pins."""
         batch, world = self.train.global_batch_size, self.cluster.world_size
-        for larger in range(batch + 1, batch + 2 * world + 1):
+        # A batch with a legal split is a multiple of its data-parallel degree, a divisor of the
+        # world size: only the next multiple of each divisor is tried (a scan of every batch up to
+        # 2x the world size never ended at a million GPUs).
+        nearest = sorted({(batch // dp + 1) * dp for dp in divisors(world)})
+        for larger in nearest:
             if self._any_candidate(larger, self.pins):
                 return (f"use train.global_batch_size={larger} (the nearest larger batch with a legal split)"
                         + (", or change the pins." if self._pin_overrides() else "."))
@@ -431,6 +435,8 @@ class Planner:
                    + (f" under your pins ({', '.join(pins)})." if pins else "."))
         quick = replace(self.solver, time_limit_s=min(20.0, self.solver.time_limit_s), top_k=0)
         for factor in (2, 4, 8, 16):
+            if self.cluster.world_size * factor > MAX_WORLD_SIZE:
+                break  # beyond what the search handles in bounded time
             bigger = replace(self.cluster, node_gpus=self.cluster.node_gpus * factor)
             if self._fits(bigger, quick):
                 return problem, f"use {factor}× the nodes ({bigger.world_size} GPUs; cluster.nodes={bigger.nodes})."

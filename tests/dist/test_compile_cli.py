@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +17,7 @@ from autopar.cli import main
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.plan import Plan
 from autopar.runtime import run_reference
+from tests.dist.harness import free_port
 
 TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 128}
 OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32",
@@ -102,13 +108,17 @@ def test_corrupted_plan_is_a_clear_error(examples_dir, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, compiled, tmp_path, monkeypatch):
     """An error half-way through code generation keeps the previous compile as it was."""
     generate_module = importlib.import_module("autopar.codegen.generate")
 
     out = tmp_path / "kept"
-    out.mkdir()
-    (out / "plan.json").write_text("previous")
+    shutil.copytree(compiled, out)
+    before = _files(out)
 
     def broken_launch(*args, **kwargs):
         raise generate_module.CodegenError("launch scripts cannot be written.", "none.")
@@ -118,7 +128,25 @@ def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, com
                  "--out-dir", str(out)])
     assert code == 1
     assert [p.name for p in tmp_path.iterdir()] == ["kept"]
-    assert (out / "plan.json").read_text() == "previous"
+    assert _files(out) == before  # and no staging folder left inside
+
+
+def test_recompiling_a_trained_folder_keeps_its_checkpoints_and_run_records(examples_dir, compiled, tmp_path):
+    """Train, compile again into the same folder, train on: the checkpoint and the records of the
+    first run survive the compile and the second run resumes from that checkpoint."""
+    out = tmp_path / "trained"
+    shutil.copytree(compiled, out)
+    (out / "run.jsonl").unlink(missing_ok=True)
+    assert main(["run", str(out), "--steps", "2", "--checkpoint-every", "2"]) == 0
+    trained = {name: data for name, data in _files(out).items() if name.startswith(("checkpoints", "run.jsonl"))}
+    assert any(name.endswith("COMPLETE") for name in trained)
+    assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--plan", str(out / "plan.json"),
+                 "--out-dir", str(out), "-q"]) == 0
+    after = _files(out)
+    assert {name: after[name] for name in trained} == trained
+    assert main(["run", str(out), "--steps", "3", "--checkpoint-every", "2"]) == 0
+    records = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2]  # the second run trained the third step only
 
 
 def test_compile_generates_context_parallel_plans_and_refuses_models_without_positions(examples_dir, tmp_path,
@@ -140,3 +168,21 @@ def test_compile_generates_context_parallel_plans_and_refuses_models_without_pos
     assert code == 1
     assert "position_ids" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_launch_script_of_a_hostile_file_and_folder_name_trains_and_runs_nothing_else(examples_dir, tmp_path):
+    """Spaces, quotes, unicode and `$(...)` in the model file's and the folder's names: launch.sh
+    runs the real torchrun on the generated module for one step, and no `touch X` runs."""
+    hostile = "g x$(touch X)y 'é\""
+    model = tmp_path / f"{hostile}.py"
+    shutil.copyfile(examples_dir / "gpt.py", model)
+    out = tmp_path / f"out {hostile} ü"
+    assert main(["compile", str(model), *OVERRIDES, "--out-dir", str(out), "-q"]) == 0
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               RDZV_PORT=str(free_port()), MAX_RESTARTS="0")
+    run = subprocess.run(["bash", str(out / "launch.sh"), "--steps", "1"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [0]
+    assert not list(tmp_path.rglob("X")), "a $(...) in a file name ran"

@@ -130,12 +130,12 @@ def test_timeline_json_has_one_event_per_rank_micro_batch_and_phase(reported):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in ops)
 
 
-def test_report_verb_rerenders_a_folder_and_reprices_a_bare_plan(reported, tmp_path):
+def test_report_verb_rerenders_a_folder_and_reprices_a_bare_plan(examples_dir, reported, tmp_path):
     assert main(["report", str(reported), "-q"]) == 0
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "plan.json").write_text((reported / "plan.json").read_text())
-    assert main(["report", str(bare / "plan.json"), "-q"]) == 0
+    assert main(["report", str(bare / "plan.json"), "--model", str(examples_dir / "gpt.py"), "-q"]) == 0
     again = json.loads((bare / "report.json").read_text())
     first = json.loads((reported / "report.json").read_text())
     assert again["estimate"]["step_time_s"] == pytest.approx(first["estimate"]["step_time_s"], rel=1e-9)

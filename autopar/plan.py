@@ -67,6 +67,8 @@ class SolverInfo:
     candidates: int = 0
     gap: float = 0.0
     priced: int = 0  # candidates priced in full; the others were excluded by a cheaper bound
+    work: float = 0.0  # deterministic work units spent (solver.work_limit): the same on any machine load
+    stopped_by: str = ""  # "", "work_limit" or "time_limit" (the wall-clock safety cap)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,10 @@ def sections(report: PlanReport) -> list[Section]:
                    f"{report.solver_seconds:.1f} s" + (f", gap {solver.gap:.1%}" if solver.gap else "")]])]))
     if solver.status not in ("OPTIMAL", "PINNED"):
         result[-1].blocks.insert(0, f"**Not proven optimal**: the solver stopped with status {solver.status}; "
-                                    f"this is the best plan found, at most {solver.gap:.1%} from the bound.")
+                                    f"this is the best plan found, at most {solver.gap:.1%} from the bound"
+                                    + (" (stopped by the wall-clock safety cap solver.time_limit_s: the result "
+                                       "depends on the machine's load)." if solver.stopped_by == "time_limit"
+                                       else " (stopped by its deterministic work limit, solver.work_limit)."))
     breakdown = predicted.time_breakdown
     total = sum(breakdown.values()) or 1.0
     result.append(Section("Where the step time goes (critical pipeline rank)", [

@@ -129,7 +129,7 @@ class Planner:
             raise UserError(self._why_no_candidates(), self._no_candidates_fix())
         search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=max(1, self.solver.top_k + 1),
                             seed=self.solver.seed, workers=self.solver.threads, progress=self.progress,
-                            fixed_partition=self._pinned_partition())
+                            fixed_partition=self._pinned_partition(), work_limit=self.solver.work_limit)
         result = search.run(candidates)
         if not result.best:
             raise InfeasibleError(*self._smallest_fitting_change())
@@ -179,7 +179,7 @@ class Planner:
                                 time_breakdown=estimate.time_breakdown, memory_breakdown=estimate.memory_breakdown),
             solver=SolverInfo(status=result.status, objective=scored.step_time_s, seconds=round(result.seconds, 3),
                               candidates=result.candidates, gap=result.gap,
-                              priced=result.priced),
+                              priced=result.priced, work=result.work, stopped_by=result.stopped_by),
             provenance=Provenance(model_path=self.profile.model_path, model_sha256=self.profile.model_sha256,
                                   model_kwargs=dict(self.profile.model_kwargs), cluster=self.cluster.name,
                                   traced_micro_batch_size=self.profile.micro_batch_size,
@@ -274,7 +274,8 @@ class Planner:
                  if c.tp > self.cluster.gpus_per_node]
         if not extra:
             return "no plan with TP across nodes exists for this model and batch"
-        search = PlanSearch(self.pricer, time_limit_s=min(10.0, self.solver.time_limit_s), seed=self.solver.seed)
+        search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
+                            work_limit=min(10.0, self.solver.work_limit))
         best = search.run(extra).best
         if not best:
             return "no plan with TP across nodes fits in memory"
@@ -429,7 +430,7 @@ class Planner:
                    f"({self.cluster.node_gpus[0].memory_bytes / 1e9:.0f} GB) with every split, ZeRO stage, "
                    "micro-batch size and recomputation the search allows"
                    + (f" under your pins ({', '.join(pins)})." if pins else "."))
-        quick = replace(self.solver, time_limit_s=min(20.0, self.solver.time_limit_s), top_k=0)
+        quick = replace(self.solver, work_limit=min(20.0, self.solver.work_limit), top_k=0)
         for factor in (2, 4, 8, 16):
             bigger = replace(self.cluster, node_gpus=self.cluster.node_gpus * factor)
             if self._fits(bigger, quick):
@@ -447,4 +448,5 @@ class Planner:
     def _fits(self, cluster: ClusterSpec, solver: "SolverConfig") -> bool:
         planner = Planner(self.profile, cluster, self.train, solver, self.pins)
         candidates = planner.candidates()
-        return bool(candidates) and bool(PlanSearch(planner.pricer, time_limit_s=solver.time_limit_s).run(candidates).best)
+        return bool(candidates) and bool(PlanSearch(planner.pricer, time_limit_s=solver.time_limit_s,
+                                                    work_limit=solver.work_limit).run(candidates).best)

@@ -33,8 +33,11 @@ class TrainConfig:
 class SolverConfig:
     """How the planner searches (everything not pinned under plan.* is searched)."""
 
-    objective: str = "throughput"
-    """throughput (fastest plan that fits), memory (least memory within 5% of the fastest), or
+    objective: str = "robust"
+    """robust (the fastest plan that fits, unless a plan whose prediction interval overlaps it
+    depends less on what the cost model extrapolates beyond its calibration set: collectives over
+    more nodes than any published run, an uncalibrated GPU; cost_models.uncertainty), throughput
+    (the fastest by prediction alone), memory (least memory within 5% of the fastest), or
     min_gpus (fewest GPUs reaching target_tokens_per_s)."""
     target_tokens_per_s: float = 0.0
     """Throughput to reach with objective=min_gpus."""

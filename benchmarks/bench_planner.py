@@ -5,8 +5,8 @@ Targets: GPT-3 175B on 1024 A100-80GB (128 DGX nodes), global batch 1536, and Ll
 8192) on 512 H100 (64 nodes), each under 60 s with solver status OPTIMAL; at frontier scale
 (fidelity issue) the Llama-3-405B shape on 16,384 H100 (seq 8192, global batch 2048) OPTIMAL or
 gap <= 1% within 60 s, and the Megatron-LM 145.6B GPT on 1536 A100 (global batch 2304) within
-10 s (targets on the search's seconds; wall_s adds tracing and profiling). The search's budget
-is deterministic work (`solver.work_limit`), so the plan, status and
+10 s (targets on planning, plan_s: the search, the robust objective's second search and the
+runners-up; trace_s is tracing and profiling before it). The search's budget is deterministic work (`solver.work_limit`), so the plan, status and
 gap printed here are the same on any machine load; only the seconds change.
 
     python -m benchmarks.bench_planner
@@ -42,29 +42,36 @@ CASES = [
 
 def run() -> list[dict]:
     from autopar.config import compose_config
-    from autopar.driver import run_plan
+    from autopar.driver import run_plan, run_profile
 
     rows = []
     for name, example, overrides, target_s in CASES:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the other core's job
         try:
+            cfg = compose_config(overrides)
             start = time.perf_counter()
-            result = run_plan(REPO / "examples" / example, compose_config(overrides))
-            wall_s = time.perf_counter() - start
+            profile = run_profile(REPO / "examples" / example, cfg)
+            traced = time.perf_counter()
+            result = run_plan(REPO / "examples" / example, cfg, profile=profile)
+            planned = time.perf_counter()
         finally:
             busy.kill()
             busy.wait()
         plan = result.plan
-        rows.append({"case": name, "wall_s": round(wall_s, 1), "solver_s": plan.solver.seconds,
+        plan_s = planned - traced
+        rows.append({"case": name, "wall_s": round(planned - start, 1), "trace_s": round(traced - start, 1),
+                     "plan_s": round(plan_s, 1), "search_s": plan.solver.seconds,
                      "work": plan.solver.work, "status": plan.solver.status, "gap": round(plan.solver.gap, 4),
                      "candidates": plan.solver.candidates, "priced": plan.solver.priced,
                      "plan": plan.summary(), "step_s": round(plan.predicted.step_time_s, 2),
-                     "mfu": round(plan.predicted.mfu, 3),
+                     "interval_s": f"{plan.predicted.step_time_low_s:.2f}-{plan.predicted.step_time_high_s:.2f}",
+                     "robust": "switched" if result.binding and result.binding[0].constraint.startswith("robust")
+                     else "", "mfu": round(plan.predicted.mfu, 3),
                      "peak_GiB": round(plan.predicted.peak_memory_bytes / 2**30, 1),
                      "target_s": target_s,
-                     # the targets are on the search (trace and profile come before it, in wall_s)
-                     "met": plan.solver.seconds < target_s and (plan.solver.status == "OPTIMAL"
-                                                                or plan.solver.gap <= 0.01)})
+                     # the targets are on planning (tracing and profiling come before it, in trace_s):
+                     # the search, the robust objective's second search and the report's explanations
+                     "met": plan_s < target_s and (plan.solver.status == "OPTIMAL" or plan.solver.gap <= 0.01)})
     return rows
 
 

@@ -136,12 +136,19 @@ class Link:
     name: str
     per_collective: tuple[tuple[str, float, float], ...] = ()
     congestion: float = 0.0  # bandwidth / (1 + congestion·log2 nodes) for a group across nodes
+    # A pessimistic price (cost_models.uncertainty): beyond `measured_nodes` the bandwidth also
+    # falls by `fall_per_doubling` per doubling of nodes (1.0: no such term).
+    measured_nodes: int = 0
+    fall_per_doubling: float = 1.0
 
     def across(self, nodes: int) -> "Link":
         """This link as a group spanning `nodes` nodes sees it (NetworkSpec's congestion term)."""
-        if nodes <= 1 or not self.congestion:
+        beyond = self.fall_per_doubling != 1.0 and nodes > max(1, self.measured_nodes)
+        if nodes <= 1 or not (self.congestion or beyond):
             return self
         factor = 1 + self.congestion * math.log2(nodes)
+        if beyond:
+            factor *= self.fall_per_doubling ** math.log2(nodes / max(1, self.measured_nodes))
         return Link(self.bandwidth_Bps / factor, self.latency_s, self.name,
                     tuple((op, latency, bandwidth / factor) for op, latency, bandwidth in self.per_collective))
 

@@ -52,7 +52,11 @@ def sections(report: PlanReport) -> list[Section]:
     cost = report.cost_per_million_tokens
     solver = plan.solver
     result.append(Section("Predicted performance", [Table(["quantity", "value"], [
-        ["step time", _ms(predicted.step_time_s)], ["throughput", rate],
+        ["step time", _ms(predicted.step_time_s)],
+        *([["a measured step is expected in", f"{_ms(predicted.step_time_low_s)} - {_ms(predicted.step_time_high_s)}"
+            + (f" (extrapolated: {'; '.join(predicted.extrapolated)})" if predicted.extrapolated else "")]]
+          if predicted.step_time_high_s else []),
+        ["throughput", rate],
         ["MFU (model FLOPs / peak)", f"{predicted.mfu:.1%}"],
         ["TFLOP/s per GPU", f"{estimate.get('tflops_per_gpu', 0.0):,.1f}"],
         ["peak memory (fullest rank)", format_bytes(predicted.peak_memory_bytes)],

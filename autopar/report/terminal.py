@@ -88,6 +88,10 @@ def print_plan(result, console: Console) -> None:
     console.print(f"[bold green]plan[/]: {plan.summary()}  (mesh {' → '.join(plan.mesh_order)}, innermost first)")
     console.print(f"predicted step {predicted.step_time_s * 1e3:,.1f} ms, {rate}, MFU {predicted.mfu:.1%}, "
                   f"peak memory {format_bytes(predicted.peak_memory_bytes)}")
+    if predicted.step_time_high_s:
+        console.print(f"a measured step is expected in {predicted.step_time_low_s * 1e3:,.0f}-"
+                      f"{predicted.step_time_high_s * 1e3:,.0f} ms (the cost model's spread over published runs"
+                      + (f"; extrapolated: {'; '.join(predicted.extrapolated)}" if predicted.extrapolated else "") + ")")
     if plan.pp > 1:
         console.print("stages: " + ", ".join(f"{len(stage)} layers" for stage in plan.stages))
     solver = plan.solver

@@ -244,3 +244,29 @@ def test_floor_with_communication_stays_below_every_option(examples_dir):
         checked["tp"] += candidate.tp > 1
         checked[candidate.cp_strategy] += candidate.cp > 1
     assert min(checked.values()) > 0
+
+
+def test_robust_objective_prefers_the_plan_that_extrapolates_less(examples_dir):
+    """On 128 nodes the fastest plan's data-parallel all-reduce spans all 128 (beyond the 48 any
+    published InfiniBand run measured); the robust objective picks a plan whose interval overlaps
+    it and whose pessimistic price is lower, says why in words, and lists the fastest as the first
+    runner-up. objective=throughput keeps the fastest."""
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 12, "hidden": 6144, "heads": 48, "seq_len": 2048,
+                                                  "vocab": 8192})
+    spec = cluster("A100-80GB", 128, 8)
+    train = TrainSpec(global_batch_size=1024)
+    fastest = Planner(profile, spec, train, SolverConfig(objective="throughput", top_k=2), PlanPins()).run()
+    planner = Planner(profile, spec, train, SolverConfig(top_k=2), PlanPins())
+    robust = planner.run()
+    assert robust.plan.summary() != fastest.plan.summary()
+    assert robust.plan.predicted.step_time_s >= fastest.plan.predicted.step_time_s
+    assert fastest.plan.predicted.extrapolated and "128 nodes" in fastest.plan.predicted.extrapolated[0]
+    mine, theirs = fastest.plan.predicted, robust.plan.predicted
+    # overlapping intervals; the chosen plan's upper end (its pessimistic price) is lower
+    assert theirs.step_time_low_s <= mine.step_time_high_s and mine.step_time_low_s <= theirs.step_time_high_s
+    assert theirs.step_time_high_s < mine.step_time_high_s
+    note = robust.binding[0]
+    assert note.constraint.startswith("robust objective") and "faster on paper" in note.relaxing \
+        and "beyond any measurement" in note.relaxing
+    assert robust.alternatives[0].plan.summary() == fastest.plan.summary()
+

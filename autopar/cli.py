@@ -41,7 +41,7 @@ ESTIMATE_EXAMPLES = """examples:
 PLAN_EXAMPLES = """examples:
   autopar plan examples/gpt.py cluster=dgx_a100_80g cluster.nodes=4 train.global_batch_size=256
   autopar plan examples/llama_hf.py cluster=dgx_h100 cluster.nodes=64 plan.tp=8 --top-k 5 --out plan.json
-  autopar plan examples/gpt.py solver.objective=memory solver.time_limit_s=30 --report report/
+  autopar plan examples/gpt.py solver.objective=memory solver.work_limit=30 --report report/
   autopar plan examples/gpt.py cluster=cpu_gloo --cfg job   # print the composed configuration
   # a sweep (Hydra multirun): one plan per point, sweep.csv + sweep.md + sweep.png in hydra.sweep.dir
   autopar plan examples/gpt.py -m cluster.nodes=1,2,4,8,16 cluster=dgx_a100_80g,dgx_h100 \\

@@ -36,14 +36,22 @@ class TrainConfig:
 class SolverConfig:
     """How the planner searches (everything not pinned under plan.* is searched)."""
 
-    objective: str = "throughput"
-    """throughput (fastest plan that fits), memory (least memory within 5% of the fastest), or
+    objective: str = "robust"
+    """robust (the fastest plan that fits, unless a plan whose prediction interval overlaps it
+    depends less on what the cost model extrapolates beyond its calibration set: collectives over
+    more nodes than any published run, an uncalibrated GPU; cost_models.uncertainty), throughput
+    (the fastest by prediction alone), memory (least memory within 5% of the fastest), or
     min_gpus (fewest GPUs reaching target_tokens_per_s)."""
     target_tokens_per_s: float = 0.0
     """Throughput to reach with objective=min_gpus."""
-    time_limit_s: float = 60.0
-    """Wall-clock budget for the whole search; the best plan so far is returned with its gap (the
-    search always runs until it has found one plan, however short the budget)."""
+    work_limit: float = 60.0
+    """Deterministic work budget for the whole search (about seconds on an idle 2-core laptop:
+    CP-SAT's deterministic seconds plus 0.1 ms per configuration priced in full). It does not
+    depend on machine load, so the same inputs give the same plan anywhere; when it runs out the
+    best plan so far is returned with its gap (the search always runs until it has one plan)."""
+    time_limit_s: float = 600.0
+    """Wall-clock safety cap for the search, kept generous: a plan stopped by it depends on the
+    machine's load, and the terminal and the report say so."""
     threads: int = 1
     """CP-SAT worker threads (1 keeps runs reproducible and fits small machines)."""
     seed: int = 0

@@ -53,6 +53,11 @@ class Predicted:
     peak_memory_bytes: int = 0
     time_breakdown: dict[str, float] = field(default_factory=dict)
     memory_breakdown: dict[str, int] = field(default_factory=dict)
+    # Where a measured step is expected (cost_models.uncertainty), and what the price assumes
+    # beyond the published runs it was checked against.
+    step_time_low_s: float = 0.0
+    step_time_high_s: float = 0.0
+    extrapolated: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ class SolverInfo:
     candidates: int = 0
     gap: float = 0.0
     priced: int = 0  # candidates priced in full; the others were excluded by a cheaper bound
+    work: float = 0.0  # deterministic work units spent (solver.work_limit): the same on any machine load
+    stopped_by: str = ""  # "", "work_limit" or "time_limit" (the wall-clock safety cap)
 
 
 @dataclass(frozen=True)

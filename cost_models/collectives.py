@@ -10,7 +10,9 @@ per-message latency a and link bandwidth B (one direction):
     ring all-reduce          2(n-1)·a + 2(n-1)/n · S/B         (Patarasuk & Yuan 2009)
     tree all-reduce          2·ceil(log2 n)·a + 2·S/B           (NCCL's double binary tree,
                                                                  pipelined reduce + broadcast:
-                                                                 log-depth latency, no 1/n gain)
+                                                                 log-depth latency, no 1/n gain;
+                                                                 B capped at 80 GB/s beyond two
+                                                                 nodes, as NCCL's tuner does)
     halving-doubling a-r     2·log2 n·a + 2(n-1)/n · S/B         (Rabenseifner; Thakur, Rabenseifner
                                                                  & Gropp 2005 §4.4; a non-power-of-
                                                                  two n adds one exchange of S each
@@ -31,6 +33,11 @@ algorithms spanning nodes use one channel per NIC of the group's ranks on a node
 (`GroupPlacement.ring_link`); all-to-all splits its traffic into the part leaving the node (one
 NIC per GPU) and the part staying on it; point-to-point, scatter/gather and the parameter server
 go through one rank's link.
+
+At scale (fidelity issue): a collective spanning k nodes sees the network's bandwidth divided by
+1 + c·log2 k, c fitted per network to published bus-bandwidth curves (`topology.NETWORKS`; EFA:
+the Ultra-Scale Playbook's 1-64-node all-gather / reduce-scatter at 256 MB, together with the
+per-step latency a); point-to-point traffic (pipeline sends) is left at the NIC's rate.
 """
 from __future__ import annotations
 
@@ -142,7 +149,7 @@ def hierarchical_all_reduce_s(nbytes: float, group: GroupPlacement) -> float:
     tree/ring composition across nodes has the same traffic)."""
     g, k = group.per_node, group.nodes
     return (flat_time_s(Collective.REDUCE_SCATTER, Algorithm.RING, nbytes, g, group.intra)
-            + flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, nbytes / g, k, group.inter)
+            + flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, nbytes / g, k, group.network)
             + flat_time_s(Collective.ALL_GATHER, Algorithm.RING, nbytes, g, group.intra))
 
 
@@ -152,7 +159,7 @@ def all_to_all_s(nbytes: float, group: GroupPlacement) -> float:
     n, g = group.size, group.per_node
     if not group.crosses_nodes:
         return flat_time_s(Collective.ALL_TO_ALL, Algorithm.RING, nbytes, n, group.intra)
-    a_inter, b_inter = group.inter.alpha_beta(Collective.ALL_TO_ALL.value)
+    a_inter, b_inter = group.network.alpha_beta(Collective.ALL_TO_ALL.value)
     _, b_intra = group.intra.alpha_beta(Collective.ALL_TO_ALL.value)
     return (n - 1) * a_inter + max((n - g) / n * nbytes / b_inter, (g - 1) / n * nbytes / b_intra)
 
@@ -176,7 +183,24 @@ def collective_time_s(op: Collective, nbytes: float, group: GroupPlacement,
         return all_to_all_s(nbytes, group)
     one_rank = op in (Collective.SEND_RECV, Collective.SCATTER, Collective.GATHER) \
         or algorithm is Algorithm.PARAMETER_SERVER
-    return flat_time_s(op, algorithm, nbytes, group.size, group.link if one_rank else group.ring_link)
+    link = group.link if one_rank else group.ring_link
+    if algorithm is Algorithm.TREE and group.nodes > 2:
+        link = tree_link(link)
+    return flat_time_s(op, algorithm, nbytes, group.size, link)
+
+
+# NCCL's tuning model caps a tree's bus bandwidth beyond two nodes (80 GB/s; NVIDIA/nccl
+# src/graph/tuning.cc, maxTreeBw): a tree's interior ranks receive from two children and send to
+# a parent through one channel pair, so it cannot use every NIC as rings do.
+TREE_BUSBW_CAP_Bps = 80e9
+
+
+def tree_link(link: Link) -> Link:
+    """The link a tree all-reduce across more than two nodes sees."""
+    if link.bandwidth_Bps <= TREE_BUSBW_CAP_Bps:
+        return link
+    return Link(TREE_BUSBW_CAP_Bps, link.latency_s, f"{link.name} (tree)",
+                tuple((op, latency, min(bandwidth, TREE_BUSBW_CAP_Bps)) for op, latency, bandwidth in link.per_collective))
 
 
 def best_algorithm(op: Collective, nbytes: float, group: GroupPlacement,

@@ -8,9 +8,18 @@ the micro-batch size, so a layer's time at micro-batch b is
 (b / b_profiled) · roofline + launches · overhead.
 
 Layers are priced by their first occurrence (`repeat_of`), once per GPU signature.
+
+GEMM efficiency depends on shape (`gemm_shape_efficiency`): the catalogue's GEMM efficiency is
+what large matmuls reach; a GEMM's output is computed in tiles spread over the GPU's SMs in
+waves, so a shape that leaves tiles partly empty (tile quantisation) or a last wave partly idle
+(wave quantisation) reaches that share of it (NVIDIA, "Matrix Multiplication Background User's
+Guide", Deep Learning Performance docs). Small hidden sizes and small micro-batches are where
+this bites. The shape is the profiled one (micro-batch `b_profiled`), a pessimistic estimate for
+larger micro-batches, whose time is scaled linearly.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -27,11 +36,55 @@ def compute_dtype(precision: str) -> str:
     return precision if precision in ("bf16", "fp16") else "fp32"
 
 
-def roofline_s(op_class: str, flops: float, moved_bytes: float, gpu: GPUSpec, dtype: str) -> float:
-    """Roofline time of work of one op class, without launch overhead."""
+# Output tile shapes a GEMM library chooses between (CUTLASS / cuBLAS thread-block tiles for
+# 16-bit tensor-core GEMMs); the best fit for the shape is taken, as their heuristics do.
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+_GEMM_TARGETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+
+
+SPLIT_K_MIN_DEPTH = 256  # a split-K slice keeps at least this much of the reduction dimension
+
+
+def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int) -> float:
+    """Share of large-GEMM efficiency an (m x k)·(k x n) product (times `batch`) reaches: tile
+    quantisation m·n / (tiles · tile area) times wave quantisation tiles / (waves · SMs), for the
+    best of GEMM_TILES and of splitting k into up to 16 slices when the tiles alone cannot fill
+    the SMs (split-K, as GEMM libraries do for skinny products). 1.0 when the SM count is unknown."""
+    if sm_count <= 0 or min(batch, m, n, k) <= 0:
+        return 1.0
+    best = 0.0
+    for tile_m, tile_n in GEMM_TILES:
+        tiles = batch * math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        tile_share = batch * m * n / (tiles * tile_m * tile_n)
+        for split in (1, 2, 4, 8, 16):
+            if split > 1 and (k < split * SPLIT_K_MIN_DEPTH or tiles * split > 2 * sm_count):
+                break
+            work = tiles * split
+            best = max(best, tile_share * work / (math.ceil(work / sm_count) * sm_count))
+    return best
+
+
+def gemm_dims(op: Any) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of a matmul op, from its input shapes (None if not a plain GEMM)."""
+    target = getattr(op, "target", "")
+    if not target.startswith(_GEMM_TARGETS):
+        return None
+    shapes = list(getattr(op, "input_shapes", None) or [])
+    if target.startswith(("aten.addmm", "aten.baddbmm")):
+        shapes = shapes[1:]
+    if len(shapes) < 2 or len(shapes[0]) != len(shapes[1]) or len(shapes[0]) not in (2, 3):
+        return None
+    a, b = shapes[0], shapes[1]
+    return (a[0] if len(a) == 3 else 1), a[-2], b[-1], a[-1]
+
+
+def roofline_s(op_class: str, flops: float, moved_bytes: float, gpu: GPUSpec, dtype: str,
+               shape_efficiency: float = 1.0) -> float:
+    """Roofline time of work of one op class, without launch overhead (`shape_efficiency`: the
+    share of the class's efficiency this op's shape reaches, GEMMs only)."""
     if op_class == "view":
         return 0.0
-    efficiency = gpu.efficiency_of(op_class)
+    efficiency = gpu.efficiency_of(op_class) * (shape_efficiency if op_class == "gemm" else 1.0)
     if op_class in FLOP_BOUND_CLASSES:
         return max(flops / (gpu.flops(dtype) * efficiency), moved_bytes / gpu.memory_bandwidth_Bps)
     return max(flops / gpu.flops(dtype), moved_bytes / (gpu.memory_bandwidth_Bps * efficiency))
@@ -39,7 +92,11 @@ def roofline_s(op_class: str, flops: float, moved_bytes: float, gpu: GPUSpec, dt
 
 def op_roofline_s(op: Any, gpu: GPUSpec, dtype: str) -> float:
     """Roofline time of one profiled op, without the launch overhead."""
-    return roofline_s(op.op_class, op.flops, op.bytes_read + op.bytes_written, gpu, dtype)
+    shape = 1.0
+    if op.op_class == "gemm" and gpu.sm_count:
+        dims = gemm_dims(op)
+        shape = gemm_shape_efficiency(*dims, gpu.sm_count) if dims else 1.0
+    return roofline_s(op.op_class, op.flops, op.bytes_read + op.bytes_written, gpu, dtype, shape)
 
 
 def op_time_s(op: Any, gpu: GPUSpec, dtype: str) -> float:

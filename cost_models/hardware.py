@@ -47,6 +47,9 @@ class GPUSpec:
         efficiency: achievable fraction per op class (see DEFAULT_EFFICIENCY).
         launch_overhead_s: fixed time per op (kernel launch and framework dispatch).
         source: where the numbers come from.
+        sm_count: streaming multiprocessors (AMD: compute units), what a GEMM's output tiles are
+            spread over in waves (`cost_models.compute.gemm_shape_efficiency`); 0 leaves GEMM
+            efficiency independent of shape.
     """
 
     name: str
@@ -58,6 +61,7 @@ class GPUSpec:
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S
     source: str = ""
+    sm_count: int = 0  # streaming multiprocessors (compute units): GEMM wave quantisation; 0 = not modelled
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype; bf16 and fp16 stand in for each other (same tensor-core
@@ -75,7 +79,7 @@ class GPUSpec:
         """Hashable identity of every number that prices an op: the cache key for per-layer
         compute (a calibrated "cpu" and the catalogue's "cpu" must not share cached times)."""
         return (self.name, tuple(sorted(self.peak_flops.items())), self.memory_bandwidth_Bps,
-                tuple(sorted(self.efficiency.items())), self.launch_overhead_s)
+                tuple(sorted(self.efficiency.items())), self.launch_overhead_s, self.sm_count)
 
     def with_overrides(self, **changes) -> "GPUSpec":
         return replace(self, **changes)
@@ -83,55 +87,58 @@ class GPUSpec:
 
 def _gpu(name: str, *, peaks_tflops: dict[str, float], memory_gb: float, bandwidth_GBps: float, link: str,
          link_GBps: float, source: str, memory_gib: bool = False,
-         efficiency: dict[str, float] | None = None) -> GPUSpec:
+         efficiency: dict[str, float] | None = None, sm_count: int = 0) -> GPUSpec:
     eff = dict(DEFAULT_EFFICIENCY)
     eff.update(efficiency or {})
     return GPUSpec(name=name, peak_flops={dtype: tflops * TERA for dtype, tflops in peaks_tflops.items()},
                    memory_bytes=int(memory_gb * (GiB if memory_gib else GB)), memory_bandwidth_Bps=bandwidth_GBps * GB,
-                   intra_node_link=link, intra_node_bandwidth_GBps=link_GBps, efficiency=eff, source=source)
+                   intra_node_link=link, intra_node_bandwidth_GBps=link_GBps, efficiency=eff, source=source,
+                   sm_count=sm_count)
 
 
+# sm_count: NVIDIA's architecture whitepapers (V100 80, A100 108, H100 SXM5 132, H100 PCIe 114,
+# L40S 142, B200 148 per GPU) and AMD's MI300X datasheet (304 compute units).
 CATALOGUE: dict[str, GPUSpec] = {spec.name: spec for spec in (
     # NVIDIA V100 datasheet (SXM2 32GB): 15.7 fp32, 125 fp16 tensor TFLOP/s; 900 GB/s HBM2;
     # NVLink 2 at 150 GB/s per direction. Volta has no bf16 tensor cores: bf16 math runs on the
     # CUDA cores at the fp32 rate.
     _gpu("V100-32GB", peaks_tflops={"fp32": 15.7, "fp16": 125, "bf16": 15.7}, memory_gb=32, bandwidth_GBps=900,
-         link="NVLink2", link_GBps=150, source="NVIDIA V100 datasheet"),
+         link="NVLink2", link_GBps=150, source="NVIDIA V100 datasheet", sm_count=80),
     # NVIDIA A100 datasheet (SXM): 19.5 fp32, 156 tf32, 312 bf16/fp16; 40 GB HBM2 at 1,555 GB/s
     # or 80 GB HBM2e at 2,039 GB/s; NVLink 3 at 300 GB/s per direction. No fp8.
     _gpu("A100-40GB", peaks_tflops={"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, memory_gb=40,
          bandwidth_GBps=1555, link="NVLink3", link_GBps=300, source="NVIDIA A100 datasheet",
-         efficiency={"gemm": 0.87}),
+         efficiency={"gemm": 0.87}, sm_count=108),
     _gpu("A100-80GB", peaks_tflops={"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, memory_gb=80,
          bandwidth_GBps=2039, link="NVLink3", link_GBps=300, source="NVIDIA A100 datasheet",
-         efficiency={"gemm": 0.87}),
+         efficiency={"gemm": 0.87}, sm_count=108),
     # NVIDIA H100 datasheet, SXM5: 67 fp32, 494.5 tf32, 989 bf16/fp16, 1,979 fp8 (dense, half the
     # sparsity figures); 80 GB HBM3 at 3,350 GB/s; NVLink 4 at 450 GB/s per direction.
     _gpu("H100-SXM", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979}, memory_gb=80,
-         bandwidth_GBps=3350, link="NVLink4", link_GBps=450, source="NVIDIA H100 datasheet"),
+         bandwidth_GBps=3350, link="NVLink4", link_GBps=450, source="NVIDIA H100 datasheet", sm_count=132),
     # Same datasheet, PCIe card: 51 fp32, 378 tf32, 756 bf16/fp16, 1,513 fp8; 80 GB HBM2e at
     # 2,000 GB/s; PCIe Gen5 x16 (64 GB/s per direction) between cards.
     _gpu("H100-PCIe", peaks_tflops={"fp32": 51, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513}, memory_gb=80,
-         bandwidth_GBps=2000, link="PCIe5", link_GBps=64, source="NVIDIA H100 datasheet"),
+         bandwidth_GBps=2000, link="PCIe5", link_GBps=64, source="NVIDIA H100 datasheet", sm_count=114),
     # NVIDIA H200 product page: H100 SXM compute; 141 GB HBM3e at 4,800 GB/s; NVLink 4.
     _gpu("H200", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979}, memory_gb=141,
-         bandwidth_GBps=4800, link="NVLink4", link_GBps=450, source="NVIDIA H200 product page"),
+         bandwidth_GBps=4800, link="NVLink4", link_GBps=450, source="NVIDIA H200 product page", sm_count=132),
     # NVIDIA HGX B200 pages (per GPU, dense): 80 fp32, ~1,100 tf32, 2,250 bf16/fp16, 4,500 fp8;
     # ~180 GB usable HBM3e at 8 TB/s; NVLink 5 at 900 GB/s per direction.
     _gpu("B200", peaks_tflops={"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, memory_gb=180,
          bandwidth_GBps=8000, link="NVLink5", link_GBps=900, source="NVIDIA HGX B200 pages",
-         efficiency={"gemm": 0.78}),
+         efficiency={"gemm": 0.78}, sm_count=148),
     # NVIDIA L40S datasheet (dense): 91.6 fp32, 183 tf32, 362 bf16/fp16, 733 fp8; 48 GB GDDR6 at
     # 864 GB/s; no NVLink, PCIe Gen4 x16 (32 GB/s per direction).
     _gpu("L40S", peaks_tflops={"fp32": 91.6, "tf32": 183, "bf16": 362, "fp16": 362, "fp8": 733}, memory_gb=48,
-         bandwidth_GBps=864, link="PCIe4", link_GBps=32, source="NVIDIA L40S datasheet"),
+         bandwidth_GBps=864, link="PCIe4", link_GBps=32, source="NVIDIA L40S datasheet", sm_count=142),
     # AMD Instinct MI300X datasheet (dense): 163.4 fp32 matrix, 653.7 tf32, 1,307.4 bf16/fp16,
     # 2,614.9 fp8; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 64 GB/s per direction to
     # the node's other GPUs (448 GB/s). GEMM efficiency is lower in practice than on NVIDIA
     # parts (ml-engineering's matmul table: ~60% with the vendor BLAS).
     _gpu("MI300X", peaks_tflops={"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
          memory_gb=192, bandwidth_GBps=5300, link="InfinityFabric", link_GBps=448, source="AMD MI300X datasheet",
-         efficiency={"gemm": 0.60}),
+         efficiency={"gemm": 0.60}, sm_count=304),
     # A CPU "device": one gloo rank per process on a small x86 host. Orders of magnitude only
     # (~50 GFLOP/s fp32 GEMM per rank with its share of the cores, ~10 GB/s of memory
     # bandwidth, ~20 µs per eager op); `autopar calibrate` replaces them with measurements.

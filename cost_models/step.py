@@ -234,6 +234,8 @@ class PlanPricer:
         self._peak_flops = sum(self.cluster.gpu_of_rank(r).flops(self.compute.dtype)
                                for r in range(cluster.world_size))
         self._row_cache: dict[tuple, list] = {}
+        self._homogeneous = cluster.homogeneous
+        self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}
         self._largest_params = max((layer.param_count for layer in self.layers), default=0)
         self._largest_working_set = max((self._working_set_bytes(layer) for layer in self.layers), default=0)
         self._attention_bytes = self._attention_input_bytes()
@@ -291,12 +293,12 @@ class PlanPricer:
         return self._placements[key]
 
     def pp_rank_gpus(self, layout: Any) -> list[list[GPUSpec]]:
-        """GPU types of the ranks of each pipeline rank (callers take sets, minima and maxima of
-        them, so on a one-type cluster one GPU stands for all: a per-rank list of 65,536 GPUs
-        took most of the search's time)."""
-        if self.cluster.homogeneous:
-            return [[self.cluster.node_gpus[0]] for _ in range(layout.pp)]
+        """GPU types of the ranks of each pipeline rank (callers take their set, min or max: on a
+        one-type cluster each pipeline rank lists its type once)."""
         key = (tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
+        if key not in self._rank_gpus and self._homogeneous:
+            # No need to walk every rank (16,384 of them at frontier scale).
+            self._rank_gpus[key] = [[self.cluster.node_gpus[0]] for _ in range(layout.pp)]
         if key not in self._rank_gpus:
             strides = mesh_strides(layout)
             groups: list[list[GPUSpec]] = [[] for _ in range(layout.pp)]
@@ -536,6 +538,10 @@ class PlanPricer:
             return None
         pp_gpus = self.pp_rank_gpus(layout)
         reference = pp_gpus[0][0]
+        if self._homogeneous and not getattr(layout, "dp_shares", ()):
+            # One GPU type, even shares: every pipeline rank runs at the reference's speed.
+            return reference, [1.0] * layout.pp, [int(reference.memory_bytes
+                                                      * (1 - self.cluster.memory_headroom_fraction))] * layout.pp
         distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
         total = {name: sum(self.split(l.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
                            for l in self.layers) for name, gpu in distinct.items()}
@@ -578,7 +584,7 @@ class PlanPricer:
 
     def _tp_groups_homogeneous(self, layout: Any) -> bool:
         """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
-        if self.cluster.homogeneous:
+        if self._homogeneous:
             return True
         strides = mesh_strides(layout)
         for rank in range(layout.world_size):
@@ -631,19 +637,41 @@ class PlanPricer:
         return seconds
 
     def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:
-        """(per-layer compute seconds of a micro-batch, speed per pipeline rank), or None when the
-        layout cannot run. No communication and no recomputation: every option's price is at
-        least this, and it costs a fraction of `partition_problem`, so the search orders
-        candidates by it and prices only those that could still win."""
-        devices = self._device_facts(layout)
-        if devices is None:
-            return None
-        reference, speed, _ = devices
-        per_token = layout.micro_batch_size / self.b0 / layout.cp
-        rows = self._rows("compute_floor", layout, (layout.tp, self._span(layout, "tp"), layout.sequence_parallel,
-                                                    layout.cp, layout.micro_batch_size),
-                          lambda layer, split: self._compute_s(split, layout, per_token, reference), reference)
-        return rows, speed
+        """(per-layer seconds of a micro-batch below every recompute option's price, speed per
+        pipeline rank), or None when the layout cannot run: compute without recomputation plus
+        the least tensor- and context-parallel communication any option pays (no option avoids
+        its layer's exchanges), no data-parallel or ZeRO traffic. It costs a fraction of
+        `partition_problem` and is shared by layouts differing only in ZeRO stage, schedule or
+        sharding, so the search orders candidates by it and prices only those that could win
+        (communication in the floor keeps most context-parallel layouts from ever being priced)."""
+        key = (layout.tp, layout.cp, layout.pp, layout.dp, tuple(layout.mesh_order), layout.micro_batch_size,
+               layout.sequence_parallel, layout.cp_strategy, tuple(getattr(layout, "dp_shares", ()) or ()))
+        if key not in self._floors:
+            devices = self._device_facts(layout)
+            if devices is None:
+                self._floors[key] = None
+                return None
+            reference, speed, _ = devices
+            scale = layout.micro_batch_size / self.b0
+            rows = self._rows("compute_floor", layout, (layout.tp, self._span(layout, "tp"), layout.sequence_parallel,
+                                                        layout.cp, layout.cp_strategy, self._span(layout, "cp"),
+                                                        layout.micro_batch_size),
+                              lambda layer, split: self._floor_s(layer, split, layout, scale, reference), reference)
+            self._floors[key] = (rows, speed)
+        return self._floors[key]
+
+    def _floor_s(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, gpu: GPUSpec) -> float:
+        """A layer's micro-batch seconds below each option's `layer_time_parts` total."""
+        compute = self._compute_s(split, layout, scale / layout.cp, gpu) * self.cluster.scale_of("compute")
+        tp_group = self.placement(layout, "tp")
+        forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
+        tp_times = [self.collective_s(Collective(op), nbytes * scale / layout.cp, tp_group) for op, nbytes in split.comm]
+        comm = []
+        for option in self.recompute_options:
+            tp_comm = sum(tp_times) + (sum(tp_times[:forward_count]) if option == "full" else 0.0)
+            comm.append(tp_comm * self.cluster.scale_of("tp_comm")
+                        + self._cp_time_s(layer, layout, scale, split.compute, option) * self.cluster.scale_of("cp_comm"))
+        return compute + min(comm)
 
     @staticmethod
     def _ring_attention(layout: Any) -> bool:

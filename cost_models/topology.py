@@ -13,6 +13,7 @@ intra-node link: DGX A100 clusters reach an all-reduce busbw of ~192 GB/s on 8 x
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,45 @@ INTER_NODE = "inter_node"
 LINK_EFFICIENCY = {"NVLink2": 0.81, "NVLink3": 0.77, "NVLink4": 0.82, "NVLink5": 0.82, "PCIe4": 0.75,
                    "PCIe5": 0.75, "InfinityFabric": 0.8, "shared-memory": 1.0}
 NETWORK_EFFICIENCY = 0.96
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """An inter-node fabric: what share of the NIC rate large messages reach, and how bandwidth
+    falls as a group spans more nodes (switch hops, congestion, adaptive-routing losses):
+    a group across k nodes gets bandwidth / (1 + congestion·log2 k). Each preset names the
+    published curve its numbers come from; a network without a node-count curve has no
+    congestion term (its predictions at many nodes are extrapolations)."""
+
+    name: str
+    efficiency: float
+    congestion: float
+    curve: str
+
+
+NETWORKS: dict[str, NetworkSpec] = {spec.name: spec for spec in (
+    # nccl-tests all-reduce busbw of multi-node DGX clusters, 8 x 200 Gb/s: 192 GB/s (24 per NIC),
+    # 8 x 400 Gb/s: 380 GB/s (48 per NIC) (NVIDIA GTC24 S62129). The node count is not stated, so
+    # nothing is fitted for it.
+    NetworkSpec("infiniband", NETWORK_EFFICIENCY, 0.0,
+                "NVIDIA GTC24 S62129 multi-node all-reduce busbw (DGX A100 192 GB/s, DGX H100 380 GB/s)"),
+    # RoCE at 200/400 Gb/s reaches the same busbw on that slide ("200 Gb RDMA (IB/RoCE) 24 GB/s");
+    # no node-count curve either.
+    NetworkSpec("roce", NETWORK_EFFICIENCY, 0.0,
+                "NVIDIA GTC24 S62129 RDMA busbw (200 Gb IB/RoCE 24 GB/s, 400 Gb 48 GB/s)"),
+    # AWS EFA (P5, 32 x 100 Gb/s per node of 8 H100): fitted to the Ultra-Scale Playbook's
+    # all-gather and reduce-scatter busbw at 256 MB on 2-64 nodes (184.6 ... 11.0 GB/s), with the
+    # ring's per-step latency (conf/cluster/p5_h100_efa.yaml: 42 us) fitted alongside: mean
+    # |error| 9.6% over the 12 points, worst -26% at 16 nodes (benchmarks/bench_collectives.py).
+    NetworkSpec("efa", NETWORK_EFFICIENCY, 0.10,
+                "HF Ultra-Scale Playbook nccl all-gather/reduce-scatter busbw, 256 MB, 1-64 nodes of 8 H100 on EFA"),
+)}
+
+
+def get_network(name: str) -> NetworkSpec:
+    if name not in NETWORKS:
+        raise ValueError(f"Unknown network '{name}'. Known networks: {', '.join(sorted(NETWORKS))}.")
+    return NETWORKS[name]
 
 
 @dataclass
@@ -65,6 +105,10 @@ class ClusterConfig:
     of it is reached)."""
     inter_node_latency_us: float = 8.0
     """Per-message latency (alpha) between nodes, microseconds."""
+    network: str = "infiniband"
+    """Inter-node fabric (infiniband, roce, efa): how much of the NIC rate is reached and how
+    bandwidth falls with the nodes a group spans (cost_models.topology.NETWORKS names the
+    published curve behind each)."""
     memory_headroom_fraction: float = 0.05
     """Share of each GPU's memory kept free for allocator fragmentation and the CUDA context's slack."""
     price_per_gpu_hour: float = 0.0
@@ -92,6 +136,22 @@ class Link:
     latency_s: float
     name: str
     per_collective: tuple[tuple[str, float, float], ...] = ()
+    congestion: float = 0.0  # bandwidth / (1 + congestion·log2 nodes) for a group across nodes
+    # A pessimistic price (cost_models.uncertainty): beyond `measured_nodes` the bandwidth also
+    # falls by `fall_per_doubling` per doubling of nodes (1.0: no such term).
+    measured_nodes: int = 0
+    fall_per_doubling: float = 1.0
+
+    def across(self, nodes: int) -> "Link":
+        """This link as a group spanning `nodes` nodes sees it (NetworkSpec's congestion term)."""
+        beyond = self.fall_per_doubling != 1.0 and nodes > max(1, self.measured_nodes)
+        if nodes <= 1 or not (self.congestion or beyond):
+            return self
+        factor = 1 + self.congestion * math.log2(nodes)
+        if beyond:
+            factor *= self.fall_per_doubling ** math.log2(nodes / max(1, self.measured_nodes))
+        return Link(self.bandwidth_Bps / factor, self.latency_s, self.name,
+                    tuple((op, latency, bandwidth / factor) for op, latency, bandwidth in self.per_collective))
 
     def alpha_beta(self, op: str) -> tuple[float, float]:
         """(latency_s, bandwidth_Bps) for a collective, calibrated where measured."""
@@ -146,8 +206,14 @@ class GroupPlacement:
         if not self.crosses_nodes:
             return self.intra
         nics = max(1, self.min_per_node or self.per_node)
-        return Link(min(self.intra.bandwidth_Bps, nics * self.inter.bandwidth_Bps), self.inter.latency_s,
-                    f"{nics} x {self.inter.name}", self.inter.per_collective)
+        inter = self.network
+        return Link(min(self.intra.bandwidth_Bps, nics * inter.bandwidth_Bps), inter.latency_s,
+                    f"{nics} x {inter.name}", inter.per_collective)
+
+    @property
+    def network(self) -> Link:
+        """The inter-node link as this group sees it: its bandwidth falls with the nodes spanned."""
+        return self.inter.across(self.nodes)
 
 
 @dataclass(frozen=True)
@@ -188,13 +254,14 @@ class ClusterSpec:
         link_name = min(node_gpus, key=lambda g: g.intra_node_bandwidth_GBps).intra_node_link
         intra = Link(intra_bw * GB * LINK_EFFICIENCY.get(link_name, 0.8), config.intra_node_latency_us * 1e-6,
                      link_name)
-        inter = Link(config.inter_node_bandwidth_GBps * GB * NETWORK_EFFICIENCY, config.inter_node_latency_us * 1e-6,
-                     "network")
+        network = get_network(str(getattr(config, "network", "infiniband")))
+        inter = Link(config.inter_node_bandwidth_GBps * GB * network.efficiency, config.inter_node_latency_us * 1e-6,
+                     network.name, congestion=network.congestion)
         links = profile.get("links", {})
         if "intra" in links:
             intra = _calibrated_link(links["intra"], intra.name + " (calibrated)")
         if "inter" in links:
-            inter = _calibrated_link(links["inter"], "network (calibrated)")
+            inter = _calibrated_link(links["inter"], f"{network.name} (calibrated)")
         return cls(name=config.name, gpus_per_node=int(config.gpus_per_node), node_gpus=node_gpus, intra=intra,
                    inter=inter, memory_headroom_fraction=headroom,
                    price_per_gpu_hour=float(getattr(config, "price_per_gpu_hour", 0.0)),
@@ -230,7 +297,7 @@ class ClusterSpec:
         counts: dict[int, int] = {}
         for rank in ranks:
             counts[rank // self.gpus_per_node] = counts.get(rank // self.gpus_per_node, 0) + 1
-        link = self.intra if len(counts) == 1 else self.inter
+        link = self.intra if len(counts) == 1 else self.inter  # one rank's traffic: point to point, no fabric-wide load
         return GroupPlacement(size=len(ranks), nodes=len(counts), per_node=max(counts.values()), link=link,
                               intra=self.intra, inter=self.inter, min_per_node=min(counts.values()))
 

@@ -52,7 +52,11 @@ def sections(report: PlanReport) -> list[Section]:
     cost = report.cost_per_million_tokens
     solver = plan.solver
     result.append(Section("Predicted performance", [Table(["quantity", "value"], [
-        ["step time", _ms(predicted.step_time_s)], ["throughput", rate],
+        ["step time", _ms(predicted.step_time_s)],
+        *([["a measured step is expected in", f"{_ms(predicted.step_time_low_s)} - {_ms(predicted.step_time_high_s)}"
+            + (f" (extrapolated: {'; '.join(predicted.extrapolated)})" if predicted.extrapolated else "")]]
+          if predicted.step_time_high_s else []),
+        ["throughput", rate],
         ["MFU (model FLOPs / peak)", f"{predicted.mfu:.1%}"],
         ["TFLOP/s per GPU", f"{estimate.get('tflops_per_gpu', 0.0):,.1f}"],
         ["peak memory (fullest rank)", format_bytes(predicted.peak_memory_bytes)],
@@ -64,7 +68,10 @@ def sections(report: PlanReport) -> list[Section]:
                    + (f", gap {solver.gap:.1%}" if solver.gap else "")]])]))
     if solver.status not in ("OPTIMAL", "PINNED"):
         result[-1].blocks.insert(0, f"**Not proven optimal**: the solver stopped with status {solver.status}; "
-                                    f"this is the best plan found, at most {solver.gap:.1%} from the bound.")
+                                    f"this is the best plan found, at most {solver.gap:.1%} from the bound"
+                                    + (" (stopped by the wall-clock safety cap solver.time_limit_s: the result "
+                                       "depends on the machine's load)." if solver.stopped_by == "time_limit"
+                                       else " (stopped by its deterministic work limit, solver.work_limit)."))
     breakdown = predicted.time_breakdown
     total = sum(breakdown.values()) or 1.0
     result.append(Section("Where the step time goes (critical pipeline rank)", [

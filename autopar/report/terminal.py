@@ -88,14 +88,24 @@ def print_plan(result, console: Console) -> None:
     console.print(f"[bold green]plan[/]: {plan.summary()}  (mesh {' → '.join(plan.mesh_order)}, innermost first)")
     console.print(f"predicted step {predicted.step_time_s * 1e3:,.1f} ms, {rate}, MFU {predicted.mfu:.1%}, "
                   f"peak memory {format_bytes(predicted.peak_memory_bytes)}")
+    if predicted.step_time_high_s:
+        console.print(f"a measured step is expected in {predicted.step_time_low_s * 1e3:,.0f}-"
+                      f"{predicted.step_time_high_s * 1e3:,.0f} ms (the cost model's spread over published runs"
+                      + (f"; extrapolated: {'; '.join(predicted.extrapolated)}" if predicted.extrapolated else "") + ")")
     if plan.pp > 1:
         console.print("stages: " + ", ".join(f"{len(stage)} layers" for stage in plan.stages))
     solver = plan.solver
-    console.print(f"solver {solver.status} in {solver.seconds:.1f} s over {solver.candidates:,} candidates"
+    console.print(f"solver {solver.status} in {solver.seconds:.1f} s ({solver.work:,.1f} work units) over "
+                  f"{solver.candidates:,} candidates"
                   f"{f', gap {solver.gap:.1%}' if solver.gap else ''}")
     if solver.status not in ("OPTIMAL", "PINNED"):
-        console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its time limit with the best plan "
-                      f"found, at most {solver.gap:.1%} slower than the bound; raise solver.time_limit_s to search on.")
+        if solver.stopped_by == "time_limit":
+            console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its wall-clock safety cap with the "
+                          f"best plan found, at most {solver.gap:.1%} slower than the bound; this result depends on "
+                          "the machine's load: raise solver.time_limit_s (or lower solver.work_limit).")
+        else:
+            console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its work limit with the best plan "
+                          f"found, at most {solver.gap:.1%} slower than the bound; raise solver.work_limit to search on.")
     for target, modules in sorted(getattr(result, "replicated_ops", {}).items()):
         console.print(f"replicated under TP: {target} in {', '.join(modules[:4])}"
                       f"{' ...' if len(modules) > 4 else ''} (no tensor-parallel split covers it)")

@@ -52,9 +52,10 @@ class BlockPartitioner:
     """Solves the compressed program for a problem whose middle layers are identical."""
 
     def __init__(self, time_limit_s: float = 10.0, seed: int = 0, workers: int = 1):
-        self.time_limit_s = time_limit_s
+        self.time_limit_s = time_limit_s  # CP-SAT deterministic seconds per solve
         self.seed = seed
         self.workers = workers
+        self.work_s = 0.0  # deterministic seconds spent by all solves so far (the search's budget)
 
     def solve(self, problem: PartitionProblem, run: BlockRun) -> Partition | None:
         P, p, v = problem.num_stages, problem.devices, problem.chunks
@@ -138,6 +139,7 @@ class BlockPartitioner:
         model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_vars) + v * once)
 
         solver, status = solve_deterministically(model, self.time_limit_s, self.seed, self.workers)
+        self.work_s += solver.deterministic_time
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return unresolved(problem, solver, status)
         starts, chosen = self._decode(solver, problem, run, n, k, y, prefix, suffix,

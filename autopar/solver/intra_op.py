@@ -175,7 +175,8 @@ class IntraOpSolver:
         model.minimize(sum(coefficient * var for coefficient, var in objective))
 
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = self.time_limit_s
+        # A deterministic work limit, not wall time: the same split on a busy or an idle machine.
+        solver.parameters.max_deterministic_time = self.time_limit_s
         solver.parameters.random_seed = self.seed
         solver.parameters.num_workers = 1  # deterministic and fast enough for one layer
         status = solver.solve(model)

@@ -21,6 +21,7 @@ from cost_models.memory import RECOMPUTE_OPTIONS
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
+from cost_models.uncertainty import PredictionInterval, extrapolations, pessimistic_cluster
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
@@ -129,18 +130,86 @@ class Planner:
             raise UserError(self._why_no_candidates(), self._no_candidates_fix())
         search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=max(1, self.solver.top_k + 1),
                             seed=self.solver.seed, workers=self.solver.threads, progress=self.progress,
-                            fixed_partition=self._pinned_partition())
+                            fixed_partition=self._pinned_partition(), work_limit=self.solver.work_limit)
         result = search.run(candidates)
         if not result.best:
             raise InfeasibleError(*self._smallest_fitting_change())
         winner = self._choose(result)
+        fastest, robust = winner, None
+        if self.solver.objective == "robust":
+            robust = self._robust_choice(winner, candidates, result.work)
+            if robust is not None:
+                winner = robust[0]
         plan, estimate = self.to_plan(winner, result)
         alternatives = [Alternative(self.to_plan(other, result)[0], self._why_lost(other, winner))
-                        for other in result.best if other is not winner][: self.solver.top_k]
+                        for other in result.best
+                        if other.candidate != winner.candidate and other is not fastest][: self.solver.top_k]
+        if robust is not None:
+            alternatives.insert(0, Alternative(self.to_plan(fastest, result)[0], robust[1]))
         alternatives += self._faster_but_too_big(result, winner, search)
+        binding = self._binding_constraints(winner, alternatives)
+        if robust is not None:
+            binding.insert(0, Binding("robust objective (solver.objective=robust)", robust[1]))
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
-                              binding=self._binding_constraints(winner, alternatives), pricer=self.pricer,
+                              binding=binding, pricer=self.pricer,
                               replicated_ops=replicated_ops(self.splitter, plan.tp))
+
+    # -- robustness to what the cost model extrapolates (cost_models.uncertainty) ---------------------
+
+    def interval(self, scored: Scored) -> PredictionInterval:
+        """The plan's predicted step, its pessimistic price and why they differ."""
+        layout = self._layout(scored)
+        predicted = self.pricer.estimate(layout).step_time_s
+        widest = max(self.pricer.placement(layout, axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
+        extrapolation = extrapolations(self.cluster, widest)
+        if not extrapolation.any:
+            return PredictionInterval(predicted, predicted)
+        pessimistic = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation), self.train,
+                                 self.splitter, recompute_options=self.pricer.recompute_options)
+        return PredictionInterval(predicted, pessimistic.estimate(layout).step_time_s, extrapolation.reasons)
+
+    def _robust_choice(self, fastest: Scored, candidates: list[Candidate], spent: float) -> tuple[Scored, str] | None:
+        """When the fastest plan rests on extrapolated terms, the best plan under their pessimistic
+        value; chosen (with the reason in words) if its interval overlaps the fastest plan's and
+        its pessimistic price is lower."""
+        widest = max(self.pricer.placement(self._layout(fastest), axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
+        extrapolation = extrapolations(self.cluster, widest)
+        if extrapolation.network_factor == 1.0:
+            return None  # an uncalibrated GPU's compute weighs on every plan alike: nothing to trade
+        mine = self.interval(fastest)
+        cautious = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation),
+                              self.train, self.splitter, recompute_options=self.pricer.recompute_options)
+        # The first search's work bounds this one's: a better-hedged plan need not be proven
+        # optimal under pessimistic prices to be worth comparing, and planning time at most doubles.
+        found = PlanSearch(cautious, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
+                           workers=self.solver.threads, work_limit=min(self.solver.work_limit, max(1.0, spent)),
+                           fixed_partition=self._pinned_partition()).run(candidates)
+        if not found.best or found.best[0].candidate == fastest.candidate:
+            return None
+        other = found.best[0]
+        theirs = self.interval(other)
+        if not theirs.overlaps(mine) or theirs.pessimistic_s >= mine.pessimistic_s:
+            return None
+        faster = theirs.predicted_s / mine.predicted_s - 1
+        other = replace(other, step_time_s=theirs.predicted_s)  # its nominal price, as the others have
+        return other, (f"{self._summary(fastest)} is {faster:.1%} faster on paper "
+                       f"({mine.predicted_s:.2f} s vs {theirs.predicted_s:.2f} s a step) but rests on "
+                       f"{'; '.join(mine.reasons)}: {mine.extrapolated_share:.0%} slower if those run at their "
+                       f"pessimistic value (intervals {mine.low_s:.2f}-{mine.high_s:.2f} s and "
+                       f"{theirs.low_s:.2f}-{theirs.high_s:.2f} s overlap); chose {self._summary(other)}, "
+                       f"{theirs.extrapolated_share:.0%} slower at its pessimistic value")
+
+    def _layout(self, scored: Scored) -> ParallelLayout:
+        names = [layer.name for layer in self.profile.layers]
+        stages = [[names[l] for l in stage] for stage in scored.partition.stages(len(names))]
+        recompute = {names[l]: self.pricer.recompute_options[o] for l, o in enumerate(scored.partition.options)}
+        return layout_of(scored.candidate, stages, recompute)
+
+    @staticmethod
+    def _summary(scored: Scored) -> str:
+        c = scored.candidate
+        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "") + f" ZeRO-{c.zero_stage}"
+                + (f" {c.schedule}" if c.pp > 1 else ""))
 
     def _choose(self, result: SearchResult) -> Scored:
         if self.solver.objective != "memory":
@@ -158,6 +227,7 @@ class Planner:
         recompute = {names[l]: options[o] for l, o in enumerate(scored.partition.options)}
         layout = layout_of(scored.candidate, stages, recompute)
         estimate = self.pricer.estimate(layout)
+        interval = self.interval(scored)
         dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else "reduce_scatter"
         plan = Plan(
             dp=scored.candidate.dp, tp=scored.candidate.tp, pp=scored.candidate.pp, cp=scored.candidate.cp,
@@ -176,10 +246,12 @@ class Planner:
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                                 samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
                                 peak_memory_bytes=estimate.peak_memory_bytes,
-                                time_breakdown=estimate.time_breakdown, memory_breakdown=estimate.memory_breakdown),
+                                time_breakdown=estimate.time_breakdown, memory_breakdown=estimate.memory_breakdown,
+                                step_time_low_s=interval.low_s, step_time_high_s=interval.high_s,
+                                extrapolated=list(interval.reasons)),
             solver=SolverInfo(status=result.status, objective=scored.step_time_s, seconds=round(result.seconds, 3),
                               candidates=result.candidates, gap=result.gap,
-                              priced=result.priced),
+                              priced=result.priced, work=result.work, stopped_by=result.stopped_by),
             provenance=Provenance(model_path=self.profile.model_path, model_sha256=self.profile.model_sha256,
                                   model_kwargs=dict(self.profile.model_kwargs), cluster=self.cluster.name,
                                   traced_micro_batch_size=self.profile.micro_batch_size,
@@ -224,6 +296,10 @@ class Planner:
 
     def _why_lost(self, other: Scored, winner: Scored) -> str:
         slower = other.step_time_s / winner.step_time_s - 1
+        if slower < -1e-9:  # faster on paper: the robust objective preferred the winner
+            hedge = self.interval(other)
+            return (f"faster by {-slower:.1%} on paper, but {hedge.extrapolated_share:.0%} slower if what its price "
+                    f"extrapolates runs at its pessimistic value ({'; '.join(hedge.reasons) or 'nothing'})")
         return f"slower by {slower:.1%}" if slower > 1e-9 else "equal step time; later in the tie-break order"
 
     def _binding_constraints(self, winner: Scored, alternatives: list[Alternative]) -> list[Binding]:
@@ -274,7 +350,8 @@ class Planner:
                  if c.tp > self.cluster.gpus_per_node]
         if not extra:
             return "no plan with TP across nodes exists for this model and batch"
-        search = PlanSearch(self.pricer, time_limit_s=min(10.0, self.solver.time_limit_s), seed=self.solver.seed)
+        search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
+                            work_limit=min(10.0, self.solver.work_limit))
         best = search.run(extra).best
         if not best:
             return "no plan with TP across nodes fits in memory"
@@ -433,7 +510,7 @@ class Planner:
                    f"({self.cluster.node_gpus[0].memory_bytes / 1e9:.0f} GB) with every split, ZeRO stage, "
                    "micro-batch size and recomputation the search allows"
                    + (f" under your pins ({', '.join(pins)})." if pins else "."))
-        quick = replace(self.solver, time_limit_s=min(20.0, self.solver.time_limit_s), top_k=0)
+        quick = replace(self.solver, work_limit=min(20.0, self.solver.work_limit), top_k=0)
         for factor in (2, 4, 8, 16):
             if self.cluster.world_size * factor > MAX_WORLD_SIZE:
                 break  # beyond what the search handles in bounded time
@@ -453,4 +530,5 @@ class Planner:
     def _fits(self, cluster: ClusterSpec, solver: "SolverConfig") -> bool:
         planner = Planner(self.profile, cluster, self.train, solver, self.pins)
         candidates = planner.candidates()
-        return bool(candidates) and bool(PlanSearch(planner.pricer, time_limit_s=solver.time_limit_s).run(candidates).best)
+        return bool(candidates) and bool(PlanSearch(planner.pricer, time_limit_s=solver.time_limit_s,
+                                                    work_limit=solver.work_limit).run(candidates).best)

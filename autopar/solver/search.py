@@ -10,11 +10,17 @@ Branch and bound with three bounds, cheapest first (autopar.solver.bounds):
 The loop stops when the smallest bound left cannot beat the k-th best plan found: the best
 plan is then optimal within the space (status OPTIMAL). Each partition solve has a
 deterministic work limit; one that stops early still proves a lower bound, which prunes the
-candidate if it cannot beat the best plan. If the time limit stops the loop, or a stopped solve
-could still beat the best plan, the status is FEASIBLE with
-gap = (best - smallest bound not excluded) / best. The time limit stops the search only once it
-has a plan: a limit too short to find one still returns the first plan found (marked FEASIBLE),
-never a false "nothing fits".
+candidate if it cannot beat the best plan.
+
+The budget is deterministic work, not wall time, so the same inputs give the same plan on a busy
+laptop and an idle server: work = CP-SAT's deterministic seconds over every partition solve +
+`PRICING_WORK` per candidate priced in full. A wall-clock `time_limit_s` remains only as a
+generous safety cap; `SearchResult.stopped_by` says which limit (if any) stopped the loop, and
+a plan stopped by the wall clock is reported as depending on machine load. If a limit stops the
+loop, or a stopped solve could still beat the best plan, the status is FEASIBLE with
+gap = (best - smallest bound not excluded) / best. A limit stops the search only once it has a
+plan: a limit too short to find one still returns the first plan found (marked FEASIBLE), never
+a false "nothing fits".
 Ties are broken by enumeration order (smaller TP, then CP, PP, micro-batch, ...), so the same
 inputs always give the same plan.
 """
@@ -33,6 +39,10 @@ from cost_models.pipeline import Partition, PartitionProblem
 
 
 OVER_MEMORY_KEPT = 16
+# Work units charged per candidate priced in full: about its wall seconds on a 2-core laptop
+# (~0.1 ms: 166,380 candidates priced in ~17 s for a 145.6B GPT on 1536 A100), so one unit of
+# `work_limit` is roughly a second there, as one CP-SAT deterministic second roughly is.
+PRICING_WORK = 1e-4
 
 
 class CandidatePricer(Protocol):
@@ -67,6 +77,8 @@ class SearchResult:
     partitions_solved: int
     gap: float
     rejected: dict[str, int]
+    work: float = 0.0  # deterministic work spent (module docstring): the same on any machine load
+    stopped_by: str = ""  # "", "work_limit" or "time_limit" (the wall-clock safety cap)
     pruned: int = 0  # excluded by the memory-aware bound without a partition solve
     priced: int = 0  # candidates whose full prices were computed (the rest fell to their floor)
     # (bound, index, candidate, problem) of candidates refused for memory, fastest bound first:
@@ -96,13 +108,15 @@ class SearchProgress:
 class PlanSearch:
     """Branch and bound over candidates with the partition ILP as the inner solver."""
 
-    def __init__(self, pricer: CandidatePricer, time_limit_s: float = 60.0, top_k: int = 1, seed: int = 0,
+    def __init__(self, pricer: CandidatePricer, time_limit_s: float = 600.0, top_k: int = 1, seed: int = 0,
                  workers: int = 1, progress: Callable[[SearchProgress], None] | None = None,
                  solve_work_limit: float = 2.0,
-                 fixed_partition: Callable[[PartitionProblem], Partition | None] | None = None):
+                 fixed_partition: Callable[[PartitionProblem], Partition | None] | None = None,
+                 work_limit: float = float("inf")):
         self.pricer = pricer
         self.fixed_partition = fixed_partition  # pinned split: priced, not solved
-        self.time_limit_s = time_limit_s
+        self.time_limit_s = time_limit_s  # wall-clock safety cap
+        self.work_limit = work_limit  # deterministic budget (module docstring)
         self.top_k = max(1, top_k)
         self.general = StagePartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
         self.blocks = BlockPartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
@@ -121,6 +135,18 @@ class PlanSearch:
         open_bounds: list[float] = []  # lower bounds of solves stopped by their work limit
         stopped_at: float | None = None
         pruned = priced = 0
+        stopped_by = ""
+
+        def out_of_budget() -> bool:
+            """Whether a limit is spent: the deterministic work budget first (so that a machine fast
+            enough never reaches the wall clock cap and the result does not depend on load)."""
+            nonlocal stopped_by
+            if self._work(priced) > self.work_limit:
+                stopped_by = "work_limit"
+            elif time.perf_counter() - start > self.time_limit_s:
+                stopped_by = "time_limit"
+            return bool(stopped_by)
+
         over_memory: list[tuple[float, int, Candidate, PartitionProblem]] = []  # bound below the k-th best then
 
         def refuse_for_memory(*item: object) -> None:
@@ -136,7 +162,7 @@ class PlanSearch:
                 if floor >= kth:
                     next_floor = len(floors)  # sorted: nothing later can beat the k-th best either
                     break
-                if best and time.perf_counter() - start > self.time_limit_s:
+                if best and out_of_budget():
                     stopped_at = min(floor, waiting[0][0]) if waiting else floor
                     break
                 next_floor += 1
@@ -152,7 +178,7 @@ class PlanSearch:
                         heapq.heappush(waiting, item)
             if stopped_at is not None or not waiting or waiting[0][0] >= kth:
                 break
-            if best and time.perf_counter() - start > self.time_limit_s:
+            if best and out_of_budget():
                 stopped_at = waiting[0][0]
                 break
             bound, index, candidate, problem = heapq.heappop(waiting)
@@ -193,22 +219,32 @@ class PlanSearch:
                 status, gap = "FEASIBLE", (top - min(unexcluded)) / top
         elif open_bounds or stopped_at is not None:
             status = "UNKNOWN"
+        if status == "OPTIMAL":
+            stopped_by = ""  # a limit reached once nothing left could win changed nothing
         return SearchResult(best=ranked, status=status if ranked or status == "UNKNOWN" else "INFEASIBLE",
                             seconds=time.perf_counter() - start, candidates=len(candidates),
-                            partitions_solved=len(solved), gap=gap, rejected=rejected, pruned=pruned,
+                            partitions_solved=len(solved), gap=gap, rejected=rejected,
+                            work=round(self._work(priced), 6), stopped_by=stopped_by, pruned=pruned,
                             priced=priced, over_memory=sorted(over_memory, key=lambda item: item[:2])[:OVER_MEMORY_KEPT])
+
+    def _work(self, priced: int) -> float:
+        """Deterministic work so far: CP-SAT's deterministic seconds plus the pricing charge."""
+        return self.general.work_s + self.blocks.work_s + priced * PRICING_WORK
 
     def _floors(self, candidates: list[Candidate], rejected: dict[str, int]) -> list[tuple[float, int, Candidate]]:
         """(compute-only lower bound, index, candidate) of every runnable candidate, ascending."""
         floors = []
+        bounds: dict[tuple, float] = {}  # the pricer shares floor rows between candidates: bound them once
         for index, candidate in enumerate(candidates):
             floor = self.pricer.compute_floor(candidate)
             if floor is None:
                 rejected["cannot run"] = rejected.get("cannot run", 0) + 1
                 continue
             layer_s, speeds = floor
-            floors.append((floor_bound_s(layer_s, speeds, candidate.num_micro_batches, candidate.chunks)
-                           + self.pricer.fixed_time_s(candidate), index, candidate))
+            key = (id(layer_s), id(speeds), candidate.num_micro_batches, candidate.chunks)
+            if key not in bounds:
+                bounds[key] = floor_bound_s(layer_s, speeds, candidate.num_micro_batches, candidate.chunks)
+            floors.append((bounds[key] + self.pricer.fixed_time_s(candidate), index, candidate))
         floors.sort(key=lambda item: (item[0], item[1]))
         return floors
 

@@ -78,9 +78,10 @@ class StagePartitioner:
     """Solves the program in the module docstring."""
 
     def __init__(self, time_limit_s: float = 20.0, seed: int = 0, workers: int = 1):
-        self.time_limit_s = time_limit_s
+        self.time_limit_s = time_limit_s  # CP-SAT deterministic seconds per solve
         self.seed = seed
         self.workers = workers
+        self.work_s = 0.0  # deterministic seconds spent by all solves so far (the search's budget)
 
     def solve(self, problem: PartitionProblem) -> Partition | None:
         """Optimal partition, or None when no partition fits in memory."""
@@ -97,6 +98,7 @@ class StagePartitioner:
         # Objective scaled by v so every coefficient is an integer.
         model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_time) + v * once)
         solver, status = solve_deterministically(model, self.time_limit_s, self.seed, self.workers)
+        self.work_s += solver.deterministic_time
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return unresolved(problem, solver, status)
         starts = [l for l in range(L) if l == 0 or any(solver.value(last[(l - 1, j)]) for j in range(P - 1))]

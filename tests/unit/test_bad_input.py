@@ -395,13 +395,14 @@ def test_pinned_model_too_big_names_a_bigger_gpu_that_really_fits(examples_dir, 
 
 # -- 8: the solver's time limit -----------------------------------------------------------------
 
-TIME_LIMITED = ["cluster=dgx_h100", "cluster.nodes=8", "model.layers=16", "model.hidden=1024", "model.heads=16",
+TIME_LIMITED = ["cluster=dgx_h100", "cluster.nodes=16", "model.layers=16", "model.hidden=1024", "model.heads=16",
                 "model.seq_len=512", "model.vocab=4096", "train.global_batch_size=512"]
 
 
 def test_time_limit_returns_a_plan_marked_not_optimal(examples_dir, tmp_path, capsys):
-    """A 1 ms limit on ~5,700 candidates: the search still returns the first plan it finds
-    (deterministically: it stops right after), marked FEASIBLE with its gap everywhere."""
+    """A 1 ms wall-clock cap on ~32,000 candidates: the search still returns the first plan it
+    finds (deterministically: it stops right after), marked FEASIBLE with its gap everywhere, and
+    says the result depends on the machine's load."""
     out, report = tmp_path / "plan.json", tmp_path / "report"
     code = main(["plan", str(examples_dir / "gpt.py"), *TIME_LIMITED, "solver.time_limit_s=0.001", "--out", str(out),
                  "--report", str(report)])
@@ -410,6 +411,7 @@ def test_time_limit_returns_a_plan_marked_not_optimal(examples_dir, tmp_path, ca
     solver = json.loads(out.read_text())["solver"]
     assert solver["status"] == "FEASIBLE" and 0 < solver["gap"] < 1
     assert "not proven optimal" in " ".join(printed.split()) and f"gap {solver['gap']:.1%}" in printed
+    assert solver["stopped_by"] == "time_limit" and "depends on the machine's load" in " ".join(printed.split())
     assert "Not proven optimal" in (report / "report.md").read_text()
     full = tmp_path / "full.json"
     assert main(["plan", str(examples_dir / "gpt.py"), *TIME_LIMITED, "--out", str(full), "-q"]) == 0

@@ -119,3 +119,22 @@ def test_hardware_profile_overrides_gpu_and_links(tmp_path):
     assert spec.intra.bandwidth_Bps == 1.2e9 and spec.intra.latency_s == 2e-4  # measured: no efficiency factor
     assert spec.intra.alpha_beta("all_gather") == (3e-4, 6e8)
     assert spec.calibration == str(path)
+
+
+def test_gemm_shape_efficiency_hand_counts():
+    """Tile and wave quantisation against hand counts (cost_models.compute.gemm_shape_efficiency)."""
+    from cost_models.compute import gemm_dims, gemm_shape_efficiency
+
+    # 2048 x 2304 on 132 SMs: 256x128 tiles -> 8 x 18 = 144 tiles, 2 waves of 132: 144/264;
+    # 128x256 -> 16 x 9 = 144 likewise; 128x128 -> 16 x 18 = 288 tiles, 3 waves: 288/396 (the best)
+    assert gemm_shape_efficiency(1, 2048, 2304, 2304, 132) == pytest.approx(288 / 396)
+    # 2048 x 288 on 108 SMs: 128x128 tiles -> 16 x 3 = 48 tiles covering 2048 x 384 (tile share 0.75);
+    # split-K in 2 -> 96 slices in one wave of 108: 0.75 x 96/108
+    assert gemm_shape_efficiency(1, 2048, 288, 2304, 108) == pytest.approx(0.75 * 96 / 108)
+    # a large square product: 256x128 tiles -> 32 x 64 = 2048 tiles in 19 waves of 108
+    assert gemm_shape_efficiency(1, 8192, 8192, 8192, 108) == pytest.approx(2048 / 2052)
+    assert gemm_shape_efficiency(4, 64, 64, 64, 0) == 1.0  # SM count unknown: shape-independent
+    op = type("Op", (), {"target": "aten.addmm.default", "input_shapes": [[6912], [2048, 2304], [2304, 6912]]})()
+    assert gemm_dims(op) == (1, 2048, 6912, 2304)
+    bmm = type("Op", (), {"target": "aten.bmm.default", "input_shapes": [[24, 2048, 96], [24, 96, 2048]]})()
+    assert gemm_dims(bmm) == (24, 2048, 2048, 96)

@@ -218,12 +218,13 @@ def test_models_without_a_sequence_report_samples_only():
 
 def test_profiles_saved_without_ops_price_from_class_totals():
     """A profile stored with include_ops=False still prices tp = 1 plans (a roofline per op class
-    of each layer instead of per op: close), not tp > 1."""
+    of each layer instead of per op: close, and never slower, since summed work hides neither
+    per-op rooflines nor GEMM shapes), not tp > 1."""
     profile = gpt()
     bare = dataclasses.replace(profile, ops=[])
     layout, train = ParallelLayout(dp=8, micro_batch_size=2), TrainSpec(global_batch_size=16)
     full, coarse = estimate(profile, spec(), layout, train), estimate(bare, spec(), layout, train)
-    assert coarse.step_time_s == pytest.approx(full.step_time_s, rel=0.1)
+    assert 0.85 * full.step_time_s <= coarse.step_time_s <= full.step_time_s
     assert coarse.memory_breakdown["activations"] == full.memory_breakdown["activations"]
     with pytest.raises(ValueError, match="per-op detail"):
         estimate(bare, spec(), ParallelLayout(dp=4, tp=2, micro_batch_size=4), train)

@@ -182,3 +182,91 @@ def test_faster_plans_that_do_not_fit_are_named_with_their_overage(examples_dir)
         assert alternative.plan.predicted.step_time_s < result.plan.predicted.step_time_s
         assert alternative.plan.predicted.peak_memory_bytes > 40e9
     assert result.plan.predicted.peak_memory_bytes <= 40e9
+
+
+class _SlowPricer:
+    """The planner's pricer with every full pricing delayed, as on a machine whose other core is
+    busy: wall time grows, the deterministic work does not."""
+
+    def __init__(self, pricer, delay_s: float):
+        self.pricer, self.delay_s = pricer, delay_s
+
+    def partition_problem(self, candidate):
+        import time
+        time.sleep(self.delay_s)
+        return self.pricer.partition_problem(candidate)
+
+    def compute_floor(self, candidate):
+        return self.pricer.compute_floor(candidate)
+
+    def fixed_time_s(self, candidate):
+        return self.pricer.fixed_time_s(candidate)
+
+
+def test_work_limit_gives_the_same_plan_on_a_slow_machine(examples_dir):
+    """A search stopped by its deterministic work budget returns the same plan, gap and priced
+    count whether pricing is fast or 1 ms slower per candidate (wall time is only a safety cap,
+    here never reached); the unstopped search proves optimal a plan at least as fast."""
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 16, "hidden": 1024, "heads": 16, "seq_len": 512,
+                                                  "vocab": 4096})
+    planner = Planner(profile, cluster("H100-SXM", 8, 8), TrainSpec(global_batch_size=512),
+                      SolverConfig(top_k=1), PlanPins())
+    candidates = planner.candidates()
+    full = PlanSearch(planner.pricer).run(candidates)
+    budget = full.work / 2
+    fast = PlanSearch(planner.pricer, work_limit=budget).run(candidates)
+    slow = PlanSearch(_SlowPricer(planner.pricer, 1e-3), work_limit=budget).run(candidates)
+    assert full.status == "OPTIMAL" and full.stopped_by == ""
+    assert fast.stopped_by == slow.stopped_by == "work_limit" and fast.status == "FEASIBLE"
+    assert (fast.best[0].index, fast.best[0].step_time_s, fast.gap, fast.priced, fast.work) == \
+        (slow.best[0].index, slow.best[0].step_time_s, slow.gap, slow.priced, slow.work)
+    assert slow.seconds > fast.seconds + slow.priced * 1e-3 * 0.9
+    assert full.best[0].step_time_s <= fast.best[0].step_time_s
+    assert fast.best[0].step_time_s * (1 - fast.gap) <= full.best[0].step_time_s + 1e-9
+
+
+def test_floor_with_communication_stays_below_every_option(examples_dir):
+    """The search's floor (compute plus the least TP/CP exchange any recomputation option pays)
+    never exceeds a layer's priced time under any option, for TP, Ulysses and ring CP layouts
+    (a floor above a price would prune a plan that could win)."""
+    profile = profile_of(examples_dir, "llama_hf.py", {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4,
+                                                       "ffn": 688, "vocab": 1024, "seq_len": 1024})
+    planner = Planner(profile, cluster("H100-SXM", 2, 8), TrainSpec(global_batch_size=8),
+                      SolverConfig(max_micro_batch_size=2), PlanPins())
+    checked = {"tp": 0, "ulysses": 0, "ring": 0}
+    for candidate in planner.candidates():
+        floor = planner.pricer.compute_floor(candidate)
+        problem = planner.pricer.partition_problem(candidate)
+        if floor is None or problem is None:
+            continue
+        for layer_s, row in zip(floor[0], problem.time_s):
+            assert layer_s <= min(row) * (1 + 1e-12)
+        checked["tp"] += candidate.tp > 1
+        checked[candidate.cp_strategy] += candidate.cp > 1
+    assert min(checked.values()) > 0
+
+
+def test_robust_objective_prefers_the_plan_that_extrapolates_less(examples_dir):
+    """On 128 nodes the fastest plan's data-parallel all-reduce spans all 128 (beyond the 48 any
+    published InfiniBand run measured); the robust objective picks a plan whose interval overlaps
+    it and whose pessimistic price is lower, says why in words, and lists the fastest as the first
+    runner-up. objective=throughput keeps the fastest."""
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 12, "hidden": 6144, "heads": 48, "seq_len": 2048,
+                                                  "vocab": 8192})
+    spec = cluster("A100-80GB", 128, 8)
+    train = TrainSpec(global_batch_size=1024)
+    fastest = Planner(profile, spec, train, SolverConfig(objective="throughput", top_k=2), PlanPins()).run()
+    planner = Planner(profile, spec, train, SolverConfig(top_k=2), PlanPins())
+    robust = planner.run()
+    assert robust.plan.summary() != fastest.plan.summary()
+    assert robust.plan.predicted.step_time_s >= fastest.plan.predicted.step_time_s
+    assert fastest.plan.predicted.extrapolated and "128 nodes" in fastest.plan.predicted.extrapolated[0]
+    mine, theirs = fastest.plan.predicted, robust.plan.predicted
+    # overlapping intervals; the chosen plan's upper end (its pessimistic price) is lower
+    assert theirs.step_time_low_s <= mine.step_time_high_s and mine.step_time_low_s <= theirs.step_time_high_s
+    assert theirs.step_time_high_s < mine.step_time_high_s
+    note = robust.binding[0]
+    assert note.constraint.startswith("robust objective") and "faster on paper" in note.relaxing \
+        and "beyond any measurement" in note.relaxing
+    assert robust.alternatives[0].plan.summary() == fastest.plan.summary()
+

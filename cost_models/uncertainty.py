@@ -1,0 +1,120 @@
+"""Prediction intervals, and what a prediction rests on that nobody has measured.
+
+A predicted step time s comes with an interval for the step a run would measure:
+
+    [s / (1 + RESIDUAL_HIGH),  s_pessimistic / (1 + RESIDUAL_LOW)]
+
+RESIDUAL_LOW and RESIDUAL_HIGH are the 10th and 90th percentiles of the cost model's errors
+(predicted / measured - 1) over the 29 calibration rows of `python -m benchmarks.run published`
+(-25.8% and +22.3%). `s_pessimistic` is the same plan priced again with what it extrapolates
+set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
+
+- a collective group spanning more nodes than any calibration row on that network
+  (`CALIBRATED_NODES`): the network's bandwidth divided by NETWORK_FALL_PER_DOUBLING per doubling
+  of nodes beyond. 1.8 is how fast measured bus bandwidth fell per doubling where it was
+  measured falling (the Ultra-Scale Playbook's all-gather: x1.25, x1.96, x2.5 from 8 to 64
+  nodes; geometric mean 1.8);
+- a GPU type without a calibration row: its compute UNCALIBRATED_GPU_SLOWDOWN slower (the
+  largest |error| of a calibrated GPU's median table, rounded up).
+
+The planner's robust objective uses `s_pessimistic`: of two plans whose intervals overlap, the
+one that depends less on what was extrapolated is preferred (autopar.solver.planner).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from cost_models.topology import ClusterSpec
+
+RESIDUAL_LOW = -0.258
+RESIDUAL_HIGH = 0.223
+NETWORK_FALL_PER_DOUBLING = 1.8
+UNCALIBRATED_GPU_SLOWDOWN = 0.25
+# Widest group across nodes that a calibration row measured, per network (the fabric, whatever
+# the GPU): on InfiniBand Megatron-Core's H100 runs have data-parallel groups over 48 nodes
+# (Megatron-LM's A100 runs over 32); the Playbook's EFA collectives span 64 nodes. RoCE has none.
+CALIBRATED_NODES = {"infiniband": 48, "efa": 64}
+CALIBRATED_GPUS = ("A100-80GB", "H100-SXM")
+
+
+@dataclass(frozen=True)
+class Extrapolation:
+    """What a plan's price assumes beyond the calibration set, and the pessimistic factors."""
+
+    network_factor: float = 1.0  # the widest group's network bandwidth divided by this, pessimistically
+    compute_factor: float = 1.0  # compute multiplied by this
+    reasons: tuple[str, ...] = ()
+    measured_nodes: int = 0  # groups over more nodes than this are extrapolated
+
+    @property
+    def any(self) -> bool:
+        return bool(self.reasons)
+
+
+@dataclass(frozen=True)
+class PredictionInterval:
+    """A predicted step and the interval a measurement is expected in (module docstring)."""
+
+    predicted_s: float
+    pessimistic_s: float
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def low_s(self) -> float:
+        return self.predicted_s / (1 + RESIDUAL_HIGH)
+
+    @property
+    def high_s(self) -> float:
+        return self.pessimistic_s / (1 + RESIDUAL_LOW)
+
+    @property
+    def extrapolated_share(self) -> float:
+        """How much slower the plan gets if what was extrapolated is at its pessimistic value."""
+        return self.pessimistic_s / self.predicted_s - 1 if self.predicted_s else 0.0
+
+    def overlaps(self, other: "PredictionInterval") -> bool:
+        return self.low_s <= other.high_s and other.low_s <= self.high_s
+
+
+def network_name(cluster: ClusterSpec) -> str:
+    return cluster.inter.name.split(" ")[0]
+
+
+def extrapolations(cluster: ClusterSpec, widest_nodes: int) -> Extrapolation:
+    """The pessimistic factors for a plan whose widest collective group spans `widest_nodes`."""
+    reasons: list[str] = []
+    network_factor = compute_factor = 1.0
+    measured = CALIBRATED_NODES.get(network_name(cluster), 0)
+    gpus = sorted({gpu.name for gpu in cluster.node_gpus})
+    network = network_name(cluster)
+    uncalibrated = [gpu for gpu in gpus if gpu not in CALIBRATED_GPUS]
+    if uncalibrated and gpus != ["cpu"]:
+        compute_factor = 1 + UNCALIBRATED_GPU_SLOWDOWN
+        reasons.append(f"{', '.join(uncalibrated)} compute, with no published run to check it")
+    if widest_nodes > 1 and gpus != ["cpu"]:
+        if widest_nodes > measured:
+            doublings = math.log2(widest_nodes / max(1, measured)) if measured else math.log2(widest_nodes)
+            network_factor = NETWORK_FALL_PER_DOUBLING ** doublings
+            reasons.append(f"collectives over {widest_nodes} nodes of {network}, beyond any measurement"
+                           + (f" (widest measured: {measured})" if measured else " (none measured)"))
+    return Extrapolation(network_factor, compute_factor, tuple(reasons), measured)
+
+
+def pessimistic_cluster(cluster: ClusterSpec, extrapolation: Extrapolation) -> ClusterSpec:
+    """The cluster as the pessimistic price sees it: every group over more nodes than were measured
+    loses NETWORK_FALL_PER_DOUBLING of bandwidth per doubling beyond (groups within the measured
+    range, and point-to-point sends, keep their price); an uncalibrated GPU computes slower."""
+    inter = cluster.inter
+    if extrapolation.network_factor != 1.0:
+        inter = replace(inter, measured_nodes=extrapolation.measured_nodes,
+                        fall_per_doubling=NETWORK_FALL_PER_DOUBLING)
+    gpus = cluster.node_gpus
+    if extrapolation.compute_factor != 1.0:
+        slower = {gpu.name: gpu.with_overrides(peak_flops={d: f / extrapolation.compute_factor
+                                                           for d, f in gpu.peak_flops.items()},
+                                               memory_bandwidth_Bps=gpu.memory_bandwidth_Bps
+                                               / extrapolation.compute_factor)
+                  for gpu in gpus}
+        gpus = tuple(slower[gpu.name] for gpu in gpus)
+    return replace(cluster, inter=inter, node_gpus=gpus)

@@ -1,0 +1,57 @@
+"""Prediction intervals and the pessimistic price of what the cost model extrapolates
+(cost_models.uncertainty), against hand counts."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cost_models.collectives import Collective, collective_time_s
+from cost_models.topology import ClusterConfig, ClusterSpec
+from cost_models.uncertainty import (NETWORK_FALL_PER_DOUBLING, RESIDUAL_HIGH, RESIDUAL_LOW, PredictionInterval,
+                                     extrapolations, pessimistic_cluster)
+
+
+def cluster(gpu: str = "A100-80GB", nodes: int = 192, network: str = "infiniband") -> ClusterSpec:
+    return ClusterSpec.from_config(ClusterConfig(name="t", gpu=gpu, nodes=nodes, gpus_per_node=8,
+                                                 inter_node_bandwidth_GBps=25, network=network))
+
+
+def test_groups_beyond_the_measured_nodes_are_extrapolated():
+    """192 nodes of InfiniBand, 48 measured: two doublings beyond, bandwidth / 1.8^2 pessimistically;
+    within 48 nodes nothing is extrapolated; an uncalibrated GPU slows compute by 25%."""
+    spec = cluster()
+    wide = extrapolations(spec, 192)
+    assert wide.network_factor == pytest.approx(NETWORK_FALL_PER_DOUBLING ** 2)
+    assert wide.compute_factor == 1.0 and "192 nodes of infiniband" in wide.reasons[0]
+    assert not extrapolations(spec, 48).any
+    l40s = extrapolations(cluster("L40S", 4), 4)
+    assert l40s.compute_factor == 1.25 and l40s.network_factor == 1.0 and "L40S" in l40s.reasons[0]
+    assert extrapolations(cluster(network="roce", nodes=2), 2).network_factor == pytest.approx(1.8)  # none measured
+
+
+def test_pessimistic_price_slows_only_the_extrapolated_groups():
+    """Hand count: a ring all-gather over all 1536 ranks (192 nodes) loses 1.8^log2(192/48) of its
+    bandwidth; one over 32 nodes and a point-to-point send keep their nominal price."""
+    spec = cluster()
+    slow = pessimistic_cluster(spec, extrapolations(spec, 192))
+    s = 1e9
+    everyone = list(range(spec.world_size))
+    nominal = spec.group_links(everyone).ring_link.bandwidth_Bps
+    n = spec.world_size
+    expected = (n - 1) * spec.inter.latency_s + (n - 1) / n * s / (nominal / NETWORK_FALL_PER_DOUBLING ** math.log2(4))
+    assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(everyone)) == pytest.approx(expected)
+    within = list(range(0, 256))
+    assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(within)) == \
+        pytest.approx(collective_time_s(Collective.ALL_GATHER, s, spec.group_links(within)))
+    pair = [0, 8 * 100]
+    assert collective_time_s(Collective.SEND_RECV, s, slow.group_links(pair)) == \
+        pytest.approx(collective_time_s(Collective.SEND_RECV, s, spec.group_links(pair)))
+
+
+def test_interval_from_the_calibration_residuals():
+    interval = PredictionInterval(10.0, 15.0, ("x",))
+    assert interval.low_s == pytest.approx(10.0 / (1 + RESIDUAL_HIGH))
+    assert interval.high_s == pytest.approx(15.0 / (1 + RESIDUAL_LOW))
+    assert interval.extrapolated_share == pytest.approx(0.5)
+    assert interval.overlaps(PredictionInterval(12.0, 12.0)) and not interval.overlaps(PredictionInterval(30.0, 30.0))

@@ -26,6 +26,7 @@ from autopar.model_file import ModelFile, build_fake
 from autopar.serialize import from_jsonable, to_jsonable
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
+from autopar.trace.sequence import sequence_mixers
 
 # Mixed precision is traced the way FSDP2 (MixedPrecisionPolicy) and Megatron run it: parameters
 # and activations in 16 bit, fp32 master weights and optimizer states kept by the optimizer
@@ -128,6 +129,9 @@ class ModelProfile:
     coverage: list[CoverageEntry]
     ops: list[OpProfile] = field(default_factory=list)
     """Per-op detail (may be left out of a saved profile with include_ops=False)."""
+    sequence_mixers: list[str] = field(default_factory=list)
+    """Ops that read other positions of the sequence and that context parallelism does not
+    rewrite, described with their module (trace/sequence.py): any makes CP illegal."""
 
     @property
     def flops_total(self) -> int:
@@ -189,13 +193,14 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
     build = build_fake(model_file, model_kwargs, micro_batch_size, dtype=PRECISION_DTYPES[precision])
     captured = capture_training_step(model_file, build)
     grouping = group_layers(build.model, captured)
+    batch_leaves, _ = tree_flatten(build.batch)
+    mixers = sequence_mixers(captured, _tokens_per_sample(batch_leaves), build.model)
     facts = profile_ops(captured, grouping)
     ops = facts.ops
     layers = aggregate_layers(facts, grouping, build.model)
     coverage = coverage_report(ops)
     params = list(build.model.named_parameters())
     buffers = list(build.model.named_buffers())
-    batch_leaves, _ = tree_flatten(build.batch)
     return ModelProfile(
         model_name=model_file.name, model_path=str(model_file.path), model_sha256=model_file.sha256,
         model_kwargs=dict(model_kwargs), micro_batch_size=micro_batch_size,
@@ -212,7 +217,7 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         block_container=grouping.container, torch_version=torch.__version__,
         param_shapes={name: list(p.shape) for name, p in params},
         placeholders=_placeholder_roles(captured),
-        layers=layers, coverage=coverage, ops=ops)
+        layers=layers, coverage=coverage, ops=ops, sequence_mixers=[m.describe() for m in mixers])
 
 
 @dataclass

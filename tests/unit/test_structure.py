@@ -44,3 +44,59 @@ def test_frozen_parameters_are_traced_without_gradients():
     backward = [op for op in profile.ops if op.phase == "backward"]
     assert not [op for op in backward if "embedding" in op.target]
     assert any(op.layer == "blocks.1" and "mm" in op.target for op in backward)
+
+
+HF_ZOO = ZOO / "hf_zoo.py"
+
+
+@pytest.mark.parametrize("arch,expected", [
+    ("llama", None),
+    ("llama_labels", "a shift along the sequence (e.g. labels shifted inside the model) (constant_pad_nd in "
+                     "the root module's own forward)"),
+    ("llama_eager", "attention computed outside scaled_dot_product_attention (a softmax over the sequence) "
+                    "(_softmax in module 'model.layers.0.self_attn')"),
+    ("t5", "attention computed outside scaled_dot_product_attention (a softmax over the sequence) "
+           "(_safe_softmax in module 'encoder.block.0.layer.0.SelfAttention')"),
+])
+def test_ops_mixing_sequence_positions_are_found(arch, expected):
+    """Hugging Face's in-model label shift and eager attention read other positions; SDPA
+    attention (which CP replaces) and position bookkeeping on integer ids do not count."""
+    profile = profile_model(load_model_file(HF_ZOO), {"arch": arch}, micro_batch_size=1, precision="fp32")
+    assert next(iter(profile.sequence_mixers), None) == expected
+
+
+def test_torch_multihead_attention_counts_as_mixing():
+    """nn.TransformerEncoderLayer calls the attention kernel from C++, past the replaced function."""
+    profile = profile_model(load_model_file(ZOO / "encdec.py"), {}, micro_batch_size=1, precision="fp32")
+    assert profile.sequence_mixers[0].startswith("attention inside nn.MultiheadAttention")
+    assert "module 'encoder.0.self_attn'" in profile.sequence_mixers[0]
+
+
+def test_planner_never_picks_cp_and_refuses_a_cp_pin_naming_the_op():
+    """For a model with eager attention: unpinned, no candidate has cp > 1 (on a cluster and
+    sequence where the same model with SDPA attention gets cp options); pinned, one paragraph
+    names the op and module."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from autopar.solver.space import ModelShape, enumerate_candidates
+    from cost_models.step import TrainSpec
+    from cost_models.topology import ClusterConfig, ClusterSpec
+
+    def cp_degrees(arch: str) -> set[int]:
+        profile = profile_model(load_model_file(HF_ZOO), {"arch": arch}, micro_batch_size=1, precision="fp32")
+        shape = ModelShape.from_profile(profile)
+        return {c.cp for c in enumerate_candidates(shape, 4, 4, 8, SolverConfig(), PlanPins())}, profile
+
+    sdpa, _ = cp_degrees("llama")
+    eager, profile = cp_degrees("llama_eager")
+    assert sdpa >= {1, 2} and eager == {1}
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=2))
+    with pytest.raises(UserError) as refusal:
+        Planner(profile, cluster, TrainSpec(global_batch_size=8, precision="fp32", optimizer="adam"),
+                SolverConfig(), PlanPins(cp=2)).run()
+    assert "plan.cp=2 would train a different model" in str(refusal.value)
+    assert "(_softmax in module 'model.layers.0.self_attn')" in str(refusal.value)
+    assert "pin plan.cp=1" in refusal.value.fix
+    from autopar.report.document import sequence_notes
+    assert "(_softmax in module 'model.layers.0.self_attn')" in sequence_notes(profile)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from autopar.model_file import load_model_file
@@ -100,3 +101,32 @@ def test_planner_never_picks_cp_and_refuses_a_cp_pin_naming_the_op():
     assert "pin plan.cp=1" in refusal.value.fix
     from autopar.report.document import sequence_notes
     assert "(_softmax in module 'model.layers.0.self_attn')" in sequence_notes(profile)[0]
+
+
+TRUNC_NORMAL_MODEL = '''
+import torch
+import torch
+from torch import nn
+
+def build_model():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    for layer in model:
+        nn.init.trunc_normal_(layer.weight, std=0.02)
+    return model
+
+def example_batch(batch_size):
+    return torch.randn(batch_size, 8)
+'''
+
+
+def test_trunc_normal_init_builds_on_fake_tensors(tmp_path):
+    """nn.init.trunc_normal_ (ViT, most vision models) branches on sampled values; planning
+    builds the model on fake tensors all the same, and a real build still truncates."""
+    from tests.conftest import write_model_file
+
+    model_file = load_model_file(write_model_file(tmp_path, TRUNC_NORMAL_MODEL))
+    profile = profile_model(model_file, {}, micro_batch_size=2, precision="fp32")
+    assert profile.param_count == 8 * 8 + 8 + 8 * 2 + 2
+    weight = torch.empty(1000)
+    nn.init.trunc_normal_(weight, std=1.0, a=-0.5, b=0.5)
+    assert weight.abs().max() <= 0.5 and weight.std() > 0.2

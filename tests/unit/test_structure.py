@@ -130,3 +130,17 @@ def test_trunc_normal_init_builds_on_fake_tensors(tmp_path):
     weight = torch.empty(1000)
     nn.init.trunc_normal_(weight, std=1.0, a=-0.5, b=0.5)
     assert weight.abs().max() <= 0.5 and weight.std() > 0.2
+
+
+def test_tp_input_layouts_cover_every_positional_argument():
+    """A Hugging Face BERT layer is called with (hidden_states, attention_mask, ...): torch's
+    PrepareModuleInput wants one layout per positional input, the extra ones left alone."""
+    from autopar.codegen.model_facts import inspect_model
+    from autopar.codegen.tp_plan import _input_layout_args
+
+    facts = inspect_model(HF_ZOO, {"arch": "bert"})
+    layer = "bert.encoder.layer.0"
+    assert facts.modules[layer].positional_inputs == 3
+    assert _input_layout_args(facts, layer, "Replicate()", "Shard(1)") == (
+        ("input_layouts", "(Replicate(), None, None,)"), ("desired_input_layouts", "(Shard(1), None, None,)"))
+    assert _input_layout_args(facts, "cls", "Shard(1)", "Replicate()")[0] == ("input_layouts", "(Shard(1),)")

@@ -183,16 +183,19 @@ class ModelProfile:
 
 
 def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_batch_size: int = 1,
-                  precision: str = "fp32") -> ModelProfile:
-    """Build the model on fake tensors, capture one training step and profile it."""
+                  precision: str = "fp32", blocks: list[str] | None = None) -> ModelProfile:
+    """Build the model on fake tensors, capture one training step and profile it.
+
+    ``blocks`` (``plan.blocks``) names the block container instead of detecting it."""
     if precision not in PRECISION_DTYPES:
         from autopar.errors import ConfigError
 
         raise ConfigError(f"Unknown precision '{precision}'.", f"use one of {', '.join(PRECISION_DTYPES)}.")
     start = time.perf_counter()
     build = build_fake(model_file, model_kwargs, micro_batch_size, dtype=PRECISION_DTYPES[precision])
+    container = _pinned_container(build.model, blocks)
     captured = capture_training_step(model_file, build)
-    grouping = group_layers(build.model, captured)
+    grouping = group_layers(build.model, captured, container)
     batch_leaves, _ = tree_flatten(build.batch)
     mixers = sequence_mixers(captured, _tokens_per_sample(batch_leaves), build.model)
     facts = profile_ops(captured, grouping)
@@ -397,6 +400,24 @@ def _arg_values(node: torch.fx.Node) -> tuple[tuple, dict]:
     args = torch.fx.node.map_aggregate(node.args, value)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
     return tuple(args), dict(kwargs)
+
+
+def _pinned_container(model: torch.nn.Module, blocks: list[str] | None) -> str | None:
+    """The container plan.blocks names, checked before tracing."""
+    from autopar.errors import ConfigError
+    from autopar.trace.layers import check_block_container
+
+    if not blocks:
+        return None
+    if len(blocks) > 1:
+        raise ConfigError(f"plan.blocks names {len(blocks)} stacks ({', '.join(blocks)}); autopar splits one stack of "
+                          "blocks today (the others stay whole inside their layer).",
+                          f"name the largest stack alone, e.g. plan.blocks=[{blocks[0]}].")
+    problem = check_block_container(model, blocks[0])
+    if problem:
+        raise ConfigError(f"plan.blocks: {problem}.", "name a container of the model's blocks, or drop plan.blocks "
+                          "to let autopar find it.")
+    return blocks[0]
 
 
 def _tokens_per_sample(leaves: list[torch.Tensor]) -> int | None:

@@ -88,7 +88,8 @@ def run_sweep(model_path: str | Path, overrides: list[str], out_dir: str | Path,
         if on_point is not None:
             on_point(point, len(points))
         cluster = build_cluster(cfg)
-        key = repr((model_kwargs(cfg), cfg.train.micro_batch_size, cfg.train.precision))
+        key = repr((model_kwargs(cfg), cfg.train.micro_batch_size, cfg.train.precision,
+                    OmegaConf.select(cfg, "plan.blocks", default=None)))
         try:
             if key not in profiles:
                 profiles[key] = run_profile(model_path, cfg)

@@ -69,6 +69,19 @@ def find_block_container(model: nn.Module) -> str | None:
     return best_name
 
 
+def check_block_container(model: nn.Module, name: str) -> str | None:
+    """Why ``name`` cannot be the block container (for a one-paragraph error), or None."""
+    containers = [n for n, m in model.named_modules() if isinstance(m, _CONTAINERS) and len(list(m.children())) >= 2]
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        module = None
+    if module is None or name not in containers:
+        what = "is not a module of the model" if module is None else "is not a ModuleList/ModuleDict/Sequential of 2+ blocks"
+        return f"{name} {what}; the model's containers are: {', '.join(containers[:12]) or '(none)'}"
+    return None
+
+
 def layer_units(model: nn.Module, container: str | None) -> tuple[list[str], list[str]]:
     """(block FQNs, other unit FQNs): the container's children, and the modules beside the
     path from the root to the container."""
@@ -86,9 +99,11 @@ def layer_units(model: nn.Module, container: str | None) -> tuple[list[str], lis
     return blocks, others
 
 
-def group_layers(model: nn.Module, captured: CapturedStep) -> LayerGrouping:
-    """Assign every op of the captured step to a layer and detect repeated layers."""
-    container = find_block_container(model)
+def group_layers(model: nn.Module, captured: CapturedStep, container: str | None = None) -> LayerGrouping:
+    """Assign every op of the captured step to a layer and detect repeated layers.
+
+    ``container`` names the block container (``plan.blocks``); by default it is detected."""
+    container = container or find_block_container(model)
     blocks, others = layer_units(model, container)
     if not blocks and not others:
         return _single_layer(captured)

@@ -144,3 +144,35 @@ def test_tp_input_layouts_cover_every_positional_argument():
     assert _input_layout_args(facts, layer, "Replicate()", "Shard(1)") == (
         ("input_layouts", "(Replicate(), None, None,)"), ("desired_input_layouts", "(Shard(1), None, None,)"))
     assert _input_layout_args(facts, "cls", "Shard(1)", "Replicate()")[0] == ("input_layouts", "(Shard(1),)")
+
+
+def test_plan_blocks_pin_chooses_the_stack():
+    """T5's encoder and decoder stacks weigh the same; detection takes the decoder's, and
+    plan.blocks=[encoder.block] makes the encoder's blocks the layers instead (through the
+    driver, as the CLI passes it)."""
+    from omegaconf import OmegaConf
+
+    from autopar.driver import run_profile
+
+    detected = profile_model(load_model_file(HF_ZOO), {"arch": "t5"}, micro_batch_size=1, precision="fp32")
+    assert detected.block_container == "decoder.block"
+    cfg = OmegaConf.create({"model": {"arch": "t5"}, "train": {"micro_batch_size": 1, "precision": "fp32"},
+                            "plan": {"blocks": ["encoder.block"]}})
+    pinned = run_profile(HF_ZOO, cfg)
+    assert pinned.block_container == "encoder.block"
+    assert [layer.name for layer in pinned.blocks] == ["encoder.block.0", "encoder.block.1"]
+    assert "decoder" in [layer.name for layer in pinned.layers]
+
+
+@pytest.mark.parametrize("blocks,words", [
+    (["encoder.blocks"], "plan.blocks: encoder.blocks is not a module of the model; the model's containers are: "
+                         "encoder.block"),
+    (["shared"], "shared is not a ModuleList/ModuleDict/Sequential of 2+ blocks"),
+    (["encoder.block", "decoder.block"], "names 2 stacks"),
+])
+def test_plan_blocks_pin_refuses_what_is_not_one_stack(blocks, words):
+    from autopar.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refusal:
+        profile_model(load_model_file(HF_ZOO), {"arch": "t5"}, micro_batch_size=1, precision="fp32", blocks=blocks)
+    assert words in str(refusal.value)

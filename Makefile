@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch goes in first so resolving the project pulls no multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-zoo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Every zoo case (about 40 models x 5 two-rank pins + 4-rank ones); `make test` runs a subset.
+test-zoo: setup
+	AUTOPAR_ZOO=all $(PY) -m pytest -q tests/zoo
 
 bench: setup
 	$(PY) -m benchmarks.run

@@ -322,7 +322,7 @@ def _value_free_initialisers() -> Iterator[None]:
     PyTorch's truncated normal redraws out-of-range samples until none is left (``if not
     mask.any()``), a branch on values a fake tensor does not have; ViT and most vision models
     initialise with it. On a fake tensor the values never matter, so a clamped normal draw of the
-    same shape stands in. Patched at the helper every public alias calls (Hugging Face keeps its
+    same shape stands in. Patched at the private function every public alias calls (Hugging Face keeps its
     own reference to ``trunc_normal_``), and only for fake tensors."""
     original = getattr(torch.nn.init, "_no_grad_trunc_normal_", None)
     if original is None:

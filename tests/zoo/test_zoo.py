@@ -19,7 +19,7 @@ def _param(case: str):
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Run the cases this session selected (all with AUTOPAR_ZOO=all, else CI's subset)."""
+    """Run the cases this pytest run selected (all with AUTOPAR_ZOO=all, else CI's subset)."""
     selected = ALL_CASES if os.environ.get("AUTOPAR_ZOO") == "all" else [c for c in ALL_CASES if c in CI_CASES]
     return run_zoo([tuple(case.split("-")) for case in selected], tmp_path_factory.mktemp("zoo"))
 

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch goes in first so resolving the project pulls no multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test wheel-check bench clean
+.PHONY: setup demo test wheel-check test-zoo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test: setup
 # compiles, runs and reports a tiny GPT from a temporary folder outside the repository (~1 min).
 wheel-check: setup
 	TORCH_SPEC="$(TORCH_SPEC)" .ci/wheel-check $(PY)
+
+# Every zoo case (about 40 models x 5 two-rank pins + 4-rank ones); `make test` runs a subset.
+test-zoo: setup
+	AUTOPAR_ZOO=all $(PY) -m pytest -q tests/zoo
 
 bench: setup
 	$(PY) -m benchmarks.run

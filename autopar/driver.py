@@ -24,8 +24,9 @@ def model_kwargs(cfg: Any) -> dict[str, Any]:
 def run_profile(model_path: str | Path, cfg: Any) -> ModelProfile:
     """Stage 1+2: load model.py, trace one training step on fake tensors, profile it."""
     model_file = load_model_file(model_path)
+    blocks = OmegaConf.select(cfg, "plan.blocks", default=None)
     return profile_model(model_file, model_kwargs(cfg), micro_batch_size=cfg.train.micro_batch_size,
-                         precision=cfg.train.precision)
+                         precision=cfg.train.precision, blocks=list(blocks) if blocks else None)
 
 
 def build_cluster(cfg: Any) -> ClusterSpec:
@@ -181,7 +182,7 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
     check_model_sha256(path, made_for.model_sha256, "the plan was made for")
     model_file = load_model_file(path)
     profile = profile_model(model_file, dict(made_for.model_kwargs), micro_batch_size=made_for.traced_micro_batch_size,
-                            precision=plan.precision)
+                            precision=plan.precision, blocks=[plan.block_container] if plan.block_container else None)
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
     train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer)

@@ -200,7 +200,7 @@ def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
     """
     check_model_kwargs(model_file, kwargs)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with fake_mode, _default_dtype(dtype):
+    with fake_mode, _default_dtype(dtype), _value_free_initialisers():
         model = build_model(model_file, kwargs)
         if any(t.device.type == "meta" for t in _tensors_of(model)):
             model = model.to_empty(device="cpu")
@@ -392,6 +392,33 @@ def _new_output_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
         return None
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return sum(t.numel() * t.element_size() for t, new in zip(outs, fresh) if new and isinstance(t, torch.Tensor))
+
+
+@contextlib.contextmanager
+def _value_free_initialisers() -> Iterator[None]:
+    """Let ``nn.init.trunc_normal_`` run on fake tensors.
+
+    PyTorch's truncated normal redraws out-of-range samples until none is left (``if not
+    mask.any()``), a branch on values a fake tensor does not have; ViT and most vision models
+    initialise with it. On a fake tensor the values never matter, so a clamped normal draw of the
+    same shape stands in. Patched at the private function every public alias calls (Hugging Face keeps its
+    own reference to ``trunc_normal_``), and only for fake tensors."""
+    original = getattr(torch.nn.init, "_no_grad_trunc_normal_", None)
+    if original is None:
+        yield
+        return
+
+    def trunc_normal(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, *args, **kwargs):
+        if not isinstance(tensor, FakeTensor):
+            return original(tensor, mean, std, a, b, *args, **kwargs)
+        with torch.no_grad():
+            return tensor.normal_(mean, std).clamp_(a, b)
+
+    torch.nn.init._no_grad_trunc_normal_ = trunc_normal
+    try:
+        yield
+    finally:
+        torch.nn.init._no_grad_trunc_normal_ = original
 
 
 @contextlib.contextmanager

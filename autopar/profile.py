@@ -26,6 +26,7 @@ from autopar.model_file import ModelFile, build_fake
 from autopar.serialize import from_jsonable, to_jsonable
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
+from autopar.trace.sequence import sequence_mixers
 
 # Mixed precision is traced the way FSDP2 (MixedPrecisionPolicy) and Megatron run it: parameters
 # and activations in 16 bit, fp32 master weights and optimizer states kept by the optimizer
@@ -128,6 +129,9 @@ class ModelProfile:
     coverage: list[CoverageEntry]
     ops: list[OpProfile] = field(default_factory=list)
     """Per-op detail (may be left out of a saved profile with include_ops=False)."""
+    sequence_mixers: list[str] = field(default_factory=list)
+    """Ops that read other positions of the sequence and that context parallelism does not
+    rewrite, described with their module (trace/sequence.py): any makes CP illegal."""
 
     @property
     def flops_total(self) -> int:
@@ -179,23 +183,27 @@ class ModelProfile:
 
 
 def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_batch_size: int = 1,
-                  precision: str = "fp32") -> ModelProfile:
-    """Build the model on fake tensors, capture one training step and profile it."""
+                  precision: str = "fp32", blocks: list[str] | None = None) -> ModelProfile:
+    """Build the model on fake tensors, capture one training step and profile it.
+
+    ``blocks`` (``plan.blocks``) names the block container instead of detecting it."""
     if precision not in PRECISION_DTYPES:
         from autopar.errors import ConfigError
 
         raise ConfigError(f"Unknown precision '{precision}'.", f"use one of {', '.join(PRECISION_DTYPES)}.")
     start = time.perf_counter()
     build = build_fake(model_file, model_kwargs, micro_batch_size, dtype=PRECISION_DTYPES[precision])
+    container = _pinned_container(build.model, blocks)
     captured = capture_training_step(model_file, build)
-    grouping = group_layers(build.model, captured)
+    grouping = group_layers(build.model, captured, container)
+    batch_leaves, _ = tree_flatten(build.batch)
+    mixers = sequence_mixers(captured, _tokens_per_sample(batch_leaves), build.model)
     facts = profile_ops(captured, grouping)
     ops = facts.ops
     layers = aggregate_layers(facts, grouping, build.model)
     coverage = coverage_report(ops)
     params = list(build.model.named_parameters())
     buffers = list(build.model.named_buffers())
-    batch_leaves, _ = tree_flatten(build.batch)
     return ModelProfile(
         model_name=model_file.name, model_path=str(model_file.path), model_sha256=model_file.sha256,
         model_kwargs=dict(model_kwargs), micro_batch_size=micro_batch_size,
@@ -212,7 +220,7 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         block_container=grouping.container, torch_version=torch.__version__,
         param_shapes={name: list(p.shape) for name, p in params},
         placeholders=_placeholder_roles(captured),
-        layers=layers, coverage=coverage, ops=ops)
+        layers=layers, coverage=coverage, ops=ops, sequence_mixers=[m.describe() for m in mixers])
 
 
 @dataclass
@@ -392,6 +400,24 @@ def _arg_values(node: torch.fx.Node) -> tuple[tuple, dict]:
     args = torch.fx.node.map_aggregate(node.args, value)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
     return tuple(args), dict(kwargs)
+
+
+def _pinned_container(model: torch.nn.Module, blocks: list[str] | None) -> str | None:
+    """The container plan.blocks names, checked before tracing."""
+    from autopar.errors import ConfigError
+    from autopar.trace.layers import check_block_container
+
+    if not blocks:
+        return None
+    if len(blocks) > 1:
+        raise ConfigError(f"plan.blocks names {len(blocks)} stacks ({', '.join(blocks)}); autopar splits one stack of "
+                          "blocks today (the others stay whole inside their layer).",
+                          f"name the largest stack alone, e.g. plan.blocks=[{blocks[0]}].")
+    problem = check_block_container(model, blocks[0])
+    if problem:
+        raise ConfigError(f"plan.blocks: {problem}.", "name a container of the model's blocks, or drop plan.blocks "
+                          "to let autopar find it.")
+    return blocks[0]
 
 
 def _tokens_per_sample(leaves: list[torch.Tensor]) -> int | None:

@@ -30,6 +30,8 @@ class ModuleFacts:
         has_parameters: whether it directly or indirectly holds parameters.
         called: whether the forward ran the module (unused modules get no styles).
         outputs: how many values forward returned as a tuple/list, or None for a single value.
+        positional_inputs: how many arguments its first call passed positionally (a Hugging Face
+            BERT layer gets the hidden states and its attention mask).
     """
 
     class_name: str
@@ -38,6 +40,7 @@ class ModuleFacts:
     has_parameters: bool
     called: bool
     outputs: int | None = None
+    positional_inputs: int = 1
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,14 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
     build = build_fake(model_file, model_kwargs, batch_size)
     model = build.model
     first_inputs: dict[str, str | None] = {}
+    positional: dict[str, int] = {}
     outputs: dict[str, int | None] = {}
     handles = []
     for name, module in model.named_modules():
         def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
             if name in first_inputs:
                 return
+            positional[name] = len(args)
             if args:
                 first_inputs[name] = None
             else:
@@ -104,7 +109,8 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
             handle.remove()
     modules = {name: ModuleFacts(class_name=type(module).__name__, kind=module_kind(module),
                                  first_input=first_inputs.get(name), has_parameters=any(True for _ in module.parameters()),
-                                 called=name in first_inputs, outputs=outputs.get(name))
+                                 called=name in first_inputs, outputs=outputs.get(name),
+                                 positional_inputs=positional.get(name, 1))
                for name, module in model.named_modules()}
     children = {name: [f"{name}.{child}" if name else child for child, _ in module.named_children()]
                 for name, module in model.named_modules()}

@@ -102,10 +102,14 @@ def paired_regions(styles: dict[str, str], facts: ModelFacts) -> set[str]:
 
 
 def _input_layout_args(facts: ModelFacts, module: str, layout: str, desired: str) -> tuple[tuple[str, str], ...]:
-    """PrepareModuleInput arguments for the module's first input, positional or by keyword."""
+    """PrepareModuleInput arguments for the module's first input, positional or by keyword.
+
+    Further positional arguments (an attention mask) are left as they are (None layouts):
+    torch wants one layout per positional input."""
     keyword = facts.modules[module].first_input if module in facts.modules else None
     if keyword is None:
-        return (("input_layouts", f"({layout},)"), ("desired_input_layouts", f"({desired},)"))
+        rest = ", None" * (facts.modules[module].positional_inputs - 1 if module in facts.modules else 0)
+        return (("input_layouts", f"({layout}{rest},)"), ("desired_input_layouts", f"({desired}{rest},)"))
     return (("input_kwarg_layouts", f'{{"{keyword}": {layout}}}'),
             ("desired_input_kwarg_layouts", f'{{"{keyword}": {desired}}}'))
 

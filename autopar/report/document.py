@@ -123,7 +123,7 @@ def build_report(plan: Plan, estimate: Estimate, pricer: PlanPricer, alternative
         alternatives=[AlternativeRow(a.plan.summary(), a.plan.predicted.step_time_s, a.plan.predicted.tokens_per_s,
                                      a.plan.predicted.peak_memory_bytes, a.reason) for a in alternatives],
         binding=[BindingRow(b.constraint, b.relaxing) for b in binding],
-        groups=process_groups(plan, estimate, pricer), notes=list(notes) + uncosted_notes(profile),
+        groups=process_groups(plan, estimate, pricer), notes=list(notes) + uncosted_notes(profile) + sequence_notes(profile),
         solver_seconds=plan.solver.seconds)
 
 
@@ -189,6 +189,16 @@ def replication_notes(replicated: dict[str, list[str]], tp: int) -> list[str]:
                      "tensor-parallel split covers it (it needs whole activations), so the operator-wise ILP "
                      "fell back to replicating it and pays for gathering its input.")
     return notes
+
+
+def sequence_notes(profile: Any) -> list[str]:
+    """Why context parallelism was never considered, naming the op that decided it."""
+    mixers = getattr(profile, "sequence_mixers", [])
+    if not mixers:
+        return []
+    more = f" (and {len(mixers) - 1} more such ops)" if len(mixers) > 1 else ""
+    return [f"Context parallelism was not considered: the model has {mixers[0]}{more}, which reads other "
+            "positions of the sequence and would compute something else on a sequence shard."]
 
 
 def uncosted_notes(profile: Any) -> list[str]:

@@ -432,6 +432,13 @@ class Planner:
             raise UserError(f"The pinned degrees {listed} multiply to {product}, which does not divide the "
                             f"cluster's {world} GPUs (every GPU needs a place on the mesh).",
                             "pin degrees whose product divides the GPU count, or change cluster.nodes.")
+        if (self.pins.cp or 1) > 1 and self.shape.cp_blocker:
+            raise UserError(f"plan.cp={self.pins.cp} would train a different model: context parallelism gives each "
+                            f"rank a shard of every sequence, and this model has {self.shape.cp_blocker}, which reads "
+                            "other positions of the sequence and is not rewritten for sharding.",
+                            "pin plan.cp=1 (or leave it unset), or change that op: shift targets in example_batch "
+                            "instead of passing labels=, call F.scaled_dot_product_attention (causal or without a "
+                            "mask) instead of computing softmax(QK^T).")
         blocks = max(1, self.shape.num_blocks)
         if self.pins.pp is not None and self.pins.pp > blocks:
             raise UserError(f"plan.pp={self.pins.pp} needs more pipeline stages than the model's {blocks} "

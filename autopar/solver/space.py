@@ -44,6 +44,7 @@ class ModelShape:
     head_dim: int | None
     tokens_per_sample: int | None
     split_dims: tuple[int, ...]  # weight dims a TP split divides (output and input features)
+    cp_blocker: str | None = None  # the first op that makes context parallelism illegal, if any
 
     @classmethod
     def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
@@ -64,7 +65,8 @@ class ModelShape:
             if kv_widths:
                 kv_heads = min(kv_widths)
         return cls(num_blocks=len(blocks), num_layers=len(profile.layers), heads=heads, kv_heads=kv_heads,
-                   head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)))
+                   head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)),
+                   cp_blocker=next(iter(profile.sequence_mixers), None))
 
     def tp_divides(self, tp: int) -> bool:
         if any(dim % tp for dim in self.split_dims):
@@ -119,7 +121,7 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
 
 
 def _cp_options(shape: ModelShape, remaining: int) -> list[int]:
-    if not shape.tokens_per_sample or remaining == 0:
+    if not shape.tokens_per_sample or remaining == 0 or shape.cp_blocker:
         return [1]
     # Ring attention's load-balanced causal sharding cuts each sequence into 2·cp chunks.
     return [cp for cp in divisors(remaining) if shape.tokens_per_sample % (2 * cp) == 0]

@@ -64,6 +64,9 @@ def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedSt
     buffers = dict(model.named_buffers())
     module_names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
     annotations = _ModuleAnnotations(module_names)
+    # Frozen parameters (requires_grad=False: a fine-tuning set-up, a fixed positional table)
+    # get no gradient; asking autograd for one would fail the whole trace.
+    trainable = [name for name, param in params.items() if param.requires_grad]
 
     def training_step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], batch: Any):
         args, kwargs = model_inputs(model, batch)
@@ -72,7 +75,7 @@ def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedSt
             loss = compute_loss(model_file, output, batch)
         _publish_seq_nr_during_backward(loss)
         with fx_traceback.annotate({PHASE_KEY: BACKWARD}):
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            grads = torch.autograd.grad(loss, [params[name] for name in trainable], allow_unused=True)
         return loss, grads
 
     with fx_traceback.preserve_node_meta(), build.fake_mode:

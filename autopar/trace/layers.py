@@ -1,8 +1,9 @@
 """Group a captured step's nodes into layers, and find the blocks that repeat.
 
 A *layer* is the unit pipeline stages are cut along. The model's *block container* is the
-ModuleList / ModuleDict / Sequential whose children hold the most parameters (`blocks` in our
-GPT, `model.layers` in Hugging Face Llama); each of its children is a layer. Every other
+ModuleList / ModuleDict / Sequential of same-class children holding the most parameters
+(`blocks` in our GPT, `model.layers` in Hugging Face Llama, `transformer.h` in nanoGPT); each
+of its children is a layer. Every other
 module beside the path from the root to that container (embeddings, final norm, LM head) is a
 layer too, and a parameter-less one (rotary embedding tables) is folded into its neighbour.
 Ops that run in an ancestor's own forward (the residual add in a root module, the loss) belong
@@ -47,8 +48,13 @@ class LayerGrouping:
 
 
 def find_block_container(model: nn.Module) -> str | None:
-    """The container whose children hold the most parameters (ties: more children)."""
-    best: tuple[int, int] = (0, 0)
+    """The container of repeated blocks holding the most parameters (ties: more children).
+
+    A container whose children are all of one class (a ModuleList of decoder layers) is a
+    stack of blocks; one of mixed children (nanoGPT's ``transformer = ModuleDict(wte, wpe, h,
+    ln_f)``) is only a namespace, so its stack is looked for inside it. Only without any stack
+    does the largest container of any kind serve."""
+    best: tuple[bool, int, int] = (False, 0, 0)
     best_name = None
     for name, module in model.named_modules():
         if not isinstance(module, _CONTAINERS):
@@ -56,10 +62,24 @@ def find_block_container(model: nn.Module) -> str | None:
         children = list(module.children())
         if len(children) < 2:
             continue
+        uniform = len({type(child) for child in children}) == 1
         params = sum(p.numel() for p in module.parameters())
-        if (params, len(children)) > best:
-            best, best_name = (params, len(children)), name
+        if (uniform, params, len(children)) > best:
+            best, best_name = (uniform, params, len(children)), name
     return best_name
+
+
+def check_block_container(model: nn.Module, name: str) -> str | None:
+    """Why ``name`` cannot be the block container (for a one-paragraph error), or None."""
+    containers = [n for n, m in model.named_modules() if isinstance(m, _CONTAINERS) and len(list(m.children())) >= 2]
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        module = None
+    if module is None or name not in containers:
+        what = "is not a module of the model" if module is None else "is not a ModuleList/ModuleDict/Sequential of 2+ blocks"
+        return f"{name} {what}; the model's containers are: {', '.join(containers[:12]) or '(none)'}"
+    return None
 
 
 def layer_units(model: nn.Module, container: str | None) -> tuple[list[str], list[str]]:
@@ -79,9 +99,11 @@ def layer_units(model: nn.Module, container: str | None) -> tuple[list[str], lis
     return blocks, others
 
 
-def group_layers(model: nn.Module, captured: CapturedStep) -> LayerGrouping:
-    """Assign every op of the captured step to a layer and detect repeated layers."""
-    container = find_block_container(model)
+def group_layers(model: nn.Module, captured: CapturedStep, container: str | None = None) -> LayerGrouping:
+    """Assign every op of the captured step to a layer and detect repeated layers.
+
+    ``container`` names the block container (``plan.blocks``); by default it is detected."""
+    container = container or find_block_container(model)
     blocks, others = layer_units(model, container)
     if not blocks and not others:
         return _single_layer(captured)

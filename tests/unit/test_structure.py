@@ -1,0 +1,178 @@
+"""Model structure the way authors write it: which container holds the blocks, and what the
+traced step says about splitting the sequence (context parallelism)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.model_file import load_model_file
+from autopar.profile import profile_model
+from autopar.trace.layers import find_block_container
+
+ZOO = Path(__file__).resolve().parents[1] / "zoo" / "models"
+
+
+def test_nanogpt_blocks_are_found_inside_its_module_dict():
+    """nanoGPT keeps its blocks in ``transformer.h`` beside the embeddings in a ModuleDict that
+    holds more parameters than the blocks alone; the blocks, not the ModuleDict's members, are
+    the layers."""
+    profile = profile_model(load_model_file(ZOO / "nanogpt.py"), {"layers": 3}, micro_batch_size=1, precision="fp32")
+    assert profile.block_container == "transformer.h"
+    assert [layer.name for layer in profile.layers] == [
+        "transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.h.2",
+        "transformer.ln_f", "lm_head"]
+    assert [layer.name for layer in profile.blocks] == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+
+
+def test_a_mixed_container_serves_only_when_no_stack_exists():
+    """A Sequential of different layers (an MLP) is the container when nothing repeats."""
+    mlp = nn.Module()
+    mlp.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert find_block_container(mlp) == "net"
+    mlp.stack = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))  # fewer parameters, but uniform
+    assert find_block_container(mlp) == "stack"
+
+
+def test_frozen_parameters_are_traced_without_gradients():
+    """A fine-tuning set-up (frozen embedding and first block, a frozen positional table) is
+    profiled; the frozen embedding gets no backward op, the trainable blocks do."""
+    profile = profile_model(load_model_file(ZOO / "frozen.py"), {}, micro_batch_size=1, precision="fp32")
+    real = load_model_file(ZOO / "frozen.py").build_model()
+    assert profile.param_count == sum(p.numel() for p in real.parameters())
+    backward = [op for op in profile.ops if op.phase == "backward"]
+    assert not [op for op in backward if "embedding" in op.target]
+    assert any(op.layer == "blocks.1" and "mm" in op.target for op in backward)
+
+
+HF_ZOO = ZOO / "hf_zoo.py"
+
+
+@pytest.mark.parametrize("arch,expected", [
+    ("llama", None),
+    ("llama_labels", "a shift along the sequence (e.g. labels shifted inside the model) (constant_pad_nd in "
+                     "the root module's own forward)"),
+    ("llama_eager", "attention computed outside scaled_dot_product_attention (a softmax over the sequence) "
+                    "(_softmax in module 'model.layers.0.self_attn')"),
+    ("t5", "attention computed outside scaled_dot_product_attention (a softmax over the sequence) "
+           "(_safe_softmax in module 'encoder.block.0.layer.0.SelfAttention')"),
+])
+def test_ops_mixing_sequence_positions_are_found(arch, expected):
+    """Hugging Face's in-model label shift and eager attention read other positions; SDPA
+    attention (which CP replaces) and position bookkeeping on integer ids do not count."""
+    profile = profile_model(load_model_file(HF_ZOO), {"arch": arch}, micro_batch_size=1, precision="fp32")
+    assert next(iter(profile.sequence_mixers), None) == expected
+
+
+def test_torch_multihead_attention_counts_as_mixing():
+    """nn.TransformerEncoderLayer calls the attention kernel from C++, past the replaced function."""
+    profile = profile_model(load_model_file(ZOO / "encdec.py"), {}, micro_batch_size=1, precision="fp32")
+    assert profile.sequence_mixers[0].startswith("attention inside nn.MultiheadAttention")
+    assert "module 'encoder.0.self_attn'" in profile.sequence_mixers[0]
+
+
+def test_planner_never_picks_cp_and_refuses_a_cp_pin_naming_the_op():
+    """For a model with eager attention: unpinned, no candidate has cp > 1 (on a cluster and
+    sequence where the same model with SDPA attention gets cp options); pinned, one paragraph
+    names the op and module."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from autopar.solver.space import ModelShape, enumerate_candidates
+    from cost_models.step import TrainSpec
+    from cost_models.topology import ClusterConfig, ClusterSpec
+
+    def cp_degrees(arch: str) -> set[int]:
+        profile = profile_model(load_model_file(HF_ZOO), {"arch": arch}, micro_batch_size=1, precision="fp32")
+        shape = ModelShape.from_profile(profile)
+        return {c.cp for c in enumerate_candidates(shape, 4, 4, 8, SolverConfig(), PlanPins())}, profile
+
+    sdpa, _ = cp_degrees("llama")
+    eager, profile = cp_degrees("llama_eager")
+    assert sdpa >= {1, 2} and eager == {1}
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=2))
+    with pytest.raises(UserError) as refusal:
+        Planner(profile, cluster, TrainSpec(global_batch_size=8, precision="fp32", optimizer="adam"),
+                SolverConfig(), PlanPins(cp=2)).run()
+    assert "plan.cp=2 would train a different model" in str(refusal.value)
+    assert "(_softmax in module 'model.layers.0.self_attn')" in str(refusal.value)
+    assert "pin plan.cp=1" in refusal.value.fix
+    from autopar.report.document import sequence_notes
+    assert "(_softmax in module 'model.layers.0.self_attn')" in sequence_notes(profile)[0]
+
+
+TRUNC_NORMAL_MODEL = '''
+import torch
+import torch
+from torch import nn
+
+def build_model():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    for layer in model:
+        nn.init.trunc_normal_(layer.weight, std=0.02)
+    return model
+
+def example_batch(batch_size):
+    return torch.randn(batch_size, 8)
+'''
+
+
+def test_trunc_normal_init_builds_on_fake_tensors(tmp_path):
+    """nn.init.trunc_normal_ (ViT, most vision models) branches on sampled values; planning
+    builds the model on fake tensors all the same, and a real build still truncates."""
+    from tests.conftest import write_model_file
+
+    model_file = load_model_file(write_model_file(tmp_path, TRUNC_NORMAL_MODEL))
+    profile = profile_model(model_file, {}, micro_batch_size=2, precision="fp32")
+    assert profile.param_count == 8 * 8 + 8 + 8 * 2 + 2
+    weight = torch.empty(1000)
+    nn.init.trunc_normal_(weight, std=1.0, a=-0.5, b=0.5)
+    assert weight.abs().max() <= 0.5 and weight.std() > 0.2
+
+
+def test_tp_input_layouts_cover_every_positional_argument():
+    """A Hugging Face BERT layer is called with (hidden_states, attention_mask, ...): torch's
+    PrepareModuleInput wants one layout per positional input, the extra ones left alone."""
+    from autopar.codegen.model_facts import inspect_model
+    from autopar.codegen.tp_plan import _input_layout_args
+
+    facts = inspect_model(HF_ZOO, {"arch": "bert"})
+    layer = "bert.encoder.layer.0"
+    assert facts.modules[layer].positional_inputs == 3
+    assert _input_layout_args(facts, layer, "Replicate()", "Shard(1)") == (
+        ("input_layouts", "(Replicate(), None, None,)"), ("desired_input_layouts", "(Shard(1), None, None,)"))
+    assert _input_layout_args(facts, "cls", "Shard(1)", "Replicate()")[0] == ("input_layouts", "(Shard(1),)")
+
+
+def test_plan_blocks_pin_chooses_the_stack():
+    """T5's encoder and decoder stacks weigh the same; detection takes the decoder's, and
+    plan.blocks=[encoder.block] makes the encoder's blocks the layers instead (through the
+    driver, as the CLI passes it)."""
+    from omegaconf import OmegaConf
+
+    from autopar.driver import run_profile
+
+    detected = profile_model(load_model_file(HF_ZOO), {"arch": "t5"}, micro_batch_size=1, precision="fp32")
+    assert detected.block_container == "decoder.block"
+    cfg = OmegaConf.create({"model": {"arch": "t5"}, "train": {"micro_batch_size": 1, "precision": "fp32"},
+                            "plan": {"blocks": ["encoder.block"]}})
+    pinned = run_profile(HF_ZOO, cfg)
+    assert pinned.block_container == "encoder.block"
+    assert [layer.name for layer in pinned.blocks] == ["encoder.block.0", "encoder.block.1"]
+    assert "decoder" in [layer.name for layer in pinned.layers]
+
+
+@pytest.mark.parametrize("blocks,words", [
+    (["encoder.blocks"], "plan.blocks: encoder.blocks is not a module of the model; the model's containers are: "
+                         "encoder.block"),
+    (["shared"], "shared is not a ModuleList/ModuleDict/Sequential of 2+ blocks"),
+    (["encoder.block", "decoder.block"], "names 2 stacks"),
+])
+def test_plan_blocks_pin_refuses_what_is_not_one_stack(blocks, words):
+    from autopar.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refusal:
+        profile_model(load_model_file(HF_ZOO), {"arch": "t5"}, micro_batch_size=1, precision="fp32", blocks=blocks)
+    assert words in str(refusal.value)

@@ -1,0 +1,213 @@
+"""The zoo: models autopar did not write, compiled under pinned plans and checked against one process.
+
+A *case* is a model (a model.py and its settings) and a pin (the plan's degrees, everything else
+the planner's). Each case ends in one of four outcomes:
+
+- ``trains``: the generated module trained `STEPS` steps on gloo ranks with the losses and final
+  parameters of the unsharded model on one process (tolerances of tests/dist/test_equivalence.py);
+- ``refused``: profile, plan or code generation refused it with a user error (the reason kept);
+- ``crash``: compile succeeded and the run failed, or compile failed with something other than a
+  user error (an autopar bug either way);
+- ``different``: it ran but trained something else (loss or parameters differ).
+
+Cases of one model and world size share one spawn of ranks; a case that crashes ends the spawn,
+and the cases after it run in a fresh one.
+"""
+from __future__ import annotations
+
+import re
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.codegen import generate
+from autopar.codegen.generate import DEFAULT_OPTIMIZER
+from autopar.config import PlanPins, SolverConfig
+from autopar.errors import UserError
+from autopar.model_file import load_model_file
+from autopar.profile import profile_model
+from autopar.runtime import read_records, run_reference
+from autopar.runtime.generated import import_generated
+from autopar.solver.planner import Planner
+from cost_models.step import TrainSpec
+from cost_models.topology import ClusterConfig, ClusterSpec
+from tests.dist.harness import RankFailure, run_ranks
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+STEPS = 3
+GLOBAL_BATCH = 8
+OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}  # why: see tests/dist/test_equivalence.py
+_FAILED = "zoo case failed: "
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """A model file with the settings it is compiled at."""
+
+    name: str
+    path: Path
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Pinned plan decisions (the rest is searched)."""
+
+    name: str
+    pins: dict[str, Any]
+
+    @property
+    def world_size(self) -> int:
+        p = self.pins
+        return p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
+
+
+def _hf(arch: str, **kwargs: Any) -> ZooModel:
+    return ZooModel(f"hf_{arch}", MODELS_DIR / "hf_zoo.py", {"arch": arch, **kwargs})
+
+
+HF_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3", "phi", "gemma", "gemma2", "gpt2", "gpt_neox",
+            "falcon", "opt", "stablelm", "bloom", "gptj", "olmo", "granite", "qwen2_moe", "deepseek_v3",
+            "llama_labels", "llama_eager", "bert", "roberta", "t5", "vit", "whisper", "clip"]
+MODELS = {m.name: m for m in [
+    *(_hf(arch) for arch in HF_ARCHS),
+    ZooModel("nanogpt", MODELS_DIR / "nanogpt.py"),
+    ZooModel("encdec", MODELS_DIR / "encdec.py"),
+    ZooModel("frozen", MODELS_DIR / "frozen.py"),
+    ZooModel("cnn", EXAMPLES_DIR / "cnn.py", {"width": 8, "blocks": 4, "image": 8}),
+    ZooModel("gpt", EXAMPLES_DIR / "gpt.py", {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}),
+]}
+PINS = {p.name: p for p in [
+    Pin("dp2", dict(dp=2, tp=1, pp=1, cp=1, zero_stage=0)),
+    Pin("zero3", dict(dp=2, tp=1, pp=1, cp=1, zero_stage=3)),
+    Pin("tp2", dict(dp=1, tp=2, pp=1, cp=1)),
+    Pin("pp2", dict(dp=1, tp=1, pp=2, cp=1)),
+    Pin("cp2", dict(dp=1, tp=1, pp=1, cp=2)),
+    Pin("dp2_tp2", dict(dp=2, tp=2, pp=1, cp=1)),
+    Pin("tp2_pp2", dict(dp=1, tp=2, pp=2, cp=1)),
+]}
+
+
+@dataclass
+class Outcome:
+    """What happened to one case."""
+
+    case: str
+    kind: str  # trains | refused | crash | different
+    detail: str = ""
+
+
+@dataclass
+class _Compiled:
+    case: str
+    script: Path
+    log_file: Path
+    final: Path
+
+
+_PROFILES: dict[str, Any] = {}
+
+
+def compile_case(model: ZooModel, pin: Pin, out_dir: Path) -> _Compiled | Outcome:
+    """Profile, plan under the pin and generate, as `autopar compile` does."""
+    case = f"{model.name}-{pin.name}"
+    try:
+        if model.name not in _PROFILES:
+            _PROFILES[model.name] = profile_model(load_model_file(model.path), dict(model.kwargs), 1, "fp32")
+        world = pin.world_size
+        cluster = ClusterSpec.from_config(ClusterConfig(name="zoo_cpu", gpu="cpu", nodes=1, gpus_per_node=world,
+                                                        intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
+        train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
+        planner = Planner(_PROFILES[model.name], cluster, train, SolverConfig(time_limit_s=60, top_k=0),
+                          PlanPins(**pin.pins))
+        plan = planner.run().plan
+        files = generate(plan, model.path, out_dir, optimizer=OPTIMIZER)
+    except UserError as err:
+        return Outcome(case, "refused", " ".join(str(err).split()))
+    except Exception:  # noqa: BLE001 - anything but a user error at compile is a bug to tabulate
+        return Outcome(case, "crash", "at compile: " + traceback.format_exc(limit=-3))
+    return _Compiled(case, files.script, out_dir / "run.jsonl", out_dir / "final.pt")
+
+
+def _run_cases(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> list[str]:
+    torch.set_num_threads(1)
+    for case, script, log_file, final in jobs:
+        module = import_generated(script, "zoo_" + re.sub(r"\W", "_", case))
+        try:
+            module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
+        except BaseException as err:  # noqa: BLE001 - name the case, keep its traceback
+            raise RuntimeError(f"{_FAILED}{case}") from err
+    return [job[0] for job in jobs]
+
+
+def run_compiled(compiled: list[_Compiled], world_size: int) -> dict[str, str]:
+    """Run the compiled cases of one world size; the error text of each case that crashed."""
+    errors: dict[str, str] = {}
+    pending = list(compiled)
+    while pending:
+        jobs = [(c.case, str(c.script), str(c.log_file), str(c.final)) for c in pending]
+        try:
+            run_ranks(_run_cases, world_size, jobs, timeout_s=300)
+            return errors
+        except RankFailure as failure:
+            text = str(failure)
+            named = re.search(re.escape(_FAILED) + r"(\S+)", text)
+            failed = named.group(1) if named else pending[0].case
+            errors[failed] = _last_error(text)
+            index = next(i for i, c in enumerate(pending) if c.case == failed)
+            pending = pending[index + 1:]
+    return errors
+
+
+def _last_error(text: str) -> str:
+    """The innermost exception line of a rank's traceback."""
+    lines = [line for line in text.splitlines()
+             if re.match(r"^[\w.]+(Error|Exception|Failure)\b", line) and _FAILED not in line]
+    return (lines[-1] if lines else text.strip().splitlines()[-1])[:400]
+
+
+def compare(case: str, compiled: _Compiled, reference: Any) -> Outcome:
+    """Losses and final parameters against the one-process run."""
+    if not compiled.final.exists():
+        return Outcome(case, "crash", "the run saved no parameters")
+    losses = [r["loss"] for r in read_records(compiled.log_file)]
+    parameters = torch.load(compiled.final)
+    try:
+        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                                   torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+        missing = sorted(set(reference.parameters) - set(parameters))
+        if missing:
+            raise AssertionError(f"parameters not saved: {missing[:3]}")
+        for name, expected in reference.parameters.items():
+            torch.testing.assert_close(parameters[name], expected, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    except AssertionError as err:
+        return Outcome(case, "different", " ".join(str(err).split())[:300])
+    return Outcome(case, "trains")
+
+
+def run_zoo(cases: list[tuple[str, str]], root: Path) -> dict[str, Outcome]:
+    """Compile, run and compare every (model, pin) case; outcomes by case id."""
+    outcomes: dict[str, Outcome] = {}
+    by_group: dict[tuple[str, int], list[_Compiled]] = {}
+    for model_name, pin_name in cases:
+        model, pin = MODELS[model_name], PINS[pin_name]
+        result = compile_case(model, pin, root / f"{model_name}-{pin_name}")
+        if isinstance(result, Outcome):
+            outcomes[result.case] = result
+        else:
+            by_group.setdefault((model_name, pin.world_size), []).append(result)
+    references: dict[str, Any] = {}
+    for (model_name, world_size), compiled in by_group.items():
+        errors = run_compiled(compiled, world_size)
+        model = MODELS[model_name]
+        if model_name not in references:
+            references[model_name] = run_reference(model.path, model.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER)
+        for item in compiled:
+            outcomes[item.case] = (Outcome(item.case, "crash", "at run: " + errors[item.case])
+                                   if item.case in errors else compare(item.case, item, references[model_name]))
+    return outcomes

@@ -1,0 +1,129 @@
+"""Hugging Face architectures built from their configs at toy size (no weights): one model.py
+for the whole zoo, the architecture chosen by ``model.arch=<name>``.
+
+Each is used the way its model card shows, except that dropout is off (a sharded run draws
+different dropout masks, so no equality with one process could be checked) and causal models'
+targets are shifted in ``example_batch`` (the contract's advice). ``arch=llama_labels`` keeps
+the Hugging Face habit of passing ``labels=`` and letting the model shift them.
+"""
+from __future__ import annotations
+
+import torch
+import transformers as hf
+from torch.nn import functional as F
+
+HIDDEN, HEADS, VOCAB = 32, 4, 64
+
+# Causal language models: (config class, model class, config fields beyond the common ones).
+_CAUSAL = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64, head_dim=8)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64, pad_token_id=0)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=2, intermediate_size=64, head_dim=8)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(num_key_value_heads=2, intermediate_size=64, head_dim=8, sliding_window=8)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=HIDDEN, n_head=HEADS, n_positions=64,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=64)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=False, multi_query=True)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=HIDDEN, max_position_embeddings=64)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(intermediate_size=64, resid_pdrop=0.0, embd_pdrop=0.0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_head=HEADS, n_layer=2)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=HIDDEN, n_head=HEADS, rotary_dim=4, n_positions=64,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=HEADS, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+}
+# Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
+_EAGER_ONLY = {"bloom", "gemma2", "gptj"}
+CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
+OTHER_ARCHS = ["bert", "roberta", "t5", "vit", "whisper", "clip"]
+ARCHS = CAUSAL_ARCHS + OTHER_ARCHS
+
+
+def _common(layers: int, seq_len: int) -> dict:
+    """Fields most configs share; each class ignores the ones it does not know."""
+    return dict(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                max_position_embeddings=max(64, seq_len), use_cache=False, tie_word_embeddings=False,
+                hidden_dropout=0.0, attention_dropout=0.0, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, dropout=0.0, n_layer=layers, bos_token_id=1, eos_token_id=2)
+
+
+def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torch.nn.Module:
+    common = _common(layers, seq_len)
+    name = arch.removesuffix("_labels").removesuffix("_eager")
+    if name in _CAUSAL:
+        config_cls, model_cls, extra = _CAUSAL[name]
+        config = getattr(hf, config_cls)(**{**common, **extra})
+        config._attn_implementation = "eager" if arch.endswith("_eager") or name in _EAGER_ONLY else "sdpa"
+        return getattr(hf, model_cls)(config)
+    if arch in ("bert", "roberta"):
+        config_cls = hf.BertConfig if arch == "bert" else hf.RobertaConfig
+        config = config_cls(**common, intermediate_size=64, pad_token_id=1)
+        return (hf.BertForMaskedLM if arch == "bert" else hf.RobertaForMaskedLM)(config)
+    if arch == "t5":
+        config = hf.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=layers, num_heads=HEADS,
+                             dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
+        return hf.T5ForConditionalGeneration(config)
+    if arch == "vit":
+        config = hf.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
+                              intermediate_size=64, image_size=16, patch_size=4, num_labels=10,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return hf.ViTForImageClassification(config)
+    if arch == "whisper":
+        config = hf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=layers, decoder_layers=layers,
+                                  encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, d_model=HIDDEN,
+                                  encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+                                  max_target_positions=max(64, seq_len), use_cache=False, dropout=0.0,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        return hf.WhisperForConditionalGeneration(config)
+    if arch == "clip":
+        text = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
+                    num_attention_heads=HEADS, max_position_embeddings=max(64, seq_len))
+        vision = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=HEADS,
+                      image_size=16, patch_size=4)
+        return hf.CLIPModel(hf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    raise ValueError(f"unknown arch {arch!r}; one of {', '.join(ARCHS)}")
+
+
+def example_batch(batch_size: int, arch: str = "llama", seq_len: int = 16) -> dict:
+    tokens = torch.randint(3, VOCAB, (batch_size, seq_len + 1))
+    if arch.endswith("_labels"):
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, :-1]}
+    if arch in CAUSAL_ARCHS:
+        return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if arch in ("bert", "roberta"):
+        return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if arch == "t5":
+        return {"input_ids": tokens[:, :-1], "decoder_input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if arch == "vit":
+        return {"pixel_values": torch.randn(batch_size, 3, 16, 16), "targets": torch.randint(0, 10, (batch_size,))}
+    if arch == "whisper":
+        return {"input_features": torch.randn(batch_size, 8, 32), "decoder_input_ids": tokens[:, :-1],
+                "targets": tokens[:, 1:]}
+    if arch == "clip":
+        return {"input_ids": tokens[:, :-1], "pixel_values": torch.randn(batch_size, 3, 16, 16)}
+    raise ValueError(f"unknown arch {arch!r}")
+
+
+def loss_fn(output, batch: dict) -> torch.Tensor:
+    if "labels" in batch:
+        return output.loss
+    if "targets" not in batch:  # CLIP: the symmetric contrastive loss over the batch
+        logits = output.logits_per_text.float()
+        matches = torch.arange(logits.shape[0], device=logits.device)
+        return (F.cross_entropy(logits, matches) + F.cross_entropy(logits.t(), matches)) / 2
+    logits = output.logits.float()
+    return F.cross_entropy(logits.flatten(0, -2), batch["targets"].flatten())

@@ -14,7 +14,7 @@ from cost_models.compute import ComputeModel
 from cost_models.memory import trained_model_states
 from cost_models.step import CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, ParallelLayout, TrainSpec, estimate
 from cost_models.topology import ClusterConfig, ClusterSpec, NodeGroupConfig
-from tests.unit.test_cost_profiles import B, S, gpt, traced
+from tests.profiles import B, S, gpt, traced
 
 GPT_LAYERS = 8  # wte, wpe, 4 blocks, ln_f, lm_head
 

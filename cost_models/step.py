@@ -53,7 +53,8 @@ CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, t
 DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
 BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
-POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.PARAMETER_SERVER)  # run after backward (gradient_sync.py)
+# Run after backward by the generated gradient_sync.py (no overlap with backward).
+POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.HALVING_DOUBLING, Algorithm.PARAMETER_SERVER)
 # Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
 # momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}

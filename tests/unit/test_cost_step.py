@@ -109,6 +109,18 @@ def test_gradient_sync_hides_behind_backward_until_the_network_is_slow():
     assert pinned.time_breakdown["dp_comm"] > 3 * ring.time_breakdown["dp_comm"]
 
 
+def test_halving_doubling_runs_after_backward_so_nothing_hides_it():
+    """At 2 ranks halving-doubling moves what a ring moves (2(n-1)/n of the gradients each way, 2
+    latencies), but the generated exchange (gradient_sync.py) runs after backward, not under it."""
+    profile, train = gpt(), TrainSpec(global_batch_size=16)
+    fast = spec(nodes=2, per_node=1, inter_node_bandwidth_GBps=400)
+    layout = ParallelLayout(dp=2, micro_batch_size=2, num_micro_batches=4)
+    ring = estimate(profile, fast, dataclasses.replace(layout, dp_sync="ring"), train)
+    halving = estimate(profile, fast, dataclasses.replace(layout, dp_sync="halving_doubling"), train)
+    assert halving.dp_sync_algorithm == "halving_doubling"
+    assert halving.time_breakdown["dp_comm"] > 3 * ring.time_breakdown["dp_comm"]  # ring: mostly under backward
+
+
 def test_recomputation_trades_memory_for_time():
     profile = gpt()
     runs = {option: estimate(profile, spec(per_node=1), ParallelLayout(micro_batch_size=2, recompute=option),

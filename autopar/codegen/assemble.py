@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import textwrap
 from importlib import resources
+from typing import Callable
 
 SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "context_parallel",
             "gradient_sync", "optimizer", "checkpoint", "train")
@@ -90,12 +91,13 @@ def banner(title: str) -> str:
     return f"# {'=' * 96}\n# {title}\n# {'=' * 96}\n"
 
 
-def assemble_sections(imports: ImportBlock) -> str:
-    """All sections' code, each under a banner naming its job."""
+def assemble_sections(imports: ImportBlock, transform: Callable[[str], str] = lambda code: code) -> str:
+    """All sections' code, each passed through ``transform`` (see `specialize.fold`) and put
+    under a banner naming its job."""
     parts = []
     for name in SECTIONS:
         summary, code = split_section(section_source(name), imports)
-        parts.append(f"{banner(summary)}\n{code}")
+        parts.append(f"{banner(summary)}\n{transform(code)}")
     return "\n\n".join(parts)
 
 

@@ -260,7 +260,8 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
     decides folded, definitions nothing reaches dropped), under one import block of the names
     it still uses."""
     imports = ImportBlock()
-    sections = assemble_sections(imports)
+    facts_of_plan = plan_facts(plan, layout)
+    sections = assemble_sections(imports, lambda code: fold(code, facts_of_plan))  # section by section: fast
     for module, names in (("torch.distributed.tensor", {"Replicate", "Shard"}),
                           ("torch.distributed.tensor.parallel", {"ColwiseParallel", "RowwiseParallel", "SequenceParallel",
                                                                  "PrepareModuleInput", "PrepareModuleInputOutput",
@@ -274,7 +275,6 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
         sections,
         main_section(),
     )) + "\n"
-    body = fold(body, plan_facts(plan, layout))
     body = drop_empty_sections(prune(body, RUNTIME_API | (PIPELINE_API if plan.pp > 1 else frozenset())))
     used = referenced_names(ast.parse(body))
     head = header(plan, name, model_file, tp, layout, gpus_per_node) + "\n\nfrom __future__ import annotations\n\n"

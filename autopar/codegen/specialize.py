@@ -44,10 +44,18 @@ def fold(source: str, facts: dict[str, bool]) -> str:
     facts = {ast.unparse(ast.parse(test, mode="eval").body): value for test, value in facts.items()}
     while True:
         lines = source.splitlines()
-        edit = _next_edit(ast.parse(source), lines, facts)
-        if edit is None:
+        edits = _edits(ast.parse(source), lines, facts)
+        if not edits:
             return source
-        lines[edit.first - 1:edit.last] = edit.lines
+        # Parsing dominates (a generated module is thousands of lines), so each pass applies every
+        # edit that overlaps no earlier one, bottom-up so line numbers above stay valid; nested
+        # ones wait for the next pass.
+        chosen: list[_Edit] = []
+        for edit in sorted(edits, key=lambda e: (e.first, -e.last)):
+            if not chosen or edit.first > chosen[-1].last:
+                chosen.append(edit)
+        for edit in reversed(chosen):
+            lines[edit.first - 1:edit.last] = edit.lines
         source = "\n".join(lines) + "\n"
 
 
@@ -81,17 +89,21 @@ def _blocks(tree: ast.AST):
                 yield handler, handler.body
 
 
-def _next_edit(tree: ast.Module, lines: list[str], facts: dict[str, bool]) -> _Edit | None:
+def _edits(tree: ast.Module, lines: list[str], facts: dict[str, bool]) -> list[_Edit]:
+    """At most one edit per block (two removals in one block could leave it empty)."""
+    edits = []
     for _, block in _blocks(tree):
-        for index, statement in enumerate(block[:-1]):
-            if isinstance(statement, _EXITS):  # the rest of the block never runs
-                return _Edit(statement.end_lineno + 1, block[-1].end_lineno, [])
-        for statement in block:
+        edit = next((_Edit(statement.end_lineno + 1, block[-1].end_lineno, [])  # the rest never runs
+                     for statement in block[:-1] if isinstance(statement, _EXITS)), None)
+        for statement in block if edit is None else []:
             if isinstance(statement, ast.If) and statement.body[0].lineno > statement.lineno:
                 value = truth(statement.test, facts)
                 if value is not None:
-                    return _fold_if(statement, value, lines, alone=len(block) == 1)
-    return None
+                    edit = _fold_if(statement, value, lines, alone=len(block) == 1)
+                    break
+        if edit is not None:
+            edits.append(edit)
+    return edits
 
 
 def _fold_if(node: ast.If, value: bool, lines: list[str], alone: bool) -> _Edit:

@@ -452,8 +452,8 @@ def parallel_config_source(plan: Plan) -> str:
     """``def parallel_config(plan)``: the ParallelConfig fields this plan sets (the others keep
     their defaults, which this plan's code never reads)."""
     fields = [
-        "dims=ParallelDims(dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, pp=plan[\"pp\"], cp=plan[\"cp\"], tp=plan[\"tp\"],",
-        "                  mesh_order=tuple(plan[\"mesh_order\"])),",
+        'dims=ParallelDims(dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, pp=plan["pp"], cp=plan["cp"], tp=plan["tp"],',
+        '                  mesh_order=tuple(plan["mesh_order"])),',
         'zero_stage=plan["zero_stage"],',
         'stages=plan["stages"],',
         'recompute=plan["recompute"],',

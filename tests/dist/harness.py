@@ -4,8 +4,9 @@
 
 The function must be importable (defined at module level) because ranks are spawned fresh.
 Ranks meet through a file store in a fresh temporary folder (``file://`` init method), so two
-runs at once never race for a TCP port. When any rank raises, the others are stopped and `RankFailure` carries the failing rank's
-traceback, so a test failure shows the real error instead of a hung or silent process group.
+runs at once never race for a TCP port. When any rank raises, the others are stopped and
+`RankFailure` carries the failing rank's traceback, so a test failure shows the real error
+instead of a hung or silent process group.
 """
 from __future__ import annotations
 

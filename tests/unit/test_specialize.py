@@ -60,7 +60,8 @@ def test_decided_branches_are_folded_and_what_nothing_reaches_is_dropped():
 
 def test_the_branch_taken_keeps_its_body_and_code_after_a_return_goes():
     folded = fold(SOURCE, {"config.pp_enabled": True})
-    assert folded.splitlines()[2:4] == ["    # Pipelines build their stages elsewhere.", "    return setup_pipeline(config)"]
+    assert folded.splitlines()[2:4] == ["    # Pipelines build their stages elsewhere.",
+                                        "    return setup_pipeline(config)"]
     assert "plain()" not in folded.split("def setup_pipeline")[0]  # after the return: never runs
     assert "if not config.cp_enabled" not in folded
 

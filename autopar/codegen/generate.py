@@ -21,6 +21,7 @@ from autopar.codegen.model_facts import ModelFacts, inspect_model
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
+from cost_models.mesh import Mesh
 
 DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -188,9 +189,7 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
     notes: list[str] = []
     dp_shard = 1 if plan.zero_stage <= 1 else plan.dp
     if plan.hybrid_shard and plan.zero_stage >= 2:
-        order = list(plan.mesh_order)
-        inner = math.prod(plan.degree(axis) for axis in order[:order.index("dp")])
-        dp_per_node = max(1, gpus_per_node // inner)
+        dp_per_node = max(1, gpus_per_node // Mesh.of(plan).stride("dp"))
         dp_shard = math.gcd(plan.dp, dp_per_node)
         notes.append(f"hybrid sharding: ZeRO-{plan.zero_stage} within groups of {dp_shard} data-parallel ranks "
                      f"(one node), replicated {plan.dp // dp_shard}x across nodes")

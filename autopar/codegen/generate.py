@@ -9,6 +9,7 @@ torch and the user's model.py only.
 from __future__ import annotations
 
 import ast
+import json
 import math
 import pprint
 import shutil
@@ -25,6 +26,7 @@ from autopar.codegen.specialize import fold, prune, referenced_names
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
+from cost_models.mesh import Mesh
 
 DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -196,9 +198,7 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
     notes: list[str] = []
     dp_shard = 1 if plan.zero_stage <= 1 else plan.dp
     if plan.hybrid_shard and plan.zero_stage >= 2:
-        order = list(plan.mesh_order)
-        inner = math.prod(plan.degree(axis) for axis in order[:order.index("dp")])
-        dp_per_node = max(1, gpus_per_node // inner)
+        dp_per_node = max(1, gpus_per_node // Mesh.of(plan).stride("dp"))
         dp_shard = math.gcd(plan.dp, dp_per_node)
         notes.append(f"hybrid sharding: ZeRO-{plan.zero_stage} within groups of {dp_shard} data-parallel ranks "
                      f"(one node), replicated {plan.dp // dp_shard}x across nodes")
@@ -362,22 +362,18 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
 
 
 def runtime_plan(plan: Plan) -> dict[str, Any]:
-    """What the generated runtime reads of the plan (parallel_config, train_config); the rest
-    (predictions, solver statistics, TP styles as priced, provenance) stays in plan.json."""
-    data: dict[str, Any] = {"tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "mesh_order": list(plan.mesh_order),
-                            "zero_stage": plan.zero_stage, "stages": [list(stage) for stage in plan.stages],
-                            "recompute": {k: v for k, v in plan.recompute.items() if v != "none"}}
-    if plan.pp > 1:
-        data["schedule"] = plan.schedule
-    if plan.cp > 1:
-        data["cp_strategy"] = plan.cp_strategy
-    data["dp_sync"] = plan.dp_sync
-    if custom_gradient_sync(plan):
-        data["dp_bucket_bytes"] = plan.dp_bucket_bytes
-    data.update(global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
-                num_micro_batches=plan.num_micro_batches, precision=plan.precision)
-    if plan.dp_shares:
-        data["dp_shares"] = list(plan.dp_shares)
+    """What the generated runtime reads of the plan (parallel_config, train_config), as plan.json
+    writes it (plain values, no enums); the rest (predictions, solver statistics, TP styles as
+    priced, provenance) stays in plan.json."""
+    written = json.loads(plan.to_json())
+    keys = ["tp", "pp", "cp", "mesh_order", "zero_stage", "stages", "recompute"]
+    keys += ["schedule"] if plan.pp > 1 else []
+    keys += ["cp_strategy"] if plan.cp > 1 else []
+    keys += ["dp_sync"] + (["dp_bucket_bytes"] if custom_gradient_sync(plan) else [])
+    keys += ["global_batch_size", "micro_batch_size", "num_micro_batches", "precision"]
+    keys += ["dp_shares"] if plan.dp_shares else []
+    data = {key: written[key] for key in keys}
+    data["recompute"] = {layer: mode for layer, mode in data["recompute"].items() if mode != "none"}
     return data
 
 

@@ -51,9 +51,9 @@ def error_pct(predicted: float, measured: float) -> float:
 
 
 def pp_rank_of(plan: Any, rank: int) -> int:
-    from cost_models.step import mesh_strides
+    from cost_models.mesh import Mesh
 
-    return (rank // mesh_strides(plan)["pp"]) % plan.pp
+    return Mesh.of(plan).coordinate(rank, "pp")
 
 
 def predicted_for(plan: Any, estimate: dict[str, Any], pp_rank: int) -> dict[str, float]:

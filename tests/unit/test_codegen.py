@@ -267,3 +267,13 @@ def test_specialised_module_defines_what_it_uses_and_its_facts_hold(case, tmp_pa
     sync = {"hierarchical": "HierarchicalSync", "ps": "ParameterServer", "halving_doubling": "HalvingDoublingSync"}
     assert {name for name in sync.values() if f"{name}(" in source} == (
         {sync[plan.dp_sync]} if plan.dp_sync in sync else set())
+
+
+def test_the_runtime_generates_the_exchanges_the_registry_says_it_does():
+    """The generated file cannot import the registry, so its list of dp_sync values that
+    gradient_sync.py runs is its own: it must be the registry's."""
+    from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS
+    from cost_models.techniques import Family, entries
+
+    registry = {str(t.value) for t in entries(Family.DP_SYNC) if (t.runtime or "").startswith("gradient_sync.")}
+    assert registry == set(GRADIENT_SYNC_ALGORITHMS)

@@ -5,38 +5,24 @@ solving again; `provenance` records what it was made from (model file hash, clus
 so a stale plan is detected.
 
 Mesh axes are named by `MeshAxis` and listed innermost (fastest links) to outermost in
-`mesh_order`; rank r's coordinate on each axis follows from reshaping range(world_size) to the
-mesh shape in that order (see `rank_grid`).
+`mesh_order`; where each rank sits is `cost_models.mesh.Mesh`'s arithmetic. The vocabulary
+(`MeshAxis`, `Schedule`, `Recompute`, `ZeroStage`, `DPSync`, `CPStrategy`) is the cost model's
+(`cost_models.layout`), so the search, the pricer, this file and codegen spell a choice one way;
+`layout()` gives the frozen `ParallelLayout` the pricer reads.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable
+from cost_models.layout import CPStrategy, DPSync, MeshAxis, ParallelLayout, Recompute, Schedule, ZeroStage
+from cost_models.mesh import Mesh
 
-
-class MeshAxis(StrEnum):
-    TP = "tp"
-    CP = "cp"
-    PP = "pp"
-    DP = "dp"
-
-
-class Schedule(StrEnum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved_1f1b"
-
-
-class Recompute(StrEnum):
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
-
+__all__ = ["Plan", "Predicted", "SolverInfo", "Provenance", "MeshAxis", "Schedule", "Recompute", "ZeroStage",
+           "DPSync", "CPStrategy", "TP_STYLES", "software_versions"]
 
 # What `tp_styles` may say of a module (the operator-wise ILP's `Style` values).
 TP_STYLES = ("replicate", "colwise", "rowwise", "vocab_parallel", "hidden_parallel")
@@ -166,18 +152,32 @@ class Plan:
     def degree(self, axis: str) -> int:
         return getattr(self, MeshAxis(axis).value)
 
+    def mesh(self) -> Mesh:
+        return Mesh.of(self)
+
     def mesh_shape(self) -> tuple[int, ...]:
         """Mesh shape outermost first (DeviceMesh order), e.g. (dp, pp, cp, tp)."""
-        return tuple(self.degree(axis) for axis in reversed(self.mesh_order))
+        return self.mesh().shape()
 
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return tuple(reversed(self.mesh_order))
+        return self.mesh().dim_names()
 
     def rank_grid(self) -> list:
         """Nested lists of ranks in DeviceMesh order: rank r sits at its mesh coordinate."""
-        import torch
+        return self.mesh().rank_grid()
 
-        return torch.arange(self.world_size).reshape(self.mesh_shape()).tolist()
+    def layout(self) -> ParallelLayout:
+        """The frozen layout the cost model prices (the same decisions, as enums)."""
+        from cost_models.techniques import pinnable_sync
+
+        return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, mesh_order=tuple(self.mesh_order),
+                              zero_stage=self.zero_stage, hybrid_shard=self.hybrid_shard,
+                              micro_batch_size=self.micro_batch_size, num_micro_batches=self.num_micro_batches,
+                              schedule=self.schedule, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
+                              cp_strategy=self.cp_strategy, dp_sync=pinnable_sync(self.dp_sync),
+                              dp_shares=tuple(self.dp_shares),
+                              stages=tuple(tuple(stage) for stage in self.stages),
+                              recompute=dict(self.recompute) or Recompute.NONE)
 
     def summary(self) -> str:
         """One line: degrees, ZeRO, micro-batching, schedule, SP/CP, recomputation."""
@@ -204,10 +204,7 @@ class Plan:
                  if not isinstance(self.degree(axis), int) or self.degree(axis) < 1]
         if sorted(self.mesh_order) != sorted(a.value for a in MeshAxis):
             found.append(f"mesh_order {list(self.mesh_order)} must order exactly the axes tp, cp, pp, dp")
-        if self.zero_stage not in (0, 1, 2, 3):
-            found.append(f"zero_stage={self.zero_stage!r} is not 0-3")
-        if self.schedule not in {s.value for s in Schedule}:
-            found.append(f"schedule '{self.schedule}' is not one of {', '.join(s.value for s in Schedule)}")
+        found += self._technique_problems()
         for name in ("micro_batch_size", "num_micro_batches", "chunks", "global_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 found.append(f"{name}={getattr(self, name)!r} is not a positive integer")
@@ -217,6 +214,18 @@ class Plan:
             found.append(f"dp × micro_batch_size × num_micro_batches = {self.dp}×{self.micro_batch_size}×"
                          f"{self.num_micro_batches} is not the global batch {self.global_batch_size}")
         found += self._layer_problems()
+        return found
+
+    def _technique_problems(self) -> list[str]:
+        """Values the technique registry does not know or the generated code does not run."""
+        from cost_models.techniques import Family, chosen
+
+        found = []
+        for family in Family:
+            try:
+                chosen(family, getattr(self, family.value))
+            except ValueError as error:
+                found.append(str(error))
         return found
 
     def _layer_problems(self) -> list[str]:

@@ -130,7 +130,7 @@ def measure_faked_rank(folder: Path) -> dict:
     """Rank 0 of an N-GPU plan on this GPU, the other ranks faked."""
     import torch
 
-    from autopar.codegen.sections.measure import cuda_peak
+    from autopar.runtime.measure import cuda_peak
 
     plan = json.loads((folder / "plan.json").read_text())
     records = train_faked_rank(folder, STEPS)

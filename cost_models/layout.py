@@ -1,18 +1,84 @@
-"""The plan as the cost model sees it (`ParallelLayout`), the training settings (`TrainSpec`), and
-the checks that turn a layout that cannot run into a clear ValueError before it is priced."""
+"""The plan's vocabulary and its frozen layout: the enums every stage speaks (mesh axes, pipeline
+schedule, recomputation, ZeRO stage, gradient synchronisation, context-parallel strategy), the
+plan as the cost model sees it (`ParallelLayout`), the training settings (`TrainSpec`), and the
+checks that turn a layout that cannot run into a clear ValueError before it is priced.
+
+The enums are `StrEnum` / `IntEnum`, so a member equals its spelling in a plan file or a Hydra
+override ("1f1b", 2) and serialises as it. Which values can be chosen (searched or pinned) is the
+technique registry's (`cost_models.techniques`): a value with no runtime is refused there.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import IntEnum, StrEnum
 from typing import Any
 
 from cost_models.memory import OPTIMIZERS, RECOMPUTE_OPTIONS
 from cost_models.topology import ClusterSpec
 
-AXES = ("tp", "cp", "pp", "dp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-CP_STRATEGIES = ("ulysses", "ring")
-DP_SYNC = ("auto", "ring", "tree", "hierarchical", "ps", "halving_doubling")
+
+class MeshAxis(StrEnum):
+    """A DeviceMesh axis (torchtitan's vocabulary: *axis* for the mesh, *dim* for a tensor)."""
+
+    TP = "tp"
+    CP = "cp"
+    PP = "pp"
+    DP = "dp"
+
+
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class Recompute(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class ZeroStage(IntEnum):
+    """What ZeRO shards over the gradient (data- x context-parallel) group."""
+
+    NONE = 0  # replicated states (DDP)
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3  # FSDP
+
+
+class DPSync(StrEnum):
+    """Gradient synchronisation of ZeRO-0/1 (AUTO: the cheapest, chosen by the pricer)."""
+
+    AUTO = "auto"
+    RING = "ring"
+    TREE = "tree"
+    HIERARCHICAL = "hierarchical"
+    PS = "ps"
+    HALVING_DOUBLING = "halving_doubling"  # recursive halving-doubling (gradient_sync.py)
+    # What a plan file records where no algorithm was chosen: FSDP's reduce-scatter (ZeRO-2/3,
+    # context parallelism) or nothing to synchronise (one gradient replica). Not pinnable.
+    REDUCE_SCATTER = "reduce_scatter"
+    NONE = "none"
+
+
+class CPStrategy(StrEnum):
+    ULYSSES = "ulysses"  # all-to-all of heads (Jacobs et al. 2023)
+    RING = "ring"  # K/V passed around the ring (Liu et al. 2023)
+
+
+AXES = tuple(a.value for a in MeshAxis)
+SCHEDULES = tuple(s.value for s in Schedule)
+CP_STRATEGIES = tuple(s.value for s in CPStrategy)
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class FrozenDict(dict):
+    """A dict that hashes by its items, so a layout holding one can key a cache. Built once by
+    `ParallelLayout`; nothing mutates it afterwards."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
 
 
 @dataclass(frozen=True)
@@ -32,7 +98,8 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A plan as the cost model sees it (autopar.plan.Plan carries the same fields).
+    """A plan as the cost model sees it (autopar.plan.Plan carries the same fields); frozen and
+    hashable, so the pricer's caches are keyed by (projections of) the layout itself.
 
     Attributes:
         dp, tp, pp, cp: data-, tensor-, pipeline- and context-parallel degrees.
@@ -48,8 +115,8 @@ class ParallelLayout:
         recompute: none | selective | full for every layer, or {layer name: option}.
         sequence_parallel: split the TP-replicated activations along the sequence too.
         cp_strategy: ulysses (all-to-all of heads) or ring (K/V passed around).
-        dp_sync: gradient all-reduce algorithm: auto (the cheapest), ring, tree, hierarchical,
-            ps (parameter server) or halving_doubling.
+        dp_sync: gradient all-reduce algorithm: auto (the cheapest), ring, tree, hierarchical
+            or ps (parameter server); see the technique registry.
         dp_shares: samples per micro-batch of each data-parallel rank when they differ (uneven
             shares for mixed GPU types; they sum to dp x micro_batch_size); empty: even.
     """
@@ -59,18 +126,47 @@ class ParallelLayout:
     pp: int = 1
     cp: int = 1
     mesh_order: tuple[str, ...] = AXES
-    zero_stage: int = 0
+    zero_stage: int = ZeroStage.NONE
     hybrid_shard: bool = False
     micro_batch_size: int = 1
     num_micro_batches: int = 1
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     chunks: int = 1
     sequence_parallel: bool = False
-    cp_strategy: str = "ulysses"
-    dp_sync: str = "auto"
+    cp_strategy: str = CPStrategy.ULYSSES
+    dp_sync: str = DPSync.AUTO
     dp_shares: tuple[int, ...] = ()
-    stages: tuple[tuple[str, ...], ...] | list[list[str]] = ()
-    recompute: Any = "none"
+    stages: tuple[tuple[str, ...], ...] = ()
+    recompute: Any = Recompute.NONE
+
+    def __post_init__(self) -> None:
+        # Callers pass lists, dicts and plain strings (plan files, Hydra); the layout keeps
+        # tuples, a FrozenDict and enum members. A value no enum knows is kept as given, for
+        # `validate_layout` to name it.
+        def member(enum: type, value: Any) -> Any:
+            try:
+                return enum(value)
+            except (ValueError, TypeError):
+                return value
+
+        set_ = object.__setattr__
+        set_(self, "mesh_order", tuple(member(MeshAxis, a) for a in self.mesh_order))
+        set_(self, "zero_stage", member(ZeroStage, self.zero_stage))
+        set_(self, "schedule", member(Schedule, self.schedule))
+        set_(self, "cp_strategy", member(CPStrategy, self.cp_strategy))
+        set_(self, "dp_sync", member(DPSync, self.dp_sync or DPSync.AUTO))
+        set_(self, "dp_shares", tuple(self.dp_shares or ()))
+        set_(self, "stages", tuple(tuple(stage) for stage in self.stages or ()))
+        recompute = self.recompute
+        set_(self, "recompute", FrozenDict({k: member(Recompute, v) for k, v in recompute.items()})
+             if isinstance(recompute, dict) else member(Recompute, recompute))
+
+    def projected(self, *names: str) -> "ParallelLayout":
+        """This layout with every field but `names` at its default: the cache key of a price that
+        reads only those fields, so layouts differing elsewhere (schedule, chunks, ...) share it.
+        The fields a price reads are named once, beside its computation, as a frozen value
+        rather than a tuple assembled by hand at each lookup."""
+        return ParallelLayout(**{f.name: getattr(self, f.name) for f in fields(self) if f.name in names})
 
     @property
     def world_size(self) -> int:
@@ -119,37 +215,17 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
                          f"one sample and sum to dp x micro_batch_size = {layout.dp * layout.micro_batch_size}")
     if shares and layout.pp > 1:
         raise ValueError("uneven data-parallel shares need pp=1 (each pipeline replica would run another schedule)")
-    if layout.schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule '{layout.schedule}': use {', '.join(SCHEDULES)}")
     if layout.chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {layout.chunks}")
-    if layout.chunks > 1:
-        if layout.schedule != "interleaved_1f1b":
-            raise ValueError("chunks > 1 needs schedule=interleaved_1f1b")
-        if layout.pp == 1:
-            raise ValueError("interleaving model chunks needs pp > 1")
-        if layout.num_micro_batches % layout.pp:
-            raise ValueError(f"the interleaved schedule needs micro-batches ({layout.num_micro_batches}) in "
-                             f"multiples of pp ({layout.pp})")
     if layout.pp * layout.chunks > num_layers:
         raise ValueError(f"{num_layers} layers cannot fill pp {layout.pp} × chunks {layout.chunks} stages")
-    if layout.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0-3, got {layout.zero_stage}")
-    if layout.hybrid_shard and layout.zero_stage == 0:
-        raise ValueError("hybrid_shard needs zero_stage >= 1 (there is nothing to shard)")
-    if layout.cp_strategy not in CP_STRATEGIES:
-        raise ValueError(f"unknown cp_strategy '{layout.cp_strategy}': use {', '.join(CP_STRATEGIES)}")
-    if getattr(layout, "dp_sync", "auto") not in DP_SYNC:
-        raise ValueError(f"unknown dp_sync '{layout.dp_sync}': use {', '.join(DP_SYNC)}")
-    if layout.cp > 1 and tokens_per_sample:
-        # Ring attention's load-balanced causal split cuts each sequence into 2·cp chunks.
-        chunks = 2 * layout.cp if layout.cp_strategy == "ring" else layout.cp
-        if tokens_per_sample % chunks:
-            raise ValueError(f"sequence length {tokens_per_sample} is not divisible into {chunks} chunks for "
-                             f"cp={layout.cp} ({layout.cp_strategy})")
-    if layout.cp > 1 and layout.cp_strategy == "ulysses" and heads and heads % (layout.tp * layout.cp):
-        raise ValueError(f"Ulysses needs the {heads} attention heads divisible by tp×cp = {layout.tp * layout.cp}; "
-                         "use cp_strategy=ring")
+    # Each technique's own conditions, from its registry entry (unknown or runtime-less values
+    # are refused there with the values that can be chosen).
+    from cost_models.techniques import LayoutFacts, problems
+
+    found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample))
+    if found:
+        raise ValueError(found[0])
     _validate_recompute(layout.recompute, names, recompute_options)
     if layout.stages and names is not None:
         _validate_stages(layout, names)

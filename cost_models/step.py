@@ -37,6 +37,7 @@ from cost_models.collectives import Algorithm, Collective, CollectiveCost, best_
 from cost_models.compute import ComputeModel, LayerCompute
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.layout import ParallelLayout, TrainSpec, validate_layout, validate_train
+from cost_models.mesh import Mesh
 from cost_models.memory import (RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, activations_from_fraction,
                                 layer_activations, state_bytes_per_param, trained_model_states)
 from cost_models.pipeline import Partition, PartitionProblem, evaluate, in_flight_micro_batches
@@ -53,7 +54,8 @@ CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, t
 DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
 BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
-POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.PARAMETER_SERVER)  # run after backward (gradient_sync.py)
+# Run after backward by the generated gradient_sync.py (no overlap with backward).
+POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.HALVING_DOUBLING, Algorithm.PARAMETER_SERVER)
 # Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
 # momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
@@ -140,24 +142,6 @@ def exposed_s(comm_s: float, compute_s: float) -> float:
     fit under the compute, plus OVERLAP_INTERFERENCE of what does (communication kernels take
     SMs and memory bandwidth from the overlapped computation)."""
     return max(0.0, comm_s - compute_s) + OVERLAP_INTERFERENCE * min(comm_s, compute_s)
-
-
-def mesh_strides(layout: Any) -> dict[str, int]:
-    """Rank stride of each mesh axis (innermost axis stride 1)."""
-    strides, stride = {}, 1
-    for axis in layout.mesh_order:
-        strides[axis] = stride
-        stride *= layout.degree(axis)
-    return strides
-
-
-def group_ranks(layout: Any, axes: tuple[str, ...]) -> list[int]:
-    """Ranks of the group through rank 0 spanned by `axes`."""
-    strides = mesh_strides(layout)
-    ranks = [0]
-    for axis in axes:
-        ranks = [r + i * strides[axis] for r in ranks for i in range(layout.degree(axis))]
-    return sorted(ranks)
 
 
 # -- the module-level entry point ---------------------------------------------------------------
@@ -257,7 +241,7 @@ class PlanPricer:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         key = (axes, tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
         if key not in self._placements:
-            self._placements[key] = self.cluster.group_links(group_ranks(layout, axes))
+            self._placements[key] = self.cluster.group_links(Mesh.of(layout).group_ranks(axes))
         return self._placements[key]
 
     def grad_group(self, layout: Any) -> GroupPlacement:
@@ -277,7 +261,7 @@ class PlanPricer:
             return self.grad_group(layout)
         key = ("shard", tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
         if key not in self._placements:
-            ranks = group_ranks(layout, ("dp", "cp"))
+            ranks = Mesh.of(layout).group_ranks(("dp", "cp"))
             self._placements[key] = self.cluster.group_links(
                 [r for r in ranks if r // self.cluster.gpus_per_node == 0])
         return self._placements[key]
@@ -287,7 +271,7 @@ class PlanPricer:
         key = ("replica", tuple(layout.mesh_order), layout.tp, layout.cp, layout.pp, layout.dp)
         if key not in self._placements:
             firsts: dict[int, int] = {}
-            for rank in group_ranks(layout, ("dp", "cp")):
+            for rank in Mesh.of(layout).group_ranks(("dp", "cp")):
                 firsts.setdefault(rank // self.cluster.gpus_per_node, rank)
             self._placements[key] = self.cluster.group_links(sorted(firsts.values()))
         return self._placements[key]
@@ -300,10 +284,10 @@ class PlanPricer:
             # No need to walk every rank (16,384 of them at frontier scale).
             self._rank_gpus[key] = [[self.cluster.node_gpus[0]] for _ in range(layout.pp)]
         if key not in self._rank_gpus:
-            strides = mesh_strides(layout)
+            mesh = Mesh.of(layout)
             groups: list[list[GPUSpec]] = [[] for _ in range(layout.pp)]
             for rank in range(layout.world_size):
-                groups[(rank // strides["pp"]) % layout.pp].append(self.cluster.gpu_of_rank(rank))
+                groups[mesh.coordinate(rank, "pp")].append(self.cluster.gpu_of_rank(rank))
             self._rank_gpus[key] = groups
         return self._rank_gpus[key]
 
@@ -560,8 +544,7 @@ class PlanPricer:
 
     def dp_rank_gpus(self, layout: Any) -> list[GPUSpec]:
         """GPU type of each data-parallel rank (its first rank: TP groups are one type)."""
-        stride = mesh_strides(layout)["dp"]
-        return [self.cluster.gpu_of_rank(r * stride) for r in range(layout.dp)]
+        return [self.cluster.gpu_of_rank(r) for r in Mesh.of(layout).group_ranks("dp")]
 
     def dp_shares(self, layout: Any, total: dict[str, float] | None = None) -> tuple[int, ...]:
         """Samples per micro-batch of each data-parallel rank: the layout's own, or, when its
@@ -586,13 +569,8 @@ class PlanPricer:
         """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
         if self._homogeneous:
             return True
-        strides = mesh_strides(layout)
-        for rank in range(layout.world_size):
-            if (rank // strides["tp"]) % layout.tp == 0:
-                types = {self.cluster.gpu_of_rank(rank + i * strides["tp"]).name for i in range(layout.tp)}
-                if len(types) > 1:
-                    return False
-        return True
+        return all(len({self.cluster.gpu_of_rank(rank).name for rank in group}) == 1
+                   for group in Mesh.of(layout).groups("tp"))
 
     def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, option: str,
                          gpu: GPUSpec) -> dict[str, float]:

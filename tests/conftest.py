@@ -1,4 +1,4 @@
-"""Shared fixtures: paths of the example models and small traced profiles reused across tests."""
+"""Shared fixtures (paths of the example models) and the markers each test folder implies."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,3 +19,11 @@ def write_model_file(tmp_path: Path, source: str, name: str = "model.py") -> Pat
     path = tmp_path / name
     path.write_text(source)
     return path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test by its folder: tests/unit -> unit, tests/dist -> dist."""
+    for item in items:
+        folder = Path(item.fspath).parent.name
+        if folder in ("unit", "dist"):
+            item.add_marker(getattr(pytest.mark, folder))

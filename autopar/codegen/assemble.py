@@ -1,15 +1,18 @@
 """Concatenate the runtime sections into one module: merged imports, then each section's code.
 
 Imports from ``autopar.codegen.sections`` are dropped (every section shares the generated
-file's namespace); the rest are merged per module so the file has one import block.
+file's namespace); the rest are merged per module so the file has one import block, which
+keeps only the names the finished module uses (see `ImportBlock.source`).
 """
 from __future__ import annotations
 
 import ast
+import textwrap
 from importlib import resources
+from typing import Callable
 
 SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "context_parallel",
-            "gradient_sync", "optimizer", "checkpoint", "measure", "train")
+            "gradient_sync", "optimizer", "checkpoint", "train")
 _INTERNAL = "autopar"
 
 
@@ -35,23 +38,35 @@ class ImportBlock:
         for alias in node.names:
             names.add(alias.name if alias.asname is None else f"{alias.name} as {alias.asname}")
 
-    def source(self) -> str:
-        stdlib = sorted(p for p in self.plain if not p.startswith("torch"))
-        torch_plain = sorted(p for p in self.plain if p.startswith("torch"))
+    def source(self, used: set[str] | None = None) -> str:
+        """The import lines; with ``used``, only imports binding one of those names."""
+        def wanted(name: str) -> bool:
+            bound = name.split(" as ")[-1] if " as " in name else name.split(".")[0]
+            return used is None or bound in used
+
+        plain = {p for p in self.plain if wanted(p)}
+        plain -= {p.split(".")[0] for p in plain if "." in p and " as " not in p}  # `import a.b` binds a too
+        from_names = {m: {n for n in names if wanted(n)} for m, names in self.from_names.items()}
+        from_names = {m: names for m, names in from_names.items() if names}
+        stdlib = sorted(p for p in plain if not p.startswith("torch"))
+        torch_plain = sorted(p for p in plain if p.startswith("torch"))
         lines = [f"import {p}" for p in stdlib]
-        lines += [_from_line(m, n) for m, n in sorted(self.from_names.items()) if not m.startswith("torch")]
+        lines += [_from_line(m, n) for m, n in sorted(from_names.items()) if not m.startswith("torch")]
         lines.append("")
         lines += [f"import {p}" for p in torch_plain]
-        lines += [_from_line(m, n) for m, n in sorted(self.from_names.items()) if m.startswith("torch")]
+        lines += [_from_line(m, n) for m, n in sorted(from_names.items()) if m.startswith("torch")]
         return "\n".join(lines).strip("\n") + "\n"
 
 
 def _from_line(module: str, names: set[str]) -> str:
+    """``from module import a, b``, wrapped in parentheses at 110 columns as the sections write it."""
     joined = ", ".join(sorted(names))
     line = f"from {module} import {joined}"
     if len(line) <= 110:
         return line
-    return f"from {module} import (\n    " + ",\n    ".join(sorted(names)) + ",\n)"
+    head = f"from {module} import ("
+    return "\n".join(textwrap.wrap(joined + ")", width=110, initial_indent=head, subsequent_indent=" " * len(head),
+                                   break_on_hyphens=False, break_long_words=False))
 
 
 def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
@@ -72,10 +87,29 @@ def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
     return summary, "\n".join(lines).strip("\n") + "\n"
 
 
-def assemble_sections(imports: ImportBlock) -> str:
-    """All sections' code, each under a banner naming its job."""
+def banner(title: str) -> str:
+    return f"# {'=' * 96}\n# {title}\n# {'=' * 96}\n"
+
+
+def assemble_sections(imports: ImportBlock, transform: Callable[[str], str] = lambda code: code) -> str:
+    """All sections' code, each passed through ``transform`` (see `specialize.fold`) and put
+    under a banner naming its job."""
     parts = []
     for name in SECTIONS:
         summary, code = split_section(section_source(name), imports)
-        parts.append(f"# {'=' * 96}\n# {summary}\n# {'=' * 96}\n\n{code}")
+        parts.append(f"{banner(summary)}\n{transform(code)}")
     return "\n\n".join(parts)
+
+
+def drop_empty_sections(source: str) -> str:
+    """``source`` without banners that no code follows before the next banner (a section the
+    plan does not use, once specialised)."""
+    rule = f"# {'=' * 96}"
+    lines = source.splitlines()
+    starts = [i for i in range(len(lines) - 2) if lines[i] == rule and lines[i + 2] == rule]
+    empty = set()
+    for index, start in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else len(lines)
+        if not any(line.strip() for line in lines[start + 3:end]):
+            empty.update(range(start, end))
+    return "\n".join(line for i, line in enumerate(lines) if i not in empty) + "\n"

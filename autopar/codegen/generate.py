@@ -1,12 +1,15 @@
 """Plan -> ``parallel_<model>.py`` (+ launch.sh, sbatch.sh, plan.json, a copy of model.py).
 
-The generated module is the plan made concrete: the plan itself as data, the plan-specific
-tensor-parallel styles as code, and the runtime sections (mesh, TP, recomputation, pipeline,
-ZeRO/FSDP, optimizer, checkpoints, training loop) a user can read and edit. It imports torch and the
-user's model.py only.
+The generated module is the plan made concrete: what the runtime reads of the plan as data, the
+plan-specific tensor-parallel styles as code, and the runtime sections (mesh, TP, recomputation,
+pipeline, ZeRO/FSDP, optimizer, checkpoints, training loop) a user can read and edit, specialised
+to the plan (`specialize`): a section or branch the plan never runs is left out. It imports
+torch and the user's model.py only.
 """
 from __future__ import annotations
 
+import ast
+import json
 import math
 import pprint
 import shutil
@@ -14,13 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopar.codegen.assemble import ImportBlock, assemble_sections
+from autopar.codegen.assemble import ImportBlock, assemble_sections, banner, drop_empty_sections
 from autopar.codegen.errors import CodegenError
 from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
+from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
+from autopar.codegen.specialize import fold, prune, referenced_names
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
+from cost_models.mesh import Mesh
 
 DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -105,6 +111,10 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
     """Refuse plans the generated code cannot run, with the reason and the fix."""
     if plan.cp > 1:
         check_context_parallel(plan, facts)
+    if plan.dp_sync in GRADIENT_SYNC_ALGORITHMS and plan.dp > 1 and (plan.zero_stage > 1 or plan.cp > 1):
+        raise CodegenError(f"dp_sync={plan.dp_sync} averages whole gradients after backward, which ZeRO-"
+                           f"{plan.zero_stage} with cp={plan.cp} shards.", "re-plan (the planner offers it with "
+                           "ZeRO-0/1 and cp=1 only), or pin plan.zero_stage=0 and plan.cp=1.")
     if plan.dp_sync == "ps" and plan.zero_stage != 0:
         raise CodegenError(f"a parameter server holds the whole optimizer, which ZeRO-{plan.zero_stage} shards.",
                            "re-plan (the planner offers ps with ZeRO-0 only) or pin plan.zero_stage=0.")
@@ -188,9 +198,7 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
     notes: list[str] = []
     dp_shard = 1 if plan.zero_stage <= 1 else plan.dp
     if plan.hybrid_shard and plan.zero_stage >= 2:
-        order = list(plan.mesh_order)
-        inner = math.prod(plan.degree(axis) for axis in order[:order.index("dp")])
-        dp_per_node = max(1, gpus_per_node // inner)
+        dp_per_node = max(1, gpus_per_node // Mesh.of(plan).stride("dp"))
         dp_shard = math.gcd(plan.dp, dp_per_node)
         notes.append(f"hybrid sharding: ZeRO-{plan.zero_stage} within groups of {dp_shard} data-parallel ranks "
                      f"(one node), replicated {plan.dp // dp_shard}x across nodes")
@@ -209,12 +217,51 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
                   notes=notes)
 
 
+# What autopar's own tools call on a generated module (runtime/fake_memory.py, the tests and
+# benchmarks), beyond what main() reaches: pruning keeps them.
+RUNTIME_API = frozenset({"main", "parse_args", "train", "train_config", "parallel_config", "setup", "parallelize",
+                         "train_step", "local_batch", "attention_context", "global_loss", "slice_batch",
+                         "model_inputs", "build_model", "load_model_file", "place", "compute_dtype", "dp_rank",
+                         "tp_plan", "PLAN", "MODEL_FILE"})
+PIPELINE_API = frozenset({"local_stage_indices", "batch_to_kwargs", "named_parameters_in_stage"})
+
+
+def custom_gradient_sync(plan: Plan) -> bool:
+    """Whether gradients are averaged by the generated exchange rather than FSDP (the same rule
+    as the runtime's ``ParallelConfig.custom_gradient_sync``)."""
+    return plan.dp_sync in GRADIENT_SYNC_ALGORITHMS and plan.zero_stage <= 1 and plan.dp > 1 and plan.cp == 1
+
+
+def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
+    """The runtime's branch conditions this plan decides, by their source text (see `specialize.fold`)."""
+    values = {
+        "tp_enabled": plan.tp > 1, "pp_enabled": plan.pp > 1, "cp_enabled": plan.cp > 1,
+        "grad_sync_enabled": plan.dp * plan.cp > 1, "dp_replicate > 1": layout.dp_replicate > 1,
+    }
+    facts = {f"{owner}.{name}": value for name, value in values.items() for owner in ("dims", "config.dims")}
+    facts.update({
+        "config.custom_gradient_sync": custom_gradient_sync(plan),
+        "parallel.schedule is not None": plan.pp > 1,
+        "config.recompute_enabled": any(mode != "none" for mode in plan.recompute.values()),
+        'config.pipeline_split == "tracer"': layout.pipeline_split == "tracer",
+        "config.zero_stage == 1": plan.zero_stage == 1,
+        'config.dp_sync == "ps"': plan.dp_sync == "ps",
+        'config.dp_sync == "halving_doubling"': plan.dp_sync == "halving_doubling",
+        "config.dp_sync in NCCL_ALGORITHMS": plan.dp_sync in NCCL_ALGORITHMS,
+        "self.dp_shares": bool(plan.dp_shares),  # TrainConfig's
+    })
+    return facts
+
+
 def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts,
                   tp: TPPlan, layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int,
                   checkpoint_every: int = 0) -> str:
-    """The generated module's source."""
+    """The generated module's source: every section, specialised to the plan (branches it
+    decides folded, definitions nothing reaches dropped), under one import block of the names
+    it still uses."""
     imports = ImportBlock()
-    sections = assemble_sections(imports)
+    facts_of_plan = plan_facts(plan, layout)
+    sections = assemble_sections(imports, lambda code: fold(code, facts_of_plan))  # section by section: fast
     for module, names in (("torch.distributed.tensor", {"Replicate", "Shard"}),
                           ("torch.distributed.tensor.parallel", {"ColwiseParallel", "RowwiseParallel", "SequenceParallel",
                                                                  "PrepareModuleInput", "PrepareModuleInputOutput",
@@ -222,15 +269,16 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
                           ("torch.distributed.elastic.multiprocessing.errors", {"record"}),
                           ("pathlib", {"Path"})):
         imports.from_names.setdefault(module, set()).update(names)
-    parts = [
-        header(plan, name, model_file, tp, layout, gpus_per_node) + "\n\nfrom __future__ import annotations\n\n"
-        + imports.source(),
+    body = "\n\n\n".join(part.strip("\n") for part in (
         plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps, gpus_per_node,
                      checkpoint_every),
         sections,
         main_section(),
-    ]
-    return "\n\n\n".join(part.strip("\n") for part in parts) + "\n"
+    )) + "\n"
+    body = drop_empty_sections(prune(body, RUNTIME_API | (PIPELINE_API if plan.pp > 1 else frozenset())))
+    used = referenced_names(ast.parse(body))
+    head = header(plan, name, model_file, tp, layout, gpus_per_node) + "\n\nfrom __future__ import annotations\n\n"
+    return head + imports.source(used).strip("\n") + "\n\n\n" + body
 
 
 def _fmt_seconds(seconds: float) -> str:
@@ -306,23 +354,54 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "  the latest complete one; launch.sh restarts failed ranks (MAX_RESTARTS, default 3);",
         f"  python parallel_{name}.py --export model.safetensors consolidates the latest checkpoint.",
         "",
-        "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN the rest of the plan; the",
-        "sections below apply them in order (pipeline cut, TP, recomputation, FSDP, optimizer).",
+        "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN what the runtime reads of the plan;",
+        "parallelize() applies them top to bottom (TP, recomputation, FSDP). Only the code this plan runs",
+        "is here: for other degrees or techniques, compile again rather than edit PLAN.",
     ]
     # A file name may hold quotes or backslashes: escaped, they cannot end the docstring early.
     text = "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
     return '"""' + text + '\n"""'
 
 
+def runtime_plan(plan: Plan) -> dict[str, Any]:
+    """What the generated runtime reads of the plan (parallel_config, train_config), as plan.json
+    writes it (plain values, no enums); the rest (predictions, solver statistics, TP styles as
+    priced, provenance) stays in plan.json."""
+    written = json.loads(plan.to_json())
+    keys = ["tp", "pp", "cp", "mesh_order", "zero_stage", "stages", "recompute"]
+    keys += ["schedule"] if plan.pp > 1 else []
+    keys += ["cp_strategy"] if plan.cp > 1 else []
+    keys += ["dp_sync"] + (["dp_bucket_bytes"] if custom_gradient_sync(plan) else [])
+    keys += ["global_batch_size", "micro_batch_size", "num_micro_batches", "precision"]
+    keys += ["dp_shares"] if plan.dp_shares else []
+    data = {key: written[key] for key in keys}
+    data["recompute"] = {layer: mode for layer, mode in data["recompute"].items() if mode != "none"}
+    return data
+
+
 def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts, tp: TPPlan,
                  layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int,
                  checkpoint_every: int = 0) -> str:
-    banner = f"# {'=' * 96}\n# The plan\n# {'=' * 96}\n"
-    plan_data = pprint.pformat(_plain(plan), width=110, sort_dicts=False)
+    constants = [
+        "# Derived when generating: dp = replicas x ZeRO shard group, FSDP groups bottom-up, tied parameters.",
+        f"DP_REPLICATE, DP_SHARD = {layout.dp_replicate}, {layout.dp_shard}",
+        f"FSDP_GROUPS = {pprint.pformat(layout.fsdp_groups, width=110, compact=True)}",
+        f"TIED_PARAMETERS = {pprint.pformat(facts.tied_parameters, width=110)}",
+    ]
+    if plan.tp > 1:
+        constants.append(f"LOSS_PARALLEL = {tp.loss_parallel}")
+    if plan.pp > 1:
+        constants.append(f"PIPELINE_SPLIT = {layout.pipeline_split!r}  # how stages are cut (see the pipeline section)")
+    if plan.cp > 1:
+        constants += [f"POSITION_ARGUMENT = {facts.position_argument!r}  # forward's token positions",
+                      f"MASK_ARGUMENT = {facts.mask_argument!r}  # forward's padding mask"]
+    if custom_gradient_sync(plan) and plan.dp_sync == "hierarchical":
+        constants.append(f"GPUS_PER_NODE = {gpus_per_node}  # ranks per node (hierarchical gradient all-reduce)")
     body = [
-        banner,
-        "# The plan as the planner wrote it (plan.json). parallel_config() and train_config() read it.",
-        f"PLAN = {plan_data}",
+        banner("The plan"),
+        "# What the runtime reads of the plan (plan.json beside this file holds all of it: predictions,",
+        "# solver statistics, provenance). parallel_config() and train_config() read it.",
+        packed_dict_source("PLAN", runtime_plan(plan)),
         "",
         "# The user's model file (copied next to this one) and what it was planned with.",
         f"MODEL_FILE = str(Path(__file__).with_name({model_file!r}))",
@@ -330,63 +409,78 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         f"MODEL_KWARGS = {pprint.pformat(model_kwargs, width=110)}",
         f"OPTIMIZER = {pprint.pformat(dict(optimizer), width=110, sort_dicts=False)}",
         f"DEFAULT_STEPS = {steps}",
-        "# Checkpoints (checkpoint.py): CHECKPOINT_DIR/step_<n>/ every CHECKPOINT_EVERY steps; 0 turns them off.",
+        "# Checkpoints: CHECKPOINT_DIR/step_<n>/ every CHECKPOINT_EVERY steps; 0 turns them off.",
         'CHECKPOINT_DIR = str(Path(__file__).with_name("checkpoints"))',
         f"CHECKPOINT_EVERY = {checkpoint_every}",
         "",
-        "# Derived when generating: data-parallel ranks = replicas x shard group (ZeRO shards inside a",
-        "# group), the FSDP groups bottom-up, and parameters that are one tensor under several names.",
-        f"DP_REPLICATE, DP_SHARD = {layout.dp_replicate}, {layout.dp_shard}",
-        f"FSDP_GROUPS = {pprint.pformat(layout.fsdp_groups, width=110, compact=True)}",
-        f"TIED_PARAMETERS = {pprint.pformat(facts.tied_parameters, width=110)}",
-        f"LOSS_PARALLEL = {tp.loss_parallel}",
-        f"PIPELINE_SPLIT = {layout.pipeline_split!r}  # how stages are cut (see pipeline.py)",
-        f"POSITION_ARGUMENT = {facts.position_argument!r}  # forward's token positions (context parallelism)",
-        f"MASK_ARGUMENT = {facts.mask_argument!r}  # forward's padding mask (context parallelism)",
-        f"GPUS_PER_NODE = {gpus_per_node}  # ranks per node (hierarchical gradient all-reduce)",
+        *constants,
         "",
         "",
         tp_plan_source(plan, tp),
         "",
         "",
-        PARALLEL_CONFIG_SOURCE,
+        parallel_config_source(plan),
+        "",
+        "",
+        train_config_source(plan),
     ]
     return "\n".join(body)
 
 
-def _plain(plan: Plan) -> Any:
-    """The plan as JSON values, less the software versions (plan.json beside the module keeps
-    them; the module itself names nothing of autopar)."""
-    import json
-    data = json.loads(plan.to_json())
-    data["provenance"].pop("versions", None)
-    return data
+def packed_dict_source(name: str, data: dict[str, Any], width: int = 110) -> str:
+    """``NAME = {...}`` with short entries side by side and long ones on lines of their own (one
+    key per line, as pprint writes a dict, would make PLAN a screen long)."""
+    lines, line = [f"{name} = {{"], "   "
+    for key, value in data.items():
+        entry = f"{key!r}: {pprint.pformat(value, width=width - 8 - len(repr(key)), compact=True)},"
+        if "\n" in entry or len(line) + 1 + len(entry) > width:
+            if line.strip():
+                lines.append(line)
+            line = "   "
+        if "\n" in entry:
+            lines.append("    " + entry.replace("\n", "\n" + " " * (6 + len(repr(key)))))
+        else:
+            line += " " + entry
+    if line.strip():
+        lines.append(line)
+    return "\n".join(lines + ["}"])
 
 
-PARALLEL_CONFIG_SOURCE = '''
-def parallel_config(plan: dict) -> ParallelConfig:
-    """The plan's parallel decisions as the training code takes them."""
-    return ParallelConfig(
-        dims=ParallelDims(dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, pp=plan["pp"], cp=plan["cp"], tp=plan["tp"],
-                          mesh_order=tuple(plan["mesh_order"])),
-        zero_stage=plan["zero_stage"],
-        stages=plan["stages"],
-        schedule=plan["schedule"],
-        recompute=plan["recompute"],
-        fsdp_groups=FSDP_GROUPS,
-        tied_parameters=TIED_PARAMETERS,
-        loss_parallel=LOSS_PARALLEL,
-        pipeline_split=PIPELINE_SPLIT,
-        cp_strategy=plan["cp_strategy"],
-        position_argument=POSITION_ARGUMENT,
-        mask_argument=MASK_ARGUMENT,
-        dp_sync=plan["dp_sync"],
-        dp_bucket_bytes=plan["dp_bucket_bytes"],
-        gpus_per_node=GPUS_PER_NODE,
-    )
+def parallel_config_source(plan: Plan) -> str:
+    """``def parallel_config(plan)``: the ParallelConfig fields this plan sets (the others keep
+    their defaults, which this plan's code never reads)."""
+    fields = [
+        'dims=ParallelDims(dp_replicate=DP_REPLICATE, dp_shard=DP_SHARD, pp=plan["pp"], cp=plan["cp"], tp=plan["tp"],',
+        '                  mesh_order=tuple(plan["mesh_order"])),',
+        'zero_stage=plan["zero_stage"],',
+        'stages=plan["stages"],',
+        'recompute=plan["recompute"],',
+        "fsdp_groups=FSDP_GROUPS,",
+        "tied_parameters=TIED_PARAMETERS,",
+    ]
+    if plan.tp > 1:
+        fields.append("loss_parallel=LOSS_PARALLEL,")
+    if plan.pp > 1:
+        fields += ['schedule=plan["schedule"],', "pipeline_split=PIPELINE_SPLIT,"]
+    if plan.cp > 1:
+        fields += ['cp_strategy=plan["cp_strategy"],', "position_argument=POSITION_ARGUMENT,",
+                   "mask_argument=MASK_ARGUMENT,"]
+    fields.append('dp_sync=plan["dp_sync"],')
+    if custom_gradient_sync(plan):
+        fields.append('dp_bucket_bytes=plan["dp_bucket_bytes"],')
+        if plan.dp_sync == "hierarchical":
+            fields.append("gpus_per_node=GPUS_PER_NODE,")
+    lines = ["def parallel_config(plan: dict) -> ParallelConfig:",
+             '    """The plan\'s parallel decisions as the training code takes them."""',
+             "    return ParallelConfig("]
+    lines += [f"        {field}" for field in fields]
+    lines.append("    )")
+    return "\n".join(lines)
 
 
-def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
+def train_config_source(plan: Plan) -> str:
+    shares = '        dp_shares=plan["dp_shares"],\n' if plan.dp_shares else ""
+    return f'''def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
     """Batch sizes and precision from the plan; steps, seed, lr, files and checkpoints from the command line."""
     return TrainConfig(
         model_file=args.model_file,
@@ -395,18 +489,15 @@ def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
         micro_batch_size=plan["micro_batch_size"],
         num_micro_batches=plan["num_micro_batches"],
         precision=plan["precision"],
-        optimizer={**OPTIMIZER, "lr": args.lr},
+{shares}        optimizer={{**OPTIMIZER, "lr": args.lr}},
         steps=args.steps,
         seed=args.seed,
         log_file=args.log_file,
         save_final=args.save_final,
-        dp_shares=plan["dp_shares"],
-        measure_dir=args.measure_dir,
         checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
                                     async_save=args.async_checkpoint, export=args.export),
         fail_at_step=args.fail_at_step,
-    )
-'''.strip("\n")
+    )'''
 
 
 def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
@@ -482,8 +573,8 @@ def main_section() -> str:
 # {'=' * 96}
 
 @record
-def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    """Train with the plan; see the module docstring for how to launch."""
+def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
+    """Train with the plan; see the module docstring for how to launch (``after_steps``: see train)."""
     args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "model_file": MODEL_FILE,
                              "log_file": str(Path(__file__).with_name("run.jsonl")),
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY}})
@@ -491,7 +582,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         folder = export_latest_checkpoint(args.checkpoint_dir, args.export)
         print(f"exported {{folder}} to {{args.export}}")
         return []
-    return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256)
+    return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256,
+                 after_steps=after_steps)
 
 
 if __name__ == "__main__":

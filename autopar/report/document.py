@@ -103,14 +103,7 @@ class PlanReport:
 
 def layout_of_plan(plan: Plan) -> ParallelLayout:
     """The cost model's view of a plan (to price it again)."""
-    return ParallelLayout(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, mesh_order=tuple(plan.mesh_order),
-                          zero_stage=plan.zero_stage, hybrid_shard=plan.hybrid_shard,
-                          micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
-                          schedule=plan.schedule, chunks=plan.chunks, sequence_parallel=plan.sequence_parallel,
-                          cp_strategy=plan.cp_strategy,
-                          dp_sync=plan.dp_sync if plan.dp_sync in ("ring", "tree", "hierarchical", "ps",
-                                                                   "halving_doubling") else "auto",
-                          stages=tuple(tuple(stage) for stage in plan.stages), recompute=dict(plan.recompute))
+    return plan.layout()
 
 
 def build_report(plan: Plan, estimate: Estimate, pricer: PlanPricer, alternatives: list[Any] = (),

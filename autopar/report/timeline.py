@@ -213,10 +213,10 @@ def plan_timeline(plan: Any, estimate: dict[str, Any]) -> Timeline:
 
 def pp_rank_members(plan: Any) -> dict[int, list[int]]:
     """Ranks each pipeline rank stands for (its DP x TP x CP ranks)."""
-    from cost_models.step import mesh_strides
+    from cost_models.mesh import Mesh
 
+    mesh = Mesh.of(plan)
     members: dict[int, list[int]] = {}
-    stride = mesh_strides(plan)["pp"]
     for rank in range(plan.world_size):
-        members.setdefault((rank // stride) % plan.pp, []).append(rank)
+        members.setdefault(mesh.coordinate(rank, "pp"), []).append(rank)
     return members

@@ -1,7 +1,7 @@
 """The plan in sentences and the rank grid: which rank holds which coordinate and which layers.
 
-Rank r's coordinate on a mesh axis is (r // stride) % degree, with strides growing from the
-innermost axis (`Plan.mesh_order`); a group along an axis is the ranks differing only there.
+Coordinates and groups come from `cost_models.mesh.Mesh` (rank order innermost axis first,
+`Plan.mesh_order`); a group along an axis is the ranks differing only there.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from autopar.plan import Plan
 from autopar.report.document import AXIS_NAMES, PlanReport
 from autopar.report.units import format_count
-from cost_models.step import mesh_strides
+from cost_models.mesh import Mesh
 
 ZERO_WORDS = {0: "Every DP rank keeps full parameters, gradients and optimizer states (DDP)",
               1: "Optimizer states sharded over the DP ranks (ZeRO-1)",
@@ -30,7 +30,7 @@ class RankCell:
 
 
 def coordinate(plan: Plan, rank: int) -> dict[str, int]:
-    return {axis: (rank // stride) % plan.degree(axis) for axis, stride in mesh_strides(plan).items()}
+    return Mesh.of(plan).coordinates(rank)
 
 
 def layer_span(layers: list[str]) -> str:
@@ -61,8 +61,18 @@ def rank_cells(plan: Plan, gpus_per_node: int, limit: int | None = None) -> list
 
 def group_nodes(plan: Plan, axis: str, gpus_per_node: int) -> list[int]:
     """Nodes the group through rank 0 along `axis` touches."""
-    stride = mesh_strides(plan)[axis]
-    return sorted({(i * stride) // gpus_per_node for i in range(plan.degree(axis))})
+    return Mesh.of(plan).nodes_of(axis, gpus_per_node)
+
+
+def _tensor_parallel_words(plan: Plan) -> str:
+    """What TP does: a plan whose modules all stay replicated splits no matrix (every TP rank
+    computes the whole layer), which the sentence must not claim."""
+    if any(style != "replicate" for style in plan.tp_styles.values()):
+        return "tensor-parallel: each layer's matrices split across the group"
+    if plan.sequence_parallel:
+        return ("tensor-parallel: no matrix split (every module replicated); norms and residuals run on "
+                "each rank's slice of the sequence, gathered into each block")
+    return "tensor-parallel: no matrix split (every module replicated, each rank computes the whole layer)"
 
 
 def node_range(nodes: list[int]) -> str:
@@ -81,12 +91,11 @@ def describe_axes(plan: Plan, gpus_per_node: int) -> list[str]:
         if degree == 1:
             continue
         nodes = group_nodes(plan, axis, gpus_per_node)
-        stride = mesh_strides(plan)[axis]
         where = ("inside each node" if len(nodes) == 1 and plan.world_size > gpus_per_node
                  else "inside the node" if len(nodes) == 1 else f"across {node_range(nodes)}"
                  + (" (and likewise for the other groups)" if plan.world_size // gpus_per_node > len(nodes) else ""))
-        members = ", ".join(str(i * stride) for i in range(min(degree, 4))) + (", ..." if degree > 4 else "")
-        what = {"tp": "tensor-parallel: each layer's matrices split across the group",
+        members = ", ".join(map(str, Mesh.of(plan).group_ranks(axis)[:4])) + (", ..." if degree > 4 else "")
+        what = {"tp": _tensor_parallel_words(plan),
                 "cp": f"context-parallel: the sequence split across the group ({plan.cp_strategy})",
                 "pp": "pipeline-parallel: consecutive layers on consecutive ranks of the group",
                 "dp": "data-parallel: each group member trains on its own share of the batch"}[axis]

@@ -511,13 +511,10 @@ def schedule_in_flight(schedule: Any, pp_rank: int, indices: list[int]) -> list[
 # -- the prediction and the comparison ----------------------------------------------------------
 
 def pipeline_rank(plan: Any, rank: int) -> int:
-    """The pipeline coordinate of ``rank`` (mesh axes innermost first: rank = sum coord x stride)."""
-    stride = 1
-    for axis in plan.mesh_order:
-        if axis == "pp":
-            return (rank // stride) % plan.pp
-        stride *= plan.degree(axis)
-    return 0
+    """The pipeline coordinate of ``rank``."""
+    from cost_models.mesh import Mesh
+
+    return Mesh.of(plan).coordinate(rank, "pp")
 
 
 def predict_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], int]:

@@ -63,7 +63,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None = None, *,
               extra_args: Sequence[str] = (), echo: bool = False, timeout_s: float | None = None,
-              env: dict[str, str] | None = None, max_restarts: int = 0) -> RunResult:
+              env: dict[str, str] | None = None, max_restarts: int = 0,
+              runner: Sequence[str] = ()) -> RunResult:
     """Launch ``out_dir``'s generated module on ``nproc`` local ranks and wait for it.
 
     Args:
@@ -76,6 +77,8 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         env: environment for the ranks (default: this process's).
         max_restarts: times torchrun restarts all ranks after one fails (they resume from the
             latest checkpoint when the module checkpoints).
+        runner: torchrun options that start the module through another program, which gets the
+            module's path first (validation: ``("-m", "autopar.runtime.measure")``).
     """
     out_dir = Path(out_dir).resolve()  # the ranks run inside it
     script = find_script(out_dir)
@@ -84,7 +87,7 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     log = out_dir / LOG_NAME
     before = len(read_records(log))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", str(script), "--log-file", str(log)]
+               f"--max-restarts={max_restarts}", *runner, str(script), "--log-file", str(log)]
     if steps is not None:
         command += ["--steps", str(steps)]
     command += list(extra_args)

@@ -1,7 +1,7 @@
 """`autopar validate`: run a compiled plan for a few steps and hold every prediction against what
 each rank measured (step time, its compute / communication split, peak memory).
 
-The ranks write their measurements (see the generated module's measure section); this module
+The ranks write their measurements (see autopar/runtime/measure.py); this module
 pairs them with the report's predictions per rank (a rank's pipeline stage decides its predicted
 memory) and writes validate.json, which `autopar calibrate --from` fits the cost model to.
 """
@@ -51,9 +51,9 @@ def error_pct(predicted: float, measured: float) -> float:
 
 
 def pp_rank_of(plan: Any, rank: int) -> int:
-    from cost_models.step import mesh_strides
+    from cost_models.mesh import Mesh
 
-    return (rank // mesh_strides(plan)["pp"]) % plan.pp
+    return Mesh.of(plan).coordinate(rank, "pp")
 
 
 def predicted_for(plan: Any, estimate: dict[str, Any], pp_rank: int) -> dict[str, float]:
@@ -102,7 +102,7 @@ def validate(out_dir: str | Path, steps: int = 5, timeout_s: float | None = None
     folder = out_dir / "measure"
     shutil.rmtree(folder, ignore_errors=True)
     result = run_local(out_dir, plan.world_size, steps, extra_args=["--measure-dir", str(folder.resolve())],
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s, runner=("-m", "autopar.runtime.measure"))
     if not result.ok:
         where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
         raise UserError(f"The validation run failed on {where} (exit {result.returncode}):\n{result.error}",

@@ -16,7 +16,7 @@ from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResu
 from autopar.solver.space import MAX_WORLD_SIZE, Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter, replicated_ops
 from cost_models.hardware import get_gpu, known_gpus
-from cost_models.layout import CP_STRATEGIES, DP_SYNC, SCHEDULES
+from cost_models.techniques import Family, searchable, technique
 from cost_models.memory import RECOMPUTE_OPTIONS
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
@@ -398,10 +398,17 @@ class Planner:
 
     def _check_pinned_values(self) -> None:
         """Pins outside their field's choices (the schema types them only as int / str)."""
-        choices = {"schedule": SCHEDULES, "recompute": RECOMPUTE_OPTIONS, "cp_strategy": CP_STRATEGIES,
-                   "dp_sync": DP_SYNC, "zero_stage": (0, 1, 2, 3)}
+        # What can be pinned is what the technique registry says runs.
+        choices = {"schedule": searchable(Family.SCHEDULE), "recompute": RECOMPUTE_OPTIONS,
+                   "cp_strategy": searchable(Family.CP_STRATEGY), "dp_sync": searchable(Family.DP_SYNC),
+                   "zero_stage": searchable(Family.ZERO_STAGE)}
         for name, allowed in choices.items():
             value = getattr(self.pins, name)
+            if value is not None and value in {t.value for t in _entries_without_runtime(name)}:
+                entry = technique(Family(name), value)
+                raise UserError(f"plan.{name}={value} ({entry.summary}) is priced by the cost model but the generated "
+                                "code does not implement it, so the plan would run something else.",
+                                f"use one of {', '.join(map(str, allowed))}, or leave plan.{name} unset.")
             if value is not None and value not in allowed:
                 raise UserError(f"plan.{name}={value} is not a valid choice.",
                                 f"use one of {', '.join(map(str, allowed))}, or leave plan.{name} unset.")
@@ -539,3 +546,12 @@ class Planner:
         candidates = planner.candidates()
         return bool(candidates) and bool(PlanSearch(planner.pricer, time_limit_s=solver.time_limit_s,
                                                     work_limit=solver.work_limit).run(candidates).best)
+
+
+def _entries_without_runtime(name: str) -> list:
+    """Registry entries of a plan field that are priced but not generated."""
+    from cost_models.techniques import entries
+
+    if name not in {f.value for f in Family}:
+        return []
+    return [t for t in entries(Family(name)) if t.runtime is None]

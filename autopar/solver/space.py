@@ -14,7 +14,9 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from cost_models.mesh import Mesh
 from cost_models.step import ParallelLayout
+from cost_models.techniques import zero_stages_for
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
@@ -138,6 +140,8 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
             continue  # the pinned shares do not fit this data-parallel degree / micro-batch
         for schedule, chunks in _schedules(shape, pp, micro_batches, solver, pinned):
             for zero_stage in pinned("zero_stage", _zero_stages(solver, dp, cp, pins.dp_sync)):
+                if dp * cp > 1 and not _zero_stage_runs(zero_stage, cp, pins.dp_sync):
+                    continue  # a pinned stage the generated code cannot pair with this cp / dp_sync
                 hybrid_options = [False, True] if zero_stage >= 2 and dp > 1 and world_size > gpus_per_node else [False]
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
                     for sequence_parallel in pinned("sequence_parallel", [False, True] if tp > 1 else [False]):
@@ -166,12 +170,13 @@ def _zero_stages(solver, dp: int, cp: int, dp_sync: str | None = None) -> list[i
     unsharded gradients (ZeRO-0/1), and a parameter server the whole optimizer (ZeRO-0)."""
     if dp * cp == 1:
         return [0]
-    stages = [z for z in solver.zero_stages if cp == 1 or z >= 2]
-    if dp_sync in ("ring", "tree", "hierarchical", "halving_doubling"):
-        stages = [z for z in stages if z <= 1]
-    elif dp_sync == "ps":
-        stages = [z for z in stages if z == 0]
-    return stages
+    allowed = zero_stages_for(dp_sync)  # the technique registry's pairing
+    return [z for z in solver.zero_stages if (cp == 1 or z >= 2) and z in allowed]
+
+
+def _zero_stage_runs(zero_stage: int, cp: int, dp_sync: str | None) -> bool:
+    """Whether generated code exists for this ZeRO stage with this CP degree and pinned sync."""
+    return (cp == 1 or zero_stage >= 2) and zero_stage in zero_stages_for(dp_sync)
 
 
 def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -> Iterator[tuple[str, int]]:
@@ -223,18 +228,4 @@ def distinct_mesh_orders(degrees: dict[str, int], gpus_per_node: int) -> list[tu
 
 def _group_span(order: tuple[str, ...], axis: str, degrees: dict[str, int], gpus_per_node: int) -> tuple[int, int]:
     """(nodes spanned, ranks per node) of one group of `axis` when axes are laid out in `order`."""
-    size = degrees[axis]
-    if size == 1:
-        return (1, 1)
-    stride = 1
-    for inner in order[: order.index(axis)]:
-        stride *= degrees[inner]
-    # The group's ranks are i * stride for i < size. With stride >= gpus_per_node each lands on
-    # its own node; with a smaller stride consecutive ranks' nodes differ by at most one, so the
-    # nodes are the contiguous range up to the last rank's (counted, not listed: a data-parallel
-    # group can have millions of ranks).
-    if stride >= gpus_per_node:
-        nodes = size
-    else:
-        nodes = (size - 1) * stride // gpus_per_node + 1
-    return (nodes, size // nodes)
+    return Mesh.from_degrees(order, degrees).span(axis, gpus_per_node)

@@ -30,11 +30,9 @@ interleaved 1F1B share it; they differ in `in_flight`): for equal stages it is
 (m + (p-1)/v)·D, the bubble fraction (p-1)/(v·m) of Narayanan et al. 2021, eq. for the
 interleaved schedule; for unequal stages the fill and drain pass every stage once and the
 steady state is paced by the slowest device.
-`brute_force_partition` enumerates every partition and option for tests.
+tests/brute_force.py enumerates every partition and option to check it.
 """
 from __future__ import annotations
-
-import itertools
 
 from ortools.sat.python import cp_model
 
@@ -176,18 +174,3 @@ class StagePartitioner:
             model.add(once >= sum(time_units(speed * problem.per_step_s[l]) * x[(l, j)]
                                   for j in range(device, P, problem.devices) for l in range(L)))
         return once
-
-
-def brute_force_partition(problem: PartitionProblem, allowed_starts: set[int] | None = None) -> Partition | None:
-    """Every contiguous partition (cuts only at `allowed_starts` if given) and option per
-    layer, priced by `evaluate` (tests only)."""
-    L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
-    best: Partition | None = None
-    positions = [l for l in range(1, L) if allowed_starts is None or l in allowed_starts]
-    for cuts in itertools.combinations(positions, P - 1):
-        starts = [0, *cuts]
-        for chosen in itertools.product(range(options), repeat=L):
-            candidate = evaluate(problem, starts, list(chosen))
-            if candidate is not None and (best is None or candidate.step_time_s < best.step_time_s - 1e-12):
-                best = candidate
-    return best

@@ -3,15 +3,20 @@
     results = run_ranks(my_fn, world_size=4, arg)   # my_fn(rank, world_size, arg) -> picklable
 
 The function must be importable (defined at module level) because ranks are spawned fresh.
-When any rank raises, the others are stopped and `RankFailure` carries the failing rank's
-traceback, so a test failure shows the real error instead of a hung or silent process group.
+Ranks meet through a file store in a fresh temporary folder (``file://`` init method), so two
+runs at once never race for a TCP port. When any rank raises, the others are stopped and
+`RankFailure` carries the failing rank's traceback, so a test failure shows the real error
+instead of a hung or silent process group.
 """
 from __future__ import annotations
 
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -30,6 +35,9 @@ class RankFailure(RuntimeError):
 
 
 def free_port() -> int:
+    """A TCP port free at the moment of asking (another process may take it before it is used:
+    only for launchers that need a port, such as torchrun's rendezvous; ranks of `run_ranks`
+    meet through a file store instead)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -39,8 +47,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; results by rank."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args), daemon=True)
+    folder = Path(tempfile.mkdtemp(prefix="ranks_"))
+    store = f"file://{folder / 'store'}"  # the file must not exist yet: gloo's FileStore creates it
+    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, store, results, args), daemon=True)
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -63,6 +72,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             if process.is_alive():
                 process.kill()
                 process.join()
+        shutil.rmtree(folder, ignore_errors=True)
     return [outcome[rank] for rank in range(world_size)]
 
 
@@ -73,11 +83,10 @@ def _killed_by_signal(processes: list, wait_s: float = 2.0) -> list[int]:
     return [rank for rank, process in enumerate(processes) if process.exitcode is not None and process.exitcode < 0]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit from user code

@@ -25,6 +25,8 @@ from autopar.runtime import RunResult, run_local
 from autopar.runtime.generated import import_generated
 from tests.dist.plans import GPT, make_plan
 
+pytestmark = pytest.mark.slow
+
 STEPS, EVERY, FAIL_AT = 8, 2, 5
 
 

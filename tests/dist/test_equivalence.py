@@ -97,6 +97,7 @@ CASES = [
     # Gradient synchronisation algorithms on 4 ranks as 2 "nodes" x 2 (flat ring is dp2/zero3_dp4).
     Case("dp4_hierarchical", dict(dp=4, dp_sync="hierarchical"), gpus_per_node=2),
     Case("zero1_dp4_hierarchical", dict(dp=4, zero=1, dp_sync="hierarchical"), gpus_per_node=2),
+    Case("dp4_halving_doubling", dict(dp=4, dp_sync="halving_doubling")),
     Case("dp4_parameter_server", dict(dp=4, dp_sync="ps"), gpus_per_node=2),
     Case("dp2_tp2_parameter_server", dict(dp=2, tp=2, dp_sync="ps"), gpus_per_node=2),
     # Heterogeneous clusters: uneven data-parallel shares (3:1 samples, losses weighted by them)

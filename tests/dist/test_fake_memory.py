@@ -23,6 +23,8 @@ import pytest
 from autopar.cli import main
 from autopar.runtime.fake_memory import check_rank
 
+pytestmark = pytest.mark.slow
+
 GPT = {"layers": 4, "hidden": 512, "heads": 8, "seq_len": 256, "vocab": 4096}
 ONE_NODE = ["cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=16"]
 PLANS = {

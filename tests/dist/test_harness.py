@@ -1,6 +1,8 @@
 """The gloo harness itself: collectives across real processes, and failures that surface."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,8 +34,6 @@ def test_failing_rank_traceback_is_surfaced():
 
 def _abort_on_rank_one(rank: int, world_size: int) -> None:
     if rank == 1:
-        import os
-
         os.abort()  # dies by SIGABRT, as a C++ abort in a transport thread would
     dist.all_reduce(torch.ones(1))
 
@@ -43,3 +43,13 @@ def test_rank_killed_by_a_signal_is_named():
         run_ranks(_abort_on_rank_one, 2, timeout_s=60)
     assert failure.value.killed == [1]
     assert "rank 1 died by signal 6" in str(failure.value)
+
+
+def _rendezvous_port(rank: int, world_size: int) -> str | None:
+    return os.environ.get("MASTER_PORT")
+
+
+def test_ranks_meet_without_a_tcp_port():
+    """A port picked free and bound later can be taken in between by another run (two test
+    test runs at once); the file store needs none."""
+    assert run_ranks(_rendezvous_port, 2) == [os.environ.get("MASTER_PORT")] * 2

@@ -9,7 +9,7 @@ import pytest
 
 from autopar.solver.block_partition import BlockPartitioner, find_block_run
 from autopar.solver.bounds import block_lower_bound_s, least_time_per_block, least_total, lower_bound_s
-from autopar.solver.stage_partition import brute_force_partition
+from tests.brute_force import brute_force_partition
 from cost_models.pipeline import PartitionProblem
 from tests.unit.test_stage_partition import GiB, block_problem
 

@@ -8,7 +8,7 @@ import pytest
 from cost_models.memory import (activation_bytes, megatron_layer_activation_bytes, model_states, state_bytes_per_param,
                                 trained_model_states)
 from cost_models.tp_sharding import PropagationSplitter
-from tests.unit.test_cost_profiles import A, B, H, S, SBH_BYTES, gpt
+from tests.profiles import A, B, H, S, SBH_BYTES, gpt
 
 GB = 1e9
 # The traced profile also holds what Megatron's count leaves out: the attention's fp32

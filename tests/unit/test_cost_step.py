@@ -14,7 +14,7 @@ from cost_models.compute import ComputeModel
 from cost_models.memory import trained_model_states
 from cost_models.step import CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, ParallelLayout, TrainSpec, estimate
 from cost_models.topology import ClusterConfig, ClusterSpec, NodeGroupConfig
-from tests.unit.test_cost_profiles import B, S, gpt, traced
+from tests.profiles import B, S, gpt, traced
 
 GPT_LAYERS = 8  # wte, wpe, 4 blocks, ln_f, lm_head
 
@@ -109,6 +109,18 @@ def test_gradient_sync_hides_behind_backward_until_the_network_is_slow():
     assert pinned.time_breakdown["dp_comm"] > 3 * ring.time_breakdown["dp_comm"]
 
 
+def test_halving_doubling_runs_after_backward_so_nothing_hides_it():
+    """At 2 ranks halving-doubling moves what a ring moves (2(n-1)/n of the gradients each way, 2
+    latencies), but the generated exchange (gradient_sync.py) runs after backward, not under it."""
+    profile, train = gpt(), TrainSpec(global_batch_size=16)
+    fast = spec(nodes=2, per_node=1, inter_node_bandwidth_GBps=400)
+    layout = ParallelLayout(dp=2, micro_batch_size=2, num_micro_batches=4)
+    ring = estimate(profile, fast, dataclasses.replace(layout, dp_sync="ring"), train)
+    halving = estimate(profile, fast, dataclasses.replace(layout, dp_sync="halving_doubling"), train)
+    assert halving.dp_sync_algorithm == "halving_doubling"
+    assert halving.time_breakdown["dp_comm"] > 3 * ring.time_breakdown["dp_comm"]  # ring: mostly under backward
+
+
 def test_recomputation_trades_memory_for_time():
     profile = gpt()
     runs = {option: estimate(profile, spec(per_node=1), ParallelLayout(micro_batch_size=2, recompute=option),
@@ -142,7 +154,8 @@ def test_sequence_and_context_parallelism_split_activations():
     # GEMM inputs stay whole, see cost_models/memory.py): 11.5/14 at t = 4.
     assert sp.memory_breakdown["activations"] < 0.85 * tp.memory_breakdown["activations"]
     assert sp.time_breakdown["tp_comm"] == pytest.approx(tp.time_breakdown["tp_comm"])  # RS + AG = AR
-    cp = estimate(profile, spec(per_node=4), ParallelLayout(cp=4, micro_batch_size=2, cp_strategy="ring"), train)
+    cp = estimate(profile, spec(per_node=4), ParallelLayout(cp=4, micro_batch_size=2, cp_strategy="ring", zero_stage=2),
+                  train)
     alone = estimate(profile, spec(per_node=1), ParallelLayout(micro_batch_size=2), train)
     assert cp.memory_breakdown["activations"] == pytest.approx(alone.memory_breakdown["activations"] / 4,
                                                                abs=GPT_LAYERS)
@@ -160,14 +173,18 @@ def test_bad_layouts_fail_clearly():
         (ParallelLayout(dp=8, micro_batch_size=2, mesh_order=("tp", "dp")), "mesh_order"),
         (ParallelLayout(dp=8, micro_batch_size=2, hybrid_shard=True), "hybrid_shard needs zero_stage"),
         (ParallelLayout(dp=4, pp=2, micro_batch_size=4, stages=(("wte",), ("wpe",))), "every layer once"),
-        (ParallelLayout(cp=8, micro_batch_size=16, cp_strategy="ulysses"), "Ulysses needs"),  # 4 heads
+        (ParallelLayout(cp=8, micro_batch_size=16, cp_strategy="ulysses", zero_stage=2), "Ulysses needs"),  # 4 heads
         (ParallelLayout(dp=8, micro_batch_size=2, dp_sync="gossip"), "unknown dp_sync"),
+        # The generated code shards CP gradients with FSDP: ZeRO-0/1 has no runtime under CP.
+        (ParallelLayout(cp=8, micro_batch_size=16, cp_strategy="ring"), "needs ZeRO-2 or 3"),
+        (ParallelLayout(dp=8, micro_batch_size=2, dp_sync="ps", zero_stage=1), "dp_sync=ps needs ZeRO 0"),
     ]
     for layout, message in cases:
         with pytest.raises(ValueError, match=message):
             estimate(profile, cluster, layout, train)
     with pytest.raises(ValueError, match="256 is not divisible into 6 chunks for cp=3"):  # ring: 2·cp chunks
-        estimate(profile, spec(per_node=3), ParallelLayout(cp=3, micro_batch_size=16, cp_strategy="ring"), train)
+        estimate(profile, spec(per_node=3), ParallelLayout(cp=3, micro_batch_size=16, cp_strategy="ring", zero_stage=2),
+                 train)
     with pytest.raises(ValueError, match="traced in bf16 but training is fp32"):
         estimate(profile, cluster, ParallelLayout(dp=8, micro_batch_size=2), TrainSpec(16, precision="fp32"))
 

@@ -2,7 +2,6 @@
 collectives, its sharded FLOPs and parameters; the same pairing as autopar's intra-op ILP."""
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 
 from cost_models.hardware import get_gpu
 from cost_models.tp_sharding import GATHER, PropagationSplitter, map_view, propagate
-from tests.unit.test_cost_profiles import B, H, S, SBH_BYTES, gpt, traced
+from tests.profiles import B, H, S, SBH_BYTES, gpt, traced
 
 MEGATRON_BLOCK = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
                   "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"}
@@ -106,5 +105,8 @@ def test_cost_models_never_imports_autopar():
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
-def test_profiled_sizes_are_what_the_tests_assume():
-    assert SBH_BYTES == S * B * H and math.prod([S, B, H]) == SBH_BYTES
+def test_a_block_hands_on_one_bf16_activation_of_b_s_h():
+    """SBH_BYTES, the unit these tests count collectives in, is what the traced blocks exchange:
+    one bf16 [b, s, h] tensor enters and leaves each block (2 bytes per element)."""
+    block = gpt().layer("blocks.1")
+    assert block.input_bytes == block.output_bytes == 2 * SBH_BYTES

@@ -8,7 +8,8 @@ from autopar.config import PlanPins, SolverConfig
 from autopar.model_file import load_model_file
 from autopar.profile import profile_model
 from autopar.solver.planner import Planner
-from cost_models.step import PlanPricer, TrainSpec, mesh_strides, proportional_shares
+from cost_models.mesh import Mesh
+from cost_models.step import PlanPricer, TrainSpec, proportional_shares
 from cost_models.topology import ClusterConfig, ClusterSpec, NodeGroupConfig
 
 GPT_1B = {"layers": 24, "hidden": 2048, "heads": 16, "seq_len": 2048, "vocab": 50304}
@@ -43,7 +44,7 @@ def test_mixed_cluster_beats_all_a100_and_gives_h100_stages_more_layers(examples
     assert plan.predicted.tokens_per_s > slower.predicted.tokens_per_s
     # A pipeline across the two node types: the H100 pipeline ranks hold more layers.
     pinned = Planner(profile, mixed(), TRAIN, SolverConfig(top_k=0), PlanPins(pp=2, tp=8)).run().plan
-    gpus, stride = mixed().gpu_types(), mesh_strides(pinned)["pp"]
+    gpus, stride = mixed().gpu_types(), Mesh.of(pinned).stride("pp")
     layers = {"H100-SXM": 0, "A100-80GB": 0}
     for j, stage in enumerate(pinned.stages):
         layers[gpus[(j % pinned.pp) * stride]] += len(stage)

@@ -9,7 +9,7 @@ import pytest
 from autopar.config import PlanPins, SolverConfig
 from autopar.model_file import load_model_file
 from autopar.profile import profile_model
-from autopar.solver.brute_force import brute_force_plan
+from tests.brute_force import brute_force_plan
 from autopar.solver.planner import InfeasibleError, Planner
 from autopar.solver.search import PlanSearch
 from cost_models.step import TrainSpec

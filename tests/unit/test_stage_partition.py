@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from autopar.solver.stage_partition import StagePartitioner, brute_force_partition
+from autopar.solver.stage_partition import StagePartitioner
+from tests.brute_force import brute_force_partition
 from cost_models.pipeline import PartitionProblem
 from cost_models.pipeline import pipeline_step_time_s
 

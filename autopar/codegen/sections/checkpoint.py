@@ -41,8 +41,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from autopar.codegen.sections.pipeline import strip_wrapper_prefixes
-
 COMPLETE = "COMPLETE"
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 # Flattened optimizer state ("state.<fqn>.<name>") is what lets DCP reshard it between plans.
@@ -189,7 +187,7 @@ class Checkpointer:
         return state, origin
 
     def _parameter_fqns(self) -> list[str]:
-        names = {id(p): strip_wrapper_prefixes(n) for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in self.model.named_parameters()}
         return [names[id(p)] for p in self.optimizer.parameters]
 
     def _optimizer_state(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 
 def load_model_file(path: str | Path) -> Any:
@@ -115,3 +116,11 @@ def tokens_per_sample(batch: Any) -> int:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and not leaf.is_floating_point():
             return int(leaf.shape[1])
     return 1
+
+
+def holds_parameters(model: nn.Module, name: str) -> bool:
+    """Whether ``model`` has module ``name`` with parameters (a pipeline stage drops others')."""
+    try:
+        return bool(list(model.get_submodule(name).parameters()))
+    except AttributeError:
+        return False

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims
-from autopar.codegen.sections.recompute import holds_parameters
+from autopar.codegen.sections.contract import holds_parameters
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], reshard_after_forward: bool,
@@ -59,6 +59,8 @@ def dp_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
         return mesh[MeshAxis.DP_SHARD.value]
     names = mesh.mesh_dim_names
     pair = tuple(sorted((MeshAxis.DP_SHARD.value, MeshAxis.CP.value), key=names.index))
+    # Private, but the only route: torch 2.13 has no public DeviceMesh flatten, and a second mesh
+    # over the same ranks would not do (FSDP wants its mesh and TP's to share one root mesh).
     flattened = mesh[pair]._flatten("dp_shard_cp")
     if dims.dp_replicate > 1:
         return mesh[MeshAxis.DP_REPLICATE.value, "dp_shard_cp"]

@@ -4,11 +4,17 @@
     hierarchical  per bucket: reduce-scatter inside each node, all-reduce of each shard across
                   nodes (one rank per node and shard), all-gather inside the node. Moves 1/g of
                   the data over the network (g = data-parallel ranks per node).
+    halving_doubling
+                  per bucket: recursive halving (a reduce-scatter in log2 n pairwise exchanges,
+                  each of half the data still held) then recursive doubling (the all-gather, in
+                  reverse); Rabenseifner, in Thakur, Rabenseifner & Gropp 2005 §4.4. Ranks beyond
+                  the largest power of two p hand their whole bucket to rank i - p first and get
+                  the sum back last.
     ps            parameter server (Li et al. 2014): the first rank of each data-parallel group
                   holds the optimizer and its state; workers push their gradients to it, it
                   averages and steps, and they pull the updated parameters. O(n) traffic at the
                   server, no optimizer state on workers.
-Both wrap the optimizer (sync, then step), so the training loop is the same for every plan.
+Each wraps the optimizer (sync, then step), so the training loop is the same for every plan.
 Gradients travel in flat buckets of the plan's size (bounded extra memory per step).
 """
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.codegen.sections.optimizer import _local
+from autopar.codegen.sections.optimizer import _local, all_gather_single, reduce_scatter_single
 
 
 def dp_groups(mesh: DeviceMesh, axis: str) -> list[list[int]]:
@@ -95,10 +101,72 @@ class HierarchicalSync:
             flat = flat_grads(bucket)
             padded = torch.nn.functional.pad(flat, (0, -flat.numel() % per_node))
             shard = torch.empty(padded.numel() // per_node, dtype=padded.dtype, device=padded.device)
-            dist.reduce_scatter_tensor(shard, padded, group=self.intra)
+            reduce_scatter_single(shard, padded, group=self.intra)
             dist.all_reduce(shard, group=self.inter)
-            dist.all_gather_into_tensor(padded, shard, group=self.intra)
+            all_gather_single(padded, shard, group=self.intra)
             unflatten_into(padded[:flat.numel()] / self.dp, [_local(p.grad) for p in bucket])
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
+    """Send ``send`` to global rank ``peer`` while receiving ``receive`` from it."""
+    for work in (dist.isend(send, dst=peer), dist.irecv(receive, src=peer)):
+        work.wait()
+
+
+def halving_doubling_all_reduce(flat: torch.Tensor, ranks: list[int]) -> None:
+    """Sum ``flat`` over the global ``ranks`` (this rank among them) in place, by recursive
+    halving and doubling (see the module docstring)."""
+    n, me = len(ranks), ranks.index(dist.get_rank())
+    core = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+    if me >= core:  # a surplus rank: its partner in the core reduces for it
+        dist.send(flat, dst=ranks[me - core])
+        dist.recv(flat, src=ranks[me - core])
+        return
+    if me + core < n:
+        received = torch.empty_like(flat)
+        dist.recv(received, src=ranks[me + core])
+        flat += received
+    # Halving: partners at distance core/2, core/4, ..., 1 split the piece both hold; each keeps
+    # one half (the lower rank the lower half) and adds the partner's copy of it.
+    rounds, low, high, distance = [], 0, flat.numel(), core // 2
+    while distance:
+        partner, middle = me ^ distance, (low + high) // 2
+        keep, give = ((low, middle), (middle, high)) if me < partner else ((middle, high), (low, middle))
+        received = torch.empty(keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
+        exchange(flat[give[0]:give[1]].clone(), received, ranks[partner])
+        flat[keep[0]:keep[1]] += received
+        rounds.append((partner, keep, give))
+        (low, high), distance = keep, distance // 2
+    # Doubling, rounds in reverse: each summed piece goes back to the partner that gave it up.
+    for partner, keep, give in reversed(rounds):
+        received = torch.empty(give[1] - give[0], dtype=flat.dtype, device=flat.device)
+        exchange(flat[keep[0]:keep[1]].clone(), received, ranks[partner])
+        flat[give[0]:give[1]] = received
+    if me + core < n:
+        dist.send(flat, dst=ranks[me + core])
+
+
+class HalvingDoublingSync:
+    """Average gradients over the data-parallel group by recursive halving and doubling, bucket
+    by bucket, then run the wrapped optimizer."""
+
+    def __init__(self, parameters: list[nn.Parameter], optimizer, group: dist.ProcessGroup, bucket_bytes: int):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.optimizer = optimizer
+        self.ranks = dist.get_process_group_ranks(group)
+        self.buckets = buckets(self.parameters, bucket_bytes)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ensure_grads(self.parameters)
+        for bucket in self.buckets:
+            flat = flat_grads(bucket)
+            halving_doubling_all_reduce(flat, self.ranks)
+            unflatten_into(flat / len(self.ranks), [_local(p.grad) for p in bucket])
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -38,13 +38,6 @@ class ParallelDims:
     tp: int
     mesh_order: tuple[str, ...]
 
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "pp", "cp", "tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if sorted(self.mesh_order) != ["cp", "dp", "pp", "tp"]:
-            raise ValueError(f"mesh_order must order tp, cp, pp and dp, got {self.mesh_order}")
-
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.pp * self.cp * self.tp
@@ -67,10 +60,6 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
 
     @property
     def cp_enabled(self) -> bool:

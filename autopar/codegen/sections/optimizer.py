@@ -9,22 +9,25 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def build_optimizer(parameters: list[nn.Parameter], settings: dict, zero1_group: dist.ProcessGroup | None
-                    ) -> torch.optim.Optimizer | "ShardedAdamW":
-    """AdamW over ``parameters``; with ``zero1_group`` each rank of it keeps 1/n of the state.
-
-    Args:
-        parameters: the parameters this rank updates (one pipeline stage's, possibly sharded).
-        settings: lr, betas, eps, weight_decay.
-        zero1_group: the data-parallel replicas sharing optimizer state (ZeRO-1), or None.
-    """
-    options = dict(lr=settings["lr"], betas=tuple(settings["betas"]), eps=settings["eps"],
-                   weight_decay=settings["weight_decay"])
-    if zero1_group is not None and dist.get_world_size(zero1_group) > 1:
-        return ShardedAdamW(parameters, zero1_group, **options)
+def build_optimizer(parameters: list[nn.Parameter], settings: dict) -> torch.optim.Optimizer:
+    """AdamW over ``parameters`` (one pipeline stage's, possibly sharded) with ``settings``
+    (lr, betas, eps, weight_decay)."""
     # foreach (CUDA's default, forced here so CPU runs take the same path): one fused update per
     # group, and a DTensor op refuses plain tensors or another mesh's DTensors beside it.
-    return torch.optim.AdamW(uniform_groups(parameters), foreach=True, **options)
+    return torch.optim.AdamW(uniform_groups(parameters), foreach=True, **adamw_options(settings))
+
+
+def build_zero1_optimizer(parameters: list[nn.Parameter], settings: dict, group: dist.ProcessGroup
+                          ) -> torch.optim.Optimizer | "ShardedAdamW":
+    """ZeRO-1: AdamW whose state each rank of ``group`` (the data-parallel replicas) keeps 1/n of."""
+    if dist.get_world_size(group) > 1:
+        return ShardedAdamW(parameters, group, **adamw_options(settings))
+    return build_optimizer(parameters, settings)
+
+
+def adamw_options(settings: dict) -> dict:
+    return dict(lr=settings["lr"], betas=tuple(settings["betas"]), eps=settings["eps"],
+                weight_decay=settings["weight_decay"])
 
 
 def uniform_groups(parameters: list[nn.Parameter]) -> list[dict]:
@@ -35,6 +38,12 @@ def uniform_groups(parameters: list[nn.Parameter]) -> list[dict]:
         kind = parameter.device_mesh if isinstance(parameter, DTensor) else None
         groups.setdefault(kind, []).append(parameter)
     return [{"params": members} for members in groups.values()]
+
+
+# torch 2.13 renamed the flat collectives (the old names warn that they are deprecated); older
+# releases, which the generated module also runs on, have only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,7 +92,7 @@ class ShardedAdamW:
                                device=shard.device)
         padded = torch.zeros(self.shard_numel, dtype=shard.dtype, device=shard.device)
         padded[: self.stop - self.start] = shard
-        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        all_gather_single(gathered, padded, group=self.group)
         return gathered[: self.numel]
 
     def _per_parameter(self, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -341,10 +341,5 @@ def _layer_of(parameter: str, layers: list[str]) -> str | None:
 def named_parameters_in_stage(stage: nn.Module):
     """A stage's parameters by their FQN in the unsharded model (ties listed under each name)."""
     for name, parameter in stage.named_parameters(remove_duplicate=False):
-        name = strip_wrapper_prefixes(name)
         yield (name[len("model."):] if name.startswith("model.") else name), parameter
 
-
-def strip_wrapper_prefixes(name: str) -> str:
-    """A parameter FQN without the activation-checkpoint wrapper's extra level."""
-    return name.replace("_checkpoint_wrapped_module.", "")

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from autopar.codegen.sections.contract import holds_parameters
+# Imported under another name: the generated file also has checkpoint variables (DCP checkpoints).
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint as checkpointed
 
 # Selective recomputation keeps what is expensive to redo (matrix products, attention and the
 # tensor-parallel collectives) and recomputes the cheap element-wise work: the split the cost
@@ -63,7 +67,12 @@ def _selective_context():
 
 
 def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
-    """Wrap each layer the plan recomputes in a checkpoint wrapper.
+    """Make each layer the plan recomputes keep only its inputs in forward and run again in backward.
+
+    The layer's own ``forward`` is replaced by one that runs it under torch.utils.checkpoint, so
+    the module, its name and its parameters' names stay as they are (a wrapper module would add
+    a level to every name) and the hooks TP and FSDP put on the module run outside the
+    recomputed region: FSDP gathers the parameters before the layer recomputes.
 
     Args:
         model: the model or pipeline stage; layers it does not hold are ignored.
@@ -72,20 +81,19 @@ def apply_recompute(model: nn.Module, recompute: dict[str, str]) -> None:
     for name, mode in recompute.items():
         if mode == "none" or not holds_parameters(model, name):
             continue
-        layer = model.get_submodule(name)
-        if mode == "full":
-            wrapped = checkpoint_wrapper(layer)
-        elif mode == "selective":
-            wrapped = checkpoint_wrapper(layer, context_fn=_selective_context)
-        else:
+        if mode not in ("full", "selective"):
             raise ValueError(f"unknown recompute mode {mode!r} for {name}")
-        owner, _, attribute = name.rpartition(".")
-        model.get_submodule(owner).register_module(attribute, wrapped)
+        layer = model.get_submodule(name)
+        layer.forward = recomputed(layer.forward, selective=mode == "selective")
 
 
-def holds_parameters(model: nn.Module, name: str) -> bool:
-    """Whether ``model`` has module ``name`` with parameters (a pipeline stage drops others')."""
-    try:
-        return bool(list(model.get_submodule(name).parameters()))
-    except AttributeError:
-        return False
+def recomputed(forward: Callable[..., Any], selective: bool) -> Callable[..., Any]:
+    """``forward`` run under non-reentrant activation checkpointing (with the selective policy
+    above when ``selective``); same signature, so callers inspecting it see the layer's."""
+    context_fn = _selective_context if selective else noop_context_fn
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpointed(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run

@@ -26,16 +26,19 @@ from autopar.codegen.sections.contract import (build_model, compute_loss, file_s
                                                tokens_per_sample)
 from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
 from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
-from autopar.codegen.sections.measure import profiled_split, tracked_peak, write_measurements
-from autopar.codegen.sections.gradient_sync import HierarchicalSync, ParameterServer, dp_groups, node_subgroups
+from autopar.codegen.sections.gradient_sync import (HalvingDoublingSync, HierarchicalSync, ParameterServer,
+                                                    dp_groups, node_subgroups)
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
-from autopar.codegen.sections.optimizer import build_optimizer
+from autopar.codegen.sections.optimizer import build_optimizer, build_zero1_optimizer
 from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
                                                local_stage_indices, module_stages, named_parameters_in_stage,
-                                               run_pipeline, split_stage, split_with_tracer,
-                                               strip_wrapper_prefixes)
+                                               run_pipeline, split_stage, split_with_tracer)
 from autopar.codegen.sections.recompute import apply_recompute
 from autopar.codegen.sections.tensor_parallel import apply_tp
+
+
+GRADIENT_SYNC_ALGORITHMS = ("hierarchical", "halving_doubling", "ps")  # dp_sync run by gradient_sync.py
+NCCL_ALGORITHMS = ("ring", "tree")  # dp_sync naming NCCL's all-reduce algorithm (FSDP's reduction)
 
 
 @dataclass(frozen=True)
@@ -46,42 +49,38 @@ class ParallelConfig:
         dims: degrees and mesh axis order.
         zero_stage: 0-3 (see data_parallel.py).
         stages: layer FQNs per (virtual) pipeline stage; stage j runs on pipeline rank j mod pp.
-        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
         recompute: layer FQN -> "none" | "selective" | "full".
         fsdp_groups: module FQNs grouped for FSDP, bottom-up.
         tied_parameters: parameter FQNs sharing one tensor.
-        loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
-        pipeline_split: "modules" (drop other stages' layers) or "tracer" (cut an exported graph).
-        cp_strategy: "ulysses" or "ring" (context parallelism's attention; see context_parallel.py).
-        position_argument: the model's forward argument for token positions (context parallelism).
-        mask_argument: the model's padding-mask argument, filled with ones under context parallelism.
-        dp_sync: gradient synchronisation: "ring" or "tree" (FSDP's reduction), "hierarchical" or
-            "ps" (gradient_sync.py, ZeRO-0/1 without context parallelism).
-        dp_bucket_bytes: bucket size of the hierarchical / parameter-server exchange.
-        gpus_per_node: ranks per node (which ranks share a node for the hierarchical all-reduce).
+        The others (with defaults) belong to one technique each; see the comments.
     """
 
     dims: ParallelDims
     zero_stage: int
     stages: list[list[str]]
-    schedule: str
     recompute: dict[str, str]
     fsdp_groups: list[list[str]]
     tied_parameters: list[list[str]]
-    loss_parallel: bool
-    pipeline_split: str = "modules"
-    cp_strategy: str = "ulysses"
-    position_argument: str | None = None
-    mask_argument: str | None = None
-    dp_sync: str = "ring"
-    dp_bucket_bytes: int = 25 * 2**20
-    gpus_per_node: int = 8
+    schedule: str = "1f1b"  # pipelines: gpipe | 1f1b | interleaved_1f1b
+    loss_parallel: bool = False  # TP: the LM head's logits stay vocabulary-sharded into the loss
+    pipeline_split: str = "modules"  # pipelines: drop other stages' layers, or "tracer": cut an exported graph
+    cp_strategy: str = "ulysses"  # context parallelism's attention: ulysses | ring
+    position_argument: str | None = None  # CP: forward's argument for the tokens' positions
+    mask_argument: str | None = None  # CP: forward's padding-mask argument, filled with ones
+    dp_sync: str = "ring"  # ring | tree: FSDP's (NCCL's algorithm); others: gradient_sync.py
+    dp_bucket_bytes: int = 25 * 2**20  # gradient_sync.py's bucket size
+    gpus_per_node: int = 8  # which ranks share a node (hierarchical all-reduce)
 
     @property
     def custom_gradient_sync(self) -> bool:
         """Gradients averaged by gradient_sync.py instead of FSDP."""
-        return (self.dp_sync in ("hierarchical", "ps") and self.zero_stage <= 1 and self.dims.dp > 1
+        return (self.dp_sync in GRADIENT_SYNC_ALGORITHMS and self.zero_stage <= 1 and self.dims.dp > 1
                 and not self.dims.cp_enabled)
+
+    @property
+    def recompute_enabled(self) -> bool:
+        """Whether any layer recomputes its activations in backward."""
+        return any(mode != "none" for mode in self.recompute.values())
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,6 @@ class TrainConfig:
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         micro_batch_size, num_micro_batches: per data-parallel rank and step.
         dp_shares: samples per micro-batch of each data-parallel rank when uneven (else empty).
-        measure_dir: where each rank writes its measurements (validation runs), or None.
         precision: "bf16" (used on GPUs; CPUs train in fp32) or "fp32".
         optimizer: AdamW settings (lr, betas, eps, weight_decay).
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
@@ -119,7 +117,6 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
-    measure_dir: str | None = None
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
         """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
@@ -144,9 +141,8 @@ class ParallelModel:
     mesh: DeviceMesh
     device: torch.device
     is_last_stage: bool
-    schedule: Any = None
-    tied_sync: TiedGradientSync | None = None
-    step_hooks: list[Callable[[], None]] = field(default_factory=list)
+    schedule: Any = None  # the pipeline schedule (None without pipelining)
+    tied_sync: Callable[[list[nn.Module]], None] | None = None  # sums tied gradients across stages
     compute_dtype: torch.dtype | None = None  # see `compute_dtype`
 
 
@@ -157,19 +153,17 @@ def compute_dtype(precision: str, device: torch.device, as_gpu: bool = False) ->
 
 
 def fsdp_wraps(dims: ParallelDims, config: ParallelConfig, param_dtype: torch.dtype | None) -> bool:
-    """Whether FSDP wraps the model: to average gradients over data/context-parallel ranks, and
-    on a lone data-parallel rank too when it computes in 16 bit. There FSDP's mixed precision
-    computes with a bf16 copy of the weights and keeps fp32 weights and gradients, so
-    activations stay 16-bit as the cost model prices them; autocast over fp32 weights alone
-    keeps the residual stream in fp32 (a 1B Llama at micro-batch 4 on an H100: 34.2 GB that
-    way, 31.7 GB with FSDP's, 31.6 GB predicted). The generated exchanges of hierarchical /
-    parameter-server sync are not FSDP."""
+    """Whether FSDP wraps the model: to average gradients over data/context-parallel ranks (unless
+    gradient_sync.py does), and on a lone rank computing in 16 bit, where FSDP's mixed precision
+    keeps activations 16-bit as priced; autocast over fp32 weights keeps the residual stream in
+    fp32 (a 1B Llama at micro-batch 4 on an H100: 34.2 GB that way, 31.7 GB with FSDP's, 31.6 predicted)."""
     return (dims.grad_sync_enabled or param_dtype is not None) and not config.custom_gradient_sync
 
 
 def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: DeviceMesh, config: ParallelConfig,
                 tp_plan: dict[str, ParallelStyle], param_dtype: torch.dtype | None) -> None:
-    """Apply the plan to one model (or pipeline stage) in the order the techniques compose.
+    """Apply the plan to one model (or pipeline stage), top to bottom in the order the
+    techniques compose: tensor parallelism, activation recomputation, then FSDP bottom-up.
 
     Args:
         model: the model whose FQNs the plan names (a stage's inner model copy).
@@ -181,24 +175,32 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
         param_dtype: compute dtype for FSDP's gathered parameters, or None.
     """
     dims = config.dims
-
-    def held(name: str) -> bool:
-        return any(name == layer or name.startswith(layer + ".") for layer in layers)
-
-    # TP first: it replaces parameters by DTensors that the later wrappers must see.
+    # Tensor parallelism first: it replaces parameters by DTensors, which the wrappers below must see.
     if dims.tp_enabled:
-        apply_tp(model, mesh[MeshAxis.TP.value], {k: v for k, v in tp_plan.items() if held(k)},
-                 config.tied_parameters)
-    # Activation checkpointing after TP (it wraps the parallelised layers) and before FSDP
-    # (FSDP must wrap the checkpointed layer, so parameters are gathered inside recomputation).
-    apply_recompute(model, {k: v for k, v in config.recompute.items() if held(k)})
+        apply_tp(model, mesh[MeshAxis.TP.value], held(tp_plan, layers), config.tied_parameters)
+    # Activation recomputation after TP (it recomputes the parallelised layers) and before FSDP
+    # (FSDP's hooks must run outside it, so parameters are gathered before a layer recomputes).
+    if config.recompute_enabled:
+        apply_recompute(model, held(config.recompute, layers))
+    # FSDP last, bottom-up: blocks, then final norm + head, then the root.
     if fsdp_wraps(dims, config, param_dtype):
-        # FSDP last, bottom-up: blocks, then final norm + head, then the root. A lone rank has
-        # no reduction to overlap with backward, so one group (the root) spares the per-block
-        # hooks and copies (a 1.3B GPT at micro-batch 1 on an H100: 47 ms per micro-batch).
-        groups = config.fsdp_groups if dims.grad_sync_enabled else []
-        apply_fsdp(model, dp_mesh_of(mesh, dims), [[n for n in group if held(n)] for group in groups],
-                   reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype, root=root)
+        groups = [[name for name in group if in_layers(name, layers)] for group in config.fsdp_groups]
+        if not dims.grad_sync_enabled:
+            # A lone rank has no reduction to overlap with backward: one group (the root) spares
+            # the per-block hooks and copies (a 1.3B GPT at micro-batch 1 on an H100: 47 ms per micro-batch).
+            groups = []
+        apply_fsdp(model, dp_mesh_of(mesh, dims), groups, reshard_after_forward=config.zero_stage >= 3,
+                   param_dtype=param_dtype, root=root)
+
+
+def in_layers(name: str, layers: list[str]) -> bool:
+    """Whether module ``name`` is one of ``layers`` or inside one."""
+    return any(name == layer or name.startswith(layer + ".") for layer in layers)
+
+
+def held(per_module: dict[str, Any], layers: list[str]) -> dict[str, Any]:
+    """The entries of a per-module setting for the modules ``layers`` hold."""
+    return {name: value for name, value in per_module.items() if in_layers(name, layers)}
 
 
 def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
@@ -217,18 +219,28 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         model = build_model(model_module, training.model_kwargs, training.seed)
     param_dtype = compute_dtype(training.precision, device, as_gpu=fake_mode is not None)
     materialised = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    plan = tp_plan() if dims.tp_enabled else {}
-    zero1 = mesh[MeshAxis.DP_REPLICATE.value].get_group() if config.zero_stage == 1 else None
+    styles: dict[str, ParallelStyle] = {}
+    if dims.tp_enabled:
+        styles = tp_plan()
+    if dims.pp_enabled:
+        return setup_pipeline(training, config, styles, model, model_module, mesh, device, param_dtype, fake_mode)
     # Parallelised on the CPU copy: TP and FSDP move each shard to the device as they make it,
     # so no GPU ever holds the whole model; what stays unsharded moves afterwards.
-    if not dims.pp_enabled:
-        layers = [layer for stage in config.stages for layer in stage]
-        parallelize(model, model, layers, mesh, config, plan, param_dtype)
-        with materialised:
-            place(model, device)
-            optimizer = make_optimizer(list(model.parameters()), training, config, mesh, zero1)
-        return ParallelModel([model], optimizer, mesh, device, is_last_stage=True, compute_dtype=param_dtype)
+    layers = [layer for stage in config.stages for layer in stage]
+    parallelize(model, model, layers, mesh, config, styles, param_dtype)
+    with materialised:
+        place(model, device)
+        optimizer = make_optimizer(list(model.parameters()), training, config, mesh)
+    return ParallelModel([model], optimizer, mesh, device, is_last_stage=True, compute_dtype=param_dtype)
 
+
+def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[str, ParallelStyle], model: nn.Module,
+                   model_module: Any, mesh: DeviceMesh, device: torch.device, param_dtype: torch.dtype | None,
+                   fake_mode: Any) -> ParallelModel:
+    """`setup` for a pipeline: cut this rank's stages out of ``model``, parallelise each, and
+    schedule them."""
+    dims = config.dims
+    materialised = fake_mode if fake_mode is not None else contextlib.nullcontext()
     pp_rank = mesh[MeshAxis.PP.value].get_local_rank()
     pp_mesh = mesh[MeshAxis.PP.value]
     indices = local_stage_indices(len(config.stages), dims.pp, pp_rank)
@@ -252,7 +264,7 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     else:
         for index in indices:
             stage = split_stage(model, config.stages, index, model_module, example, device)
-            parallelize(stage.model, stage, config.stages[index], mesh, config, plan, param_dtype)
+            parallelize(stage.model, stage, config.stages[index], mesh, config, styles, param_dtype)
             with materialised:
                 place(stage, device)
             stage.attach_input()
@@ -262,7 +274,7 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     schedule = build_pipeline(pipeline_stages, config.schedule, training.num_micro_batches)
     parameters = list({id(p): p for module in modules for p in module.parameters()}.values())
     with materialised:
-        optimizer = make_optimizer(parameters, training, config, mesh, zero1)
+        optimizer = make_optimizer(parameters, training, config, mesh)
     return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp),
@@ -278,20 +290,34 @@ def place(module: nn.Module, device: torch.device) -> None:
         module.to(device)
 
 
-def make_optimizer(parameters: list[nn.Parameter], training: TrainConfig, config: ParallelConfig, mesh: DeviceMesh,
-                   zero1: dist.ProcessGroup | None) -> Any:
-    """AdamW (sharded for ZeRO-1), behind the plan's gradient synchronisation when it is not FSDP's."""
-    if not config.custom_gradient_sync:
-        return build_optimizer(parameters, training.optimizer, zero1)
-    axis = MeshAxis.DP_REPLICATE.value
+def make_optimizer(parameters: list[nn.Parameter], training: TrainConfig, config: ParallelConfig,
+                   mesh: DeviceMesh) -> Any:
+    """AdamW (its state sharded over data-parallel replicas for ZeRO-1), behind the plan's
+    gradient synchronisation when it is not FSDP's."""
+    if config.custom_gradient_sync:
+        return make_gradient_sync(parameters, training, config, mesh)
+    if config.zero_stage == 1:
+        return build_zero1_optimizer(parameters, training.optimizer, mesh[MeshAxis.DP_REPLICATE.value].get_group())
+    return build_optimizer(parameters, training.optimizer)
+
+
+def make_gradient_sync(parameters: list[nn.Parameter], training: TrainConfig, config: ParallelConfig,
+                       mesh: DeviceMesh) -> Any:
+    """The plan's own gradient exchange (gradient_sync.py) wrapped around the optimizer."""
+    group = mesh[MeshAxis.DP_REPLICATE.value].get_group()
     if config.dp_sync == "ps":
-        return ParameterServer(parameters, lambda owned: build_optimizer(owned, training.optimizer, None),
-                               mesh[axis].get_group(), config.dp_bucket_bytes)
-    intra, inter = node_subgroups(dp_groups(mesh, axis), config.gpus_per_node)
+        return ParameterServer(parameters, lambda owned: build_optimizer(owned, training.optimizer), group,
+                               config.dp_bucket_bytes)
+    if config.zero_stage == 1:
+        optimizer = build_zero1_optimizer(parameters, training.optimizer, group)
+    else:
+        optimizer = build_optimizer(parameters, training.optimizer)
+    if config.dp_sync == "halving_doubling":
+        return HalvingDoublingSync(parameters, optimizer, group, config.dp_bucket_bytes)
+    intra, inter = node_subgroups(dp_groups(mesh, MeshAxis.DP_REPLICATE.value), config.gpus_per_node)
     intra_group, _ = dist.new_subgroups_by_enumeration(intra)
     inter_group, _ = dist.new_subgroups_by_enumeration(inter)
-    return HierarchicalSync(parameters, build_optimizer(parameters, training.optimizer, zero1), intra_group,
-                            inter_group, config.dims.dp, config.dp_bucket_bytes)
+    return HierarchicalSync(parameters, optimizer, intra_group, inter_group, config.dims.dp, config.dp_bucket_bytes)
 
 
 def local_batch(training: TrainConfig, config: ParallelConfig, model_module: Any, step: int, mesh: DeviceMesh,
@@ -326,7 +352,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
     loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
     dtype = parallel.compute_dtype
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
-    if parallel.schedule is not None:
+    if config.dims.pp_enabled:
         with loss_context(), autocast:
             loss = run_pipeline(parallel.schedule, batch, parallel.is_last_stage,
                                 traced=config.pipeline_split == "tracer")
@@ -378,8 +404,9 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
     unsharded model (tied parameters appear under each of their names)."""
     state: dict[str, torch.Tensor] = {}
     for module in parallel.modules:
-        named = (named_parameters_in_stage(module) if parallel.schedule is not None
-                 else ((strip_wrapper_prefixes(n), p) for n, p in module.named_parameters(remove_duplicate=False)))
+        named = module.named_parameters(remove_duplicate=False)
+        if parallel.schedule is not None:
+            named = named_parameters_in_stage(module)
         for name, parameter in named:
             full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
             state[name] = full.detach().float().cpu()
@@ -388,22 +415,6 @@ def save_full_state(parallel: ParallelModel, path: str) -> None:
     if dist.get_rank() == 0:
         merged = {name: tensor for part in parts for name, tensor in part.items()}
         torch.save(merged, path)
-
-
-NCCL_ALGORITHMS = {"ring": "ring", "tree": "tree"}
-
-
-def measure(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
-            records: list[dict[str, float]]) -> None:
-    """Two more steps after the timed ones: one under the profiler (compute vs communication),
-    one under memory tracking; then this rank's measurements go to ``training.measure_dir``."""
-    def step(index: int) -> Callable[[], float]:
-        return lambda: timed_step(parallel, training, config, model_module, index)["step_time_s"]
-
-    split = profiled_split(step(training.steps))
-    memory = tracked_peak(step(training.steps + 1), parallel.device, parallel.modules, parallel.optimizer)
-    times = [record["step_time_s"] for record in records]
-    write_measurements(training.measure_dir, times, split, memory, warmup=min(2, max(0, len(times) - 1)))
 
 
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
@@ -446,15 +457,17 @@ def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointCon
 
 
 def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
-        expected_sha256: str | None = None) -> list[dict[str, float]]:
+          expected_sha256: str | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
     """Train for ``training.steps`` steps on this rank; returns the per-step records (rank 0 also
     appends them to ``training.log_file``). Joins the default process group, creating it from the
-    torchrun environment if needed."""
+    torchrun environment if needed. ``after_steps(parallel, training, config, model_module, records)``
+    runs after the last step (a validation run measures two more steps there)."""
     device, backend = pick_device()
-    if config.dp_sync in NCCL_ALGORITHMS and backend == "nccl":
-        # The all-reduce algorithm the planner priced (NCCL reads this when it starts; other
-        # collectives keep NCCL's own choice). A user's setting wins.
-        os.environ.setdefault("NCCL_ALGO", f"allreduce:{NCCL_ALGORITHMS[config.dp_sync]}")
+    if config.dp_sync in NCCL_ALGORITHMS:
+        if backend == "nccl":
+            # The all-reduce algorithm the planner priced (NCCL reads this when it starts; other
+            # collectives keep NCCL's own choice). A user's setting wins.
+            os.environ.setdefault("NCCL_ALGO", f"allreduce:{config.dp_sync}")
     created = not dist.is_initialized()
     if created:
         dist.init_process_group(backend)
@@ -477,8 +490,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
                 records.append(timed_step(parallel, training, config, model_module, step))
                 if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
                     checkpointer.save(step + 1)
-            if training.measure_dir:
-                measure(parallel, training, config, model_module, records)
+            if after_steps is not None:  # inside the attention context: more steps may run
+                after_steps(parallel, training, config, model_module, records)
         if training.checkpoint.enabled:
             checkpointer.finish(training.steps)
         if training.save_final:
@@ -503,9 +516,6 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--model-file", default=defaults["model_file"], help="the model.py to train")
     parser.add_argument("--log-file", default=defaults["log_file"], help="append one JSON record per step here")
     parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")
-    parser.add_argument("--measure-dir", default=None,
-                        help="after training, profile one step and track one step's memory; each rank writes "
-                             "rank_<r>.json here (for validating the plan)")
     parser.add_argument("--checkpoint-dir", default=defaults.get("checkpoint_dir"),
                         help="checkpoint folder (DIR/step_<n>/); resuming starts from its latest complete one")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.get("checkpoint_every", 0), metavar="N",

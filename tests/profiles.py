@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # A small GPT: s = 256, h = 256, a = 4 heads, micro-batch b = 2; SDPA (flash) attention, no dropout.
 S, H, A, B = 256, 256, 4, 2

@@ -1,15 +1,20 @@
 """Measurement for validation runs: per-rank step times, compute vs communication, peak memory.
 
-With ``--measure-dir DIR`` every rank times each step, runs one warm step under torch.profiler to
-split its time into communication (time inside collectives and point-to-point calls, which on a
-blocking backend is time waiting for peers) and the rest, measures its peak memory (the CUDA
-allocator's peak on GPUs; on CPUs PyTorch's MemTracker, which counts tensor bytes rather than the
-process's resident set), and writes DIR/rank_<r>.json.
+`autopar validate` starts the compiled module's ranks through this module
+(``torchrun -m autopar.runtime.measure parallel_<model>.py --measure-dir DIR [module options]``),
+so the generated file carries no measurement code. After the module's timed steps, every rank
+runs one warm step under torch.profiler to split its time into communication (time inside
+collectives and point-to-point calls, which on a blocking backend is time waiting for peers) and
+the rest, measures its peak memory on one more step (the CUDA allocator's peak on GPUs; on CPUs
+PyTorch's MemTracker, which counts tensor bytes rather than the process's resident set), and
+writes DIR/rank_<r>.json.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,3 +101,34 @@ def write_measurements(folder: str | Path, step_times_s: list[float], split: dic
     path = Path(folder) / f"rank_{dist.get_rank()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
+
+
+def measure_after(generated: Any, folder: str | Path) -> Callable[..., None]:
+    """The ``after_steps`` hook of a generated module's ``main``: two more steps after the timed
+    ones, one under the profiler, one under memory tracking; then this rank's file in ``folder``."""
+    def after_steps(parallel: Any, training: Any, config: Any, model_module: Any, records: list[dict]) -> None:
+        def step(index: int) -> Callable[[], float]:
+            return lambda: generated.timed_step(parallel, training, config, model_module, index)["step_time_s"]
+
+        split = profiled_split(step(training.steps))
+        memory = tracked_peak(step(training.steps + 1), parallel.device, parallel.modules, parallel.optimizer)
+        times = [record["step_time_s"] for record in records]
+        write_measurements(folder, times, split, memory, warmup=min(2, max(0, len(times) - 1)))
+
+    return after_steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank: import the generated module, train with its own options, then measure."""
+    from autopar.runtime.generated import import_generated
+
+    parser = argparse.ArgumentParser(description="Run a generated module's rank and measure it (autopar validate).")
+    parser.add_argument("script", help="the generated parallel_<model>.py")
+    parser.add_argument("--measure-dir", required=True, help="each rank writes rank_<r>.json here")
+    args, rest = parser.parse_known_args(argv)
+    generated = import_generated(args.script, "__autopar_measured__")
+    generated.main(rest, after_steps=measure_after(generated, args.measure_dir))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Reference planner for tests: every candidate, every partition, every recompute option.
+"""Brute-force oracles for the planner tests: every candidate, every partition, every recompute option.
 
 Prices each complete plan with the cost model (`cost_models.pipeline.evaluate` on the
 pricer's per-layer prices) and returns the fastest that fits. It enumerates exactly the space
@@ -7,12 +7,12 @@ suffix, anywhere otherwise — so the two must agree on the optimum's step time.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from autopar.solver.block_partition import find_block_run
 from autopar.solver.space import Candidate
-from autopar.solver.stage_partition import brute_force_partition
-from cost_models.pipeline import Partition
+from cost_models.pipeline import Partition, PartitionProblem, evaluate
 
 
 @dataclass(frozen=True)
@@ -38,4 +38,19 @@ def brute_force_plan(pricer, candidates: list[Candidate]) -> BruteForceBest | No
         step = partition.step_time_s + pricer.fixed_time_s(candidate)
         if best is None or step < best.step_time_s:
             best = BruteForceBest(candidate, partition, step)
+    return best
+
+
+def brute_force_partition(problem: PartitionProblem, allowed_starts: set[int] | None = None) -> Partition | None:
+    """Every contiguous partition (cuts only at `allowed_starts` if given) and option per
+    layer, priced by `evaluate`: the oracle the stage-partition ILP is checked against."""
+    L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
+    best: Partition | None = None
+    positions = [l for l in range(1, L) if allowed_starts is None or l in allowed_starts]
+    for cuts in itertools.combinations(positions, P - 1):
+        starts = [0, *cuts]
+        for chosen in itertools.product(range(options), repeat=L):
+            candidate = evaluate(problem, starts, list(chosen))
+            if candidate is not None and (best is None or candidate.step_time_s < best.step_time_s - 1e-12):
+                best = candidate
     return best

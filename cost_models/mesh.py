@@ -1,0 +1,115 @@
+"""Mesh arithmetic, in one place: where each rank sits on the parallel axes.
+
+Axes are listed innermost (consecutive ranks, fastest links) to outermost in `order`; rank r's
+coordinate on an axis is (r // stride) % degree, the innermost axis having stride 1 and each
+next axis the product of the degrees inside it. This is `torch.arange(world).reshape(shape)`
+with the shape outermost first (DeviceMesh's order), so a generated DeviceMesh and the cost
+model agree on which ranks form each group. Every module that needs a stride, a coordinate or a
+group's ranks asks `Mesh` (a test greps the packages for arithmetic written elsewhere).
+
+    mesh = Mesh.of(plan)               # anything with mesh_order and degree(axis)
+    mesh.coordinate(5, "pp"); mesh.group_ranks(("dp", "cp")); mesh.shape()
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Degrees of the mesh axes in rank order.
+
+    Attributes:
+        order: axis names innermost -> outermost.
+        degrees: the degree of each axis of `order`, in the same order.
+    """
+
+    order: tuple[str, ...]
+    degrees: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: Any) -> "Mesh":
+        """The mesh of a plan or layout (anything with `mesh_order` and `degree(axis)`)."""
+        order = tuple(str(axis) for axis in layout.mesh_order)
+        return cls(order, tuple(layout.degree(axis) for axis in order))
+
+    @classmethod
+    def from_degrees(cls, order: tuple[str, ...], degrees: dict[str, int]) -> "Mesh":
+        return cls(tuple(order), tuple(degrees[axis] for axis in order))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees)
+
+    def degree(self, axis: str) -> int:
+        return self.degrees[self.order.index(axis)]
+
+    def strides(self) -> dict[str, int]:
+        """Rank stride of each axis (the innermost has stride 1)."""
+        strides, stride = {}, 1
+        for axis, degree in zip(self.order, self.degrees):
+            strides[axis] = stride
+            stride *= degree
+        return strides
+
+    def stride(self, axis: str) -> int:
+        return self.strides()[axis]
+
+    def coordinate(self, rank: int, axis: str) -> int:
+        """Rank's index along one axis."""
+        return (rank // self.stride(axis)) % self.degree(axis)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Rank's index along every axis, innermost first."""
+        return {axis: (rank // stride) % self.degree(axis) for axis, stride in self.strides().items()}
+
+    def group_ranks(self, axes: str | tuple[str, ...], rank: int = 0) -> list[int]:
+        """Ranks of the group through `rank` spanned by one axis or several, sorted."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        strides = self.strides()
+        base = rank - sum(self.coordinate(rank, axis) * strides[axis] for axis in axes)
+        ranks = [base]
+        for axis in axes:
+            ranks = [r + i * strides[axis] for r in ranks for i in range(self.degree(axis))]
+        return sorted(ranks)
+
+    def groups(self, axes: str | tuple[str, ...]) -> list[list[int]]:
+        """Every group spanned by `axes`, each sorted, in order of their lowest rank."""
+        seen: dict[int, list[int]] = {}
+        for rank in range(self.world_size):
+            ranks = self.group_ranks(axes, rank)
+            seen.setdefault(ranks[0], ranks)
+        return [seen[first] for first in sorted(seen)]
+
+    def nodes_of(self, axis: str, gpus_per_node: int) -> list[int]:
+        """Nodes the group of `axis` through rank 0 touches."""
+        return sorted({rank // gpus_per_node for rank in self.group_ranks(axis)})
+
+    def span(self, axis: str, gpus_per_node: int) -> tuple[int, int]:
+        """(nodes spanned, ranks per node) of the group of `axis` through rank 0."""
+        size = self.degree(axis)
+        if size == 1:
+            return (1, 1)
+        stride = self.stride(axis)
+        # The group's ranks are i * stride for i < size. With stride >= gpus_per_node each lands on
+        # its own node; with a smaller stride consecutive ranks' nodes differ by at most one, so the
+        # nodes are the contiguous range up to the last rank's (counted, not listed: a data-parallel
+        # group can have millions of ranks).
+        nodes = size if stride >= gpus_per_node else (size - 1) * stride // gpus_per_node + 1
+        return (nodes, size // nodes)
+
+    def shape(self) -> tuple[int, ...]:
+        """Degrees outermost first (DeviceMesh order)."""
+        return tuple(reversed(self.degrees))
+
+    def dim_names(self) -> tuple[str, ...]:
+        """Axis names outermost first (DeviceMesh order)."""
+        return tuple(reversed(self.order))
+
+    def rank_grid(self) -> list:
+        """Nested lists of ranks in DeviceMesh order: rank r sits at its coordinate."""
+        import torch
+
+        return torch.arange(self.world_size).reshape(self.shape()).tolist()

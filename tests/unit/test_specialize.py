@@ -1,0 +1,71 @@
+"""Specialising the runtime sections to a plan: folded branches and pruned definitions."""
+from __future__ import annotations
+
+import textwrap
+
+from autopar.codegen.specialize import fold, prune, undefined_globals
+
+SOURCE = textwrap.dedent('''
+    def setup(config):
+        # Pipelines build their stages elsewhere.
+        if config.pp_enabled:
+            return setup_pipeline(config)
+        if not config.cp_enabled:
+            batch = plain()
+        else:
+            # context parallelism shards the sequence
+            batch = shard(config)
+        if config.tp_enabled and config.cp_enabled:
+            twice()
+        return batch
+
+
+    def setup_pipeline(config):
+        return stages()
+
+
+    # Only the pipeline needs this.
+    def stages():
+        return 1
+
+
+    def plain():
+        return 2
+
+
+    def shard(config):
+        return 3
+
+
+    def twice():
+        return 4
+
+
+    if __name__ == "__main__":
+        setup(None)
+''')
+
+
+def test_decided_branches_are_folded_and_what_nothing_reaches_is_dropped():
+    facts = {"config.pp_enabled": False, "config.cp_enabled": False, "config.tp_enabled": True}
+    folded = fold(SOURCE, facts)
+    assert "if config" not in folded
+    assert "batch = plain()" in folded and "batch = shard(config)" not in folded
+    assert "# Pipelines build their stages elsewhere." not in folded  # its comment goes with the branch
+    pruned = prune(folded, roots=set())
+    names = [line.split("(")[0][4:] for line in pruned.splitlines() if line.startswith("def ")]
+    assert names == ["setup", "plain"]
+    assert "Only the pipeline" not in pruned and undefined_globals(pruned) == set()
+
+
+def test_the_branch_taken_keeps_its_body_and_code_after_a_return_goes():
+    folded = fold(SOURCE, {"config.pp_enabled": True})
+    assert folded.splitlines()[2:4] == ["    # Pipelines build their stages elsewhere.",
+                                        "    return setup_pipeline(config)"]
+    assert "plain()" not in folded.split("def setup_pipeline")[0]  # after the return: never runs
+    assert "if not config.cp_enabled" not in folded
+
+
+def test_undecided_tests_are_left_alone():
+    assert fold(SOURCE, {"config.something_else": True}) == SOURCE
+    assert undefined_globals("def f():\n    return g()\n") == {"g"}

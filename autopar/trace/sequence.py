@@ -73,8 +73,12 @@ def sequence_mixers(captured: CapturedStep, seq_len: int | None,
         name = op_name(node.target).split(".")[-1]
         if name in ("default", "int", "Tensor", "dim"):
             name = op_name(node.target).split(".")[-2]
-        reason = _mixing_reason(name, node, seq_len)
         module = captured.node_module.get(node.name)
+        # A softmax in the loss (outside the model) is over the vocabulary, never attention: a
+        # vocabulary as large as the sequence must not look like S x S scores.
+        if module is None and name in _SOFTMAX:
+            continue
+        reason = _mixing_reason(name, node, seq_len)
         if reason is None and "scaled_dot_product" in name and _inside(module, native):
             reason = "attention inside nn.MultiheadAttention, which context parallelism does not replace"
         if reason:

@@ -66,6 +66,16 @@ def test_ops_mixing_sequence_positions_are_found(arch, expected):
     assert next(iter(profile.sequence_mixers), None) == expected
 
 
+def test_a_vocabulary_as_long_as_the_sequence_is_not_attention():
+    """The loss's log-softmax over a vocabulary of exactly S entries has S x S-shaped logits at one
+    sample per micro-batch; it runs outside the model, where no attention is, so CP stays open."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    profile = profile_model(load_model_file(examples / "llama_hf.py"),
+                            {"layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256,
+                             "seq_len": 256}, micro_batch_size=1, precision="fp32")
+    assert profile.sequence_mixers == []
+
+
 def test_torch_multihead_attention_counts_as_mixing():
     """nn.TransformerEncoderLayer calls the attention kernel from C++, past the replaced function."""
     profile = profile_model(load_model_file(ZOO / "encdec.py"), {}, micro_batch_size=1, precision="fp32")

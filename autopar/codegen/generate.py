@@ -401,7 +401,8 @@ def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
         dp_shares=plan["dp_shares"],
         measure_dir=args.measure_dir,
         checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
-                                    async_save=args.async_checkpoint, export=args.export),
+                                    async_save=args.async_checkpoint, export=args.export,
+                                    allow_fresh_start=args.allow_fresh_start),
         fail_at_step=args.fail_at_step,
     )
 '''.strip("\n")

@@ -420,8 +420,11 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     tokens = training.global_batch_size * tokens_per_sample(batch) * config.dims.cp  # CP ranks hold 1/cp each
+    # A restarted or resumed run repeats steps: the attempt (torchrun's restart count) and the
+    # launch (torchrun's run id) tell the repeats apart in run.jsonl.
     record = {"step": step, "loss": loss_value, "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
-              "peak_memory_bytes": int(memory)}
+              "peak_memory_bytes": int(memory), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+              "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
     if dist.get_rank() == 0:
         print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
               f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
@@ -443,6 +446,9 @@ def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointCon
     state = checkpointer.full_state()
     if dist.get_rank() == 0:
         write_weights(state, checkpoint.export)
+
+
+FINISHED_MARKER = "autopar-finished:"
 
 
 def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
@@ -488,6 +494,10 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         # Every rank past its last collective before any tears the group down: gloo aborts a
         # process whose peer exits while a transfer thread is still winding down.
         dist.barrier()
+        # Said once everything is written: should a rank still die in the teardown below (gloo
+        # on an oversubscribed CPU aborts now and then), the launcher knows the run finished.
+        print(f"{FINISHED_MARKER} rank {dist.get_rank()} of {dist.get_world_size()} attempt "
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
         return records
     finally:
         if created:
@@ -512,6 +522,9 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
                         help="save a checkpoint every N steps and after the last (0: no checkpoints, no resuming)")
     parser.add_argument("--async-checkpoint", action="store_true",
                         help="write checkpoints in the background while training goes on")
+    parser.add_argument("--allow-fresh-start", action="store_true",
+                        help="when every checkpoint is unusable (files not matching their checksums), train "
+                             "from step 0 instead of failing")
     parser.add_argument("--export", default=None, metavar="PATH",
                         help="write the trained weights as one file (.safetensors, else torch.save); without "
                              "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -449,6 +450,24 @@ def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointCon
 
 
 FINISHED_MARKER = "autopar-finished:"
+LOOPBACK = "127.0.0.1"
+
+
+def join_process_group(backend: str) -> None:
+    """Join the ranks torchrun started (env://). When they meet on the loopback address (a local
+    run) and rank 0 hosts the store (torchrun's own is not shared: see launch.py), rank 0's store
+    listens on 127.0.0.1 only: torch's env:// start would listen on every interface, open to
+    anyone who can reach the machine."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if address != LOOPBACK or port is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # The store takes over the listening socket's descriptor (detach: Python must not close it).
+    listener = socket.create_server((LOOPBACK, int(port))).detach() if rank == 0 else None
+    store = dist.TCPStore(LOOPBACK, int(port), world_size, is_master=rank == 0, master_listen_fd=listener,
+                          multi_tenant=True, timeout=dist.constants.default_pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
@@ -463,7 +482,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         os.environ.setdefault("NCCL_ALGO", f"allreduce:{NCCL_ALGORITHMS[config.dp_sync]}")
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(backend)
+        join_process_group(backend)
     try:
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")

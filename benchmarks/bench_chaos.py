@@ -96,7 +96,7 @@ def _trial(template: Path, root: Path, kind: str, rng: random.Random) -> dict:
     note = ""
     if kind in ("kill_rank", "int_rank", "kill_cli", "int_cli", "concurrent"):
         first = _start(_cli(folder, *(["--max-restarts", "1"] if kind.endswith("rank") else [])))
-        time.sleep(rng.uniform(4, 14))
+        time.sleep(rng.uniform(2, 8) if kind == "concurrent" else rng.uniform(4, 14))
         if kind.endswith("rank"):
             ranks = _ranks(folder)
             if ranks:

@@ -5,8 +5,10 @@ it appended to ``run.jsonl``, and when a rank fails, finds that rank's error in 
 report (the module's ``main`` is wrapped in torch's ``record``, so the traceback is kept).
 
 One run per folder at a time: the run holds an flock on ``DIR/.autopar-run.lock`` (the OS
-releases it when the run's processes end, crashed or not). Ranks talk over the loopback
-interface only, and torchrun's logs go to a temporary folder removed after the run.
+releases it when the run's processes end, crashed or not). Every socket the run listens on is
+bound to 127.0.0.1 (torchrun's rendezvous store: loopback.py; rank 0's store: the generated
+module; gloo's pairs: GLOO_SOCKET_IFNAME=lo), and torchrun's logs go to a temporary folder
+removed after the run.
 """
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ from typing import Sequence
 
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
+from autopar.runtime.loopback import torchrun_arguments
 from autopar.errors import UserError
 from autopar.plan import Plan
 
 LOG_NAME = "run.jsonl"
 LOCK_NAME = ".autopar-run.lock"
 # Local ranks reach each other over the loopback interface only (gloo binds its pairs there).
-LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 @dataclass
@@ -129,9 +132,8 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         logs = Path(tempfile.mkdtemp(prefix="autopar-torchrun-"))
         try:
             before = len(read_records(log))
-            # --standalone: a rendezvous store on a free port (a taken port cannot hang the run)
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                       "--local-addr=127.0.0.1", f"--log-dir={logs}",
+            # torchrun with its rendezvous store on 127.0.0.1 at a free port (a taken port cannot hang the run)
+            command = [sys.executable, "-m", "autopar.runtime.loopback", *torchrun_arguments(nproc), f"--log-dir={logs}",
                        f"--max-restarts={max_restarts}", str(script), "--log-file", str(log)]
             if steps is not None:
                 command += ["--steps", str(steps)]

@@ -24,6 +24,14 @@ LOOPBACK = "127.0.0.1"
 BACKEND = "autopar-loopback"
 
 
+class LoopbackBackend(C10dRendezvousBackend):
+    """torch's c10d rendezvous state, under this backend's name (torch checks the two agree)."""
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+
 def loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """A c10d dynamic rendezvous whose store this process hosts on 127.0.0.1 at a free port."""
     listener = socket.create_server((LOOPBACK, 0))
@@ -31,7 +39,7 @@ def loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     # The store takes over the listening descriptor (detach: Python must not close it).
     store = TCPStore(LOOPBACK, port, is_master=True, master_listen_fd=listener.detach(), multi_tenant=True,
                      timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))
-    return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    return create_handler(store, LoopbackBackend(store, params.run_id), params)
 
 
 def torchrun_arguments(nproc: int) -> list[str]:

@@ -26,7 +26,7 @@ from autopar.codegen import generate
 from autopar.codegen.sections.checkpoint import (COMPLETE, UNUSABLE, _save_failed, checkpoint_problem, disk_full,
                                                  file_digests, usable_checkpoint)
 from autopar.runtime.generated import import_generated
-from autopar.runtime.local import LOCK_NAME, failing_rank, finished_everywhere, folder_lock
+from autopar.runtime.local import LOCK_NAME, failing_rank, finished_everywhere, folder_lock, run_local
 from tests.dist.plans import GPT, make_plan
 
 
@@ -183,3 +183,19 @@ def test_rank_zero_store_listens_on_loopback_only(dp2, monkeypatch):
         assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1 in /proc/net's byte order
     finally:
         dist.destroy_process_group()
+
+
+def test_rank_aborting_after_it_finished_does_not_fail_the_run(tmp_path):
+    """Two ranks say they finished, then rank 1 dies by SIGABRT (as gloo's teardown sometimes
+    does on a loaded CPU): the run is finished, with the abort noted; without the marker it fails."""
+    (tmp_path / "parallel_stub.py").write_text(
+        "import os, signal\n"
+        "rank = int(os.environ['RANK'])\n"
+        "if 'SAY_FINISHED' in os.environ:\n"
+        "    print(f'autopar-finished: rank {rank} of 2 attempt 0', flush=True)\n"
+        "if rank == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGABRT)\n")
+    finished = run_local(tmp_path, nproc=2, env=dict(os.environ, SAY_FINISHED="1"), timeout_s=120)
+    assert finished.ok and finished.teardown_failure not in (None, 0)
+    failed = run_local(tmp_path, nproc=2, timeout_s=120)
+    assert not failed.ok and failed.failed_rank == 1 and "SIGABRT" in failed.error

@@ -56,7 +56,8 @@ def _ranks(folder: Path) -> list[int]:
                 words = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(w.decode(errors="replace").endswith(script) for w in words) and b"torch.distributed.run" not in words:
+            launcher = b"autopar.runtime.loopback" in words or b"torch.distributed.run" in words
+            if any(w.decode(errors="replace").endswith(script) for w in words) and not launcher:
                 pids.append(int(entry.name))
     return pids
 
@@ -118,7 +119,8 @@ def _trial(template: Path, root: Path, kind: str, rng: random.Random) -> dict:
         note = "ENOSPC named" if "ENOSPC" in failed.stderr else f"rc {failed.returncode}: {failed.stderr[-200:]!r}"
         subprocess.run(["mount", "-o", "remount,size=64m", str(folder / "checkpoints")], check=True)
     survived, output = _run_until_done(folder)
-    records = [line for line in (folder / "run.jsonl").read_text().splitlines()] if (folder / "run.jsonl").exists() else []
+    log = folder / "run.jsonl"
+    records = log.read_text().splitlines() if log.exists() else []
     steps_seen = {json.loads(line)["step"] for line in records}
     step, weights = _final_weights(folder)
     result = {"kind": kind, "survived": survived and steps_seen >= set(range(STEPS)) and step == STEPS,

@@ -133,8 +133,8 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         try:
             before = len(read_records(log))
             # torchrun with its rendezvous store on 127.0.0.1 at a free port (a taken port cannot hang the run)
-            command = [sys.executable, "-m", "autopar.runtime.loopback", *torchrun_arguments(nproc), f"--log-dir={logs}",
-                       f"--max-restarts={max_restarts}", str(script), "--log-file", str(log)]
+            command = [sys.executable, "-m", "autopar.runtime.loopback", *torchrun_arguments(nproc),
+                       f"--log-dir={logs}", f"--max-restarts={max_restarts}", str(script), "--log-file", str(log)]
             if steps is not None:
                 command += ["--steps", str(steps)]
             command += list(extra_args)

@@ -3,7 +3,7 @@ markdown table per benchmark; the same text goes to benchmarks/results/latest.md
 
     make bench                         # all of them
     python -m benchmarks.run profile   # only those whose name contains "profile"
-    python -m benchmarks.run chaos     # fault injection (about 40 min, needs root): only when named
+    python -m benchmarks.run chaos     # fault injection (1-3 min a run, 50 runs; needs root): only when named
 """
 from __future__ import annotations
 

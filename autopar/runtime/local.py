@@ -27,7 +27,6 @@ from typing import Sequence
 
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
-from autopar.runtime.loopback import torchrun_arguments
 from autopar.errors import UserError
 from autopar.plan import Plan
 
@@ -127,6 +126,10 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     if nproc is None:
         nproc = Plan.load(out_dir / "plan.json").world_size
     log = out_dir / LOG_NAME
+    # Imported here, not at the top: the package imports this module, and a module already
+    # imported when ``python -m`` runs it makes runpy print a warning into every run's output.
+    from autopar.runtime.loopback import torchrun_arguments
+
     with folder_lock(out_dir) as lock_fd:
         # torchrun's own logs and error files, otherwise left in /tmp/torchelastic_* after every run
         logs = Path(tempfile.mkdtemp(prefix="autopar-torchrun-"))

@@ -16,15 +16,17 @@ import os
 import shutil
 import socket
 import subprocess
+import traceback
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.cli import main as autopar_main
 from autopar.codegen import generate
-from autopar.codegen.sections.checkpoint import (COMPLETE, UNUSABLE, _save_failed, checkpoint_problem, disk_full,
-                                                 file_digests, usable_checkpoint)
+from autopar.codegen.sections.checkpoint import (_FAILURES, COMPLETE, UNUSABLE, _save_failed, checkpoint_problem,
+                                                 disk_full, file_digests, usable_checkpoint)
 from autopar.runtime.generated import import_generated
 from autopar.runtime.local import LOCK_NAME, failing_rank, finished_everywhere, folder_lock, run_local
 from tests.dist.plans import GPT, make_plan
@@ -69,11 +71,13 @@ def test_checkpoint_that_failed_to_load_is_not_tried_again(tmp_path):
 
 
 def test_full_disk_while_saving_is_named(tmp_path):
-    cause = OSError(errno.ENOSPC, "No space left on device")
-    wrapped = RuntimeError("rank 1 failed")
-    wrapped.__cause__ = cause
-    assert disk_full(wrapped) and not disk_full(RuntimeError("size mismatch"))
-    error = _save_failed(tmp_path / "step_4", wrapped)
+    """DCP reports a rank's ENOSPC inside its CheckpointException (a BaseException: the save must
+    catch it explicitly); the error raised instead names ENOSPC and the folder."""
+    failure = CheckpointException("write failed", {0: (OSError(errno.ENOSPC, "No space left on device"),
+                                                        traceback.StackSummary())})
+    assert isinstance(failure, _FAILURES) and not isinstance(failure, Exception)
+    assert disk_full(failure) and not disk_full(RuntimeError("size mismatch"))
+    error = _save_failed(tmp_path / "step_4", failure)
     assert error.errno == errno.ENOSPC and "ENOSPC" in str(error) and str(tmp_path / "step_4") in str(error)
 
 

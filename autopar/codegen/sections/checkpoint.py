@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -52,6 +53,8 @@ COMPLETE = "COMPLETE"
 # attempt (torchrun --max-restarts) goes to the one before instead of failing on it again.
 UNUSABLE = "UNUSABLE"
 _STEP_FOLDER = re.compile(r"step_(\d+)")
+# What a failed save or load raises: DCP's CheckpointException is a BaseException, not an Exception.
+_FAILURES = (Exception, CheckpointException)
 # Flattened optimizer state ("state.<fqn>.<name>") is what lets DCP reshard it between plans.
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -306,7 +309,7 @@ class Checkpointer:
                 dist.barrier()
                 if dist.get_rank() == 0:
                     _mark_complete(folder, step)
-            except Exception as error:
+            except _FAILURES as error:
                 raise _save_failed(folder, error) from error
             return
         # The copy to CPU happens now; writing goes on in a thread. DCP's coordinator (rank 0)
@@ -330,7 +333,7 @@ class Checkpointer:
             self.pending = None
             if dist.get_rank() == 0:
                 _mark_complete(*self.pending_folder)  # its callback may still be on its way
-        except Exception as error:
+        except _FAILURES as error:
             raise _save_failed(self.pending_folder[0], error) from error
 
     def resume(self) -> int:
@@ -351,7 +354,7 @@ class Checkpointer:
         step, folder = choice[0]
         try:
             self.load(Path(folder))
-        except Exception as error:
+        except _FAILURES as error:
             if dist.get_rank() == 0:  # the next attempt goes to the checkpoint before this one
                 (Path(folder) / UNUSABLE).write_text(f"{type(error).__name__}: {str(error)[:2000]}\n")
             raise RuntimeError(f"checkpoint {folder} failed to load ({type(error).__name__}: {error}); "

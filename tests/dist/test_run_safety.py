@@ -131,7 +131,7 @@ def test_edited_model_file_warns_without_echo_and_records_carry_the_attempt(dp2,
 
 
 def test_finished_run_with_a_rank_killed_in_teardown_counts_as_finished():
-    said = "autopar-finished: rank {} of 2 attempt {}\n"
+    said = "rank-finished: rank {} of 2 attempt {}\n"
     # both ranks finished in attempt 1 (attempt 0 lost rank 1), then one died by SIGABRT
     output = said.format(0, 0) + said.format(0, 1) + said.format(1, 1) + "Signal 6 (SIGABRT) received by PID 7\n"
     assert finished_everywhere(output, 2)
@@ -196,7 +196,7 @@ def test_rank_aborting_after_it_finished_does_not_fail_the_run(tmp_path):
         "import os, signal\n"
         "rank = int(os.environ['RANK'])\n"
         "if 'SAY_FINISHED' in os.environ:\n"
-        "    print(f'autopar-finished: rank {rank} of 2 attempt 0', flush=True)\n"
+        "    print(f'rank-finished: rank {rank} of 2 attempt 0', flush=True)\n"
         "if rank == 1:\n"
         "    os.kill(os.getpid(), signal.SIGABRT)\n")
     finished = run_local(tmp_path, nproc=2, env=dict(os.environ, SAY_FINISHED="1"), timeout_s=120)

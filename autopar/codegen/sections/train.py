@@ -449,7 +449,7 @@ def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointCon
         write_weights(state, checkpoint.export)
 
 
-FINISHED_MARKER = "autopar-finished:"
+FINISHED_MARKER = "rank-finished:"
 LOOPBACK = "127.0.0.1"
 
 

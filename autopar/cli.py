@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoint every N steps into DIR/checkpoints and resume from the latest complete one")
     run.add_argument("--max-restarts", type=int, default=0, metavar="K",
                      help="restart all ranks up to K times after one fails (torchrun --max-restarts)")
+    run.add_argument("--allow-fresh-start", action="store_true",
+                     help="when checkpoints exist but none is usable (checksums do not match), train from step 0 "
+                          "instead of failing")
     calibrate = _add_plain_verb(verbs, "calibrate", "measure this machine (or refit to measured runs) into a hardware "
                                 "profile", "Measure GEMM throughput, memory bandwidth and the collectives' latency/"
                                 "bandwidth of local ranks, or (--from) fit correction factors to `autopar validate` "
@@ -509,6 +512,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from autopar.driver import read_plan
     from autopar.runtime import run_local
 
+    for option, value, lowest in (("--steps", args.steps, 1), ("--checkpoint-every", args.checkpoint_every, 1),
+                                  ("--max-restarts", args.max_restarts, 0)):
+        if value is not None and value < lowest:
+            raise UserError(f"{option} {value} is out of range: it must be an integer >= {lowest}.",
+                            f"pass {option} {lowest} or more.")
     plan = read_plan(args.out_dir / "plan.json")
     if args.nproc is not None and args.nproc != plan.world_size:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
@@ -516,8 +524,14 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                         f"{args.nproc} GPUs.")
     with console.status(f"Running {plan.world_size} local ranks ..."):
         extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
+        extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
         result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
                            max_restarts=args.max_restarts)
+    for warning in result.warnings:  # shown with or without --echo
+        console.print(warning, markup=False)
+    if result.teardown_failure is not None:
+        console.print(f"note: every rank finished and wrote its results, then one died while shutting down "
+                      f"(torchrun exit {result.teardown_failure}); the run counts as finished", markup=False)
     if not result.ok:
         where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
         raise UserError(f"The run failed on {where} (exit {result.returncode}):\n{result.error}",

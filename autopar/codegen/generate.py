@@ -495,7 +495,8 @@ def train_config_source(plan: Plan) -> str:
         log_file=args.log_file,
         save_final=args.save_final,
         checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
-                                    async_save=args.async_checkpoint, export=args.export),
+                                    async_save=args.async_checkpoint, export=args.export,
+                                    allow_fresh_start=args.allow_fresh_start),
         fail_at_step=args.fail_at_step,
     )'''
 

@@ -50,12 +50,26 @@ set -euo pipefail
 cd "$(dirname "$0")"
 NNODES=${{NNODES:-{nodes}}}
 NPROC_PER_NODE=${{NPROC_PER_NODE:-{per_node}}}
+MAX_RESTARTS=${{MAX_RESTARTS:-3}}
+{STORE_PER_ATTEMPT}
+LOCAL=()
+if [ "$NNODES" = 1 ] && [ -z "${{RDZV_HOST:-}}" ]; then
+    # One node: meet on the loopback interface only, at a free port unless one is given.
+    RDZV_HOST=127.0.0.1
+    RDZV_PORT=${{RDZV_PORT:-0}}
+    LOCAL=(--local-addr=127.0.0.1)
+    export GLOO_SOCKET_IFNAME=${{GLOO_SOCKET_IFNAME:-lo}}
+fi
 RDZV_HOST=${{RDZV_HOST:-localhost}}
 RDZV_PORT=${{RDZV_PORT:-29500}}
 RDZV_ID=${{RDZV_ID:-{plain_token(script.removesuffix('.py'))}}}
-MAX_RESTARTS=${{MAX_RESTARTS:-3}}
-{STORE_PER_ATTEMPT}
+if [ "$NNODES" = 1 ] && [ "$RDZV_PORT" != 0 ] && (exec 3<>"/dev/tcp/$RDZV_HOST/$RDZV_PORT") 2>/dev/null; then
+    # torchrun would wait on the other program's port instead of failing
+    echo "launch.sh: port $RDZV_PORT on $RDZV_HOST is taken by another program; set RDZV_PORT to a free one." >&2
+    exit 1
+fi
 exec torchrun \\
+    "${{LOCAL[@]}}" \\
     --nnodes="$NNODES" \\
     --nproc-per-node="$NPROC_PER_NODE" \\
     --rdzv-backend=c10d \\

@@ -3,23 +3,37 @@
 The generated module does the training and the logging; this launches it, collects the records
 it appended to ``run.jsonl``, and when a rank fails, finds that rank's error in torchrun's
 report (the module's ``main`` is wrapped in torch's ``record``, so the traceback is kept).
+
+One run per folder at a time: the run holds an flock on ``DIR/.autopar-run.lock`` (the OS
+releases it when the run's processes end, crashed or not). Every socket the run listens on is
+bound to 127.0.0.1 (torchrun's rendezvous store: loopback.py; rank 0's store: the generated
+module; gloo's pairs: GLOO_SOCKET_IFNAME=lo), and torchrun's logs go to a temporary folder
+removed after the run.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
+from autopar.codegen.sections.train import FINISHED_MARKER
 from autopar.errors import UserError
 from autopar.plan import Plan
 
 LOG_NAME = "run.jsonl"
+LOCK_NAME = ".autopar-run.lock"
+# Local ranks reach each other over the loopback interface only (gloo binds its pairs there).
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 @dataclass
@@ -32,6 +46,9 @@ class RunResult:
         failed_rank: the first rank that failed, if any.
         error: that rank's error (exception and traceback as torchrun reported it), else "".
         output: everything the ranks and torchrun printed.
+        warnings: the ranks' ``warning:`` lines (the model file changed since planning, ...).
+        teardown_failure: every rank said it finished (all written) but one died afterwards, in
+            the process group's teardown; ``returncode`` is then 0 and this holds torchrun's exit.
     """
 
     returncode: int
@@ -39,6 +56,8 @@ class RunResult:
     failed_rank: int | None = None
     error: str = ""
     output: str = ""
+    warnings: list[str] = field(default_factory=list)
+    teardown_failure: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -61,6 +80,28 @@ def read_records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@contextlib.contextmanager
+def folder_lock(out_dir: Path):
+    """Hold ``out_dir``'s run lock, or refuse at once naming the process that holds it. The
+    lock's file descriptor is yielded so the launched processes can hold it too: a run whose
+    CLI was killed keeps the folder until its ranks are gone."""
+    path = out_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise UserError(f"{out_dir} is being run by another `autopar run` (pid {holder}); two runs of one "
+                            "folder would interleave run.jsonl and overwrite each other's checkpoints.",
+                            f"wait for it to end (or stop it: kill {holder}), or run a copy of the folder.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None = None, *,
               extra_args: Sequence[str] = (), echo: bool = False, timeout_s: float | None = None,
               env: dict[str, str] | None = None, max_restarts: int = 0,
@@ -79,22 +120,52 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
             latest checkpoint when the module checkpoints).
         runner: torchrun options that start the module through another program, which gets the
             module's path first (validation: ``("-m", "autopar.runtime.measure")``).
+
+    Raises:
+        UserError: another run holds the folder.
     """
     out_dir = Path(out_dir).resolve()  # the ranks run inside it
     script = find_script(out_dir)
     if nproc is None:
         nproc = Plan.load(out_dir / "plan.json").world_size
     log = out_dir / LOG_NAME
-    before = len(read_records(log))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", *runner, str(script), "--log-file", str(log)]
-    if steps is not None:
-        command += ["--steps", str(steps)]
-    command += list(extra_args)
+    # Imported here, not at the top: the package imports this module, and a module already
+    # imported when ``python -m`` runs it makes runpy print a warning into every run's output.
+    from autopar.runtime.loopback import torchrun_arguments
+
+    with folder_lock(out_dir) as lock_fd:
+        # torchrun's own logs and error files, otherwise left in /tmp/torchelastic_* after every run
+        logs = Path(tempfile.mkdtemp(prefix="autopar-torchrun-"))
+        try:
+            before = len(read_records(log))
+            # torchrun with its rendezvous store on 127.0.0.1 at a free port (a taken port cannot hang the run)
+            command = [sys.executable, "-m", "autopar.runtime.loopback", *torchrun_arguments(nproc),
+                       f"--log-dir={logs}", f"--max-restarts={max_restarts}", *runner, str(script),
+                       "--log-file", str(log)]
+            if steps is not None:
+                command += ["--steps", str(steps)]
+            command += list(extra_args)
+            base = env if env is not None else os.environ
+            # A fresh store per restart (see launch.py), loopback only; a caller's setting wins.
+            environment = {**STORE_PER_ATTEMPT_ENV, **LOOPBACK_ENV, **base}
+            output, returncode = _launch(command, out_dir, environment, echo, timeout_s, lock_fd)
+        finally:
+            shutil.rmtree(logs, ignore_errors=True)
+    result = RunResult(returncode=returncode, records=read_records(log)[before:], output=output,
+                       warnings=re.findall(r"^(?:\[rank\d+\]:)?(warning: .*)$", output, re.M))
+    if returncode != 0 and returncode != 124 and finished_everywhere(output, nproc):
+        result.teardown_failure, result.returncode = returncode, 0
+    elif returncode != 0:
+        result.failed_rank, result.error = failing_rank(output)
+    return result
+
+
+def _launch(command: list[str], cwd: Path, env: dict[str, str], echo: bool, timeout_s: float | None,
+            lock_fd: int) -> tuple[str, int]:
+    """Run torchrun, collecting (and with ``echo`` printing) its output; (output, exit status)."""
     lines: list[str] = []
-    env = {**STORE_PER_ATTEMPT_ENV, **(env if env is not None else os.environ)}  # restarts need it (see launch.py)
-    process = subprocess.Popen(command, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env)
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env, pass_fds=(lock_fd,))
     try:
         for line in process.stdout:
             lines.append(line)
@@ -105,11 +176,21 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
         process.kill()
         process.wait()
         returncode = 124
-    output = "".join(lines)
-    result = RunResult(returncode=returncode, records=read_records(log)[before:], output=output)
-    if returncode != 0:
-        result.failed_rank, result.error = failing_rank(output)
-    return result
+    except BaseException:  # Ctrl-C: stop the ranks before releasing the folder
+        process.terminate()
+        process.wait()
+        raise
+    return "".join(lines), returncode
+
+
+def finished_everywhere(output: str, nproc: int) -> bool:
+    """Whether every rank of one attempt said it finished (trained, saved, exported)."""
+    done: dict[str, set[int]] = {}
+    for rank, world, attempt in re.findall(rf"{re.escape(FINISHED_MARKER)} rank (\d+) of (\d+) attempt (\d+)",
+                                           output):
+        if int(world) == nproc:
+            done.setdefault(attempt, set()).add(int(rank))
+    return any(len(ranks) == nproc for ranks in done.values())
 
 
 _BLOCK = re.compile(r"^\[\d+\]:\n(.*?)(?=^\[\d+\]:\n|^-{10,}|^={10,}|\Z)", re.S | re.M)
@@ -134,7 +215,23 @@ def failing_rank(output: str) -> tuple[int | None, str]:
         if "Signal" in block and _FATAL in output:  # died in C++: add the stack its faulthandler printed
             stack = output[output.find(_FATAL):]
             block += "\n" + "\n".join(stack.splitlines()[:40])
+        elif "Traceback" not in block:
+            # No traceback recorded (the file failed before `record` could wrap main, e.g. a
+            # syntax error): the ranks' last lines hold the cause.
+            block += "\nlast lines of the ranks' output:\n" + last_lines(output)
         return int(_RANK.search(block).group(1)), block
     ranked = re.findall(r"^\[rank(\d+)\]:.*$", output, re.M)
-    tail = "\n".join(output.strip().splitlines()[-40:])
-    return (int(ranked[0]) if ranked else None), tail
+    return (int(ranked[0]) if ranked else None), last_lines(output)
+
+
+def last_lines(output: str, count: int = 30) -> str:
+    """The last ``count`` lines the ranks printed, before torchrun's own failure report (its
+    traceback ending in ChildFailedError, then the table of failures)."""
+    end = output.find("ChildFailedError")
+    if end < 0:
+        end = output.find("Failures:")
+    if end >= 0:
+        traceback = output.rfind("Traceback (most recent call last):", 0, end)
+        end = traceback if traceback >= 0 else end
+    ranks = output[:end] if end >= 0 else output
+    return "\n".join(ranks.strip().splitlines()[-count:])

@@ -144,3 +144,21 @@ def test_autopar_run_passes_restarts_and_checkpoints_on(compiled, monkeypatch):
     monkeypatch.setattr(runtime, "run_local", lambda *args, **kwargs: calls.append(kwargs) or RunResult(0))
     assert autopar_main(["run", str(compiled["dp4"]), "--max-restarts", "2", "--checkpoint-every", "5", "-q"]) == 0
     assert calls[0]["max_restarts"] == 2 and calls[0]["extra_args"] == ["--checkpoint-every", "5"]
+
+
+def test_resume_skips_truncated_checkpoints_and_ends_with_the_uninterrupted_parameters(compiled, uninterrupted,
+                                                                                       tmp_path):
+    """The DP4 run's checkpoints with step_8 and step_6 truncated: the run resumes from step_4 and
+    its final parameters are exactly the uninterrupted run's."""
+    _, parameters = uninterrupted
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(compiled["dp4"] / "checkpoints", checkpoints)
+    for step in (STEPS, STEPS - 2):
+        shard = sorted((checkpoints / f"step_{step}").glob("*.distcp"))[-1]
+        shard.write_bytes(shard.read_bytes()[:-7])
+    result = train(compiled["dp4"], checkpoints, "--save-final", str(tmp_path / "final.pt"))
+    assert f"skipping checkpoint {checkpoints / f'step_{STEPS}'}" in result.output
+    assert f"resumed from {checkpoints / 'step_4'} " in result.output
+    assert [r["step"] for r in result.records] == list(range(4, STEPS))
+    final = torch.load(tmp_path / "final.pt")
+    assert all(torch.equal(final[name], parameters[name]) for name in parameters)

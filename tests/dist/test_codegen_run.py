@@ -18,7 +18,7 @@ from autopar.runtime import read_records, run_local, run_reference
 from tests.dist.harness import free_port
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
 
-RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes"}
+RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "attempt", "run_id"}
 
 
 @pytest.fixture(scope="module")

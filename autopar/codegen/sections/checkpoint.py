@@ -2,7 +2,9 @@
 
 ``DIR/step_<n>/`` holds the state after n optimizer steps: every rank writes its own shards and
 DCP's coordinator writes the metadata once all of them are written; rank 0 then adds
-``COMPLETE``. A folder without it (a run killed while saving) is never resumed from. Keys name
+``COMPLETE``, which lists the sha256 of every file of the folder. A folder without it (a run
+killed while saving) is never resumed from; one whose files no longer match it (truncated,
+overwritten) is skipped with a message naming the file, and the previous complete one is used. Keys name
 the unsharded model's FQNs, so DCP reshards on load: a checkpoint written under one plan (DP4)
 loads under another (TP2 x DP2, ZeRO-3, a pipeline).
     model.<fqn>                          parameters and buffers (DTensor shards, as the plan places them)
@@ -19,6 +21,8 @@ from whichever of its names the checkpoint holds.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import importlib
 import json
 import os
@@ -36,13 +40,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 COMPLETE = "COMPLETE"
+# Written beside a checkpoint that passed its checksums but still failed to load, so a restarted
+# attempt (torchrun --max-restarts) goes to the one before instead of failing on it again.
+UNUSABLE = "UNUSABLE"
 _STEP_FOLDER = re.compile(r"step_(\d+)")
+# What a failed save or load raises: DCP's CheckpointException is a BaseException, not an Exception.
+_FAILURES = (Exception, CheckpointException)
 # Flattened optimizer state ("state.<fqn>.<name>") is what lets DCP reshard it between plans.
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -58,12 +68,15 @@ class CheckpointConfig:
         async_save: write in a background thread (``dcp.async_save``) while training goes on.
         export: write the trained weights here as one file of full tensors (safetensors for a
             ``.safetensors`` path, else ``torch.save``), or None.
+        allow_fresh_start: when checkpoints exist but none is usable, train from step 0 instead
+            of failing.
     """
 
     directory: str | None = None
     every: int = 0
     async_save: bool = False
     export: str | None = None
+    allow_fresh_start: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -86,13 +99,93 @@ def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a checkpoint folder (DCP's ``.metadata`` included), by name."""
+    digests = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name not in (COMPLETE, UNUSABLE) and not path.name.startswith(f".{COMPLETE}."):
+            with open(path, "rb") as handle:
+                digests[path.name] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return digests
+
+
 def _mark_complete(folder: Path, step: int) -> None:
-    """Write the COMPLETE marker atomically (safe to call twice, from two threads)."""
+    """Write the COMPLETE marker with the folder's checksums, atomically (safe to call twice,
+    from two threads). Rank 0 hashes the files once every rank has written its own: reading
+    them back costs about what writing them did, and only on rank 0."""
+    if (folder / COMPLETE).is_file():
+        return
+    marker = {"step": step, "world_size": dist.get_world_size(), "sha256": file_digests(folder)}
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{COMPLETE}.")
     with os.fdopen(fd, "w") as handle:
-        json.dump({"step": step, "world_size": dist.get_world_size()}, handle)
+        json.dump(marker, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.chmod(tmp, 0o644)
     os.replace(tmp, folder / COMPLETE)
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a complete checkpoint cannot be used (a file missing, truncated or changed since it
+    was written, or a failed load of an earlier attempt), or None when its files match."""
+    if (folder / UNUSABLE).is_file():
+        return f"an earlier attempt failed to load it: {(folder / UNUSABLE).read_text().strip()}"
+    try:
+        expected = json.loads((folder / COMPLETE).read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError) as error:
+        return f"its {COMPLETE} marker is unreadable ({error})"
+    if expected is None:
+        return None  # written before checksums were recorded
+    actual = file_digests(folder)
+    for name, digest in expected.items():
+        if name not in actual:
+            return f"{folder / name} is missing"
+        if actual[name] != digest:
+            return f"{folder / name} does not match its checksum (truncated or overwritten)"
+    return None
+
+
+def usable_checkpoint(directory: str | Path, allow_fresh_start: bool = False) -> tuple[int, Path] | None:
+    """The newest complete checkpoint whose files match their checksums, printing why each newer
+    one was skipped; None when there is none. When complete checkpoints exist but none is usable,
+    raises (training from step 0 would silently throw the run away) unless ``allow_fresh_start``."""
+    problems = []
+    for step, folder in reversed(complete_checkpoints(directory)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return step, folder
+        problems.append(f"{folder}: {problem}")
+        print(f"skipping checkpoint {folder}: {problem}", flush=True)
+    if problems and not allow_fresh_start:
+        raise RuntimeError(f"no usable checkpoint in {directory} ({'; '.join(problems)}). Fix: restore the "
+                           "files, move the folder away, or pass --allow-fresh-start to train from step 0")
+    return None
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it, or a rank's failure inside DCP's
+    CheckpointException) is ENOSPC."""
+    seen = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        pending += [current.__cause__, current.__context__]
+        for failure in getattr(current, "failures", {}).values():  # DCP: rank -> (exception, traceback)
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+    return "No space left on device" in str(error)
+
+
+def _save_failed(folder: Path, error: BaseException) -> BaseException:
+    """The error to raise for a failed save: ENOSPC said in words, with the folder."""
+    if disk_full(error):
+        return OSError(errno.ENOSPC, f"no space left on device (ENOSPC) while writing checkpoint {folder}; "
+                                     "free space there or pass --checkpoint-dir on another disk")
+    return error
 
 
 def _global_fqn(name: str, pipelined: bool) -> str:
@@ -209,10 +302,13 @@ class Checkpointer:
         state, _ = self._state(step)
         self.last_saved = step
         if not self.config.async_save:
-            dcp.save(state, checkpoint_id=folder)
-            dist.barrier()
-            if dist.get_rank() == 0:
-                _mark_complete(folder, step)
+            try:
+                dcp.save(state, checkpoint_id=folder)
+                dist.barrier()
+                if dist.get_rank() == 0:
+                    _mark_complete(folder, step)
+            except _FAILURES as error:
+                raise _save_failed(folder, error) from error
             return
         # The copy to CPU happens now; writing goes on in a thread. DCP's coordinator (rank 0)
         # finishes a save only after gathering every rank's write results and writing the
@@ -230,20 +326,37 @@ class Checkpointer:
         """Block until the save in flight (if any) is written and marked."""
         if self.pending is None:
             return
-        self.pending.result()
-        self.pending = None
-        if dist.get_rank() == 0:
-            _mark_complete(*self.pending_folder)  # its callback may still be on its way
+        try:
+            self.pending.result()
+            self.pending = None
+            if dist.get_rank() == 0:
+                _mark_complete(*self.pending_folder)  # its callback may still be on its way
+        except _FAILURES as error:
+            raise _save_failed(self.pending_folder[0], error) from error
 
     def resume(self) -> int:
-        """Load the latest complete checkpoint, if any; returns the optimizer steps it holds (0
-        without one). Rank 0 picks the folder so every rank loads the same one."""
-        choice = [latest_checkpoint(self.config.directory) if dist.get_rank() == 0 else None]
+        """Load the latest usable checkpoint (complete, checksums matching), if any; returns the
+        optimizer steps it holds (0 without one). Rank 0 picks the folder so every rank loads the
+        same one, and sends its error instead when there is none to use, so all ranks stop."""
+        choice: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                choice = [usable_checkpoint(self.config.directory, self.config.allow_fresh_start)]
+            except RuntimeError as error:
+                choice = [str(error)]
         dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], str):
+            raise RuntimeError(choice[0])
         if choice[0] is None:
             return 0
         step, folder = choice[0]
-        self.load(Path(folder))
+        try:
+            self.load(Path(folder))
+        except _FAILURES as error:
+            if dist.get_rank() == 0:  # the next attempt goes to the checkpoint before this one
+                (Path(folder) / UNUSABLE).write_text(f"{type(error).__name__}: {str(error)[:2000]}\n")
+            raise RuntimeError(f"checkpoint {folder} failed to load ({type(error).__name__}: {error}); "
+                               f"it is marked {UNUSABLE}, a restart resumes from the one before") from error
         if dist.get_rank() == 0:
             print(f"resumed from {folder} ({step} steps done)", flush=True)
         self.last_saved = step
@@ -350,8 +463,8 @@ def check_export_path(path: str | Path | None) -> None:
 
 
 def export_latest_checkpoint(directory: str | Path, path: str | Path) -> Path:
-    """Consolidate the latest complete checkpoint of ``directory`` into ``path``; returns its folder."""
-    latest = latest_checkpoint(directory)
+    """Consolidate the latest usable checkpoint of ``directory`` into ``path``; returns its folder."""
+    latest = usable_checkpoint(directory)
     if latest is None:
         raise FileNotFoundError(f"no complete checkpoint in {directory} to export")
     write_weights(consolidated_weights(latest[1]), path)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,8 +432,11 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     tokens = training.global_batch_size * tokens_per_sample(batch) * config.dims.cp  # CP ranks hold 1/cp each
+    # A restarted or resumed run repeats steps: the attempt (torchrun's restart count) and the
+    # launch (torchrun's run id) tell the repeats apart in run.jsonl.
     record = {"step": step, "loss": loss_value, "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
-              "peak_memory_bytes": int(memory)}
+              "peak_memory_bytes": int(memory), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+              "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
     if dist.get_rank() == 0:
         print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
               f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
@@ -456,6 +460,27 @@ def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointCon
         write_weights(state, checkpoint.export)
 
 
+FINISHED_MARKER = "rank-finished:"
+LOOPBACK = "127.0.0.1"
+
+
+def join_process_group(backend: str) -> None:
+    """Join the ranks torchrun started (env://). When they meet on the loopback address (a local
+    run) and rank 0 hosts the store (torchrun's own is not shared: see launch.py), rank 0's store
+    listens on 127.0.0.1 only: torch's env:// start would listen on every interface, open to
+    anyone who can reach the machine."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if address != LOOPBACK or port is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # The store takes over the listening socket's descriptor (detach: Python must not close it).
+    listener = socket.create_server((LOOPBACK, int(port))).detach() if rank == 0 else None
+    store = dist.TCPStore(LOOPBACK, int(port), world_size, is_master=rank == 0, master_listen_fd=listener,
+                          multi_tenant=True, timeout=dist.constants.default_pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
 def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], dict[str, ParallelStyle]],
           expected_sha256: str | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
     """Train for ``training.steps`` steps on this rank; returns the per-step records (rank 0 also
@@ -470,7 +495,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             os.environ.setdefault("NCCL_ALGO", f"allreduce:{config.dp_sync}")
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(backend)
+        join_process_group(backend)
     try:
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
@@ -501,6 +526,10 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         # Every rank past its last collective before any tears the group down: gloo aborts a
         # process whose peer exits while a transfer thread is still winding down.
         dist.barrier()
+        # Said once everything is written: should a rank still die in the teardown below (gloo
+        # on an oversubscribed CPU aborts now and then), the launcher knows the run finished.
+        print(f"{FINISHED_MARKER} rank {dist.get_rank()} of {dist.get_world_size()} attempt "
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
         return records
     finally:
         if created:
@@ -522,6 +551,9 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
                         help="save a checkpoint every N steps and after the last (0: no checkpoints, no resuming)")
     parser.add_argument("--async-checkpoint", action="store_true",
                         help="write checkpoints in the background while training goes on")
+    parser.add_argument("--allow-fresh-start", action="store_true",
+                        help="when every checkpoint is unusable (files not matching their checksums), train "
+                             "from step 0 instead of failing")
     parser.add_argument("--export", default=None, metavar="PATH",
                         help="write the trained weights as one file (.safetensors, else torch.save); without "
                              "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")

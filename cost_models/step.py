@@ -550,6 +550,28 @@ class PlanPricer:
                                  for l in self.layers) for g in gpus}
         return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)
 
+    def tp_collectives(self, layout: ParallelLayout) -> dict[str, int]:
+        """Collective -> how many the TP group issues per step under `layout`'s prices: each
+        layer's split (forward ones again where fully recomputed) and, under sequence
+        parallelism, its boundaries' gathers, times the micro-batches. What a test counts in a
+        generated step."""
+        if layout.tp == 1:
+            return {}
+        reference = self._device_facts(layout)[0]
+        counts: dict[str, int] = {}
+        options = self.layer_options(layout)
+        for layer, option in zip(self.layers, options):
+            split = self.split(layer.name, layout, reference)
+            forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
+            issued = list(split.comm) + (list(split.comm[:forward_count]) if self.recompute_options[option] == "full" else [])
+            if layout.sequence_parallel:
+                issued += list(split.sp.comm)
+                if self.recompute_options[option] == "full":
+                    issued += list(split.sp.comm[:split.sp.forward_comm])
+            for op, _ in issued:
+                counts[op] = counts.get(op, 0) + layout.num_micro_batches
+        return counts
+
     def fixed_time_s(self, layout: Any) -> float:
         """Step time outside the per-layer prices: none (every cost is attributed to a layer)."""
         return 0.0
@@ -575,6 +597,10 @@ class PlanPricer:
         tp_comm = sum(tp_times)
         if option == "full":  # the re-run forward repeats its collectives
             tp_comm += sum(tp_times[:forward_count])
+        if layout.sequence_parallel and layout.tp > 1:
+            # The gathers of the sequence into replicated modules (tp_layout.SP_BOUNDARY).
+            sp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.sp.comm]
+            tp_comm += sum(sp_times) + (sum(sp_times[:split.sp.forward_comm]) if option == "full" else 0.0)
         recompute = total - plain
         if option == "selective" and self._ring_attention(layout):
             # Selective recomputation keeps attention's output, but ring attention runs in a
@@ -596,9 +622,11 @@ class PlanPricer:
         """Compute seconds of a layer's micro-batch, recomputation included as asked."""
         seconds = split.compute.time_s(per_token, gpu.launch_overhead_s, forward_passes, nongemm_passes)
         if layout.sequence_parallel and layout.tp > 1:
-            # Replicated ops (norms, residual adds, dropout) run on 1/t of the sequence.
+            # The replicated ops that run on the rank's slice of the sequence (norms, residual
+            # adds, dropout; not a replicated module's, which gathers the whole sequence: see
+            # cost_models/tp_layout.py) do 1/t of the work.
             share = (1 - 1 / layout.tp) * per_token
-            seconds -= share * (forward_passes * split.replicated_forward_s + split.replicated_backward_s)
+            seconds -= share * (forward_passes * split.sp.forward_s + split.sp.backward_s)
         return seconds
 
     def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:

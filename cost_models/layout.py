@@ -38,6 +38,16 @@ class Recompute(StrEnum):
     FULL = "full"
 
 
+class TPStyle(StrEnum):
+    """What the operator-wise split does with a parameterised module (names follow torch's TP styles)."""
+
+    REPLICATE = "replicate"
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on rows: RowwiseParallel on nn.Embedding
+    HIDDEN_PARALLEL = "hidden_parallel"  # embedding sharded on columns: ColwiseParallel on nn.Embedding
+
+
 class ZeroStage(IntEnum):
     """What ZeRO shards over the gradient (data- x context-parallel) group."""
 

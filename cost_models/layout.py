@@ -201,6 +201,22 @@ def validate_train(train: TrainSpec, profile: Any) -> None:
                          "profile the model in the training precision (bytes moved and saved differ)")
 
 
+def validate(layout: ParallelLayout, model: Any, cluster: ClusterSpec, train: TrainSpec, heads: int | None = None,
+             recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS) -> None:
+    """The one check of a layout against a model (a ModelProfile: its layers, sequence length,
+    precision) and a cluster, before pricing: the training settings, the degrees and batch
+    arithmetic, and every technique's preconditions from its registry entry. `Plan.problems`
+    checks a plan file's own consistency and codegen what the model file must offer; both ask
+    the same registry.
+
+    Raises:
+        ValueError: what cannot run, with the values that can.
+    """
+    validate_train(train, model)
+    validate_layout(layout, cluster, train, [layer.name for layer in model.layers], model.tokens_per_sample, heads,
+                    recompute_options)
+
+
 def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,
                     tokens_per_sample: int | None = None, heads: int | None = None,
                     recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS) -> None:

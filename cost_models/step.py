@@ -43,7 +43,8 @@ from cost_models.compute import ComputeModel
 from cost_models.hardware import GPUSpec
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
                                     RING_TILE_SCORE_BYTES, LayerCost, attention_io_bytes, exposed_s)
-from cost_models.layout import ParallelLayout, Recompute, Schedule, TrainSpec, validate_layout, validate_train
+from cost_models.layout import (ParallelLayout, Recompute, Schedule, TrainSpec, validate, validate_layout,
+                                 validate_train)
 from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, state_bytes_per_param
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, Placement,
@@ -54,7 +55,7 @@ from cost_models.tp_sharding import PropagationSplitter, TPLayerSplit, TPSplitte
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
 
-__all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", "validate_layout", "TPLayerSplit",
+__all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", "validate", "validate_layout", "TPLayerSplit",
            "TPSplitter", "CUDA_CONTEXT_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "OVERLAP_INTERFERENCE",
            "RING_TILE_SCORE_BYTES", "attention_io_bytes", "exposed_s", "BUCKET_CHOICES_BYTES", "DP_BUCKET_BYTES",
            "POST_BACKWARD_SYNC", "proportional_shares"]
@@ -272,9 +273,7 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         Raises:
             ValueError: the layout or the training settings cannot run.
         """
-        validate_train(self.train, self.profile)
-        validate_layout(layout, self.cluster, self.train, [layer.name for layer in self.layers],
-                        self.profile.tokens_per_sample, self.heads, self.recompute_options)
+        validate(layout, self.profile, self.cluster, self.train, self.heads, self.recompute_options)
         problem = self.partition_problem(layout)
         if problem is None:
             raise ValueError("a tensor-parallel group would mix GPU types; change the mesh order or tp")

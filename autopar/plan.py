@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable
-from cost_models.layout import CPStrategy, DPSync, MeshAxis, ParallelLayout, Recompute, Schedule, ZeroStage
+from cost_models.layout import (CPStrategy, DPSync, MeshAxis, ParallelLayout, Recompute, Schedule, TPStyle,
+                                 ZeroStage)
 from cost_models.mesh import Mesh
 
 __all__ = ["Plan", "Predicted", "SolverInfo", "Provenance", "MeshAxis", "Schedule", "Recompute", "ZeroStage",
-           "DPSync", "CPStrategy", "TP_STYLES", "software_versions"]
+           "DPSync", "CPStrategy", "TPStyle", "TP_STYLES", "software_versions"]
 
-# What `tp_styles` may say of a module (the operator-wise ILP's `Style` values).
-TP_STYLES = ("replicate", "colwise", "rowwise", "vocab_parallel", "hidden_parallel")
+# What `tp_styles` may say of a module.
+TP_STYLES = tuple(s.value for s in TPStyle)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,16 @@ class Recompute(StrEnum):
     FULL = "full"
 
 
+class TPStyle(StrEnum):
+    """What the operator-wise split does with a parameterised module (names follow torch's TP styles)."""
+
+    REPLICATE = "replicate"
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on rows: RowwiseParallel on nn.Embedding
+    HIDDEN_PARALLEL = "hidden_parallel"  # embedding sharded on columns: ColwiseParallel on nn.Embedding
+
+
 class ZeroStage(IntEnum):
     """What ZeRO shards over the gradient (data- x context-parallel) group."""
 
@@ -187,6 +197,22 @@ def validate_train(train: TrainSpec, profile: Any) -> None:
     if (train.precision == "fp32") != (profile.precision == "fp32"):
         raise ValueError(f"the profile was traced in {profile.precision} but training is {train.precision}: "
                          "profile the model in the training precision (bytes moved and saved differ)")
+
+
+def validate(layout: ParallelLayout, model: Any, cluster: ClusterSpec, train: TrainSpec, heads: int | None = None,
+             recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS) -> None:
+    """The one check of a layout against a model (a ModelProfile: its layers, sequence length,
+    precision) and a cluster, before pricing: the training settings, the degrees and batch
+    arithmetic, and every technique's preconditions from its registry entry. `Plan.problems`
+    checks a plan file's own consistency and codegen what the model file must offer; both ask
+    the same registry.
+
+    Raises:
+        ValueError: what cannot run, with the values that can.
+    """
+    validate_train(train, model)
+    validate_layout(layout, cluster, train, [layer.name for layer in model.layers], model.tokens_per_sample, heads,
+                    recompute_options)
 
 
 def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,

@@ -36,6 +36,7 @@ from cost_models.compute import LayerCompute, compute_dtype, compute_of_ops, ops
 from cost_models.hardware import GPUSpec
 from cost_models.memory import LayerActivations, layer_activations
 from cost_models.topology import GroupPlacement
+from cost_models.tp_layout import ModuleTree, SPParts, sp_parts
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
@@ -52,13 +53,15 @@ class TPLayerSplit:
     Attributes:
         compute: roofline and launches after sharding (sharded ops' work ÷ t).
         replicated_forward_s, replicated_backward_s: roofline seconds of ops TP leaves
-            replicated; sequence parallelism divides them by t as well.
+            replicated.
         comm: (collective, bytes) per micro-batch, forward then backward.
         tp_sharded_activation_fraction: share of the saved bytes that TP shards.
         tp_sharded_param_fraction: share of the layer's parameters TP splits.
         styles: module FQN -> colwise | rowwise | vocab_parallel | sharded.
         activations: per-op activation accounting (None: use the fraction above).
         forward_comm: how many leading entries of `comm` are forward (None: half of them).
+        sp: what sequence parallelism changes (`cost_models.tp_layout`): the replicated work
+            that runs on the sequence slice and the collectives of the styles' boundaries.
     """
 
     compute: LayerCompute
@@ -70,6 +73,7 @@ class TPLayerSplit:
     styles: dict[str, str] = field(default_factory=dict)
     activations: LayerActivations | None = None
     forward_comm: int | None = None
+    sp: SPParts = SPParts()
 
 
 class TPSplitter(Protocol):
@@ -409,6 +413,7 @@ class PropagationSplitter:
         self.ops_by_layer = ops_by_layer(profile) if profile.ops else {}
         self._runs: dict[int, TPSharding] = {}
         self._splits: dict[tuple, TPLayerSplit] = {}
+        self.tree = ModuleTree.of_profile(profile) if profile.ops else None
 
     def sharding(self, tp: int) -> TPSharding:
         if tp not in self._runs:
@@ -448,9 +453,13 @@ class PropagationSplitter:
         split_params = sum(count for name, count in params.items() if name in run.param_styles)
         modules = {op.module for op in forward}
         styles = {module: style for module, style in run.styles.items() if module in modules}
+        sp = sp_parts(self.profile, self.tree, layer_name, styles,
+                      [op for op in forward if op.name not in run.sharded_work],
+                      [op for op in backward if op.name not in run.sharded_work],
+                      lambda op: op_roofline_s(op, gpu, self.dtype) if gpu is not None else 0.0)
         return TPLayerSplit(
             compute=compute, replicated_forward_s=replicated(forward), replicated_backward_s=replicated(backward),
             comm=tuple(ordered),
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=split_params / layer.param_count if layer.param_count else 0.0,
-            styles=styles, activations=acts, forward_comm=sum(1 for _, _, phase in comm if phase == "forward"))
+            styles=styles, activations=acts, forward_comm=sum(1 for _, _, phase in comm if phase == "forward"), sp=sp)

@@ -109,6 +109,16 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
 
 def check_plan(plan: Plan, facts: ModelFacts) -> None:
     """Refuse plans the generated code cannot run, with the reason and the fix."""
+    # Each technique's preconditions, from its one registry entry (cost_models.techniques): a value
+    # with no runtime, ps with a sharded optimizer, CP without ZeRO-2/3, ...
+    from cost_models.techniques import problems
+
+    try:
+        found = problems(plan.layout())
+    except ValueError as error:
+        found = [str(error)]
+    if found:
+        raise CodegenError(f"the plan cannot run: {found[0]}.", "re-plan, or pin what the message names.")
     if plan.cp > 1:
         check_context_parallel(plan, facts)
     if plan.dp_sync in GRADIENT_SYNC_ALGORITHMS and plan.dp > 1 and (plan.zero_stage > 1 or plan.cp > 1):
@@ -146,10 +156,6 @@ def check_context_parallel(plan: Plan, facts: ModelFacts) -> None:
                            "the global positions of its tokens, but its forward has no position_ids/positions "
                            "argument.", "add `position_ids=None` to forward (use it instead of arange), or plan "
                            "with plan.cp=1.")
-    if plan.zero_stage < 2:
-        raise CodegenError(f"context parallelism shards gradients over data- x context-parallel ranks, which "
-                           f"needs ZeRO-2 or 3 (the plan has ZeRO-{plan.zero_stage}).", "re-plan (the planner "
-                           "pairs cp > 1 with ZeRO >= 2), or pin plan.zero_stage=2.")
 
 
 def module_split_problem(plan: Plan, facts: ModelFacts) -> str | None:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from autopar.codegen.errors import CodegenError
 from autopar.codegen.model_facts import ModelFacts
 from autopar.plan import Plan
+from cost_models.tp_layout import SPLIT_STYLES, SPRole, after_container, paired_regions as _paired_regions, sp_role
 
-SPLIT_STYLES = ("colwise", "rowwise")
 # Placement of a module's weight under each style (for matching tied parameters).
 _WEIGHT_PLACEMENT = {("linear", "colwise"): "Shard(0)", ("linear", "rowwise"): "Shard(1)",
                      ("embedding", "vocab_parallel"): "Shard(0)", ("embedding", "hidden_parallel"): "Shard(1)"}
@@ -91,14 +91,9 @@ def harmonise_tied(styles: dict[str, str], facts: ModelFacts, notes: list[str]) 
 
 
 def paired_regions(styles: dict[str, str], facts: ModelFacts) -> set[str]:
-    """Modules whose linear children are all split, with both column- and row-wise among them."""
-    regions = set()
-    for name, children in facts.children.items():
-        linears = [c for c in children if facts.kind(c) == "linear"]
-        chosen = {styles.get(c, "replicate") for c in linears}
-        if linears and chosen <= set(SPLIT_STYLES) and chosen == set(SPLIT_STYLES):
-            regions.add(name)
-    return regions
+    """Modules whose linear children are all split, with both column- and row-wise among them
+    (the rule the pricer applies too: cost_models.tp_layout)."""
+    return _paired_regions(styles, facts.children, facts.kind)
 
 
 def _input_layout_args(facts: ModelFacts, module: str, layout: str, desired: str) -> tuple[tuple[str, str], ...]:
@@ -185,11 +180,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
 
 def _units_after_container(plan: Plan, container: str | None) -> list[str]:
     """Layers after the block container in layer order (final norm, head)."""
-    if container is None:
-        return []
-    names = plan.layer_names
-    block_indices = [i for i, n in enumerate(names) if n.startswith(container + ".")]
-    return names[max(block_indices) + 1:] if block_indices else []
+    return after_container(list(plan.layer_names), container)
 
 
 def _head(styles: dict[str, str], facts: ModelFacts, after_container: list[str]) -> str | None:
@@ -211,15 +202,17 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
                                "enter sequence parallelism: each rank keeps its slice of the sequence")
     for block in blocks:
         for child in facts.children.get(block, []):
-            kind = facts.kind(child)
-            if not facts.modules[child].has_parameters:
+            # One role per child, shared with the pricer (cost_models.tp_layout.sp_role), which
+            # prices the work and the collectives each of these styles implies.
+            role = sp_role(facts.kind(child), facts.modules[child].has_parameters, child in regions)
+            if role == SPRole.LOCAL:
                 continue
-            if kind == "norm":
+            if role == SPRole.SEQUENCE_SHARD:
                 out[child] = StyleSpec("SequenceParallel", (), "norm on this rank's sequence slice")
-            elif child in regions:
+            elif role == SPRole.SPLIT_REGION:
                 out[child] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, child, "Shard(1)", "Replicate()")
                                        + (("use_local_output", "True"),), "all-gather the sequence before the split matmuls")
-            elif kind == "linear":
+            elif role == SPRole.UNSUPPORTED:
                 raise CodegenError(f"sequence parallelism cannot wrap {child}: a linear layer called directly on the "
                                    "residual stream.", "plan with plan.sequence_parallel=false.")
             else:

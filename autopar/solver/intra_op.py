@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from ortools.sat.python import cp_model
 
+from cost_models.layout import TPStyle
+
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
 
@@ -53,14 +55,7 @@ class State(StrEnum):
     P = "Partial()"
 
 
-class Style(StrEnum):
-    """What the solution means for a parameterised module (names follow torch's TP styles)."""
-
-    REPLICATE = "replicate"
-    COLWISE = "colwise"
-    ROWWISE = "rowwise"
-    VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on rows: RowwiseParallel on nn.Embedding
-    HIDDEN_PARALLEL = "hidden_parallel"  # embedding sharded on columns: ColwiseParallel on nn.Embedding
+Style = TPStyle  # the plan's vocabulary (cost_models.layout), as the solution names it
 
 
 class TPCosts(Protocol):

@@ -17,6 +17,7 @@ from cost_models.hardware import GPUSpec
 from cost_models.memory import layer_activations
 from cost_models.step import TPLayerSplit
 from cost_models.topology import GroupPlacement
+from cost_models.tp_layout import ModuleTree, sp_parts
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -60,6 +61,7 @@ class ILPSplitter:
         self.replicated: dict[tuple[str, int], list[tuple[str, str]]] = {}
         self._tied_readers = _tied_readers(profile)
         self._styles: dict[tuple, dict[str, str]] = {}
+        self.tree = ModuleTree.of_profile(profile)
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
         solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
@@ -95,6 +97,9 @@ class ILPSplitter:
         split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
                            if style.value != "replicate")
         split_params += self._tied_split_params(layer, solution.module_style, tp, group, gpu)
+        styles = {module: style.value for module, style in solution.module_style.items()}
+        sp = sp_parts(self.profile, self.tree, layer_name, styles, [op for op in forward if not sharded(op)],
+                      [op for op in backward if not sharded(op)], lambda op: op_roofline_s(op, gpu, self.dtype))
         return TPLayerSplit(
             compute=compute,
             replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in forward if not sharded(op)),
@@ -102,7 +107,7 @@ class ILPSplitter:
             comm=comm,
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
-            styles={module: style.value for module, style in solution.module_style.items()}, activations=acts)
+            styles=styles, activations=acts, sp=sp)
 
 
     def _tied_split_params(self, layer: Any, own_styles: dict, tp: int, group: GroupPlacement, gpu: GPUSpec) -> int:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from cost_models import step as step_module
+from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import ComputeModel
 from cost_models.memory import trained_model_states
 from cost_models.step import CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, ParallelLayout, TrainSpec, estimate
@@ -153,7 +154,11 @@ def test_sequence_and_context_parallelism_split_activations():
     # A block keeps sbh(8 + 24/t) without SP and sbh(4 + 30/t) with torch's SP (the all-gathered
     # GEMM inputs stay whole, see cost_models/memory.py): 11.5/14 at t = 4.
     assert sp.memory_breakdown["activations"] < 0.85 * tp.memory_breakdown["activations"]
-    assert sp.time_breakdown["tp_comm"] == pytest.approx(tp.time_breakdown["tp_comm"])  # RS + AG = AR
+    # Each block's all-reduce becomes a reduce-scatter + all-gather of the same cost; SP adds the
+    # gather of the gradient where the first block slices the stream (cost_models/tp_layout.py).
+    entry = collective_time_s(Collective.ALL_GATHER, profile.layer("blocks.0").input_bytes,
+                              spec(per_node=4).group_links([0, 1, 2, 3]))
+    assert sp.time_breakdown["tp_comm"] == pytest.approx(tp.time_breakdown["tp_comm"] + entry)
     cp = estimate(profile, spec(per_node=4), ParallelLayout(cp=4, micro_batch_size=2, cp_strategy="ring", zero_stage=2),
                   train)
     alone = estimate(profile, spec(per_node=1), ParallelLayout(micro_batch_size=2), train)

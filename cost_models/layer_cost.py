@@ -1,0 +1,359 @@
+"""Per-layer prices of a layout: a layer's seconds per micro-batch by kind (compute,
+recomputation, TP / CP / ZeRO communication), its once-per-step parts (optimizer, exposed
+gradient sync), its model states, activations and the buffers beside them.
+
+A mixin of `cost_models.step.PlanPricer` (which holds the caches and the profile); the formulas
+are listed in step.py's docstring.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cost_models.collectives import Collective
+from cost_models.compute import LayerCompute
+from cost_models.hardware import GiB, GPUSpec
+from cost_models.layout import ParallelLayout
+from cost_models.mesh import Mesh
+from cost_models.memory import LayerActivations, activations_from_fraction, layer_activations, trained_model_states
+from cost_models.tp_sharding import TPLayerSplit
+
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
+RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
+# Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
+# momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
+OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
+# Slowdown of computation running beside NCCL kernels, as a share of the overlapped
+# communication time: NCCL's kernels occupy SMs and memory bandwidth. An assumption (overlapped
+# GEMMs typically lose 10-30%), not yet measured here: the committed H100 runs are single-GPU.
+OVERLAP_INTERFERENCE = 0.2
+
+
+def attention_io_bytes(op: Any) -> tuple[float, float]:
+    """(query bytes, key + value bytes) entering a fused attention op, at the element size of its
+    output (the compute dtype). Grouped-query attention has fewer K/V heads than query heads, which
+    is what makes ring attention's K/V traffic smaller than Ulysses' all-to-alls. Falls back to
+    thirds of the bytes read when shapes are missing."""
+    shapes = op.input_shapes[:3]
+    if len(shapes) < 3 or not op.output_shapes or not op.output_shapes[0]:
+        return op.bytes_read / 3, 2 * op.bytes_read / 3
+    element = op.output_bytes / max(1, math.prod(op.output_shapes[0]))
+    return element * math.prod(shapes[0]), element * (math.prod(shapes[1]) + math.prod(shapes[2]))
+
+
+def exposed_s(comm_s: float, compute_s: float) -> float:
+    """Time a collective adds when overlapped with `compute_s` of independent work: what does not
+    fit under the compute, plus OVERLAP_INTERFERENCE of what does (communication kernels take
+    SMs and memory bandwidth from the overlapped computation)."""
+    return max(0.0, comm_s - compute_s) + OVERLAP_INTERFERENCE * min(comm_s, compute_s)
+
+
+class LayerCost:
+    """Prices one layer kind under a layout (mixed into PlanPricer)."""
+
+    def split(self, layer_name: str, layout: Any, gpu: GPUSpec) -> TPLayerSplit:
+        """The layer kind under the layout's TP degree on `gpu` (cached)."""
+        kind = self.compute.kind(layer_name)
+        group = self.placement(layout, "tp")
+        key = (kind, layout.tp, group.nodes, group.per_node, gpu.signature)
+        if key not in self._splits:
+            if layout.tp == 1:
+                compute = self.compute.layer(kind, gpu)
+                self._splits[key] = TPLayerSplit(
+                    compute=compute, replicated_forward_s=compute.forward_s, replicated_backward_s=compute.backward_s,
+                    comm=(), tp_sharded_activation_fraction=0.0, tp_sharded_param_fraction=0.0,
+                    activations=self._base_activations(kind))
+            elif self.tp_splitter is None:
+                raise ValueError("tp > 1 needs the profile's per-op detail (re-profile without include_ops=False)")
+            else:
+                self._splits[key] = self.tp_splitter.split(kind, layout.tp, group, gpu)
+        return self._splits[key]
+
+    def _base_activations(self, kind: str) -> LayerActivations:
+        """Activation accounting without TP (every saved tensor whole)."""
+        if kind not in self._base_acts:
+            layer = self.profile.layer(kind)
+            if self.profile.ops:
+                forward = [op for op in self.compute.ops_by_layer.get(kind, []) if op.phase == "forward"]
+                self._base_acts[kind] = layer_activations(layer, forward)
+            else:  # no per-op detail: selective recomputation keeps everything
+                total = float(layer.activation_bytes)
+                self._base_acts[kind] = LayerActivations(0.0, total, 0.0, total, float(layer.input_bytes))
+        return self._base_acts[kind]
+
+    def layer_activations(self, layer: Any, split: TPLayerSplit) -> LayerActivations:
+        if split.activations is not None:
+            return split.activations
+        kind = self.compute.kind(layer.name)
+        return activations_from_fraction(layer, self._base_activations(kind), split.tp_sharded_activation_fraction)
+
+    def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, option: str,
+                         gpu: GPUSpec) -> dict[str, float]:
+        """Seconds one micro-batch spends on a layer, by kind (compute, recompute, tp_comm,
+        cp_comm, dp_comm)."""
+        compute = split.compute
+        overhead = gpu.launch_overhead_s
+        forward_passes, nongemm_passes = {"none": (1.0, 0.0), "selective": (1.0, 1.0), "full": (2.0, 0.0)}[option]
+        per_token = scale / layout.cp
+        plain = self._compute_s(split, layout, per_token, gpu)
+        total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
+        tp_group = self.placement(layout, "tp")
+        forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
+        tp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.comm]
+        tp_comm = sum(tp_times)
+        if option == "full":  # the re-run forward repeats its collectives
+            tp_comm += sum(tp_times[:forward_count])
+        if layout.sequence_parallel and layout.tp > 1:
+            # The gathers of the sequence into replicated modules (tp_layout.SP_BOUNDARY).
+            sp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.sp.comm]
+            tp_comm += sum(sp_times) + (sum(sp_times[:split.sp.forward_comm]) if option == "full" else 0.0)
+        recompute = total - plain
+        if option == "selective" and self._ring_attention(layout):
+            # Selective recomputation keeps attention's output, but ring attention runs in a
+            # region it recomputes whole (its quadratic scores are never kept).
+            recompute += compute.attention_forward_s * per_token
+        return self._scaled({"compute": plain, "recompute": recompute, "tp_comm": tp_comm,
+                             "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
+                             "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)})
+
+    def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
+        """Parts times the cluster's measured correction factors (1 unless calibrated from runs)."""
+        if not self.cluster.time_scale:
+            return parts
+        return {part: seconds * self.cluster.scale_of(part) for part, seconds in parts.items()}
+
+    @staticmethod
+    def _compute_s(split: TPLayerSplit, layout: Any, per_token: float, gpu: GPUSpec, forward_passes: float = 1.0,
+                   nongemm_passes: float = 0.0) -> float:
+        """Compute seconds of a layer's micro-batch, recomputation included as asked."""
+        seconds = split.compute.time_s(per_token, gpu.launch_overhead_s, forward_passes, nongemm_passes)
+        if layout.sequence_parallel and layout.tp > 1:
+            # The replicated ops that run on the rank's slice of the sequence (norms, residual
+            # adds, dropout; not a replicated module's, which gathers the whole sequence: see
+            # cost_models/tp_layout.py) do 1/t of the work.
+            share = (1 - 1 / layout.tp) * per_token
+            seconds -= share * (forward_passes * split.sp.forward_s + split.sp.backward_s)
+        return seconds
+
+    def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:
+        """(per-layer seconds of a micro-batch below every recompute option's price, speed per
+        pipeline rank), or None when the layout cannot run: compute without recomputation plus
+        the least tensor- and context-parallel communication any option pays (no option avoids
+        its layer's exchanges), no data-parallel or ZeRO traffic. It costs a fraction of
+        `partition_problem` and is shared by layouts differing only in ZeRO stage, schedule or
+        sharding, so the search orders candidates by it and prices only those that could win
+        (communication in the floor keeps most context-parallel layouts from ever being priced)."""
+        key = (Mesh.of(layout), layout.micro_batch_size, layout.sequence_parallel, layout.cp_strategy,
+               tuple(getattr(layout, "dp_shares", ()) or ()))
+        if key not in self._floors:
+            devices = self._device_facts(layout)
+            if devices is None:
+                self._floors[key] = None
+                return None
+            reference, speed, _ = devices
+            scale = layout.micro_batch_size / self.b0
+            rows = self._rows("compute_floor", layout, (layout.tp, self._span(layout, "tp"), layout.sequence_parallel,
+                                                        layout.cp, layout.cp_strategy, self._span(layout, "cp"),
+                                                        layout.micro_batch_size),
+                              lambda layer, split: self._floor_s(layer, split, layout, scale, reference), reference)
+            self._floors[key] = (rows, speed)
+        return self._floors[key]
+
+    def _floor_s(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, gpu: GPUSpec) -> float:
+        """A layer's micro-batch seconds below each option's `layer_time_parts` total."""
+        compute = self._compute_s(split, layout, scale / layout.cp, gpu) * self.cluster.scale_of("compute")
+        tp_group = self.placement(layout, "tp")
+        forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
+        tp_times = [self.collective_s(Collective(op), nbytes * scale / layout.cp, tp_group) for op, nbytes in split.comm]
+        comm = []
+        for option in self.recompute_options:
+            tp_comm = sum(tp_times) + (sum(tp_times[:forward_count]) if option == "full" else 0.0)
+            comm.append(tp_comm * self.cluster.scale_of("tp_comm")
+                        + self._cp_time_s(layer, layout, scale, split.compute, option) * self.cluster.scale_of("cp_comm"))
+        return compute + min(comm)
+
+    @staticmethod
+    def _ring_attention(layout: Any) -> bool:
+        """Whether attention runs as ring attention: blockwise scores in the working set, and
+        nothing of it (scores or output) kept by selective recomputation, which reruns it whole."""
+        return layout.cp > 1 and layout.cp_strategy == "ring"
+
+    def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute, option: str = "none") -> float:
+        if layout.cp == 1:
+            return 0.0
+        q, kv = (b * scale / (layout.cp * layout.tp)
+                 for b in self._attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0)))
+        if q + kv == 0:
+            return 0.0
+        group = self.placement(layout, "cp")
+        # A recomputed layer (full, or selective, whose policy keeps GEMM, attention and TP
+        # collective outputs but not ring passes or all-to-alls) repeats its forward exchanges.
+        forwards = 2 if option in ("full", "selective") else 1
+        if layout.cp_strategy == "ulysses":
+            # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
+            # output (q's size) back, one all-to-all each, and the same for their gradients; on
+            # the critical path (attention needs all of them). A recomputed forward repeats them.
+            return (forwards + 1) * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
+                                     + self.collective_s(Collective.ALL_TO_ALL, kv, group))
+        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's K and V block forward (again
+        # in a recomputed forward); backward passes K, V and their gradients; each transfer
+        # overlaps the attention of the block in hand, so at long sequences (attention quadratic,
+        # transfers linear) it hides.
+        exchange = (forwards + 2) * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
+        attention = (compute.attention_s + (forwards - 1) * compute.attention_forward_s
+                     or 0.5 * (compute.forward_s + compute.backward_s))
+        return exposed_s(exchange, attention * scale / layout.cp)
+
+    def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
+                            per_token: float, overhead: float) -> float:
+        """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute."""
+        if layout.zero_stage < 2 or self._grad_size(layout) == 1:
+            return 0.0
+        group = self._shard_group(layout)
+        params = self._tp_params(layer, split, layout)
+        rs = self.collective_s(Collective.REDUCE_SCATTER, params * self.grads_bytes, group)
+        backward = compute.backward_s * per_token + compute.backward_launches * overhead
+        if layout.zero_stage == 2:
+            return exposed_s(rs, backward)
+        gather = self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, group)
+        forward = compute.forward_s * per_token + compute.forward_launches * overhead
+        # ZeRO-3 gathers the layer's parameters before its forward and again before its backward.
+        return exposed_s(gather, forward) + exposed_s(gather + rs, backward)
+
+    def per_step_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float,
+                       gpu: GPUSpec) -> dict[str, float]:
+        """Seconds once per step for a layer: optimizer update and exposed gradient sync."""
+        params = self._tp_params(layer, split, layout)
+        grad_size = self._grad_size(layout)
+        shard = self._shard_size(layout) if layout.zero_stage >= 1 and grad_size > 1 else 1
+        bandwidth = gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise")
+        update = params / shard * OPTIMIZER_BYTES_PER_PARAM.get(self.train.optimizer, 28) / bandwidth
+        if grad_size == 1 or params == 0:
+            return self._scaled({"optimizer": update, "dp_comm": 0.0})
+        per_token = scale / layout.cp
+        backward = split.compute.backward_s * per_token + split.compute.backward_launches * gpu.launch_overhead_s
+        exposed = 0.0
+        if layout.zero_stage <= 1:
+            exposed = self.exposed_dp_sync_s(self.dp_sync_cost(layout, params * self.grads_bytes), backward)
+            if layout.zero_stage == 1:  # updated shards gathered back to every replica
+                exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes,
+                                             self._shard_group(layout))
+            return self._scaled({"optimizer": update, "dp_comm": exposed})
+        if layout.hybrid_shard and self._shard_size(layout) < grad_size:
+            exposed += self.collective_s(Collective.ALL_REDUCE, params * self.grads_bytes / self._shard_size(layout),
+                                         self._replica_group(layout))
+        if layout.zero_stage == 2:
+            exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, self._shard_group(layout))
+        return self._scaled({"optimizer": update, "dp_comm": exposed})
+
+    def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
+        sharded = layer.param_count * split.tp_sharded_param_fraction
+        return sharded / layout.tp + (layer.param_count - sharded)
+
+    def _states(self, layer: Any, split: TPLayerSplit, layout: Any):
+        grad_size = self._grad_size(layout)
+        return trained_model_states(self._tp_params(layer, split, layout), self.train.precision,
+                                    self.train.optimizer, layout.zero_stage if grad_size > 1 else 0,
+                                    self._shard_size(layout) if grad_size > 1 else 1, fsdp=self._uses_fsdp(layout),
+                                    pipelined=layout.pp > 1)
+
+    def _send_s(self, layer: Any, layout: Any, scale: float) -> float:
+        """Activation to the next stage forward and its gradient back (Narayanan et al. 2021:
+        b·s·h per micro-batch; ÷ t under SP, ÷ cp)."""
+        if layout.pp == 1:
+            return 0.0
+        nbytes = layer.output_bytes * scale / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+        return 2 * self.collective_s(Collective.SEND_RECV, nbytes, self.placement(layout, "pp")) * \
+            self.cluster.scale_of("pp_comm")
+
+    def _overhead_bytes(self, layout: Any, scale: float, gpu: GPUSpec) -> int:
+        return int(sum(self._buffers(layout, scale, gpu).values()))
+
+    def _buffers(self, layout: Any, scale: float, gpu: GPUSpec) -> dict[str, float]:
+        """Memory besides model states and stored activations (the gathered compute copy of
+        ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
+        largest = self._largest_params / layout.tp
+        buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
+        if layout.zero_stage == 3 and self._grad_size(layout) > 1 and layout.pp == 1:
+            # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
+            # a pipeline stage keeps all of its layers', see `trained_model_states`).
+            buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
+        if self._uses_fsdp(layout):
+            # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).
+            buffers["gradient_reduce"] = largest * 4
+        elif self._grad_size(layout) > 1:
+            # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
+            buffers["dp_buckets"] = 2 * self.dp_bucket_bytes(layout)
+        # A layer's full activations while its backward (or its recomputation) runs; under ring
+        # attention, where more, one K/V block's fp32 scores and their exponentials, alive
+        # together while the block runs (in forward, and in backward, which recomputes them).
+        # Transients of different moments: the larger counts, not their sum.
+        ring = 0.0
+        if self._ring_attention(layout):
+            block = 4 * self._score_elements * scale / layout.tp / layout.cp ** 2
+            ring = 2 * min(block, RING_TILE_SCORE_BYTES)  # codegen tiles a block's queries to this
+        buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
+        return buffers
+
+    def _working_set_bytes(self, layer: Any) -> float:
+        """What a layer's backward holds beyond the stored activations, at the profiled
+        micro-batch: its full activations (recomputed, or gradients as large) or, where more, its
+        two largest gradient temporaries alive together (an op's incoming and outgoing gradient:
+        a loss's logit gradients, twice what its log-softmax saved; on an H100 a 1B Llama at
+        micro-batch 8 held 2 GB more than the layer's activations there)."""
+        ops = self.compute.ops_by_layer.get(self.compute.kind(layer.name), [])
+        gradients = sorted((op.output_bytes for op in ops if op.phase == "backward"), reverse=True)
+        return max(float(layer.activation_bytes), float(sum(gradients[:2])))
+
+    def _attention_input_bytes(self) -> dict[str, tuple[float, float]]:
+        """Per layer, (query, key + value) bytes entering fused attention: what context
+        parallelism moves. Only those inputs: a mask the model materialised (Hugging Face builds
+        an S x S one when traced) is not part of the exchange."""
+        result: dict[str, tuple[float, float]] = {}
+        for op in self.profile.ops:
+            if op.op_class == "attention" and op.phase == "forward":
+                q, kv = attention_io_bytes(op)
+                before = result.get(op.layer, (0.0, 0.0))
+                result[op.layer] = (before[0] + q, before[1] + kv)
+        return result
+
+    def _attention_scores(self) -> float:
+        """Elements of the largest fused attention's score matrix (batch x heads x queries x
+        keys) at the profiled micro-batch: what ring attention's blocks materialise."""
+        largest = 0.0
+        for op in self.profile.ops:
+            if op.op_class == "attention" and op.phase == "forward" and len(op.input_shapes) >= 2 and \
+                    len(op.input_shapes[0]) == 4 and len(op.input_shapes[1]) == 4:
+                batch, heads, queries, _ = op.input_shapes[0]
+                largest = max(largest, float(batch * heads * queries * op.input_shapes[1][2]))
+        return largest
+
+    def _attention_heads(self) -> int | None:
+        """Attention heads (dim 1 of the first fused attention's query), for Ulysses' divisibility."""
+        for op in self.profile.ops:
+            if op.op_class == "attention" and op.phase == "forward" and op.input_shapes and \
+                    len(op.input_shapes[0]) == 4:
+                return int(op.input_shapes[0][1])
+        return None
+
+    def tp_collectives(self, layout: ParallelLayout) -> dict[str, int]:
+        """Collective -> how many the TP group issues per step under `layout`'s prices: each
+        layer's split (forward ones again where fully recomputed) and, under sequence
+        parallelism, its boundaries' gathers, times the micro-batches. What a test counts in a
+        generated step."""
+        if layout.tp == 1:
+            return {}
+        reference = self._device_facts(layout)[0]
+        counts: dict[str, int] = {}
+        options = self.layer_options(layout)
+        for layer, option in zip(self.layers, options):
+            split = self.split(layer.name, layout, reference)
+            forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
+            issued = list(split.comm) + (list(split.comm[:forward_count]) if self.recompute_options[option] == "full" else [])
+            if layout.sequence_parallel:
+                issued += list(split.sp.comm)
+                if self.recompute_options[option] == "full":
+                    issued += list(split.sp.comm[:split.sp.forward_comm])
+            for op, _ in issued:
+                counts[op] = counts.get(op, 0) + layout.num_micro_batches
+        return counts

@@ -1,0 +1,228 @@
+"""Where a layout's groups sit and what their collectives cost: the gradient, shard and replica
+groups, the GPU types of each pipeline and data-parallel rank, the gradient synchronisation
+algorithm and its buckets.
+
+A mixin of `cost_models.step.PlanPricer`; mesh arithmetic itself is `cost_models.mesh`'s.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s
+from cost_models.hardware import GPUSpec
+from cost_models.layer_cost import exposed_s
+from cost_models.mesh import Mesh
+from cost_models.topology import GroupPlacement
+
+DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
+BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
+# Run after backward by the generated gradient_sync.py (no overlap with backward).
+POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.HALVING_DOUBLING, Algorithm.PARAMETER_SERVER)
+
+
+def proportional_shares(weights: list[float], total: int) -> tuple[int, ...]:
+    """Integers summing to `total`, at least 1 each, proportional to `weights` (largest
+    remainder: the shares furthest below their ideal get the leftover units)."""
+    ideal = [total * w / sum(weights) for w in weights]
+    shares = [max(1, int(x)) for x in ideal]
+    while sum(shares) > total:
+        shares[max(range(len(shares)), key=lambda i: shares[i] - ideal[i])] -= 1
+    while sum(shares) < total:
+        shares[max(range(len(shares)), key=lambda i: ideal[i] - shares[i])] += 1
+    return tuple(shares)
+
+
+
+class Placement:
+    """Places a layout's groups on the cluster (mixed into PlanPricer)."""
+
+    def placement(self, layout: Any, axes: str | tuple[str, ...]) -> GroupPlacement:
+        """Where the group through rank 0 along one mesh axis (or several) sits."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        key = (axes, Mesh.of(layout))
+        if key not in self._placements:
+            self._placements[key] = self.cluster.group_links(Mesh.of(layout).group_ranks(axes))
+        return self._placements[key]
+
+    def grad_group(self, layout: Any) -> GroupPlacement:
+        """Ranks holding the same parameters: data- x context-parallel (CP ranks see other
+        tokens, so their gradients are summed too)."""
+        return self.placement(layout, ("dp", "cp"))
+
+    def _grad_size(self, layout: Any) -> int:
+        return layout.dp * layout.cp
+
+    def _shard_size(self, layout: Any) -> int:
+        """Ranks ZeRO shards over: the gradient group, or its part on one node (hybrid)."""
+        return self._shard_group(layout).size
+
+    def _shard_group(self, layout: Any) -> GroupPlacement:
+        if not layout.hybrid_shard:
+            return self.grad_group(layout)
+        key = ("shard", Mesh.of(layout))
+        if key not in self._placements:
+            ranks = Mesh.of(layout).group_ranks(("dp", "cp"))
+            self._placements[key] = self.cluster.group_links(
+                [r for r in ranks if r // self.cluster.gpus_per_node == 0])
+        return self._placements[key]
+
+    def _replica_group(self, layout: Any) -> GroupPlacement:
+        """Hybrid sharding's replicas: one rank per node of the gradient group."""
+        key = ("replica", Mesh.of(layout))
+        if key not in self._placements:
+            firsts: dict[int, int] = {}
+            for rank in Mesh.of(layout).group_ranks(("dp", "cp")):
+                firsts.setdefault(rank // self.cluster.gpus_per_node, rank)
+            self._placements[key] = self.cluster.group_links(sorted(firsts.values()))
+        return self._placements[key]
+
+    def pp_rank_gpus(self, layout: Any) -> list[list[GPUSpec]]:
+        """GPU types of the ranks of each pipeline rank (callers take their set, min or max: on a
+        one-type cluster each pipeline rank lists its type once)."""
+        key = Mesh.of(layout)
+        if key not in self._rank_gpus and self._homogeneous:
+            # No need to walk every rank (16,384 of them at frontier scale).
+            self._rank_gpus[key] = [[self.cluster.node_gpus[0]] for _ in range(layout.pp)]
+        if key not in self._rank_gpus:
+            mesh = Mesh.of(layout)
+            groups: list[list[GPUSpec]] = [[] for _ in range(layout.pp)]
+            for rank in range(layout.world_size):
+                groups[mesh.coordinate(rank, "pp")].append(self.cluster.gpu_of_rank(rank))
+            self._rank_gpus[key] = groups
+        return self._rank_gpus[key]
+
+    def collective_s(self, op: Collective, nbytes: float, group: GroupPlacement) -> float:
+        """Cheapest-algorithm time, memoised (the planner asks the same questions many times)."""
+        key = (op, nbytes, group)
+        if key not in self._collectives:
+            self._collectives[key] = collective_time_s(op, nbytes, group)
+        return self._collectives[key]
+
+    def dp_sync_cost(self, layout: Any, nbytes: float) -> CollectiveCost:
+        """Gradient all-reduce on the gradient group: the pinned algorithm or the layout's choice."""
+        group = self.grad_group(layout)
+        pinned = getattr(layout, "dp_sync", "auto") or "auto"
+        algorithm = self.auto_dp_sync(layout) if pinned == "auto" else Algorithm(pinned)
+        key = ("dp_sync", algorithm, nbytes, group)
+        if key not in self._collectives:
+            self._collectives[key] = CollectiveCost(Collective.ALL_REDUCE, algorithm,
+                                                    collective_time_s(Collective.ALL_REDUCE, nbytes, group, algorithm))
+        return self._collectives[key]
+
+    def exposed_dp_sync_s(self, cost: CollectiveCost, backward_s: float) -> float:
+        """What a gradient all-reduce adds to the step: FSDP's ring/tree reductions overlap the
+        backward; the generated hierarchical and parameter-server exchanges run after it."""
+        if cost.algorithm in POST_BACKWARD_SYNC:
+            return cost.seconds
+        return exposed_s(cost.seconds, backward_s)
+
+    def auto_dp_sync(self, layout: Any) -> Algorithm:
+        """The algorithm adding least to the step for the largest layer's gradients (one choice per
+        layout: the generated code uses one): ring, tree, hierarchical, and with ZeRO-0 a
+        parameter server (it holds the whole optimizer, which ZeRO-1 shards)."""
+        group = self.grad_group(layout)
+        key = ("auto_dp_sync", layout.zero_stage, layout.tp, layout.micro_batch_size, group)
+        if key not in self._collectives:
+            largest = max(self.layers, key=lambda layer: layer.param_count)
+            nbytes = largest.param_count * self.grads_bytes / layout.tp
+            gpu = self._device_facts(layout)[0]
+            backward = (self.compute.layer(largest.name, gpu).backward_s * layout.micro_batch_size / self.b0
+                        / (layout.tp * layout.cp))
+            options = [Algorithm.RING, Algorithm.TREE] + ([Algorithm.HIERARCHICAL] if group.crosses_nodes else [])
+            options += [Algorithm.PARAMETER_SERVER] if layout.zero_stage == 0 else []
+            costs = [CollectiveCost(Collective.ALL_REDUCE, a, collective_time_s(Collective.ALL_REDUCE, nbytes, group, a))
+                     for a in options]
+            self._collectives[key] = min(costs, key=lambda c: (self.exposed_dp_sync_s(c, backward),
+                                                               options.index(c.algorithm))).algorithm
+        return self._collectives[key]
+
+    def dp_bucket_bytes(self, layout: Any) -> int:
+        """Bucket size of the generated hierarchical / parameter-server exchange: the smallest
+        candidate whose per-bucket latency adds under 1% to the exchange of all gradients (small
+        buckets bound the extra memory; too small ones pay a latency per bucket)."""
+        group = self.grad_group(layout)
+        if group.size == 1:
+            return DP_BUCKET_BYTES
+        algorithm = self.dp_sync_cost(layout, 1.0).algorithm
+        total = sum(layer.param_count for layer in self.layers) * 4 / layout.tp / layout.pp  # fp32 gradients
+        whole = collective_time_s(Collective.ALL_REDUCE, total, group, algorithm)
+        latency = collective_time_s(Collective.ALL_REDUCE, 1.0, group, algorithm)
+        for bucket in BUCKET_CHOICES_BYTES:
+            if (math.ceil(total / bucket) - 1) * latency <= 0.01 * whole:
+                return bucket
+        return BUCKET_CHOICES_BYTES[-1]
+
+    def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
+        """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
+        group would mix GPU types. Cached per rank layout."""
+        key = (Mesh.of(layout), layout.micro_batch_size, tuple(getattr(layout, "dp_shares", ()) or ()))
+        if key not in self._devices:
+            self._devices[key] = self._compute_device_facts(layout)
+        return self._devices[key]
+
+    def _compute_device_facts(self, layout: Any):
+        if layout.tp > 1 and not self._tp_groups_homogeneous(layout):
+            return None
+        pp_gpus = self.pp_rank_gpus(layout)
+        reference = pp_gpus[0][0]
+        if self._homogeneous and not getattr(layout, "dp_shares", ()):
+            # One GPU type, even shares: every pipeline rank runs at the reference's speed.
+            return reference, [1.0] * layout.pp, [int(reference.memory_bytes
+                                                      * (1 - self.cluster.memory_headroom_fraction))] * layout.pp
+        distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
+        total = {name: sum(self.split(l.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
+                           for l in self.layers) for name, gpu in distinct.items()}
+        # A pipeline rank's data-parallel replicas run in lockstep: the slowest GPU type paces it,
+        # unless each data-parallel rank gets a share of the batch (then the slowest share does).
+        slowest_gpu = [max(group, key=lambda g: total[g.name]) for group in pp_gpus]
+        speed = [total[g.name] / total[reference.name] if total[reference.name] else 1.0 for g in slowest_gpu]
+        shares = self.dp_shares(layout, total)
+        if shares and total[reference.name]:
+            gpus = self.dp_rank_gpus(layout)
+            speed = [max(b * total[g.name] for b, g in zip(shares, gpus))
+                     / (layout.micro_batch_size * total[reference.name])]
+        capacity = [int(min(g.memory_bytes for g in group) * (1 - self.cluster.memory_headroom_fraction))
+                    for group in pp_gpus]
+        return reference, speed, capacity
+
+    def dp_rank_gpus(self, layout: Any) -> list[GPUSpec]:
+        """GPU type of each data-parallel rank (its first rank: TP groups are one type)."""
+        return [self.cluster.gpu_of_rank(r) for r in Mesh.of(layout).group_ranks("dp")]
+
+    def dp_shares(self, layout: Any, total: dict[str, float] | None = None) -> tuple[int, ...]:
+        """Samples per micro-batch of each data-parallel rank: the layout's own, or, when its
+        data-parallel ranks mix GPU types (pp=1), shares in proportion to each GPU's speed
+        (largest remainder, at least one each) so all finish together; () when even."""
+        pinned = tuple(getattr(layout, "dp_shares", ()) or ())
+        if pinned or layout.pp > 1 or layout.dp == 1 or self._homogeneous:
+            return pinned
+        gpus = self.dp_rank_gpus(layout)
+        if len({g.name for g in gpus}) == 1:
+            return ()
+        if total is None:
+            total = {g.name: sum(self.split(l.name, layout, g).compute.time_s(1.0, g.launch_overhead_s)
+                                 for l in self.layers) for g in gpus}
+        return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)
+
+    def _tp_groups_homogeneous(self, layout: Any) -> bool:
+        """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
+        if self._homogeneous:
+            return True
+        return all(len({self.cluster.gpu_of_rank(rank).name for rank in group}) == 1
+                   for group in Mesh.of(layout).groups("tp"))
+
+    def _span(self, layout: Any, axes: str | tuple[str, ...]) -> tuple[int, int, int, int]:
+        """A cheap cache key for a group's placement."""
+        group = self.placement(layout, axes)
+        return (group.size, group.nodes, group.per_node, group.min_per_node)
+
+    def _uses_fsdp(self, layout: Any) -> bool:
+        """Whether the generated code wraps the model in FSDP: gradients averaged over ranks by
+        FSDP's reduction, not the hierarchical / parameter-server exchange (ZeRO-0/1 only); on a
+        lone data-parallel rank for its mixed precision when a GPU computes in 16 bit
+        (codegen's `fsdp_wraps`)."""
+        if self._grad_size(layout) == 1:
+            return self.train.precision != "fp32" and any(gpu.name != "cpu" for gpu in self.cluster.node_gpus)
+        return layout.zero_stage >= 2 or layout.cp > 1 or \
+            self.dp_sync_cost(layout, 1.0).algorithm not in POST_BACKWARD_SYNC

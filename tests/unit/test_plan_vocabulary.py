@@ -1,0 +1,149 @@
+"""One plan vocabulary: the mesh arithmetic, the technique registry and the tensor-parallel
+layout that the pricer and codegen share, each checked against what actually runs."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.codegen.model_facts import inspect_model
+from autopar.codegen.tp_plan import paired_regions
+from autopar.plan import Plan
+from autopar.report.words import describe_axes
+from autopar.solver.tp_split import ILPSplitter
+from cost_models.collectives import Collective, collective_time_s
+from cost_models.layout import DPSync, ParallelLayout
+from cost_models.mesh import Mesh
+from cost_models.step import PlanPricer, TrainSpec
+from cost_models.techniques import REGISTRY, Family, chosen, searchable
+from cost_models.topology import ClusterConfig, ClusterSpec
+from cost_models.tp_layout import ModuleTree, SPRole, sp_role
+from tests.dist.plans import GPT, LLAMA, _profile
+from tests.unit.test_cost_profiles import traced
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- mesh ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", [("tp", "cp", "pp", "dp"), ("dp", "tp", "pp", "cp"), ("pp", "dp", "cp", "tp")])
+def test_mesh_coordinates_are_the_device_mesh_grid(order):
+    """Rank r sits at r's index in arange(world).reshape(shape outermost first), as DeviceMesh
+    places it; a group along axes is the ranks differing only there."""
+    degrees = {"tp": 2, "cp": 1, "pp": 3, "dp": 2}
+    mesh = Mesh.from_degrees(order, degrees)
+    grid = torch.arange(mesh.world_size).reshape(mesh.shape())
+    names = mesh.dim_names()
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in mesh.shape()]).tolist():
+        rank = int(grid[tuple(index)])
+        assert mesh.coordinates(rank) == {axis: index[names.index(axis)] for axis in order}
+    for rank in range(mesh.world_size):
+        same = [r for r in range(mesh.world_size)
+                if all(mesh.coordinate(r, a) == mesh.coordinate(rank, a) for a in order if a not in ("dp", "tp"))]
+        assert mesh.group_ranks(("dp", "tp"), rank) == same
+
+
+def test_mesh_arithmetic_lives_in_one_module():
+    """No stride or coordinate arithmetic outside cost_models/mesh.py: a rank's coordinate,
+    a stride built by multiplying degrees, or a rank stepped by a stride."""
+    pattern = re.compile(r"//\s*strides?\b|\bstrides?\s*\*=|//\s*stride\[|\*\s*strides?\[|mesh_strides\(")
+    offenders = []
+    for folder in ("autopar", "cost_models"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name == "mesh.py" and path.parent.name == "cost_models":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+# -- the technique registry ---------------------------------------------------------------------
+
+def test_every_searchable_technique_names_code_that_exists():
+    """A technique can be chosen only if the generated code runs it: the runtime each entry
+    names is a function or class of a codegen section."""
+    sections = {path.stem: path.read_text() for path in (REPO / "autopar" / "codegen" / "sections").glob("*.py")}
+    for entry in REGISTRY:
+        if entry.runtime is None or not entry.pinnable or entry.value == DPSync.AUTO:
+            continue
+        match = re.match(r"(\w+)\.(\w+)", entry.runtime)
+        assert match, entry
+        section, name = match.groups()
+        assert re.search(rf"^(def|class) {name}\b", sections[section], re.M), entry
+
+
+def test_halving_doubling_cannot_be_chosen():
+    """Priced by the collective model, not generated: neither searched nor accepted as a pin or
+    in a plan file."""
+    assert "halving_doubling" not in searchable(Family.DP_SYNC)
+    with pytest.raises(ValueError, match="no generated implementation"):
+        chosen(Family.DP_SYNC, "halving_doubling")
+    plan = Plan(layer_names=["a"], stages=[["a"]], dp_sync="halving_doubling")
+    assert any("no generated implementation" in p for p in plan.problems())
+    assert not Plan(layer_names=["a"], stages=[["a"]], dp_sync="reduce_scatter").problems()
+
+
+def test_layout_is_frozen_and_keys_caches():
+    """Strings, lists and dicts become enum members, tuples and a hashable mapping: two
+    layouts built from equal choices are equal and hash alike."""
+    a = ParallelLayout(dp=2, schedule="1f1b", stages=[["x"], ["y"]], recompute={"x": "full"})
+    b = ParallelLayout(dp=2, schedule="1f1b", stages=(("x",), ("y",)), recompute={"x": "full"})
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert a.projected("dp") == ParallelLayout(dp=2)
+
+
+# -- the tensor-parallel layout -----------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_pricer_and_codegen_read_the_same_roles(model):
+    """The pricer reads the module tree from the profile, codegen from the model: for every
+    block child and any choice of split, both give the same sequence-parallel role."""
+    tree = ModuleTree.of_profile(_profile(model))
+    facts = inspect_model(model.path, model.kwargs)
+    block = model.block_names[0]
+    linears = [m for m in facts.modules if m.startswith(block + ".") and facts.kind(m) == "linear"]
+    for styles in ({}, {m: ("colwise" if i % 2 == 0 else "rowwise") for i, m in enumerate(linears)}):
+        regions = paired_regions(styles, facts)
+        from_model = {child: sp_role(facts.kind(child), facts.modules[child].has_parameters, child in regions)
+                      for child in facts.children[block]}
+        assert tree.roles(block, styles) == {c: r for c, r in from_model.items() if c in tree.roles(block, styles)}
+        assert {c for c, r in from_model.items() if r != SPRole.LOCAL} <= set(tree.roles(block, styles))
+
+
+def _replicating_pricer():
+    """A tiny GPT on 2 H100s whose link latency (1 s) makes the operator-wise split replicate
+    every module."""
+    profile = traced("gpt.py", "bf16", 2)
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="H100-SXM", nodes=1, gpus_per_node=2,
+                                                    intra_node_latency_us=1e6))
+    return profile, cluster, PlanPricer(profile, cluster, TrainSpec(global_batch_size=4), ILPSplitter(profile))
+
+
+def test_replicated_tp_plan_under_sp_is_priced_as_it_runs():
+    """The issue's bug: with every module replicated, sequence parallelism leaves the GEMMs whole
+    (only norms and residual adds run on a slice), and each block's attention and MLP gather
+    the sequence in forward and backward, the first block's entry gathers in backward and the
+    replicated head in forward: 4 x 4 + 2 all-gathers of b·s·h per micro-batch. Before, the
+    pricer divided all of it by t and priced no collective (compute 0.5-0.65 of this)."""
+    profile, cluster, pricer = _replicating_pricer()
+    plain = pricer.estimate(ParallelLayout(tp=2, micro_batch_size=2, num_micro_batches=2))
+    sp = pricer.estimate(ParallelLayout(tp=2, micro_batch_size=2, num_micro_batches=2, sequence_parallel=True))
+    assert set(pricer.split("blocks.0", ParallelLayout(tp=2), cluster.node_gpus[0]).styles.values()) == {"replicate"}
+    assert plain.time_breakdown["tp_comm"] == 0.0
+    assert 0.95 * plain.time_breakdown["compute"] < sp.time_breakdown["compute"] < plain.time_breakdown["compute"]
+    stream = profile.layer("blocks.0").input_bytes
+    gather = collective_time_s(Collective.ALL_GATHER, stream, cluster.group_links([0, 1]))
+    assert sp.time_breakdown["tp_comm"] == pytest.approx(2 * (4 * 4 + 2) * gather, rel=1e-6)
+    assert pricer.tp_collectives(ParallelLayout(tp=2, micro_batch_size=2, num_micro_batches=2,
+                                                sequence_parallel=True)) == {"all_gather": 2 * 18}
+
+
+def test_report_does_not_claim_split_matrices_for_a_replicated_plan():
+    base = dict(tp=2, layer_names=["a"], stages=[["a"]], mesh_order=["tp", "cp", "pp", "dp"])
+    replicated = describe_axes(Plan(**base, tp_styles={"a.fc": "replicate"}, sequence_parallel=True), 8)[0]
+    split = describe_axes(Plan(**base, tp_styles={"a.fc": "colwise"}), 8)[0]
+    assert "matrices split" not in replicated and "no matrix split" in replicated
+    assert "each layer's matrices split" in split

@@ -130,7 +130,11 @@ def test_optuna_minimises_cost_per_million_tokens_under_a_step_time_bound(exampl
     """Optuna's best value is the cheapest cost per million tokens among the points it tried that
     meet the deadline; a point over the deadline scores an infinite cost."""
     out = tmp_path / "sweep"
-    deadline_s = 0.005
+    # The deadline lets the 4-GPU point through (just above its priced step), whatever the
+    # cost model's current prices are, so the bound decides between feasible and infeasible points.
+    four = tmp_path / "four.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "cluster.gpus_per_node=4", "--out", str(four), "-q"]) == 0
+    deadline_s = Plan.load(four).predicted.step_time_s * 1.001
     assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=choice(1,2,4)",
                  "cluster.price_per_gpu_hour=2", "sweep.objective=cost_per_million_tokens",
                  f"sweep.max_step_time_s={deadline_s}", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",

@@ -21,7 +21,7 @@ from cost_models.techniques import REGISTRY, Family, chosen, searchable
 from cost_models.topology import ClusterConfig, ClusterSpec
 from cost_models.tp_layout import ModuleTree, SPRole, sp_role
 from tests.dist.plans import GPT, LLAMA, _profile
-from tests.unit.test_cost_profiles import traced
+from tests.profiles import traced
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,9 +75,19 @@ def test_every_searchable_technique_names_code_that_exists():
         assert re.search(rf"^(def|class) {name}\b", sections[section], re.M), entry
 
 
-def test_halving_doubling_cannot_be_chosen():
-    """Priced by the collective model, not generated: neither searched nor accepted as a pin or
-    in a plan file."""
+def test_a_technique_without_runtime_cannot_be_chosen(monkeypatch):
+    """A value priced but not generated is neither searched nor accepted as a pin or in a plan
+    file (halving-doubling was such a value until gradient_sync.py ran it): with its runtime
+    taken away, it disappears from the search and is refused with the choices that run."""
+    import dataclasses
+
+    import cost_models.techniques as techniques
+
+    assert "halving_doubling" in searchable(Family.DP_SYNC)
+    assert chosen(Family.DP_SYNC, "halving_doubling").runtime == "gradient_sync.HalvingDoublingSync"
+    monkeypatch.setattr(techniques, "REGISTRY", tuple(
+        dataclasses.replace(entry, runtime=None) if entry.value == "halving_doubling" else entry
+        for entry in techniques.REGISTRY))
     assert "halving_doubling" not in searchable(Family.DP_SYNC)
     with pytest.raises(ValueError, match="no generated implementation"):
         chosen(Family.DP_SYNC, "halving_doubling")

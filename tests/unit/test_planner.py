@@ -220,7 +220,8 @@ def test_work_limit_gives_the_same_plan_on_a_slow_machine(examples_dir):
     assert fast.stopped_by == slow.stopped_by == "work_limit" and fast.status == "FEASIBLE"
     assert (fast.best[0].index, fast.best[0].step_time_s, fast.gap, fast.priced, fast.work) == \
         (slow.best[0].index, slow.best[0].step_time_s, slow.gap, slow.priced, slow.work)
-    assert slow.seconds > fast.seconds + slow.priced * 1e-3 * 0.9
+    # The slow pricer really was slow (each of its priced candidates slept 1 ms), whatever the load.
+    assert slow.seconds >= slow.priced * 1e-3
     assert full.best[0].step_time_s <= fast.best[0].step_time_s
     assert fast.best[0].step_time_s * (1 - fast.gap) <= full.best[0].step_time_s + 1e-9
 

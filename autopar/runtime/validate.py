@@ -8,6 +8,7 @@ memory) and writes validate.json, which `autopar calibrate --from` fits the cost
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -100,7 +101,7 @@ def validate(out_dir: str | Path, steps: int = 5, timeout_s: float | None = None
     report = (load_report(report_file) if report_file.is_file()
               else rebuild_report(plan, out_dir / Path(plan.provenance.model_path).name))
     folder = out_dir / "measure"
-    shutil.rmtree(folder, ignore_errors=True)
+    _clear_measurements(folder)
     result = run_local(out_dir, plan.world_size, steps, extra_args=["--measure-dir", str(folder.resolve())],
                        timeout_s=timeout_s, runner=("-m", "autopar.runtime.measure"))
     if not result.ok:
@@ -117,3 +118,17 @@ def validate(out_dir: str | Path, steps: int = 5, timeout_s: float | None = None
     validation = compare(plan, report.estimate, measurements, device, steps)
     (out_dir / "validate.json").write_text(validation.to_json())
     return validation
+
+
+def _clear_measurements(folder: Path) -> None:
+    """Remove an earlier validation's per-rank files, and refuse a ``measure`` folder holding
+    anything else: it is not autopar's to delete."""
+    if not folder.exists():
+        return
+    foreign = ([p.name for p in folder.iterdir() if not (p.is_file() and re.fullmatch(r"rank_\d+\.json", p.name))]
+               if folder.is_dir() else [folder.name])
+    if foreign:
+        raise UserError(f"{folder} holds files autopar did not write ({', '.join(foreign[:5])}); "
+                        "validation writes its per-rank measurements there.",
+                        "move them away, then validate again.")
+    shutil.rmtree(folder)

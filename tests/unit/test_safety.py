@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
+from autopar.errors import UserError
 from autopar.output_dir import MANIFEST_NAME, Manifest, install
 from autopar.plan import Plan
 from autopar.solver.space import _group_span, divisors
@@ -385,3 +386,20 @@ def example_batch(batch_size):
     return torch.randn(batch_size, 4)
 """)
     fails(capsys, ["profile", str(model)], "out of memory", "refused before", "build_model")
+
+
+def test_validate_never_deletes_a_measure_folder_it_did_not_write(tmp_path):
+    """`autopar validate DIR` writes DIR/measure/rank_<r>.json; an earlier validation's files are
+    replaced, anything else there is refused and kept."""
+    from autopar.runtime.validate import _clear_measurements
+
+    folder = tmp_path / "measure"
+    folder.mkdir()
+    (folder / "rank_0.json").write_text("{}")
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="notes.txt"):
+        _clear_measurements(folder)
+    assert (folder / "notes.txt").read_text() == "mine" and (folder / "rank_0.json").exists()
+    (folder / "notes.txt").unlink()
+    _clear_measurements(folder)
+    assert not folder.exists()

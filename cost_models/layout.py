@@ -10,10 +10,12 @@ technique registry's (`cost_models.techniques`): a value with no runtime is refu
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 from enum import IntEnum, StrEnum
 from typing import Any
 
 from cost_models.memory import OPTIMIZERS, RECOMPUTE_OPTIONS
+from cost_models.mesh import Mesh
 from cost_models.topology import ClusterSpec
 
 
@@ -106,6 +108,14 @@ class TrainSpec:
     optimizer: str = "adam"
 
 
+def _member(enum: type, value: Any) -> Any:
+    """The enum member spelled `value`, or `value` itself when no member is (validated later)."""
+    try:
+        return _MEMBERS[enum].get(value, value)
+    except TypeError:  # unhashable: certainly no member
+        return value
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """A plan as the cost model sees it (autopar.plan.Plan carries the same fields); frozen and
@@ -152,24 +162,34 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         # Callers pass lists, dicts and plain strings (plan files, Hydra); the layout keeps
         # tuples, a FrozenDict and enum members. A value no enum knows is kept as given, for
-        # `validate_layout` to name it.
-        def member(enum: type, value: Any) -> Any:
-            try:
-                return enum(value)
-            except (ValueError, TypeError):
-                return value
-
+        # `validate_layout` to name it. Mesh axes stay strings (a MeshAxis equals and hashes
+        # as its name). The planner builds tens of thousands of layouts: what is already in
+        # its final type is left alone.
         set_ = object.__setattr__
-        set_(self, "mesh_order", tuple(member(MeshAxis, a) for a in self.mesh_order))
-        set_(self, "zero_stage", member(ZeroStage, self.zero_stage))
-        set_(self, "schedule", member(Schedule, self.schedule))
-        set_(self, "cp_strategy", member(CPStrategy, self.cp_strategy))
-        set_(self, "dp_sync", member(DPSync, self.dp_sync or DPSync.AUTO))
-        set_(self, "dp_shares", tuple(self.dp_shares or ()))
-        set_(self, "stages", tuple(tuple(stage) for stage in self.stages or ()))
+        if not self.dp_sync:
+            set_(self, "dp_sync", DPSync.AUTO)
+        for name, enum in _ENUM_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not enum:
+                set_(self, name, _member(enum, value))
+        if type(self.mesh_order) is not tuple:
+            set_(self, "mesh_order", tuple(self.mesh_order))
+        if type(self.dp_shares) is not tuple:
+            set_(self, "dp_shares", tuple(self.dp_shares or ()))
+        if self.stages and not (type(self.stages) is tuple and all(type(s) is tuple for s in self.stages)):
+            set_(self, "stages", tuple(tuple(stage) for stage in self.stages))
+        elif not self.stages:
+            set_(self, "stages", ())
         recompute = self.recompute
-        set_(self, "recompute", FrozenDict({k: member(Recompute, v) for k, v in recompute.items()})
-             if isinstance(recompute, dict) else member(Recompute, recompute))
+        if isinstance(recompute, dict) and type(recompute) is not FrozenDict:
+            set_(self, "recompute", FrozenDict({k: _member(Recompute, v) for k, v in recompute.items()}))
+        elif not isinstance(recompute, dict) and type(recompute) is not Recompute:
+            set_(self, "recompute", _member(Recompute, recompute))
+
+    @cached_property
+    def mesh(self) -> Mesh:
+        """Where each rank sits (computed once per layout: the pricer asks for groups often)."""
+        return Mesh.of(self)
 
     def projected(self, *names: str) -> "ParallelLayout":
         """This layout with every field but `names` at its default: the cache key of a price that
@@ -184,6 +204,12 @@ class ParallelLayout:
 
     def degree(self, axis: str) -> int:
         return getattr(self, axis)
+
+
+# Fields of ParallelLayout held as enum members, and each enum's members by value.
+_ENUM_FIELDS = (("zero_stage", ZeroStage), ("schedule", Schedule), ("cp_strategy", CPStrategy), ("dp_sync", DPSync))
+_MEMBERS = {enum: {member.value: member for member in enum} for enum in (ZeroStage, Schedule, CPStrategy, DPSync,
+                                                                         Recompute)}
 
 
 def validate_train(train: TrainSpec, profile: Any) -> None:

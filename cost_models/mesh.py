@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 
@@ -43,19 +44,27 @@ class Mesh:
     def world_size(self) -> int:
         return math.prod(self.degrees)
 
-    def degree(self, axis: str) -> int:
-        return self.degrees[self.order.index(axis)]
+    @cached_property
+    def _degree_of(self) -> dict[str, int]:
+        return dict(zip(self.order, self.degrees))
 
-    def strides(self) -> dict[str, int]:
-        """Rank stride of each axis (the innermost has stride 1)."""
+    @cached_property
+    def _strides(self) -> dict[str, int]:
         strides, stride = {}, 1
         for axis, degree in zip(self.order, self.degrees):
             strides[axis] = stride
             stride *= degree
         return strides
 
+    def degree(self, axis: str) -> int:
+        return self._degree_of[axis]
+
+    def strides(self) -> dict[str, int]:
+        """Rank stride of each axis (the innermost has stride 1)."""
+        return dict(self._strides)
+
     def stride(self, axis: str) -> int:
-        return self.strides()[axis]
+        return self._strides[axis]
 
     def coordinate(self, rank: int, axis: str) -> int:
         """Rank's index along one axis."""
@@ -68,8 +77,8 @@ class Mesh:
     def group_ranks(self, axes: str | tuple[str, ...], rank: int = 0) -> list[int]:
         """Ranks of the group through `rank` spanned by one axis or several, sorted."""
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        strides = self.strides()
-        base = rank - sum(self.coordinate(rank, axis) * strides[axis] for axis in axes)
+        strides = self._strides
+        base = rank - sum(self.coordinate(rank, axis) * strides[axis] for axis in axes) if rank else 0
         ranks = [base]
         for axis in axes:
             ranks = [r + i * strides[axis] for r in ranks for i in range(self.degree(axis))]
@@ -77,11 +86,12 @@ class Mesh:
 
     def groups(self, axes: str | tuple[str, ...]) -> list[list[int]]:
         """Every group spanned by `axes`, each sorted, in order of their lowest rank."""
-        seen: dict[int, list[int]] = {}
-        for rank in range(self.world_size):
-            ranks = self.group_ranks(axes, rank)
-            seen.setdefault(ranks[0], ranks)
-        return [seen[first] for first in sorted(seen)]
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        firsts = [0]  # the ranks at coordinate 0 on `axes`: one per group
+        for axis in self.order:
+            if axis not in axes:
+                firsts = [r + i * self._strides[axis] for r in firsts for i in range(self._degree_of[axis])]
+        return [self.group_ranks(axes, rank) for rank in sorted(firsts)]
 
     def nodes_of(self, axis: str, gpus_per_node: int) -> list[int]:
         """Nodes the group of `axis` through rank 0 touches."""
@@ -113,3 +123,10 @@ class Mesh:
         import torch
 
         return torch.arange(self.world_size).reshape(self.shape()).tolist()
+
+
+def mesh_of(layout: Any) -> Mesh:
+    """A layout's mesh: the one a ParallelLayout computed once, else computed here (a Plan, or
+    anything with `mesh_order` and `degree(axis)`)."""
+    mesh = getattr(layout, "mesh", None)
+    return mesh if isinstance(mesh, Mesh) else Mesh.of(layout)

@@ -12,7 +12,7 @@ from typing import Any
 from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s
 from cost_models.hardware import GPUSpec
 from cost_models.layer_cost import exposed_s
-from cost_models.mesh import Mesh
+from cost_models.mesh import mesh_of
 from cost_models.topology import GroupPlacement
 
 DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
@@ -40,9 +40,9 @@ class Placement:
     def placement(self, layout: Any, axes: str | tuple[str, ...]) -> GroupPlacement:
         """Where the group through rank 0 along one mesh axis (or several) sits."""
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        key = (axes, Mesh.of(layout))
+        key = (axes, mesh_of(layout))
         if key not in self._placements:
-            self._placements[key] = self.cluster.group_links(Mesh.of(layout).group_ranks(axes))
+            self._placements[key] = self.cluster.group_links(mesh_of(layout).group_ranks(axes))
         return self._placements[key]
 
     def grad_group(self, layout: Any) -> GroupPlacement:
@@ -60,19 +60,19 @@ class Placement:
     def _shard_group(self, layout: Any) -> GroupPlacement:
         if not layout.hybrid_shard:
             return self.grad_group(layout)
-        key = ("shard", Mesh.of(layout))
+        key = ("shard", mesh_of(layout))
         if key not in self._placements:
-            ranks = Mesh.of(layout).group_ranks(("dp", "cp"))
+            ranks = mesh_of(layout).group_ranks(("dp", "cp"))
             self._placements[key] = self.cluster.group_links(
                 [r for r in ranks if r // self.cluster.gpus_per_node == 0])
         return self._placements[key]
 
     def _replica_group(self, layout: Any) -> GroupPlacement:
         """Hybrid sharding's replicas: one rank per node of the gradient group."""
-        key = ("replica", Mesh.of(layout))
+        key = ("replica", mesh_of(layout))
         if key not in self._placements:
             firsts: dict[int, int] = {}
-            for rank in Mesh.of(layout).group_ranks(("dp", "cp")):
+            for rank in mesh_of(layout).group_ranks(("dp", "cp")):
                 firsts.setdefault(rank // self.cluster.gpus_per_node, rank)
             self._placements[key] = self.cluster.group_links(sorted(firsts.values()))
         return self._placements[key]
@@ -80,12 +80,12 @@ class Placement:
     def pp_rank_gpus(self, layout: Any) -> list[list[GPUSpec]]:
         """GPU types of the ranks of each pipeline rank (callers take their set, min or max: on a
         one-type cluster each pipeline rank lists its type once)."""
-        key = Mesh.of(layout)
+        key = mesh_of(layout)
         if key not in self._rank_gpus and self._homogeneous:
             # No need to walk every rank (16,384 of them at frontier scale).
             self._rank_gpus[key] = [[self.cluster.node_gpus[0]] for _ in range(layout.pp)]
         if key not in self._rank_gpus:
-            mesh = Mesh.of(layout)
+            mesh = mesh_of(layout)
             groups: list[list[GPUSpec]] = [[] for _ in range(layout.pp)]
             for rank in range(layout.world_size):
                 groups[mesh.coordinate(rank, "pp")].append(self.cluster.gpu_of_rank(rank))
@@ -156,7 +156,7 @@ class Placement:
     def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
         group would mix GPU types. Cached per rank layout."""
-        key = (Mesh.of(layout), layout.micro_batch_size, tuple(getattr(layout, "dp_shares", ()) or ()))
+        key = (mesh_of(layout), layout.micro_batch_size, tuple(getattr(layout, "dp_shares", ()) or ()))
         if key not in self._devices:
             self._devices[key] = self._compute_device_facts(layout)
         return self._devices[key]
@@ -188,7 +188,10 @@ class Placement:
 
     def dp_rank_gpus(self, layout: Any) -> list[GPUSpec]:
         """GPU type of each data-parallel rank (its first rank: TP groups are one type)."""
-        return [self.cluster.gpu_of_rank(r) for r in Mesh.of(layout).group_ranks("dp")]
+        key = ("dp", mesh_of(layout))
+        if key not in self._rank_gpus:
+            self._rank_gpus[key] = [self.cluster.gpu_of_rank(r) for r in mesh_of(layout).group_ranks("dp")]
+        return self._rank_gpus[key]
 
     def dp_shares(self, layout: Any, total: dict[str, float] | None = None) -> tuple[int, ...]:
         """Samples per micro-batch of each data-parallel rank: the layout's own, or, when its
@@ -210,7 +213,7 @@ class Placement:
         if self._homogeneous:
             return True
         return all(len({self.cluster.gpu_of_rank(rank).name for rank in group}) == 1
-                   for group in Mesh.of(layout).groups("tp"))
+                   for group in mesh_of(layout).groups("tp"))
 
     def _span(self, layout: Any, axes: str | tuple[str, ...]) -> tuple[int, int, int, int]:
         """A cheap cache key for a group's placement."""

@@ -156,7 +156,9 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
 
     def partition_problem(self, layout: Any) -> PartitionProblem | None:
         """Per-layer prices of a configuration for the partition solver (None if it cannot run)."""
-        key = replace(layout, stages=(), recompute=Recompute.NONE)  # what the partition decides left out
+        # What the partition decides left out (a search candidate has neither already).
+        key = layout if not layout.stages and layout.recompute == Recompute.NONE else \
+            replace(layout, stages=(), recompute=Recompute.NONE)
         if key in self._problems:
             return self._problems[key]
         rows = self._partition_rows(layout)

@@ -151,8 +151,9 @@ class ModuleTree:
                 kinds[name] = "linear"
             else:
                 kinds[name] = "other"
-        with_parameters = frozenset(n for n in names if n in readers
-                                    or any(p.startswith(n + ".") for p in profile.param_shapes))
+        owners = {".".join(param.split(".")[:i]) for param in profile.param_shapes
+                  for i in range(1, param.count(".") + 1)}  # every module holding a parameter below it
+        with_parameters = frozenset(n for n in names if n in readers or n in owners)
         return cls(children=children, kinds=kinds, with_parameters=with_parameters)
 
 

@@ -98,8 +98,8 @@ class LayerCost:
         plain = self._compute_s(split, layout, per_token, gpu)
         total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
         tp_group = self.placement(layout, "tp")
-        forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
-        tp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.comm]
+        comm, forward_count = split.collectives(layout.sequence_parallel and layout.tp > 1)
+        tp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in comm]
         tp_comm = sum(tp_times)
         if option == "full":  # the re-run forward repeats its collectives
             tp_comm += sum(tp_times[:forward_count])
@@ -163,8 +163,8 @@ class LayerCost:
         """A layer's micro-batch seconds below each option's `layer_time_parts` total."""
         compute = self._compute_s(split, layout, scale / layout.cp, gpu) * self.cluster.scale_of("compute")
         tp_group = self.placement(layout, "tp")
-        forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
-        tp_times = [self.collective_s(Collective(op), nbytes * scale / layout.cp, tp_group) for op, nbytes in split.comm]
+        comm_issued, forward_count = split.collectives(layout.sequence_parallel and layout.tp > 1)
+        tp_times = [self.collective_s(Collective(op), nbytes * scale / layout.cp, tp_group) for op, nbytes in comm_issued]
         comm = []
         for option in self.recompute_options:
             tp_comm = sum(tp_times) + (sum(tp_times[:forward_count]) if option == "full" else 0.0)
@@ -348,8 +348,8 @@ class LayerCost:
         options = self.layer_options(layout)
         for layer, option in zip(self.layers, options):
             split = self.split(layer.name, layout, reference)
-            forward_count = len(split.comm) // 2 if split.forward_comm is None else split.forward_comm
-            issued = list(split.comm) + (list(split.comm[:forward_count]) if self.recompute_options[option] == "full" else [])
+            comm, forward_count = split.collectives(bool(layout.sequence_parallel))
+            issued = list(comm) + (list(comm[:forward_count]) if self.recompute_options[option] == "full" else [])
             if layout.sequence_parallel:
                 issued += list(split.sp.comm)
                 if self.recompute_options[option] == "full":

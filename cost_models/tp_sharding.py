@@ -74,6 +74,16 @@ class TPLayerSplit:
     activations: LayerActivations | None = None
     forward_comm: int | None = None
     sp: SPParts = SPParts()
+    comm_under_sp: tuple[tuple[str, float], ...] | None = None
+    forward_comm_under_sp: int | None = None
+
+    def collectives(self, sequence_parallel: bool) -> tuple[tuple[tuple[str, float], ...], int]:
+        """(comm, how many of it lead in forward) as the styles issue them, with or without
+        sequence parallelism (under it a split region gathers and reduce-scatters the sequence
+        where it would all-reduce)."""
+        if sequence_parallel and self.comm_under_sp is not None:
+            return self.comm_under_sp, self.forward_comm_under_sp or 0
+        return self.comm, len(self.comm) // 2 if self.forward_comm is None else self.forward_comm
 
 
 class TPSplitter(Protocol):

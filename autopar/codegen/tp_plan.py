@@ -172,6 +172,13 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         else:
             out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),),
                                     "no column-parallel partner: input sliced locally")
+    if not sp:
+        for region in sorted(regions & set(facts.modules)):
+            # Its input as a replicated DTensor: the column-parallel matmuls reading it (q, k and
+            # v) sum their input gradients as DTensors and all-reduce once, as priced (one
+            # all-reduce per shared input), not once per matmul.
+            out[region] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, region, "Replicate()", "Replicate()")
+                                    + (("use_local_output", "False"),), "one all-reduce of the input's gradient")
     if sp:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_container, head))
     result.styles = {name: out[name] for name in facts.modules if name in out}
@@ -210,8 +217,11 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
             if role == SPRole.SEQUENCE_SHARD:
                 out[child] = StyleSpec("SequenceParallel", (), "norm on this rank's sequence slice")
             elif role == SPRole.SPLIT_REGION:
+                # The gathered input stays a DTensor: the column-parallel matmuls' input
+                # gradients (Partial) add up as DTensors and leave the region in one
+                # reduce-scatter, where plain tensors would all-reduce once per matmul.
                 out[child] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, child, "Shard(1)", "Replicate()")
-                                       + (("use_local_output", "True"),), "all-gather the sequence before the split matmuls")
+                                       + (("use_local_output", "False"),), "all-gather the sequence before the split matmuls")
             elif role == SPRole.UNSUPPORTED:
                 raise CodegenError(f"sequence parallelism cannot wrap {child}: a linear layer called directly on the "
                                    "residual stream.", "plan with plan.sequence_parallel=false.")

@@ -293,7 +293,7 @@ class IntraOpSolver:
     # -- costs ---------------------------------------------------------------------------------
 
     def _bytes(self, op: "OpProfile") -> int:
-        return op.bytes_written or op.output_bytes or _shape_bytes(op)
+        return activation_bytes(op)
 
     def _loss_parallel_bytes(self, op: "OpProfile") -> float:
         shape = op.output_shapes[0] if op.output_shapes else [1]
@@ -334,9 +334,23 @@ class IntraOpSolver:
             if solver.value(var):
                 comm += self.costs.all_reduce_s(self._bytes(by_name[source]))
                 events.append(("backward all-reduce", source, self._bytes(by_name[source])))
+        for op in ops:
+            if strategies[op.name][_chosen(solver, choice, op.name, strategies)].extra_comm == "loss_parallel":
+                # Priced with the op's compute (its strategy's cost); listed so it is counted.
+                events += [("loss-parallel all-reduce", op.name, self._loss_parallel_bytes(op))] * 3
         return IntraOpSolution(layer=layer, tp=self.tp, op_strategy=op_strategy, module_style=module_style,
                                compute_s=compute, comm_s=comm, comm_events=events,
                                status=solver.status_name(status))
+
+
+def _chosen(solver: cp_model.CpSolver, choice: dict, op_name: str, strategies: dict) -> int:
+    """Index of the strategy the solution picked for ``op_name``."""
+    return next(k for k in range(len(strategies[op_name])) if solver.value(choice[(op_name, k)]))
+
+
+def activation_bytes(op: "OpProfile") -> int:
+    """Bytes of an op's output as the ILP's collectives move it (the whole, unsharded tensor)."""
+    return op.bytes_written or op.output_bytes or _shape_bytes(op)
 
 
 def parameter_derived(profile: "ModelProfile") -> set[str]:

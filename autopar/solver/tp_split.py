@@ -8,16 +8,17 @@ activations and parameters are sharded.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopar.solver.intra_op import IntraOpSolver, parameter_derived
+from autopar.solver.intra_op import IntraOpSolver, activation_bytes, parameter_derived
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
 from cost_models.hardware import GPUSpec
 from cost_models.memory import layer_activations
 from cost_models.step import TPLayerSplit
 from cost_models.topology import GroupPlacement
-from cost_models.tp_layout import ModuleTree, sp_parts
+from cost_models.tp_layout import ModuleTree, SPRole, after_container, sp_parts
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -26,7 +27,8 @@ _SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "los
 _SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel"}  # saved outputs divide by t
 _PARTIAL_OUTPUT = {"rowwise", "vocab_parallel"}  # partial sums, reduced afterwards
 _COLLECTIVE_OF_EVENT = {"P->R": Collective.ALL_REDUCE, "S->R": Collective.ALL_GATHER,
-                        "backward all-reduce": Collective.ALL_REDUCE}
+                        "backward all-reduce": Collective.ALL_REDUCE,
+                        "loss-parallel all-reduce": Collective.ALL_REDUCE}
 
 
 class _GroupCosts:
@@ -83,8 +85,6 @@ class ILPSplitter:
             return sum(op_roofline_s(op, gpu, self.dtype) / (tp if sharded(op) else 1) for op in selected)
 
         compute = compute_of_ops(forward, backward, seconds)
-        comm = tuple((_COLLECTIVE_OF_EVENT[kind].value, float(nbytes)) for kind, _, nbytes in solution.comm_events
-                     if kind in _COLLECTIVE_OF_EVENT)
         layer = self.profile.layer(layer_name)
         by_name = {op.name: op for op in ops}
         strategy = solution.op_strategy
@@ -96,25 +96,44 @@ class ILPSplitter:
         params = layer.param_count
         split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
                            if style.value != "replicate")
-        split_params += self._tied_split_params(layer, solution.module_style, tp, group, gpu)
+        tied_params, tied_comm = self._tied_splits(layer, ops, solution.module_style, tp, group, gpu)
+        split_params += tied_params
         styles = {module: style.value for module, style in solution.module_style.items()}
+        issued = issued_collectives(solution.comm_events, by_name, strategy, tied_comm,
+                                    self._split_regions(layer_name, styles))
         sp = sp_parts(self.profile, self.tree, layer_name, styles, [op for op in forward if not sharded(op)],
                       [op for op in backward if not sharded(op)], lambda op: op_roofline_s(op, gpu, self.dtype))
         return TPLayerSplit(
             compute=compute,
             replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in forward if not sharded(op)),
             replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in backward if not sharded(op)),
-            comm=comm,
+            comm=issued.without_sp, forward_comm=issued.forward_without_sp,
+            comm_under_sp=issued.under_sp, forward_comm_under_sp=issued.forward_under_sp,
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
             styles=styles, activations=acts, sp=sp)
 
 
-    def _tied_split_params(self, layer: Any, own_styles: dict, tp: int, group: GroupPlacement, gpu: GPUSpec) -> int:
+    def _split_regions(self, layer_name: str, styles: dict[str, str]) -> set[str]:
+        """The layer's children that run as a split region under sequence parallelism (a block's
+        attention or MLP with its matmuls paired), as codegen's styles make them."""
+        container = self.profile.block_container
+        if layer_name in after_container([layer.name for layer in self.profile.layers], container):
+            return {layer_name}  # a split head reads the sequence-sharded stream (codegen: Shard(1) input)
+        if container is None or not layer_name.startswith(container + ".") or \
+                layer_name.count(".") != container.count(".") + 1:
+            return set()
+        return {child for child, role in self.tree.roles(layer_name, styles).items() if role == SPRole.SPLIT_REGION}
+
+    def _tied_splits(self, layer: Any, ops: list, own_styles: dict, tp: int, group: GroupPlacement,
+                     gpu: GPUSpec) -> tuple[int, list[tuple[str, float]]]:
         """Parameters of ``layer`` its own solution replicates but a GEMM of another layer reads
-        and splits (a GPT head tied to the token embedding): the generated code shards a tied
-        weight as its linear user does (autopar.codegen.tp_plan.harmonise_tied)."""
-        count = 0
+        and splits (a GPT head tied to the token embedding), and the collectives that costs: the
+        generated code shards a tied weight as its linear user does
+        (autopar.codegen.tp_plan.harmonise_tied), so the embedding reading it runs split too,
+        vocabulary-parallel under a column-parallel head (partial sums: one all-reduce of its
+        output in forward), hidden-parallel under a row-parallel one (one all-gather)."""
+        count, comm = 0, []
         for name in layer.param_names:
             module = name.rpartition(".")[0]
             reader = self._tied_readers.get(name)
@@ -125,9 +144,99 @@ class ILPSplitter:
             if key not in self._styles:
                 solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
                 self._styles[key] = {m: st.value for m, st in solver.solve(other_layer).module_style.items()}
-            if self._styles[key].get(other_module) in ("colwise", "rowwise"):
-                count += math.prod(self.profile.param_shapes.get(name, [0]))
-        return count
+            style = self._styles[key].get(other_module)
+            if style not in ("colwise", "rowwise"):
+                continue
+            count += math.prod(self.profile.param_shapes.get(name, [0]))
+            collective = Collective.ALL_REDUCE if style == "colwise" else Collective.ALL_GATHER
+            for op in ops:
+                if op.phase == "forward" and op.module == module and "embedding" in op.target:
+                    comm.append((collective.value, float(activation_bytes(op))))
+        return count, comm
+
+
+@dataclass(frozen=True)
+class IssuedCollectives:
+    """A layer's split collectives per micro-batch as the generated styles issue them, forward
+    first: without sequence parallelism, and with it (where a split region's all-reduce pair
+    runs as gathers and reduce-scatters of the sequence)."""
+
+    without_sp: tuple[tuple[str, float], ...]
+    forward_without_sp: int
+    under_sp: tuple[tuple[str, float], ...]
+    forward_under_sp: int
+
+
+def _in_region(module: str | None, regions: set[str]) -> bool:
+    return module is not None and any(module == r or module.startswith(r + ".") for r in regions)
+
+
+def _readers_through_views(source: str, by_name: dict[str, Any]) -> list[Any]:
+    """The ops reading ``source``'s output, directly or through views of it."""
+    found, frontier, seen = [], [source], {source}
+    while frontier:
+        name = frontier.pop()
+        for op in by_name.values():
+            if name in op.inputs and op.name not in seen:
+                seen.add(op.name)
+                if op.op_class == "view":
+                    frontier.append(op.name)
+                else:
+                    found.append(op)
+    return found
+
+
+def _producer_through_views(source: str, by_name: dict[str, Any]) -> Any:
+    """The op whose output ``source`` views (None: it comes from another layer)."""
+    op = by_name.get(source)
+    while op is not None and op.op_class == "view" and len(op.inputs) >= 1:
+        op = by_name.get(op.inputs[0])
+    return op
+
+
+def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, Any], strategy: dict[str, str],
+                       tied: list[tuple[str, float]], regions: set[str]) -> IssuedCollectives:
+    """The ILP's resharding events as torch's styles run them.
+
+    Without SP: a row-parallel output's P->R is a forward all-reduce, a gathered column-parallel
+    output's S->R a forward all-gather (its gradient is sliced locally), loss parallelism's three
+    all-reduces and a tied embedding's reduction are forward, and a shared input of
+    column-parallel matmuls all-reduces its gradient once in backward (codegen hands the region
+    its input as one replicated DTensor). Under SP, inside a split region: the row-parallel
+    output is reduce-scattered onto sequence shards (backward: its gradient all-gathered), and
+    the region's input is all-gathered (backward: its gradient reduce-scattered). A
+    column-parallel module reading anything else (outside a region, or a tensor made inside
+    one) gets a plain tensor and all-reduces its own input gradient."""
+    forward, backward, forward_sp, backward_sp = [], [], [], []
+    for kind, source, nbytes in events:
+        collective = _COLLECTIVE_OF_EVENT.get(kind)
+        if collective is None:
+            continue
+        item = (collective.value, float(nbytes))
+        op = by_name.get(source)
+        if kind == "backward all-reduce":
+            readers = [o for o in _readers_through_views(source, by_name) if strategy.get(o.name) == "colwise"]
+            producer = _producer_through_views(source, by_name)
+            entering = {o.module for o in readers if _in_region(o.module, regions)
+                        and not (producer is not None and _in_region(producer.module, regions))}
+            alone = sorted({o.module for o in readers} - entering)
+            # Matmuls fed the region's input as one DTensor share a reduction; any other
+            # column-parallel module gets a plain tensor and all-reduces its own input gradient.
+            backward += [item] * (len(alone) + (1 if entering else 0))
+            backward_sp += [item] * len(alone)
+            if entering:
+                forward_sp.append((Collective.ALL_GATHER.value, float(nbytes)))
+                backward_sp.append((Collective.REDUCE_SCATTER.value, float(nbytes)))
+            continue
+        forward.append(item)
+        if kind == "P->R" and op is not None and _in_region(op.module, regions):
+            forward_sp.append((Collective.REDUCE_SCATTER.value, float(nbytes)))
+            backward_sp.append((Collective.ALL_GATHER.value, float(nbytes)))
+        else:
+            forward_sp.append(item)
+    forward += tied
+    forward_sp += tied
+    return IssuedCollectives(tuple(forward + backward), len(forward), tuple(forward_sp + backward_sp), len(forward_sp))
 
 
 def _tied_readers(profile: "ModelProfile") -> dict[str, tuple[str, str]]:

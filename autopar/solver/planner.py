@@ -208,7 +208,8 @@ class Planner:
     @staticmethod
     def _summary(scored: Scored) -> str:
         c = scored.candidate
-        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "") + f" ZeRO-{c.zero_stage}"
+        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "") + (f" ep={c.ep}" if c.ep > 1 else "")
+                + f" ZeRO-{c.zero_stage}"
                 + (f" {c.schedule}" if c.pp > 1 else ""))
 
     def _choose(self, result: SearchResult) -> Scored:
@@ -231,6 +232,7 @@ class Planner:
         dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else "reduce_scatter"
         plan = Plan(
             dp=scored.candidate.dp, tp=scored.candidate.tp, pp=scored.candidate.pp, cp=scored.candidate.cp,
+            ep=scored.candidate.ep, ep_dispatch=scored.candidate.ep_dispatch,
             mesh_order=list(scored.candidate.mesh_order), zero_stage=scored.candidate.zero_stage,
             hybrid_shard=scored.candidate.hybrid_shard, micro_batch_size=scored.candidate.micro_batch_size,
             num_micro_batches=scored.candidate.num_micro_batches, schedule=scored.candidate.schedule,
@@ -243,6 +245,7 @@ class Planner:
             layer_names=names,
             block_container=self.profile.block_container, global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
+            moe_imbalance=self.train.moe_imbalance, moe_capacity_factor=self.train.moe_capacity_factor,
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                                 samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
                                 peak_memory_bytes=estimate.peak_memory_bytes,
@@ -416,7 +419,7 @@ class Planner:
             if value not in RECOMPUTE_OPTIONS:
                 raise UserError(f"plan.layer_recompute uses '{value}', which is not a recomputation choice.",
                                 f"use {', '.join(RECOMPUTE_OPTIONS)}.")
-        for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "chunks"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "chunks"):
             value = getattr(self.pins, name)
             if value is not None and value < 1:
                 raise UserError(f"plan.{name}={value}: it must be at least 1.", f"pin plan.{name} to 1 or more, "

@@ -336,7 +336,7 @@ class LayerCost:
     def _buffers(self, layout: Any, scale: float, gpu: GPUSpec) -> dict[str, float]:
         """Memory besides model states and stored activations (the gathered compute copy of
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
-        largest = self._largest_params / layout.tp
+        largest = self._largest_params_on_rank(layout.ep) / layout.tp
         buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
         if layout.zero_stage == 3 and self._grad_size(layout) > 1 and layout.pp == 1:
             # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
@@ -365,6 +365,13 @@ class LayerCost:
                                          for moe in self.experts.layers.values())
         buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
         return buffers
+
+    def _largest_params_on_rank(self, ep: int) -> float:
+        """The most parameters one layer holds on a rank before TP: its experts divided by ep."""
+        if ep == 1 or not self.experts.has_experts:
+            return self._largest_params
+        return max(layer.param_count - (moe.expert_params - moe.expert_params / ep if (moe := self.experts.experts_of(
+            layer.name)) else 0) for layer in self.layers)
 
     def _working_set_bytes(self, layer: Any) -> float:
         """What a layer's backward holds beyond the stored activations, at the profiled

@@ -134,10 +134,16 @@ def _experts_divide(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
-def _ep_without_cp(layout: Any, facts: LayoutFacts) -> str | None:
-    if layout.cp > 1:
-        return (f"expert parallelism with cp={layout.cp}: the generated expert-parallel group is cut from the "
-                "data-parallel ranks alone; pin cp=1 or ep=1")
+def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
+    """What the generated expert-parallel code is built and tested with (one FSDP shard group
+    over the data-parallel ranks, cut into expert-parallel groups; no TP, PP or CP beside it)."""
+    others = [f"{axis}={layout.degree(axis)}" for axis in ("tp", "pp", "cp") if layout.degree(axis) > 1]
+    if others:
+        return (f"expert parallelism is generated for data-parallel ranks alone, not with {', '.join(others)}: "
+                "pin ep=1 or those degrees to 1")
+    if layout.zero_stage < 2 or layout.hybrid_shard:
+        return ("expert parallelism is generated with FSDP over all data-parallel ranks (ZeRO-2 or 3, not hybrid): "
+                "pin zero_stage=2 or 3")
     return None
 
 
@@ -190,7 +196,7 @@ REGISTRY: tuple[Technique, ...] = (
     Technique(Family.ZERO_STAGE, ZeroStage.PARAMETERS, "data_parallel.apply_fsdp (reshard_after_forward=True)",
               "memory.trained_model_states", summary="+ parameters sharded (FSDP)"),
     Technique(Family.EP_DISPATCH, ExpertDispatch.ALL_TO_ALL, "expert_parallel.apply_ep (all_to_all_single)",
-              "PlanPricer._ep_time_s", requires=(_experts_divide, _ep_without_cp),
+              "PlanPricer._ep_time_s", requires=(_experts_divide, _ep_runs),
               summary="tokens to their experts' ranks and back by all-to-all"),
 )
 

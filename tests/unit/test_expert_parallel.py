@@ -89,13 +89,12 @@ def test_all_to_all_time_is_the_hand_count():
 
 
 def test_an_expert_group_across_nodes_pays_the_network():
-    p = pricer()
-    layer = p.profile.layer("blocks.0")
-    inside = ParallelLayout(dp=2, tp=8, ep=2, micro_batch_size=4, num_micro_batches=8)  # dp outermost: 2 nodes
-    assert p.placement(inside, "ep").nodes == 2
-    within = ParallelLayout(dp=16, ep=2, micro_batch_size=4)
-    assert p.placement(within, "ep").nodes == 1
-    assert p._ep_time_s(layer, inside, 2.0) > 2 * p._ep_time_s(layer, within, 2.0)
+    layout = ParallelLayout(dp=16, ep=4, zero_stage=3, micro_batch_size=4)
+    one_node, two_nodes = pricer(), PlanPricer(moe_profile(), cluster(8, 2), TrainSpec(64, precision="fp32"))
+    assert one_node.placement(layout, "ep").nodes == 1 and two_nodes.placement(layout, "ep").nodes == 2
+    layer = one_node.profile.layer("blocks.0")
+    # Half of each rank's exchange leaves the node, through a NIC far slower than NVLink.
+    assert two_nodes._ep_time_s(layer, layout, 2.0) > 2 * one_node._ep_time_s(layer, layout, 2.0)
 
 
 def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parallel_group():
@@ -117,22 +116,36 @@ def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parall
 
 def test_estimate_shows_the_all_to_alls_and_the_dispatch_buffer():
     p = pricer()
-    base = ParallelLayout(dp=16, micro_batch_size=2, num_micro_batches=2)
+    base = ParallelLayout(dp=16, zero_stage=3, micro_batch_size=2, num_micro_batches=2)
     with_ep = p.estimate(replace(base, ep=4))
     without = p.estimate(base)
     assert without.time_breakdown["ep_comm"] == 0.0
     # 2 MoE layers x 2 micro-batches x 4 all-to-alls each, at the profiled micro-batch.
     layer = p.profile.layer("blocks.0")
     assert with_ep.time_breakdown["ep_comm"] == pytest.approx(2 * 2 * p._ep_time_s(layer, replace(base, ep=4), 1.0))
-    assert with_ep.peak_memory_bytes < without.peak_memory_bytes or \
-        with_ep.memory_breakdown["params"] < without.memory_breakdown["params"]
+    # Buffers: FSDP's two gathered layers hold a quarter of the experts (fp32, 4 bytes a
+    # parameter), and the dispatch buffer holds one layer's received tokens and their outputs.
+    gpu = p.cluster.node_gpus[0]
+    moe = p.experts.layers["blocks.0"]
+    buffers = {ep: p._buffers(replace(base, ep=ep), 1.0, gpu) for ep in (1, 4)}
+    assert buffers[1]["zero3_gathered_params"] - buffers[4]["zero3_gathered_params"] == \
+        pytest.approx(2 * 4 * EXPERT_PARAMS * 3 / 4)
+    assert buffers[4]["ep_dispatch"] == pytest.approx(2 * B0 * S * K * moe.token_bytes) and "ep_dispatch" not in buffers[1]
 
 
 @pytest.mark.parametrize("ep, words", [(3, "must divide dp"), (8, "must divide the 4 experts")])
 def test_layouts_expert_parallelism_cannot_run_are_refused(ep, words):
     p = pricer()
     with pytest.raises(ValueError, match=words):
-        p.estimate(ParallelLayout(dp=16 if ep != 3 else 16, ep=ep, micro_batch_size=4))
+        p.estimate(ParallelLayout(dp=16, ep=ep, zero_stage=3, micro_batch_size=4))
+
+
+def test_ep_where_the_generated_code_does_not_run_it_is_refused():
+    p = pricer()
+    with pytest.raises(ValueError, match="pin zero_stage=2 or 3"):
+        p.estimate(ParallelLayout(dp=16, ep=2, zero_stage=1, micro_batch_size=4))
+    with pytest.raises(ValueError, match="not with tp=2"):
+        p.estimate(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8))
 
 
 def test_ep_on_a_model_without_experts_is_refused():
@@ -148,8 +161,9 @@ def test_the_search_enumerates_ep_dividing_dp_and_the_experts():
     assert shape.experts == E
     found = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins()))
     eps = {(c.dp, c.ep) for c in found}
-    assert {(16, 1), (16, 2), (16, 4), (2, 2), (1, 1)} <= eps
-    assert all(c.dp % c.ep == 0 and E % c.ep == 0 and (c.ep == 1 or c.cp == 1) for c in found)
+    assert {(16, 1), (16, 2), (16, 4), (8, 1), (1, 1)} <= eps and (2, 2) not in eps  # dp=2 leaves tp·pp·cp=8
+    assert all(c.dp % c.ep == 0 and E % c.ep == 0 for c in found)
+    assert all(c.tp * c.pp * c.cp == 1 and c.zero_stage >= 2 and not c.hybrid_shard for c in found if c.ep > 1)
     assert not any(c.ep == 8 for c in found)
     pinned = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins(ep=2)))
     assert pinned and {c.ep for c in pinned} == {2}

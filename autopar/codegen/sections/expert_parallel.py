@@ -26,9 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 EXPERTS_MODULE = "experts"
+EP_DEGREE = "expert_parallel_degree"  # the attributes apply_ep marks an experts module with
+EP_GROUP = "expert_parallel_group"
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -58,7 +61,7 @@ def _combine(y: torch.Tensor, group: dist.ProcessGroup, ep: int) -> torch.Tensor
     return all_to_all_single_autograd(sent, None, None, group)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[str]:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
     """Shard every experts module's stacked weights over the expert-parallel group and wrap its
     forward in the dispatch and combine all-to-alls.
 
@@ -67,7 +70,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[str]:
         ep_mesh: the 1-D expert-parallel mesh (ep consecutive data-parallel ranks).
 
     Returns:
-        The FQNs of the experts modules.
+        FQN -> experts module, each marked (`EP_DEGREE`) for `scale_expert_gradients`.
     """
     ep, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
     modules = expert_modules(model)
@@ -82,28 +85,43 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[str]:
         # Forward hooks, so the module keeps its FQN (checkpoints, FSDP groups, recomputation).
         module.register_forward_pre_hook(lambda _, args: (_dispatch(args[0], group, ep), *args[1:]))
         module.register_forward_hook(lambda _, args, output: _combine(output, group, ep))
-    return list(modules)
+        setattr(module, EP_DEGREE, ep)
+        setattr(module, EP_GROUP, group)
+    return modules
 
 
-def shard_experts(model: nn.Module, names: list[str], edp_mesh: DeviceMesh, reshard_after_forward: bool,
-                  mp_policy: object) -> None:
+def full_experts(model: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
+    """A parameter of the unsharded model: an experts module's slices gathered over its
+    expert-parallel group in expert order (every rank of the group must call it), any other
+    parameter as it is."""
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    ep = getattr(owner, EP_DEGREE, 1)
+    if ep == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local.contiguous(), group=getattr(owner, EP_GROUP))
+    return torch.cat(parts)
+
+
+def shard_experts(modules: list[nn.Module], edp_mesh: DeviceMesh, reshard_after_forward: bool,
+                  param_dtype: torch.dtype | None) -> None:
     """FSDP over the expert-data-parallel group for each experts module, before the blocks are
-    wrapped (which then leave these parameters alone)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for name in names:
-        fully_shard(model.get_submodule(name), mesh=edp_mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp_policy)
+    wrapped (which then leave these parameters alone), in the blocks' mixed precision."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype \
+        else MixedPrecisionPolicy()
+    for module in modules:
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 
 
 @torch.no_grad()
-def scale_expert_gradients(model: nn.Module, names: list[str], ep: int) -> None:
+def scale_expert_gradients(model: nn.Module, ep: int) -> None:
     """Divide the experts' reduced gradients by ep (see the module docstring): once per step,
     after the last micro-batch's backward and before the optimizer step."""
-    for name in names:
-        for param in model.get_submodule(name).parameters():
-            if param.grad is not None:
-                param.grad.div_(ep)
+    for module in model.modules():
+        if getattr(module, EP_DEGREE, None) == ep:
+            for param in module.parameters():
+                if param.grad is not None:
+                    param.grad.div_(ep)
 
 
 def expert_meshes(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:

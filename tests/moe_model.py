@@ -3,10 +3,11 @@
 Each block's feed-forward is a router, top-k choice and E experts whose weights are stacked
 [E, ...] under a module named `experts` (what cost_models.expert_parallel recognises). Tokens
 are dispatched GShard-style with static shapes (Lepikhin et al. 2020): each sequence gives every
-expert `capacity` slots, a one-hot dispatch tensor [b, s, E, C] gathers the experts' input
-[E, b·C, h], and the combine tensor weights their outputs back by the gates. Shapes never depend
-on the routing, so the model traces on fake tensors, and the experts' input is what an
-expert-parallel group exchanges by all-to-all.
+expert `capacity` slots, each (token, choice) is copied into its expert's next slot of the
+experts' input [E, b·C, h] (index_copy; choices over capacity are dropped), and the outputs are
+gathered back and weighted by the gates. Shapes never depend on the routing, so the model traces
+on fake tensors, and the experts' input is what an expert-parallel group exchanges by
+all-to-all.
 
 The auxiliary load-balancing loss is Switch's E · Σ_e f_e · P_e computed per sequence and
 averaged (DeepSeek-V3's sequence-wise form): linear in the samples, so a data-parallel run
@@ -53,21 +54,27 @@ class MoE(nn.Module):
         capacity = max(1, math.ceil(self.capacity_factor * seq * k / e))
         probs = F.softmax(self.router(x).float(), dim=-1)  # [b, s, E]
         gates, chosen = probs.topk(k, dim=-1)  # [b, s, k]
-        gates = gates / gates.sum(-1, keepdim=True)
-        # Slot of each (token, choice) in its expert's queue, first choices first.
-        mask = F.one_hot(chosen, e).permute(0, 2, 1, 3).reshape(batch, k * seq, e)  # [b, k·s, E]
-        slot = (mask.cumsum(1) - 1) * mask
-        kept = mask * (slot < capacity)
-        slots = F.one_hot(slot.clamp(max=capacity - 1), capacity) * kept.unsqueeze(-1)  # [b, k·s, E, C]
-        slots = slots.view(batch, k, seq, e, capacity).to(x.dtype)
-        dispatch = slots.sum(1)  # [b, s, E, C]
-        combine = (slots * gates.permute(0, 2, 1).to(x.dtype)[..., None, None]).sum(1)
-        expert_in = torch.einsum("bsec,bsh->ebch", dispatch, x).reshape(e, batch * capacity, hidden)
-        expert_out = self.experts(expert_in).view(e, batch, capacity, hidden)
-        y = torch.einsum("bsec,ebch->bsh", combine, expert_out)
+        gates = (gates / gates.sum(-1, keepdim=True)).to(x.dtype)
+        # Each (token, choice) takes the next slot of its expert's queue, first choices first:
+        # its rank among the sequence's choices of that expert (a stable sort by expert).
+        ids = chosen.transpose(1, 2).reshape(batch, k * seq)  # [b, k·s], choice-major
+        counts = torch.zeros(batch, e, dtype=torch.long, device=x.device).scatter_add_(1, ids, torch.ones_like(ids))
+        order = torch.sort(ids, dim=1, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(k * seq, device=x.device).expand(batch, -1))
+        slot = rank - (counts.cumsum(1) - counts).gather(1, ids)
+        # Row of the experts' input [E, b, C] each choice fills; a choice over capacity is dropped
+        # into one spare row past the end.
+        sample = torch.arange(batch, device=x.device)[:, None]
+        row = torch.where(slot < capacity, (ids * batch + sample) * capacity + slot, e * batch * capacity)
+        tokens = x.repeat(1, k, 1).reshape(batch * k * seq, hidden)  # choice-major, like ids
+        expert_in = x.new_zeros(e * batch * capacity + 1, hidden).index_copy(0, row.flatten(), tokens)
+        expert_out = self.experts(expert_in[:-1].view(e, batch * capacity, hidden))
+        out = torch.cat([expert_out.reshape(e * batch * capacity, hidden), x.new_zeros(1, hidden)])
+        picked = out.index_select(0, row.flatten()).view(batch, k, seq, hidden)
+        y = (picked * gates.permute(0, 2, 1)[..., None]).sum(1)
         if self.shared is not None:
             y = y + self.shared(x)
-        routed = mask.view(batch, k, seq, e).sum(1).float().mean(1) / k  # f_e per sequence
+        routed = counts.float() / (k * seq)  # f_e per sequence
         aux = (e * (routed * probs.mean(1)).sum(-1)).mean()
         return y, aux
 

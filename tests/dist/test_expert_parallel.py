@@ -8,7 +8,8 @@ expert order (rtol 1e-4, atol 1e-5: fp32 sums in another order, through Adam's d
 sqrt(v), as tests/dist/test_equivalence.py justifies). The router's auxiliary loss is part of
 the loss compared. Cases, in one spawn of ranks: a Mixtral-like model (4 experts, top-2) with
 ep=2 x ZeRO-3 (experts also sharded over 2 expert-data-parallel ranks) and ep=4 x ZeRO-2 (each
-rank alone with its experts), a Qwen2-MoE-like one (plus a shared expert) with ep=2 x ZeRO-3
+rank alone with its experts), a Qwen2-MoE-like one (plus a shared expert; capacity factor 1, so
+tokens over an expert's capacity are dropped, per sequence as in one process) with ep=2 x ZeRO-3
 and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x ZeRO-2.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ MOE = Path(__file__).resolve().parents[1] / "moe_model.py"
 TINY = dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
 MODELS = {
     "mixtral": dict(TINY, experts=4, top_k=2, ffn=64),
-    "qwen2_moe": dict(TINY, experts=4, top_k=2, ffn=64, shared_ffn=64),
+    "qwen2_moe": dict(TINY, experts=4, top_k=2, ffn=64, shared_ffn=64, capacity_factor=1.0),  # drops tokens
     "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0),
 }
 CASES = [("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen2_moe", 2, 3), ("deepseek_v3", 4, 2)]

@@ -74,6 +74,10 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
     """
     ep, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
     modules = expert_modules(model)
+    if not modules:
+        raise ValueError(f"the plan shards experts over ep={ep} ranks, but the model has no module named "
+                         f"'{EXPERTS_MODULE}' with parameters stacked by expert [E, ...]: compile a plan with "
+                         "plan.ep=1, or stack the experts' weights in such a module")
     for module in modules.values():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.shape[0] % ep:

@@ -174,3 +174,53 @@ def test_a_dense_model_searches_ep_1_only():
 
     found = enumerate_candidates(ModelShape.from_profile(gpt()), 8, 8, 16, SolverConfig(), PlanPins())
     assert {c.ep for c in found} == {1}
+
+
+@pytest.mark.parametrize("pins, words", [
+    (dict(ep=3), "does not divide the 4 experts"),
+    (dict(ep=2, zero_stage=1), "cannot go with plan.zero_stage=1"),
+    (dict(ep=2, tp=2), "cannot go with plan.tp=2"),
+])
+def test_pinned_ep_the_model_or_the_generated_code_cannot_take_is_refused_in_words(pins, words):
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
+    with pytest.raises(UserError, match=words):
+        Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(**pins)).run()
+
+
+def test_pinned_ep_needs_the_batch_to_take_every_gpu_as_a_data_parallel_rank():
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
+    with pytest.raises(UserError, match="dp=4 must divide the global batch 6"):
+        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run()
+    plan = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run().plan
+    assert (plan.ep, plan.dp, plan.tp, plan.pp) == (2, 4, 1, 1) and plan.zero_stage >= 2
+
+
+def test_gpt_with_a_pinned_ep_is_refused_in_words():
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from tests.profiles import gpt
+
+    with pytest.raises(UserError, match="this model has none"):
+        Planner(gpt(), cluster(1), TrainSpec(16), SolverConfig(), PlanPins(ep=2)).run()
+
+
+def test_a_plan_without_expert_parallelism_says_why():
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
+    # A batch of 6 does not split over 4 data-parallel ranks: no plan can shard the experts.
+    result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
+    assert result.plan.ep == 1
+    why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
+    assert why and "dp=4 (every GPU) does not divide the global batch 6" in why[0].constraint
+    assert "train.global_batch_size=8" in why[0].relaxing
+    # Pinned to ep=1 on a batch that allows it: the best plan with experts sharded is priced.
+    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
+    why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
+    assert why and ("pins exclude it" in why[0].constraint)

@@ -172,7 +172,8 @@ def fsdp_wraps(dims: ParallelDims, config: ParallelConfig, param_dtype: torch.dt
 def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: DeviceMesh, config: ParallelConfig,
                 tp_plan: dict[str, ParallelStyle], param_dtype: torch.dtype | None) -> None:
     """Apply the plan to one model (or pipeline stage), top to bottom in the order the
-    techniques compose: tensor parallelism, activation recomputation, then FSDP bottom-up.
+    techniques compose: tensor parallelism, expert parallelism, activation recomputation, then
+    FSDP bottom-up (the experts over their expert-data-parallel group first).
 
     Args:
         model: the model whose FQNs the plan names (a stage's inner model copy).
@@ -188,7 +189,6 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
     if dims.tp_enabled:
         apply_tp(model, mesh[MeshAxis.TP.value], held(tp_plan, layers), config.tied_parameters)
     # Expert parallelism before recomputation (which wraps blocks; the experts' hooks go with them).
-    experts = {}
     if config.expert_parallel:
         ep_mesh, edp_mesh = expert_meshes(dp_mesh_of(mesh, dims), config.ep)
         experts = apply_ep(model, ep_mesh)

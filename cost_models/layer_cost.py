@@ -435,3 +435,14 @@ class LayerCost:
             for op, _ in issued:
                 counts[op] = counts.get(op, 0) + layout.num_micro_batches
         return counts
+
+    def ep_collectives(self, layout: ParallelLayout) -> dict[str, int]:
+        """Collective -> how many the expert-parallel groups issue per step under `layout`'s
+        prices: each MoE layer's dispatch and combine all-to-alls (cost_models.expert_parallel),
+        times the micro-batches. What a test counts in a generated step."""
+        if layout.ep == 1:
+            return {}
+        options = self.layer_options(layout)
+        count = sum(all_to_alls(self.recompute_options[option]) for layer, option in zip(self.layers, options)
+                    if self.experts.experts_of(layer.name))
+        return {"all_to_all": count * layout.num_micro_batches} if count else {}

@@ -10,10 +10,12 @@ the loss compared. Cases, in one spawn of ranks: a Mixtral-like model (4 experts
 ep=2 x ZeRO-3 (experts also sharded over 2 expert-data-parallel ranks) and ep=4 x ZeRO-2 (each
 rank alone with its experts), a Qwen2-MoE-like one (plus a shared expert; capacity factor 1, so
 tokens over an expert's capacity are dropped, per sequence as in one process) with ep=2 x ZeRO-3
-and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x ZeRO-2.
+and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x ZeRO-2. The first case's run
+is also profiled: the all-to-alls it issues are those PlanPricer.ep_collectives prices.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from autopar.profile import profile_model
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
 from autopar.solver.planner import Planner
-from cost_models.step import TrainSpec
+from cost_models.step import PlanPricer, TrainSpec
 from cost_models.topology import ClusterConfig, ClusterSpec
 from tests.dist.harness import run_ranks
 
@@ -43,27 +45,41 @@ MODELS = {
 CASES = [("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen2_moe", 2, 3), ("deepseek_v3", 4, 2)]
 WORLD, GLOBAL_BATCH, STEPS = 4, 8, 3
 OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
+ALL_TO_ALL_EVENT = "_c10d_functional::all_to_all_single"  # the profiler's name for each exchange
+
+
+def plan_cluster() -> ClusterSpec:
+    return ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=WORLD))
 
 
 def make_plan(kwargs: dict, ep: int, zero: int):
-    cluster = ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=WORLD))
+    cluster = plan_cluster()
     profile = profile_model(load_model_file(MOE), kwargs, 1, "fp32")
     pins = PlanPins(dp=WORLD, tp=1, pp=1, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
 
-def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> None:
+def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> dict[str, int]:
+    """Run each generated module; for the first, the all-to-alls its run issued (forward and
+    backward; the profiler's cost is paid once)."""
+    from torch.profiler import ProfilerActivity, profile
+
     torch.set_num_threads(1)
-    for case_id, script, log_file, final in jobs:
+    issued = {}
+    for index, (case_id, script, log_file, final) in enumerate(jobs):
         module = import_generated(script, f"generated_{case_id}")
-        module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
+        with profile(activities=[ProfilerActivity.CPU]) if index == 0 else contextlib.nullcontext() as trace:
+            module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
+        if index == 0:
+            issued[case_id] = sum(event.name == ALL_TO_ALL_EVENT for event in trace.events())
+    return issued
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
-    jobs = []
+    jobs, priced = [], {}
     for name, ep, zero in CASES:
         case_id = f"{name}_ep{ep}_zero{zero}"
         plan = make_plan(MODELS[name], ep, zero)
@@ -71,14 +87,18 @@ def outcomes(tmp_path_factory) -> dict:
         out = root / case_id
         files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=WORLD)
         assert "apply_ep(" in files.script.read_text()
+        profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
+        pricer = PlanPricer(profile, plan_cluster(), TrainSpec(GLOBAL_BATCH, precision="fp32"))
+        priced[case_id] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0) * STEPS
         jobs.append((case_id, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
-    run_ranks(_run, WORLD, jobs, timeout_s=900)
-    return {case_id: ([r["loss"] for r in read_records(log)], torch.load(final)) for case_id, _, log, final in jobs}
+    issued = run_ranks(_run, WORLD, jobs, timeout_s=900)[0]
+    return {case_id: ([r["loss"] for r in read_records(log)], torch.load(final), issued.get(case_id),
+                      priced[case_id]) for case_id, _, log, final in jobs}
 
 
 @pytest.mark.parametrize("name, ep, zero", CASES)
 def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, outcomes):
-    losses, parameters = outcomes[f"{name}_ep{ep}_zero{zero}"]
+    losses, parameters, _, _ = outcomes[f"{name}_ep{ep}_zero{zero}"]
     reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
@@ -86,3 +106,13 @@ def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, ou
     for key, expected in reference.parameters.items():
         torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
     assert losses[0] != losses[-1]  # three steps of training happened
+
+
+def test_priced_all_to_alls_are_issued(outcomes):
+    """The dispatch and combine all-to-alls the pricer counts (4 per MoE layer and micro-batch:
+    2 layers x 2 micro-batches x 3 steps here) are those a generated run issues, forward and
+    backward (torch's profiler, one event per exchange), for the first case."""
+    name, ep, zero = CASES[0]
+    _, _, issued, priced = outcomes[f"{name}_ep{ep}_zero{zero}"]
+    assert priced == 4 * 2 * 2 * STEPS
+    assert issued == priced

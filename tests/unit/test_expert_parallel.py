@@ -224,3 +224,19 @@ def test_a_plan_without_expert_parallelism_says_why():
     result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
     assert why and ("pins exclude it" in why[0].constraint)
+
+
+@pytest.mark.slow
+def test_mixtral_8x7b_shape_on_8_dgx_h100_nodes_plans_expert_parallelism():
+    """The issue's target: the Mixtral-8x7B shape (8 experts, top-2, h=4096, ffn 14336, 32
+    layers; seq 4096, global batch 512) on 8 DGX H100 nodes picks ep > 1, its all-to-alls in
+    the time breakdown (the test model: all heads as K/V, experts of two matrices)."""
+    from autopar.config import compose_config
+    from autopar.driver import run_plan, run_profile
+
+    cfg = compose_config(["model.layers=32", "model.hidden=4096", "model.heads=32", "model.ffn=14336",
+                          "model.experts=8", "model.top_k=2", "model.capacity_factor=1.0", "model.seq_len=4096",
+                          "model.vocab=32000", "cluster=dgx_h100", "cluster.nodes=8", "train.global_batch_size=512"])
+    plan = run_plan(MOE, cfg, profile=run_profile(MOE, cfg)).plan
+    assert plan.ep > 1 and plan.solver.status == "OPTIMAL"
+    assert plan.predicted.time_breakdown["ep_comm"] > 0

@@ -43,6 +43,7 @@ MODELS = {
     "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0),
 }
 CASES = [("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen2_moe", 2, 3), ("deepseek_v3", 4, 2)]
+PIPELINED = ("mixtral", 1, 3, 2)  # no expert parallelism: dp=2 x pp=2 (a known gap, see its test)
 WORLD, GLOBAL_BATCH, STEPS = 4, 8, 3
 OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
 ALL_TO_ALL_EVENT = "_c10d_functional::all_to_all_single"  # the profiler's name for each exchange
@@ -52,10 +53,10 @@ def plan_cluster() -> ClusterSpec:
     return ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=WORLD))
 
 
-def make_plan(kwargs: dict, ep: int, zero: int):
+def make_plan(kwargs: dict, ep: int, zero: int, pp: int = 1):
     cluster = plan_cluster()
     profile = profile_model(load_model_file(MOE), kwargs, 1, "fp32")
-    pins = PlanPins(dp=WORLD, tp=1, pp=1, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
+    pins = PlanPins(dp=WORLD // pp, tp=1, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
@@ -80,13 +81,13 @@ def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> d
 def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs, priced = [], {}
-    for name, ep, zero in CASES:
-        case_id = f"{name}_ep{ep}_zero{zero}"
-        plan = make_plan(MODELS[name], ep, zero)
-        assert (plan.ep, plan.dp, plan.zero_stage) == (ep, WORLD, zero)
+    for name, ep, zero, pp in [case + (1,) for case in CASES] + [PIPELINED]:
+        case_id = f"{name}_ep{ep}_zero{zero}" + (f"_pp{pp}" if pp > 1 else "")
+        plan = make_plan(MODELS[name], ep, zero, pp)
+        assert (plan.ep, plan.dp, plan.pp, plan.zero_stage) == (ep, WORLD // pp, pp, zero)
         out = root / case_id
         files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=WORLD)
-        assert "apply_ep(" in files.script.read_text()
+        assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
         profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
         pricer = PlanPricer(profile, plan_cluster(), TrainSpec(GLOBAL_BATCH, precision="fp32"))
         priced[case_id] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0) * STEPS
@@ -116,3 +117,18 @@ def test_priced_all_to_alls_are_issued(outcomes):
     _, _, issued, priced = outcomes[f"{name}_ep{ep}_zero{zero}"]
     assert priced == 4 * 2 * 2 * STEPS
     assert issued == priced
+
+
+@pytest.mark.xfail(strict=True, reason="measured: a pipelined MoE model (dp=2 x pp=2, no expert parallelism) "
+                   "trains on losses 0.24% (0.0103) below one process's at every step (4.3389 at step 0; "
+                   "5.71584 against 5.72599 at the test model's defaults): about one layer's router auxiliary "
+                   "loss (0.01 x ~1) is lost at the stage boundary, where the block's second output (the "
+                   "running aux loss) does not reach the last stage's loss")
+def test_pipelined_moe_model_keeps_the_auxiliary_loss(outcomes):
+    """A model threading its auxiliary loss through the blocks, cut into pipeline stages, trains
+    like one process (the aux loss of every stage's blocks counted)."""
+    name, ep, zero, pp = PIPELINED
+    losses, _, _, _ = outcomes[f"{name}_ep{ep}_zero{zero}_pp{pp}"]
+    reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)

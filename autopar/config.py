@@ -30,6 +30,11 @@ class TrainConfig:
     """fp32, or bf16/fp16 mixed precision (the model is traced under autocast to that dtype)."""
     optimizer: str = "adam"
     """adam (two fp32 states per parameter) or sgd (momentum only)."""
+    moe_imbalance: float = 1.0
+    """Mixture-of-experts routing: the most-loaded expert's tokens over the mean under dropless
+    routing (1: even), what an expert-parallel group waits for."""
+    moe_capacity_factor: float = 0.0
+    """Mixture-of-experts routing: tokens an expert takes at most, over the mean (0: dropless)."""
 
 
 @dataclass
@@ -90,6 +95,8 @@ class PlanPins:
     """Pipeline-parallel degree (number of pipeline ranks)."""
     cp: int | None = None
     """Context-parallel degree (sequence split across ranks)."""
+    ep: int | None = None
+    """Expert-parallel degree, carved from dp (models with experts; it divides dp and the experts)."""
     zero_stage: int | None = None
     """ZeRO stage 0-3."""
     hybrid_shard: bool | None = None

@@ -49,7 +49,8 @@ def build_cluster(cfg: Any) -> ClusterSpec:
 
 def train_spec(cfg: Any) -> TrainSpec:
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
-                     optimizer=cfg.train.optimizer)
+                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance,
+                     moe_capacity_factor=cfg.train.moe_capacity_factor)
 
 
 def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
@@ -65,7 +66,7 @@ def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
         raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
                           f"dp×micro_batch_size = {dp}×{micro}.", "change the batch or plan.micro_batch_size.")
     schedule = pins.schedule or ("interleaved_1f1b" if (pins.chunks or 1) > 1 else "1f1b")
-    return ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=pins.zero_stage or 0,
+    return ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=pins.ep or 1, zero_stage=pins.zero_stage or 0,
                           hybrid_shard=bool(pins.hybrid_shard), micro_batch_size=micro,
                           num_micro_batches=cfg.train.global_batch_size // (dp * micro), schedule=schedule,
                           chunks=pins.chunks or 1, sequence_parallel=bool(pins.sequence_parallel),
@@ -185,7 +186,8 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
                             precision=plan.precision, blocks=[plan.block_container] if plan.block_container else None)
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
-    train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer)
+    train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer,
+                      moe_imbalance=plan.moe_imbalance, moe_capacity_factor=plan.moe_capacity_factor)
     splitter = ILPSplitter(profile)
     pricer = PlanPricer(profile, cluster, train, splitter)
     try:

@@ -95,6 +95,9 @@ class Plan:
 
     Attributes:
         dp, tp, pp, cp: parallel degrees; their product is the world size.
+        ep: expert-parallel degree, carved from dp (ep consecutive data-parallel ranks share one
+            copy of each MoE layer's experts, E / ep each); 1 without experts.
+        ep_dispatch: how tokens reach their experts' ranks (all_to_all).
         mesh_order: axis names innermost -> outermost (innermost gets the fastest links).
         zero_stage: 0 (DDP), 1 (sharded optimizer), 2 (+ gradients), 3 (+ parameters, FSDP).
         hybrid_shard: ZeRO shards within a node and replicates across nodes (2-D DP mesh).
@@ -114,13 +117,16 @@ class Plan:
         dp_shares: samples per micro-batch of each data-parallel rank when uneven (mixed GPU
             types get shares in proportion to their speed); empty: micro_batch_size each.
         layer_names, block_container: the profile's layer order and block container FQN.
-        global_batch_size, precision, optimizer: the training settings planned for.
+        global_batch_size, precision, optimizer, moe_imbalance, moe_capacity_factor: the
+            training settings planned for.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    ep_dispatch: str = "all_to_all"
     mesh_order: list[str] = field(default_factory=lambda: [a.value for a in MeshAxis])
     zero_stage: int = 0
     hybrid_shard: bool = False
@@ -142,6 +148,8 @@ class Plan:
     global_batch_size: int = 1
     precision: str = "bf16"
     optimizer: str = "adam"
+    moe_imbalance: float = 1.0
+    moe_capacity_factor: float = 0.0
     predicted: Predicted = field(default_factory=Predicted)
     solver: SolverInfo = field(default_factory=SolverInfo)
     provenance: Provenance = field(default_factory=Provenance)
@@ -171,7 +179,8 @@ class Plan:
         """The frozen layout the cost model prices (the same decisions, as enums)."""
         from cost_models.techniques import pinnable_sync
 
-        return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, mesh_order=tuple(self.mesh_order),
+        return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                              ep_dispatch=self.ep_dispatch, mesh_order=tuple(self.mesh_order),
                               zero_stage=self.zero_stage, hybrid_shard=self.hybrid_shard,
                               micro_batch_size=self.micro_batch_size, num_micro_batches=self.num_micro_batches,
                               schedule=self.schedule, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
@@ -182,9 +191,11 @@ class Plan:
 
     def summary(self) -> str:
         """One line: degrees, ZeRO, micro-batching, schedule, SP/CP, recomputation."""
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}",
-                 f"ZeRO-{self.zero_stage}" + (" hybrid" if self.hybrid_shard else ""),
-                 f"micro-batch {self.micro_batch_size}×{self.num_micro_batches}"]
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts += [f"ZeRO-{self.zero_stage}" + (" hybrid" if self.hybrid_shard else ""),
+                  f"micro-batch {self.micro_batch_size}×{self.num_micro_batches}"]
         if list(self.mesh_order) != [a.value for a in MeshAxis]:
             parts.append("mesh " + ">".join(self.mesh_order))
         if self.cp > 1:
@@ -209,6 +220,10 @@ class Plan:
         for name in ("micro_batch_size", "num_micro_batches", "chunks", "global_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 found.append(f"{name}={getattr(self, name)!r} is not a positive integer")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            found.append(f"ep={self.ep!r} is not a positive integer")
+        elif isinstance(self.dp, int) and self.dp >= 1 and self.dp % self.ep:
+            found.append(f"ep={self.ep} does not divide dp={self.dp} (expert parallelism is carved from dp)")
         if found:
             return found  # the checks below assume sane numbers
         if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch_size:

@@ -37,6 +37,18 @@ CASES = [
       "cluster=dgx_a100_80g", "cluster.nodes=192", "train.global_batch_size=2304"], 10.0),
     ("Llama-3-405B (seq 8192) on 16,384 H100", "llama_hf.py",
      LLAMA_405B + ["cluster=dgx_h100", "cluster.nodes=2048", "train.global_batch_size=2048"], 60.0),
+    # Mixture-of-experts shapes in the plain-torch MoE test model (expert parallelism searched):
+    # Mixtral-8x7B (8 experts, top-2; all heads as K/V) and DeepSeek-V3 (256 routed experts of
+    # ffn 2048, top-8, one shared expert; plain attention instead of MLA, every block MoE).
+    ("Mixtral-8x7B shape (seq 4096) on 64 H100", "../tests/moe_model.py",
+     ["model.layers=32", "model.hidden=4096", "model.heads=32", "model.ffn=14336", "model.experts=8",
+      "model.top_k=2", "model.capacity_factor=1.0", "model.seq_len=4096", "model.vocab=32000", "cluster=dgx_h100",
+      "cluster.nodes=8", "train.global_batch_size=512"], 60.0),
+    # Expert parallelism runs with tp=pp=cp=1, so dp is the world size: the batch is a multiple of 1024.
+    ("DeepSeek-V3 shape (seq 4096) on 1024 H100", "../tests/moe_model.py",
+     ["model.layers=61", "model.hidden=7168", "model.heads=128", "model.ffn=2048", "model.experts=256",
+      "model.top_k=8", "model.shared_ffn=2048", "model.capacity_factor=1.0", "model.seq_len=4096",
+      "model.vocab=129280", "cluster=dgx_h100", "cluster.nodes=128", "train.global_batch_size=2048"], 60.0),
 ]
 
 

@@ -25,7 +25,7 @@ class Estimate:
         peak_memory_bytes: most any rank allocates (max over pipeline ranks).
         memory_breakdown: the peak rank's bytes: params, grads, optimizer, activations,
             buffers; headroom (kept free) and capacity (what may be allocated).
-        time_breakdown: seconds per step: compute, recompute, tp_comm, cp_comm, pp_comm,
+        time_breakdown: seconds per step: compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm,
             dp_comm (exposed), bubble, optimizer; they add up to step_time_s.
         dp_sync_algorithm: the gradient synchronisation chosen.
         device_time_s: per pipeline rank, busy time of one micro-batch.
@@ -134,7 +134,7 @@ class Breakdowns:
         reference = self._device_facts(layout)[0]
         time_rows = self.time_parts_rows(layout, reference)
         speed = problem.speed_of(device)
-        parts = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm"), 0.0)
+        parts = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm"), 0.0)
         for l in self._device_layers(layout, stages, device):
             for name, seconds in time_rows[l][partition.options[l]].items():
                 parts[name] += m * seconds * speed
@@ -146,8 +146,8 @@ class Breakdowns:
         parts["optimizer"] = once["optimizer"]
         busy = sum(parts.values())
         parts["bubble"] = max(0.0, partition.step_time_s - busy)
-        return {key: parts[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm",
-                                            "bubble", "optimizer")}
+        return {key: parts[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm",
+                                            "dp_comm", "bubble", "optimizer")}
 
     def _stage_details(self, layout, problem, partition, stages) -> list[dict[str, Any]]:
         pp_gpus = self.pp_rank_gpus(layout)

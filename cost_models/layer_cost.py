@@ -12,10 +12,12 @@ from typing import Any
 
 from cost_models.collectives import Collective
 from cost_models.compute import LayerCompute
+from cost_models.expert_parallel import all_to_alls, dispatch_bytes, routing_pace
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.layout import ParallelLayout
 from cost_models.mesh import Mesh
-from cost_models.memory import LayerActivations, activations_from_fraction, layer_activations, trained_model_states
+from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
+                                 trained_model_states)
 from cost_models.tp_sharding import TPLayerSplit
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
@@ -108,12 +110,14 @@ class LayerCost:
             sp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.sp.comm]
             tp_comm += sum(sp_times) + (sum(sp_times[:split.sp.forward_comm]) if option == "full" else 0.0)
         recompute = total - plain
+        plain += self._ep_wait_s(layer, split, layout, per_token, forward_passes)
         if option == "selective" and self._ring_attention(layout):
             # Selective recomputation keeps attention's output, but ring attention runs in a
             # region it recomputes whole (its quadratic scores are never kept).
             recompute += compute.attention_forward_s * per_token
         return self._scaled({"compute": plain, "recompute": recompute, "tp_comm": tp_comm,
                              "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
+                             "ep_comm": self._ep_time_s(layer, layout, scale, option),
                              "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)})
 
     def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
@@ -144,7 +148,7 @@ class LayerCost:
         sharding, so the search orders candidates by it and prices only those that could win
         (communication in the floor keeps most context-parallel layouts from ever being priced)."""
         key = (Mesh.of(layout), layout.micro_batch_size, layout.sequence_parallel, layout.cp_strategy,
-               tuple(getattr(layout, "dp_shares", ()) or ()))
+               tuple(getattr(layout, "dp_shares", ()) or ()), layout.ep)
         if key not in self._floors:
             devices = self._device_facts(layout)
             if devices is None:
@@ -154,14 +158,15 @@ class LayerCost:
             scale = layout.micro_batch_size / self.b0
             rows = self._rows("compute_floor", layout, (layout.tp, self._span(layout, "tp"), layout.sequence_parallel,
                                                         layout.cp, layout.cp_strategy, self._span(layout, "cp"),
-                                                        layout.micro_batch_size),
+                                                        layout.micro_batch_size, self._ep_key(layout)),
                               lambda layer, split: self._floor_s(layer, split, layout, scale, reference), reference)
             self._floors[key] = (rows, speed)
         return self._floors[key]
 
     def _floor_s(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, gpu: GPUSpec) -> float:
         """A layer's micro-batch seconds below each option's `layer_time_parts` total."""
-        compute = self._compute_s(split, layout, scale / layout.cp, gpu) * self.cluster.scale_of("compute")
+        compute = (self._compute_s(split, layout, scale / layout.cp, gpu)
+                   + self._ep_wait_s(layer, split, layout, scale / layout.cp)) * self.cluster.scale_of("compute")
         tp_group = self.placement(layout, "tp")
         comm_issued, forward_count = split.collectives(layout.sequence_parallel and layout.tp > 1)
         tp_times = [self.collective_s(Collective(op), nbytes * scale / layout.cp, tp_group) for op, nbytes in comm_issued]
@@ -169,7 +174,8 @@ class LayerCost:
         for option in self.recompute_options:
             tp_comm = sum(tp_times) + (sum(tp_times[:forward_count]) if option == "full" else 0.0)
             comm.append(tp_comm * self.cluster.scale_of("tp_comm")
-                        + self._cp_time_s(layer, layout, scale, split.compute, option) * self.cluster.scale_of("cp_comm"))
+                        + self._cp_time_s(layer, layout, scale, split.compute, option) * self.cluster.scale_of("cp_comm")
+                        + self._ep_time_s(layer, layout, scale, option) * self.cluster.scale_of("ep_comm"))
         return compute + min(comm)
 
     @staticmethod
@@ -204,6 +210,36 @@ class LayerCost:
                      or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)
 
+    def _ep_key(self, layout: Any) -> tuple:
+        """What expert parallelism's prices read of a layout (a cache key)."""
+        if layout.ep == 1 or not self.experts.has_experts:
+            return ()
+        return (layout.ep, self._span(layout, "ep"), layout.tp if layout.sequence_parallel else 1)
+
+    def _ep_time_s(self, layer: Any, layout: Any, scale: float, option: str = "none") -> float:
+        """Dispatch and combine all-to-alls of an MoE layer's micro-batch over the expert-parallel
+        group (cost_models.expert_parallel), on the critical path: the experts need their
+        tokens, the next op their outputs."""
+        moe = self.experts.experts_of(layer.name)
+        if layout.ep == 1 or moe is None:
+            return 0.0
+        pace = routing_pace(layout.ep, self.train.moe_imbalance, self.train.moe_capacity_factor)
+        nbytes = dispatch_bytes(moe, scale, layout.cp, layout.tp if layout.sequence_parallel else 1, pace)
+        return all_to_alls(option) * self.collective_s(Collective.ALL_TO_ALL, nbytes, self.placement(layout, "ep"))
+
+    def _ep_wait_s(self, layer: Any, split: TPLayerSplit, layout: Any, per_token: float,
+                   forward_passes: float = 1.0) -> float:
+        """Seconds the experts' ranks wait for the most-loaded one: the experts' share of the
+        layer's compute times (pace - 1)."""
+        moe = self.experts.experts_of(layer.name)
+        if layout.ep == 1 or moe is None:
+            return 0.0
+        pace = routing_pace(layout.ep, self.train.moe_imbalance, self.train.moe_capacity_factor)
+        compute = split.compute
+        expert_s = (forward_passes * moe.expert_forward_share * compute.forward_s
+                    + moe.expert_backward_share * compute.backward_s) * per_token
+        return (pace - 1.0) * expert_s
+
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
                             per_token: float, overhead: float) -> float:
         """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute."""
@@ -227,7 +263,11 @@ class LayerCost:
         grad_size = self._grad_size(layout)
         shard = self._shard_size(layout) if layout.zero_stage >= 1 and grad_size > 1 else 1
         bandwidth = gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise")
-        update = params / shard * OPTIMIZER_BYTES_PER_PARAM.get(self.train.optimizer, 28) / bandwidth
+        dense, experts = self._rank_params(layer, split, layout)
+        # Expert states are sharded over the expert-data-parallel group, ep times smaller.
+        expert_shard = max(1, shard // layout.ep)
+        update = (dense / shard + experts / expert_shard) * OPTIMIZER_BYTES_PER_PARAM.get(self.train.optimizer, 28) \
+            / bandwidth
         if grad_size == 1 or params == 0:
             return self._scaled({"optimizer": update, "dp_comm": 0.0})
         per_token = scale / layout.cp
@@ -247,15 +287,39 @@ class LayerCost:
         return self._scaled({"optimizer": update, "dp_comm": exposed})
 
     def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
-        sharded = layer.param_count * split.tp_sharded_param_fraction
-        return sharded / layout.tp + (layer.param_count - sharded)
+        """Parameters of the layer on one rank (after TP and expert parallelism): what its
+        gradient synchronisation and ZeRO gathers move. Expert gradients are summed over the
+        expert-data-parallel group (dp / ep ranks), priced as the whole gradient group's
+        collective at 1/ep of their bytes (a ring's time depends on bytes, not ranks, to within
+        (n-1)/n)."""
+        return sum(self._rank_params(layer, split, layout))
 
-    def _states(self, layer: Any, split: TPLayerSplit, layout: Any):
+    def _rank_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> tuple[float, float]:
+        """(dense, expert) parameters of the layer on one rank: TP's split applied to both
+        alike, the stacked experts further divided by ep."""
+        sharded = layer.param_count * split.tp_sharded_param_fraction
+        on_rank = sharded / layout.tp + (layer.param_count - sharded)
+        moe = self.experts.experts_of(layer.name)
+        if moe is None or not layer.param_count:
+            return on_rank, 0.0
+        expert_share = moe.expert_params / layer.param_count
+        return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep
+
+    def _states(self, layer: Any, split: TPLayerSplit, layout: Any) -> ModelStates:
         grad_size = self._grad_size(layout)
-        return trained_model_states(self._tp_params(layer, split, layout), self.train.precision,
-                                    self.train.optimizer, layout.zero_stage if grad_size > 1 else 0,
-                                    self._shard_size(layout) if grad_size > 1 else 1, fsdp=self._uses_fsdp(layout),
-                                    pipelined=layout.pp > 1)
+        dense, experts = self._rank_params(layer, split, layout)
+        zero = layout.zero_stage if grad_size > 1 else 0
+        shard = self._shard_size(layout) if grad_size > 1 else 1
+        kwargs = dict(fsdp=self._uses_fsdp(layout), pipelined=layout.pp > 1)
+        states = trained_model_states(dense, self.train.precision, self.train.optimizer, zero, shard, **kwargs)
+        if not experts:
+            return states
+        # Expert weights are replicated over dp / ep ranks: ZeRO shards their states there.
+        expert = trained_model_states(experts, self.train.precision, self.train.optimizer, zero,
+                                      max(1, shard // layout.ep), **kwargs)
+        return ModelStates(states.params_bytes + expert.params_bytes, states.grads_bytes + expert.grads_bytes,
+                           states.optimizer_bytes + expert.optimizer_bytes,
+                           states.compute_copy_bytes + expert.compute_copy_bytes)
 
     def _send_s(self, layer: Any, layout: Any, scale: float) -> float:
         """Activation to the next stage forward and its gradient back (Narayanan et al. 2021:
@@ -272,7 +336,7 @@ class LayerCost:
     def _buffers(self, layout: Any, scale: float, gpu: GPUSpec) -> dict[str, float]:
         """Memory besides model states and stored activations (the gathered compute copy of
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
-        largest = self._largest_params / layout.tp
+        largest = self._largest_params_on_rank(layout.ep) / layout.tp
         buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
         if layout.zero_stage == 3 and self._grad_size(layout) > 1 and layout.pp == 1:
             # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
@@ -292,8 +356,22 @@ class LayerCost:
         if self._ring_attention(layout):
             block = 4 * self._score_elements * scale / layout.tp / layout.cp ** 2
             ring = 2 * min(block, RING_TILE_SCORE_BYTES)  # codegen tiles a block's queries to this
+        if layout.ep > 1 and self.experts.has_experts:
+            # The tokens an MoE layer receives from its expert-parallel group and their outputs
+            # before the combine, one layer at a time.
+            pace = routing_pace(layout.ep, self.train.moe_imbalance, self.train.moe_capacity_factor)
+            buffers["ep_dispatch"] = max(2 * dispatch_bytes(moe, scale, layout.cp,
+                                                            layout.tp if layout.sequence_parallel else 1, pace)
+                                         for moe in self.experts.layers.values())
         buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
         return buffers
+
+    def _largest_params_on_rank(self, ep: int) -> float:
+        """The most parameters one layer holds on a rank before TP: its experts divided by ep."""
+        if ep == 1 or not self.experts.has_experts:
+            return self._largest_params
+        return max(layer.param_count - (moe.expert_params - moe.expert_params / ep if (moe := self.experts.experts_of(
+            layer.name)) else 0) for layer in self.layers)
 
     def _working_set_bytes(self, layer: Any) -> float:
         """What a layer's backward holds beyond the stored activations, at the profiled
@@ -357,3 +435,14 @@ class LayerCost:
             for op, _ in issued:
                 counts[op] = counts.get(op, 0) + layout.num_micro_batches
         return counts
+
+    def ep_collectives(self, layout: ParallelLayout) -> dict[str, int]:
+        """Collective -> how many the expert-parallel groups issue per step under `layout`'s
+        prices: each MoE layer's dispatch and combine all-to-alls (cost_models.expert_parallel),
+        times the micro-batches. What a test counts in a generated step."""
+        if layout.ep == 1:
+            return {}
+        options = self.layer_options(layout)
+        count = sum(all_to_alls(self.recompute_options[option]) for layer, option in zip(self.layers, options)
+                    if self.experts.experts_of(layer.name))
+        return {"all_to_all": count * layout.num_micro_batches} if count else {}

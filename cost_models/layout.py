@@ -79,6 +79,13 @@ class CPStrategy(StrEnum):
     RING = "ring"  # K/V passed around the ring (Liu et al. 2023)
 
 
+class ExpertDispatch(StrEnum):
+    """How an expert-parallel group moves tokens to their experts' ranks and back (the names of
+    Megatron-Core's token dispatchers)."""
+
+    ALL_TO_ALL = "all_to_all"  # each rank sends each other rank the tokens routed to its experts
+
+
 AXES = tuple(a.value for a in MeshAxis)
 SCHEDULES = tuple(s.value for s in Schedule)
 CP_STRATEGIES = tuple(s.value for s in CPStrategy)
@@ -101,11 +108,16 @@ class TrainSpec:
         global_batch_size: samples per optimizer step across all data-parallel ranks.
         precision: fp32, or bf16 / fp16 mixed precision (must match the profile's).
         optimizer: adam (two fp32 states), sgd (momentum) or sgd_plain (no state).
+        moe_imbalance: the most-loaded expert's tokens over the mean under dropless routing
+            (1: even), what an expert-parallel group waits for (cost_models.expert_parallel).
+        moe_capacity_factor: tokens an expert takes at most, over the mean (0: dropless).
     """
 
     global_batch_size: int
     precision: str = "bf16"
     optimizer: str = "adam"
+    moe_imbalance: float = 1.0
+    moe_capacity_factor: float = 0.0
 
 
 def _member(enum: type, value: Any) -> Any:
@@ -123,6 +135,9 @@ class ParallelLayout:
 
     Attributes:
         dp, tp, pp, cp: data-, tensor-, pipeline- and context-parallel degrees.
+        ep: expert-parallel degree, carved from the data-parallel ranks (not a mesh axis of its
+            own, so it does not multiply the world size): ep consecutive data-parallel ranks
+            share one copy of the experts, E / ep each (cost_models.expert_parallel).
         mesh_order: mesh axes innermost (consecutive ranks, fastest links) to outermost.
         zero_stage: 0-3, sharding over the data-parallel (x context-parallel) ranks.
         hybrid_shard: shard within a node, replicate across nodes (HSDP).
@@ -139,12 +154,14 @@ class ParallelLayout:
             or ps (parameter server); see the technique registry.
         dp_shares: samples per micro-batch of each data-parallel rank when they differ (uneven
             shares for mixed GPU types; they sum to dp x micro_batch_size); empty: even.
+        ep_dispatch: how tokens reach their experts' ranks (all_to_all).
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     mesh_order: tuple[str, ...] = AXES
     zero_stage: int = ZeroStage.NONE
     hybrid_shard: bool = False
@@ -156,6 +173,7 @@ class ParallelLayout:
     cp_strategy: str = CPStrategy.ULYSSES
     dp_sync: str = DPSync.AUTO
     dp_shares: tuple[int, ...] = ()
+    ep_dispatch: str = ExpertDispatch.ALL_TO_ALL
     stages: tuple[tuple[str, ...], ...] = ()
     recompute: Any = Recompute.NONE
 
@@ -207,9 +225,10 @@ class ParallelLayout:
 
 
 # Fields of ParallelLayout held as enum members, and each enum's members by value.
-_ENUM_FIELDS = (("zero_stage", ZeroStage), ("schedule", Schedule), ("cp_strategy", CPStrategy), ("dp_sync", DPSync))
+_ENUM_FIELDS = (("zero_stage", ZeroStage), ("schedule", Schedule), ("cp_strategy", CPStrategy), ("dp_sync", DPSync),
+                ("ep_dispatch", ExpertDispatch))
 _MEMBERS = {enum: {member.value: member for member in enum} for enum in (ZeroStage, Schedule, CPStrategy, DPSync,
-                                                                         Recompute)}
+                                                                         Recompute, ExpertDispatch)}
 
 
 def validate_train(train: TrainSpec, profile: Any) -> None:
@@ -220,6 +239,11 @@ def validate_train(train: TrainSpec, profile: Any) -> None:
         raise ValueError(f"optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     if train.global_batch_size < 1:
         raise ValueError(f"global batch size must be at least 1, got {train.global_batch_size}")
+    if train.moe_imbalance < 1:
+        raise ValueError(f"moe_imbalance is the busiest expert's tokens over the mean, at least 1; got "
+                         f"{train.moe_imbalance}")
+    if train.moe_capacity_factor < 0:
+        raise ValueError(f"moe_capacity_factor must be 0 (dropless) or positive, got {train.moe_capacity_factor}")
     if (train.precision == "fp32") != (profile.precision == "fp32"):
         raise ValueError(f"the profile was traced in {profile.precision} but training is {train.precision}: "
                          "profile the model in the training precision (bytes moved and saved differ)")
@@ -237,19 +261,30 @@ def validate(layout: ParallelLayout, model: Any, cluster: ClusterSpec, train: Tr
         ValueError: what cannot run, with the values that can.
     """
     validate_train(train, model)
+    experts = None
+    if layout.ep > 1:
+        from cost_models.expert_parallel import ExpertFacts
+
+        experts = ExpertFacts.of(model).common_divisor()
     validate_layout(layout, cluster, train, [layer.name for layer in model.layers], model.tokens_per_sample, heads,
-                    recompute_options)
+                    recompute_options, experts)
 
 
 def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,
                     tokens_per_sample: int | None = None, heads: int | None = None,
-                    recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS) -> None:
-    """Clear errors for layouts that cannot run, before pricing them."""
+                    recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS, experts: int | None = None) -> None:
+    """Clear errors for layouts that cannot run, before pricing them (`experts`: the number every
+    MoE layer's experts divide into, 0 for a model without experts, None: not checked)."""
     names = list(layer_names) if not isinstance(layer_names, int) else None
     num_layers = len(names) if names is not None else layer_names
     for axis in AXES:
         if not isinstance(layout.degree(axis), int) or layout.degree(axis) < 1:
             raise ValueError(f"{axis} must be a positive integer, got {layout.degree(axis)!r}")
+    if not isinstance(layout.ep, int) or layout.ep < 1:
+        raise ValueError(f"ep must be a positive integer, got {layout.ep!r}")
+    if layout.dp % layout.ep:
+        raise ValueError(f"ep={layout.ep} must divide dp={layout.dp}: expert parallelism is carved from the "
+                         "data-parallel ranks")
     if sorted(layout.mesh_order) != sorted(AXES):
         raise ValueError(f"mesh_order {tuple(layout.mesh_order)} must order exactly the axes {', '.join(AXES)}")
     if layout.world_size != cluster.world_size:
@@ -275,7 +310,7 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
     # are refused there with the values that can be chosen).
     from cost_models.techniques import LayoutFacts, problems
 
-    found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample))
+    found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample, experts=experts))
     if found:
         raise ValueError(found[0])
     _validate_recompute(layout.recompute, names, recompute_options)

@@ -9,6 +9,7 @@ group's ranks asks `Mesh` (a test greps the packages for arithmetic written else
 
     mesh = Mesh.of(plan)               # anything with mesh_order and degree(axis)
     mesh.coordinate(5, "pp"); mesh.group_ranks(("dp", "cp")); mesh.shape()
+    mesh.block_ranks("dp", 2)          # the expert-parallel group of ep=2 through rank 0
 """
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ class Mesh:
             if axis not in axes:
                 firsts = [r + i * self._strides[axis] for r in firsts for i in range(self._degree_of[axis])]
         return [self.group_ranks(axes, rank) for rank in sorted(firsts)]
+
+    def block_ranks(self, axes: str | tuple[str, ...], size: int, rank: int = 0) -> list[int]:
+        """The group of `axes` through `rank` cut into consecutive blocks of `size` ranks in rank
+        order: the block holding `rank` (expert-parallel groups are such blocks of a
+        data-parallel group, as Megatron-Core cuts them)."""
+        ranks = self.group_ranks(axes, rank)
+        start = ranks.index(rank) // size * size
+        return ranks[start:start + size]
+
+    def blocks(self, axes: str | tuple[str, ...], size: int) -> list[list[int]]:
+        """Every block of `size` of every group of `axes` (each sorted, by lowest rank)."""
+        return sorted(group[i:i + size] for group in self.groups(axes) for i in range(0, len(group), size))
 
     def nodes_of(self, axis: str, gpus_per_node: int) -> list[int]:
         """Nodes the group of `axis` through rank 0 touches."""

@@ -40,9 +40,20 @@ class Placement:
     def placement(self, layout: Any, axes: str | tuple[str, ...]) -> GroupPlacement:
         """Where the group through rank 0 along one mesh axis (or several) sits."""
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        if axes == ("ep",):
+            return self.expert_group(layout)
         key = (axes, mesh_of(layout))
         if key not in self._placements:
             self._placements[key] = self.cluster.group_links(mesh_of(layout).group_ranks(axes))
+        return self._placements[key]
+
+    def expert_group(self, layout: Any) -> GroupPlacement:
+        """The expert-parallel group through rank 0: the first ep ranks of its data-parallel
+        group, in rank order (ep consecutive data-parallel ranks, as the generated code cuts them;
+        cost_models.expert_parallel)."""
+        key = ("ep", layout.ep, mesh_of(layout))
+        if key not in self._placements:
+            self._placements[key] = self.cluster.group_links(mesh_of(layout).block_ranks(("dp", "cp"), layout.ep))
         return self._placements[key]
 
     def grad_group(self, layout: Any) -> GroupPlacement:

@@ -21,6 +21,8 @@ from `collectives.py`, TP split from a `TPSplitter`, sequence parallelism from `
            + TP collectives, on the critical path (forward ones again under full recompute)
            + CP exchange (Ulysses: 4 all-to-alls each way; ring: K/V passed cp-1 times,
              overlapped with attention, only the excess exposed)
+           + expert parallelism's dispatch and combine all-to-alls, and the wait for the
+             most-loaded expert rank (expert_parallel.py)
            + ZeRO-2/3 gradient reduce-scatter and ZeRO-3 parameter all-gathers beyond the
              compute they overlap with (prefetch)
 Once per step and layer: gradient synchronisation over the data-parallel (× context-parallel)
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from cost_models.breakdowns import Breakdowns, Estimate
 from cost_models.compute import ComputeModel
+from cost_models.expert_parallel import ExpertFacts
 from cost_models.hardware import GPUSpec
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
                                     RING_TILE_SCORE_BYTES, LayerCost, attention_io_bytes, exposed_s)
@@ -143,6 +146,7 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         self._attention_bytes = self._attention_input_bytes()
         self._score_elements = self._attention_scores()
         self.heads = self._attention_heads()
+        self.experts = ExpertFacts.of(profile)
 
     @property
     def weights_bytes(self) -> int:
@@ -194,7 +198,7 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
                                                                             layout.tp, layout.sequence_parallel,
                                                                             layout.cp, option, keeps_attention))
                                                        for option in self.recompute_options], reference)
-        statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout)),
+        statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout), layout.ep),
                              lambda layer, split: int(self._states(layer, split, layout).total_bytes), reference)
         sends = self._rows("send", layout, (layout.pp, self._span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
@@ -228,7 +232,7 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         scale = layout.micro_batch_size / self.b0
         return self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
                                            layout.micro_batch_size, self._zero_key(layout),
-                                           self._span(layout, "tp"), self._span(layout, "cp")),
+                                           self._span(layout, "tp"), self._span(layout, "cp"), self._ep_key(layout)),
                           lambda layer, split: [self.layer_time_parts(layer, split, layout, scale, option, reference)
                                                 for option in self.recompute_options], reference)
 
@@ -238,7 +242,7 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
                                                layout.hybrid_shard, self._span(layout, ("dp", "cp")),
                                                self._shard_size(layout), layout.micro_batch_size,
-                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order)),
+                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 
     def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:

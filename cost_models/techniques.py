@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Callable
 
-from cost_models.layout import CPStrategy, DPSync, Schedule, ZeroStage
+from cost_models.layout import CPStrategy, DPSync, ExpertDispatch, Schedule, ZeroStage
 
 
 class Family(StrEnum):
@@ -30,6 +30,7 @@ class Family(StrEnum):
     CP_STRATEGY = "cp_strategy"
     SCHEDULE = "schedule"
     ZERO_STAGE = "zero_stage"
+    EP_DISPATCH = "ep_dispatch"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class LayoutFacts:
     heads: int | None = None
     kv_heads: int | None = None
     tokens_per_sample: int | None = None
+    experts: int | None = None  # what every MoE layer's expert count divides into (0: no experts)
 
 
 Precondition = Callable[[Any, LayoutFacts], "str | None"]
@@ -121,6 +123,30 @@ def _interleaving(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
+def _experts_divide(layout: Any, facts: LayoutFacts) -> str | None:
+    if facts.experts is None:
+        return None
+    if facts.experts == 0:
+        return f"ep={layout.ep} needs a model with experts (parameters stacked [E, ...] under an 'experts' module)"
+    if facts.experts % layout.ep:
+        return (f"ep={layout.ep} must divide the {facts.experts} experts of every MoE layer: pin plan.ep to a "
+                "divisor of it")
+    return None
+
+
+def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
+    """What the generated expert-parallel code is built and tested with (one FSDP shard group
+    over the data-parallel ranks, cut into expert-parallel groups; no TP, PP or CP beside it)."""
+    others = [f"{axis}={layout.degree(axis)}" for axis in ("tp", "pp", "cp") if layout.degree(axis) > 1]
+    if others:
+        return (f"expert parallelism is generated for data-parallel ranks alone, not with {', '.join(others)}: "
+                "pin ep=1 or those degrees to 1")
+    if layout.zero_stage < 2 or layout.hybrid_shard:
+        return ("expert parallelism is generated with FSDP over all data-parallel ranks (ZeRO-2 or 3, not hybrid): "
+                "pin zero_stage=2 or 3")
+    return None
+
+
 def _something_to_shard(layout: Any, facts: LayoutFacts) -> str | None:
     if layout.hybrid_shard:
         return "hybrid_shard needs zero_stage >= 1 (there is nothing to shard)"
@@ -169,6 +195,9 @@ REGISTRY: tuple[Technique, ...] = (
               "memory.trained_model_states", summary="+ gradients sharded"),
     Technique(Family.ZERO_STAGE, ZeroStage.PARAMETERS, "data_parallel.apply_fsdp (reshard_after_forward=True)",
               "memory.trained_model_states", summary="+ parameters sharded (FSDP)"),
+    Technique(Family.EP_DISPATCH, ExpertDispatch.ALL_TO_ALL, "expert_parallel.apply_ep (all_to_all_single)",
+              "PlanPricer._ep_time_s", requires=(_experts_divide, _ep_runs),
+              summary="tokens to their experts' ranks and back by all-to-all"),
 )
 
 
@@ -221,10 +250,12 @@ def problems(layout: Any, facts: LayoutFacts = LayoutFacts()) -> list[str]:
     found = []
     values = {Family.DP_SYNC: pinnable_sync(getattr(layout, "dp_sync", DPSync.AUTO)),
               Family.CP_STRATEGY: layout.cp_strategy, Family.SCHEDULE: layout.schedule,
-              Family.ZERO_STAGE: layout.zero_stage}
+              Family.ZERO_STAGE: layout.zero_stage,
+              Family.EP_DISPATCH: getattr(layout, "ep_dispatch", ExpertDispatch.ALL_TO_ALL)}
     for family, value in values.items():
         entry = chosen(family, value)
-        if (family == Family.CP_STRATEGY and layout.cp == 1) or (family == Family.DP_SYNC and layout.dp * layout.cp == 1):
+        if (family == Family.CP_STRATEGY and layout.cp == 1) or (family == Family.DP_SYNC and layout.dp * layout.cp == 1) \
+                or (family == Family.EP_DISPATCH and getattr(layout, "ep", 1) == 1):
             continue  # the technique is not used
         for require in entry.requires:
             reason = require(layout, facts)

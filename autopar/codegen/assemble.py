@@ -12,7 +12,7 @@ from importlib import resources
 from typing import Callable
 
 SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "context_parallel",
-            "gradient_sync", "optimizer", "checkpoint", "train")
+            "expert_parallel", "gradient_sync", "optimizer", "checkpoint", "train")
 _INTERNAL = "autopar"
 
 

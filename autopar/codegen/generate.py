@@ -247,6 +247,7 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
     facts = {f"{owner}.{name}": value for name, value in values.items() for owner in ("dims", "config.dims")}
     facts.update({
         "config.custom_gradient_sync": custom_gradient_sync(plan),
+        "config.expert_parallel": plan.ep > 1,
         "parallel.schedule is not None": plan.pp > 1,
         "config.recompute_enabled": any(mode != "none" for mode in plan.recompute.values()),
         'config.pipeline_split == "tracer"': layout.pipeline_split == "tracer",
@@ -374,7 +375,7 @@ def runtime_plan(plan: Plan) -> dict[str, Any]:
     writes it (plain values, no enums); the rest (predictions, solver statistics, TP styles as
     priced, provenance) stays in plan.json."""
     written = json.loads(plan.to_json())
-    keys = ["tp", "pp", "cp", "mesh_order", "zero_stage", "stages", "recompute"]
+    keys = ["tp", "pp", "cp"] + (["ep"] if plan.ep > 1 else []) + ["mesh_order", "zero_stage", "stages", "recompute"]
     keys += ["schedule"] if plan.pp > 1 else []
     keys += ["cp_strategy"] if plan.cp > 1 else []
     keys += ["dp_sync"] + (["dp_bucket_bytes"] if custom_gradient_sync(plan) else [])
@@ -468,6 +469,8 @@ def parallel_config_source(plan: Plan) -> str:
         fields.append("loss_parallel=LOSS_PARALLEL,")
     if plan.pp > 1:
         fields += ['schedule=plan["schedule"],', "pipeline_split=PIPELINE_SPLIT,"]
+    if plan.ep > 1:
+        fields.append('ep=plan["ep"],')
     if plan.cp > 1:
         fields += ['cp_strategy=plan["cp_strategy"],', "position_argument=POSITION_ARGUMENT,",
                    "mask_argument=MASK_ARGUMENT,"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from autopar.errors import UserError
 
-COMM_PARTS = ("tp_comm", "cp_comm", "pp_comm", "dp_comm")
+COMM_PARTS = ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm")
 COMPUTE_PARTS = ("compute", "recompute", "optimizer")
 
 

@@ -208,7 +208,8 @@ class Planner:
     @staticmethod
     def _summary(scored: Scored) -> str:
         c = scored.candidate
-        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "") + f" ZeRO-{c.zero_stage}"
+        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "") + (f" ep={c.ep}" if c.ep > 1 else "")
+                + f" ZeRO-{c.zero_stage}"
                 + (f" {c.schedule}" if c.pp > 1 else ""))
 
     def _choose(self, result: SearchResult) -> Scored:
@@ -231,6 +232,7 @@ class Planner:
         dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else "reduce_scatter"
         plan = Plan(
             dp=scored.candidate.dp, tp=scored.candidate.tp, pp=scored.candidate.pp, cp=scored.candidate.cp,
+            ep=scored.candidate.ep, ep_dispatch=scored.candidate.ep_dispatch,
             mesh_order=list(scored.candidate.mesh_order), zero_stage=scored.candidate.zero_stage,
             hybrid_shard=scored.candidate.hybrid_shard, micro_batch_size=scored.candidate.micro_batch_size,
             num_micro_batches=scored.candidate.num_micro_batches, schedule=scored.candidate.schedule,
@@ -243,6 +245,7 @@ class Planner:
             layer_names=names,
             block_container=self.profile.block_container, global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
+            moe_imbalance=self.train.moe_imbalance, moe_capacity_factor=self.train.moe_capacity_factor,
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                                 samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
                                 peak_memory_bytes=estimate.peak_memory_bytes,
@@ -336,11 +339,35 @@ class Planner:
             found.append(Binding(f"batch divisibility: global batch {batch} does not split over dp={winner.candidate.dp * 2}",
                                  f"train.global_batch_size={-(-batch // (2 * step)) * 2 * step} would allow "
                                  f"dp={winner.candidate.dp * 2}; plan again with it to price that"))
+        if self.shape.experts and winner.candidate.ep == 1:
+            found.append(self._expert_parallel_binding(winner))
         pinned = self._pin_overrides()
         if pinned:
             found.append(Binding("your pins: " + ", ".join(pinned),
                                  "drop a pin to let the solver choose that decision (plan again to price it)"))
         return found
+
+    def _expert_parallel_binding(self, winner: Scored) -> Binding:
+        """Why a model with experts got no expert parallelism: no legal plan has it (and what
+        would allow one), or the best that has it, priced."""
+        world, batch = self.cluster.world_size, self.train.global_batch_size
+        extra = [c for c in enumerate_candidates(self.shape, world, self.cluster.gpus_per_node, batch, self.solver,
+                                                 self.pins) if c.ep > 1]
+        if not extra:
+            reason = (f"dp={world} (every GPU) does not divide the global batch {batch}" if batch % world else
+                      f"the pins exclude it" if self._pin_overrides() else "no degree divides both dp and the experts")
+            return Binding("expert parallelism: no plan can use it (the generated code runs it with tp=pp=cp=1 "
+                           f"and ZeRO-2/3, so dp is the cluster's {world} GPUs): {reason}",
+                           f"train.global_batch_size={-(-batch // world) * world} would allow it; plan again "
+                           "with it to price that" if batch % world else "nothing to relax in the plan")
+        search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
+                            work_limit=min(10.0, self.solver.work_limit))
+        best = search.run(extra).best
+        if not best:
+            return Binding("expert parallelism", f"none of the {len(extra)} plans with ep > 1 fits in memory")
+        change = best[0].step_time_s / winner.step_time_s - 1
+        verdict = f"{change:.1%} slower" if change >= 0 else f"{-change:.1%} faster on paper (the objective chose otherwise)"
+        return Binding("expert parallelism", f"the best plan with it, {self._summary(best[0])}, is {verdict}")
 
     def _cross_node_tp_gain(self, winner: Scored) -> str:
         """Price the plans with TP groups spanning nodes, the search otherwise leaves out."""
@@ -379,6 +406,7 @@ class Planner:
         self._check_pinned_layers()
         self._check_pinned_tp()  # before the GPU count: a degree the model cannot take is the first problem
         self._check_pinned_degrees()
+        self._check_pinned_ep()
         self._check_pinned_batching()
 
     def _check_pinned_layers(self) -> None:
@@ -416,7 +444,7 @@ class Planner:
             if value not in RECOMPUTE_OPTIONS:
                 raise UserError(f"plan.layer_recompute uses '{value}', which is not a recomputation choice.",
                                 f"use {', '.join(RECOMPUTE_OPTIONS)}.")
-        for name in ("dp", "tp", "pp", "cp", "micro_batch_size", "chunks"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "chunks"):
             value = getattr(self.pins, name)
             if value is not None and value < 1:
                 raise UserError(f"plan.{name}={value}: it must be at least 1.", f"pin plan.{name} to 1 or more, "
@@ -450,6 +478,32 @@ class Planner:
         if self.pins.pp is not None and self.pins.pp > blocks:
             raise UserError(f"plan.pp={self.pins.pp} needs more pipeline stages than the model's {blocks} "
                             "repeated blocks.", f"use plan.pp of at most {blocks}, or leave it unset.")
+
+    def _check_pinned_ep(self) -> None:
+        """A pinned expert-parallel degree the model, the generated code or the batch cannot take."""
+        ep, experts = self.pins.ep, self.shape.experts
+        if ep is None or ep == 1:
+            return
+        if not experts:
+            raise UserError(f"plan.ep={ep} shards experts, but this model has none (no module named 'experts' "
+                            "holding parameters stacked by expert, [E, ...]).", "leave plan.ep unset or pin it to 1.")
+        if experts % ep:
+            raise UserError(f"plan.ep={ep} does not divide the {experts} experts of every MoE layer.",
+                            f"use one of ep={', '.join(map(str, divisors(experts)))}, or leave plan.ep unset.")
+        conflicts = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("tp", "pp", "cp")
+                     if (getattr(self.pins, axis) or 1) > 1]
+        conflicts += [f"plan.zero_stage={self.pins.zero_stage}"] if self.pins.zero_stage in (0, 1) else []
+        conflicts += ["plan.hybrid_shard=true"] if self.pins.hybrid_shard else []
+        if conflicts:
+            raise UserError(f"plan.ep={ep} cannot go with {', '.join(conflicts)}: expert parallelism is generated "
+                            "for data-parallel ranks alone (tp=pp=cp=1), with ZeRO-2 or 3 over all of them.",
+                            "drop those pins, or pin plan.ep=1 to keep them.")
+        world, batch = self.cluster.world_size, self.train.global_batch_size
+        if world % ep or batch % world:
+            raise UserError(f"plan.ep={ep} needs every one of the cluster's {world} GPUs as a data-parallel rank "
+                            f"(expert parallelism runs with tp=pp=cp=1), so dp={world} must divide the global batch "
+                            f"{batch} and be divisible by ep.",
+                            f"set train.global_batch_size to a multiple of {world}, or leave plan.ep unset.")
 
     def _check_pinned_tp(self) -> None:
         tp = self.pins.tp

@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from cost_models.expert_parallel import ExpertFacts
 from cost_models.mesh import Mesh
 from cost_models.step import ParallelLayout
 from cost_models.techniques import zero_stages_for
@@ -47,6 +48,7 @@ class ModelShape:
     tokens_per_sample: int | None
     split_dims: tuple[int, ...]  # weight dims a TP split divides (output and input features)
     cp_blocker: str | None = None  # the first op that makes context parallelism illegal, if any
+    experts: int = 0  # what every MoE layer's expert count divides into (0: no experts)
 
     @classmethod
     def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
@@ -68,7 +70,8 @@ class ModelShape:
                 kv_heads = min(kv_widths)
         return cls(num_blocks=len(blocks), num_layers=len(profile.layers), heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)),
-                   cp_blocker=next(iter(profile.sequence_mixers), None))
+                   cp_blocker=next(iter(profile.sequence_mixers), None),
+                   experts=ExpertFacts.of(profile).common_divisor())
 
     def tp_divides(self, tp: int) -> bool:
         if any(dim % tp for dim in self.split_dims):
@@ -146,13 +149,26 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
                     for sequence_parallel in pinned("sequence_parallel", [False, True] if tp > 1 else [False]):
                         for cp_strategy in pinned("cp_strategy", _cp_strategies(shape, tp, cp)):
-                            for order in legal_mesh_orders(tp, cp, pp, dp, gpus_per_node,
-                                                           solver.allow_cross_node_tp):
-                                yield Candidate(dp=dp, tp=tp, pp=pp, cp=cp, mesh_order=order, zero_stage=zero_stage,
+                            for ep, order in itertools.product(pinned("ep", _ep_options(shape, dp, cp)),
+                                                               legal_mesh_orders(tp, cp, pp, dp, gpus_per_node,
+                                                                                 solver.allow_cross_node_tp)):
+                                if ep > 1 and (dp % ep or not shape.experts or shape.experts % ep or tp * pp * cp > 1
+                                               or zero_stage < 2 or hybrid_shard):
+                                    continue  # what the generated EP code runs with (techniques._ep_runs)
+                                yield Candidate(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order,
+                                                zero_stage=zero_stage,
                                                 hybrid_shard=hybrid_shard, micro_batch_size=micro_batch_size,
                                                 num_micro_batches=micro_batches, schedule=schedule, chunks=chunks,
                                                 sequence_parallel=sequence_parallel, cp_strategy=cp_strategy,
                                                 dp_sync=pins.dp_sync or "auto", dp_shares=shares)
+
+
+def _ep_options(shape: ModelShape, dp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees: divisors of both dp and every MoE layer's expert count (EP is
+    carved from the data-parallel ranks; the generated group is cut from dp alone, so cp=1)."""
+    if not shape.experts or cp > 1:
+        return [1]
+    return [ep for ep in divisors(dp) if shape.experts % ep == 0]
 
 
 def _shares(pins, dp: int, pp: int, micro_batch_size: int) -> tuple[int, ...]:

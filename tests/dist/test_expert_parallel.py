@@ -1,0 +1,134 @@
+"""Generated expert-parallel modules train like one process.
+
+Property: a module `autopar.codegen` generates for a plan with ep > 1 (experts sharded over ep
+consecutive data-parallel ranks, tokens dispatched and combined by all-to-all, FSDP over the
+rest), run on 4 gloo ranks for three AdamW steps, gives the per-step losses of the unsharded
+model on one process (rtol 1e-5) and the same final parameters, the experts gathered back in
+expert order (rtol 1e-4, atol 1e-5: fp32 sums in another order, through Adam's division by
+sqrt(v), as tests/dist/test_equivalence.py justifies). The router's auxiliary loss is part of
+the loss compared. Cases, in one spawn of ranks: a Mixtral-like model (4 experts, top-2) with
+ep=2 x ZeRO-3 (experts also sharded over 2 expert-data-parallel ranks) and ep=4 x ZeRO-2 (each
+rank alone with its experts), a Qwen2-MoE-like one (plus a shared expert; capacity factor 1, so
+tokens over an expert's capacity are dropped, per sequence as in one process) with ep=2 x ZeRO-3
+and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x ZeRO-2. The first case's run
+is also profiled: the all-to-alls it issues are those PlanPricer.ep_collectives prices.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.codegen import generate
+from autopar.codegen.generate import DEFAULT_OPTIMIZER
+from autopar.config import PlanPins, SolverConfig
+from autopar.model_file import load_model_file
+from autopar.profile import profile_model
+from autopar.runtime import read_records, run_reference
+from autopar.runtime.generated import import_generated
+from autopar.solver.planner import Planner
+from cost_models.step import PlanPricer, TrainSpec
+from cost_models.topology import ClusterConfig, ClusterSpec
+from tests.dist.harness import run_ranks
+
+pytestmark = [pytest.mark.dist]
+
+MOE = Path(__file__).resolve().parents[1] / "moe_model.py"
+TINY = dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
+MODELS = {
+    "mixtral": dict(TINY, experts=4, top_k=2, ffn=64),
+    "qwen2_moe": dict(TINY, experts=4, top_k=2, ffn=64, shared_ffn=64, capacity_factor=1.0),  # drops tokens
+    "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0),
+}
+CASES = [("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen2_moe", 2, 3), ("deepseek_v3", 4, 2)]
+PIPELINED = ("mixtral", 1, 3, 2)  # no expert parallelism: dp=2 x pp=2 (a known gap, see its test)
+WORLD, GLOBAL_BATCH, STEPS = 4, 8, 3
+OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
+ALL_TO_ALL_EVENT = "_c10d_functional::all_to_all_single"  # the profiler's name for each exchange
+
+
+def plan_cluster() -> ClusterSpec:
+    return ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=WORLD))
+
+
+def make_plan(kwargs: dict, ep: int, zero: int, pp: int = 1):
+    cluster = plan_cluster()
+    profile = profile_model(load_model_file(MOE), kwargs, 1, "fp32")
+    pins = PlanPins(dp=WORLD // pp, tp=1, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
+    train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
+    return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
+
+
+def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> dict[str, int]:
+    """Run each generated module; for the first, the all-to-alls its run issued (forward and
+    backward; the profiler's cost is paid once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    issued = {}
+    for index, (case_id, script, log_file, final) in enumerate(jobs):
+        module = import_generated(script, f"generated_{case_id}")
+        with profile(activities=[ProfilerActivity.CPU]) if index == 0 else contextlib.nullcontext() as trace:
+            module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
+        if index == 0:
+            issued[case_id] = sum(event.name == ALL_TO_ALL_EVENT for event in trace.events())
+    return issued
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("expert_parallel")
+    jobs, priced = [], {}
+    for name, ep, zero, pp in [case + (1,) for case in CASES] + [PIPELINED]:
+        case_id = f"{name}_ep{ep}_zero{zero}" + (f"_pp{pp}" if pp > 1 else "")
+        plan = make_plan(MODELS[name], ep, zero, pp)
+        assert (plan.ep, plan.dp, plan.pp, plan.zero_stage) == (ep, WORLD // pp, pp, zero)
+        out = root / case_id
+        files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=WORLD)
+        assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
+        profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
+        pricer = PlanPricer(profile, plan_cluster(), TrainSpec(GLOBAL_BATCH, precision="fp32"))
+        priced[case_id] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0) * STEPS
+        jobs.append((case_id, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
+    issued = run_ranks(_run, WORLD, jobs, timeout_s=900)[0]
+    return {case_id: ([r["loss"] for r in read_records(log)], torch.load(final), issued.get(case_id),
+                      priced[case_id]) for case_id, _, log, final in jobs}
+
+
+@pytest.mark.parametrize("name, ep, zero", CASES)
+def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, outcomes):
+    losses, parameters, _, _ = outcomes[f"{name}_ep{ep}_zero{zero}"]
+    reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert set(parameters) == set(reference.parameters)
+    for key, expected in reference.parameters.items():
+        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert losses[0] != losses[-1]  # three steps of training happened
+
+
+def test_priced_all_to_alls_are_issued(outcomes):
+    """The dispatch and combine all-to-alls the pricer counts (4 per MoE layer and micro-batch:
+    2 layers x 2 micro-batches x 3 steps here) are those a generated run issues, forward and
+    backward (torch's profiler, one event per exchange), for the first case."""
+    name, ep, zero = CASES[0]
+    _, _, issued, priced = outcomes[f"{name}_ep{ep}_zero{zero}"]
+    assert priced == 4 * 2 * 2 * STEPS
+    assert issued == priced
+
+
+@pytest.mark.xfail(strict=True, reason="measured: a pipelined MoE model (dp=2 x pp=2, no expert parallelism) "
+                   "trains on losses 0.24% (0.0103) below one process's at every step (4.3389 at step 0; "
+                   "5.71584 against 5.72599 at the test model's defaults): about one layer's router auxiliary "
+                   "loss (0.01 x ~1) is lost at the stage boundary, where the block's second output (the "
+                   "running aux loss) does not reach the last stage's loss")
+def test_pipelined_moe_model_keeps_the_auxiliary_loss(outcomes):
+    """A model threading its auxiliary loss through the blocks, cut into pipeline stages, trains
+    like one process (the aux loss of every stage's blocks counted)."""
+    name, ep, zero, pp = PIPELINED
+    losses, _, _, _ = outcomes[f"{name}_ep{ep}_zero{zero}_pp{pp}"]
+    reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)

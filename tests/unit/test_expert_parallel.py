@@ -1,0 +1,242 @@
+"""Expert parallelism in the plan: facts read off a traced MoE model, prices against hand counts,
+the checks that refuse what cannot run, and the search's enumeration of ep."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autopar.config import PlanPins, SolverConfig
+from autopar.solver.space import ModelShape, enumerate_candidates
+from cost_models.collectives import all_to_all_s
+from cost_models.expert_parallel import ExpertFacts, all_to_alls, routing_pace
+from cost_models.memory import trained_model_states
+from cost_models.mesh import Mesh
+from cost_models.step import ParallelLayout, PlanPricer, TrainSpec
+from cost_models.topology import ClusterConfig, ClusterSpec
+
+pytestmark = pytest.mark.unit
+
+MOE = Path(__file__).resolve().parents[1] / "moe_model.py"
+# tests/moe_model.py at its defaults: 2 blocks, h=64, ffn=128, E=4, top-2; micro-batch 2 x 32 tokens.
+H, FFN, E, K, B0, S = 64, 128, 4, 2, 2, 32
+EXPERT_PARAMS = 2 * E * H * FFN  # w_in [E, h, ffn] and w_out [E, ffn, h]
+
+
+@functools.lru_cache(maxsize=None)
+def moe_profile(precision: str = "fp32", **kwargs):
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+
+    return profile_model(load_model_file(MOE), kwargs, micro_batch_size=B0, precision=precision)
+
+
+def cluster(nodes: int = 2, per_node: int = 8) -> ClusterSpec:
+    return ClusterSpec.from_config(ClusterConfig(name="t", gpu="H100-SXM", nodes=nodes, gpus_per_node=per_node))
+
+
+def pricer(train: TrainSpec | None = None, nodes: int = 2) -> PlanPricer:
+    return PlanPricer(moe_profile(), cluster(nodes), train or TrainSpec(global_batch_size=64, precision="fp32"))
+
+
+def test_facts_of_a_traced_moe_model_match_its_definition():
+    facts = ExpertFacts.of(moe_profile())
+    assert sorted(facts.layers) == ["blocks.0", "blocks.1"]
+    moe = facts.layers["blocks.0"]
+    assert (moe.experts, moe.top_k, moe.expert_params, moe.tokens) == (E, K, EXPERT_PARAMS, B0 * S)
+    # The block's input is the fp32 hidden state (plus the running aux-loss scalar, 4 bytes).
+    assert moe.token_bytes == pytest.approx(4 * H + 4 / (B0 * S))
+    # The experts' two bmm's dominate the block's matmul work: 2·(2·T·k·cf... ) is most of it.
+    assert 0.5 < moe.expert_forward_share < 1 and 0.5 < moe.expert_backward_share < 1
+    assert facts.common_divisor() == E
+
+
+def test_a_dense_model_has_no_experts():
+    from tests.profiles import gpt
+
+    assert not ExpertFacts.of(gpt()).has_experts
+
+
+def test_routing_pace():
+    assert routing_pace(1, 1.5, 0.0) == 1.0  # one rank holds every expert: routing changes nothing
+    assert routing_pace(4, 1.5, 0.0) == 1.5  # dropless: the busiest rank's share
+    assert routing_pace(4, 1.5, 1.25) == 1.25  # a capacity factor caps it
+    assert all_to_alls("none") == 4 and all_to_alls("full") == 6
+
+
+def test_mesh_blocks_cut_consecutive_data_parallel_ranks():
+    mesh = Mesh(("tp", "dp"), (2, 4))  # dp group through rank 0: 0, 2, 4, 6
+    assert mesh.block_ranks("dp", 2) == [0, 2]
+    assert mesh.block_ranks("dp", 2, rank=5) == [5, 7]
+    assert mesh.blocks("dp", 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_all_to_all_time_is_the_hand_count():
+    train = TrainSpec(global_batch_size=64, precision="fp32", moe_imbalance=1.5)
+    p = pricer(train)
+    layout = ParallelLayout(dp=16, ep=4, micro_batch_size=4, num_micro_batches=1)
+    layer = p.profile.layer("blocks.0")
+    moe = p.experts.layers["blocks.0"]
+    # Micro-batch 4 = twice the profiled 2: 128 tokens x top-2 x token bytes, at the busiest rank's 1.5.
+    nbytes = 1.5 * 2 * B0 * S * K * moe.token_bytes
+    group = p.cluster.group_links([0, 1, 2, 3])  # ep=4 consecutive data-parallel ranks, one node
+    assert p._ep_time_s(layer, layout, 2.0, "none") == pytest.approx(4 * all_to_all_s(nbytes, group))
+    assert p._ep_time_s(layer, layout, 2.0, "full") == pytest.approx(6 * all_to_all_s(nbytes, group))
+    assert p._ep_time_s(layer, replace(layout, ep=1), 2.0) == 0.0
+    assert p._ep_time_s(p.profile.layer("ln_f"), layout, 2.0) == 0.0
+
+
+def test_an_expert_group_across_nodes_pays_the_network():
+    layout = ParallelLayout(dp=16, ep=4, zero_stage=3, micro_batch_size=4)
+    one_node, two_nodes = pricer(), PlanPricer(moe_profile(), cluster(8, 2), TrainSpec(64, precision="fp32"))
+    assert one_node.placement(layout, "ep").nodes == 1 and two_nodes.placement(layout, "ep").nodes == 2
+    layer = one_node.profile.layer("blocks.0")
+    # Half of each rank's exchange leaves the node, through a NIC far slower than NVLink.
+    assert two_nodes._ep_time_s(layer, layout, 2.0) > 2 * one_node._ep_time_s(layer, layout, 2.0)
+
+
+def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parallel_group():
+    p = pricer()
+    layer = p.profile.layer("blocks.0")
+    dense = layer.param_count - EXPERT_PARAMS
+    for zero, shard in ((0, 1), (3, 16)):
+        layout = ParallelLayout(dp=16, ep=4, zero_stage=zero, micro_batch_size=4)
+        states = p._states(layer, p.split(layer.name, layout, p.cluster.node_gpus[0]), layout)
+        kwargs = dict(fsdp=p._uses_fsdp(layout), pipelined=False)
+        want = (trained_model_states(dense, "fp32", "adam", zero, shard, **kwargs).total_bytes
+                + trained_model_states(EXPERT_PARAMS / 4, "fp32", "adam", zero, max(1, shard // 4), **kwargs).total_bytes)
+        assert states.total_bytes == pytest.approx(want)
+    # ZeRO-0 by hand: fp32 weights, gradients and two Adam moments, 16 bytes a parameter.
+    zero0 = ParallelLayout(dp=16, ep=4, micro_batch_size=4)
+    split = p.split(layer.name, zero0, p.cluster.node_gpus[0])
+    assert p._states(layer, split, zero0).params_bytes == pytest.approx(4 * (dense + EXPERT_PARAMS / 4))
+
+
+def test_estimate_shows_the_all_to_alls_and_the_dispatch_buffer():
+    p = pricer()
+    base = ParallelLayout(dp=16, zero_stage=3, micro_batch_size=2, num_micro_batches=2)
+    with_ep = p.estimate(replace(base, ep=4))
+    without = p.estimate(base)
+    assert without.time_breakdown["ep_comm"] == 0.0
+    # 2 MoE layers x 2 micro-batches x 4 all-to-alls each, at the profiled micro-batch.
+    layer = p.profile.layer("blocks.0")
+    assert with_ep.time_breakdown["ep_comm"] == pytest.approx(2 * 2 * p._ep_time_s(layer, replace(base, ep=4), 1.0))
+    # Buffers: FSDP's two gathered layers hold a quarter of the experts (fp32, 4 bytes a
+    # parameter), and the dispatch buffer holds one layer's received tokens and their outputs.
+    gpu = p.cluster.node_gpus[0]
+    moe = p.experts.layers["blocks.0"]
+    buffers = {ep: p._buffers(replace(base, ep=ep), 1.0, gpu) for ep in (1, 4)}
+    assert buffers[1]["zero3_gathered_params"] - buffers[4]["zero3_gathered_params"] == \
+        pytest.approx(2 * 4 * EXPERT_PARAMS * 3 / 4)
+    assert buffers[4]["ep_dispatch"] == pytest.approx(2 * B0 * S * K * moe.token_bytes) and "ep_dispatch" not in buffers[1]
+
+
+@pytest.mark.parametrize("ep, words", [(3, "must divide dp"), (8, "must divide the 4 experts")])
+def test_layouts_expert_parallelism_cannot_run_are_refused(ep, words):
+    p = pricer()
+    with pytest.raises(ValueError, match=words):
+        p.estimate(ParallelLayout(dp=16, ep=ep, zero_stage=3, micro_batch_size=4))
+
+
+def test_ep_where_the_generated_code_does_not_run_it_is_refused():
+    p = pricer()
+    with pytest.raises(ValueError, match="pin zero_stage=2 or 3"):
+        p.estimate(ParallelLayout(dp=16, ep=2, zero_stage=1, micro_batch_size=4))
+    with pytest.raises(ValueError, match="not with tp=2"):
+        p.estimate(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8))
+
+
+def test_ep_on_a_model_without_experts_is_refused():
+    from tests.profiles import gpt
+
+    p = PlanPricer(gpt(), cluster(1), TrainSpec(global_batch_size=16))
+    with pytest.raises(ValueError, match="needs a model with experts"):
+        p.estimate(ParallelLayout(dp=8, ep=2, micro_batch_size=2))
+
+
+def test_the_search_enumerates_ep_dividing_dp_and_the_experts():
+    shape = ModelShape.from_profile(moe_profile())
+    assert shape.experts == E
+    found = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins()))
+    eps = {(c.dp, c.ep) for c in found}
+    assert {(16, 1), (16, 2), (16, 4), (8, 1), (1, 1)} <= eps and (2, 2) not in eps  # dp=2 leaves tp·pp·cp=8
+    assert all(c.dp % c.ep == 0 and E % c.ep == 0 for c in found)
+    assert all(c.tp * c.pp * c.cp == 1 and c.zero_stage >= 2 and not c.hybrid_shard for c in found if c.ep > 1)
+    assert not any(c.ep == 8 for c in found)
+    pinned = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins(ep=2)))
+    assert pinned and {c.ep for c in pinned} == {2}
+
+
+def test_a_dense_model_searches_ep_1_only():
+    from tests.profiles import gpt
+
+    found = enumerate_candidates(ModelShape.from_profile(gpt()), 8, 8, 16, SolverConfig(), PlanPins())
+    assert {c.ep for c in found} == {1}
+
+
+@pytest.mark.parametrize("pins, words", [
+    (dict(ep=3), "does not divide the 4 experts"),
+    (dict(ep=2, zero_stage=1), "cannot go with plan.zero_stage=1"),
+    (dict(ep=2, tp=2), "cannot go with plan.tp=2"),
+])
+def test_pinned_ep_the_model_or_the_generated_code_cannot_take_is_refused_in_words(pins, words):
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
+    with pytest.raises(UserError, match=words):
+        Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(**pins)).run()
+
+
+def test_pinned_ep_needs_the_batch_to_take_every_gpu_as_a_data_parallel_rank():
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
+    with pytest.raises(UserError, match="dp=4 must divide the global batch 6"):
+        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run()
+    plan = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run().plan
+    assert (plan.ep, plan.dp, plan.tp, plan.pp) == (2, 4, 1, 1) and plan.zero_stage >= 2
+
+
+def test_gpt_with_a_pinned_ep_is_refused_in_words():
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from tests.profiles import gpt
+
+    with pytest.raises(UserError, match="this model has none"):
+        Planner(gpt(), cluster(1), TrainSpec(16), SolverConfig(), PlanPins(ep=2)).run()
+
+
+def test_a_plan_without_expert_parallelism_says_why():
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
+    # A batch of 6 does not split over 4 data-parallel ranks: no plan can shard the experts.
+    result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
+    assert result.plan.ep == 1
+    why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
+    assert why and "dp=4 (every GPU) does not divide the global batch 6" in why[0].constraint
+    assert "train.global_batch_size=8" in why[0].relaxing
+    # Pinned to ep=1 on a batch that allows it: the best plan with experts sharded is priced.
+    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
+    why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
+    assert why and ("pins exclude it" in why[0].constraint)
+
+
+@pytest.mark.slow
+def test_mixtral_8x7b_shape_on_8_dgx_h100_nodes_plans_expert_parallelism():
+    """The issue's target: the Mixtral-8x7B shape (8 experts, top-2, h=4096, ffn 14336, 32
+    layers; seq 4096, global batch 512) on 8 DGX H100 nodes picks ep > 1, its all-to-alls in
+    the time breakdown (the test model: all heads as K/V, experts of two matrices)."""
+    from autopar.config import compose_config
+    from autopar.driver import run_plan, run_profile
+
+    cfg = compose_config(["model.layers=32", "model.hidden=4096", "model.heads=32", "model.ffn=14336",
+                          "model.experts=8", "model.top_k=2", "model.capacity_factor=1.0", "model.seq_len=4096",
+                          "model.vocab=32000", "cluster=dgx_h100", "cluster.nodes=8", "train.global_batch_size=512"])
+    plan = run_plan(MOE, cfg, profile=run_profile(MOE, cfg)).plan
+    assert plan.ep > 1 and plan.solver.status == "OPTIMAL"
+    assert plan.predicted.time_breakdown["ep_comm"] > 0

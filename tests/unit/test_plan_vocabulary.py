@@ -157,3 +157,51 @@ def test_report_does_not_claim_split_matrices_for_a_replicated_plan():
     split = describe_axes(Plan(**base, tp_styles={"a.fc": "colwise"}), 8)[0]
     assert "matrices split" not in replicated and "no matrix split" in replicated
     assert "each layer's matrices split" in split
+
+
+# -- TP collectives as the styles issue them ------------------------------------------------------
+
+def _op(name: str, module: str | None, inputs: tuple[str, ...] = (), op_class: str = "gemm"):
+    from types import SimpleNamespace
+    return SimpleNamespace(name=name, module=module, inputs=list(inputs), op_class=op_class)
+
+
+def test_issued_collectives_of_a_block_match_a_hand_count():
+    """A GPT-like block by hand: ln_1 feeds q, k, v (column-parallel, inside the attention
+    region) and a lone column-parallel probe outside any region; out_proj is row-parallel.
+    Without SP: out_proj's all-reduce (forward), one all-reduce of ln_1's gradient for the three
+    region matmuls and one for the probe (backward). With SP: out_proj reduce-scatters (forward)
+    and all-gathers its gradient (backward); the region's input is all-gathered (forward) and its
+    gradient reduce-scattered (backward); the probe still all-reduces its own."""
+    from autopar.solver.tp_split import issued_collectives
+
+    ops = [_op("ln", "b.ln_1", op_class="norm"), _op("ln_view", "b.ln_1", ("ln",), "view"),
+           _op("q", "b.attn.q", ("ln_view",)), _op("k", "b.attn.k", ("ln",)), _op("v", "b.attn.v", ("ln",)),
+           _op("probe", "b.probe", ("ln",)), _op("attn", "b.attn", ("q", "k", "v"), "attention"),
+           _op("out", "b.attn.out", ("attn",))]
+    strategy = {"q": "colwise", "k": "colwise", "v": "colwise", "probe": "colwise", "out": "rowwise"}
+    events = [("P->R", "out", 100.0), ("backward all-reduce", "ln", 100.0)]
+    issued = issued_collectives(events, {op.name: op for op in ops}, strategy, [], {"b.attn"})
+    assert issued.without_sp == (("all_reduce", 100.0), ("all_reduce", 100.0), ("all_reduce", 100.0))
+    assert issued.forward_without_sp == 1
+    assert sorted(issued.under_sp[:issued.forward_under_sp]) == [("all_gather", 100.0), ("reduce_scatter", 100.0)]
+    assert sorted(issued.under_sp[issued.forward_under_sp:]) == [("all_gather", 100.0), ("all_reduce", 100.0),
+                                                                 ("reduce_scatter", 100.0)]
+
+
+def test_loss_parallel_and_a_tied_embedding_are_priced_as_issued():
+    """GPT's head column-parallel with loss parallelism: its three all-reduces (max, sum of
+    exponentials, target logit) are listed in forward, and the token embedding it is tied to
+    runs vocabulary-parallel, one forward all-reduce of its output (both were issued and not
+    priced)."""
+    profile = _profile(GPT)
+    cluster = ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=2,
+                                                    intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
+    pricer = PlanPricer(profile, cluster, TrainSpec(global_batch_size=8, precision="fp32"), ILPSplitter(profile))
+    layout = ParallelLayout(dp=1, tp=2, pp=1, micro_batch_size=4, num_micro_batches=2)
+    gpu = pricer._device_facts(layout)[0]
+    head, embedding = pricer.split("lm_head", layout, gpu), pricer.split("wte", layout, gpu)
+    assert head.styles.get("lm_head") == "colwise"
+    comm, forward = head.collectives(False)
+    assert [c for c, _ in comm[:forward]] == ["all_reduce"] * 3
+    assert embedding.collectives(False) == ((("all_reduce", embedding.comm[0][1]),), 1)

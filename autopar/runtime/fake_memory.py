@@ -130,6 +130,9 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
+
+    allow_fp32_grouped_mm_on_fake_tensors()
     out_dir = Path(out_dir)
     plan = json.loads((out_dir / "plan.json").read_text())
     world_size = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"]

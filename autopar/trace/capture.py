@@ -24,6 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
 from autopar.errors import TraceError
+from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
 from autopar.model_file import FakeBuild, ModelFile, compute_loss, model_inputs
 
 MODULE_KEY = "autopar_module"
@@ -59,6 +60,7 @@ def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedSt
         model_file: supplies the loss and how a batch is fed to the model.
         build: model and batch made under one FakeTensorMode.
     """
+    allow_fp32_grouped_mm_on_fake_tensors()
     model = build.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
+from autopar.trace.grouped_mm import grouped_mm_flop
+
 aten = torch.ops.aten
 
 
@@ -34,6 +36,7 @@ class OpClass(StrEnum):
 
 # Shape-level formulas, in the form FlopCounterMode(custom_mapping=...) expects.
 EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._grouped_mm: grouped_mm_flop,
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__,
 }

@@ -7,7 +7,8 @@ something else. Three rules, each naming the op or module that decided it:
 
 - *module class*: only ``nn.Linear`` and ``nn.Embedding`` have torch parallel styles; a GEMM
   of another module (GPT-2's ``Conv1D``, ``nn.MultiheadAttention``'s packed projection, a
-  convolution) runs replicated.
+  convolution, BLOOM's attention scores read beside its ALiBi table) runs replicated, and so
+  does a subclass with a forward of its own (OPT's learned positional embedding).
 - *fused output cut along the split dim* (read from the traced graph): a projection whose
   output is sliced, split or indexed along the dimension a column split shards (Phi-3's
   ``qkv_proj`` and ``gate_up_proj``, nanoGPT's ``c_attn.split``, Falcon's fused query/key/value)
@@ -17,7 +18,9 @@ something else. Three rules, each naming the op or module that decided it:
 - *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
   are split column- then row-wise) is run with its linears narrowed to one rank's share; code
   that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``,
-  BLOOM's fused view) fails there, and the region's linears run replicated instead.
+  BLOOM's fused view) fails there, and so does code that folds the sequence instead (OPT's
+  ``view(bsz, -1, self.num_heads, d)``: an op whose output lost part of the sequence length);
+  the region's linears run replicated instead.
 
 A rule that cannot be checked (no model file to build) is skipped, never guessed.
 """
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -135,10 +139,19 @@ class TPLegality:
         found = []
         for module in sorted(split_modules):
             instance = named.get(module)
-            if instance is not None and not isinstance(instance, (nn.Linear, nn.Embedding)):
+            if instance is None:
+                continue
+            if not isinstance(instance, (nn.Linear, nn.Embedding)):
                 found.append(IllegalSplit(module, "module class",
                                           f"{module} is a {type(instance).__name__}, not nn.Linear or nn.Embedding: "
                                           "no torch parallel style splits it"))
+            elif type(instance).forward not in (nn.Linear.forward, nn.Embedding.forward):
+                # A style converts the module's inputs; a forward of its own (OPT's learned
+                # positions compute indices from the mask) feeds the lookup something else.
+                found.append(IllegalSplit(module, "module class",
+                                          f"{module} is a {type(instance).__name__}, whose forward is not "
+                                          f"{type(instance).__mro__[1].__name__}'s: a torch parallel style converts "
+                                          "its inputs, not what it passes to the matmul or lookup"))
         return found
 
     def _regions(self, styles: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -158,13 +171,16 @@ class TPLegality:
         named = dict(build.model.named_modules())
         found: dict[str, IllegalSplit] = {}
         inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
+        run = (named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
+               call_model if not inputs else None)
+        _, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
         for region, children in regions.items():
             linears = {name: style for name, style in children.items()
                        if style in ("colwise", "rowwise") and isinstance(named.get(name), nn.Linear)}
             if not linears:
                 continue
-            error = _run_narrowed(build, named, linears, tp, named[layer] if inputs else build.model,
-                                  inputs or ((build.batch,), {}), call_model if not inputs else None)
+            error, local = _run_narrowed(build, named, linears, tp, *run)
+            error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
             if error is not None:
                 for name in linears:
                     found[name] = IllegalSplit(
@@ -175,19 +191,14 @@ class TPLegality:
 
 
 def _split_candidates(profile: "ModelProfile", ops: list["OpProfile"]) -> set[str]:
-    """Modules whose forward GEMM or embedding lookup reads a parameter (what the ILP may split)."""
-    by_name = {op.name: op for op in profile.ops}
-    modules = set()
-    for op in ops:
-        if op.module is None or not (op.op_class == "gemm" or "embedding" in op.target):
-            continue
-        for source in op.inputs:
-            view = by_name.get(source)
-            while view is not None and view.op_class == "view" and len(view.inputs) == 1:
-                source, view = view.inputs[0], by_name.get(view.inputs[0])
-            if profile.placeholders.get(source, "").startswith("param:"):
-                modules.add(op.module)
-    return modules
+    """Modules with a forward GEMM or embedding lookup reading a parameter or something computed
+    from parameters alone (what the ILP may split: `intra_op.parameter_derived`)."""
+    from autopar.solver.intra_op import parameter_derived
+
+    derived = parameter_derived(profile)
+    return {op.module for op in ops if op.module is not None
+            and (op.op_class == "gemm" or "embedding" in op.target and "backward" not in op.target)
+            and op.name not in derived and any(name in derived for name in op.inputs)}
 
 
 def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
@@ -261,12 +272,44 @@ def _in_place_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Ille
     return found
 
 
+class _Shapes(TorchDispatchMode):
+    """Records the output shapes of every op run under it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(tensor, torch.Tensor):
+                self.seen.append((str(func), tuple(tensor.shape)))
+        return out
+
+
+def _folded_sequence(full: list[tuple[str, tuple[int, ...]]], local: list[tuple[str, tuple[int, ...]]],
+                     seq_len: int | None) -> str | None:
+    """The first op whose output lost part of the sequence on one rank's share (a view with -1
+    for the sequence and a hard-coded head count: OPT's ``view(bsz, -1, self.num_heads, d)``),
+    or None. A correct split shrinks heads or features only, never the sequence."""
+    if len(full) != len(local):
+        return f"the share ran {len(local)} ops where the whole model runs {len(full)}"
+    if not seq_len:
+        return None
+    for (target, whole), (_, share) in zip(full, local):
+        if len(whole) == len(share) and any(w == seq_len and s != w for w, s in zip(whole, share)):
+            return f"{target} gives {list(share)} where the whole model has {list(whole)}, a cut sequence"
+    return None
+
+
 def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, module: nn.Module,
-                  inputs: tuple[tuple, dict], call_model: Any | None) -> str | None:
+                  inputs: tuple[tuple, dict], call_model: Any | None) -> tuple[str | None, list]:
     """Run ``module`` (a layer with its captured inputs, or the model on its batch through
     ``call_model``) on fake tensors with ``linears`` narrowed to one rank's share (colwise:
-    out_features / tp, rowwise: in_features / tp); the error it raised, or None."""
+    out_features / tp, rowwise: in_features / tp); the error it raised (or None) and the
+    shapes its ops produced."""
     saved = {}
+    shapes = _Shapes()
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a failure here is the finding, not an error to log
@@ -276,7 +319,7 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
                 linear = named[name]
                 out_features, in_features = linear.weight.shape
                 if (out_features if style == "colwise" else in_features) % tp:
-                    return f"{name}'s {'out' if style == 'colwise' else 'in'} features do not divide by {tp}"
+                    return f"{name}'s {'out' if style == 'colwise' else 'in'} features do not divide by {tp}", []
                 saved[name] = (linear.weight, linear.bias)
                 shape = (out_features // tp, in_features) if style == "colwise" else (out_features, in_features // tp)
                 linear.weight = nn.Parameter(torch.empty(shape, dtype=linear.weight.dtype),
@@ -284,15 +327,15 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
                 if linear.bias is not None and style == "colwise":
                     linear.bias = nn.Parameter(torch.empty(shape[0], dtype=linear.bias.dtype),
                                                requires_grad=linear.bias.requires_grad)
-            with torch.no_grad():
+            with torch.no_grad(), shapes:
                 if call_model is not None:
                     call_model(module, build.batch)
                 else:
                     module(*inputs[0], **inputs[1])
     except Exception as err:  # noqa: BLE001 - any failure of the model's code on a share is the finding
-        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}", shapes.seen
     finally:
         quiet.setLevel(level)
         for name, (weight, bias) in saved.items():
             named[name].weight, named[name].bias = weight, bias
-    return None
+    return None, shapes.seen

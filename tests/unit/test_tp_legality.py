@@ -2,7 +2,7 @@
 prices only splits the model's own code runs correctly on one rank's share, and says which op
 or module decided each refusal.
 
-One small model file, its attention written four ways (as models in the wild write it)."""
+One small model file, its attention written five ways (as models in the wild write it)."""
 from __future__ import annotations
 
 import textwrap
@@ -53,8 +53,11 @@ MODEL = textwrap.dedent('''
                 q, k, v = self.qkv(x).split(h, dim=2)
             else:
                 q, k, v = self.q(x), self.k(x), self.v(x)
-            heads = -1 if self.style == "local" else self.heads  # "hardcoded": view by the global count
-            q, k, v = (t.view(b, s, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            if self.style == "folded":  # OPT's view: -1 for the sequence, the global head count
+                q, k, v = (t.view(b, -1, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            else:
+                heads = -1 if self.style == "local" else self.heads  # "hardcoded": view by the global count
+                q, k, v = (t.view(b, s, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
@@ -152,6 +155,17 @@ def test_view_by_a_hard_coded_head_count_fails_the_local_shape_probe(model_path)
     assert "blocks.0.attn fails on one rank's share" in found["blocks.0.attn.q"].reason
 
 
+def test_a_view_that_folds_the_sequence_on_a_share_is_refused(model_path):
+    """OPT's attention runs on one rank's share without an error and computes something else:
+    the sequence, not the heads, is what the view cuts."""
+    legality = TPLegality(_profile(model_path, "folded"))
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise"}
+    found = legality.probe("blocks.0", 2, styles)
+    assert set(found) == {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.o"}
+    assert "a cut sequence" in found["blocks.0.attn.q"].reason
+
+
 def test_output_modified_in_place_is_refused_naming_the_in_place_op(model_path):
     found = TPLegality(_profile(model_path, "in_place")).static("blocks.0", 2)
     assert set(found) == {"blocks.0.down"}
@@ -164,7 +178,7 @@ def test_a_module_that_is_not_nn_linear_is_never_split(model_path):
     assert "Conv1D, not nn.Linear" in found["blocks.0.attn.qkv"].reason
 
 
-@pytest.mark.parametrize("style", ["fused", "hardcoded", "in_place", "conv1d"])
+@pytest.mark.parametrize("style", ["fused", "hardcoded", "folded", "in_place", "conv1d"])
 def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
     """End to end through the splitter the planner prices with: the illegal modules come back
     replicated, the legal rest may still split, and each refused kind has one report line."""

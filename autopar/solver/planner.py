@@ -248,7 +248,8 @@ class Planner:
             chunks=scored.candidate.chunks, stages=stages, recompute=recompute,
             tp_styles=self._tp_styles(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
-                              for module, style in self._tp_styles(scored.candidate.tp).items()),
+                              for module, style in self._tp_styles(scored.candidate.tp).items())
+            and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
             cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync,
             dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout), dp_shares=list(self.pricer.dp_shares(layout)),
             layer_names=names,

@@ -133,6 +133,21 @@ def sp_blocker(profile: "ModelProfile") -> str | None:
     from cost_models.tp_layout import ModuleTree
 
     tree = ModuleTree.of_profile(profile)
+    blocks = {layer.name for layer in profile.blocks}
+    last = profile.layers[-1]
+    for layer in profile.layers:
+        # Outside the blocks the stream is whole: only the embeddings, norms and a head that reads
+        # the whole sequence are written for it (codegen's styles assume one stack: CLIP's
+        # second tower or a pooled projection would get sequence-sharded tensors).
+        if layer.name in blocks or tree.kind(layer.name) == "norm":
+            continue
+        linears = [name for name, kind in tree.kinds.items() if kind == "linear"
+                   and (name == layer.name or name.startswith(layer.name + "."))]
+        if layer is last and linears and layer.input_bytes != profile.blocks[-1].output_bytes:
+            return f"{layer.name} reads less than the whole sequence (a pooled output)"
+        if layer is not last and linears:
+            return f"{linears[0]}, a linear layer outside the block container {profile.block_container}, runs on " \
+                   "the whole sequence"
     for block in profile.blocks:
         for child in tree.children.get(block.name, []):
             if tree.kind(child) == "linear" and child in tree.with_parameters:

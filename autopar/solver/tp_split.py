@@ -66,6 +66,9 @@ class ILPSplitter:
         self.legality = TPLegality(profile)
         # (layer, tp) -> module -> why its split cannot run (found before or while solving)
         self.illegal: dict[tuple[str, int], dict[str, IllegalSplit]] = {}
+        # (layer, tp) whose loss takes the head's vocabulary-sharded output (loss parallel): only
+        # there may codegen keep the head's output a DTensor (CLIP's text_projection feeds a matmul)
+        self.loss_parallel: set[tuple[str, int]] = set()
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
         """The ILP's split of the layer among legal splits only: the class and graph rules first,
@@ -86,6 +89,8 @@ class ILPSplitter:
         solution = self._solve(layer_name, tp, group, gpu)
         self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
         self.replicated[(layer_name, tp)] = solution.replicated_ops
+        if "loss_parallel" in solution.op_strategy.values():
+            self.loss_parallel.add((layer_name, tp))
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]
         ops = [op for op in self.profile.ops if op.layer == layer_name]
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}

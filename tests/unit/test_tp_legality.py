@@ -5,6 +5,7 @@ or module decided each refusal.
 One small model file, its attention written five ways (as models in the wild write it)."""
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -191,3 +192,21 @@ def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
     assert any(s in ("colwise", "rowwise") for s in styles.values()), styles  # the MLP still splits
     lines = illegal_splits(splitter, 2)
     assert len(lines) == len({item.kind for item in refused.values()})
+
+
+def test_sequence_parallelism_is_not_searched_where_a_block_calls_a_linear_on_the_stream(model_path):
+    """The test model's blocks call `up` directly on the residual stream (OPT's fc1): no torch
+    style gathers the sequence for it, so no candidate has SP, and the reason names it."""
+    from autopar.solver.space import ModelShape, sp_blocker
+
+    profile = _profile(model_path, "local")
+    assert re.fullmatch(r"blocks\.0\.(up|down) is a linear layer called directly on the residual stream in blocks\.0",
+                        sp_blocker(profile))
+    assert ModelShape.from_profile(profile).sp_blocker is not None
+
+
+def test_a_gpt_keeps_sequence_parallelism():
+    from autopar.solver.space import sp_blocker
+    from tests.profiles import gpt
+
+    assert sp_blocker(gpt()) is None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -273,17 +274,24 @@ def _in_place_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Ille
 
 
 class _Shapes(TorchDispatchMode):
-    """Records the output shapes of every op run under it, in order."""
+    """Records, in order, the output shapes of every op that reads an activation (a tensor
+    computed from ``inputs``): weights' transposes and constants are left out, since their
+    sizes may equal the sequence length by coincidence (hidden 2048, sequence 2048)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: Any) -> None:
         super().__init__()
         self.seen: list[tuple[str, tuple[int, ...]]] = []
+        self._kept = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]  # ids stay unique
+        self._activations = {id(t) for t in self._kept}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(tensor, torch.Tensor):
-                self.seen.append((str(func), tuple(tensor.shape)))
+        if any(id(t) in self._activations for t in tree_flatten((args, kwargs))[0]):
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self.seen.append((str(func), tuple(tensor.shape)))
+                    self._kept.append(tensor)
+                    self._activations.add(id(tensor))
         return out
 
 
@@ -297,7 +305,9 @@ def _folded_sequence(full: list[tuple[str, tuple[int, ...]]], local: list[tuple[
     if not seq_len:
         return None
     for (target, whole), (_, share) in zip(full, local):
-        if len(whole) == len(share) and any(w == seq_len and s != w for w, s in zip(whole, share)):
+        # The last dim is features (a column split shrinks it; its size may equal the sequence
+        # length by coincidence), so only the others are read as positions.
+        if len(whole) == len(share) and any(w == seq_len and s != w for w, s in zip(whole[:-1], share[:-1])):
             return f"{target} gives {list(share)} where the whole model has {list(whole)}, a cut sequence"
     return None
 
@@ -309,7 +319,7 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
     out_features / tp, rowwise: in_features / tp); the error it raised (or None) and the
     shapes its ops produced."""
     saved = {}
-    shapes = _Shapes()
+    shapes = _Shapes(build.batch if call_model is not None else inputs)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a failure here is the finding, not an error to log

@@ -94,8 +94,8 @@ MODEL = textwrap.dedent('''
             return self.head(x)
 
 
-    def build_model(style: str = "local"):
-        return Model(style)
+    def build_model(style: str = "local", hidden: int = 64):
+        return Model(style, hidden)
 
 
     def example_batch(batch_size: int):
@@ -114,8 +114,8 @@ def model_path(tmp_path_factory) -> Path:
     return path
 
 
-def _profile(path: Path, style: str):
-    return profile_model(load_model_file(path), {"style": style}, 1, "fp32")
+def _profile(path: Path, style: str, **kwargs):
+    return profile_model(load_model_file(path), {"style": style, **kwargs}, 1, "fp32")
 
 
 def _styles(profile, tp: int = 2) -> tuple[dict[str, str], ILPSplitter]:
@@ -165,6 +165,15 @@ def test_a_view_that_folds_the_sequence_on_a_share_is_refused(model_path):
     found = legality.probe("blocks.0", 2, styles)
     assert set(found) == {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.o"}
     assert "a cut sequence" in found["blocks.0.attn.q"].reason
+
+
+def test_features_as_wide_as_the_sequence_are_not_read_as_a_cut_sequence(model_path):
+    """hidden = sequence length = 32: a column split halves a 32-wide feature dim, which is not
+    the sequence (a 1B GPT has hidden 2048 and sequence 2048)."""
+    legality = TPLegality(_profile(model_path, "local", hidden=32))
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise"}
+    assert legality.probe("blocks.0", 2, styles) == {}
 
 
 def test_output_modified_in_place_is_refused_naming_the_in_place_op(model_path):

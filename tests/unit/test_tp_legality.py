@@ -219,3 +219,21 @@ def test_a_gpt_keeps_sequence_parallelism():
     from tests.profiles import gpt
 
     assert sp_blocker(gpt()) is None
+
+
+def test_the_plan_result_names_what_decided_each_refused_split(model_path):
+    """Under a tp=2 pin the plan trains the fused model with its fused projection replicated,
+    and the planning result carries one line per refused kind for the report."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.solver.planner import Planner
+    from cost_models.step import TrainSpec
+
+    cluster = ClusterSpec.from_config(ClusterConfig(name="cpu2", gpu="cpu", nodes=1, gpus_per_node=2,
+                                                    intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
+    result = Planner(_profile(model_path, "fused"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
+                     SolverConfig(top_k=0), PlanPins(tp=2)).run()
+    assert result.plan.tp == 2 and not result.plan.sequence_parallel
+    assert result.plan.tp_styles.get("blocks.0.attn.qkv", "replicate") == "replicate"
+    fused = [line for line in result.illegal_splits if "(fused output)" in line]
+    assert len(fused) == 1 and "blocks.0.attn.qkv" in fused[0] and "aten.split" in fused[0]
+    assert any(line.startswith("sequence parallelism not considered: blocks.0.") for line in result.illegal_splits)

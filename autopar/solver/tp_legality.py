@@ -12,13 +12,15 @@ something else. Three rules, each naming the op or module that decided it:
 - *fused output cut along the split dim* (read from the traced graph): a projection whose
   output is sliced, split or indexed along the dimension a column split shards (Phi-3's
   ``qkv_proj`` and ``gate_up_proj``, nanoGPT's ``c_attn.split``, Falcon's fused query/key/value)
-  would hand each rank a contiguous block of the fused matrix, not its share of each part.
+  would hand each rank a contiguous block of the fused matrix, not its share of each part. An
+  op that drops a dim (``select``) counts as a cut wherever it selects: BLOOM's per-head
+  interleaved ``query_key_value`` is refused although a split by heads would keep it whole.
 - *output modified in place* (traced graph): a split module returns a view made by DTensor's
   ``to_local``, which autograd forbids modifying in place (Falcon's ``mlp_output += ...``).
 - *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
   are split column- then row-wise) is run with its linears narrowed to one rank's share; code
-  that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``,
-  BLOOM's fused view) fails there, and so does code that folds the sequence instead (OPT's
+  that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``)
+  fails there, and so does code that folds the sequence instead (OPT's
   ``view(bsz, -1, self.num_heads, d)``: an op whose output lost part of the sequence length);
   the region's linears run replicated instead.
 

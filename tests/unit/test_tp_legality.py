@@ -237,3 +237,17 @@ def test_the_plan_result_names_what_decided_each_refused_split(model_path):
     fused = [line for line in result.illegal_splits if "(fused output)" in line]
     assert len(fused) == 1 and "blocks.0.attn.qkv" in fused[0] and "aten.split" in fused[0]
     assert any(line.startswith("sequence parallelism not considered: blocks.0.") for line in result.illegal_splits)
+
+
+def test_a_pin_of_sequence_parallelism_it_cannot_wrap_is_refused_naming_the_module(model_path):
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from cost_models.step import TrainSpec
+
+    cluster = ClusterSpec.from_config(ClusterConfig(name="cpu2", gpu="cpu", nodes=1, gpus_per_node=2,
+                                                    intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
+    with pytest.raises(UserError, match=r"plan.sequence_parallel=true cannot run on this model: blocks\.0\.(up|down) "
+                                        r"is a linear layer called directly on the residual stream"):
+        Planner(_profile(model_path, "local"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
+                SolverConfig(top_k=0), PlanPins(tp=2, sequence_parallel=True)).run()

@@ -232,8 +232,9 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
     for unit in after_container:
         kind = facts.kind(unit)
         if kind == "norm":
-            out[unit] = StyleSpec("SequenceParallel", (("use_local_output", "True"),),
-                                  "final norm on this rank's sequence slice")
+            # A DTensor output here (the head's style reads it): a local one would be a view,
+            # which FSDP warns about when the final norm is wrapped on its own.
+            out[unit] = StyleSpec("SequenceParallel", (), "final norm on this rank's sequence slice")
         elif unit != head and facts.modules.get(unit) and facts.modules[unit].has_parameters and unit not in styles:
             out[unit] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, unit, "Shard(1)", "Replicate()")
                                   + (("use_local_output", "True"),), "leave sequence parallelism")

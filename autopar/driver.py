@@ -138,7 +138,7 @@ def report_of(result: Any) -> Any:
     from autopar.report.document import build_report, replication_notes
 
     return build_report(result.plan, result.estimate, result.pricer, result.alternatives, result.binding,
-                        notes=replication_notes(result.replicated_ops, result.plan.tp))
+                        notes=replication_notes(result.replicated_ops, result.plan.tp) + list(result.illegal_splits))
 
 
 def rebuild_report(plan: Any, model_path: str | Path) -> Any:

@@ -215,7 +215,11 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
             if role == SPRole.LOCAL:
                 continue
             if role == SPRole.SEQUENCE_SHARD:
-                out[child] = StyleSpec("SequenceParallel", (), "norm on this rank's sequence slice")
+                # A local output, like every other style here: a norm's output may be added to
+                # the (local) residual stream directly (Gemma-2's post-attention norms), and
+                # torch refuses an add of a Tensor and a DTensor.
+                out[child] = StyleSpec("SequenceParallel", (("use_local_output", "True"),),
+                                       "norm on this rank's sequence slice")
             elif role == SPRole.SPLIT_REGION:
                 # The gathered input stays a DTensor: the column-parallel matmuls' input
                 # gradients (Partial) add up as DTensors and leave the region in one
@@ -238,6 +242,8 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
     for unit in after_container:
         kind = facts.kind(unit)
         if kind == "norm":
+            # A DTensor output here (the head's style reads it): a local one would be a view,
+            # which FSDP warns about when the final norm is wrapped on its own.
             out[unit] = StyleSpec("SequenceParallel", (), "final norm on this rank's sequence slice")
         elif unit != head and facts.modules.get(unit) and facts.modules[unit].has_parameters and unit not in styles:
             out[unit] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, unit, "Shard(1)", "Replicate()")

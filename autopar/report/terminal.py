@@ -109,6 +109,8 @@ def print_plan(result, console: Console) -> None:
     for target, modules in sorted(getattr(result, "replicated_ops", {}).items()):
         console.print(f"replicated under TP: {target} in {', '.join(modules[:4])}"
                       f"{' ...' if len(modules) > 4 else ''} (no tensor-parallel split covers it)")
+    for line in getattr(result, "illegal_splits", []):
+        console.print(line)
     for binding in result.binding:
         console.print(f"binding: {binding.constraint} [dim]→ {binding.relaxing}[/]")
     if result.alternatives:

@@ -132,8 +132,11 @@ class IntraOpSolver:
     """Builds and solves the program in the module docstring for one layer."""
 
     def __init__(self, profile: "ModelProfile", costs: TPCosts, tp: int, time_limit_s: float = 10.0,
-                 seed: int = 0):
+                 seed: int = 0, replicated_modules: frozenset[str] = frozenset()):
         self.profile = profile
+        # Modules whose split the model's code cannot run (autopar.solver.tp_legality): only
+        # their replicated strategy is offered, so no illegal split is ever priced.
+        self.replicated_modules = replicated_modules
         self.costs = costs
         self.tp = tp
         self.time_limit_s = time_limit_s
@@ -248,6 +251,9 @@ class IntraOpSolver:
     def _candidate_strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"]) -> list[Strategy]:
         activation_inputs = [name for name in op.inputs if name in by_name or not self._is_param(name)]
         has_param = any(self._is_param(name) for name in op.inputs)
+        if has_param and op.module in self.replicated_modules and \
+                (op.op_class == "gemm" or "embedding" in op.target and "backward" not in op.target):
+            return [_REPLICATE]
         if op.op_class == "gemm" and has_param and self.tp > 1:
             return [_REPLICATE, _COLWISE, _ROWWISE]
         if "embedding" in op.target and "backward" not in op.target and has_param and self.tp > 1:

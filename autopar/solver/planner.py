@@ -14,7 +14,7 @@ from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
 from autopar.solver.space import MAX_WORLD_SIZE, Candidate, ModelShape, divisors, enumerate_candidates
-from autopar.solver.tp_split import ILPSplitter, replicated_ops
+from autopar.solver.tp_split import ILPSplitter, illegal_splits, replicated_ops
 from cost_models.hardware import get_gpu, known_gpus
 from cost_models.techniques import Family, searchable, technique
 from cost_models.memory import RECOMPUTE_OPTIONS
@@ -61,6 +61,8 @@ class PlanningResult:
     pricer: PlanPricer | None = None  # what priced the plan (the report re-uses its numbers)
     # op target -> modules where the plan's TP found no split for the op and replicates it
     replicated_ops: dict[str, list[str]] = field(default_factory=dict)
+    # one line per kind of split the planner refused before pricing, naming what decided it
+    illegal_splits: list[str] = field(default_factory=list)
 
 
 def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
@@ -152,7 +154,16 @@ class Planner:
             binding.insert(0, Binding("robust objective (solver.objective=robust)", robust[1]))
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
                               binding=binding, pricer=self.pricer,
-                              replicated_ops=replicated_ops(self.splitter, plan.tp))
+                              replicated_ops=replicated_ops(self.splitter, plan.tp),
+                              illegal_splits=self._illegal_splits(plan))
+
+    def _illegal_splits(self, plan: Plan) -> list[str]:
+        """Which splits legality analysis kept out of the search, one line per kind."""
+        lines = illegal_splits(self.splitter, plan.tp) if plan.tp > 1 else []
+        if plan.tp > 1 and self.shape.sp_blocker:
+            lines.append(f"sequence parallelism not considered: {self.shape.sp_blocker}, and no torch style "
+                         "gathers the sequence for it.")
+        return lines
 
     # -- robustness to what the cost model extrapolates (cost_models.uncertainty) ---------------------
 
@@ -239,7 +250,8 @@ class Planner:
             chunks=scored.candidate.chunks, stages=stages, recompute=recompute,
             tp_styles=self._tp_styles(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
-                              for module, style in self._tp_styles(scored.candidate.tp).items()),
+                              for module, style in self._tp_styles(scored.candidate.tp).items())
+            and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
             cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync,
             dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout), dp_shares=list(self.pricer.dp_shares(layout)),
             layer_names=names,
@@ -474,6 +486,10 @@ class Planner:
                             "pin plan.cp=1 (or leave it unset), or change that op: shift targets in example_batch "
                             "instead of passing labels=, call F.scaled_dot_product_attention (causal or without a "
                             "mask) instead of computing softmax(QK^T).")
+        if self.pins.sequence_parallel and self.shape.sp_blocker:
+            raise UserError(f"plan.sequence_parallel=true cannot run on this model: {self.shape.sp_blocker}, and "
+                            "sequence parallelism has no style that gathers the sequence for it.",
+                            "pin plan.sequence_parallel=false (or leave it unset).")
         blocks = max(1, self.shape.num_blocks)
         if self.pins.pp is not None and self.pins.pp > blocks:
             raise UserError(f"plan.pp={self.pins.pp} needs more pipeline stages than the model's {blocks} "

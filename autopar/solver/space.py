@@ -49,6 +49,7 @@ class ModelShape:
     split_dims: tuple[int, ...]  # weight dims a TP split divides (output and input features)
     cp_blocker: str | None = None  # the first op that makes context parallelism illegal, if any
     experts: int = 0  # what every MoE layer's expert count divides into (0: no experts)
+    sp_blocker: str | None = None  # why sequence parallelism cannot wrap the blocks, if it cannot
 
     @classmethod
     def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
@@ -71,7 +72,7 @@ class ModelShape:
         return cls(num_blocks=len(blocks), num_layers=len(profile.layers), heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)),
                    cp_blocker=next(iter(profile.sequence_mixers), None),
-                   experts=ExpertFacts.of(profile).common_divisor())
+                   experts=ExpertFacts.of(profile).common_divisor(), sp_blocker=sp_blocker(profile))
 
     def tp_divides(self, tp: int) -> bool:
         if any(dim % tp for dim in self.split_dims):
@@ -125,6 +126,38 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
                                            solver, pins, pinned)
 
 
+def sp_blocker(profile: "ModelProfile") -> str | None:
+    """Why sequence parallelism cannot wrap this model's blocks (what codegen would refuse), or
+    None: it needs a block container, and no block may call a linear layer directly on the
+    residual stream (no torch style gathers the sequence for it: cost_models.tp_layout's
+    UNSUPPORTED role)."""
+    if profile.block_container is None or not profile.blocks:
+        return "the model has no block container (a stack of repeated blocks) to keep sequence-sharded"
+    from cost_models.tp_layout import ModuleTree
+
+    tree = ModuleTree.of_profile(profile)
+    blocks = {layer.name for layer in profile.blocks}
+    last = profile.layers[-1]
+    for layer in profile.layers:
+        # Outside the blocks the stream is whole: only the embeddings, norms and a head that reads
+        # the whole sequence are written for it (codegen's styles assume one stack: CLIP's
+        # second tower or a pooled projection would get sequence-sharded tensors).
+        if layer.name in blocks or tree.kind(layer.name) == "norm":
+            continue
+        linears = [name for name, kind in tree.kinds.items() if kind == "linear"
+                   and (name == layer.name or name.startswith(layer.name + "."))]
+        if layer is last and linears and layer.input_bytes != profile.blocks[-1].output_bytes:
+            return f"{layer.name} reads less than the whole sequence (a pooled output)"
+        if layer is not last and linears:
+            return f"{linears[0]}, a linear layer outside the block container {profile.block_container}, runs on " \
+                   "the whole sequence"
+    for block in profile.blocks:
+        for child in tree.children.get(block.name, []):
+            if tree.kind(child) == "linear" and child in tree.with_parameters:
+                return f"{child} is a linear layer called directly on the residual stream in {block.name}"
+    return None
+
+
 def _cp_options(shape: ModelShape, remaining: int) -> list[int]:
     if not shape.tokens_per_sample or remaining == 0 or shape.cp_blocker:
         return [1]
@@ -147,7 +180,8 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                     continue  # a pinned stage the generated code cannot pair with this cp / dp_sync
                 hybrid_options = [False, True] if zero_stage >= 2 and dp > 1 and world_size > gpus_per_node else [False]
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
-                    for sequence_parallel in pinned("sequence_parallel", [False, True] if tp > 1 else [False]):
+                    sp_options = [False, True] if tp > 1 and not shape.sp_blocker else [False]
+                    for sequence_parallel in pinned("sequence_parallel", sp_options):
                         for cp_strategy in pinned("cp_strategy", _cp_strategies(shape, tp, cp)):
                             for ep, order in itertools.product(pinned("ep", _ep_options(shape, dp, cp)),
                                                                legal_mesh_orders(tp, cp, pp, dp, gpus_per_node,

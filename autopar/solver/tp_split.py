@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopar.solver.intra_op import IntraOpSolver, activation_bytes, parameter_derived
+from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, activation_bytes, parameter_derived
+from autopar.solver.tp_legality import IllegalSplit, TPLegality
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
 from cost_models.hardware import GPUSpec
@@ -64,12 +65,34 @@ class ILPSplitter:
         self._tied_readers = _tied_readers(profile)
         self._styles: dict[tuple, dict[str, str]] = {}
         self.tree = ModuleTree.of_profile(profile)
+        self.legality = TPLegality(profile)
+        # (layer, tp) -> module -> why its split cannot run (found before or while solving)
+        self.illegal: dict[tuple[str, int], dict[str, IllegalSplit]] = {}
+        # (layer, tp) whose loss takes the head's vocabulary-sharded output (loss parallel): only
+        # there may codegen keep the head's output a DTensor (CLIP's text_projection feeds a matmul)
+        self.loss_parallel: set[tuple[str, int]] = set()
+
+    def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
+        """The ILP's split of the layer among legal splits only: the class and graph rules first,
+        then each solution's split regions probed and, where one fails, solved again without it."""
+        illegal = self.illegal.setdefault((layer_name, tp), dict(self.legality.static(layer_name, tp)))
+        while True:
+            solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s,
+                                   replicated_modules=frozenset(illegal))
+            solution = solver.solve(layer_name)
+            if tp <= 1:
+                return solution
+            failed = self.legality.probe(layer_name, tp, {m: s.value for m, s in solution.module_style.items()})
+            if not failed or set(failed) <= set(illegal):
+                return solution
+            illegal.update(failed)
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
-        solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
-        solution = solver.solve(layer_name)
+        solution = self._solve(layer_name, tp, group, gpu)
         self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
         self.replicated[(layer_name, tp)] = solution.replicated_ops
+        if "loss_parallel" in solution.op_strategy.values():
+            self.loss_parallel.add((layer_name, tp))
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]
         ops = [op for op in self.profile.ops if op.layer == layer_name]
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
@@ -142,8 +165,8 @@ class ILPSplitter:
             other_layer, other_module = reader
             key = (other_layer, tp, group, gpu.signature)
             if key not in self._styles:
-                solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s)
-                self._styles[key] = {m: st.value for m, st in solver.solve(other_layer).module_style.items()}
+                solution = self._solve(other_layer, tp, group, gpu)
+                self._styles[key] = {m: st.value for m, st in solution.module_style.items()}
             style = self._styles[key].get(other_module)
             if style not in ("colwise", "rowwise"):
                 continue
@@ -287,6 +310,22 @@ def replicated_ops(splitter: ILPSplitter, tp: int) -> dict[str, list[str]]:
             if name not in found[target]:
                 found[target].append(name)
     return found
+
+
+def illegal_splits(splitter: ILPSplitter, tp: int) -> list[str]:
+    """One line per kind of refused split at degree ``tp`` (the rule, the modules, and what
+    decided it for the first of them), for the report."""
+    by_kind: dict[str, list[IllegalSplit]] = {}
+    for (_, degree), found in splitter.illegal.items():
+        if degree == tp:
+            for item in found.values():
+                by_kind.setdefault(item.kind, []).append(item)
+    lines = []
+    for kind, items in by_kind.items():
+        modules = [item.module for item in items]
+        shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        lines.append(f"tensor-parallel split refused ({kind}) for {shown}: {items[0].reason}; they run replicated.")
+    return lines
 
 
 def _module_params(profile: "ModelProfile", module: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
@@ -29,12 +30,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
 
 
 def tie_parameters(model: nn.Module, tied_parameters: list[list[str]]) -> None:
-    """Make every FQN of a tied group that ``model`` holds point at the first one's parameter."""
+    """Make every FQN of a tied group that ``model`` holds point at one parameter: the first
+    sharded one if any was sharded, else the first. (The first name may belong to a module no
+    style covers because the forward never calls it, T5's ``shared``; tying the sharded users to
+    its plain tensor would give their styles a weight that is not a DTensor.)"""
     for group in tied_parameters:
         present = [name for name in group if _has_parameter(model, name)]
-        for name in present[1:]:
-            owner, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(owner), attribute, model.get_parameter(present[0]))
+        source = next((name for name in present if isinstance(model.get_parameter(name), DTensor)),
+                      present[0] if present else None)
+        for name in present:
+            if name != source:
+                owner, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, model.get_parameter(source))
 
 
 def _has_parameter(model: nn.Module, name: str) -> bool:

@@ -1,0 +1,353 @@
+"""Which tensor-parallel splits of a layer can run, decided before they are priced.
+
+The operator-wise ILP (`intra_op`) splits any GEMM that reads a parameter; torch's parallel
+styles then run the model's own code on each rank's share. That code is not always written
+for a share, and a split it cannot run either crashes at run time or silently computes
+something else. Three rules, each naming the op or module that decided it:
+
+- *module class*: only ``nn.Linear`` and ``nn.Embedding`` have torch parallel styles; a GEMM
+  of another module (GPT-2's ``Conv1D``, ``nn.MultiheadAttention``'s packed projection, a
+  convolution, BLOOM's attention scores read beside its ALiBi table) runs replicated, and so
+  does a subclass with a forward of its own (OPT's learned positional embedding).
+- *fused output cut along the split dim* (read from the traced graph): a projection whose
+  output is sliced, split or indexed along the dimension a column split shards (Phi-3's
+  ``qkv_proj`` and ``gate_up_proj``, nanoGPT's ``c_attn.split``, Falcon's fused query/key/value)
+  would hand each rank a contiguous block of the fused matrix, not its share of each part. An
+  op that drops a dim (``select``) counts as a cut wherever it selects: BLOOM's per-head
+  interleaved ``query_key_value`` is refused although a split by heads would keep it whole.
+- *output modified in place* (traced graph): a split module returns a view made by DTensor's
+  ``to_local``, which autograd forbids modifying in place (Falcon's ``mlp_output += ...``).
+- *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
+  are split column- then row-wise) is run with its linears narrowed to one rank's share; code
+  that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``)
+  fails there, and so does code that folds the sequence instead (OPT's
+  ``view(bsz, -1, self.num_heads, d)``: an op whose output lost part of the sequence length);
+  the region's linears run replicated instead.
+
+A rule that cannot be checked (no model file to build) is skipped, never guessed.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+if TYPE_CHECKING:
+    from autopar.profile import ModelProfile, OpProfile
+
+# Ops that cut a tensor along a dimension (their output is smaller there than their input).
+_CUTTING = ("aten.slice.", "aten.split.", "aten.split_with_sizes.", "aten.chunk.", "aten.narrow.",
+            "aten.select.", "aten.index.", "aten.unbind.", "aten.index_select.")
+_RESHAPING = ("aten.view.", "aten._unsafe_view.", "aten.reshape.")
+_IN_PLACE = re.compile(r"^aten\.\w+_\.")  # add_, mul_, copy_ ...: the first argument is modified
+
+
+@dataclass(frozen=True)
+class IllegalSplit:
+    """A module the ILP must replicate, and why (one line for the report).
+
+    Attributes:
+        module: the module's FQN (in the layer the ILP solves).
+        kind: the rule that decided it (``module class``, ``fused output``, ``in-place output``,
+            ``local shapes``).
+        reason: what decided it, naming the op or module.
+    """
+
+    module: str
+    kind: str
+    reason: str
+
+
+@dataclass
+class TPLegality:
+    """Illegal splits per layer, found once per (layer, tp) and kept (see the module docstring)."""
+
+    profile: "ModelProfile"
+    _build: Any = None
+    _built: bool = False
+    _static: dict[str, dict[str, IllegalSplit]] = field(default_factory=dict)
+    _probed: dict[tuple[str, int, frozenset], dict[str, IllegalSplit]] = field(default_factory=dict)
+    _inputs: dict[str, tuple[tuple, dict] | None] = field(default_factory=dict)
+
+    def static(self, layer: str, tp: int) -> dict[str, IllegalSplit]:
+        """Module -> why it cannot be split, by the class and graph rules (independent of styles)."""
+        if tp <= 1:
+            return {}
+        if layer not in self._static:
+            found: dict[str, IllegalSplit] = {}
+            ops = [op for op in self.profile.ops if op.layer == layer and op.phase == "forward"]
+            split_modules = _split_candidates(self.profile, ops)
+            for item in [*self._class_rule(split_modules), *_fused_rule(ops, split_modules),
+                         *_in_place_rule(ops, split_modules)]:
+                found.setdefault(item.module, item)
+            self._static[layer] = found
+        return self._static[layer]
+
+    def probe(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, IllegalSplit]:
+        """Regions of ``styles`` whose code fails on one rank's share: region's linears -> why."""
+        regions = self._regions(styles)
+        key = (layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))
+        if key not in self._probed:
+            self._probed[key] = self._probe_regions(layer, regions, tp)
+        return self._probed[key]
+
+    def _layer_inputs(self, layer: str, named: dict[str, nn.Module], call_model: Any) -> tuple[tuple, dict] | None:
+        """The arguments the model's forward passes ``layer`` (one fake forward, kept), so a probe
+        runs that layer alone."""
+        if layer not in self._inputs:
+            captured: list[tuple[tuple, dict]] = []
+
+            def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                if not captured:
+                    captured.append((args, dict(kwargs)))
+
+            handle = named[layer].register_forward_pre_hook(keep, with_kwargs=True)
+            try:
+                with self._build.fake_mode, torch.no_grad():
+                    call_model(self._build.model, self._build.batch)
+            except Exception:  # noqa: BLE001 - without captured inputs the whole model is probed
+                captured.clear()
+            finally:
+                handle.remove()
+            self._inputs[layer] = captured[0] if captured else None
+        return self._inputs[layer]
+
+    # -- rules needing the model -----------------------------------------------------------------
+
+    def _model(self) -> Any:
+        if not self._built:
+            self._built = True
+            path = Path(self.profile.model_path)
+            if path.is_file():
+                from autopar.model_file import build_fake, load_model_file
+
+                try:
+                    self._build = build_fake(load_model_file(path), dict(self.profile.model_kwargs), 1)
+                except Exception:  # noqa: BLE001 - the profile was traced; a rebuild failing only skips the rules
+                    self._build = None
+        return self._build
+
+    def _class_rule(self, split_modules: set[str]) -> list[IllegalSplit]:
+        build = self._model()
+        if build is None:
+            return []
+        named = dict(build.model.named_modules())
+        found = []
+        for module in sorted(split_modules):
+            instance = named.get(module)
+            if instance is None:
+                continue
+            if not isinstance(instance, (nn.Linear, nn.Embedding)):
+                found.append(IllegalSplit(module, "module class",
+                                          f"{module} is a {type(instance).__name__}, not nn.Linear or nn.Embedding: "
+                                          "no torch parallel style splits it"))
+            elif type(instance).forward not in (nn.Linear.forward, nn.Embedding.forward):
+                # A style converts the module's inputs; a forward of its own (OPT's learned
+                # positions compute indices from the mask) feeds the lookup something else.
+                found.append(IllegalSplit(module, "module class",
+                                          f"{module} is a {type(instance).__name__}, whose forward is not "
+                                          f"{type(instance).__mro__[1].__name__}'s: a torch parallel style converts "
+                                          "its inputs, not what it passes to the matmul or lookup"))
+        return found
+
+    def _regions(self, styles: dict[str, str]) -> dict[str, dict[str, str]]:
+        """Paired regions (parent -> its linear children's styles) of ``styles``."""
+        by_parent: dict[str, dict[str, str]] = {}
+        for module, style in styles.items():
+            by_parent.setdefault(module.rpartition(".")[0], {})[module] = style
+        return {parent: children for parent, children in by_parent.items()
+                if {"colwise", "rowwise"} <= set(children.values())}
+
+    def _probe_regions(self, layer: str, regions: dict[str, dict[str, str]], tp: int) -> dict[str, IllegalSplit]:
+        build = self._model()
+        if build is None or not regions:
+            return {}
+        from autopar.model_file import call_model
+
+        named = dict(build.model.named_modules())
+        found: dict[str, IllegalSplit] = {}
+        inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
+        run = (named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
+               call_model if not inputs else None)
+        _, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
+        for region, children in regions.items():
+            linears = {name: style for name, style in children.items()
+                       if style in ("colwise", "rowwise") and isinstance(named.get(name), nn.Linear)}
+            if not linears:
+                continue
+            error, local = _run_narrowed(build, named, linears, tp, *run)
+            error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
+            if error is not None:
+                for name in linears:
+                    found[name] = IllegalSplit(
+                        name, "local shapes",
+                        f"{region} fails on one rank's share of its columns ({error}): its code reshapes by a "
+                        "count the split does not divide, e.g. a hard-coded number of heads")
+        return found
+
+
+def _split_candidates(profile: "ModelProfile", ops: list["OpProfile"]) -> set[str]:
+    """Modules with a forward GEMM or embedding lookup reading a parameter or something computed
+    from parameters alone (what the ILP may split: `intra_op.parameter_derived`)."""
+    from autopar.solver.intra_op import parameter_derived
+
+    derived = parameter_derived(profile)
+    return {op.module for op in ops if op.module is not None
+            and (op.op_class == "gemm" or "embedding" in op.target and "backward" not in op.target)
+            and op.name not in derived and any(name in derived for name in op.inputs)}
+
+
+def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
+    """Projections whose output is cut along the dim a column split shards (the last one),
+    followed through reshapes; a transpose or any other op ends the walk (past it the dims are
+    heads or head features, which a split by heads keeps whole)."""
+    consumers: dict[str, list["OpProfile"]] = {}
+    for op in ops:
+        for source in dict.fromkeys(op.inputs):
+            consumers.setdefault(source, []).append(op)
+    found = []
+    for op in ops:
+        if op.module not in split_modules or op.op_class != "gemm" or not op.output_shapes:
+            continue
+        frontier = [(op, len(op.output_shapes[0]) - 1)]
+        while frontier:
+            current, dim = frontier.pop()
+            for user in consumers.get(current.name, []):
+                if not user.input_shapes or user.inputs[0] != current.name:
+                    continue
+                shape = user.input_shapes[0]
+                if user.target.startswith(_CUTTING):
+                    if any(len(out) != len(shape) or out[dim] != shape[dim] for out in user.output_shapes if out):
+                        found.append(IllegalSplit(op.module, "fused output",
+                                                  f"{op.module}'s output is cut along its split dimension by "
+                                                  f"{user.target} in {user.module or op.layer}: a fused projection"))
+                        frontier = []
+                        break
+                elif user.target.startswith(_RESHAPING) and user.output_shapes:
+                    mapped = _reshaped_dim(shape, user.output_shapes[0], dim)
+                    if mapped is not None:
+                        frontier.append((user, mapped))
+                elif user.module == op.module and user.op_class in ("view", "elementwise") \
+                        and user.output_shapes and user.output_shapes[0] == shape:
+                    frontier.append((user, dim))  # the module's own bias add or cast
+    return found
+
+
+def _reshaped_dim(before: list[int], after: list[int], dim: int) -> int | None:
+    """Where dim ``dim`` of ``before`` lands in ``after`` (the outer dim when it is split into
+    several), or None when it is merged with an outer dim and no longer leads."""
+    outer = 1
+    for size in before[:dim]:
+        outer *= size
+    running = 1
+    for index, size in enumerate(after):
+        if running == outer and size != 1:
+            return index if before[dim] % size == 0 or size % before[dim] == 0 else None
+        running *= size
+        if running > outer:
+            return None
+    return None
+
+
+def _in_place_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
+    """Split-candidate modules whose output an in-place op modifies (through views)."""
+    by_name = {op.name: op for op in ops}
+    found = []
+    for op in ops:
+        if not _IN_PLACE.match(op.target) or not op.inputs:
+            continue
+        source = by_name.get(op.inputs[0])
+        while source is not None and source.op_class == "view" and source.module not in split_modules \
+                and source.inputs:
+            source = by_name.get(source.inputs[0])
+        if source is not None and source.module in split_modules and source.module != op.module:
+            found.append(IllegalSplit(source.module, "in-place output",
+                                      f"{source.module}'s output is modified in place by {op.target} in "
+                                      f"{op.module or op.layer}: a split module returns a view autograd forbids "
+                                      "modifying"))
+    return found
+
+
+class _Shapes(TorchDispatchMode):
+    """Records, in order, the output shapes of every op that reads an activation (a tensor
+    computed from ``inputs``): weights' transposes and constants are left out, since their
+    sizes may equal the sequence length by coincidence (hidden 2048, sequence 2048)."""
+
+    def __init__(self, inputs: Any) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+        self._kept = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]  # ids stay unique
+        self._activations = {id(t) for t in self._kept}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(id(t) in self._activations for t in tree_flatten((args, kwargs))[0]):
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self.seen.append((str(func), tuple(tensor.shape)))
+                    self._kept.append(tensor)
+                    self._activations.add(id(tensor))
+        return out
+
+
+def _folded_sequence(full: list[tuple[str, tuple[int, ...]]], local: list[tuple[str, tuple[int, ...]]],
+                     seq_len: int | None) -> str | None:
+    """The first op whose output lost part of the sequence on one rank's share (a view with -1
+    for the sequence and a hard-coded head count: OPT's ``view(bsz, -1, self.num_heads, d)``),
+    or None. A correct split shrinks heads or features only, never the sequence."""
+    if len(full) != len(local):
+        return f"the share ran {len(local)} ops where the whole model runs {len(full)}"
+    if not seq_len:
+        return None
+    for (target, whole), (_, share) in zip(full, local):
+        # The last dim is features (a column split shrinks it; its size may equal the sequence
+        # length by coincidence), so only the others are read as positions.
+        if len(whole) == len(share) and any(w == seq_len and s != w for w, s in zip(whole[:-1], share[:-1])):
+            return f"{target} gives {list(share)} where the whole model has {list(whole)}, a cut sequence"
+    return None
+
+
+def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, module: nn.Module,
+                  inputs: tuple[tuple, dict], call_model: Any | None) -> tuple[str | None, list]:
+    """Run ``module`` (a layer with its captured inputs, or the model on its batch through
+    ``call_model``) on fake tensors with ``linears`` narrowed to one rank's share (colwise:
+    out_features / tp, rowwise: in_features / tp); the error it raised (or None) and the
+    shapes its ops produced."""
+    saved = {}
+    shapes = _Shapes(build.batch if call_model is not None else inputs)
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a failure here is the finding, not an error to log
+    try:
+        with build.fake_mode:
+            for name, style in linears.items():
+                linear = named[name]
+                out_features, in_features = linear.weight.shape
+                if (out_features if style == "colwise" else in_features) % tp:
+                    return f"{name}'s {'out' if style == 'colwise' else 'in'} features do not divide by {tp}", []
+                saved[name] = (linear.weight, linear.bias)
+                shape = (out_features // tp, in_features) if style == "colwise" else (out_features, in_features // tp)
+                linear.weight = nn.Parameter(torch.empty(shape, dtype=linear.weight.dtype),
+                                             requires_grad=linear.weight.requires_grad)
+                if linear.bias is not None and style == "colwise":
+                    linear.bias = nn.Parameter(torch.empty(shape[0], dtype=linear.bias.dtype),
+                                               requires_grad=linear.bias.requires_grad)
+            with torch.no_grad(), shapes:
+                if call_model is not None:
+                    call_model(module, build.batch)
+                else:
+                    module(*inputs[0], **inputs[1])
+    except Exception as err:  # noqa: BLE001 - any failure of the model's code on a share is the finding
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}", shapes.seen
+    finally:
+        quiet.setLevel(level)
+        for name, (weight, bias) in saved.items():
+            named[name].weight, named[name].bias = weight, bias
+    return None, shapes.seen

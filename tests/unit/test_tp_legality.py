@@ -1,0 +1,253 @@
+"""Legality of tensor-parallel splits before pricing (autopar.solver.tp_legality): the planner
+prices only splits the model's own code runs correctly on one rank's share, and says which op
+or module decided each refusal.
+
+One small model file, its attention written five ways (as models in the wild write it)."""
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autopar.model_file import load_model_file
+from autopar.profile import profile_model
+from autopar.solver.tp_legality import TPLegality
+from autopar.solver.tp_split import ILPSplitter, illegal_splits
+from cost_models.hardware import get_gpu
+from cost_models.topology import ClusterConfig, ClusterSpec
+
+MODEL = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class Conv1D(nn.Module):
+        """GPT-2's transposed linear."""
+
+        def __init__(self, nf, nx):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+            self.bias = nn.Parameter(torch.zeros(nf))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+    class Attention(nn.Module):
+        def __init__(self, style, hidden, heads):
+            super().__init__()
+            self.style, self.heads, self.head_dim = style, heads, hidden // heads
+            if style == "fused":
+                self.qkv = nn.Linear(hidden, 3 * hidden)
+            elif style == "conv1d":
+                self.qkv = Conv1D(3 * hidden, hidden)
+            else:
+                self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+            self.o = nn.Linear(hidden, hidden)
+
+        def forward(self, x):
+            b, s, h = x.shape
+            if self.style in ("fused", "conv1d"):
+                q, k, v = self.qkv(x).split(h, dim=2)
+            else:
+                q, k, v = self.q(x), self.k(x), self.v(x)
+            if self.style == "folded":  # OPT's view: -1 for the sequence, the global head count
+                q, k, v = (t.view(b, -1, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            else:
+                heads = -1 if self.style == "local" else self.heads  # "hardcoded": view by the global count
+                q, k, v = (t.view(b, s, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+    class Block(nn.Module):
+        def __init__(self, style, hidden, heads):
+            super().__init__()
+            self.norm = nn.LayerNorm(hidden)
+            self.attn = Attention(style, hidden, heads)
+            self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+            self.in_place = style == "in_place"
+
+        def forward(self, x):
+            x = x + self.attn(self.norm(x))
+            y = self.down(F.gelu(self.up(x)))
+            if self.in_place:
+                y += x  # Falcon's mlp_output += attention_output
+                return y
+            return x + y
+
+
+    class Model(nn.Module):
+        def __init__(self, style, hidden=64, heads=4, vocab=128):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, hidden)
+            self.blocks = nn.ModuleList([Block(style, hidden, heads) for _ in range(2)])
+            self.head = nn.Linear(hidden, vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+
+    def build_model(style: str = "local", hidden: int = 64):
+        return Model(style, hidden)
+
+
+    def example_batch(batch_size: int):
+        return {"tokens": torch.randint(0, 128, (batch_size, 32))}
+
+
+    def loss_fn(logits, batch):
+        return logits.float().pow(2).mean()
+''')
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("legality") / "attention_styles.py"
+    path.write_text(MODEL)
+    return path
+
+
+def _profile(path: Path, style: str, **kwargs):
+    return profile_model(load_model_file(path), {"style": style, **kwargs}, 1, "fp32")
+
+
+def _styles(profile, tp: int = 2) -> tuple[dict[str, str], ILPSplitter]:
+    """The ILP's styles for the first block, priced on one H100 pair."""
+    cluster = ClusterSpec.from_config(ClusterConfig(name="pair", gpu="H100-SXM", nodes=1, gpus_per_node=2))
+    splitter = ILPSplitter(profile)
+    splitter.split("blocks.0", tp, cluster.group_links([0, 1]), get_gpu("H100-SXM"))
+    return splitter.solutions[("blocks.0", tp)], splitter
+
+
+def test_separate_projections_viewed_by_minus_one_split_like_megatron(model_path):
+    """The control: separate q/k/v viewed with -1 heads pass every rule; nothing is refused."""
+    profile = _profile(model_path, "local")
+    legality = TPLegality(profile)
+    assert legality.static("blocks.0", 2) == {}
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise"}
+    assert legality.probe("blocks.0", 2, styles) == {}
+
+
+def test_fused_projection_cut_along_its_split_dim_is_refused_by_the_split_op(model_path):
+    legality = TPLegality(_profile(model_path, "fused"))
+    found = legality.static("blocks.0", 2)
+    assert set(found) == {"blocks.0.attn.qkv"}
+    assert found["blocks.0.attn.qkv"].kind == "fused output"
+    assert "aten.split" in found["blocks.0.attn.qkv"].reason
+
+
+def test_view_by_a_hard_coded_head_count_fails_the_local_shape_probe(model_path):
+    """Shapes alone cannot tell `view(b, s, self.heads, d)` from `view(b, s, -1, d)` (the traced
+    graph holds the same numbers); one rank's share run on fake tensors can."""
+    legality = TPLegality(_profile(model_path, "hardcoded"))
+    assert legality.static("blocks.0", 2) == {}
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise"}
+    found = legality.probe("blocks.0", 2, styles)
+    assert set(found) == {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.o"}
+    assert "blocks.0.attn fails on one rank's share" in found["blocks.0.attn.q"].reason
+
+
+def test_a_view_that_folds_the_sequence_on_a_share_is_refused(model_path):
+    """OPT's attention runs on one rank's share without an error and computes something else:
+    the sequence, not the heads, is what the view cuts."""
+    legality = TPLegality(_profile(model_path, "folded"))
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise"}
+    found = legality.probe("blocks.0", 2, styles)
+    assert set(found) == {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.o"}
+    assert "a cut sequence" in found["blocks.0.attn.q"].reason
+
+
+def test_features_as_wide_as_the_sequence_are_not_read_as_a_cut_sequence(model_path):
+    """hidden = sequence length = 32: a column split halves a 32-wide feature dim, which is not
+    the sequence (a 1B GPT has hidden 2048 and sequence 2048)."""
+    legality = TPLegality(_profile(model_path, "local", hidden=32))
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise"}
+    assert legality.probe("blocks.0", 2, styles) == {}
+
+
+def test_output_modified_in_place_is_refused_naming_the_in_place_op(model_path):
+    found = TPLegality(_profile(model_path, "in_place")).static("blocks.0", 2)
+    assert set(found) == {"blocks.0.down"}
+    assert "aten.add_" in found["blocks.0.down"].reason
+
+
+def test_a_module_that_is_not_nn_linear_is_never_split(model_path):
+    found = TPLegality(_profile(model_path, "conv1d")).static("blocks.0", 2)
+    assert found["blocks.0.attn.qkv"].kind == "module class"
+    assert "Conv1D, not nn.Linear" in found["blocks.0.attn.qkv"].reason
+
+
+@pytest.mark.parametrize("style", ["fused", "hardcoded", "folded", "in_place", "conv1d"])
+def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
+    """End to end through the splitter the planner prices with: the illegal modules come back
+    replicated, the legal rest may still split, and each refused kind has one report line."""
+    profile = _profile(model_path, style)
+    styles, splitter = _styles(profile)
+    refused = splitter.illegal[("blocks.0", 2)]
+    assert refused
+    for module in refused:
+        assert styles.get(module, "replicate") == "replicate", (module, styles)
+    assert any(s in ("colwise", "rowwise") for s in styles.values()), styles  # the MLP still splits
+    lines = illegal_splits(splitter, 2)
+    assert len(lines) == len({item.kind for item in refused.values()})
+
+
+def test_sequence_parallelism_is_not_searched_where_a_block_calls_a_linear_on_the_stream(model_path):
+    """The test model's blocks call `up` directly on the residual stream (OPT's fc1): no torch
+    style gathers the sequence for it, so no candidate has SP, and the reason names it."""
+    from autopar.solver.space import ModelShape, sp_blocker
+
+    profile = _profile(model_path, "local")
+    assert re.fullmatch(r"blocks\.0\.(up|down) is a linear layer called directly on the residual stream in blocks\.0",
+                        sp_blocker(profile))
+    assert ModelShape.from_profile(profile).sp_blocker is not None
+
+
+def test_a_gpt_keeps_sequence_parallelism():
+    from autopar.solver.space import sp_blocker
+    from tests.profiles import gpt
+
+    assert sp_blocker(gpt()) is None
+
+
+def test_the_plan_result_names_what_decided_each_refused_split(model_path):
+    """Under a tp=2 pin the plan trains the fused model with its fused projection replicated,
+    and the planning result carries one line per refused kind for the report."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.solver.planner import Planner
+    from cost_models.step import TrainSpec
+
+    cluster = ClusterSpec.from_config(ClusterConfig(name="cpu2", gpu="cpu", nodes=1, gpus_per_node=2,
+                                                    intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
+    result = Planner(_profile(model_path, "fused"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
+                     SolverConfig(top_k=0), PlanPins(tp=2)).run()
+    assert result.plan.tp == 2 and not result.plan.sequence_parallel
+    assert result.plan.tp_styles.get("blocks.0.attn.qkv", "replicate") == "replicate"
+    fused = [line for line in result.illegal_splits if "(fused output)" in line]
+    assert len(fused) == 1 and "blocks.0.attn.qkv" in fused[0] and "aten.split" in fused[0]
+    assert any(line.startswith("sequence parallelism not considered: blocks.0.") for line in result.illegal_splits)
+
+
+def test_a_pin_of_sequence_parallelism_it_cannot_wrap_is_refused_naming_the_module(model_path):
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from cost_models.step import TrainSpec
+
+    cluster = ClusterSpec.from_config(ClusterConfig(name="cpu2", gpu="cpu", nodes=1, gpus_per_node=2,
+                                                    intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
+    with pytest.raises(UserError, match=r"plan.sequence_parallel=true cannot run on this model: blocks\.0\.(up|down) "
+                                        r"is a linear layer called directly on the residual stream"):
+        Planner(_profile(model_path, "local"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
+                SolverConfig(top_k=0), PlanPins(tp=2, sequence_parallel=True)).run()

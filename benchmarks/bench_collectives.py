@@ -2,7 +2,8 @@
 preset is fitted to (HF Ultra-Scale Playbook: nccl all-gather, reduce-scatter and all-reduce at
 256 MB on 1-64 nodes of 8 H100 over EFA), and the fit itself: the ring's per-step latency and
 the network's congestion term that minimise the mean |error| of all-gather and reduce-scatter
-(all-reduce, which NCCL runs as a tree at scale, is a check, not fitted).
+(all-reduce, which NCCL runs as a tree at scale, is a check, not fitted), and a check that a flat
+data-parallel group is never priced faster than the curve (it fails today: see its rows).
 
     python -m benchmarks.run collectives
 """
@@ -71,6 +72,15 @@ def run() -> list[dict]:
             rows.append({"collective": op.value, "nodes": nodes, "published_GBps": measured,
                          "predicted_GBps": round(predicted, 1), "error": f"{predicted / measured - 1:+.1%}",
                          "fitted": op in FITTED and nodes > 1})
+    # A flat data-parallel group's collectives must never be priced faster than the curve: the
+    # largest ratio of predicted to published bus bandwidth across nodes (<= 1 passes).
+    # (DDP's all-reduce included: it is what a ZeRO-0/1 group runs, though it is not fitted.)
+    for ops in (FITTED, (Collective.ALL_REDUCE,)):
+        over = max(predicted_busbw_GBps(op, k) / measured for op in ops
+                   for k, measured in zip(NODES[1:], PUBLISHED_GBps[op][1:]))
+        rows.append({"collective": f"check: {' / '.join(op.value for op in ops)} over 2-64 nodes never faster "
+                                   f"than published (largest predicted / published {over:.2f}): "
+                                   f"{'pass' if over <= 1.0 else 'FAIL'}"})
     latency_us, congestion, error = fit()
     rows.append({"collective": f"fit: latency {latency_us:.0f} us, congestion {congestion:.2f}, "
                                f"mean |error| {error:.1%} (the preset holds these)"})

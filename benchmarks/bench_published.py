@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.published.compare import leave_one_out, load_runs, median_abs, price, spearman_by_table
+from benchmarks.published.compare import fit_compute_scale, leave_one_out, load_runs, median_abs, price, spearman_by_table
 
 
 def run() -> list[dict]:
@@ -36,6 +36,8 @@ def run() -> list[dict]:
                      "loo_error": f"{median_abs([c.loo_error for c in members]):.1%}"})
     rows.append({"id": "fitted factors (all calibration rows)",
                  "error": ", ".join(f"{name} {value:.3f}" for name, value in factors.items())})
+    rows.append({"id": "compute time scale fitted per GPU (communication as priced)",
+                 "error": ", ".join(f"{gpu} {value:.3f}" for gpu, value in fit_compute_scale(calibration).items())})
     return rows
 
 

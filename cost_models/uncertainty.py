@@ -6,7 +6,7 @@ A predicted step time s comes with an interval for the step a run would measure:
 
 RESIDUAL_LOW and RESIDUAL_HIGH are the 10th and 90th percentiles of the cost model's errors
 (predicted / measured - 1) over the 29 calibration rows of `python -m benchmarks.run published`
-(-25.8% and +22.3%). `s_pessimistic` is the same plan priced again with what it extrapolates
+(-18.4% and +16.1%). `s_pessimistic` is the same plan priced again with what it extrapolates
 set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
 
 - a collective group spanning more nodes than any calibration row on that network
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 from cost_models.topology import ClusterSpec
 
-RESIDUAL_LOW = -0.258
-RESIDUAL_HIGH = 0.223
+RESIDUAL_LOW = -0.184
+RESIDUAL_HIGH = 0.161
 NETWORK_FALL_PER_DOUBLING = 1.8
 UNCALIBRATED_GPU_SLOWDOWN = 0.25
 # Widest group across nodes that a calibration row measured, per network (the fabric, whatever

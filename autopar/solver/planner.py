@@ -192,9 +192,11 @@ class Planner:
                               self.train, self.splitter, recompute_options=self.pricer.recompute_options)
         # The first search's work bounds this one's: a better-hedged plan need not be proven
         # optimal under pessimistic prices to be worth comparing, and planning time at most doubles.
+        # Only plans whose pessimistic price beats the fastest plan's can be chosen: the search is
+        # cut off there, so candidates whose floor is above it are neither priced nor solved.
         found = PlanSearch(cautious, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
                            workers=self.solver.threads, work_limit=min(self.solver.work_limit, max(1.0, spent)),
-                           fixed_partition=self._pinned_partition()).run(candidates)
+                           fixed_partition=self._pinned_partition()).run(candidates, cutoff_s=mine.pessimistic_s)
         if not found.best or found.best[0].candidate == fastest.candidate:
             return None
         other = found.best[0]

@@ -122,7 +122,11 @@ class PlanSearch:
         self.blocks = BlockPartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
         self.progress = progress
 
-    def run(self, candidates: list[Candidate]) -> SearchResult:
+    def run(self, candidates: list[Candidate], cutoff_s: float = float("inf")) -> SearchResult:
+        """The best `top_k` candidates; with `cutoff_s`, only plans faster than it are looked for
+        (the robust objective's second search: a plan no faster than the one it would replace
+        under the same prices cannot be chosen, so nothing at or above the cutoff is priced or
+        solved, and finding nothing is an answer, not a failure)."""
         start = time.perf_counter()
         rejected: dict[str, int] = {}
         if self.progress:
@@ -154,7 +158,7 @@ class PlanSearch:
             over_memory.append(item)
 
         while stopped_at is None:
-            kth = -best[0].step_time_s if len(best) == self.top_k else float("inf")
+            kth = -best[0].step_time_s if len(best) == self.top_k else cutoff_s
             # Price, in floor order, every candidate whose floor is below the best priced bound:
             # then no unpriced candidate can beat the one about to be solved.
             while next_floor < len(floors) and (not waiting or floors[next_floor][0] < waiting[0][0]):
@@ -205,6 +209,8 @@ class PlanSearch:
             if not partition.stage_starts:
                 continue
             scored = Scored(partition.step_time_s + fixed, index, candidate, partition)
+            if scored.step_time_s >= cutoff_s:
+                continue  # the partition solver's cutoff is a hint: not faster than asked for
             entry = Scored(-scored.step_time_s, -scored.index, candidate, partition)
             if len(best) < self.top_k:
                 heapq.heappush(best, entry)

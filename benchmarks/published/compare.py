@@ -158,6 +158,23 @@ def leave_one_out(rows: list[Comparison]) -> dict[str, float]:
     return {**{f"compute x ({gpu})": float(f) for gpu, f in zip(gpus, factors)}, "communication x": float(factors[-1])}
 
 
+def fit_compute_scale(rows: list[Comparison]) -> dict[str, float]:
+    """Per GPU type, the factor on compute-bound seconds that minimises the squared relative
+    errors of its calibration rows with communication priced as is: the catalogue's
+    COMPUTE_TIME_SCALE (cost_models/hardware.py) is this fit, rounded, taken with the scale
+    itself at 1 (the closed form of a one-parameter least squares, sum(c·r) / sum(c·c), for
+    c = compute-bound seconds and r = measured minus the rest, both over the measurement)."""
+    scales = {}
+    for gpu in sorted({row.gpu for row in rows}):
+        members = [row for row in rows if row.gpu == gpu]
+        compute = np.array([sum(r.breakdown.get(p, 0.0) for p in COMPUTE_BOUND) for r in members])
+        measured = np.array([r.measured_step_s for r in members])
+        rest = np.array([r.predicted_step_s for r in members]) - compute
+        c, target = compute / measured, (measured - rest) / measured
+        scales[gpu] = float(c @ target / (c @ c))
+    return scales
+
+
 def spearman_by_table(rows: list[Comparison]) -> dict[str, float]:
     """Rank correlation of predicted and measured rate (work / step) within each table."""
     from cost_models.feedback import spearman

@@ -138,3 +138,18 @@ def test_gemm_shape_efficiency_hand_counts():
     assert gemm_dims(op) == (1, 2048, 6912, 2304)
     bmm = type("Op", (), {"target": "aten.bmm.default", "input_shapes": [[24, 2048, 96], [24, 96, 2048]]})()
     assert gemm_dims(bmm) == (24, 2048, 2048, 96)
+
+
+@pytest.mark.unit
+def test_a100_efficiencies_carry_the_fitted_compute_scale():
+    """The A100's catalogue efficiencies are a lone kernel's divided by the scale fitted to
+    published runs (hand count: matmul 0.87 / 1.15 = 0.757, attention 0.55 / 1.15 = 0.478);
+    views stay free and GPUs without a fit keep the defaults."""
+    from cost_models.hardware import COMPUTE_TIME_SCALE, DEFAULT_EFFICIENCY
+
+    for name in ("A100-40GB", "A100-80GB"):
+        gpu = get_gpu(name)
+        assert gpu.efficiency["gemm"] == pytest.approx(0.87 / COMPUTE_TIME_SCALE["A100"], abs=1e-3)
+        assert gpu.efficiency["attention"] == pytest.approx(0.55 / COMPUTE_TIME_SCALE["A100"], abs=1e-3)
+        assert gpu.efficiency["view"] == 1.0
+    assert get_gpu("H100-SXM").efficiency == DEFAULT_EFFICIENCY

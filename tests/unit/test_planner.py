@@ -226,6 +226,24 @@ def test_work_limit_gives_the_same_plan_on_a_slow_machine(examples_dir):
     assert fast.best[0].step_time_s * (1 - fast.gap) <= full.best[0].step_time_s + 1e-9
 
 
+def test_cutoff_search_looks_only_below_the_cutoff(examples_dir):
+    """The robust objective's second search is cut off at the pessimistic price of the plan it
+    would replace: above the optimum it finds the same plan pricing fewer candidates; at the
+    optimum it finds nothing (no plan is faster than a cutoff just below it) and says so without a plan."""
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 16, "hidden": 1024, "heads": 16, "seq_len": 512,
+                                                  "vocab": 4096})
+    planner = Planner(profile, cluster("H100-SXM", 8, 8), TrainSpec(global_batch_size=512),
+                      SolverConfig(top_k=1), PlanPins())
+    candidates = planner.candidates()
+    full = PlanSearch(planner.pricer).run(candidates)
+    best = full.best[0].step_time_s
+    above = PlanSearch(planner.pricer).run(candidates, cutoff_s=best * 1.05)
+    assert above.best[0].step_time_s == best and above.status == "OPTIMAL"
+    assert above.priced <= full.priced
+    at = PlanSearch(planner.pricer).run(candidates, cutoff_s=best * 0.999)
+    assert at.best == [] and at.priced <= above.priced
+
+
 def test_floor_with_communication_stays_below_every_option(examples_dir):
     """The search's floor (compute plus the least TP/CP exchange any recomputation option pays)
     never exceeds a layer's priced time under any option, for TP, Ulysses and ring CP layouts

@@ -133,3 +133,22 @@ def test_compressed_partition_solves_96_blocks_on_64_stages_to_optimality():
     found = BlockPartitioner().solve(problem, find_block_run(problem))
     assert found is not None and found.status == "OPTIMAL"
     assert sorted(len(stage) for stage in found.stages(problem.num_layers))[-1] <= 4
+
+
+@pytest.mark.unit
+def test_unpinned_stages_split_the_blocks_evenly():
+    """A pinned layout with no stage list is split as Megatron-LM splits a model by hand: 128
+    blocks over 64 stages is 2 blocks each, the embeddings joining the first stage and the final
+    norm and head the last (a split of all 132 layers by count gave the embeddings a stage of
+    their own and 3 blocks to two stages)."""
+    from cost_models.step import even_stage_starts
+
+    kinds = ["wte", "wpe"] + ["blocks.0"] * 128 + ["ln_f", "lm_head"]
+    starts = even_stage_starts(kinds, 64)
+    sizes = [b - a for a, b in zip(starts, starts[1:] + [len(kinds)])]
+    assert starts[:2] == [0, 4] and sizes[0] == 4 and sizes[-1] == 4 and set(sizes[1:-1]) == {2}
+    # 10 blocks over 4 stages: 2, 3, 3, 2 blocks (positions rounded half to even), the ends joined
+    assert even_stage_starts(["e"] + ["b"] * 10 + ["h"], 4) == [0, 3, 6, 9]
+    # fewer blocks than stages, or blocks interrupted: an even split of every layer
+    assert even_stage_starts(["e", "b", "b", "h"], 4) == [0, 1, 2, 3]
+    assert even_stage_starts(["b", "x", "b", "b", "y", "b"], 2) == [0, 3]

@@ -249,10 +249,13 @@ class LayerCost:
         params = self._tp_params(layer, split, layout)
         rs = self.collective_s(Collective.REDUCE_SCATTER, params * self.grads_bytes, group)
         backward = compute.backward_s * per_token + compute.backward_launches * overhead
-        if layout.zero_stage == 2:
-            return exposed_s(rs, backward)
         gather = self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, group)
         forward = compute.forward_s * per_token + compute.forward_launches * overhead
+        if layout.zero_stage == 2:
+            # FSDP without resharding after forward still reshards after backward, so every
+            # micro-batch's forward gathers the parameters again (measured: one all-gather per
+            # unit and micro-batch), not once per step.
+            return exposed_s(gather, forward) + exposed_s(rs, backward)
         # ZeRO-3 gathers the layer's parameters before its forward and again before its backward.
         return exposed_s(gather, forward) + exposed_s(gather + rs, backward)
 
@@ -282,8 +285,6 @@ class LayerCost:
         if layout.hybrid_shard and self._shard_size(layout) < grad_size:
             exposed += self.collective_s(Collective.ALL_REDUCE, params * self.grads_bytes / self._shard_size(layout),
                                          self._replica_group(layout))
-        if layout.zero_stage == 2:
-            exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, self._shard_group(layout))
         return self._scaled({"optimizer": update, "dp_comm": exposed})
 
     def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:

@@ -302,9 +302,10 @@ def _folded_sequence(full: list[tuple[str, tuple[int, ...]]], local: list[tuple[
     """The first op whose output lost part of the sequence on one rank's share (a view with -1
     for the sequence and a hard-coded head count: OPT's ``view(bsz, -1, self.num_heads, d)``),
     or None. A correct split shrinks heads or features only, never the sequence."""
-    if len(full) != len(local):
-        return f"the share ran {len(local)} ops where the whole model runs {len(full)}"
-    if not seq_len:
+    if len(full) != len(local) or not seq_len:
+        # A share may run a different number of ops and be right: Llama with as many KV heads
+        # as ranks (8 of 8) repeats one local KV head, and torch elides views of size-1 dims.
+        # Only a cut sequence, read op by op, is evidence; the proof at compile checks values.
         return None
     for (target, whole), (_, share) in zip(full, local):
         # The last dim is features (a column split shrinks it; its size may equal the sequence

@@ -494,9 +494,17 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
                                               provenance=hydra_app.provenance_files(cfg), force=args.force)
         if result is not None:
             print_plan(result, console)
+            for rejected in result.rejected:
+                console.print(f"[yellow]rejected at compile[/]: {escape(rejected.summary)}: {escape(rejected.reason)}",
+                              highlight=False)
         else:
             console.print(f"reused {args.plan}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
                           f"ZeRO-{plan.zero_stage}, predicted {plan.predicted.step_time_s:.3g} s/step")
+        report_file = Path(args.out_dir) / "report.json"
+        if report_file.is_file():
+            from autopar.report.document import load_report
+
+            console.print(f"proven at compile: {load_report(report_file).proof}", markup=False, highlight=False)
         console.print(f"wrote {', '.join(str(path) for path in files.values())}")
         # One line, taken literally: the command can be copied into a shell whatever the folder's name.
         console.print(f"run it here with `autopar run {shlex.quote(str(args.out_dir))}`, on the cluster with "

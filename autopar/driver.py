@@ -269,7 +269,7 @@ MAX_PLANS_TRIED = 8
 
 def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
                 progress: "Reporter | None" = None, force: bool = False,
-                provenance: dict[str, str] | None = None):
+                provenance: dict[str, str] | None = None, profile: ModelProfile | None = None):
     """Stages 1-5: plan (or reuse a saved plan), prove the generated module (autopar/runtime/proof.py)
     and write it with its launch scripts and report into ``out_dir``, all or nothing and without
     losing anything autopar did not write there (see autopar/output_dir.py): the folder is
@@ -280,8 +280,11 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     again without its split (`split_of`), up to MAX_PLANS_PROVEN plans, and the report lists each
     rejected plan with its reason. A saved plan (``plan_path``) that fails is refused.
 
+    ``profile``: the model's profile when the caller traced it already (for these settings).
+
     Returns:
-        (plan, planning result or None for a saved plan, written files, rejected plans).
+        (plan, planning result or None for a saved plan, written files); the result's
+        ``rejected`` lists the plans the proof rejected.
     """
     from autopar.output_dir import check_out_dir, write_atomically
     from autopar.runtime.proof import check_wanted
@@ -302,7 +305,6 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     else:
         from autopar.solver.planner import split_of
 
-        profile = None
         rejected: list[Any] = []
         excluded: set[tuple] = set()
         files = None

@@ -66,6 +66,9 @@ COMPILE_EXAMPLES = """examples:
   autopar compile examples/gpt.py cluster=dgx_h100 cluster.nodes=2 --plan plan.json --out-dir out/gpt
   autopar compile examples/gpt.py cluster=cpu_gloo model.layers=2 model.hidden=64 model.heads=4 \\
       model.seq_len=32 model.vocab=128 train.global_batch_size=8 train.precision=fp32 --out-dir out/tiny
+  # every compile first trains the module one step at full scale on fake tensors; check=on|off|auto
+  # (auto: on for a cluster of this machine's CPU ranks) adds 2 steps on local gloo ranks against one process
+  autopar compile examples/gpt.py cluster=cpu_gloo check=off --out-dir out/tiny
 """
 
 RUN_EXAMPLES = """examples:

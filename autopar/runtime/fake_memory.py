@@ -184,6 +184,12 @@ def train_fake_step(out_dir: str | Path, rank: int = 0) -> str:
     pp = 1 runs the generated ``train_step``; pp > 1 runs each local stage module's forward and
     backward of a micro-batch, then the schedule's gradient reduction and optimizer step, as
     ``measure_rank`` does (a schedule cannot run on fake data: its stages exchange values)."""
+    generated = import_generated(next(Path(out_dir).glob("parallel_*.py")), f"fake_step_{Path(out_dir).name}")
+    config = generated.parallel_config(generated.PLAN)
+    if config.dims.pp_enabled and config.pipeline_split == "tracer":
+        # torch.export of the whole model cuts these stages, and it cannot run on fake tensors
+        return (f"rank {rank}: not run on fake tensors (its pipeline stages are cut by torch.export, which "
+                "needs real tensors)")
     with fake_rank(out_dir, rank, ShardingPropagation()) as r:
         if r.parallel.schedule is None:
             r.generated.train_step(r.parallel, r.batch, r.training, r.config, r.model_module)

@@ -63,3 +63,17 @@ def test_a_plan_that_trains_something_else_is_caught_only_by_the_check(tmp_path,
                  "-q"]) == 0
     report = (unchecked / "report.md").read_text()
     assert "one step at full scale (2 ranks) on fake tensors" in report and "local gloo ranks" not in report
+
+
+def test_a_saved_plan_that_fails_is_refused_with_its_reason(tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(MODELS / "no_tp.py"), *TWO_CPU_RANKS, "plan.tp=2", "plan.sequence_parallel=false",
+                 "--out", str(plan_file), "-q"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["compile", str(MODELS / "no_tp.py"), *TWO_CPU_RANKS, "--plan", str(plan_file),
+                 "--out-dir", str(out)]) == 1
+    error = " ".join(capsys.readouterr().err.split())
+    assert f"The saved plan {plan_file}" in error and "fails compile's proof" in error
+    assert "this model cannot run tensor-parallel" in error
+    assert not out.exists()

@@ -312,10 +312,10 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
             try:
                 result = run_plan(model_path, cfg, progress=progress, profile=profile,
                                   excluded_splits=frozenset(excluded))
-            except UserError as err:
+            except UserError:
                 if not rejected:
                     raise
-                raise _none_proven(rejected, f"no other plan is left ({' '.join(str(err).split())[:200]})") from None
+                raise _none_proven(rejected, "no other plan fits these pins and this cluster") from None
             profile = result.pricer.profile
             plan = result.plan
             files, rejection = _compile_one(plan, result, model_path, out_dir, cluster, check, rejected, progress,

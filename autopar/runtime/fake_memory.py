@@ -292,7 +292,8 @@ def _stage_micro_batch(generated: ModuleType, parallel: Any, micro: Any, receive
             before = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
             output = module(*inputs, **kwargs)
             after_forward = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
-            output.backward(None if output.dim() == 0 else torch.ones_like(output))
+            if output.requires_grad:  # a stage of frozen parameters only (a fixed table) has no backward
+                output.backward(None if output.dim() == 0 else torch.ones_like(output))
         if tracker is not None:
             _tag_accumulated_grads(tracker, module)
             tracked[index] = _StageTracking(tracker, after_forward - before, _snapshot(tracker, "current"))

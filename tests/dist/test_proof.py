@@ -77,3 +77,14 @@ def test_a_saved_plan_that_fails_is_refused_with_its_reason(tmp_path, capsys):
     assert f"The saved plan {plan_file}" in error and "fails compile's proof" in error
     assert "this model cannot run tensor-parallel" in error
     assert not out.exists()
+
+
+def test_a_pipeline_stage_of_frozen_parameters_only_passes_the_full_scale_step(tmp_path):
+    # The zoo's frozen GPT (embeddings and the first block frozen) trains under pp=2 on gloo
+    # ranks; its first stage's output needs no gradient, which the fake-tensor step once took for
+    # a failure and rejected every pipeline plan.
+    frozen = Path(__file__).resolve().parents[1] / "zoo" / "models" / "frozen.py"
+    out = tmp_path / "out"
+    assert main(["compile", str(frozen), *TWO_CPU_RANKS, "plan.pp=2", "check=off", "--out-dir", str(out), "-q"]) == 0
+    assert json.loads((out / "plan.json").read_text())["pp"] == 2
+    assert "rank 0 (pipeline rank 0): stage(s) [0]" in json.loads((out / "report.json").read_text())["proof"]

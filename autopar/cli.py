@@ -66,6 +66,9 @@ COMPILE_EXAMPLES = """examples:
   autopar compile examples/gpt.py cluster=dgx_h100 cluster.nodes=2 --plan plan.json --out-dir out/gpt
   autopar compile examples/gpt.py cluster=cpu_gloo model.layers=2 model.hidden=64 model.heads=4 \\
       model.seq_len=32 model.vocab=128 train.global_batch_size=8 train.precision=fp32 --out-dir out/tiny
+  # every compile first trains the module one step at full scale on fake tensors; check=on|off|auto
+  # (auto: on for a cluster of this machine's CPU ranks) adds 2 steps on local gloo ranks against one process
+  autopar compile examples/gpt.py cluster=cpu_gloo check=off --out-dir out/tiny
 """
 
 RUN_EXAMPLES = """examples:
@@ -494,9 +497,17 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
                                               provenance=hydra_app.provenance_files(cfg), force=args.force)
         if result is not None:
             print_plan(result, console)
+            for rejected in result.rejected:
+                console.print(f"[yellow]rejected at compile[/]: {escape(rejected.summary)}: {escape(rejected.reason)}",
+                              highlight=False)
         else:
             console.print(f"reused {args.plan}: dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.cp} "
                           f"ZeRO-{plan.zero_stage}, predicted {plan.predicted.step_time_s:.3g} s/step")
+        report_file = Path(args.out_dir) / "report.json"
+        if report_file.is_file():
+            from autopar.report.document import load_report
+
+            console.print(f"proven at compile: {load_report(report_file).proof}", markup=False, highlight=False)
         console.print(f"wrote {', '.join(str(path) for path in files.values())}")
         # One line, taken literally: the command can be copied into a shell whatever the folder's name.
         console.print(f"run it here with `autopar run {shlex.quote(str(args.out_dir))}`, on the cluster with "

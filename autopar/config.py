@@ -158,6 +158,11 @@ class AutoparConfig:
     solver: SolverConfig = field(default_factory=SolverConfig)
     plan: PlanPins = field(default_factory=PlanPins)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    check: str = "auto"
+    """compile's numerical check (autopar/runtime/proof.py): on (the plan's module trains 2 steps on
+    local gloo ranks, compared with one process), off, or auto (on when every rank of the cluster
+    runs on this machine: one node of CPU ranks). The full-scale step on fake tensors always runs.
+    Its default is the AUTOPAR_CHECK environment variable where set (conf/config.yaml)."""
 
 
 def register_configs() -> None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, UserError
 from autopar.model_file import file_sha256, load_model_file
 from autopar.profile import ModelProfile, profile_model
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
@@ -89,9 +89,10 @@ def run_estimate(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, Parall
 
 
 def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = None,
-             profile: ModelProfile | None = None):
+             profile: ModelProfile | None = None, excluded_splits: frozenset[tuple] = frozenset()):
     """Stages 1-4: profile (unless given), then search for the fastest plan that fits (`autopar plan`);
-    ``progress`` hears of each phase and search step."""
+    ``progress`` hears of each phase and search step; ``excluded_splits`` are never planned
+    (compile's proof rejected them)."""
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
 
@@ -104,7 +105,8 @@ def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = Non
         progress.phase(f"traced {len(profile.ops):,} ops in {len(profile.layers)} layers; building the search space")
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
-    planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress.search if progress else None)
+    planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress.search if progress else None,
+                      excluded_splits=excluded_splits)
     result = planner.run()
     result.plan = with_cluster_config(result.plan, cfg)
     return result
@@ -260,35 +262,122 @@ def compiled_file_names(model_path: str | Path) -> list[str]:
     return [f"parallel_{Path(name).stem}.py", name, "plan.json", "launch.sh", "sbatch.sh", *REPORT_FILES]
 
 
+# Plans compile's proof may run: the chosen one and two more (each rejection re-solves without the
+# rejected split; proving a small model on gloo ranks takes 10-30 s on 2 cores). Plans code
+# generation refuses cost no run and count only towards the larger bound.
+MAX_PLANS_PROVEN = 3
+MAX_PLANS_TRIED = 8
+
+
 def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
                 progress: "Reporter | None" = None, force: bool = False,
-                provenance: dict[str, str] | None = None):
-    """Stages 1-5: plan (or reuse a saved plan) and write the parallel module and launch
-    scripts into ``out_dir``, all or nothing and without losing anything autopar did not write
-    there (see autopar/output_dir.py): the folder is checked before planning, files are built in
-    a staging folder and moved in once all are written."""
-    from autopar.codegen import generate
-    from autopar.output_dir import check_out_dir, install, staging_dir, write_atomically
-    from autopar.report.render import write_report
+                provenance: dict[str, str] | None = None, profile: ModelProfile | None = None):
+    """Stages 1-5: plan (or reuse a saved plan), prove the generated module (autopar/runtime/proof.py)
+    and write it with its launch scripts and report into ``out_dir``, all or nothing and without
+    losing anything autopar did not write there (see autopar/output_dir.py): the folder is
+    checked before planning, files are built in a staging folder and moved in once all are
+    written and the module passed its proof.
+
+    A plan the proof rejects (or code generation refuses) is never written: the planner plans
+    again without its split (`split_of`), up to MAX_PLANS_PROVEN plans, and the report lists each
+    rejected plan with its reason. A saved plan (``plan_path``) that fails is refused.
+
+    ``profile``: the model's profile when the caller traced it already (for these settings).
+
+    Returns:
+        (plan, planning result or None for a saved plan, written files); the result's
+        ``rejected`` lists the plans the proof rejected.
+    """
+    from autopar.output_dir import check_out_dir, write_atomically
+    from autopar.runtime.proof import check_wanted
 
     out_dir = Path(out_dir)
     check_out_dir(out_dir, compiled_file_names(model_path), force=force)
-    result = None
+    cluster = build_cluster(cfg)
+    check = check_wanted(str(OmegaConf.select(cfg, "check", default="auto")),
+                         {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
+        files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force)
+        if rejection is not None:
+            raise UserError(f"The saved plan {plan_path} ({plan.summary()}) fails compile's proof: {rejection.reason}.",
+                            "plan again without --plan (the planner moves past plans that fail), or pass check=off "
+                            "if only the small-scale check fails and you accept that.")
+        result = None
     else:
-        result = run_plan(model_path, cfg, progress=progress)
-        plan = result.plan
-    if progress:
-        progress.phase(f"writing the module, launch scripts and report into {out_dir}")
-    with staging_dir(out_dir) as staging:
-        files = generate(plan, model_path, staging, gpus_per_node=build_cluster(cfg).gpus_per_node)
-        write_report(report_of(result) if result is not None else rebuild_report(plan, model_path), staging)
-        install(staging, out_dir, force=force)
+        from autopar.solver.planner import split_of
+
+        rejected: list[Any] = []
+        excluded: set[tuple] = set()
+        files = None
+        while len(rejected) < MAX_PLANS_TRIED and sum(r.ran for r in rejected) < MAX_PLANS_PROVEN:
+            try:
+                result = run_plan(model_path, cfg, progress=progress, profile=profile,
+                                  excluded_splits=frozenset(excluded))
+            except UserError:
+                if not rejected:
+                    raise
+                raise _none_proven(rejected, "no other plan fits these pins and this cluster") from None
+            profile = result.pricer.profile
+            plan = result.plan
+            files, rejection = _compile_one(plan, result, model_path, out_dir, cluster, check, rejected, progress,
+                                            force)
+            if rejection is None:
+                break
+            rejected.append(rejection)
+            excluded.add(split_of(plan))
+        if files is None:
+            raise _none_proven(rejected, f"compile runs at most {MAX_PLANS_PROVEN} plans (and tries at most "
+                                         f"{MAX_PLANS_TRIED})")
     # Hydra's record of the settings (.hydra/config.yaml, overrides.yaml) lives in a folder of
     # its own that only autopar writes; each file replaces the previous compile's atomically.
     for relative, text in (provenance or {}).items():
         write_atomically(out_dir / relative, text)
     written = {name: out_dir / path.name for name, path in vars(files).items()}
     written["report"] = out_dir / "report.html"
+    if result is not None:
+        result.rejected = list(rejected)
     return plan, result, written
+
+
+def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, cluster: ClusterSpec, check: bool,
+                 rejected: list[Any], progress: "Reporter | None", force: bool):
+    """Generate ``plan`` into a staging folder, prove it and, when it passes, write its report
+    and install everything into ``out_dir``: (files, None), or (None, the rejection)."""
+    from autopar.codegen import generate
+    from autopar.codegen.errors import CodegenError
+    from autopar.output_dir import install, staging_dir
+    from autopar.report.document import RejectedPlan
+    from autopar.report.render import write_report
+    from autopar.runtime.proof import prove
+
+    with staging_dir(out_dir) as staging:
+        try:
+            files = generate(plan, model_path, staging, gpus_per_node=cluster.gpus_per_node)
+        except CodegenError as err:
+            return None, RejectedPlan(plan.summary(), "code generation refused it: " + " ".join(err.problem.split()),
+                                      ran=False)
+        if progress:
+            progress.phase(f"proving {plan.summary()}: one step at full scale on fake tensors"
+                           + (", then 2 steps on local gloo ranks against one process" if check else ""))
+        outcome = prove(plan, model_path, staging, check)
+        if not outcome.ok:
+            if progress:
+                progress.phase(f"rejected {plan.summary()}: {outcome.failure}")
+            return None, RejectedPlan(plan.summary(), outcome.failure)
+        if progress:
+            progress.phase(f"writing the module, launch scripts and report into {out_dir}")
+        report = report_of(result) if result is not None else rebuild_report(plan, model_path)
+        report.proof = outcome.proven
+        report.rejected = list(rejected)
+        write_report(report, staging)
+        install(staging, out_dir, force=force)
+    return files, None
+
+
+def _none_proven(rejected: list[Any], why_stopped: str) -> UserError:
+    """The one paragraph for a compile whose every plan failed its proof (nothing written)."""
+    listed = "; ".join(f"({i}) {r.summary}: {r.reason}" for i, r in enumerate(rejected, 1))
+    return UserError(f"No plan passed compile's proof, so nothing was written: {listed}; {why_stopped}.",
+                     "fix what the first reason names in the model (or report it as an autopar bug), pin another "
+                     "split (plan.tp/pp/cp/zero_stage), or pass check=off if only the small-scale check fails.")

@@ -1,9 +1,16 @@
 """Shared fixtures (paths of the example models) and the markers each test folder implies."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# compile's small-scale numerical check (2 steps on gloo ranks against one process, 10-20 s per
+# compile on this machine) is off in tests about something else; the tests of the proof
+# (tests/dist/test_proof.py) and the zoo turn it on explicitly. The full-scale step on fake
+# tensors always runs.
+os.environ.setdefault("AUTOPAR_CHECK", "off")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

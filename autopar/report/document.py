@@ -34,6 +34,16 @@ class AlternativeRow:
 
 
 @dataclass(frozen=True)
+class RejectedPlan:
+    """A plan compile's proof rejected (autopar/runtime/proof.py): its summary and the one-line
+    reason (the exception's last line, or how its losses differ from one process)."""
+
+    summary: str
+    reason: str
+    ran: bool = True  # False: code generation refused it, nothing ran
+
+
+@dataclass(frozen=True)
 class BindingRow:
     """A limit shaping the plan and what relaxing it would buy."""
 
@@ -81,6 +91,10 @@ class PlanReport:
     binding: list[BindingRow] = field(default_factory=list)
     groups: list[GroupRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What compile's proof ran on this plan (empty when no compile proved it: `autopar plan
+    # --report`, `autopar report`), and the plans it rejected before this one.
+    proof: str = ""
+    rejected: list[RejectedPlan] = field(default_factory=list)
     # The search's wall time; None when the report was rebuilt from plan.json, which keeps no
     # wall time so that it stays byte-stable.
     solver_seconds: float | None = 0.0

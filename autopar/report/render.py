@@ -79,6 +79,8 @@ def sections(report: PlanReport) -> list[Section]:
                                           for part, seconds in breakdown.items()]),
         "Communication rows are the exposed part (what overlap does not hide); bubble is the pipeline's "
         "idle time.", Image("time.png", "step time breakdown")]))
+    if report.proof or report.rejected:
+        result.append(proof_section(report))
     result.append(mesh_section(report))
     result.append(stages_section(report))
     simulated = plan_timeline(plan, estimate).step_time_s
@@ -101,6 +103,17 @@ def sections(report: PlanReport) -> list[Section]:
     if report.notes:
         result.append(Section("Notes", list(report.notes)))
     return result
+
+
+def proof_section(report: PlanReport) -> Section:
+    """What compile ran of the generated module before writing it, and the plans it rejected."""
+    blocks: list[str | Table | Image] = []
+    if report.proof:
+        blocks.append(f"Proven at compile: {report.proof}.")
+    if report.rejected:
+        blocks.append("Rejected at compile (never written; the planner moved to its next plan):")
+        blocks.append(Table(["plan", "why it was rejected"], [[r.summary, r.reason] for r in report.rejected]))
+    return Section("Proof at compile", blocks)
 
 
 def mesh_section(report: PlanReport) -> Section:

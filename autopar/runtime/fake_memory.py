@@ -121,13 +121,24 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], dict[str, Any]]:
-    """Rank ``rank`` of the compiled folder's plan, measured on fake tensors.
+@dataclass
+class FakeRank:
+    """One rank of a compiled plan set up on fake tensors, ready to train."""
 
-    Returns:
-        (bytes per category and "total", details: pp_rank, in_flight, tracker, untracked_bytes,
-        what_was_measured).
-    """
+    generated: ModuleType
+    parallel: Any
+    batch: Any
+    training: Any
+    config: Any
+    model_module: Any
+    fake_mode: Any
+    pp_rank: int
+
+
+@contextlib.contextmanager
+def fake_rank(out_dir: str | Path, rank: int, propagation: "ShardingPropagation") -> Iterator[FakeRank]:
+    """Rank ``rank`` of the compiled folder's plan, built, sharded and given its first batch on
+    fake tensors at the plan's full world size (the other ranks faked)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
@@ -145,16 +156,54 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
         device = torch.device("cpu")
         parallel = generated.setup(training, config, generated.tp_plan, model_module, device, fake_mode=fake_mode)
         pp_rank = parallel.mesh["pp"].get_local_rank() if config.dims.pp_enabled else 0
-        with ShardingPropagation().active() as propagation, fake_mode, \
-                generated.attention_context(parallel, config, training, model_module):
+        with propagation.active(), fake_mode, generated.attention_context(parallel, config, training, model_module):
             batch = generated.local_batch(training, config, model_module, 0, parallel.mesh, device)
-            if parallel.schedule is None:
-                measured, details = _measure_step(generated, parallel, batch, training, config, model_module,
-                                                  fake_mode, propagation)
-            else:
-                measured, details = _measure_stages(generated, parallel, batch, training, config, model_module,
-                                                    fake_mode, pp_rank, propagation)
-    return measured, {"pp_rank": pp_rank, **details}
+            yield FakeRank(generated, parallel, batch, training, config, model_module, fake_mode, pp_rank)
+
+
+def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], dict[str, Any]]:
+    """Rank ``rank`` of the compiled folder's plan, measured on fake tensors.
+
+    Returns:
+        (bytes per category and "total", details: pp_rank, in_flight, tracker, untracked_bytes,
+        what_was_measured).
+    """
+    propagation = ShardingPropagation()
+    with fake_rank(out_dir, rank, propagation) as r:
+        if r.parallel.schedule is None:
+            measured, details = _measure_step(r.generated, r.parallel, r.batch, r.training, r.config,
+                                              r.model_module, r.fake_mode, propagation)
+        else:
+            measured, details = _measure_stages(r.generated, r.parallel, r.batch, r.training, r.config,
+                                                r.model_module, r.fake_mode, r.pp_rank, propagation)
+    return measured, {"pp_rank": r.pp_rank, **details}
+
+
+def train_fake_step(out_dir: str | Path, rank: int = 0) -> str:
+    """One training step of rank ``rank`` of the compiled folder's plan on fake tensors, untracked
+    (compile's proof at full scale, autopar/runtime/proof.py); what ran, in words. Raises
+    whatever the generated module raises.
+
+    pp = 1 runs the generated ``train_step``; pp > 1 runs each local stage module's forward and
+    backward of a micro-batch, then the schedule's gradient reduction and optimizer step, as
+    ``measure_rank`` does (a schedule cannot run on fake data: its stages exchange values)."""
+    generated = import_generated(next(Path(out_dir).glob("parallel_*.py")), f"fake_step_{Path(out_dir).name}")
+    config = generated.parallel_config(generated.PLAN)
+    if config.dims.pp_enabled and config.pipeline_split == "tracer":
+        # torch.export of the whole model cuts these stages, and it cannot run on fake tensors
+        return (f"rank {rank}: not run on fake tensors (its pipeline stages are cut by torch.export, which "
+                "needs real tensors)")
+    with fake_rank(out_dir, rank, ShardingPropagation()) as r:
+        if r.parallel.schedule is None:
+            r.generated.train_step(r.parallel, r.batch, r.training, r.config, r.model_module)
+            return f"rank {rank}: train_step"
+        micro = r.generated.slice_batch(r.batch, 0, r.training.micro_batch_size)
+        indices = r.generated.local_stage_indices(len(r.config.stages), r.config.dims.pp, r.pp_rank)
+        received = _stage_inputs(r.generated, r.training, r.config, r.model_module, r.parallel.mesh, r.fake_mode,
+                                 micro, indices)
+        _stage_micro_batch(r.generated, r.parallel, micro, received, r.config, indices)
+        _finish_stage_step(r.parallel)
+        return f"rank {rank} (pipeline rank {r.pp_rank}): stage(s) {indices} forward, backward and optimizer step"
 
 
 def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any,
@@ -246,7 +295,8 @@ def _stage_micro_batch(generated: ModuleType, parallel: Any, micro: Any, receive
             before = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
             output = module(*inputs, **kwargs)
             after_forward = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
-            output.backward(None if output.dim() == 0 else torch.ones_like(output))
+            if output.requires_grad:  # a stage of frozen parameters only (a fixed table) has no backward
+                output.backward(None if output.dim() == 0 else torch.ones_like(output))
         if tracker is not None:
             _tag_accumulated_grads(tracker, module)
             tracked[index] = _StageTracking(tracker, after_forward - before, _snapshot(tracker, "current"))

@@ -63,6 +63,19 @@ class PlanningResult:
     replicated_ops: dict[str, list[str]] = field(default_factory=dict)
     # one line per kind of split the planner refused before pricing, naming what decided it
     illegal_splits: list[str] = field(default_factory=list)
+    # plans compile's proof rejected before this one (autopar.report.document.RejectedPlan)
+    rejected: list[Any] = field(default_factory=list)
+
+
+def split_of(layout: Any) -> tuple:
+    """What a plan splits and how (degrees, ZeRO stage, SP, CP strategy, pipeline schedule): the
+    part of a plan that decides which code runs. A plan rejected at compile's proof excludes
+    every candidate of its split (autopar/driver.py): those differing only in micro-batch size,
+    recomputation, mesh order or gradient sync run the same parallel code and fail alike."""
+    return (layout.dp, layout.tp, layout.pp, layout.cp, int(layout.zero_stage), bool(layout.hybrid_shard),
+            bool(layout.sequence_parallel), str(layout.cp_strategy) if layout.cp > 1 else "",
+            str(layout.schedule) if layout.pp > 1 else "", layout.chunks if layout.pp > 1 else 1,
+            getattr(layout, "ep", 1))
 
 
 def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
@@ -74,8 +87,11 @@ class Planner:
     """Plans one model (profile) for one cluster."""
 
     def __init__(self, profile: "ModelProfile", cluster: ClusterSpec, train: TrainSpec, solver: "SolverConfig",
-                 pins: "PlanPins", progress: Callable[[SearchProgress], None] | None = None):
+                 pins: "PlanPins", progress: Callable[[SearchProgress], None] | None = None,
+                 excluded_splits: frozenset[tuple] = frozenset()):
+        """``excluded_splits``: `split_of` values never to plan (rejected by compile's proof)."""
         self.profile = profile
+        self.excluded_splits = excluded_splits
         self.cluster = cluster
         self.train = train
         self.solver = solver
@@ -92,6 +108,8 @@ class Planner:
         cluster = cluster or self.cluster
         found = enumerate_candidates(self.shape, cluster.world_size, cluster.gpus_per_node,
                                      self.train.global_batch_size, self.solver, self.pins)
+        if self.excluded_splits:
+            found = [c for c in found if split_of(c) not in self.excluded_splits]
         if self.pins.stages:
             return [c for c in found if c.pp * c.chunks == len(self.pins.stages)]
         if self.pins.layer_recompute:
@@ -113,7 +131,8 @@ class Planner:
         for nodes in range(1, self.cluster.nodes + 1):
             cluster = replace(self.cluster, node_gpus=self.cluster.node_gpus[:nodes])
             fastest = replace(self.solver, objective="throughput")
-            planner = Planner(self.profile, cluster, self.train, fastest, self.pins, self.progress)
+            planner = Planner(self.profile, cluster, self.train, fastest, self.pins, self.progress,
+                              self.excluded_splits)
             try:
                 result = planner._fastest()
             except UserError:

@@ -5,7 +5,10 @@ the planner's). Each case ends in one of four outcomes:
 
 - ``trains``: the generated module trained `STEPS` steps on gloo ranks with the losses and final
   parameters of the unsharded model on one process (tolerances of tests/dist/test_equivalence.py);
-- ``refused``: profile, plan or code generation refused it with a user error (the reason kept);
+- ``refused``: profile, plan, code generation or compile's proof (autopar/runtime/proof.py: a
+  step at full scale on fake tensors, 2 steps on gloo ranks against one process) refused it with
+  a user error (the reason kept); the proof moves past plans that fail to the next one honouring
+  the pin, so a case trains when any plan under its pin does;
 - ``crash``: compile succeeded and the run failed, or compile failed with something other than a
   user error (an autopar bug either way);
 - ``different``: it ran but trained something else (loss or parameters differ).
@@ -25,15 +28,13 @@ import torch
 
 from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
-from autopar.config import PlanPins, SolverConfig
+from autopar.config import compose_config
+from autopar.driver import run_compile
 from autopar.errors import UserError
 from autopar.model_file import load_model_file
 from autopar.profile import profile_model
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
-from autopar.solver.planner import Planner
-from cost_models.step import TrainSpec
-from cost_models.topology import ClusterConfig, ClusterSpec
 from tests.dist.harness import RankFailure, run_ranks
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -112,25 +113,38 @@ class _Compiled:
 _PROFILES: dict[str, Any] = {}
 
 
+def zoo_config(model: ZooModel, pin: Pin) -> Any:
+    """The configuration `autopar compile` composes for a case: CPU gloo ranks on one node (links
+    of this machine's loopback), fp32, the pin as plan.* overrides, compile's check on."""
+    overrides = ["cluster=cpu_gloo", "cluster.name=zoo_cpu", f"cluster.gpus_per_node={pin.world_size}",
+                 "cluster.intra_node_latency_us=3.0", "cluster.intra_node_bandwidth_GBps=1.5",
+                 f"train.global_batch_size={GLOBAL_BATCH}", "train.precision=fp32", "train.optimizer=adam",
+                 "solver.time_limit_s=60", "solver.top_k=0", "check=on",
+                 *[f"model.{key}={value}" for key, value in model.kwargs.items()],
+                 *[f"plan.{key}={value}" for key, value in pin.pins.items()]]
+    return compose_config(overrides)
+
+
 def compile_case(model: ZooModel, pin: Pin, out_dir: Path) -> _Compiled | Outcome:
-    """Profile, plan under the pin and generate, as `autopar compile` does."""
+    """`autopar compile` of the case (profile, plan under the pin, generate, and compile's proof,
+    which moves to the next plan honouring the pin when one fails); the plan it wrote is then
+    generated again with the zoo's optimizer for the zoo's own run against one process."""
     case = f"{model.name}-{pin.name}"
     try:
         if model.name not in _PROFILES:
             _PROFILES[model.name] = profile_model(load_model_file(model.path), dict(model.kwargs), 1, "fp32")
-        world = pin.world_size
-        cluster = ClusterSpec.from_config(ClusterConfig(name="zoo_cpu", gpu="cpu", nodes=1, gpus_per_node=world,
-                                                        intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
-        train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
-        planner = Planner(_PROFILES[model.name], cluster, train, SolverConfig(time_limit_s=60, top_k=0),
-                          PlanPins(**pin.pins))
-        plan = planner.run().plan
-        files = generate(plan, model.path, out_dir, optimizer=OPTIMIZER)
+        plan, _, _ = run_compile(model.path, zoo_config(model, pin), out_dir / "compiled",
+                                 profile=_PROFILES[model.name])
+        wrong = {key: value for key, value in pin.pins.items() if getattr(plan, key) != value}
+        if wrong:
+            return Outcome(case, "crash", f"at compile: the plan written does not honour the pin {wrong}")
+        files = generate(plan, model.path, out_dir / "run", optimizer=OPTIMIZER)
     except UserError as err:
         return Outcome(case, "refused", " ".join(str(err).split()))
     except Exception:  # noqa: BLE001 - anything but a user error at compile is a bug to tabulate
         return Outcome(case, "crash", "at compile: " + traceback.format_exc(limit=-3))
-    return _Compiled(case, files.script, out_dir / "run.jsonl", out_dir / "final.pt")
+    run = out_dir / "run"
+    return _Compiled(case, files.script, run / "run.jsonl", run / "final.pt")
 
 
 def _run_cases(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> list[str]:

@@ -1,0 +1,222 @@
+"""Proof at compile: the generated module trains before `autopar compile` hands it back.
+
+Two checks, each of which rejects the plan when it fails (autopar/driver.py then moves to the
+planner's next plan):
+
+1. Full scale, fake tensors: one training step of the generated module at the plan's whole
+   world size on torch's ``fake`` process group (`fake_memory.train_fake_step`), for the ranks
+   that run different code: rank 0 (first pipeline stage) and the first rank of the last
+   pipeline stage. Each runs in its own process (``python -m autopar.runtime.proof DIR --rank
+   R``), so a crash inside torch (a segfault, an abort) rejects the plan instead of taking the
+   compiler down.
+2. Small scale, real numbers (``check=on``; ``auto`` where every rank of the cluster runs on
+   this machine, i.e. CPU gloo ranks): the plan's module trains `CHECK_STEPS` steps on local
+   gloo ranks and its losses and final parameters are compared with the unsharded model on one
+   process (autopar/runtime/reference.py). The module is generated again for this run with
+   AdamW's eps at 1e-6: with 1e-8, AdamW turns the float noise of a different reduction order
+   into steps of up to lr/10 on parameters whose gradients are that small (see
+   tests/dist/test_equivalence.py), which no tolerance could tell from a wrong split.
+
+What neither sees: behaviour only CUDA has (NCCL, CUDA kernels and their autocast lists, the
+caching allocator, out-of-memory), and at full scale the values themselves (fake tensors carry
+shapes and dtypes) and the exchange of a pipeline schedule (its stages run one micro-batch each,
+as fake_memory.py explains).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CHECK_STEPS = 2
+CHECK_EPS = 1e-6  # AdamW's eps for the numerical check (see the module docstring)
+# Tolerances of the zoo and the equivalence tests (tests/dist/test_equivalence.py): float
+# reduction order only; a wrong split, a per-rank statistic or a lost gradient is far beyond.
+LOSS_RTOL = 1e-5
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
+FAKE_TIMEOUT_S = 600.0
+CHECK_TIMEOUT_S = 600.0
+FAILED_MARKER = "proof-failed:"
+CHECK_SETTINGS = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class ProofOutcome:
+    """What compile's proof found for one plan.
+
+    Attributes:
+        failure: one line saying why the plan is rejected ("" when it passed).
+        proven: what passed, in words (each check that ran, and any that could not finish).
+    """
+
+    failure: str = ""
+    proven: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failure
+
+
+def check_wanted(setting: str, gpu_types: set[str], nodes: int) -> bool:
+    """Whether the small-scale numerical check runs: ``on``/``off``, or ``auto``: on when every
+    rank of the cluster runs on this machine (one node of CPU ranks talking gloo)."""
+    if setting not in CHECK_SETTINGS:
+        from autopar.errors import ConfigError
+
+        raise ConfigError(f"check={setting} is not a setting of compile's proof.", "use check=auto, on or off.")
+    if setting == "auto":
+        return gpu_types == {"cpu"} and nodes == 1
+    return setting == "on"
+
+
+def proof_ranks(plan: Any) -> list[int]:
+    """Rank 0 and, with a pipeline, the first rank of the last pipeline stage: the ranks whose
+    code differs (the embedding and the loss live on different stages; every other axis runs
+    the same program on its shard)."""
+    from cost_models.mesh import Mesh
+
+    if plan.pp == 1:
+        return [0]
+    mesh = Mesh.of(plan)
+    last = next(rank for rank in range(plan.world_size) if mesh.coordinate(rank, "pp") == plan.pp - 1)
+    return [0, last]
+
+
+def prove(plan: Any, model_path: str | Path, folder: str | Path, check: bool) -> ProofOutcome:
+    """Prove the module generated into ``folder`` for ``plan``: one fake-tensor step at full
+    scale for `proof_ranks`, then (``check``) the small-scale run against one process."""
+    proven = []
+    for rank in proof_ranks(plan):
+        failure, note = fake_step(folder, rank)
+        if failure:
+            return ProofOutcome(failure=f"at full scale on fake tensors, rank {rank}: {failure}")
+        proven.append(note)
+    fake = f"one step at full scale ({plan.world_size} ranks) on fake tensors: " + "; ".join(proven)
+    if not check:
+        return ProofOutcome(proven=fake)
+    failure, note = numerical_check(plan, model_path)
+    if failure:
+        return ProofOutcome(failure=failure)
+    return ProofOutcome(proven=f"{fake}; {note}")
+
+
+def fake_step(folder: str | Path, rank: int, timeout_s: float = FAKE_TIMEOUT_S) -> tuple[str, str]:
+    """(failure, what ran) of one fake-tensor step of ``rank`` in a process of its own; a step
+    that does not finish in time is not a failure (the plan is kept, the note says so)."""
+    command = [sys.executable, "-m", "autopar.runtime.proof", str(Path(folder).resolve()), "--rank", str(rank)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "", f"rank {rank}: not finished within {timeout_s:.0f} s (not proven at full scale)"
+    marked = [line for line in done.stdout.splitlines() if line.startswith(FAILED_MARKER)]
+    if marked:
+        return marked[-1][len(FAILED_MARKER):].strip(), ""
+    if done.returncode != 0:
+        return f"the process died ({_exit_words(done.returncode)}): {_last_line(done.stderr)}", ""
+    return "", done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"rank {rank}"
+
+
+def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str]:
+    """(failure, what passed) of `CHECK_STEPS` steps of ``plan``'s module on local gloo ranks
+    against the unsharded model on one process."""
+    import torch
+
+    from autopar.codegen import generate
+    from autopar.codegen.generate import DEFAULT_OPTIMIZER
+    from autopar.runtime.local import run_local
+    from autopar.runtime.reference import run_reference
+
+    optimizer = {**DEFAULT_OPTIMIZER, "eps": CHECK_EPS}
+    with tempfile.TemporaryDirectory(prefix="autopar-check-") as work:
+        folder = Path(work)
+        generate(plan, model_path, folder, optimizer=optimizer)
+        final = folder / "final.pt"
+        result = run_local(folder, plan.world_size, CHECK_STEPS, timeout_s=CHECK_TIMEOUT_S,
+                           extra_args=["--seed", "0", "--save-final", str(final)])
+        if result.returncode == 124:
+            return f"on {plan.world_size} local gloo ranks: not finished within {CHECK_TIMEOUT_S:.0f} s", ""
+        if not result.ok:
+            where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
+            return f"on {plan.world_size} local gloo ranks, {where}: {_last_line(result.error)}", ""
+        losses = [record["loss"] for record in result.records]
+        parameters = torch.load(final) if final.is_file() else {}
+    reference = run_reference(model_path, dict(plan.provenance.model_kwargs), plan.global_batch_size, CHECK_STEPS,
+                              optimizer)
+    difference = compare_with_reference(losses, parameters, reference)
+    if difference:
+        return difference, ""
+    return "", (f"{CHECK_STEPS} steps on {plan.world_size} local gloo ranks equal to one process (losses within "
+                f"rtol {LOSS_RTOL:g}, parameters within rtol {PARAM_RTOL:g} + atol {PARAM_ATOL:g})")
+
+
+def compare_with_reference(losses: list[float], parameters: dict[str, Any], reference: Any) -> str:
+    """"" when the run's losses and final parameters are the one-process run's, else one line
+    naming the first difference."""
+    import torch
+
+    if len(losses) != len(reference.losses):
+        return f"the run logged {len(losses)} losses for {len(reference.losses)} steps"
+    for step, (got, expected) in enumerate(zip(losses, reference.losses)):
+        if abs(got - expected) > LOSS_RTOL * abs(expected):
+            return f"loss differs from one process by {abs(got - expected):.3g} at step {step}"
+    missing = sorted(set(reference.parameters) - set(parameters))
+    if missing:
+        return f"the run saved no value for parameter {missing[0]}"
+    for name, expected in reference.parameters.items():
+        got = parameters[name].to(expected.dtype)
+        if got.shape != expected.shape:
+            return f"parameter {name} has shape {list(got.shape)} after training, {list(expected.shape)} on one process"
+        excess = (got - expected).abs() - (PARAM_ATOL + PARAM_RTOL * expected.abs())
+        if bool((excess > 0).any()):
+            worst = float((got - expected).abs().max())
+            return f"parameter {name} differs from one process by {worst:.3g} after {len(losses)} steps"
+    return ""
+
+
+def _last_line(text: str) -> str:
+    """The exception's last line of an error text (what a user reads first)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if ("Error" in line or "Exception" in line) and ":" in line
+              and not line.startswith(("File ", "Traceback", "raise "))]
+    return " ".join((errors or lines or ["no error text"])[-1].split())[:300]
+
+
+def _exit_words(returncode: int) -> str:
+    import signal
+
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One fake-tensor step of one rank (the child process of `fake_step`); a failure is printed
+    as one line after FAILED_MARKER."""
+    parser = argparse.ArgumentParser(prog="python -m autopar.runtime.proof",
+                                     description="One training step of one rank of a compiled folder on fake "
+                                                 "tensors at its full world size.")
+    parser.add_argument("folder", help="a folder holding the generated module and plan.json")
+    parser.add_argument("--rank", type=int, default=0)
+    args = parser.parse_args(argv)
+    from autopar.runtime.fake_memory import train_fake_step
+
+    try:
+        print(train_fake_step(args.folder, args.rank), flush=True)
+    except BaseException as err:  # noqa: BLE001 - any failure of the generated code rejects the plan
+        line = traceback.format_exception_only(type(err), err)[-1].strip()
+        print(f"{FAILED_MARKER} {' '.join(line.split())[:300]}", flush=True)
+        print(traceback.format_exc(), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

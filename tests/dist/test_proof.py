@@ -1,0 +1,90 @@
+"""Compile's proof (autopar/runtime/proof.py): a plan whose module crashes at full scale or trains
+something else than one process is never written; the planner's next plan is, and the report
+and the terminal name what was rejected and why. When no plan passes, nothing is written.
+
+The models (tests/dist/models/) are broken on purpose, so these tests do not depend on which
+real-model failures autopar still has: ``no_tp`` raises when a block's weight arrives split
+across tensor-parallel ranks, ``batch_mixing`` centres activations on the batch mean (data
+parallel ranks see half the batch each: different losses, no crash).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+
+MODELS = Path(__file__).resolve().parent / "models"
+TWO_CPU_RANKS = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32"]
+
+
+def test_a_plan_that_crashes_is_rejected_and_the_next_plan_is_written(tmp_path, capsys):
+    out = tmp_path / "out"
+    # dp and cp pinned to 1: the planner's fastest is a TP split (colwise/rowwise blocks at this
+    # width), which the model refuses at run time; the pipeline split after it trains.
+    assert main(["compile", str(MODELS / "no_tp.py"), *TWO_CPU_RANKS, "plan.dp=1", "plan.cp=1", "check=on",
+                 "--out-dir", str(out)]) == 0
+    terminal = capsys.readouterr().out
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["tp"] == 1 and plan["pp"] == 2
+    report = (out / "report.md").read_text()
+    proof = report[report.index("## Proof at compile"):]
+    assert "| dp=1 tp=2 pp=1 cp=1" in proof and "this model cannot run tensor-parallel" in proof
+    assert "2 steps on 2 local gloo ranks equal to one process" in proof
+    assert "rejected at compile: dp=1 tp=2" in " ".join(terminal.split())
+    assert "cannot run tensor-parallel" in " ".join(terminal.split())
+    rejected = json.loads((out / "report.json").read_text())["rejected"]
+    assert rejected and all("tp=2" in r["summary"] for r in rejected)
+
+
+def test_nothing_is_written_when_every_plan_fails(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["compile", str(MODELS / "no_tp.py"), *TWO_CPU_RANKS, "plan.tp=2", "check=on",
+                 "--out-dir", str(out)]) == 1
+    error = " ".join(capsys.readouterr().err.split())
+    assert "No plan passed compile's proof, so nothing was written" in error
+    assert "this model cannot run tensor-parallel" in error and "Traceback" not in error
+    assert not out.exists()
+
+
+def test_a_plan_that_trains_something_else_is_caught_only_by_the_check(tmp_path, capsys):
+    pinned = [*TWO_CPU_RANKS, "plan.dp=2", "plan.zero_stage=0", "plan.micro_batch_size=4"]
+    checked = tmp_path / "checked"
+    assert main(["compile", str(MODELS / "batch_mixing.py"), *pinned, "check=on", "--out-dir", str(checked)]) == 1
+    error = " ".join(capsys.readouterr().err.split())
+    assert "loss differs from one process by" in error and "at step 0" in error
+    assert not checked.exists()
+    # check=off skips the small-scale run: the full-scale step on fake tensors passes (the
+    # shapes are right), so the plan is written and its report says what was not checked.
+    unchecked = tmp_path / "unchecked"
+    assert main(["compile", str(MODELS / "batch_mixing.py"), *pinned, "check=off", "--out-dir", str(unchecked),
+                 "-q"]) == 0
+    report = (unchecked / "report.md").read_text()
+    assert "one step at full scale (2 ranks) on fake tensors" in report and "local gloo ranks" not in report
+
+
+def test_a_saved_plan_that_fails_is_refused_with_its_reason(tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    assert main(["plan", str(MODELS / "no_tp.py"), *TWO_CPU_RANKS, "plan.tp=2", "plan.sequence_parallel=false",
+                 "--out", str(plan_file), "-q"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["compile", str(MODELS / "no_tp.py"), *TWO_CPU_RANKS, "--plan", str(plan_file),
+                 "--out-dir", str(out)]) == 1
+    error = " ".join(capsys.readouterr().err.split())
+    assert f"The saved plan {plan_file}" in error and "fails compile's proof" in error
+    assert "this model cannot run tensor-parallel" in error
+    assert not out.exists()
+
+
+def test_a_pipeline_stage_of_frozen_parameters_only_passes_the_full_scale_step(tmp_path):
+    # The zoo's frozen GPT (embeddings and the first block frozen) trains under pp=2 on gloo
+    # ranks; its first stage's output needs no gradient, which the fake-tensor step once took for
+    # a failure and rejected every pipeline plan.
+    frozen = Path(__file__).resolve().parents[1] / "zoo" / "models" / "frozen.py"
+    out = tmp_path / "out"
+    assert main(["compile", str(frozen), *TWO_CPU_RANKS, "plan.pp=2", "check=off", "--out-dir", str(out), "-q"]) == 0
+    assert json.loads((out / "plan.json").read_text())["pp"] == 2
+    assert "rank 0 (pipeline rank 0): stage(s) [0]" in json.loads((out / "report.json").read_text())["proof"]

@@ -1,0 +1,64 @@
+"""The parts of compile's proof that need no ranks (autopar/runtime/proof.py): when the numerical
+check runs, which ranks the full-scale step proves, how a run is compared with one process, and
+which plans a rejection excludes (autopar/solver/planner.py split_of). The proof end to end:
+tests/dist/test_proof.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.errors import ConfigError
+from autopar.runtime.proof import check_wanted, compare_with_reference, proof_ranks
+from autopar.runtime.reference import ReferenceRun
+from autopar.solver.planner import split_of
+from cost_models.layout import ParallelLayout
+
+
+def test_the_check_is_on_by_default_only_where_every_rank_runs_on_this_machine():
+    assert check_wanted("auto", {"cpu"}, nodes=1)
+    assert not check_wanted("auto", {"cpu"}, nodes=2)  # ranks on another machine
+    assert not check_wanted("auto", {"H100-SXM-80GB"}, nodes=1)
+    assert not check_wanted("auto", {"cpu", "H100-SXM-80GB"}, nodes=1)
+    assert check_wanted("on", {"H100-SXM-80GB"}, nodes=4) and not check_wanted("off", {"cpu"}, nodes=1)
+    with pytest.raises(ConfigError, match="check=auto, on or off"):
+        check_wanted("yes", {"cpu"}, nodes=1)
+
+
+def test_the_full_scale_step_proves_the_first_and_the_last_pipeline_stage():
+    assert proof_ranks(ParallelLayout(dp=8, tp=4)) == [0]
+    # mesh tp -> cp -> pp -> dp (innermost first): tp 2 x pp 4 x dp 2; pipeline rank 3 starts
+    # at rank 3 x tp = 6
+    assert proof_ranks(ParallelLayout(dp=2, tp=2, pp=4, num_micro_batches=4)) == [0, 6]
+    outer_pp = ParallelLayout(dp=2, tp=2, pp=2, num_micro_batches=2, mesh_order=("tp", "cp", "dp", "pp"))
+    assert proof_ranks(outer_pp) == [0, 4]
+
+
+def _reference() -> ReferenceRun:
+    return ReferenceRun(losses=[2.0, 1.5], parameters={"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])})
+
+
+def test_a_run_equal_to_one_process_up_to_float_reduction_order_passes():
+    close = {"w": torch.tensor([1.0 + 5e-6, -2.0]), "b": torch.tensor([0.5 - 1e-5])}
+    assert compare_with_reference([2.0, 1.5 * (1 + 5e-6)], close, _reference()) == ""
+
+
+def test_the_first_difference_is_named_in_one_line():
+    parameters = _reference().parameters
+    assert compare_with_reference([2.0, 1.51], parameters, _reference()) == \
+        "loss differs from one process by 0.01 at step 1"
+    assert compare_with_reference([2.0], parameters, _reference()) == "the run logged 1 losses for 2 steps"
+    # w[1] is 2e-3 away: beyond 1e-5 + 1e-4 x 2
+    moved = {"w": torch.tensor([1.0, -2.002]), "b": torch.tensor([0.5])}
+    assert compare_with_reference([2.0, 1.5], moved, _reference()) == \
+        "parameter w differs from one process by 0.002 after 2 steps"
+    assert compare_with_reference([2.0, 1.5], {"w": parameters["w"]}, _reference()) == \
+        "the run saved no value for parameter b"
+
+
+def test_a_rejection_excludes_the_plans_that_run_the_same_parallel_code():
+    tp2 = ParallelLayout(tp=2, micro_batch_size=4, num_micro_batches=1)
+    assert split_of(tp2) == split_of(ParallelLayout(tp=2, micro_batch_size=2, num_micro_batches=2,
+                                                    recompute="full", mesh_order=("cp", "tp", "pp", "dp")))
+    assert split_of(tp2) != split_of(ParallelLayout(tp=2, sequence_parallel=True))
+    assert split_of(ParallelLayout(pp=2, schedule="gpipe")) != split_of(ParallelLayout(pp=2, schedule="1f1b"))
+    assert split_of(ParallelLayout(dp=2, zero_stage=0)) != split_of(ParallelLayout(dp=2, zero_stage=3))

@@ -12,7 +12,10 @@ replicate over a group that interleaves other mesh axes, so the planner pairs CP
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -39,14 +42,33 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], r
         root: the module wrapped last (a pipeline stage around ``model``); default ``model``.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    # FSDP cannot shard a 0-dim parameter (CLIP's logit_scale): it stays whole on every rank and
+    # its gradient is averaged over the same ranks as FSDP averages the others'.
+    scalars = {p for p in (root if root is not None else model).parameters() if p.dim() == 0}
+    ignored = {"ignored_params": scalars} if scalars else {}
     for group in groups:
         modules = [model.get_submodule(name) for name in group if holds_parameters(model, name)]
         modules = [m for m in modules if not _shares_parameters_outside(model, m, modules)]
         if modules:
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh,
-                        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+                        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, **ignored)
     # The root's parameters are needed first in backward, so they are never resharded early.
-    fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy,
+                **ignored)
+    for parameter in scalars:
+        if parameter.requires_grad:
+            parameter.register_hook(averaged_over(dp_mesh))
+
+
+def averaged_over(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook averaging each micro-batch's gradient over every rank of ``mesh`` (summed
+    per mesh dimension: gloo has no average), as FSDP averages the parameters it shards."""
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        for dim in range(mesh.ndim):
+            dist.all_reduce(grad, group=mesh.get_group(dim))
+        return grad / mesh.size()
+    return average
 
 
 def dp_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

@@ -175,12 +175,13 @@ def _argv(argv: list[str]) -> Iterator[None]:
 
 def provenance_files(cfg: Any) -> dict[str, str]:
     """`.hydra/config.yaml` and `.hydra/overrides.yaml` of the running job, for an output folder
-    that autopar writes as a whole (compile) rather than one Hydra creates."""
+    that autopar writes as a whole (compile) rather than one Hydra creates. Interpolations are
+    resolved, so the record holds the values this job used (``check`` follows $AUTOPAR_CHECK)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     overrides = OmegaConf.to_yaml(list(HydraConfig.get().overrides.task))
-    return {".hydra/config.yaml": OmegaConf.to_yaml(cfg), ".hydra/overrides.yaml": overrides}
+    return {".hydra/config.yaml": OmegaConf.to_yaml(cfg, resolve=True), ".hydra/overrides.yaml": overrides}
 
 
 def write_provenance(cfg: Any, folder: Path) -> None:

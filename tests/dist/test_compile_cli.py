@@ -49,6 +49,8 @@ def test_compiled_folder_keeps_the_hydra_config_that_made_it(compiled):
     assert yaml.safe_load((compiled / ".hydra" / "overrides.yaml").read_text())[:4] == OVERRIDES[:4]
     config = yaml.safe_load((compiled / ".hydra" / "config.yaml").read_text())
     assert config["cluster"]["gpus_per_node"] == 2 and config["model"]["hidden"] == 64
+    # The value used, not the ${oc.env:...} interpolation that chose it.
+    assert config["check"] == os.environ.get("AUTOPAR_CHECK", "auto")
 
 
 def test_run_trains_like_the_unsharded_model(compiled, capsys):

@@ -117,8 +117,8 @@ class ILPSplitter:
                                  row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
                                  tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
         params = layer.param_count
-        split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
-                           if style.value != "replicate")
+        split_params = sum(_split_params(self.profile, module, style.value)
+                           for module, style in solution.module_style.items() if style.value != "replicate")
         tied_params, tied_comm = self._tied_splits(layer, ops, solution.module_style, tp, group, gpu)
         split_params += tied_params
         styles = {module: style.value for module, style in solution.module_style.items()}
@@ -328,12 +328,8 @@ def illegal_splits(splitter: ILPSplitter, tp: int) -> list[str]:
     return lines
 
 
-def _module_params(profile: "ModelProfile", module: str) -> int:
-    count = 0
-    for name, shape in profile.param_shapes.items():
-        if name.rsplit(".", 1)[0] == module:
-            size = 1
-            for dim in shape:
-                size *= dim
-            count += size
-    return count
+def _split_params(profile: "ModelProfile", module: str, style: str) -> int:
+    """Parameters of ``module`` that its style splits: all of them but a row-parallel bias, which
+    torch's RowwiseParallel keeps whole on every rank (added once, after the reduction)."""
+    return sum(math.prod(shape) for name, shape in profile.param_shapes.items()
+               if name.rsplit(".", 1)[0] == module and not (style == "rowwise" and name.endswith(".bias")))

@@ -1,8 +1,9 @@
 """How fast one plan is priced: GPT-3 175B on 1024 A100-80GB (the planner prices thousands).
 
 Target (cost-model issue): under 50 ms per estimate. The profile is traced once (~15 s); the
-first estimate of a (profile, cluster) also propagates the tensor-parallel split over the graph
-and prices each layer kind once; every later estimate, of any layout, reuses those.
+first estimate of a (profile, cluster) also solves the planner's tensor-parallel split of each
+layer kind (autopar.solver.tp_split.ILPSplitter) and prices it once; every later estimate, of
+any layout, reuses those.
 
     python -m benchmarks.bench_estimate
 """
@@ -38,6 +39,7 @@ def layouts():
 def run() -> dict:
     from autopar.model_file import load_model_file
     from autopar.profile import profile_model
+    from autopar.solver.tp_split import ILPSplitter
     from cost_models import ClusterConfig, ClusterSpec, TrainSpec, estimate
 
     start = time.perf_counter()
@@ -48,13 +50,14 @@ def run() -> dict:
                                                     inter_node_bandwidth_GBps=25, inter_node_latency_us=8))
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="bf16")
     plans = layouts()
+    splitter = ILPSplitter(profile)
     start = time.perf_counter()
-    first = estimate(profile, cluster, plans[0], train)
+    first = estimate(profile, cluster, plans[0], train, splitter)
     first_s = time.perf_counter() - start
     times, results = [], []
     for layout in plans[1:]:
         start = time.perf_counter()
-        results.append(estimate(profile, cluster, layout, train))
+        results.append(estimate(profile, cluster, layout, train, splitter))
         times.append(time.perf_counter() - start)
     best = max(results + [first], key=lambda e: e.mfu if e.fits else 0.0)
     return {"case": "GPT-3 175B (96 layers), 1024 x A100-80GB, tp8 x pp8/16 x dp",

@@ -8,7 +8,8 @@ are listed in step.py's docstring.
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from cost_models.collectives import Collective
 from cost_models.compute import LayerCompute
@@ -18,7 +19,8 @@ from cost_models.layout import ParallelLayout
 from cost_models.mesh import Mesh
 from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
                                  trained_model_states)
-from cost_models.tp_sharding import TPLayerSplit
+from cost_models.topology import GroupPlacement
+from cost_models.tp_layout import SPParts
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
@@ -50,6 +52,52 @@ def exposed_s(comm_s: float, compute_s: float) -> float:
     return max(0.0, comm_s - compute_s) + OVERLAP_INTERFERENCE * min(comm_s, compute_s)
 
 
+@dataclass(frozen=True)
+class TPLayerSplit:
+    """A layer kind under tensor parallelism of degree t, at the profiled micro-batch.
+
+    Attributes:
+        compute: roofline and launches after sharding (sharded ops' work ÷ t).
+        replicated_forward_s, replicated_backward_s: roofline seconds of ops TP leaves
+            replicated.
+        comm: (collective, bytes) per micro-batch, forward then backward.
+        tp_sharded_activation_fraction: share of the saved bytes that TP shards.
+        tp_sharded_param_fraction: share of the layer's parameters TP splits.
+        styles: module FQN -> colwise | rowwise | vocab_parallel | sharded.
+        activations: per-op activation accounting (None: use the fraction above).
+        forward_comm: how many leading entries of `comm` are forward (None: half of them).
+        sp: what sequence parallelism changes (`cost_models.tp_layout`): the replicated work
+            that runs on the sequence slice and the collectives of the styles' boundaries.
+    """
+
+    compute: LayerCompute
+    replicated_forward_s: float
+    replicated_backward_s: float
+    comm: tuple[tuple[str, float], ...]
+    tp_sharded_activation_fraction: float
+    tp_sharded_param_fraction: float
+    styles: dict[str, str] = field(default_factory=dict)
+    activations: LayerActivations | None = None
+    forward_comm: int | None = None
+    sp: SPParts = SPParts()
+    comm_under_sp: tuple[tuple[str, float], ...] | None = None
+    forward_comm_under_sp: int | None = None
+
+    def collectives(self, sequence_parallel: bool) -> tuple[tuple[tuple[str, float], ...], int]:
+        """(comm, how many of it lead in forward) as the styles issue them, with or without
+        sequence parallelism (under it a split region gathers and reduce-scatters the sequence
+        where it would all-reduce)."""
+        if sequence_parallel and self.comm_under_sp is not None:
+            return self.comm_under_sp, self.forward_comm_under_sp or 0
+        return self.comm, len(self.comm) // 2 if self.forward_comm is None else self.forward_comm
+
+
+class TPSplitter(Protocol):
+    """Chooses and prices a layer's operator-wise TP split."""
+
+    def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit: ...
+
+
 class LayerCost:
     """Prices one layer kind under a layout (mixed into PlanPricer)."""
 
@@ -66,7 +114,8 @@ class LayerCost:
                     comm=(), tp_sharded_activation_fraction=0.0, tp_sharded_param_fraction=0.0,
                     activations=self._base_activations(kind))
             elif self.tp_splitter is None:
-                raise ValueError("tp > 1 needs the profile's per-op detail (re-profile without include_ops=False)")
+                raise ValueError("pricing tp > 1 needs a TP splitter: the planner's "
+                                 "(autopar.solver.tp_split.ILPSplitter, which reads the profile's per-op detail)")
             else:
                 self._splits[key] = self.tp_splitter.split(kind, layout.tp, group, gpu)
         return self._splits[key]

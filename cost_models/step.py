@@ -45,7 +45,8 @@ from cost_models.compute import ComputeModel
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.hardware import GPUSpec
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
-                                    RING_TILE_SCORE_BYTES, LayerCost, attention_io_bytes, exposed_s)
+                                    RING_TILE_SCORE_BYTES, LayerCost, TPLayerSplit, TPSplitter, attention_io_bytes,
+                                    exposed_s)
 from cost_models.layout import (ParallelLayout, Recompute, Schedule, TrainSpec, validate, validate_layout,
                                  validate_train)
 from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, state_bytes_per_param
@@ -53,7 +54,6 @@ from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_bat
 from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, Placement,
                                    proportional_shares)
 from cost_models.topology import ClusterSpec, GroupPlacement
-from cost_models.tp_sharding import PropagationSplitter, TPLayerSplit, TPSplitter
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
@@ -68,7 +68,7 @@ __all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", 
 # -- the module-level entry point ---------------------------------------------------------------
 
 _PRICERS: "OrderedDict[tuple, PlanPricer]" = OrderedDict()
-_SHARED: "OrderedDict[int, tuple[Any, ComputeModel, PropagationSplitter | None]]" = OrderedDict()
+_SHARED: "OrderedDict[int, tuple[Any, ComputeModel]]" = OrderedDict()
 _CACHE_SIZE = 8
 
 
@@ -93,15 +93,15 @@ def estimate(profile: "ModelProfile", cluster: ClusterSpec, layout: ParallelLayo
     return pricer.estimate(layout)
 
 
-def _shared_models(profile: "ModelProfile") -> tuple[ComputeModel, PropagationSplitter | None]:
-    """Compute model and TP propagation of a profile, shared by every pricer of it."""
+def _shared_compute(profile: "ModelProfile") -> ComputeModel:
+    """The compute model of a profile, shared by every pricer of it."""
     entry = _SHARED.get(id(profile))
     if entry is None or entry[0] is not profile:
-        entry = (profile, ComputeModel(profile), PropagationSplitter(profile) if profile.ops else None)
+        entry = (profile, ComputeModel(profile))
         _SHARED[id(profile)] = entry
         while len(_SHARED) > _CACHE_SIZE:
             _SHARED.popitem(last=False)
-    return entry[1], entry[2]
+    return entry[1]
 
 
 class PlanPricer(Placement, LayerCost, Breakdowns):
@@ -111,7 +111,9 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         profile: the traced model (autopar.profile.ModelProfile).
         cluster: where it runs.
         train: batch, precision, optimizer.
-        tp_splitter: prices a layer under TP (default: the propagation of tp_sharding.py).
+        tp_splitter: chooses and prices a layer's split under TP: the planner's operator-wise ILP
+            (autopar.solver.tp_split.ILPSplitter), the split codegen emits. None prices tp = 1
+            only: this package has no TP split of its own, so no price differs from what runs.
         recompute_options: the recompute choices the partition problem offers per layer.
     """
 
@@ -120,8 +122,8 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         self.profile = profile
         self.cluster = cluster
         self.train = train
-        self.compute, propagation = _shared_models(profile)
-        self.tp_splitter = tp_splitter or propagation
+        self.compute = _shared_compute(profile)
+        self.tp_splitter = tp_splitter
         self.recompute_options = tuple(recompute_options)
         self.layers = profile.layers
         self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}

@@ -23,3 +23,25 @@ def traced(example: str = "gpt.py", precision: str = "bf16", micro_batch_size: i
 
 def gpt():
     return traced("gpt.py", "bf16", B)
+
+
+
+_SPLITTERS: dict[int, object] = {}
+
+
+def planner_splitter(profile):
+    """The planner's TP splitter (autopar.solver.tp_split.ILPSplitter, the split PlanPricer
+    prices and codegen emits), one per profile so that estimate()'s per-splitter cache holds."""
+    from autopar.solver.tp_split import ILPSplitter
+
+    if id(profile) not in _SPLITTERS:
+        _SPLITTERS[id(profile)] = ILPSplitter(profile)
+    return _SPLITTERS[id(profile)]
+
+
+def tp_split(profile, layer: str, tp: int, gpu: str = "A100-80GB"):
+    """``layer`` under the planner's TP split over the first ``tp`` GPUs of one node."""
+    from cost_models.topology import ClusterConfig, ClusterSpec
+
+    spec = ClusterSpec.from_config(ClusterConfig(name="t", gpu=gpu, nodes=1, gpus_per_node=max(tp, 2)))
+    return planner_splitter(profile).split(layer, tp, spec.group_links(list(range(tp))), spec.node_gpus[0])

@@ -11,6 +11,8 @@ import textwrap
 from importlib import resources
 from typing import Callable
 
+from autopar.codegen.specialize import comments_above
+
 SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "context_parallel",
             "expert_parallel", "gradient_sync", "optimizer", "checkpoint", "train")
 _INTERNAL = "autopar"
@@ -79,11 +81,14 @@ def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
             and isinstance(body[0].value.value, str):
         summary = body[0].value.value.strip().splitlines()[0]
         drop.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = source.splitlines()
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             imports.add(node)
             drop.update(range(node.lineno, node.end_lineno + 1))
-    lines = [line for number, line in enumerate(source.splitlines(), start=1) if number not in drop]
+            # A comment directly above an import explains the import: it goes with it.
+            drop.update(range(comments_above(lines, node.lineno, ""), node.lineno))
+    lines = [line for number, line in enumerate(lines, start=1) if number not in drop]
     return summary, "\n".join(lines).strip("\n") + "\n"
 
 

@@ -121,7 +121,7 @@ def _fold_if(node: ast.If, value: bool, lines: list[str], alone: bool) -> _Edit:
         kept = _dedent(lines[else_line:node.end_lineno], node.orelse[0].col_offset - node.col_offset)
     first = node.lineno
     if not kept:
-        first = _comments_above(lines, node.lineno, indent)
+        first = comments_above(lines, node.lineno, indent)
         kept = [f"{indent}pass"] if alone else []
     return _Edit(first, node.end_lineno, kept)
 
@@ -132,7 +132,7 @@ def _dedent(lines: list[str], width: int) -> list[str]:
             for line in lines]
 
 
-def _comments_above(lines: list[str], lineno: int, indent: str) -> int:
+def comments_above(lines: list[str], lineno: int, indent: str) -> int:
     """The first line of the comment lines directly above line ``lineno`` at ``indent`` (they
     describe what is dropped with it), or ``lineno`` itself."""
     first = lineno
@@ -174,7 +174,7 @@ def prune(source: str, roots: set[str]) -> str:
     for statement, names in reversed(definitions):
         if names and id(statement) not in live:
             start = min([statement.lineno] + [d.lineno for d in getattr(statement, "decorator_list", [])])
-            del lines[_comments_above(lines, start, "") - 1:statement.end_lineno]
+            del lines[comments_above(lines, start, "") - 1:statement.end_lineno]
     return tidy_blank_lines("\n".join(lines) + "\n")
 
 

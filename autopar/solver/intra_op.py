@@ -18,6 +18,10 @@ The program (built by `IntraOpSolver.solve`):
                 Σ_b e[u,v,a,b] = Σ_{k: out(k)=a} x[u,k],  Σ_a e[u,v,a,b] = Σ_{k: in(k)=b} x[v,k]
                 g[u] ≥ x[v,col] for every column-parallel consumer v of u
                 ops leaving the layer produce R (the residual stream between layers)
+                                                                  (`_add_layer_outputs_replicated`)
+                a column-parallel GEMM outside a paired region feeds its consumers R: codegen
+                gathers its output at once (ColwiseParallel(output_layouts=Replicate()))
+                                                                  (`_add_gathered_outputs`)
     objective   min Σ x[v,k]·compute(v,k) + Σ e[u,v,a,b]·reshard(a→b, bytes(u)) + Σ g[u]·AR(bytes(u))
 
 Only reshardings a module-level TP plan (torch's parallelize_module styles) can express are
@@ -132,11 +136,15 @@ class IntraOpSolver:
     """Builds and solves the program in the module docstring for one layer."""
 
     def __init__(self, profile: "ModelProfile", costs: TPCosts, tp: int, time_limit_s: float = 10.0,
-                 seed: int = 0, replicated_modules: frozenset[str] = frozenset()):
+                 seed: int = 0, replicated_modules: frozenset[str] = frozenset(),
+                 gathered_modules: frozenset[str] = frozenset()):
         self.profile = profile
         # Modules whose split the model's code cannot run (autopar.solver.tp_legality): only
         # their replicated strategy is offered, so no illegal split is ever priced.
         self.replicated_modules = replicated_modules
+        # Column-parallel modules outside a paired region: codegen gathers their output at once,
+        # so no consumer may read it sharded (see ILPSplitter._solve, which finds them).
+        self.gathered_modules = gathered_modules
         self.costs = costs
         self.tp = tp
         self.time_limit_s = time_limit_s
@@ -166,6 +174,7 @@ class IntraOpSolver:
         edge_vars = self._add_edge_linearisation(model, edges, strategies, choice)
         for (source, target, state_out, state_in), var in edge_vars.items():
             objective.append((_units(self._reshard_s(state_out, state_in, by_name[source])), var))
+        self._add_gathered_outputs(model, edge_vars, by_name)
         all_reduce_vars = self._add_backward_all_reduce(model, edges, strategies, choice, by_name)
         for source, var in all_reduce_vars.items():
             objective.append((_units(self.costs.all_reduce_s(self._bytes(by_name[source]))), var))
@@ -212,6 +221,13 @@ class IntraOpSolver:
                           sum(choice[(target, k)] for k, s in enumerate(strategies[target]) if s.inputs == b))
             edge_vars.update({(source, target, a, b): var for (a, b), var in pair.items()})
         return edge_vars
+
+    def _add_gathered_outputs(self, model, edge_vars, by_name):
+        """Consumers of a gathered module's ops read them replicated: the all-gather sits at the
+        module's output, as codegen places it, not further down the graph."""
+        for (source, _, _, state_in), var in edge_vars.items():
+            if by_name[source].module in self.gathered_modules and state_in != State.R:
+                model.add(var == 0)
 
     def _add_backward_all_reduce(self, model, edges, strategies, choice, by_name):
         """One all-reduce per tensor (views resolved to the viewed tensor) whose consumers include

@@ -19,7 +19,7 @@ from cost_models.hardware import GPUSpec
 from cost_models.memory import layer_activations
 from cost_models.step import TPLayerSplit
 from cost_models.topology import GroupPlacement
-from cost_models.tp_layout import ModuleTree, SPRole, after_container, sp_parts
+from cost_models.tp_layout import ModuleTree, SPRole, after_container, paired_regions, sp_parts
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -73,19 +73,39 @@ class ILPSplitter:
         self.loss_parallel: set[tuple[str, int]] = set()
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
-        """The ILP's split of the layer among legal splits only: the class and graph rules first,
-        then each solution's split regions probed and, where one fails, solved again without it."""
+        """The ILP's split of the layer among splits codegen runs as priced: the class and graph
+        rules first, then each solution's column-parallel modules outside a paired region gathered
+        at their output (`_unpaired_columns`), then its split regions probed and, where one fails,
+        solved again without it."""
         illegal = self.illegal.setdefault((layer_name, tp), dict(self.legality.static(layer_name, tp)))
+        gathered: frozenset[str] = frozenset()
         while True:
             solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s,
-                                   replicated_modules=frozenset(illegal))
+                                   replicated_modules=frozenset(illegal), gathered_modules=gathered)
             solution = solver.solve(layer_name)
             if tp <= 1:
                 return solution
+            unpaired = self._unpaired_columns(solution) - gathered
+            if unpaired:
+                gathered |= unpaired
+                continue
             failed = self.legality.probe(layer_name, tp, {m: s.value for m, s in solution.module_style.items()})
             if not failed or set(failed) <= set(illegal):
                 return solution
             illegal.update(failed)
+
+    def _unpaired_columns(self, solution: IntraOpSolution) -> frozenset[str]:
+        """Column-parallel modules outside a paired region (autopar.codegen.tp_plan's rule, from
+        cost_models.tp_layout): codegen gathers each one's output at once, so the ILP may not keep
+        it sharded further (Llama's q, k, v split without o_proj would otherwise be priced with
+        one gather after attention on head shards, where codegen gathers three and runs attention
+        whole). A head feeding a parallel loss keeps its sharded logits, as codegen does."""
+        if "loss_parallel" in solution.op_strategy.values():
+            return frozenset()
+        styles = {module: style.value for module, style in solution.module_style.items()}
+        regions = paired_regions(styles, self.tree.children, self.tree.kind)
+        return frozenset(module for module, style in styles.items()
+                         if style == "colwise" and module.rpartition(".")[0] not in regions)
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
         solution = self._solve(layer_name, tp, group, gpu)
@@ -117,8 +137,8 @@ class ILPSplitter:
                                  row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
                                  tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
         params = layer.param_count
-        split_params = sum(_module_params(self.profile, module) for module, style in solution.module_style.items()
-                           if style.value != "replicate")
+        split_params = sum(_split_params(self.profile, module, style.value)
+                           for module, style in solution.module_style.items() if style.value != "replicate")
         tied_params, tied_comm = self._tied_splits(layer, ops, solution.module_style, tp, group, gpu)
         split_params += tied_params
         styles = {module: style.value for module, style in solution.module_style.items()}
@@ -328,12 +348,8 @@ def illegal_splits(splitter: ILPSplitter, tp: int) -> list[str]:
     return lines
 
 
-def _module_params(profile: "ModelProfile", module: str) -> int:
-    count = 0
-    for name, shape in profile.param_shapes.items():
-        if name.rsplit(".", 1)[0] == module:
-            size = 1
-            for dim in shape:
-                size *= dim
-            count += size
-    return count
+def _split_params(profile: "ModelProfile", module: str, style: str) -> int:
+    """Parameters of ``module`` that its style splits: all of them but a row-parallel bias, which
+    torch's RowwiseParallel keeps whole on every rank (added once, after the reduction)."""
+    return sum(math.prod(shape) for name, shape in profile.param_shapes.items()
+               if name.rsplit(".", 1)[0] == module and not (style == "rowwise" and name.endswith(".bias")))

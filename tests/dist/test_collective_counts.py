@@ -14,11 +14,11 @@ prices it (codegen's PrepareModuleInput, use_local_output=False); under SP that 
 region's reduce-scatter and the row-parallel output's all-reduce its reduce-scatter (forward) and
 all-gather (backward), and the pricer lists them so (`autopar.solver.tp_split.issued_collectives`).
 
-Known gap, measured here and marked xfail (strict: it fails the suite once fixed, so the mark
-must go): at 40 µs per message the ILP splits Llama's q, k and v column-wise with no row-parallel
-partner and keeps attention on head shards, gathering once before the replicated o_proj; codegen
-has no style for that and gathers each of the three outputs, running attention replicated
-(issued 60 all-gathers against 44 priced per two micro-batches).
+A column-parallel linear outside a paired region gathers its output at once, in codegen and in
+the ILP alike (`ILPSplitter._unpaired_columns`). Before that rule, at 40 µs per message the ILP
+split Llama's q, k and v with no row-parallel partner and priced attention on head shards with
+one gather, where codegen gathered all three outputs (60 all-gathers issued against 44 priced per
+two micro-batches); now the ILP prices the three gathers and keeps the block replicated (36 and 36).
 """
 from __future__ import annotations
 
@@ -102,13 +102,7 @@ def counted(tmp_path_factory) -> dict[str, dict]:
     return cases
 
 
-GAP = pytest.mark.xfail(strict=True, reason="column-parallel q/k/v without a row-parallel partner: the ILP keeps "
-                        "attention on head shards and gathers once, codegen gathers each output (see the module "
-                        "docstring)")
-UNEXPRESSED = {f"{LLAMA.name}-sp-{SLOW_LINK_US:g}us"}
-
-
-@pytest.mark.parametrize("case_id", [pytest.param(i, marks=GAP) if i in UNEXPRESSED else i for i in IDS])
+@pytest.mark.parametrize("case_id", IDS)
 def test_priced_tp_collectives_are_issued(case_id, counted):
     """2 micro-batches' collectives (a 4-micro-batch run minus a 2-micro-batch one) equal those
     priced for 2 micro-batches, by kind."""

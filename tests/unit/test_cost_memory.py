@@ -7,8 +7,7 @@ import pytest
 
 from cost_models.memory import (activation_bytes, megatron_layer_activation_bytes, model_states, state_bytes_per_param,
                                 trained_model_states)
-from cost_models.tp_sharding import PropagationSplitter
-from tests.profiles import A, B, H, S, SBH_BYTES, gpt
+from tests.profiles import A, B, H, S, SBH_BYTES, gpt, tp_split
 
 GB = 1e9
 # The traced profile also holds what Megatron's count leaves out: the attention's fp32
@@ -74,7 +73,8 @@ def test_megatron_formula_values():
 
 
 def block(tp: int):
-    return PropagationSplitter(gpt()).split("blocks.1", tp).activations
+    """GPT's block 1 under the planner's TP split at degree ``tp``."""
+    return tp_split(gpt(), "blocks.1", tp).activations
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])

@@ -13,9 +13,10 @@ from cost_models import step as step_module
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import ComputeModel
 from cost_models.memory import trained_model_states
-from cost_models.step import CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, ParallelLayout, TrainSpec, estimate
+from cost_models.step import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, ParallelLayout, PlanPricer, TrainSpec,
+                               estimate)
 from cost_models.topology import ClusterConfig, ClusterSpec, NodeGroupConfig
-from tests.profiles import B, S, gpt, traced
+from tests.profiles import B, S, gpt, planner_splitter, traced
 
 GPT_LAYERS = 8  # wte, wpe, 4 blocks, ln_f, lm_head
 
@@ -45,7 +46,7 @@ def test_single_device_step_by_hand():
 def test_reported_numbers_are_consistent():
     profile = gpt()
     est = estimate(profile, spec(), ParallelLayout(dp=2, tp=2, pp=2, micro_batch_size=2, num_micro_batches=4),
-                   TrainSpec(global_batch_size=16))
+                   TrainSpec(global_batch_size=16), planner_splitter(profile))
     assert est.fits
     assert est.samples_per_s == pytest.approx(16 / est.step_time_s)
     assert est.tokens_per_s == pytest.approx(est.samples_per_s * S)
@@ -149,16 +150,27 @@ def test_recomputation_trades_memory_for_time():
 def test_sequence_and_context_parallelism_split_activations():
     profile = gpt()
     train = TrainSpec(global_batch_size=2)
-    tp = estimate(profile, spec(per_node=4), ParallelLayout(tp=4, micro_batch_size=2), train)
-    sp = estimate(profile, spec(per_node=4), ParallelLayout(tp=4, sequence_parallel=True, micro_batch_size=2), train)
+    pricer = PlanPricer(profile, spec(per_node=4), train, planner_splitter(profile))
+    without, under = ParallelLayout(tp=4, micro_batch_size=2), ParallelLayout(tp=4, sequence_parallel=True,
+                                                                              micro_batch_size=2)
+    tp, sp = pricer.estimate(without), pricer.estimate(under)
     # A block keeps sbh(8 + 24/t) without SP and sbh(4 + 30/t) with torch's SP (the all-gathered
     # GEMM inputs stay whole, see cost_models/memory.py): 11.5/14 at t = 4.
     assert sp.memory_breakdown["activations"] < 0.85 * tp.memory_breakdown["activations"]
-    # Each block's all-reduce becomes a reduce-scatter + all-gather of the same cost; SP adds the
-    # gather of the gradient where the first block slices the stream (cost_models/tp_layout.py).
-    entry = collective_time_s(Collective.ALL_GATHER, profile.layer("blocks.0").input_bytes,
-                              spec(per_node=4).group_links([0, 1, 2, 3]))
-    assert sp.time_breakdown["tp_comm"] == pytest.approx(tp.time_breakdown["tp_comm"] + entry)
+    # TP communication is every layer's collectives as its styles issue them (under SP each
+    # block's all-reduce becomes a reduce-scatter and an all-gather, counted by hand in
+    # test_plan_vocabulary.py); SP adds the gather of the gradient where the first block slices
+    # the stream (cost_models/tp_layout.py).
+    group = spec(per_node=4).group_links([0, 1, 2, 3])
+
+    def issued_s(layout: ParallelLayout) -> float:
+        splits = [pricer.split(layer.name, layout, pricer.cluster.node_gpus[0]) for layer in profile.layers]
+        return sum(collective_time_s(Collective(kind), nbytes, group) for split in splits
+                   for kind, nbytes in split.collectives(layout.sequence_parallel)[0])
+
+    entry = collective_time_s(Collective.ALL_GATHER, profile.layer("blocks.0").input_bytes, group)
+    assert tp.time_breakdown["tp_comm"] == pytest.approx(issued_s(without))
+    assert sp.time_breakdown["tp_comm"] == pytest.approx(issued_s(under) + entry)
     cp = estimate(profile, spec(per_node=4), ParallelLayout(cp=4, micro_batch_size=2, cp_strategy="ring", zero_stage=2),
                   train)
     alone = estimate(profile, spec(per_node=1), ParallelLayout(micro_batch_size=2), train)
@@ -210,12 +222,13 @@ def test_mixed_cluster_paces_by_the_slower_gpus():
     cluster = ClusterSpec.from_config(ClusterConfig(
         name="mixed", gpus_per_node=2, node_groups=[NodeGroupConfig("H100-SXM", 1), NodeGroupConfig("A100-80GB", 1)]))
     est = estimate(profile, cluster, ParallelLayout(tp=2, pp=2, micro_batch_size=2, num_micro_batches=4),
-                   TrainSpec(global_batch_size=8))
+                   TrainSpec(global_batch_size=8), planner_splitter(profile))
     assert est.stage_details[0]["gpu"] == ["H100-SXM"] and est.stage_details[1]["gpu"] == ["A100-80GB"]
     assert 1.0 < est.stage_details[1]["speed"] < 3.3  # 989·0.80 / (312·0.87) at most, launches alike
     with pytest.raises(ValueError, match="mix GPU types"):
         estimate(profile, cluster, ParallelLayout(tp=2, pp=2, micro_batch_size=2, num_micro_batches=4,
-                                                  mesh_order=("pp", "tp", "cp", "dp")), TrainSpec(global_batch_size=8))
+                                                  mesh_order=("pp", "tp", "cp", "dp")), TrainSpec(global_batch_size=8),
+                 planner_splitter(profile))
 
 
 def test_per_layer_prices_are_reused_across_calls():

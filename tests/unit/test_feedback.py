@@ -11,6 +11,7 @@ import yaml
 
 from autopar.model_file import load_model_file
 from autopar.profile import profile_model
+from autopar.solver.tp_split import ILPSplitter
 from cost_models.feedback import fit_time_scale, nonnegative_least_squares, write_profile
 from cost_models.layout import ParallelLayout
 from cost_models.step import PlanPricer, TrainSpec
@@ -62,7 +63,7 @@ def test_pricer_scales_the_fitted_parts(examples_dir, tmp_path):
     def breakdown(hardware_profile=None):
         cluster = ClusterSpec.from_config(ClusterConfig(name="cpu", gpu="cpu", gpus_per_node=4,
                                                         hardware_profile=hardware_profile))
-        return PlanPricer(profile, cluster, train).estimate(layout).time_breakdown
+        return PlanPricer(profile, cluster, train, ILPSplitter(profile)).estimate(layout).time_breakdown
 
     plain = breakdown()
     path = tmp_path / "hw.yaml"

@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from autopar.codegen.sections.mesh import ParallelDims
+
 COMPLETE = "COMPLETE"
 # Written beside a checkpoint that passed its checksums but still failed to load, so a restarted
 # attempt (torchrun --max-restarts) goes to the one before instead of failing on it again.
@@ -163,20 +165,17 @@ def usable_checkpoint(directory: str | Path, allow_fresh_start: bool = False) ->
 
 
 def disk_full(error: BaseException) -> bool:
-    """Whether ``error`` (or what caused it, or a rank's failure inside DCP's
-    CheckpointException) is ENOSPC."""
-    seen = set()
-    pending = [error]
+    """Whether ``error``, what caused it, or a rank's failure inside DCP's CheckpointException is ENOSPC."""
+    pending, seen = [error], set()
     while pending:
         current = pending.pop()
-        if current is None or id(current) in seen:
+        if id(current) in seen:
             continue
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return True
-        pending += [current.__cause__, current.__context__]
-        for failure in getattr(current, "failures", {}).values():  # DCP: rank -> (exception, traceback)
-            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+        failures = [failure[0] for failure in getattr(current, "failures", {}).values()]  # rank -> (error, trace)
+        pending += [cause for cause in (current.__cause__, current.__context__, *failures) if cause is not None]
     return "No space left on device" in str(error)
 
 
@@ -188,10 +187,13 @@ def _save_failed(folder: Path, error: BaseException) -> BaseException:
     return error
 
 
-def _global_fqn(name: str, pipelined: bool) -> str:
-    """A state-dict FQN as the unsharded model names it: this rank's pipeline stages sit in a
-    ModuleList, each holding the model copy under ``model``."""
-    return re.sub(r"^\d+\.model\.", "", name) if pipelined else name
+def checkpoint_key(section: str, key: str, dims: ParallelDims) -> str:
+    """``key`` of torch's state dict under the unsharded model's FQN, as the checkpoint names it."""
+    if dims.pp_enabled:
+        # This rank's pipeline stages sit in a ModuleList, each holding its model copy under
+        # ``model``: "0.model.wte.weight", and "state.0.model.wte.weight.exp_avg" for the optimizer.
+        key = re.sub(r"^((?:state|param_groups)\.)?\d+\.model\.", r"\1", key)
+    return f"{section}.{key}"
 
 
 def _tied_alias(key: str, available: set[str], tied_parameters: list[list[str]]) -> str | None:
@@ -212,18 +214,18 @@ def _tied_alias(key: str, available: set[str], tied_parameters: list[list[str]])
 
 def _rng_state() -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
-    state = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
+    state = {f"rank{rank}.cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
+        state[f"rank{rank}.cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     rank = dist.get_rank()
-    if f"rng.rank{rank}.cpu" in state:
-        torch.set_rng_state(state[f"rng.rank{rank}.cpu"])
-    if torch.cuda.is_available() and f"rng.rank{rank}.cuda" in state:
-        torch.cuda.set_rng_state(state[f"rng.rank{rank}.cuda"])
+    if f"rank{rank}.cpu" in state:
+        torch.set_rng_state(state[f"rank{rank}.cpu"])
+    if torch.cuda.is_available() and f"rank{rank}.cuda" in state:
+        torch.cuda.set_rng_state(state[f"rank{rank}.cuda"])
 
 
 def inject_failure(step: int, fail_at_step: int | None) -> None:
@@ -240,43 +242,42 @@ class Checkpointer:
     """Saves this rank's part of the training state and loads it back, under any plan.
 
     Args:
-        config: directory, frequency, async saving.
+        options: directory, frequency, async saving.
         modules: the model, or this rank's pipeline stages.
-        optimizer: torch's AdamW, or the ZeRO-1 `ShardedAdamW` (which gathers its state into
-            AdamW's per-parameter form, so its checkpoints load under any plan too).
-        pipelined: whether ``modules`` are pipeline stages.
+        optimizer: torch's AdamW, or one of the runtime's own (ZeRO-1's `ShardedAdamW`, the
+            gradient exchanges of gradient_sync.py), which give their state in AdamW's
+            per-parameter form, so their checkpoints load under any plan too.
+        dims: the plan's degrees (pipeline stages are saved under the whole model's FQNs).
         tied_parameters: parameter FQNs sharing one tensor.
     """
 
-    def __init__(self, config: CheckpointConfig, modules: list[nn.Module], optimizer: Any, pipelined: bool,
+    def __init__(self, options: CheckpointConfig, modules: list[nn.Module], optimizer: Any, dims: ParallelDims,
                  tied_parameters: list[list[str]]):
-        self.config = config
-        self.model = nn.ModuleList(modules) if pipelined else modules[0]
+        self.options = options
+        self.dims = dims
+        self.model = modules[0]
+        if dims.pp_enabled:
+            self.model = nn.ModuleList(modules)
         self.optimizer = optimizer
-        self.pipelined = pipelined
         self.tied_parameters = tied_parameters
         self.pending: Future | None = None
         self.pending_folder: tuple[Path, int] | None = None
         self.last_saved: int | None = None
         # Async saves plan over their own gloo group from a background thread, so their
         # collectives never interleave with training's (and NCCL runs need a CPU group anyway).
-        self.group = dist.new_group(backend="gloo") if config.enabled and config.async_save else None
+        self.group = dist.new_group(backend="gloo") if options.enabled and options.async_save else None
 
     def _state(self, step: int) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
-        """This rank's state under checkpoint keys, and where each key came from: ("model" |
-        "optimizer", its key in torch's state dict) or ("train" | "rng", key)."""
+        """This rank's state under checkpoint keys, and where each key came from: (section, its
+        key in torch's state dict), the sections being model, optimizer, train and rng."""
+        sections = {"model": get_model_state_dict(self.model), "optimizer": self._optimizer_state(),
+                    "train": {"step": torch.tensor(step, dtype=torch.int64)}, "rng": _rng_state()}
         state: dict[str, Any] = {}
         origin: dict[str, tuple[str, str]] = {}
-        for key, value in get_model_state_dict(self.model).items():
-            name = f"model.{_global_fqn(key, self.pipelined)}"
-            state[name], origin[name] = value, ("model", key)
-        for key, value in self._optimizer_state().items():
-            section, _, fqn_and_name = key.partition(".")
-            name = f"optimizer.{section}.{_global_fqn(fqn_and_name, self.pipelined)}"
-            state[name], origin[name] = value, ("optimizer", key)
-        state["train.step"], origin["train.step"] = torch.tensor(step, dtype=torch.int64), ("train", "step")
-        for key, value in _rng_state().items():
-            state[key], origin[key] = value, ("rng", key)
+        for section, values in sections.items():
+            for key, value in values.items():
+                name = checkpoint_key(section, key, self.dims)
+                state[name], origin[name] = value, (section, key)
         return state, origin
 
     def _parameter_fqns(self) -> list[str]:
@@ -291,7 +292,7 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Write ``DIR/step_<step>/`` and mark it complete once every rank's part is on disk."""
         self.wait()  # one save in flight at a time
-        folder = Path(self.config.directory) / f"step_{step}"
+        folder = Path(self.options.directory) / f"step_{step}"
         if dist.get_rank() == 0:
             # Leftovers of an attempt killed while writing this step: marker first, so a crash
             # half-way through the removal never leaves a marked, partial folder.
@@ -301,7 +302,7 @@ class Checkpointer:
         dist.barrier()
         state, _ = self._state(step)
         self.last_saved = step
-        if not self.config.async_save:
+        if not self.options.async_save:
             try:
                 dcp.save(state, checkpoint_id=folder)
                 dist.barrier()
@@ -341,7 +342,7 @@ class Checkpointer:
         choice: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                choice = [usable_checkpoint(self.config.directory, self.config.allow_fresh_start)]
+                choice = [usable_checkpoint(self.options.directory, self.options.allow_fresh_start)]
             except RuntimeError as error:
                 choice = [str(error)]
         dist.broadcast_object_list(choice, src=0)
@@ -366,7 +367,7 @@ class Checkpointer:
         """Load ``folder`` into the model, optimizer and RNGs (resharding as needed); returns its step."""
         state, origin = self._state(0)  # the shapes and shardings to load into
         loaded: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}, "train": {}, "rng": {}}
-        for key, value in self._read(folder, state).items():
+        for key, value in read_checkpoint(folder, state, self.dims, self.tied_parameters).items():
             section, name = origin[key]
             loaded[section][name] = value
         set_model_state_dict(self.model, loaded["model"])  # first: ZeRO-1 copies its slice from the parameters
@@ -377,33 +378,6 @@ class Checkpointer:
         _set_rng_state(loaded["rng"])
         return int(loaded["train"]["step"])
 
-    @torch.no_grad()
-    def _read(self, folder: Path, state: dict[str, Any]) -> dict[str, Any]:
-        """``state``'s values read from ``folder``, tensors in place: each key from itself or from a
-        tied name the checkpoint holds. RNG states of ranks the saving run did not have are left out."""
-        available = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
-        request: dict[str, Any] = {}
-        source_of: dict[str, str] = {}
-        for key, value in state.items():
-            source = key if key in available else _tied_alias(key, available, self.tied_parameters)
-            if source is None and key.startswith("rng."):
-                continue  # this rank keeps its seeded RNG
-            if source is None:
-                raise RuntimeError(f"checkpoint {folder} has no {key!r}: it was written for another model "
-                                   "(or with another optimizer)")
-            source_of[key] = source
-            request.setdefault(source, value)
-        dcp.load(request, checkpoint_id=folder)
-        values = {}
-        for key, source in source_of.items():
-            value = request[source]
-            if isinstance(value, torch.Tensor) and value is not state[key]:
-                # Two copies of a tied tensor on this rank (the traced pipeline split keeps them):
-                # the second gets its own copy of what was read for the first.
-                value = state[key].copy_(value)
-            values[key] = value
-        return values
-
     def finish(self, step: int) -> None:
         """Save the state after the last step (unless saved or resumed at or past it) and wait for
         every save to be written."""
@@ -411,15 +385,35 @@ class Checkpointer:
             self.save(step)
         self.wait()
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The model's state dict as full tensors under unsharded FQNs (every rank takes part;
-        all ranks hold the result). Gathers the whole model on each rank: for small models or
-        runs without checkpoints; the export of a checkpoint reads it from disk instead."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        mine = {_global_fqn(k, self.pipelined): v.detach().cpu() for k, v in state.items()}
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        return {name: tensor for part in parts for name, tensor in part.items()}
+
+@torch.no_grad()
+def read_checkpoint(folder: Path, state: dict[str, Any], dims: ParallelDims,
+                    tied_parameters: list[list[str]]) -> dict[str, Any]:
+    """``state``'s values read from ``folder``, tensors in place. RNG states of ranks the saving
+    run did not have are left out (such a rank keeps its seeded RNG)."""
+    available = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    sources = {key: key for key in state if key in available or not key.startswith("rng.")}
+    if dims.pp_enabled:
+        # A pipeline's last stage asks for the state of lm_head.weight; a run without pipeline
+        # saved the optimizer state of the one tied tensor under wte.weight only.
+        sources = {key: key if key in available else _tied_alias(key, available, tied_parameters) or key
+                   for key in sources}
+    missing = [key for key, source in sources.items() if source not in available]
+    if missing:
+        raise RuntimeError(f"checkpoint {folder} has no {missing[0]!r}: it was written for another model "
+                           "(or with another optimizer)")
+    request: dict[str, Any] = {}
+    for key, source in sources.items():
+        request.setdefault(source, state[key])
+    dcp.load(request, checkpoint_id=folder)
+    values = {key: request[source] for key, source in sources.items()}
+    if dims.pp_enabled:
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value is not state[key]:
+                # Two copies of a tied tensor on this rank (the traced pipeline split keeps
+                # them): the second gets its own copy of what was read for the first.
+                values[key] = state[key].copy_(value)
+    return values
 
 
 def consolidated_weights(folder: str | Path) -> dict[str, torch.Tensor]:

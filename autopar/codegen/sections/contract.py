@@ -92,21 +92,18 @@ def compute_loss(model_module: Any, output: Any, batch: Any) -> torch.Tensor:
                     "defines no loss_fn(output, batch)")
 
 
+def map_batch(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor of a batch: a tensor, or dicts, tuples and lists of them."""
+    if isinstance(batch, dict):
+        return {k: map_batch(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_batch(v, fn) for v in batch)
+    return fn(batch)
+
+
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of every tensor in the batch (dim 0 is the sample dim)."""
-    if isinstance(batch, dict):
-        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop) for v in batch)
-    return batch[start:stop]
-
-
-def move_batch(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, dict):
-        return {k: move_batch(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(move_batch(v, device) for v in batch)
-    return batch.to(device)
+    return map_batch(batch, lambda tensor: tensor[start:stop])
 
 
 def tokens_per_sample(batch: Any) -> int:

@@ -20,10 +20,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
 from autopar.codegen.sections.checkpoint import (CheckpointConfig, Checkpointer, check_export_path,
-                                                 consolidated_weights, inject_failure, latest_checkpoint,
-                                                 write_weights)
+                                                 consolidated_weights, inject_failure, write_weights)
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
-                                               make_batch, model_inputs, move_batch, slice_batch,
+                                               make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
 from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
 from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
@@ -198,7 +197,9 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
         apply_recompute(model, held(config.recompute, layers))
     # FSDP last, bottom-up: blocks, then final norm + head, then the root.
     if fsdp_wraps(dims, config, param_dtype):
-        groups = [[name for name in group if in_layers(name, layers)] for group in config.fsdp_groups]
+        groups = config.fsdp_groups
+        if dims.pp_enabled:
+            groups = [[name for name in group if in_layers(name, layers)] for group in groups]  # this stage's
         if not dims.grad_sync_enabled:
             # A lone rank has no reduction to overlap with backward: one group (the root) spares
             # the per-block hooks and copies (a 1.3B GPT at micro-batch 1 on an H100: 47 ms per micro-batch).
@@ -348,7 +349,7 @@ def local_batch(training: TrainConfig, config: ParallelConfig, model_module: Any
     if config.dims.cp_enabled:
         batch = shard_sequence(batch, tokens_per_sample(batch), config.dims.cp,
                                mesh[MeshAxis.CP.value].get_local_rank(), config.position_argument, config.mask_argument)
-    return move_batch(batch, device)
+    return map_batch(batch, lambda tensor: tensor.to(device))
 
 
 def attention_context(parallel: ParallelModel, config: ParallelConfig, training: TrainConfig,
@@ -419,9 +420,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def save_full_state(parallel: ParallelModel, config: ParallelConfig, path: str) -> None:
-    """Gather every parameter to a full tensor and save them on rank 0 under their FQNs in the
-    unsharded model (tied parameters appear under each of their names)."""
+def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str, torch.Tensor] | None:
+    """Every parameter as a full fp32 tensor under its FQN in the unsharded model (tied parameters
+    under each of their names), gathered on rank 0; None on the other ranks."""
     state: dict[str, torch.Tensor] = {}
     for module in parallel.modules:
         named = module.named_parameters(remove_duplicate=False)
@@ -434,9 +435,7 @@ def save_full_state(parallel: ParallelModel, config: ParallelConfig, path: str) 
             state[name] = full.detach().float().cpu()
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(state, parts, dst=0)
-    if dist.get_rank() == 0:
-        merged = {name: tensor for part in parts for name, tensor in part.items()}
-        torch.save(merged, path)
+    return {name: tensor for part in parts for name, tensor in part.items()} if parts else None
 
 
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
@@ -468,15 +467,15 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     return record
 
 
-def export_trained_weights(checkpointer: Checkpointer, checkpoint: CheckpointConfig) -> None:
-    """Write the trained weights as one file: read back from the final checkpoint when there is
-    one (rank 0 alone, from disk), else gathered from the ranks."""
+def export_trained_weights(parallel: ParallelModel, config: ParallelConfig, checkpoint: CheckpointConfig,
+                           step: int) -> None:
+    """Write the trained weights as one file: read back from the final checkpoint (``step``) when
+    there is one (rank 0 alone, from disk: no rank gathers the whole model), else gathered."""
     if checkpoint.enabled:
         if dist.get_rank() == 0:
-            _, folder = latest_checkpoint(checkpoint.directory)
-            write_weights(consolidated_weights(folder), checkpoint.export)
+            write_weights(consolidated_weights(Path(checkpoint.directory) / f"step_{step}"), checkpoint.export)
         return
-    state = checkpointer.full_state()
+    state = full_parameters(parallel, config)
     if dist.get_rank() == 0:
         write_weights(state, checkpoint.export)
 
@@ -529,9 +528,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         parallel = setup(training, config, tp_plan, model_module, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # report training's peak, not set-up's
-        checkpointer = Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer,
-                                    pipelined=parallel.schedule is not None,
-                                    tied_parameters=config.tied_parameters)
+        checkpointer = Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer, config.dims,
+                                    config.tied_parameters)
         first_step = checkpointer.resume() if training.checkpoint.enabled else 0
         records = []
         with attention_context(parallel, config, training, model_module):
@@ -545,9 +543,11 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         if training.checkpoint.enabled:
             checkpointer.finish(training.steps)
         if training.save_final:
-            save_full_state(parallel, config, training.save_final)
+            state = full_parameters(parallel, config)
+            if dist.get_rank() == 0:
+                torch.save(state, training.save_final)
         if training.checkpoint.export:
-            export_trained_weights(checkpointer, training.checkpoint)
+            export_trained_weights(parallel, config, training.checkpoint, checkpointer.last_saved)
         # Every rank past its last collective before any tears the group down: gloo aborts a
         # process whose peer exits while a transfer thread is still winding down.
         dist.barrier()

@@ -34,10 +34,12 @@ RING_FITTED = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
 # the same rings, yet their medians differ by up to 2.8% (4 nodes: 119.0 vs 115.8 GB/s); a
 # difference the measurement itself shows is not a fault of the model.
 TOLERANCE = 0.03
-# E4: large-message all-reduce busbw of multi-node DGX clusters (node count not stated).
-E4_ALL_REDUCE_GBps = {("dgx_a100_80g", "infiniband"): 192.0, ("dgx_h100", "infiniband"): 380.0,
-                      ("dgx_a100_80g", "roce"): 192.0, ("dgx_h100", "roce"): 380.0}
-E4_NODES, E4_BYTES = 16, 16 * 2**30
+# E4 (GTC24 S62129): large-message all-reduce busbw of one DGX node and of multi-node DGX
+# clusters (node count not stated: priced at 16 nodes): (preset, network, nodes, GB/s).
+E4_ALL_REDUCE = (("dgx_a100_80g", "infiniband", 1, 232.0), ("dgx_h100", "infiniband", 1, 370.0),
+                 ("dgx_a100_80g", "infiniband", 16, 192.0), ("dgx_h100", "infiniband", 16, 380.0),
+                 ("dgx_a100_80g", "roce", 16, 192.0), ("dgx_h100", "roce", 16, 380.0))
+E4_BYTES = 16 * 2**30
 
 _SPECS: dict[tuple[str, str, int], ClusterSpec] = {}
 
@@ -139,12 +141,12 @@ def summary_rows() -> list[dict]:
                                f"{ring_fall:.2f} (mean |error| {ring_error:.1%}), tree fall {tree_fall:.2f} "
                                f"(mean |error| {tree_error:.1%}); the preset holds {held[0]:.0f} us, "
                                f"{held[1]:.2f}, {held[2]:.2f}"})
-    for (name, network), measured in E4_ALL_REDUCE_GBps.items():
-        predicted = busbw_GBps(Collective.ALL_REDUCE, preset(E4_NODES, name, network), E4_BYTES)
-        rows.append({"collective": f"E4 {name} on {network}, all-reduce 16 GiB over {E4_NODES} nodes: "
-                                   f"{predicted:.0f} vs {measured:.0f} GB/s ({predicted / measured - 1:+.1%}); "
-                                   f"no node-count curve: wider than {NETWORKS[network].measured_nodes} nodes "
-                                   f"is extrapolated"})
+    for name, network, nodes, measured in E4_ALL_REDUCE:
+        predicted = busbw_GBps(Collective.ALL_REDUCE, preset(nodes, name, network), E4_BYTES)
+        where = "one node" if nodes == 1 else (f"{nodes} nodes of {network} (no node-count curve: wider than "
+                                               f"{NETWORKS[network].measured_nodes} nodes is extrapolated)")
+        rows.append({"collective": f"E4 {name}, all-reduce 16 GiB over {where}: {predicted:.0f} vs "
+                                   f"{measured:.0f} GB/s ({predicted / measured - 1:+.1%})"})
     return rows
 
 

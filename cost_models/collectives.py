@@ -11,8 +11,8 @@ per-message latency a and link bandwidth B (one direction):
     tree all-reduce          2·ceil(log2 n)·a + 2·S/B           (NCCL's double binary tree,
                                                                  pipelined reduce + broadcast:
                                                                  log-depth latency, no 1/n gain;
-                                                                 B capped at 80 GB/s beyond two
-                                                                 nodes, as NCCL's tuner does)
+                                                                 across exactly two nodes S/B:
+                                                                 `tree_all_reduce_s`)
     halving-doubling a-r     2·log2 n·a + 2(n-1)/n · S/B         (Rabenseifner; Thakur, Rabenseifner
                                                                  & Gropp 2005 §4.4; a non-power-of-
                                                                  two n adds one exchange of S each
@@ -34,15 +34,20 @@ algorithms spanning nodes use one channel per NIC of the group's ranks on a node
 NIC per GPU) and the part staying on it; point-to-point, scatter/gather and the parameter server
 go through one rank's link.
 
-At scale (fidelity issue): a collective spanning k nodes sees the network's bandwidth divided by
-1 + c·log2 k, c fitted per network to published bus-bandwidth curves (`topology.NETWORKS`; EFA:
-the Ultra-Scale Playbook's 1-64-node all-gather / reduce-scatter at 256 MB, together with the
-per-step latency a); point-to-point traffic (pipeline sends) is left at the NIC's rate.
+At scale: a collective spanning k nodes sees the network's bandwidth times k^-fall, with one
+fall for rings and one for trees, and a tree's bus bandwidth capped beyond two nodes, each fitted
+per network to the published bus-bandwidth curve its preset names (`topology.NETWORKS`; EFA: the
+Ultra-Scale Playbook's 1-64-node all-gather, reduce-scatter and all-reduce at 256 MB, with the
+per-step latency a; InfiniBand and RoCE have no node-count curve: no fall, NCCL's tree cap).
+NCCL's tuner picks ring or tree for an all-reduce by size and node count (`best_algorithm`: the
+cheaper of the two as priced here); only its Simple protocol is priced (the low-latency LL and
+LL128 protocols, which it picks for small messages, are not). Point-to-point traffic (pipeline
+sends) is left at the NIC's rate.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from cost_models.topology import GroupPlacement, Link
@@ -81,9 +86,9 @@ BUSBW_FACTOR = {
 }
 
 # What each collective can run as. Automatic choice (`best_algorithm`) considers what NCCL's
-# tuner chooses between: ring and tree for all-reduce (plus the two-level composition across
-# nodes), ring for the others. Halving-doubling (MPI, gloo) and the parameter server are priced
-# when named, e.g. `dp_sync=ps` or `dp_sync=halving_doubling`.
+# tuner chooses between for one call on a flat group: ring and tree for all-reduce, ring for the
+# others. The two-level composition (autopar's generated `dp_sync=hierarchical`, several calls on
+# sub-groups), halving-doubling (MPI, gloo) and the parameter server are priced when named.
 ALGORITHMS = {
     Collective.ALL_REDUCE: (Algorithm.RING, Algorithm.TREE, Algorithm.HALVING_DOUBLING, Algorithm.HIERARCHICAL,
                             Algorithm.PARAMETER_SERVER),
@@ -91,7 +96,7 @@ ALGORITHMS = {
     Collective.REDUCE_SCATTER: (Algorithm.RING, Algorithm.HALVING_DOUBLING),
 }
 AUTO_ALGORITHMS = {
-    Collective.ALL_REDUCE: (Algorithm.RING, Algorithm.TREE, Algorithm.HIERARCHICAL),
+    Collective.ALL_REDUCE: (Algorithm.RING, Algorithm.TREE),
 }
 
 
@@ -144,12 +149,13 @@ def flat_time_s(op: Collective, algorithm: Algorithm, nbytes: float, n: int, lin
 
 
 def hierarchical_all_reduce_s(nbytes: float, group: GroupPlacement) -> float:
-    """Intra-node reduce-scatter, inter-node all-reduce of each GPU's 1/g shard (every GPU on its
-    own NIC, k nodes), intra-node all-gather (Horovod's hierarchical all-reduce; NCCL's
-    tree/ring composition across nodes has the same traffic)."""
+    """Intra-node reduce-scatter, inter-node all-reduce of each GPU's 1/g shard (one rank per node,
+    every GPU on its own NIC, k nodes: NCCL's ring or tree, whichever it prices cheaper),
+    intra-node all-gather (Horovod's hierarchical all-reduce)."""
     g, k = group.per_node, group.nodes
+    across = replace(group, size=k, per_node=1, min_per_node=1)
     return (flat_time_s(Collective.REDUCE_SCATTER, Algorithm.RING, nbytes, g, group.intra)
-            + flat_time_s(Collective.ALL_REDUCE, Algorithm.RING, nbytes / g, k, group.network)
+            + best_algorithm(Collective.ALL_REDUCE, nbytes / g, across).seconds
             + flat_time_s(Collective.ALL_GATHER, Algorithm.RING, nbytes, g, group.intra))
 
 
@@ -181,26 +187,24 @@ def collective_time_s(op: Collective, nbytes: float, group: GroupPlacement,
         return hierarchical_all_reduce_s(nbytes, group)
     if op is Collective.ALL_TO_ALL:
         return all_to_all_s(nbytes, group)
+    if algorithm is Algorithm.TREE and group.crosses_nodes:
+        return tree_all_reduce_s(op, nbytes, group)
     one_rank = op in (Collective.SEND_RECV, Collective.SCATTER, Collective.GATHER) \
         or algorithm is Algorithm.PARAMETER_SERVER
     link = group.link if one_rank else group.ring_link
-    if algorithm is Algorithm.TREE and group.nodes > 2:
-        link = tree_link(link)
     return flat_time_s(op, algorithm, nbytes, group.size, link)
 
 
-# NCCL's tuning model caps a tree's bus bandwidth beyond two nodes (80 GB/s; NVIDIA/nccl
-# src/graph/tuning.cc, maxTreeBw): a tree's interior ranks receive from two children and send to
-# a parent through one channel pair, so it cannot use every NIC as rings do.
-TREE_BUSBW_CAP_Bps = 80e9
-
-
-def tree_link(link: Link) -> Link:
-    """The link a tree all-reduce across more than two nodes sees."""
-    if link.bandwidth_Bps <= TREE_BUSBW_CAP_Bps:
-        return link
-    return Link(TREE_BUSBW_CAP_Bps, link.latency_s, f"{link.name} (tree)",
-                tuple((op, latency, min(bandwidth, TREE_BUSBW_CAP_Bps)) for op, latency, bandwidth in link.per_collective))
+def tree_all_reduce_s(op: Collective, nbytes: float, group: GroupPlacement) -> float:
+    """NCCL's double binary tree across nodes: 2·ceil(log2 n) latencies, and each node's NICs carry
+    what its busiest position sends. Each of the two trees reduces and broadcasts S/2; beyond two
+    nodes a node interior in one tree (two children) and a leaf in the other sends
+    S/2 + S + S/2 = 2S, while across two nodes each tree is one edge and a node sends S/2 + S/2 = S."""
+    if op is not Collective.ALL_REDUCE:
+        return flat_time_s(op, Algorithm.TREE, nbytes, group.size, group.tree_link)
+    a, b = group.tree_link.alpha_beta(op.value)
+    per_node_bytes = nbytes if group.nodes == 2 else 2 * nbytes
+    return 2 * math.ceil(math.log2(group.size)) * a + per_node_bytes / b
 
 
 def best_algorithm(op: Collective, nbytes: float, group: GroupPlacement,

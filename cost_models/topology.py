@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,34 +36,58 @@ NETWORK_EFFICIENCY = 0.96
 
 @dataclass(frozen=True)
 class NetworkSpec:
-    """An inter-node fabric: what share of the NIC rate large messages reach, and how bandwidth
-    falls as a group spans more nodes (switch hops, congestion, adaptive-routing losses):
-    a group across k nodes gets bandwidth / (1 + congestion·log2 k). Each preset names the
-    published curve its numbers come from; a network without a node-count curve has no
-    congestion term (its predictions at many nodes are extrapolations)."""
+    """An inter-node fabric: what share of the NIC rate large messages reach, and how a
+    collective's bandwidth falls as its group spans more nodes (switch hops, congestion, adaptive
+    routing): across k nodes a ring sees its bandwidth times k^-ring_fall, a tree times
+    k^-tree_fall, and a tree's bus bandwidth is capped at `tree_busbw_cap_GBps` beyond two nodes.
+    Each preset names the published curve (shared/PUBLISHED.md table) its numbers are fitted to;
+    `measured_nodes` is the widest group a published measurement on this fabric spans (0: none):
+    beyond it the price is an extrapolation (cost_models/uncertainty.py widens the interval)."""
 
     name: str
     efficiency: float
-    congestion: float
+    ring_fall: float
+    tree_fall: float
+    tree_busbw_cap_GBps: float | None
+    measured_nodes: int
     curve: str
 
+    def fall(self, nodes: int, tree: bool = False) -> float:
+        """Factor on the bandwidth of a ring (or tree) spanning `nodes` nodes."""
+        if nodes <= 1:
+            return 1.0
+        return nodes ** -(self.tree_fall if tree else self.ring_fall)
+
+
+# NCCL's tuning model caps a tree's bus bandwidth at 80 GB/s beyond two nodes (NVIDIA/nccl
+# src/graph/tuning.cc, maxTreeBw): its interior ranks receive from two children and send to a
+# parent through one channel pair. Networks without a measured all-reduce curve keep that cap.
+NCCL_TREE_BUSBW_CAP_GBps = 80.0
 
 NETWORKS: dict[str, NetworkSpec] = {spec.name: spec for spec in (
-    # nccl-tests all-reduce busbw of multi-node DGX clusters, 8 x 200 Gb/s: 192 GB/s (24 per NIC),
-    # 8 x 400 Gb/s: 380 GB/s (48 per NIC) (NVIDIA GTC24 S62129). The node count is not stated, so
-    # nothing is fitted for it.
-    NetworkSpec("infiniband", NETWORK_EFFICIENCY, 0.0,
-                "NVIDIA GTC24 S62129 multi-node all-reduce busbw (DGX A100 192 GB/s, DGX H100 380 GB/s)"),
-    # RoCE at 200/400 Gb/s reaches the same busbw on that slide ("200 Gb RDMA (IB/RoCE) 24 GB/s");
-    # no node-count curve either.
-    NetworkSpec("roce", NETWORK_EFFICIENCY, 0.0,
-                "NVIDIA GTC24 S62129 RDMA busbw (200 Gb IB/RoCE 24 GB/s, 400 Gb 48 GB/s)"),
-    # AWS EFA (P5, 32 x 100 Gb/s per node of 8 H100): fitted to the Ultra-Scale Playbook's
-    # all-gather and reduce-scatter busbw at 256 MB on 2-64 nodes (184.6 ... 11.0 GB/s), with the
-    # ring's per-step latency (conf/cluster/p5_h100_efa.yaml: 42 us) fitted alongside: mean
-    # |error| 9.6% over the 12 points, worst -26% at 16 nodes (benchmarks/bench_collectives.py).
-    NetworkSpec("efa", NETWORK_EFFICIENCY, 0.10,
-                "HF Ultra-Scale Playbook nccl all-gather/reduce-scatter busbw, 256 MB, 1-64 nodes of 8 H100 on EFA"),
+    # PUBLISHED.md E4 (NVIDIA GTC24 S62129): nccl-tests all-reduce busbw of multi-node DGX
+    # clusters, 8 x 200 Gb/s: 192 GB/s (24 per NIC), 8 x 400 Gb/s: 380 GB/s (48 per NIC): the
+    # efficiency is fitted to those. No node-count curve (the slide does not say how many nodes):
+    # no fall with nodes is fitted; data-parallel groups over up to 48 nodes are checked only
+    # through the training runs of A1 and A6, and wider groups are extrapolations.
+    NetworkSpec("infiniband", NETWORK_EFFICIENCY, 0.0, 0.0, NCCL_TREE_BUSBW_CAP_GBps, 48,
+                "PUBLISHED.md E4 (GTC24 S62129 multi-node all-reduce busbw: DGX A100 192 GB/s, DGX H100 380 GB/s); "
+                "no node-count curve"),
+    # PUBLISHED.md E4: RoCE at 200/400 Gb/s reaches the same busbw per NIC ("200 Gb RDMA (IB/RoCE)
+    # 24 GB/s, 400 Gb 48"). No node-count curve and no training run on RoCE: every group across
+    # nodes is an extrapolation.
+    NetworkSpec("roce", NETWORK_EFFICIENCY, 0.0, 0.0, NCCL_TREE_BUSBW_CAP_GBps, 0,
+                "PUBLISHED.md E4 (GTC24 S62129 RDMA busbw: 200 Gb IB/RoCE 24 GB/s, 400 Gb 48 GB/s); "
+                "no node-count curve"),
+    # PUBLISHED.md D10 (Ultra-Scale Playbook, nccl busbw at 256 MB on 1-64 nodes of 8 H100 on AWS
+    # EFA): the ring's fall and per-step latency (conf/cluster/p5_h100_efa.yaml: 43 us) fitted to
+    # all-gather and reduce-scatter, the tree's fall to all-reduce, each never faster than the
+    # curve by more than 3% (benchmarks/bench_collectives.py prints the fit: mean |error| 9.7%
+    # all-gather, 9.8% reduce-scatter, 10.0% all-reduce). The all-reduce measured at 8 and 16 nodes
+    # is above NCCL's 80 GB/s tree cap, so this fabric has no cap.
+    NetworkSpec("efa", NETWORK_EFFICIENCY, 0.13, 0.58, None, 64,
+                "PUBLISHED.md D10 (Ultra-Scale Playbook nccl all-gather/reduce-scatter/all-reduce busbw, 256 MB, "
+                "1-64 nodes of 8 H100 on EFA)"),
 )}
 
 
@@ -136,22 +160,29 @@ class Link:
     latency_s: float
     name: str
     per_collective: tuple[tuple[str, float, float], ...] = ()
-    congestion: float = 0.0  # bandwidth / (1 + congestion·log2 nodes) for a group across nodes
+    network: NetworkSpec | None = None  # the fabric, for an inter-node link: its fall with nodes
     # A pessimistic price (cost_models.uncertainty): beyond `measured_nodes` the bandwidth also
     # falls by `fall_per_doubling` per doubling of nodes (1.0: no such term).
     measured_nodes: int = 0
     fall_per_doubling: float = 1.0
 
-    def across(self, nodes: int) -> "Link":
-        """This link as a group spanning `nodes` nodes sees it (NetworkSpec's congestion term)."""
+    def across(self, nodes: int, tree: bool = False) -> "Link":
+        """This link as a ring (or tree) spanning `nodes` nodes sees it (NetworkSpec.fall)."""
         beyond = self.fall_per_doubling != 1.0 and nodes > max(1, self.measured_nodes)
-        if nodes <= 1 or not (self.congestion or beyond):
+        fall = self.network.fall(nodes, tree) if self.network else 1.0
+        if nodes <= 1 or (fall == 1.0 and not beyond):
             return self
-        factor = 1 + self.congestion * math.log2(nodes)
+        factor = 1 / fall
         if beyond:
             factor *= self.fall_per_doubling ** math.log2(nodes / max(1, self.measured_nodes))
-        return Link(self.bandwidth_Bps / factor, self.latency_s, self.name,
-                    tuple((op, latency, bandwidth / factor) for op, latency, bandwidth in self.per_collective))
+        return self.scaled(1 / factor)
+
+    def scaled(self, share: float, cap_Bps: float | None = None) -> "Link":
+        """This link with every bandwidth times `share` (and at most `cap_Bps`)."""
+        cap = cap_Bps if cap_Bps is not None else math.inf
+        return replace(self, bandwidth_Bps=min(cap, self.bandwidth_Bps * share),
+                       per_collective=tuple((op, latency, min(cap, bandwidth * share))
+                                            for op, latency, bandwidth in self.per_collective))
 
     def alpha_beta(self, op: str) -> tuple[float, float]:
         """(latency_s, bandwidth_Bps) for a collective, calibrated where measured."""
@@ -201,18 +232,32 @@ class GroupPlacement:
 
     @property
     def ring_link(self) -> Link:
-        """Link of a ring/tree collective: across nodes one channel per NIC of the group's ranks
-        on a node, capped by the intra-node link the channels also traverse."""
+        """Link of a ring collective: across nodes one channel per NIC of the group's ranks on a
+        node, capped by the intra-node link the channels also traverse."""
+        return self._channels(self.network)
+
+    @property
+    def tree_link(self) -> Link:
+        """Link of a tree all-reduce: the ring's channels with the tree's fall with nodes, and
+        beyond two nodes the fabric's cap on a tree's bus bandwidth (NetworkSpec)."""
+        link = self._channels(self.inter.across(self.nodes, tree=True))
+        network = self.inter.network
+        cap_GBps = network.tree_busbw_cap_GBps if network else NCCL_TREE_BUSBW_CAP_GBps
+        if self.nodes <= 2 or cap_GBps is None:
+            return link
+        return link.scaled(1.0, cap_GBps * GB)
+
+    def _channels(self, inter: Link) -> Link:
         if not self.crosses_nodes:
             return self.intra
         nics = max(1, self.min_per_node or self.per_node)
-        inter = self.network
         return Link(min(self.intra.bandwidth_Bps, nics * inter.bandwidth_Bps), inter.latency_s,
                     f"{nics} x {inter.name}", inter.per_collective)
 
     @property
     def network(self) -> Link:
-        """The inter-node link as this group sees it: its bandwidth falls with the nodes spanned."""
+        """The inter-node link as a ring over this group sees it: its bandwidth falls with the
+        nodes spanned."""
         return self.inter.across(self.nodes)
 
 
@@ -256,12 +301,12 @@ class ClusterSpec:
                      link_name)
         network = get_network(str(getattr(config, "network", "infiniband")))
         inter = Link(config.inter_node_bandwidth_GBps * GB * network.efficiency, config.inter_node_latency_us * 1e-6,
-                     network.name, congestion=network.congestion)
+                     network.name, network=network)
         links = profile.get("links", {})
         if "intra" in links:
             intra = _calibrated_link(links["intra"], intra.name + " (calibrated)")
         if "inter" in links:
-            inter = _calibrated_link(links["inter"], f"{network.name} (calibrated)")
+            inter = replace(_calibrated_link(links["inter"], f"{network.name} (calibrated)"), network=network)
         return cls(name=config.name, gpus_per_node=int(config.gpus_per_node), node_gpus=node_gpus, intra=intra,
                    inter=inter, memory_headroom_fraction=headroom,
                    price_per_gpu_hour=float(getattr(config, "price_per_gpu_hour", 0.0)),

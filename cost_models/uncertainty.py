@@ -9,8 +9,10 @@ RESIDUAL_LOW and RESIDUAL_HIGH are the 10th and 90th percentiles of the cost mod
 (-18.4% and +16.1%). `s_pessimistic` is the same plan priced again with what it extrapolates
 set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
 
-- a collective group spanning more nodes than any calibration row on that network
-  (`CALIBRATED_NODES`): the network's bandwidth divided by NETWORK_FALL_PER_DOUBLING per doubling
+- a collective group spanning more nodes than any published measurement on that network
+  (`NetworkSpec.measured_nodes` in cost_models/topology.py: 64 on EFA, the Playbook's collective
+  curve; 48 on InfiniBand, which has no collective curve, only the training runs' data-parallel
+  groups; none on RoCE, so every RoCE group across nodes is extrapolated): the network's bandwidth divided by NETWORK_FALL_PER_DOUBLING per doubling
   of nodes beyond. 1.8 is how fast measured bus bandwidth fell per doubling where it was
   measured falling (the Ultra-Scale Playbook's all-gather: x1.25, x1.96, x2.5 from 8 to 64
   nodes; geometric mean 1.8);
@@ -31,10 +33,6 @@ RESIDUAL_LOW = -0.184
 RESIDUAL_HIGH = 0.161
 NETWORK_FALL_PER_DOUBLING = 1.8
 UNCALIBRATED_GPU_SLOWDOWN = 0.25
-# Widest group across nodes that a calibration row measured, per network (the fabric, whatever
-# the GPU): on InfiniBand Megatron-Core's H100 runs have data-parallel groups over 48 nodes
-# (Megatron-LM's A100 runs over 32); the Playbook's EFA collectives span 64 nodes. RoCE has none.
-CALIBRATED_NODES = {"infiniband": 48, "efa": 64}
 CALIBRATED_GPUS = ("A100-80GB", "H100-SXM")
 
 
@@ -78,14 +76,19 @@ class PredictionInterval:
 
 
 def network_name(cluster: ClusterSpec) -> str:
-    return cluster.inter.name.split(" ")[0]
+    return cluster.inter.network.name if cluster.inter.network else cluster.inter.name.split(" ")[0]
+
+
+def measured_nodes(cluster: ClusterSpec) -> int:
+    """Widest group across nodes a published measurement on this cluster's fabric spans."""
+    return cluster.inter.network.measured_nodes if cluster.inter.network else 0
 
 
 def extrapolations(cluster: ClusterSpec, widest_nodes: int) -> Extrapolation:
     """The pessimistic factors for a plan whose widest collective group spans `widest_nodes`."""
     reasons: list[str] = []
     network_factor = compute_factor = 1.0
-    measured = CALIBRATED_NODES.get(network_name(cluster), 0)
+    measured = measured_nodes(cluster)
     gpus = sorted({gpu.name for gpu in cluster.node_gpus})
     network = network_name(cluster)
     uncalibrated = [gpu for gpu in gpus if gpu not in CALIBRATED_GPUS]

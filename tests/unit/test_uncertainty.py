@@ -55,3 +55,14 @@ def test_interval_from_the_calibration_residuals():
     assert interval.high_s == pytest.approx(15.0 / (1 + RESIDUAL_LOW))
     assert interval.extrapolated_share == pytest.approx(0.5)
     assert interval.overlaps(PredictionInterval(12.0, 12.0)) and not interval.overlaps(PredictionInterval(30.0, 30.0))
+
+
+def test_each_network_names_what_it_measured():
+    """The widest measured group comes from the network preset: a fabric with no published
+    node-count measurement (RoCE) is extrapolated from two nodes on, with 1.8x per doubling."""
+    roce = extrapolations(cluster(network="roce", nodes=8), 8)
+    assert roce.measured_nodes == 0 and roce.network_factor == pytest.approx(NETWORK_FALL_PER_DOUBLING ** 3)
+    assert "none measured" in roce.reasons[0]
+    efa = cluster(network="efa", nodes=128)
+    assert extrapolations(efa, 128).network_factor == pytest.approx(NETWORK_FALL_PER_DOUBLING)
+    assert not extrapolations(efa, 64).any

@@ -14,6 +14,7 @@ from cost_models.collectives import Collective
 from cost_models.compute import LayerCompute
 from cost_models.expert_parallel import all_to_alls, dispatch_bytes, routing_pace
 from cost_models.hardware import GiB, GPUSpec
+from cost_models.issued import cp_passes
 from cost_models.layout import ParallelLayout
 from cost_models.mesh import Mesh
 from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
@@ -192,20 +193,21 @@ class LayerCost:
         if q + kv == 0:
             return 0.0
         group = self.placement(layout, "cp")
-        # A recomputed layer (full, or selective, whose policy keeps GEMM, attention and TP
-        # collective outputs but not ring passes or all-to-alls) repeats its forward exchanges.
-        forwards = 2 if option in ("full", "selective") else 1
+        # Each pass of the layer's attention (forward, backward, recomputed forwards: `cp_passes`,
+        # counted in a generated step) exchanges once more.
+        passes = cp_passes(layout.cp_strategy, option)
+        forwards = passes - 1
         if layout.cp_strategy == "ulysses":
             # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
             # output (q's size) back, one all-to-all each, and the same for their gradients; on
-            # the critical path (attention needs all of them). A recomputed forward repeats them.
-            return (forwards + 1) * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
-                                     + self.collective_s(Collective.ALL_TO_ALL, kv, group))
-        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's K and V block forward (again
-        # in a recomputed forward); backward passes K, V and their gradients; each transfer
-        # overlaps the attention of the block in hand, so at long sequences (attention quadratic,
-        # transfers linear) it hides.
-        exchange = (forwards + 2) * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
+            # the critical path (attention needs all of them).
+            return passes * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
+                             + self.collective_s(Collective.ALL_TO_ALL, kv, group))
+        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's stacked K/V block forward
+        # (again in a recomputed forward); backward passes its gradient back the same way; each
+        # transfer overlaps the attention of the block in hand, so at long sequences (attention
+        # quadratic, transfers linear) it hides.
+        exchange = passes * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
         attention = (compute.attention_s + (forwards - 1) * compute.attention_forward_s
                      or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)

@@ -44,6 +44,7 @@ from cost_models.breakdowns import Breakdowns, Estimate
 from cost_models.compute import ComputeModel
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.hardware import GPUSpec
+from cost_models.issued import IssuedCollectives
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
                                     RING_TILE_SCORE_BYTES, LayerCost, attention_io_bytes, exposed_s)
 from cost_models.layout import (ParallelLayout, Recompute, Schedule, TrainSpec, validate, validate_layout,
@@ -104,7 +105,7 @@ def _shared_models(profile: "ModelProfile") -> tuple[ComputeModel, PropagationSp
     return entry[1], entry[2]
 
 
-class PlanPricer(Placement, LayerCost, Breakdowns):
+class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
     """Prices configurations of one model on one cluster; caches what repeats across calls.
 
     Args:

@@ -73,6 +73,16 @@ class IssuedCollectives:
         grouped = {name for unit in units for name in unit}
         return units, [name for name in held if name not in grouped]
 
+    def fsdp_unit_of(self, name: str) -> tuple[tuple[str, ...], bool]:
+        """(the FSDP unit holding layer ``name``, whether it is the root) on an unsplit model:
+        what the per-layer prices share a message with. A layer without parameters is a unit
+        of its own (it moves nothing)."""
+        if not hasattr(self, "_unit_index"):
+            units, root = self.fsdp_units([layer.name for layer in self.layers])
+            self._unit_index = {member: (tuple(unit), False) for unit in units for member in unit}
+            self._unit_index.update({member: (tuple(root), True) for member in root})
+        return self._unit_index.get(name, ((name,), False))
+
     # -- data parallelism -----------------------------------------------------------------------
 
     def dp_collectives(self, layout: ParallelLayout) -> Counts:

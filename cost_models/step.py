@@ -243,7 +243,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
                                                layout.hybrid_shard, self._span(layout, ("dp", "cp")),
                                                self._shard_size(layout), layout.micro_batch_size,
-                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep),
+                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep,
+                                               layout.pp),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 
     def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:
@@ -263,7 +264,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         if layout.zero_stage < 2 or self._grad_size(layout) == 1:
             return ()
         group = self._shard_group(layout)
-        return (layout.zero_stage, group.size, group.nodes, group.per_node)
+        replicas = self._replica_group(layout) if layout.hybrid_shard else None
+        return (layout.zero_stage, group.size, group.nodes, group.per_node, layout.pp > 1, replicas)
 
     def _zero_key_static(self, layout: Any) -> tuple:
         if self._grad_size(layout) == 1:

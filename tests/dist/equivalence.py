@@ -109,7 +109,10 @@ IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES if model in 
 
 def count_collectives(module: Any, step: int) -> dict[str, int]:
     """Wrap ``module.train_step`` so that its call for ``step`` runs under the torch profiler;
-    returns the dict it fills: profiler event name -> calls (c10d and gloo events only)."""
+    returns the dict it fills: profiler event name -> calls (c10d and gloo events only).
+
+    Only `train_step` is profiled: the step's other collectives, the logged loss's all-reduce
+    (`global_loss`) and the peak memory's (`timed_step`), measure the run and are not priced."""
     from torch.profiler import ProfilerActivity, profile
 
     counts: dict[str, int] = {}

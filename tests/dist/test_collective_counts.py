@@ -155,9 +155,10 @@ C10D = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather"
 # Plans whose step does not issue what is priced yet, with the numbers measured (strict: the
 # mark fails once they match, so it must go). Under sequence parallelism the replicated
 # parameters (norms, row-parallel biases) get partial gradients, and the optimizer's step
-# all-reduces them, more than once each (AdamW's foreach ops each redistribute; measured on GPT
-# tp2_sp: all 54 of the unpriced all-reduces inside optimizer.step, for 26 such parameters;
-# Llama: 27 for 9); nothing prices them yet.
+# all-reduces them, more than once each (measured on GPT tp2_sp: all 54 of the unpriced
+# all-reduces inside optimizer.step, for 26 such parameters; Llama: 27 for 9; the cause, likely
+# each of AdamW's foreach ops redistributing the gradient, not yet isolated). Reducing each
+# partial gradient once before the step, and pricing that, would close these.
 SP_PARTIAL = "SP's partial gradients all-reduced by the optimizer step (see above): "
 STEP_GAPS = {
     "gpt-tp2_sp": SP_PARTIAL + "issued 62 all-reduces, priced 8",

@@ -153,27 +153,14 @@ C10D = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather"
         "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
         "c10d::send": "send_recv", "c10d::recv_": "recv"}
 # Plans whose step does not issue what is priced yet, with the numbers measured (strict: the
-# mark fails once they match, so it must go). Under sequence parallelism the replicated
-# parameters (norms, row-parallel biases) get partial gradients, and the optimizer's step
-# all-reduces them, more than once each (measured on GPT tp2_sp: all 54 of the unpriced
-# all-reduces inside optimizer.step, for 26 such parameters; Llama: 27 for 9; the cause, likely
-# each of AdamW's foreach ops redistributing the gradient, not yet isolated). Reducing each
-# partial gradient once before the step, and pricing that, would close these.
-SP_PARTIAL = "SP's partial gradients all-reduced by the optimizer step (see above): "
+# mark fails once they match, so it must go).
+TP_RECOMPUTE = ("TP under mixed recomputation (none, selective, full, none) in an interleaved pipeline: issued 42 "
+                "reduce-scatters, priced 44 (the all-gathers and all-reduces match)")
 STEP_GAPS = {
-    "gpt-tp2_sp": SP_PARTIAL + "issued 62 all-reduces, priced 8",
-    "gpt-tp2_sp_mixed_split": SP_PARTIAL + "issued 54 all-reduces, priced 0",
-    "gpt-tp2_pp2_sp": SP_PARTIAL + "issued 72 all-reduces, priced 18",
-    "gpt-cp2_tp2_sp_ulysses": SP_PARTIAL + "issued 44 all-reduces, priced 8",
-    "gpt-zero3_dp2_tp2_pp2": SP_PARTIAL + "issued 28 all-reduces, priced 10; and TP under recomputation: issued "
-                             "42 reduce-scatters, priced 44",
-    "llama_hf-tp2_sp": SP_PARTIAL + "issued 33 all-reduces, priced 6",
-    "llama_hf-tp2_sp_mixed_split": SP_PARTIAL + "issued 51 all-reduces, priced 24; and column-parallel q/k/v "
-                                   "without a row-parallel partner (see the module docstring): issued 60 "
-                                   "all-gathers, priced 44",
-    "llama_hf-tp2_pp2_sp": SP_PARTIAL + "issued 39 all-reduces, priced 12",
-    "llama_hf-zero3_dp2_tp2_pp2": SP_PARTIAL + "issued 15 all-reduces, priced 6; and TP under recomputation: "
-                                  "issued 42 reduce-scatters, priced 44",
+    "gpt-zero3_dp2_tp2_pp2": TP_RECOMPUTE,
+    "llama_hf-zero3_dp2_tp2_pp2": TP_RECOMPUTE,
+    "llama_hf-tp2_sp_mixed_split": "column-parallel q/k/v without a row-parallel partner (see the module "
+                                   "docstring): issued 60 all-gathers, priced 44",
 }
 
 

@@ -8,13 +8,14 @@ are listed in step.py's docstring.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from cost_models.collectives import Collective
+from cost_models.collectives import Algorithm, Collective
 from cost_models.compute import LayerCompute
 from cost_models.expert_parallel import all_to_alls, dispatch_bytes, routing_pace
 from cost_models.hardware import GiB, GPUSpec
+from cost_models.issued import cp_passes
 from cost_models.layout import ParallelLayout
 from cost_models.mesh import Mesh
 from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
@@ -31,6 +32,8 @@ OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
 # communication time: NCCL's kernels occupy SMs and memory bandwidth. An assumption (overlapped
 # GEMMs typically lose 10-30%), not yet measured here: the committed H100 runs are single-GPU.
 OVERLAP_INTERFERENCE = 0.2
+# Gradient all-reduces FSDP runs itself, one per FSDP unit (the others are gradient_sync.py's).
+FSDP_ALGORITHMS = (Algorithm.RING, Algorithm.TREE)
 
 
 def attention_io_bytes(op: Any) -> tuple[float, float]:
@@ -241,20 +244,21 @@ class LayerCost:
         if q + kv == 0:
             return 0.0
         group = self.placement(layout, "cp")
-        # A recomputed layer (full, or selective, whose policy keeps GEMM, attention and TP
-        # collective outputs but not ring passes or all-to-alls) repeats its forward exchanges.
-        forwards = 2 if option in ("full", "selective") else 1
+        # Each pass of the layer's attention (forward, backward, recomputed forwards: `cp_passes`,
+        # counted in a generated step) exchanges once more.
+        passes = cp_passes(layout.cp_strategy, option)
+        forwards = passes - 1
         if layout.cp_strategy == "ulysses":
             # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
             # output (q's size) back, one all-to-all each, and the same for their gradients; on
-            # the critical path (attention needs all of them). A recomputed forward repeats them.
-            return (forwards + 1) * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
-                                     + self.collective_s(Collective.ALL_TO_ALL, kv, group))
-        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's K and V block forward (again
-        # in a recomputed forward); backward passes K, V and their gradients; each transfer
-        # overlaps the attention of the block in hand, so at long sequences (attention quadratic,
-        # transfers linear) it hides.
-        exchange = (forwards + 2) * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
+            # the critical path (attention needs all of them).
+            return passes * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
+                             + self.collective_s(Collective.ALL_TO_ALL, kv, group))
+        # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's stacked K/V block forward
+        # (again in a recomputed forward); backward passes its gradient back the same way; each
+        # transfer overlaps the attention of the block in hand, so at long sequences (attention
+        # quadratic, transfers linear) it hides.
+        exchange = passes * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
         attention = (compute.attention_s + (forwards - 1) * compute.attention_forward_s
                      or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)
@@ -291,22 +295,58 @@ class LayerCost:
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
                             per_token: float, overhead: float) -> float:
-        """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute."""
+        """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute: the layer's
+        share of its FSDP unit's messages (`IssuedCollectives._fsdp_collectives` counts them)."""
         if layout.zero_stage < 2 or self._grad_size(layout) == 1:
             return 0.0
+        _, is_root = self.fsdp_unit_of(layer.name)
+        if layout.pp > 1 and (layout.zero_stage == 2 or is_root):
+            return 0.0  # gathered and reduced once per step under a pipeline schedule (per_step_parts)
         group = self._shard_group(layout)
-        params = self._tp_params(layer, split, layout)
-        rs = self.collective_s(Collective.REDUCE_SCATTER, params * self.grads_bytes, group)
-        backward = compute.backward_s * per_token + compute.backward_launches * overhead
-        gather = self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes, group)
+        gather = self._unit_share_s(Collective.ALL_GATHER, layer, split, layout, self.weights_bytes, group)
         forward = compute.forward_s * per_token + compute.forward_launches * overhead
-        if layout.zero_stage == 2:
-            # FSDP without resharding after forward still reshards after backward, so every
-            # micro-batch's forward gathers the parameters again (measured: one all-gather per
-            # unit and micro-batch), not once per step.
-            return exposed_s(gather, forward) + exposed_s(rs, backward)
-        # ZeRO-3 gathers the layer's parameters before its forward and again before its backward.
-        return exposed_s(gather, forward) + exposed_s(gather + rs, backward)
+        if layout.pp > 1:  # ZeRO-3 in a pipeline: only the forward gathers come every micro-batch
+            return exposed_s(gather, forward)
+        rs = self._unit_share_s(Collective.REDUCE_SCATTER, layer, split, layout, self.grads_bytes, group)
+        backward = compute.backward_s * per_token + compute.backward_launches * overhead
+        # Hybrid sharding's all-reduce across replicas follows each reduce-scatter; priced exposed
+        # (not overlapped with backward), as it was when priced once per step.
+        replicas = self._replica_reduce_s(layer, split, layout)
+        if layout.zero_stage == 2 or is_root:
+            # FSDP without resharding after forward (ZeRO-2, and the root under ZeRO-3) still
+            # reshards after backward, so every micro-batch's forward gathers the parameters
+            # again (measured: one all-gather per unit and micro-batch), not once per step.
+            return exposed_s(gather, forward) + exposed_s(rs, backward) + replicas
+        # ZeRO-3 gathers the unit's parameters before its forward and again before its backward.
+        return exposed_s(gather, forward) + exposed_s(gather + rs, backward) + replicas
+
+    def _unit_share_s(self, op: Collective, layer: Any, split: TPLayerSplit, layout: Any, bytes_per_param: float,
+                      group: Any) -> float:
+        """The layer's share (by parameters) of one collective over its whole FSDP unit: units
+        that hold several layers (the embeddings at the root, the final norm with the head)
+        move them in one message, paying one latency."""
+        params = self._tp_params(layer, split, layout)
+        unit, _ = self.fsdp_unit_of(layer.name)
+        unit_params = self._layers_params(layout, unit)
+        if unit_params <= params:
+            return self.collective_s(op, params * bytes_per_param, group)
+        return self.collective_s(op, unit_params * bytes_per_param, group) * params / unit_params
+
+    def _layers_params(self, layout: Any, names: tuple[str, ...]) -> float:
+        """Parameters the named layers hold on one rank (after TP)."""
+        reference = self._device_facts(layout)[0]
+        return sum(self._tp_params(self.layers[self.layer_index[name]], self.split(name, layout, reference), layout)
+                   for name in names)
+
+    def _replica_reduce_s(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
+        """Hybrid sharding's all-reduce of the layer's reduced shard across the replicas (FSDP
+        runs it after each reduce-scatter: measured 12 on the 2 x 2 hybrid plan, 6 units x 2
+        micro-batches)."""
+        if not layout.hybrid_shard or self._shard_size(layout) >= self._grad_size(layout):
+            return 0.0
+        params = self._tp_params(layer, split, layout)
+        return self.collective_s(Collective.ALL_REDUCE, params * self.grads_bytes / self._shard_size(layout),
+                                 self._replica_group(layout))
 
     def per_step_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float,
                        gpu: GPUSpec) -> dict[str, float]:
@@ -324,17 +364,39 @@ class LayerCost:
             return self._scaled({"optimizer": update, "dp_comm": 0.0})
         per_token = scale / layout.cp
         backward = split.compute.backward_s * per_token + split.compute.backward_launches * gpu.launch_overhead_s
-        exposed = 0.0
         if layout.zero_stage <= 1:
-            exposed = self.exposed_dp_sync_s(self.dp_sync_cost(layout, params * self.grads_bytes), backward)
-            if layout.zero_stage == 1:  # updated shards gathered back to every replica
-                exposed += self.collective_s(Collective.ALL_GATHER, params * self.weights_bytes,
-                                             self._shard_group(layout))
-            return self._scaled({"optimizer": update, "dp_comm": exposed})
-        if layout.hybrid_shard and self._shard_size(layout) < grad_size:
-            exposed += self.collective_s(Collective.ALL_REDUCE, params * self.grads_bytes / self._shard_size(layout),
-                                         self._replica_group(layout))
-        return self._scaled({"optimizer": update, "dp_comm": exposed})
+            return self._scaled({"optimizer": update, "dp_comm": self._replica_sync_s(layer, split, layout, backward)})
+        if layout.pp == 1:  # ZeRO-2/3 reduce every micro-batch (_zero_micro_batch_s)
+            return self._scaled({"optimizer": update, "dp_comm": 0.0})
+        return self._scaled({"optimizer": update, "dp_comm": self._pipelined_zero_s(layer, split, layout, backward)})
+
+    def _replica_sync_s(self, layer: Any, split: TPLayerSplit, layout: Any, backward_s: float) -> float:
+        """ZeRO-0/1: the gradients' all-reduce after the last micro-batch (per FSDP unit, or the
+        generated exchange's buckets), and ZeRO-1's all-gather of the updated parameters: one
+        flat message per pipeline rank (ShardedAdamW; the layer's share of the model's
+        parameters over pp, as a stage's share is not known per layer)."""
+        params = self._tp_params(layer, split, layout)
+        if self.dp_sync_cost(layout, 1.0).algorithm not in FSDP_ALGORITHMS:  # the generated exchange's buckets
+            exposed = self.exposed_dp_sync_s(self.dp_sync_cost(layout, params * self.grads_bytes), backward_s)
+        else:
+            unit, _ = self.fsdp_unit_of(layer.name)
+            unit_params = max(params, self._layers_params(layout, unit))
+            cost = self.dp_sync_cost(layout, unit_params * self.grads_bytes)
+            exposed = self.exposed_dp_sync_s(replace(cost, seconds=cost.seconds * params / unit_params), backward_s)
+        if layout.zero_stage == 1:  # updated shards gathered back to every replica
+            flat = self._layers_params(layout, tuple(layer.name for layer in self.layers)) / layout.pp
+            exposed += self.collective_s(Collective.ALL_GATHER, max(flat, params) * self.weights_bytes,
+                                         self._shard_group(layout)) * params / max(flat, params)
+        return exposed
+
+    def _pipelined_zero_s(self, layer: Any, split: TPLayerSplit, layout: Any, backward_s: float) -> float:
+        """ZeRO-2/3 under a pipeline schedule, once per step: the schedule keeps gradients
+        unreduced until the last micro-batch's backward (one reduce-scatter per unit, measured),
+        ZeRO-2 and the root gather once, and ZeRO-3's other units once more for backward."""
+        group = self._shard_group(layout)
+        rs = self._unit_share_s(Collective.REDUCE_SCATTER, layer, split, layout, self.grads_bytes, group)
+        gather = self._unit_share_s(Collective.ALL_GATHER, layer, split, layout, self.weights_bytes, group)
+        return gather + exposed_s(rs, backward_s) + self._replica_reduce_s(layer, split, layout)
 
     def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
         """Parameters of the layer on one rank (after TP and expert parallelism): what its

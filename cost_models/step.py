@@ -44,6 +44,7 @@ from cost_models.breakdowns import Breakdowns, Estimate
 from cost_models.compute import ComputeModel
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.hardware import GPUSpec
+from cost_models.issued import IssuedCollectives
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
                                     RING_TILE_SCORE_BYTES, LayerCost, TPLayerSplit, TPSplitter, attention_io_bytes,
                                     exposed_s)
@@ -104,7 +105,7 @@ def _shared_compute(profile: "ModelProfile") -> ComputeModel:
     return entry[1]
 
 
-class PlanPricer(Placement, LayerCost, Breakdowns):
+class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
     """Prices configurations of one model on one cluster; caches what repeats across calls.
 
     Args:
@@ -244,7 +245,8 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
                                                layout.hybrid_shard, self._span(layout, ("dp", "cp")),
                                                self._shard_size(layout), layout.micro_batch_size,
-                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep),
+                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep,
+                                               layout.pp),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 
     def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:
@@ -264,7 +266,8 @@ class PlanPricer(Placement, LayerCost, Breakdowns):
         if layout.zero_stage < 2 or self._grad_size(layout) == 1:
             return ()
         group = self._shard_group(layout)
-        return (layout.zero_stage, group.size, group.nodes, group.per_node)
+        replicas = self._replica_group(layout) if layout.hybrid_shard else None
+        return (layout.zero_stage, group.size, group.nodes, group.per_node, layout.pp > 1, replicas)
 
     def _zero_key_static(self, layout: Any) -> tuple:
         if self._grad_size(layout) == 1:

@@ -76,14 +76,20 @@ def _profile(model: TinyModel):
     return _PROFILES[model.name]
 
 
-def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
-              schedule: str = "1f1b", chunks: int = 1, recompute: dict[str, str] | None = None,
-              num_micro_batches: int | None = None, stages: list[list[str]] | None = None,
-              hybrid: bool = False, mixed_tp: bool = False, gpus_per_node: int | None = None, cp: int = 1,
-              cp_strategy: str | None = None, dp_sync: str | None = None,
-              dp_shares: list[int] | None = None) -> Plan:
-    """The planner's plan for ``model`` with the case's choices pinned; everything else (the
-    operator-wise TP split, mesh order, the stage split where not pinned) is the solver's."""
+def make_plan(model: TinyModel, **choices) -> Plan:
+    """The planner's plan for ``model`` with the case's choices pinned (see `make_planner`)."""
+    return make_planner(model, **choices).run().plan
+
+
+def make_planner(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
+                 schedule: str = "1f1b", chunks: int = 1, recompute: dict[str, str] | None = None,
+                 num_micro_batches: int | None = None, stages: list[list[str]] | None = None,
+                 hybrid: bool = False, mixed_tp: bool = False, gpus_per_node: int | None = None, cp: int = 1,
+                 cp_strategy: str | None = None, dp_sync: str | None = None,
+                 dp_shares: list[int] | None = None) -> Planner:
+    """The planner for ``model`` with the case's choices pinned; everything else (the
+    operator-wise TP split, mesh order, the stage split where not pinned) is the solver's. Its
+    `pricer` prices the plan it makes."""
     per_rank = GLOBAL_BATCH // dp
     n = min(num_micro_batches or (4 if pp > 1 else 2), per_rank)
     world = dp * tp * pp * cp
@@ -96,4 +102,4 @@ def make_plan(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: 
                     layer_recompute=recompute)
     solver = SolverConfig(time_limit_s=60, top_k=0)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
-    return Planner(_profile(model), cluster, train, solver, pins).run().plan
+    return Planner(_profile(model), cluster, train, solver, pins)

@@ -49,3 +49,19 @@ def _has_parameter(model: nn.Module, name: str) -> bool:
         return isinstance(model.get_parameter(name), torch.nn.Parameter)
     except AttributeError:
         return False
+
+
+@torch.no_grad()
+def reduce_partial_gradients(modules: list[nn.Module]) -> None:
+    """Sum each partial gradient over its tensor-parallel group, once, before the optimizer step.
+
+    Under sequence parallelism a norm runs on each rank's slice of the sequence, so its
+    replicated parameters get partial gradients. Left partial, the optimizer's step reduced each
+    three times (measured on GPT tp2+SP: 54 all-reduces for 18 norm parameters); reduced here,
+    each costs one all-reduce, as the pricer counts them.
+    """
+    for module in modules:
+        for parameter in module.parameters():
+            grad = parameter.grad
+            if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+                parameter.grad = grad.redistribute(grad.device_mesh, parameter.placements)

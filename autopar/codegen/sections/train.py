@@ -36,7 +36,7 @@ from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradient
                                                local_stage_indices, module_stages, named_parameters_in_stage,
                                                run_pipeline, split_stage, split_with_tracer)
 from autopar.codegen.sections.recompute import apply_recompute
-from autopar.codegen.sections.tensor_parallel import apply_tp
+from autopar.codegen.sections.tensor_parallel import apply_tp, reduce_partial_gradients
 
 
 GRADIENT_SYNC_ALGORITHMS = ("hierarchical", "halving_doubling", "ps")  # dp_sync run by gradient_sync.py
@@ -398,6 +398,8 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
         loss = total / n
     if config.expert_parallel:
         scale_expert_gradients(parallel.modules[0], config.ep)
+    if config.dims.tp_enabled:
+        reduce_partial_gradients(parallel.modules)
     parallel.optimizer.step()
     parallel.optimizer.zero_grad()
     return loss

@@ -1,0 +1,265 @@
+"""The collectives one training step issues, by kind, as the pricer prices them.
+
+A mixin of `cost_models.step.PlanPricer`. Each function counts the calls the generated module
+makes in one step (`train_step`: every micro-batch's forward and backward, gradient
+synchronisation and the optimizer step) on the ranks at coordinate 0 of every mesh axis but
+pp, one rank per pipeline stage, summed over them. A collective counts once per counted rank
+taking part (a tied gradient's all-reduce between the first and last stage counts twice); a
+point-to-point exchange (`send_recv`) counts once per send and its matching receive on a
+counted rank (a stage boundary's activation counts on both of its stages).
+
+    pricer.issued_collectives(plan.layout())   # {'all_gather': 11, 'reduce_scatter': 6, ...}
+
+The counting rules follow codegen (autopar/codegen/sections: data_parallel.py, optimizer.py,
+gradient_sync.py, pipeline.py, context_parallel.py) and were measured on gloo ranks for every
+plan of the equivalence suite (tests/dist/test_collective_counts.py); each rule names what was
+measured. What a step issues outside `train_step` (the logged loss's and the peak memory's
+all-reduces) is measurement, not training, and is not priced.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cost_models.collectives import Algorithm, Collective
+from cost_models.layout import ParallelLayout
+from cost_models.tp_layout import ModuleTree, after_container, sp_layer_layout
+
+Counts = dict[str, int]
+
+
+def add(total: Counts, more: Counts, times: int = 1) -> Counts:
+    """``total`` plus ``times`` x ``more``, in place (kinds with a zero count left out)."""
+    for kind, count in more.items():
+        if count * times:
+            total[kind] = total.get(kind, 0) + count * times
+    return total
+
+
+class IssuedCollectives:
+    """Counts of the collectives a generated step issues (mixed into PlanPricer)."""
+
+    def issued_collectives(self, layout: ParallelLayout) -> Counts:
+        """Collective -> calls in one step on the counted ranks (see the module docstring): every
+        group's (tensor, expert, data, pipeline and context parallel) summed."""
+        total: Counts = {}
+        for counts in (self.tp_collectives(layout), self.sp_gradient_collectives(layout), self.ep_collectives(layout),
+                       self.dp_collectives(layout), self.pp_collectives(layout), self.cp_collectives(layout)):
+            add(total, counts)
+        return total
+
+    def sp_gradient_collectives(self, layout: ParallelLayout) -> Counts:
+        """Under sequence parallelism the norms run on each rank's slice of the sequence, so their
+        parameters' gradients are partial sums; codegen's `reduce_partial_gradients` all-reduces
+        each once per step over the TP group (measured: GPT's 18 norm weights and biases, Llama's
+        9 norm weights, and no other parameter). Where FSDP reduce-scatters every micro-batch
+        (ZeRO-2/3 outside a pipeline) it sums them first, every micro-batch (measured on GPT
+        cp2 x tp2+SP ZeRO-2: 36 all-reduces at 2 micro-batches)."""
+        if layout.tp == 1 or not layout.sequence_parallel:
+            return {}
+        count = sum(len(self._slice_norm_params(layer.name)) for layer in self.layers)
+        if layout.zero_stage >= 2 and self._grad_size(layout) > 1 and layout.pp == 1:
+            count *= layout.num_micro_batches
+        return {Collective.ALL_REDUCE.value: count} if count else {}
+
+    def _slice_norm_params(self, layer: str) -> list[str]:
+        """Parameters of the norms that run on the sequence slice in ``layer`` under SP (the
+        roles of `cost_models.tp_layout`: a norm's role does not depend on the TP styles)."""
+        if not hasattr(self, "_module_tree"):
+            self._module_tree = ModuleTree.of_profile(self.profile)
+        names = [each.name for each in self.layers]
+        on_slice = sp_layer_layout(self._module_tree, layer, self.profile.block_container, names, {}).on_slice
+        return [param for param in self.layers[self.layer_index[layer]].param_names
+                if param.rpartition(".")[0] in on_slice]
+
+    # -- stages and FSDP units ------------------------------------------------------------------
+
+    def stage_layers(self, layout: ParallelLayout) -> list[list[str]]:
+        """Layer names of each (virtual) pipeline stage, in model order."""
+        if layout.stages:
+            return [list(stage) for stage in layout.stages]
+        starts = self.stage_starts(layout) + [len(self.layers)]
+        return [[layer.name for layer in self.layers[a:b]] for a, b in zip(starts, starts[1:])]
+
+    def fsdp_units(self, layers: list[str]) -> tuple[list[list[str]], list[str]]:
+        """(units, root) FSDP wraps on one pipeline stage holding ``layers``, as codegen's
+        `derive_layout` and `apply_fsdp` group them: each block its own unit, the layers after
+        the last block one unit, and the root the rest (the embeddings). Layers without
+        parameters of their own (a head tied to the embedding) join no unit; a unit or root left
+        without parameters issues nothing."""
+        held = [name for name in layers if self.layers[self.layer_index[name]].param_count > 0]
+        names = [layer.name for layer in self.layers]
+        blocks = [layer.name for layer in self.layers if layer.is_block]
+        units = [[name] for name in held if name in set(blocks)] if blocks else [[name] for name in held]
+        after = [name for name in after_container(names, self.profile.block_container) if name in held]
+        if blocks and after:
+            units.append(after)
+        grouped = {name for unit in units for name in unit}
+        return units, [name for name in held if name not in grouped]
+
+    def fsdp_unit_of(self, name: str) -> tuple[tuple[str, ...], bool]:
+        """(the FSDP unit holding layer ``name``, whether it is the root) on an unsplit model:
+        what the per-layer prices share a message with. A layer without parameters is a unit
+        of its own (it moves nothing)."""
+        if not hasattr(self, "_unit_index"):
+            units, root = self.fsdp_units([layer.name for layer in self.layers])
+            self._unit_index = {member: (tuple(unit), False) for unit in units for member in unit}
+            self._unit_index.update({member: (tuple(root), True) for member in root})
+        return self._unit_index.get(name, ((name,), False))
+
+    # -- data parallelism -----------------------------------------------------------------------
+
+    def dp_collectives(self, layout: ParallelLayout) -> Counts:
+        """Collective -> calls per step of the gradient (data- x context-parallel) groups."""
+        if layout.dp * layout.cp == 1:
+            return {}
+        if self._custom_sync(layout):
+            return self._custom_sync_collectives(layout)
+        total: Counts = {}
+        for rank_layers in self._pp_rank_layers(layout):
+            for layers in rank_layers:
+                add(total, self._fsdp_collectives(layout, *self.fsdp_units(layers)))
+            if layout.zero_stage == 1 and layout.dp > 1:
+                # ShardedAdamW: one all-gather of the flat parameter vector per pipeline rank and
+                # step (measured on dp2 GPT: 1, where 8 per-layer gathers were priced before).
+                add(total, {Collective.ALL_GATHER.value: 1})
+        return total
+
+    def _pp_rank_layers(self, layout: ParallelLayout) -> list[list[list[str]]]:
+        """Per pipeline rank, the layers of each stage it holds (stage j on rank j % pp)."""
+        stages = self.stage_layers(layout)
+        return [stages[rank::layout.pp] for rank in range(layout.pp)]
+
+    def _fsdp_collectives(self, layout: ParallelLayout, units: list[list[str]], root: list[str]) -> Counts:
+        """FSDP2's calls for one stage module: per unit (the root counted like one), measured on
+        dp2 GPT (6 units): ZeRO-0/1 one all-reduce per unit, after the last micro-batch's
+        backward; ZeRO-2 an all-gather per unit at each micro-batch's forward (parameters are
+        resharded after backward) and a reduce-scatter at its backward; ZeRO-3 also gathers
+        every unit but the root again for backward (11 all-gathers, 6 reduce-scatters per
+        micro-batch). Hybrid sharding adds the replicas' all-reduce after each reduce-scatter.
+        Under a pipeline schedule ZeRO-2 gathers and reduce-scatters once per step (the schedule
+        keeps parameters gathered and skips the reduction until the last micro-batch's
+        backward; measured on cp2 x pp2 GPT and Llama, 6 units over the two stages, 4
+        micro-batches: 6 all-gathers and 6 reduce-scatters).
+        ZeRO-3 under a pipeline schedule reduce-scatters once per step too, and gathers the root
+        once and every other unit at each micro-batch's forward and once more for backward
+        (measured on dp2 x tp2 x pp2 interleaved, 2 micro-batches: 7 and 9 all-gathers, 3
+        reduce-scatters on the two pipeline ranks; at 2 micro-batches M + 1 and 2M - 1 gathers
+        per unit agree: past 2, M + 1 is an assumption, not yet measured)."""
+        wrapped = len(units) + (1 if root else 0)
+        m = layout.num_micro_batches
+        if layout.zero_stage <= 1:
+            return {Collective.ALL_REDUCE.value: wrapped}
+        if layout.pp > 1:
+            gathers = wrapped if layout.zero_stage == 2 else len(units) * (m + 1) + (1 if root else 0)
+            return {Collective.ALL_GATHER.value: gathers, Collective.REDUCE_SCATTER.value: wrapped}
+        counts = {Collective.ALL_GATHER.value: wrapped * m, Collective.REDUCE_SCATTER.value: wrapped * m}
+        if layout.zero_stage == 3:
+            counts[Collective.ALL_GATHER.value] += len(units) * m
+        if layout.hybrid_shard and self._shard_size(layout) < self._grad_size(layout):
+            counts[Collective.ALL_REDUCE.value] = wrapped * m
+        return counts
+
+    def _custom_sync(self, layout: ParallelLayout) -> bool:
+        """Whether gradients go through gradient_sync.py's exchange instead of FSDP (codegen's
+        `custom_gradient_sync`)."""
+        return (layout.dp_sync in (Algorithm.HIERARCHICAL, Algorithm.HALVING_DOUBLING, Algorithm.PARAMETER_SERVER)
+                and layout.zero_stage <= 1 and layout.dp > 1 and layout.cp == 1)
+
+    def dp_buckets(self, layout: ParallelLayout) -> int:
+        """Flat gradient buckets of the generated exchange on one pipeline rank: its fp32
+        gradients over the plan's bucket size (consecutive parameters fill a bucket; a bucket
+        never splits a parameter, so this is a lower bound when parameters straddle buckets)."""
+        total = sum(self._tp_params(layer, self.split(layer.name, layout, self._device_facts(layout)[0]), layout)
+                    for layer in self.layers) * 4 / layout.pp
+        return max(1, math.ceil(total / self.dp_bucket_bytes(layout)))
+
+    def _custom_sync_collectives(self, layout: ParallelLayout) -> Counts:
+        """gradient_sync.py's calls per bucket on the counted rank (the first of its group):
+        hierarchical a reduce-scatter in the node, an all-reduce across nodes and an all-gather
+        in the node; halving-doubling 2 log2(n) exchanges; the parameter server (the first
+        rank) receives every worker's gradients and sends each the parameters back."""
+        n, buckets = layout.dp, self.dp_buckets(layout)
+        if layout.dp_sync == Algorithm.PARAMETER_SERVER:
+            per_bucket = {Collective.SEND_RECV.value: n - 1}
+        elif layout.dp_sync == Algorithm.HALVING_DOUBLING:
+            per_bucket = {Collective.SEND_RECV.value: 2 * (n.bit_length() - 1)}
+        else:
+            per_bucket = {Collective.REDUCE_SCATTER.value: 1, Collective.ALL_REDUCE.value: 1,
+                          Collective.ALL_GATHER.value: 1}
+        total = add({}, per_bucket, buckets * layout.pp)
+        if layout.zero_stage == 1:  # the flat all-gather of ShardedAdamW, as under FSDP
+            add(total, {Collective.ALL_GATHER.value: layout.pp})
+        return total
+
+    # -- pipeline parallelism -------------------------------------------------------------------
+
+    def pp_collectives(self, layout: ParallelLayout) -> Counts:
+        """Point-to-point exchanges per step of the pipeline: every boundary between (virtual)
+        stages passes each micro-batch's activation forward and its gradient back, counted on
+        both stages. Interleaving multiplies the boundaries (pp x chunks - 1)."""
+        if layout.pp == 1:
+            return {}
+        boundaries = layout.pp * layout.chunks - 1
+        counts = {Collective.SEND_RECV.value: 2 * boundaries * layout.num_micro_batches}
+        # TiedGradientSync: a weight tied across pipeline ranks (GPT's embedding and head) has its
+        # gradient all-reduced once per step on each rank holding a copy (measured: 1 all-reduce
+        # on each of pp2 GPT's two ranks, none for Llama's untied head).
+        rank_of = {name: index % layout.pp for index, stage in enumerate(self.stage_layers(layout)) for name in stage}
+        for reader, owner in self.tied_layers().items():
+            ranks = {rank_of[reader], rank_of[owner]}
+            if len(ranks) > 1:
+                add(counts, {Collective.ALL_REDUCE.value: len(ranks)})
+        return counts
+
+    def tied_layers(self) -> dict[str, str]:
+        """Layer -> the layer owning a weight it reads without holding it (a head tied to the
+        token embedding), from the traced forward ops: what the profile lists under no layer's
+        parameters."""
+        owner = {param: layer.name for layer in self.layers for param in layer.param_names}
+        by_name = {op.name: op for op in self.profile.ops}
+        tied: dict[str, str] = {}
+        for op in self.profile.ops:
+            if op.phase != "forward":
+                continue
+            for source in op.inputs:
+                view = by_name.get(source)
+                while view is not None and view.op_class == "view" and len(view.inputs) == 1:
+                    source, view = view.inputs[0], by_name.get(view.inputs[0])
+                param = self.profile.placeholders.get(source, "").removeprefix("param:")
+                if param in owner and owner[param] != op.layer and op.layer in self.layer_index:
+                    tied[op.layer] = owner[param]
+        return tied
+
+    # -- context parallelism --------------------------------------------------------------------
+
+    def cp_collectives(self, layout: ParallelLayout) -> Counts:
+        """Calls per step of the context-parallel group, per attention layer and micro-batch and
+        per pass of its attention (`cp_passes`): Ulysses 4 all-to-alls (q, k, v and the output)
+        per pass; ring attention cp - 1 exchanges of the stacked K/V block (forward) or of its
+        gradient (backward)."""
+        if layout.cp == 1:
+            return {}
+        per_pass = ({Collective.ALL_TO_ALL.value: 4} if layout.cp_strategy == "ulysses"
+                    else {Collective.SEND_RECV.value: layout.cp - 1})
+        total: Counts = {}
+        for layer, option in zip(self.layers, self.layer_options(layout)):
+            if sum(self._attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0))) == 0:
+                continue
+            passes = cp_passes(layout.cp_strategy, self.recompute_options[option])
+            add(total, per_pass, passes * layout.num_micro_batches)
+        return total
+
+
+def cp_passes(strategy: str, recompute: str) -> int:
+    """Times a context-parallel attention layer exchanges per micro-batch: forward, backward, and
+    each forward a recomputation reruns. Measured on cp2 GPT (4 blocks, 2 micro-batches): 2
+    without recomputation; Ulysses 3 under full or selective recomputation (88 all-to-alls for
+    blocks recomputed full, selective, none, selective); ring attention 3 under full and 5 under
+    selective (24 and 40 exchanges with every block so: selective recomputation keeps nothing of
+    ring attention, `never_kept_by_selective`, and the backward reran its ring passes three
+    times, a cost of codegen's query tiles being checkpointed inside the recomputed layer that
+    is priced here as it runs)."""
+    if recompute == "none":
+        return 2
+    return 5 if strategy == "ring" and recompute == "selective" else 3

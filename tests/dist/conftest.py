@@ -1,0 +1,13 @@
+"""The equivalence suite's run, shared by the tests that read it (one spawn per world size per
+session: tests/dist/equivalence.py)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.equivalence import Outcome, run_cases
+
+
+@pytest.fixture(scope="session")
+def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+    """Per equivalence case: its plan, losses, final parameters and issued collectives."""
+    return run_cases(tmp_path_factory.mktemp("equivalence"))

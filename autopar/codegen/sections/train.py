@@ -436,6 +436,12 @@ def save_full_state(parallel: ParallelModel, config: ParallelConfig, path: str) 
     dist.gather_object(state, parts, dst=0)
     if dist.get_rank() == 0:
         merged = {name: tensor for part in parts for name, tensor in part.items()}
+        # A traced pipeline stage holds a tied tensor under one of its names only (T5's shared
+        # embedding as encoder.embed_tokens); the copies are equal (TiedGradientSync), so each
+        # name of the group gets it.
+        for group in config.tied_parameters:
+            kept = next((merged[name] for name in group if name in merged), None)
+            merged.update({name: kept for name in group if kept is not None and name not in merged})
         torch.save(merged, path)
 
 

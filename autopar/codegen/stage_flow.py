@@ -74,17 +74,11 @@ class _Provenance(TorchDispatchMode):
         return output
 
 
-def _called_modules(model: nn.Module, layer: str) -> list[nn.Module]:
-    """The modules that run as ``layer``: itself, or a ModuleList/ModuleDict's children."""
-    module = model.get_submodule(layer)
+def _called_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules that run when ``module`` does: itself, or a ModuleList/ModuleDict's children
+    (which forward iterates, never calling the container)."""
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        return [called for child in module.children() for called in _called_children(child)]
-    return [module]
-
-
-def _called_children(module: nn.Module) -> list[nn.Module]:
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        return [called for child in module.children() for called in _called_children(child)]
+        return [called for child in module.children() for called in _called_modules(child)]
     return [module]
 
 
@@ -107,7 +101,7 @@ def layer_reads(model_path: str | Path, model_kwargs: dict[str, Any], layers: li
 
         def after(module: nn.Module, args: tuple, output: Any, layer: str = layer) -> None:
             provenance.mark(output, {layer})
-        for module in _called_modules(build.model, layer):
+        for module in _called_modules(build.model.get_submodule(layer)):
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after))
     try:

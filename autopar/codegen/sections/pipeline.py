@@ -10,7 +10,9 @@ The model's own forward runs unchanged on every stage, so whatever it computes b
 (positions, rotary tables, masks, the loss) is computed where it is needed. This relies on
 the residual stream entering each layer as its first argument, and on the code between layers
 using no parameters of its own, which holds for models whose blocks live in a ModuleList or
-ModuleDict (GPT-2, Llama and most decoder stacks). Otherwise `split_with_tracer` cuts an
+ModuleDict (GPT-2, Llama and most decoder stacks); codegen checks the rest by tracing what
+every layer and the loss read (autopar/codegen/stage_flow.py: an encoder's output read by
+each decoder layer is not carried). Otherwise `split_with_tracer` cuts an
 exported graph of the model and its loss instead (torch's ``pipeline()`` with split points);
 such stages are graphs, so tensor parallelism and recomputation, which act on modules, are
 not available with them. The model's batch goes to every stage as keyword arguments (the

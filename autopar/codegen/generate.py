@@ -23,6 +23,7 @@ from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
 from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
 from autopar.codegen.specialize import fold, prune, referenced_names
+from autopar.codegen.stage_flow import LayerReads, layer_reads, uncarried_read
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
@@ -86,7 +87,8 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
     facts = inspect_model(model_path, kwargs, batch_size=max(1, plan.micro_batch_size))
     check_plan(plan, facts)
     tp = build_tp_plan(plan, facts)
-    layout = derive_layout(plan, facts, gpus_per_node)
+    reads = layer_reads(model_path, kwargs, plan.layer_names, max(1, plan.micro_batch_size)) if plan.pp > 1 else None
+    layout = derive_layout(plan, facts, gpus_per_node, reads)
     name = model_path.stem
     script = out_dir / f"parallel_{name}.py"
     model_copy = out_dir / model_path.name
@@ -158,7 +160,7 @@ def check_context_parallel(plan: Plan, facts: ModelFacts) -> None:
                            "with plan.cp=1.")
 
 
-def module_split_problem(plan: Plan, facts: ModelFacts) -> str | None:
+def module_split_problem(plan: Plan, facts: ModelFacts, reads: LayerReads | None = None) -> str | None:
     """Why stages cannot be cut by dropping other stages' layers (None if they can).
 
     A stage may start at a block of the container or at a layer after it, where the residual
@@ -179,15 +181,15 @@ def module_split_problem(plan: Plan, facts: ModelFacts) -> str | None:
         ancestor = name == "" or any(layer.startswith(name + ".") for layer in order)
         if module.has_parameters and not inside and not ancestor:
             return f"module {name} holds parameters outside every layer"
-    return None
+    return uncarried_read(plan.stages, reads) if reads is not None else None
 
 
-def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str]) -> str:
+def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str], reads: LayerReads | None = None) -> str:
     """"modules" when the stages can be cut by dropping layers, else "tracer" (torch's
     pipeline() on an exported graph), which supports data parallelism but not TP/recompute."""
     if plan.pp <= 1:
         return "none"
-    problem = module_split_problem(plan, facts)
+    problem = module_split_problem(plan, facts, reads)
     if problem is None:
         return "modules"
     if plan.tp > 1 or any(mode != "none" for mode in plan.recompute.values()):
@@ -199,8 +201,10 @@ def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str]) -> str:
     return "tracer"
 
 
-def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
-    """dp split, pipeline split method and FSDP groups for the plan."""
+def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int, reads: LayerReads | None = None) -> Layout:
+    """dp split, pipeline split method and FSDP groups for the plan; ``reads``: what each layer
+    reads (autopar/codegen/stage_flow.py), which decides whether a pipeline's stages can be cut
+    by modules."""
     notes: list[str] = []
     dp_shard = 1 if plan.zero_stage <= 1 else plan.dp
     if plan.hybrid_shard and plan.zero_stage >= 2:
@@ -218,7 +222,7 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int) -> Layout:
         groups.append(after)  # final norm and head gathered together: they run back to back
     if not block_layers:
         groups = [[layer] for layer in order]
-    split = pipeline_split(plan, facts, notes)
+    split = pipeline_split(plan, facts, notes, reads)
     return Layout(dp_replicate=plan.dp // dp_shard, dp_shard=dp_shard, pipeline_split=split, fsdp_groups=groups,
                   notes=notes)
 

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.codegen.sections.pipeline import first_called
 from autopar.runtime.generated import command_line, import_generated
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -370,7 +371,7 @@ def _stage_inputs(generated: ModuleType, training: Any, config: Any, model_modul
             seen[wanted[name]] = torch.zeros_like(local.detach())
         return hook
 
-    handles = [model.get_submodule(name).register_forward_pre_hook(capture(name), with_kwargs=True, prepend=True)
+    handles = [first_called(model, name).register_forward_pre_hook(capture(name), with_kwargs=True, prepend=True)
                for name in wanted]
     loss_context = generated.loss_parallel if config.loss_parallel else contextlib.nullcontext
     with fake_mode:

@@ -63,6 +63,14 @@ def priced_solution(problem: PartitionProblem, starts: list[int], options: list[
                      result.step_time_s if status == cp_model.OPTIMAL else min(bound, result.step_time_s))
 
 
+def units_bound(seconds: list[float], speed: float) -> int:
+    """An upper bound of a sum of `time_units` terms at ``speed``: the terms rounded as the
+    constraints round them. Rounding the sum instead undercounts (each term may round up by half
+    a unit), which made a problem of five tiny per-step times infeasible (DeepSeek-V3's toy at
+    tp2: 58 units of terms against a bound of 57)."""
+    return sum(time_units(speed * s) for s in seconds) + 1
+
+
 def unresolved(problem: PartitionProblem, solver: cp_model.CpSolver, status: int) -> Partition | None:
     """None when the problem is proven infeasible; otherwise (work limit reached before any
     solution) a placeholder with no partition and the proven lower bound."""
@@ -145,8 +153,8 @@ class StagePartitioner:
             model.add(sum(terms) + mib_up(problem.overhead_bytes[device]) <= mib_down(problem.capacity_bytes[device]))
 
     def _add_device_times(self, model, problem, w, last, L, P, options):
-        horizon = int(sum(max(row) for row in problem.time_s) * TIME_UNITS_PER_S * max(problem.speed or [1.0]) * 2
-                      + sum(problem.send_s) * TIME_UNITS_PER_S * 2) + 1
+        fastest = max(problem.speed or [1.0])
+        horizon = 2 * units_bound([max(row) for row in problem.time_s] + list(problem.send_s), fastest)
         slowest = model.new_int_var(0, horizon, "slowest")
         device_time = []
         for device in range(problem.devices):
@@ -167,7 +175,7 @@ class StagePartitioner:
         """E ≥ the once-per-step time of every device (0 when the problem has none)."""
         if not problem.per_step_s:
             return 0
-        horizon = int(sum(problem.per_step_s) * TIME_UNITS_PER_S * max(problem.speed or [1.0])) + 1
+        horizon = units_bound(problem.per_step_s, max(problem.speed or [1.0]))
         once = model.new_int_var(0, horizon, "per_step")
         for device in range(problem.devices):
             speed = problem.speed_of(device)

@@ -152,3 +152,17 @@ def test_unpinned_stages_split_the_blocks_evenly():
     # fewer blocks than stages, or blocks interrupted: an even split of every layer
     assert even_stage_starts(["e", "b", "b", "h"], 4) == [0, 1, 2, 3]
     assert even_stage_starts(["b", "x", "b", "b", "y", "b"], 2) == [0, 3]
+
+
+def test_tiny_per_step_times_rounded_one_by_one_stay_feasible():
+    """Per-step times of microseconds, each rounded to the nearest unit by its constraint, sum to
+    more units than their rounded sum (58 against 57 here: DeepSeek-V3's toy under tp2, once
+    refused as "nothing fits in memory" with gigabytes to spare). The problem is solvable."""
+    per_step = [5.7344e-06, 1.85472e-05, 2.96576e-05, 8.96e-08, 2.8672e-06]
+    problem = PartitionProblem(time_s=[[1e-3]] * 5, activation_bytes=[[0]] * 5, static_bytes=[0] * 5,
+                               send_s=[0.0] * 5, devices=1, chunks=1, micro_batches=8, in_flight=[1.0],
+                               capacity_bytes=[GiB], overhead_bytes=[0], per_step_s=per_step)
+    found = StagePartitioner().solve(problem)
+    expected = brute_force_partition(problem)
+    assert found is not None and found.status == "OPTIMAL"
+    assert found.step_time_s == expected.step_time_s

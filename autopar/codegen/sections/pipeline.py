@@ -10,7 +10,9 @@ The model's own forward runs unchanged on every stage, so whatever it computes b
 (positions, rotary tables, masks, the loss) is computed where it is needed. This relies on
 the residual stream entering each layer as its first argument, and on the code between layers
 using no parameters of its own, which holds for models whose blocks live in a ModuleList or
-ModuleDict (GPT-2, Llama and most decoder stacks). Otherwise `split_with_tracer` cuts an
+ModuleDict (GPT-2, Llama and most decoder stacks); codegen checks the rest by tracing what
+every layer and the loss read (autopar/codegen/stage_flow.py: an encoder's output read by
+each decoder layer is not carried). Otherwise `split_with_tracer` cuts an
 exported graph of the model and its loss instead (torch's ``pipeline()`` with split points);
 such stages are graphs, so tensor parallelism and recomputation, which act on modules, are
 not available with them. The model's batch goes to every stage as keyword arguments (the
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, SplitPoint, pipeline)
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from autopar.codegen.sections.contract import compute_loss, model_inputs
 
@@ -52,30 +56,42 @@ def _first_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | in
 
 
 def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
-    return value
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("meta"), value)
 
 
 def _zeros_like_meta(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.zeros(value.shape, dtype=value.dtype, device=device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_zeros_like_meta(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _zeros_like_meta(v, device) for k, v in value.items()}
-    return value
+    # pytree keeps the output's own type (a Hugging Face ModelOutput stays one: code after the
+    # layer reads ``outputs[0]`` or ``outputs.pooler_output``).
+    return tree_map_only(torch.Tensor, lambda meta: torch.zeros(meta.shape, dtype=meta.dtype, device=device), value)
+
+
+class MetaShapes(TorchDispatchMode):
+    """Shapes on the meta device of ops whose meta kernel refuses inputs their CPU kernel takes.
+
+    torch 2.13's grouped GEMM (``aten._grouped_mm``: Hugging Face's MoE experts) copies the CUDA
+    kernel's bf16-only check into its meta kernel, so a fp32 MoE layer has no meta shapes. Its
+    output shape does not depend on the dtype: computed in bf16 (free on meta), cast back.
+    (Tracing relaxes the same check in autopar/trace/grouped_mm.py; the generated module imports
+    nothing of autopar, so it carries this narrower, local form.)
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 \
+                and args[0].dtype == args[1].dtype and kwargs.get("out_dtype") is None:
+            dtype = args[0].dtype
+            low = tuple(a.to(torch.bfloat16) if i < 2 else a for i, a in enumerate(args))
+            return func(*low, **kwargs).to(dtype)
+        return func(*args, **kwargs)
 
 
 class SkippedLayer(nn.Module):
     """Stands in for a layer of an earlier stage: zeros shaped like that layer's output.
 
     Only shapes matter: the stage replaces its own first layer's input with the activation it
-    received, so these values are never used for anything but shape and dtype.
+    received, so these values are never used for anything but shape and dtype. The model's code
+    may still read the layer's attributes (ViT reads its patch embedding's weight dtype): a meta
+    copy of the layer answers them, holding no memory and registered nowhere.
     """
 
     def __init__(self, layer: nn.Module, device: torch.device):
@@ -83,8 +99,16 @@ class SkippedLayer(nn.Module):
         self._shape_model = [copy.deepcopy(layer).to("meta")]  # a list: not a registered submodule
         self.device = device
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "_shape_model" not in self.__dict__:
+                raise
+            return getattr(self._shape_model[0], name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
+        with torch.no_grad(), MetaShapes():
             shapes = self._shape_model[0](*_to_meta(args), **_to_meta(kwargs))
         return _zeros_like_meta(shapes, self.device)
 
@@ -143,7 +167,7 @@ class PipelineStageModule(nn.Module):
         recomputation and FSDP have wrapped the layers, so it runs before all their hooks."""
         if self._first_layer is None:
             return
-        layer = self.model.get_submodule(self._first_layer)
+        layer = first_called(self.model, self._first_layer)
 
         def replace_first_input(module: nn.Module, args: tuple, kwargs: dict):
             where, _ = _first_input(module, args, kwargs)
@@ -187,17 +211,36 @@ def split_stage(model: nn.Module, stages: list[list[str]], stage_index: int, mod
     earlier = [name for s in stages[:stage_index] for name in s]
     later = [name for s in stages[stage_index + 1:] for name in s]
     for name in earlier:
-        _replace(stage, name, SkippedLayer(stage.get_submodule(name), device))
+        _replace_called(stage, name, lambda layer: SkippedLayer(layer, device))
     for name in later:
-        _replace(stage, name, StageExit(stage.get_submodule(name)))
+        _replace_called(stage, name, StageExit)
     return PipelineStageModule(stage, model_module, example_batch,
                                first_layer=stages[stage_index][0] if stage_index > 0 else None,
                                is_last=stage_index == len(stages) - 1)
 
 
-def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
+def _replace_called(model: nn.Module, name: str, make: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace layer ``name`` by ``make(layer)``; a ModuleList/ModuleDict layer, which the model
+    iterates and never calls (a whole encoder stack as one layer), has each child replaced."""
+    layer = model.get_submodule(name)
+    if _is_container(layer):
+        for child, _ in list(layer.named_children()):
+            _replace_called(model, f"{name}.{child}", make)
+        return
     owner, _, attribute = name.rpartition(".")
-    model.get_submodule(owner).register_module(attribute, replacement)
+    model.get_submodule(owner).register_module(attribute, make(layer))
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0
+
+
+def first_called(model: nn.Module, name: str) -> nn.Module:
+    """The module that runs first when layer ``name`` does: the layer, or a container's first child."""
+    layer = model.get_submodule(name)
+    while _is_container(layer):
+        layer = next(iter(layer.children()))
+    return layer
 
 
 class TracedLoss(nn.Module):
@@ -224,7 +267,45 @@ def split_with_tracer(model: nn.Module, stages: list[list[str]], model_module: A
     traced = TracedLoss(model, model_module, example_micro_batch)
     leaves = tuple(batch_to_kwargs(example_micro_batch).values())
     split_spec = {f"model.{stage[0]}": SplitPoint.BEGINNING for stage in stages[1:]}
-    return pipeline(traced, mb_args=leaves, split_spec=split_spec)
+    pipe = pipeline(traced, mb_args=leaves, split_spec=split_spec)
+    for index in range(pipe.num_stages):
+        send_contiguous(pipe.get_stage_module(index))
+    return pipe
+
+
+def send_contiguous(stage: torch.fx.GraphModule) -> None:
+    """Make every tensor a traced stage sends or receives contiguous.
+
+    Point-to-point sends and receives (gloo's and NCCL's) take contiguous tensors only, but the
+    traced stage makes its receive buffers with the strides the exported graph recorded, which
+    are a view's (T5 hands on a transposed tensor). The stage's outputs get a ``.contiguous()``
+    and its inputs' recorded strides become the contiguous ones; values are unchanged.
+    """
+    graph = stage.graph
+    for node in graph.nodes:
+        if node.op == "placeholder" and _strided(node):
+            node.meta["val"] = _contiguous_meta(node.meta["val"])
+    output = next(node for node in graph.nodes if node.op == "output")
+
+    def contiguous(node: Any) -> Any:
+        if not isinstance(node, torch.fx.Node) or not _strided(node):
+            return node
+        with graph.inserting_before(output):
+            made = graph.call_method("contiguous", (node,))
+        made.meta["val"] = _contiguous_meta(node.meta["val"])
+        return made
+
+    output.args = torch.fx.node.map_aggregate(output.args, contiguous)
+    stage.recompile()
+
+
+def _strided(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and not value.is_contiguous()
+
+
+def _contiguous_meta(value: torch.Tensor) -> torch.Tensor:
+    return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
 
 
 def local_stage_indices(num_stages: int, pp: int, pp_rank: int) -> list[int]:

@@ -34,21 +34,17 @@ def tie_parameters(model: nn.Module, tied_parameters: list[list[str]]) -> None:
     sharded one if any was sharded, else the first. (The first name may belong to a module no
     style covers because the forward never calls it, T5's ``shared``; tying the sharded users to
     its plain tensor would give their styles a weight that is not a DTensor.)"""
+    # Registered parameters only: a pipeline stage's skipped layer answers attribute reads from
+    # a meta copy of the layer, whose parameters the stage does not hold.
+    held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     for group in tied_parameters:
-        present = [name for name in group if _has_parameter(model, name)]
+        present = [name for name in group if name in held]
         source = next((name for name in present if isinstance(model.get_parameter(name), DTensor)),
                       present[0] if present else None)
         for name in present:
             if name != source:
                 owner, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(owner), attribute, model.get_parameter(source))
-
-
-def _has_parameter(model: nn.Module, name: str) -> bool:
-    try:
-        return isinstance(model.get_parameter(name), torch.nn.Parameter)
-    except AttributeError:
-        return False
 
 
 @torch.no_grad()

@@ -437,7 +437,17 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
             state[name] = full.detach().float().cpu()
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(state, parts, dst=0)
-    return {name: tensor for part in parts for name, tensor in part.items()} if parts else None
+    if not parts:
+        return None
+    merged = {name: tensor for part in parts for name, tensor in part.items()}
+    if parallel.schedule is not None:
+        # A traced pipeline stage holds a tied tensor under one of its names only (T5's shared
+        # embedding as encoder.embed_tokens); the copies are equal (TiedGradientSync), so each
+        # name of the group gets it.
+        for group in config.tied_parameters:
+            kept = next((merged[name] for name in group if name in merged), None)
+            merged.update({name: kept for name in group if kept is not None and name not in merged})
+    return merged
 
 
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,

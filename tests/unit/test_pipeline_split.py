@@ -1,0 +1,147 @@
+"""Cutting a model into pipeline stages without ranks: what a skipped layer stands in for, which
+values a module split would not carry, and what a traced split sends."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+from transformers.modeling_outputs import BaseModelOutput
+
+from autopar.codegen.sections.pipeline import SkippedLayer, StageExit, send_contiguous, split_stage
+from autopar.codegen.stage_flow import layer_reads, uncarried_read
+from tests.dist.plans import GPT, boundary_stages
+
+ZOO_MODELS = Path(__file__).resolve().parents[1] / "zoo" / "models"
+CPU = torch.device("cpu")
+
+
+class _Encoder(nn.Module):
+    """A layer returning a Hugging Face output object, read by position and by name after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> BaseModelOutput:
+        return BaseModelOutput(last_hidden_state=self.proj(x))
+
+
+def test_skipped_layer_keeps_the_output_type_and_answers_attribute_reads_from_memory_it_does_not_hold():
+    skipped = SkippedLayer(_Encoder(), CPU)
+    output = skipped(torch.randn(2, 3, 4))
+    assert isinstance(output, BaseModelOutput)  # code after the layer reads output[0], output.last_hidden_state
+    assert output[0].shape == (2, 3, 4) and not output[0].is_meta and output[0].abs().sum() == 0
+    assert skipped.proj.weight.dtype == torch.float32 and skipped.proj.weight.is_meta  # ViT reads a weight's dtype
+    assert list(skipped.parameters()) == []  # trained by the stage that owns it, not this one
+
+
+class _Experts(nn.Module):
+    """A fp32 grouped GEMM, as Hugging Face's MoE experts run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        offsets = torch.tensor([3, tokens.shape[0]], dtype=torch.int32, device=tokens.device)
+        return torch._grouped_mm(tokens, self.weight, offs=offsets)
+
+
+def test_skipped_fp32_grouped_gemm_is_shaped_although_its_meta_kernel_takes_only_bf16():
+    tokens = torch.randn(5, 8)
+    expected = _Experts()(tokens)  # the CPU kernel takes fp32
+    output = SkippedLayer(_Experts(), CPU)(tokens)
+    assert (output.shape, output.dtype) == (expected.shape, torch.float32)
+
+
+class _EncoderDecoder(nn.Module):
+    """An encoder stack held as one ModuleList layer, iterated (never called) by forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.encoder:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_module_list_layer_is_skipped_and_exited_child_by_child():
+    later = split_stage(_EncoderDecoder(), [["encoder"], ["head"]], 1, None, torch.randn(2, 4), CPU)
+    assert all(isinstance(child, SkippedLayer) for child in later.model.encoder)
+    earlier = split_stage(_EncoderDecoder(), [["head"], ["encoder"]], 0, None, torch.randn(2, 4), CPU)
+    assert all(isinstance(child, StageExit) for child in earlier.model.encoder)
+
+
+def test_a_stack_of_blocks_is_carried_by_its_first_input():
+    reads = layer_reads(GPT.path, GPT.kwargs, GPT.layer_names)
+    assert uncarried_read(boundary_stages(GPT), reads) is None
+
+
+def test_an_encoder_output_read_by_decoder_layers_is_named_as_not_carried():
+    layers = ["embed", "pos", "encoder", "decoder.0", "decoder.1", "norm", "head"]
+    reads = layer_reads(ZOO_MODELS / "encdec.py", {}, layers)
+    problem = uncarried_read([layers[:3], layers[3:]], reads)
+    assert problem is not None and "decoder.0" in problem and "encoder (stage 0)" in problem
+    assert uncarried_read([layers], reads) is None  # one stage carries nothing
+
+
+def test_a_loss_reading_the_first_stage_is_named_as_not_carried(tmp_path):
+    model_file = tmp_path / "towers.py"
+    model_file.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Towers(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.image = nn.Linear(4, 4)
+                self.text = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.image(x), self.text(x)
+
+        def build_model():
+            return Towers()
+
+        def example_batch(batch_size):
+            return torch.randn(batch_size, 4)
+
+        def loss_fn(output, batch):
+            return (output[0] * output[1]).sum()
+    """))
+    problem = uncarried_read([["image"], ["text"]], layer_reads(model_file, {}, ["image", "text"]))
+    assert problem is not None and problem.startswith("the loss reads the output of image (stage 0)")
+
+
+class _Transposing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).transpose(1, 2))
+
+
+def test_a_traced_stage_sends_and_receives_contiguous_tensors_with_unchanged_values():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4)
+    pipe = pipeline(_Transposing(), mb_args=(x,), split_spec={"second": SplitPoint.BEGINNING})
+    first, second = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    before = first(x)
+    assert not before.is_contiguous()  # what gloo and NCCL refuse to send
+    for stage in (first, second):
+        send_contiguous(stage)
+    after = first(x)
+    assert after.is_contiguous() and torch.equal(after, before)
+    received = [node.meta["val"] for node in second.graph.nodes if node.op == "placeholder"]
+    assert all(value.is_contiguous() for value in received if isinstance(value, torch.Tensor))
+    outputs = [node for node in first.graph.nodes if node.op == "output"][0].args[0]
+    assert all(node.meta["val"].is_contiguous() for node in torch.fx.node.map_arg(outputs, lambda n: [n])
+               if hasattr(node, "meta"))

@@ -153,8 +153,6 @@ TP_RECOMPUTE = ("TP under mixed recomputation (none, selective, full, none) in a
 STEP_GAPS = {
     "gpt-zero3_dp2_tp2_pp2": TP_RECOMPUTE,
     "llama_hf-zero3_dp2_tp2_pp2": TP_RECOMPUTE,
-    "llama_hf-tp2_sp_mixed_split": "column-parallel q/k/v without a row-parallel partner (see the module "
-                                   "docstring): issued 60 all-gathers, priced 44",
 }
 
 

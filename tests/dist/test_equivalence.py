@@ -64,8 +64,12 @@ def test_tied_embedding_and_head_stay_identical_across_stages(case, outcomes):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_planned_tp_splits_shard_the_blocks(model):
     """The planner's operator-wise split is what the TP cases exercise: Megatron's pairing on the
-    fast link (every block linear split, column then row), part split and part replicated on the
-    slow one."""
+    fast link (every block linear split, column then row); on the slow one, GPT's attention split
+    and its MLP replicated, and the tiny Llama's blocks replicated whole. (Llama's only partial
+    split would be q/k/v column-parallel without o_proj, each output gathered on its own, which
+    the ILP prices as codegen runs it: measured, the blocks split whole up to 30 µs per message
+    and replicate whole from 33 µs, so its slow case is sequence parallelism around replicated
+    blocks.)"""
     tiny = MODELS[model]
     block = tiny.block_names[0]
 
@@ -73,5 +77,5 @@ def test_planned_tp_splits_shard_the_blocks(model):
         return [style for module, style in case.plan(tiny).tp_styles.items() if module.startswith(block + ".")]
 
     assert sorted(set(block_styles(Case("tp2", dict(tp=2))))) == ["colwise", "rowwise"]
-    mixed = set(block_styles(Case("tp2_sp_mixed_split", dict(tp=2, sp=True, mixed_tp=True))))
-    assert "colwise" in mixed and "replicate" in mixed
+    slow = set(block_styles(Case("tp2_sp_mixed_split", dict(tp=2, sp=True, mixed_tp=True))))
+    assert slow == ({"colwise", "rowwise", "replicate"} if model == "gpt" else {"replicate"})

@@ -71,8 +71,8 @@ class MetaShapes(TorchDispatchMode):
     torch 2.13's grouped GEMM (``aten._grouped_mm``: Hugging Face's MoE experts) copies the CUDA
     kernel's bf16-only check into its meta kernel, so a fp32 MoE layer has no meta shapes. Its
     output shape does not depend on the dtype: computed in bf16 (free on meta), cast back.
-    (Tracing relaxes the same check in autopar/trace/grouped_mm.py; the generated module imports
-    nothing of autopar, so it carries this narrower, local form.)
+    (Tracing relaxes the same check on the planner's side; the generated module needs nothing but
+    torch and the model file, so it carries this narrower, local form.)
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -22,8 +22,8 @@ import math
 from typing import Any
 
 from cost_models.collectives import Algorithm, Collective
-from cost_models.layout import ParallelLayout
-from cost_models.tp_layout import ModuleTree, after_container, sp_layer_layout
+from cost_models.layout import ParallelLayout, fsdp_groups
+from cost_models.tp_layout import ModuleTree, sp_layer_layout
 
 Counts = dict[str, int]
 
@@ -83,17 +83,13 @@ class IssuedCollectives:
 
     def fsdp_units(self, layers: list[str]) -> tuple[list[list[str]], list[str]]:
         """(units, root) FSDP wraps on one pipeline stage holding ``layers``, as codegen's
-        `derive_layout` and `apply_fsdp` group them: each block its own unit, the layers after
-        the last block one unit, and the root the rest (the embeddings). Layers without
-        parameters of their own (a head tied to the embedding) join no unit; a unit or root left
-        without parameters issues nothing."""
+        `apply_fsdp` wraps them: the whole model's `fsdp_groups` cut to the stage, and the root
+        the rest (the embeddings). Layers without parameters of their own (a head tied to the
+        embedding) join no unit; a unit or root left without parameters issues nothing."""
         held = [name for name in layers if self.layers[self.layer_index[name]].param_count > 0]
-        names = [layer.name for layer in self.layers]
-        blocks = [layer.name for layer in self.layers if layer.is_block]
-        units = [[name] for name in held if name in set(blocks)] if blocks else [[name] for name in held]
-        after = [name for name in after_container(names, self.profile.block_container) if name in held]
-        if blocks and after:
-            units.append(after)
+        groups = fsdp_groups([layer.name for layer in self.layers],
+                             {layer.name for layer in self.layers if layer.is_block})
+        units = [unit for group in groups if (unit := [name for name in group if name in held])]
         grouped = {name for unit in units for name in unit}
         return units, [name for name in held if name not in grouped]
 

@@ -120,6 +120,23 @@ class TrainSpec:
     moe_capacity_factor: float = 0.0
 
 
+def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:
+    """The FSDP units of a whole model, bottom-up, as the generated module wraps them and the
+    pricer counts their messages: each block its own unit, the layers after the last block (final
+    norm and head, which run back to back) one unit; without blocks, each layer its own. The root
+    wraps whatever no unit holds (the embeddings).
+
+    Args:
+        layers: every layer FQN in model order.
+        blocks: the FQNs of the repeated blocks.
+    """
+    block_layers = [layer for layer in layers if layer in blocks]
+    if not block_layers:
+        return [[layer] for layer in layers]
+    after = layers[layers.index(block_layers[-1]) + 1:]
+    return [[block] for block in block_layers] + ([after] if after else [])
+
+
 def _member(enum: type, value: Any) -> Any:
     """The enum member spelled `value`, or `value` itself when no member is (validated later)."""
     try:

@@ -27,6 +27,7 @@ from autopar.codegen.stage_flow import LayerReads, layer_reads, uncarried_read
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
+from cost_models.layout import fsdp_groups
 from cost_models.mesh import Mesh
 
 DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -214,14 +215,7 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int, reads: Laye
                      f"(one node), replicated {plan.dp // dp_shard}x across nodes")
     container = plan.block_container
     blocks = facts.children.get(container, []) if container else []
-    order = plan.layer_names
-    block_layers = [layer for layer in order if layer in set(blocks)]
-    after = order[order.index(block_layers[-1]) + 1:] if block_layers else []
-    groups = [[block] for block in block_layers]
-    if after:
-        groups.append(after)  # final norm and head gathered together: they run back to back
-    if not block_layers:
-        groups = [[layer] for layer in order]
+    groups = fsdp_groups(plan.layer_names, set(blocks))
     split = pipeline_split(plan, facts, notes, reads)
     return Layout(dp_replicate=plan.dp // dp_shard, dp_shard=dp_shard, pipeline_split=split, fsdp_groups=groups,
                   notes=notes)

@@ -71,6 +71,11 @@ class TPLayerSplit:
         forward_comm: how many leading entries of `comm` are forward (None: half of them).
         sp: what sequence parallelism changes (`cost_models.tp_layout`): the replicated work
             that runs on the sequence slice and the collectives of the styles' boundaries.
+        rerun_comm, rerun_comm_under_sp: the forward collectives full recomputation issues
+            again, without and with sequence parallelism (None: every forward one). The re-run
+            forward stops at the last tensor the layer's backward reads (non-reentrant
+            checkpointing's early stop), so a collective after it (a block's last row-parallel
+            output) is not issued again.
     """
 
     compute: LayerCompute
@@ -85,6 +90,8 @@ class TPLayerSplit:
     sp: SPParts = SPParts()
     comm_under_sp: tuple[tuple[str, float], ...] | None = None
     forward_comm_under_sp: int | None = None
+    rerun_comm: tuple[tuple[str, float], ...] | None = None
+    rerun_comm_under_sp: tuple[tuple[str, float], ...] | None = None
 
     def collectives(self, sequence_parallel: bool) -> tuple[tuple[tuple[str, float], ...], int]:
         """(comm, how many of it lead in forward) as the styles issue them, with or without
@@ -93,6 +100,14 @@ class TPLayerSplit:
         if sequence_parallel and self.comm_under_sp is not None:
             return self.comm_under_sp, self.forward_comm_under_sp or 0
         return self.comm, len(self.comm) // 2 if self.forward_comm is None else self.forward_comm
+
+    def recomputed_collectives(self, sequence_parallel: bool) -> tuple[tuple[str, float], ...]:
+        """The collectives full recomputation's re-run forward issues again (SP boundaries apart)."""
+        rerun = self.rerun_comm_under_sp if sequence_parallel and self.comm_under_sp is not None else self.rerun_comm
+        if rerun is not None:
+            return rerun
+        comm, forward_count = self.collectives(sequence_parallel)
+        return comm[:forward_count]
 
 
 class TPSplitter(Protocol):
@@ -151,16 +166,7 @@ class LayerCost:
         per_token = scale / layout.cp
         plain = self._compute_s(split, layout, per_token, gpu)
         total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
-        tp_group = self.placement(layout, "tp")
-        comm, forward_count = split.collectives(layout.sequence_parallel and layout.tp > 1)
-        tp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in comm]
-        tp_comm = sum(tp_times)
-        if option == "full":  # the re-run forward repeats its collectives
-            tp_comm += sum(tp_times[:forward_count])
-        if layout.sequence_parallel and layout.tp > 1:
-            # The gathers of the sequence into replicated modules (tp_layout.SP_BOUNDARY).
-            sp_times = [self.collective_s(Collective(op), nbytes * per_token, tp_group) for op, nbytes in split.sp.comm]
-            tp_comm += sum(sp_times) + (sum(sp_times[:split.sp.forward_comm]) if option == "full" else 0.0)
+        tp_comm = self._tp_comm_s(split, layout, per_token, option == "full")
         recompute = total - plain
         plain += self._ep_wait_s(layer, split, layout, per_token, forward_passes)
         if option == "selective" and self._ring_attention(layout):
@@ -171,6 +177,28 @@ class LayerCost:
                              "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
                              "ep_comm": self._ep_time_s(layer, layout, scale, option),
                              "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)})
+
+    @staticmethod
+    def tp_issued(split: TPLayerSplit, layout: Any, full_recompute: bool, boundaries: bool = True
+                  ) -> tuple[tuple[str, float], ...]:
+        """(collective, bytes per token) a layer's TP group issues per micro-batch: its split's,
+        those full recomputation's re-run forward issues again, and under sequence parallelism
+        (``boundaries``) the gathers of the sequence into replicated modules
+        (tp_layout.SP_BOUNDARY). What is priced and what is counted."""
+        if layout.tp == 1:
+            return ()
+        sp = bool(layout.sequence_parallel)
+        issued = tuple(split.collectives(sp)[0]) + (tuple(split.recomputed_collectives(sp)) if full_recompute else ())
+        if sp and boundaries:
+            issued += tuple(split.sp.comm) + (tuple(split.sp.comm[:split.sp.forward_comm]) if full_recompute else ())
+        return issued
+
+    def _tp_comm_s(self, split: TPLayerSplit, layout: Any, per_token: float, full_recompute: bool,
+                   boundaries: bool = True) -> float:
+        """Seconds of `tp_issued` for one micro-batch."""
+        group = self.placement(layout, "tp")
+        return sum(self.collective_s(Collective(op), nbytes * per_token, group)
+                   for op, nbytes in self.tp_issued(split, layout, full_recompute, boundaries))
 
     def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
         """Parts times the cluster's measured correction factors (1 unless calibrated from runs)."""
@@ -219,13 +247,11 @@ class LayerCost:
         """A layer's micro-batch seconds below each option's `layer_time_parts` total."""
         compute = (self._compute_s(split, layout, scale / layout.cp, gpu)
                    + self._ep_wait_s(layer, split, layout, scale / layout.cp)) * self.cluster.scale_of("compute")
-        tp_group = self.placement(layout, "tp")
-        comm_issued, forward_count = split.collectives(layout.sequence_parallel and layout.tp > 1)
-        tp_times = [self.collective_s(Collective(op), nbytes * scale / layout.cp, tp_group) for op, nbytes in comm_issued]
+        per_token = scale / layout.cp
+        tp_comm_s = {rerun: self._tp_comm_s(split, layout, per_token, rerun, boundaries=False) for rerun in (False, True)}
         comm = []
         for option in self.recompute_options:
-            tp_comm = sum(tp_times) + (sum(tp_times[:forward_count]) if option == "full" else 0.0)
-            comm.append(tp_comm * self.cluster.scale_of("tp_comm")
+            comm.append(tp_comm_s[option == "full"] * self.cluster.scale_of("tp_comm")
                         + self._cp_time_s(layer, layout, scale, split.compute, option) * self.cluster.scale_of("cp_comm")
                         + self._ep_time_s(layer, layout, scale, option) * self.cluster.scale_of("ep_comm"))
         return compute + min(comm)
@@ -538,13 +564,7 @@ class LayerCost:
         options = self.layer_options(layout)
         for layer, option in zip(self.layers, options):
             split = self.split(layer.name, layout, reference)
-            comm, forward_count = split.collectives(bool(layout.sequence_parallel))
-            issued = list(comm) + (list(comm[:forward_count]) if self.recompute_options[option] == "full" else [])
-            if layout.sequence_parallel:
-                issued += list(split.sp.comm)
-                if self.recompute_options[option] == "full":
-                    issued += list(split.sp.comm[:split.sp.forward_comm])
-            for op, _ in issued:
+            for op, _ in self.tp_issued(split, layout, self.recompute_options[option] == "full"):
                 counts[op] = counts.get(op, 0) + layout.num_micro_batches
         return counts
 

@@ -152,6 +152,7 @@ class ILPSplitter:
             replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in backward if not sharded(op)),
             comm=issued.without_sp, forward_comm=issued.forward_without_sp,
             comm_under_sp=issued.under_sp, forward_comm_under_sp=issued.forward_under_sp,
+            rerun_comm=issued.rerun_without_sp, rerun_comm_under_sp=issued.rerun_under_sp,
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
             styles=styles, activations=acts, sp=sp)
@@ -202,12 +203,15 @@ class ILPSplitter:
 class IssuedCollectives:
     """A layer's split collectives per micro-batch as the generated styles issue them, forward
     first: without sequence parallelism, and with it (where a split region's all-reduce pair
-    runs as gathers and reduce-scatters of the sequence)."""
+    runs as gathers and reduce-scatters of the sequence), and of the forward ones those full
+    recomputation's re-run forward issues again (`_recomputed_forward`)."""
 
     without_sp: tuple[tuple[str, float], ...]
     forward_without_sp: int
     under_sp: tuple[tuple[str, float], ...]
     forward_under_sp: int
+    rerun_without_sp: tuple[tuple[str, float], ...] = ()
+    rerun_under_sp: tuple[tuple[str, float], ...] = ()
 
 
 def _in_region(module: str | None, regions: set[str]) -> bool:
@@ -251,12 +255,15 @@ def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, 
     column-parallel module reading anything else (outside a region, or a tensor made inside
     one) gets a plain tensor and all-reduces its own input gradient."""
     forward, backward, forward_sp, backward_sp = [], [], [], []
+    rerun, rerun_sp = [], []  # the forward ones full recomputation issues again
+    recomputed = _recomputed_forward(by_name)
     for kind, source, nbytes in events:
         collective = _COLLECTIVE_OF_EVENT.get(kind)
         if collective is None:
             continue
         item = (collective.value, float(nbytes))
         op = by_name.get(source)
+        again = source in recomputed or source not in by_name  # another layer's output: read first
         if kind == "backward all-reduce":
             readers = [o for o in _readers_through_views(source, by_name) if strategy.get(o.name) == "colwise"]
             producer = _producer_through_views(source, by_name)
@@ -268,18 +275,37 @@ def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, 
             backward += [item] * (len(alone) + (1 if entering else 0))
             backward_sp += [item] * len(alone)
             if entering:
-                forward_sp.append((Collective.ALL_GATHER.value, float(nbytes)))
+                gather = (Collective.ALL_GATHER.value, float(nbytes))
+                forward_sp.append(gather)
+                rerun_sp += [gather] if again else []
                 backward_sp.append((Collective.REDUCE_SCATTER.value, float(nbytes)))
             continue
         forward.append(item)
+        rerun += [item] if again else []
         if kind == "P->R" and op is not None and _in_region(op.module, regions):
             forward_sp.append((Collective.REDUCE_SCATTER.value, float(nbytes)))
+            rerun_sp += [forward_sp[-1]] if again else []
             backward_sp.append((Collective.ALL_GATHER.value, float(nbytes)))
         else:
             forward_sp.append(item)
+            rerun_sp += [item] if again else []
     forward += tied
     forward_sp += tied
-    return IssuedCollectives(tuple(forward + backward), len(forward), tuple(forward_sp + backward_sp), len(forward_sp))
+    return IssuedCollectives(tuple(forward + backward), len(forward), tuple(forward_sp + backward_sp), len(forward_sp),
+                             tuple(rerun + tied), tuple(rerun_sp + tied))
+
+
+def _recomputed_forward(by_name: dict[str, Any]) -> set[str]:
+    """The layer's forward ops that full recomputation runs again: those up to the last forward
+    tensor the layer's own backward reads. Non-reentrant checkpointing stops the re-run forward
+    there (its early stop), so what follows (a block's last row-parallel output and its
+    collective, the residual add) is not run twice; measured: under SP a fully recomputed GPT
+    block reduce-scatters 3 times per micro-batch, not 4."""
+    forward = [name for name, op in by_name.items() if op.phase == "forward"]
+    read = {source for op in by_name.values() if op.phase == "backward" for source in op.inputs}
+    last = max((i for i, name in enumerate(forward) if name in read), default=-1)
+    return set(forward[:last + 1])
+
 
 
 def _tied_readers(profile: "ModelProfile") -> dict[str, tuple[str, str]]:

@@ -161,9 +161,9 @@ def test_report_does_not_claim_split_matrices_for_a_replicated_plan():
 
 # -- TP collectives as the styles issue them ------------------------------------------------------
 
-def _op(name: str, module: str | None, inputs: tuple[str, ...] = (), op_class: str = "gemm"):
+def _op(name: str, module: str | None, inputs: tuple[str, ...] = (), op_class: str = "gemm", phase: str = "forward"):
     from types import SimpleNamespace
-    return SimpleNamespace(name=name, module=module, inputs=list(inputs), op_class=op_class)
+    return SimpleNamespace(name=name, module=module, inputs=list(inputs), op_class=op_class, phase=phase)
 
 
 def test_issued_collectives_of_a_block_match_a_hand_count():
@@ -172,13 +172,16 @@ def test_issued_collectives_of_a_block_match_a_hand_count():
     Without SP: out_proj's all-reduce (forward), one all-reduce of ln_1's gradient for the three
     region matmuls and one for the probe (backward). With SP: out_proj reduce-scatters (forward)
     and all-gathers its gradient (backward); the region's input is all-gathered (forward) and its
-    gradient reduce-scattered (backward); the probe still all-reduces its own."""
+    gradient reduce-scattered (backward); the probe still all-reduces its own.
+
+    Full recomputation re-runs the forward up to the last tensor the backward reads (out's
+    backward reads attention's output): the region's gather again, not out's reduction."""
     from autopar.solver.tp_split import issued_collectives
 
     ops = [_op("ln", "b.ln_1", op_class="norm"), _op("ln_view", "b.ln_1", ("ln",), "view"),
            _op("q", "b.attn.q", ("ln_view",)), _op("k", "b.attn.k", ("ln",)), _op("v", "b.attn.v", ("ln",)),
            _op("probe", "b.probe", ("ln",)), _op("attn", "b.attn", ("q", "k", "v"), "attention"),
-           _op("out", "b.attn.out", ("attn",))]
+           _op("out", "b.attn.out", ("attn",)), _op("out_grad", "b.attn.out", ("attn",), phase="backward")]
     strategy = {"q": "colwise", "k": "colwise", "v": "colwise", "probe": "colwise", "out": "rowwise"}
     events = [("P->R", "out", 100.0), ("backward all-reduce", "ln", 100.0)]
     issued = issued_collectives(events, {op.name: op for op in ops}, strategy, [], {"b.attn"})
@@ -187,6 +190,8 @@ def test_issued_collectives_of_a_block_match_a_hand_count():
     assert sorted(issued.under_sp[:issued.forward_under_sp]) == [("all_gather", 100.0), ("reduce_scatter", 100.0)]
     assert sorted(issued.under_sp[issued.forward_under_sp:]) == [("all_gather", 100.0), ("all_reduce", 100.0),
                                                                  ("reduce_scatter", 100.0)]
+    assert issued.rerun_without_sp == ()
+    assert issued.rerun_under_sp == (("all_gather", 100.0),)
 
 
 def test_loss_parallel_and_a_tied_embedding_are_priced_as_issued():

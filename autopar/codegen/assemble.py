@@ -92,8 +92,13 @@ def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
     return summary, "\n".join(lines).strip("\n") + "\n"
 
 
+BANNER = "# ===== "
+
+
 def banner(title: str) -> str:
-    return f"# {'=' * 96}\n# {title}\n# {'=' * 96}\n"
+    """One line naming a section's job, padded with rules to 100 columns when it fits."""
+    line = f"{BANNER}{title} "
+    return (line + "=" * max(0, 100 - len(line))).rstrip() + "\n"
 
 
 def assemble_sections(imports: ImportBlock, transform: Callable[[str], str] = lambda code: code) -> str:
@@ -109,12 +114,11 @@ def assemble_sections(imports: ImportBlock, transform: Callable[[str], str] = la
 def drop_empty_sections(source: str) -> str:
     """``source`` without banners that no code follows before the next banner (a section the
     plan does not use, once specialised)."""
-    rule = f"# {'=' * 96}"
     lines = source.splitlines()
-    starts = [i for i in range(len(lines) - 2) if lines[i] == rule and lines[i + 2] == rule]
+    starts = [i for i, line in enumerate(lines) if line.startswith(BANNER)]
     empty = set()
     for index, start in enumerate(starts):
         end = starts[index + 1] if index + 1 < len(starts) else len(lines)
-        if not any(line.strip() for line in lines[start + 3:end]):
+        if not any(line.strip() for line in lines[start + 1:end]):
             empty.update(range(start, end))
     return "\n".join(line for i, line in enumerate(lines) if i not in empty) + "\n"

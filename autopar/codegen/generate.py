@@ -576,10 +576,7 @@ def _block_range_source(members: list[str], container: str) -> str:
 
 
 def main_section() -> str:
-    return f'''# {'=' * 96}
-# Entry point
-# {'=' * 96}
-
+    return banner("Entry point") + f'''
 @record
 def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
     """Train with the plan; see the module docstring for how to launch (``after_steps``: see train)."""

@@ -55,8 +55,4 @@ REFUSED: dict[str, str] = {
 }
 
 # Known to fail (measured; strict xfail, so a fix shows up as XPASS and must move the case out).
-KNOWN_FAILURES: dict[str, str] = {
-    'hf_clip-tp2': 'different: text_model.encoder.layers.1.self_attn.k_proj.bias: 1 of 32 elements off by 1.7e-05 '
-                   '(atol 1e-05; losses equal). A key bias has a zero gradient in exact arithmetic (softmax ignores '
-                   'one shift of every key), so Adam turns the rounding noise of the sharded sums into lr-sized steps',
-}
+KNOWN_FAILURES: dict[str, str] = {}

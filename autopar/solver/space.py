@@ -46,7 +46,9 @@ class ModelShape:
     kv_heads: int | None
     head_dim: int | None
     tokens_per_sample: int | None
-    split_dims: tuple[int, ...]  # weight dims a TP split divides (output and input features)
+    # Weight dims a TP split divides (output and input features); one smaller than tp leaves its
+    # module replicated instead (autopar.solver.tp_legality's too-small rule).
+    split_dims: tuple[int, ...]
     cp_blocker: str | None = None  # the first op that makes context parallelism illegal, if any
     experts: int = 0  # what every MoE layer's expert count divides into (0: no experts)
     sp_blocker: str | None = None  # why sequence parallelism cannot wrap the blocks, if it cannot
@@ -75,7 +77,7 @@ class ModelShape:
                    experts=ExpertFacts.of(profile).common_divisor(), sp_blocker=sp_blocker(profile))
 
     def tp_divides(self, tp: int) -> bool:
-        if any(dim % tp for dim in self.split_dims):
+        if any(dim % tp and dim > tp for dim in self.split_dims):
             return False
         return all(count is None or count % tp == 0 for count in (self.heads, self.kv_heads))
 
@@ -84,7 +86,7 @@ class ModelShape:
         for label, count in (("attention heads", self.heads), ("key/value heads", self.kv_heads)):
             if count is not None and count % tp:
                 return f"{count} {label} are not divisible by tp={tp}"
-        bad = [dim for dim in self.split_dims if dim % tp]
+        bad = [dim for dim in self.split_dims if dim % tp and dim > tp]
         if bad:
             return f"weight dimension {bad[0]} is not divisible by tp={tp}"
         return None

@@ -72,7 +72,7 @@ class TPLegality:
     profile: "ModelProfile"
     _build: Any = None
     _built: bool = False
-    _static: dict[str, dict[str, IllegalSplit]] = field(default_factory=dict)
+    _static: dict[tuple[str, int], dict[str, IllegalSplit]] = field(default_factory=dict)
     _probed: dict[tuple[str, int, frozenset], dict[str, IllegalSplit]] = field(default_factory=dict)
     _inputs: dict[str, tuple[tuple, dict] | None] = field(default_factory=dict)
 
@@ -80,15 +80,15 @@ class TPLegality:
         """Module -> why it cannot be split, by the class and graph rules (independent of styles)."""
         if tp <= 1:
             return {}
-        if layer not in self._static:
+        if (layer, tp) not in self._static:
             found: dict[str, IllegalSplit] = {}
             ops = [op for op in self.profile.ops if op.layer == layer and op.phase == "forward"]
             split_modules = _split_candidates(self.profile, ops)
             for item in [*self._class_rule(split_modules), *_fused_rule(ops, split_modules),
-                         *_in_place_rule(ops, split_modules)]:
+                         *_in_place_rule(ops, split_modules), *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
-            self._static[layer] = found
-        return self._static[layer]
+            self._static[(layer, tp)] = found
+        return self._static[(layer, tp)]
 
     def probe(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, IllegalSplit]:
         """Regions of ``styles`` whose code fails on one rank's share: region's linears -> why."""
@@ -254,6 +254,21 @@ def _reshaped_dim(before: list[int], after: list[int], dim: int) -> int | None:
         if running > outer:
             return None
     return None
+
+
+def _too_small_rule(profile: "ModelProfile", split_modules: set[str], tp: int) -> list[IllegalSplit]:
+    """Modules with a weight dim smaller than tp (Qwen2-MoE's shared-expert gate, one output
+    feature): some rank would hold none of it, and AdamW's foreach step cannot keep such a
+    DTensor's placement. Replicated, they cost nothing (the space's degree gate skips them too:
+    autopar.solver.space.ModelShape)."""
+    found = []
+    for module in sorted(split_modules):
+        shape = profile.param_shapes.get(f"{module}.weight", [])
+        small = [dim for dim in shape if dim < tp]
+        if small:
+            found.append(IllegalSplit(module, "too small", f"{module}'s weight {list(shape)} has a dim of {small[0]}, "
+                                                         f"fewer than tp={tp} ranks to split it over"))
+    return found
 
 
 def _in_place_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:

@@ -70,10 +70,13 @@ MODEL = textwrap.dedent('''
             self.attn = Attention(style, hidden, heads)
             self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
             self.in_place = style == "in_place"
+            self.gate = nn.Linear(hidden, 1) if style == "gated" else None  # Qwen2-MoE's shared-expert gate
 
         def forward(self, x):
             x = x + self.attn(self.norm(x))
             y = self.down(F.gelu(self.up(x)))
+            if self.gate is not None:
+                y = torch.sigmoid(self.gate(x)) * y
             if self.in_place:
                 y += x  # Falcon's mlp_output += attention_output
                 return y
@@ -188,7 +191,20 @@ def test_a_module_that_is_not_nn_linear_is_never_split(model_path):
     assert "Conv1D, not nn.Linear" in found["blocks.0.attn.qkv"].reason
 
 
-@pytest.mark.parametrize("style", ["fused", "hardcoded", "folded", "in_place", "conv1d"])
+def test_a_weight_narrower_than_tp_stays_replicated_and_does_not_refuse_the_degree(model_path):
+    """A gate with one output feature cannot be split over 2 ranks (one would hold none of it):
+    that module is refused, not tp=2 for the whole model."""
+    from autopar.solver.space import ModelShape
+
+    profile = _profile(model_path, "gated")
+    found = TPLegality(profile).static("blocks.0", 2)
+    assert set(found) == {"blocks.0.gate"} and found["blocks.0.gate"].kind == "too small"
+    assert TPLegality(profile).static("blocks.0", 1) == {}
+    shape = ModelShape.from_profile(profile)
+    assert 1 in shape.split_dims and shape.tp_divides(2) and shape.tp_problem(2) is None
+
+
+@pytest.mark.parametrize("style", ["fused", "hardcoded", "folded", "in_place", "conv1d", "gated"])
 def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
     """End to end through the splitter the planner prices with: the illegal modules come back
     replicated, the legal rest may still split, and each refused kind has one report line."""

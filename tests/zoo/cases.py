@@ -25,7 +25,6 @@ REFUSED: dict[str, str] = {
     'hf_opt-cp2': 'would train a different model',
     'hf_bloom-cp2': 'would train a different model',
     'hf_gptj-cp2': 'would train a different model',
-    'hf_qwen2_moe-tp2': 'is not divisible by tp=2',
     'hf_llama_labels-cp2': 'would train a different model',
     'hf_llama_eager-cp2': 'would train a different model',
     'hf_t5-cp2': 'would train a different model',

@@ -256,10 +256,12 @@ def read_plan(plan_path: str | Path):
 def compiled_file_names(model_path: str | Path) -> list[str]:
     """The files `autopar compile` writes for a model file (known before planning, so an output
     folder that cannot take them is refused before any work)."""
+    from autopar.codegen.assemble import BESIDE
     from autopar.report.render import REPORT_FILES
 
     name = Path(model_path).name
-    return [f"parallel_{Path(name).stem}.py", name, "plan.json", "launch.sh", "sbatch.sh", *REPORT_FILES]
+    return [f"parallel_{Path(name).stem}.py", *BESIDE.values(), name, "plan.json", "launch.sh", "sbatch.sh",
+            *REPORT_FILES]
 
 
 # Plans compile's proof may run: the chosen one and two more (each rejection re-solves without the

@@ -15,6 +15,9 @@ from autopar.codegen.specialize import comments_above
 
 SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "context_parallel",
             "expert_parallel", "gradient_sync", "optimizer", "checkpoint", "train")
+# Sections that depend on no plan: written once beside the training module as their own file
+# (section -> file name), which the module imports by path where the section would stand.
+BESIDE = {"checkpoint": "checkpointing.py"}
 _INTERNAL = "autopar"
 
 
@@ -106,9 +109,25 @@ def assemble_sections(imports: ImportBlock, transform: Callable[[str], str] = la
     under a banner naming its job."""
     parts = []
     for name in SECTIONS:
+        if name in BESIDE:
+            summary, _ = split_section(section_source(name), ImportBlock())
+            module = BESIDE[name].removesuffix(".py")
+            parts.append(f"{banner(summary)}\n# The same for every plan: {BESIDE[name]} beside this file.\n"
+                         f'{module} = import_file(Path(__file__).with_name("{BESIDE[name]}"), f"{{__name__}}_{module}")\n')
+            continue
         summary, code = split_section(section_source(name), imports)
         parts.append(f"{banner(summary)}\n{transform(code)}")
     return "\n\n".join(parts)
+
+
+def module_beside(name: str) -> str:
+    """Section ``name`` as a module of its own (`BESIDE`): its docstring, its imports, its code."""
+    source = section_source(name)
+    imports = ImportBlock()
+    _, code = split_section(source, imports)
+    docstring = ast.get_docstring(ast.parse(source), clean=False)
+    return (f'"""{docstring}"""\nfrom __future__ import annotations\n\n{imports.source().strip(chr(10))}\n\n\n'
+            f"{code}")
 
 
 def drop_empty_sections(source: str) -> str:

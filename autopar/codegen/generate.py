@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopar.codegen.assemble import ImportBlock, assemble_sections, banner, drop_empty_sections
+from autopar.codegen.assemble import BESIDE, ImportBlock, assemble_sections, banner, drop_empty_sections, module_beside
 from autopar.codegen.errors import CodegenError
 from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
@@ -99,6 +99,8 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
     settings = {**DEFAULT_OPTIMIZER, **(optimizer or {})}
     script.write_text(render_module(plan, name, model_path.name, sha, kwargs, facts, tp, layout, settings, steps,
                                     gpus_per_node, checkpoint_every))
+    for section, file_name in BESIDE.items():
+        (out_dir / file_name).write_text(module_beside(section))
     plan_path = out_dir / "plan.json"
     plan.save(plan_path)
     launch = out_dir / "launch.sh"
@@ -361,7 +363,8 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "",
         "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN what the runtime reads of the plan;",
         "parallelize() applies them top to bottom (TP, recomputation, FSDP). Only the code this plan runs",
-        "is here: for other degrees or techniques, compile again rather than edit PLAN.",
+        "is here: for other degrees or techniques, compile again rather than edit PLAN. Checkpointing, the same",
+        "for every plan, is checkpointing.py beside this file.",
     ]
     # A file name may hold quotes or backslashes: escaped, they cannot end the docstring early.
     text = "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
@@ -501,9 +504,9 @@ def train_config_source(plan: Plan) -> str:
         seed=args.seed,
         log_file=args.log_file,
         save_final=args.save_final,
-        checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
-                                    async_save=args.async_checkpoint, export=args.export,
-                                    allow_fresh_start=args.allow_fresh_start),
+        checkpoint=checkpointing.CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
+                                                  async_save=args.async_checkpoint, export=args.export,
+                                                  allow_fresh_start=args.allow_fresh_start),
         fail_at_step=args.fail_at_step,
     )'''
 
@@ -584,7 +587,7 @@ def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None 
                              "log_file": str(Path(__file__).with_name("run.jsonl")),
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY}})
     if args.export and "RANK" not in os.environ:  # not under torchrun: only consolidate the latest checkpoint
-        folder = export_latest_checkpoint(args.checkpoint_dir, args.export)
+        folder = checkpointing.export_latest_checkpoint(args.checkpoint_dir, args.export)
         print(f"exported {{folder}} to {{args.export}}")
         return []
     return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256,

@@ -16,6 +16,10 @@ Pipeline stages save their parameters under the whole model's FQNs; a parameter 
 stages (token embedding and LM head) is saved under the name it has on each stage and loaded
 from whichever of its names the checkpoint holds.
 
+It depends on no plan (``dims`` is the training module's ParallelDims, read for its pipeline
+degree alone), so a generated folder holds it once, as checkpointing.py beside the training
+module, rather than inside every plan's file.
+
     torchrun ... parallel_<model>.py --checkpoint-every 100 [--checkpoint-dir DIR] [--async-checkpoint]
     python parallel_<model>.py --export model.safetensors   (no torchrun: consolidate the latest checkpoint)
 """
@@ -46,7 +50,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from autopar.codegen.sections.mesh import ParallelDims
 
 COMPLETE = "COMPLETE"
 # Written beside a checkpoint that passed its checksums but still failed to load, so a restarted
@@ -187,7 +190,7 @@ def _save_failed(folder: Path, error: BaseException) -> BaseException:
     return error
 
 
-def checkpoint_key(section: str, key: str, dims: ParallelDims) -> str:
+def checkpoint_key(section: str, key: str, dims: Any) -> str:
     """``key`` of torch's state dict under the unsharded model's FQN, as the checkpoint names it."""
     if dims.pp_enabled:
         # This rank's pipeline stages sit in a ModuleList, each holding its model copy under
@@ -251,7 +254,7 @@ class Checkpointer:
         tied_parameters: parameter FQNs sharing one tensor.
     """
 
-    def __init__(self, options: CheckpointConfig, modules: list[nn.Module], optimizer: Any, dims: ParallelDims,
+    def __init__(self, options: CheckpointConfig, modules: list[nn.Module], optimizer: Any, dims: Any,
                  tied_parameters: list[list[str]]):
         self.options = options
         self.dims = dims
@@ -387,7 +390,7 @@ class Checkpointer:
 
 
 @torch.no_grad()
-def read_checkpoint(folder: Path, state: dict[str, Any], dims: ParallelDims,
+def read_checkpoint(folder: Path, state: dict[str, Any], dims: Any,
                     tied_parameters: list[list[str]]) -> dict[str, Any]:
     """``state``'s values read from ``folder``, tensors in place. RNG states of ranks the saving
     run did not have are left out (such a rank keeps its seeded RNG)."""

@@ -16,16 +16,22 @@ import torch
 from torch import nn
 
 
+def import_file(path: str | Path, name: str) -> Any:
+    """Import a Python file by its path under ``name``, registered first (its dataclasses look
+    their module up while it executes); by path, so no module on sys.path can stand in for it."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_model_file(path: str | Path) -> Any:
     """Import model.py from its path; its folder goes on sys.path so it can import neighbours."""
     path = Path(path).resolve()
-    spec = importlib.util.spec_from_file_location(f"user_model_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    return module
+    return import_file(path, f"user_model_{path.stem}")
 
 
 def file_sha256(path: str | Path) -> str:

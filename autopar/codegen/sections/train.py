@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
-from autopar.codegen.sections.checkpoint import (CheckpointConfig, Checkpointer, check_export_path,
-                                                 consolidated_weights, inject_failure, write_weights)
+# In a generated folder this is checkpointing.py beside the training module (the same for every plan).
+from autopar.codegen.sections import checkpoint as checkpointing
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
@@ -108,7 +108,7 @@ class TrainConfig:
         save_final: where rank 0 saves the trained parameters as full tensors, or None.
         checkpoint: checkpoint folder and frequency, async saving, export (see checkpoint.py).
         fail_at_step: fault injection: the last rank kills itself at this step in torchrun's
-            first attempt (see `inject_failure`), or None.
+            first attempt (see `checkpointing.inject_failure`), or None.
     """
 
     model_file: str
@@ -122,7 +122,7 @@ class TrainConfig:
     seed: int = 0
     log_file: str | None = None
     save_final: str | None = None
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: checkpointing.CheckpointConfig = field(default_factory=checkpointing.CheckpointConfig)
     fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
 
@@ -479,17 +479,18 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     return record
 
 
-def export_trained_weights(parallel: ParallelModel, config: ParallelConfig, checkpoint: CheckpointConfig,
-                           step: int) -> None:
+def export_trained_weights(parallel: ParallelModel, config: ParallelConfig,
+                           checkpoint: checkpointing.CheckpointConfig, step: int) -> None:
     """Write the trained weights as one file: read back from the final checkpoint (``step``) when
     there is one (rank 0 alone, from disk: no rank gathers the whole model), else gathered."""
     if checkpoint.enabled:
         if dist.get_rank() == 0:
-            write_weights(consolidated_weights(Path(checkpoint.directory) / f"step_{step}"), checkpoint.export)
+            final = Path(checkpoint.directory) / f"step_{step}"
+            checkpointing.write_weights(checkpointing.consolidated_weights(final), checkpoint.export)
         return
     state = full_parameters(parallel, config)
     if dist.get_rank() == 0:
-        write_weights(state, checkpoint.export)
+        checkpointing.write_weights(state, checkpoint.export)
 
 
 FINISHED_MARKER = "rank-finished:"
@@ -531,7 +532,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     try:
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
-        check_export_path(training.checkpoint.export)
+        checkpointing.check_export_path(training.checkpoint.export)
         if config.expert_parallel and (training.checkpoint.enabled or training.checkpoint.export):
             # Each rank's experts are slices under the unsharded names: a checkpoint would keep one.
             raise ValueError("checkpoints of expert-parallel runs are not written yet: run without "
@@ -540,13 +541,13 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         parallel = setup(training, config, tp_plan, model_module, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # report training's peak, not set-up's
-        checkpointer = Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer, config.dims,
-                                    config.tied_parameters)
+        checkpointer = checkpointing.Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer,
+                                                  config.dims, config.tied_parameters)
         first_step = checkpointer.resume() if training.checkpoint.enabled else 0
         records = []
         with attention_context(parallel, config, training, model_module):
             for step in range(first_step, training.steps):
-                inject_failure(step, training.fail_at_step)
+                checkpointing.inject_failure(step, training.fail_at_step)
                 records.append(timed_step(parallel, training, config, model_module, step))
                 if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
                     checkpointer.save(step + 1)

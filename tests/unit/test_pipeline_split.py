@@ -84,10 +84,13 @@ def test_a_stack_of_blocks_is_carried_by_its_first_input():
 
 
 def test_an_encoder_output_read_by_decoder_layers_is_named_as_not_carried():
-    layers = ["embed", "pos", "encoder", "decoder.0", "decoder.1", "norm", "head"]
+    """Both stacks split into blocks: the encoder's last block, read by every decoder block
+    beside its first input, is what a cut between the stacks would not carry."""
+    layers = ["embed", "pos", "encoder.0", "encoder.1", "decoder.0", "decoder.1", "norm", "head"]
     reads = layer_reads(ZOO_MODELS / "encdec.py", {}, layers)
-    problem = uncarried_read([layers[:3], layers[3:]], reads)
-    assert problem is not None and "decoder.0" in problem and "encoder (stage 0)" in problem
+    problem = uncarried_read([layers[:4], layers[4:]], reads)
+    assert problem is not None and "decoder.0" in problem and "encoder.1 (stage 0)" in problem
+    assert reads.first["encoder.1"] == {"encoder.0"}  # the encoder's blocks carry each other
     assert uncarried_read([layers], reads) is None  # one stage carries nothing
 
 

@@ -23,7 +23,7 @@ from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
 from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
 from autopar.codegen.specialize import fold, prune, referenced_names
-from autopar.codegen.stage_flow import LayerReads, layer_reads, uncarried_read
+from autopar.codegen.stage_flow import LayerReads, layer_reads, skipped_read, uncarried_read
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
@@ -201,6 +201,12 @@ def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str], reads: Layer
                            "supports neither tensor parallelism nor recomputation.",
                            "move the stage boundaries to block boundaries, or plan with plan.tp=1 "
                            "and plan.recompute=none.")
+    skipped = skipped_read(plan.stages, reads) if reads is not None else None
+    if skipped is not None:
+        raise CodegenError(f"the pipeline cannot be cut by modules ({problem}), and the traced split sends a "
+                           f"value only to the next stage, but {skipped}.",
+                           "plan with fewer (virtual) stages, e.g. plan.schedule=1f1b instead of an interleaved "
+                           "schedule, or pin plan.stages so that every stage reads only the one before it.")
     notes.append(f"pipeline stages cut from an exported graph ({problem})")
     return "tracer"
 

@@ -185,6 +185,10 @@ def test_every_stack_is_split_into_its_blocks(path, kwargs, stacks):
     for block in children:
         own = {name for name in profile.param_shapes if name.startswith(block + ".")}
         assert own and own <= set(profile.layer(block).param_names)
+    # Sequence parallelism enters and leaves the sequence slices once: not searched for two stacks.
+    from autopar.solver.space import sp_blocker
+    assert sp_blocker(profile) == (f"the model has 2 stacks of blocks ({', '.join(stacks)}); sequence parallelism "
+                                   "is written for one")
 
 
 def test_a_small_stack_or_one_inside_a_block_stays_whole():

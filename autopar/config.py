@@ -122,8 +122,9 @@ class PlanPins:
     """Layer names of each pipeline stage, in order (virtual stages for interleaved schedules);
     fixes the layer-wise split instead of solving it (pp × chunks must equal their number)."""
     blocks: list[str] | None = None
-    """The block container to split the model along (its children are the layers), e.g.
-    plan.blocks=[transformer.h], for when detection picks the wrong one; one stack today."""
+    """The stacks of blocks to split the model along (each container's children are layers),
+    e.g. plan.blocks=[transformer.h] or plan.blocks=[encoder.block,decoder.block], for when
+    detection picks the wrong ones."""
     layer_recompute: dict[str, str] = field(default_factory=dict)
     """Per-layer recomputation (layer name -> none/selective/full; unlisted layers: none), e.g.
     plan.layer_recompute='{blocks.0: full}'; with pp > 1 it needs plan.stages as well."""

@@ -185,7 +185,7 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
     check_model_sha256(path, made_for.model_sha256, "the plan was made for")
     model_file = load_model_file(path)
     profile = profile_model(model_file, dict(made_for.model_kwargs), micro_batch_size=made_for.traced_micro_batch_size,
-                            precision=plan.precision, blocks=[plan.block_container] if plan.block_container else None)
+                            precision=plan.precision, blocks=list(plan.block_containers) or None)
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
     train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer,

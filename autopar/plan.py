@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable
+from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable, upgrade_block_containers
 from cost_models.layout import (CPStrategy, DPSync, MeshAxis, ParallelLayout, Recompute, Schedule, TPStyle,
                                  ZeroStage)
 from cost_models.mesh import Mesh
@@ -116,7 +116,8 @@ class Plan:
         dp_bucket_bytes: gradient bytes per synchronisation bucket (hierarchical / ps).
         dp_shares: samples per micro-batch of each data-parallel rank when uneven (mixed GPU
             types get shares in proportion to their speed); empty: micro_batch_size each.
-        layer_names, block_container: the profile's layer order and block container FQN.
+        layer_names, block_containers: the profile's layer order and the FQNs of its stacks of
+            blocks (containers whose children are layers), in the order their blocks run.
         global_batch_size, precision, optimizer, moe_imbalance, moe_capacity_factor: the
             training settings planned for.
     """
@@ -144,7 +145,7 @@ class Plan:
     dp_bucket_bytes: int = 25 * 2**20
     dp_shares: list[int] = field(default_factory=list)
     layer_names: list[str] = field(default_factory=list)
-    block_container: str | None = None
+    block_containers: list[str] = field(default_factory=list)
     global_batch_size: int = 1
     precision: str = "bf16"
     optimizer: str = "adam"
@@ -272,6 +273,12 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return from_jsonable(cls, json.loads(text))
+
+    @staticmethod
+    def upgrade_data(data: dict[str, Any]) -> dict[str, Any]:
+        """Fields of an older plan file in today's terms (`from_jsonable` calls it): a plan
+        written when a model had one stack (``block_container``) reads as that stack."""
+        return upgrade_block_containers(data)
 
     def to_yaml(self) -> str:
         import yaml

@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autopar.model_file import ModelFile, build_fake
-from autopar.serialize import from_jsonable, to_jsonable
+from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
 from autopar.trace.sequence import sequence_mixers
@@ -121,7 +121,9 @@ class ModelProfile:
     activation_bytes: int
     num_nodes: int
     seconds: float
-    block_container: str | None
+    block_containers: list[str]
+    """FQNs of the stacks of blocks (containers whose children are layers), in the order their
+    blocks run: one for a decoder-only model, two for an encoder-decoder or two towers."""
     torch_version: str
     param_shapes: dict[str, list[int]]
     placeholders: dict[str, str]
@@ -139,7 +141,13 @@ class ModelProfile:
 
     @property
     def blocks(self) -> list[LayerProfile]:
+        """Every block of every stack, in layer order."""
         return [layer for layer in self.layers if layer.is_block]
+
+    @staticmethod
+    def upgrade_data(data: dict[str, Any]) -> dict[str, Any]:
+        """Fields of an older profile file in today's terms (`from_jsonable` calls it)."""
+        return upgrade_block_containers(data)
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:
@@ -186,16 +194,16 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
                   precision: str = "fp32", blocks: list[str] | None = None) -> ModelProfile:
     """Build the model on fake tensors, capture one training step and profile it.
 
-    ``blocks`` (``plan.blocks``) names the block container instead of detecting it."""
+    ``blocks`` (``plan.blocks``) names the stacks of blocks instead of detecting them."""
     if precision not in PRECISION_DTYPES:
         from autopar.errors import ConfigError
 
         raise ConfigError(f"Unknown precision '{precision}'.", f"use one of {', '.join(PRECISION_DTYPES)}.")
     start = time.perf_counter()
     build = build_fake(model_file, model_kwargs, micro_batch_size, dtype=PRECISION_DTYPES[precision])
-    container = _pinned_container(build.model, blocks)
+    containers = _pinned_containers(build.model, blocks)
     captured = capture_training_step(model_file, build)
-    grouping = group_layers(build.model, captured, container)
+    grouping = group_layers(build.model, captured, containers)
     batch_leaves, _ = tree_flatten(build.batch)
     mixers = sequence_mixers(captured, _tokens_per_sample(batch_leaves), build.model)
     facts = profile_ops(captured, grouping)
@@ -217,7 +225,7 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         activation_bytes=sum(op.saved_for_backward_bytes for op in ops),
         num_nodes=len(captured.graph_module.graph.nodes),
         seconds=round(time.perf_counter() - start, 3),
-        block_container=grouping.container, torch_version=torch.__version__,
+        block_containers=grouping.containers, torch_version=torch.__version__,
         param_shapes={name: list(p.shape) for name, p in params},
         placeholders=_placeholder_roles(captured),
         layers=layers, coverage=coverage, ops=ops, sequence_mixers=[m.describe() for m in mixers])
@@ -402,22 +410,19 @@ def _arg_values(node: torch.fx.Node) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def _pinned_container(model: torch.nn.Module, blocks: list[str] | None) -> str | None:
-    """The container plan.blocks names, checked before tracing."""
+def _pinned_containers(model: torch.nn.Module, blocks: list[str] | None) -> list[str] | None:
+    """The stacks plan.blocks names, checked before tracing."""
     from autopar.errors import ConfigError
-    from autopar.trace.layers import check_block_container
+    from autopar.trace.layers import check_block_containers
 
     if not blocks:
         return None
-    if len(blocks) > 1:
-        raise ConfigError(f"plan.blocks names {len(blocks)} stacks ({', '.join(blocks)}); autopar splits one stack of "
-                          "blocks today (the others stay whole inside their layer).",
-                          f"name the largest stack alone, e.g. plan.blocks=[{blocks[0]}].")
-    problem = check_block_container(model, blocks[0])
+    problem = check_block_containers(model, list(blocks))
     if problem:
-        raise ConfigError(f"plan.blocks: {problem}.", "name a container of the model's blocks, or drop plan.blocks "
-                          "to let autopar find it.")
-    return blocks[0]
+        raise ConfigError(f"plan.blocks: {problem}.", "name the containers of the model's blocks, e.g. "
+                          "plan.blocks=[encoder.block,decoder.block], or drop plan.blocks to let autopar find "
+                          "them.")
+    return list(blocks)
 
 
 def _tokens_per_sample(leaves: list[torch.Tensor]) -> int | None:

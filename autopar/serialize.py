@@ -41,6 +41,15 @@ def from_jsonable(cls: type[T], data: Any) -> T:
     return _convert(cls, data)
 
 
+def upgrade_block_containers(data: dict[str, Any]) -> dict[str, Any]:
+    """A plan or profile written when a model had one stack of blocks (its ``block_container``
+    field) reads as that one stack (``block_containers``)."""
+    if "block_container" not in data or "block_containers" in data:
+        return data
+    single = data["block_container"]
+    return {**data, "block_containers": [single] if single else []}
+
+
 def dumps(obj: Any) -> str:
     """Stable JSON text (sorted keys are not used: field order is the dataclass's, for readers)."""
     return json.dumps(to_jsonable(obj), indent=1)
@@ -55,6 +64,8 @@ def _convert(annotation: Any, data: Any) -> Any:
         candidates = [a for a in args if a is not type(None)]
         return _convert(candidates[0], data) if len(candidates) == 1 else data
     if dataclasses.is_dataclass(annotation):
+        if hasattr(annotation, "upgrade_data"):  # an older file's fields, renamed since
+            data = annotation.upgrade_data(data)
         hints = typing.get_type_hints(annotation)
         kwargs = {f.name: _convert(hints[f.name], data[f.name])
                   for f in dataclasses.fields(annotation) if f.init and f.name in data}

@@ -48,7 +48,7 @@ def _plan():
     layers = ["wte", "wpe"] + blocks + ["ln_f", "lm_head"]
     return Plan(dp=2, tp=2, zero_stage=3, micro_batch_size=2, num_micro_batches=2, stages=[layers],
                 recompute=dict.fromkeys(layers, "none"), tp_styles=styles, sequence_parallel=True,
-                loss_parallel=True, layer_names=layers, block_container="blocks", global_batch_size=8,
+                loss_parallel=True, layer_names=layers, block_containers=["blocks"], global_batch_size=8,
                 precision="fp32", provenance=Provenance(model_kwargs=GPT))
 
 

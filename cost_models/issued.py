@@ -68,7 +68,7 @@ class IssuedCollectives:
         if not hasattr(self, "_module_tree"):
             self._module_tree = ModuleTree.of_profile(self.profile)
         names = [each.name for each in self.layers]
-        on_slice = sp_layer_layout(self._module_tree, layer, self.profile.block_container, names, {}).on_slice
+        on_slice = sp_layer_layout(self._module_tree, layer, self.profile.block_containers, names, {}).on_slice
         return [param for param in self.layers[self.layer_index[layer]].param_names
                 if param.rpartition(".")[0] in on_slice]
 

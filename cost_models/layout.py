@@ -128,7 +128,7 @@ def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:
 
     Args:
         layers: every layer FQN in model order.
-        blocks: the FQNs of the repeated blocks.
+        blocks: the FQNs of the repeated blocks, of every stack (an encoder's and a decoder's alike).
     """
     block_layers = [layer for layer in layers if layer in blocks]
     if not block_layers:

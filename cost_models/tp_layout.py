@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from cost_models.collectives import Collective
 
@@ -189,18 +189,18 @@ class SPLayerLayout:
         return self.block_ops_on_slice
 
 
-def sp_layer_layout(tree: ModuleTree, layer: str, block_container: str | None, layer_names: list[str],
+def sp_layer_layout(tree: ModuleTree, layer: str, containers: Sequence[str], layer_names: list[str],
                     styles: dict[str, str]) -> SPLayerLayout:
     """Where a layer's replicated work runs under sequence parallelism and what its boundaries
-    add (codegen's `_sequence_parallel_styles` applies the same roles)."""
-    after = after_container(layer_names, block_container)
-    before = before_container(layer_names, block_container)
+    add (codegen's `_sequence_parallel_styles` applies the same roles). ``containers``: the
+    model's stacks of blocks (sequence parallelism is searched for one stack only)."""
+    after = after_blocks(layer_names, containers)
+    before = before_blocks(layer_names, containers)
     if before and layer == before[-1]:
         # The first block slices the replicated stream (PrepareModuleInput Replicate -> Shard(1));
         # in backward the slices' gradients are gathered, once per micro-batch, at this layer's output.
         return SPLayerLayout(boundary=(("backward", Collective.ALL_GATHER),), boundary_bytes="output")
-    if block_container is not None and layer.startswith(block_container + ".") and \
-            layer.count(".") == block_container.count(".") + 1:
+    if stack_of(layer, containers) is not None:
         roles = tree.roles(layer, styles)
         boundary = tuple(step for child, role in roles.items() if role == SPRole.GATHERED
                          for step in SP_BOUNDARY[role])
@@ -218,19 +218,21 @@ def sp_layer_layout(tree: ModuleTree, layer: str, block_container: str | None, l
     return SPLayerLayout()  # embeddings before the blocks run on the whole sequence
 
 
-def before_container(layer_names: list[str], block_container: str | None) -> list[str]:
-    """Layers before the block container in layer order (embeddings)."""
-    if block_container is None:
-        return []
-    blocks = [i for i, n in enumerate(layer_names) if n.startswith(block_container + ".")]
+def stack_of(layer: str, containers: Sequence[str]) -> str | None:
+    """The stack ``layer`` is a block of (a direct child of that container), or None."""
+    parent = layer.rpartition(".")[0]
+    return parent if parent in containers else None
+
+
+def before_blocks(layer_names: list[str], containers: Sequence[str]) -> list[str]:
+    """Layers before the first block of any stack, in layer order (embeddings)."""
+    blocks = [i for i, name in enumerate(layer_names) if stack_of(name, containers) is not None]
     return layer_names[:min(blocks)] if blocks else []
 
 
-def after_container(layer_names: list[str], block_container: str | None) -> list[str]:
-    """Layers after the block container in layer order (final norm, head)."""
-    if block_container is None:
-        return []
-    blocks = [i for i, n in enumerate(layer_names) if n.startswith(block_container + ".")]
+def after_blocks(layer_names: list[str], containers: Sequence[str]) -> list[str]:
+    """Layers after the last block of any stack, in layer order (final norm, head)."""
+    blocks = [i for i, name in enumerate(layer_names) if stack_of(name, containers) is not None]
     return layer_names[max(blocks) + 1:] if blocks else []
 
 
@@ -256,11 +258,10 @@ def sp_parts(profile: "ModelProfile", tree: ModuleTree, layer_name: str, styles:
              seconds: Callable[[Any], float]) -> SPParts:
     """Price a layer's sequence-parallel layout: which of its replicated ops (`seconds` each)
     run on the slice, and the boundary collectives, each moving the layer's input stream."""
-    layout = sp_layer_layout(tree, layer_name, profile.block_container, [layer.name for layer in profile.layers],
-                             styles)
     names = [layer.name for layer in profile.layers]
+    layout = sp_layer_layout(tree, layer_name, profile.block_containers, names, styles)
     if layout.boundary_bytes == "output":  # the stream entering the first block
-        stream = float(profile.layer(names[len(before_container(names, profile.block_container))]).input_bytes)
+        stream = float(profile.layer(names[len(before_blocks(names, profile.block_containers))]).input_bytes)
     else:
         stream = float(profile.layer(layer_name).input_bytes)
     ordered = [c for phase, c in layout.boundary if phase == "forward"] + \

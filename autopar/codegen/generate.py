@@ -23,12 +23,13 @@ from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
 from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
 from autopar.codegen.specialize import fold, prune, referenced_names
-from autopar.codegen.stage_flow import LayerReads, layer_reads, uncarried_read
+from autopar.codegen.stage_flow import LayerReads, layer_reads, skipped_read, uncarried_read
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
 from cost_models.layout import fsdp_groups
 from cost_models.mesh import Mesh
+from cost_models.tp_layout import stack_of
 
 DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -166,19 +167,21 @@ def check_context_parallel(plan: Plan, facts: ModelFacts) -> None:
 def module_split_problem(plan: Plan, facts: ModelFacts, reads: LayerReads | None = None) -> str | None:
     """Why stages cannot be cut by dropping other stages' layers (None if they can).
 
-    A stage may start at a block of the container or at a layer after it, where the residual
-    stream is a layer's first input; not between embeddings (token | position), which do not
-    hand on one activation. Parameters outside every layer would belong to no stage."""
-    container = plan.block_container
-    if container is None or container not in facts.modules:
+    A stage may start at a block of a stack or at a layer after the first block, where the
+    residual stream is a layer's first input; not between embeddings (token | position) before
+    the first block, which do not hand on one activation. What a later stack reads of an
+    earlier one (a decoder reading the encoder's output) is checked by ``reads``. Parameters
+    outside every layer would belong to no stage."""
+    containers = [name for name in plan.block_containers if name in facts.modules]
+    if not containers:
         return "the model has no block container (ModuleList/ModuleDict of layers)"
-    blocks = set(facts.children.get(container, []))
+    blocks = {block for name in containers for block in facts.children.get(name, [])}
     order = plan.layer_names
     first_block = min((order.index(b) for b in blocks if b in order), default=len(order))
     for index, stage in enumerate(plan.stages[1:], start=1):
         first = stage[0]
         if first not in blocks and order.index(first) < first_block:
-            return f"stage {index} starts at {first}, before the block container {container}"
+            return f"stage {index} starts at {first}, before the first block ({order[first_block]})"
     for name, module in facts.modules.items():
         inside = any(name == layer or name.startswith(layer + ".") for layer in order)
         ancestor = name == "" or any(layer.startswith(name + ".") for layer in order)
@@ -200,6 +203,12 @@ def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str], reads: Layer
                            "supports neither tensor parallelism nor recomputation.",
                            "move the stage boundaries to block boundaries, or plan with plan.tp=1 "
                            "and plan.recompute=none.")
+    skipped = skipped_read(plan.stages, reads) if reads is not None else None
+    if skipped is not None:
+        raise CodegenError(f"the pipeline cannot be cut by modules ({problem}), and the traced split sends a "
+                           f"value only to the next stage, but {skipped}.",
+                           "plan with fewer (virtual) stages, e.g. plan.schedule=1f1b instead of an interleaved "
+                           "schedule, or pin plan.stages so that every stage reads only the one before it.")
     notes.append(f"pipeline stages cut from an exported graph ({problem})")
     return "tracer"
 
@@ -215,9 +224,8 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int, reads: Laye
         dp_shard = math.gcd(plan.dp, dp_per_node)
         notes.append(f"hybrid sharding: ZeRO-{plan.zero_stage} within groups of {dp_shard} data-parallel ranks "
                      f"(one node), replicated {plan.dp // dp_shard}x across nodes")
-    container = plan.block_container
-    blocks = facts.children.get(container, []) if container else []
-    groups = fsdp_groups(plan.layer_names, set(blocks))
+    blocks = {block for name in plan.block_containers for block in facts.children.get(name, [])}
+    groups = fsdp_groups(plan.layer_names, blocks)
     split = pipeline_split(plan, facts, notes, reads)
     return Layout(dp_replicate=plan.dp // dp_shard, dp_shard=dp_shard, pipeline_split=split, fsdp_groups=groups,
                   notes=notes)
@@ -517,9 +525,7 @@ def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
     if not tp.styles:
         return (f"def tp_plan() -> dict[str, ParallelStyle]:\n{doc}\n"
                 "    return {}  # the plan uses no tensor parallelism")
-    container = plan.block_container
-    blocks = [layer for layer in plan.layer_names if container and layer.startswith(container + ".")
-              and layer.count(".") == container.count(".") + 1]
+    blocks = [layer for layer in plan.layer_names if stack_of(layer, plan.block_containers) is not None]
     per_block: dict[str, dict[str, Any]] = {b: {} for b in blocks}
     top: dict[str, Any] = {}
     for module, spec in tp.styles.items():
@@ -531,13 +537,13 @@ def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
     lines = [f"def tp_plan() -> dict[str, ParallelStyle]:", doc, "    plan: dict[str, ParallelStyle] = {"]
     lines += _entries({f"{module!r}": spec for module, spec in top.items()}, "        ")
     lines.append("    }")
-    # Blocks with the same relative layout share one loop.
+    # Blocks of one stack with the same relative layout share one loop.
     groups: dict[tuple, list[str]] = {}
     for block, relative in per_block.items():
         key = tuple((k, v.source()) for k, v in relative.items())
         if key:
-            groups.setdefault(key, []).append(block)
-    for key, members in groups.items():
+            groups.setdefault((stack_of(block, plan.block_containers), key), []).append(block)
+    for (container, _), members in groups.items():
         relative = per_block[members[0]]
         names = _block_range_source(members, container)
         lines.append(f"    for block in {names}:")
@@ -570,11 +576,12 @@ def _entry(prefix: str, spec) -> str:
 
 
 def _block_range_source(members: list[str], container: str) -> str:
-    indices = [m[len(container) + 1:] for m in members]
+    prefix = f"{container}." if container else ""  # a model that is itself a Sequential of blocks
+    indices = [m[len(prefix):] for m in members]
     if all(i.isdigit() for i in indices):
         numbers = [int(i) for i in indices]
         if numbers == list(range(numbers[0], numbers[-1] + 1)):
-            return f'[f"{container}.{{i}}" for i in range({numbers[0]}, {numbers[-1] + 1})]'
+            return f'[f"{prefix}{{i}}" for i in range({numbers[0]}, {numbers[-1] + 1})]'
     return repr(members)
 
 

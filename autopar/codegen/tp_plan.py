@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from autopar.codegen.errors import CodegenError
 from autopar.codegen.model_facts import ModelFacts
 from autopar.plan import Plan
-from cost_models.tp_layout import SPLIT_STYLES, SPRole, after_container, paired_regions as _paired_regions, sp_role
+from cost_models.tp_layout import SPLIT_STYLES, SPRole, after_blocks, paired_regions as _paired_regions, sp_role
 
 # Placement of a module's weight under each style (for matching tied parameters).
 _WEIGHT_PLACEMENT = {("linear", "colwise"): "Shard(0)", ("linear", "rowwise"): "Shard(1)",
@@ -122,11 +122,10 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
     styles = harmonise_tied(styles, facts, result.notes)
     regions = paired_regions(styles, facts)
     sp = plan.sequence_parallel
-    container = plan.block_container
-    blocks = facts.children.get(container, []) if container is not None else []
+    blocks = [block for container in plan.block_containers for block in facts.children.get(container, [])]
     block_set = set(blocks)
-    after_container = _units_after_container(plan, container)
-    head = _head(styles, facts, after_container)
+    after_last_block = after_blocks(list(plan.layer_names), plan.block_containers)
+    head = _head(styles, facts, after_last_block)
     result.loss_parallel = plan.loss_parallel and head is not None and styles.get(head) == "colwise"
     if plan.loss_parallel and not result.loss_parallel:
         result.notes.append("loss parallel dropped: the LM head is not column-parallel")
@@ -150,7 +149,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
             raise CodegenError(f"the plan splits {module} ({facts.modules[module].class_name}) {style}, but only "
                                "nn.Linear and nn.Embedding modules can be split.",
                                f"pin {module} to replicate, or plan with plan.tp=1.")
-        stream_input = sp and (module == head or module in after_container)
+        stream_input = sp and (module == head or module in after_last_block)
         if module == head and style == "colwise":
             arguments = [("input_layouts", "Shard(1)" if sp else "Replicate()")]
             if result.loss_parallel:
@@ -180,28 +179,27 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
             out[region] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, region, "Replicate()", "Replicate()")
                                     + (("use_local_output", "False"),), "one all-reduce of the input's gradient")
     if sp:
-        out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_container, head))
+        out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
     result.styles = {name: out[name] for name in facts.modules if name in out}
     return result
 
 
-def _units_after_container(plan: Plan, container: str | None) -> list[str]:
-    """Layers after the block container in layer order (final norm, head)."""
-    return after_container(list(plan.layer_names), container)
-
-
-def _head(styles: dict[str, str], facts: ModelFacts, after_container: list[str]) -> str | None:
-    """The LM head: the last linear layer after the block container."""
-    linears = [n for n in after_container if facts.kind(n) == "linear"]
+def _head(styles: dict[str, str], facts: ModelFacts, after_last_block: list[str]) -> str | None:
+    """The LM head: the last linear layer after the last block."""
+    linears = [n for n in after_last_block if facts.kind(n) == "linear"]
     return linears[-1] if linears else None
 
 
 def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, str], regions: set[str],
-                              blocks: list[str], block_set: set[str], after_container: list[str],
+                              blocks: list[str], block_set: set[str], after_last_block: list[str],
                               head: str | None) -> dict[str, StyleSpec]:
     """Styles that keep the residual stream sharded along the sequence between layers."""
     if not blocks:
         raise CodegenError("sequence parallelism needs a block container (ModuleList of layers); the model has none.",
+                           "plan with plan.sequence_parallel=false.")
+    if len(plan.block_containers) > 1:
+        raise CodegenError(f"sequence parallelism is written for one stack of blocks; the model has "
+                           f"{len(plan.block_containers)} ({', '.join(plan.block_containers)}).",
                            "plan with plan.sequence_parallel=false.")
     out: dict[str, StyleSpec] = {}
     out[blocks[0]] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, blocks[0], "Replicate()", "Shard(1)")
@@ -239,7 +237,7 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
                                           ("desired_output_layouts", f"(Shard(1){extra},)"),
                                           ("use_local_output", "True")),
                                        "replicated sub-module: gather the sequence in, slice it out")
-    for unit in after_container:
+    for unit in after_last_block:
         kind = facts.kind(unit)
         if kind == "norm":
             # A DTensor output here (the head's style reads it): a local one would be a view,

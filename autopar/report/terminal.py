@@ -45,8 +45,11 @@ def print_profile(profile: ModelProfile, console: Console) -> None:
     console.print(profile_table(profile))
     blocks = profile.blocks
     repeated = sum(1 for layer in blocks if layer.repeat_of)
+    stacks = profile.block_containers
+    where = (f"block container '{stacks[0]}'" if len(stacks) == 1 else
+             f"{len(stacks)} stacks ({', '.join(repr(name) for name in stacks)})" if stacks else "no block container")
     console.print(f"parameters {format_count(profile.param_count)} ({format_bytes(profile.param_bytes)}), "
-                  f"{profile.num_nodes} graph nodes, block container '{profile.block_container}' with "
+                  f"{profile.num_nodes} graph nodes, {where} with "
                   f"{len(blocks)} blocks ({repeated} repeats of an earlier one), traced in {profile.seconds:.1f} s")
     unknown = profile.uncosted_ops()
     if unknown:

@@ -276,7 +276,7 @@ class Planner:
             cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync,
             dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout), dp_shares=list(self.pricer.dp_shares(layout)),
             layer_names=names,
-            block_container=self.profile.block_container, global_batch_size=self.train.global_batch_size,
+            block_containers=list(self.profile.block_containers), global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
             moe_imbalance=self.train.moe_imbalance, moe_capacity_factor=self.train.moe_capacity_factor,
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,

@@ -130,11 +130,16 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
 
 def sp_blocker(profile: "ModelProfile") -> str | None:
     """Why sequence parallelism cannot wrap this model's blocks (what codegen would refuse), or
-    None: it needs a block container, and no block may call a linear layer directly on the
+    None: it needs one stack of blocks, and no block may call a linear layer directly on the
     residual stream (no torch style gathers the sequence for it: cost_models.tp_layout's
     UNSUPPORTED role)."""
-    if profile.block_container is None or not profile.blocks:
+    if not profile.block_containers or not profile.blocks:
         return "the model has no block container (a stack of repeated blocks) to keep sequence-sharded"
+    if len(profile.block_containers) > 1:
+        # Between two stacks the stream is whole again (an encoder's output, a second tower's
+        # input), and codegen's styles enter and leave the sequence slices once.
+        return f"the model has {len(profile.block_containers)} stacks of blocks " \
+               f"({', '.join(profile.block_containers)}); sequence parallelism is written for one"
     from cost_models.tp_layout import ModuleTree
 
     tree = ModuleTree.of_profile(profile)
@@ -142,8 +147,8 @@ def sp_blocker(profile: "ModelProfile") -> str | None:
     last = profile.layers[-1]
     for layer in profile.layers:
         # Outside the blocks the stream is whole: only the embeddings, norms and a head that reads
-        # the whole sequence are written for it (codegen's styles assume one stack: CLIP's
-        # second tower or a pooled projection would get sequence-sharded tensors).
+        # the whole sequence are written for it (a pooled projection would get sequence-sharded
+        # tensors).
         if layer.name in blocks or tree.kind(layer.name) == "norm":
             continue
         linears = [name for name, kind in tree.kinds.items() if kind == "linear"
@@ -151,7 +156,7 @@ def sp_blocker(profile: "ModelProfile") -> str | None:
         if layer is last and linears and layer.input_bytes != profile.blocks[-1].output_bytes:
             return f"{layer.name} reads less than the whole sequence (a pooled output)"
         if layer is not last and linears:
-            return f"{linears[0]}, a linear layer outside the block container {profile.block_container}, runs on " \
+            return f"{linears[0]}, a linear layer outside the block container {profile.block_containers[0]}, runs on " \
                    "the whole sequence"
     for block in profile.blocks:
         for child in tree.children.get(block.name, []):

@@ -19,7 +19,7 @@ from cost_models.hardware import GPUSpec
 from cost_models.memory import layer_activations
 from cost_models.step import TPLayerSplit
 from cost_models.topology import GroupPlacement
-from cost_models.tp_layout import ModuleTree, SPRole, after_container, paired_regions, sp_parts
+from cost_models.tp_layout import ModuleTree, SPRole, after_blocks, paired_regions, sp_parts, stack_of
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -161,11 +161,10 @@ class ILPSplitter:
     def _split_regions(self, layer_name: str, styles: dict[str, str]) -> set[str]:
         """The layer's children that run as a split region under sequence parallelism (a block's
         attention or MLP with its matmuls paired), as codegen's styles make them."""
-        container = self.profile.block_container
-        if layer_name in after_container([layer.name for layer in self.profile.layers], container):
+        containers = self.profile.block_containers
+        if layer_name in after_blocks([layer.name for layer in self.profile.layers], containers):
             return {layer_name}  # a split head reads the sequence-sharded stream (codegen: Shard(1) input)
-        if container is None or not layer_name.startswith(container + ".") or \
-                layer_name.count(".") != container.count(".") + 1:
+        if stack_of(layer_name, containers) is None:
             return set()
         return {child for child, role in self.tree.roles(layer_name, styles).items() if role == SPRole.SPLIT_REGION}
 

@@ -1,11 +1,11 @@
 """Group a captured step's nodes into layers, and find the blocks that repeat.
 
-A *layer* is the unit pipeline stages are cut along. The model's *block container* is the
-ModuleList / ModuleDict / Sequential of same-class children holding the most parameters
-(`blocks` in our GPT, `model.layers` in Hugging Face Llama, `transformer.h` in nanoGPT); each
-of its children is a layer. Every other
-module beside the path from the root to that container (embeddings, final norm, LM head) is a
-layer too, and a parameter-less one (rotary embedding tables) is folded into its neighbour.
+A *layer* is the unit pipeline stages are cut along. The model's *stacks* are its containers of
+repeated blocks (`find_block_containers` states the rule): `blocks` in our GPT, `model.layers`
+in Hugging Face Llama, `transformer.h` in nanoGPT, and both `encoder.block` and `decoder.block`
+in T5 (both towers in CLIP). Every block of every stack is a layer. Every other module beside
+the paths from the root to the stacks (embeddings, final norms, LM head) is a layer too, and a
+parameter-less one (rotary embedding tables) is folded into its neighbour.
 Ops that run in an ancestor's own forward (the residual add in a root module, the loss) belong
 to the layer that ran last, so the loss sits with the LM head on the last stage.
 Layers whose forward and backward ops, shapes and parameters are identical are repeats: later
@@ -24,6 +24,11 @@ from autopar.trace.capture import BACKWARD, CapturedStep
 from autopar.trace.ops import op_name
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+# A second stack is split into its blocks when it holds at least this share of the model's
+# parameters. In the zoo's tiny models the smaller stack holds 33% (Whisper's encoder) to 41%
+# (CLIP's towers, T5's encoder 38%); the decoder-only models have no second stack at all. A
+# smaller stack stays one layer (plan.blocks names it when it should be split too).
+STACK_SHARE = 0.10
 
 
 @dataclass(frozen=True)
@@ -31,15 +36,16 @@ class LayerGrouping:
     """Result of grouping.
 
     Attributes:
-        container: FQN of the block container, or None if the model has none.
+        containers: FQNs of the stacks (containers of blocks) in the order their blocks run;
+            empty if the model has none.
         layer_names: layers in forward execution order.
-        block_names: the subset of layer_names that are the container's children.
+        block_names: the subset of layer_names that are the stacks' children.
         node_layer: fx node name -> layer name, for every call_function / get_attr node.
         param_layer: parameter FQN -> layer whose ops first use it (tied weights: the first).
         repeat_of: layer name -> the earlier identical layer it repeats (absent if unique).
     """
 
-    container: str | None
+    containers: list[str]
     layer_names: list[str]
     block_names: list[str]
     node_layer: dict[str, str]
@@ -47,64 +53,99 @@ class LayerGrouping:
     repeat_of: dict[str, str]
 
 
-def find_block_container(model: nn.Module) -> str | None:
-    """The container of repeated blocks holding the most parameters (ties: more children).
+def find_block_containers(model: nn.Module) -> list[str]:
+    """The model's stacks of blocks, in module order.
 
-    A container whose children are all of one class (a ModuleList of decoder layers) is a
-    stack of blocks; one of mixed children (nanoGPT's ``transformer = ModuleDict(wte, wpe, h,
-    ln_f)``) is only a namespace, so its stack is looked for inside it. Only without any stack
-    does the largest container of any kind serve."""
-    best: tuple[bool, int, int] = (False, 0, 0)
-    best_name = None
+    A *stack* is a ModuleList / ModuleDict / Sequential of 2 or more children all of one class
+    (a ModuleList of decoder layers); one of mixed children (nanoGPT's ``transformer =
+    ModuleDict(wte, wpe, h, ln_f)``) is only a namespace, and its stacks are looked for inside
+    it. The stacks are taken largest first (parameters, then children): the largest always,
+    every other one that holds at least `STACK_SHARE` of the model's parameters and is neither
+    inside nor around a stack already taken (a ModuleList of experts inside a block stays in its
+    block). So a decoder-only model has one stack, as before; an encoder-decoder (T5, Whisper)
+    or a two-tower model (CLIP) has two. Only without any stack does the largest container of
+    any kind serve (an MLP's Sequential), alone."""
+    total = sum(p.numel() for p in model.parameters())
+    stacks: list[tuple[int, int, str]] = []
+    mixed: tuple[int, int, str] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, _CONTAINERS):
             continue
         children = list(module.children())
         if len(children) < 2:
             continue
-        uniform = len({type(child) for child in children}) == 1
-        params = sum(p.numel() for p in module.parameters())
-        if (uniform, params, len(children)) > best:
-            best, best_name = (uniform, params, len(children)), name
-    return best_name
+        key = (sum(p.numel() for p in module.parameters()), len(children), name)
+        if len({type(child) for child in children}) == 1:
+            stacks.append(key)
+        elif mixed is None or key[:2] > mixed[:2]:
+            mixed = key
+    if not stacks:
+        return [mixed[2]] if mixed is not None else []
+    order = {name: index for index, (_, _, name) in enumerate(stacks)}
+    taken: list[str] = []
+    for params, _, name in sorted(stacks, key=lambda key: (-key[0], -key[1], order[key[2]])):
+        if taken and params < STACK_SHARE * total:
+            break
+        if not any(_nested(name, other) or _nested(other, name) for other in taken):
+            taken.append(name)
+    return sorted(taken, key=order.__getitem__)
 
 
-def check_block_container(model: nn.Module, name: str) -> str | None:
-    """Why ``name`` cannot be the block container (for a one-paragraph error), or None."""
+def check_block_containers(model: nn.Module, names: list[str]) -> str | None:
+    """Why ``names`` cannot be the model's stacks (for a one-paragraph error), or None."""
     containers = [n for n, m in model.named_modules() if isinstance(m, _CONTAINERS) and len(list(m.children())) >= 2]
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        module = None
-    if module is None or name not in containers:
-        what = "is not a module of the model" if module is None else "is not a ModuleList/ModuleDict/Sequential of 2+ blocks"
-        return f"{name} {what}; the model's containers are: {', '.join(containers[:12]) or '(none)'}"
+    listed = ", ".join(containers[:12]) or "(none)"
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            module = None
+        if module is None or name not in containers:
+            what = "is not a module of the model" if module is None else \
+                "is not a ModuleList/ModuleDict/Sequential of 2+ blocks"
+            return f"{name} {what}; the model's containers are: {listed}"
+    for index, name in enumerate(names):
+        for other in names[:index]:
+            if name == other:
+                return f"{name} is named twice"
+            if _nested(name, other) or _nested(other, name):
+                inner, outer = (name, other) if _nested(name, other) else (other, name)
+                return f"{inner} is inside {outer} (a stack's blocks cannot also be split into another stack's)"
     return None
 
 
-def layer_units(model: nn.Module, container: str | None) -> tuple[list[str], list[str]]:
-    """(block FQNs, other unit FQNs): the container's children, and the modules beside the
-    path from the root to the container."""
-    if container is None:
+def _nested(inner: str, outer: str) -> bool:
+    """Whether module ``inner`` lies inside module ``outer`` (the root holds everything)."""
+    return outer == "" and inner != "" or inner.startswith(outer + ".")
+
+
+def layer_units(model: nn.Module, containers: list[str]) -> tuple[list[str], list[str]]:
+    """(block FQNs, other unit FQNs): every stack's children, and the modules beside the paths
+    from the root to the stacks (a module on one stack's path is never a unit of its own)."""
+    if not containers:
         return [], [name for name, _ in model.named_children()]
-    blocks = [_join(container, name) for name, _ in model.get_submodule(container).named_children()]
+    blocks = [_join(container, name) for container in containers
+              for name, _ in model.get_submodule(container).named_children()]
+    on_path = {".".join(container.split(".")[:depth]) for container in containers
+               for depth in range(1, container.count(".") + 2)}
     others: list[str] = []
-    path = container.split(".")
-    for depth in range(len(path)):
-        ancestor = ".".join(path[:depth])
-        on_path = _join(ancestor, path[depth])
-        for name, _ in model.get_submodule(ancestor).named_children():
-            if _join(ancestor, name) != on_path:
-                others.append(_join(ancestor, name))
+    for container in containers:
+        path = container.split(".") if container else []
+        for depth in range(len(path)):
+            ancestor = ".".join(path[:depth])
+            for name, _ in model.get_submodule(ancestor).named_children():
+                unit = _join(ancestor, name)
+                if unit not in on_path and unit not in others:
+                    others.append(unit)
     return blocks, others
 
 
-def group_layers(model: nn.Module, captured: CapturedStep, container: str | None = None) -> LayerGrouping:
+def group_layers(model: nn.Module, captured: CapturedStep, containers: list[str] | None = None) -> LayerGrouping:
     """Assign every op of the captured step to a layer and detect repeated layers.
 
-    ``container`` names the block container (``plan.blocks``); by default it is detected."""
-    container = container or find_block_container(model)
-    blocks, others = layer_units(model, container)
+    ``containers`` names the stacks (``plan.blocks``); by default they are detected."""
+    containers = list(containers) if containers else find_block_containers(model)
+    blocks, others = layer_units(model, containers)
     if not blocks and not others:
         return _single_layer(captured)
     units = sorted(blocks + others, key=len, reverse=True)  # longest prefix wins
@@ -143,15 +184,19 @@ def group_layers(model: nn.Module, captured: CapturedStep, container: str | None
     order = list(dict.fromkeys(node_layer[n.name] for n in graph.nodes
                                if n.name in node_layer and captured.node_phase[n.name] != BACKWARD))
     repeat_of = _find_repeats(order, node_layer, param_layer, captured)
-    return LayerGrouping(container=container, layer_names=order,
-                         block_names=[name for name in order if name in set(blocks)],
+    block_set = set(blocks)
+    first_run = {container: min((index for index, name in enumerate(order)
+                                 if name in block_set and _nested(name, container)), default=len(order))
+                 for container in containers}
+    return LayerGrouping(containers=sorted(containers, key=first_run.__getitem__), layer_names=order,
+                         block_names=[name for name in order if name in block_set],
                          node_layer=node_layer, param_layer=param_layer, repeat_of=repeat_of)
 
 
 def _single_layer(captured: CapturedStep, name: str = "model") -> LayerGrouping:
     """A model without submodules is one layer."""
     nodes = [n.name for n in captured.graph_module.graph.nodes if n.op in ("call_function", "get_attr")]
-    return LayerGrouping(container=None, layer_names=[name], block_names=[],
+    return LayerGrouping(containers=[], layer_names=[name], block_names=[],
                          node_layer=dict.fromkeys(nodes, name),
                          param_layer=dict.fromkeys(captured.param_names, name), repeat_of={})
 

@@ -284,3 +284,51 @@ def test_the_runtime_generates_the_exchanges_the_registry_says_it_does():
 
     registry = {str(t.value) for t in entries(Family.DP_SYNC) if (t.runtime or "").startswith("gradient_sync.")}
     assert registry == set(GRADIENT_SYNC_ALGORITHMS)
+
+
+def test_each_stack_of_an_encoder_decoder_is_split_block_by_block(tmp_path):
+    """T5 has two stacks (encoder.block, decoder.block): every block of both is an FSDP unit of
+    its own (the layers after the decoder's last block one unit, the rest the root's), the TP
+    plan splits modules in every block, one loop per stack and layout, and the generated module
+    and its plan file name both stacks."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+    from autopar.solver.planner import Planner
+    from cost_models.step import TrainSpec
+    from cost_models.topology import ClusterConfig, ClusterSpec
+
+    t5 = Path(__file__).resolve().parents[1] / "zoo" / "models" / "hf_zoo.py"
+    profile = profile_model(load_model_file(t5), {"arch": "t5"}, 1, "fp32")
+    cluster = ClusterSpec.from_config(ClusterConfig(name="c", gpu="cpu", nodes=1, gpus_per_node=2,
+                                                    intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
+    plan = Planner(profile, cluster, TrainSpec(global_batch_size=8, precision="fp32", optimizer="adam"),
+                   SolverConfig(time_limit_s=60, top_k=0), PlanPins(dp=1, tp=2, pp=1)).run().plan
+    assert plan.block_containers == ["encoder.block", "decoder.block"]
+    blocks = ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+    facts = inspect_model(t5, {"arch": "t5"})
+    layout = derive_layout(plan, facts, 2)
+    after = plan.layer_names[plan.layer_names.index("decoder.block.1") + 1:]
+    assert layout.fsdp_groups == [[block] for block in blocks] + [after]
+    tp = build_tp_plan(plan, facts)
+    for block in blocks:
+        assert any(module.startswith(block + ".") for module in tp.styles), block
+    files = generate(plan, t5, tmp_path, gpus_per_node=2, model_kwargs={"arch": "t5"})
+    source = files.script.read_text()
+    assert 'for block in [f"encoder.block.{i}"' in source and 'for block in [f"decoder.block.{i}"' in source
+    module = _load(files.script)
+    styled = set(module.tp_plan())
+    assert styled == set(tp.styles)
+    assert Plan.load(files.plan).block_containers == ["encoder.block", "decoder.block"]
+
+
+def test_a_plan_file_with_one_block_container_still_reads():
+    """Plan files written when a plan named one stack (``block_container``) read as that stack;
+    today's files name the list."""
+    plan = make_plan(GPT, dp=2)
+    data = json.loads(plan.to_json())
+    assert data["block_containers"] == ["blocks"]
+    old = {key: value for key, value in data.items() if key != "block_containers"}
+    old["block_container"] = "blocks"
+    assert Plan.from_json(json.dumps(old)) == plan
+    assert Plan.from_yaml(json.dumps({**old, "block_container": None})).block_containers == []

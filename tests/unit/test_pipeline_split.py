@@ -84,10 +84,13 @@ def test_a_stack_of_blocks_is_carried_by_its_first_input():
 
 
 def test_an_encoder_output_read_by_decoder_layers_is_named_as_not_carried():
-    layers = ["embed", "pos", "encoder", "decoder.0", "decoder.1", "norm", "head"]
+    """Both stacks split into blocks: the encoder's last block, read by every decoder block
+    beside its first input, is what a cut between the stacks would not carry."""
+    layers = ["embed", "pos", "encoder.0", "encoder.1", "decoder.0", "decoder.1", "norm", "head"]
     reads = layer_reads(ZOO_MODELS / "encdec.py", {}, layers)
-    problem = uncarried_read([layers[:3], layers[3:]], reads)
-    assert problem is not None and "decoder.0" in problem and "encoder (stage 0)" in problem
+    problem = uncarried_read([layers[:4], layers[4:]], reads)
+    assert problem is not None and "decoder.0" in problem and "encoder.1 (stage 0)" in problem
+    assert reads.first["encoder.1"] == {"encoder.0"}  # the encoder's blocks carry each other
     assert uncarried_read([layers], reads) is None  # one stage carries nothing
 
 
@@ -145,3 +148,20 @@ def test_a_traced_stage_sends_and_receives_contiguous_tensors_with_unchanged_val
     outputs = [node for node in first.graph.nodes if node.op == "output"][0].args[0]
     assert all(node.meta["val"].is_contiguous() for node in torch.fx.node.map_arg(outputs, lambda n: [n])
                if hasattr(node, "meta"))
+
+
+def test_a_traced_pipeline_refuses_a_read_past_a_stage():
+    """Cut into four (virtual) stages as the planner cut the encoder-decoder under interleaved
+    1F1B, a decoder block reads the encoder two stages back and the loss reads the targets the
+    first stage copies, which torch's traced stages cannot send; two stages carry every read."""
+    from autopar.codegen.stage_flow import skipped_read
+
+    layers = ["embed", "pos", "encoder.0", "encoder.1", "decoder.0", "decoder.1", "norm", "head"]
+    reads = layer_reads(ZOO_MODELS / "encdec.py", {}, layers)
+    four = [layers[:3], layers[3:5], layers[5:6], layers[6:]]
+    assert skipped_read(four, reads) == "the loss reads the batch, which stage 0 copies, past the stages between"
+    encoder_early = [layers[:2], layers[2:4], layers[4:5], layers[5:]]
+    # The decoder's first block reads the embeddings the encoder's input came from, two stages back.
+    assert skipped_read(encoder_early, reads) == ("layer decoder.0 (stage 2) reads the output of embed "
+                                                  "(stage 0) past the stages between")
+    assert skipped_read([layers[:4], layers[4:]], reads) is None

@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar.model_file import load_model_file
 from autopar.profile import profile_model
-from autopar.trace.layers import find_block_container
+from autopar.trace.layers import find_block_containers
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo" / "models"
 
@@ -20,7 +20,7 @@ def test_nanogpt_blocks_are_found_inside_its_module_dict():
     holds more parameters than the blocks alone; the blocks, not the ModuleDict's members, are
     the layers."""
     profile = profile_model(load_model_file(ZOO / "nanogpt.py"), {"layers": 3}, micro_batch_size=1, precision="fp32")
-    assert profile.block_container == "transformer.h"
+    assert profile.block_containers == ["transformer.h"]
     assert [layer.name for layer in profile.layers] == [
         "transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.h.2",
         "transformer.ln_f", "lm_head"]
@@ -31,9 +31,9 @@ def test_a_mixed_container_serves_only_when_no_stack_exists():
     """A Sequential of different layers (an MLP) is the container when nothing repeats."""
     mlp = nn.Module()
     mlp.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    assert find_block_container(mlp) == "net"
+    assert find_block_containers(mlp) == ["net"]
     mlp.stack = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))  # fewer parameters, but uniform
-    assert find_block_container(mlp) == "stack"
+    assert find_block_containers(mlp) == ["stack"]
 
 
 def test_frozen_parameters_are_traced_without_gradients():
@@ -156,33 +156,94 @@ def test_tp_input_layouts_cover_every_positional_argument():
     assert _input_layout_args(facts, "cls", "Shard(1)", "Replicate()")[0] == ("input_layouts", "(Shard(1),)")
 
 
-def test_plan_blocks_pin_chooses_the_stack():
-    """T5's encoder and decoder stacks weigh the same; detection takes the decoder's, and
-    plan.blocks=[encoder.block] makes the encoder's blocks the layers instead (through the
-    driver, as the CLI passes it)."""
+ENCDEC = ZOO / "encdec.py"
+
+
+@pytest.mark.parametrize("path,kwargs,stacks", [
+    (HF_ZOO, {"arch": "t5"}, ["encoder.block", "decoder.block"]),
+    (HF_ZOO, {"arch": "whisper"}, ["model.encoder.layers", "model.decoder.layers"]),
+    (HF_ZOO, {"arch": "clip"}, ["vision_model.encoder.layers", "text_model.encoder.layers"]),
+    (ENCDEC, {}, ["encoder", "decoder"]),
+], ids=["t5", "whisper", "clip", "encdec"])
+def test_every_stack_is_split_into_its_blocks(path, kwargs, stacks):
+    """An encoder-decoder (T5, Whisper, torch.nn's layers) or a two-tower model (CLIP) has two
+    stacks; both are found, in the order their blocks run, and every child of each is a layer
+    of its own (so a pipeline can cut between them and FSDP, TP and recomputation act on each),
+    where the smaller stack used to stay whole inside one layer."""
+    model_file = load_model_file(path)
+    with torch.device("meta"):
+        model = model_file.build_model(**kwargs)
+    assert sorted(find_block_containers(model)) == sorted(stacks)
+    profile = profile_model(model_file, kwargs, micro_batch_size=1, precision="fp32")
+    assert profile.block_containers == stacks
+    children = [f"{stack}.{name}" for stack in stacks for name, _ in model.get_submodule(stack).named_children()]
+    assert len(children) == 4
+    assert [layer.name for layer in profile.blocks] == children
+    layer_names = [layer.name for layer in profile.layers]
+    # No layer holds a stack whole, and every block's parameters are its own layer's.
+    assert not [name for name in layer_names for stack in stacks if stack == name or stack.startswith(name + ".")]
+    for block in children:
+        own = {name for name in profile.param_shapes if name.startswith(block + ".")}
+        assert own and own <= set(profile.layer(block).param_names)
+    # Sequence parallelism enters and leaves the sequence slices once: not searched for two stacks.
+    from autopar.solver.space import sp_blocker
+    assert sp_blocker(profile) == (f"the model has 2 stacks of blocks ({', '.join(stacks)}); sequence parallelism "
+                                   "is written for one")
+
+
+def test_a_small_stack_or_one_inside_a_block_stays_whole():
+    """Only stacks holding a tenth of the parameters are split (the largest always is), and a
+    container inside a block of a stack (experts held in a ModuleList) is no stack of its own."""
+    class Block(nn.Module):
+        def __init__(self, width: int, experts: int):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(Block(16, 4) for _ in range(4))  # 4 x 1,088 parameters
+    model.heads = nn.ModuleList(nn.Linear(16, 2) for _ in range(3))  # 102 parameters: 2% of 4,454
+    # Each block's experts hold 24% of the parameters, but lie inside the blocks.
+    assert find_block_containers(model) == ["blocks"]
+    model.adapters = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))  # 544 parameters: 11% of 4,998
+    assert find_block_containers(model) == ["blocks", "adapters"]
+
+
+def test_plan_blocks_pin_names_the_stacks():
+    """plan.blocks=[encoder.block,decoder.block] gives what detection gives, in either order
+    (through the driver, as the CLI passes it); plan.blocks=[encoder.block] alone leaves the
+    decoder one layer."""
     from omegaconf import OmegaConf
 
     from autopar.driver import run_profile
 
     detected = profile_model(load_model_file(HF_ZOO), {"arch": "t5"}, micro_batch_size=1, precision="fp32")
-    assert detected.block_container == "decoder.block"
-    cfg = OmegaConf.create({"model": {"arch": "t5"}, "train": {"micro_batch_size": 1, "precision": "fp32"},
-                            "plan": {"blocks": ["encoder.block"]}})
-    pinned = run_profile(HF_ZOO, cfg)
-    assert pinned.block_container == "encoder.block"
-    assert [layer.name for layer in pinned.blocks] == ["encoder.block.0", "encoder.block.1"]
-    assert "decoder" in [layer.name for layer in pinned.layers]
+
+    def pinned(blocks: list[str]):
+        cfg = OmegaConf.create({"model": {"arch": "t5"}, "train": {"micro_batch_size": 1, "precision": "fp32"},
+                                "plan": {"blocks": blocks}})
+        return run_profile(HF_ZOO, cfg)
+
+    both = pinned(["decoder.block", "encoder.block"])
+    assert both.block_containers == detected.block_containers == ["encoder.block", "decoder.block"]
+    assert [layer.name for layer in both.layers] == [layer.name for layer in detected.layers]
+    encoder_only = pinned(["encoder.block"])
+    assert encoder_only.block_containers == ["encoder.block"]
+    assert [layer.name for layer in encoder_only.blocks] == ["encoder.block.0", "encoder.block.1"]
+    assert "decoder" in [layer.name for layer in encoder_only.layers]
 
 
 @pytest.mark.parametrize("blocks,words", [
-    (["encoder.blocks"], "plan.blocks: encoder.blocks is not a module of the model; the model's containers are: "
-                         "encoder.block"),
+    (["encoder.block", "decoder.blocks"], "plan.blocks: decoder.blocks is not a module of the model; the model's "
+                                          "containers are: encoder.block"),
     (["shared"], "shared is not a ModuleList/ModuleDict/Sequential of 2+ blocks"),
-    (["encoder.block", "decoder.block"], "names 2 stacks"),
+    (["encoder.block", "encoder.block.0.layer"], "encoder.block.0.layer is inside encoder.block"),
+    (["encoder.block", "encoder.block"], "encoder.block is named twice"),
 ])
-def test_plan_blocks_pin_refuses_what_is_not_one_stack(blocks, words):
+def test_plan_blocks_pin_refuses_what_is_not_a_stack(blocks, words):
+    """A wrong name is refused before tracing, naming the name, the model's containers and the fix."""
     from autopar.errors import ConfigError
 
     with pytest.raises(ConfigError) as refusal:
         profile_model(load_model_file(HF_ZOO), {"arch": "t5"}, micro_batch_size=1, precision="fp32", blocks=blocks)
     assert words in str(refusal.value)
+    assert "plan.blocks=[encoder.block,decoder.block]" in refusal.value.fix

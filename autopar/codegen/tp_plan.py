@@ -172,7 +172,11 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
             out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),),
                                     "no column-parallel partner: input sliced locally")
     if not sp:
-        for region in sorted(regions & set(facts.modules)):
+        # A block whose own linears pair (Whisper's fc1 and fc2 sit in the layer beside its norms)
+        # keeps a plain input: a DTensor would reach the norms' plain weights. Its column-parallel
+        # linears each reduce their own input gradient, as the pricer counts (its regions are a
+        # block's children: autopar.solver.tp_split.ILPSplitter._split_regions).
+        for region in sorted((regions - block_set) & set(facts.modules)):
             # Its input as a replicated DTensor: the column-parallel matmuls reading it (q, k and
             # v) sum their input gradients as DTensors and all-reduce once, as priced (one
             # all-reduce per shared input), not once per matmul.

@@ -332,3 +332,24 @@ def test_a_plan_file_with_one_block_container_still_reads():
     old["block_container"] = "blocks"
     assert Plan.from_json(json.dumps(old)) == plan
     assert Plan.from_yaml(json.dumps({**old, "block_container": None})).block_containers == []
+
+
+def test_a_block_whose_own_linears_pair_keeps_a_plain_input(tmp_path):
+    """Whisper's layout: the MLP's linears sit directly in the block beside its norm, so the
+    block itself is a paired region. It is not handed its input as a DTensor (the norm's weight
+    is a plain tensor: torch refuses the mix); its attention module, a region of its own, is."""
+    from tests.dist.plans import TinyModel
+    from tests.unit.test_tp_legality import MODEL
+
+    path = tmp_path / "direct_linears.py"
+    path.write_text(MODEL)
+    model = TinyModel(name="direct_linears", path=path, kwargs={"style": "local"}, prologue=["embed"],
+                      container="blocks", blocks=2, epilogue=["head"])
+    plan = make_plan(model, tp=2)
+    split = {"up": "colwise", "down": "rowwise", "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
+             "attn.o": "rowwise"}
+    styles = {**plan.tp_styles, **{f"blocks.0.{name}": style for name, style in split.items()}}
+    tp = build_tp_plan(plan.with_updates(tp_styles=styles, sequence_parallel=False), inspect_model(path, model.kwargs))
+    assert "blocks.0" not in tp.styles
+    assert tp.styles["blocks.0.attn"].style == "PrepareModuleInput"
+    assert tp.styles["blocks.0.up"].style == "ColwiseParallel" and tp.styles["blocks.0.down"].style == "RowwiseParallel"

@@ -53,7 +53,6 @@ REFUSED: dict[str, str] = {
     'hf_clip-pp2': 'the traced split supports neither tensor parallelism nor recomputation',
     # Refused at compile's step on fake tensors (aten.native_layer_norm given a Tensor and a
     # DTensor), measured the same when its encoder was one layer and now that each block is one.
-    'hf_whisper-tp2': 'got mixed torch.Tensor and DTensor',
     'cnn-dp2': 'loss differs from one process',
     'cnn-zero3': 'loss differs from one process',
     'cnn-pp2': 'loss differs from one process',

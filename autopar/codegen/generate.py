@@ -198,6 +198,13 @@ def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str], reads: Layer
                            "supports neither tensor parallelism nor recomputation.",
                            "move the stage boundaries to block boundaries, or plan with plan.tp=1 "
                            "and plan.recompute=none.")
+    if plan.ep > 1 and plan.dp != plan.ep:
+        # A graph stage has no experts module for FSDP to shard over the expert-data-parallel
+        # group (sections/expert_parallel.py), so each expert must live on one rank alone.
+        raise CodegenError(f"the pipeline cannot be cut by modules ({problem}), and the traced split runs expert "
+                           f"parallelism only with every data-parallel rank in one expert-parallel group "
+                           f"(ep = dp), not ep={plan.ep} of dp={plan.dp}.",
+                           f"pin plan.ep={plan.dp} or plan.ep=1, or move the stage boundaries to block boundaries.")
     notes.append(f"pipeline stages cut from an exported graph ({problem})")
     return "tracer"
 
@@ -247,6 +254,7 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
         "config.custom_gradient_sync": custom_gradient_sync(plan),
         "config.expert_parallel": plan.ep > 1,
         "parallel.schedule is not None": plan.pp > 1,
+        "self.schedule is not None": plan.pp > 1,  # ParallelModel's
         "config.recompute_enabled": any(mode != "none" for mode in plan.recompute.values()),
         'config.pipeline_split == "tracer"': layout.pipeline_split == "tracer",
         "config.zero_stage == 1": plan.zero_stage == 1,

@@ -163,7 +163,8 @@ def test_the_search_enumerates_ep_dividing_dp_and_the_experts():
     eps = {(c.dp, c.ep) for c in found}
     assert {(16, 1), (16, 2), (16, 4), (8, 1), (1, 1)} <= eps and (2, 2) not in eps  # dp=2 leaves tp·pp·cp=8
     assert all(c.dp % c.ep == 0 and E % c.ep == 0 for c in found)
-    assert all(c.tp * c.pp * c.cp == 1 and c.zero_stage >= 2 and not c.hybrid_shard for c in found if c.ep > 1)
+    assert all(c.tp * c.cp == 1 and c.zero_stage >= 2 and not c.hybrid_shard for c in found if c.ep > 1)
+    assert any(c.pp > 1 for c in found if c.ep > 1)  # ep x pp: experts sharded within each stage
     assert not any(c.ep == 8 for c in found)
     pinned = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins(ep=2)))
     assert pinned and {c.ep for c in pinned} == {2}
@@ -190,13 +191,15 @@ def test_pinned_ep_the_model_or_the_generated_code_cannot_take_is_refused_in_wor
         Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(**pins)).run()
 
 
-def test_pinned_ep_needs_the_batch_to_take_every_gpu_as_a_data_parallel_rank():
+def test_pinned_ep_needs_a_data_parallel_degree_it_divides_that_divides_the_batch():
     from autopar.errors import UserError
     from autopar.solver.planner import Planner
 
     cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
-    with pytest.raises(UserError, match="dp=4 must divide the global batch 6"):
-        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run()
+    with pytest.raises(UserError, match=r"\(dp=4\): none is divisible by ep and divides the global batch 6"):
+        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2, pp=1)).run()
+    with pytest.raises(UserError, match=r"\(dp=4 or 2 or 1\): none is divisible by ep and divides the global batch 6"):
+        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=4)).run()
     plan = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run().plan
     assert (plan.ep, plan.dp, plan.tp, plan.pp) == (2, 4, 1, 1) and plan.zero_stage >= 2
 
@@ -214,12 +217,17 @@ def test_a_plan_without_expert_parallelism_says_why():
     from autopar.solver.planner import Planner
 
     cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
-    # A batch of 6 does not split over 4 data-parallel ranks: no plan can shard the experts.
-    result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
+    # A batch of 3 splits over neither 4 nor 2 data-parallel ranks (pp=1 or 2): no plan can shard the experts.
+    result = Planner(moe_profile(), cpu, TrainSpec(3, precision="fp32"), SolverConfig(), PlanPins()).run()
     assert result.plan.ep == 1
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
-    assert why and "dp=4 (every GPU) does not divide the global batch 6" in why[0].constraint
-    assert "train.global_batch_size=8" in why[0].relaxing
+    assert why and "no data-parallel degree an expert-parallel degree divides divides the global batch 3" \
+        in why[0].constraint
+    assert "train.global_batch_size=4" in why[0].relaxing
+    # A batch of 6 splits over 2 data-parallel ranks of a 2-stage pipeline: that plan is priced.
+    result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
+    why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
+    assert result.plan.ep == 1 and why and "pp=2 ep=2" in why[0].relaxing
     # Pinned to ep=1 on a batch that allows it: the best plan with experts sharded is priced.
     result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]

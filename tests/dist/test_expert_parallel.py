@@ -12,21 +12,28 @@ and ep=4 x ZeRO-2 (each rank alone with its experts), a Qwen2-MoE-like one (plus
 capacity factor 1, so tokens over an expert's capacity are dropped, per sequence as in one
 process) with ep=2 x ZeRO-3 and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x
 ZeRO-2; on 2 ranks (every data-parallel rank its own expert group, so the expert-data-parallel
-groups hold one rank) Mixtral-like ep=2 x ZeRO-3 and DeepSeek-V3-like ep=2 x ZeRO-2. The first
-case's run is also profiled: the all-to-alls it issues are those PlanPricer.ep_collectives prices.
+groups hold one rank) Mixtral-like ep=2 x ZeRO-3 and DeepSeek-V3-like ep=2 x ZeRO-2. Pipelined,
+on 4 ranks: Mixtral-like dp=2 x pp=2 without expert parallelism and with ep=2 (each stage's
+experts sharded over its 2 data-parallel ranks), ZeRO-3. The first case of each world size and
+the ep x pp case are also profiled: the all-to-alls they issue are those PlanPricer.ep_collectives
+prices. The user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2
+on 2 CPU gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from autopar.cli import main as autopar_main
 from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.config import PlanPins, SolverConfig
 from autopar.model_file import load_model_file
+from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
@@ -47,10 +54,18 @@ MODELS = {
 # (model, ep, ZeRO stage, ranks)
 CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 4, 2, 4),
          ("mixtral", 2, 3, 2), ("deepseek_v3", 2, 2, 2)]
-PIPELINED = ("mixtral", 1, 3, 4, 2)  # no expert parallelism: dp=2 x pp=2, the aux loss across stages
+# (model, ep, ZeRO stage, ranks, pp): dp=2 x pp=2, the aux loss carried across stages
+PIPELINED = [("mixtral", 1, 3, 4, 2), ("mixtral", 2, 3, 4, 2)]
 GLOBAL_BATCH, STEPS = 8, 3
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
+# The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
+EXAMPLE_OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", f"train.global_batch_size={GLOBAL_BATCH}",
+                     "plan.ep=2", "check=off"]
+PRECISIONS = ["fp32", "bf16"]
 OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
-ALL_TO_ALL_EVENT = "_c10d_functional::all_to_all_single"  # the profiler's name for each exchange
+# The profiler's name for each exchange the process group runs (the functional op's own event also
+# fires on the fake tensors a traced pipeline split exports, which exchange nothing).
+ALL_TO_ALL_EVENT = "c10d::alltoall_base_"
 
 
 def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1) -> str:
@@ -69,18 +84,27 @@ def make_plan(kwargs: dict, ep: int, zero: int, world: int, pp: int = 1):
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
 
-def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> dict[str, int]:
-    """Run each generated module; for the first, the all-to-alls its run issued (forward and
-    backward; the profiler's cost is paid once)."""
+def compile_example(precision: str, out: Path) -> Path:
+    """`autopar compile` of the Mixtral-style example with experts over 2 ranks; its module."""
+    assert autopar_main(["compile", str(EXAMPLE), *EXAMPLE_OVERRIDES, f"train.precision={precision}",
+                         "--out-dir", str(out), "-q"]) == 0
+    plan = Plan.load(out / "plan.json")
+    assert (plan.ep, plan.dp, plan.precision) == (2, 2, precision)
+    return out / "parallel_mixtral.py"
+
+
+def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str, bool]]) -> dict[str, int]:
+    """Run each generated module; for those marked profiled, the all-to-alls this rank issued
+    (forward and backward; the profiler's cost is paid only there)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(1)
     issued = {}
-    for index, (case, script, log_file, final) in enumerate(jobs):
+    for case, script, log_file, final, profiled in jobs:
         module = import_generated(script, f"generated_{case}")
-        with profile(activities=[ProfilerActivity.CPU]) if index == 0 else contextlib.nullcontext() as trace:
+        with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as trace:
             module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
-        if index == 0:
+        if profiled:
             issued[case] = sum(event.name == ALL_TO_ALL_EVENT for event in trace.events())
     return issued
 
@@ -88,9 +112,9 @@ def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> d
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
-    jobs: dict[int, list[tuple[str, str, str, str]]] = {}
+    jobs: dict[int, list[tuple[str, str, str, str, bool]]] = {}
     priced = {}
-    for name, ep, zero, world, pp in [case + (1,) for case in CASES] + [PIPELINED]:
+    for name, ep, zero, world, pp in [case + (1,) for case in CASES] + PIPELINED:
         case = case_id(name, ep, zero, world, pp)
         plan = make_plan(MODELS[name], ep, zero, world, pp)
         assert (plan.ep, plan.dp, plan.pp, plan.zero_stage) == (ep, world // pp, pp, zero)
@@ -100,12 +124,21 @@ def outcomes(tmp_path_factory) -> dict:
         profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
         pricer = PlanPricer(profile, plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
         priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0) * STEPS
-        jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
-    issued = {}
+        profiled = world not in jobs or (ep > 1 and pp > 1)
+        jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt"),
+                                           profiled))
+    for precision in PRECISIONS:
+        out = root / f"example_{precision}"
+        script = compile_example(precision, out)
+        jobs[2].append((f"example_{precision}", str(script), str(out / "run.jsonl"), str(out / "final.pt"), False))
+        priced[f"example_{precision}"] = None
+    issued: dict[str, list[int]] = {}  # case -> all-to-alls issued by each rank
     for world, world_jobs in sorted(jobs.items()):
-        issued |= run_ranks(_run, world, world_jobs, timeout_s=900)[0]
+        for rank_issued in run_ranks(_run, world, world_jobs, timeout_s=900):
+            for case, count in rank_issued.items():
+                issued.setdefault(case, []).append(count)
     return {case: ([r["loss"] for r in read_records(log)], torch.load(final), issued.get(case), priced[case])
-            for world_jobs in jobs.values() for case, _, log, final in world_jobs}
+            for world_jobs in jobs.values() for case, _, log, final, _ in world_jobs}
 
 
 @pytest.mark.parametrize("name, ep, zero, world", CASES)
@@ -128,20 +161,52 @@ def test_priced_all_to_alls_are_issued(world, outcomes):
     name, ep, zero, _ = next(case for case in CASES if case[3] == world)
     _, _, issued, priced = outcomes[case_id(name, ep, zero, world)]
     assert priced == 4 * 2 * (GLOBAL_BATCH // world) * STEPS
-    assert issued == priced
+    assert issued == [priced] * world  # every rank is in an expert-parallel group of both layers
 
 
-def test_pipelined_moe_model_keeps_the_auxiliary_loss(outcomes):
+def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(outcomes):
+    """Under ep=2 x pp=2 each stage's ranks exchange the tokens of that stage's MoE layer only;
+    the pricer counts one rank per stage (cost_models/issued.py), so the 4 ranks, 2 data-parallel
+    replicas of the pipeline, issue twice what is priced: 4 all-to-alls x 2 layers x 4
+    micro-batches (8 samples over dp=2, micro-batch 1) x 3 steps."""
+    name, ep, zero, world, pp = PIPELINED[1]
+    _, _, issued, priced = outcomes[case_id(name, ep, zero, world, pp)]
+    assert priced == 4 * 2 * (GLOBAL_BATCH // (world // pp)) * STEPS
+    assert sorted(issued) == [priced // pp] * world and sum(issued) == (world // pp) * priced
+
+
+@pytest.mark.parametrize("case", PIPELINED, ids=lambda case: case_id(*case))
+def test_pipelined_moe_model_keeps_the_auxiliary_loss(case, outcomes):
     """A model threading its auxiliary loss through the blocks, cut into pipeline stages, trains
     like one process: losses and final parameters (the aux loss of every stage's blocks counted).
     Split by modules, a stage handed on one activation and the running aux loss was lost at the
     boundary (losses 0.24% low at every step); codegen now sees, on fake tensors, that each block
     reads the previous block's second output and cuts the stages from the exported graph, which
-    carries every value a later stage reads (autopar/codegen/stage_flow.py)."""
-    losses, parameters, _, _ = outcomes[case_id(*PIPELINED)]
-    name = PIPELINED[0]
+    carries every value a later stage reads (autopar/codegen/stage_flow.py). With ep=2 the experts
+    of each stage's MoE layer are sliced over the stage's 2 data-parallel ranks before the export,
+    which traces their exchanges into the stage's graph; the experts, gathered back, end equal."""
+    losses, parameters, _, _ = outcomes[case_id(*case)]
+    name = case[0]
     reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    for key, expected in reference.parameters.items():
+        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compiled_moe_example_trains_like_one_process(precision, outcomes):
+    """examples/mixtral.py as a user compiles it (`autopar compile ... plan.ep=2`, cluster=cpu_gloo)
+    trains: finite losses that move, equal to the unsharded model's on one process, and so are
+    the final parameters, experts gathered back (the generated module's own AdamW, eps 1e-8: the
+    tiny model's gradients are far above it). A bf16 plan trains in fp32 on CPU ranks (compile
+    says so), so it too must give the one-process fp32 values; what bf16 changes here is the
+    traced profile and the plan's prices."""
+    losses, parameters, _, _ = outcomes[f"example_{precision}"]
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
+    reference = run_reference(EXAMPLE, {}, GLOBAL_BATCH, STEPS, DEFAULT_OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert set(parameters) == set(reference.parameters)
     for key, expected in reference.parameters.items():
         torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")

@@ -248,3 +248,19 @@ def test_mixtral_8x7b_shape_on_8_dgx_h100_nodes_plans_expert_parallelism():
     plan = run_plan(MOE, cfg, profile=run_profile(MOE, cfg)).plan
     assert plan.ep > 1 and plan.solver.status == "OPTIMAL"
     assert plan.predicted.time_breakdown["ep_comm"] > 0
+
+
+def test_a_traced_pipeline_split_with_experts_of_several_data_parallel_ranks_is_refused_at_codegen(tmp_path):
+    """The test model threads its auxiliary loss through the blocks, so its stages are cut from an
+    exported graph, where FSDP sees no experts module to shard over the expert-data-parallel
+    group: dp=4 with ep=2 is refused in words (dp=ep=2 x pp=2 trains: tests/dist/test_expert_parallel.py)."""
+    from autopar.codegen import generate
+    from autopar.codegen.errors import CodegenError
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=8))
+    pins = PlanPins(dp=4, tp=1, pp=2, cp=1, ep=2, zero_stage=3, micro_batch_size=1)
+    plan = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(top_k=0), pins).run().plan
+    assert (plan.dp, plan.pp, plan.ep) == (4, 2, 2)
+    with pytest.raises(CodegenError, match="ep = dp"):
+        generate(plan, MOE, tmp_path / "out", model_kwargs={})

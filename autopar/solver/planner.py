@@ -528,21 +528,25 @@ class Planner:
         if experts % ep:
             raise UserError(f"plan.ep={ep} does not divide the {experts} experts of every MoE layer.",
                             f"use one of ep={', '.join(map(str, divisors(experts)))}, or leave plan.ep unset.")
-        conflicts = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("tp", "cp")
+        conflicts = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("cp",)
                      if (getattr(self.pins, axis) or 1) > 1]
+        conflicts += ["plan.sequence_parallel=true"] if self.pins.sequence_parallel else []
         conflicts += [f"plan.zero_stage={self.pins.zero_stage}"] if self.pins.zero_stage in (0, 1) else []
         conflicts += ["plan.hybrid_shard=true"] if self.pins.hybrid_shard else []
         if conflicts:
             raise UserError(f"plan.ep={ep} cannot go with {', '.join(conflicts)}: expert parallelism is generated "
-                            "for data-parallel ranks and pipeline stages (tp=cp=1), with ZeRO-2 or 3 over all "
-                            "data-parallel ranks.", "drop those pins, or pin plan.ep=1 to keep them.")
+                            "for data-parallel ranks, with pipeline stages and tensor parallelism (no sequence or "
+                            "context parallelism), and ZeRO-2 or 3 over all data-parallel ranks.",
+                            "drop those pins, or pin plan.ep=1 to keep them.")
         world, batch = self.cluster.world_size, self.train.global_batch_size
-        # With tp=cp=1 every GPU of a pipeline stage is a data-parallel rank: dp = world / pp.
-        dps = [world // pp for pp in ([self.pins.pp] if self.pins.pp else divisors(world)) if world % pp == 0]
+        # With cp=1 the data-parallel ranks are the cluster's GPUs over pp x tp.
+        pps = [self.pins.pp] if self.pins.pp else divisors(world)
+        tps = [self.pins.tp] if self.pins.tp else divisors(world)
+        dps = sorted({world // (pp * tp) for pp in pps for tp in tps if world % (pp * tp) == 0}, reverse=True)
         if not any(dp % ep == 0 and batch % dp == 0 for dp in dps):
             raise UserError(f"plan.ep={ep} is carved from the data-parallel ranks, which are the cluster's {world} "
-                            f"GPUs over the pipeline stages (dp={' or '.join(map(str, dps))}): none is divisible "
-                            f"by ep and divides the global batch {batch}.",
+                            f"GPUs over the pipeline stages and tensor-parallel ranks (dp={' or '.join(map(str, dps))}): "
+                            f"none is divisible by ep and divides the global batch {batch}.",
                             f"set train.global_batch_size to a multiple of {max(dps)}, or leave plan.ep unset.")
 
     def _check_pinned_tp(self) -> None:

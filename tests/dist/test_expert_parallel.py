@@ -12,11 +12,11 @@ and ep=4 x ZeRO-2 (each rank alone with its experts), a Qwen2-MoE-like one (plus
 capacity factor 1, so tokens over an expert's capacity are dropped, per sequence as in one
 process) with ep=2 x ZeRO-3 and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x
 ZeRO-2; on 2 ranks (every data-parallel rank its own expert group, so the expert-data-parallel
-groups hold one rank) Mixtral-like ep=2 x ZeRO-3 and DeepSeek-V3-like ep=2 x ZeRO-2. Pipelined,
-on 4 ranks: Mixtral-like dp=2 x pp=2 without expert parallelism and with ep=2 (each stage's
-experts sharded over its 2 data-parallel ranks), ZeRO-3. The first case of each world size and
-the ep x pp case are also profiled: the all-to-alls they issue are those PlanPricer.ep_collectives
-prices. The user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2
+groups hold one rank) Mixtral-like ep=2 x ZeRO-3 and DeepSeek-V3-like ep=2 x ZeRO-2. Composed,
+on 4 ranks, ZeRO-3: Mixtral-like dp=2 x pp=2 without expert parallelism and with ep=2 (each
+stage's experts sharded over its 2 data-parallel ranks), and dp=2 (ep=2) x tp=2 (experts whole on
+each tensor-parallel rank). The first case of each world size and the composed ep cases are also
+profiled: the all-to-alls they issue are those PlanPricer.ep_collectives prices. The user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2
 on 2 CPU gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
 """
 from __future__ import annotations
@@ -54,8 +54,9 @@ MODELS = {
 # (model, ep, ZeRO stage, ranks)
 CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 4, 2, 4),
          ("mixtral", 2, 3, 2), ("deepseek_v3", 2, 2, 2)]
-# (model, ep, ZeRO stage, ranks, pp): dp=2 x pp=2, the aux loss carried across stages
-PIPELINED = [("mixtral", 1, 3, 4, 2), ("mixtral", 2, 3, 4, 2)]
+# (model, ep, ZeRO stage, ranks, pp, tp): dp=2 x pp=2 (the aux loss carried across stages) and dp=2 x tp=2
+PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1)]
+TENSOR_PARALLEL = ("mixtral", 2, 3, 4, 1, 2)
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
@@ -68,18 +69,18 @@ OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
 ALL_TO_ALL_EVENT = "c10d::alltoall_base_"
 
 
-def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1) -> str:
-    return f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "")
+def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1) -> str:
+    return f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "") + (f"_tp{tp}" if tp > 1 else "")
 
 
 def plan_cluster(world: int) -> ClusterSpec:
     return ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=world))
 
 
-def make_plan(kwargs: dict, ep: int, zero: int, world: int, pp: int = 1):
+def make_plan(kwargs: dict, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1):
     cluster = plan_cluster(world)
     profile = profile_model(load_model_file(MOE), kwargs, 1, "fp32")
-    pins = PlanPins(dp=world // pp, tp=1, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
+    pins = PlanPins(dp=world // (pp * tp), tp=tp, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
@@ -114,17 +115,17 @@ def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs: dict[int, list[tuple[str, str, str, str, bool]]] = {}
     priced = {}
-    for name, ep, zero, world, pp in [case + (1,) for case in CASES] + PIPELINED:
-        case = case_id(name, ep, zero, world, pp)
-        plan = make_plan(MODELS[name], ep, zero, world, pp)
-        assert (plan.ep, plan.dp, plan.pp, plan.zero_stage) == (ep, world // pp, pp, zero)
+    for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + [TENSOR_PARALLEL]:
+        case = case_id(name, ep, zero, world, pp, tp)
+        plan = make_plan(MODELS[name], ep, zero, world, pp, tp)
+        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.zero_stage) == (ep, world // (pp * tp), pp, tp, zero)
         out = root / case
         files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=world)
         assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
         profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
         pricer = PlanPricer(profile, plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
         priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0) * STEPS
-        profiled = world not in jobs or (ep > 1 and pp > 1)
+        profiled = world not in jobs or (ep > 1 and pp * tp > 1)
         jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt"),
                                            profiled))
     for precision in PRECISIONS:
@@ -169,7 +170,7 @@ def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(outcomes):
     the pricer counts one rank per stage (cost_models/issued.py), so the 4 ranks, 2 data-parallel
     replicas of the pipeline, issue twice what is priced: 4 all-to-alls x 2 layers x 4
     micro-batches (8 samples over dp=2, micro-batch 1) x 3 steps."""
-    name, ep, zero, world, pp = PIPELINED[1]
+    name, ep, zero, world, pp, _ = PIPELINED[1]
     _, _, issued, priced = outcomes[case_id(name, ep, zero, world, pp)]
     assert priced == 4 * 2 * (GLOBAL_BATCH // (world // pp)) * STEPS
     assert sorted(issued) == [priced // pp] * world and sum(issued) == (world // pp) * priced
@@ -210,3 +211,23 @@ def test_compiled_moe_example_trains_like_one_process(precision, outcomes):
     assert set(parameters) == set(reference.parameters)
     for key, expected in reference.parameters.items():
         torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(outcomes):
+    """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (here the routers,
+    the position embedding and the LM head, its logits vocabulary-sharded into the loss) are split
+    over each tensor-parallel pair, the experts are not: each TP rank holds the E/ep experts of its
+    expert-parallel group whole and exchanges the whole sequence's tokens with the same TP
+    coordinate of the other data-parallel rank. Losses and final parameters equal one process
+    (the router's auxiliary loss, a plain tensor beside the sharded logits, made a replicated
+    DTensor for the loss), and every rank issues the all-to-alls priced: 4 x 2 layers x 4
+    micro-batches x 3 steps (the pricer counts one rank per tensor-parallel group)."""
+    losses, parameters, issued, priced = outcomes[case_id(*TENSOR_PARALLEL)]
+    reference = run_reference(MOE, MODELS[TENSOR_PARALLEL[0]], GLOBAL_BATCH, STEPS, OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert set(parameters) == set(reference.parameters)
+    for key, expected in reference.parameters.items():
+        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert priced == 4 * 2 * (GLOBAL_BATCH // 2) * STEPS
+    assert issued == [priced] * TENSOR_PARALLEL[3]

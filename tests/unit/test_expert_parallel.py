@@ -15,6 +15,7 @@ from cost_models.expert_parallel import ExpertFacts, all_to_alls, routing_pace
 from cost_models.memory import trained_model_states
 from cost_models.mesh import Mesh
 from cost_models.step import ParallelLayout, PlanPricer, TrainSpec
+from cost_models.techniques import LayoutFacts, problems
 from cost_models.topology import ClusterConfig, ClusterSpec
 
 pytestmark = pytest.mark.unit
@@ -144,8 +145,11 @@ def test_ep_where_the_generated_code_does_not_run_it_is_refused():
     p = pricer()
     with pytest.raises(ValueError, match="pin zero_stage=2 or 3"):
         p.estimate(ParallelLayout(dp=16, ep=2, zero_stage=1, micro_batch_size=4))
-    with pytest.raises(ValueError, match="not with tp=2"):
-        p.estimate(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8))
+    with pytest.raises(ValueError, match="not with cp=2"):
+        p.estimate(ParallelLayout(dp=8, cp=2, ep=2, zero_stage=3, micro_batch_size=8))
+    with pytest.raises(ValueError, match="pin sequence_parallel=false"):
+        p.estimate(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8, sequence_parallel=True))
+    assert not problems(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8), LayoutFacts(experts=E))
 
 
 def test_ep_on_a_model_without_experts_is_refused():
@@ -161,10 +165,11 @@ def test_the_search_enumerates_ep_dividing_dp_and_the_experts():
     assert shape.experts == E
     found = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins()))
     eps = {(c.dp, c.ep) for c in found}
-    assert {(16, 1), (16, 2), (16, 4), (8, 1), (1, 1)} <= eps and (2, 2) not in eps  # dp=2 leaves tp·pp·cp=8
+    assert {(16, 1), (16, 2), (16, 4), (8, 1), (2, 2), (1, 1)} <= eps  # dp=2: tp·pp=8
     assert all(c.dp % c.ep == 0 and E % c.ep == 0 for c in found)
-    assert all(c.tp * c.cp == 1 and c.zero_stage >= 2 and not c.hybrid_shard for c in found if c.ep > 1)
-    assert any(c.pp > 1 for c in found if c.ep > 1)  # ep x pp: experts sharded within each stage
+    assert all(c.cp == 1 and not c.sequence_parallel and c.zero_stage >= 2 and not c.hybrid_shard
+               for c in found if c.ep > 1)
+    assert any(c.pp > 1 for c in found if c.ep > 1) and any(c.tp > 1 for c in found if c.ep > 1)  # ep x pp, ep x tp
     assert not any(c.ep == 8 for c in found)
     pinned = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins(ep=2)))
     assert pinned and {c.ep for c in pinned} == {2}
@@ -180,7 +185,7 @@ def test_a_dense_model_searches_ep_1_only():
 @pytest.mark.parametrize("pins, words", [
     (dict(ep=3), "does not divide the 4 experts"),
     (dict(ep=2, zero_stage=1), "cannot go with plan.zero_stage=1"),
-    (dict(ep=2, tp=2), "cannot go with plan.tp=2"),
+    (dict(ep=2, cp=2), "cannot go with plan.cp=2"),
 ])
 def test_pinned_ep_the_model_or_the_generated_code_cannot_take_is_refused_in_words(pins, words):
     from autopar.errors import UserError
@@ -197,7 +202,7 @@ def test_pinned_ep_needs_a_data_parallel_degree_it_divides_that_divides_the_batc
 
     cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
     with pytest.raises(UserError, match=r"\(dp=4\): none is divisible by ep and divides the global batch 6"):
-        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2, pp=1)).run()
+        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2, pp=1, tp=1)).run()
     with pytest.raises(UserError, match=r"\(dp=4 or 2 or 1\): none is divisible by ep and divides the global batch 6"):
         Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=4)).run()
     plan = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run().plan
@@ -224,14 +229,17 @@ def test_a_plan_without_expert_parallelism_says_why():
     assert why and "no data-parallel degree an expert-parallel degree divides divides the global batch 3" \
         in why[0].constraint
     assert "train.global_batch_size=4" in why[0].relaxing
-    # A batch of 6 splits over 2 data-parallel ranks of a 2-stage pipeline: that plan is priced.
+    # A batch of 6 splits over 2 data-parallel ranks beside tp=2 or pp=2: the best such plan is priced.
     result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
-    assert result.plan.ep == 1 and why and "pp=2 ep=2" in why[0].relaxing
-    # Pinned to ep=1 on a batch that allows it: the best plan with experts sharded is priced.
-    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
+    assert result.plan.ep == 1 and why and "dp=2" in why[0].relaxing and "ep=2" in why[0].relaxing
+    # A pin expert parallelism cannot go with (context parallelism), on a batch that allows it: said.
+    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(cp=2)).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
     assert why and ("pins exclude it" in why[0].constraint)
+    # Tensor parallelism pinned: ep x tp runs, so the best plan with it is priced.
+    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
+    assert result.plan.ep > 1 or any("tp=2" in b.relaxing and "ep=2" in b.relaxing for b in result.binding)
 
 
 @pytest.mark.slow

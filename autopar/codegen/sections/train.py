@@ -35,7 +35,7 @@ from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradient
                                                local_stage_indices, module_stages, named_parameters_in_stage,
                                                run_pipeline, split_stage, split_with_tracer)
 from autopar.codegen.sections.recompute import apply_recompute
-from autopar.codegen.sections.tensor_parallel import apply_tp, reduce_partial_gradients
+from autopar.codegen.sections.tensor_parallel import apply_tp, reduce_partial_gradients, replicated_beside_shards
 
 
 GRADIENT_SYNC_ALGORITHMS = ("hierarchical", "halving_doubling", "ps")  # dp_sync run by gradient_sync.py
@@ -413,7 +413,10 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
             with loss_context():
                 with autocast:
                     args, kwargs = model_inputs(model, micro)
-                    loss = compute_loss(model_module, model(*args, **kwargs), micro) * weight
+                    output = model(*args, **kwargs)
+                    if config.loss_parallel:
+                        output = replicated_beside_shards(output, parallel.mesh[MeshAxis.TP.value])
+                    loss = compute_loss(model_module, output, micro) * weight
                 (loss / n).backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n

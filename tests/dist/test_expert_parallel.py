@@ -21,7 +21,6 @@ on 2 CPU gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank s
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from autopar.runtime.generated import import_generated
 from autopar.solver.planner import Planner
 from cost_models.step import PlanPricer, TrainSpec
 from cost_models.topology import ClusterConfig, ClusterSpec
+from tests.dist.equivalence import COUNTED_STEP, count_collectives
 from tests.dist.harness import run_ranks
 
 pytestmark = [pytest.mark.dist]
@@ -50,12 +50,13 @@ MODELS = {
     "mixtral": dict(TINY, experts=4, top_k=2, ffn=64),
     "qwen2_moe": dict(TINY, experts=4, top_k=2, ffn=64, shared_ffn=64, capacity_factor=1.0),  # drops tokens
     "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0),
+    "mixtral_plain": dict(TINY, experts=4, top_k=2, ffn=64, aux_loss=False),  # a pipeline cuts it by modules
 }
 # (model, ep, ZeRO stage, ranks)
 CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 4, 2, 4),
          ("mixtral", 2, 3, 2), ("deepseek_v3", 2, 2, 2)]
 # (model, ep, ZeRO stage, ranks, pp, tp): dp=2 x pp=2 (the aux loss carried across stages) and dp=2 x tp=2
-PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1)]
+PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1), ("mixtral_plain", 2, 3, 4, 2, 1)]
 TENSOR_PARALLEL = ("mixtral", 2, 3, 4, 1, 2)
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
@@ -94,26 +95,23 @@ def compile_example(precision: str, out: Path) -> Path:
     return out / "parallel_mixtral.py"
 
 
-def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str, bool]]) -> dict[str, int]:
-    """Run each generated module; for those marked profiled, the all-to-alls this rank issued
-    (forward and backward; the profiler's cost is paid only there)."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> dict[str, int]:
+    """Run each generated module; per case, the all-to-alls this rank issued in the second step's
+    `train_step` (forward and backward; past the first step, in which a pipeline stage split by
+    modules runs its forward and backward once more to infer the shapes it sends)."""
     torch.set_num_threads(1)
-    issued = {}
-    for case, script, log_file, final, profiled in jobs:
+    counted = {}
+    for case, script, log_file, final in jobs:
         module = import_generated(script, f"generated_{case}")
-        with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as trace:
-            module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
-        if profiled:
-            issued[case] = sum(event.name == ALL_TO_ALL_EVENT for event in trace.events())
-    return issued
+        counted[case] = count_collectives(module, COUNTED_STEP)
+        module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
+    return {case: counts.get(ALL_TO_ALL_EVENT, 0) for case, counts in counted.items()}
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
-    jobs: dict[int, list[tuple[str, str, str, str, bool]]] = {}
+    jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
     for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + [TENSOR_PARALLEL]:
         case = case_id(name, ep, zero, world, pp, tp)
@@ -122,16 +120,17 @@ def outcomes(tmp_path_factory) -> dict:
         out = root / case
         files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=world)
         assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
+        if pp > 1:  # the aux loss read by every block makes codegen cut the stages from an exported graph
+            split = "tracer" if MODELS[name].get("aux_loss", True) else "modules"
+            assert f"PIPELINE_SPLIT = {split!r}" in files.script.read_text()
         profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
         pricer = PlanPricer(profile, plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
-        priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0) * STEPS
-        profiled = world not in jobs or (ep > 1 and pp * tp > 1)
-        jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt"),
-                                           profiled))
+        priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0)
+        jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
     for precision in PRECISIONS:
         out = root / f"example_{precision}"
         script = compile_example(precision, out)
-        jobs[2].append((f"example_{precision}", str(script), str(out / "run.jsonl"), str(out / "final.pt"), False))
+        jobs[2].append((f"example_{precision}", str(script), str(out / "run.jsonl"), str(out / "final.pt")))
         priced[f"example_{precision}"] = None
     issued: dict[str, list[int]] = {}  # case -> all-to-alls issued by each rank
     for world, world_jobs in sorted(jobs.items()):
@@ -139,7 +138,7 @@ def outcomes(tmp_path_factory) -> dict:
             for case, count in rank_issued.items():
                 issued.setdefault(case, []).append(count)
     return {case: ([r["loss"] for r in read_records(log)], torch.load(final), issued.get(case), priced[case])
-            for world_jobs in jobs.values() for case, _, log, final, _ in world_jobs}
+            for world_jobs in jobs.values() for case, _, log, final in world_jobs}
 
 
 @pytest.mark.parametrize("name, ep, zero, world", CASES)
@@ -154,30 +153,30 @@ def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, wo
     assert losses[0] != losses[-1]  # three steps of training happened
 
 
-@pytest.mark.parametrize("world", [4, 2])
-def test_priced_all_to_alls_are_issued(world, outcomes):
-    """The dispatch and combine all-to-alls the pricer counts (4 per MoE layer and micro-batch:
-    2 layers x 8 / world micro-batches x 3 steps here) are those a generated run issues, forward
-    and backward (torch's profiler, one event per exchange), for the first case of each world."""
-    name, ep, zero, _ = next(case for case in CASES if case[3] == world)
+@pytest.mark.parametrize("name, ep, zero, world", CASES)
+def test_priced_all_to_alls_are_issued(name, ep, zero, world, outcomes):
+    """The dispatch and combine all-to-alls the pricer counts per step (4 per MoE layer and
+    micro-batch: 2 layers x 8 / world micro-batches here) are those each rank's step issues,
+    forward and backward (torch's profiler, one event per exchange of the process group)."""
     _, _, issued, priced = outcomes[case_id(name, ep, zero, world)]
-    assert priced == 4 * 2 * (GLOBAL_BATCH // world) * STEPS
+    assert priced == 4 * 2 * (GLOBAL_BATCH // world)
     assert issued == [priced] * world  # every rank is in an expert-parallel group of both layers
 
 
-def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(outcomes):
+@pytest.mark.parametrize("case", [case for case in PIPELINED if case[1] > 1], ids=lambda case: case_id(*case))
+def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(case, outcomes):
     """Under ep=2 x pp=2 each stage's ranks exchange the tokens of that stage's MoE layer only;
-    the pricer counts one rank per stage (cost_models/issued.py), so the 4 ranks, 2 data-parallel
-    replicas of the pipeline, issue twice what is priced: 4 all-to-alls x 2 layers x 4
-    micro-batches (8 samples over dp=2, micro-batch 1) x 3 steps."""
-    name, ep, zero, world, pp, _ = PIPELINED[1]
-    _, _, issued, priced = outcomes[case_id(name, ep, zero, world, pp)]
-    assert priced == 4 * 2 * (GLOBAL_BATCH // (world // pp)) * STEPS
-    assert sorted(issued) == [priced // pp] * world and sum(issued) == (world // pp) * priced
+    the pricer counts one rank per stage (cost_models/issued.py): 4 all-to-alls x 2 layers x 4
+    micro-batches (8 samples over dp=2, micro-batch 1), of which each rank issues its stage's
+    half, whether the stages are cut from an exported graph or by modules."""
+    name, ep, zero, world, pp, _ = case
+    _, _, issued, priced = outcomes[case_id(*case)]
+    assert priced == 4 * 2 * (GLOBAL_BATCH // (world // pp))
+    assert issued == [priced // pp] * world
 
 
 @pytest.mark.parametrize("case", PIPELINED, ids=lambda case: case_id(*case))
-def test_pipelined_moe_model_keeps_the_auxiliary_loss(case, outcomes):
+def test_pipelined_moe_model_trains_like_one_process(case, outcomes):
     """A model threading its auxiliary loss through the blocks, cut into pipeline stages, trains
     like one process: losses and final parameters (the aux loss of every stage's blocks counted).
     Split by modules, a stage handed on one activation and the running aux loss was lost at the
@@ -185,7 +184,9 @@ def test_pipelined_moe_model_keeps_the_auxiliary_loss(case, outcomes):
     reads the previous block's second output and cuts the stages from the exported graph, which
     carries every value a later stage reads (autopar/codegen/stage_flow.py). With ep=2 the experts
     of each stage's MoE layer are sliced over the stage's 2 data-parallel ranks before the export,
-    which traces their exchanges into the stage's graph; the experts, gathered back, end equal."""
+    which traces their exchanges into the stage's graph; the experts, gathered back, end equal.
+    Without an aux loss the stages are cut by modules, and each stage's experts are sharded as
+    without a pipeline (apply_ep on the stage's copy of the model)."""
     losses, parameters, _, _ = outcomes[case_id(*case)]
     name = case[0]
     reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
@@ -220,8 +221,8 @@ def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(ou
     expert-parallel group whole and exchanges the whole sequence's tokens with the same TP
     coordinate of the other data-parallel rank. Losses and final parameters equal one process
     (the router's auxiliary loss, a plain tensor beside the sharded logits, made a replicated
-    DTensor for the loss), and every rank issues the all-to-alls priced: 4 x 2 layers x 4
-    micro-batches x 3 steps (the pricer counts one rank per tensor-parallel group)."""
+    DTensor for the loss), and every rank issues the all-to-alls priced per step: 4 x 2 layers x 4
+    micro-batches (the pricer counts one rank per tensor-parallel group)."""
     losses, parameters, issued, priced = outcomes[case_id(*TENSOR_PARALLEL)]
     reference = run_reference(MOE, MODELS[TENSOR_PARALLEL[0]], GLOBAL_BATCH, STEPS, OPTIMIZER)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
@@ -229,5 +230,5 @@ def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(ou
     assert set(parameters) == set(reference.parameters)
     for key, expected in reference.parameters.items():
         torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
-    assert priced == 4 * 2 * (GLOBAL_BATCH // 2) * STEPS
+    assert priced == 4 * 2 * (GLOBAL_BATCH // 2)
     assert issued == [priced] * TENSOR_PARALLEL[3]

@@ -254,7 +254,6 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
         "config.custom_gradient_sync": custom_gradient_sync(plan),
         "config.expert_parallel": plan.ep > 1,
         "parallel.schedule is not None": plan.pp > 1,
-        "self.schedule is not None": plan.pp > 1,  # ParallelModel's
         "config.recompute_enabled": any(mode != "none" for mode in plan.recompute.values()),
         'config.pipeline_split == "tracer"': layout.pipeline_split == "tracer",
         "config.zero_stage == 1": plan.zero_stage == 1,

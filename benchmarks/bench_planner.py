@@ -44,7 +44,7 @@ CASES = [
      ["model.layers=32", "model.hidden=4096", "model.heads=32", "model.ffn=14336", "model.experts=8",
       "model.top_k=2", "model.capacity_factor=1.0", "model.seq_len=4096", "model.vocab=32000", "cluster=dgx_h100",
       "cluster.nodes=8", "train.global_batch_size=512"], 60.0),
-    # Expert parallelism runs with tp=pp=cp=1, so dp is the world size: the batch is a multiple of 1024.
+    # Expert parallelism is carved from dp = world / (tp x pp): a batch multiple of 1024 lets tp = pp = 1 take it too.
     ("DeepSeek-V3 shape (seq 4096) on 1024 H100", "../tests/moe_model.py",
      ["model.layers=61", "model.hidden=7168", "model.heads=128", "model.ffn=2048", "model.experts=256",
       "model.top_k=8", "model.shared_ffn=2048", "model.capacity_factor=1.0", "model.seq_len=4096",

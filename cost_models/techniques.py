@@ -136,11 +136,16 @@ def _experts_divide(layout: Any, facts: LayoutFacts) -> str | None:
 
 def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
     """What the generated expert-parallel code is built and tested with (one FSDP shard group
-    over the data-parallel ranks, cut into expert-parallel groups; no TP, PP or CP beside it)."""
-    others = [f"{axis}={layout.degree(axis)}" for axis in ("tp", "pp", "cp") if layout.degree(axis) > 1]
-    if others:
-        return (f"expert parallelism is generated for data-parallel ranks alone, not with {', '.join(others)}: "
-                "pin ep=1 or those degrees to 1")
+    over the data-parallel ranks, cut into expert-parallel groups, in every pipeline stage and
+    at every tensor-parallel coordinate, the experts whole on each TP rank; no CP beside it)."""
+    if layout.cp > 1:
+        return (f"expert parallelism is generated for data-parallel ranks (with pipeline stages and tensor "
+                f"parallelism), not with cp={layout.cp}: pin ep=1 or cp=1")
+    if layout.tp > 1 and layout.sequence_parallel:
+        # Priced, each TP rank would dispatch its slice of the sequence; the generated MoE layer
+        # runs on the whole sequence, replicated over the TP group.
+        return ("expert parallelism with tensor parallelism is generated without sequence parallelism (each "
+                "tensor-parallel rank dispatches the whole sequence): pin sequence_parallel=false or ep=1")
     if layout.zero_stage < 2 or layout.hybrid_shard:
         return ("expert parallelism is generated with FSDP over all data-parallel ranks (ZeRO-2 or 3, not hybrid): "
                 "pin zero_stage=2 or 3")

@@ -12,7 +12,10 @@ all-to-all.
 The auxiliary load-balancing loss is Switch's E · Σ_e f_e · P_e computed per sequence and
 averaged (DeepSeek-V3's sequence-wise form): linear in the samples, so a data-parallel run
 averages to the one-process value. Variants: `shared_ffn` adds an always-on shared expert
-(Qwen2-MoE), many small experts with top-k > 2 give a DeepSeek-V3-like shape.
+(Qwen2-MoE), many small experts with top-k > 2 give a DeepSeek-V3-like shape, and
+`aux_loss=False` drops the auxiliary loss, so blocks hand on the residual stream alone and a
+pipeline cuts the model by modules (with it, the running loss read by every block makes codegen
+cut stages from an exported graph).
 
     autopar profile tests/moe_model.py model.experts=8 model.top_k=2
 """
@@ -90,19 +93,21 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(hidden)
         self.moe = MoE(hidden, ffn, experts, top_k, capacity_factor, shared_ffn)
 
-    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, aux: torch.Tensor | None = None):
+        """(residual stream, running aux loss), or the residual stream alone without an aux loss."""
         batch, seq, hidden = x.shape
         q, k, v = self.qkv(self.ln_1(x)).view(batch, seq, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
         y, block_aux = self.moe(self.ln_2(x))
-        return x + y, aux + block_aux
+        return x + y if aux is None else (x + y, aux + block_aux)
 
 
 class MoEDecoder(nn.Module):
     def __init__(self, layers: int, hidden: int, heads: int, ffn: int, experts: int, top_k: int,
-                 capacity_factor: float, shared_ffn: int, seq_len: int, vocab: int):
+                 capacity_factor: float, shared_ffn: int, seq_len: int, vocab: int, aux_loss: bool = True):
         super().__init__()
+        self.aux_loss = aux_loss
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seq_len, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads, ffn, experts, top_k, capacity_factor, shared_ffn)
@@ -112,6 +117,10 @@ class MoEDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        if not self.aux_loss:
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x)), x.new_zeros((), dtype=torch.float32)
         aux = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x, aux = block(x, aux)
@@ -119,8 +128,10 @@ class MoEDecoder(nn.Module):
 
 
 def build_model(layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 128, experts: int = 4, top_k: int = 2,
-                capacity_factor: float = 2.0, shared_ffn: int = 0, seq_len: int = 32, vocab: int = 256) -> nn.Module:
-    return MoEDecoder(layers, hidden, heads, ffn, experts, top_k, capacity_factor, shared_ffn, seq_len, vocab)
+                capacity_factor: float = 2.0, shared_ffn: int = 0, seq_len: int = 32, vocab: int = 256,
+                aux_loss: bool = True) -> nn.Module:
+    return MoEDecoder(layers, hidden, heads, ffn, experts, top_k, capacity_factor, shared_ffn, seq_len, vocab,
+                      aux_loss)
 
 
 def example_batch(batch_size: int, seq_len: int = 32, vocab: int = 256):

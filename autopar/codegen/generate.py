@@ -209,6 +209,13 @@ def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str], reads: Layer
                            f"value only to the next stage, but {skipped}.",
                            "plan with fewer (virtual) stages, e.g. plan.schedule=1f1b instead of an interleaved "
                            "schedule, or pin plan.stages so that every stage reads only the one before it.")
+    if plan.ep > 1 and plan.dp != plan.ep:
+        # A graph stage has no experts module for FSDP to shard over the expert-data-parallel
+        # group (sections/expert_parallel.py), so each expert must live on one rank alone.
+        raise CodegenError(f"the pipeline cannot be cut by modules ({problem}), and the traced split runs expert "
+                           f"parallelism only with every data-parallel rank in one expert-parallel group "
+                           f"(ep = dp), not ep={plan.ep} of dp={plan.dp}.",
+                           f"pin plan.ep={plan.dp} or plan.ep=1, or move the stage boundaries to block boundaries.")
     notes.append(f"pipeline stages cut from an exported graph ({problem})")
     return "tracer"
 

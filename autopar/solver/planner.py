@@ -387,10 +387,11 @@ class Planner:
         extra = [c for c in enumerate_candidates(self.shape, world, self.cluster.gpus_per_node, batch, self.solver,
                                                  self.pins) if c.ep > 1]
         if not extra:
-            reason = (f"dp={world} (every GPU) does not divide the global batch {batch}" if batch % world else
+            reason = (f"no data-parallel degree an expert-parallel degree divides divides the global batch {batch}"
+                      if batch % world else
                       f"the pins exclude it" if self._pin_overrides() else "no degree divides both dp and the experts")
-            return Binding("expert parallelism: no plan can use it (the generated code runs it with tp=pp=cp=1 "
-                           f"and ZeRO-2/3, so dp is the cluster's {world} GPUs): {reason}",
+            return Binding("expert parallelism: no plan can use it (the generated code runs it with tp=cp=1 and "
+                           f"ZeRO-2/3, so dp is the cluster's {world} GPUs over the pipeline stages): {reason}",
                            f"train.global_batch_size={-(-batch // world) * world} would allow it; plan again "
                            "with it to price that" if batch % world else "nothing to relax in the plan")
         search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
@@ -527,20 +528,26 @@ class Planner:
         if experts % ep:
             raise UserError(f"plan.ep={ep} does not divide the {experts} experts of every MoE layer.",
                             f"use one of ep={', '.join(map(str, divisors(experts)))}, or leave plan.ep unset.")
-        conflicts = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("tp", "pp", "cp")
+        conflicts = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("cp",)
                      if (getattr(self.pins, axis) or 1) > 1]
+        conflicts += ["plan.sequence_parallel=true"] if self.pins.sequence_parallel else []
         conflicts += [f"plan.zero_stage={self.pins.zero_stage}"] if self.pins.zero_stage in (0, 1) else []
         conflicts += ["plan.hybrid_shard=true"] if self.pins.hybrid_shard else []
         if conflicts:
             raise UserError(f"plan.ep={ep} cannot go with {', '.join(conflicts)}: expert parallelism is generated "
-                            "for data-parallel ranks alone (tp=pp=cp=1), with ZeRO-2 or 3 over all of them.",
+                            "for data-parallel ranks, with pipeline stages and tensor parallelism (no sequence or "
+                            "context parallelism), and ZeRO-2 or 3 over all data-parallel ranks.",
                             "drop those pins, or pin plan.ep=1 to keep them.")
         world, batch = self.cluster.world_size, self.train.global_batch_size
-        if world % ep or batch % world:
-            raise UserError(f"plan.ep={ep} needs every one of the cluster's {world} GPUs as a data-parallel rank "
-                            f"(expert parallelism runs with tp=pp=cp=1), so dp={world} must divide the global batch "
-                            f"{batch} and be divisible by ep.",
-                            f"set train.global_batch_size to a multiple of {world}, or leave plan.ep unset.")
+        # With cp=1 the data-parallel ranks are the cluster's GPUs over pp x tp.
+        pps = [self.pins.pp] if self.pins.pp else divisors(world)
+        tps = [self.pins.tp] if self.pins.tp else divisors(world)
+        dps = sorted({world // (pp * tp) for pp in pps for tp in tps if world % (pp * tp) == 0}, reverse=True)
+        if not any(dp % ep == 0 and batch % dp == 0 for dp in dps):
+            raise UserError(f"plan.ep={ep} is carved from the data-parallel ranks, which are the cluster's {world} "
+                            f"GPUs over the pipeline stages and tensor-parallel ranks (dp={' or '.join(map(str, dps))}): "
+                            f"none is divisible by ep and divides the global batch {batch}.",
+                            f"set train.global_batch_size to a multiple of {max(dps)}, or leave plan.ep unset.")
 
     def _check_pinned_tp(self) -> None:
         tp = self.pins.tp

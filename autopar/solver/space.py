@@ -193,8 +193,8 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                             for ep, order in itertools.product(pinned("ep", _ep_options(shape, dp, cp)),
                                                                legal_mesh_orders(tp, cp, pp, dp, gpus_per_node,
                                                                                  solver.allow_cross_node_tp)):
-                                if ep > 1 and (dp % ep or not shape.experts or shape.experts % ep or tp * pp * cp > 1
-                                               or zero_stage < 2 or hybrid_shard):
+                                if ep > 1 and (dp % ep or not shape.experts or shape.experts % ep or cp > 1
+                                               or sequence_parallel or zero_stage < 2 or hybrid_shard):
                                     continue  # what the generated EP code runs with (techniques._ep_runs)
                                 yield Candidate(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order,
                                                 zero_stage=zero_stage,

@@ -12,27 +12,34 @@ and ep=4 x ZeRO-2 (each rank alone with its experts), a Qwen2-MoE-like one (plus
 capacity factor 1, so tokens over an expert's capacity are dropped, per sequence as in one
 process) with ep=2 x ZeRO-3 and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x
 ZeRO-2; on 2 ranks (every data-parallel rank its own expert group, so the expert-data-parallel
-groups hold one rank) Mixtral-like ep=2 x ZeRO-3 and DeepSeek-V3-like ep=2 x ZeRO-2. The first
-case's run is also profiled: the all-to-alls it issues are those PlanPricer.ep_collectives prices.
+groups hold one rank) Mixtral-like ep=2 x ZeRO-3 and DeepSeek-V3-like ep=2 x ZeRO-2. Composed,
+on 4 ranks, ZeRO-3: Mixtral-like dp=2 x pp=2 without expert parallelism and with ep=2 (each
+stage's experts sharded over its 2 data-parallel ranks), and dp=2 (ep=2) x tp=2 (experts whole on
+each tensor-parallel rank). The first case of each world size and the composed ep cases are also
+profiled: the all-to-alls they issue are those PlanPricer.ep_collectives prices. The user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2
+on 2 CPU gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
 """
 from __future__ import annotations
 
-import contextlib
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from autopar.cli import main as autopar_main
 from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.config import PlanPins, SolverConfig
 from autopar.model_file import load_model_file
+from autopar.plan import Plan
 from autopar.profile import profile_model
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
 from autopar.solver.planner import Planner
 from cost_models.step import PlanPricer, TrainSpec
 from cost_models.topology import ClusterConfig, ClusterSpec
+from tests.dist.equivalence import COUNTED_STEP, count_collectives
 from tests.dist.harness import run_ranks
 
 pytestmark = [pytest.mark.dist]
@@ -43,46 +50,62 @@ MODELS = {
     "mixtral": dict(TINY, experts=4, top_k=2, ffn=64),
     "qwen2_moe": dict(TINY, experts=4, top_k=2, ffn=64, shared_ffn=64, capacity_factor=1.0),  # drops tokens
     "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0),
+    "mixtral_plain": dict(TINY, experts=4, top_k=2, ffn=64, aux_loss=False),  # a pipeline cuts it by modules
 }
 # (model, ep, ZeRO stage, ranks)
 CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 4, 2, 4),
          ("mixtral", 2, 3, 2), ("deepseek_v3", 2, 2, 2)]
-PIPELINED = ("mixtral", 1, 3, 4, 2)  # no expert parallelism: dp=2 x pp=2, the aux loss across stages
+# (model, ep, ZeRO stage, ranks, pp, tp): dp=2 x pp=2 (the aux loss carried across stages) and dp=2 x tp=2
+PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1), ("mixtral_plain", 2, 3, 4, 2, 1)]
+TENSOR_PARALLEL = ("mixtral", 2, 3, 4, 1, 2)
 GLOBAL_BATCH, STEPS = 8, 3
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
+# The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
+EXAMPLE_OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", f"train.global_batch_size={GLOBAL_BATCH}",
+                     "plan.ep=2", "check=off"]
+PRECISIONS = ["fp32", "bf16"]
 OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
-ALL_TO_ALL_EVENT = "_c10d_functional::all_to_all_single"  # the profiler's name for each exchange
+# The profiler's name for each exchange the process group runs (the functional op's own event also
+# fires on the fake tensors a traced pipeline split exports, which exchange nothing).
+ALL_TO_ALL_EVENT = "c10d::alltoall_base_"
 
 
-def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1) -> str:
-    return f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "")
+def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1) -> str:
+    return f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "") + (f"_tp{tp}" if tp > 1 else "")
 
 
 def plan_cluster(world: int) -> ClusterSpec:
     return ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=world))
 
 
-def make_plan(kwargs: dict, ep: int, zero: int, world: int, pp: int = 1):
+def make_plan(kwargs: dict, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1):
     cluster = plan_cluster(world)
     profile = profile_model(load_model_file(MOE), kwargs, 1, "fp32")
-    pins = PlanPins(dp=world // pp, tp=1, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
+    pins = PlanPins(dp=world // (pp * tp), tp=tp, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
 
-def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> dict[str, int]:
-    """Run each generated module; for the first, the all-to-alls its run issued (forward and
-    backward; the profiler's cost is paid once)."""
-    from torch.profiler import ProfilerActivity, profile
+def compile_example(precision: str, out: Path) -> Path:
+    """`autopar compile` of the Mixtral-style example with experts over 2 ranks; its module."""
+    assert autopar_main(["compile", str(EXAMPLE), *EXAMPLE_OVERRIDES, f"train.precision={precision}",
+                         "--out-dir", str(out), "-q"]) == 0
+    plan = Plan.load(out / "plan.json")
+    assert (plan.ep, plan.dp, plan.precision) == (2, 2, precision)
+    return out / "parallel_mixtral.py"
 
+
+def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> dict[str, int]:
+    """Run each generated module; per case, the all-to-alls this rank issued in the second step's
+    `train_step` (forward and backward; past the first step, in which a pipeline stage split by
+    modules runs its forward and backward once more to infer the shapes it sends)."""
     torch.set_num_threads(1)
-    issued = {}
-    for index, (case, script, log_file, final) in enumerate(jobs):
+    counted = {}
+    for case, script, log_file, final in jobs:
         module = import_generated(script, f"generated_{case}")
-        with profile(activities=[ProfilerActivity.CPU]) if index == 0 else contextlib.nullcontext() as trace:
-            module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
-        if index == 0:
-            issued[case] = sum(event.name == ALL_TO_ALL_EVENT for event in trace.events())
-    return issued
+        counted[case] = count_collectives(module, COUNTED_STEP)
+        module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file, "--save-final", final])
+    return {case: counts.get(ALL_TO_ALL_EVENT, 0) for case, counts in counted.items()}
 
 
 @pytest.fixture(scope="module")
@@ -90,20 +113,30 @@ def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
-    for name, ep, zero, world, pp in [case + (1,) for case in CASES] + [PIPELINED]:
-        case = case_id(name, ep, zero, world, pp)
-        plan = make_plan(MODELS[name], ep, zero, world, pp)
-        assert (plan.ep, plan.dp, plan.pp, plan.zero_stage) == (ep, world // pp, pp, zero)
+    for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + [TENSOR_PARALLEL]:
+        case = case_id(name, ep, zero, world, pp, tp)
+        plan = make_plan(MODELS[name], ep, zero, world, pp, tp)
+        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.zero_stage) == (ep, world // (pp * tp), pp, tp, zero)
         out = root / case
         files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=world)
         assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
+        if pp > 1:  # the aux loss read by every block makes codegen cut the stages from an exported graph
+            split = "tracer" if MODELS[name].get("aux_loss", True) else "modules"
+            assert f"PIPELINE_SPLIT = {split!r}" in files.script.read_text()
         profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
         pricer = PlanPricer(profile, plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
-        priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0) * STEPS
+        priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0)
         jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
-    issued = {}
+    for precision in PRECISIONS:
+        out = root / f"example_{precision}"
+        script = compile_example(precision, out)
+        jobs[2].append((f"example_{precision}", str(script), str(out / "run.jsonl"), str(out / "final.pt")))
+        priced[f"example_{precision}"] = None
+    issued: dict[str, list[int]] = {}  # case -> all-to-alls issued by each rank
     for world, world_jobs in sorted(jobs.items()):
-        issued |= run_ranks(_run, world, world_jobs, timeout_s=900)[0]
+        for rank_issued in run_ranks(_run, world, world_jobs, timeout_s=900):
+            for case, count in rank_issued.items():
+                issued.setdefault(case, []).append(count)
     return {case: ([r["loss"] for r in read_records(log)], torch.load(final), issued.get(case), priced[case])
             for world_jobs in jobs.values() for case, _, log, final in world_jobs}
 
@@ -120,28 +153,82 @@ def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, wo
     assert losses[0] != losses[-1]  # three steps of training happened
 
 
-@pytest.mark.parametrize("world", [4, 2])
-def test_priced_all_to_alls_are_issued(world, outcomes):
-    """The dispatch and combine all-to-alls the pricer counts (4 per MoE layer and micro-batch:
-    2 layers x 8 / world micro-batches x 3 steps here) are those a generated run issues, forward
-    and backward (torch's profiler, one event per exchange), for the first case of each world."""
-    name, ep, zero, _ = next(case for case in CASES if case[3] == world)
+@pytest.mark.parametrize("name, ep, zero, world", CASES)
+def test_priced_all_to_alls_are_issued(name, ep, zero, world, outcomes):
+    """The dispatch and combine all-to-alls the pricer counts per step (4 per MoE layer and
+    micro-batch: 2 layers x 8 / world micro-batches here) are those each rank's step issues,
+    forward and backward (torch's profiler, one event per exchange of the process group)."""
     _, _, issued, priced = outcomes[case_id(name, ep, zero, world)]
-    assert priced == 4 * 2 * (GLOBAL_BATCH // world) * STEPS
-    assert issued == priced
+    assert priced == 4 * 2 * (GLOBAL_BATCH // world)
+    assert issued == [priced] * world  # every rank is in an expert-parallel group of both layers
 
 
-def test_pipelined_moe_model_keeps_the_auxiliary_loss(outcomes):
+@pytest.mark.parametrize("case", [case for case in PIPELINED if case[1] > 1], ids=lambda case: case_id(*case))
+def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(case, outcomes):
+    """Under ep=2 x pp=2 each stage's ranks exchange the tokens of that stage's MoE layer only;
+    the pricer counts one rank per stage (cost_models/issued.py): 4 all-to-alls x 2 layers x 4
+    micro-batches (8 samples over dp=2, micro-batch 1), of which each rank issues its stage's
+    half, whether the stages are cut from an exported graph or by modules."""
+    name, ep, zero, world, pp, _ = case
+    _, _, issued, priced = outcomes[case_id(*case)]
+    assert priced == 4 * 2 * (GLOBAL_BATCH // (world // pp))
+    assert issued == [priced // pp] * world
+
+
+@pytest.mark.parametrize("case", PIPELINED, ids=lambda case: case_id(*case))
+def test_pipelined_moe_model_trains_like_one_process(case, outcomes):
     """A model threading its auxiliary loss through the blocks, cut into pipeline stages, trains
     like one process: losses and final parameters (the aux loss of every stage's blocks counted).
     Split by modules, a stage handed on one activation and the running aux loss was lost at the
     boundary (losses 0.24% low at every step); codegen now sees, on fake tensors, that each block
     reads the previous block's second output and cuts the stages from the exported graph, which
-    carries every value a later stage reads (autopar/codegen/stage_flow.py)."""
-    losses, parameters, _, _ = outcomes[case_id(*PIPELINED)]
-    name = PIPELINED[0]
+    carries every value a later stage reads (autopar/codegen/stage_flow.py). With ep=2 the experts
+    of each stage's MoE layer are sliced over the stage's 2 data-parallel ranks before the export,
+    which traces their exchanges into the stage's graph; the experts, gathered back, end equal.
+    Without an aux loss the stages are cut by modules, and each stage's experts are sharded as
+    without a pipeline (apply_ep on the stage's copy of the model)."""
+    losses, parameters, _, _ = outcomes[case_id(*case)]
+    name = case[0]
     reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
     for key, expected in reference.parameters.items():
         torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compiled_moe_example_trains_like_one_process(precision, outcomes):
+    """examples/mixtral.py as a user compiles it (`autopar compile ... plan.ep=2`, cluster=cpu_gloo)
+    trains: finite losses that move, equal to the unsharded model's on one process, and so are
+    the final parameters, experts gathered back (the generated module's own AdamW, eps 1e-8: the
+    tiny model's gradients are far above it). A bf16 plan trains in fp32 on CPU ranks (compile
+    says so), so it too must give the one-process fp32 values; what bf16 changes here is the
+    traced profile and the plan's prices."""
+    losses, parameters, _, _ = outcomes[f"example_{precision}"]
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
+    reference = run_reference(EXAMPLE, {}, GLOBAL_BATCH, STEPS, DEFAULT_OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert set(parameters) == set(reference.parameters)
+    for key, expected in reference.parameters.items():
+        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(outcomes):
+    """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (here the routers,
+    the position embedding and the LM head, its logits vocabulary-sharded into the loss) are split
+    over each tensor-parallel pair, the experts are not: each TP rank holds the E/ep experts of its
+    expert-parallel group whole and exchanges the whole sequence's tokens with the same TP
+    coordinate of the other data-parallel rank. Losses and final parameters equal one process
+    (the router's auxiliary loss, a plain tensor beside the sharded logits, made a replicated
+    DTensor for the loss), and every rank issues the all-to-alls priced per step: 4 x 2 layers x 4
+    micro-batches (the pricer counts one rank per tensor-parallel group)."""
+    losses, parameters, issued, priced = outcomes[case_id(*TENSOR_PARALLEL)]
+    reference = run_reference(MOE, MODELS[TENSOR_PARALLEL[0]], GLOBAL_BATCH, STEPS, OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert set(parameters) == set(reference.parameters)
+    for key, expected in reference.parameters.items():
+        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert priced == 4 * 2 * (GLOBAL_BATCH // 2)
+    assert issued == [priced] * TENSOR_PARALLEL[3]

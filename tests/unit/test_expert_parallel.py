@@ -15,6 +15,7 @@ from cost_models.expert_parallel import ExpertFacts, all_to_alls, routing_pace
 from cost_models.memory import trained_model_states
 from cost_models.mesh import Mesh
 from cost_models.step import ParallelLayout, PlanPricer, TrainSpec
+from cost_models.techniques import LayoutFacts, problems
 from cost_models.topology import ClusterConfig, ClusterSpec
 
 pytestmark = pytest.mark.unit
@@ -144,8 +145,11 @@ def test_ep_where_the_generated_code_does_not_run_it_is_refused():
     p = pricer()
     with pytest.raises(ValueError, match="pin zero_stage=2 or 3"):
         p.estimate(ParallelLayout(dp=16, ep=2, zero_stage=1, micro_batch_size=4))
-    with pytest.raises(ValueError, match="not with tp=2"):
-        p.estimate(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8))
+    with pytest.raises(ValueError, match="not with cp=2"):
+        p.estimate(ParallelLayout(dp=8, cp=2, ep=2, zero_stage=3, micro_batch_size=8))
+    with pytest.raises(ValueError, match="pin sequence_parallel=false"):
+        p.estimate(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8, sequence_parallel=True))
+    assert not problems(ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8), LayoutFacts(experts=E))
 
 
 def test_ep_on_a_model_without_experts_is_refused():
@@ -161,9 +165,11 @@ def test_the_search_enumerates_ep_dividing_dp_and_the_experts():
     assert shape.experts == E
     found = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins()))
     eps = {(c.dp, c.ep) for c in found}
-    assert {(16, 1), (16, 2), (16, 4), (8, 1), (1, 1)} <= eps and (2, 2) not in eps  # dp=2 leaves tp·pp·cp=8
+    assert {(16, 1), (16, 2), (16, 4), (8, 1), (2, 2), (1, 1)} <= eps  # dp=2: tp·pp=8
     assert all(c.dp % c.ep == 0 and E % c.ep == 0 for c in found)
-    assert all(c.tp * c.pp * c.cp == 1 and c.zero_stage >= 2 and not c.hybrid_shard for c in found if c.ep > 1)
+    assert all(c.cp == 1 and not c.sequence_parallel and c.zero_stage >= 2 and not c.hybrid_shard
+               for c in found if c.ep > 1)
+    assert any(c.pp > 1 for c in found if c.ep > 1) and any(c.tp > 1 for c in found if c.ep > 1)  # ep x pp, ep x tp
     assert not any(c.ep == 8 for c in found)
     pinned = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins(ep=2)))
     assert pinned and {c.ep for c in pinned} == {2}
@@ -179,7 +185,7 @@ def test_a_dense_model_searches_ep_1_only():
 @pytest.mark.parametrize("pins, words", [
     (dict(ep=3), "does not divide the 4 experts"),
     (dict(ep=2, zero_stage=1), "cannot go with plan.zero_stage=1"),
-    (dict(ep=2, tp=2), "cannot go with plan.tp=2"),
+    (dict(ep=2, cp=2), "cannot go with plan.cp=2"),
 ])
 def test_pinned_ep_the_model_or_the_generated_code_cannot_take_is_refused_in_words(pins, words):
     from autopar.errors import UserError
@@ -190,13 +196,15 @@ def test_pinned_ep_the_model_or_the_generated_code_cannot_take_is_refused_in_wor
         Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(**pins)).run()
 
 
-def test_pinned_ep_needs_the_batch_to_take_every_gpu_as_a_data_parallel_rank():
+def test_pinned_ep_needs_a_data_parallel_degree_it_divides_that_divides_the_batch():
     from autopar.errors import UserError
     from autopar.solver.planner import Planner
 
     cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
-    with pytest.raises(UserError, match="dp=4 must divide the global batch 6"):
-        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run()
+    with pytest.raises(UserError, match=r"\(dp=4\): none is divisible by ep and divides the global batch 6"):
+        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=2, pp=1, tp=1)).run()
+    with pytest.raises(UserError, match=r"\(dp=4 or 2 or 1\): none is divisible by ep and divides the global batch 6"):
+        Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins(ep=4)).run()
     plan = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(ep=2)).run().plan
     assert (plan.ep, plan.dp, plan.tp, plan.pp) == (2, 4, 1, 1) and plan.zero_stage >= 2
 
@@ -214,16 +222,24 @@ def test_a_plan_without_expert_parallelism_says_why():
     from autopar.solver.planner import Planner
 
     cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
-    # A batch of 6 does not split over 4 data-parallel ranks: no plan can shard the experts.
-    result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
+    # A batch of 3 splits over neither 4 nor 2 data-parallel ranks (pp=1 or 2): no plan can shard the experts.
+    result = Planner(moe_profile(), cpu, TrainSpec(3, precision="fp32"), SolverConfig(), PlanPins()).run()
     assert result.plan.ep == 1
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
-    assert why and "dp=4 (every GPU) does not divide the global batch 6" in why[0].constraint
-    assert "train.global_batch_size=8" in why[0].relaxing
-    # Pinned to ep=1 on a batch that allows it: the best plan with experts sharded is priced.
-    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
+    assert why and "no data-parallel degree an expert-parallel degree divides divides the global batch 3" \
+        in why[0].constraint
+    assert "train.global_batch_size=4" in why[0].relaxing
+    # A batch of 6 splits over 2 data-parallel ranks beside tp=2 or pp=2: the best such plan is priced.
+    result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
+    why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
+    assert result.plan.ep == 1 and why and "dp=2" in why[0].relaxing and "ep=2" in why[0].relaxing
+    # A pin expert parallelism cannot go with (context parallelism), on a batch that allows it: said.
+    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(cp=2)).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
     assert why and ("pins exclude it" in why[0].constraint)
+    # Tensor parallelism pinned: ep x tp runs, so the best plan with it is priced.
+    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(tp=2)).run()
+    assert result.plan.ep > 1 or any("tp=2" in b.relaxing and "ep=2" in b.relaxing for b in result.binding)
 
 
 @pytest.mark.slow
@@ -240,3 +256,19 @@ def test_mixtral_8x7b_shape_on_8_dgx_h100_nodes_plans_expert_parallelism():
     plan = run_plan(MOE, cfg, profile=run_profile(MOE, cfg)).plan
     assert plan.ep > 1 and plan.solver.status == "OPTIMAL"
     assert plan.predicted.time_breakdown["ep_comm"] > 0
+
+
+def test_a_traced_pipeline_split_with_experts_of_several_data_parallel_ranks_is_refused_at_codegen(tmp_path):
+    """The test model threads its auxiliary loss through the blocks, so its stages are cut from an
+    exported graph, where FSDP sees no experts module to shard over the expert-data-parallel
+    group: dp=4 with ep=2 is refused in words (dp=ep=2 x pp=2 trains: tests/dist/test_expert_parallel.py)."""
+    from autopar.codegen import generate
+    from autopar.codegen.errors import CodegenError
+    from autopar.solver.planner import Planner
+
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=8))
+    pins = PlanPins(dp=4, tp=1, pp=2, cp=1, ep=2, zero_stage=3, micro_batch_size=1)
+    plan = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(top_k=0), pins).run().plan
+    assert (plan.dp, plan.pp, plan.ep) == (4, 2, 2)
+    with pytest.raises(CodegenError, match="ep = dp"):
+        generate(plan, MOE, tmp_path / "out", model_kwargs={})

@@ -25,7 +25,8 @@ from autopar.codegen.sections.contract import holds_parameters
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], reshard_after_forward: bool,
-               param_dtype: torch.dtype | None, root: nn.Module | None = None) -> None:
+               param_dtype: torch.dtype | None, root: nn.Module | None = None,
+               ignored: set[nn.Parameter] | None = None) -> None:
     """Shard parameters over the data-parallel mesh, one communication group per entry of ``groups``.
 
     FSDP goes bottom-up: each transformer block is its own group (its parameters are gathered
@@ -40,21 +41,23 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], r
         reshard_after_forward: True for ZeRO-3, False for ZeRO-0/1/2.
         param_dtype: dtype parameters are gathered and computed in (bf16 on GPUs), or None.
         root: the module wrapped last (a pipeline stage around ``model``); default ``model``.
+        ignored: parameters FSDP leaves alone (expert slices of a traced pipeline stage).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     # FSDP cannot shard a 0-dim parameter (CLIP's logit_scale): it stays whole on every rank and
     # its gradient is averaged over the same ranks as FSDP averages the others'.
     scalars = {p for p in (root if root is not None else model).parameters() if p.dim() == 0}
-    ignored = {"ignored_params": scalars} if scalars else {}
+    left = scalars | (ignored or set())
+    kept = {"ignored_params": left} if left else {}
     for group in groups:
         modules = [model.get_submodule(name) for name in group if holds_parameters(model, name)]
         modules = [m for m in modules if not _shares_parameters_outside(model, m, modules)]
         if modules:
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh,
-                        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, **ignored)
+                        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, **kept)
     # The root's parameters are needed first in backward, so they are never resharded early.
     fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy,
-                **ignored)
+                **kept)
     for parameter in scalars:
         if parameter.requires_grad:
             parameter.register_hook(averaged_over(dp_mesh))

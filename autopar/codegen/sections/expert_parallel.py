@@ -16,11 +16,21 @@ the inverse exchanges.
 
 Expert weights are replicated over the dp / ep ranks of the expert-data-parallel group: FSDP
 shards them there (ZeRO-2/3) and averages their gradients over it. That gradient already sums
-the tokens of the whole expert-parallel group, so `scale_expert_gradients` divides it by ep
-more before the optimizer step, making it the one-process mean (FSDP's own divide factor would
-do it in the reduction, but its PREMUL_SUM does not run on gloo).
+the tokens of the whole expert-parallel group, so `ExpertShards.scale_gradients` divides it by
+ep more before the optimizer step, making it the one-process mean (FSDP's own divide factor
+would do it in the reduction, but its PREMUL_SUM does not run on gloo).
+
+In a pipeline the same holds for each stage's experts. Stages cut from an exported graph
+(pipeline.py) are graphs without the experts modules, so there the experts are sliced and
+hooked before the export, which traces the exchanges into each stage's graph, and FSDP leaves
+them alone (codegen allows that split only when dp = ep: each expert-data-parallel group is one
+rank, so there is nothing to shard or average).
 """
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -30,8 +40,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 EXPERTS_MODULE = "experts"
-EP_DEGREE = "expert_parallel_degree"  # the attributes apply_ep marks an experts module with
-EP_GROUP = "expert_parallel_group"
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -42,6 +50,18 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
         if name.split(".")[-1] == EXPERTS_MODULE and params and all(p.dim() >= 3 for p in params):
             found[name] = module
     return found
+
+
+def check_grouped_input(fqn: str, module: nn.Module) -> None:
+    """Refuse an experts module whose forward takes more than the grouped tokens (Hugging Face's
+    ``forward(hidden_states, top_k_index, top_k_weights)`` routes inside itself): the exchange
+    would reshape its flat tokens as if grouped by expert and train something else."""
+    required = [p for p in inspect.signature(module.forward).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) != 1:
+        raise ValueError(f"{fqn}.forward takes ({', '.join(p.name for p in required)}), but expert parallelism "
+                         f"exchanges an experts module's one input, its tokens grouped by expert [E, tokens, ...]: "
+                         "compile a plan with plan.ep=1, or route the tokens outside the experts module")
 
 
 def _dispatch(x: torch.Tensor, group: dist.ProcessGroup, ep: int) -> torch.Tensor:
@@ -70,7 +90,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
         ep_mesh: the 1-D expert-parallel mesh (ep consecutive data-parallel ranks).
 
     Returns:
-        FQN -> experts module, each marked (`EP_DEGREE`) for `scale_expert_gradients`.
+        FQN -> experts module (`ExpertShards.of` names their sliced parameters).
     """
     ep, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
     modules = expert_modules(model)
@@ -78,7 +98,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
         raise ValueError(f"the plan shards experts over ep={ep} ranks, but the model has no module named "
                          f"'{EXPERTS_MODULE}' with parameters stacked by expert [E, ...]: compile a plan with "
                          "plan.ep=1, or stack the experts' weights in such a module")
-    for module in modules.values():
+    for fqn, module in modules.items():
+        check_grouped_input(fqn, module)
         for name, param in list(module.named_parameters(recurse=False)):
             if param.shape[0] % ep:
                 raise ValueError(f"{param.shape[0]} experts cannot be split over ep={ep} ranks")
@@ -89,22 +110,45 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
         # Forward hooks, so the module keeps its FQN (checkpoints, FSDP groups, recomputation).
         module.register_forward_pre_hook(lambda _, args: (_dispatch(args[0], group, ep), *args[1:]))
         module.register_forward_hook(lambda _, args, output: _combine(output, group, ep))
-        setattr(module, EP_DEGREE, ep)
-        setattr(module, EP_GROUP, group)
     return modules
 
 
-def full_experts(model: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
-    """A parameter of the unsharded model: an experts module's slices gathered over its
-    expert-parallel group in expert order (every rank of the group must call it), any other
-    parameter as it is."""
-    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    ep = getattr(owner, EP_DEGREE, 1)
-    if ep == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(ep)]
-    dist.all_gather(parts, local.contiguous(), group=getattr(owner, EP_GROUP))
-    return torch.cat(parts)
+@dataclass(frozen=True)
+class ExpertShards:
+    """This rank's slices of the stacked experts: the parameters holding them, by their FQN in
+    the unsharded model (a pipeline stage's graph keeps no module to mark, so they are named),
+    and the expert-parallel group the slices are spread over."""
+
+    names: frozenset[str]
+    ep: int
+    group: dist.ProcessGroup
+
+    @classmethod
+    def of(cls, modules: dict[str, nn.Module], ep_mesh: DeviceMesh) -> "ExpertShards":
+        """The shards `apply_ep` made of ``modules`` (FQN -> experts module)."""
+        names = frozenset(f"{fqn}.{name}" for fqn, module in modules.items()
+                          for name, _ in module.named_parameters(recurse=False))
+        return cls(names, ep_mesh.size(), ep_mesh.get_group())
+
+    def __or__(self, other: "ExpertShards") -> "ExpertShards":
+        return ExpertShards(self.names | other.names, self.ep, self.group)
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A parameter of the unsharded model: an expert slice gathered over the expert-parallel
+        group in expert order (every rank of the group must call it), any other as it is."""
+        if name not in self.names:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.ep)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def scale_gradients(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:
+        """Divide the experts' reduced gradients by ep (see the module docstring): once per step,
+        after the last micro-batch's backward and before the optimizer step."""
+        for name, param in named:
+            if name in self.names and param.grad is not None:
+                param.grad.div_(self.ep)
 
 
 def shard_experts(modules: list[nn.Module], edp_mesh: DeviceMesh, reshard_after_forward: bool,
@@ -115,17 +159,6 @@ def shard_experts(modules: list[nn.Module], edp_mesh: DeviceMesh, reshard_after_
         else MixedPrecisionPolicy()
     for module in modules:
         fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-
-
-@torch.no_grad()
-def scale_expert_gradients(model: nn.Module, ep: int) -> None:
-    """Divide the experts' reduced gradients by ep (see the module docstring): once per step,
-    after the last micro-batch's backward and before the optimizer step."""
-    for module in model.modules():
-        if getattr(module, EP_DEGREE, None) == ep:
-            for param in module.parameters():
-                if param.grad is not None:
-                    param.grad.div_(ep)
 
 
 def expert_meshes(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:

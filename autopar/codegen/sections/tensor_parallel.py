@@ -1,11 +1,14 @@
 """Tensor and sequence parallelism: apply a plan of per-module parallel styles."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle],
@@ -61,3 +64,16 @@ def reduce_partial_gradients(modules: list[nn.Module]) -> None:
             grad = parameter.grad
             if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
                 parameter.grad = grad.redistribute(grad.device_mesh, parameter.placements)
+
+
+def replicated_beside_shards(output: Any, tp_mesh: DeviceMesh) -> Any:
+    """The model's output for a loss computed on vocabulary-sharded logits (loss parallelism):
+    its plain tensors (an MoE router's auxiliary loss, equal on every tensor-parallel rank) made
+    replicated DTensors. Otherwise the loss mixes the two kinds, and the gradient autograd hands
+    the plain term is a DTensor its backward cannot multiply (measured: a Mixtral-like model's
+    ``cross_entropy(logits) + 0.01 * aux`` failed in backward). ``from_local`` is differentiable
+    and communicates nothing; outputs without a DTensor are returned as they are."""
+    if not any(isinstance(leaf, DTensor) for leaf in tree_leaves(output)):
+        return output
+    return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, DTensor) else
+                         DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False), output)

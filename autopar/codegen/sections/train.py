@@ -26,8 +26,7 @@ from autopar.codegen.sections.contract import (build_model, compute_loss, file_s
                                                tokens_per_sample)
 from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
 from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
-from autopar.codegen.sections.expert_parallel import (apply_ep, expert_meshes, full_experts, scale_expert_gradients,
-                                                     shard_experts)
+from autopar.codegen.sections.expert_parallel import ExpertShards, apply_ep, expert_meshes, shard_experts
 from autopar.codegen.sections.gradient_sync import (HalvingDoublingSync, HierarchicalSync, ParameterServer,
                                                     dp_groups, node_subgroups)
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
@@ -36,7 +35,7 @@ from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradient
                                                local_stage_indices, module_stages, named_parameters_in_stage,
                                                run_pipeline, split_stage, split_with_tracer)
 from autopar.codegen.sections.recompute import apply_recompute
-from autopar.codegen.sections.tensor_parallel import apply_tp, reduce_partial_gradients
+from autopar.codegen.sections.tensor_parallel import apply_tp, reduce_partial_gradients, replicated_beside_shards
 
 
 GRADIENT_SYNC_ALGORITHMS = ("hierarchical", "halving_doubling", "ps")  # dp_sync run by gradient_sync.py
@@ -152,6 +151,13 @@ class ParallelModel:
     schedule: Any = None  # the pipeline schedule (None without pipelining)
     tied_sync: Callable[[list[nn.Module]], None] | None = None  # sums tied gradients across stages
     compute_dtype: torch.dtype | None = None  # see `compute_dtype`
+    experts: ExpertShards | None = None  # this rank's expert slices (expert parallelism)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter of this rank under its FQN in the unsharded model (ties under each name)."""
+        if self.schedule is not None:
+            return [named for module in self.modules for named in named_parameters_in_stage(module)]
+        return [named for module in self.modules for named in module.named_parameters(remove_duplicate=False)]
 
 
 def compute_dtype(precision: str, device: torch.device, as_gpu: bool = False) -> torch.dtype | None:
@@ -169,7 +175,7 @@ def fsdp_wraps(dims: ParallelDims, config: ParallelConfig, param_dtype: torch.dt
 
 
 def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: DeviceMesh, config: ParallelConfig,
-                tp_plan: dict[str, ParallelStyle], param_dtype: torch.dtype | None) -> None:
+                tp_plan: dict[str, ParallelStyle], param_dtype: torch.dtype | None) -> ExpertShards | None:
     """Apply the plan to one model (or pipeline stage), top to bottom in the order the
     techniques compose: tensor parallelism, expert parallelism, activation recomputation, then
     FSDP bottom-up (the experts over their expert-data-parallel group first).
@@ -182,8 +188,12 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
         config: the plan's parallel decisions.
         tp_plan: module FQN -> tensor-parallel style for the whole model.
         param_dtype: compute dtype for FSDP's gathered parameters, or None.
+
+    Returns:
+        The expert slices this module holds under expert parallelism, else None.
     """
     dims = config.dims
+    shards = None
     # Tensor parallelism first: it replaces parameters by DTensors, which the wrappers below must see.
     if dims.tp_enabled:
         apply_tp(model, mesh[MeshAxis.TP.value], held(tp_plan, layers), config.tied_parameters)
@@ -191,6 +201,7 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
     if config.expert_parallel:
         ep_mesh, edp_mesh = expert_meshes(dp_mesh_of(mesh, dims), config.ep)
         experts = apply_ep(model, ep_mesh)
+        shards = ExpertShards.of(experts, ep_mesh)
     # Activation recomputation after TP (it recomputes the parallelised layers) and before FSDP
     # (FSDP's hooks must run outside it, so parameters are gathered before a layer recomputes).
     if config.recompute_enabled:
@@ -210,6 +221,7 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
             shard_experts(list(experts.values()), edp_mesh, config.zero_stage >= 3, param_dtype)
         apply_fsdp(model, dp_mesh_of(mesh, dims), groups, reshard_after_forward=config.zero_stage >= 3,
                    param_dtype=param_dtype, root=root)
+    return shards
 
 
 def in_layers(name: str, layers: list[str]) -> bool:
@@ -246,11 +258,12 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     # Parallelised on the CPU copy: TP and FSDP move each shard to the device as they make it,
     # so no GPU ever holds the whole model; what stays unsharded moves afterwards.
     layers = [layer for stage in config.stages for layer in stage]
-    parallelize(model, model, layers, mesh, config, styles, param_dtype)
+    experts = parallelize(model, model, layers, mesh, config, styles, param_dtype)
     with materialised:
         place(model, device)
         optimizer = make_optimizer(list(model.parameters()), training, config, mesh)
-    return ParallelModel([model], optimizer, mesh, device, is_last_stage=True, compute_dtype=param_dtype)
+    return ParallelModel([model], optimizer, mesh, device, is_last_stage=True, compute_dtype=param_dtype,
+                         experts=experts)
 
 
 def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[str, ParallelStyle], model: nn.Module,
@@ -268,22 +281,30 @@ def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[s
         example = shard_sequence(example, tokens_per_sample(example), dims.cp, mesh[MeshAxis.CP.value].get_local_rank(),
                                  config.position_argument, config.mask_argument)
     modules: list[nn.Module] = []
+    experts: ExpertShards | None = None
     if config.pipeline_split == "tracer":
         if fake_mode is not None:
             raise ValueError("a traced pipeline split cannot be built on fake tensors (it exports the model)")
+        if config.expert_parallel:
+            # Before the export, which traces the exchanges into the stages' graphs; dp = ep here
+            # (codegen), so FSDP, which sees no experts module in a graph, leaves the slices alone.
+            ep_mesh, _ = expert_meshes(dp_mesh_of(mesh, dims), config.ep)
+            experts = ExpertShards.of(apply_ep(model, ep_mesh), ep_mesh)
         pipe = split_with_tracer(model, config.stages, model_module, example)
         pipeline_stages = []
         for index in indices:
             module = pipe.get_stage_module(index).to(device)
             if fsdp_wraps(dims, config, param_dtype):
-                apply_fsdp(module, dp_mesh_of(mesh, dims), [],
-                           reshard_after_forward=config.zero_stage >= 3, param_dtype=param_dtype)
+                ignored = {p for name, p in named_parameters_in_stage(module) if experts and name in experts.names}
+                apply_fsdp(module, dp_mesh_of(mesh, dims), [], reshard_after_forward=config.zero_stage >= 3,
+                           param_dtype=param_dtype, ignored=ignored)
             modules.append(module)
             pipeline_stages.append(pipe.build_stage(index, device, pp_mesh.get_group()))
     else:
         for index in indices:
             stage = split_stage(model, config.stages, index, model_module, example, device)
-            parallelize(stage.model, stage, config.stages[index], mesh, config, styles, param_dtype)
+            shards = parallelize(stage.model, stage, config.stages[index], mesh, config, styles, param_dtype)
+            experts = shards if experts is None or shards is None else experts | shards
             with materialised:
                 place(stage, device)
             stage.attach_input()
@@ -297,7 +318,7 @@ def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[s
     return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp),
-                         compute_dtype=param_dtype)
+                         compute_dtype=param_dtype, experts=experts)
 
 
 def place(module: nn.Module, device: torch.device) -> None:
@@ -392,12 +413,15 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
             with loss_context():
                 with autocast:
                     args, kwargs = model_inputs(model, micro)
-                    loss = compute_loss(model_module, model(*args, **kwargs), micro) * weight
+                    output = model(*args, **kwargs)
+                    if config.loss_parallel:
+                        output = replicated_beside_shards(output, parallel.mesh[MeshAxis.TP.value])
+                    loss = compute_loss(model_module, output, micro) * weight
                 (loss / n).backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n
     if config.expert_parallel:
-        scale_expert_gradients(parallel.modules[0], config.ep)
+        parallel.experts.scale_gradients(parallel.named_parameters())
     if config.dims.tp_enabled:
         reduce_partial_gradients(parallel.modules)
     parallel.optimizer.step()
@@ -426,15 +450,11 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
     """Every parameter as a full fp32 tensor under its FQN in the unsharded model (tied parameters
     under each of their names), gathered on rank 0; None on the other ranks."""
     state: dict[str, torch.Tensor] = {}
-    for module in parallel.modules:
-        named = module.named_parameters(remove_duplicate=False)
-        if parallel.schedule is not None:
-            named = named_parameters_in_stage(module)
-        for name, parameter in named:
-            full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-            if config.expert_parallel:
-                full = full_experts(module, name, full.detach())
-            state[name] = full.detach().float().cpu()
+    for name, parameter in parallel.named_parameters():
+        full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        if config.expert_parallel:
+            full = parallel.experts.full(name, full.detach())
+        state[name] = full.detach().float().cpu()
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(state, parts, dst=0)
     if not parts:

@@ -17,7 +17,6 @@ from cost_models.expert_parallel import all_to_alls, dispatch_bytes, routing_pac
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.issued import cp_passes
 from cost_models.layout import ParallelLayout
-from cost_models.mesh import Mesh
 from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
                                  trained_model_states)
 from cost_models.topology import GroupPlacement
@@ -46,6 +45,11 @@ def attention_io_bytes(op: Any) -> tuple[float, float]:
         return op.bytes_read / 3, 2 * op.bytes_read / 3
     element = op.output_bytes / max(1, math.prod(op.output_shapes[0]))
     return element * math.prod(shapes[0]), element * (math.prod(shapes[1]) + math.prod(shapes[2]))
+
+
+# (forward passes, non-GEMM forward passes) a recompute option runs per micro-batch: selective
+# recomputation re-runs the forward's non-GEMM ops, full recomputation the whole forward.
+RECOMPUTE_PASSES = {"none": (1.0, 0.0), "selective": (1.0, 1.0), "full": (2.0, 0.0)}
 
 
 def exposed_s(comm_s: float, compute_s: float) -> float:
@@ -156,27 +160,35 @@ class LayerCost:
         kind = self.compute.kind(layer.name)
         return activations_from_fraction(layer, self._base_activations(kind), split.tp_sharded_activation_fraction)
 
-    def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, option: str,
-                         gpu: GPUSpec) -> dict[str, float]:
+    def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, options: tuple[str, ...],
+                         gpu: GPUSpec) -> list[dict[str, float]]:
         """Seconds one micro-batch spends on a layer, by kind (compute, recompute, tp_comm,
-        cp_comm, dp_comm)."""
+        cp_comm, ep_comm, dp_comm), one dict per recompute option of `options`. What no option
+        changes (compute without recomputation, the collectives' prices, ZeRO's traffic) is
+        priced once for all of them: the planner prices every layer kind under each option."""
         compute = split.compute
         overhead = gpu.launch_overhead_s
-        forward_passes, nongemm_passes = {"none": (1.0, 0.0), "selective": (1.0, 1.0), "full": (2.0, 0.0)}[option]
         per_token = scale / layout.cp
         plain = self._compute_s(split, layout, per_token, gpu)
-        total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
-        tp_comm = self._tp_comm_s(split, layout, per_token, option == "full")
-        recompute = total - plain
-        plain += self._ep_wait_s(layer, split, layout, per_token, forward_passes)
-        if option == "selective" and self._ring_attention(layout):
-            # Selective recomputation keeps attention's output, but ring attention runs in a
-            # region it recomputes whole (its quadratic scores are never kept).
-            recompute += compute.attention_forward_s * per_token
-        return self._scaled({"compute": plain, "recompute": recompute, "tp_comm": tp_comm,
-                             "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
-                             "ep_comm": self._ep_time_s(layer, layout, scale, option),
-                             "dp_comm": self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)})
+        # The TP group's collectives (tp_issued), priced once with and once without full
+        # recomputation's re-run forward, whichever the options need.
+        tp_comm_s = {full: self._tp_comm_s(split, layout, per_token, full) for full in {o == "full" for o in options}}
+        zero_s = self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)
+        parts = []
+        for option in options:
+            forward_passes, nongemm_passes = RECOMPUTE_PASSES[option]
+            total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
+            recompute = total - plain
+            if option == "selective" and self._ring_attention(layout):
+                # Selective recomputation keeps attention's output, but ring attention runs in a
+                # region it recomputes whole (its quadratic scores are never kept).
+                recompute += compute.attention_forward_s * per_token
+            parts.append(self._scaled({
+                "compute": plain + self._ep_wait_s(layer, split, layout, per_token, forward_passes),
+                "recompute": recompute, "tp_comm": tp_comm_s[option == "full"],
+                "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
+                "ep_comm": self._ep_time_s(layer, layout, scale, option), "dp_comm": zero_s}))
+        return parts
 
     @staticmethod
     def tp_issued(split: TPLayerSplit, layout: Any, full_recompute: bool, boundaries: bool = True
@@ -227,8 +239,10 @@ class LayerCost:
         `partition_problem` and is shared by layouts differing only in ZeRO stage, schedule or
         sharding, so the search orders candidates by it and prices only those that could win
         (communication in the floor keeps most context-parallel layouts from ever being priced)."""
-        key = (Mesh.of(layout), layout.micro_batch_size, layout.sequence_parallel, layout.cp_strategy,
-               tuple(getattr(layout, "dp_shares", ()) or ()), layout.ep)
+        # The mesh spelled as its order and degrees: the search asks once per candidate (hundreds
+        # of thousands), and building a Mesh for the key cost more than the lookup.
+        key = (tuple(layout.mesh_order), layout.dp, layout.tp, layout.pp, layout.cp, layout.micro_batch_size,
+               layout.sequence_parallel, layout.cp_strategy, tuple(getattr(layout, "dp_shares", ()) or ()), layout.ep)
         if key not in self._floors:
             devices = self._device_facts(layout)
             if devices is None:
@@ -359,10 +373,16 @@ class LayerCost:
         return self.collective_s(op, unit_params * bytes_per_param, group) * params / unit_params
 
     def _layers_params(self, layout: Any, names: tuple[str, ...]) -> float:
-        """Parameters the named layers hold on one rank (after TP)."""
+        """Parameters the named layers hold on one rank (after TP), memoised by what they depend
+        on (the split of each layer, tp and ep): every layer of an FSDP unit asks for its unit's."""
         reference = self._device_facts(layout)[0]
-        return sum(self._tp_params(self.layers[self.layer_index[name]], self.split(name, layout, reference), layout)
-                   for name in names)
+        group = self.placement(layout, "tp")
+        key = (names, layout.tp, layout.ep, group.nodes, group.per_node, reference.signature)
+        if key not in self._unit_params:
+            self._unit_params[key] = sum(
+                self._tp_params(self.layers[self.layer_index[name]], self.split(name, layout, reference), layout)
+                for name in names)
+        return self._unit_params[key]
 
     def _replica_reduce_s(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
         """Hybrid sharding's all-reduce of the layer's reduced shard across the replicas (FSDP

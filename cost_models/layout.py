@@ -137,8 +137,10 @@ def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:
     return [[block] for block in block_layers] + ([after] if after else [])
 
 
-def _member(enum: type, value: Any) -> Any:
-    """The enum member spelled `value`, or `value` itself when no member is (validated later)."""
+def enum_member(enum: type, value: Any) -> Any:
+    """The enum member spelled `value`, or `value` itself when no member is (validated later).
+    A layout built from members skips this conversion: the planner's enumeration converts each
+    value once, not once per candidate."""
     try:
         return _MEMBERS[enum].get(value, value)
     except TypeError:  # unhashable: certainly no member
@@ -200,26 +202,44 @@ class ParallelLayout:
         # `validate_layout` to name it. Mesh axes stay strings (a MeshAxis equals and hashes
         # as its name). The planner builds tens of thousands of layouts: what is already in
         # its final type is left alone.
-        set_ = object.__setattr__
-        if not self.dp_sync:
+        # The fields are read from __dict__ (object.__setattr__ writes there): getattr per field
+        # cost more than the checks themselves.
+        set_, values = object.__setattr__, self.__dict__
+        if not values["dp_sync"]:
             set_(self, "dp_sync", DPSync.AUTO)
         for name, enum in _ENUM_FIELDS:
-            value = getattr(self, name)
-            if type(value) is not enum:
-                set_(self, name, _member(enum, value))
-        if type(self.mesh_order) is not tuple:
-            set_(self, "mesh_order", tuple(self.mesh_order))
-        if type(self.dp_shares) is not tuple:
-            set_(self, "dp_shares", tuple(self.dp_shares or ()))
-        if self.stages and not (type(self.stages) is tuple and all(type(s) is tuple for s in self.stages)):
-            set_(self, "stages", tuple(tuple(stage) for stage in self.stages))
-        elif not self.stages:
+            if type(values[name]) is not enum:
+                set_(self, name, enum_member(enum, values[name]))
+        if type(values["mesh_order"]) is not tuple:
+            set_(self, "mesh_order", tuple(values["mesh_order"]))
+        if type(values["dp_shares"]) is not tuple:
+            set_(self, "dp_shares", tuple(values["dp_shares"] or ()))
+        stages = values["stages"]
+        if stages and not (type(stages) is tuple and all(type(s) is tuple for s in stages)):
+            set_(self, "stages", tuple(tuple(stage) for stage in stages))
+        elif not stages and type(stages) is not tuple:
             set_(self, "stages", ())
-        recompute = self.recompute
-        if isinstance(recompute, dict) and type(recompute) is not FrozenDict:
-            set_(self, "recompute", FrozenDict({k: _member(Recompute, v) for k, v in recompute.items()}))
-        elif not isinstance(recompute, dict) and type(recompute) is not Recompute:
-            set_(self, "recompute", _member(Recompute, recompute))
+        recompute = values["recompute"]
+        if type(recompute) is Recompute or type(recompute) is FrozenDict:
+            return
+        if isinstance(recompute, dict):
+            set_(self, "recompute", FrozenDict({k: enum_member(Recompute, v) for k, v in recompute.items()}))
+        else:
+            set_(self, "recompute", enum_member(Recompute, recompute))
+
+    @classmethod
+    def of_final_values(cls, **values: Any) -> "ParallelLayout":
+        """A layout from values already in the types `__post_init__` keeps (enum members, tuples),
+        the fields not given at their defaults, built without the conversions: the planner's
+        enumeration builds hundreds of thousands of candidates, and the dataclass constructor
+        was most of the time spent enumerating them."""
+        layout = object.__new__(cls)
+        state = layout.__dict__
+        state.update(_DEFAULTS)
+        state.update(values)
+        if len(state) != len(_DEFAULTS):
+            raise TypeError(f"not fields of ParallelLayout: {', '.join(sorted(values.keys() - _DEFAULTS.keys()))}")
+        return layout
 
     @cached_property
     def mesh(self) -> Mesh:
@@ -246,6 +266,8 @@ _ENUM_FIELDS = (("zero_stage", ZeroStage), ("schedule", Schedule), ("cp_strategy
                 ("ep_dispatch", ExpertDispatch))
 _MEMBERS = {enum: {member.value: member for member in enum} for enum in (ZeroStage, Schedule, CPStrategy, DPSync,
                                                                          Recompute, ExpertDispatch)}
+# Every field's default, as `__post_init__` leaves it (what `of_final_values` starts from).
+_DEFAULTS = dict(ParallelLayout().__dict__)
 
 
 def validate_train(train: TrainSpec, profile: Any) -> None:

@@ -128,6 +128,11 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self.recompute_options = tuple(recompute_options)
         self.layers = profile.layers
         self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
+        # Each layer's kind, and the first layer of each kind in model order: what `_rows` prices.
+        self._layer_kinds = [self.compute.kind(layer.name) for layer in self.layers]
+        self._first_of_kind: dict[str, Any] = {}
+        for kind, layer in zip(self._layer_kinds, self.layers):
+            self._first_of_kind.setdefault(kind, layer)
         self.b0 = profile.micro_batch_size
         self._splits: dict[tuple, TPLayerSplit] = {}
         self._base_acts: dict[str, LayerActivations] = {}
@@ -144,6 +149,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self._row_cache: dict[tuple, list] = {}
         self._homogeneous = cluster.homogeneous
         self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}
+        self._unit_params: dict[tuple, float] = {}
         self._largest_params = max((layer.param_count for layer in self.layers), default=0)
         self._largest_working_set = max((self._working_set_bytes(layer) for layer in self.layers), default=0)
         self._attention_bytes = self._attention_input_bytes()
@@ -215,11 +221,16 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
 
     def _totals(self, rows: list) -> list:
         """Each layer's parts summed (per option where a layer has several), memoised per table:
-        `_rows` hands the same table to every layout it applies to."""
+        `_rows` hands the same table to every layout it applies to, and within a table the
+        layers of one kind share one row, summed once."""
         cached = self._totals_cache.get(id(rows))
         if cached is None or cached[0] is not rows:
-            cached = (rows, [[sum(parts.values()) for parts in row] if isinstance(row, list) else sum(row.values())
-                             for row in rows])
+            by_row: dict[int, Any] = {}
+            for row in rows:
+                if id(row) not in by_row:
+                    by_row[id(row)] = [sum(parts.values()) for parts in row] if isinstance(row, list) \
+                        else sum(row.values())
+            cached = (rows, [by_row[id(row)] for row in rows])
             self._totals_cache[id(rows)] = cached
         return cached[1]
 
@@ -236,8 +247,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         return self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
                                            layout.micro_batch_size, self._zero_key(layout),
                                            self._span(layout, "tp"), self._span(layout, "cp"), self._ep_key(layout)),
-                          lambda layer, split: [self.layer_time_parts(layer, split, layout, scale, option, reference)
-                                                for option in self.recompute_options], reference)
+                          lambda layer, split: self.layer_time_parts(layer, split, layout, scale,
+                                                                     self.recompute_options, reference), reference)
 
     def per_step_rows(self, layout: Any, reference: GPUSpec) -> list[dict[str, float]]:
         """[layer] -> seconds once per step by kind (per_step_parts)."""
@@ -254,12 +265,9 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         (the planner prices tens of thousands of configurations that share most of these)."""
         full_key = (what, reference.signature, key)
         if full_key not in self._row_cache:
-            by_kind = {}
-            for layer in self.layers:
-                kind = self.compute.kind(layer.name)
-                if kind not in by_kind:
-                    by_kind[kind] = price(layer, self.split(layer.name, layout, reference))
-            self._row_cache[full_key] = [by_kind[self.compute.kind(layer.name)] for layer in self.layers]
+            by_kind = {kind: price(layer, self.split(layer.name, layout, reference))
+                       for kind, layer in self._first_of_kind.items()}
+            self._row_cache[full_key] = [by_kind[kind] for kind in self._layer_kinds]
         return self._row_cache[full_key]
 
     def _zero_key(self, layout: Any) -> tuple:

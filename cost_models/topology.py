@@ -213,6 +213,16 @@ class GroupPlacement:
     inter: Link
     min_per_node: int = 0
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a placement keys the pricer's memo of collective
+        times, looked up about a hundred thousand times per plan, and hashing its three links
+        again at each lookup took longer than the lookup itself."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.size, self.nodes, self.per_node, self.link, self.intra, self.inter, self.min_per_node))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def crosses_nodes(self) -> bool:
         return self.nodes > 1

@@ -7,8 +7,10 @@ fits, the same search is re-run on bigger clusters to name the smallest change t
 """
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
@@ -67,6 +69,23 @@ class PlanningResult:
     rejected: list[Any] = field(default_factory=list)
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while planning (reference counting still frees
+    what planning drops; a cycle left behind waits for the next collection after it). The search
+    allocates hundreds of thousands of small acyclic objects (candidates, their floors), and the
+    collections their allocations triggered walked the whole heap, over a million objects of the
+    traced profile: half the time of enumerating candidates and ordering them by floor (145.6B GPT
+    on 1536 A100: 1.1 s of 2.2 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def split_of(layout: Any) -> tuple:
     """What a plan splits and how (degrees, ZeRO stage, SP, CP strategy, pipeline schedule): the
     part of a plan that decides which code runs. A plan rejected at compile's proof excludes
@@ -117,9 +136,10 @@ class Planner:
         return list(found)
 
     def run(self) -> PlanningResult:
-        if self.solver.objective == "min_gpus":
-            return self._fewest_gpus()
-        return self._fastest()
+        with collector_paused():
+            if self.solver.objective == "min_gpus":
+                return self._fewest_gpus()
+            return self._fastest()
 
     def _fewest_gpus(self) -> PlanningResult:
         """The smallest prefix of the cluster's nodes whose fastest plan reaches the target."""

@@ -241,17 +241,20 @@ class PlanSearch:
         """(compute-only lower bound, index, candidate) of every runnable candidate, ascending."""
         floors = []
         bounds: dict[tuple, float] = {}  # the pricer shares floor rows between candidates: bound them once
+        # Bound once: this loop runs once per candidate, hundreds of thousands at frontier scale.
+        compute_floor, fixed_time_s = self.pricer.compute_floor, self.pricer.fixed_time_s
         for index, candidate in enumerate(candidates):
-            floor = self.pricer.compute_floor(candidate)
+            floor = compute_floor(candidate)
             if floor is None:
                 rejected["cannot run"] = rejected.get("cannot run", 0) + 1
                 continue
             layer_s, speeds = floor
             key = (id(layer_s), id(speeds), candidate.num_micro_batches, candidate.chunks)
-            if key not in bounds:
-                bounds[key] = floor_bound_s(layer_s, speeds, candidate.num_micro_batches, candidate.chunks)
-            floors.append((bounds[key] + self.pricer.fixed_time_s(candidate), index, candidate))
-        floors.sort(key=lambda item: (item[0], item[1]))
+            bound = bounds.get(key)
+            if bound is None:
+                bound = bounds[key] = floor_bound_s(layer_s, speeds, candidate.num_micro_batches, candidate.chunks)
+            floors.append((bound + fixed_time_s(candidate), index, candidate))
+        floors.sort()  # by floor, then index: indices are unique, so candidates are never compared
         return floors
 
     @staticmethod

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.mesh import Mesh
-from cost_models.step import ParallelLayout
+from cost_models.layout import CPStrategy, DPSync, ParallelLayout, Schedule, ZeroStage, enum_member
 from cost_models.techniques import zero_stages_for
 
 if TYPE_CHECKING:
@@ -174,6 +174,19 @@ def _cp_options(shape: ModelShape, remaining: int) -> list[int]:
 
 def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_batch_size, solver, pins, pinned):
     per_rank = global_batch_size // dp
+    # What does not depend on micro-batching is worked out once per split of the degrees, and
+    # enum fields are converted here, not in each candidate's constructor: at frontier scale the
+    # candidates number hundreds of thousands.
+    dp_sync = enum_member(DPSync, pins.dp_sync or "auto")
+    zero_stages = [enum_member(ZeroStage, zero_stage)
+                   for zero_stage in pinned("zero_stage", _zero_stages(solver, dp, cp, pins.dp_sync))
+                   # a pinned stage the generated code cannot pair with this cp / dp_sync is left out
+                   if dp * cp == 1 or _zero_stage_runs(zero_stage, cp, pins.dp_sync)]
+    sp_options = pinned("sequence_parallel", [False, True] if tp > 1 and not shape.sp_blocker else [False])
+    cp_strategies = [enum_member(CPStrategy, strategy)
+                     for strategy in pinned("cp_strategy", _cp_strategies(shape, tp, cp))]
+    placements = list(itertools.product(pinned("ep", _ep_options(shape, dp, cp)),
+                                        legal_mesh_orders(tp, cp, pp, dp, gpus_per_node, solver.allow_cross_node_tp)))
     for micro_batch_size in pinned("micro_batch_size", [b for b in divisors(per_rank) if b <= solver.max_micro_batch_size]):
         if per_rank % micro_batch_size:
             continue
@@ -182,26 +195,22 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
         if pins.dp_shares and not shares:
             continue  # the pinned shares do not fit this data-parallel degree / micro-batch
         for schedule, chunks in _schedules(shape, pp, micro_batches, solver, pinned):
-            for zero_stage in pinned("zero_stage", _zero_stages(solver, dp, cp, pins.dp_sync)):
-                if dp * cp > 1 and not _zero_stage_runs(zero_stage, cp, pins.dp_sync):
-                    continue  # a pinned stage the generated code cannot pair with this cp / dp_sync
+            schedule = enum_member(Schedule, schedule)
+            for zero_stage in zero_stages:
                 hybrid_options = [False, True] if zero_stage >= 2 and dp > 1 and world_size > gpus_per_node else [False]
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
-                    sp_options = [False, True] if tp > 1 and not shape.sp_blocker else [False]
-                    for sequence_parallel in pinned("sequence_parallel", sp_options):
-                        for cp_strategy in pinned("cp_strategy", _cp_strategies(shape, tp, cp)):
-                            for ep, order in itertools.product(pinned("ep", _ep_options(shape, dp, cp)),
-                                                               legal_mesh_orders(tp, cp, pp, dp, gpus_per_node,
-                                                                                 solver.allow_cross_node_tp)):
+                    for sequence_parallel in sp_options:
+                        for cp_strategy in cp_strategies:
+                            for ep, order in placements:
                                 if ep > 1 and (dp % ep or not shape.experts or shape.experts % ep or cp > 1
                                                or sequence_parallel or zero_stage < 2 or hybrid_shard):
                                     continue  # what the generated EP code runs with (techniques._ep_runs)
-                                yield Candidate(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order,
-                                                zero_stage=zero_stage,
-                                                hybrid_shard=hybrid_shard, micro_batch_size=micro_batch_size,
-                                                num_micro_batches=micro_batches, schedule=schedule, chunks=chunks,
-                                                sequence_parallel=sequence_parallel, cp_strategy=cp_strategy,
-                                                dp_sync=pins.dp_sync or "auto", dp_shares=shares)
+                                yield Candidate.of_final_values(
+                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order, zero_stage=zero_stage,
+                                    hybrid_shard=hybrid_shard, micro_batch_size=micro_batch_size,
+                                    num_micro_batches=micro_batches, schedule=schedule, chunks=chunks,
+                                    sequence_parallel=sequence_parallel, cp_strategy=cp_strategy, dp_sync=dp_sync,
+                                    dp_shares=shares)
 
 
 def _ep_options(shape: ModelShape, dp: int, cp: int) -> list[int]:

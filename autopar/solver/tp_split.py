@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, activation_bytes, parameter_derived
+from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes
 from autopar.solver.tp_legality import IllegalSplit, TPLegality
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
@@ -58,7 +58,8 @@ class ILPSplitter:
         self.profile = profile
         self.time_limit_s = time_limit_s
         self.dtype = compute_dtype(profile.precision)
-        self.parameter_derived = parameter_derived(profile)
+        self.index = OpIndex.of(profile)
+        self.parameter_derived = self.index.derived
         self.solutions: dict[tuple[str, int], dict[str, str]] = {}
         # (layer, tp) -> (op target, module) of ops no split strategy covers, run replicated
         self.replicated: dict[tuple[str, int], list[tuple[str, str]]] = {}
@@ -81,7 +82,8 @@ class ILPSplitter:
         gathered: frozenset[str] = frozenset()
         while True:
             solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s,
-                                   replicated_modules=frozenset(illegal), gathered_modules=gathered)
+                                   replicated_modules=frozenset(illegal), gathered_modules=gathered,
+                                   index=self.index)
             solution = solver.solve(layer_name)
             if tp <= 1:
                 return solution
@@ -114,7 +116,7 @@ class ILPSplitter:
         if "loss_parallel" in solution.op_strategy.values():
             self.loss_parallel.add((layer_name, tp))
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]
-        ops = [op for op in self.profile.ops if op.layer == layer_name]
+        ops = list(self.index.by_layer.get(layer_name, []))
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
         sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
 

@@ -291,3 +291,25 @@ def test_robust_objective_prefers_the_plan_that_extrapolates_less(examples_dir):
         and "beyond any measurement" in note.relaxing
     assert robust.alternatives[0].plan.summary() == fastest.plan.summary()
 
+
+
+def test_collector_paused_while_planning_and_restored_after():
+    """Planning pauses the cyclic garbage collector (allocation-triggered collections walked the
+    whole heap) and leaves it as it found it, enabled or not, even when planning raises."""
+    import gc
+
+    from autopar.solver.planner import collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        with collector_paused():
+            assert not gc.isenabled()
+            raise ValueError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

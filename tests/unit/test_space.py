@@ -1,6 +1,8 @@
 """Search space: legality rules (divisibility, TP inside a node, batch arithmetic, pins)."""
 from __future__ import annotations
 
+import pytest
+
 from autopar.config import PlanPins, SolverConfig
 from autopar.solver.space import ModelShape, distinct_mesh_orders, enumerate_candidates, _group_span
 
@@ -21,6 +23,23 @@ def test_every_candidate_is_consistent():
         assert SHAPE.kv_heads % c.tp == 0 and SHAPE.heads % c.tp == 0
         assert c.pp <= SHAPE.num_blocks and c.pp * c.chunks <= SHAPE.num_blocks
         assert c.pp == 1 or c.num_micro_batches >= c.pp
+
+
+def test_candidates_are_the_layouts_the_constructor_builds():
+    """The enumeration builds candidates without the dataclass conversions: each must hold what
+    ParallelLayout(...) would from the same values (enum members, tuples), pinned strings included."""
+    from dataclasses import fields
+
+    from cost_models.layout import ParallelLayout
+
+    for found in (candidates(), candidates(schedule="gpipe", cp_strategy="ring", dp_sync="ring", zero_stage=1)):
+        assert found
+        for c in found:
+            built = ParallelLayout(**{f.name: getattr(c, f.name) for f in fields(c)})
+            assert vars(c) == vars(built) and hash(c) == hash(built)
+            assert all(type(getattr(c, f.name)) is type(getattr(built, f.name)) for f in fields(c))
+    with pytest.raises(TypeError, match="degree"):
+        ParallelLayout.of_final_values(degree=2)
 
 
 def test_tp_limited_by_kv_heads_and_kept_inside_a_node():

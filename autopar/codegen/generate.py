@@ -272,6 +272,8 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
         "config.dp_sync in NCCL_ALGORITHMS": plan.dp_sync in NCCL_ALGORITHMS,
         "self.dp_shares": bool(plan.dp_shares),  # TrainConfig's
     })
+    if plan.tp == 1:  # with TP, whether the head keeps loss parallelism is codegen's (tp_plan.build_tp_plan)
+        facts["config.loss_parallel"] = False
     return facts
 
 

@@ -151,13 +151,14 @@ class ParallelModel:
     schedule: Any = None  # the pipeline schedule (None without pipelining)
     tied_sync: Callable[[list[nn.Module]], None] | None = None  # sums tied gradients across stages
     compute_dtype: torch.dtype | None = None  # see `compute_dtype`
-    experts: ExpertShards | None = None  # this rank's expert slices (expert parallelism)
+    experts: Any = None  # this rank's ExpertShards under expert parallelism, else None
 
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Every parameter of this rank under its FQN in the unsharded model (ties under each name)."""
-        if self.schedule is not None:
-            return [named for module in self.modules for named in named_parameters_in_stage(module)]
-        return [named for module in self.modules for named in module.named_parameters(remove_duplicate=False)]
+
+def unsharded_named_parameters(parallel: ParallelModel) -> list[tuple[str, nn.Parameter]]:
+    """Every parameter of this rank under its FQN in the unsharded model (ties under each name)."""
+    if parallel.schedule is not None:
+        return [named for module in parallel.modules for named in named_parameters_in_stage(module)]
+    return [named for module in parallel.modules for named in module.named_parameters(remove_duplicate=False)]
 
 
 def compute_dtype(precision: str, device: torch.device, as_gpu: bool = False) -> torch.dtype | None:
@@ -175,7 +176,7 @@ def fsdp_wraps(dims: ParallelDims, config: ParallelConfig, param_dtype: torch.dt
 
 
 def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: DeviceMesh, config: ParallelConfig,
-                tp_plan: dict[str, ParallelStyle], param_dtype: torch.dtype | None) -> ExpertShards | None:
+                tp_plan: dict[str, ParallelStyle], param_dtype: torch.dtype | None) -> Any:
     """Apply the plan to one model (or pipeline stage), top to bottom in the order the
     techniques compose: tensor parallelism, expert parallelism, activation recomputation, then
     FSDP bottom-up (the experts over their expert-data-parallel group first).
@@ -190,7 +191,7 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
         param_dtype: compute dtype for FSDP's gathered parameters, or None.
 
     Returns:
-        The expert slices this module holds under expert parallelism, else None.
+        The expert slices this module holds under expert parallelism (ExpertShards), else None.
     """
     dims = config.dims
     shards = None
@@ -281,7 +282,7 @@ def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[s
         example = shard_sequence(example, tokens_per_sample(example), dims.cp, mesh[MeshAxis.CP.value].get_local_rank(),
                                  config.position_argument, config.mask_argument)
     modules: list[nn.Module] = []
-    experts: ExpertShards | None = None
+    experts = None  # this rank's ExpertShards under expert parallelism
     if config.pipeline_split == "tracer":
         if fake_mode is not None:
             raise ValueError("a traced pipeline split cannot be built on fake tensors (it exports the model)")
@@ -421,7 +422,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n
     if config.expert_parallel:
-        parallel.experts.scale_gradients(parallel.named_parameters())
+        parallel.experts.scale_gradients(unsharded_named_parameters(parallel))
     if config.dims.tp_enabled:
         reduce_partial_gradients(parallel.modules)
     parallel.optimizer.step()
@@ -450,7 +451,7 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
     """Every parameter as a full fp32 tensor under its FQN in the unsharded model (tied parameters
     under each of their names), gathered on rank 0; None on the other ranks."""
     state: dict[str, torch.Tensor] = {}
-    for name, parameter in parallel.named_parameters():
+    for name, parameter in unsharded_named_parameters(parallel):
         full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
         if config.expert_parallel:
             full = parallel.experts.full(name, full.detach())

@@ -205,7 +205,8 @@ DP2_LINES_BEFORE = 2348
 NOT_FOR_DP_ONLY = ("pipelining", "PipelineStage", "split_stage", "shard_sequence", "ring_attention",
                    "ulysses_attention", "context_parallel", "apply_tp", "apply_recompute", "ShardedAdamW",
                    "HierarchicalSync", "HalvingDoublingSync", "ParameterServer", "_flatten", "._checkpoint",
-                   "profiler", "all_gather_into_tensor")
+                   "profiler", "all_gather_into_tensor", "ExpertShards", "apply_ep", "named_parameters_in_stage",
+                   "replicated_beside_shards")
 
 
 def _code_words(source: str) -> set[str]:

@@ -39,9 +39,11 @@ from cost_models.pipeline import Partition, PartitionProblem
 
 
 OVER_MEMORY_KEPT = 16
-# Work units charged per candidate priced in full: about its wall seconds on a 2-core laptop
-# (~0.1 ms: 166,380 candidates priced in ~17 s for a 145.6B GPT on 1536 A100), so one unit of
-# `work_limit` is roughly a second there, as one CP-SAT deterministic second roughly is.
+# Work units charged per candidate priced in full: about its wall seconds on a 2-core laptop when
+# it was set (~0.1 ms: 166,380 candidates priced in ~17 s for a 145.6B GPT on 1536 A100), so one
+# unit of `work_limit` is roughly a second there, as one CP-SAT deterministic second roughly is.
+# Pricing is faster now; the constant stays, since it is part of the deterministic budget (the
+# same inputs must keep giving the same plan).
 PRICING_WORK = 1e-4
 
 

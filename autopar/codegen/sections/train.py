@@ -418,6 +418,9 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
                     if config.loss_parallel:
                         output = replicated_beside_shards(output, parallel.mesh[MeshAxis.TP.value])
                     loss = compute_loss(model_module, output, micro) * weight
+                    # Autograd keeps what backward needs; a name on the output (the logits, often
+                    # the largest activation) would keep all of it through backward.
+                    del output
                 (loss / n).backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n

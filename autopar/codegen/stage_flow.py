@@ -125,7 +125,7 @@ def uncarried_read(stages: list[list[str]], reads: LayerReads) -> str | None:
     last = len(stages) - 1
     for consumer, sources in reads.other.items():
         at = stage_of.get(consumer, last)
-        for source in sorted(sources, key=lambda name: stage_of.get(name, -1)):
+        for source in sorted(sources, key=lambda name: (stage_of.get(name, -1), name)):  # same words every run
             if source in stage_of and stage_of[source] != at:
                 what = "the loss" if consumer == LOSS else f"layer {consumer} (stage {at})"
                 return f"{what} reads the output of {source} (stage {stage_of[source]}) other than as its first input"

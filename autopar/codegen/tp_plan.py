@@ -176,7 +176,8 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         # keeps a plain input: a DTensor would reach the norms' plain weights. Its column-parallel
         # linears each reduce their own input gradient, as the pricer counts (its regions are a
         # block's children: autopar.solver.tp_split.ILPSplitter._split_regions).
-        for region in sorted((regions - block_set) & set(facts.modules)):
+        entered = {r for r in (regions - block_set) & set(facts.modules) if _only_linears_hold_weights(r, facts)}
+        for region in sorted(entered):
             # Its input as a replicated DTensor: the column-parallel matmuls reading it (q, k and
             # v) sum their input gradients as DTensors and all-reduce once, as priced (one
             # all-reduce per shared input), not once per matmul.
@@ -186,6 +187,17 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
     result.styles = {name: out[name] for name in facts.modules if name in out}
     return result
+
+
+def _only_linears_hold_weights(region: str, facts: ModelFacts) -> bool:
+    """Whether a replicated DTensor can enter ``region``: every child holding parameters is a
+    linear layer. A norm inside it (a frozen GPT's ``mlp = Sequential(LayerNorm, Linear, ...)``)
+    would meet the DTensor with its plain weight; such a region keeps a plain input and its
+    column-parallel linears, fed by the norm, each reduce their own input gradient, as the
+    pricer counts (autopar.solver.tp_split.issued_collectives: their input is made inside the
+    region)."""
+    return all(facts.kind(child) == "linear" for child in facts.children.get(region, [])
+               if facts.modules[child].has_parameters)
 
 
 def _head(styles: dict[str, str], facts: ModelFacts, after_last_block: list[str]) -> str | None:

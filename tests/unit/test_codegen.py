@@ -354,3 +354,20 @@ def test_a_block_whose_own_linears_pair_keeps_a_plain_input(tmp_path):
     assert "blocks.0" not in tp.styles
     assert tp.styles["blocks.0.attn"].style == "PrepareModuleInput"
     assert tp.styles["blocks.0.up"].style == "ColwiseParallel" and tp.styles["blocks.0.down"].style == "RowwiseParallel"
+
+
+def test_a_region_holding_a_norm_keeps_a_plain_input():
+    """A frozen GPT's MLP is ``Sequential(LayerNorm, Linear, GELU, Linear)``: with its linears
+    paired it is a region, but a replicated DTensor handed to it would meet the norm's plain
+    weight (torch refuses the mix), so it keeps a plain input; its linears keep their styles."""
+    from tests.dist.plans import TinyModel
+
+    path = Path(__file__).resolve().parents[1] / "zoo" / "models" / "frozen.py"
+    model = TinyModel(name="frozen", path=path, kwargs={}, prologue=["wte"], container="blocks", blocks=2,
+                      epilogue=["ln_f", "lm_head"])
+    plan = make_plan(model, tp=2)
+    styles = {**plan.tp_styles, "blocks.1.mlp.1": "colwise", "blocks.1.mlp.3": "rowwise"}
+    tp = build_tp_plan(plan.with_updates(tp_styles=styles, sequence_parallel=False), inspect_model(path, {}))
+    assert "blocks.1.mlp" not in tp.styles
+    assert tp.styles["blocks.1.mlp.1"].style == "ColwiseParallel"
+    assert tp.styles["blocks.1.mlp.3"].style == "RowwiseParallel"

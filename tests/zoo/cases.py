@@ -56,9 +56,6 @@ REFUSED: dict[str, str] = {
     'cnn-dp2': 'loss differs from one process',
     'cnn-zero3': 'loss differs from one process',
     'cnn-pp2': 'loss differs from one process',
-    # Measured refused, as on the commit before this stop's changes: a frozen norm's plain weight
-    # meets a DTensor activation in compile's fake-tensor step (to fix: the cause is not found yet).
-    'frozen-tp2': 'got mixed torch.Tensor and DTensor',
 }
 
 # Known to fail (measured; strict xfail, so a fix shows up as XPASS and must move the case out).

@@ -26,7 +26,7 @@ from autopar.model_file import ModelFile, build_fake
 from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
-from autopar.trace.sequence import sequence_mixers
+from autopar.trace.sequence import position_blocker, sequence_mixers
 
 # Mixed precision is traced the way FSDP2 (MixedPrecisionPolicy) and Megatron run it: parameters
 # and activations in 16 bit, fp32 master weights and optimizer states kept by the optimizer
@@ -205,7 +205,9 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
     captured = capture_training_step(model_file, build)
     grouping = group_layers(build.model, captured, containers)
     batch_leaves, _ = tree_flatten(build.batch)
-    mixers = sequence_mixers(captured, _tokens_per_sample(batch_leaves), build.model)
+    tokens = _tokens_per_sample(batch_leaves)
+    mixers = sequence_mixers(captured, tokens, build.model)
+    mixers += [blocker] if (blocker := position_blocker(captured, tokens, build.model)) else []
     facts = profile_ops(captured, grouping)
     ops = facts.ops
     layers = aggregate_layers(facts, grouping, build.model)

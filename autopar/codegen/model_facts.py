@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autopar.model_file import build_fake, call_model, load_model_file
+from autopar.trace.sequence import position_argument
 
 NORM_CLASS_HINTS = ("norm",)
 
@@ -118,15 +119,6 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
                       position_argument=position_argument(model),
                       mask_argument="attention_mask" if "attention_mask" in inspect.signature(model.forward).parameters
                       else None)
-
-
-POSITION_ARGUMENTS = ("position_ids", "positions")
-
-
-def position_argument(model: nn.Module) -> str | None:
-    """The forward argument that takes token positions, if the model has one."""
-    parameters = inspect.signature(model.forward).parameters
-    return next((name for name in POSITION_ARGUMENTS if name in parameters), None)
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:

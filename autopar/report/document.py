@@ -204,8 +204,8 @@ def sequence_notes(profile: Any) -> list[str]:
     if not mixers:
         return []
     more = f" (and {len(mixers) - 1} more such ops)" if len(mixers) > 1 else ""
-    return [f"Context parallelism was not considered: the model has {mixers[0]}{more}, which reads other "
-            "positions of the sequence and would compute something else on a sequence shard."]
+    return [f"Context parallelism was not considered: the model would compute something else on a sequence "
+            f"shard: {mixers[0]}{more}."]
 
 
 def uncosted_notes(profile: Any) -> list[str]:

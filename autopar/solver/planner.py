@@ -410,8 +410,9 @@ class Planner:
             reason = (f"no data-parallel degree an expert-parallel degree divides divides the global batch {batch}"
                       if batch % world else
                       f"the pins exclude it" if self._pin_overrides() else "no degree divides both dp and the experts")
-            return Binding("expert parallelism: no plan can use it (the generated code runs it with tp=cp=1 and "
-                           f"ZeRO-2/3, so dp is the cluster's {world} GPUs over the pipeline stages): {reason}",
+            return Binding("expert parallelism: no plan can use it (the generated code carves it from the "
+                           "data-parallel ranks and runs it with ZeRO-2/3, cp=1, no sequence parallelism and no "
+                           f"hybrid sharding): {reason}",
                            f"train.global_batch_size={-(-batch // world) * world} would allow it; plan again "
                            "with it to price that" if batch % world else "nothing to relax in the plan")
         search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
@@ -459,8 +460,8 @@ class Planner:
         self._check_pinned_values()
         self._check_pinned_layers()
         self._check_pinned_tp()  # before the GPU count: a degree the model cannot take is the first problem
+        self._check_pinned_ep()  # before the degrees: what ep cannot go with is named before what the model lacks
         self._check_pinned_degrees()
-        self._check_pinned_ep()
         self._check_pinned_batching()
 
     def _check_pinned_layers(self) -> None:
@@ -523,11 +524,12 @@ class Planner:
                             "pin degrees whose product divides the GPU count, or change cluster.nodes.")
         if (self.pins.cp or 1) > 1 and self.shape.cp_blocker:
             raise UserError(f"plan.cp={self.pins.cp} would train a different model: context parallelism gives each "
-                            f"rank a shard of every sequence, and this model has {self.shape.cp_blocker}, which reads "
-                            "other positions of the sequence and is not rewritten for sharding.",
-                            "pin plan.cp=1 (or leave it unset), or change that op: shift targets in example_batch "
+                            f"rank a shard of every sequence, and this model computes something else on a shard: "
+                            f"{self.shape.cp_blocker}.",
+                            "pin plan.cp=1 (or leave it unset), or change the model: shift targets in example_batch "
                             "instead of passing labels=, call F.scaled_dot_product_attention (causal or without a "
-                            "mask) instead of computing softmax(QK^T).")
+                            "mask) instead of computing softmax(QK^T), take `position_ids=None` in forward and use "
+                            "it instead of arange.")
         if self.pins.sequence_parallel and self.shape.sp_blocker:
             raise UserError(f"plan.sequence_parallel=true cannot run on this model: {self.shape.sp_blocker}, and "
                             "sequence parallelism has no style that gathers the sequence for it.",

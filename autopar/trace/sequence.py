@@ -14,9 +14,16 @@ whose output at one position reads others:
 - a shift along the sequence (a slice or pad that turns S positions into S±1: Hugging Face's
   ``labels=`` shifted inside the model, done per shard, drops a target per rank boundary);
 - cumulative ops (cumsum, cumprod, ...) over activations along the sequence;
+- reductions over the sequence that keep other dims (a per-sequence mean: pooling, a router's
+  per-sequence load statistics, as a sequence-wise MoE auxiliary loss computes them), which a
+  shard would take over its own tokens only; a reduction over every dim (a loss) is averaged
+  over the shards like the loss, and one over the last dim (norms) reads one position;
 - convolutions over the sequence (kernels wider than one position);
 - ``nn.MultiheadAttention`` (torch.nn's Transformer layers): its attention kernel is called from
-  C++, so the Python-level replacement does not reach it.
+  C++, so the Python-level replacement does not reach it;
+- positions numbered inside the model: without a ``position_ids``/``positions`` argument in
+  ``forward`` there is nothing to feed each shard's global positions through, and an ``arange``
+  in the model would number every shard from 0 (``position_blocker``).
 
 The analysis reads the ops' shapes on the traced forward: a dimension of the traced sequence
 length S is taken for the sequence. A coincidental S-sized dimension can only make it refuse CP
@@ -24,6 +31,7 @@ for a model that could have had it (safe), never the reverse for the rules above
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +42,8 @@ from autopar.trace.ops import op_name
 
 _SOFTMAX = {"_softmax", "softmax", "_safe_softmax", "_log_softmax", "log_softmax"}
 _CUMULATIVE = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "var", "std", "var_mean", "std_mean", "logsumexp", "max", "min",
+               "linalg_vector_norm"}
 _SHIFTS = {"slice", "constant_pad_nd", "pad", "narrow", "roll"}
 _SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument index
     "_scaled_dot_product_flash_attention_for_cpu": 6,
@@ -43,15 +53,26 @@ _SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument 
 }
 
 
+POSITION_ARGUMENTS = ("position_ids", "positions")
+
+
+def position_argument(model: torch.nn.Module) -> str | None:
+    """The forward argument that takes token positions, if the model has one."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in POSITION_ARGUMENTS if name in parameters), None)
+
+
 @dataclass(frozen=True)
 class SequenceMixer:
     """One op that reads other positions of the sequence."""
 
     module: str | None  # FQN of the module that ran it ("": the root); None: outside the model (loss_fn)
-    op: str
+    op: str  # "": no one op (the model as a whole)
     reason: str
 
     def describe(self) -> str:
+        if not self.op:
+            return self.reason
         where = (f"module '{self.module}'" if self.module else
                  "the root module's own forward" if self.module == "" else "the loss (outside the model)")
         return f"{self.reason} ({self.op} in {where})"
@@ -103,6 +124,8 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
         dim = _dim(args, 1, first)
         if first.shape[dim] == seq_len:
             return "a cumulative op along the sequence"
+    if name in _REDUCTIONS and first.dtype.is_floating_point and _reduces_sequence(args, first, seq_len):
+        return "a reduction over the sequence (a per-sequence statistic)"
     if name in _SHIFTS and first.dim() == out.dim():
         for d in range(first.dim()):
             if first.shape[d] == seq_len and out.shape[d] in (seq_len - 1, seq_len + 1):
@@ -114,6 +137,19 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
         if weight is not None and weight.shape[-1] > 1:
             return "a convolution over the sequence"
     return _sdpa_mask_reason(name, args, seq_len)
+
+
+def _reduces_sequence(args: list[Any], first: torch.Tensor, seq_len: int) -> bool:
+    """Whether the op reduces a dim of size S other than the last, keeping some dims: its dim
+    argument (an int or a list; absent or None: every dim, a scalar such as a loss)."""
+    dims = args[1] if len(args) > 1 else None
+    if dims is None or first.dim() < 2:
+        return False
+    dims = [dims] if isinstance(dims, int) else list(dims) if isinstance(dims, (list, tuple)) else []
+    reduced = {d % first.dim() for d in dims if isinstance(d, int)}
+    if not reduced or len(reduced) == first.dim():
+        return False
+    return any(first.shape[d] == seq_len and d != first.dim() - 1 for d in reduced)
 
 
 def _sdpa_mask_reason(name: str, args: list[Any], seq_len: int) -> str | None:
@@ -143,3 +179,21 @@ def _dim(args: list[Any], index: int, tensor: torch.Tensor) -> int:
 
 def _value(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def position_blocker(captured: CapturedStep, seq_len: int | None, model: torch.nn.Module) -> SequenceMixer | None:
+    """Why the model cannot be given its tokens' global positions (None if it can): its forward has
+    no position argument, so the generated code could not feed them (codegen refuses such a
+    plan, autopar.codegen.generate.check_context_parallel); names the ``arange`` that numbers
+    the sequence inside the model where there is one."""
+    if not seq_len or seq_len < 2 or position_argument(model) is not None:
+        return None
+    reason = "no position_ids/positions argument in forward to give each sequence shard its global positions"
+    for node in captured.graph_module.graph.nodes:
+        if node.op == "call_function" and "arange" in op_name(node.target).split(".") \
+                and captured.node_phase.get(node.name) != BACKWARD:
+            out = _value(node)
+            if isinstance(out, torch.Tensor) and out.dim() == 1 and out.shape[0] == seq_len:
+                return SequenceMixer(captured.node_module.get(node.name), "arange", reason + ", and an arange over "
+                                     "the sequence numbers every shard from 0")
+    return SequenceMixer("", "", reason)

@@ -165,7 +165,7 @@ def test_the_search_enumerates_ep_dividing_dp_and_the_experts():
     assert shape.experts == E
     found = list(enumerate_candidates(shape, 16, 8, 64, SolverConfig(), PlanPins()))
     eps = {(c.dp, c.ep) for c in found}
-    assert {(16, 1), (16, 2), (16, 4), (8, 1), (2, 2), (1, 1)} <= eps  # dp=2: tp·pp=8
+    assert {(16, 1), (16, 2), (16, 4), (8, 1), (2, 2)} <= eps  # dp=2: tp·pp=8
     assert all(c.dp % c.ep == 0 and E % c.ep == 0 for c in found)
     assert all(c.cp == 1 and not c.sequence_parallel and c.zero_stage >= 2 and not c.hybrid_shard
                for c in found if c.ep > 1)
@@ -233,8 +233,8 @@ def test_a_plan_without_expert_parallelism_says_why():
     result = Planner(moe_profile(), cpu, TrainSpec(6, precision="fp32"), SolverConfig(), PlanPins()).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
     assert result.plan.ep == 1 and why and "dp=2" in why[0].relaxing and "ep=2" in why[0].relaxing
-    # A pin expert parallelism cannot go with (context parallelism), on a batch that allows it: said.
-    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(cp=2)).run()
+    # A pin expert parallelism cannot go with (ZeRO-1), on a batch that allows it: said.
+    result = Planner(moe_profile(), cpu, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(zero_stage=1)).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
     assert why and ("pins exclude it" in why[0].constraint)
     # Tensor parallelism pinned: ep x tp runs, so the best plan with it is priced.

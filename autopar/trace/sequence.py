@@ -53,7 +53,7 @@ _SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument 
 }
 
 
-POSITION_ARGUMENTS = ("position_ids", "positions")
+POSITION_ARGUMENTS = ("position_ids", "positions", "pos")  # Hugging Face, vLLM-style, nanoGPT-style
 
 
 def position_argument(model: torch.nn.Module) -> str | None:

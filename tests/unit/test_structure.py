@@ -77,21 +77,24 @@ def test_a_vocabulary_as_long_as_the_sequence_is_not_attention():
 
 
 def test_a_model_that_numbers_positions_itself_blocks_cp():
-    """Without a position_ids/positions argument the generated code cannot feed each sequence
-    shard its global positions: nanoGPT's arange would number every shard from 0, and the frozen
-    GPT slices its table from 0. The profile says so, so the planner never offers CP for them
-    (codegen would refuse it); a model taking positions (the GPT example) is not blocked."""
-    nanogpt = profile_model(load_model_file(ZOO / "nanogpt.py"), {}, micro_batch_size=1, precision="fp32")
-    assert nanogpt.sequence_mixers == ["no position_ids/positions argument in forward to give each sequence shard "
-                                       "its global positions, and an arange over the sequence numbers every shard "
-                                       "from 0 (arange in the root module's own forward)"]
+    """Without a position_ids/positions/pos argument the generated code cannot feed each sequence
+    shard its global positions: the frozen GPT slices its table from 0, and an arange would
+    number every shard from 0 (the MoE test model's, named). The profile says so, so the planner
+    never offers CP for them (codegen would refuse it); models taking positions (the GPT
+    example's `positions`, nanoGPT's `pos`) are not blocked."""
     frozen = profile_model(load_model_file(ZOO / "frozen.py"), {}, micro_batch_size=1, precision="fp32")
     assert frozen.sequence_mixers == ["no position_ids/positions argument in forward to give each sequence shard "
                                       "its global positions"]
+    moe = profile_model(load_model_file(Path(__file__).resolve().parents[1] / "moe_model.py"),
+                        dict(layers=1, hidden=32, heads=2, seq_len=16, vocab=64), micro_batch_size=2, precision="fp32")
+    assert moe.sequence_mixers[-1] == ("no position_ids/positions argument in forward to give each sequence shard "
+                                       "its global positions, and an arange over the sequence numbers every shard "
+                                       "from 0 (arange in the root module's own forward)")
+    nanogpt = profile_model(load_model_file(ZOO / "nanogpt.py"), {}, micro_batch_size=1, precision="fp32")
     gpt = profile_model(load_model_file(Path(__file__).resolve().parents[2] / "examples" / "gpt.py"),
                         {"layers": 1, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64}, micro_batch_size=1,
                         precision="fp32")
-    assert gpt.sequence_mixers == []
+    assert nanogpt.sequence_mixers == [] and gpt.sequence_mixers == []
 
 
 def test_a_per_sequence_statistic_blocks_cp():

@@ -30,7 +30,6 @@ REFUSED: dict[str, str] = {
     'hf_t5-cp2': 'would train a different model',
     'hf_vit-cp2': 'position_ids/positions argument',
     'hf_whisper-cp2': 'position_ids/positions argument',
-    'nanogpt-cp2': 'position_ids/positions argument',
     'encdec-cp2': 'would train a different model',
     'frozen-cp2': 'position_ids/positions argument',
     'cnn-cp2': 'position_ids/positions argument',

@@ -49,15 +49,17 @@ TINY = dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
 MODELS = {
     "mixtral": dict(TINY, experts=4, top_k=2, ffn=64),
     "qwen2_moe": dict(TINY, experts=4, top_k=2, ffn=64, shared_ffn=64, capacity_factor=1.0),  # drops tokens
-    "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0),
+    # multi-head latent attention: keys and values up-projected from a 16-wide latent
+    "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0, kv_lora_rank=16),
     "mixtral_plain": dict(TINY, experts=4, top_k=2, ffn=64, aux_loss=False),  # a pipeline cuts it by modules
 }
 # (model, ep, ZeRO stage, ranks)
-CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 4, 2, 4),
-         ("mixtral", 2, 3, 2), ("deepseek_v3", 2, 2, 2)]
+CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 2, 3, 4),
+         ("mixtral", 2, 3, 2), ("qwen2_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 2)]
 # (model, ep, ZeRO stage, ranks, pp, tp): dp=2 x pp=2 (the aux loss carried across stages) and dp=2 x tp=2
-PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1), ("mixtral_plain", 2, 3, 4, 2, 1)]
-TENSOR_PARALLEL = ("mixtral", 2, 3, 4, 1, 2)
+PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1), ("mixtral_plain", 2, 3, 4, 2, 1),
+             ("qwen2_moe", 2, 3, 4, 2, 1), ("deepseek_v3", 2, 3, 4, 2, 1)]
+TENSOR_PARALLEL = [("mixtral", 2, 3, 4, 1, 2), ("qwen2_moe", 2, 3, 4, 1, 2), ("deepseek_v3", 2, 3, 4, 1, 2)]
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
@@ -113,7 +115,7 @@ def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
-    for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + [TENSOR_PARALLEL]:
+    for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + TENSOR_PARALLEL:
         case = case_id(name, ep, zero, world, pp, tp)
         plan = make_plan(MODELS[name], ep, zero, world, pp, tp)
         assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.zero_stage) == (ep, world // (pp * tp), pp, tp, zero)
@@ -141,16 +143,23 @@ def outcomes(tmp_path_factory) -> dict:
             for world_jobs in jobs.values() for case, _, log, final in world_jobs}
 
 
-@pytest.mark.parametrize("name, ep, zero, world", CASES)
-def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, world, outcomes):
-    losses, parameters, _, _ = outcomes[case_id(name, ep, zero, world)]
-    reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
+def assert_trains_like_one_process(losses: list[float], parameters: dict, model_file: Path, kwargs: dict,
+                                   optimizer: dict) -> None:
+    """Per-step losses (rtol 1e-5) and final parameters (rtol 1e-4, atol 1e-5; see the module
+    docstring) equal to the unsharded model's trained on one process, and training moved."""
+    reference = run_reference(model_file, kwargs, GLOBAL_BATCH, STEPS, optimizer)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
     assert set(parameters) == set(reference.parameters)
     for key, expected in reference.parameters.items():
         torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
-    assert losses[0] != losses[-1]  # three steps of training happened
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
+
+
+@pytest.mark.parametrize("name, ep, zero, world", CASES)
+def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, world, outcomes):
+    losses, parameters, _, _ = outcomes[case_id(name, ep, zero, world)]
+    assert_trains_like_one_process(losses, parameters, MOE, MODELS[name], OPTIMIZER)
 
 
 @pytest.mark.parametrize("name, ep, zero, world", CASES)
@@ -188,12 +197,7 @@ def test_pipelined_moe_model_trains_like_one_process(case, outcomes):
     Without an aux loss the stages are cut by modules, and each stage's experts are sharded as
     without a pipeline (apply_ep on the stage's copy of the model)."""
     losses, parameters, _, _ = outcomes[case_id(*case)]
-    name = case[0]
-    reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
-    for key, expected in reference.parameters.items():
-        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert_trains_like_one_process(losses, parameters, MOE, MODELS[case[0]], OPTIMIZER)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -205,30 +209,23 @@ def test_compiled_moe_example_trains_like_one_process(precision, outcomes):
     says so), so it too must give the one-process fp32 values; what bf16 changes here is the
     traced profile and the plan's prices."""
     losses, parameters, _, _ = outcomes[f"example_{precision}"]
-    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
-    reference = run_reference(EXAMPLE, {}, GLOBAL_BATCH, STEPS, DEFAULT_OPTIMIZER)
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
-    assert set(parameters) == set(reference.parameters)
-    for key, expected in reference.parameters.items():
-        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert_trains_like_one_process(losses, parameters, EXAMPLE, {}, DEFAULT_OPTIMIZER)
 
 
-def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(outcomes):
-    """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (here the routers,
-    the position embedding and the LM head, its logits vocabulary-sharded into the loss) are split
-    over each tensor-parallel pair, the experts are not: each TP rank holds the E/ep experts of its
-    expert-parallel group whole and exchanges the whole sequence's tokens with the same TP
-    coordinate of the other data-parallel rank. Losses and final parameters equal one process
-    (the router's auxiliary loss, a plain tensor beside the sharded logits, made a replicated
-    DTensor for the loss), and every rank issues the all-to-alls priced per step: 4 x 2 layers x 4
-    micro-batches (the pricer counts one rank per tensor-parallel group)."""
-    losses, parameters, issued, priced = outcomes[case_id(*TENSOR_PARALLEL)]
-    reference = run_reference(MOE, MODELS[TENSOR_PARALLEL[0]], GLOBAL_BATCH, STEPS, OPTIMIZER)
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
-    assert set(parameters) == set(reference.parameters)
-    for key, expected in reference.parameters.items():
-        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+@pytest.mark.parametrize("case", TENSOR_PARALLEL, ids=lambda case: case_id(*case))
+def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(case, outcomes):
+    """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (the routers, the
+    position embedding and the LM head, its logits vocabulary-sharded into the loss; the shared
+    expert's linears; of multi-head latent attention the query, key/value up- and output
+    projections, while the key/value down-projection, whose output is split into the latent and
+    the rotary key, stays replicated) are split over each tensor-parallel pair, the experts are
+    not: each TP rank holds the E/ep experts of its expert-parallel group whole and exchanges the
+    whole sequence's tokens with the same TP coordinate of the other data-parallel rank. Losses
+    and final parameters equal one process (the router's auxiliary loss, a plain tensor beside
+    the sharded logits, made a replicated DTensor for the loss), and every rank issues the
+    all-to-alls priced per step: 4 x 2 layers x 4 micro-batches (the pricer counts one rank per
+    tensor-parallel group)."""
+    losses, parameters, issued, priced = outcomes[case_id(*case)]
+    assert_trains_like_one_process(losses, parameters, MOE, MODELS[case[0]], OPTIMIZER)
     assert priced == 4 * 2 * (GLOBAL_BATCH // 2)
-    assert issued == [priced] * TENSOR_PARALLEL[3]
+    assert issued == [priced] * case[3]

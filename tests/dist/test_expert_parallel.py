@@ -24,10 +24,9 @@ unless said:
   its 2 data-parallel ranks).
 - 4 ranks, dp=2 (ep=2) x tp=2: Mixtral-, Qwen2-MoE- and DeepSeek-V3-like (experts whole on each
   tensor-parallel rank; MLA's key/value down-projection kept replicated).
-The all-to-alls every case with ep > 1 issues are those PlanPricer.ep_collectives prices (the
-cases without a pipeline or TP, the pipelined and the TP ones). The user-facing example
-examples/mixtral.py is compiled by `autopar compile` with plan.ep=2 on 2 CPU gloo ranks, in
-fp32 and in bf16, and both modules train in the 2-rank spawn.
+The all-to-alls every case with ep > 1 issues are those PlanPricer.ep_collectives prices. The
+user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2 on 2 CPU
+gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
 
     pytest -q tests/dist/test_expert_parallel.py
 """

@@ -551,7 +551,7 @@ class Planner:
         if self.shape.ep_blocker:
             raise UserError(f"plan.ep={ep} cannot run on this model: {self.shape.ep_blocker}.",
                             "leave plan.ep unset or pin it to 1, or route the tokens outside the experts module "
-                            "and hand it them grouped by expert (tests/moe_model.py shows how).")
+                            "and hand it them grouped by expert (examples/mixtral.py shows how).")
         if experts % ep:
             raise UserError(f"plan.ep={ep} does not divide the {experts} experts of every MoE layer.",
                             f"use one of ep={', '.join(map(str, divisors(experts)))}, or leave plan.ep unset.")

@@ -9,7 +9,11 @@ group), which is what ZeRO shards their states over and what their gradients are
 
 A layer holds experts when one of its parameters is stacked by expert: a name with an
 `experts` component and at least three dimensions ([E, ...]); E is its first dimension. Top-k
-is read off the layer's traced `topk` op (its output's last dimension).
+is read off the layer's traced `topk` op (its output's last dimension). Sharding them needs
+more: the generated exchange (codegen/sections/expert_parallel.py) treats an experts module's
+one input as its tokens grouped by expert, so a model whose experts module routes inside its own
+forward (Hugging Face's `forward(hidden_states, top_k_index, top_k_weights)`) has an
+`ep_blocker` and is planned with ep=1 only: nothing generated would run it.
 
 Per MoE layer and micro-batch (tokens T = b·s / cp on a rank, token bytes h·dtype, k experts
 per token), with pace p (the most-loaded rank's share of the mean, `routing_pace`):
@@ -63,9 +67,11 @@ class MoELayer:
 
 @dataclass(frozen=True)
 class ExpertFacts:
-    """The layers with experts, by layer name."""
+    """The layers with experts, by layer name, and why expert parallelism cannot shard them
+    (None: it can)."""
 
     layers: dict[str, MoELayer] = field(default_factory=dict)
+    ep_blocker: str | None = None
 
     @classmethod
     def of(cls, profile: "ModelProfile") -> "ExpertFacts":
@@ -89,7 +95,7 @@ class ExpertFacts:
                 expert_forward_share=_flop_share(ops, modules, "forward", layer.flops_forward),
                 expert_backward_share=_flop_share(ops, modules, "backward", layer.flops_backward),
                 token_bytes=layer.input_bytes / max(1, tokens), tokens=tokens)
-        return cls(layers)
+        return cls(layers, ep_blocker(getattr(profile, "experts_inputs", {})) if layers else None)
 
     def experts_of(self, layer_name: str) -> MoELayer | None:
         return self.layers.get(layer_name)
@@ -107,6 +113,18 @@ def is_expert_param(name: str, shape: list[int]) -> bool:
     """A parameter stacked by expert: an `experts` component in its name and [E, ...] with E
     leading a matrix per expert."""
     return "experts" in name.split(".") and len(shape) >= 3
+
+
+def ep_blocker(experts_inputs: dict[str, list[str]]) -> str | None:
+    """Why the generated all-to-alls cannot wrap these experts modules (FQN -> their forward's
+    required inputs), or None: each must take one input, its tokens grouped by expert (the
+    runtime refuses any other, expert_parallel.check_grouped_input)."""
+    routing = {fqn: inputs for fqn, inputs in experts_inputs.items() if len(inputs) != 1}
+    if not routing:
+        return None
+    fqn, inputs = min(routing.items())
+    return (f"{fqn}.forward takes ({', '.join(inputs)}) and routes the tokens itself, while expert parallelism "
+            "exchanges an experts module's one input, its tokens grouped by expert [E, tokens, ...]")
 
 
 def _flop_share(ops: list[Any], modules: set[str], phase: str, total: int) -> float:

@@ -300,20 +300,23 @@ def validate(layout: ParallelLayout, model: Any, cluster: ClusterSpec, train: Tr
         ValueError: what cannot run, with the values that can.
     """
     validate_train(train, model)
-    experts = None
+    experts = ep_blocker = None
     if layout.ep > 1:
         from cost_models.expert_parallel import ExpertFacts
 
-        experts = ExpertFacts.of(model).common_divisor()
+        facts = ExpertFacts.of(model)
+        experts, ep_blocker = facts.common_divisor(), facts.ep_blocker
     validate_layout(layout, cluster, train, [layer.name for layer in model.layers], model.tokens_per_sample, heads,
-                    recompute_options, experts)
+                    recompute_options, experts, ep_blocker)
 
 
 def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,
                     tokens_per_sample: int | None = None, heads: int | None = None,
-                    recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS, experts: int | None = None) -> None:
+                    recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS, experts: int | None = None,
+                    ep_blocker: str | None = None) -> None:
     """Clear errors for layouts that cannot run, before pricing them (`experts`: the number every
-    MoE layer's experts divide into, 0 for a model without experts, None: not checked)."""
+    MoE layer's experts divide into, 0 for a model without experts, None: not checked;
+    `ep_blocker`: why the generated exchange cannot wrap the experts, None: it can)."""
     names = list(layer_names) if not isinstance(layer_names, int) else None
     num_layers = len(names) if names is not None else layer_names
     for axis in AXES:
@@ -349,7 +352,8 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
     # are refused there with the values that can be chosen).
     from cost_models.techniques import LayoutFacts, problems
 
-    found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample, experts=experts))
+    found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample, experts=experts,
+                                         ep_blocker=ep_blocker))
     if found:
         raise ValueError(found[0])
     _validate_recompute(layout.recompute, names, recompute_options)

@@ -41,6 +41,7 @@ class LayoutFacts:
     kv_heads: int | None = None
     tokens_per_sample: int | None = None
     experts: int | None = None  # what every MoE layer's expert count divides into (0: no experts)
+    ep_blocker: str | None = None  # why the generated exchange cannot wrap the experts (None: it can)
 
 
 Precondition = Callable[[Any, LayoutFacts], "str | None"]
@@ -134,6 +135,12 @@ def _experts_divide(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
+def _experts_exchangeable(layout: Any, facts: LayoutFacts) -> str | None:
+    if layout.ep > 1 and facts.ep_blocker:
+        return f"ep={layout.ep} cannot run: {facts.ep_blocker}; pin plan.ep=1"
+    return None
+
+
 def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
     """What the generated expert-parallel code is built and tested with (one FSDP shard group
     over the data-parallel ranks, cut into expert-parallel groups, in every pipeline stage and
@@ -201,7 +208,7 @@ REGISTRY: tuple[Technique, ...] = (
     Technique(Family.ZERO_STAGE, ZeroStage.PARAMETERS, "data_parallel.apply_fsdp (reshard_after_forward=True)",
               "memory.trained_model_states", summary="+ parameters sharded (FSDP)"),
     Technique(Family.EP_DISPATCH, ExpertDispatch.ALL_TO_ALL, "expert_parallel.apply_ep (all_to_all_single)",
-              "PlanPricer._ep_time_s", requires=(_experts_divide, _ep_runs),
+              "PlanPricer._ep_time_s", requires=(_experts_divide, _experts_exchangeable, _ep_runs),
               summary="tokens to their experts' ranks and back by all-to-all"),
 )
 

@@ -406,6 +406,9 @@ class Planner:
         world, batch = self.cluster.world_size, self.train.global_batch_size
         extra = [c for c in enumerate_candidates(self.shape, world, self.cluster.gpus_per_node, batch, self.solver,
                                                  self.pins) if c.ep > 1]
+        if self.shape.ep_blocker:
+            return Binding(f"expert parallelism: no plan can use it: {self.shape.ep_blocker}",
+                           "route the tokens outside the experts module and hand it them grouped by expert")
         if not extra:
             reason = (f"no data-parallel degree an expert-parallel degree divides divides the global batch {batch}"
                       if batch % world else
@@ -547,6 +550,10 @@ class Planner:
         if not experts:
             raise UserError(f"plan.ep={ep} shards experts, but this model has none (no module named 'experts' "
                             "holding parameters stacked by expert, [E, ...]).", "leave plan.ep unset or pin it to 1.")
+        if self.shape.ep_blocker:
+            raise UserError(f"plan.ep={ep} cannot run on this model: {self.shape.ep_blocker}.",
+                            "leave plan.ep unset or pin it to 1, or route the tokens outside the experts module "
+                            "and hand it them grouped by expert (examples/mixtral.py shows how).")
         if experts % ep:
             raise UserError(f"plan.ep={ep} does not divide the {experts} experts of every MoE layer.",
                             f"use one of ep={', '.join(map(str, divisors(experts)))}, or leave plan.ep unset.")

@@ -52,6 +52,7 @@ class ModelShape:
     cp_blocker: str | None = None  # the first op that makes context parallelism illegal, if any
     experts: int = 0  # what every MoE layer's expert count divides into (0: no experts)
     sp_blocker: str | None = None  # why sequence parallelism cannot wrap the blocks, if it cannot
+    ep_blocker: str | None = None  # why the generated expert parallelism cannot shard the experts, if it cannot
 
     @classmethod
     def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
@@ -71,10 +72,11 @@ class ModelShape:
             kv_widths = [d // head_dim for d in dims if d % head_dim == 0 and d // head_dim < (heads or 0)]
             if kv_widths:
                 kv_heads = min(kv_widths)
+        experts = ExpertFacts.of(profile)
         return cls(num_blocks=len(blocks), num_layers=len(profile.layers), heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)),
-                   cp_blocker=next(iter(profile.sequence_mixers), None),
-                   experts=ExpertFacts.of(profile).common_divisor(), sp_blocker=sp_blocker(profile))
+                   cp_blocker=next(iter(profile.sequence_mixers), None), experts=experts.common_divisor(),
+                   sp_blocker=sp_blocker(profile), ep_blocker=experts.ep_blocker)
 
     def tp_divides(self, tp: int) -> bool:
         if any(dim % tp and dim > tp for dim in self.split_dims):
@@ -215,8 +217,9 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
 
 def _ep_options(shape: ModelShape, dp: int, cp: int) -> list[int]:
     """Expert-parallel degrees: divisors of both dp and every MoE layer's expert count (EP is
-    carved from the data-parallel ranks; the generated group is cut from dp alone, so cp=1)."""
-    if not shape.experts or cp > 1:
+    carved from the data-parallel ranks; the generated group is cut from dp alone, so cp=1), and
+    none but 1 for experts the generated exchange cannot wrap (`shape.ep_blocker`)."""
+    if not shape.experts or cp > 1 or shape.ep_blocker:
         return [1]
     return [ep for ep in divisors(dp) if shape.experts % ep == 0]
 

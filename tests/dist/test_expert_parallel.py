@@ -6,21 +6,33 @@ rest), run on 2 and on 4 gloo ranks for three AdamW steps, gives the per-step lo
 model on one process (rtol 1e-5) and the same final parameters, the experts gathered back in
 expert order (rtol 1e-4, atol 1e-5: fp32 sums in another order, through Adam's division by
 sqrt(v), as tests/dist/test_equivalence.py justifies). The router's auxiliary loss is part of
-the loss compared. Cases, in one spawn of ranks per world size: on 4 ranks a Mixtral-like model
-(4 experts, top-2) with ep=2 x ZeRO-3 (experts also sharded over 2 expert-data-parallel ranks)
-and ep=4 x ZeRO-2 (each rank alone with its experts), a Qwen2-MoE-like one (plus a shared expert;
-capacity factor 1, so tokens over an expert's capacity are dropped, per sequence as in one
-process) with ep=2 x ZeRO-3 and a DeepSeek-V3-like one (16 small experts, top-4) with ep=4 x
-ZeRO-2; on 2 ranks (every data-parallel rank its own expert group, so the expert-data-parallel
-groups hold one rank) Mixtral-like ep=2 x ZeRO-3 and DeepSeek-V3-like ep=2 x ZeRO-2. Composed,
-on 4 ranks, ZeRO-3: Mixtral-like dp=2 x pp=2 without expert parallelism and with ep=2 (each
-stage's experts sharded over its 2 data-parallel ranks), and dp=2 (ep=2) x tp=2 (experts whole on
-each tensor-parallel rank). The first case of each world size and the composed ep cases are also
-profiled: the all-to-alls they issue are those PlanPricer.ep_collectives prices. The user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2
-on 2 CPU gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
+the loss compared.
+
+Models (tests/moe_model.py, 2 blocks, hidden 32): Mixtral-like (4 experts of ffn 64, top-2),
+Qwen2-MoE-like (the same plus a shared expert; capacity factor 1, so tokens over an expert's
+capacity are dropped, per sequence as in one process), DeepSeek-V3-like (16 experts of ffn 16,
+top-4, multi-head latent attention with a key/value latent of 16) and Mixtral-like without the
+aux loss (a pipeline then cuts it by modules). Cases, one spawn of ranks per world size, ZeRO-3
+unless said:
+- 2 ranks (each data-parallel rank its own expert group, so the expert-data-parallel groups hold
+  one rank): Mixtral-like ep=2, Qwen2-MoE-like ep=2 ZeRO-2, DeepSeek-V3-like ep=2 ZeRO-2.
+- 4 ranks, experts over dp: Mixtral-, Qwen2-MoE- and DeepSeek-V3-like ep=2 (experts also sharded
+  over 2 expert-data-parallel ranks) and Mixtral-like ep=4 ZeRO-2 (each rank alone with its
+  experts).
+- 4 ranks, dp=2 x pp=2: Mixtral-like without expert parallelism, and Mixtral-, Qwen2-MoE- and
+  DeepSeek-V3-like and aux-loss-free Mixtral-like with ep=2 (each stage's experts sharded over
+  its 2 data-parallel ranks).
+- 4 ranks, dp=2 (ep=2) x tp=2: Mixtral-, Qwen2-MoE- and DeepSeek-V3-like (experts whole on each
+  tensor-parallel rank; MLA's key/value down-projection kept replicated).
+The all-to-alls every case with ep > 1 issues are those PlanPricer.ep_collectives prices. The
+user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2 on 2 CPU
+gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
+
+    pytest -q tests/dist/test_expert_parallel.py
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -49,15 +61,17 @@ TINY = dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
 MODELS = {
     "mixtral": dict(TINY, experts=4, top_k=2, ffn=64),
     "qwen2_moe": dict(TINY, experts=4, top_k=2, ffn=64, shared_ffn=64, capacity_factor=1.0),  # drops tokens
-    "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0),
+    # multi-head latent attention: keys and values up-projected from a 16-wide latent
+    "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0, kv_lora_rank=16),
     "mixtral_plain": dict(TINY, experts=4, top_k=2, ffn=64, aux_loss=False),  # a pipeline cuts it by modules
 }
 # (model, ep, ZeRO stage, ranks)
-CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 4, 2, 4),
-         ("mixtral", 2, 3, 2), ("deepseek_v3", 2, 2, 2)]
+CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 2, 3, 4),
+         ("mixtral", 2, 3, 2), ("qwen2_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 2)]
 # (model, ep, ZeRO stage, ranks, pp, tp): dp=2 x pp=2 (the aux loss carried across stages) and dp=2 x tp=2
-PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1), ("mixtral_plain", 2, 3, 4, 2, 1)]
-TENSOR_PARALLEL = ("mixtral", 2, 3, 4, 1, 2)
+PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1), ("mixtral_plain", 2, 3, 4, 2, 1),
+             ("qwen2_moe", 2, 3, 4, 2, 1), ("deepseek_v3", 2, 3, 4, 2, 1)]
+TENSOR_PARALLEL = [("mixtral", 2, 3, 4, 1, 2), ("qwen2_moe", 2, 3, 4, 1, 2), ("deepseek_v3", 2, 3, 4, 1, 2)]
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
@@ -78,9 +92,22 @@ def plan_cluster(world: int) -> ClusterSpec:
     return ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=world))
 
 
-def make_plan(kwargs: dict, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1):
+@functools.cache
+def moe_profile(name: str):
+    """The fp32 profile of MODELS[name] at micro-batch 1, traced once for every case of it."""
+    return profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
+
+
+@functools.cache
+def reference_run(model_file: Path, kwargs: tuple, optimizer: tuple):
+    """The model (kwargs and optimizer as items, to be hashable) trained on one process, once for
+    every test of it."""
+    return run_reference(model_file, dict(kwargs), GLOBAL_BATCH, STEPS, dict(optimizer))
+
+
+def make_plan(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1):
     cluster = plan_cluster(world)
-    profile = profile_model(load_model_file(MOE), kwargs, 1, "fp32")
+    profile = moe_profile(name)
     pins = PlanPins(dp=world // (pp * tp), tp=tp, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
@@ -113,18 +140,22 @@ def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
-    for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + [TENSOR_PARALLEL]:
+    for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + TENSOR_PARALLEL:
         case = case_id(name, ep, zero, world, pp, tp)
-        plan = make_plan(MODELS[name], ep, zero, world, pp, tp)
+        plan = make_plan(name, ep, zero, world, pp, tp)
         assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.zero_stage) == (ep, world // (pp * tp), pp, tp, zero)
         out = root / case
         files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=world)
         assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
+        if tp > 1 and "kv_lora_rank" in MODELS[name]:
+            # MLA's down-projection output is split into the latent and the rotary key: the legality
+            # analysis's fused-output rule keeps it replicated (a column split would hand each rank
+            # a block of the fused output).
+            assert "attn.wkv_a" not in files.script.read_text() and "attn.wkv_b" in files.script.read_text()
         if pp > 1:  # the aux loss read by every block makes codegen cut the stages from an exported graph
             split = "tracer" if MODELS[name].get("aux_loss", True) else "modules"
             assert f"PIPELINE_SPLIT = {split!r}" in files.script.read_text()
-        profile = profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
-        pricer = PlanPricer(profile, plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
+        pricer = PlanPricer(moe_profile(name), plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
         priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0)
         jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
     for precision in PRECISIONS:
@@ -141,16 +172,23 @@ def outcomes(tmp_path_factory) -> dict:
             for world_jobs in jobs.values() for case, _, log, final in world_jobs}
 
 
-@pytest.mark.parametrize("name, ep, zero, world", CASES)
-def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, world, outcomes):
-    losses, parameters, _, _ = outcomes[case_id(name, ep, zero, world)]
-    reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
+def assert_trains_like_one_process(losses: list[float], parameters: dict, model_file: Path, kwargs: dict,
+                                   optimizer: dict) -> None:
+    """Per-step losses (rtol 1e-5) and final parameters (rtol 1e-4, atol 1e-5; see the module
+    docstring) equal to the unsharded model's trained on one process, and training moved."""
+    reference = reference_run(model_file, tuple(kwargs.items()), tuple(optimizer.items()))
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
     assert set(parameters) == set(reference.parameters)
     for key, expected in reference.parameters.items():
         torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
-    assert losses[0] != losses[-1]  # three steps of training happened
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
+
+
+@pytest.mark.parametrize("name, ep, zero, world", CASES)
+def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, world, outcomes):
+    losses, parameters, _, _ = outcomes[case_id(name, ep, zero, world)]
+    assert_trains_like_one_process(losses, parameters, MOE, MODELS[name], OPTIMIZER)
 
 
 @pytest.mark.parametrize("name, ep, zero, world", CASES)
@@ -188,12 +226,7 @@ def test_pipelined_moe_model_trains_like_one_process(case, outcomes):
     Without an aux loss the stages are cut by modules, and each stage's experts are sharded as
     without a pipeline (apply_ep on the stage's copy of the model)."""
     losses, parameters, _, _ = outcomes[case_id(*case)]
-    name = case[0]
-    reference = run_reference(MOE, MODELS[name], GLOBAL_BATCH, STEPS, OPTIMIZER)
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
-    for key, expected in reference.parameters.items():
-        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert_trains_like_one_process(losses, parameters, MOE, MODELS[case[0]], OPTIMIZER)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -205,30 +238,23 @@ def test_compiled_moe_example_trains_like_one_process(precision, outcomes):
     says so), so it too must give the one-process fp32 values; what bf16 changes here is the
     traced profile and the plan's prices."""
     losses, parameters, _, _ = outcomes[f"example_{precision}"]
-    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
-    reference = run_reference(EXAMPLE, {}, GLOBAL_BATCH, STEPS, DEFAULT_OPTIMIZER)
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
-    assert set(parameters) == set(reference.parameters)
-    for key, expected in reference.parameters.items():
-        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert_trains_like_one_process(losses, parameters, EXAMPLE, {}, DEFAULT_OPTIMIZER)
 
 
-def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(outcomes):
-    """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (here the routers,
-    the position embedding and the LM head, its logits vocabulary-sharded into the loss) are split
-    over each tensor-parallel pair, the experts are not: each TP rank holds the E/ep experts of its
-    expert-parallel group whole and exchanges the whole sequence's tokens with the same TP
-    coordinate of the other data-parallel rank. Losses and final parameters equal one process
-    (the router's auxiliary loss, a plain tensor beside the sharded logits, made a replicated
-    DTensor for the loss), and every rank issues the all-to-alls priced per step: 4 x 2 layers x 4
-    micro-batches (the pricer counts one rank per tensor-parallel group)."""
-    losses, parameters, issued, priced = outcomes[case_id(*TENSOR_PARALLEL)]
-    reference = run_reference(MOE, MODELS[TENSOR_PARALLEL[0]], GLOBAL_BATCH, STEPS, OPTIMIZER)
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
-    assert set(parameters) == set(reference.parameters)
-    for key, expected in reference.parameters.items():
-        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+@pytest.mark.parametrize("case", TENSOR_PARALLEL, ids=lambda case: case_id(*case))
+def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(case, outcomes):
+    """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (the routers, the
+    position embedding and the LM head, its logits vocabulary-sharded into the loss; the shared
+    expert's linears; of multi-head latent attention the query, key/value up- and output
+    projections, while the key/value down-projection, whose output is split into the latent and
+    the rotary key, stays replicated) are split over each tensor-parallel pair, the experts are
+    not: each TP rank holds the E/ep experts of its expert-parallel group whole and exchanges the
+    whole sequence's tokens with the same TP coordinate of the other data-parallel rank. Losses
+    and final parameters equal one process (the router's auxiliary loss, a plain tensor beside
+    the sharded logits, made a replicated DTensor for the loss), and every rank issues the
+    all-to-alls priced per step: 4 x 2 layers x 4 micro-batches (the pricer counts one rank per
+    tensor-parallel group)."""
+    losses, parameters, issued, priced = outcomes[case_id(*case)]
+    assert_trains_like_one_process(losses, parameters, MOE, MODELS[case[0]], OPTIMIZER)
     assert priced == 4 * 2 * (GLOBAL_BATCH // 2)
-    assert issued == [priced] * TENSOR_PARALLEL[3]
+    assert issued == [priced] * case[3]

@@ -272,3 +272,60 @@ def test_a_traced_pipeline_split_with_experts_of_several_data_parallel_ranks_is_
     assert (plan.dp, plan.pp, plan.ep) == (4, 2, 2)
     with pytest.raises(CodegenError, match="ep = dp"):
         generate(plan, MOE, tmp_path / "out", model_kwargs={})
+
+
+
+HF_ZOO = Path(__file__).resolve().parents[1] / "zoo" / "models" / "hf_zoo.py"
+
+
+def meta_model(model_file: Path, **kwargs):
+    """The model a model file builds, on the meta device (no memory, no initialisation work)."""
+    import torch
+
+    from autopar.model_file import load_model_file
+
+    with torch.device("meta"):
+        return load_model_file(model_file).build_model(**kwargs)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_experts_that_route_inside_their_forward_block_expert_parallelism(arch):
+    """Hugging Face's experts modules, built from their transformers configs, take (hidden_states,
+    top_k_index, top_k_weights) and route the tokens themselves: the generated exchange, which
+    treats an experts module's one input as its tokens grouped by expert, cannot wrap them.
+    tests/moe_model.py's experts take the grouped tokens and can be wrapped."""
+    from autopar.trace.experts import experts_inputs
+    from cost_models.expert_parallel import ep_blocker
+
+    found = experts_inputs(meta_model(HF_ZOO, arch=arch))
+    assert found and all(inputs == ["hidden_states", "top_k_index", "top_k_weights"] for inputs in found.values())
+    assert "routes the tokens itself" in ep_blocker(found)
+    grouped = experts_inputs(meta_model(MOE))
+    assert sorted(grouped) == ["blocks.0.moe.experts", "blocks.1.moe.experts"] and ep_blocker(grouped) is None
+
+
+def test_the_planner_offers_expert_parallelism_only_for_experts_it_can_run():
+    """Price only what runs: for a Hugging Face Mixtral (traced from its transformers config) the
+    search offers ep=1 only, a pinned ep > 1 is refused with the reason, and the plan says why it
+    has none; tests/moe_model.py is offered every ep dividing dp and its experts."""
+    from autopar.errors import UserError
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+    from autopar.solver.planner import Planner
+
+    profile = profile_model(load_model_file(HF_ZOO), {"arch": "mixtral"}, micro_batch_size=2, precision="fp32")
+    facts = ExpertFacts.of(profile)
+    assert facts.common_divisor() == 4 and "model.layers.0.mlp.experts.forward" in facts.ep_blocker
+    assert {c.ep for c in enumerate_candidates(ModelShape.from_profile(profile), 4, 4, 8, SolverConfig(),
+                                               PlanPins())} == {1}
+    assert {c.ep for c in enumerate_candidates(ModelShape.from_profile(moe_profile()), 4, 4, 8, SolverConfig(),
+                                               PlanPins())} == {1, 2, 4}
+    assert any("routes the tokens itself" in problem for problem in problems(
+        ParallelLayout(dp=4, ep=2, zero_stage=3, micro_batch_size=2), LayoutFacts(experts=4, ep_blocker=facts.ep_blocker)))
+    cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
+    train = TrainSpec(8, precision="fp32")
+    with pytest.raises(UserError, match="routes the tokens itself"):
+        Planner(profile, cpu, train, SolverConfig(), PlanPins(ep=2)).run()
+    result = Planner(profile, cpu, train, SolverConfig(time_limit_s=10), PlanPins()).run()
+    why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
+    assert result.plan.ep == 1 and why and "routes the tokens itself" in why[0].constraint

@@ -55,7 +55,9 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 def check_grouped_input(fqn: str, module: nn.Module) -> None:
     """Refuse an experts module whose forward takes more than the grouped tokens (Hugging Face's
     ``forward(hidden_states, top_k_index, top_k_weights)`` routes inside itself): the exchange
-    would reshape its flat tokens as if grouped by expert and train something else."""
+    would reshape its flat tokens as if grouped by expert and train something else. The planner
+    reads the same from the profile (trace/experts.py) and never plans ep > 1 for such a model;
+    this guards a plan made from an older profile."""
     required = [p for p in inspect.signature(module.forward).parameters.values()
                 if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(required) != 1:

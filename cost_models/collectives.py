@@ -86,30 +86,38 @@ class Protocol(StrEnum):
 
 @dataclass(frozen=True)
 class ProtocolSpec:
-    """What a protocol costs against Simple on the same link: each step's latency is
-    `step_latency_share` of the link's (the presets' per-step latencies are Simple's: they were
-    fitted at 256 MB and above, where NCCL runs Simple) and it moves data at `bandwidth_share` of
-    the link's bandwidth."""
+    """What a protocol costs against Simple on the same link. The presets' per-step latencies are
+    Simple's (fitted at 256 MB and above, where NCCL runs Simple); of each, the part that is
+    Simple's synchronisation (at most SIMPLE_STEP_SYNC_S) shrinks to `step_latency_share` of itself,
+    the rest (wire, NIC, switches, and what a network's fitted latency absorbs of congestion) every
+    protocol pays. Data moves at `bandwidth_share` of the link's bandwidth."""
 
     step_latency_share: float
     bandwidth_share: float
 
 
 # Fitted to PUBLISHED.md E4's all_reduce_bench busbw vs payload on 8 B200 (1 node, NVLink 5) and
-# 4 nodes (P6-B200, EFA v4), with a per-call harness overhead of 50 us and 10 us a step across
-# EFA v4: mean |log error| 12.6% over the 14 points, against 1-node busbw 36 / 255 / 401 GB/s at
-# 1 / 16 / 64 MiB (benchmarks/bench_collectives.py, `fit_protocols`, prints the fit and each
-# payload's error, with Simple alone and with the chosen protocol).
-# - Simple: a memory fence and a flag per step, after the data: the presets' latency, full bandwidth.
-# - LL: a 4-byte flag beside each 4 bytes of data, written as one 8-byte store, so a step needs no
-#   fence (latency x0.2 fitted), but half of every word is flag and the receiver polls each word
-#   with few threads: the fit puts its bandwidth at a quarter (E4, 1 node: the marginal busbw
-#   from 1 to 16 MiB is 428 GB/s, against 738 from 64 MiB on).
+# 4 nodes (P6-B200, EFA v4), 1 MiB to 16 GiB, with a per-call harness overhead (50 us fitted) and
+# the per-step latency across EFA v4 (8 us fitted), rejecting constants that price any of D10's
+# EFA collectives more than 3% faster than published: mean |log error| of busbw 12.4% over the
+# 14 points (benchmarks/bench_collectives.py, `fit_protocols`, prints the fit and each payload's
+# error with Simple alone and with the chosen protocol).
+# - Simple: a memory fence, then a flag the receiver polls, per step: the presets' latency and
+#   full bandwidth.
+# - LL: a 4-byte flag beside each 4 bytes of data, written as one 8-byte store, so a step needs
+#   no fence: its synchronisation shrinks to x0.2 (fitted; 4-node 1 MiB and 16 MiB decide it),
+#   and half of every word is flag: half the bandwidth (the fit's best of 0.25, 0.35, 0.5).
 # - LL128: one 8-byte flag per 128-byte line, so 120/128 of the bandwidth, and a latency between
-#   the two (x0.8 fitted; the fit changes by under 0.5 points of error from 0.4 to 1.0: E4's 1-node
-#   curve alone decides it, EFA not carrying LL128); it needs a path that keeps each 128-byte line
-#   whole and in order (NVLink, and the networks whose `NetworkSpec.ll128` says so).
-LL_BANDWIDTH_SHARE = 0.25
+#   the two: x0.8. E4 hardly decides it (EFA does not carry LL128, and on one NVLink node a step's
+#   3 us leave little to save): from x0.4 to x1.0 the fit's error moves 12.4-13.3%; 0.8 is within
+#   0.05 points of the best, and below 1 as NCCL's own tuning has it. It needs a path that keeps
+#   each 128-byte line whole and in order (NVLink, and networks whose `NetworkSpec.ll128` says so).
+# SIMPLE_STEP_SYNC_S is the part of a Simple step's latency the other protocols shorten (fitted:
+# 4 us, the best of 4-12 us): capped, because a network's fitted per-step latency (43 us on EFA,
+# D10) holds far more than synchronisation, and LL priced at a share of all of it undercuts D10's
+# 256 MB rings over 32-64 nodes by up to 2.6x, where NCCL runs Simple.
+SIMPLE_STEP_SYNC_S = 4e-6
+LL_BANDWIDTH_SHARE = 0.5
 LL_STEP_LATENCY_SHARE = 0.2
 LL128_STEP_LATENCY_SHARE = 0.8
 PROTOCOLS: dict[Protocol, ProtocolSpec] = {
@@ -178,7 +186,8 @@ def with_protocol(link: Link, protocol: Protocol) -> Link:
     spec = PROTOCOLS[protocol]
     if protocol is Protocol.SIMPLE:
         return link
-    return replace(link.scaled(spec.bandwidth_share), latency_s=link.latency_s * spec.step_latency_share)
+    saved_s = (1 - spec.step_latency_share) * min(link.latency_s, SIMPLE_STEP_SYNC_S)
+    return replace(link.scaled(spec.bandwidth_share), latency_s=link.latency_s - saved_s)
 
 
 def ll128_path(group: GroupPlacement) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from cost_models.collectives import (P2P_LL_THRESHOLD_BYTES, PROTOCOLS, Algorithm, Collective, Protocol, best_algorithm,
+from cost_models.collectives import (P2P_LL_THRESHOLD_BYTES, PROTOCOLS, SIMPLE_STEP_SYNC_S, Algorithm, Collective, Protocol, best_algorithm,
                                      best_protocol, bus_bandwidth, collective_time_s, protocol_time_s, protocols_for,
                                      flat_time_s, parameter_server_load_bytes, ring_per_worker_bytes)
 from cost_models.topology import ClusterConfig, ClusterSpec, Link, NetworkSpec
@@ -180,11 +180,11 @@ def test_a_flat_all_reduce_is_never_priced_as_the_two_level_composition():
     for nbytes in (1e3, 1e6, 1e9):
         assert best_algorithm(Collective.ALL_REDUCE, nbytes, group).algorithm in (Algorithm.RING, Algorithm.TREE)
     s, g = 8 * 8e3, 8
-    # 64 KB: every call (each one NCCL's) runs LL, the lowest latency, and its bandwidth share
-    a, b = PROTOCOLS[Protocol.LL].step_latency_share, PROTOCOLS[Protocol.LL].bandwidth_share
+    # 64 KB: every call (each one NCCL's) runs LL: its step latency and bandwidth share
+    ll = PROTOCOLS[Protocol.LL]
     intra = spec.intra
-    phases = 2 * (7 * a * intra.latency_s + 7 / 8 * s / (b * intra.bandwidth_Bps))  # r-s + a-g in a node
-    tree = 2 * 4 * a * 40e-6 + 2 * (s / g) / (b * 48e9)  # one rank per node: one NIC, 48 GB/s
+    phases = 2 * (7 * step_s(intra.latency_s, ll) + 7 / 8 * s / (ll.bandwidth_share * intra.bandwidth_Bps))
+    tree = 2 * 4 * step_s(40e-6, ll) + 2 * (s / g) / (ll.bandwidth_share * 48e9)  # one NIC a node, 48 GB/s
     assert collective_time_s(Collective.ALL_REDUCE, s, group, Algorithm.HIERARCHICAL) == pytest.approx(phases + tree)
 
 
@@ -207,6 +207,12 @@ def test_tree_bandwidth_is_capped_beyond_two_nodes():
 LL, LL128 = PROTOCOLS[Protocol.LL], PROTOCOLS[Protocol.LL128]
 
 
+def step_s(latency_s: float, protocol) -> float:
+    """A step's latency under a protocol: Simple's synchronisation (at most SIMPLE_STEP_SYNC_S of
+    the link's latency) shrinks to the protocol's share of itself, the rest stays."""
+    return latency_s - (1 - protocol.step_latency_share) * min(latency_s, SIMPLE_STEP_SYNC_S)
+
+
 def dgx_h100_node():
     """One DGX H100 node: 8 ranks on NVLink4 at 450 x 0.82 = 369 GB/s, 3 us a step (Simple)."""
     spec = cluster("H100-SXM", nodes=1, nic_GBps=50)
@@ -214,12 +220,14 @@ def dgx_h100_node():
 
 
 def test_a_small_all_reduce_takes_ll():
-    """64 KiB on one node: the tree (2·3 steps) with LL pays 6 · 3 us · LL's latency share and 2S at
-    LL's share of 369 GB/s; Simple pays the full 3 us a step, LL128 most of it."""
+    """64 KiB on one node: the tree (2·3 steps) with LL pays 6 LL steps (3 us is all synchronisation,
+    under SIMPLE_STEP_SYNC_S: 3 us · LL's share) and 2S at LL's share of 369 GB/s; Simple pays the
+    full 3 us a step, LL128 most of it."""
     spec, group = dgx_h100_node()
     s, a, b = 64 * 2**10, spec.intra.latency_s, spec.intra.bandwidth_Bps
     cost = best_algorithm(Collective.ALL_REDUCE, s, group)
-    expected = 6 * a * LL.step_latency_share + 2 * s / (b * LL.bandwidth_share)
+    assert step_s(a, LL) == pytest.approx(a * LL.step_latency_share)
+    expected = 6 * step_s(a, LL) + 2 * s / (b * LL.bandwidth_share)
     assert (cost.algorithm, cost.protocol) == (Algorithm.TREE, Protocol.LL)
     assert cost.seconds == pytest.approx(expected)
     assert expected < 6 * a + 2 * s / b  # the same tree with Simple
@@ -233,16 +241,16 @@ def test_a_large_all_reduce_takes_simple():
     cost = best_algorithm(Collective.ALL_REDUCE, s, group)
     assert (cost.algorithm, cost.protocol) == (Algorithm.RING, Protocol.SIMPLE)
     assert cost.seconds == pytest.approx(14 * a + 2 * 7 / 8 * s / b)
-    ll128 = 14 * a * LL128.step_latency_share + 2 * 7 / 8 * s / (b * LL128.bandwidth_share)
+    ll128 = 14 * step_s(a, LL128) + 2 * 7 / 8 * s / (b * LL128.bandwidth_share)
     assert collective_time_s(Collective.ALL_REDUCE, s, group, Algorithm.RING, Protocol.LL128) == pytest.approx(ll128)
 
 
 def test_ring_crossover_from_ll128_to_simple_is_where_the_saved_latency_meets_the_lost_bandwidth():
-    """A ring over one node: LL128 saves 14·a·(1 - l) of latency and costs 1.75·S/B·(1/w - 1) of
-    bandwidth (l, w: its shares), so Simple wins from S* = 14·a·(1 - l) / (1.75/B · (1/w - 1))."""
+    """A ring over one node: LL128 saves 14·(a - its step) of latency and costs 1.75·S/B·(1/w - 1)
+    of bandwidth (w: its share), so Simple wins from S* = 14·(a - step) / (1.75/B · (1/w - 1))."""
     spec, group = dgx_h100_node()
     a, b = spec.intra.latency_s, spec.intra.bandwidth_Bps
-    crossover = 14 * a * (1 - LL128.step_latency_share) / (1.75 / b * (1 / LL128.bandwidth_share - 1))
+    crossover = 14 * (a - step_s(a, LL128)) / (1.75 / b * (1 / LL128.bandwidth_share - 1))
     below = best_protocol(Collective.ALL_REDUCE, Algorithm.RING, 0.9 * crossover, group)
     above = best_protocol(Collective.ALL_REDUCE, Algorithm.RING, 1.1 * crossover, group)
     assert below.protocol is Protocol.LL128 and above.protocol is Protocol.SIMPLE
@@ -267,16 +275,27 @@ def test_the_choice_is_the_argmin_over_algorithms_and_protocols(network, nbytes)
 
 def test_point_to_point_takes_ll_up_to_nccls_threshold():
     """Sends and all-to-all are not tuned: a peer's message up to 16 KiB goes by LL, above by Simple.
-    All-to-all over one node at 8 x 2 KiB (2 KiB a peer): 7 · a · LL's share + 7/8 · S at LL's bandwidth."""
+    All-to-all over one node at 8 x 2 KiB (2 KiB a peer): 7 LL steps + 7/8 · S at LL's bandwidth."""
     spec, group = dgx_h100_node()
     a, b = spec.intra.latency_s, spec.intra.bandwidth_Bps
     s = 8 * 2 * 2**10
     assert protocols_for(Collective.ALL_TO_ALL, Algorithm.RING, s, group) == (Protocol.LL,)
     assert collective_time_s(Collective.ALL_TO_ALL, s, group, Algorithm.RING) == \
-        pytest.approx(7 * a * LL.step_latency_share + 7 / 8 * s / (b * LL.bandwidth_share))
+        pytest.approx(7 * step_s(a, LL) + 7 / 8 * s / (b * LL.bandwidth_share))
     assert protocols_for(Collective.ALL_TO_ALL, Algorithm.RING, 8 * P2P_LL_THRESHOLD_BYTES + 8, group) == \
         (Protocol.SIMPLE,)
     assert protocols_for(Collective.SEND_RECV, Algorithm.RING, P2P_LL_THRESHOLD_BYTES, group) == (Protocol.LL,)
+
+
+def test_a_network_step_keeps_what_is_not_synchronisation():
+    """Across a network whose fitted step is 40 us, LL shortens only Simple's synchronisation:
+    40 us - (1 - LL's share) · SIMPLE_STEP_SYNC_S, not 40 us · LL's share."""
+    spec = fabric(4, ring_fall=0.0, tree_fall=0.0)
+    group = spec.group_links(list(range(32)))
+    s = 8 * 2**10
+    expected = 62 * (40e-6 - (1 - LL.step_latency_share) * SIMPLE_STEP_SYNC_S) \
+        + 2 * 31 / 32 * s / (LL.bandwidth_share * min(450e9 * 0.82, 8 * 48e9))
+    assert collective_time_s(Collective.ALL_REDUCE, s, group, Algorithm.RING, Protocol.LL) == pytest.approx(expected)
 
 
 def test_calibrated_links_are_priced_as_measured():

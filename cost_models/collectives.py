@@ -182,7 +182,8 @@ class CollectiveCost:
 
 
 def with_protocol(link: Link, protocol: Protocol) -> Link:
-    """The link as `protocol` sees it: its per-step latency and bandwidth times the protocol's shares."""
+    """The link as `protocol` sees it: Simple's synchronisation in each step's latency (at most
+    SIMPLE_STEP_SYNC_S) times the protocol's latency share, its bandwidth times its bandwidth share."""
     spec = PROTOCOLS[protocol]
     if protocol is Protocol.SIMPLE:
         return link
@@ -207,6 +208,8 @@ def protocols_for(op: Collective, algorithm: Algorithm, nbytes: float, group: Gr
             or algorithm in (Algorithm.HALVING_DOUBLING, Algorithm.PARAMETER_SERVER) \
             or op in (Collective.SCATTER, Collective.GATHER):
         return (Protocol.SIMPLE,)
+    if algorithm is Algorithm.HIERARCHICAL and group.crosses_nodes and group.per_node > 1:
+        return (Protocol.SIMPLE,)  # nominal: each of its three calls chooses its own (hierarchical_all_reduce_s)
     if op in (Collective.SEND_RECV, Collective.ALL_TO_ALL):
         per_peer = nbytes if op is Collective.SEND_RECV else nbytes / group.size
         return (Protocol.LL,) if per_peer <= P2P_LL_THRESHOLD_BYTES else (Protocol.SIMPLE,)

@@ -87,3 +87,15 @@ def test_all_to_all_across_nodes_is_extrapolated_from_two_nodes_on():
     assert pessimistic == pytest.approx(31 * spec.inter.latency_s + (n - g) / n * s / (nic / 1.8 ** 2))
     assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(everyone)) == \
         pytest.approx(collective_time_s(Collective.ALL_GATHER, s, spec.group_links(everyone)))
+
+
+def test_presets_say_whether_their_node_count_fall_is_measured():
+    """InfiniBand and RoCE have one large-message point each, no node-count curve: their
+    description says so and names what they are fitted to; EFA's fall is measured (D10)."""
+    from cost_models.topology import NETWORKS
+
+    for name in ("infiniband", "roce", "efa_v4"):
+        network = NETWORKS[name]
+        assert not network.fall_measured and network.ring_fall == network.tree_fall == 0.0
+        assert "NOT measured" in network.describe() and network.curve in network.describe()
+    assert NETWORKS["efa"].fall_measured and "NOT" not in NETWORKS["efa"].describe()

@@ -10,7 +10,7 @@ The package never imports autopar; it reads a ModelProfile by duck typing. Tenso
 priced by the split the planner chooses and codegen emits, passed in as ``tp_splitter``
 (autopar.solver.tp_split.ILPSplitter(profile)); without one, only tp = 1 is priced.
 """
-from cost_models.collectives import (Algorithm, Collective, CollectiveCost, best_algorithm, bus_bandwidth,
+from cost_models.collectives import (Algorithm, Collective, CollectiveCost, Protocol, best_algorithm, bus_bandwidth,
                                      collective_time_s)
 from cost_models.compute import ComputeModel, LayerCompute, op_time_s
 from cost_models.layer_cost import TPLayerSplit, TPSplitter
@@ -22,7 +22,7 @@ from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec, es
 from cost_models.topology import ClusterConfig, ClusterSpec, GroupPlacement, Link, NodeGroupConfig
 
 __all__ = [
-    "Algorithm", "Collective", "CollectiveCost", "best_algorithm", "bus_bandwidth", "collective_time_s",
+    "Algorithm", "Collective", "CollectiveCost", "Protocol", "best_algorithm", "bus_bandwidth", "collective_time_s",
     "ComputeModel", "LayerCompute", "op_time_s",
     "CATALOGUE", "DEFAULT_EFFICIENCY", "GPUSpec", "get_gpu", "known_gpus",
     "LayerActivations", "ModelStates", "activation_bytes", "megatron_layer_activation_bytes", "model_states",

@@ -42,7 +42,11 @@ class NetworkSpec:
     k^-tree_fall, and a tree's bus bandwidth is capped at `tree_busbw_cap_GBps` beyond two nodes.
     Each preset names the published curve (shared/PUBLISHED.md table) its numbers are fitted to;
     `measured_nodes` is the widest group a published measurement on this fabric spans (0: none):
-    beyond it the price is an extrapolation (cost_models/uncertainty.py widens the interval)."""
+    beyond it the price is an extrapolation (cost_models/uncertainty.py widens the interval).
+    `fall_measured` says whether a published node-count curve fixes the falls at all (False: they
+    are 0, not because bandwidth holds with nodes but because nothing published says how it
+    falls). `ll128` says whether NCCL runs its LL128 protocol across this fabric
+    (cost_models/collectives.py, PROTOCOLS)."""
 
     name: str
     efficiency: float
@@ -51,6 +55,15 @@ class NetworkSpec:
     tree_busbw_cap_GBps: float | None
     measured_nodes: int
     curve: str
+    fall_measured: bool = False
+    ll128: bool = True
+
+    def describe(self) -> str:
+        """One line for reports: what the preset is fitted to and what is not measured."""
+        fall = (f"node-count fall measured (ring k^-{self.ring_fall:g}, tree k^-{self.tree_fall:g})"
+                if self.fall_measured else "node-count fall NOT measured (none priced)")
+        widest = f"widest measured group {self.measured_nodes} nodes" if self.measured_nodes else "no group measured"
+        return f"{self.name}: fitted to {self.curve}; {fall}; {widest}, wider is extrapolated"
 
     def fall(self, nodes: int, tree: bool = False) -> float:
         """Factor on the bandwidth of a ring (or tree) spanning `nodes` nodes."""
@@ -70,24 +83,37 @@ NETWORKS: dict[str, NetworkSpec] = {spec.name: spec for spec in (
     # efficiency is fitted to those. No node-count curve (the slide does not say how many nodes):
     # no fall with nodes is fitted; data-parallel groups over up to 48 nodes are checked only
     # through the training runs of A1 and A6, and wider groups are extrapolations.
+    # NCCL runs LL128 over InfiniBand (its verbs transport writes each 128-byte line in order).
     NetworkSpec("infiniband", NETWORK_EFFICIENCY, 0.0, 0.0, NCCL_TREE_BUSBW_CAP_GBps, 48,
-                "PUBLISHED.md E4 (GTC24 S62129 multi-node all-reduce busbw: DGX A100 192 GB/s, DGX H100 380 GB/s); "
-                "no node-count curve"),
+                "PUBLISHED.md E4 (GTC24 S62129 multi-node all-reduce busbw: DGX A100 192 GB/s, DGX H100 380 GB/s, "
+                "node count not stated); no node-count curve", fall_measured=False, ll128=True),
     # PUBLISHED.md E4: RoCE at 200/400 Gb/s reaches the same busbw per NIC ("200 Gb RDMA (IB/RoCE)
     # 24 GB/s, 400 Gb 48"). No node-count curve and no training run on RoCE: every group across
     # nodes is an extrapolation.
+    # RoCE is the same verbs transport to NCCL as InfiniBand: LL128 as there.
     NetworkSpec("roce", NETWORK_EFFICIENCY, 0.0, 0.0, NCCL_TREE_BUSBW_CAP_GBps, 0,
                 "PUBLISHED.md E4 (GTC24 S62129 RDMA busbw: 200 Gb IB/RoCE 24 GB/s, 400 Gb 48 GB/s); "
-                "no node-count curve"),
+                "no node-count curve", fall_measured=False, ll128=True),
     # PUBLISHED.md D10 (Ultra-Scale Playbook, nccl busbw at 256 MB on 1-64 nodes of 8 H100 on AWS
     # EFA): the ring's fall and per-step latency (conf/cluster/p5_h100_efa.yaml: 43 us) fitted to
     # all-gather and reduce-scatter, the tree's fall to all-reduce, each never faster than the
     # curve by more than 3% (benchmarks/bench_collectives.py prints the fit: mean |error| 9.7%
     # all-gather, 9.8% reduce-scatter, 10.0% all-reduce). The all-reduce measured at 8 and 16 nodes
     # is above NCCL's 80 GB/s tree cap, so this fabric has no cap.
+    # EFA's SRD transport delivers out of order, so LL128's in-order 128-byte lines cannot be
+    # relied on across it: Simple and LL only.
     NetworkSpec("efa", NETWORK_EFFICIENCY, 0.13, 0.58, None, 64,
                 "PUBLISHED.md D10 (Ultra-Scale Playbook nccl all-gather/reduce-scatter/all-reduce busbw, 256 MB, "
-                "1-64 nodes of 8 H100 on EFA)"),
+                "1-64 nodes of 8 H100 on EFA)", fall_measured=True, ll128=False),
+    # PUBLISHED.md E4 (ml-engineering all_reduce_bench, 8 B200 per node on AWS P6-B200, 8 x 400 Gb/s
+    # EFA v4): busbw vs payload on 1 and 4 nodes. One node count across the fabric gives no fall
+    # to fit, and none shows at 4 nodes (16 GiB: 381.8 GB/s of the 8 NICs' 384 at 96%); the
+    # per-step latency (conf/cluster/p6_b200_efa.yaml) and the protocol constants
+    # (cost_models/collectives.py) are fitted to the curve's payload sweep
+    # (benchmarks/bench_collectives.py). Out of order like EFA: no LL128.
+    NetworkSpec("efa_v4", NETWORK_EFFICIENCY, 0.0, 0.0, NCCL_TREE_BUSBW_CAP_GBps, 4,
+                "PUBLISHED.md E4 (ml-engineering all_reduce_bench busbw vs payload, 1 MiB-16 GiB, 1 and 4 nodes "
+                "of 8 B200 on P6-B200 EFA v4)", fall_measured=False, ll128=False),
 )}
 
 
@@ -130,7 +156,7 @@ class ClusterConfig:
     inter_node_latency_us: float = 8.0
     """Per-message latency (alpha) between nodes, microseconds."""
     network: str = "infiniband"
-    """Inter-node fabric (infiniband, roce, efa): how much of the NIC rate is reached and how
+    """Inter-node fabric (infiniband, roce, efa, efa_v4): how much of the NIC rate is reached and how
     bandwidth falls with the nodes a group spans (cost_models.topology.NETWORKS names the
     published curve behind each)."""
     memory_headroom_fraction: float = 0.05
@@ -165,16 +191,21 @@ class Link:
     # falls by `fall_per_doubling` per doubling of nodes (1.0: no such term).
     measured_nodes: int = 0
     fall_per_doubling: float = 1.0
+    # Collectives no published measurement covers on any fabric (all-to-all): pessimistically they
+    # fall from one node on.
+    unmeasured_ops: tuple[str, ...] = ()
 
-    def across(self, nodes: int, tree: bool = False) -> "Link":
-        """This link as a ring (or tree) spanning `nodes` nodes sees it (NetworkSpec.fall)."""
-        beyond = self.fall_per_doubling != 1.0 and nodes > max(1, self.measured_nodes)
+    def across(self, nodes: int, tree: bool = False, op: str = "") -> "Link":
+        """This link as a ring (or tree) spanning `nodes` nodes sees it (NetworkSpec.fall); `op`
+        names the collective when it is one of `unmeasured_ops`."""
+        measured = 1 if op in self.unmeasured_ops else max(1, self.measured_nodes)
+        beyond = self.fall_per_doubling != 1.0 and nodes > measured
         fall = self.network.fall(nodes, tree) if self.network else 1.0
         if nodes <= 1 or (fall == 1.0 and not beyond):
             return self
         factor = 1 / fall
         if beyond:
-            factor *= self.fall_per_doubling ** math.log2(nodes / max(1, self.measured_nodes))
+            factor *= self.fall_per_doubling ** math.log2(nodes / measured)
         return self.scaled(1 / factor)
 
     def scaled(self, share: float, cap_Bps: float | None = None) -> "Link":

@@ -16,6 +16,9 @@ set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
   of nodes beyond. 1.8 is how fast measured bus bandwidth fell per doubling where it was
   measured falling (the Ultra-Scale Playbook's all-gather: x1.25, x1.96, x2.5 from 8 to 64
   nodes; geometric mean 1.8);
+- an all-to-all (expert-parallel dispatch) across nodes: no all-to-all is measured on any
+  fabric (PUBLISHED.md has none), so it is extrapolated from two nodes on, its bandwidth divided
+  by NETWORK_FALL_PER_DOUBLING per doubling of nodes beyond one (UNMEASURED_COLLECTIVES);
 - a GPU type without a calibration row: its compute UNCALIBRATED_GPU_SLOWDOWN slower (the
   largest |error| of a calibrated GPU's median table, rounded up).
 
@@ -34,6 +37,7 @@ RESIDUAL_HIGH = 0.161
 NETWORK_FALL_PER_DOUBLING = 1.8
 UNCALIBRATED_GPU_SLOWDOWN = 0.25
 CALIBRATED_GPUS = ("A100-80GB", "H100-SXM")
+UNMEASURED_COLLECTIVES = ("all_to_all",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Extrapolation:
     compute_factor: float = 1.0  # compute multiplied by this
     reasons: tuple[str, ...] = ()
     measured_nodes: int = 0  # groups over more nodes than this are extrapolated
+    unmeasured_ops: tuple[str, ...] = ()  # collectives extrapolated from two nodes on
 
     @property
     def any(self) -> bool:
@@ -84,8 +89,9 @@ def measured_nodes(cluster: ClusterSpec) -> int:
     return cluster.inter.network.measured_nodes if cluster.inter.network else 0
 
 
-def extrapolations(cluster: ClusterSpec, widest_nodes: int) -> Extrapolation:
-    """The pessimistic factors for a plan whose widest collective group spans `widest_nodes`."""
+def extrapolations(cluster: ClusterSpec, widest_nodes: int, all_to_all_nodes: int = 0) -> Extrapolation:
+    """The pessimistic factors for a plan whose widest collective group spans `widest_nodes` and
+    whose all-to-all group (if any) spans `all_to_all_nodes`."""
     reasons: list[str] = []
     network_factor = compute_factor = 1.0
     measured = measured_nodes(cluster)
@@ -101,7 +107,13 @@ def extrapolations(cluster: ClusterSpec, widest_nodes: int) -> Extrapolation:
             network_factor = NETWORK_FALL_PER_DOUBLING ** doublings
             reasons.append(f"collectives over {widest_nodes} nodes of {network}, beyond any measurement"
                            + (f" (widest measured: {measured})" if measured else " (none measured)"))
-    return Extrapolation(network_factor, compute_factor, tuple(reasons), measured)
+    unmeasured: tuple[str, ...] = ()
+    if all_to_all_nodes > 1 and gpus != ["cpu"]:
+        unmeasured = UNMEASURED_COLLECTIVES
+        network_factor = max(network_factor, NETWORK_FALL_PER_DOUBLING ** math.log2(all_to_all_nodes))
+        reasons.append(f"all-to-all over {all_to_all_nodes} nodes of {network}, with no published all-to-all "
+                       "measurement (priced as the ring's links)")
+    return Extrapolation(network_factor, compute_factor, tuple(reasons), measured, unmeasured)
 
 
 def pessimistic_cluster(cluster: ClusterSpec, extrapolation: Extrapolation) -> ClusterSpec:
@@ -111,7 +123,7 @@ def pessimistic_cluster(cluster: ClusterSpec, extrapolation: Extrapolation) -> C
     inter = cluster.inter
     if extrapolation.network_factor != 1.0:
         inter = replace(inter, measured_nodes=extrapolation.measured_nodes,
-                        fall_per_doubling=NETWORK_FALL_PER_DOUBLING)
+                        fall_per_doubling=NETWORK_FALL_PER_DOUBLING, unmeasured_ops=extrapolation.unmeasured_ops)
     gpus = cluster.node_gpus
     if extrapolation.compute_factor != 1.0:
         slower = {gpu.name: gpu.with_overrides(peak_flops={d: f / extrapolation.compute_factor

@@ -23,7 +23,7 @@ from cost_models.memory import RECOMPUTE_OPTIONS
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
-from cost_models.uncertainty import PredictionInterval, extrapolations, pessimistic_cluster
+from cost_models.uncertainty import Extrapolation, PredictionInterval, extrapolations, pessimistic_cluster
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
@@ -206,12 +206,17 @@ class Planner:
 
     # -- robustness to what the cost model extrapolates (cost_models.uncertainty) ---------------------
 
+    def _extrapolation(self, layout: ParallelLayout) -> Extrapolation:
+        """What the layout's price extrapolates: its widest collective group, and its all-to-all."""
+        widest = max(self.pricer.placement(layout, axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
+        all_to_all = self.pricer.placement(layout, "ep").nodes if getattr(layout, "ep", 1) > 1 else 0
+        return extrapolations(self.cluster, widest, all_to_all)
+
     def interval(self, scored: Scored) -> PredictionInterval:
         """The plan's predicted step, its pessimistic price and why they differ."""
         layout = self._layout(scored)
         predicted = self.pricer.estimate(layout).step_time_s
-        widest = max(self.pricer.placement(layout, axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
-        extrapolation = extrapolations(self.cluster, widest)
+        extrapolation = self._extrapolation(layout)
         if not extrapolation.any:
             return PredictionInterval(predicted, predicted)
         pessimistic = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation), self.train,
@@ -222,8 +227,7 @@ class Planner:
         """When the fastest plan rests on extrapolated terms, the best plan under their pessimistic
         value; chosen (with the reason in words) if its interval overlaps the fastest plan's and
         its pessimistic price is lower."""
-        widest = max(self.pricer.placement(self._layout(fastest), axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
-        extrapolation = extrapolations(self.cluster, widest)
+        extrapolation = self._extrapolation(self._layout(fastest))
         if extrapolation.network_factor == 1.0:
             return None  # an uncalibrated GPU's compute weighs on every plan alike: nothing to trade
         mine = self.interval(fastest)

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from cost_models.collectives import (Algorithm, Collective, best_algorithm, bus_bandwidth, collective_time_s,
+from cost_models.collectives import (P2P_LL_THRESHOLD_BYTES, PROTOCOLS, SIMPLE_STEP_SYNC_S, Algorithm, Collective, Protocol, best_algorithm,
+                                     best_protocol, bus_bandwidth, collective_time_s, protocol_time_s, protocols_for,
                                      flat_time_s, parameter_server_load_bytes, ring_per_worker_bytes)
 from cost_models.topology import ClusterConfig, ClusterSpec, Link, NetworkSpec
 
@@ -130,13 +131,14 @@ def test_ring_bandwidth_falls_with_the_nodes_spanned():
     spec = fabric(4, ring_fall=0.5, tree_fall=0.0)
     group = spec.group_links(list(range(32)))
     s = 256e6
-    assert collective_time_s(Collective.ALL_GATHER, s, group) == pytest.approx(31 * 40e-6 + 31 / 32 * s / 192e9)
+    simple = (Algorithm.RING, Protocol.SIMPLE)
+    assert collective_time_s(Collective.ALL_GATHER, s, group, *simple) == pytest.approx(31 * 40e-6 + 31 / 32 * s / 192e9)
     # point-to-point traffic (pipeline sends) keeps the NIC's rate
     pair = spec.group_links([0, 8])
     assert collective_time_s(Collective.SEND_RECV, s, pair) == pytest.approx(40e-6 + s / 48e9)
     # with no fall the same group is the plain alpha-beta ring over min(369, 8 x 48) GB/s
     flat = fabric(4, ring_fall=0.0, tree_fall=0.0).group_links(list(range(32)))
-    assert collective_time_s(Collective.ALL_GATHER, s, flat) == \
+    assert collective_time_s(Collective.ALL_GATHER, s, flat, *simple) == \
         pytest.approx(31 * 40e-6 + 31 / 32 * s / min(450e9 * 0.82, 8 * 48e9))
 
 
@@ -154,14 +156,19 @@ def test_tree_has_its_own_fall_and_sends_half_as_much_across_two_nodes():
 
 
 def test_nccl_takes_the_tree_for_small_messages_and_the_ring_for_large_ones():
-    """Over 16 nodes (128 ranks), tree_fall 1: the tree pays 2·7 latencies and 2S at 384/16 = 24 GB/s,
-    the ring 2·127 latencies and 2·127/128·S at 369 GB/s. At 1 MB: tree 14·40 us + 83 us = 643 us,
-    ring 254·40 us + 5 us = 10.2 ms. At 1 GB: tree 83 ms, ring 10.2 ms + 5.4 ms = 15.5 ms."""
+    """Over 16 nodes (128 ranks), tree_fall 1, Simple: the tree pays 2·7 latencies and 2S at
+    384/16 = 24 GB/s, the ring 2·127 latencies and 2·127/128·S at 369 GB/s. At 1 MB: tree
+    14·40 us + 83 us = 643 us, ring 254·40 us + 5 us = 10.2 ms. At 1 GB: tree 83 ms, ring
+    10.2 ms + 5.4 ms = 15.5 ms."""
     group = fabric(16, ring_fall=0.0, tree_fall=1.0).group_links(list(range(128)))
-    small, large = best_algorithm(Collective.ALL_REDUCE, 1e6, group), best_algorithm(Collective.ALL_REDUCE, 1e9, group)
-    assert small.algorithm is Algorithm.TREE and small.seconds == pytest.approx(14 * 40e-6 + 2e6 / 24e9)
     ring = 450e9 * 0.82
-    assert large.algorithm is Algorithm.RING and large.seconds == pytest.approx(254 * 40e-6 + 2 * 127 / 128 * 1e9 / ring)
+    tree_s = collective_time_s(Collective.ALL_REDUCE, 1e6, group, Algorithm.TREE, Protocol.SIMPLE)
+    assert tree_s == pytest.approx(14 * 40e-6 + 2e6 / 24e9)
+    assert collective_time_s(Collective.ALL_REDUCE, 1e6, group, Algorithm.RING, Protocol.SIMPLE) > 10 * tree_s
+    assert collective_time_s(Collective.ALL_REDUCE, 1e9, group, Algorithm.RING, Protocol.SIMPLE) == \
+        pytest.approx(254 * 40e-6 + 2 * 127 / 128 * 1e9 / ring)
+    assert collective_time_s(Collective.ALL_REDUCE, 1e9, group, Algorithm.TREE, Protocol.SIMPLE) == \
+        pytest.approx(14 * 40e-6 + 2e9 / 24e9)
 
 
 def test_a_flat_all_reduce_is_never_priced_as_the_two_level_composition():
@@ -173,9 +180,11 @@ def test_a_flat_all_reduce_is_never_priced_as_the_two_level_composition():
     for nbytes in (1e3, 1e6, 1e9):
         assert best_algorithm(Collective.ALL_REDUCE, nbytes, group).algorithm in (Algorithm.RING, Algorithm.TREE)
     s, g = 8 * 8e3, 8
+    # 64 KB: every call (each one NCCL's) runs LL: its step latency and bandwidth share
+    ll = PROTOCOLS[Protocol.LL]
     intra = spec.intra
-    phases = 2 * (7 * intra.latency_s + 7 / 8 * s / intra.bandwidth_Bps)  # reduce-scatter + all-gather in a node
-    tree = 2 * 4 * 40e-6 + 2 * (s / g) / 48e9  # one rank per node: one NIC, 48 GB/s
+    phases = 2 * (7 * step_s(intra.latency_s, ll) + 7 / 8 * s / (ll.bandwidth_share * intra.bandwidth_Bps))
+    tree = 2 * 4 * step_s(40e-6, ll) + 2 * (s / g) / (ll.bandwidth_share * 48e9)  # one NIC a node, 48 GB/s
     assert collective_time_s(Collective.ALL_REDUCE, s, group, Algorithm.HIERARCHICAL) == pytest.approx(phases + tree)
 
 
@@ -191,3 +200,107 @@ def test_tree_bandwidth_is_capped_beyond_two_nodes():
     two = cluster("H100-SXM", nodes=2, nic_GBps=50).group_links(list(range(16)))
     assert collective_time_s(Collective.ALL_REDUCE, s, two, Algorithm.TREE) == \
         pytest.approx(2 * 4 * spec.inter.latency_s + s / min(450e9 * 0.82, 8 * 50e9 * 0.96))
+
+
+# -- NCCL's protocols (LL, LL128, Simple) --------------------------------------------------------
+
+LL, LL128 = PROTOCOLS[Protocol.LL], PROTOCOLS[Protocol.LL128]
+
+
+def step_s(latency_s: float, protocol) -> float:
+    """A step's latency under a protocol: Simple's synchronisation (at most SIMPLE_STEP_SYNC_S of
+    the link's latency) shrinks to the protocol's share of itself, the rest stays."""
+    return latency_s - (1 - protocol.step_latency_share) * min(latency_s, SIMPLE_STEP_SYNC_S)
+
+
+def dgx_h100_node():
+    """One DGX H100 node: 8 ranks on NVLink4 at 450 x 0.82 = 369 GB/s, 3 us a step (Simple)."""
+    spec = cluster("H100-SXM", nodes=1, nic_GBps=50)
+    return spec, spec.group_links(list(range(8)))
+
+
+def test_a_small_all_reduce_takes_ll():
+    """64 KiB on one node: the tree (2·3 steps) with LL pays 6 LL steps (3 us is all synchronisation,
+    under SIMPLE_STEP_SYNC_S: 3 us · LL's share) and 2S at LL's share of 369 GB/s; Simple pays the
+    full 3 us a step, LL128 most of it."""
+    spec, group = dgx_h100_node()
+    s, a, b = 64 * 2**10, spec.intra.latency_s, spec.intra.bandwidth_Bps
+    cost = best_algorithm(Collective.ALL_REDUCE, s, group)
+    assert step_s(a, LL) == pytest.approx(a * LL.step_latency_share)
+    expected = 6 * step_s(a, LL) + 2 * s / (b * LL.bandwidth_share)
+    assert (cost.algorithm, cost.protocol) == (Algorithm.TREE, Protocol.LL)
+    assert cost.seconds == pytest.approx(expected)
+    assert expected < 6 * a + 2 * s / b  # the same tree with Simple
+
+
+def test_a_large_all_reduce_takes_simple():
+    """1 GiB on one node: the ring with Simple, 14 · 3 us + 2·7/8 · S / 369 GB/s; LL128 would save
+    14 · 3 us · (1 - its latency share) and lose 8/120 of 5.1 ms of bandwidth."""
+    spec, group = dgx_h100_node()
+    s, a, b = 2**30, spec.intra.latency_s, spec.intra.bandwidth_Bps
+    cost = best_algorithm(Collective.ALL_REDUCE, s, group)
+    assert (cost.algorithm, cost.protocol) == (Algorithm.RING, Protocol.SIMPLE)
+    assert cost.seconds == pytest.approx(14 * a + 2 * 7 / 8 * s / b)
+    ll128 = 14 * step_s(a, LL128) + 2 * 7 / 8 * s / (b * LL128.bandwidth_share)
+    assert collective_time_s(Collective.ALL_REDUCE, s, group, Algorithm.RING, Protocol.LL128) == pytest.approx(ll128)
+
+
+def test_ring_crossover_from_ll128_to_simple_is_where_the_saved_latency_meets_the_lost_bandwidth():
+    """A ring over one node: LL128 saves 14·(a - its step) of latency and costs 1.75·S/B·(1/w - 1)
+    of bandwidth (w: its share), so Simple wins from S* = 14·(a - step) / (1.75/B · (1/w - 1))."""
+    spec, group = dgx_h100_node()
+    a, b = spec.intra.latency_s, spec.intra.bandwidth_Bps
+    crossover = 14 * (a - step_s(a, LL128)) / (1.75 / b * (1 / LL128.bandwidth_share - 1))
+    below = best_protocol(Collective.ALL_REDUCE, Algorithm.RING, 0.9 * crossover, group)
+    above = best_protocol(Collective.ALL_REDUCE, Algorithm.RING, 1.1 * crossover, group)
+    assert below.protocol is Protocol.LL128 and above.protocol is Protocol.SIMPLE
+
+
+@pytest.mark.parametrize("network", ["infiniband", "efa"])
+@pytest.mark.parametrize("nbytes", [2**10, 2**16, 2**20, 2**24, 2**28, 2**32])
+def test_the_choice_is_the_argmin_over_algorithms_and_protocols(network, nbytes):
+    """What best_algorithm returns is the cheapest pair NCCL could run; across EFA (out of order)
+    LL128 is never among them, across InfiniBand it is."""
+    spec = ClusterSpec.from_config(ClusterConfig(name="t", gpu="H100-SXM", nodes=4, gpus_per_node=8,
+                                                 inter_node_bandwidth_GBps=50, network=network))
+    group = spec.group_links(list(range(32)))
+    pairs = [(algorithm, protocol) for algorithm in (Algorithm.RING, Algorithm.TREE)
+             for protocol in protocols_for(Collective.ALL_REDUCE, algorithm, nbytes, group)]
+    assert (Protocol.LL128 in {p for _, p in pairs}) == (network == "infiniband")
+    times = {pair: protocol_time_s(Collective.ALL_REDUCE, *pair, nbytes, group) for pair in pairs}
+    cost = best_algorithm(Collective.ALL_REDUCE, nbytes, group)
+    assert cost.seconds == pytest.approx(min(times.values()))
+    assert times[(cost.algorithm, cost.protocol)] == cost.seconds
+
+
+def test_point_to_point_takes_ll_up_to_nccls_threshold():
+    """Sends and all-to-all are not tuned: a peer's message up to 16 KiB goes by LL, above by Simple.
+    All-to-all over one node at 8 x 2 KiB (2 KiB a peer): 7 LL steps + 7/8 · S at LL's bandwidth."""
+    spec, group = dgx_h100_node()
+    a, b = spec.intra.latency_s, spec.intra.bandwidth_Bps
+    s = 8 * 2 * 2**10
+    assert protocols_for(Collective.ALL_TO_ALL, Algorithm.RING, s, group) == (Protocol.LL,)
+    assert collective_time_s(Collective.ALL_TO_ALL, s, group, Algorithm.RING) == \
+        pytest.approx(7 * step_s(a, LL) + 7 / 8 * s / (b * LL.bandwidth_share))
+    assert protocols_for(Collective.ALL_TO_ALL, Algorithm.RING, 8 * P2P_LL_THRESHOLD_BYTES + 8, group) == \
+        (Protocol.SIMPLE,)
+    assert protocols_for(Collective.SEND_RECV, Algorithm.RING, P2P_LL_THRESHOLD_BYTES, group) == (Protocol.LL,)
+
+
+def test_a_network_step_keeps_what_is_not_synchronisation():
+    """Across a network whose fitted step is 40 us, LL shortens only Simple's synchronisation:
+    40 us - (1 - LL's share) · SIMPLE_STEP_SYNC_S, not 40 us · LL's share."""
+    spec = fabric(4, ring_fall=0.0, tree_fall=0.0)
+    group = spec.group_links(list(range(32)))
+    s = 8 * 2**10
+    expected = 62 * (40e-6 - (1 - LL.step_latency_share) * SIMPLE_STEP_SYNC_S) \
+        + 2 * 31 / 32 * s / (LL.bandwidth_share * min(450e9 * 0.82, 8 * 48e9))
+    assert collective_time_s(Collective.ALL_REDUCE, s, group, Algorithm.RING, Protocol.LL) == pytest.approx(expected)
+
+
+def test_calibrated_links_are_priced_as_measured():
+    """A calibrated link's alpha-beta already hold the protocol NCCL chose when it was measured."""
+    link = Link(100 * GB, 5e-6, "NVLink4 (calibrated)", per_collective=(("all_reduce", 5e-6, 100 * GB),))
+    spec = replace(cluster("H100-SXM", nodes=1), intra=link)
+    group = spec.group_links(list(range(8)))
+    assert protocols_for(Collective.ALL_REDUCE, Algorithm.RING, 1e3, group) == (Protocol.SIMPLE,)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cost_models.collectives import Collective, collective_time_s
+from cost_models.collectives import Algorithm, Collective, Protocol, collective_time_s
 from cost_models.topology import ClusterConfig, ClusterSpec
 from cost_models.uncertainty import (NETWORK_FALL_PER_DOUBLING, RESIDUAL_HIGH, RESIDUAL_LOW, PredictionInterval,
                                      extrapolations, pessimistic_cluster)
@@ -40,7 +40,8 @@ def test_pessimistic_price_slows_only_the_extrapolated_groups():
     nominal = spec.group_links(everyone).ring_link.bandwidth_Bps
     n = spec.world_size
     expected = (n - 1) * spec.inter.latency_s + (n - 1) / n * s / (nominal / NETWORK_FALL_PER_DOUBLING ** math.log2(4))
-    assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(everyone)) == pytest.approx(expected)
+    simple = (Algorithm.RING, Protocol.SIMPLE)  # the hand count is Simple's
+    assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(everyone), *simple) == pytest.approx(expected)
     within = list(range(0, 256))
     assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(within)) == \
         pytest.approx(collective_time_s(Collective.ALL_GATHER, s, spec.group_links(within)))
@@ -66,3 +67,35 @@ def test_each_network_names_what_it_measured():
     efa = cluster(network="efa", nodes=128)
     assert extrapolations(efa, 128).network_factor == pytest.approx(NETWORK_FALL_PER_DOUBLING)
     assert not extrapolations(efa, 64).any
+
+
+def test_all_to_all_across_nodes_is_extrapolated_from_two_nodes_on():
+    """No all-to-all is published: across 4 nodes of InfiniBand (48 measured for the other
+    collectives) it is extrapolated, 1.8^log2(4) pessimistically, while an all-gather over the same
+    4 nodes keeps its price."""
+    spec = cluster(nodes=4)
+    extrapolation = extrapolations(spec, widest_nodes=4, all_to_all_nodes=4)
+    assert extrapolation.network_factor == pytest.approx(NETWORK_FALL_PER_DOUBLING ** 2)
+    assert "all-to-all over 4 nodes" in extrapolation.reasons[0]
+    assert not extrapolations(spec, 4, all_to_all_nodes=1).any
+    slow = pessimistic_cluster(spec, extrapolation)
+    everyone = list(range(32))
+    s = 1e9  # 31 MB a peer: Simple
+    nominal, pessimistic = (collective_time_s(Collective.ALL_TO_ALL, s, c.group_links(everyone)) for c in (spec, slow))
+    n, g, nic = 32, 8, spec.inter.bandwidth_Bps
+    assert nominal == pytest.approx(31 * spec.inter.latency_s + (n - g) / n * s / nic)
+    assert pessimistic == pytest.approx(31 * spec.inter.latency_s + (n - g) / n * s / (nic / 1.8 ** 2))
+    assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(everyone)) == \
+        pytest.approx(collective_time_s(Collective.ALL_GATHER, s, spec.group_links(everyone)))
+
+
+def test_presets_say_whether_their_node_count_fall_is_measured():
+    """InfiniBand and RoCE have one large-message point each, no node-count curve: their
+    description says so and names what they are fitted to; EFA's fall is measured (D10)."""
+    from cost_models.topology import NETWORKS
+
+    for name in ("infiniband", "roce", "efa_v4"):
+        network = NETWORKS[name]
+        assert not network.fall_measured and network.ring_fall == network.tree_fall == 0.0
+        assert "NOT measured" in network.describe() and network.curve in network.describe()
+    assert NETWORKS["efa"].fall_measured and "NOT" not in NETWORKS["efa"].describe()

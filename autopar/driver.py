@@ -74,12 +74,15 @@ def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
                           recompute=pins.recompute or "none")
 
 
-def run_estimate(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, ParallelLayout, Estimate]:
-    """Price the layout the plan.* overrides describe (`autopar estimate`)."""
+def run_estimate(model_path: str | Path, cfg: Any,
+                 profile: ModelProfile | None = None) -> tuple[ModelProfile, ParallelLayout, Estimate]:
+    """Price the layout the plan.* overrides describe (`autopar estimate`); ``profile``: the
+    model's profile when the caller traced it already for these settings (as `run_plan` takes)."""
     from autopar.solver.tp_split import ILPSplitter
 
     cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
-    profile = run_profile(model_path, cfg)
+    if profile is None:
+        profile = run_profile(model_path, cfg)
     layout = pinned_layout(cfg, cluster)
     pricer = PlanPricer(profile, cluster, train_spec(cfg), ILPSplitter(profile))
     try:

@@ -2,7 +2,12 @@
 
     results = run_ranks(my_fn, world_size=4, arg)   # my_fn(rank, world_size, arg) -> picklable
 
-The function must be importable (defined at module level) because ranks are spawned fresh.
+The function must be importable (defined at module level) because ranks start fresh: each is
+forked from multiprocessing's fork server, a process that imported torch (and the distributed
+packages generated modules use) once and did nothing else, so a rank starts as clean as a
+spawned interpreter without importing torch again (about 3 s of CPU per rank, which on a 2-core
+machine is most of a small case's run). A rank gets the caller's environment at the time of the
+call (and, as any multiprocessing child, its sys.path and working folder), as a spawned one would.
 Ranks meet through a file store in a fresh temporary folder (``file://`` init method), so two
 runs at once never race for a TCP port. When any rank raises, the others are stopped and
 `RankFailure` carries the failing rank's traceback, so a test failure shows the real error
@@ -43,13 +48,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Imported once by the fork server (torch, what generated modules import, and the autopar
+# modules the suites' rank functions import); one that fails to import there is imported by the rank.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "torch.distributed.checkpoint", "autopar.runtime.generated",
+           "autopar.codegen", "autopar.solver.planner"]
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; results by rank."""
-    context = mp.get_context("spawn")
+    context = _CONTEXT
     results = context.Queue()
     folder = Path(tempfile.mkdtemp(prefix="ranks_"))
     store = f"file://{folder / 'store'}"  # the file must not exist yet: gloo's FileStore creates it
-    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, store, results, args), daemon=True)
+    # The fork server's environment is the one it started with: each rank takes the caller's.
+    environment = dict(os.environ)
+    processes = [context.Process(target=_rank_main, args=(fn, rank, world_size, store, results, args, environment),
+                                 daemon=True)
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -83,7 +100,10 @@ def _killed_by_signal(processes: list, wait_s: float = 2.0) -> list[int]:
     return [rank for rank, process in enumerate(processes) if process.exitcode is not None and process.exitcode < 0]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any, args: tuple) -> None:
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any, args: tuple,
+               environment: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from autopar.cli import main
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
+from autopar.output_dir import Manifest
 from autopar.plan import Plan
 from autopar.runtime import run_reference
 from tests.dist.harness import free_port
@@ -134,18 +136,23 @@ def test_failed_generation_leaves_an_existing_folder_untouched(examples_dir, com
 
 
 def test_recompiling_a_trained_folder_keeps_its_checkpoints_and_run_records(examples_dir, compiled, tmp_path):
-    """Train, compile again into the same folder, train on: the checkpoint and the records of the
-    first run survive the compile and the second run resumes from that checkpoint."""
+    """Train, compile again into the same folder, train on: the checkpoint, the records of the
+    first run and the user's own files survive the compile, which leaves no staging folder, and
+    the second run resumes from that checkpoint."""
     out = tmp_path / "trained"
     shutil.copytree(compiled, out)
     (out / "run.jsonl").unlink(missing_ok=True)
     assert main(["run", str(out), "--steps", "2", "--checkpoint-every", "2"]) == 0
-    trained = {name: data for name, data in _files(out).items() if name.startswith(("checkpoints", "run.jsonl"))}
+    (out / "notes.txt").write_text("mine")
+    trained = {name: data for name, data in _files(out).items()
+               if name.startswith(("checkpoints", "run.jsonl", "notes.txt"))}
     assert any(name.endswith("COMPLETE") for name in trained)
     assert main(["compile", str(examples_dir / "gpt.py"), *OVERRIDES, "--plan", str(out / "plan.json"),
                  "--out-dir", str(out), "-q"]) == 0
     after = _files(out)
     assert {name: after[name] for name in trained} == trained
+    assert Manifest.read(out).files["plan.json"] == Manifest.read(compiled).files["plan.json"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".autopar-staging")]
     assert main(["run", str(out), "--steps", "3", "--checkpoint-every", "2"]) == 0
     records = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2]  # the second run trained the third step only
@@ -172,14 +179,45 @@ def test_compile_generates_context_parallel_plans_and_refuses_models_without_pos
     assert not (tmp_path / "b").exists()
 
 
-def test_launch_script_of_a_hostile_file_and_folder_name_trains_and_runs_nothing_else(examples_dir, tmp_path):
-    """Spaces, quotes, unicode and `$(...)` in the model file's and the folder's names: launch.sh
-    runs the real torchrun on the generated module for one step, and no `touch X` runs."""
-    hostile = "g x$(touch X)y 'é\""
-    model = tmp_path / f"{hostile}.py"
+HOSTILE = "g x$(touch X)y 'é\""
+
+
+def test_launch_script_of_a_hostile_file_and_folder_name_trains_and_runs_nothing_else(examples_dir, tmp_path,
+                                                                                        capsys):
+    """Spaces, quotes, unicode and `$(...)` in the model file's and the folder's names: the hint
+    names the folder as one word, launch.sh and sbatch.sh hand stand-ins for torchrun/srun the
+    generated module's name whole, launch.sh runs the real torchrun on it for one step, and no
+    `touch X` runs. (One compile serves the stand-ins and the real run.)"""
+    model = tmp_path / f"{HOSTILE}.py"
     shutil.copyfile(examples_dir / "gpt.py", model)
-    out = tmp_path / f"out {hostile} ü"
-    assert main(["compile", str(model), *OVERRIDES, "--out-dir", str(out), "-q"]) == 0
+    out = tmp_path / f"out {HOSTILE} ü"
+    assert main(["compile", str(model), *OVERRIDES, "--out-dir", str(out)]) == 0
+    hint = next(line for line in capsys.readouterr().out.splitlines() if "autopar run" in line)
+    assert shlex.split(hint.split("`")[1]) == ["autopar", "run", str(out)]
+    script = f"parallel_{HOSTILE}.py"
+    assert (out / script).is_file() and (out / model.name).is_file()
+    # The generated module is valid Python whatever the name (its docstring quotes it).
+    compile((out / script).read_text(), script, "exec")
+    # Stand-ins for torchrun, srun and scontrol record the command line the scripts build.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    argv_file = tmp_path / "argv.json"
+    (bin_dir / "torchrun").write_text(f"#!/usr/bin/env python3\nimport json, sys\n"
+                                      f"json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    stand_ins = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n0",
+                 "SLURM_NNODES": "1", "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(out)}
+    for launcher in ("launch.sh", "sbatch.sh"):
+        subprocess.run(["bash", "-n", str(out / launcher)], check=True)
+        argv_file.unlink(missing_ok=True)
+        subprocess.run(["bash", str(out / launcher), "--steps", "1"], cwd=tmp_path, env=stand_ins, check=True,
+                       timeout=60)
+        argv = json.loads(argv_file.read_text())
+        assert argv[-3:] == [script, "--steps", "1"], argv
+    # The real torchrun, with its rendezvous on a free port.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                RDZV_PORT=str(free_port()), MAX_RESTARTS="0")
     run = subprocess.run(["bash", str(out / "launch.sh"), "--steps", "1"], env=env, cwd=tmp_path,

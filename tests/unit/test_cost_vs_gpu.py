@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from autopar.model_file import load_model_file
-from autopar.profile import profile_model
 from cost_models.compute import ComputeModel
 from cost_models.hardware import get_gpu
+from tests.profiles import traced
 
 MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "measured" / "h100_profile_check.jsonl"
 RUNS = [row for row in map(json.loads, MEASURED.read_text().splitlines()) if "model" in row]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[f"{r['model']}-b{r['micro_batch']}-h{r['kwargs']['hidden']}" for r in RUNS])
-def test_forward_backward_time_within_15_percent_of_h100(examples_dir, run):
-    profile = profile_model(load_model_file(examples_dir / run["model"]), run["kwargs"], run["micro_batch"], "bf16")
+def test_forward_backward_time_within_15_percent_of_h100(run):
+    profile = traced(run["model"], "bf16", run["micro_batch"], **run["kwargs"])
     gpu = get_gpu("H100-SXM")
     compute = ComputeModel(profile)
     predicted = sum(compute.layer(layer.name, gpu).time_s(1.0, gpu.launch_overhead_s) for layer in profile.layers)
@@ -31,9 +30,10 @@ def test_forward_backward_time_within_15_percent_of_h100(examples_dir, run):
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r["model"] == "gpt.py"],
                          ids=lambda r: f"b{r['micro_batch']}-h{r['kwargs']['hidden']}")
-def test_saved_activation_bytes_match_cuda_allocator(examples_dir, run):
+def test_saved_activation_bytes_match_cuda_allocator(run):
     """What the profile says autograd saves equals what CUDA's allocator held (within 0.1%)."""
-    profile = profile_model(load_model_file(examples_dir / run["model"]), run["kwargs"], run["micro_batch"], "bf16")
+    # The same trace as the timing test's for this run (traced once per session).
+    profile = traced(run["model"], "bf16", run["micro_batch"], **run["kwargs"])
     assert profile.activation_bytes == pytest.approx(run["measured_activation_bytes"], rel=1e-3)
 
 
@@ -43,11 +43,24 @@ def test_saved_activation_bytes_match_cuda_allocator(examples_dir, run):
 PLAN_RUNS = [json.loads(line) for line in (MEASURED.parent / "h100_plan_check.jsonl").read_text().splitlines()]
 
 
-def _priced(examples_dir, run):
-    from autopar.config import compose_config
-    from autopar.driver import run_estimate
+# Profiles by what `autopar.driver.run_profile` traces from (model file, its settings, micro-batch,
+# precision, pinned blocks): the runs of one model differ only in plan.* pins, which the trace
+# does not see, so each 1-8B model is traced once per session instead of once per run.
+_PROFILES: dict[tuple, object] = {}
 
-    return run_estimate(examples_dir / run["model"], compose_config(run["overrides"]))[2]
+
+def _priced(examples_dir, run):
+    from omegaconf import OmegaConf
+
+    from autopar.config import compose_config
+    from autopar.driver import model_kwargs, run_estimate, run_profile
+
+    path, cfg = examples_dir / run["model"], compose_config(run["overrides"])
+    key = (path, tuple(sorted(model_kwargs(cfg).items())), cfg.train.micro_batch_size, cfg.train.precision,
+           str(OmegaConf.select(cfg, "plan.blocks", default=None)))
+    if key not in _PROFILES:
+        _PROFILES[key] = run_profile(path, cfg)
+    return run_estimate(path, cfg, profile=_PROFILES[key])[2]
 
 
 # Plans whose precision the profile sees as it runs: FSDP's bf16 weights, and a loss the model

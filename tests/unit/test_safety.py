@@ -8,9 +8,7 @@ import errno
 import json
 import os
 import resource
-import shlex
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -66,19 +64,9 @@ def test_compile_records_what_it_wrote(compiled):
     assert {"plan.json", "launch.sh", "sbatch.sh", "parallel_gpt.py", "gpt.py", "report.html"} <= set(manifest.files)
 
 
-def test_recompiling_keeps_checkpoints_run_records_and_user_files(examples_dir, compiled, tmp_path):
-    out = copy_of(compiled, tmp_path)
-    (out / "checkpoints" / "step_4").mkdir(parents=True)
-    (out / "checkpoints" / "step_4" / "COMPLETE").write_text("4")
-    (out / "run.jsonl").write_text('{"step": 1}\n')
-    (out / "notes.txt").write_text("mine")
-    kept = {name: data for name, data in snapshot(out).items() if name.startswith(("checkpoints", "run", "notes"))}
-    assert main(["compile", str(examples_dir / "gpt.py"), *TINY, "--plan", str(out / "plan.json"), "--out-dir",
-                 str(out), "-q"]) == 0
-    after = snapshot(out)
-    assert {name: after[name] for name in kept} == kept
-    assert Manifest.read(out).files["plan.json"] == Manifest.read(compiled).files["plan.json"]
-    assert not [p for p in out.iterdir() if p.name.startswith(".autopar")]  # no staging folder left
+# Recompiling a trained folder keeps its checkpoints, run records and the user's files, and leaves
+# no staging folder: tests/dist/test_compile_cli.py::test_recompiling_a_trained_folder_keeps_its_
+# checkpoints_and_run_records (on a folder really trained before and after the compile).
 
 
 def test_a_folder_autopar_did_not_write_is_refused_then_forced_without_losing_files(examples_dir, tmp_path,
@@ -164,40 +152,8 @@ def test_a_manifest_naming_paths_outside_the_folder_is_not_trusted(tmp_path):
 
 
 # -- 2: paths reaching a shell ------------------------------------------------------------------
-
-HOSTILE = "g x$(touch X)y 'é\""
-
-
-def test_hostile_file_and_folder_names_run_nothing_in_the_launch_scripts(examples_dir, tmp_path, capsys):
-    model = tmp_path / f"{HOSTILE}.py"
-    shutil.copyfile(examples_dir / "gpt.py", model)
-    out = tmp_path / f"out {HOSTILE} ü"
-    assert main(["compile", str(model), *TINY, "--out-dir", str(out)]) == 0
-    hint = next(line for line in capsys.readouterr().out.splitlines() if "autopar run" in line)
-    assert shlex.split(hint.split("`")[1]) == ["autopar", "run", str(out)]
-    # Stand-ins for torchrun, srun and scontrol record the command line the scripts build.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    argv_file = tmp_path / "argv.json"
-    (bin_dir / "torchrun").write_text(f"#!/usr/bin/env python3\nimport json, sys\n"
-                                      f"json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\n")
-    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    script = f"parallel_{HOSTILE}.py"
-    assert (out / script).is_file() and (out / model.name).is_file()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n0", "SLURM_NNODES": "1",
-           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(out)}
-    for launcher in ("launch.sh", "sbatch.sh"):
-        subprocess.run(["bash", "-n", str(out / launcher)], check=True)
-        argv_file.unlink(missing_ok=True)
-        subprocess.run(["bash", str(out / launcher), "--steps", "1"], cwd=tmp_path, env=env, check=True, timeout=60)
-        argv = json.loads(argv_file.read_text())
-        assert argv[-3:] == [script, "--steps", "1"], argv
-    assert not list(tmp_path.rglob("X")), "a $(...) in a file name ran"
-    # The generated module is valid Python whatever the name (its docstring quotes it).
-    compile((out / script).read_text(), script, "exec")
+# Hostile file and folder names in the launch scripts (stand-in and real torchrun, one compile):
+# tests/dist/test_compile_cli.py::test_launch_script_of_a_hostile_file_and_folder_name_trains_and_runs_nothing_else.
 
 
 # -- 3: no file imported that the user did not name ---------------------------------------------

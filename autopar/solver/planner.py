@@ -102,6 +102,21 @@ def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any
     return replace(candidate, stages=tuple(tuple(stage) for stage in stages), recompute=recompute)
 
 
+# What to change in a model for each kind of sequence blocker (autopar.trace.sequence's reasons).
+_CP_REMEDIES = (
+    ("shift along the sequence", "shift targets in example_batch instead of passing labels="),
+    ("nn.MultiheadAttention", "compute attention with F.scaled_dot_product_attention instead of nn.MultiheadAttention"),
+    ("attention", "call F.scaled_dot_product_attention (causal or without a mask) instead of computing softmax(QK^T)"),
+    ("position", "take `position_ids=None` in forward and use it instead of numbering positions inside the model"),
+    ("reduction over the sequence", "compute the statistic over the whole batch or per token, not per sequence"),
+)
+
+
+def cp_remedy(blocker: str) -> str:
+    """The change to the model that lifts ``blocker``."""
+    return next((remedy for words, remedy in _CP_REMEDIES if words in blocker), "rewrite that op to read its own position only")
+
+
 class Planner:
     """Plans one model (profile) for one cluster."""
 
@@ -533,10 +548,7 @@ class Planner:
             raise UserError(f"plan.cp={self.pins.cp} would train a different model: context parallelism gives each "
                             f"rank a shard of every sequence, and this model computes something else on a shard: "
                             f"{self.shape.cp_blocker}.",
-                            "pin plan.cp=1 (or leave it unset), or change the model: shift targets in example_batch "
-                            "instead of passing labels=, call F.scaled_dot_product_attention (causal or without a "
-                            "mask) instead of computing softmax(QK^T), take `position_ids=None` in forward and use "
-                            "it instead of arange.")
+                            f"pin plan.cp=1 (or leave it unset), or change the model: {cp_remedy(self.shape.cp_blocker)}.")
         if self.pins.sequence_parallel and self.shape.sp_blocker:
             raise UserError(f"plan.sequence_parallel=true cannot run on this model: {self.shape.sp_blocker}, and "
                             "sequence parallelism has no style that gathers the sequence for it.",

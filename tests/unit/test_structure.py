@@ -141,6 +141,7 @@ def test_planner_never_picks_cp_and_refuses_a_cp_pin_naming_the_op():
     assert "plan.cp=2 would train a different model" in str(refusal.value)
     assert "(_softmax in module 'model.layers.0.self_attn')" in str(refusal.value)
     assert "pin plan.cp=1" in refusal.value.fix
+    assert "softmax(QK^T)" in refusal.value.fix and "labels=" not in refusal.value.fix  # the one remedy that applies
     from autopar.report.document import sequence_notes
     assert "(_softmax in module 'model.layers.0.self_attn')" in sequence_notes(profile)[0]
 

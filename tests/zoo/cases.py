@@ -8,10 +8,11 @@ from __future__ import annotations
 from tests.zoo.harness import MODELS
 
 TWO_RANK_PINS = ["dp2", "zero3", "tp2", "pp2", "cp2"]
-# On 4 ranks, two axes at once (data x tensor, tensor x pipeline) for a model of each kind: Llama
-# and Mixtral from configs, GPT-2's Conv1D, BERT's encoder, T5's two stacks, nanoGPT's ModuleDict,
-# the frozen-parameter GPT and the GPT example.
-FOUR_RANK_PINS = ["dp2_tp2", "tp2_pp2"]
+# On 4 ranks, ZeRO-3 over 4 and two axes at once (data x tensor, data x pipeline, tensor x
+# pipeline, data x context), so every technique runs on 4 ranks too, for a model of each kind:
+# Llama and Mixtral from configs, GPT-2's Conv1D, BERT's encoder, T5's two stacks, nanoGPT's
+# ModuleDict, the frozen-parameter GPT and the GPT example.
+FOUR_RANK_PINS = ["zero3_dp4", "dp2_tp2", "dp2_pp2", "tp2_pp2", "dp2_cp2"]
 FOUR_RANK_MODELS = ["hf_llama", "hf_mixtral", "hf_gpt2", "hf_bert", "hf_t5", "nanogpt", "frozen", "gpt"]
 ALL_CASES = ([f"{model}-{pin}" for model in MODELS for pin in TWO_RANK_PINS]
              + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS])
@@ -39,6 +40,8 @@ REFUSED: dict[str, str] = {
     'encdec-cp2': 'would train a different model',
     'frozen-cp2': 'position_ids/positions argument',
     'cnn-cp2': 'position_ids/positions argument',
+    'hf_t5-dp2_cp2': 'would train a different model',
+    'frozen-dp2_cp2': 'position_ids/positions argument',
     # Failed at run before compile's proof (autopar/runtime/proof.py); now refused at compile, every plan
     # under the pin having failed the proof with this reason.
     'hf_roberta-cp2': 'loss differs from one process',

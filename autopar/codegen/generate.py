@@ -27,6 +27,7 @@ from autopar.codegen.stage_flow import LayerReads, layer_reads, skipped_read, un
 from autopar.codegen.tp_plan import TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
+from autopar.trace.sequence import POSITION_ARGUMENT_NAMES
 from cost_models.layout import fsdp_groups
 from cost_models.mesh import Mesh
 from cost_models.tp_layout import stack_of
@@ -159,7 +160,7 @@ def check_context_parallel(plan: Plan, facts: ModelFacts) -> None:
     """What context parallelism needs from the model and the plan."""
     if facts.position_argument is None:
         raise CodegenError("context parallelism gives each rank part of every sequence, so the model must take "
-                           "the global positions of its tokens, but its forward has no position_ids/positions "
+                           f"the global positions of its tokens, but its forward has no {POSITION_ARGUMENT_NAMES} "
                            "argument.", "add `position_ids=None` to forward (use it instead of arange), or plan "
                            "with plan.cp=1.")
 

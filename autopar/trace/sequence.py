@@ -21,7 +21,7 @@ whose output at one position reads others:
 - convolutions over the sequence (kernels wider than one position);
 - ``nn.MultiheadAttention`` (torch.nn's Transformer layers): its attention kernel is called from
   C++, so the Python-level replacement does not reach it;
-- positions numbered inside the model: without a ``position_ids``/``positions`` argument in
+- positions numbered inside the model: without a position argument (POSITION_ARGUMENTS) in
   ``forward`` there is nothing to feed each shard's global positions through, and an ``arange``
   in the model would number every shard from 0 (``position_blocker``).
 
@@ -54,6 +54,7 @@ _SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument 
 
 
 POSITION_ARGUMENTS = ("position_ids", "positions", "pos")  # Hugging Face, vLLM-style, nanoGPT-style
+POSITION_ARGUMENT_NAMES = "/".join(POSITION_ARGUMENTS)  # as messages name them
 
 
 def position_argument(model: torch.nn.Module) -> str | None:
@@ -188,7 +189,7 @@ def position_blocker(captured: CapturedStep, seq_len: int | None, model: torch.n
     the sequence inside the model where there is one."""
     if not seq_len or seq_len < 2 or position_argument(model) is not None:
         return None
-    reason = "no position_ids/positions argument in forward to give each sequence shard its global positions"
+    reason = f"no {POSITION_ARGUMENT_NAMES} argument in forward to give each sequence shard its global positions"
     for node in captured.graph_module.graph.nodes:
         if node.op == "call_function" and "arange" in op_name(node.target).split(".") \
                 and captured.node_phase.get(node.name) != BACKWARD:

@@ -83,11 +83,11 @@ def test_a_model_that_numbers_positions_itself_blocks_cp():
     never offers CP for them (codegen would refuse it); models taking positions (the GPT
     example's `positions`, nanoGPT's `pos`) are not blocked."""
     frozen = profile_model(load_model_file(ZOO / "frozen.py"), {}, micro_batch_size=1, precision="fp32")
-    assert frozen.sequence_mixers == ["no position_ids/positions argument in forward to give each sequence shard "
+    assert frozen.sequence_mixers == ["no position_ids/positions/pos argument in forward to give each sequence shard "
                                       "its global positions"]
     moe = profile_model(load_model_file(Path(__file__).resolve().parents[1] / "moe_model.py"),
                         dict(layers=1, hidden=32, heads=2, seq_len=16, vocab=64), micro_batch_size=2, precision="fp32")
-    assert moe.sequence_mixers[-1] == ("no position_ids/positions argument in forward to give each sequence shard "
+    assert moe.sequence_mixers[-1] == ("no position_ids/positions/pos argument in forward to give each sequence shard "
                                        "its global positions, and an arange over the sequence numbers every shard "
                                        "from 0 (arange in the root module's own forward)")
     nanogpt = profile_model(load_model_file(ZOO / "nanogpt.py"), {}, micro_batch_size=1, precision="fp32")

@@ -35,13 +35,13 @@ REFUSED: dict[str, str] = {
     'hf_llama_labels-cp2': 'would train a different model',
     'hf_llama_eager-cp2': 'would train a different model',
     'hf_t5-cp2': 'would train a different model',
-    'hf_vit-cp2': 'position_ids/positions argument',
-    'hf_whisper-cp2': 'position_ids/positions argument',
+    'hf_vit-cp2': 'position_ids/positions/pos argument',
+    'hf_whisper-cp2': 'position_ids/positions/pos argument',
     'encdec-cp2': 'would train a different model',
-    'frozen-cp2': 'position_ids/positions argument',
-    'cnn-cp2': 'position_ids/positions argument',
+    'frozen-cp2': 'position_ids/positions/pos argument',
+    'cnn-cp2': 'position_ids/positions/pos argument',
     'hf_t5-dp2_cp2': 'would train a different model',
-    'frozen-dp2_cp2': 'position_ids/positions argument',
+    'frozen-dp2_cp2': 'position_ids/positions/pos argument',
     # Failed at run before compile's proof (autopar/runtime/proof.py); now refused at compile, every plan
     # under the pin having failed the proof with this reason.
     'hf_roberta-cp2': 'loss differs from one process',

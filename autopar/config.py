@@ -31,10 +31,9 @@ class TrainConfig:
     optimizer: str = "adam"
     """adam (two fp32 states per parameter) or sgd (momentum only)."""
     moe_imbalance: float = 1.0
-    """Mixture-of-experts routing: the most-loaded expert's tokens over the mean under dropless
-    routing (1: even), what an expert-parallel group waits for."""
-    moe_capacity_factor: float = 0.0
-    """Mixture-of-experts routing: tokens an expert takes at most, over the mean (0: dropless)."""
+    """Mixture-of-experts routing: the most-loaded expert-parallel rank's tokens over the mean
+    where the experts are exchanged dropless (1: even), what its group waits for. Experts that
+    take their tokens grouped with a capacity run the same work however tokens are routed."""
 
 
 @dataclass

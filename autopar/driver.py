@@ -49,8 +49,7 @@ def build_cluster(cfg: Any) -> ClusterSpec:
 
 def train_spec(cfg: Any) -> TrainSpec:
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
-                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance,
-                     moe_capacity_factor=cfg.train.moe_capacity_factor)
+                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance)
 
 
 def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
@@ -192,7 +191,7 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
     train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer,
-                      moe_imbalance=plan.moe_imbalance, moe_capacity_factor=plan.moe_capacity_factor)
+                      moe_imbalance=plan.moe_imbalance)
     splitter = ILPSplitter(profile)
     pricer = PlanPricer(profile, cluster, train, splitter)
     try:

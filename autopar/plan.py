@@ -118,7 +118,7 @@ class Plan:
             types get shares in proportion to their speed); empty: micro_batch_size each.
         layer_names, block_containers: the profile's layer order and the FQNs of its stacks of
             blocks (containers whose children are layers), in the order their blocks run.
-        global_batch_size, precision, optimizer, moe_imbalance, moe_capacity_factor: the
+        global_batch_size, precision, optimizer, moe_imbalance: the
             training settings planned for.
     """
 
@@ -150,7 +150,6 @@ class Plan:
     precision: str = "bf16"
     optimizer: str = "adam"
     moe_imbalance: float = 1.0
-    moe_capacity_factor: float = 0.0
     predicted: Predicted = field(default_factory=Predicted)
     solver: SolverInfo = field(default_factory=SolverInfo)
     provenance: Provenance = field(default_factory=Provenance)
@@ -223,8 +222,9 @@ class Plan:
                 found.append(f"{name}={getattr(self, name)!r} is not a positive integer")
         if not isinstance(self.ep, int) or self.ep < 1:
             found.append(f"ep={self.ep!r} is not a positive integer")
-        elif isinstance(self.dp, int) and self.dp >= 1 and self.dp % self.ep:
-            found.append(f"ep={self.ep} does not divide dp={self.dp} (expert parallelism is carved from dp)")
+        elif isinstance(self.dp, int) and self.dp >= 1 and isinstance(self.cp, int) and (self.dp * self.cp) % self.ep:
+            found.append(f"ep={self.ep} does not divide dp x cp = {self.dp * self.cp} (expert parallelism is carved "
+                         "from the data- and context-parallel ranks)")
         if found:
             return found  # the checks below assume sane numbers
         if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch_size:

@@ -9,20 +9,22 @@ group), which is what ZeRO shards their states over and what their gradients are
 
 A layer holds experts when one of its parameters is stacked by expert: a name with an
 `experts` component and at least three dimensions ([E, ...]); E is its first dimension. Top-k
-is read off the layer's traced `topk` op (its output's last dimension). Sharding them needs
-more: the generated exchange (codegen/sections/expert_parallel.py) treats an experts module's
-one input as its tokens grouped by expert, so a model whose experts module routes inside its own
-forward (Hugging Face's `forward(hidden_states, top_k_index, top_k_weights)`) has an
-`ep_blocker` and is planned with ep=1 only: nothing generated would run it.
+is read off the layer's traced `topk` op (its output's last dimension). The generated exchange
+(codegen/sections/expert_parallel.py) reaches an experts module in one of two ways, read off
+its forward (`ExpertExchange`): the tokens already grouped by expert with the model's own
+capacity, or (Hugging Face's experts modules) the flat tokens with their chosen experts and
+gates, exchanged dropless. A module taking anything else has an `ep_blocker` and is planned
+with ep=1 only: nothing generated would run it.
 
-Per MoE layer and micro-batch (tokens T = b·s / cp on a rank, token bytes h·dtype, k experts
-per token), with pace p (the most-loaded rank's share of the mean, `routing_pace`):
-    dispatch and combine = 2 all-to-alls of p·T·k·h·dtype bytes in forward, 2 in backward
+Per MoE layer and micro-batch (rows R per rank: T·k for a dropless exchange, T = b·s / cp
+tokens and k experts each; E·C for a grouped one, every capacity slot; token bytes h·dtype),
+with pace p (the most-loaded rank's share of the mean, `routing_pace`: `train.moe_imbalance`
+dropless, 1 grouped):
+    dispatch and combine = 2 all-to-alls of p·R·h·dtype bytes in forward, 2 in backward
     (and 2 again in a recomputed forward), priced by `collectives.all_to_all_s` over the
     expert-parallel group: the off-node share leaves through the NIC;
     expert compute x p (the ranks wait for the most-loaded one);
-    a dispatch buffer of 2·p·T·k·h·dtype (received tokens and their outputs, one layer at a
-    time).
+    a dispatch buffer of 2·p·R·h·dtype (received rows and their outputs, one layer at a time).
 Model states: E / ep experts per rank, their optimizer states (ZeRO) sharded over the
 expert-data-parallel group.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -54,6 +57,11 @@ class MoELayer:
             forward / backward FLOPs (0 when the profile has no per-op detail).
         token_bytes: bytes of one token's hidden state entering the layer (what is dispatched).
         tokens: tokens of the profiled micro-batch.
+        dispatch_rows: rows of token_bytes one all-to-all moves for the profiled micro-batch:
+            tokens x top_k for a dropless exchange, the experts' grouped input E x C (every
+            capacity slot, filled or not) for a grouped one.
+        dropless: exchanged dropless (`ExpertExchange.ROUTED`): the busiest rank's load follows
+            the routing; a grouped exchange moves and computes the same rows however tokens route.
     """
 
     experts: int
@@ -63,6 +71,8 @@ class MoELayer:
     expert_backward_share: float
     token_bytes: float
     tokens: int
+    dispatch_rows: int = 0
+    dropless: bool = True
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class ExpertFacts:
     @classmethod
     def of(cls, profile: "ModelProfile") -> "ExpertFacts":
         tokens = profile.micro_batch_size * (profile.tokens_per_sample or 1)
+        experts_inputs = getattr(profile, "experts_inputs", {})
         ops_by_layer: dict[str, list[Any]] = {}
         for op in profile.ops:
             ops_by_layer.setdefault(op.layer, []).append(op)
@@ -89,13 +100,16 @@ class ExpertFacts:
             top_k = next((op.output_shapes[0][-1] for op in ops if op.target in TOPK_TARGETS and op.phase == "forward"
                           and op.output_shapes and op.output_shapes[0]), 1)
             modules = {name.rsplit(".", 1)[0] for name in stacked}
+            dropless = is_dropless({m: inputs for m, inputs in experts_inputs.items() if m in modules}) \
+                if experts_inputs else True
+            rows = tokens * int(top_k) if dropless else _grouped_rows(ops, modules, int(experts)) or tokens * int(top_k)
             layers[layer.name] = MoELayer(
                 experts=int(experts), top_k=int(top_k),
                 expert_params=sum(math.prod(profile.param_shapes[name]) for name in stacked),
                 expert_forward_share=_flop_share(ops, modules, "forward", layer.flops_forward),
                 expert_backward_share=_flop_share(ops, modules, "backward", layer.flops_backward),
-                token_bytes=layer.input_bytes / max(1, tokens), tokens=tokens)
-        return cls(layers, ep_blocker(getattr(profile, "experts_inputs", {})) if layers else None)
+                token_bytes=layer.input_bytes / max(1, tokens), tokens=tokens, dispatch_rows=rows, dropless=dropless)
+        return cls(layers, ep_blocker(experts_inputs) if layers else None)
 
     def experts_of(self, layer_name: str) -> MoELayer | None:
         return self.layers.get(layer_name)
@@ -103,6 +117,12 @@ class ExpertFacts:
     @property
     def has_experts(self) -> bool:
         return bool(self.layers)
+
+    @property
+    def dropless(self) -> bool:
+        """Every MoE layer exchanged dropless: each token routed alone, whatever else this
+        rank holds of its sequence (so expert parallelism can span context-parallel ranks)."""
+        return bool(self.layers) and all(layer.dropless for layer in self.layers.values())
 
     def common_divisor(self) -> int:
         """The largest ep every MoE layer's experts divide into (0 without experts)."""
@@ -115,16 +135,61 @@ def is_expert_param(name: str, shape: list[int]) -> bool:
     return "experts" in name.split(".") and len(shape) >= 3
 
 
+class ExpertExchange(str, Enum):
+    """How the generated expert parallelism reaches an experts module, read off its forward.
+
+    GROUPED: ``forward(tokens)`` takes the tokens already grouped by expert, [E, C, ...], with a
+        capacity of C slots the model chose; the exchange moves the whole fixed-size tensor.
+    ROUTED: ``forward(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's experts
+        modules) takes the flat tokens and each one's chosen experts and gates; the exchange is
+        dropless, each token-choice pair sent to its expert's rank, so its size follows the routing.
+    """
+
+    GROUPED = "grouped"
+    ROUTED = "routed"
+
+
+ROUTED_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def exchange_kind(inputs: list[str] | tuple[str, ...]) -> ExpertExchange | None:
+    """The exchange an experts module with these required forward inputs takes (None: neither)."""
+    if len(inputs) == 1:
+        return ExpertExchange.GROUPED
+    if tuple(inputs) == ROUTED_INPUTS:
+        return ExpertExchange.ROUTED
+    return None
+
+
 def ep_blocker(experts_inputs: dict[str, list[str]]) -> str | None:
     """Why the generated all-to-alls cannot wrap these experts modules (FQN -> their forward's
-    required inputs), or None: each must take one input, its tokens grouped by expert (the
-    runtime refuses any other, expert_parallel.check_grouped_input)."""
-    routing = {fqn: inputs for fqn, inputs in experts_inputs.items() if len(inputs) != 1}
-    if not routing:
+    required inputs), or None: each must take its tokens grouped by expert, or the flat tokens
+    with their chosen experts and gates (`ExpertExchange`; the runtime refuses any other,
+    expert_parallel.exchange_of)."""
+    unknown = {fqn: inputs for fqn, inputs in experts_inputs.items() if exchange_kind(inputs) is None}
+    if not unknown:
         return None
-    fqn, inputs = min(routing.items())
-    return (f"{fqn}.forward takes ({', '.join(inputs)}) and routes the tokens itself, while expert parallelism "
-            "exchanges an experts module's one input, its tokens grouped by expert [E, tokens, ...]")
+    fqn, inputs = min(unknown.items())
+    return (f"{fqn}.forward takes ({', '.join(inputs)}), while expert parallelism exchanges either one input, the "
+            f"tokens grouped by expert [E, tokens, ...], or ({', '.join(ROUTED_INPUTS)})")
+
+
+def is_dropless(experts_inputs: dict[str, list[str]]) -> bool:
+    """Whether the experts are exchanged dropless (every module ROUTED): the busiest rank's
+    share then follows the routing."""
+    return bool(experts_inputs) and all(exchange_kind(inputs) == ExpertExchange.ROUTED
+                                        for inputs in experts_inputs.values())
+
+
+def _grouped_rows(ops: list[Any], modules: set[str], experts: int) -> int:
+    """Rows of a grouped experts module's input, [E, C, ...] -> E x C, from the first forward
+    op inside it that reads a tensor led by E (0 when the profile has no per-op detail)."""
+    for op in ops:
+        if op.phase == "forward" and op.module and any(op.module == m or op.module.startswith(m + ".") for m in modules):
+            for shape in op.input_shapes:
+                if len(shape) >= 3 and shape[0] == experts:
+                    return int(shape[0] * shape[1])
+    return 0
 
 
 def _flop_share(ops: list[Any], modules: set[str], phase: str, total: int) -> float:
@@ -135,27 +200,37 @@ def _flop_share(ops: list[Any], modules: set[str], phase: str, total: int) -> fl
     return min(1.0, inside / total)
 
 
-def routing_pace(ep: int, imbalance: float, capacity_factor: float) -> float:
-    """The most-loaded rank's tokens over the mean: what the expert-parallel group waits for.
+def routing_pace(ep: int, imbalance: float, dropless: bool) -> float:
+    """The most-loaded rank's rows over the mean: what the expert-parallel group waits for.
 
     With one rank holding every expert (ep=1) the layer's work is the same however tokens are
-    routed. Across ep ranks, dropless routing (capacity_factor 0) gives the busiest rank
-    `imbalance` times the mean; a capacity factor c caps it at c (tokens beyond it are dropped,
-    as Megatron-Core does without padding to capacity)."""
-    if ep == 1:
-        return 1.0
-    return min(imbalance, capacity_factor) if capacity_factor > 0 else imbalance
+    routed. Across ep ranks, a dropless exchange gives the busiest rank `imbalance` times the
+    mean (`train.moe_imbalance`); a grouped one moves every capacity slot, filled or not, so
+    each rank receives and computes the same rows whatever the routing (its cost of routing is
+    the slots it pads, already in `MoELayer.dispatch_rows`, and the tokens it drops)."""
+    return imbalance if ep > 1 and dropless else 1.0
 
 
 def dispatch_bytes(moe: MoELayer, scale: float, cp: int, tp_shard: int, pace: float) -> float:
     """Bytes one rank sends in one all-to-all (dispatch or combine) for a micro-batch `scale`
-    times the profiled one: its tokens x k at the busiest rank's pace (÷ cp; ÷ tp when sequence
-    parallelism leaves each TP rank a slice of the tokens)."""
-    return pace * moe.tokens * scale / cp / tp_shard * moe.top_k * moe.token_bytes
+    times the profiled one: its dispatched rows at the busiest rank's pace (÷ cp; ÷ tp when
+    sequence parallelism leaves each TP rank a slice of the tokens)."""
+    return pace * moe.dispatch_rows * scale / cp / tp_shard * moe.token_bytes
 
 
-def all_to_alls(option: str) -> int:
+def all_to_alls(option: str, dropless: bool = False) -> int:
     """All-to-alls per micro-batch: dispatch and combine forward, their gradients backward, and
     the forward's again where the layer is recomputed (full, or selective, which keeps GEMM
-    outputs but not collectives')."""
-    return 6 if option in ("full", "selective") else 4
+    outputs but not collectives'); a dropless exchange first sends its per-expert counts in each
+    forward (`count_exchanges`)."""
+    forwards = 2 if option in ("full", "selective") else 1
+    return 2 * forwards + 2 + (count_exchanges(option) if dropless else 0)
+
+
+def count_exchanges(option: str) -> int:
+    """The dropless exchange's count all-to-alls per micro-batch: one per forward (the
+    recomputed one included), E integers a rank, so each rank knows the sizes it receives."""
+    return 2 if option in ("full", "selective") else 1
+
+
+COUNT_BYTES = 8  # one int64 count per expert

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from cost_models.collectives import Algorithm, Collective
 from cost_models.compute import LayerCompute
-from cost_models.expert_parallel import all_to_alls, dispatch_bytes, routing_pace
+from cost_models.expert_parallel import COUNT_BYTES, all_to_alls, count_exchanges, dispatch_bytes, routing_pace
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.issued import cp_passes
 from cost_models.layout import ParallelLayout
@@ -316,9 +316,14 @@ class LayerCost:
         moe = self.experts.experts_of(layer.name)
         if layout.ep == 1 or moe is None:
             return 0.0
-        pace = routing_pace(layout.ep, self.train.moe_imbalance, self.train.moe_capacity_factor)
+        pace = routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless)
         nbytes = dispatch_bytes(moe, scale, layout.cp, layout.tp if layout.sequence_parallel else 1, pace)
-        return all_to_alls(option) * self.collective_s(Collective.ALL_TO_ALL, nbytes, self.placement(layout, "ep"))
+        group = self.placement(layout, "ep")
+        exchanges = all_to_alls(option) * self.collective_s(Collective.ALL_TO_ALL, nbytes, group)
+        if moe.dropless:  # the per-expert counts go first, so each rank knows what it receives
+            exchanges += count_exchanges(option) * self.collective_s(Collective.ALL_TO_ALL, COUNT_BYTES * moe.experts,
+                                                                     group)
+        return exchanges
 
     def _ep_wait_s(self, layer: Any, split: TPLayerSplit, layout: Any, per_token: float,
                    forward_passes: float = 1.0) -> float:
@@ -327,7 +332,7 @@ class LayerCost:
         moe = self.experts.experts_of(layer.name)
         if layout.ep == 1 or moe is None:
             return 0.0
-        pace = routing_pace(layout.ep, self.train.moe_imbalance, self.train.moe_capacity_factor)
+        pace = routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless)
         compute = split.compute
         expert_s = (forward_passes * moe.expert_forward_share * compute.forward_s
                     + moe.expert_backward_share * compute.backward_s) * per_token
@@ -517,9 +522,9 @@ class LayerCost:
         if layout.ep > 1 and self.experts.has_experts:
             # The tokens an MoE layer receives from its expert-parallel group and their outputs
             # before the combine, one layer at a time.
-            pace = routing_pace(layout.ep, self.train.moe_imbalance, self.train.moe_capacity_factor)
             buffers["ep_dispatch"] = max(2 * dispatch_bytes(moe, scale, layout.cp,
-                                                            layout.tp if layout.sequence_parallel else 1, pace)
+                                                            layout.tp if layout.sequence_parallel else 1,
+                                                            routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless))
                                          for moe in self.experts.layers.values())
         buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
         return buffers
@@ -595,6 +600,6 @@ class LayerCost:
         if layout.ep == 1:
             return {}
         options = self.layer_options(layout)
-        count = sum(all_to_alls(self.recompute_options[option]) for layer, option in zip(self.layers, options)
-                    if self.experts.experts_of(layer.name))
+        count = sum(all_to_alls(self.recompute_options[option], moe.dropless)
+                    for layer, option in zip(self.layers, options) if (moe := self.experts.experts_of(layer.name)))
         return {"all_to_all": count * layout.num_micro_batches} if count else {}

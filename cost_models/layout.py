@@ -108,16 +108,14 @@ class TrainSpec:
         global_batch_size: samples per optimizer step across all data-parallel ranks.
         precision: fp32, or bf16 / fp16 mixed precision (must match the profile's).
         optimizer: adam (two fp32 states), sgd (momentum) or sgd_plain (no state).
-        moe_imbalance: the most-loaded expert's tokens over the mean under dropless routing
-            (1: even), what an expert-parallel group waits for (cost_models.expert_parallel).
-        moe_capacity_factor: tokens an expert takes at most, over the mean (0: dropless).
+        moe_imbalance: the most-loaded expert-parallel rank's tokens over the mean under dropless
+            routing (1: even), what its group waits for (cost_models.expert_parallel).
     """
 
     global_batch_size: int
     precision: str = "bf16"
     optimizer: str = "adam"
     moe_imbalance: float = 1.0
-    moe_capacity_factor: float = 0.0
 
 
 def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:
@@ -281,8 +279,6 @@ def validate_train(train: TrainSpec, profile: Any) -> None:
     if train.moe_imbalance < 1:
         raise ValueError(f"moe_imbalance is the busiest expert's tokens over the mean, at least 1; got "
                          f"{train.moe_imbalance}")
-    if train.moe_capacity_factor < 0:
-        raise ValueError(f"moe_capacity_factor must be 0 (dropless) or positive, got {train.moe_capacity_factor}")
     if (train.precision == "fp32") != (profile.precision == "fp32"):
         raise ValueError(f"the profile was traced in {profile.precision} but training is {train.precision}: "
                          "profile the model in the training precision (bytes moved and saved differ)")
@@ -300,23 +296,24 @@ def validate(layout: ParallelLayout, model: Any, cluster: ClusterSpec, train: Tr
         ValueError: what cannot run, with the values that can.
     """
     validate_train(train, model)
-    experts = ep_blocker = None
+    experts = ep_blocker = dropless = None
     if layout.ep > 1:
         from cost_models.expert_parallel import ExpertFacts
 
         facts = ExpertFacts.of(model)
-        experts, ep_blocker = facts.common_divisor(), facts.ep_blocker
+        experts, ep_blocker, dropless = facts.common_divisor(), facts.ep_blocker, facts.dropless
     validate_layout(layout, cluster, train, [layer.name for layer in model.layers], model.tokens_per_sample, heads,
-                    recompute_options, experts, ep_blocker)
+                    recompute_options, experts, ep_blocker, dropless)
 
 
 def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,
                     tokens_per_sample: int | None = None, heads: int | None = None,
                     recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS, experts: int | None = None,
-                    ep_blocker: str | None = None) -> None:
+                    ep_blocker: str | None = None, dropless_experts: bool | None = None) -> None:
     """Clear errors for layouts that cannot run, before pricing them (`experts`: the number every
     MoE layer's experts divide into, 0 for a model without experts, None: not checked;
-    `ep_blocker`: why the generated exchange cannot wrap the experts, None: it can)."""
+    `ep_blocker`: why the generated exchange cannot wrap the experts, None: it can;
+    `dropless_experts`: every MoE layer exchanged dropless)."""
     names = list(layer_names) if not isinstance(layer_names, int) else None
     num_layers = len(names) if names is not None else layer_names
     for axis in AXES:
@@ -324,9 +321,9 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
             raise ValueError(f"{axis} must be a positive integer, got {layout.degree(axis)!r}")
     if not isinstance(layout.ep, int) or layout.ep < 1:
         raise ValueError(f"ep must be a positive integer, got {layout.ep!r}")
-    if layout.dp % layout.ep:
-        raise ValueError(f"ep={layout.ep} must divide dp={layout.dp}: expert parallelism is carved from the "
-                         "data-parallel ranks")
+    if (layout.dp * layout.cp) % layout.ep:
+        raise ValueError(f"ep={layout.ep} must divide dp x cp = {layout.dp * layout.cp}: expert parallelism is carved "
+                         "from the data- and context-parallel ranks")
     if sorted(layout.mesh_order) != sorted(AXES):
         raise ValueError(f"mesh_order {tuple(layout.mesh_order)} must order exactly the axes {', '.join(AXES)}")
     if layout.world_size != cluster.world_size:
@@ -353,7 +350,7 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
     from cost_models.techniques import LayoutFacts, problems
 
     found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample, experts=experts,
-                                         ep_blocker=ep_blocker))
+                                         ep_blocker=ep_blocker, dropless_experts=dropless_experts))
     if found:
         raise ValueError(found[0])
     _validate_recompute(layout.recompute, names, recompute_options)

@@ -42,6 +42,7 @@ class LayoutFacts:
     tokens_per_sample: int | None = None
     experts: int | None = None  # what every MoE layer's expert count divides into (0: no experts)
     ep_blocker: str | None = None  # why the generated exchange cannot wrap the experts (None: it can)
+    dropless_experts: bool | None = None  # every MoE layer exchanged dropless (ExpertFacts.dropless)
 
 
 Precondition = Callable[[Any, LayoutFacts], "str | None"]
@@ -143,11 +144,15 @@ def _experts_exchangeable(layout: Any, facts: LayoutFacts) -> str | None:
 
 def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
     """What the generated expert-parallel code is built and tested with (one FSDP shard group
-    over the data-parallel ranks, cut into expert-parallel groups, in every pipeline stage and
-    at every tensor-parallel coordinate, the experts whole on each TP rank; no CP beside it)."""
-    if layout.cp > 1:
-        return (f"expert parallelism is generated for data-parallel ranks (with pipeline stages and tensor "
-                f"parallelism), not with cp={layout.cp}: pin ep=1 or cp=1")
+    over the data- (and context-) parallel ranks, cut into expert-parallel groups, in every
+    pipeline stage and at every tensor-parallel coordinate, the experts whole on each TP rank;
+    CP beside it only for experts exchanged dropless)."""
+    if layout.cp > 1 and not facts.dropless_experts:
+        # Grouped experts get capacity slots per sequence: a shard of it gets its own, and the
+        # dropped tokens differ from one process's.
+        return (f"expert parallelism with cp={layout.cp} is generated for experts exchanged dropless (each token "
+                f"routed alone), not for experts taking their tokens grouped with a capacity per sequence: pin "
+                f"ep=1 or cp=1")
     if layout.tp > 1 and layout.sequence_parallel:
         # Priced, each TP rank would dispatch its slice of the sequence; the generated MoE layer
         # runs on the whole sequence, replicated over the TP group.

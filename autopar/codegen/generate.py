@@ -118,10 +118,10 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
     """Refuse plans the generated code cannot run, with the reason and the fix."""
     # Each technique's preconditions, from its one registry entry (cost_models.techniques): a value
     # with no runtime, ps with a sharded optimizer, CP without ZeRO-2/3, ...
-    from cost_models.techniques import problems
+    from cost_models.techniques import LayoutFacts, problems
 
     try:
-        found = problems(plan.layout())
+        found = problems(plan.layout(), LayoutFacts(dropless_experts=facts.dropless_experts))
     except ValueError as error:
         found = [str(error)]
     if found:
@@ -217,6 +217,11 @@ def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str], reads: Layer
                            f"parallelism only with every data-parallel rank in one expert-parallel group "
                            f"(ep = dp), not ep={plan.ep} of dp={plan.dp}.",
                            f"pin plan.ep={plan.dp} or plan.ep=1, or move the stage boundaries to block boundaries.")
+    if plan.ep > 1 and facts.dropless_experts:
+        raise CodegenError(f"the pipeline cannot be cut by modules ({problem}), and the traced split cannot carry the "
+                           "dropless expert exchange: its sizes follow the routing, which an exported graph "
+                           "cannot hold.",
+                           "pin plan.ep=1, or move the stage boundaries to block boundaries.")
     notes.append(f"pipeline stages cut from an exported graph ({problem})")
     return "tracer"
 

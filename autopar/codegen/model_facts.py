@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from autopar.model_file import build_fake, call_model, load_model_file
+from autopar.trace.experts import experts_inputs
 from autopar.trace.sequence import position_argument
+from cost_models.expert_parallel import is_dropless
 
 NORM_CLASS_HINTS = ("norm",)
 
@@ -55,6 +57,8 @@ class ModelFacts:
         position_argument: the root forward's token-position argument (position_ids / positions),
             which context parallelism feeds with each rank's global positions; None if it has none.
         mask_argument: the root forward's padding-mask argument (attention_mask), or None.
+        dropless_experts: its experts modules route their own tokens (exchanged dropless, with
+            sizes that follow the routing: cost_models.expert_parallel.ExpertExchange).
     """
 
     modules: dict[str, ModuleFacts]
@@ -62,6 +66,7 @@ class ModelFacts:
     children: dict[str, list[str]] = field(default_factory=dict)
     position_argument: str | None = None
     mask_argument: str | None = None
+    dropless_experts: bool = False
 
     def kind(self, name: str) -> str:
         return self.modules[name].kind if name in self.modules else "other"
@@ -118,7 +123,8 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
     return ModelFacts(modules=modules, tied_parameters=tied_parameter_groups(model), children=children,
                       position_argument=position_argument(model),
                       mask_argument="attention_mask" if "attention_mask" in inspect.signature(model.forward).parameters
-                      else None)
+                      else None,
+                      dropless_experts=is_dropless(experts_inputs(model)))
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:

@@ -317,7 +317,7 @@ class Planner:
             layer_names=names,
             block_containers=list(self.profile.block_containers), global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
-            moe_imbalance=self.train.moe_imbalance, moe_capacity_factor=self.train.moe_capacity_factor,
+            moe_imbalance=self.train.moe_imbalance,
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                                 samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
                                 peak_memory_bytes=estimate.peak_memory_bytes,
@@ -573,26 +573,30 @@ class Planner:
         if experts % ep:
             raise UserError(f"plan.ep={ep} does not divide the {experts} experts of every MoE layer.",
                             f"use one of ep={', '.join(map(str, divisors(experts)))}, or leave plan.ep unset.")
-        conflicts = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("cp",)
-                     if (getattr(self.pins, axis) or 1) > 1]
+        dropless = self.shape.dropless_experts
+        conflicts = [f"plan.cp={self.pins.cp}"] if (self.pins.cp or 1) > 1 and not dropless else []
         conflicts += ["plan.sequence_parallel=true"] if self.pins.sequence_parallel else []
         conflicts += [f"plan.zero_stage={self.pins.zero_stage}"] if self.pins.zero_stage in (0, 1) else []
         conflicts += ["plan.hybrid_shard=true"] if self.pins.hybrid_shard else []
         if conflicts:
             raise UserError(f"plan.ep={ep} cannot go with {', '.join(conflicts)}: expert parallelism is generated "
-                            "for data-parallel ranks, with pipeline stages and tensor parallelism (no sequence or "
-                            "context parallelism), and ZeRO-2 or 3 over all data-parallel ranks.",
+                            "for data-parallel ranks (and context-parallel ones where the experts are exchanged "
+                            "dropless), with pipeline stages and tensor parallelism (no sequence parallelism), and "
+                            "ZeRO-2 or 3 over all data-parallel ranks.",
                             "drop those pins, or pin plan.ep=1 to keep them.")
         world, batch = self.cluster.world_size, self.train.global_batch_size
-        # With cp=1 the data-parallel ranks are the cluster's GPUs over pp x tp.
+        # The ranks EP is carved from, dp x cp, are the cluster's GPUs over pp x tp.
         pps = [self.pins.pp] if self.pins.pp else divisors(world)
         tps = [self.pins.tp] if self.pins.tp else divisors(world)
-        dps = sorted({world // (pp * tp) for pp in pps for tp in tps if world % (pp * tp) == 0}, reverse=True)
-        if not any(dp % ep == 0 and batch % dp == 0 for dp in dps):
-            raise UserError(f"plan.ep={ep} is carved from the data-parallel ranks, which are the cluster's {world} "
-                            f"GPUs over the pipeline stages and tensor-parallel ranks (dp={' or '.join(map(str, dps))}): "
-                            f"none is divisible by ep and divides the global batch {batch}.",
-                            f"set train.global_batch_size to a multiple of {max(dps)}, or leave plan.ep unset.")
+        cps = [self.pins.cp] if self.pins.cp else (divisors(world) if dropless else [1])
+        carved = sorted({world // (pp * tp) for pp in pps for tp in tps if world % (pp * tp) == 0}, reverse=True)
+        if not any(n % ep == 0 and n % cp == 0 and batch % (n // cp) == 0 for n in carved for cp in cps):
+            ranks = "data- and context-parallel" if dropless else "data-parallel"
+            raise UserError(f"plan.ep={ep} is carved from the {ranks} ranks, which are the cluster's {world} "
+                            f"GPUs over the pipeline stages and tensor-parallel ranks ({' or '.join(map(str, carved))}): "
+                            f"none is divisible by ep with a data-parallel degree dividing the global batch {batch}.",
+                            f"set train.global_batch_size to a multiple of {max(carved)}, or leave plan.ep unset.")
+
 
     def _check_pinned_tp(self) -> None:
         tp = self.pins.tp

@@ -53,6 +53,7 @@ class ModelShape:
     experts: int = 0  # what every MoE layer's expert count divides into (0: no experts)
     sp_blocker: str | None = None  # why sequence parallelism cannot wrap the blocks, if it cannot
     ep_blocker: str | None = None  # why the generated expert parallelism cannot shard the experts, if it cannot
+    dropless_experts: bool = False  # every MoE layer exchanged dropless: EP may span context-parallel ranks
 
     @classmethod
     def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
@@ -76,7 +77,7 @@ class ModelShape:
         return cls(num_blocks=len(blocks), num_layers=len(profile.layers), heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)),
                    cp_blocker=next(iter(profile.sequence_mixers), None), experts=experts.common_divisor(),
-                   sp_blocker=sp_blocker(profile), ep_blocker=experts.ep_blocker)
+                   sp_blocker=sp_blocker(profile), ep_blocker=experts.ep_blocker, dropless_experts=experts.dropless)
 
     def tp_divides(self, tp: int) -> bool:
         if any(dim % tp and dim > tp for dim in self.split_dims):
@@ -204,7 +205,8 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                     for sequence_parallel in sp_options:
                         for cp_strategy in cp_strategies:
                             for ep, order in placements:
-                                if ep > 1 and (dp % ep or not shape.experts or shape.experts % ep or cp > 1
+                                if ep > 1 and ((dp * cp) % ep or not shape.experts or shape.experts % ep
+                                               or (cp > 1 and not shape.dropless_experts)
                                                or sequence_parallel or zero_stage < 2 or hybrid_shard):
                                     continue  # what the generated EP code runs with (techniques._ep_runs)
                                 yield Candidate.of_final_values(
@@ -216,12 +218,13 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
 
 
 def _ep_options(shape: ModelShape, dp: int, cp: int) -> list[int]:
-    """Expert-parallel degrees: divisors of both dp and every MoE layer's expert count (EP is
-    carved from the data-parallel ranks; the generated group is cut from dp alone, so cp=1), and
-    none but 1 for experts the generated exchange cannot wrap (`shape.ep_blocker`)."""
-    if not shape.experts or cp > 1 or shape.ep_blocker:
+    """Expert-parallel degrees: divisors of both dp x cp and every MoE layer's expert count (EP
+    is carved from the data- and context-parallel ranks, as Megatron-Core's expert-data-parallel
+    groups are; across CP ranks only for experts exchanged dropless, whose tokens route alone),
+    and none but 1 for experts the generated exchange cannot wrap (`shape.ep_blocker`)."""
+    if not shape.experts or shape.ep_blocker or (cp > 1 and not shape.dropless_experts):
         return [1]
-    return [ep for ep in divisors(dp) if shape.experts % ep == 0]
+    return [ep for ep in divisors(dp * cp) if shape.experts % ep == 0]
 
 
 def _shares(pins, dp: int, pp: int, micro_batch_size: int) -> tuple[int, ...]:

@@ -1,13 +1,14 @@
-"""What an experts module's forward takes: the fact that decides whether expert parallelism can
-exchange its tokens.
+"""What an experts module's forward takes: the fact that decides how expert parallelism
+exchanges its tokens.
 
-The generated expert parallelism (codegen/sections/expert_parallel.py) wraps a module named
-``experts`` in all-to-alls that treat its one input as the tokens already grouped by expert,
-[E, tokens, ...]. Hugging Face's experts modules (Mixtral, Qwen2-MoE, DeepSeek-V3 in
-transformers 5) take the flat tokens with each token's chosen experts and gates,
-``forward(hidden_states, top_k_index, top_k_weights)``, and route inside themselves: exchanged
-as if grouped they would train another model. The profile records each experts module's
-required inputs so the search can leave ep > 1 out for such a model (cost_models.expert_parallel).
+The generated expert parallelism (codegen/sections/expert_parallel.py) reaches a module named
+``experts`` in one of two ways (cost_models.expert_parallel.ExpertExchange): a forward taking
+one input, the tokens already grouped by expert [E, tokens, ...], is wrapped in fixed-size
+all-to-alls; Hugging Face's experts modules (Mixtral, Qwen2-MoE, DeepSeek-V3 in transformers 5)
+take the flat tokens with each token's chosen experts and gates, ``forward(hidden_states,
+top_k_index, top_k_weights)``, and are exchanged dropless. The profile records each experts
+module's required inputs so the search prices the right exchange and leaves ep > 1 out for a
+module taking anything else.
 """
 from __future__ import annotations
 

@@ -24,6 +24,11 @@ unless said:
   its 2 data-parallel ranks).
 - 4 ranks, dp=2 (ep=2) x tp=2: Mixtral-, Qwen2-MoE- and DeepSeek-V3-like (experts whole on each
   tensor-parallel rank; MLA's key/value down-projection kept replicated).
+- Hugging Face Mixtral, Qwen2-MoE and DeepSeek-V3 built from their transformers configs, whose
+  experts route their own tokens (exchanged dropless, the counts first): Mixtral ep=2 on 2 ranks
+  and ep=4 on 4, Qwen2-MoE ep=2 ZeRO-2 and DeepSeek-V3 ep=2 on 4 (dp=4), Mixtral dp=2 (ep=2) x
+  tp=2, Qwen2-MoE dp=2 (ep=2) x pp=2, and EP carved from dp x cp: Mixtral cp=2 ep=2, Qwen2-MoE
+  dp=2 x cp=2 ep=4.
 The all-to-alls every case with ep > 1 issues are those PlanPricer.ep_collectives prices. The
 user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2 on 2 CPU
 gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
@@ -64,14 +69,28 @@ MODELS = {
     # multi-head latent attention: keys and values up-projected from a 16-wide latent
     "deepseek_v3": dict(TINY, experts=16, top_k=4, ffn=16, capacity_factor=4.0, kv_lora_rank=16),
     "mixtral_plain": dict(TINY, experts=4, top_k=2, ffn=64, aux_loss=False),  # a pipeline cuts it by modules
+    # Hugging Face's own models from their transformers configs: experts that route their own
+    # tokens, exchanged dropless (DeepSeek-V3's first layer is dense: one MoE layer of two).
+    "hf_mixtral": dict(arch="mixtral"),
+    "hf_qwen2_moe": dict(arch="qwen2_moe"),
+    "hf_deepseek_v3": dict(arch="deepseek_v3"),
 }
+HF_ZOO = Path(__file__).resolve().parents[1] / "zoo" / "models" / "hf_zoo.py"
+# All-to-alls per micro-batch, by hand: 4 per MoE layer (dispatch and combine, forward and
+# backward), plus the per-expert counts a dropless exchange sends first in each forward.
+EXCHANGES = {"mixtral": 4 * 2, "qwen2_moe": 4 * 2, "deepseek_v3": 4 * 2, "mixtral_plain": 4 * 2,
+             "hf_mixtral": 5 * 2, "hf_qwen2_moe": 5 * 2, "hf_deepseek_v3": 5 * 1}
 # (model, ep, ZeRO stage, ranks)
 CASES = [("mixtral", 2, 3, 4), ("mixtral", 4, 2, 4), ("qwen2_moe", 2, 3, 4), ("deepseek_v3", 2, 3, 4),
-         ("mixtral", 2, 3, 2), ("qwen2_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 2)]
+         ("mixtral", 2, 3, 2), ("qwen2_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 2),
+         ("hf_mixtral", 2, 3, 2), ("hf_qwen2_moe", 2, 2, 4), ("hf_deepseek_v3", 2, 3, 4), ("hf_mixtral", 4, 3, 4)]
 # (model, ep, ZeRO stage, ranks, pp, tp): dp=2 x pp=2 (the aux loss carried across stages) and dp=2 x tp=2
 PIPELINED = [("mixtral", 1, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 2, 1), ("mixtral_plain", 2, 3, 4, 2, 1),
-             ("qwen2_moe", 2, 3, 4, 2, 1), ("deepseek_v3", 2, 3, 4, 2, 1)]
-TENSOR_PARALLEL = [("mixtral", 2, 3, 4, 1, 2), ("qwen2_moe", 2, 3, 4, 1, 2), ("deepseek_v3", 2, 3, 4, 1, 2)]
+             ("qwen2_moe", 2, 3, 4, 2, 1), ("deepseek_v3", 2, 3, 4, 2, 1), ("hf_qwen2_moe", 2, 3, 4, 2, 1)]
+TENSOR_PARALLEL = [("mixtral", 2, 3, 4, 1, 2), ("qwen2_moe", 2, 3, 4, 1, 2), ("deepseek_v3", 2, 3, 4, 1, 2),
+                   ("hf_mixtral", 2, 3, 4, 1, 2)]
+# (model, ep, ZeRO stage, ranks, pp, tp, cp): experts exchanged dropless, EP carved from dp x cp
+CONTEXT_PARALLEL = [("hf_mixtral", 2, 3, 2, 1, 1, 2), ("hf_qwen2_moe", 4, 3, 4, 1, 1, 2)]
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
@@ -84,18 +103,23 @@ OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
 ALL_TO_ALL_EVENT = "c10d::alltoall_base_"
 
 
-def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1) -> str:
-    return f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "") + (f"_tp{tp}" if tp > 1 else "")
+def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1) -> str:
+    return (f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "") + (f"_tp{tp}" if tp > 1 else "")
+            + (f"_cp{cp}" if cp > 1 else ""))
 
 
 def plan_cluster(world: int) -> ClusterSpec:
     return ClusterSpec.from_config(ClusterConfig(name="tiny_cpu", gpu="cpu", nodes=1, gpus_per_node=world))
 
 
+def model_file(name: str) -> Path:
+    return HF_ZOO if name.startswith("hf_") else MOE
+
+
 @functools.cache
 def moe_profile(name: str):
     """The fp32 profile of MODELS[name] at micro-batch 1, traced once for every case of it."""
-    return profile_model(load_model_file(MOE), MODELS[name], 1, "fp32")
+    return profile_model(load_model_file(model_file(name)), MODELS[name], 1, "fp32")
 
 
 @functools.cache
@@ -105,10 +129,11 @@ def reference_run(model_file: Path, kwargs: tuple, optimizer: tuple):
     return run_reference(model_file, dict(kwargs), GLOBAL_BATCH, STEPS, dict(optimizer))
 
 
-def make_plan(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1):
+def make_plan(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1):
     cluster = plan_cluster(world)
     profile = moe_profile(name)
-    pins = PlanPins(dp=world // (pp * tp), tp=tp, pp=pp, cp=1, ep=ep, zero_stage=zero, micro_batch_size=1)
+    pins = PlanPins(dp=world // (pp * tp * cp), tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, micro_batch_size=1,
+                    cp_strategy="ring" if cp > 1 else None)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
@@ -140,12 +165,15 @@ def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
-    for name, ep, zero, world, pp, tp in [case + (1, 1) for case in CASES] + PIPELINED + TENSOR_PARALLEL:
-        case = case_id(name, ep, zero, world, pp, tp)
-        plan = make_plan(name, ep, zero, world, pp, tp)
-        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.zero_stage) == (ep, world // (pp * tp), pp, tp, zero)
+    for name, ep, zero, world, pp, tp, cp in [(case + (1, 1, 1))[:7] for case in CASES + PIPELINED + TENSOR_PARALLEL
+                                               + CONTEXT_PARALLEL]:
+        case = case_id(name, ep, zero, world, pp, tp, cp)
+        plan = make_plan(name, ep, zero, world, pp, tp, cp)
+        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.zero_stage) == \
+            (ep, world // (pp * tp * cp), pp, tp, cp, zero)
         out = root / case
-        files = generate(plan, MOE, out, model_kwargs=MODELS[name], optimizer=OPTIMIZER, gpus_per_node=world)
+        files = generate(plan, model_file(name), out, model_kwargs=MODELS[name], optimizer=OPTIMIZER,
+                         gpus_per_node=world)
         assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
         if tp > 1 and "kv_lora_rank" in MODELS[name]:
             # MLA's down-projection output is split into the latent and the rotary key: the legality
@@ -153,7 +181,7 @@ def outcomes(tmp_path_factory) -> dict:
             # a block of the fused output).
             assert "attn.wkv_a" not in files.script.read_text() and "attn.wkv_b" in files.script.read_text()
         if pp > 1:  # the aux loss read by every block makes codegen cut the stages from an exported graph
-            split = "tracer" if MODELS[name].get("aux_loss", True) else "modules"
+            split = "tracer" if MODELS[name].get("aux_loss", True) and model_file(name) == MOE else "modules"
             assert f"PIPELINE_SPLIT = {split!r}" in files.script.read_text()
         pricer = PlanPricer(moe_profile(name), plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
         priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0)
@@ -188,16 +216,17 @@ def assert_trains_like_one_process(losses: list[float], parameters: dict, model_
 @pytest.mark.parametrize("name, ep, zero, world", CASES)
 def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, world, outcomes):
     losses, parameters, _, _ = outcomes[case_id(name, ep, zero, world)]
-    assert_trains_like_one_process(losses, parameters, MOE, MODELS[name], OPTIMIZER)
+    assert_trains_like_one_process(losses, parameters, model_file(name), MODELS[name], OPTIMIZER)
 
 
 @pytest.mark.parametrize("name, ep, zero, world", CASES)
 def test_priced_all_to_alls_are_issued(name, ep, zero, world, outcomes):
     """The dispatch and combine all-to-alls the pricer counts per step (4 per MoE layer and
-    micro-batch: 2 layers x 8 / world micro-batches here) are those each rank's step issues,
-    forward and backward (torch's profiler, one event per exchange of the process group)."""
+    micro-batch, 5 where the counts go first: EXCHANGES, by hand, x 8 / world micro-batches here)
+    are those each rank's step issues, forward and backward (torch's profiler, one event per
+    exchange of the process group)."""
     _, _, issued, priced = outcomes[case_id(name, ep, zero, world)]
-    assert priced == 4 * 2 * (GLOBAL_BATCH // world)
+    assert priced == EXCHANGES[name] * (GLOBAL_BATCH // world)
     assert issued == [priced] * world  # every rank is in an expert-parallel group of both layers
 
 
@@ -209,7 +238,7 @@ def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(case, outcome
     half, whether the stages are cut from an exported graph or by modules."""
     name, ep, zero, world, pp, _ = case
     _, _, issued, priced = outcomes[case_id(*case)]
-    assert priced == 4 * 2 * (GLOBAL_BATCH // (world // pp))
+    assert priced == EXCHANGES[name] * (GLOBAL_BATCH // (world // pp))
     assert issued == [priced // pp] * world
 
 
@@ -226,7 +255,7 @@ def test_pipelined_moe_model_trains_like_one_process(case, outcomes):
     Without an aux loss the stages are cut by modules, and each stage's experts are sharded as
     without a pipeline (apply_ep on the stage's copy of the model)."""
     losses, parameters, _, _ = outcomes[case_id(*case)]
-    assert_trains_like_one_process(losses, parameters, MOE, MODELS[case[0]], OPTIMIZER)
+    assert_trains_like_one_process(losses, parameters, model_file(case[0]), MODELS[case[0]], OPTIMIZER)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -255,6 +284,21 @@ def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(ca
     all-to-alls priced per step: 4 x 2 layers x 4 micro-batches (the pricer counts one rank per
     tensor-parallel group)."""
     losses, parameters, issued, priced = outcomes[case_id(*case)]
-    assert_trains_like_one_process(losses, parameters, MOE, MODELS[case[0]], OPTIMIZER)
-    assert priced == 4 * 2 * (GLOBAL_BATCH // 2)
+    assert_trains_like_one_process(losses, parameters, model_file(case[0]), MODELS[case[0]], OPTIMIZER)
+    assert priced == EXCHANGES[case[0]] * (GLOBAL_BATCH // 2)
     assert issued == [priced] * case[3]
+
+
+@pytest.mark.parametrize("case", CONTEXT_PARALLEL, ids=lambda case: case_id(*case))
+def test_expert_parallelism_across_context_parallel_ranks_trains_like_one_process(case, outcomes):
+    """Experts exchanged dropless route each token alone, so EP can be carved from dp x cp, as
+    Megatron-Core's expert-data-parallel groups are: Hugging Face Mixtral on cp=2 with its 4
+    experts over both ranks (dp=1), and Qwen2-MoE on dp=2 x cp=2 with each of the 4 ranks holding
+    one expert, each rank dispatching the tokens of its half of every sequence. Losses and final
+    parameters equal one process (ring attention, ZeRO-3), and the all-to-alls are the ones
+    priced: 5 per MoE layer and micro-batch, the tokens a rank holds being a cp-th of a sequence."""
+    name, ep, zero, world, pp, tp, cp = case
+    losses, parameters, issued, priced = outcomes[case_id(*case)]
+    assert_trains_like_one_process(losses, parameters, model_file(name), MODELS[name], OPTIMIZER)
+    assert priced == EXCHANGES[name] * (GLOBAL_BATCH // (world // cp))
+    assert issued == [priced] * world

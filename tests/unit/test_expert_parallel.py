@@ -3,6 +3,7 @@ the checks that refuse what cannot run, and the search's enumeration of ep."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from autopar.config import PlanPins, SolverConfig
 from autopar.solver.space import ModelShape, enumerate_candidates
-from cost_models.collectives import all_to_all_s
+from cost_models.collectives import Collective, all_to_all_s
 from cost_models.expert_parallel import ExpertFacts, all_to_alls, routing_pace
 from cost_models.memory import trained_model_states
 from cost_models.mesh import Mesh
@@ -21,8 +22,10 @@ from cost_models.topology import ClusterConfig, ClusterSpec
 pytestmark = pytest.mark.unit
 
 MOE = Path(__file__).resolve().parents[1] / "moe_model.py"
-# tests/moe_model.py at its defaults: 2 blocks, h=64, ffn=128, E=4, top-2; micro-batch 2 x 32 tokens.
-H, FFN, E, K, B0, S = 64, 128, 4, 2, 2, 32
+# tests/moe_model.py at its defaults: 2 blocks, h=64, ffn=128, E=4, top-2, capacity factor 2;
+# micro-batch 2 x 32 tokens.
+H, FFN, E, K, B0, S, CF = 64, 128, 4, 2, 2, 32, 2.0
+CAPACITY = math.ceil(CF * S * K / E)  # slots per expert and sequence (the model's own rule)
 EXPERT_PARAMS = 2 * E * H * FFN  # w_in [E, h, ffn] and w_out [E, ffn, h]
 
 
@@ -52,6 +55,8 @@ def test_facts_of_a_traced_moe_model_match_its_definition():
     # The experts' two bmm's dominate the block's matmul work: 2·(2·T·k·cf... ) is most of it.
     assert 0.5 < moe.expert_forward_share < 1 and 0.5 < moe.expert_backward_share < 1
     assert facts.common_divisor() == E
+    # Grouped experts: the exchange moves every capacity slot of the [E, b·C, h] input.
+    assert (moe.dispatch_rows, moe.dropless) == (E * B0 * CAPACITY, False)
 
 
 def test_a_dense_model_has_no_experts():
@@ -61,9 +66,9 @@ def test_a_dense_model_has_no_experts():
 
 
 def test_routing_pace():
-    assert routing_pace(1, 1.5, 0.0) == 1.0  # one rank holds every expert: routing changes nothing
-    assert routing_pace(4, 1.5, 0.0) == 1.5  # dropless: the busiest rank's share
-    assert routing_pace(4, 1.5, 1.25) == 1.25  # a capacity factor caps it
+    assert routing_pace(1, 1.5, True) == 1.0  # one rank holds every expert: routing changes nothing
+    assert routing_pace(4, 1.5, True) == 1.5  # dropless: the busiest rank's share
+    assert routing_pace(4, 1.5, False) == 1.0  # grouped: every rank moves its capacity slots, filled or not
     assert all_to_alls("none") == 4 and all_to_alls("full") == 6
 
 
@@ -80,8 +85,9 @@ def test_all_to_all_time_is_the_hand_count():
     layout = ParallelLayout(dp=16, ep=4, micro_batch_size=4, num_micro_batches=1)
     layer = p.profile.layer("blocks.0")
     moe = p.experts.layers["blocks.0"]
-    # Micro-batch 4 = twice the profiled 2: 128 tokens x top-2 x token bytes, at the busiest rank's 1.5.
-    nbytes = 1.5 * 2 * B0 * S * K * moe.token_bytes
+    # Micro-batch 4 = twice the profiled 2: E x 2·b·C slots of token bytes, whatever the routing
+    # (imbalance 1.5 is for dropless experts; these are grouped with the model's capacity).
+    nbytes = 2 * E * B0 * CAPACITY * moe.token_bytes
     group = p.cluster.group_links([0, 1, 2, 3])  # ep=4 consecutive data-parallel ranks, one node
     assert p._ep_time_s(layer, layout, 2.0, "none") == pytest.approx(4 * all_to_all_s(nbytes, group))
     assert p._ep_time_s(layer, layout, 2.0, "full") == pytest.approx(6 * all_to_all_s(nbytes, group))
@@ -131,7 +137,8 @@ def test_estimate_shows_the_all_to_alls_and_the_dispatch_buffer():
     buffers = {ep: p._buffers(replace(base, ep=ep), 1.0, gpu) for ep in (1, 4)}
     assert buffers[1]["zero3_gathered_params"] - buffers[4]["zero3_gathered_params"] == \
         pytest.approx(2 * 4 * EXPERT_PARAMS * 3 / 4)
-    assert buffers[4]["ep_dispatch"] == pytest.approx(2 * B0 * S * K * moe.token_bytes) and "ep_dispatch" not in buffers[1]
+    assert buffers[4]["ep_dispatch"] == pytest.approx(2 * E * B0 * CAPACITY * moe.token_bytes)
+    assert "ep_dispatch" not in buffers[1]
 
 
 @pytest.mark.parametrize("ep, words", [(3, "must divide dp"), (8, "must divide the 4 experts")])
@@ -289,25 +296,34 @@ def meta_model(model_file: Path, **kwargs):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
-def test_experts_that_route_inside_their_forward_block_expert_parallelism(arch):
+def test_experts_that_route_their_own_tokens_are_exchanged_dropless(arch):
     """Hugging Face's experts modules, built from their transformers configs, take (hidden_states,
-    top_k_index, top_k_weights) and route the tokens themselves: the generated exchange, which
-    treats an experts module's one input as its tokens grouped by expert, cannot wrap them.
-    tests/moe_model.py's experts take the grouped tokens and can be wrapped."""
+    top_k_index, top_k_weights): the routed exchange wraps them (dropless), and the generated
+    code's copy of those input names is the cost model's. tests/moe_model.py's experts take the
+    grouped tokens; a forward taking anything else blocks expert parallelism, naming both forms."""
+    from autopar.codegen.sections import expert_parallel as section
     from autopar.trace.experts import experts_inputs
-    from cost_models.expert_parallel import ep_blocker
+    from cost_models.expert_parallel import ROUTED_INPUTS, ExpertExchange, ep_blocker, exchange_kind, is_dropless
 
-    found = experts_inputs(meta_model(HF_ZOO, arch=arch))
-    assert found and all(inputs == ["hidden_states", "top_k_index", "top_k_weights"] for inputs in found.values())
-    assert "routes the tokens itself" in ep_blocker(found)
+    assert section.ROUTED_INPUTS == ROUTED_INPUTS
+    model = meta_model(HF_ZOO, arch=arch)
+    found = experts_inputs(model)
+    assert found and all(exchange_kind(inputs) == ExpertExchange.ROUTED for inputs in found.values())
+    assert ep_blocker(found) is None and is_dropless(found)
+    assert all(section.is_routed(fqn, model.get_submodule(fqn)) for fqn in found)
     grouped = experts_inputs(meta_model(MOE))
-    assert sorted(grouped) == ["blocks.0.moe.experts", "blocks.1.moe.experts"] and ep_blocker(grouped) is None
+    assert sorted(grouped) == ["blocks.0.moe.experts", "blocks.1.moe.experts"]
+    assert ep_blocker(grouped) is None and not is_dropless(grouped)
+    blocked = ep_blocker({"layers.0.experts": ["x", "mask"]})
+    assert "layers.0.experts.forward takes (x, mask)" in blocked and "top_k_index" in blocked
 
 
 def test_the_planner_offers_expert_parallelism_only_for_experts_it_can_run():
-    """Price only what runs: for a Hugging Face Mixtral (traced from its transformers config) the
-    search offers ep=1 only, a pinned ep > 1 is refused with the reason, and the plan says why it
-    has none; tests/moe_model.py is offered every ep dividing dp and its experts."""
+    """Price only what runs: a Hugging Face Mixtral (traced from its transformers config) is
+    offered every ep dividing dp and its experts, priced dropless (its busiest rank at
+    train.moe_imbalance); the same profile with an experts forward the exchange cannot wrap is
+    offered ep=1 only, a pinned ep > 1 is refused with the reason, and the plan says why it has
+    none."""
     from autopar.errors import UserError
     from autopar.model_file import load_model_file
     from autopar.profile import profile_model
@@ -315,17 +331,41 @@ def test_the_planner_offers_expert_parallelism_only_for_experts_it_can_run():
 
     profile = profile_model(load_model_file(HF_ZOO), {"arch": "mixtral"}, micro_batch_size=2, precision="fp32")
     facts = ExpertFacts.of(profile)
-    assert facts.common_divisor() == 4 and "model.layers.0.mlp.experts.forward" in facts.ep_blocker
+    moe = facts.layers["model.layers.0"]
+    assert facts.common_divisor() == 4 and facts.ep_blocker is None
+    assert moe.dropless and moe.dispatch_rows == moe.tokens * moe.top_k == 2 * profile.tokens_per_sample * 2
     assert {c.ep for c in enumerate_candidates(ModelShape.from_profile(profile), 4, 4, 8, SolverConfig(),
-                                               PlanPins())} == {1}
-    assert {c.ep for c in enumerate_candidates(ModelShape.from_profile(moe_profile()), 4, 4, 8, SolverConfig(),
                                                PlanPins())} == {1, 2, 4}
-    assert any("routes the tokens itself" in problem for problem in problems(
-        ParallelLayout(dp=4, ep=2, zero_stage=3, micro_batch_size=2), LayoutFacts(experts=4, ep_blocker=facts.ep_blocker)))
+    # Dropless experts route each token alone: EP is carved from dp x cp (4 ranks of dp=2 x cp=2);
+    # grouped ones (a capacity per sequence) get none beside CP.
+    assert {c.ep for c in enumerate_candidates(ModelShape.from_profile(profile), 4, 4, 8, SolverConfig(),
+                                               PlanPins(cp=2, dp=2))} == {1, 2, 4}
+    assert {c.ep for c in enumerate_candidates(ModelShape.from_profile(moe_profile()), 4, 4, 8, SolverConfig(),
+                                               PlanPins(cp=2, dp=2))} == {1}
+    unwrappable = replace(profile, experts_inputs={fqn: ["hidden_states", "router_logits"]
+                                                   for fqn in profile.experts_inputs})
+    blocker = ExpertFacts.of(unwrappable).ep_blocker
+    assert "model.layers.0.mlp.experts.forward takes (hidden_states, router_logits)" in blocker
+    assert {c.ep for c in enumerate_candidates(ModelShape.from_profile(unwrappable), 4, 4, 8, SolverConfig(),
+                                               PlanPins())} == {1}
+    assert any("router_logits" in problem for problem in problems(
+        ParallelLayout(dp=4, ep=2, zero_stage=3, micro_batch_size=2), LayoutFacts(experts=4, ep_blocker=blocker)))
     cpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=4))
     train = TrainSpec(8, precision="fp32")
-    with pytest.raises(UserError, match="routes the tokens itself"):
-        Planner(profile, cpu, train, SolverConfig(), PlanPins(ep=2)).run()
-    result = Planner(profile, cpu, train, SolverConfig(time_limit_s=10), PlanPins()).run()
+    with pytest.raises(UserError, match="router_logits"):
+        Planner(unwrappable, cpu, train, SolverConfig(), PlanPins(ep=2)).run()
+    result = Planner(unwrappable, cpu, train, SolverConfig(time_limit_s=10), PlanPins()).run()
     why = [b for b in result.binding if b.constraint.startswith("expert parallelism")]
-    assert result.plan.ep == 1 and why and "routes the tokens itself" in why[0].constraint
+    assert result.plan.ep == 1 and why and "router_logits" in why[0].constraint
+    # Dropless: the busiest rank's load scales the exchange; tests/moe_model.py's grouped one does not.
+    layout = ParallelLayout(dp=4, ep=2, zero_stage=3, micro_batch_size=2)
+    uneven = [PlanPricer(profile, cpu, TrainSpec(8, precision="fp32", moe_imbalance=m)) for m in (1.0, 1.5)]
+    layer = profile.layer("model.layers.0")
+    assert uneven[1]._ep_time_s(layer, layout, 1.0) > uneven[0]._ep_time_s(layer, layout, 1.0)
+    # By hand: 4 exchanges of the T·k rows, and one of the 4 experts' int64 counts first.
+    even, group = uneven[0], uneven[0].placement(layout, "ep")
+    rows = even.collective_s(Collective.ALL_TO_ALL, moe.dispatch_rows * moe.token_bytes, group)
+    counts = even.collective_s(Collective.ALL_TO_ALL, 8 * 4, group)
+    assert even._ep_time_s(layer, layout, 1.0) == pytest.approx(4 * rows + counts)
+    mixtral_layers = sum(1 for layer in profile.layers if facts.experts_of(layer.name))
+    assert even.ep_collectives(replace(layout, num_micro_batches=2)) == {"all_to_all": 5 * mixtral_layers * 2}

@@ -2,15 +2,17 @@
 tokens sent to their experts' ranks and back by all-to-all (GShard, Lepikhin et al. 2020).
 
 The model's contract: a module named ``experts`` whose parameters are stacked by expert on dim 0
-([E, ...]) and whose forward takes the tokens already grouped by expert, [E, tokens, ...], and
-returns [E, tokens, ...]. The router, the gates and the load-balancing loss stay outside it and
-run replicated, on each rank's own tokens.
+([E, ...]), with one of two forwards. The router, the gates and the load-balancing loss stay
+outside it and run replicated, on each rank's own tokens. Each rank keeps E / ep experts (a
+plain slice of dim 0), so the stacked weights are sharded Shard(0) over the expert-parallel group.
 
-Each rank keeps E / ep experts (a plain slice of dim 0), so the stacked weights are sharded
-Shard(0) over the expert-parallel group. Around the experts' forward:
-    dispatch: [E, C, h] -> all_to_all_single over the group -> [E/ep, ep·C, h]
-              (rank j receives every rank's tokens for its experts)
-    combine:  the inverse exchange of the experts' output.
+- Grouped, ``forward(tokens)``: the tokens already grouped by expert, [E, C, ...] in and out,
+  at a capacity C the model chose. Around the experts' forward:
+      dispatch: [E, C, h] -> all_to_all_single over the group -> [E/ep, ep·C, h]
+                (rank j receives every rank's tokens for its experts)
+      combine:  the inverse exchange of the experts' output.
+- Routed, ``forward(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's experts
+  modules): exchanged dropless by `RoutedExchange`, with sizes that follow the routing.
 `all_to_all_single_autograd` (torch's functional collectives) carries autograd: backward runs
 the inverse exchanges.
 
@@ -38,8 +40,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch._subclasses.fake_tensor import is_fake
 
 EXPERTS_MODULE = "experts"
+# An experts module that routes its own tokens (Hugging Face's); cost_models.expert_parallel
+# reads the same names off the profile (this file is copied into the generated module, which
+# imports nothing of autopar).
+ROUTED_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -52,18 +59,24 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def check_grouped_input(fqn: str, module: nn.Module) -> None:
-    """Refuse an experts module whose forward takes more than the grouped tokens (Hugging Face's
-    ``forward(hidden_states, top_k_index, top_k_weights)`` routes inside itself): the exchange
-    would reshape its flat tokens as if grouped by expert and train something else. The planner
-    reads the same from the profile (trace/experts.py) and never plans ep > 1 for such a model;
-    this guards a plan made from an older profile."""
-    required = [p for p in inspect.signature(module.forward).parameters.values()
-                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+def is_routed(fqn: str, module: nn.Module) -> bool:
+    """Whether this experts module routes its own tokens (``forward(hidden_states, top_k_index,
+    top_k_weights)``, exchanged by `RoutedExchange`) rather than taking them grouped by expert
+    (``forward(tokens)`` [E, C, ...], exchanged by `_dispatch` / `_combine`); a refusal naming
+    the fix for any other forward: exchanged another way, its inputs would be reshaped as
+    something they are not and train another model. The planner reads the same from the profile
+    (cost_models.expert_parallel.exchange_kind) and never plans ep > 1 for such a model; this
+    guards a plan made from an older profile."""
+    required = tuple(p.name for p in inspect.signature(module.forward).parameters.values()
+                     if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    if required == ROUTED_INPUTS and getattr(module, "num_experts", None) is not None:
+        return True
     if len(required) != 1:
-        raise ValueError(f"{fqn}.forward takes ({', '.join(p.name for p in required)}), but expert parallelism "
-                         f"exchanges an experts module's one input, its tokens grouped by expert [E, tokens, ...]: "
-                         "compile a plan with plan.ep=1, or route the tokens outside the experts module")
+        raise ValueError(f"{fqn}.forward takes ({', '.join(required)}), but expert parallelism exchanges either one "
+                         f"input, the tokens grouped by expert [E, tokens, ...], or ({', '.join(ROUTED_INPUTS)}) of "
+                         "a module with a num_experts attribute: compile a plan with plan.ep=1, or give the experts "
+                         "module one of these forwards")
+    return False
 
 
 def _dispatch(x: torch.Tensor, group: dist.ProcessGroup, ep: int) -> torch.Tensor:
@@ -81,6 +94,63 @@ def _combine(y: torch.Tensor, group: dist.ProcessGroup, ep: int) -> torch.Tensor
     blocks = y.view(local, ep, tokens // ep, *y.shape[2:]).transpose(0, 1).contiguous()
     sent = blocks.view(ep * local, tokens // ep, *y.shape[2:])
     return all_to_all_single_autograd(sent, None, None, group)
+
+
+class RoutedExchange:
+    """Dropless expert parallelism for an experts module that routes its own tokens,
+    ``forward(hidden_states [T, h], top_k_index [T, k], top_k_weights [T, k])``.
+
+    Each of the T·k (token, choice) pairs goes to the rank holding its expert, so the exchange's
+    size follows the routing (no capacity, nothing dropped; the busiest rank sets the pace):
+        1. the pairs are sorted by expert, hence by destination rank (experts r·E/ep ... are rank r's);
+        2. the per-expert counts are exchanged first (one all-to-all of E integers), so each rank
+           knows how many rows it receives from each other rank for each of its experts;
+        3. the rows travel by an all-to-all of those uneven sizes (autograd: backward sends the
+           gradients back the same way reversed);
+        4. the module's own forward runs on the received rows, each with its one local expert
+           and a gate of 1, its `num_experts` set to the E/ep experts this rank keeps;
+        5. the outputs travel back by the inverse exchange, return to pair order, and are summed
+           over each token's k choices with their gates, as the module itself sums them.
+    On fake tensors (compile's full-scale step) there are no values to count, so every rank
+    sends an even share: the shapes of balanced routing.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, ep: int, experts: int):
+        self.forward = module.forward  # the module's own (a bound method, before it is replaced)
+        self.group, self.ep, self.experts = group, ep, experts
+        self.local = experts // ep
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        chosen = top_k_index.reshape(-1)
+        order = torch.argsort(chosen, stable=True)  # pairs by expert, so by destination rank
+        sent = hidden_states[order // k]
+        send_splits, receive_splits, local_index = self._splits(chosen, sent.shape[0])
+        received = all_to_all_single_autograd(sent, receive_splits, send_splits, self.group)
+        gates = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
+        output = self.forward(received, local_index[:, None], gates)
+        returned = all_to_all_single_autograd(output, send_splits, receive_splits, self.group)
+        paired = returned[torch.argsort(order)].view(tokens, k, -1)  # back to (token, choice) order
+        combined = (paired * top_k_weights[..., None].to(paired.dtype)).sum(1)
+        return combined.to(hidden_states.dtype)
+
+    def _splits(self, chosen: torch.Tensor, pairs: int) -> tuple[list[int], list[int], torch.Tensor]:
+        """(rows sent to each rank, rows received from each rank, the local expert of each
+        received row, in the order the rows arrive: by source rank, then by expert)."""
+        if is_fake(chosen):
+            share = [pairs // self.ep + (rank < pairs % self.ep) for rank in range(self.ep)]
+            mine = share[dist.get_rank(self.group)]
+            received = torch.arange(mine * self.ep, device=chosen.device) % self.local
+            return share, [mine] * self.ep, received
+        per_expert = torch.bincount(chosen, minlength=self.experts)
+        from_each = torch.empty_like(per_expert)  # [ep, local]: source rank r's rows for each of my experts
+        dist.all_to_all_single(from_each, per_expert, group=self.group)
+        from_each = from_each.view(self.ep, self.local)
+        send = per_expert.view(self.ep, self.local).sum(1).tolist()
+        receive = from_each.sum(1).tolist()
+        local_ids = torch.arange(self.local, device=chosen.device).repeat(self.ep)
+        return send, receive, local_ids.repeat_interleave(from_each.reshape(-1))
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
@@ -101,17 +171,24 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
                          f"'{EXPERTS_MODULE}' with parameters stacked by expert [E, ...]: compile a plan with "
                          "plan.ep=1, or stack the experts' weights in such a module")
     for fqn, module in modules.items():
-        check_grouped_input(fqn, module)
+        routed = is_routed(fqn, module)
+        experts = None
         for name, param in list(module.named_parameters(recurse=False)):
             if param.shape[0] % ep:
                 raise ValueError(f"{param.shape[0]} experts cannot be split over ep={ep} ranks")
-            share = param.shape[0] // ep
+            experts, share = param.shape[0], param.shape[0] // ep
             local = nn.Parameter(param.detach()[rank * share:(rank + 1) * share].clone(),
                                  requires_grad=param.requires_grad)
             setattr(module, name, local)
-        # Forward hooks, so the module keeps its FQN (checkpoints, FSDP groups, recomputation).
-        module.register_forward_pre_hook(lambda _, args: (_dispatch(args[0], group, ep), *args[1:]))
-        module.register_forward_hook(lambda _, args, output: _combine(output, group, ep))
+        if routed:
+            # The module's own forward, wrapped (an instance attribute: FSDP's hooks still run
+            # around it, and the module keeps its FQN for checkpoints and recomputation).
+            module.forward = RoutedExchange(module, group, ep, experts)
+            module.num_experts = experts // ep
+        else:
+            # Forward hooks, so the module keeps its FQN (checkpoints, FSDP groups, recomputation).
+            module.register_forward_pre_hook(lambda _, args: (_dispatch(args[0], group, ep), *args[1:]))
+            module.register_forward_hook(lambda _, args, output: _combine(output, group, ep))
     return modules
 
 

@@ -211,11 +211,12 @@ def routing_pace(ep: int, imbalance: float, dropless: bool) -> float:
     return imbalance if ep > 1 and dropless else 1.0
 
 
-def dispatch_bytes(moe: MoELayer, scale: float, cp: int, tp_shard: int, pace: float) -> float:
+def dispatch_bytes(moe: MoELayer, scale: float, cp: int, pace: float) -> float:
     """Bytes one rank sends in one all-to-all (dispatch or combine) for a micro-batch `scale`
-    times the profiled one: its dispatched rows at the busiest rank's pace (÷ cp; ÷ tp when
-    sequence parallelism leaves each TP rank a slice of the tokens)."""
-    return pace * moe.dispatch_rows * scale / cp / tp_shard * moe.token_bytes
+    times the profiled one: its dispatched rows at the busiest rank's pace (÷ cp). Not ÷ tp
+    under sequence parallelism: the generated MoE layer is a replicated region of its block, into
+    which sequence parallelism gathers the whole sequence on every tensor-parallel rank."""
+    return pace * moe.dispatch_rows * scale / cp * moe.token_bytes
 
 
 def all_to_alls(option: str, dropless: bool = False) -> int:

@@ -307,7 +307,7 @@ class LayerCost:
         """What expert parallelism's prices read of a layout (a cache key)."""
         if layout.ep == 1 or not self.experts.has_experts:
             return ()
-        return (layout.ep, self._span(layout, "ep"), layout.tp if layout.sequence_parallel else 1)
+        return (layout.ep, self._span(layout, "ep"), layout.cp)
 
     def _ep_time_s(self, layer: Any, layout: Any, scale: float, option: str = "none") -> float:
         """Dispatch and combine all-to-alls of an MoE layer's micro-batch over the expert-parallel
@@ -317,7 +317,7 @@ class LayerCost:
         if layout.ep == 1 or moe is None:
             return 0.0
         pace = routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless)
-        nbytes = dispatch_bytes(moe, scale, layout.cp, layout.tp if layout.sequence_parallel else 1, pace)
+        nbytes = dispatch_bytes(moe, scale, layout.cp, pace)
         group = self.placement(layout, "ep")
         exchanges = all_to_alls(option) * self.collective_s(Collective.ALL_TO_ALL, nbytes, group)
         if moe.dropless:  # the per-expert counts go first, so each rank knows what it receives
@@ -523,7 +523,6 @@ class LayerCost:
             # The tokens an MoE layer receives from its expert-parallel group and their outputs
             # before the combine, one layer at a time.
             buffers["ep_dispatch"] = max(2 * dispatch_bytes(moe, scale, layout.cp,
-                                                            layout.tp if layout.sequence_parallel else 1,
                                                             routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless))
                                          for moe in self.experts.layers.values())
         buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)

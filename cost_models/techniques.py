@@ -153,11 +153,6 @@ def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
         return (f"expert parallelism with cp={layout.cp} is generated for experts exchanged dropless (each token "
                 f"routed alone), not for experts taking their tokens grouped with a capacity per sequence: pin "
                 f"ep=1 or cp=1")
-    if layout.tp > 1 and layout.sequence_parallel:
-        # Priced, each TP rank would dispatch its slice of the sequence; the generated MoE layer
-        # runs on the whole sequence, replicated over the TP group.
-        return ("expert parallelism with tensor parallelism is generated without sequence parallelism (each "
-                "tensor-parallel rank dispatches the whole sequence): pin sequence_parallel=false or ep=1")
     if layout.zero_stage < 2 or layout.hybrid_shard:
         return ("expert parallelism is generated with FSDP over all data-parallel ranks (ZeRO-2 or 3, not hybrid): "
                 "pin zero_stage=2 or 3")

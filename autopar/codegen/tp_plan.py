@@ -165,9 +165,14 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
             out[module] = StyleSpec("ColwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),
                                                         ("output_layouts", "Replicate()")),
                                     "no row-parallel partner: output gathered")
+        elif in_region and sp and _parent(parent) in block_set:
+            out[module] = StyleSpec("RowwiseParallel", (("output_layouts", "Shard(1)"),),
+                                    "reduce-scatter onto sequence shards")
         elif in_region:
-            out[module] = StyleSpec("RowwiseParallel", (("output_layouts", "Shard(1)"),) if sp else (),
-                                    "reduce-scatter onto sequence shards" if sp else "all-reduce the partial sums")
+            # Without SP; or under SP a pair nested in a block child that sequence parallelism
+            # gathers whole (Qwen2-MoE's shared expert inside its MoE layer), which hands the
+            # whole sequence on: a reduce-scatter here would give it a slice.
+            out[module] = StyleSpec("RowwiseParallel", (), "all-reduce the partial sums")
         else:
             out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),),
                                     "no column-parallel partner: input sliced locally")

@@ -575,14 +575,13 @@ class Planner:
                             f"use one of ep={', '.join(map(str, divisors(experts)))}, or leave plan.ep unset.")
         dropless = self.shape.dropless_experts
         conflicts = [f"plan.cp={self.pins.cp}"] if (self.pins.cp or 1) > 1 and not dropless else []
-        conflicts += ["plan.sequence_parallel=true"] if self.pins.sequence_parallel else []
         conflicts += [f"plan.zero_stage={self.pins.zero_stage}"] if self.pins.zero_stage in (0, 1) else []
         conflicts += ["plan.hybrid_shard=true"] if self.pins.hybrid_shard else []
         if conflicts:
             raise UserError(f"plan.ep={ep} cannot go with {', '.join(conflicts)}: expert parallelism is generated "
                             "for data-parallel ranks (and context-parallel ones where the experts are exchanged "
-                            "dropless), with pipeline stages and tensor parallelism (no sequence parallelism), and "
-                            "ZeRO-2 or 3 over all data-parallel ranks.",
+                            "dropless), with pipeline stages and tensor parallelism, and ZeRO-2 or 3 over all "
+                            "data-parallel ranks.",
                             "drop those pins, or pin plan.ep=1 to keep them.")
         world, batch = self.cluster.world_size, self.train.global_batch_size
         # The ranks EP is carved from, dp x cp, are the cluster's GPUs over pp x tp.
@@ -591,10 +590,11 @@ class Planner:
         cps = [self.pins.cp] if self.pins.cp else (divisors(world) if dropless else [1])
         carved = sorted({world // (pp * tp) for pp in pps for tp in tps if world % (pp * tp) == 0}, reverse=True)
         if not any(n % ep == 0 and n % cp == 0 and batch % (n // cp) == 0 for n in carved for cp in cps):
-            ranks = "data- and context-parallel" if dropless else "data-parallel"
+            ranks, label = ("data- and context-parallel", "dp x cp") if dropless else ("data-parallel", "dp")
             raise UserError(f"plan.ep={ep} is carved from the {ranks} ranks, which are the cluster's {world} "
-                            f"GPUs over the pipeline stages and tensor-parallel ranks ({' or '.join(map(str, carved))}): "
-                            f"none is divisible by ep with a data-parallel degree dividing the global batch {batch}.",
+                            f"GPUs over the pipeline stages and tensor-parallel ranks ({label}="
+                            f"{' or '.join(map(str, carved))}): none is divisible by ep and divides the global batch "
+                            f"{batch}.",
                             f"set train.global_batch_size to a multiple of {max(carved)}, or leave plan.ep unset.")
 
 

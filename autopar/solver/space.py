@@ -207,7 +207,7 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                             for ep, order in placements:
                                 if ep > 1 and ((dp * cp) % ep or not shape.experts or shape.experts % ep
                                                or (cp > 1 and not shape.dropless_experts)
-                                               or sequence_parallel or zero_stage < 2 or hybrid_shard):
+                                               or zero_stage < 2 or hybrid_shard):
                                     continue  # what the generated EP code runs with (techniques._ep_runs)
                                 yield Candidate.of_final_values(
                                     dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order, zero_stage=zero_stage,

@@ -28,7 +28,7 @@ unless said:
   experts route their own tokens (exchanged dropless, the counts first): Mixtral ep=2 on 2 ranks
   and ep=4 on 4, Qwen2-MoE ep=2 ZeRO-2 and DeepSeek-V3 ep=2 on 4 (dp=4), Mixtral dp=2 (ep=2) x
   tp=2, Qwen2-MoE dp=2 (ep=2) x pp=2, and EP carved from dp x cp: Mixtral cp=2 ep=2, Qwen2-MoE
-  dp=2 x cp=2 ep=4.
+  dp=2 x cp=2 ep=4; Qwen2-MoE dp=2 (ep=2) x tp=2 with sequence parallelism.
 The all-to-alls every case with ep > 1 issues are those PlanPricer.ep_collectives prices. The
 user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2 on 2 CPU
 gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
@@ -91,6 +91,8 @@ TENSOR_PARALLEL = [("mixtral", 2, 3, 4, 1, 2), ("qwen2_moe", 2, 3, 4, 1, 2), ("d
                    ("hf_mixtral", 2, 3, 4, 1, 2)]
 # (model, ep, ZeRO stage, ranks, pp, tp, cp): experts exchanged dropless, EP carved from dp x cp
 CONTEXT_PARALLEL = [("hf_mixtral", 2, 3, 2, 1, 1, 2), ("hf_qwen2_moe", 4, 3, 4, 1, 1, 2)]
+# (..., cp, sequence parallelism): dp=2 (ep=2) x tp=2 with the sequence split between the blocks' regions
+SEQUENCE_PARALLEL = [("hf_qwen2_moe", 2, 3, 4, 1, 2, 1, True)]
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
@@ -103,9 +105,9 @@ OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
 ALL_TO_ALL_EVENT = "c10d::alltoall_base_"
 
 
-def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1) -> str:
+def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False) -> str:
     return (f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "") + (f"_tp{tp}" if tp > 1 else "")
-            + (f"_cp{cp}" if cp > 1 else ""))
+            + (f"_cp{cp}" if cp > 1 else "") + ("_sp" if sp else ""))
 
 
 def plan_cluster(world: int) -> ClusterSpec:
@@ -129,11 +131,11 @@ def reference_run(model_file: Path, kwargs: tuple, optimizer: tuple):
     return run_reference(model_file, dict(kwargs), GLOBAL_BATCH, STEPS, dict(optimizer))
 
 
-def make_plan(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1):
+def make_plan(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False):
     cluster = plan_cluster(world)
     profile = moe_profile(name)
     pins = PlanPins(dp=world // (pp * tp * cp), tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, micro_batch_size=1,
-                    cp_strategy="ring" if cp > 1 else None)
+                    cp_strategy="ring" if cp > 1 else None, sequence_parallel=sp if tp > 1 else None)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
@@ -165,12 +167,12 @@ def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
-    for name, ep, zero, world, pp, tp, cp in [(case + (1, 1, 1))[:7] for case in CASES + PIPELINED + TENSOR_PARALLEL
-                                               + CONTEXT_PARALLEL]:
-        case = case_id(name, ep, zero, world, pp, tp, cp)
-        plan = make_plan(name, ep, zero, world, pp, tp, cp)
-        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.zero_stage) == \
-            (ep, world // (pp * tp * cp), pp, tp, cp, zero)
+    every = CASES + PIPELINED + TENSOR_PARALLEL + CONTEXT_PARALLEL + SEQUENCE_PARALLEL
+    for name, ep, zero, world, pp, tp, cp, sp in [(case + (1, 1, 1, False)[len(case) - 4:]) for case in every]:
+        case = case_id(name, ep, zero, world, pp, tp, cp, sp)
+        plan = make_plan(name, ep, zero, world, pp, tp, cp, sp)
+        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.sequence_parallel, plan.zero_stage) == \
+            (ep, world // (pp * tp * cp), pp, tp, cp, sp, zero)
         out = root / case
         files = generate(plan, model_file(name), out, model_kwargs=MODELS[name], optimizer=OPTIMIZER,
                          gpus_per_node=world)
@@ -270,7 +272,7 @@ def test_compiled_moe_example_trains_like_one_process(precision, outcomes):
     assert_trains_like_one_process(losses, parameters, EXAMPLE, {}, DEFAULT_OPTIMIZER)
 
 
-@pytest.mark.parametrize("case", TENSOR_PARALLEL, ids=lambda case: case_id(*case))
+@pytest.mark.parametrize("case", TENSOR_PARALLEL + SEQUENCE_PARALLEL, ids=lambda case: case_id(*case))
 def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(case, outcomes):
     """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (the routers, the
     position embedding and the LM head, its logits vocabulary-sharded into the loss; the shared
@@ -282,7 +284,9 @@ def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(ca
     and final parameters equal one process (the router's auxiliary loss, a plain tensor beside
     the sharded logits, made a replicated DTensor for the loss), and every rank issues the
     all-to-alls priced per step: 4 x 2 layers x 4 micro-batches (the pricer counts one rank per
-    tensor-parallel group)."""
+    tensor-parallel group). With sequence parallelism (Hugging Face Qwen2-MoE) the blocks' norms
+    keep each rank's slice of the sequence and the MoE layer, a replicated region, gets the
+    whole sequence gathered in: the same exchange, priced the same."""
     losses, parameters, issued, priced = outcomes[case_id(*case)]
     assert_trains_like_one_process(losses, parameters, model_file(case[0]), MODELS[case[0]], OPTIMIZER)
     assert priced == EXCHANGES[case[0]] * (GLOBAL_BATCH // 2)

@@ -96,6 +96,8 @@ class PlanPins:
     """Context-parallel degree (sequence split across ranks)."""
     ep: int | None = None
     """Expert-parallel degree, carved from dp (models with experts; it divides dp and the experts)."""
+    expert_tp: bool | None = None
+    """Split every expert's feed-forward width over the tensor-parallel group (models with experts, tp > 1)."""
     zero_stage: int | None = None
     """ZeRO stage 0-3."""
     hybrid_shard: bool | None = None

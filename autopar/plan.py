@@ -128,6 +128,7 @@ class Plan:
     cp: int = 1
     ep: int = 1
     ep_dispatch: str = "all_to_all"
+    expert_tp: bool = False
     mesh_order: list[str] = field(default_factory=lambda: [a.value for a in MeshAxis])
     zero_stage: int = 0
     hybrid_shard: bool = False
@@ -180,7 +181,7 @@ class Plan:
         from cost_models.techniques import pinnable_sync
 
         return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
-                              ep_dispatch=self.ep_dispatch, mesh_order=tuple(self.mesh_order),
+                              ep_dispatch=self.ep_dispatch, expert_tp=self.expert_tp, mesh_order=tuple(self.mesh_order),
                               zero_stage=self.zero_stage, hybrid_shard=self.hybrid_shard,
                               micro_batch_size=self.micro_batch_size, num_micro_batches=self.num_micro_batches,
                               schedule=self.schedule, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
@@ -194,6 +195,8 @@ class Plan:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}"]
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.expert_tp:
+            parts.append("expert-TP")
         parts += [f"ZeRO-{self.zero_stage}" + (" hybrid" if self.hybrid_shard else ""),
                   f"micro-batch {self.micro_batch_size}×{self.num_micro_batches}"]
         if list(self.mesh_order) != [a.value for a in MeshAxis]:

@@ -62,6 +62,8 @@ class MoELayer:
             capacity slot, filled or not) for a grouped one.
         dropless: exchanged dropless (`ExpertExchange.ROUTED`): the busiest rank's load follows
             the routing; a grouped exchange moves and computes the same rows however tokens route.
+        width: the experts' feed-forward width, which expert tensor parallelism splits (0: the
+            stacked weights cannot be split as a plain sum of slices, `feed_forward_width`).
     """
 
     experts: int
@@ -73,6 +75,7 @@ class MoELayer:
     tokens: int
     dispatch_rows: int = 0
     dropless: bool = True
+    width: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,10 @@ class ExpertFacts:
                 expert_params=sum(math.prod(profile.param_shapes[name]) for name in stacked),
                 expert_forward_share=_flop_share(ops, modules, "forward", layer.flops_forward),
                 expert_backward_share=_flop_share(ops, modules, "backward", layer.flops_backward),
-                token_bytes=layer.input_bytes / max(1, tokens), tokens=tokens, dispatch_rows=rows, dropless=dropless)
+                token_bytes=layer.input_bytes / max(1, tokens), tokens=tokens, dispatch_rows=rows, dropless=dropless,
+                width=feed_forward_width([shape for name, shape in profile.param_shapes.items()
+                                          if name.rsplit(".", 1)[0] in modules],
+                                         router_width(profile.param_shapes, layer.param_names, stacked, int(experts))))
         return cls(layers, ep_blocker(experts_inputs) if layers else None)
 
     def experts_of(self, layer_name: str) -> MoELayer | None:
@@ -124,9 +130,35 @@ class ExpertFacts:
         rank holds of its sequence (so expert parallelism can span context-parallel ranks)."""
         return bool(self.layers) and all(layer.dropless for layer in self.layers.values())
 
+    def common_width(self) -> int:
+        """The largest tp every MoE layer's experts' width divides into (0: some cannot be split)."""
+        widths = [layer.width for layer in self.layers.values()]
+        return math.gcd(*widths) if widths and all(widths) else 0
+
     def common_divisor(self) -> int:
         """The largest ep every MoE layer's experts divide into (0 without experts)."""
         return math.gcd(*(layer.experts for layer in self.layers.values())) if self.layers else 0
+
+
+def feed_forward_width(shapes: list[list[int]], hidden: int | None) -> int:
+    """The feed-forward width F of an experts module's weights (0 when it has none to split as a
+    plain sum of slices): each weight [E, a, b] with one of a, b the hidden size (the width of
+    the router scoring the experts, `router_width`) and the other F, in 1 or 2 blocks (a fused
+    [gate; up] projection); a bias or any other shape has none. The generated code reads the
+    same off the module (codegen/sections/expert_parallel.py, `width_split`)."""
+    if not shapes or hidden is None or any(len(shape) != 3 or (shape[1] == hidden) == (shape[2] == hidden)
+                                           for shape in shapes):
+        return 0
+    others = [shape[1] if shape[2] == hidden else shape[2] for shape in shapes]
+    width = min(others)
+    return width if all(other in (width, 2 * width) for other in others) else 0
+
+
+def router_width(shapes: dict[str, list[int]], names: list[str], stacked: list[str], experts: int) -> int | None:
+    """The hidden size the experts work in: the input width of the router scoring them, a
+    [E, hidden] weight of the same layer outside the experts (None: none found)."""
+    return next((shapes[name][1] for name in names if name not in stacked and len(shapes.get(name, [])) == 2
+                 and shapes[name][0] == experts), None)
 
 
 def is_expert_param(name: str, shape: list[int]) -> bool:
@@ -235,3 +267,18 @@ def count_exchanges(option: str) -> int:
 
 
 COUNT_BYTES = 8  # one int64 count per expert
+GATE_BYTES = 4  # a routing weight (fp32, as routers compute them)
+
+
+def expert_tp_sums(moe: MoELayer, scale: float, cp: int, option: str) -> list[tuple[int, float]]:
+    """(count, bytes) of the all-reduces expert tensor parallelism issues per micro-batch over
+    the TP group (codegen: `_ReduceFromTensorParallel` after the combine, `_CopyToTensorParallel`
+    before the experts): the output's partial sums in each forward (again where the layer is
+    recomputed) and the input's partial gradient in backward: the E x C rows of a grouped
+    module; of a dropless one the T combined tokens, and in backward also its T x k gates."""
+    forwards = 2 if option in ("full", "selective") else 1
+    rows = moe.dispatch_rows if not moe.dropless else moe.tokens
+    sums = [(forwards + 1, rows * scale / cp * moe.token_bytes)]
+    if moe.dropless:
+        sums.append((1, moe.tokens * moe.top_k * scale / cp * GATE_BYTES))
+    return sums

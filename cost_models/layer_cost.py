@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from cost_models.collectives import Algorithm, Collective
 from cost_models.compute import LayerCompute
-from cost_models.expert_parallel import COUNT_BYTES, all_to_alls, count_exchanges, dispatch_bytes, routing_pace
+from cost_models.expert_parallel import (COUNT_BYTES, all_to_alls, count_exchanges, dispatch_bytes, expert_tp_sums,
+                                         routing_pace)
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.issued import cp_passes
 from cost_models.layout import ParallelLayout
@@ -242,7 +243,8 @@ class LayerCost:
         # The mesh spelled as its order and degrees: the search asks once per candidate (hundreds
         # of thousands), and building a Mesh for the key cost more than the lookup.
         key = (tuple(layout.mesh_order), layout.dp, layout.tp, layout.pp, layout.cp, layout.micro_batch_size,
-               layout.sequence_parallel, layout.cp_strategy, tuple(getattr(layout, "dp_shares", ()) or ()), layout.ep)
+               layout.sequence_parallel, layout.cp_strategy, tuple(getattr(layout, "dp_shares", ()) or ()), layout.ep,
+               self._expert_tp(layout))
         if key not in self._floors:
             devices = self._device_facts(layout)
             if devices is None:
@@ -305,17 +307,26 @@ class LayerCost:
 
     def _ep_key(self, layout: Any) -> tuple:
         """What expert parallelism's prices read of a layout (a cache key)."""
-        if layout.ep == 1 or not self.experts.has_experts:
+        if not self.experts.has_experts or (layout.ep == 1 and not self._expert_tp(layout)):
             return ()
-        return (layout.ep, self._span(layout, "ep"), layout.cp)
+        return (layout.ep, self._span(layout, "ep"), layout.cp, self._expert_tp(layout))
+
+    @staticmethod
+    def _expert_tp(layout: Any) -> int:
+        """Ranks each expert's width is split over: tp under expert tensor parallelism, else 1."""
+        return layout.tp if getattr(layout, "expert_tp", False) and layout.tp > 1 else 1
 
     def _ep_time_s(self, layer: Any, layout: Any, scale: float, option: str = "none") -> float:
         """Dispatch and combine all-to-alls of an MoE layer's micro-batch over the expert-parallel
         group (cost_models.expert_parallel), on the critical path: the experts need their
-        tokens, the next op their outputs."""
+        tokens, the next op their outputs; and under expert tensor parallelism the sums of its
+        slices' partial results over the TP group (`_expert_tp_time_s`)."""
         moe = self.experts.experts_of(layer.name)
-        if layout.ep == 1 or moe is None:
+        if moe is None:
             return 0.0
+        sums = self._expert_tp_time_s(moe, layout, scale, option)
+        if layout.ep == 1:
+            return sums
         pace = routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless)
         nbytes = dispatch_bytes(moe, scale, layout.cp, pace)
         group = self.placement(layout, "ep")
@@ -323,20 +334,32 @@ class LayerCost:
         if moe.dropless:  # the per-expert counts go first, so each rank knows what it receives
             exchanges += count_exchanges(option) * self.collective_s(Collective.ALL_TO_ALL, COUNT_BYTES * moe.experts,
                                                                      group)
-        return exchanges
+        return exchanges + sums
+
+    def _expert_tp_time_s(self, moe: Any, layout: Any, scale: float, option: str) -> float:
+        """Expert tensor parallelism's all-reduces over the TP group per micro-batch
+        (cost_models.expert_parallel.expert_tp_sums): the output's partial sums in each
+        forward, the input's (and a dropless module's gates') partial gradients in backward."""
+        if self._expert_tp(layout) == 1:
+            return 0.0
+        group = self.placement(layout, "tp")
+        return sum(count * self.collective_s(Collective.ALL_REDUCE, nbytes, group)
+                   for count, nbytes in expert_tp_sums(moe, scale, layout.cp, option))
 
     def _ep_wait_s(self, layer: Any, split: TPLayerSplit, layout: Any, per_token: float,
                    forward_passes: float = 1.0) -> float:
-        """Seconds the experts' ranks wait for the most-loaded one: the experts' share of the
-        layer's compute times (pace - 1)."""
+        """Seconds the experts' compute differs from the layer's traced share of it: waiting for
+        the most-loaded rank (x pace), and under expert tensor parallelism a tp-th of it each
+        (the experts are otherwise whole on every TP rank): the experts' share of the layer's
+        compute times (pace / expert tp - 1)."""
         moe = self.experts.experts_of(layer.name)
-        if layout.ep == 1 or moe is None:
+        if moe is None or (layout.ep == 1 and self._expert_tp(layout) == 1):
             return 0.0
         pace = routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless)
         compute = split.compute
         expert_s = (forward_passes * moe.expert_forward_share * compute.forward_s
                     + moe.expert_backward_share * compute.backward_s) * per_token
-        return (pace - 1.0) * expert_s
+        return (pace / self._expert_tp(layout) - 1.0) * expert_s
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
                             per_token: float, overhead: float) -> float:
@@ -466,7 +489,7 @@ class LayerCost:
         if moe is None or not layer.param_count:
             return on_rank, 0.0
         expert_share = moe.expert_params / layer.param_count
-        return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep
+        return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep / self._expert_tp(layout)
 
     def _states(self, layer: Any, split: TPLayerSplit, layout: Any) -> ModelStates:
         grad_size = self._grad_size(layout)

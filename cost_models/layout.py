@@ -172,6 +172,9 @@ class ParallelLayout:
         dp_shares: samples per micro-batch of each data-parallel rank when they differ (uneven
             shares for mixed GPU types; they sum to dp x micro_batch_size); empty: even.
         ep_dispatch: how tokens reach their experts' ranks (all_to_all).
+        expert_tp: every expert's feed-forward width split over the tensor-parallel group
+            (Megatron's MLP split per expert), separately from attention's split; False: each
+            TP rank holds its experts whole.
     """
 
     dp: int = 1
@@ -191,6 +194,7 @@ class ParallelLayout:
     dp_sync: str = DPSync.AUTO
     dp_shares: tuple[int, ...] = ()
     ep_dispatch: str = ExpertDispatch.ALL_TO_ALL
+    expert_tp: bool = False
     stages: tuple[tuple[str, ...], ...] = ()
     recompute: Any = Recompute.NONE
 
@@ -296,24 +300,27 @@ def validate(layout: ParallelLayout, model: Any, cluster: ClusterSpec, train: Tr
         ValueError: what cannot run, with the values that can.
     """
     validate_train(train, model)
-    experts = ep_blocker = dropless = None
-    if layout.ep > 1:
+    experts = ep_blocker = dropless = width = None
+    if layout.ep > 1 or getattr(layout, "expert_tp", False):
         from cost_models.expert_parallel import ExpertFacts
 
         facts = ExpertFacts.of(model)
         experts, ep_blocker, dropless = facts.common_divisor(), facts.ep_blocker, facts.dropless
+        width = facts.common_width()
     validate_layout(layout, cluster, train, [layer.name for layer in model.layers], model.tokens_per_sample, heads,
-                    recompute_options, experts, ep_blocker, dropless)
+                    recompute_options, experts, ep_blocker, dropless, width)
 
 
 def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,
                     tokens_per_sample: int | None = None, heads: int | None = None,
                     recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS, experts: int | None = None,
-                    ep_blocker: str | None = None, dropless_experts: bool | None = None) -> None:
+                    ep_blocker: str | None = None, dropless_experts: bool | None = None,
+                    expert_width: int | None = None) -> None:
     """Clear errors for layouts that cannot run, before pricing them (`experts`: the number every
     MoE layer's experts divide into, 0 for a model without experts, None: not checked;
     `ep_blocker`: why the generated exchange cannot wrap the experts, None: it can;
-    `dropless_experts`: every MoE layer exchanged dropless)."""
+    `dropless_experts`: every MoE layer exchanged dropless; `expert_width`: what every MoE
+    layer's experts' width divides into, 0: it cannot be split)."""
     names = list(layer_names) if not isinstance(layer_names, int) else None
     num_layers = len(names) if names is not None else layer_names
     for axis in AXES:
@@ -350,7 +357,8 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
     from cost_models.techniques import LayoutFacts, problems
 
     found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample, experts=experts,
-                                         ep_blocker=ep_blocker, dropless_experts=dropless_experts))
+                                         ep_blocker=ep_blocker, dropless_experts=dropless_experts,
+                                         expert_width=expert_width))
     if found:
         raise ValueError(found[0])
     _validate_recompute(layout.recompute, names, recompute_options)

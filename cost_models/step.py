@@ -207,7 +207,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                                                                             layout.tp, layout.sequence_parallel,
                                                                             layout.cp, option, keeps_attention))
                                                        for option in self.recompute_options], reference)
-        statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout), layout.ep),
+        statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout), layout.ep,
+                                                self._expert_tp(layout)),
                              lambda layer, split: int(self._states(layer, split, layout).total_bytes), reference)
         sends = self._rows("send", layout, (layout.pp, self._span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
@@ -257,7 +258,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                                                layout.hybrid_shard, self._span(layout, ("dp", "cp")),
                                                self._shard_size(layout), layout.micro_batch_size,
                                                getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep,
-                                               layout.pp),
+                                               self._expert_tp(layout), layout.pp),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 
     def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:

@@ -43,6 +43,7 @@ class LayoutFacts:
     experts: int | None = None  # what every MoE layer's expert count divides into (0: no experts)
     ep_blocker: str | None = None  # why the generated exchange cannot wrap the experts (None: it can)
     dropless_experts: bool | None = None  # every MoE layer exchanged dropless (ExpertFacts.dropless)
+    expert_width: int | None = None  # what every MoE layer's experts' width divides into (0: cannot split)
 
 
 Precondition = Callable[[Any, LayoutFacts], "str | None"]
@@ -139,6 +140,23 @@ def _experts_divide(layout: Any, facts: LayoutFacts) -> str | None:
 def _experts_exchangeable(layout: Any, facts: LayoutFacts) -> str | None:
     if layout.ep > 1 and facts.ep_blocker:
         return f"ep={layout.ep} cannot run: {facts.ep_blocker}; pin plan.ep=1"
+    return None
+
+
+def expert_tp_problem(layout: Any, facts: LayoutFacts) -> str | None:
+    """Why the experts' width cannot be split over the layout's TP group (None: it can, or the
+    layout does not ask for it)."""
+    if not getattr(layout, "expert_tp", False):
+        return None
+    if layout.tp == 1:
+        return "expert_tp splits the experts over the tensor-parallel group, which needs tp > 1: pin expert_tp=false"
+    if facts.experts == 0:
+        return "expert_tp needs a model with experts (parameters stacked [E, ...] under an 'experts' module)"
+    if facts.expert_width == 0:
+        return ("expert_tp cannot split these experts: their weights are not [E, a, b] with one of a, b the hidden "
+                "size (the router's width) and the other a feed-forward width in 1 or 2 blocks; pin expert_tp=false")
+    if facts.expert_width and facts.expert_width % layout.tp:
+        return f"expert_tp needs tp={layout.tp} to divide the experts' width {facts.expert_width}: pin expert_tp=false"
     return None
 
 
@@ -273,4 +291,5 @@ def problems(layout: Any, facts: LayoutFacts = LayoutFacts()) -> list[str]:
             reason = require(layout, facts)
             if reason and reason not in found:
                 found.append(reason)
-    return found
+    reason = expert_tp_problem(layout, facts)
+    return found + [reason] if reason else found

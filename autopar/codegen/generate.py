@@ -121,7 +121,8 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
     from cost_models.techniques import LayoutFacts, problems
 
     try:
-        found = problems(plan.layout(), LayoutFacts(dropless_experts=facts.dropless_experts))
+        found = problems(plan.layout(), LayoutFacts(dropless_experts=facts.dropless_experts,
+                                                    expert_width=facts.expert_width))
     except ValueError as error:
         found = [str(error)]
     if found:
@@ -399,7 +400,8 @@ def runtime_plan(plan: Plan) -> dict[str, Any]:
     writes it (plain values, no enums); the rest (predictions, solver statistics, TP styles as
     priced, provenance) stays in plan.json."""
     written = json.loads(plan.to_json())
-    keys = ["tp", "pp", "cp"] + (["ep"] if plan.ep > 1 else []) + ["mesh_order", "zero_stage", "stages", "recompute"]
+    keys = ["tp", "pp", "cp"] + (["ep"] if plan.ep > 1 else []) + (["expert_tp"] if plan.expert_tp else [])
+    keys += ["mesh_order", "zero_stage", "stages", "recompute"]
     keys += ["schedule"] if plan.pp > 1 else []
     keys += ["cp_strategy"] if plan.cp > 1 else []
     keys += ["dp_sync"] + (["dp_bucket_bytes"] if custom_gradient_sync(plan) else [])
@@ -495,6 +497,8 @@ def parallel_config_source(plan: Plan) -> str:
         fields += ['schedule=plan["schedule"],', "pipeline_split=PIPELINE_SPLIT,"]
     if plan.ep > 1:
         fields.append('ep=plan["ep"],')
+    if plan.expert_tp:
+        fields.append('expert_tp=plan["expert_tp"],')
     if plan.cp > 1:
         fields += ['cp_strategy=plan["cp_strategy"],', "position_argument=POSITION_ARGUMENT,",
                    "mask_argument=MASK_ARGUMENT,"]

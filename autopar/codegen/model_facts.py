@@ -7,6 +7,7 @@ input positionally or by keyword), which decides how a tensor-parallel input sty
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,10 @@ import torch
 from torch import nn
 
 from autopar.model_file import build_fake, call_model, load_model_file
+from autopar.codegen.sections.expert_parallel import router_width
 from autopar.trace.experts import experts_inputs
 from autopar.trace.sequence import position_argument
-from cost_models.expert_parallel import is_dropless
+from cost_models.expert_parallel import feed_forward_width, is_dropless
 
 NORM_CLASS_HINTS = ("norm",)
 
@@ -59,6 +61,8 @@ class ModelFacts:
         mask_argument: the root forward's padding-mask argument (attention_mask), or None.
         dropless_experts: its experts modules route their own tokens (exchanged dropless, with
             sizes that follow the routing: cost_models.expert_parallel.ExpertExchange).
+        expert_width: what every experts module's feed-forward width divides into (0: expert
+            tensor parallelism cannot split it; cost_models.expert_parallel.feed_forward_width).
     """
 
     modules: dict[str, ModuleFacts]
@@ -67,6 +71,7 @@ class ModelFacts:
     position_argument: str | None = None
     mask_argument: str | None = None
     dropless_experts: bool = False
+    expert_width: int | None = None
 
     def kind(self, name: str) -> str:
         return self.modules[name].kind if name in self.modules else "other"
@@ -124,7 +129,19 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
                       position_argument=position_argument(model),
                       mask_argument="attention_mask" if "attention_mask" in inspect.signature(model.forward).parameters
                       else None,
-                      dropless_experts=is_dropless(experts_inputs(model)))
+                      dropless_experts=is_dropless(experts_inputs(model)), expert_width=experts_width(model))
+
+
+def experts_width(model: nn.Module) -> int | None:
+    """What every experts module's feed-forward width divides into (None: no experts; 0: one
+    cannot be split)."""
+    widths = [feed_forward_width([list(p.shape) for p in module.parameters(recurse=False)],
+                                 router_width(model, name, next(module.parameters(recurse=False)).shape[0]))
+              for name, module in model.named_modules()
+              if name.split(".")[-1] == "experts" and any(True for _ in module.parameters(recurse=False))]
+    if not widths:
+        return None
+    return math.gcd(*widths) if all(widths) else 0
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:

@@ -303,7 +303,7 @@ class Planner:
         dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else "reduce_scatter"
         plan = Plan(
             dp=scored.candidate.dp, tp=scored.candidate.tp, pp=scored.candidate.pp, cp=scored.candidate.cp,
-            ep=scored.candidate.ep, ep_dispatch=scored.candidate.ep_dispatch,
+            ep=scored.candidate.ep, ep_dispatch=scored.candidate.ep_dispatch, expert_tp=scored.candidate.expert_tp,
             mesh_order=list(scored.candidate.mesh_order), zero_stage=scored.candidate.zero_stage,
             hybrid_shard=scored.candidate.hybrid_shard, micro_batch_size=scored.candidate.micro_batch_size,
             num_micro_batches=scored.candidate.num_micro_batches, schedule=scored.candidate.schedule,
@@ -483,6 +483,7 @@ class Planner:
         self._check_pinned_layers()
         self._check_pinned_tp()  # before the GPU count: a degree the model cannot take is the first problem
         self._check_pinned_ep()  # before the degrees: what ep cannot go with is named before what the model lacks
+        self._check_pinned_expert_tp()
         self._check_pinned_degrees()
         self._check_pinned_batching()
 
@@ -597,6 +598,23 @@ class Planner:
                             f"{batch}.",
                             f"set train.global_batch_size to a multiple of {max(carved)}, or leave plan.ep unset.")
 
+
+    def _check_pinned_expert_tp(self) -> None:
+        """A pinned expert TP that no TP degree could run on this model."""
+        if not self.pins.expert_tp:
+            return
+        width, tp = self.shape.expert_width, self.pins.tp
+        if not self.shape.experts:
+            raise UserError("plan.expert_tp=true splits experts, but this model has none.",
+                            "leave plan.expert_tp unset or pin it to false.")
+        if not width:
+            raise UserError("plan.expert_tp=true cannot split these experts: their weights are not [E, a, b] with one of a, b the hidden "
+                            "size (the router's width) and the other a feed-forward width in 1 or 2 blocks.",
+                            "leave plan.expert_tp unset or pin it to false.")
+        if tp is not None and (tp == 1 or width % tp):
+            raise UserError(f"plan.expert_tp=true splits the experts' width {width} over the tensor-parallel group, "
+                            f"which plan.tp={tp} cannot do.",
+                            f"pin plan.tp to a divisor of {width} above 1, or leave plan.expert_tp unset.")
 
     def _check_pinned_tp(self) -> None:
         tp = self.pins.tp

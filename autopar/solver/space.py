@@ -54,6 +54,7 @@ class ModelShape:
     sp_blocker: str | None = None  # why sequence parallelism cannot wrap the blocks, if it cannot
     ep_blocker: str | None = None  # why the generated expert parallelism cannot shard the experts, if it cannot
     dropless_experts: bool = False  # every MoE layer exchanged dropless: EP may span context-parallel ranks
+    expert_width: int = 0  # what every MoE layer's experts' width divides into (0: expert TP cannot split it)
 
     @classmethod
     def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
@@ -77,7 +78,8 @@ class ModelShape:
         return cls(num_blocks=len(blocks), num_layers=len(profile.layers), heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)),
                    cp_blocker=next(iter(profile.sequence_mixers), None), experts=experts.common_divisor(),
-                   sp_blocker=sp_blocker(profile), ep_blocker=experts.ep_blocker, dropless_experts=experts.dropless)
+                   sp_blocker=sp_blocker(profile), ep_blocker=experts.ep_blocker, dropless_experts=experts.dropless,
+                   expert_width=experts.common_width())
 
     def tp_divides(self, tp: int) -> bool:
         if any(dim % tp and dim > tp for dim in self.split_dims):
@@ -188,7 +190,10 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
     sp_options = pinned("sequence_parallel", [False, True] if tp > 1 and not shape.sp_blocker else [False])
     cp_strategies = [enum_member(CPStrategy, strategy)
                      for strategy in pinned("cp_strategy", _cp_strategies(shape, tp, cp))]
-    placements = list(itertools.product(pinned("ep", _ep_options(shape, dp, cp)),
+    # Expert TP: the experts' width split over the TP group too, where it divides it.
+    expert_tps = pinned("expert_tp", [False, True] if tp > 1 and shape.experts and shape.expert_width
+                        and shape.expert_width % tp == 0 else [False])
+    placements = list(itertools.product(pinned("ep", _ep_options(shape, dp, cp)), expert_tps,
                                         legal_mesh_orders(tp, cp, pp, dp, gpus_per_node, solver.allow_cross_node_tp)))
     for micro_batch_size in pinned("micro_batch_size", [b for b in divisors(per_rank) if b <= solver.max_micro_batch_size]):
         if per_rank % micro_batch_size:
@@ -204,13 +209,14 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                 for hybrid_shard in pinned("hybrid_shard", hybrid_options):
                     for sequence_parallel in sp_options:
                         for cp_strategy in cp_strategies:
-                            for ep, order in placements:
+                            for ep, expert_tp, order in placements:
                                 if ep > 1 and ((dp * cp) % ep or not shape.experts or shape.experts % ep
                                                or (cp > 1 and not shape.dropless_experts)
                                                or zero_stage < 2 or hybrid_shard):
                                     continue  # what the generated EP code runs with (techniques._ep_runs)
                                 yield Candidate.of_final_values(
-                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order, zero_stage=zero_stage,
+                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp, mesh_order=order,
+                                    zero_stage=zero_stage,
                                     hybrid_shard=hybrid_shard, micro_batch_size=micro_batch_size,
                                     num_micro_batches=micro_batches, schedule=schedule, chunks=chunks,
                                     sequence_parallel=sequence_parallel, cp_strategy=cp_strategy, dp_sync=dp_sync,

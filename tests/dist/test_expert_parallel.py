@@ -29,6 +29,8 @@ unless said:
   and ep=4 on 4, Qwen2-MoE ep=2 ZeRO-2 and DeepSeek-V3 ep=2 on 4 (dp=4), Mixtral dp=2 (ep=2) x
   tp=2, Qwen2-MoE dp=2 (ep=2) x pp=2, and EP carved from dp x cp: Mixtral cp=2 ep=2, Qwen2-MoE
   dp=2 x cp=2 ep=4; Qwen2-MoE dp=2 (ep=2) x tp=2 with sequence parallelism.
+- Expert tensor parallelism (each expert's width over the TP pair): Mixtral-like ep=2 x tp=2,
+  Hugging Face Mixtral ep=2 x tp=2 with SP, aux-loss-free Mixtral-like pp=2 x tp=2 without EP.
 The all-to-alls every case with ep > 1 issues are those PlanPricer.ep_collectives prices. The
 user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2 on 2 CPU
 gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
@@ -93,6 +95,9 @@ TENSOR_PARALLEL = [("mixtral", 2, 3, 4, 1, 2), ("qwen2_moe", 2, 3, 4, 1, 2), ("d
 CONTEXT_PARALLEL = [("hf_mixtral", 2, 3, 2, 1, 1, 2), ("hf_qwen2_moe", 4, 3, 4, 1, 1, 2)]
 # (..., cp, sequence parallelism): dp=2 (ep=2) x tp=2 with the sequence split between the blocks' regions
 SEQUENCE_PARALLEL = [("hf_qwen2_moe", 2, 3, 4, 1, 2, 1, True)]
+# (..., sequence parallelism, expert TP): each expert's width split over the TP pair too
+EXPERT_TP = [("mixtral", 2, 3, 4, 1, 2, 1, False, True), ("hf_mixtral", 2, 3, 4, 1, 2, 1, True, True),
+             ("mixtral_plain", 1, 3, 4, 2, 2, 1, False, True)]
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
@@ -105,9 +110,10 @@ OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}
 ALL_TO_ALL_EVENT = "c10d::alltoall_base_"
 
 
-def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False) -> str:
+def case_id(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False,
+            etp: bool = False) -> str:
     return (f"{name}_ep{ep}_zero{zero}_w{world}" + (f"_pp{pp}" if pp > 1 else "") + (f"_tp{tp}" if tp > 1 else "")
-            + (f"_cp{cp}" if cp > 1 else "") + ("_sp" if sp else ""))
+            + (f"_cp{cp}" if cp > 1 else "") + ("_sp" if sp else "") + ("_etp" if etp else ""))
 
 
 def plan_cluster(world: int) -> ClusterSpec:
@@ -131,11 +137,13 @@ def reference_run(model_file: Path, kwargs: tuple, optimizer: tuple):
     return run_reference(model_file, dict(kwargs), GLOBAL_BATCH, STEPS, dict(optimizer))
 
 
-def make_plan(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False):
+def make_plan(name: str, ep: int, zero: int, world: int, pp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False,
+              etp: bool = False):
     cluster = plan_cluster(world)
     profile = moe_profile(name)
     pins = PlanPins(dp=world // (pp * tp * cp), tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, micro_batch_size=1,
-                    cp_strategy="ring" if cp > 1 else None, sequence_parallel=sp if tp > 1 else None)
+                    cp_strategy="ring" if cp > 1 else None, sequence_parallel=sp if tp > 1 else None,
+                    expert_tp=etp if tp > 1 else None)
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     return Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
 
@@ -167,16 +175,18 @@ def outcomes(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
     jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
-    every = CASES + PIPELINED + TENSOR_PARALLEL + CONTEXT_PARALLEL + SEQUENCE_PARALLEL
-    for name, ep, zero, world, pp, tp, cp, sp in [(case + (1, 1, 1, False)[len(case) - 4:]) for case in every]:
-        case = case_id(name, ep, zero, world, pp, tp, cp, sp)
-        plan = make_plan(name, ep, zero, world, pp, tp, cp, sp)
-        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.sequence_parallel, plan.zero_stage) == \
-            (ep, world // (pp * tp * cp), pp, tp, cp, sp, zero)
+    every = CASES + PIPELINED + TENSOR_PARALLEL + CONTEXT_PARALLEL + SEQUENCE_PARALLEL + EXPERT_TP
+    for name, ep, zero, world, pp, tp, cp, sp, etp in [(case + (1, 1, 1, False, False)[len(case) - 4:])
+                                                        for case in every]:
+        case = case_id(name, ep, zero, world, pp, tp, cp, sp, etp)
+        plan = make_plan(name, ep, zero, world, pp, tp, cp, sp, etp)
+        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.sequence_parallel, plan.expert_tp, plan.zero_stage) == \
+            (ep, world // (pp * tp * cp), pp, tp, cp, sp, etp, zero)
         out = root / case
         files = generate(plan, model_file(name), out, model_kwargs=MODELS[name], optimizer=OPTIMIZER,
                          gpus_per_node=world)
         assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
+        assert ('expert_tp=plan["expert_tp"]' in files.script.read_text()) == etp
         if tp > 1 and "kv_lora_rank" in MODELS[name]:
             # MLA's down-projection output is split into the latent and the rotary key: the legality
             # analysis's fused-output rule keeps it replicated (a column split would hand each rank
@@ -306,3 +316,21 @@ def test_expert_parallelism_across_context_parallel_ranks_trains_like_one_proces
     assert_trains_like_one_process(losses, parameters, model_file(name), MODELS[name], OPTIMIZER)
     assert priced == EXCHANGES[name] * (GLOBAL_BATCH // (world // cp))
     assert issued == [priced] * world
+
+
+@pytest.mark.parametrize("case", EXPERT_TP, ids=lambda case: case_id(*case))
+def test_experts_split_over_tensor_parallel_ranks_train_like_one_process(case, outcomes):
+    """Expert tensor parallelism: each expert's feed-forward width split over the TP pair (its
+    [E, h, F] and [E, F, h] weights, or Hugging Face's fused [E, 2F, h] gate-up projection block by
+    block and [E, h, F]), the partial outputs summed over the pair after the combine and the
+    input's (and a routed module's gates') gradients summed in backward. Grouped experts with
+    ep=2 x tp=2; Hugging Face Mixtral's routed experts with ep=2 x tp=2 and sequence parallelism;
+    and the aux-loss-free model without EP in a pipeline of 2 stages x tp=2. Losses and final
+    parameters (the experts gathered back over TP and EP) equal one process, and the all-to-alls
+    issued are those priced (none without EP)."""
+    name, ep, zero, world, pp, tp, cp, sp, etp = case
+    losses, parameters, issued, priced = outcomes[case_id(*case)]
+    assert_trains_like_one_process(losses, parameters, model_file(name), MODELS[name], OPTIMIZER)
+    dp = world // (pp * tp * cp)
+    assert priced == (EXCHANGES[name] * (GLOBAL_BATCH // dp) if ep > 1 else 0)
+    assert issued == [priced // pp] * world

@@ -373,3 +373,86 @@ def test_the_planner_offers_expert_parallelism_only_for_experts_it_can_run():
     assert even._ep_time_s(layer, layout, 1.0) == pytest.approx(4 * rows + counts)
     mixtral_layers = sum(1 for layer in profile.layers if facts.experts_of(layer.name))
     assert even.ep_collectives(replace(layout, num_micro_batches=2)) == {"all_to_all": 5 * mixtral_layers * 2}
+
+
+def test_the_experts_width_is_read_off_the_weights_beside_the_routers_width():
+    """Expert TP splits each expert's feed-forward width F: the dim of each [E, a, b] weight that is
+    not the hidden size (the router's [E, h] input width), in 1 block or 2 (a fused [gate; up]).
+    The cost model reads it off the profile's shapes and the generated code off the module, alike;
+    where a weight has no single hidden dim, or a bias, nothing is split."""
+    import torch
+
+    from autopar.codegen.sections.expert_parallel import _slice_width, router_width, width_split
+    from cost_models.expert_parallel import feed_forward_width
+
+    h, f, e = 32, 64, 4
+    assert feed_forward_width([[e, 2 * f, h], [e, h, f]], h) == f  # Hugging Face: [E, out, in], gate and up fused
+    assert feed_forward_width([[e, h, f], [e, f, h]], h) == f  # tests/moe_model.py: x @ W
+    assert feed_forward_width([[e, h, h], [e, h, f]], h) == 0  # a fused projection as wide as the hidden size
+    assert feed_forward_width([[e, h, f], [e, f]], h) == 0  # a bias: each slice would add it again
+    assert feed_forward_width([[e, h, f], [e, f, h]], None) == 0  # no router to tell the hidden size
+    for model_file, kwargs in ((HF_ZOO, {"arch": "mixtral"}), (MOE, {})):
+        model = meta_model(model_file, **kwargs)
+        for fqn, module in model.named_modules():
+            if fqn.endswith("experts") and list(module.parameters(recurse=False)):
+                shapes = [list(p.shape) for p in module.parameters(recurse=False)]
+                hidden = router_width(model, fqn, shapes[0][0])
+                width = feed_forward_width(shapes, hidden)
+                split = width_split(fqn, module, 2, hidden)
+                assert width and all(module.get_parameter(name).shape[dim] == parts * width
+                                     for name, (dim, parts) in split.items())
+    # A fused [gate; up] slice keeps each block's slice side by side: rank 1 of 2 holds gate[2:4], up[2:4].
+    fused = torch.arange(8.0).view(1, 8, 1)  # gate = 0..3, up = 4..7
+    assert _slice_width(fused, 1, 2, 2, 1).flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+
+
+def test_expert_tensor_parallelism_is_priced_by_hand():
+    """Under expert TP each TP rank holds and computes a tp-th of its experts, and the TP group sums
+    the experts' partial results: per micro-batch one all-reduce of the E x C output rows in
+    forward and one of the input's gradient in backward (a grouped module), again in a recomputed
+    forward. The search offers it where tp divides the width, and never without TP."""
+    from autopar.solver.tp_split import ILPSplitter
+
+    p = PlanPricer(moe_profile(), cluster(), TrainSpec(global_batch_size=64, precision="fp32"),
+                   ILPSplitter(moe_profile()))
+    moe = p.experts.layers["blocks.0"]
+    layer = p.profile.layer("blocks.0")
+    base = ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=4)
+    etp = replace(base, expert_tp=True)
+    assert not problems(etp, LayoutFacts(experts=E, expert_width=FFN))
+    assert "needs tp > 1" in problems(replace(etp, tp=1, dp=16), LayoutFacts(experts=E, expert_width=FFN))[0]
+    assert "pin expert_tp=false" in problems(etp, LayoutFacts(experts=E, expert_width=0))[0]
+    group = p.placement(etp, "tp")
+    rows = 2 * E * B0 * CAPACITY * moe.token_bytes  # micro-batch 4: twice the profiled rows
+    sums = {option: forwards * p.collective_s(Collective.ALL_REDUCE, rows, group)
+            for option, forwards in (("none", 2), ("full", 3))}
+    for option, want in sums.items():
+        assert p._ep_time_s(layer, etp, 2.0, option) == pytest.approx(p._ep_time_s(layer, base, 2.0, option) + want)
+    # A tp-th of the experts' compute: (pace / tp - 1) of it, pace 1 for grouped experts.
+    split = p.split(layer.name, etp, p.cluster.node_gpus[0])
+    expert_s = (moe.expert_forward_share * split.compute.forward_s + moe.expert_backward_share
+                * split.compute.backward_s) * 2.0
+    assert p._ep_wait_s(layer, split, etp, 2.0) == pytest.approx(-0.5 * expert_s)
+    dense, experts = p._rank_params(layer, split, etp)
+    assert experts == pytest.approx(p._rank_params(layer, split, base)[1] / 2) and dense == p._rank_params(layer, split, base)[0]
+    shape = ModelShape.from_profile(moe_profile())
+    assert shape.expert_width == FFN
+    assert {c.expert_tp for c in enumerate_candidates(shape, 4, 4, 8, SolverConfig(), PlanPins(tp=2))} == {False, True}
+    assert {c.expert_tp for c in enumerate_candidates(shape, 4, 4, 8, SolverConfig(), PlanPins(tp=1))} == {False}
+
+
+def test_a_pinned_expert_tp_that_cannot_run_is_refused_in_words():
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from tests.profiles import gpt
+
+    with pytest.raises(UserError, match="this model has none"):
+        Planner(gpt(), cluster(1), TrainSpec(16), SolverConfig(), PlanPins(expert_tp=True)).run()
+    with pytest.raises(UserError, match="plan.tp=1 cannot do"):
+        Planner(moe_profile(), cluster(1), TrainSpec(16, precision="fp32"), SolverConfig(),
+                PlanPins(expert_tp=True, tp=1)).run()
+    unsplittable = replace(moe_profile(), param_shapes={
+        name: (shape[:2] if name.endswith("w_out") else shape) for name, shape in moe_profile().param_shapes.items()})
+    with pytest.raises(UserError, match="one of a, b the hidden size"):
+        Planner(unsplittable, cluster(1), TrainSpec(16, precision="fp32"), SolverConfig(),
+                PlanPins(expert_tp=True)).run()

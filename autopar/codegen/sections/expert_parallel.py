@@ -22,6 +22,15 @@ the tokens of the whole expert-parallel group, so `ExpertShards.scale_gradients`
 ep more before the optimizer step, making it the one-process mean (FSDP's own divide factor
 would do it in the reduction, but its PREMUL_SUM does not run on gloo).
 
+Expert tensor parallelism (``expert_tp``) splits every expert's feed-forward width over the
+tensor-parallel group, Megatron's MLP split applied per expert, separately from how attention is
+split (`apply_expert_tp`). The experts' input is the same on every TP rank (TP leaves the MoE
+layer replicated, and sequence parallelism gathers the sequence into it), so each rank computes
+its slice's partial output: `_ReduceFromTensorParallel` sums it over the group after the
+combine (a linear exchange, so the sum can come last, on fewer rows for a dropless one), and
+`_CopyToTensorParallel` sums the input's (and a routed module's gates') partial gradients
+in backward.
+
 In a pipeline the same holds for each stage's experts. Stages cut from an exported graph
 (pipeline.py) are graphs without the experts modules, so there the experts are sliced and
 hooked before the export, which traces the exchanges into each stage's graph, and FSDP leaves
@@ -31,7 +40,7 @@ rank, so there is nothing to shard or average).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -192,30 +201,147 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
     return modules
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tensor-parallel group (each rank
+    holds a slice of the experts' width, so its input gradient is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward sums the slices' partial outputs over the tensor-parallel group; backward passes
+    the (replicated) gradient on as it is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        summed = x.contiguous().clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def router_width(model: nn.Module, fqn: str, experts: int) -> int | None:
+    """The hidden size an experts module works in: the input width of the router that scores its
+    ``experts`` experts, a [E, hidden] weight in the module around it (None: none found)."""
+    parent = model.get_submodule(fqn.rsplit(".", 1)[0]) if "." in fqn else model
+    owned = {id(p) for p in model.get_submodule(fqn).parameters()}
+    return next((p.shape[1] for p in parent.parameters() if id(p) not in owned and p.dim() == 2
+                 and p.shape[0] == experts), None)
+
+
+def width_split(fqn: str, module: nn.Module, tp: int, hidden: int | None) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (dim, parts) of each stacked expert weight's feed-forward width: the
+    dim that is not the hidden size (`router_width`), in ``parts`` blocks (2 for a fused
+    [gate; up] projection, as Hugging Face stacks it), each split over ``tp`` ranks. Refused
+    where the split would not be a plain sum of slices: a bias, a weight that is not [E, a, b]
+    with one dim the hidden size and the other not, a width ``tp`` does not divide, or a norm
+    after the experts (Hugging Face's has_post_expert_norm). cost_models.expert_parallel's
+    `feed_forward_width` reads the same off the profile."""
+    params = dict(module.named_parameters(recurse=False))
+    refuse = f"{fqn} cannot split its experts' width over tp={tp}"
+    if any(p.dim() != 3 or (p.shape[1] == hidden) == (p.shape[2] == hidden) for p in params.values()) \
+            or hidden is None or getattr(module, "has_post_expert_norm", False):
+        raise ValueError(f"{refuse}: each weight must be [E, a, b] with one of a, b the hidden size {hidden} (the "
+                         "router's width), with no bias or norm after the experts; compile a plan with "
+                         "plan.expert_tp=false")
+    widths = {name: (1 if p.shape[2] == hidden else 2) for name, p in params.items()}  # the non-hidden dim
+    width = min(p.shape[dim] for name, p in params.items() for dim in [widths[name]])
+    split = {}
+    for name, p in params.items():
+        dim = widths[name]
+        parts, rest = divmod(p.shape[dim], width)
+        if rest or parts not in (1, 2) or width % tp:
+            raise ValueError(f"{refuse}: {name} {list(p.shape)} is not 1 or 2 blocks of a width {width} that tp "
+                             "divides; compile a plan with plan.expert_tp=false")
+        split[name] = (dim, parts)
+    return split
+
+
+def _slice_width(param: torch.Tensor, dim: int, parts: int, tp: int, rank: int) -> torch.Tensor:
+    """This rank's slice of each of the ``parts`` blocks along ``dim``, side by side."""
+    blocks = param.chunk(parts, dim)
+    share = blocks[0].shape[dim] // tp
+    return torch.cat([block.narrow(dim, rank * share, share) for block in blocks], dim)
+
+
+def apply_expert_tp(model: nn.Module, modules: dict[str, nn.Module], tp_mesh: DeviceMesh,
+                    ep: int = 1) -> dict[str, tuple[int, int]]:
+    """Split every experts module's width over the tensor-parallel group (see the module
+    docstring), after `apply_ep` over ``ep`` ranks (so the sum of the partial outputs comes
+    after the combine; each module then holds E / ep experts).
+
+    Returns:
+        FQN of each split parameter -> (dim, parts), for `ExpertShards.full`.
+    """
+    tp, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
+    split: dict[str, tuple[int, int]] = {}
+    for fqn, module in modules.items():
+        experts = next(module.parameters()).shape[0] * ep
+        for name, (dim, parts) in width_split(fqn, module, tp, router_width(model, fqn, experts)).items():
+            param = getattr(module, name)
+            local = nn.Parameter(_slice_width(param.detach(), dim, parts, tp, rank).clone(),
+                                 requires_grad=param.requires_grad)
+            setattr(module, name, local)
+            split[f"{fqn}.{name}"] = (dim, parts)
+        module.register_forward_pre_hook(lambda _, args: tuple(
+            _CopyToTensorParallel.apply(a, group) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+        module.register_forward_hook(lambda _, args, output: _ReduceFromTensorParallel.apply(output, group))
+    return split
+
+
 @dataclass(frozen=True)
 class ExpertShards:
     """This rank's slices of the stacked experts: the parameters holding them, by their FQN in
     the unsharded model (a pipeline stage's graph keeps no module to mark, so they are named),
-    and the expert-parallel group the slices are spread over."""
+    the expert-parallel group the experts are spread over (ep 1: none), and the tensor-parallel
+    group their width is split over (`apply_expert_tp`; tp 1: none)."""
 
     names: frozenset[str]
     ep: int
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
+    tp: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    widths: dict[str, tuple[int, int]] = field(default_factory=dict)  # FQN -> (dim, parts) split over tp
 
     @classmethod
-    def of(cls, modules: dict[str, nn.Module], ep_mesh: DeviceMesh) -> "ExpertShards":
-        """The shards `apply_ep` made of ``modules`` (FQN -> experts module)."""
+    def of(cls, modules: dict[str, nn.Module], ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
+           widths: dict[str, tuple[int, int]] | None = None) -> "ExpertShards":
+        """The shards `apply_ep` (over ``ep_mesh``) and `apply_expert_tp` (over ``tp_mesh``,
+        splitting ``widths``) made of ``modules`` (FQN -> experts module)."""
         names = frozenset(f"{fqn}.{name}" for fqn, module in modules.items()
                           for name, _ in module.named_parameters(recurse=False))
-        return cls(names, ep_mesh.size(), ep_mesh.get_group())
+        return cls(names, ep_mesh.size() if ep_mesh else 1, ep_mesh.get_group() if ep_mesh else None,
+                   tp_mesh.size() if tp_mesh else 1, tp_mesh.get_group() if tp_mesh else None, dict(widths or {}))
 
     def __or__(self, other: "ExpertShards") -> "ExpertShards":
-        return ExpertShards(self.names | other.names, self.ep, self.group)
+        return ExpertShards(self.names | other.names, self.ep, self.group, self.tp, self.tp_group,
+                            {**self.widths, **other.widths})
 
     def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """A parameter of the unsharded model: an expert slice gathered over the expert-parallel
-        group in expert order (every rank of the group must call it), any other as it is."""
+        """A parameter of the unsharded model: an expert slice gathered over the tensor-parallel
+        group along its width, then over the expert-parallel group in expert order (every rank
+        of both groups must call it), any other as it is."""
         if name not in self.names:
+            return local
+        if name in self.widths:
+            dim, parts = self.widths[name]
+            slices = [torch.empty_like(local) for _ in range(self.tp)]
+            dist.all_gather(slices, local.contiguous(), group=self.tp_group)
+            blocks = [piece.chunk(parts, dim) for piece in slices]  # [rank][part]
+            local = torch.cat([torch.cat([blocks[r][part] for r in range(self.tp)], dim) for part in range(parts)], dim)
+        if self.ep == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.ep)]
         dist.all_gather(parts, local.contiguous(), group=self.group)
@@ -225,6 +351,8 @@ class ExpertShards:
     def scale_gradients(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:
         """Divide the experts' reduced gradients by ep (see the module docstring): once per step,
         after the last micro-batch's backward and before the optimizer step."""
+        if self.ep == 1:
+            return
         for name, param in named:
             if name in self.names and param.grad is not None:
                 param.grad.div_(self.ep)

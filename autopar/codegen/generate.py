@@ -270,6 +270,8 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
     facts.update({
         "config.custom_gradient_sync": custom_gradient_sync(plan),
         "config.expert_parallel": plan.ep > 1,
+        "config.expert_tp": plan.expert_tp,
+        "config.experts_split": plan.ep > 1 or plan.expert_tp,
         "parallel.schedule is not None": plan.pp > 1,
         "config.recompute_enabled": any(mode != "none" for mode in plan.recompute.values()),
         'config.pipeline_split == "tracer"': layout.pipeline_split == "tracer",

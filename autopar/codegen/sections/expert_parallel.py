@@ -276,16 +276,17 @@ def _slice_width(param: torch.Tensor, dim: int, parts: int, tp: int, rank: int) 
     return torch.cat([block.narrow(dim, rank * share, share) for block in blocks], dim)
 
 
-def apply_expert_tp(model: nn.Module, modules: dict[str, nn.Module], tp_mesh: DeviceMesh,
-                    ep: int = 1) -> dict[str, tuple[int, int]]:
+def apply_expert_tp(model: nn.Module, tp_mesh: DeviceMesh, shards: "ExpertShards | None") -> "ExpertShards":
     """Split every experts module's width over the tensor-parallel group (see the module
-    docstring), after `apply_ep` over ``ep`` ranks (so the sum of the partial outputs comes
-    after the combine; each module then holds E / ep experts).
+    docstring), after `apply_ep` made ``shards`` (None without expert parallelism): the sum of
+    the partial outputs then comes after the combine, and each module holds E / ep experts.
 
     Returns:
-        FQN of each split parameter -> (dim, parts), for `ExpertShards.full`.
+        The experts' shards: ``shards``' expert-parallel slices, now also split over TP.
     """
     tp, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
+    ep = shards.ep if shards else 1
+    modules = expert_modules(model)
     split: dict[str, tuple[int, int]] = {}
     for fqn, module in modules.items():
         experts = next(module.parameters()).shape[0] * ep
@@ -298,7 +299,7 @@ def apply_expert_tp(model: nn.Module, modules: dict[str, nn.Module], tp_mesh: De
         module.register_forward_pre_hook(lambda _, args: tuple(
             _CopyToTensorParallel.apply(a, group) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
         module.register_forward_hook(lambda _, args, output: _ReduceFromTensorParallel.apply(output, group))
-    return split
+    return ExpertShards.of(modules, tp_mesh=tp_mesh, widths=split, ep=ep, ep_group=shards.group if shards else None)
 
 
 @dataclass(frozen=True)
@@ -317,13 +318,17 @@ class ExpertShards:
 
     @classmethod
     def of(cls, modules: dict[str, nn.Module], ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
-           widths: dict[str, tuple[int, int]] | None = None) -> "ExpertShards":
-        """The shards `apply_ep` (over ``ep_mesh``) and `apply_expert_tp` (over ``tp_mesh``,
-        splitting ``widths``) made of ``modules`` (FQN -> experts module)."""
+           widths: dict[str, tuple[int, int]] | None = None, ep: int = 1,
+           ep_group: dist.ProcessGroup | None = None) -> "ExpertShards":
+        """The shards `apply_ep` (over ``ep_mesh``, or ``ep`` ranks of ``ep_group``) and
+        `apply_expert_tp` (over ``tp_mesh``, splitting ``widths``) made of ``modules`` (FQN ->
+        experts module)."""
         names = frozenset(f"{fqn}.{name}" for fqn, module in modules.items()
                           for name, _ in module.named_parameters(recurse=False))
-        return cls(names, ep_mesh.size() if ep_mesh else 1, ep_mesh.get_group() if ep_mesh else None,
-                   tp_mesh.size() if tp_mesh else 1, tp_mesh.get_group() if tp_mesh else None, dict(widths or {}))
+        if ep_mesh is not None:
+            ep, ep_group = ep_mesh.size(), ep_mesh.get_group()
+        return cls(names, ep, ep_group, tp_mesh.size() if tp_mesh else 1, tp_mesh.get_group() if tp_mesh else None,
+                   dict(widths or {}))
 
     def __or__(self, other: "ExpertShards") -> "ExpertShards":
         return ExpertShards(self.names | other.names, self.ep, self.group, self.tp, self.tp_group,

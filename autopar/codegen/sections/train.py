@@ -27,7 +27,7 @@ from autopar.codegen.sections.contract import (build_model, compute_loss, file_s
 from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
 from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
 from autopar.codegen.sections.expert_parallel import (ExpertShards, apply_ep, apply_expert_tp, expert_meshes,
-                                                       expert_modules, shard_experts)
+                                                       shard_experts)
 from autopar.codegen.sections.gradient_sync import (HalvingDoublingSync, HierarchicalSync, ParameterServer,
                                                     dp_groups, node_subgroups)
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
@@ -85,6 +85,12 @@ class ParallelConfig:
     def expert_parallel(self) -> bool:
         """Whether MoE layers' experts are sharded over expert-parallel groups (expert_parallel.py)."""
         return self.ep > 1
+
+    @property
+    def experts_split(self) -> bool:
+        """Whether this rank holds slices of the experts (over EP, or their width over TP):
+        ExpertShards names them."""
+        return self.expert_parallel or self.expert_tp
 
     @property
     def recompute_enabled(self) -> bool:
@@ -202,18 +208,12 @@ def parallelize(model: nn.Module, root: nn.Module, layers: list[str], mesh: Devi
         apply_tp(model, mesh[MeshAxis.TP.value], held(tp_plan, layers), config.tied_parameters)
     # Expert parallelism before recomputation (which wraps blocks; the experts' hooks go with
     # them), then the experts' width over the TP group (its sum comes after the combine).
-    experts: dict[str, nn.Module] = {}
-    ep_mesh = tp_mesh = None
-    widths: dict[str, tuple[int, int]] = {}
     if config.expert_parallel:
         ep_mesh, edp_mesh = expert_meshes(dp_mesh_of(mesh, dims), config.ep)
         experts = apply_ep(model, ep_mesh)
+        shards = ExpertShards.of(experts, ep_mesh)
     if config.expert_tp:
-        tp_mesh = mesh[MeshAxis.TP.value]
-        experts = experts or expert_modules(model)
-        widths = apply_expert_tp(model, experts, tp_mesh, config.ep)
-    if experts:
-        shards = ExpertShards.of(experts, ep_mesh, tp_mesh, widths)
+        shards = apply_expert_tp(model, mesh[MeshAxis.TP.value], shards)
     # Activation recomputation after TP (it recomputes the parallelised layers) and before FSDP
     # (FSDP's hooks must run outside it, so parameters are gathered before a layer recomputes).
     if config.recompute_enabled:
@@ -435,7 +435,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
                 (loss / n).backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n
-    if parallel.experts is not None:
+    if config.experts_split:
         parallel.experts.scale_gradients(unsharded_named_parameters(parallel))
     if config.dims.tp_enabled:
         reduce_partial_gradients(parallel.modules)
@@ -467,7 +467,7 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
     state: dict[str, torch.Tensor] = {}
     for name, parameter in unsharded_named_parameters(parallel):
         full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-        if parallel.experts is not None:
+        if config.experts_split:
             full = parallel.experts.full(name, full.detach())
         state[name] = full.detach().float().cpu()
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -568,7 +568,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
         checkpointing.check_export_path(training.checkpoint.export)
-        if (config.expert_parallel or config.expert_tp) and (training.checkpoint.enabled or training.checkpoint.export):
+        if config.experts_split and (training.checkpoint.enabled or training.checkpoint.export):
             # Each rank's experts are slices under the unsharded names: a checkpoint would keep one.
             raise ValueError("checkpoints of expert-parallel runs are not written yet: run without "
                              "--checkpoint-every/--export, or compile a plan with plan.ep=1 and "

@@ -34,6 +34,12 @@ class TrainConfig:
     """Mixture-of-experts routing: the most-loaded expert-parallel rank's tokens over the mean
     where the experts are exchanged dropless (1: even), what its group waits for. Experts that
     take their tokens grouped with a capacity run the same work however tokens are routed."""
+    router_checkpoint: str | None = None
+    """A state dict of the model (torch.save; read with weights_only) whose routers' tokens per
+    expert are measured over router_batches example batches and price the busiest
+    expert-parallel rank instead of moe_imbalance (autopar/trace/routing.py)."""
+    router_batches: int = 8
+    """Batches of example_batch the router_checkpoint's routers are measured on."""
 
 
 @dataclass

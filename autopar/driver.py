@@ -1,6 +1,7 @@
 """The one place that knows the order of the stages; the CLI verbs call these functions."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +48,27 @@ def build_cluster(cfg: Any) -> ClusterSpec:
         raise ConfigError(f"Invalid cluster: {err}", "`autopar plan --help` lists the cluster presets and fields.") from None
 
 
-def train_spec(cfg: Any) -> TrainSpec:
+def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
+    """The training settings the cost model reads; with train.router_checkpoint, the tokens per
+    expert measured from it (once per model, checkpoint and settings)."""
+    load: tuple = ()
+    checkpoint = OmegaConf.select(cfg, "train.router_checkpoint", default=None)
+    if checkpoint and model_path is not None:
+        load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
+                                    cfg.train.micro_batch_size, cfg.train.router_batches)
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
-                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance)
+                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load)
+
+
+@functools.lru_cache(maxsize=4)
+def measured_expert_load(model_path: str, checkpoint: str, kwargs: tuple, batch_size: int,
+                         batches: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(experts module FQN, tokens each expert received) from the router checkpoint
+    (autopar/trace/routing.py), as TrainSpec keeps them."""
+    from autopar.trace.routing import measure_expert_load
+
+    load = measure_expert_load(load_model_file(model_path), dict(kwargs), Path(checkpoint), batch_size, batches)
+    return tuple((fqn, tuple(counts)) for fqn, counts in sorted(load.items()))
 
 
 def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
@@ -65,7 +84,8 @@ def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
         raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
                           f"dp×micro_batch_size = {dp}×{micro}.", "change the batch or plan.micro_batch_size.")
     schedule = pins.schedule or ("interleaved_1f1b" if (pins.chunks or 1) > 1 else "1f1b")
-    return ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=pins.ep or 1, zero_stage=pins.zero_stage or 0,
+    return ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=pins.ep or 1, expert_tp=bool(pins.expert_tp),
+                          zero_stage=pins.zero_stage or 0,
                           hybrid_shard=bool(pins.hybrid_shard), micro_batch_size=micro,
                           num_micro_batches=cfg.train.global_batch_size // (dp * micro), schedule=schedule,
                           chunks=pins.chunks or 1, sequence_parallel=bool(pins.sequence_parallel),
@@ -83,7 +103,7 @@ def run_estimate(model_path: str | Path, cfg: Any,
     if profile is None:
         profile = run_profile(model_path, cfg)
     layout = pinned_layout(cfg, cluster)
-    pricer = PlanPricer(profile, cluster, train_spec(cfg), ILPSplitter(profile))
+    pricer = PlanPricer(profile, cluster, train_spec(cfg, model_path), ILPSplitter(profile))
     try:
         return profile, layout, pricer.estimate(layout)
     except ValueError as err:
@@ -107,7 +127,8 @@ def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = Non
         progress.phase(f"traced {len(profile.ops):,} ops in {len(profile.layers)} layers; building the search space")
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
-    planner = Planner(profile, cluster, train_spec(cfg), solver, pins, progress=progress.search if progress else None,
+    planner = Planner(profile, cluster, train_spec(cfg, model_path), solver, pins,
+                      progress=progress.search if progress else None,
                       excluded_splits=excluded_splits)
     result = planner.run()
     result.plan = with_cluster_config(result.plan, cfg)
@@ -191,7 +212,8 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
     train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer,
-                      moe_imbalance=plan.moe_imbalance)
+                      moe_imbalance=plan.moe_imbalance,
+                      expert_load=tuple((fqn, tuple(counts)) for fqn, counts in sorted(plan.expert_load.items())))
     splitter = ILPSplitter(profile)
     pricer = PlanPricer(profile, cluster, train, splitter)
     try:

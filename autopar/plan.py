@@ -120,6 +120,8 @@ class Plan:
             blocks (containers whose children are layers), in the order their blocks run.
         global_batch_size, precision, optimizer, moe_imbalance: the
             training settings planned for.
+        expert_load: experts module FQN -> tokens each expert received, measured from a router
+            checkpoint (train.router_checkpoint); empty: moe_imbalance priced the routing.
     """
 
     dp: int = 1
@@ -151,6 +153,7 @@ class Plan:
     precision: str = "bf16"
     optimizer: str = "adam"
     moe_imbalance: float = 1.0
+    expert_load: dict[str, list[int]] = field(default_factory=dict)
     predicted: Predicted = field(default_factory=Predicted)
     solver: SolverInfo = field(default_factory=SolverInfo)
     provenance: Provenance = field(default_factory=Provenance)

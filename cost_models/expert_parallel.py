@@ -62,6 +62,7 @@ class MoELayer:
             capacity slot, filled or not) for a grouped one.
         dropless: exchanged dropless (`ExpertExchange.ROUTED`): the busiest rank's load follows
             the routing; a grouped exchange moves and computes the same rows however tokens route.
+        modules: the FQNs of the layer's experts modules (measured loads are kept by them).
         width: the experts' feed-forward width, which expert tensor parallelism splits (0: the
             stacked weights cannot be split as a plain sum of slices, `feed_forward_width`).
     """
@@ -76,6 +77,7 @@ class MoELayer:
     dispatch_rows: int = 0
     dropless: bool = True
     width: int = 0
+    modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class ExpertFacts:
                 expert_forward_share=_flop_share(ops, modules, "forward", layer.flops_forward),
                 expert_backward_share=_flop_share(ops, modules, "backward", layer.flops_backward),
                 token_bytes=layer.input_bytes / max(1, tokens), tokens=tokens, dispatch_rows=rows, dropless=dropless,
+                modules=tuple(sorted(modules)),
                 width=feed_forward_width([shape for name, shape in profile.param_shapes.items()
                                           if name.rsplit(".", 1)[0] in modules],
                                          router_width(profile.param_shapes, layer.param_names, stacked, int(experts))))
@@ -232,15 +235,24 @@ def _flop_share(ops: list[Any], modules: set[str], phase: str, total: int) -> fl
     return min(1.0, inside / total)
 
 
-def routing_pace(ep: int, imbalance: float, dropless: bool) -> float:
+def routing_pace(ep: int, imbalance: float, dropless: bool, load: tuple[int, ...] = ()) -> float:
     """The most-loaded rank's rows over the mean: what the expert-parallel group waits for.
 
     With one rank holding every expert (ep=1) the layer's work is the same however tokens are
     routed. Across ep ranks, a dropless exchange gives the busiest rank `imbalance` times the
-    mean (`train.moe_imbalance`); a grouped one moves every capacity slot, filled or not, so
-    each rank receives and computes the same rows whatever the routing (its cost of routing is
-    the slots it pads, already in `MoELayer.dispatch_rows`, and the tokens it drops)."""
-    return imbalance if ep > 1 and dropless else 1.0
+    mean (`train.moe_imbalance`), or, with the tokens each expert received measured from a
+    trained router (`load`, autopar/trace/routing.py), the busiest block of E / ep consecutive
+    experts (as `apply_ep` places them) over the mean block. A grouped exchange moves every
+    capacity slot, filled or not, so each rank receives and computes the same rows whatever the
+    routing (its cost of routing is the slots it pads, already in `MoELayer.dispatch_rows`, and
+    the tokens it drops)."""
+    if ep == 1 or not dropless:
+        return 1.0
+    if load and sum(load) and len(load) % ep == 0:
+        share = len(load) // ep
+        blocks = [sum(load[rank * share:(rank + 1) * share]) for rank in range(ep)]
+        return max(blocks) / (sum(blocks) / ep)
+    return imbalance
 
 
 def dispatch_bytes(moe: MoELayer, scale: float, cp: int, pace: float) -> float:

@@ -327,7 +327,7 @@ class LayerCost:
         sums = self._expert_tp_time_s(moe, layout, scale, option)
         if layout.ep == 1:
             return sums
-        pace = routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless)
+        pace = self._pace(moe, layout)
         nbytes = dispatch_bytes(moe, scale, layout.cp, pace)
         group = self.placement(layout, "ep")
         exchanges = all_to_alls(option) * self.collective_s(Collective.ALL_TO_ALL, nbytes, group)
@@ -335,6 +335,13 @@ class LayerCost:
             exchanges += count_exchanges(option) * self.collective_s(Collective.ALL_TO_ALL, COUNT_BYTES * moe.experts,
                                                                      group)
         return exchanges + sums
+
+    def _pace(self, moe: Any, layout: Any) -> float:
+        """The busiest expert-parallel rank's share of the mean (routing_pace), from the measured
+        load of the layer's experts where the training settings hold one."""
+        measured = dict(self.train.expert_load)
+        load = tuple(sum(counts) for counts in zip(*(measured[m] for m in moe.modules if m in measured)))
+        return routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless, load)
 
     def _expert_tp_time_s(self, moe: Any, layout: Any, scale: float, option: str) -> float:
         """Expert tensor parallelism's all-reduces over the TP group per micro-batch
@@ -355,7 +362,7 @@ class LayerCost:
         moe = self.experts.experts_of(layer.name)
         if moe is None or (layout.ep == 1 and self._expert_tp(layout) == 1):
             return 0.0
-        pace = routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless)
+        pace = self._pace(moe, layout)
         compute = split.compute
         expert_s = (forward_passes * moe.expert_forward_share * compute.forward_s
                     + moe.expert_backward_share * compute.backward_s) * per_token
@@ -546,7 +553,7 @@ class LayerCost:
             # The tokens an MoE layer receives from its expert-parallel group and their outputs
             # before the combine, one layer at a time.
             buffers["ep_dispatch"] = max(2 * dispatch_bytes(moe, scale, layout.cp,
-                                                            routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless))
+                                                            self._pace(moe, layout))
                                          for moe in self.experts.layers.values())
         buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
         return buffers

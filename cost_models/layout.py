@@ -110,12 +110,16 @@ class TrainSpec:
         optimizer: adam (two fp32 states), sgd (momentum) or sgd_plain (no state).
         moe_imbalance: the most-loaded expert-parallel rank's tokens over the mean under dropless
             routing (1: even), what its group waits for (cost_models.expert_parallel).
+        expert_load: (experts module FQN, tokens each of its experts received) measured from a
+            trained router (autopar/trace/routing.py); where given, it prices the busiest rank
+            for each ep instead of moe_imbalance.
     """
 
     global_batch_size: int
     precision: str = "bf16"
     optimizer: str = "adam"
     moe_imbalance: float = 1.0
+    expert_load: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:

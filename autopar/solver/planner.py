@@ -318,6 +318,7 @@ class Planner:
             block_containers=list(self.profile.block_containers), global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
             moe_imbalance=self.train.moe_imbalance,
+            expert_load={fqn: list(counts) for fqn, counts in self.train.expert_load},
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                                 samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
                                 peak_memory_bytes=estimate.peak_memory_bytes,

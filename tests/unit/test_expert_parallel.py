@@ -456,3 +456,70 @@ def test_a_pinned_expert_tp_that_cannot_run_is_refused_in_words():
     with pytest.raises(UserError, match="one of a, b the hidden size"):
         Planner(unsplittable, cluster(1), TrainSpec(16, precision="fp32"), SolverConfig(),
                 PlanPins(expert_tp=True)).run()
+
+
+def test_routing_pace_from_measured_tokens_per_expert():
+    """By hand: experts r·E/ep ... sit on rank r; the busiest rank's tokens over the mean rank's."""
+    assert routing_pace(2, 1.7, True, (30, 10, 0, 0)) == 2.0  # ranks hold 40 and 0 of 40
+    assert routing_pace(4, 1.7, True, (30, 10, 0, 0)) == 3.0  # the busiest holds 30 of a mean 10
+    assert routing_pace(2, 1.7, True, (10, 0, 0, 10)) == 1.0  # each rank holds 10
+    assert routing_pace(2, 1.7, False, (30, 10, 0, 0)) == 1.0  # grouped experts: every slot moves anyway
+    assert routing_pace(2, 1.7, True) == 1.7  # nothing measured: train.moe_imbalance
+
+
+def test_tokens_per_expert_are_measured_from_a_router_checkpoint(tmp_path):
+    """train.router_checkpoint: the Hugging Face Mixtral's weights are loaded from a state dict
+    and its experts' (token, choice) pairs counted over example batches. The counts equal those
+    read independently off the model's own router logits (output_router_logits, top-2 of each
+    token's scores), and the planner prices the busiest rank from them: its wait is
+    (pace - 1) of the experts' compute, the pace computed by hand from the counts."""
+    import torch
+
+    from autopar.config import compose_config
+    from autopar.driver import run_plan
+    from autopar.errors import ConfigError
+    from autopar.model_file import load_model_file, make_batch
+    from autopar.trace.routing import measure_expert_load
+
+    model_file = load_model_file(HF_ZOO)
+    torch.manual_seed(3)
+    model = model_file.build_model(arch="mixtral")
+    checkpoint = tmp_path / "router.pt"
+    torch.save(model.state_dict(), checkpoint)
+    load = measure_expert_load(model_file, {"arch": "mixtral"}, checkpoint, batch_size=2, batches=3)
+    expected = {}
+    with torch.no_grad():
+        for index in range(3):
+            torch.manual_seed(index)
+            batch = make_batch(model_file, 2, {"arch": "mixtral"})
+            logits = model(input_ids=batch["input_ids"], output_router_logits=True).router_logits
+            for layer, scores in enumerate(logits):
+                counts = torch.bincount(scores.topk(2, dim=-1).indices.flatten(), minlength=4)
+                expected[f"model.layers.{layer}.mlp.experts"] = expected.get(f"model.layers.{layer}.mlp.experts", 0) + counts
+    assert load == {fqn: counts.tolist() for fqn, counts in expected.items()}
+    assert all(sum(counts) == 3 * 2 * 16 * 2 for counts in load.values())  # batches x samples x tokens x top-2
+    cfg = compose_config([f"model.arch=mixtral", "cluster=cpu_gloo", "cluster.gpus_per_node=4", "plan.ep=2",
+                          "plan.dp=4", "plan.zero_stage=3", "train.precision=fp32", "train.global_batch_size=8",
+                          f"train.router_checkpoint={checkpoint}", "train.router_batches=3",
+                          "train.micro_batch_size=2"])
+    plan = run_plan(HF_ZOO, cfg).plan
+    assert plan.expert_load == load
+    first = load["model.layers.0.mlp.experts"]
+    pace = max(sum(first[:2]), sum(first[2:])) / (sum(first) / 2)
+    from cost_models.expert_parallel import ExpertFacts
+    pricer = PlanPricer(moe_profile_hf(), ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", gpus_per_node=4)),
+                        TrainSpec(8, precision="fp32", expert_load=tuple((f, tuple(c)) for f, c in load.items())))
+    moe = ExpertFacts.of(pricer.profile).layers["model.layers.0"]
+    assert pricer._pace(moe, plan.layout()) == pytest.approx(pace)
+    with pytest.raises(ConfigError, match="is not a file"):
+        measure_expert_load(model_file, {"arch": "mixtral"}, tmp_path / "missing.pt", 2, 1)
+    with pytest.raises(ConfigError, match="does not match the model"):
+        measure_expert_load(model_file, {"arch": "mixtral", "layers": 3}, checkpoint, 2, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def moe_profile_hf():
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+
+    return profile_model(load_model_file(HF_ZOO), {"arch": "mixtral"}, micro_batch_size=2, precision="fp32")

@@ -107,6 +107,8 @@ _CP_REMEDIES = (
     ("shift along the sequence", "shift targets in example_batch instead of passing labels="),
     ("nn.MultiheadAttention", "compute attention with F.scaled_dot_product_attention instead of nn.MultiheadAttention"),
     ("attention", "call F.scaled_dot_product_attention (causal or without a mask) instead of computing softmax(QK^T)"),
+    ("numbered from the tokens", "return the positions the model numbers itself as position_ids in example_batch, so "
+                                 "every run (and each shard) uses them"),
     ("position", "take `position_ids=None` in forward and use it instead of numbering positions inside the model"),
     ("reduction over the sequence", "compute the statistic over the whole batch or per token, not per sequence"),
 )

@@ -14,6 +14,10 @@ whose output at one position reads others:
 - a shift along the sequence (a slice or pad that turns S positions into S±1: Hugging Face's
   ``labels=`` shifted inside the model, done per shard, drops a target per rank boundary);
 - cumulative ops (cumsum, cumprod, ...) over activations along the sequence;
+- positions numbered from the tokens: an integer cumulative op along the sequence whose result
+  indexes an embedding (RoBERTa counts positions past its padding index, from padding_idx + 1),
+  where CP would feed plain positions 0..S-1 instead; other integer cumulative ops are position
+  bookkeeping CP replaces (a padding mask's, Hugging Face's packed-sequence check);
 - reductions over the sequence that keep other dims (a per-sequence mean: pooling, a router's
   per-sequence load statistics, as a sequence-wise MoE auxiliary loss computes them), which a
   shard would take over its own tokens only; a reduction over every dim (a loss) is averaged
@@ -125,6 +129,10 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
         dim = _dim(args, 1, first)
         if first.shape[dim] == seq_len:
             return "a cumulative op along the sequence"
+    if name in _CUMULATIVE and first.dim() >= 2 and first.shape[_dim(args, 1, first)] == seq_len \
+            and _indexes_embedding(node):
+        return ("positions numbered from the tokens (an integer cumulative op along the sequence that indexes an "
+                "embedding, where context parallelism would feed plain positions 0..S-1)")
     if name in _REDUCTIONS and first.dtype.is_floating_point and _reduces_sequence(args, first, seq_len):
         return "a reduction over the sequence (a per-sequence statistic)"
     if name in _SHIFTS and first.dim() == out.dim():
@@ -138,6 +146,24 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
         if weight is not None and weight.shape[-1] > 1:
             return "a convolution over the sequence"
     return _sdpa_mask_reason(name, args, seq_len)
+
+
+def _indexes_embedding(node: torch.fx.Node, hops: int = 8) -> bool:
+    """Whether ``node``'s value reaches the indices of an ``aten.embedding`` within ``hops`` ops
+    (through the arithmetic that offsets and casts positions)."""
+    frontier, seen = [node], {node}
+    for _ in range(hops):
+        following = []
+        for current in frontier:
+            for user in current.users:
+                if user.op == "call_function" and "embedding" in op_name(user.target).split(".") \
+                        and len(user.args) > 1 and user.args[1] is current:
+                    return True
+                if user not in seen:
+                    seen.add(user)
+                    following.append(user)
+        frontier = following
+    return False
 
 
 def _reduces_sequence(args: list[Any], first: torch.Tensor, seq_len: int) -> bool:

@@ -58,9 +58,16 @@ HF_ZOO = ZOO / "hf_zoo.py"
                     "(_softmax in module 'model.layers.0.self_attn')"),
     ("t5", "attention computed outside scaled_dot_product_attention (a softmax over the sequence) "
            "(_safe_softmax in module 'encoder.block.0.layer.0.SelfAttention')"),
+    # RoBERTa counts positions past its padding index from the tokens (an integer cumsum into the
+    # position table); Llama's integer cumsum (mask bookkeeping) indexes no embedding.
+    ("roberta", "positions numbered from the tokens (an integer cumulative op along the sequence that indexes an "
+                "embedding, where context parallelism would feed plain positions 0..S-1) (cumsum in module "
+                "'roberta.embeddings')"),
+    ("bert", None),
 ])
 def test_ops_mixing_sequence_positions_are_found(arch, expected):
-    """Hugging Face's in-model label shift and eager attention read other positions; SDPA
+    """Hugging Face's in-model label shift and eager attention read other positions, and
+    RoBERTa's positions numbered from its tokens would not be the plain ones CP feeds; SDPA
     attention (which CP replaces) and position bookkeeping on integer ids do not count."""
     profile = profile_model(load_model_file(HF_ZOO), {"arch": arch}, micro_batch_size=1, precision="fp32")
     assert next(iter(profile.sequence_mixers), None) == expected

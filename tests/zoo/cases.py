@@ -42,9 +42,10 @@ REFUSED: dict[str, str] = {
     'cnn-cp2': 'position_ids/positions/pos argument',
     'hf_t5-dp2_cp2': 'would train a different model',
     'frozen-dp2_cp2': 'position_ids/positions/pos argument',
-    # Failed at run before compile's proof (autopar/runtime/proof.py); now refused at compile, every plan
-    # under the pin having failed the proof with this reason.
-    'hf_roberta-cp2': 'loss differs from one process',
+    # RoBERTa numbers its positions from the tokens, past its padding index; CP would feed plain
+    # 0..S-1 (the proof's check measured a loss 0.00685 off): refused by the sequence analysis,
+    # before pricing, also where no numerical check runs (GPU clusters).
+    'hf_roberta-cp2': 'positions numbered from the tokens',
     # CLIP's contrastive loss compares every text with every image of the batch: split across
     # ranks (dp, ZeRO), into micro-batches (pp) or along the sequence (cp, pooled at the
     # end-of-text token), each rank would train on other negatives, so the proof's check refuses

@@ -26,6 +26,7 @@ from autopar.model_file import ModelFile, build_fake
 from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
+from autopar.trace.batch import batch_statistics
 from autopar.trace.experts import experts_inputs
 from autopar.trace.sequence import position_blocker, sequence_mixers
 
@@ -135,6 +136,9 @@ class ModelProfile:
     sequence_mixers: list[str] = field(default_factory=list)
     """Ops that read other positions of the sequence and that context parallelism does not
     rewrite, described with their module (trace/sequence.py): any makes CP illegal."""
+    batch_mixer: str | None = None
+    """Why a split of the batch (dp, micro-batches, cp) would train another model, e.g. batch
+    normalisation in training mode (trace/batch.py); None: the samples never meet."""
     experts_inputs: dict[str, list[str]] = field(default_factory=dict)
     """FQN -> the required inputs of each ``experts`` module's forward (trace/experts.py):
     expert parallelism exchanges only a module taking one, its tokens grouped by expert."""
@@ -235,7 +239,7 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         param_shapes={name: list(p.shape) for name, p in params},
         placeholders=_placeholder_roles(captured),
         layers=layers, coverage=coverage, ops=ops, sequence_mixers=[m.describe() for m in mixers],
-        experts_inputs=experts_inputs(build.model))
+        experts_inputs=experts_inputs(build.model), batch_mixer=batch_statistics(captured))
 
 
 @dataclass

@@ -553,6 +553,14 @@ class Planner:
                             f"rank a shard of every sequence, and this model computes something else on a shard: "
                             f"{self.shape.cp_blocker}.",
                             f"pin plan.cp=1 (or leave it unset), or change the model: {cp_remedy(self.shape.cp_blocker)}.")
+        split = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("dp", "cp") if (getattr(self.pins, axis) or 1) > 1]
+        micro = self.pins.micro_batch_size
+        split += [f"plan.micro_batch_size={micro}"] if micro and micro < self.train.global_batch_size else []
+        if self.shape.batch_blocker and split:
+            raise UserError(f"{', '.join(split)} would train a different model: it splits the batch, and "
+                            f"{self.shape.batch_blocker}.",
+                            "leave them unset (each forward then sees the whole batch: dp=cp=1, one micro-batch), or "
+                            "use a per-sample norm (GroupNorm, LayerNorm) or torch.nn.SyncBatchNorm in the model.")
         if self.pins.sequence_parallel and self.shape.sp_blocker:
             raise UserError(f"plan.sequence_parallel=true cannot run on this model: {self.shape.sp_blocker}, and "
                             "sequence parallelism has no style that gathers the sequence for it.",
@@ -661,6 +669,8 @@ class Planner:
                 f"dp×tp×pp×cp with dp dividing the global batch {self.train.global_batch_size}, tp dividing "
                 f"the model's heads and weights within a node of {self.cluster.gpus_per_node} GPUs, pp at most "
                 f"the {max(1, self.shape.num_blocks)} blocks, cp cutting the sequence into 2·cp equal chunks"
+                + (f"; and since {self.shape.batch_blocker}, dp=cp=1 with the whole batch in one micro-batch (a "
+                   f"pipeline schedule then has one micro-batch to run)" if self.shape.batch_blocker else "")
                 + (f", and your pins ({', '.join(pins)})." if pins else "."))
 
     def _no_candidates_fix(self) -> str:

@@ -55,6 +55,7 @@ class ModelShape:
     ep_blocker: str | None = None  # why the generated expert parallelism cannot shard the experts, if it cannot
     dropless_experts: bool = False  # every MoE layer exchanged dropless: EP may span context-parallel ranks
     expert_width: int = 0  # what every MoE layer's experts' width divides into (0: expert TP cannot split it)
+    batch_blocker: str | None = None  # why any split of the batch would train another model (trace/batch.py)
 
     @classmethod
     def from_profile(cls, profile: "ModelProfile") -> "ModelShape":
@@ -79,7 +80,7 @@ class ModelShape:
                    head_dim=head_dim, tokens_per_sample=profile.tokens_per_sample, split_dims=tuple(sorted(dims)),
                    cp_blocker=next(iter(profile.sequence_mixers), None), experts=experts.common_divisor(),
                    sp_blocker=sp_blocker(profile), ep_blocker=experts.ep_blocker, dropless_experts=experts.dropless,
-                   expert_width=experts.common_width())
+                   expert_width=experts.common_width(), batch_blocker=getattr(profile, "batch_mixer", None))
 
     def tp_divides(self, tp: int) -> bool:
         if any(dim % tp and dim > tp for dim in self.split_dims):
@@ -127,7 +128,7 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
                 if world_size % (tp * cp * pp):
                     continue
                 dp = world_size // (tp * cp * pp)
-                if pins.dp is not None and pins.dp != dp or global_batch_size % dp:
+                if pins.dp is not None and pins.dp != dp or global_batch_size % dp or (shape.batch_blocker and dp > 1):
                     continue
                 yield from _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_batch_size,
                                            solver, pins, pinned)
@@ -171,7 +172,7 @@ def sp_blocker(profile: "ModelProfile") -> str | None:
 
 
 def _cp_options(shape: ModelShape, remaining: int) -> list[int]:
-    if not shape.tokens_per_sample or remaining == 0 or shape.cp_blocker:
+    if not shape.tokens_per_sample or remaining == 0 or shape.cp_blocker or shape.batch_blocker:
         return [1]
     # Ring attention's load-balanced causal sharding cuts each sequence into 2·cp chunks.
     return [cp for cp in divisors(remaining) if shape.tokens_per_sample % (2 * cp) == 0]
@@ -195,8 +196,10 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
                         and shape.expert_width % tp == 0 else [False])
     placements = list(itertools.product(pinned("ep", _ep_options(shape, dp, cp)), expert_tps,
                                         legal_mesh_orders(tp, cp, pp, dp, gpus_per_node, solver.allow_cross_node_tp)))
-    for micro_batch_size in pinned("micro_batch_size", [b for b in divisors(per_rank) if b <= solver.max_micro_batch_size]):
-        if per_rank % micro_batch_size:
+    # Batch statistics need the whole batch in one micro-batch, whatever its size.
+    sizes = [per_rank] if shape.batch_blocker else [b for b in divisors(per_rank) if b <= solver.max_micro_batch_size]
+    for micro_batch_size in pinned("micro_batch_size", sizes):
+        if per_rank % micro_batch_size or (shape.batch_blocker and micro_batch_size < per_rank):
             continue
         micro_batches = per_rank // micro_batch_size
         shares = _shares(pins, dp, pp, micro_batch_size)

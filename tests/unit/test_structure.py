@@ -287,3 +287,29 @@ def test_plan_blocks_pin_refuses_what_is_not_a_stack(blocks, words):
         profile_model(load_model_file(HF_ZOO), {"arch": "t5"}, micro_batch_size=1, precision="fp32", blocks=blocks)
     assert words in str(refusal.value)
     assert "plan.blocks=[encoder.block,decoder.block]" in refusal.value.fix
+
+
+def test_batch_statistics_keep_the_whole_batch_in_every_forward():
+    """A ResNet's BatchNorm in training mode normalises over the batch: the profile names it, the
+    search keeps dp = cp = 1 and one micro-batch of the whole batch (tensor parallelism, which
+    splits the model, stays open), and a pin splitting the batch is refused in words. A model
+    whose samples never meet (the GPT example) has no such reason."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from autopar.solver.space import ModelShape, enumerate_candidates
+    from cost_models.step import TrainSpec
+    from cost_models.topology import ClusterConfig, ClusterSpec
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    profile = profile_model(load_model_file(examples / "cnn.py"), {"width": 8, "blocks": 4, "image": 8},
+                            micro_batch_size=2, precision="fp32")
+    assert "batch normalisation in training mode (native_batch_norm in module 'stem.1')" in profile.batch_mixer
+    candidates = list(enumerate_candidates(ModelShape.from_profile(profile), 4, 4, 8, SolverConfig(), PlanPins()))
+    assert candidates and {(c.dp, c.cp, c.micro_batch_size, c.num_micro_batches) for c in candidates} == {(1, 1, 8, 1)}
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=2))
+    with pytest.raises(UserError, match="plan.dp=2 would train a different model: it splits the batch"):
+        Planner(profile, cluster, TrainSpec(8, precision="fp32"), SolverConfig(), PlanPins(dp=2)).run()
+    gpt = profile_model(load_model_file(examples / "gpt.py"), {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 16,
+                                                               "vocab": 64}, micro_batch_size=1, precision="fp32")
+    assert gpt.batch_mixer is None

@@ -143,6 +143,11 @@ class ExpertFacts:
         return math.gcd(*(layer.experts for layer in self.layers.values())) if self.layers else 0
 
 
+# Why an experts module's width cannot be split over TP, as the planner and the checks say it.
+UNSPLITTABLE_WIDTH = ("their weights are not [E, a, b] with one of a, b the hidden size (the router's width) and the "
+                      "other a feed-forward width in 1 or 2 blocks")
+
+
 def feed_forward_width(shapes: list[list[int]], hidden: int | None) -> int:
     """The feed-forward width F of an experts module's weights (0 when it has none to split as a
     plain sum of slices): each weight [E, a, b] with one of a, b the hidden size (the width of
@@ -200,7 +205,7 @@ def ep_blocker(experts_inputs: dict[str, list[str]]) -> str | None:
     """Why the generated all-to-alls cannot wrap these experts modules (FQN -> their forward's
     required inputs), or None: each must take its tokens grouped by expert, or the flat tokens
     with their chosen experts and gates (`ExpertExchange`; the runtime refuses any other,
-    expert_parallel.exchange_of)."""
+    codegen/sections/expert_parallel.py's `is_routed`)."""
     unknown = {fqn: inputs for fqn, inputs in experts_inputs.items() if exchange_kind(inputs) is None}
     if not unknown:
         return None
@@ -268,14 +273,19 @@ def all_to_alls(option: str, dropless: bool = False) -> int:
     the forward's again where the layer is recomputed (full, or selective, which keeps GEMM
     outputs but not collectives'); a dropless exchange first sends its per-expert counts in each
     forward (`count_exchanges`)."""
-    forwards = 2 if option in ("full", "selective") else 1
-    return 2 * forwards + 2 + (count_exchanges(option) if dropless else 0)
+    return 2 * forward_passes(option) + 2 + (count_exchanges(option) if dropless else 0)
+
+
+def forward_passes(option: str) -> int:
+    """Forwards an MoE layer runs per micro-batch under a recompute option: a recomputed one
+    (full, or selective, which keeps GEMM outputs but not collectives') runs twice."""
+    return 2 if option in ("full", "selective") else 1
 
 
 def count_exchanges(option: str) -> int:
     """The dropless exchange's count all-to-alls per micro-batch: one per forward (the
     recomputed one included), E integers a rank, so each rank knows the sizes it receives."""
-    return 2 if option in ("full", "selective") else 1
+    return forward_passes(option)
 
 
 COUNT_BYTES = 8  # one int64 count per expert
@@ -288,9 +298,8 @@ def expert_tp_sums(moe: MoELayer, scale: float, cp: int, option: str) -> list[tu
     before the experts): the output's partial sums in each forward (again where the layer is
     recomputed) and the input's partial gradient in backward: the E x C rows of a grouped
     module; of a dropless one the T combined tokens, and in backward also its T x k gates."""
-    forwards = 2 if option in ("full", "selective") else 1
     rows = moe.dispatch_rows if not moe.dropless else moe.tokens
-    sums = [(forwards + 1, rows * scale / cp * moe.token_bytes)]
+    sums = [(forward_passes(option) + 1, rows * scale / cp * moe.token_bytes)]
     if moe.dropless:
         sums.append((1, moe.tokens * moe.top_k * scale / cp * GATE_BYTES))
     return sums

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Callable
 
+from cost_models.expert_parallel import UNSPLITTABLE_WIDTH
 from cost_models.layout import CPStrategy, DPSync, ExpertDispatch, Schedule, ZeroStage
 
 
@@ -153,8 +154,7 @@ def expert_tp_problem(layout: Any, facts: LayoutFacts) -> str | None:
     if facts.experts == 0:
         return "expert_tp needs a model with experts (parameters stacked [E, ...] under an 'experts' module)"
     if facts.expert_width == 0:
-        return ("expert_tp cannot split these experts: their weights are not [E, a, b] with one of a, b the hidden "
-                "size (the router's width) and the other a feed-forward width in 1 or 2 blocks; pin expert_tp=false")
+        return f"expert_tp cannot split these experts: {UNSPLITTABLE_WIDTH}; pin expert_tp=false"
     if facts.expert_width and facts.expert_width % layout.tp:
         return f"expert_tp needs tp={layout.tp} to divide the experts' width {facts.expert_width}: pin expert_tp=false"
     return None

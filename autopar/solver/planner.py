@@ -17,6 +17,7 @@ from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versi
 from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
 from autopar.solver.space import MAX_WORLD_SIZE, Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_split import ILPSplitter, illegal_splits, replicated_ops
+from cost_models.expert_parallel import UNSPLITTABLE_WIDTH
 from cost_models.hardware import get_gpu, known_gpus
 from cost_models.techniques import Family, searchable, technique
 from cost_models.memory import RECOMPUTE_OPTIONS
@@ -609,7 +610,6 @@ class Planner:
                             f"{batch}.",
                             f"set train.global_batch_size to a multiple of {max(carved)}, or leave plan.ep unset.")
 
-
     def _check_pinned_expert_tp(self) -> None:
         """A pinned expert TP that no TP degree could run on this model."""
         if not self.pins.expert_tp:
@@ -619,8 +619,7 @@ class Planner:
             raise UserError("plan.expert_tp=true splits experts, but this model has none.",
                             "leave plan.expert_tp unset or pin it to false.")
         if not width:
-            raise UserError("plan.expert_tp=true cannot split these experts: their weights are not [E, a, b] with one of a, b the hidden "
-                            "size (the router's width) and the other a feed-forward width in 1 or 2 blocks.",
+            raise UserError(f"plan.expert_tp=true cannot split these experts: {UNSPLITTABLE_WIDTH}.",
                             "leave plan.expert_tp unset or pin it to false.")
         if tp is not None and (tp == 1 or width % tp):
             raise UserError(f"plan.expert_tp=true splits the experts' width {width} over the tensor-parallel group, "

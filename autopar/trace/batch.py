@@ -14,7 +14,7 @@ ranks; this rule holds wherever the plan is made.
 """
 from __future__ import annotations
 
-from autopar.trace.capture import BACKWARD, CapturedStep
+from autopar.trace.capture import CapturedStep
 from autopar.trace.ops import op_name
 
 # ATen's batch-norm ops and the index of their `training` argument.
@@ -26,9 +26,7 @@ _BATCH_NORM_TRAINING_ARG = {"native_batch_norm": 5, "_native_batch_norm_legit": 
 def batch_statistics(captured: CapturedStep) -> str | None:
     """Why a split of the batch would train another model (None: the samples never meet): the
     first forward batch norm in training mode, with its module."""
-    for node in captured.graph_module.graph.nodes:
-        if node.op != "call_function" or captured.node_phase.get(node.name) == BACKWARD:
-            continue
+    for node in captured.forward_calls():
         parts = op_name(node.target).split(".")
         name = next((part for part in parts if part in _BATCH_NORM_TRAINING_ARG), None)
         if name is None:

@@ -52,6 +52,11 @@ class CapturedStep:
     node_module: dict[str, str | None]
     node_phase: dict[str, str]
 
+    def forward_calls(self) -> Iterator[torch.fx.Node]:
+        """The forward pass's op calls, in graph order."""
+        return (node for node in self.graph_module.graph.nodes
+                if node.op == "call_function" and self.node_phase.get(node.name) != BACKWARD)
+
 
 def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedStep:
     """Trace forward + loss + backward of ``build.model`` on ``build.batch``.

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from autopar.trace.capture import BACKWARD, CapturedStep
+from autopar.trace.capture import CapturedStep
 from autopar.trace.ops import op_name
 
 _SOFTMAX = {"_softmax", "softmax", "_safe_softmax", "_log_softmax", "log_softmax"}
@@ -93,9 +93,7 @@ def sequence_mixers(captured: CapturedStep, seq_len: int | None,
         return []
     native = _native_attention_modules(model) if model is not None else set()
     found: dict[tuple[str | None, str], SequenceMixer] = {}
-    for node in captured.graph_module.graph.nodes:
-        if node.op != "call_function" or captured.node_phase.get(node.name) == BACKWARD:
-            continue
+    for node in captured.forward_calls():
         name = op_name(node.target).split(".")[-1]
         if name in ("default", "int", "Tensor", "dim"):
             name = op_name(node.target).split(".")[-2]
@@ -216,9 +214,8 @@ def position_blocker(captured: CapturedStep, seq_len: int | None, model: torch.n
     if not seq_len or seq_len < 2 or position_argument(model) is not None:
         return None
     reason = f"no {POSITION_ARGUMENT_NAMES} argument in forward to give each sequence shard its global positions"
-    for node in captured.graph_module.graph.nodes:
-        if node.op == "call_function" and "arange" in op_name(node.target).split(".") \
-                and captured.node_phase.get(node.name) != BACKWARD:
+    for node in captured.forward_calls():
+        if "arange" in op_name(node.target).split("."):
             out = _value(node)
             if isinstance(out, torch.Tensor) and out.dim() == 1 and out.shape[0] == seq_len:
                 return SequenceMixer(captured.node_module.get(node.name), "arange", reason + ", and an arange over "

@@ -40,7 +40,7 @@ rank, so there is nothing to shard or average).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -299,7 +299,9 @@ def apply_expert_tp(model: nn.Module, tp_mesh: DeviceMesh, shards: "ExpertShards
         module.register_forward_pre_hook(lambda _, args: tuple(
             _CopyToTensorParallel.apply(a, group) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
         module.register_forward_hook(lambda _, args, output: _ReduceFromTensorParallel.apply(output, group))
-    return ExpertShards.of(modules, tp_mesh=tp_mesh, widths=split, ep=ep, ep_group=shards.group if shards else None)
+    if shards is None:
+        return ExpertShards.of(modules, tp_mesh=tp_mesh, widths=split)
+    return replace(shards, tp=tp, tp_group=group, widths=split)
 
 
 @dataclass(frozen=True)
@@ -318,17 +320,13 @@ class ExpertShards:
 
     @classmethod
     def of(cls, modules: dict[str, nn.Module], ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None,
-           widths: dict[str, tuple[int, int]] | None = None, ep: int = 1,
-           ep_group: dist.ProcessGroup | None = None) -> "ExpertShards":
-        """The shards `apply_ep` (over ``ep_mesh``, or ``ep`` ranks of ``ep_group``) and
-        `apply_expert_tp` (over ``tp_mesh``, splitting ``widths``) made of ``modules`` (FQN ->
-        experts module)."""
+           widths: dict[str, tuple[int, int]] | None = None) -> "ExpertShards":
+        """The shards `apply_ep` (over ``ep_mesh``) or `apply_expert_tp` (over ``tp_mesh``,
+        splitting ``widths``) made of ``modules`` (FQN -> experts module)."""
         names = frozenset(f"{fqn}.{name}" for fqn, module in modules.items()
                           for name, _ in module.named_parameters(recurse=False))
-        if ep_mesh is not None:
-            ep, ep_group = ep_mesh.size(), ep_mesh.get_group()
-        return cls(names, ep, ep_group, tp_mesh.size() if tp_mesh else 1, tp_mesh.get_group() if tp_mesh else None,
-                   dict(widths or {}))
+        return cls(names, ep_mesh.size() if ep_mesh else 1, ep_mesh.get_group() if ep_mesh else None,
+                   tp_mesh.size() if tp_mesh else 1, tp_mesh.get_group() if tp_mesh else None, dict(widths or {}))
 
     def __or__(self, other: "ExpertShards") -> "ExpertShards":
         return ExpertShards(self.names | other.names, self.ep, self.group, self.tp, self.tp_group,
@@ -348,9 +346,9 @@ class ExpertShards:
             local = torch.cat([torch.cat([blocks[r][part] for r in range(self.tp)], dim) for part in range(parts)], dim)
         if self.ep == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.ep)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts)
+        gathered = [torch.empty_like(local) for _ in range(self.ep)]
+        dist.all_gather(gathered, local.contiguous(), group=self.group)
+        return torch.cat(gathered)
 
     @torch.no_grad()
     def scale_gradients(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:

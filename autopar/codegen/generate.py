@@ -13,7 +13,7 @@ import json
 import math
 import pprint
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,17 @@ class GeneratedFiles:
 
 
 @dataclass(frozen=True)
+class RunDefaults:
+    """What the generated module trains by default (each is a command-line option of it)."""
+
+    steps: int = 10
+    checkpoint_every: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+    eval_every: int = 0
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
 class Layout:
     """Decisions code generation adds to the plan (derived, not searched).
 
@@ -67,7 +78,8 @@ class Layout:
 
 def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_kwargs: dict[str, Any] | None = None,
              gpus_per_node: int | None = None, optimizer: dict[str, Any] | None = None,
-             steps: int = 10, checkpoint_every: int = 0) -> GeneratedFiles:
+             steps: int = 10, checkpoint_every: int = 0, data: dict[str, Any] | None = None,
+             eval_every: int = 0, eval_batches: int = 4) -> GeneratedFiles:
     """Write the parallel training module for ``plan`` and its launch scripts into ``out_dir``.
 
     Args:
@@ -81,6 +93,9 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
         steps: default number of training steps of the generated script.
         checkpoint_every: default checkpoint frequency of the generated script (0: off unless
             ``--checkpoint-every`` asks).
+        data: the built-in text pipeline's settings (training_data.DataConfig fields that differ
+            from their defaults); none: the model's dataset() hook, else example_batch.
+        eval_every, eval_batches: default validation frequency (0: none) and batches.
     """
     model_path = Path(model_path)
     out_dir = Path(out_dir)
@@ -99,8 +114,10 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
         shutil.copyfile(model_path, model_copy)
     sha = load_model_file(model_path).sha256
     settings = {**DEFAULT_OPTIMIZER, **(optimizer or {})}
-    script.write_text(render_module(plan, name, model_path.name, sha, kwargs, facts, tp, layout, settings, steps,
-                                    gpus_per_node, checkpoint_every))
+    training = RunDefaults(steps=steps, checkpoint_every=checkpoint_every, data=dict(data or {}),
+                           eval_every=eval_every, eval_batches=eval_batches)
+    script.write_text(render_module(plan, name, model_path.name, sha, kwargs, facts, tp, layout, settings,
+                                    gpus_per_node, training))
     for section, file_name in BESIDE.items():
         (out_dir / file_name).write_text(module_beside(section))
     plan_path = out_dir / "plan.json"
@@ -248,7 +265,8 @@ def derive_layout(plan: Plan, facts: ModelFacts, gpus_per_node: int, reads: Laye
 # What autopar's own tools call on a generated module (runtime/fake_memory.py, the tests and
 # benchmarks), beyond what main() reaches: pruning keeps them.
 RUNTIME_API = frozenset({"main", "parse_args", "train", "train_config", "parallel_config", "setup", "parallelize",
-                         "train_step", "local_batch", "attention_context", "global_loss", "slice_batch",
+                         "train_step", "local_batch", "open_data", "Batches", "validation_batches", "eval_step",
+                         "validation_loss", "attention_context", "global_loss", "slice_batch",
                          "model_inputs", "build_model", "load_model_file", "place", "compute_dtype", "dp_rank",
                          "tp_plan", "PLAN", "MODEL_FILE"})
 PIPELINE_API = frozenset({"local_stage_indices", "batch_to_kwargs", "named_parameters_in_stage"})
@@ -287,8 +305,8 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
 
 
 def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts,
-                  tp: TPPlan, layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int,
-                  checkpoint_every: int = 0) -> str:
+                  tp: TPPlan, layout: Layout, optimizer: dict[str, Any], gpus_per_node: int,
+                  training: RunDefaults) -> str:
     """The generated module's source: every section, specialised to the plan (branches it
     decides folded, definitions nothing reaches dropped), under one import block of the names
     it still uses."""
@@ -303,8 +321,7 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
                           ("pathlib", {"Path"})):
         imports.from_names.setdefault(module, set()).update(names)
     body = "\n\n\n".join(part.strip("\n") for part in (
-        plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, steps, gpus_per_node,
-                     checkpoint_every),
+        plan_section(plan, model_file, sha, model_kwargs, facts, tp, layout, optimizer, gpus_per_node, training),
         sections,
         main_section(),
     )) + "\n"
@@ -415,8 +432,7 @@ def runtime_plan(plan: Plan) -> dict[str, Any]:
 
 
 def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, Any], facts: ModelFacts, tp: TPPlan,
-                 layout: Layout, optimizer: dict[str, Any], steps: int, gpus_per_node: int,
-                 checkpoint_every: int = 0) -> str:
+                 layout: Layout, optimizer: dict[str, Any], gpus_per_node: int, training: RunDefaults) -> str:
     constants = [
         "# Derived when generating: dp = replicas x ZeRO shard group, FSDP groups bottom-up, tied parameters.",
         f"DP_REPLICATE, DP_SHARD = {layout.dp_replicate}, {layout.dp_shard}",
@@ -443,10 +459,15 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         f"MODEL_SHA256 = {sha!r}",
         f"MODEL_KWARGS = {pprint.pformat(model_kwargs, width=110)}",
         f"OPTIMIZER = {pprint.pformat(dict(optimizer), width=110, sort_dicts=False)}",
-        f"DEFAULT_STEPS = {steps}",
+        f"DEFAULT_STEPS = {training.steps}",
         "# Checkpoints: CHECKPOINT_DIR/step_<n>/ every CHECKPOINT_EVERY steps; 0 turns them off.",
         'CHECKPOINT_DIR = str(Path(__file__).with_name("checkpoints"))',
-        f"CHECKPOINT_EVERY = {checkpoint_every}",
+        f"CHECKPOINT_EVERY = {training.checkpoint_every}",
+        "# Training data (training_data.py): the built-in text pipeline's settings; without a path, the",
+        "# model file's dataset() hook, else example_batch. Tokenized corpora are cached in DATA_CACHE.",
+        f"DATA = {pprint.pformat(training.data, width=110, sort_dicts=False)}",
+        'DATA_CACHE = str(Path(__file__).with_name("data_cache"))',
+        f"EVAL_EVERY, EVAL_BATCHES = {training.eval_every}, {training.eval_batches}  # validation loss: every N steps, over K batches",
         "",
         *constants,
         "",
@@ -537,6 +558,9 @@ def train_config_source(plan: Plan) -> str:
                                                   async_save=args.async_checkpoint, export=args.export,
                                                   allow_fresh_start=args.allow_fresh_start),
         fail_at_step=args.fail_at_step,
+        data=data_overrides({{"cache_dir": DATA_CACHE, **DATA}}, args.data),
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
     )'''
 
 
@@ -613,7 +637,8 @@ def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None 
     """Train with the plan; see the module docstring for how to launch (``after_steps``: see train)."""
     args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "model_file": MODEL_FILE,
                              "log_file": str(Path(__file__).with_name("run.jsonl")),
-                             "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY}})
+                             "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY,
+                             "eval_every": EVAL_EVERY, "eval_batches": EVAL_BATCHES}})
     if args.export and "RANK" not in os.environ:  # not under torchrun: only consolidate the latest checkpoint
         folder = checkpointing.export_latest_checkpoint(args.checkpoint_dir, args.export)
         print(f"exported {{folder}} to {{args.export}}")

@@ -6,25 +6,72 @@ machinery: one forward and backward over the whole global batch per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
+from autopar.codegen.sections.contract import tokens_per_sample
 from autopar.model_file import accepted_kwargs, call_model, compute_loss, load_model_file
 
 
 @dataclass
 class ReferenceRun:
-    """Loss per step and the parameters after the last step (FQN -> tensor; tied names once)."""
+    """Loss per step and the parameters after the last step (FQN -> tensor; tied names once);
+    the validation loss after each evaluated step (step -> loss)."""
 
     losses: list[float]
     parameters: dict[str, torch.Tensor]
+    val_losses: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class ReferenceData:
+    """A run's samples as one process reads them: step s's whole global batch from the global
+    order (data_loading.py), and the fixed validation batches."""
+
+    train: Any
+    val: Any
+    global_batch_size: int
+    seed: int = 0
+
+    @classmethod
+    def of(cls, model_path: str | Path, model_kwargs: dict[str, Any], data: dict[str, Any], global_batch_size: int,
+           seed: int = 0) -> "ReferenceData":
+        """The built-in text pipeline's datasets for ``data`` (DATA's settings), in the model's
+        batch structure."""
+        from autopar.codegen.sections import data as training_data
+        from autopar.codegen.sections import loader as data_loading
+        from autopar.codegen.sections.batches import data_settings
+
+        model_file = load_model_file(model_path)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            example = model_file.example_batch(2, **accepted_kwargs(model_file.example_batch, model_kwargs))
+        seq_len = tokens_per_sample(example)
+        settings = data_settings(data, seq_len)
+        train, val = training_data.data_splits(settings, min_samples=global_batch_size)
+        layout = data_loading.batch_layout(example, seq_len)
+        return cls(data_loading.TokenSamples(train, layout),
+                   None if val is None else data_loading.TokenSamples(val, layout), global_batch_size, seed)
+
+    def batch(self, step: int) -> Any:
+        from autopar.codegen.sections import loader as data_loading
+
+        order = data_loading.GlobalOrder(len(self.train), self.seed)
+        start = step * self.global_batch_size
+        return default_collate([self.train[order.sample(p)] for p in range(start, start + self.global_batch_size)])
+
+    def validation(self, count: int) -> list[Any]:
+        size = self.global_batch_size
+        return [default_collate([self.val[i * size + j] for j in range(size)]) for i in range(count)]
 
 
 def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_batch_size: int, steps: int,
-                  optimizer: dict[str, Any], seed: int = 0) -> ReferenceRun:
+                  optimizer: dict[str, Any], seed: int = 0, data: ReferenceData | None = None,
+                  eval_every: int = 0, eval_batches: int = 4) -> ReferenceRun:
     """Train the unsharded model for ``steps`` steps on one process (CPU, fp32).
 
     Args:
@@ -34,21 +81,36 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
         steps: optimizer steps.
         optimizer: AdamW settings (lr, betas, eps, weight_decay).
         seed: seed of the weights; batches use seed + 1 + step.
+        data: the run's samples (else example_batch), and its validation batches.
+        eval_every, eval_batches: the validation loss every ``eval_every`` steps and after the
+            last, over ``eval_batches`` batches (0: never).
     """
     model_file = load_model_file(model_path)
     torch.manual_seed(seed)
     model = model_file.build_model(**accepted_kwargs(model_file.build_model, model_kwargs))
     adamw = torch.optim.AdamW(model.parameters(), lr=optimizer["lr"], betas=tuple(optimizer["betas"]),
                               eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
-    losses = []
+    losses, val_losses = [], {}
+    validation = data.validation(eval_batches) if data is not None and eval_every > 0 else []
     for step in range(steps):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + 1 + step)
-            batch = model_file.example_batch(global_batch_size,
-                                             **accepted_kwargs(model_file.example_batch, model_kwargs))
+        if data is not None:
+            batch = data.batch(step)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 1 + step)
+                batch = model_file.example_batch(global_batch_size,
+                                                 **accepted_kwargs(model_file.example_batch, model_kwargs))
         loss = compute_loss(model_file, call_model(model, batch), batch)
         loss.backward()
         adamw.step()
         adamw.zero_grad()
         losses.append(loss.item())
-    return ReferenceRun(losses=losses, parameters={n: p.detach().clone() for n, p in model.named_parameters()})
+        done = step + 1
+        if validation and (done % eval_every == 0 or done == steps):
+            model.eval()
+            with torch.no_grad():
+                val_losses[done] = sum(compute_loss(model_file, call_model(model, b), b).item()
+                                       for b in validation) / len(validation)
+            model.train()
+    return ReferenceRun(losses=losses, parameters={n: p.detach().clone() for n, p in model.named_parameters()},
+                        val_losses=val_losses)

@@ -9,8 +9,11 @@ the unsharded model's FQNs, so DCP reshards on load: a checkpoint written under 
 loads under another (TP2 x DP2, ZeRO-3, a pipeline).
     model.<fqn>                          parameters and buffers (DTensor shards, as the plan places them)
     optimizer.state.<fqn>.<name>         AdamW's step and moments (optimizer.param_groups.<fqn>.<option>)
-    train.step                           optimizer steps done, which is the data position too:
-                                         the batch of step s is drawn from seed + 1 + s
+    train.step                           optimizer steps done
+    train.samples                        the data position: samples of the run's global order
+                                         consumed (data_loading.py), so a resumed run continues at
+                                         the sample, under any plan; example_batch runs draw step
+                                         s's batch from seed + 1 + s
     rng.rank<r>.cpu, rng.rank<r>.cuda    each rank's random number generator states
 Pipeline stages save their parameters under the whole model's FQNs; a parameter tied across
 stages (token embedding and LM head) is saved under the name it has on each stage and loaded
@@ -52,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 
 COMPLETE = "COMPLETE"
+OPTIONAL_KEYS = ("train.samples",)
 # Written beside a checkpoint that passed its checksums but still failed to load, so a restarted
 # attempt (torchrun --max-restarts) goes to the one before instead of failing on it again.
 UNUSABLE = "UNUSABLE"
@@ -266,15 +270,17 @@ class Checkpointer:
         self.pending: Future | None = None
         self.pending_folder: tuple[Path, int] | None = None
         self.last_saved: int | None = None
+        self.samples: int | None = None  # the data position of the checkpoint resumed from
         # Async saves plan over their own gloo group from a background thread, so their
         # collectives never interleave with training's (and NCCL runs need a CPU group anyway).
         self.group = dist.new_group(backend="gloo") if options.enabled and options.async_save else None
 
-    def _state(self, step: int) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    def _state(self, step: int, samples: int = 0) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
         """This rank's state under checkpoint keys, and where each key came from: (section, its
         key in torch's state dict), the sections being model, optimizer, train and rng."""
+        train = {"step": torch.tensor(step, dtype=torch.int64), "samples": torch.tensor(samples, dtype=torch.int64)}
         sections = {"model": get_model_state_dict(self.model), "optimizer": self._optimizer_state(),
-                    "train": {"step": torch.tensor(step, dtype=torch.int64)}, "rng": _rng_state()}
+                    "train": train, "rng": _rng_state()}
         state: dict[str, Any] = {}
         origin: dict[str, tuple[str, str]] = {}
         for section, values in sections.items():
@@ -292,8 +298,9 @@ class Checkpointer:
             return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT_OPTIMIZER)
         return self.optimizer.flat_state_dict(self._parameter_fqns())
 
-    def save(self, step: int) -> None:
-        """Write ``DIR/step_<step>/`` and mark it complete once every rank's part is on disk."""
+    def save(self, step: int, samples: int | None = None) -> None:
+        """Write ``DIR/step_<step>/`` and mark it complete once every rank's part is on disk;
+        ``samples``: the data position after the step (None: not recorded)."""
         self.wait()  # one save in flight at a time
         folder = Path(self.options.directory) / f"step_{step}"
         if dist.get_rank() == 0:
@@ -303,7 +310,7 @@ class Checkpointer:
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
         dist.barrier()
-        state, _ = self._state(step)
+        state, _ = self._state(step, samples if samples is not None else 0)
         self.last_saved = step
         if not self.options.async_save:
             try:
@@ -355,7 +362,7 @@ class Checkpointer:
             return 0
         step, folder = choice[0]
         try:
-            self.load(Path(folder))
+            self.samples = self.load(Path(folder))[1]
         except _FAILURES as error:
             if dist.get_rank() == 0:  # the next attempt goes to the checkpoint before this one
                 (Path(folder) / UNUSABLE).write_text(f"{type(error).__name__}: {str(error)[:2000]}\n")
@@ -366,8 +373,9 @@ class Checkpointer:
         self.last_saved = step
         return step
 
-    def load(self, folder: Path) -> int:
-        """Load ``folder`` into the model, optimizer and RNGs (resharding as needed); returns its step."""
+    def load(self, folder: Path) -> tuple[int, int | None]:
+        """Load ``folder`` into the model, optimizer and RNGs (resharding as needed); returns its
+        step and data position (None when it recorded none)."""
         state, origin = self._state(0)  # the shapes and shardings to load into
         loaded: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}, "train": {}, "rng": {}}
         for key, value in read_checkpoint(folder, state, self.dims, self.tied_parameters).items():
@@ -379,13 +387,14 @@ class Checkpointer:
         else:
             self.optimizer.load_flat_state_dict(loaded["optimizer"], self._parameter_fqns())
         _set_rng_state(loaded["rng"])
-        return int(loaded["train"]["step"])
+        samples = loaded["train"].get("samples")
+        return int(loaded["train"]["step"]), int(samples) if samples is not None and int(samples) > 0 else None
 
-    def finish(self, step: int) -> None:
+    def finish(self, step: int, samples: int | None = None) -> None:
         """Save the state after the last step (unless saved or resumed at or past it) and wait for
         every save to be written."""
         if self.last_saved is None or self.last_saved < step:
-            self.save(step)
+            self.save(step, samples)
         self.wait()
 
 
@@ -395,7 +404,9 @@ def read_checkpoint(folder: Path, state: dict[str, Any], dims: Any,
     """``state``'s values read from ``folder``, tensors in place. RNG states of ranks the saving
     run did not have are left out (such a rank keeps its seeded RNG)."""
     available = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
-    sources = {key: key for key in state if key in available or not key.startswith("rng.")}
+    # Optional keys: RNG states of ranks the saving run did not have; the data position of a
+    # checkpoint written before it was saved.
+    sources = {key: key for key in state if key in available or not (key.startswith("rng.") or key in OPTIONAL_KEYS)}
     if dims.pp_enabled:
         # A pipeline's last stage asks for the state of lm_head.weight; a run without pipeline
         # saved the optimizer state of the one tied tensor under wte.weight only.

@@ -350,8 +350,10 @@ def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool, traced: bool = False) -> torch.Tensor | None:
-    """One forward and backward of every micro-batch; the mean micro-batch loss on the last stage.
+def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool, traced: bool = False,
+                 evaluate: bool = False) -> torch.Tensor | None:
+    """One forward and backward of every micro-batch (forward only with ``evaluate``); the mean
+    micro-batch loss on the last stage.
 
     Module stages take the batch as keyword arguments on every stage; traced stages take it as
     positional arguments of the first stage only."""
@@ -360,10 +362,11 @@ def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool, traced: bool = 
     losses: list[torch.Tensor] = []
     # The schedule wants a target to hand its loss function; the loss is already computed.
     target = torch.zeros(first.shape[0], device=first.device)
+    run = schedule.eval if evaluate else schedule.step
     if traced:
-        schedule.step(*kwargs.values(), target=target, losses=losses, return_outputs=False)
+        run(*kwargs.values(), target=target, losses=losses, return_outputs=False)
     else:
-        schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+        run(target=target, losses=losses, return_outputs=False, **kwargs)
     if not is_last_stage:
         return None
     return torch.stack([loss.detach().float() for loss in losses]).mean()

@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
 # In a generated folder this is checkpointing.py beside the training module (the same for every plan).
 from autopar.codegen.sections import checkpoint as checkpointing
+from autopar.codegen.sections.batches import (Batches, DataSource, eval_step, forward_arguments_of, local_batch,
+                                              open_data, validation_batches)
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
@@ -116,6 +118,10 @@ class TrainConfig:
         checkpoint: checkpoint folder and frequency, async saving, export (see checkpoint.py).
         fail_at_step: fault injection: the last rank kills itself at this step in torchrun's
             first attempt (see `checkpointing.inject_failure`), or None.
+        data: the built-in text pipeline's settings (training_data.DataConfig's fields; no
+            ``path``: the model's dataset() hook, else example_batch).
+        eval_every, eval_batches: the validation loss over ``eval_batches`` fixed global batches
+            every ``eval_every`` steps and after the last (0: never).
     """
 
     model_file: str
@@ -132,6 +138,9 @@ class TrainConfig:
     checkpoint: checkpointing.CheckpointConfig = field(default_factory=checkpointing.CheckpointConfig)
     fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    eval_every: int = 0
+    eval_batches: int = 4
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
         """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
@@ -372,19 +381,6 @@ def make_gradient_sync(parameters: list[nn.Parameter], training: TrainConfig, co
     return HierarchicalSync(parameters, optimizer, intra_group, inter_group, config.dims.dp, config.dp_bucket_bytes)
 
 
-def local_batch(training: TrainConfig, config: ParallelConfig, model_module: Any, step: int, mesh: DeviceMesh,
-                device: torch.device) -> Any:
-    """This rank's part of step ``step``'s global batch: its data-parallel slice of the samples
-    and, with context parallelism, its share of every sequence."""
-    batch = make_batch(model_module, training.model_kwargs, training.global_batch_size, training.seed + 1 + step)
-    first, size = training.share(dp_rank(mesh, config.dims))
-    batch = slice_batch(batch, first, first + size * training.num_micro_batches)
-    if config.dims.cp_enabled:
-        batch = shard_sequence(batch, tokens_per_sample(batch), config.dims.cp,
-                               mesh[MeshAxis.CP.value].get_local_rank(), config.position_argument, config.mask_argument)
-    return map_batch(batch, lambda tensor: tensor.to(device))
-
-
 def attention_context(parallel: ParallelModel, config: ParallelConfig, training: TrainConfig,
                       model_module: Any) -> Any:
     """Context-parallel attention over the CP group while training runs (nothing without CP)."""
@@ -486,10 +482,14 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
 
 
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
-               step: int) -> dict[str, float]:
-    """One optimizer step, timed; rank 0 prints it and appends it to the log file."""
+               step: int, batches: Batches | None = None) -> dict[str, float]:
+    """One optimizer step, timed; rank 0 prints it and appends it to the log file. The batch
+    comes from ``batches`` (the run's data), else example_batch."""
     device = parallel.device
-    batch = local_batch(training, config, model_module, step, parallel.mesh, device)
+    if batches is None:
+        batch = local_batch(training, config, model_module, step, parallel.mesh, device)
+    else:
+        batch = batches.next(step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -504,14 +504,36 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     record = {"step": step, "loss": loss_value, "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
               "peak_memory_bytes": int(memory), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
               "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
+    if batches is not None:
+        record["samples"] = batches.position  # of the run's global order, consumed once this step is done
     if dist.get_rank() == 0:
         print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
               f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
               flush=True)
-        if training.log_file:
-            with open(training.log_file, "a") as log:
-                log.write(json.dumps(record) + "\n")
+        write_record(training, record)
     return record
+
+
+def write_record(training: TrainConfig, record: dict[str, Any]) -> None:
+    """Append one JSON line to the log file (rank 0 calls it)."""
+    if training.log_file:
+        with open(training.log_file, "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+def validation_loss(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
+                    batches: list[Any], step: int) -> float:
+    """The mean loss over the fixed validation batches (each averaged over data-parallel ranks
+    as training's is), printed and recorded as ``val_loss`` after ``step`` optimizer steps."""
+    losses = [global_loss(eval_step(parallel, batch, training, config, model_module), config.dims, parallel.device)
+              for batch in batches]
+    value = sum(losses) / len(losses)
+    if dist.get_rank() == 0:
+        print(f"step {step}  val_loss {value:.4f}", flush=True)
+        write_record(training, {"step": step, "val_loss": value, "val_batches": len(losses),
+                                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")})
+    return value
 
 
 def export_trained_weights(parallel: ParallelModel, config: ParallelConfig,
@@ -580,17 +602,27 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         checkpointer = checkpointing.Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer,
                                                   config.dims, config.tied_parameters)
         first_step = checkpointer.resume() if training.checkpoint.enabled else 0
+        source = open_data(training, model_module, forward_arguments_of(parallel.modules[0]))
+        # Samples of the run's global order consumed before this start (a checkpoint written
+        # before positions were saved: the steps' worth).
+        start = checkpointer.samples if checkpointer.samples is not None else first_step * training.global_batch_size
+        batches = Batches(source, training, config, model_module, parallel.mesh, device, first_step, start)
+        validation = (validation_batches(source, training, config, model_module, parallel.mesh, device)
+                      if training.eval_every > 0 else [])
         records = []
         with attention_context(parallel, config, training, model_module):
             for step in range(first_step, training.steps):
                 checkpointing.inject_failure(step, training.fail_at_step)
-                records.append(timed_step(parallel, training, config, model_module, step))
-                if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
-                    checkpointer.save(step + 1)
+                records.append(timed_step(parallel, training, config, model_module, step, batches))
+                done = step + 1
+                if validation and (done % training.eval_every == 0 or done == training.steps):
+                    validation_loss(parallel, training, config, model_module, validation, done)
+                if training.checkpoint.enabled and done % training.checkpoint.every == 0:
+                    checkpointer.save(done, batches.position)
             if after_steps is not None:  # inside the attention context: more steps may run
                 after_steps(parallel, training, config, model_module, records)
         if training.checkpoint.enabled:
-            checkpointer.finish(training.steps)
+            checkpointer.finish(training.steps, batches.position)
         if training.save_final:
             state = full_parameters(parallel, config)
             if dist.get_rank() == 0:
@@ -631,6 +663,13 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--export", default=None, metavar="PATH",
                         help="write the trained weights as one file (.safetensors, else torch.save); without "
                              "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")
+    parser.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the built-in text pipeline (data.path, data.tokenizer, data.val_path, "
+                             "data.val_fraction, data.num_workers, ...), over the compiled DATA; repeatable")
+    parser.add_argument("--eval-every", type=int, default=defaults.get("eval_every", 0), metavar="N",
+                        help="validation loss every N steps and after the last (0: never)")
+    parser.add_argument("--eval-batches", type=int, default=defaults.get("eval_batches", 4), metavar="K",
+                        help="global batches the validation loss averages over")
     parser.add_argument("--fail-at-step", type=int, default=None, metavar="STEP",
                         help="fault injection: the last rank kills itself (SIGKILL) at STEP in torchrun's first "
                              "attempt, to try restarts (--max-restarts) and resuming")

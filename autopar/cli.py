@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoint every N steps into DIR/checkpoints and resume from the latest complete one")
     run.add_argument("--max-restarts", type=int, default=0, metavar="K",
                      help="restart all ranks up to K times after one fails (torchrun --max-restarts)")
+    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                     help="training settings over the compiled ones: data.path=FILE (and the other data.* of the "
+                          "text pipeline), train.eval_every=N, train.eval_batches=K, optim.lr=..., ...")
     run.add_argument("--allow-fresh-start", action="store_true",
                      help="when checkpoints exist but none is usable (checksums do not match), train from step 0 "
                           "instead of failing")
@@ -533,9 +536,19 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
                         f"run it with --nproc {plan.world_size} (or omit --nproc), or compile again for "
                         f"{args.nproc} GPUs.")
+    from autopar.runtime.local import find_script
+    from autopar.runtime.run_settings import check_run_data, module_arguments, module_options
+
+    script = find_script(args.out_dir)
+    settings, data = module_arguments(args.overrides, module_options(script))
+    with console.status("Reading the training data ..."):
+        corpus = check_run_data(args.out_dir, script, data, plan.global_batch_size)
+    if corpus:
+        console.print(f"training data: {corpus}", markup=False)
     with console.status(f"Running {plan.world_size} local ranks ..."):
         extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
         extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
+        extra += settings
         result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
                            max_restarts=args.max_restarts)
     for warning in result.warnings:  # shown with or without --echo
@@ -548,10 +561,12 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise UserError(f"The run failed on {where} (exit {result.returncode}):\n{result.error}",
                         "fix the error above (rerun with --echo for every rank's output).")
     table = Table("step", "loss", "step time", "tokens/s", "peak memory")
-    for record in result.records:
+    for record in (r for r in result.records if "loss" in r):
         table.add_row(str(record["step"]), f"{record['loss']:.5f}", f"{record['step_time_s'] * 1e3:.1f} ms",
                       f"{record['tokens_per_s']:,.0f}", f"{record['peak_memory_bytes'] / 2**20:,.1f} MiB")
     console.print(table)
+    for record in (r for r in result.records if "val_loss" in r):
+        console.print(f"validation loss after step {record['step']}: {record['val_loss']:.5f}", markup=False)
     console.print(f"appended {len(result.records)} records to {args.out_dir / 'run.jsonl'}")
     return 0
 

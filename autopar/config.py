@@ -40,6 +40,11 @@ class TrainConfig:
     expert-parallel rank instead of moe_imbalance (autopar/trace/routing.py)."""
     router_batches: int = 8
     """Batches of example_batch the router_checkpoint's routers are measured on."""
+    eval_every: int = 0
+    """The compiled module's validation loss every this many steps and after the last (0: never);
+    `autopar run DIR train.eval_every=N` and the module's --eval-every override it."""
+    eval_batches: int = 4
+    """Global batches of the validation set (or example batches no step trains on) it averages."""
 
 
 @dataclass

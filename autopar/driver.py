@@ -319,12 +319,14 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
 
     out_dir = Path(out_dir)
     check_out_dir(out_dir, compiled_file_names(model_path), force=force)
+    defaults = run_defaults(cfg, model_path)
     cluster = build_cluster(cfg)
     check = check_wanted(str(OmegaConf.select(cfg, "check", default="auto")),
                          {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
-        files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force)
+        files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force,
+                                        defaults)
         if rejection is not None:
             raise UserError(f"The saved plan {plan_path} ({plan.summary()}) fails compile's proof: {rejection.reason}.",
                             "plan again without --plan (the planner moves past plans that fail), or pass check=off "
@@ -347,7 +349,7 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
             profile = result.pricer.profile
             plan = result.plan
             files, rejection = _compile_one(plan, result, model_path, out_dir, cluster, check, rejected, progress,
-                                            force)
+                                            force, defaults)
             if rejection is None:
                 break
             rejected.append(rejection)
@@ -366,10 +368,44 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     return plan, result, written
 
 
+def run_defaults(cfg: Any, model_path: str | Path) -> dict[str, Any]:
+    """What the compiled module trains on and how it is evaluated, from ``data.*`` and
+    ``train.eval_*``: generate()'s keyword arguments. A corpus named in ``data.path`` is read
+    here, before planning, so a file that cannot be trained on is refused with nothing written."""
+    eval_every, eval_batches = int(cfg.train.eval_every), int(cfg.train.eval_batches)
+    if eval_every < 0 or eval_batches < 1:
+        raise ConfigError(f"train.eval_every={eval_every} / train.eval_batches={eval_batches} is out of range.",
+                          "pass train.eval_every >= 0 (0: no validation) and train.eval_batches >= 1.")
+    data = {}
+    if OmegaConf.select(cfg, "data") is not None:
+        data = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if v is not None}
+    if data.get("path"):
+        data = {**data, "path": str(Path(data["path"]).resolve())}
+        if data.get("val_path"):
+            data["val_path"] = str(Path(data["val_path"]).resolve())
+        check_corpus(data, cfg, model_path)
+    return {"data": data, "eval_every": eval_every, "eval_batches": eval_batches}
+
+
+def check_corpus(data: dict[str, Any], cfg: Any, model_path: str | Path) -> None:
+    """Read the corpus once (no cache is written) and refuse what the model cannot train on."""
+    from autopar.codegen.model_facts import inspect_model
+    from autopar.codegen.sections import data as training_data
+    from autopar.codegen.sections.batches import corpus, data_settings
+
+    facts = inspect_model(model_path, model_kwargs(cfg), batch_size=1)
+    try:
+        settings = data_settings({**data, "cache_dir": None}, facts.seq_len)
+        corpus(settings, int(cfg.train.global_batch_size), facts.vocab_rows)
+    except training_data.DataError as error:
+        raise ConfigError(f"{error} Nothing was written.") from None
+
+
 def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, cluster: ClusterSpec, check: bool,
-                 rejected: list[Any], progress: "Reporter | None", force: bool):
+                 rejected: list[Any], progress: "Reporter | None", force: bool, defaults: dict[str, Any]):
     """Generate ``plan`` into a staging folder, prove it and, when it passes, write its report
-    and install everything into ``out_dir``: (files, None), or (None, the rejection)."""
+    and install everything into ``out_dir``: (files, None), or (None, the rejection);
+    ``defaults``: generate()'s run defaults (data, validation)."""
     from autopar.codegen import generate
     from autopar.codegen.errors import CodegenError
     from autopar.output_dir import install, staging_dir
@@ -379,7 +415,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
 
     with staging_dir(out_dir) as staging:
         try:
-            files = generate(plan, model_path, staging, gpus_per_node=cluster.gpus_per_node)
+            files = generate(plan, model_path, staging, gpus_per_node=cluster.gpus_per_node, **defaults)
         except CodegenError as err:
             return None, RejectedPlan(plan.summary(), "code generation refused it: " + " ".join(err.problem.split()),
                                       ran=False)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autopar.model_file import build_fake, call_model, load_model_file
+from autopar.codegen.sections.contract import tokens_per_sample
 from autopar.codegen.sections.expert_parallel import router_width
 from autopar.trace.experts import experts_inputs
 from autopar.trace.sequence import position_argument
@@ -63,6 +64,9 @@ class ModelFacts:
             sizes that follow the routing: cost_models.expert_parallel.ExpertExchange).
         expert_width: what every experts module's feed-forward width divides into (0: expert
             tensor parallelism cannot split it; cost_models.expert_parallel.feed_forward_width).
+        seq_len: tokens per sample of the example batch (1 for data without a sequence).
+        vocab_rows: rows of the model's largest nn.Embedding (the most token ids it can take;
+            0 without one).
     """
 
     modules: dict[str, ModuleFacts]
@@ -72,6 +76,8 @@ class ModelFacts:
     mask_argument: str | None = None
     dropless_experts: bool = False
     expert_width: int | None = None
+    seq_len: int = 1
+    vocab_rows: int = 0
 
     def kind(self, name: str) -> str:
         return self.modules[name].kind if name in self.modules else "other"
@@ -129,7 +135,10 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
                       position_argument=position_argument(model),
                       mask_argument="attention_mask" if "attention_mask" in inspect.signature(model.forward).parameters
                       else None,
-                      dropless_experts=is_dropless(experts_inputs(model)), expert_width=experts_width(model))
+                      dropless_experts=is_dropless(experts_inputs(model)), expert_width=experts_width(model),
+                      seq_len=tokens_per_sample(build.batch),
+                      vocab_rows=max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
+                                     default=0))
 
 
 def experts_width(model: nn.Module) -> int | None:

@@ -69,17 +69,29 @@ def open_data(training: TrainConfig, model_module: Any, forward_arguments: tuple
     splits = None
     if dist.get_rank() == 0:
         try:
-            splits = training_data.data_splits(settings, min_samples=training.global_batch_size)
-        except (training_data.DataError, data_loading.DataLayoutError) as error:
+            splits = corpus(settings, training.global_batch_size, training.vocab_rows)
+        except training_data.DataError as error:
             problem = [str(error)]
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise training_data.DataError(problem[0])
     if splits is None:
-        splits = training_data.data_splits(settings, min_samples=training.global_batch_size)
+        splits = corpus(settings, training.global_batch_size, training.vocab_rows)
     train, val = splits
     return DataSource(data_loading.TokenSamples(train, layout),
                       None if val is None else data_loading.TokenSamples(val, layout), settings.path)
+
+
+def corpus(settings: Any, global_batch_size: int, vocab_rows: int = 0) -> tuple[Any, Any]:
+    """The corpus's (train, validation) token sequences, refused when the model cannot take
+    its token ids (``vocab_rows``: the model's largest embedding; 0: unknown)."""
+    ids = training_data.vocab_size(settings)
+    if vocab_rows and ids > vocab_rows:
+        raise training_data.DataError(
+            f"the tokenizer {settings.tokenizer!r} gives {ids} token ids, but the model's largest embedding has "
+            f"{vocab_rows} rows, so ids past {vocab_rows - 1} would index past it. Fix: compile the model with a "
+            f"vocabulary of at least {ids} (e.g. model.vocab={ids}), or use a tokenizer with at most {vocab_rows} ids.")
+    return training_data.data_splits(settings, min_samples=global_batch_size)
 
 
 def data_overrides(data: dict[str, Any], pairs: list[str]) -> dict[str, Any]:

@@ -120,6 +120,7 @@ class TrainConfig:
             first attempt (see `checkpointing.inject_failure`), or None.
         data: the built-in text pipeline's settings (training_data.DataConfig's fields; no
             ``path``: the model's dataset() hook, else example_batch).
+        vocab_rows: rows of the model's largest embedding: a tokenizer with more ids is refused.
         eval_every, eval_batches: the validation loss over ``eval_batches`` fixed global batches
             every ``eval_every`` steps and after the last (0: never).
     """
@@ -139,6 +140,7 @@ class TrainConfig:
     fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
+    vocab_rows: int = 0
     eval_every: int = 0
     eval_batches: int = 4
 

@@ -1,0 +1,99 @@
+"""`autopar run DIR key=value ...`: the training settings a run overrides, checked before any rank starts.
+
+A compiled module holds its defaults as constants (DATA, SEQ_LEN, VOCAB_ROWS, EVAL_EVERY, ...);
+they are read here from its source as literals, never by importing it, so checking a run's data
+executes no code. The corpus is read (and tokenized into the folder's cache, which the ranks
+then map) once, here: a missing, empty, unreadable or too short file stops the run in one
+paragraph before torchrun starts.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import UserError
+
+# data.* settings naming files: given relative to where `autopar run` is called.
+PATH_SETTINGS = ("path", "val_path", "tokenizer", "cache_dir")
+# `autopar run` override -> the module's option (data.* go through --data KEY=VALUE).
+TRAIN_OPTIONS = {"train.eval_every": "--eval-every", "train.eval_batches": "--eval-batches"}
+OPTIM_OPTIONS = {"optim.lr": "--lr", "optim.warmup_steps": "--warmup-steps", "optim.schedule": "--schedule",
+                 "optim.min_lr": "--min-lr", "optim.max_grad_norm": "--max-grad-norm",
+                 "optim.weight_decay": "--weight-decay", "optim.decay_steps": "--decay-steps"}
+
+
+def module_constants(script: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """The module-level constants ``names`` of a generated module, read as literals from its
+    source (an assignment that is not a literal is left out)."""
+    values: dict[str, Any] = {}
+    for node in ast.parse(script.read_text()).body:
+        if not isinstance(node, ast.Assign):
+            continue
+        targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+        items = node.value.elts if isinstance(node.value, ast.Tuple) and len(targets) > 1 else [node.value]
+        for target, value in zip(targets, items):
+            if isinstance(target, ast.Name) and target.id in names:
+                try:
+                    values[target.id] = ast.literal_eval(value)
+                except ValueError:
+                    continue
+    return values
+
+
+def module_options(script: Path) -> set[str]:
+    """The long options a generated module's parse_args declares (read from its source)."""
+    options = set()
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            options.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
+    return options
+
+
+def module_arguments(overrides: list[str], accepted: set[str]) -> tuple[list[str], list[str]]:
+    """(the module's arguments for ``overrides``, the data.* ones as KEY=VALUE); an override the
+    module does not take is refused naming those it takes."""
+    arguments, data = [], []
+    known = sorted(set(TRAIN_OPTIONS) | {k for k, option in OPTIM_OPTIONS.items() if option in accepted})
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep:
+            raise UserError(f"{override!r} is not a KEY=VALUE override.",
+                            f"write e.g. data.path=corpus.txt; run takes data.*, {', '.join(known)}.")
+        if key.startswith("data."):
+            name = key[len("data."):]
+            if name in PATH_SETTINGS and value and value.lower() not in ("null", "none", "bytes"):
+                value = str(Path(value).resolve())  # the ranks run inside the folder, not here
+            data.append(f"{name}={value}")
+            arguments += ["--data", f"{name}={value}"]
+        elif key in TRAIN_OPTIONS or (key in OPTIM_OPTIONS and OPTIM_OPTIONS[key] in accepted):
+            arguments += [(TRAIN_OPTIONS | OPTIM_OPTIONS)[key], value]
+        else:
+            raise UserError(f"autopar run does not take {key!r}.",
+                            f"pass data.* (the text pipeline's settings) or one of {', '.join(known)}; other "
+                            "settings are compiled in: compile again with them.")
+    return arguments, data
+
+
+def check_run_data(out_dir: Path, script: Path, data_overrides: list[str], global_batch_size: int) -> str | None:
+    """Read the run's corpus (the compiled DATA with ``data_overrides``) into the folder's cache,
+    refusing what cannot be trained on; the corpus's path, or None when the run has none."""
+    from autopar.codegen.sections import data as training_data
+    from autopar.codegen.sections.batches import corpus, data_overrides as merged, data_settings
+
+    constants = module_constants(script, ("DATA", "SEQ_LEN", "VOCAB_ROWS"))
+    if "SEQ_LEN" not in constants:
+        if data_overrides:
+            raise UserError(f"{script.name} was compiled before runs took data settings.",
+                            "compile the model again, then pass data.path=... to autopar run.")
+        return None
+    try:
+        data = merged({"cache_dir": str(out_dir / "data_cache"), "seq_len": constants["SEQ_LEN"],
+                       **constants.get("DATA", {})}, data_overrides)
+        if not data.get("path"):
+            return None
+        settings = data_settings(data, constants["SEQ_LEN"])
+        corpus(settings, global_batch_size, constants.get("VOCAB_ROWS", 0))
+    except training_data.DataError as error:
+        raise UserError(f"{error} Nothing was run.") from None
+    return settings.path

@@ -73,6 +73,7 @@ class ModelFile:
     build_model: Callable[..., torch.nn.Module]
     example_batch: Callable[..., Any]
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    dataset: Callable[..., Any] | None = None  # dataset(split, **kw): the data to train on (optional)
 
     @property
     def name(self) -> str:
@@ -122,9 +123,10 @@ def load_model_file(path: str | Path) -> ModelFile:
             "define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) "
             "(see the model.py contract in the README).")
     loss_fn = getattr(module, "loss_fn", None)
+    dataset = getattr(module, "dataset", None)
     return ModelFile(path=path, sha256=hashlib.sha256(source).hexdigest(),
                      build_model=module.build_model, example_batch=module.example_batch,
-                     loss_fn=loss_fn if callable(loss_fn) else None)
+                     loss_fn=loss_fn if callable(loss_fn) else None, dataset=dataset if callable(dataset) else None)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -143,12 +145,12 @@ def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str,
 
 
 def check_model_kwargs(model_file: ModelFile, kwargs: dict[str, Any]) -> None:
-    """Refuse an override that neither build_model nor example_batch takes (a typo, usually)."""
-    used = set(accepted_kwargs(model_file.build_model, kwargs))
-    used |= set(accepted_kwargs(model_file.example_batch, kwargs))
+    """Refuse an override that neither build_model, example_batch nor dataset takes (a typo, usually)."""
+    functions = [f for f in (model_file.build_model, model_file.example_batch, model_file.dataset) if f is not None]
+    used = {name for function in functions for name in accepted_kwargs(function, kwargs)}
     unused = sorted(set(kwargs) - used)
     if unused:
-        known = sorted(_named_parameters(model_file.build_model) | _named_parameters(model_file.example_batch))
+        known = sorted(set().union(*(_named_parameters(f) for f in functions)))
         raise ModelFileError(
             f"model.{unused[0]} is not a parameter of build_model() or example_batch() in "
             f"{model_file.path.name}.",

@@ -29,8 +29,9 @@ class ReferenceRun:
 
 @dataclass
 class ReferenceData:
-    """A run's samples as one process reads them: step s's whole global batch from the global
-    order (data_loading.py), and the fixed validation batches."""
+    """A run's samples as one process reads them: step s's whole global batch, positions
+    s·G .. s·G+G-1 of the global order (data_loading.py), and the fixed validation batches
+    (the validation set's first batches in its own order)."""
 
     train: Any
     val: Any
@@ -38,35 +39,60 @@ class ReferenceData:
     seed: int = 0
 
     @classmethod
-    def of(cls, model_path: str | Path, model_kwargs: dict[str, Any], data: dict[str, Any], global_batch_size: int,
-           seed: int = 0) -> "ReferenceData":
-        """The built-in text pipeline's datasets for ``data`` (DATA's settings), in the model's
-        batch structure."""
+    def of(cls, model_path: str | Path, model_kwargs: dict[str, Any], data: dict[str, Any] | None,
+           global_batch_size: int, seed: int = 0) -> "ReferenceData":
+        """The model's dataset() hook's datasets, else the built-in text pipeline's for ``data``
+        (DATA's settings) in the model's batch structure."""
         from autopar.codegen.sections import data as training_data
         from autopar.codegen.sections import loader as data_loading
         from autopar.codegen.sections.batches import data_settings
 
         model_file = load_model_file(model_path)
+        hook = getattr(model_file, "dataset", None)
+        if callable(hook):
+            kwargs = accepted_kwargs(hook, model_kwargs)
+            return cls(hook("train", **kwargs), hook("val", **kwargs), global_batch_size, seed)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             example = model_file.example_batch(2, **accepted_kwargs(model_file.example_batch, model_kwargs))
         seq_len = tokens_per_sample(example)
-        settings = data_settings(data, seq_len)
-        train, val = training_data.data_splits(settings, min_samples=global_batch_size)
+        train, val = training_data.data_splits(data_settings(data or {}, seq_len), min_samples=global_batch_size)
         layout = data_loading.batch_layout(example, seq_len)
         return cls(data_loading.TokenSamples(train, layout),
                    None if val is None else data_loading.TokenSamples(val, layout), global_batch_size, seed)
 
     def batch(self, step: int) -> Any:
-        from autopar.codegen.sections import loader as data_loading
-
-        order = data_loading.GlobalOrder(len(self.train), self.seed)
         start = step * self.global_batch_size
-        return default_collate([self.train[order.sample(p)] for p in range(start, start + self.global_batch_size)])
+        return default_collate(_samples(self.train, self.seed, start, self.global_batch_size, shuffle=True))
 
     def validation(self, count: int) -> list[Any]:
         size = self.global_batch_size
-        return [default_collate([self.val[i * size + j] for j in range(size)]) for i in range(count)]
+        samples = _samples(self.val, self.seed, 0, count * size, shuffle=False)
+        return [default_collate(samples[i * size:(i + 1) * size]) for i in range(count)]
+
+
+def _samples(dataset: Any, seed: int, start: int, count: int, shuffle: bool) -> list[Any]:
+    """Positions ``start .. start+count-1`` of a dataset's global order: a map-style dataset's
+    permutation per epoch, an iterable one's own order epoch after epoch."""
+    from torch.utils.data import IterableDataset
+
+    from autopar.codegen.sections import loader as data_loading
+
+    if not isinstance(dataset, IterableDataset):
+        order = data_loading.GlobalOrder(len(dataset), seed, shuffle)
+        return [dataset[order.sample(p)] for p in range(start, start + count)]
+    stream = data_loading.stream_of(dataset)
+    samples: list[Any] = []
+    position, epoch = 0, 0
+    while len(samples) < count:
+        for sample in stream(epoch):
+            if position >= start:
+                samples.append(sample)
+                if len(samples) == count:
+                    break
+            position += 1
+        epoch += 1
+    return samples
 
 
 def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_batch_size: int, steps: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -136,6 +137,8 @@ def rank_loader(dataset: Dataset, *, seed: int, start: int, steps: int, global_b
     """A DataLoader yielding this rank's share of each step's global batch, from position
     ``start`` for ``steps`` steps; map-style datasets are read sample by sample in the global
     order, iterable ones in their own order."""
+    if multiprocessing.current_process().daemon:
+        workers = 0  # a daemon process (some launchers' ranks) may not start worker processes
     options: dict[str, Any] = dict(batch_size=share.count, num_workers=workers, pin_memory=pin_memory,
                                    collate_fn=default_collate)
     if workers > 0:

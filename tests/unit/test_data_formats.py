@@ -77,6 +77,7 @@ def _write_shards(root, documents, writer, suffix):
 def _write_datasets(root, documents):
     import datasets
 
+    datasets.disable_progress_bars()
     datasets.Dataset.from_dict({"text": documents, "n": list(range(len(documents)))}).save_to_disk(str(root))
 
 
@@ -198,6 +199,18 @@ def test_a_cache_file_its_sidecar_does_not_vouch_for_is_never_read(tmp_path):
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".bin", ".json"]  # no temporary left
 
 
+def test_callers_racing_on_one_cache_all_read_whole_corpora(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    documents = [f"document {i} " * 50 for i in range(400)]
+    _write_jsonl(tmp_path / "c.jsonl", documents)
+    config = DataConfig(path=str(tmp_path / "c.jsonl"), cache_dir=str(tmp_path / "cache"))
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: tokens_of(config.path, config).tolist(), range(4)))
+    assert all(result == byte_stream(documents) for result in results)
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".bin", ".json"]
+
+
 def test_val_fraction_holds_out_the_end_at_a_sequence_boundary(tmp_path):
     text = "abcdefghijklmnopqrstuvwxyz" * 3  # 78 bytes + end-of-document: 79 tokens, 19 sequences of 4
     (tmp_path / "a.txt").write_text(text)
@@ -297,6 +310,7 @@ def _hub_id(p):
 def _dataset_dict(p):
     import datasets
 
+    datasets.disable_progress_bars()
     split = datasets.Dataset.from_dict({"text": ["a b c"] * 4})
     datasets.DatasetDict({"train": split, "validation": split}).save_to_disk(str(p / "dd"))
     return DataConfig(path=str(p / "dd"), seq_len=4), "validation"

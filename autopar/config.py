@@ -1,7 +1,7 @@
 """Structured configs: the schema Hydra validates every preset and override against.
 
-Config groups (autopar/conf/): ``cluster/``, ``train/``, ``solver/`` and ``plan/`` hold presets extending
-these dataclasses (the cluster schema, `ClusterConfig`, lives with the cost model).
+Config groups (autopar/conf/): ``cluster/``, ``train/``, ``solver/``, ``plan/`` and ``data/`` hold presets
+extending these dataclasses (the cluster schema, `ClusterConfig`, lives with the cost model).
 ``model.<name>=<value>`` overrides are free-form: they become keyword arguments of the user's
 build_model() / example_batch() and are checked against those signatures instead.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -142,6 +143,65 @@ class PlanPins:
     plan.layer_recompute='{blocks.0: full}'; with pp > 1 it needs plan.stages as well."""
 
 
+@dataclass
+class DataConfig:
+    """The training text of the generated module's built-in data (autopar/codegen/sections/data.py,
+    whose DataConfig has these fields; this copy keeps Hydra from importing torch)."""
+
+    path: str | None = None
+    """A file or folder of training text: .txt (one document), .jsonl, .parquet, .bin (token ids),
+    a folder of text files (one document each) or of .jsonl/.parquet shards, or a folder written by
+    datasets' save_to_disk. null: no built-in data (example_batch, or the model file's dataset())."""
+    val_path: str | None = None
+    """Validation text in the same formats; null: val_fraction of path, or no validation."""
+    val_fraction: float = 0.0
+    """Share of path's sequences, from its end, held out for validation ([0, 0.5))."""
+    tokenizer: str = "bytes"
+    """bytes (UTF-8 bytes, end-of-document 256, vocabulary 257) or a local tokenizer.json (or its folder);
+    nothing is downloaded."""
+    seq_len: int | None = None
+    """Tokens per sample; null: the sequence length the plan was traced with."""
+    text_field: str = "text"
+    """The .jsonl field, or .parquet / datasets column, holding the text."""
+    eod_token: int | None = None
+    """Id after every document; null: 256 for bytes, else the tokenizer's end-of-text special token."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    cache_dir: str | None = None
+    """Folder the tokenized corpora are cached in (null: the run folder)."""
+    bin_dtype: str = "uint16"
+    """Token dtype of a .bin file: uint16 or uint32 (a name ending .u32.bin is read as uint32)."""
+
+
+def check_data(data: Any) -> None:
+    """Refuse data.* settings that cannot work, before anything runs (the files themselves are
+    read, and refused, where the module is generated)."""
+    problems = []
+    if not 0.0 <= data.val_fraction < 0.5:
+        problems.append((f"data.val_fraction={data.val_fraction} is outside [0, 0.5)",
+                         "hold out a fraction such as 0.01, or give data.val_path"))
+    if data.val_path is not None and data.val_fraction > 0:
+        problems.append((f"data.val_path and data.val_fraction={data.val_fraction} both name the validation data",
+                         "give one of them"))
+    if data.num_workers < 0:
+        problems.append((f"data.num_workers={data.num_workers} is negative", "use 0 or more worker processes"))
+    if data.seq_len is not None and data.seq_len <= 0:
+        problems.append((f"data.seq_len={data.seq_len} is not a positive length",
+                         "give a positive number of tokens, or null for the traced sequence length"))
+    if data.eod_token is not None and data.eod_token < 0:
+        problems.append((f"data.eod_token={data.eod_token} is negative", "give a token id, or null"))
+    if data.bin_dtype not in ("uint16", "uint32"):
+        problems.append((f"data.bin_dtype={data.bin_dtype} is not a token dtype", "use uint16 or uint32"))
+    tokenizer = Path(data.tokenizer).expanduser()
+    if data.tokenizer != "bytes" and not (tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
+        problems.append((f"data.tokenizer={data.tokenizer} is neither bytes nor a tokenizer.json on this machine "
+                         "(nothing is downloaded)",
+                         "give the path of a local tokenizer.json (or its folder), or data.tokenizer=bytes"))
+    if problems:
+        problem, fix = problems[0]
+        raise ConfigError(f"Invalid configuration: {problem}.", f"{fix}.")
+
+
 # What a sweep point is worth to a sweeper that optimises (hydra/sweeper=optuna), and which way
 # is better: the sweeper's `direction` must agree.
 SWEEP_OBJECTIVES = {"cost_per_million_tokens": "minimize", "step_time_s": "minimize",
@@ -171,6 +231,7 @@ class AutoparConfig:
     solver: SolverConfig = field(default_factory=SolverConfig)
     plan: PlanPins = field(default_factory=PlanPins)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     check: str = "auto"
     """compile's numerical check (autopar/runtime/proof.py): on (the plan's module trains 2 steps on
     local gloo ranks, compared with one process), off, or auto (on when every rank of the cluster
@@ -186,6 +247,7 @@ def register_configs() -> None:
     store.store(group="train", name="train_schema", node=TrainConfig)
     store.store(group="solver", name="solver_schema", node=SolverConfig)
     store.store(group="plan", name="plan_schema", node=PlanPins)
+    store.store(group="data", name="data_schema", node=DataConfig)
 
 
 def normalise_overrides(overrides: list[str]) -> list[str]:
@@ -224,6 +286,7 @@ def compose_config(overrides: list[str] | None = None, hydra: bool = False) -> A
         raise ConfigError(f"Invalid configuration: {path} is not a field of {path.rsplit('.', 1)[0]} "
                           f"(+ can add keys only where the schema allows any: model.*, plan.layer_recompute.*).",
                           f"drop it, or use one of {', '.join(known)}{_did_you_mean(path, known)}.")
+    check_data(cfg.data)
     return cfg
 
 

@@ -392,12 +392,20 @@ def check_corpus(data: dict[str, Any], cfg: Any, model_path: str | Path) -> None
     from autopar.codegen.model_facts import inspect_model
     from autopar.codegen.sections import data as training_data
     from autopar.codegen.sections.batches import corpus, data_settings
+    from autopar.codegen.sections.loader import DataLayoutError, batch_layout
+    from autopar.model_file import accepted_kwargs
 
-    facts = inspect_model(model_path, model_kwargs(cfg), batch_size=1)
+    kwargs = model_kwargs(cfg)
+    facts = inspect_model(model_path, kwargs, batch_size=1)
+    model_file = load_model_file(model_path)
+    example = model_file.example_batch(2, **accepted_kwargs(model_file.example_batch, kwargs))
     try:
+        batch_layout(example, facts.seq_len)
         settings = data_settings({**data, "cache_dir": None}, facts.seq_len)
         corpus(settings, int(cfg.train.global_batch_size), facts.vocab_rows)
     except training_data.DataError as error:
+        raise ConfigError(f"{error.problem} Nothing was written.", error.fix) from None
+    except DataLayoutError as error:
         raise ConfigError(f"{error} Nothing was written.") from None
 
 

@@ -95,5 +95,5 @@ def check_run_data(out_dir: Path, script: Path, data_overrides: list[str], globa
         settings = data_settings(data, constants["SEQ_LEN"])
         corpus(settings, global_batch_size, constants.get("VOCAB_ROWS", 0))
     except training_data.DataError as error:
-        raise UserError(f"{error} Nothing was run.") from None
+        raise UserError(f"{error.problem} Nothing was run.", error.fix) from None
     return settings.path

@@ -71,10 +71,10 @@ def open_data(training: TrainConfig, model_module: Any, forward_arguments: tuple
         try:
             splits = corpus(settings, training.global_batch_size, training.vocab_rows)
         except training_data.DataError as error:
-            problem = [str(error)]
+            problem = [(error.problem, error.fix)]
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
-        raise training_data.DataError(problem[0])
+        raise training_data.DataError(*problem[0])
     if splits is None:
         splits = corpus(settings, training.global_batch_size, training.vocab_rows)
     train, val = splits
@@ -89,8 +89,9 @@ def corpus(settings: Any, global_batch_size: int, vocab_rows: int = 0) -> tuple[
     if vocab_rows and ids > vocab_rows:
         raise training_data.DataError(
             f"the tokenizer {settings.tokenizer!r} gives {ids} token ids, but the model's largest embedding has "
-            f"{vocab_rows} rows, so ids past {vocab_rows - 1} would index past it. Fix: compile the model with a "
-            f"vocabulary of at least {ids} (e.g. model.vocab={ids}), or use a tokenizer with at most {vocab_rows} ids.")
+            f"{vocab_rows} rows, so ids past {vocab_rows - 1} would index past it.",
+            f"compile the model with a vocabulary of at least {ids} (e.g. model.vocab={ids}), or use a tokenizer "
+            f"with at most {vocab_rows} ids.")
     return training_data.data_splits(settings, min_samples=global_batch_size)
 
 
@@ -103,8 +104,8 @@ def data_overrides(data: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
         key, sep, text = pair.partition("=")
         key = key.strip().removeprefix("data.")
         if not sep or key not in known:
-            raise training_data.DataError(f"--data {pair!r} is not KEY=VALUE with a key of {sorted(known)}. "
-                                          "Fix: e.g. --data path=corpus.txt")
+            raise training_data.DataError(f"--data {pair!r} is not KEY=VALUE with a key of {sorted(known)}.",
+                                          "e.g. --data path=corpus.txt")
         merged[key] = text.strip() if key in TEXT_SETTINGS else literal(text.strip())
     return merged
 
@@ -128,8 +129,8 @@ def data_settings(data: dict[str, Any], seq_len: int) -> Any:
         return replace(settings, seq_len=seq_len)
     if settings.seq_len != seq_len:
         raise training_data.DataError(
-            f"data.seq_len={settings.seq_len} differs from the {seq_len} tokens per sample the plan was made "
-            f"for. Fix: compile again with the model's sequence length set to {settings.seq_len} (e.g. "
+            f"data.seq_len={settings.seq_len} differs from the {seq_len} tokens per sample the plan was made for.",
+            f"compile again with the model's sequence length set to {settings.seq_len} (e.g. "
             f"model.seq_len={settings.seq_len}), or leave data.seq_len unset.")
     return settings
 

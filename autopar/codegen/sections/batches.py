@@ -13,7 +13,7 @@ import ast
 import contextlib
 import inspect
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,8 @@ from autopar.codegen.sections.mesh import MeshAxis, dp_rank
 from autopar.codegen.sections.pipeline import run_pipeline
 from autopar.codegen.sections.tensor_parallel import replicated_beside_shards
 
-if TYPE_CHECKING:
-    from autopar.codegen.sections.train import ParallelConfig, ParallelModel, TrainConfig
+# ParallelConfig, ParallelModel and TrainConfig, in annotations here, are train.py's (which imports
+# this section, so it cannot import them back).
 
 # Settings that are text whatever they look like (a file named 2024 is still a path).
 TEXT_SETTINGS = ("path", "val_path", "tokenizer", "text_field", "cache_dir", "bin_dtype")

@@ -488,10 +488,12 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     """One optimizer step, timed; rank 0 prints it and appends it to the log file. The batch
     comes from ``batches`` (the run's data), else example_batch."""
     device = parallel.device
+    waited = time.perf_counter()
     if batches is None:
         batch = local_batch(training, config, model_module, step, parallel.mesh, device)
     else:
         batch = batches.next(step)
+    waited = time.perf_counter() - waited  # on data: what loading ahead did not hide
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -508,6 +510,7 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
               "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
     if batches is not None:
         record["samples"] = batches.position  # of the run's global order, consumed once this step is done
+        record["data_wait_s"] = waited
     if dist.get_rank() == 0:
         print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
               f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",

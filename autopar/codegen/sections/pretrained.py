@@ -52,7 +52,7 @@ class WeightsError(ValueError):
     """Weights that cannot be loaded into this model; the message says why and what to do."""
 
 
-def _safetensors(package: str = "safetensors") -> Any:
+def _import_safetensors(package: str = "safetensors") -> Any:
     """safetensors, imported only when a file needs it: the module itself needs nothing but torch."""
     try:
         return importlib.import_module(package)
@@ -99,7 +99,7 @@ class WeightSource:
         """A safetensors handle, or a torch state dict whose tensors are mapped from disk."""
         if file not in self._handles:
             if file.suffix == ".safetensors":
-                self._handles[file] = _safetensors().safe_open(str(file), framework="pt", device="cpu")
+                self._handles[file] = _import_safetensors().safe_open(str(file), framework="pt", device="cpu")
             else:
                 self._handles[file] = _torch_state(file)
         return self._handles[file]
@@ -288,7 +288,7 @@ def check_export_folder(path: str | Path | None) -> None:
     if not is_folder_export(path):
         return
     path = Path(path)
-    _safetensors()
+    _import_safetensors()
     if path.exists() and any(path.iterdir()) and not (path / EXPORT_MARKER).is_file():
         raise WeightsError(f"--export {path}: the folder holds files autopar did not write, which it never replaces. "
                            "Fix: pass a new or empty folder (or remove that one yourself)")
@@ -328,7 +328,7 @@ def write_folder(state: dict[str, torch.Tensor], path: str | Path, tied: list[li
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        _safetensors("safetensors.torch").save_file(tensors, str(staging / SAFETENSORS), metadata={"format": "pt"})
+        _import_safetensors("safetensors.torch").save_file(tensors, str(staging / SAFETENSORS), metadata={"format": "pt"})
         if is_hugging_face(model):
             write_hf_config(model, staging)
         (staging / EXPORT_MARKER).write_text(json.dumps({"tensors": len(tensors), "dropped_tied": sorted(dropped)}) + "\n")

@@ -75,6 +75,7 @@ RUN_EXAMPLES = """examples:
   autopar run out/tiny --steps 5
   autopar run out/tiny --nproc 4 --steps 20 --echo
   autopar run out/tiny --steps 100 --checkpoint-every 20 --max-restarts 3
+  autopar run out/llama --steps 100 --init-from llama_hf/ --export out_hf   (fine-tune a Hugging Face model)
 """
 
 
@@ -200,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-fresh-start", action="store_true",
                      help="when checkpoints exist but none is usable (checksums do not match), train from step 0 "
                           "instead of failing")
+    run.add_argument("--init-from", type=Path, default=None, metavar="PATH",
+                     help="start from these weights: a .safetensors file, a Hugging Face model folder, or a torch "
+                          "state dict file (names and shapes must match the model; a resumed checkpoint wins)")
+    run.add_argument("--export", type=Path, default=None, metavar="PATH",
+                     help="write the trained weights: one file for PATH.safetensors / PATH.pt, else a folder "
+                          "(model.safetensors, and config.json for a Hugging Face model)")
     calibrate = _add_plain_verb(verbs, "calibrate", "measure this machine (or refit to measured runs) into a hardware "
                                 "profile", "Measure GEMM throughput, memory bandwidth and the collectives' latency/"
                                 "bandwidth of local ranks, or (--from) fit correction factors to `autopar validate` "
@@ -531,6 +538,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if value is not None and value < lowest:
             raise UserError(f"{option} {value} is out of range: it must be an integer >= {lowest}.",
                             f"pass {option} {lowest} or more.")
+    if args.init_from is not None:
+        check_weights(args.init_from)  # before any rank starts
     plan = read_plan(args.out_dir / "plan.json")
     if args.nproc is not None and args.nproc != plan.world_size:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
@@ -550,7 +559,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
         extra += settings
         result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
-                           max_restarts=args.max_restarts)
+                           max_restarts=args.max_restarts, init_from=args.init_from, export=args.export)
     for warning in result.warnings:  # shown with or without --echo
         console.print(warning, markup=False)
     if result.teardown_failure is not None:
@@ -569,6 +578,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"validation loss after step {record['step']}: {record['val_loss']:.5f}", markup=False)
     console.print(f"appended {len(result.records)} records to {args.out_dir / 'run.jsonl'}")
     return 0
+
+
+def check_weights(path: Path) -> None:
+    """Refuse --init-from PATH when it holds no weights the module can read."""
+    from autopar.codegen.sections.pretrained import WeightsError, weight_files
+
+    try:
+        weight_files(path)
+    except WeightsError as error:
+        raise UserError(str(error)) from None
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:

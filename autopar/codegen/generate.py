@@ -403,11 +403,13 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "  --checkpoint-every N saves to checkpoints/step_<n>/ (DCP, any plan can load it) and resumes from",
         "  the latest complete one; launch.sh restarts failed ranks (MAX_RESTARTS, default 3);",
         f"  python parallel_{name}.py --export model.safetensors consolidates the latest checkpoint.",
+        "  --init-from PATH starts from pretrained weights (a .safetensors file, a Hugging Face folder);",
+        "  --export DIR (no suffix) writes a folder that transformers' from_pretrained loads.",
         "",
         "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN what the runtime reads of the plan;",
         "parallelize() applies them top to bottom (TP, recomputation, FSDP). Only the code this plan runs",
-        "is here: for other degrees or techniques, compile again rather than edit PLAN. Checkpointing, the same",
-        "for every plan, is checkpointing.py beside this file.",
+        "is here: for other degrees or techniques, compile again rather than edit PLAN. Checkpointing and",
+        "pretrained weights, the same for every plan, are checkpointing.py and pretrained.py beside this file.",
     ]
     # A file name may hold quotes or backslashes: escaped, they cannot end the docstring early.
     text = "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
@@ -563,6 +565,7 @@ def train_config_source(plan: Plan) -> str:
         vocab_rows=VOCAB_ROWS,
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
+        init_from=args.init_from,
     )'''
 
 
@@ -642,7 +645,11 @@ def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None 
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY,
                              "eval_every": EVAL_EVERY, "eval_batches": EVAL_BATCHES}})
     if args.export and "RANK" not in os.environ:  # not under torchrun: only consolidate the latest checkpoint
-        folder = checkpointing.export_latest_checkpoint(args.checkpoint_dir, args.export)
+        pretrained.check_paths(None, args.export)
+        model_module = load_model_file(args.model_file)  # a folder export reads the model's config
+        folder = checkpointing.export_latest_checkpoint(
+            args.checkpoint_dir, args.export,
+            lambda state, path: write_export(state, path, TIED_PARAMETERS, lambda: meta_model(model_module, MODEL_KWARGS)))
         print(f"exported {{folder}} to {{args.export}}")
         return []
     return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256,

@@ -105,7 +105,8 @@ def folder_lock(out_dir: Path):
 def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None = None, *,
               extra_args: Sequence[str] = (), echo: bool = False, timeout_s: float | None = None,
               env: dict[str, str] | None = None, max_restarts: int = 0,
-              runner: Sequence[str] = ()) -> RunResult:
+              runner: Sequence[str] = (), init_from: str | Path | None = None,
+              export: str | Path | None = None) -> RunResult:
     """Launch ``out_dir``'s generated module on ``nproc`` local ranks and wait for it.
 
     Args:
@@ -120,6 +121,10 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
             latest checkpoint when the module checkpoints).
         runner: torchrun options that start the module through another program, which gets the
             module's path first (validation: ``("-m", "autopar.runtime.measure")``).
+        init_from: weights to start from (the module's ``--init-from``: a .safetensors file, a
+            Hugging Face model folder, a torch state dict file).
+        export: where the module writes the trained weights (its ``--export``: a file, or a
+            folder for a path without suffix).
 
     Raises:
         UserError: another run holds the folder.
@@ -144,6 +149,9 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
                        "--log-file", str(log)]
             if steps is not None:
                 command += ["--steps", str(steps)]
+            # Absolute: the ranks run inside out_dir, a relative path names the caller's folder.
+            command += [item for option, path in (("--init-from", init_from), ("--export", export)) if path is not None
+                        for item in (option, str(Path(path).resolve()))]
             command += list(extra_args)
             base = env if env is not None else os.environ
             # A fresh store per restart (see launch.py), loopback only; a caller's setting wins.

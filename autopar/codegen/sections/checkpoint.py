@@ -41,7 +41,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -470,10 +470,12 @@ def check_export_path(path: str | Path | None) -> None:
         _safetensors()
 
 
-def export_latest_checkpoint(directory: str | Path, path: str | Path) -> Path:
-    """Consolidate the latest usable checkpoint of ``directory`` into ``path``; returns its folder."""
+def export_latest_checkpoint(directory: str | Path, path: str | Path,
+                             write: Callable[[dict[str, torch.Tensor], str | Path], None] = write_weights) -> Path:
+    """Consolidate the latest usable checkpoint of ``directory`` into ``path`` (by ``write``: one
+    file by default); returns its folder."""
     latest = usable_checkpoint(directory)
     if latest is None:
         raise FileNotFoundError(f"no complete checkpoint in {directory} to export")
-    write_weights(consolidated_weights(latest[1]), path)
+    write(consolidated_weights(latest[1]), path)
     return latest[1]

@@ -86,6 +86,12 @@ class ShardedAdamW:
         for p, value in zip(self.parameters, self._per_parameter(self._gather(self.shard))):
             _local(p).copy_(value)
 
+    @torch.no_grad()
+    def reload_parameters(self) -> None:
+        """Take this rank's slice again from the parameters, after something else set them (a
+        checkpoint, pretrained weights): the slice it updates is a copy taken at construction."""
+        self.shard.copy_(torch.cat([_local(p).detach().reshape(-1).float() for p in self.parameters])[self.start:self.stop])
+
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's slice put back together: one flat vector of all parameters."""
         gathered = torch.empty(self.shard_numel * dist.get_world_size(self.group), dtype=shard.dtype,
@@ -130,7 +136,7 @@ class ShardedAdamW:
     def load_flat_state_dict(self, flat: dict[str, Any], fqns: list[str]) -> None:
         """Take this rank's slice of a state in the form `flat_state_dict` writes. Call it after
         loading the parameters: the slice this rank updates is a copy of them, taken again here."""
-        self.shard.copy_(torch.cat([_local(p).detach().reshape(-1).float() for p in self.parameters])[self.start:self.stop])
+        self.reload_parameters()
         state: dict[str, torch.Tensor] = {"step": flat[f"state.{fqns[0]}.step"].detach().clone().float()}
         for name in ("exp_avg", "exp_avg_sq"):
             whole = torch.cat([_local(flat[f"state.{fqn}.{name}"]).reshape(-1).float() for fqn in fqns])

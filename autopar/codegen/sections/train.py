@@ -23,6 +23,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from autopar.codegen.sections import checkpoint as checkpointing
 from autopar.codegen.sections.batches import (Batches, DataSource, eval_step, forward_arguments_of, local_batch,
                                               open_data, validation_batches)
+# In a generated folder this is pretrained.py beside the training module (the same for every plan).
+from autopar.codegen.sections import pretrained
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
@@ -33,7 +35,7 @@ from autopar.codegen.sections.expert_parallel import (ExpertShards, apply_ep, ap
 from autopar.codegen.sections.gradient_sync import (HalvingDoublingSync, HierarchicalSync, ParameterServer,
                                                     dp_groups, node_subgroups)
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
-from autopar.codegen.sections.optimizer import build_optimizer, build_zero1_optimizer
+from autopar.codegen.sections.optimizer import ShardedAdamW, build_optimizer, build_zero1_optimizer
 from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
                                                local_stage_indices, module_stages, named_parameters_in_stage,
                                                run_pipeline, split_stage, split_with_tracer)
@@ -123,6 +125,8 @@ class TrainConfig:
         vocab_rows: rows of the model's largest embedding: a tokenizer with more ids is refused.
         eval_every, eval_batches: the validation loss over ``eval_batches`` fixed global batches
             every ``eval_every`` steps and after the last (0: never).
+        init_from: weights to start from instead of the seed's (a file or model folder, see
+            pretrained.py), unless a checkpoint is resumed; or None.
     """
 
     model_file: str
@@ -143,6 +147,7 @@ class TrainConfig:
     vocab_rows: int = 0
     eval_every: int = 0
     eval_batches: int = 4
+    init_from: str | None = None
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
         """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
@@ -542,17 +547,58 @@ def validation_loss(parallel: ParallelModel, training: TrainConfig, config: Para
 
 
 def export_trained_weights(parallel: ParallelModel, config: ParallelConfig,
-                           checkpoint: checkpointing.CheckpointConfig, step: int) -> None:
-    """Write the trained weights as one file: read back from the final checkpoint (``step``) when
-    there is one (rank 0 alone, from disk: no rank gathers the whole model), else gathered."""
+                           checkpoint: checkpointing.CheckpointConfig, step: int,
+                           build: Callable[[], nn.Module]) -> None:
+    """Write the trained weights (`write_export`): read back from the final checkpoint (``step``)
+    when there is one (rank 0 alone, from disk: no rank gathers the whole model), else gathered."""
     if checkpoint.enabled:
         if dist.get_rank() == 0:
             final = Path(checkpoint.directory) / f"step_{step}"
-            checkpointing.write_weights(checkpointing.consolidated_weights(final), checkpoint.export)
+            write_export(checkpointing.consolidated_weights(final), checkpoint.export, config.tied_parameters, build)
         return
     state = full_parameters(parallel, config)
     if dist.get_rank() == 0:
-        checkpointing.write_weights(state, checkpoint.export)
+        write_export(state, checkpoint.export, config.tied_parameters, build)
+
+
+def write_export(state: dict[str, torch.Tensor], path: str, tied: list[list[str]],
+                 build: Callable[[], nn.Module]) -> None:
+    """--export: one file for a path with a suffix (checkpointing.py), else a folder holding
+    model.safetensors and, for a Hugging Face model, its config (pretrained.py; ``build`` makes
+    the model on the meta device for it)."""
+    if pretrained.is_folder_export(path):
+        pretrained.write_folder(state, path, tied, build())
+    else:
+        checkpointing.write_weights(state, path)
+
+
+def meta_model(model_module: Any, model_kwargs: dict[str, Any]) -> nn.Module:
+    """The whole model on the meta device (no memory): its names, shapes and config."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return build_model(model_module, model_kwargs, 0)
+
+
+def start_from_pretrained(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
+                          first_step: int) -> None:
+    """--init-from: this rank's part of every parameter and persistent buffer read from the file
+    (pretrained.py), on a fresh start only: a resumed checkpoint wins."""
+    if first_step > 0:
+        if dist.get_rank() == 0:
+            print(f"--init-from {training.init_from} not loaded: the checkpoint resumed ({first_step} steps done) wins",
+                  flush=True)
+        return
+    model = meta_model(model_module, training.model_kwargs)
+    prefix = "model." if parallel.schedule is not None else ""  # a stage holds its model copy under `model`
+    held = unsharded_named_parameters(parallel) + pretrained.persistent_buffers(parallel.modules, prefix)
+    pretrained.load_pretrained(training.init_from, pretrained.expected_tensors(model), held, config.tied_parameters,
+                               pretrained.ignored_unexpected(model))
+    if config.zero_stage == 1:  # ZeRO-1 updates a copy of its slice of the parameters, taken at set-up
+        zero1 = getattr(parallel.optimizer, "optimizer", parallel.optimizer)  # inside a gradient exchange
+        if isinstance(zero1, ShardedAdamW):
+            zero1.reload_parameters()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"initialised from {training.init_from}", flush=True)
 
 
 FINISHED_MARKER = "rank-finished:"
@@ -595,10 +641,11 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
         checkpointing.check_export_path(training.checkpoint.export)
-        if config.experts_split and (training.checkpoint.enabled or training.checkpoint.export):
+        pretrained.check_paths(training.init_from, training.checkpoint.export)
+        if config.experts_split and (training.checkpoint.enabled or training.checkpoint.export or training.init_from):
             # Each rank's experts are slices under the unsharded names: a checkpoint would keep one.
-            raise ValueError("checkpoints of expert-parallel runs are not written yet: run without "
-                             "--checkpoint-every/--export, or compile a plan with plan.ep=1 and "
+            raise ValueError("checkpoints and pretrained weights of expert-parallel runs are not supported yet: run "
+                             "without --checkpoint-every/--export/--init-from, or compile a plan with plan.ep=1 and "
                              "plan.expert_tp=false")
         model_module = load_model_file(training.model_file)
         parallel = setup(training, config, tp_plan, model_module, device)
@@ -614,6 +661,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         batches = Batches(source, training, config, model_module, parallel.mesh, device, first_step, start)
         validation = (validation_batches(source, training, config, model_module, parallel.mesh, device)
                       if training.eval_every > 0 else [])
+        if training.init_from:
+            start_from_pretrained(parallel, training, config, model_module, first_step)
         records = []
         with attention_context(parallel, config, training, model_module):
             for step in range(first_step, training.steps):
@@ -633,7 +682,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             if dist.get_rank() == 0:
                 torch.save(state, training.save_final)
         if training.checkpoint.export:
-            export_trained_weights(parallel, config, training.checkpoint, checkpointer.last_saved)
+            export_trained_weights(parallel, config, training.checkpoint, checkpointer.last_saved,
+                                   lambda: meta_model(model_module, training.model_kwargs))
         # Every rank past its last collective before any tears the group down: gloo aborts a
         # process whose peer exits while a transfer thread is still winding down.
         dist.barrier()
@@ -666,8 +716,12 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
                         help="when every checkpoint is unusable (files not matching their checksums), train "
                              "from step 0 instead of failing")
     parser.add_argument("--export", default=None, metavar="PATH",
-                        help="write the trained weights as one file (.safetensors, else torch.save); without "
-                             "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")
+                        help="write the trained weights: PATH.safetensors or PATH.pt, one file; a folder (no suffix): "
+                             "model.safetensors and, for a Hugging Face model, its config (from_pretrained loads it); "
+                             "without torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")
+    parser.add_argument("--init-from", default=None, metavar="PATH",
+                        help="start from these weights instead of the seed's: a .safetensors file, a Hugging Face "
+                             "model folder, or a torch state dict file (a resumed checkpoint wins)")
     parser.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the built-in text pipeline (data.path, data.tokenizer, data.val_path, "
                              "data.val_fraction, data.num_workers, ...), over the compiled DATA; repeatable")

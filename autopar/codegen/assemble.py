@@ -14,10 +14,10 @@ from typing import Callable
 from autopar.codegen.specialize import comments_above
 
 SECTIONS = ("contract", "mesh", "tensor_parallel", "recompute", "pipeline", "data_parallel", "context_parallel",
-            "expert_parallel", "gradient_sync", "optimizer", "checkpoint", "train")
+            "expert_parallel", "gradient_sync", "optimizer", "checkpoint", "metrics", "train")
 # Sections that depend on no plan: written once beside the training module as their own file
 # (section -> file name), which the module imports by path where the section would stand.
-BESIDE = {"checkpoint": "checkpointing.py"}
+BESIDE = {"checkpoint": "checkpointing.py", "metrics": "metrics.py"}
 _INTERNAL = "autopar"
 
 

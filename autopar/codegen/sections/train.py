@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import resource
 import socket
@@ -21,6 +20,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
 # In a generated folder this is checkpointing.py beside the training module (the same for every plan).
 from autopar.codegen.sections import checkpoint as checkpointing
+# In a generated folder this is metrics.py beside the training module (the same for every plan).
+from autopar.codegen.sections import metrics
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
@@ -116,6 +117,7 @@ class TrainConfig:
         checkpoint: checkpoint folder and frequency, async saving, export (see checkpoint.py).
         fail_at_step: fault injection: the last rank kills itself at this step in torchrun's
             first attempt (see `checkpointing.inject_failure`), or None.
+        metrics: where rank 0 sends the records besides log_file (see metrics.py).
     """
 
     model_file: str
@@ -132,6 +134,7 @@ class TrainConfig:
     checkpoint: checkpointing.CheckpointConfig = field(default_factory=checkpointing.CheckpointConfig)
     fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
+    metrics: metrics.MetricsConfig = field(default_factory=metrics.MetricsConfig)
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
         """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
@@ -486,8 +489,8 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
 
 
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
-               step: int) -> dict[str, float]:
-    """One optimizer step, timed; rank 0 prints it and appends it to the log file."""
+               step: int, logger: metrics.MetricsLogger | None = None) -> dict[str, float]:
+    """One optimizer step, timed; rank 0 prints it, and ``logger`` records it (run.jsonl, dashboards)."""
     device = parallel.device
     batch = local_batch(training, config, model_module, step, parallel.mesh, device)
     if device.type == "cuda":
@@ -508,9 +511,8 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
         print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
               f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
               flush=True)
-        if training.log_file:
-            with open(training.log_file, "a") as log:
-                log.write(json.dumps(record) + "\n")
+    if logger is not None:
+        logger.log(record)
     return record
 
 
@@ -561,9 +563,11 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             # The all-reduce algorithm the planner priced (NCCL reads this when it starts; other
             # collectives keep NCCL's own choice). A user's setting wins.
             os.environ.setdefault("NCCL_ALGO", f"allreduce:{config.dp_sync}")
+    metrics.require_packages(training.metrics)  # every rank, before any joins the others
     created = not dist.is_initialized()
     if created:
         join_process_group(backend)
+    logger = None
     try:
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
@@ -581,10 +585,11 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
                                                   config.dims, config.tied_parameters)
         first_step = checkpointer.resume() if training.checkpoint.enabled else 0
         records = []
+        logger = metrics.open_logger(training.log_file, training.metrics, dist.get_rank())
         with attention_context(parallel, config, training, model_module):
             for step in range(first_step, training.steps):
                 checkpointing.inject_failure(step, training.fail_at_step)
-                records.append(timed_step(parallel, training, config, model_module, step))
+                records.append(timed_step(parallel, training, config, model_module, step, logger))
                 if training.checkpoint.enabled and (step + 1) % training.checkpoint.every == 0:
                     checkpointer.save(step + 1)
             if after_steps is not None:  # inside the attention context: more steps may run
@@ -606,6 +611,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
         return records
     finally:
+        if logger is not None:
+            logger.close()
         if created:
             dist.destroy_process_group()
 
@@ -631,6 +638,7 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--export", default=None, metavar="PATH",
                         help="write the trained weights as one file (.safetensors, else torch.save); without "
                              "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")
+    metrics.add_arguments(parser)
     parser.add_argument("--fail-at-step", type=int, default=None, metavar="STEP",
                         help="fault injection: the last rank kills itself (SIGKILL) at STEP in torchrun's first "
                              "attempt, to try restarts (--max-restarts) and resuming")

@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoint every N steps into DIR/checkpoints and resume from the latest complete one")
     run.add_argument("--max-restarts", type=int, default=0, metavar="K",
                      help="restart all ranks up to K times after one fails (torchrun --max-restarts)")
+    run.add_argument("--no-tensorboard", action="store_true",
+                     help="write no TensorBoard event files (default: DIR/tensorboard/<run id>/)")
+    run.add_argument("--wandb", default=None, metavar="PROJECT",
+                     help="also log the metrics to this Weights & Biases project (pip install wandb)")
+    run.add_argument("--mlflow", default=None, metavar="EXPERIMENT",
+                     help="also log the metrics to this MLflow experiment (pip install mlflow)")
     run.add_argument("--allow-fresh-start", action="store_true",
                      help="when checkpoints exist but none is usable (checksums do not match), train from step 0 "
                           "instead of failing")
@@ -533,11 +539,14 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
                         f"run it with --nproc {plan.world_size} (or omit --nproc), or compile again for "
                         f"{args.nproc} GPUs.")
-    with console.status(f"Running {plan.world_size} local ranks ..."):
-        extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
-        extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
+    extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
+    extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
+    extra += metrics_arguments(args)
+    title = f"{plan.world_size} local ranks"
+    progress = None if args.echo else run_progress(args, console, title)
+    with progress or console.status(f"Running {title} ..."):
         result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
-                           max_restarts=args.max_restarts)
+                           max_restarts=args.max_restarts, on_line=progress.feed_line if progress else None)
     for warning in result.warnings:  # shown with or without --echo
         console.print(warning, markup=False)
     if result.teardown_failure is not None:
@@ -554,6 +563,28 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print(f"appended {len(result.records)} records to {args.out_dir / 'run.jsonl'}")
     return 0
+
+
+def metrics_arguments(args: argparse.Namespace) -> list[str]:
+    """The module's metrics options `autopar run` passes on; refuses a dashboard whose package is
+    missing before any rank starts."""
+    from autopar.codegen.sections.metrics import MetricsConfig, missing_packages
+
+    missing = missing_packages(MetricsConfig(wandb_project=args.wandb, mlflow_experiment=args.mlflow))
+    if missing:
+        raise UserError(missing[0].removesuffix("."), "install it, or leave the option out.")
+    forwarded = ["--no-tensorboard"] if args.no_tensorboard else []
+    forwarded += ["--wandb", args.wandb] if args.wandb is not None else []
+    return forwarded + (["--mlflow", args.mlflow] if args.mlflow is not None else [])
+
+
+def run_progress(args: argparse.Namespace, console: Console, title: str) -> Any:
+    """`autopar run`'s progress display (a bar on a terminal, timestamped lines otherwise)."""
+    from autopar.runtime.local import LOG_NAME, find_script
+    from autopar.runtime.progress import RunProgress, default_steps
+
+    steps = args.steps if args.steps is not None else default_steps(find_script(args.out_dir))
+    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:

@@ -534,14 +534,14 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if value is not None and value < lowest:
             raise UserError(f"{option} {value} is out of range: it must be an integer >= {lowest}.",
                             f"pass {option} {lowest} or more.")
+    extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
+    extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
+    extra += metrics_arguments(args)
     plan = read_plan(args.out_dir / "plan.json")
     if args.nproc is not None and args.nproc != plan.world_size:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
                         f"run it with --nproc {plan.world_size} (or omit --nproc), or compile again for "
                         f"{args.nproc} GPUs.")
-    extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
-    extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
-    extra += metrics_arguments(args)
     title = f"{plan.world_size} local ranks"
     progress = None if args.echo else run_progress(args, console, title)
     with progress or console.status(f"Running {title} ..."):

@@ -137,3 +137,12 @@ def test_generated_module_reads_the_metrics_options(tmp_path):
     chosen = module.train_config(module.PLAN, command_line(module, argv=argv)).metrics
     assert (chosen.tensorboard, chosen.wandb_project, chosen.mlflow_experiment, chosen.tensorboard_dir) == \
         (False, "proj", "exp", "tb")
+
+
+def test_autopar_run_refuses_a_missing_dashboard_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    from autopar.cli import main
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed
+    assert main(["run", str(tmp_path), "--mlflow", "exp"]) == 1  # no plan.json needed: refused first
+    err = capsys.readouterr().err
+    assert "--mlflow exp needs the mlflow package" in err and "pip install mlflow" in err

@@ -480,8 +480,11 @@ def _report(args: argparse.Namespace, console: Console) -> int:
                                 "imported).")
             status.update("Tracing the model and pricing the plan again ...")
             report = rebuild_report(plan, args.model)
-        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True)
-    console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}")
+        # The runs recorded beside the plan (autopar run, the module itself) add their loss curves.
+        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True,
+                                        run_log=plan_file.parent / "run.jsonl")
+    curves = f", {files['loss.png']}" if "loss.png" in files else ""
+    console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}{curves}")
     return 0
 
 
@@ -637,14 +640,14 @@ def _calibrate_from_runs(args: argparse.Namespace, console: Console) -> int:
 
 
 def write_report_atomically(report, out_dir: Path, force: bool = False, flag: str = "--report",
-                            can_force: bool = False) -> dict[str, Path]:
+                            can_force: bool = False, run_log: Path | None = None) -> dict[str, Path]:
     """Render into a staging folder, then move the files in, so a failure leaves nothing
     half-written; report files autopar did not write there are not replaced without ``force``."""
     from autopar.output_dir import install, staging_dir
     from autopar.report.render import write_report
 
     with staging_dir(out_dir) as staging:
-        files = write_report(report, staging)
+        files = write_report(report, staging, run_log)
         install(staging, out_dir, force=force, flag=flag, whole_folder=False, can_force=can_force)
     return {name: out_dir / path.name for name, path in files.items()}
 

@@ -638,8 +638,8 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--export", default=None, metavar="PATH",
                         help="write the trained weights as one file (.safetensors, else torch.save); without "
                              "torchrun, consolidate the latest checkpoint of --checkpoint-dir and exit")
-    metrics.add_arguments(parser)
     parser.add_argument("--fail-at-step", type=int, default=None, metavar="STEP",
                         help="fault injection: the last rank kills itself (SIGKILL) at STEP in torchrun's first "
                              "attempt, to try restarts (--max-restarts) and resuming")
+    metrics.add_arguments(parser)
     return parser.parse_args(argv)

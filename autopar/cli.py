@@ -198,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                      help="training settings over the compiled ones: data.path=FILE (and the other data.* of the "
                           "text pipeline), train.eval_every=N, train.eval_batches=K, optim.lr=..., ...")
+    run.add_argument("--no-tensorboard", action="store_true",
+                     help="write no TensorBoard event files (default: DIR/tensorboard/<run id>/)")
+    run.add_argument("--wandb", default=None, metavar="PROJECT",
+                     help="also log the metrics to this Weights & Biases project (pip install wandb)")
+    run.add_argument("--mlflow", default=None, metavar="EXPERIMENT",
+                     help="also log the metrics to this MLflow experiment (pip install mlflow)")
     run.add_argument("--allow-fresh-start", action="store_true",
                      help="when checkpoints exist but none is usable (checksums do not match), train from step 0 "
                           "instead of failing")
@@ -484,8 +490,11 @@ def _report(args: argparse.Namespace, console: Console) -> int:
                                 "imported).")
             status.update("Tracing the model and pricing the plan again ...")
             report = rebuild_report(plan, args.model)
-        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True)
-    console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}")
+        # The runs recorded beside the plan (autopar run, the module itself) add their loss curves.
+        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True,
+                                        run_log=plan_file.parent / "run.jsonl")
+    curves = f", {files['loss.png']}" if "loss.png" in files else ""
+    console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}{curves}")
     return 0
 
 
@@ -540,6 +549,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                             f"pass {option} {lowest} or more.")
     if args.init_from is not None:
         check_weights(args.init_from)  # before any rank starts
+    extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
+    extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
+    extra += metrics_arguments(args)
     plan = read_plan(args.out_dir / "plan.json")
     if args.nproc is not None and args.nproc != plan.world_size:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
@@ -554,12 +566,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         corpus = check_run_data(args.out_dir, script, data, plan.global_batch_size)
     if corpus:
         console.print(f"training data: {corpus}", markup=False)
-    with console.status(f"Running {plan.world_size} local ranks ..."):
-        extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
-        extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
-        extra += settings
+    extra += settings
+    title = f"{plan.world_size} local ranks"
+    progress = None if args.echo else run_progress(args, console, title)
+    with progress or console.status(f"Running {title} ..."):
         result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
-                           max_restarts=args.max_restarts, init_from=args.init_from, export=args.export)
+                           max_restarts=args.max_restarts, init_from=args.init_from, export=args.export,
+                           on_line=progress.feed_line if progress else None)
     for warning in result.warnings:  # shown with or without --echo
         console.print(warning, markup=False)
     if result.teardown_failure is not None:
@@ -588,6 +601,28 @@ def check_weights(path: Path) -> None:
         weight_files(path)
     except WeightsError as error:
         raise UserError(str(error)) from None
+
+
+def metrics_arguments(args: argparse.Namespace) -> list[str]:
+    """The module's metrics options `autopar run` passes on; refuses a dashboard whose package is
+    missing before any rank starts."""
+    from autopar.codegen.sections.metrics import MetricsConfig, missing_packages
+
+    missing = missing_packages(MetricsConfig(wandb_project=args.wandb, mlflow_experiment=args.mlflow))
+    if missing:
+        raise UserError(missing[0].removesuffix("."), "install it, or leave the option out.")
+    forwarded = ["--no-tensorboard"] if args.no_tensorboard else []
+    forwarded += ["--wandb", args.wandb] if args.wandb is not None else []
+    return forwarded + (["--mlflow", args.mlflow] if args.mlflow is not None else [])
+
+
+def run_progress(args: argparse.Namespace, console: Console, title: str) -> Any:
+    """`autopar run`'s progress display (a bar on a terminal, timestamped lines otherwise)."""
+    from autopar.runtime.local import LOG_NAME, find_script
+    from autopar.runtime.progress import RunProgress, default_steps
+
+    steps = args.steps if args.steps is not None else default_steps(find_script(args.out_dir))
+    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:
@@ -640,14 +675,14 @@ def _calibrate_from_runs(args: argparse.Namespace, console: Console) -> int:
 
 
 def write_report_atomically(report, out_dir: Path, force: bool = False, flag: str = "--report",
-                            can_force: bool = False) -> dict[str, Path]:
+                            can_force: bool = False, run_log: Path | None = None) -> dict[str, Path]:
     """Render into a staging folder, then move the files in, so a failure leaves nothing
     half-written; report files autopar did not write there are not replaced without ``force``."""
     from autopar.output_dir import install, staging_dir
     from autopar.report.render import write_report
 
     with staging_dir(out_dir) as staging:
-        files = write_report(report, staging)
+        files = write_report(report, staging, run_log)
         install(staging, out_dir, force=force, flag=flag, whole_folder=False, can_force=can_force)
     return {name: out_dir / path.name for name, path in files.items()}
 

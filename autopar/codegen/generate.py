@@ -399,7 +399,8 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "Run",
         f"  ./launch.sh --steps 10                      ({nodes} node(s) x {min(plan.world_size, gpus_per_node)} ranks; sbatch.sh for SLURM)",
         f"  torchrun --nproc-per-node {plan.world_size} parallel_{name}.py --steps 10   (one machine)",
-        "  Uses NCCL on GPUs and gloo on CPUs; each step appends a JSON record to run.jsonl.",
+        "  Uses NCCL on GPUs and gloo on CPUs; each step appends a JSON record to run.jsonl (and scalars",
+        "  to tensorboard/<run id>/; --wandb PROJECT, --mlflow EXPERIMENT log there too).",
         "  --checkpoint-every N saves to checkpoints/step_<n>/ (DCP, any plan can load it) and resumes from",
         "  the latest complete one; launch.sh restarts failed ranks (MAX_RESTARTS, default 3);",
         f"  python parallel_{name}.py --export model.safetensors consolidates the latest checkpoint.",
@@ -408,8 +409,9 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "",
         "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN what the runtime reads of the plan;",
         "parallelize() applies them top to bottom (TP, recomputation, FSDP). Only the code this plan runs",
-        "is here: for other degrees or techniques, compile again rather than edit PLAN. Checkpointing and",
-        "pretrained weights, the same for every plan, are checkpointing.py and pretrained.py beside this file.",
+        "is here: for other degrees or techniques, compile again rather than edit PLAN. What is the same for every",
+        "plan is in files beside this one: checkpointing.py, pretrained.py, metrics.py and the data pipeline",
+        "(training_data.py, data_loading.py).",
     ]
     # A file name may hold quotes or backslashes: escaped, they cannot end the docstring early.
     text = "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
@@ -566,6 +568,7 @@ def train_config_source(plan: Plan) -> str:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         init_from=args.init_from,
+        metrics=metrics.MetricsConfig.from_args(args),
     )'''
 
 

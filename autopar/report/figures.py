@@ -103,3 +103,31 @@ def scaling_figure(rows: list[dict[str, Any]], path: str | Path) -> None:
 def data_uri(path: str | Path) -> str:
     """A PNG as a data: URI, so the HTML report needs no other file and no network."""
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def loss_figure(curves: Any, path: str | Path) -> None:
+    """Training loss per step (light) under its moving average, and validation loss as points on
+    a line (``curves``: report.training.LossCurves)."""
+    from autopar.report.training import moving_average, smoothing_window
+
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(8, 3.6))
+    if curves.train:
+        steps, losses = zip(*curves.train)
+        window = smoothing_window(len(losses))
+        axes.plot(steps, losses, color="#4C78A8", alpha=0.35 if window > 1 else 1.0, linewidth=1,
+                  label="train loss")
+        if window > 1:
+            axes.plot(steps, moving_average(list(losses), window), color="#4C78A8", linewidth=2,
+                      label=f"train loss, mean of {window} steps")
+    if curves.validation:
+        steps, losses = zip(*curves.validation)
+        axes.plot(steps, losses, color="#E45756", marker="o", markersize=4, linewidth=1.5, label="validation loss")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, frameon=False)
+    axes.set_title("training run (run.jsonl)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.report.document import PlanReport
-from autopar.report.figures import data_uri, memory_figure, time_figure
+from autopar.report.figures import data_uri, loss_figure, memory_figure, time_figure
 from autopar.report.timeline import chrome_trace, pp_rank_members, plan_timeline, render_png
+from autopar.report.training import LOSS_FIGURE, LossCurves, loss_curves, read_run_log, summary
 from autopar.report.units import format_bytes
 from autopar.report.words import describe_plan, rank_cells
 
@@ -240,16 +241,25 @@ def to_html(report: PlanReport, parts: list[Section], folder: Path) -> str:
             f"<body>{''.join(body)}</body></html>\n")
 
 
-REPORT_FILES = ("report.json", "timeline.json", "timeline.png", "memory.png", "time.png", "report.md", "report.html")
+def training_section(curves: LossCurves, predicted_step_time_s: float | None) -> Section:
+    """The recorded runs' loss curves (drawn into `LOSS_FIGURE`)."""
+    return Section("Training run", [summary(curves, predicted_step_time_s), Image(LOSS_FIGURE, "loss curves")])
 
 
-def write_report(report: PlanReport, folder: str | Path) -> dict[str, Path]:
-    """Write every report file into `folder` (created if needed); returns name -> path."""
+# The loss figure is written only when a run.jsonl with losses is given (see write_report).
+REPORT_FILES = ("report.json", "timeline.json", "timeline.png", "memory.png", "time.png", "report.md", "report.html",
+                LOSS_FIGURE)
+
+
+def write_report(report: PlanReport, folder: str | Path, run_log: str | Path | None = None) -> dict[str, Path]:
+    """Write every report file into `folder` (created if needed); returns name -> path. With
+    ``run_log`` (a run.jsonl) holding losses, the report shows them too (`LOSS_FIGURE`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     plan = report.plan
     timeline = plan_timeline(plan, report.estimate)
-    files = {name: folder / name for name in REPORT_FILES}
+    curves = loss_curves(read_run_log(run_log)) if run_log is not None else LossCurves()
+    files = {name: folder / name for name in REPORT_FILES if name != LOSS_FIGURE or curves}
     files["report.json"].write_text(report.to_json())
     trace = chrome_trace(timeline, pp_rank_members(plan), {"model": report.model_name, "cluster": report.cluster.name,
                                                            "plan": plan.summary(),
@@ -260,6 +270,9 @@ def write_report(report: PlanReport, folder: str | Path) -> dict[str, Path]:
     memory_figure(report.estimate["stage_details"], files["memory.png"])
     time_figure(plan.predicted.time_breakdown, files["time.png"])
     parts = sections(report)
+    if curves:
+        loss_figure(curves, files[LOSS_FIGURE])
+        parts.insert(2, training_section(curves, plan.predicted.step_time_s))  # after the predictions
     files["report.md"].write_text(to_markdown(report, parts))
     files["report.html"].write_text(to_html(report, parts, folder))
     return files

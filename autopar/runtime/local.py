@@ -23,7 +23,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
@@ -106,7 +106,7 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
               extra_args: Sequence[str] = (), echo: bool = False, timeout_s: float | None = None,
               env: dict[str, str] | None = None, max_restarts: int = 0,
               runner: Sequence[str] = (), init_from: str | Path | None = None,
-              export: str | Path | None = None) -> RunResult:
+              export: str | Path | None = None, on_line: Callable[[str], None] | None = None) -> RunResult:
     """Launch ``out_dir``'s generated module on ``nproc`` local ranks and wait for it.
 
     Args:
@@ -125,6 +125,7 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
             Hugging Face model folder, a torch state dict file).
         export: where the module writes the trained weights (its ``--export``: a file, or a
             folder for a path without suffix).
+        on_line: called with each line of the ranks' output as it comes (a progress display).
 
     Raises:
         UserError: another run holds the folder.
@@ -156,7 +157,7 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
             base = env if env is not None else os.environ
             # A fresh store per restart (see launch.py), loopback only; a caller's setting wins.
             environment = {**STORE_PER_ATTEMPT_ENV, **LOOPBACK_ENV, **base}
-            output, returncode = _launch(command, out_dir, environment, echo, timeout_s, lock_fd)
+            output, returncode = _launch(command, out_dir, environment, echo, timeout_s, lock_fd, on_line)
         finally:
             shutil.rmtree(logs, ignore_errors=True)
     result = RunResult(returncode=returncode, records=read_records(log)[before:], output=output,
@@ -169,8 +170,9 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
 
 
 def _launch(command: list[str], cwd: Path, env: dict[str, str], echo: bool, timeout_s: float | None,
-            lock_fd: int) -> tuple[str, int]:
-    """Run torchrun, collecting (and with ``echo`` printing) its output; (output, exit status)."""
+            lock_fd: int, on_line: Callable[[str], None] | None = None) -> tuple[str, int]:
+    """Run torchrun, collecting (and with ``echo`` printing, and to ``on_line`` passing) its
+    output; (output, exit status)."""
     lines: list[str] = []
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=env, pass_fds=(lock_fd,))
@@ -179,6 +181,8 @@ def _launch(command: list[str], cwd: Path, env: dict[str, str], echo: bool, time
             lines.append(line)
             if echo:
                 print(line, end="", flush=True)
+            if on_line is not None:
+                on_line(line)
         returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()

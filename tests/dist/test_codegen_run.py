@@ -4,6 +4,7 @@ tests/dist/test_compile_cli.py's (on a folder with hostile names, which covers a
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def test_run_local_trains_and_records_one_record_per_step(gpt_dp2):
 
 BROKEN_MODEL = '''
 import os
+import re
 import torch
 from torch import nn
 
@@ -103,3 +105,26 @@ def test_generated_module_runs_where_autopar_is_not_installed(gpt_dp2, tmp_path)
     run = subprocess.run(launcher, env=env, cwd=out, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert len(read_records(out / "run.jsonl")) == 1
+
+
+def test_autopar_run_shows_progress_lines_and_writes_tensorboard(gpt_dp2, capsys):
+    """Without a terminal (as under pytest or CI) `autopar run` prints timestamped progress
+    lines; the module writes the same losses to run.jsonl and to a new TensorBoard folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from autopar.cli import main
+
+    before = set((gpt_dp2 / "tensorboard").glob("*"))
+    logged = len(read_records(gpt_dp2 / "run.jsonl"))
+    assert main(["run", str(gpt_dp2), "--steps", "3"]) == 0
+    progress = [line for line in capsys.readouterr().out.splitlines()
+                if re.match(r"^\[\d\d:\d\d:\d\d\] step \d/3  loss \d+\.\d{4}  [\d,]+ tokens/s", line)]
+    assert progress and progress[0].split("] ")[1].startswith("step 1/3")
+    assert progress[-1].split("] ")[1].startswith("step 3/3") and "ETA 0:00:00" in progress[-1]
+    records = read_records(gpt_dp2 / "run.jsonl")[logged:]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    [folder] = set((gpt_dp2 / "tensorboard").glob("*")) - before
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
+                                                                  for r in records]

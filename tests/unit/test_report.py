@@ -174,3 +174,43 @@ def test_a_bad_sweep_value_exits_1_before_planning(examples_dir, tmp_path, capsy
     assert code == 1
     assert "gpus_per_node" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_loss_curves_keep_the_last_record_of_each_step():
+    """A run killed after step 2 restarts from a checkpoint at step 1: steps 1 and 2 are
+    recorded twice, and the restarted attempt's records are the curve."""
+    from autopar.report.training import loss_curves
+
+    first = [{"step": s, "loss": loss, "attempt": 0, "run_id": "a", "step_time_s": 0.5}
+             for s, loss in ((0, 4.0), (1, 3.0), (2, 2.5))]
+    validation = [{"step": 2, "val_loss": 3.5}]
+    restart = [{"step": s, "loss": loss, "attempt": 1, "run_id": "a", "step_time_s": 0.25}
+               for s, loss in ((1, 3.25), (2, 2.75), (3, 2.0))]
+    curves = loss_curves(first + validation + restart + [{"step": 4, "val_loss": 2.5}])
+    assert curves.train == [(0, 4.0), (1, 3.25), (2, 2.75), (3, 2.0)]
+    assert curves.validation == [(2, 3.5), (4, 2.5)]
+    assert curves.step_times_s == [0.5, 0.25, 0.25, 0.25]
+
+
+def test_moving_average_is_the_trailing_mean():
+    from autopar.report.training import moving_average
+
+    assert moving_average([4.0, 2.0, 6.0, 0.0], 2) == [4.0, 3.0, 4.0, 3.0]
+
+
+def test_report_draws_the_loss_curves_of_run_jsonl(reported, tmp_path):
+    import shutil
+
+    assert not (reported / "loss.png").exists() and "Training run" not in (reported / "report.md").read_text()
+    folder = tmp_path / "trained"
+    shutil.copytree(reported, folder)
+    records = [{"step": s, "loss": 5.0 - 0.1 * s, "step_time_s": 0.1, "attempt": 0, "run_id": "r"} for s in range(30)]
+    records += [{"step": s, "val_loss": 5.2 - 0.1 * s} for s in (9, 19, 29)]
+    (folder / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 30, "lo')
+    assert main(["report", str(folder), "-q"]) == 0
+    assert (folder / "loss.png").read_bytes().startswith(b"\x89PNG")
+    markdown = (folder / "report.md").read_text()
+    assert "![loss curves](loss.png)" in markdown
+    assert "30 steps recorded (steps 0-29); last training loss 2.1000; last validation loss 2.3000 (step 29)" in markdown
+    html_images = (folder / "report.html").read_text().count("<img")
+    assert html_images == (reported / "report.html").read_text().count("<img") + 1

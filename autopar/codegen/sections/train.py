@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import resource
 import socket
@@ -25,6 +24,8 @@ from autopar.codegen.sections.batches import (Batches, DataSource, eval_step, fo
                                               open_data, validation_batches)
 # In a generated folder this is pretrained.py beside the training module (the same for every plan).
 from autopar.codegen.sections import pretrained
+# In a generated folder this is metrics.py beside the training module (the same for every plan).
+from autopar.codegen.sections import metrics
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
@@ -127,6 +128,7 @@ class TrainConfig:
             every ``eval_every`` steps and after the last (0: never).
         init_from: weights to start from instead of the seed's (a file or model folder, see
             pretrained.py), unless a checkpoint is resumed; or None.
+        metrics: where rank 0 sends the records besides log_file (see metrics.py).
     """
 
     model_file: str
@@ -148,6 +150,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_batches: int = 4
     init_from: str | None = None
+    metrics: metrics.MetricsConfig = field(default_factory=metrics.MetricsConfig)
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
         """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
@@ -489,9 +492,10 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
 
 
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
-               step: int, batches: Batches | None = None) -> dict[str, float]:
-    """One optimizer step, timed; rank 0 prints it and appends it to the log file. The batch
-    comes from ``batches`` (the run's data), else example_batch."""
+               step: int, batches: Batches | None = None, logger: metrics.MetricsLogger | None = None
+               ) -> dict[str, float]:
+    """One optimizer step, timed; rank 0 prints it, and ``logger`` records it (run.jsonl,
+    dashboards). The batch comes from ``batches`` (the run's data), else example_batch."""
     device = parallel.device
     waited = time.perf_counter()
     if batches is None:
@@ -520,19 +524,13 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
         print(f"step {step}  loss {loss_value:.4f}  {step_time_s * 1e3:.1f} ms  "
               f"{record['tokens_per_s']:,.0f} tokens/s  peak {record['peak_memory_bytes'] / 2**20:.0f} MiB",
               flush=True)
-        write_record(training, record)
+    if logger is not None:
+        logger.log(record)
     return record
 
 
-def write_record(training: TrainConfig, record: dict[str, Any]) -> None:
-    """Append one JSON line to the log file (rank 0 calls it)."""
-    if training.log_file:
-        with open(training.log_file, "a") as log:
-            log.write(json.dumps(record) + "\n")
-
-
 def validation_loss(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
-                    batches: list[Any], step: int) -> float:
+                    batches: list[Any], step: int, logger: metrics.MetricsLogger | None = None) -> float:
     """The mean loss over the fixed validation batches (each averaged over data-parallel ranks
     as training's is), printed and recorded as ``val_loss`` after ``step`` optimizer steps."""
     losses = [global_loss(eval_step(parallel, batch, training, config, model_module), config.dims, parallel.device)
@@ -540,9 +538,10 @@ def validation_loss(parallel: ParallelModel, training: TrainConfig, config: Para
     value = sum(losses) / len(losses)
     if dist.get_rank() == 0:
         print(f"step {step}  val_loss {value:.4f}", flush=True)
-        write_record(training, {"step": step, "val_loss": value, "val_batches": len(losses),
-                                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                                "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")})
+    if logger is not None:
+        logger.log({"step": step, "val_loss": value, "val_batches": len(losses),
+                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")})
     return value
 
 
@@ -634,9 +633,11 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             # The all-reduce algorithm the planner priced (NCCL reads this when it starts; other
             # collectives keep NCCL's own choice). A user's setting wins.
             os.environ.setdefault("NCCL_ALGO", f"allreduce:{config.dp_sync}")
+    metrics.require_packages(training.metrics)  # every rank, before any joins the others
     created = not dist.is_initialized()
     if created:
         join_process_group(backend)
+    logger = None
     try:
         if expected_sha256 and file_sha256(training.model_file) != expected_sha256 and dist.get_rank() == 0:
             print(f"warning: {training.model_file} changed since the plan was made; the plan may not fit it")
@@ -664,13 +665,14 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         if training.init_from:
             start_from_pretrained(parallel, training, config, model_module, first_step)
         records = []
+        logger = metrics.open_logger(training.log_file, training.metrics, dist.get_rank())
         with attention_context(parallel, config, training, model_module):
             for step in range(first_step, training.steps):
                 checkpointing.inject_failure(step, training.fail_at_step)
-                records.append(timed_step(parallel, training, config, model_module, step, batches))
+                records.append(timed_step(parallel, training, config, model_module, step, batches, logger))
                 done = step + 1
                 if validation and (done % training.eval_every == 0 or done == training.steps):
-                    validation_loss(parallel, training, config, model_module, validation, done)
+                    validation_loss(parallel, training, config, model_module, validation, done, logger)
                 if training.checkpoint.enabled and done % training.checkpoint.every == 0:
                     checkpointer.save(done, batches.position)
             if after_steps is not None:  # inside the attention context: more steps may run
@@ -693,6 +695,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
         return records
     finally:
+        if logger is not None:
+            logger.close()
         if created:
             dist.destroy_process_group()
 
@@ -732,4 +736,5 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--fail-at-step", type=int, default=None, metavar="STEP",
                         help="fault injection: the last rank kills itself (SIGKILL) at STEP in torchrun's first "
                              "attempt, to try restarts (--max-restarts) and resuming")
+    metrics.add_arguments(parser)
     return parser.parse_args(argv)

@@ -1,0 +1,83 @@
+"""`autopar run`'s progress: the ranks' lines and run.jsonl's new records -> step, losses, rate, ETA."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.runtime.progress import PlainDisplay, ProgressState, RecordTail, RunProgress, default_steps
+
+
+def step_line(step: int, loss: float, tokens: str = "1,234", prefix: str = "") -> str:
+    """The generated module's rank-0 line (train.py's timed_step)."""
+    return f"{prefix}step {step}  loss {loss:.4f}  40.1 ms  {tokens} tokens/s  peak 512 MiB\n"
+
+
+def test_step_lines_move_the_state_and_others_do_not():
+    state = ProgressState(total_steps=10)
+    assert not state.feed_line("warning: model.py changed since the plan was made\n", now=0.0)
+    assert state.feed_line(step_line(0, 3.25, "81,234"), now=1.0)
+    assert (state.done, state.loss, state.tokens_per_s) == (1, 3.25, 81234.0)
+    assert state.feed_line(step_line(1, 3.0, prefix="[rank0]:"), now=3.0)
+    assert (state.done, state.loss) == (2, 3.0)
+
+
+def test_eta_is_the_remaining_steps_at_the_rate_seen():
+    state = ProgressState(total_steps=10)
+    state.feed_line(step_line(0, 3.0), now=100.0)
+    assert state.eta_s() is None  # one step: no rate yet
+    state.feed_line(step_line(1, 2.9), now=102.0)
+    state.feed_line(step_line(2, 2.8), now=104.0)
+    assert state.eta_s() == pytest.approx(7 * 2.0)  # 3 of 10 done, 2 s per step
+    assert state.describe() == "step 3/10  loss 2.8000  1,234 tokens/s  ETA 0:00:14"
+
+
+def test_a_restart_going_back_measures_the_rate_afresh():
+    """torchrun restarts every rank; they resume at the last checkpoint (step 4 here), and the
+    time the restart took is not a step's."""
+    state = ProgressState(total_steps=10)
+    for step, now in ((4, 10.0), (5, 11.0), (6, 12.0)):
+        state.feed_line(step_line(step, 2.0), now)
+    state.feed_line(step_line(4, 2.0), now=60.0)
+    assert state.done == 5 and state.eta_s() is None
+    state.feed_line(step_line(5, 2.0), now=63.0)
+    assert state.eta_s() == pytest.approx(4 * 3.0)
+
+
+def test_validation_records_add_the_val_loss(tmp_path):
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps({"step": 0, "loss": 9.0}) + "\n")  # an earlier run: not this one's
+    lines = []
+    progress = RunProgress(ProgressState(total_steps=4), PlainDisplay(lines.append, clock=lambda: 0.0),
+                           RecordTail(log), clock=lambda: 0.0)
+    with log.open("a") as out:
+        out.write(json.dumps({"step": 0, "loss": 3.5, "tokens_per_s": 10.0}) + "\n")
+        out.write(json.dumps({"step": 0, "val_loss": 3.75}) + "\n")
+        out.write('{"step": 1, "lo')  # being written: read once complete
+    progress.feed_line("something else\n")
+    assert (progress.state.step, progress.state.loss, progress.state.val_loss) == (0, 3.5, 3.75)
+    assert lines[-1].endswith("step 1/4  loss 3.5000  val loss 3.7500  10 tokens/s")
+    with log.open("a") as out:
+        out.write('ss": 3.25}\n')
+    progress.feed_line("")
+    assert (progress.state.step, progress.state.loss) == (1, 3.25)
+
+
+def test_plain_lines_come_every_ten_seconds_and_at_the_end():
+    clock = iter([0.0, 4.0, 9.9, 10.0, 12.0, 13.0])
+    lines = []
+    display = PlainDisplay(lines.append, interval_s=10.0, clock=lambda: next(clock))
+    state = ProgressState(total_steps=6)
+    for step in range(5):
+        state.feed_line(step_line(step, 2.0 - step / 10), now=float(step))
+        display.show(state)
+    display.show(state, final=True)
+    shown = [line.split("] ", 1)[1].split("  ")[0] for line in lines]
+    assert shown == ["step 1/6", "step 4/6", "step 5/6"]
+    assert all(line.startswith("[") and line[9] == "]" for line in lines)  # [HH:MM:SS]
+
+
+def test_default_steps_are_the_modules_own(tmp_path):
+    script = tmp_path / "parallel_gpt.py"
+    script.write_text('MODEL_FILE = "gpt.py"\nDEFAULT_STEPS = 25\n')
+    assert default_steps(script) == 25

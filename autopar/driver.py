@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from autopar.config import optimizer_settings
 from autopar.errors import ConfigError, UserError
 from autopar.model_file import file_sha256, load_model_file
 from autopar.profile import ModelProfile, profile_model
@@ -57,7 +58,8 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
         load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
                                     cfg.train.micro_batch_size, cfg.train.router_batches)
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
-                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load)
+                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
+                     clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -324,7 +326,8 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
                          {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
-        files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force)
+        files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force,
+                                        optimizer_settings(cfg.optim))
         if rejection is not None:
             raise UserError(f"The saved plan {plan_path} ({plan.summary()}) fails compile's proof: {rejection.reason}.",
                             "plan again without --plan (the planner moves past plans that fail), or pass check=off "
@@ -347,7 +350,7 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
             profile = result.pricer.profile
             plan = result.plan
             files, rejection = _compile_one(plan, result, model_path, out_dir, cluster, check, rejected, progress,
-                                            force)
+                                            force, optimizer_settings(cfg.optim))
             if rejection is None:
                 break
             rejected.append(rejection)
@@ -367,9 +370,10 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
 
 
 def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, cluster: ClusterSpec, check: bool,
-                 rejected: list[Any], progress: "Reporter | None", force: bool):
-    """Generate ``plan`` into a staging folder, prove it and, when it passes, write its report
-    and install everything into ``out_dir``: (files, None), or (None, the rejection)."""
+                 rejected: list[Any], progress: "Reporter | None", force: bool, optimizer: dict[str, Any]):
+    """Generate ``plan`` into a staging folder (training with the ``optimizer`` settings of the
+    optim group), prove it and, when it passes, write its report and install everything into
+    ``out_dir``: (files, None), or (None, the rejection)."""
     from autopar.codegen import generate
     from autopar.codegen.errors import CodegenError
     from autopar.output_dir import install, staging_dir
@@ -379,7 +383,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
 
     with staging_dir(out_dir) as staging:
         try:
-            files = generate(plan, model_path, staging, gpus_per_node=cluster.gpus_per_node)
+            files = generate(plan, model_path, staging, gpus_per_node=cluster.gpus_per_node, optimizer=optimizer)
         except CodegenError as err:
             return None, RejectedPlan(plan.summary(), "code generation refused it: " + " ".join(err.problem.split()),
                                       ran=False)

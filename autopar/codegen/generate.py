@@ -615,8 +615,8 @@ def main_section() -> str:
 @record
 def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
     """Train with the plan; see the module docstring for how to launch (``after_steps``: see train)."""
-    args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER, "model_file": MODEL_FILE,
-                             "log_file": str(Path(__file__).with_name("run.jsonl")),
+    args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER,
+                             "model_file": MODEL_FILE, "log_file": str(Path(__file__).with_name("run.jsonl")),
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY}})
     if args.export and "RANK" not in os.environ:  # not under torchrun: only consolidate the latest checkpoint
         folder = checkpointing.export_latest_checkpoint(args.checkpoint_dir, args.export)

@@ -1,4 +1,4 @@
-"""The optimizer: AdamW, with its state sharded over data-parallel replicas for ZeRO-1."""
+"""The optimizer: AdamW in decayed and exempt groups, ZeRO-1's sharded AdamW, the learning-rate schedule."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-NamedParameters = "list[tuple[str, nn.Parameter]]"  # (FQN in the unsharded model, parameter)
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 # Modules whose parameters AdamW does not decay (besides every parameter of fewer than 2 dims):
 # shrinking an embedding row or a norm's gain towards zero is not the regularisation meant.
@@ -41,7 +40,7 @@ def decays(name: str, settings: dict, no_decay: set[str]) -> bool:
     return settings.get("weight_decay", 0.0) != 0 and (settings.get("decay_all", False) or name not in no_decay)
 
 
-def build_optimizer(named: NamedParameters, settings: dict, no_decay: set[str] = frozenset()
+def build_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, no_decay: set[str] = frozenset()
                     ) -> torch.optim.Optimizer:
     """AdamW over ``named`` parameters (one pipeline stage's, possibly sharded) with ``settings``
     (lr, betas, eps, weight_decay, decay_all); ``no_decay``: the FQNs `no_decay_names` exempts."""
@@ -50,7 +49,7 @@ def build_optimizer(named: NamedParameters, settings: dict, no_decay: set[str] =
     return torch.optim.AdamW(uniform_groups(named, settings, no_decay), foreach=True, **adamw_options(settings))
 
 
-def build_zero1_optimizer(named: NamedParameters, settings: dict, group: dist.ProcessGroup,
+def build_zero1_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, group: dist.ProcessGroup,
                           no_decay: set[str] = frozenset()) -> torch.optim.Optimizer | "ShardedAdamW":
     """ZeRO-1: AdamW whose state each rank of ``group`` (the data-parallel replicas) keeps 1/n of."""
     if dist.get_world_size(group) > 1:
@@ -65,7 +64,7 @@ def adamw_options(settings: dict) -> dict:
                 weight_decay=settings["weight_decay"])
 
 
-def uniform_groups(named: NamedParameters, settings: dict | None = None, no_decay: set[str] = frozenset()
+def uniform_groups(named: list[tuple[str, nn.Parameter]], settings: dict | None = None, no_decay: set[str] = frozenset()
                    ) -> list[dict]:
     """``named`` parameters as optimizer groups that each hold one kind (plain tensors, or
     DTensors of one mesh: what TP leaves replicated stays plain beside its sharded weights) and

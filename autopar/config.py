@@ -1,7 +1,7 @@
 """Structured configs: the schema Hydra validates every preset and override against.
 
-Config groups (autopar/conf/): ``cluster/``, ``train/``, ``solver/``, ``plan/`` and ``data/`` hold presets
-extending these dataclasses (the cluster schema, `ClusterConfig`, lives with the cost model).
+Config groups (autopar/conf/): ``cluster/``, ``train/``, ``optim/``, ``data/``, ``solver/`` and ``plan/`` hold
+presets extending these dataclasses (the cluster schema, `ClusterConfig`, lives with the cost model).
 ``model.<name>=<value>`` overrides are free-form: they become keyword arguments of the user's
 build_model() / example_batch() and are checked against those signatures instead.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,81 @@ class TrainConfig:
     `autopar run DIR train.eval_every=N` and the module's --eval-every override it."""
     eval_batches: int = 4
     """Global batches of the validation set (or example batches no step trains on) it averages."""
+
+
+OPTIM_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+
+
+@dataclass
+class OptimConfig:
+    """The generated module's optimizer (AdamW), learning-rate schedule and gradient clipping."""
+
+    name: str = "adamw"
+    """The optimizer: adamw (the only one the generated module runs)."""
+    lr: float = 3e-4
+    """Peak learning rate (the module's --lr overrides it)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's moment decay rates, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW's denominator term."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (p *= 1 - lr * weight_decay each step) of the decayed parameters."""
+    decay_all: bool = False
+    """Decay every parameter; false exempts embeddings, normalisation layers and every parameter of
+    fewer than 2 dims (biases, norm gains)."""
+    warmup_steps: int = 0
+    """Linear warmup from lr / warmup_steps to lr over these steps (module: --warmup-steps)."""
+    schedule: str = "cosine"
+    """After warmup: constant, linear (to min_lr), cosine (to min_lr) or wsd (warmup-stable-decay:
+    lr, then linear to min_lr over the last wsd_decay_fraction of decay_steps) (module: --schedule)."""
+    decay_steps: int | None = None
+    """Step at which the schedule reaches min_lr (null: the run's total steps, --steps)."""
+    min_lr: float = 0.0
+    """Learning rate the schedule decays to (module: --min-lr)."""
+    wsd_decay_fraction: float = 0.2
+    """wsd: the fraction of decay_steps spent decaying, in (0, 1]."""
+    max_grad_norm: float = 1.0
+    """Clip gradients to this global L2 norm over every shard (0 turns clipping off; priced as one
+    small all-reduce over all ranks per step) (module: --max-grad-norm)."""
+
+
+def optimizer_settings(optim: Any) -> dict[str, Any]:
+    """The checked `optim` node as the generated module's OPTIMIZER dict (plain values).
+
+    Raises ConfigError naming the first field out of range."""
+    settings = {f.name: getattr(optim, f.name) for f in dataclasses.fields(OptimConfig)}
+    settings["betas"] = tuple(float(b) for b in settings["betas"])
+    problem = optim_problem(settings)
+    if problem:
+        field_name, why = problem
+        raise ConfigError(f"Invalid configuration: optim.{field_name}={settings[field_name]!r}: {why}.",
+                          f"set optim.{field_name} to such a value (`autopar compile --help` lists the optim fields).")
+    return settings
+
+
+def optim_problem(s: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, what it must be) for the first optimizer setting out of range, else None."""
+    def finite(value: Any) -> bool:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+
+    checks = [
+        ("name", s["name"] == "adamw", "the generated module runs adamw only"),
+        ("lr", finite(s["lr"]) and s["lr"] > 0, "a finite learning rate above 0 is expected"),
+        ("betas", len(s["betas"]) == 2 and all(finite(b) and 0 <= b < 1 for b in s["betas"]),
+         "two finite values in [0, 1) are expected"),
+        ("eps", finite(s["eps"]) and s["eps"] > 0, "a finite value above 0 is expected"),
+        ("weight_decay", finite(s["weight_decay"]) and s["weight_decay"] >= 0, "a finite value of 0 or more is expected"),
+        ("warmup_steps", s["warmup_steps"] >= 0, "0 or more steps are expected"),
+        ("schedule", s["schedule"] in OPTIM_SCHEDULES, f"one of {', '.join(OPTIM_SCHEDULES)} is expected"),
+        ("decay_steps", s["decay_steps"] is None or s["decay_steps"] > s["warmup_steps"],
+         "null (the run's steps) or more steps than warmup_steps is expected"),
+        ("min_lr", finite(s["min_lr"]) and 0 <= s["min_lr"] <= s["lr"], "a finite value from 0 to lr is expected"),
+        ("wsd_decay_fraction", finite(s["wsd_decay_fraction"]) and 0 < s["wsd_decay_fraction"] <= 1,
+         "a fraction in (0, 1] is expected"),
+        ("max_grad_norm", finite(s["max_grad_norm"]) and s["max_grad_norm"] >= 0,
+         "a finite norm of 0 (no clipping) or more is expected"),
+    ]
+    return next(((name, why) for name, ok, why in checks if not ok), None)
 
 
 @dataclass
@@ -228,6 +304,7 @@ class AutoparConfig:
     """Keyword arguments for the model file's build_model() and example_batch()."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     solver: SolverConfig = field(default_factory=SolverConfig)
     plan: PlanPins = field(default_factory=PlanPins)
     sweep: SweepConfig = field(default_factory=SweepConfig)
@@ -245,6 +322,7 @@ def register_configs() -> None:
     store.store(name="autopar_schema", node=AutoparConfig)
     store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     store.store(group="train", name="train_schema", node=TrainConfig)
+    store.store(group="optim", name="optim_schema", node=OptimConfig)
     store.store(group="solver", name="solver_schema", node=SolverConfig)
     store.store(group="plan", name="plan_schema", node=PlanPins)
     store.store(group="data", name="data_schema", node=DataConfig)
@@ -287,6 +365,7 @@ def compose_config(overrides: list[str] | None = None, hydra: bool = False) -> A
                           f"(+ can add keys only where the schema allows any: model.*, plan.layer_recompute.*).",
                           f"drop it, or use one of {', '.join(known)}{_did_you_mean(path, known)}.")
     check_data(cfg.data)
+    optimizer_settings(cfg.optim)  # its values' ranges, before any work
     return cfg
 
 

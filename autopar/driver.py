@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from autopar.config import optimizer_settings
 from autopar.errors import ConfigError, UserError
 from autopar.model_file import file_sha256, load_model_file
 from autopar.profile import ModelProfile, profile_model
@@ -57,7 +58,8 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
         load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
                                     cfg.train.micro_batch_size, cfg.train.router_batches)
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
-                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load)
+                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
+                     clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -319,7 +321,7 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
 
     out_dir = Path(out_dir)
     check_out_dir(out_dir, compiled_file_names(model_path), force=force)
-    defaults = run_defaults(cfg, model_path)
+    defaults = {**run_defaults(cfg, model_path), "optimizer": optimizer_settings(cfg.optim)}
     cluster = build_cluster(cfg)
     check = check_wanted(str(OmegaConf.select(cfg, "check", default="auto")),
                          {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
@@ -413,7 +415,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
                  rejected: list[Any], progress: "Reporter | None", force: bool, defaults: dict[str, Any]):
     """Generate ``plan`` into a staging folder, prove it and, when it passes, write its report
     and install everything into ``out_dir``: (files, None), or (None, the rejection);
-    ``defaults``: generate()'s run defaults (data, validation)."""
+    ``defaults``: generate()'s run defaults (optimizer, data, validation)."""
     from autopar.codegen import generate
     from autopar.codegen.errors import CodegenError
     from autopar.output_dir import install, staging_dir

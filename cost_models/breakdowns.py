@@ -65,7 +65,7 @@ class Breakdowns:
 
     def _assemble(self, layout: ParallelLayout, problem: PartitionProblem, partition: Partition,
                   fits: bool) -> Estimate:
-        step = partition.step_time_s
+        step = partition.step_time_s + self.fixed_time_s(layout)  # + gradient clipping's all-reduce
         batch = self.train.global_batch_size
         samples = batch / step
         tokens = samples * self.profile.tokens_per_sample if self.profile.tokens_per_sample else None
@@ -144,8 +144,9 @@ class Breakdowns:
         once = max(per_device, key=lambda totals: totals["optimizer"] + totals["dp_comm"])
         parts["dp_comm"] += once["dp_comm"]
         parts["optimizer"] = once["optimizer"]
+        parts["dp_comm"] += self.fixed_time_s(layout)  # gradient clipping's all-reduce over every rank
         busy = sum(parts.values())
-        parts["bubble"] = max(0.0, partition.step_time_s - busy)
+        parts["bubble"] = max(0.0, partition.step_time_s + self.fixed_time_s(layout) - busy)
         return {key: parts[key] for key in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm",
                                             "dp_comm", "bubble", "optimizer")}
 

@@ -44,9 +44,15 @@ class IssuedCollectives:
         group's (tensor, expert, data, pipeline and context parallel) summed."""
         total: Counts = {}
         for counts in (self.tp_collectives(layout), self.sp_gradient_collectives(layout), self.ep_collectives(layout),
-                       self.dp_collectives(layout), self.pp_collectives(layout), self.cp_collectives(layout)):
+                       self.dp_collectives(layout), self.pp_collectives(layout), self.cp_collectives(layout),
+                       self.clip_collectives(layout)):
             add(total, counts)
         return total
+
+    def clip_collectives(self, layout: ParallelLayout) -> Counts:
+        """Gradient clipping (the module's max_grad_norm > 0): one all-reduce of the squared norm
+        over every rank per step (codegen's `clip_gradients`), counted on each pipeline rank."""
+        return {Collective.ALL_REDUCE.value: layout.pp} if self.train.clip_grad_norm else {}
 
     def sp_gradient_collectives(self, layout: ParallelLayout) -> Counts:
         """Under sequence parallelism the norms run on each rank's slice of the sequence, so their

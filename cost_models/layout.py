@@ -113,6 +113,8 @@ class TrainSpec:
         expert_load: (experts module FQN, tokens each of its experts received) measured from a
             trained router (autopar/trace/routing.py); where given, it prices the busiest rank
             for each ep instead of moe_imbalance.
+        clip_grad_norm: whether each step clips gradients by their global norm (the generated
+            module's optim.max_grad_norm > 0): one scalar all-reduce over every rank per step.
     """
 
     global_batch_size: int
@@ -120,6 +122,7 @@ class TrainSpec:
     optimizer: str = "adam"
     moe_imbalance: float = 1.0
     expert_load: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    clip_grad_norm: bool = True
 
 
 def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:

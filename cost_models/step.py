@@ -41,6 +41,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cost_models.breakdowns import Breakdowns, Estimate
+from cost_models.collectives import Collective
 from cost_models.compute import ComputeModel
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.hardware import GPUSpec
@@ -55,6 +56,8 @@ from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_bat
 from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, Placement,
                                    proportional_shares)
 from cost_models.topology import ClusterSpec, GroupPlacement
+
+CLIP_NORM_BYTES = 8  # gradient clipping's all-reduce: one float64 sum of squares
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
@@ -284,8 +287,16 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         return (layout.zero_stage, self._shard_size(layout), self._uses_fsdp(layout), layout.pp > 1)
 
     def fixed_time_s(self, layout: Any) -> float:
-        """Step time outside the per-layer prices: none (every cost is attributed to a layer)."""
-        return 0.0
+        """Step time outside the per-layer prices: gradient clipping's all-reduce of one float64
+        (the sum of squares) over every rank, which each pipeline rank waits for before its
+        update (every other cost is attributed to a layer)."""
+        if not self.train.clip_grad_norm:
+            return 0.0
+        key = ("clip", layout.world_size)  # every rank: the mesh order does not change the group
+        if key not in self._placements:
+            group = self.cluster.group_links(list(range(layout.world_size)))
+            self._placements[key] = self.collective_s(Collective.ALL_REDUCE, CLIP_NORM_BYTES, group)
+        return self._placements[key]
 
     # -- a complete layout ----------------------------------------------------------------------
 

@@ -32,7 +32,10 @@ from cost_models.layout import fsdp_groups
 from cost_models.mesh import Mesh
 from cost_models.tp_layout import stack_of
 
-DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# The `optim` config group's defaults (autopar/config.py OptimConfig): what the module trains with.
+DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+                     "decay_all": False, "warmup_steps": 0, "schedule": "cosine", "decay_steps": None,
+                     "min_lr": 0.0, "wsd_decay_fraction": 0.2, "max_grad_norm": 1.0}
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
         model_kwargs: build_model/example_batch keyword arguments; default: the plan's provenance.
         gpus_per_node: ranks per node of the target cluster (launch scripts, hybrid-shard group
             size); default: every rank on one node.
-        optimizer: AdamW settings (lr, betas, eps, weight_decay); default `DEFAULT_OPTIMIZER`.
+        optimizer: AdamW settings (the `optim` group's fields), over `DEFAULT_OPTIMIZER`.
         steps: default number of training steps of the generated script.
         checkpoint_every: default checkpoint frequency of the generated script (0: off unless
             ``--checkpoint-every`` asks).
@@ -546,7 +549,8 @@ def parallel_config_source(plan: Plan) -> str:
 def train_config_source(plan: Plan) -> str:
     shares = '        dp_shares=plan["dp_shares"],\n' if plan.dp_shares else ""
     return f'''def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
-    """Batch sizes and precision from the plan; steps, seed, lr, files and checkpoints from the command line."""
+    """Batch sizes and precision from the plan; steps, seed, the optimizer's overrides, files and checkpoints
+    from the command line."""
     return TrainConfig(
         model_file=args.model_file,
         model_kwargs=MODEL_KWARGS,
@@ -554,7 +558,7 @@ def train_config_source(plan: Plan) -> str:
         micro_batch_size=plan["micro_batch_size"],
         num_micro_batches=plan["num_micro_batches"],
         precision=plan["precision"],
-{shares}        optimizer={{**OPTIMIZER, "lr": args.lr}},
+{shares}        optimizer=optimizer_settings(OPTIMIZER, args),
         steps=args.steps,
         seed=args.seed,
         log_file=args.log_file,
@@ -643,8 +647,8 @@ def main_section() -> str:
 @record
 def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
     """Train with the plan; see the module docstring for how to launch (``after_steps``: see train)."""
-    args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "model_file": MODEL_FILE,
-                             "log_file": str(Path(__file__).with_name("run.jsonl")),
+    args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER,
+                             "model_file": MODEL_FILE, "log_file": str(Path(__file__).with_name("run.jsonl")),
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY,
                              "eval_every": EVAL_EVERY, "eval_batches": EVAL_BATCHES}})
     if args.export and "RANK" not in os.environ:  # not under torchrun: only consolidate the latest checkpoint

@@ -1,8 +1,10 @@
 """The single-process reference a generated module must reproduce: the original model, unsharded.
 
 Same conventions as the generated code (weights from ``seed``; step s trains on
-``example_batch(global_batch_size)`` drawn from seed ``seed + 1 + s``; AdamW), but none of its
-machinery: one forward and backward over the whole global batch per step.
+``example_batch(global_batch_size)`` drawn from seed ``seed + 1 + s``; AdamW with the same
+decayed and exempt parameters, learning-rate schedule and gradient clipping), but none of its
+machinery: one forward and backward over the whole global batch per step, torch's own
+``clip_grad_norm_`` and a plain AdamW with two parameter groups.
 """
 from __future__ import annotations
 
@@ -14,16 +16,20 @@ import torch
 from torch.utils.data import default_collate
 
 from autopar.codegen.sections.contract import tokens_per_sample
+from autopar.codegen.sections.optimizer import decays, learning_rate, no_decay_names, set_learning_rate
 from autopar.model_file import accepted_kwargs, call_model, compute_loss, load_model_file
 
 
 @dataclass
 class ReferenceRun:
-    """Loss per step and the parameters after the last step (FQN -> tensor; tied names once);
-    the validation loss after each evaluated step (step -> loss)."""
+    """Loss, gradient norm (before clipping) and learning rate per step, the parameters after the
+    last step (FQN -> tensor; tied names once), and the validation loss after each evaluated step
+    (step -> loss)."""
 
     losses: list[float]
     parameters: dict[str, torch.Tensor]
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
     val_losses: dict[int, float] = field(default_factory=dict)
 
 
@@ -105,7 +111,9 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
         model_kwargs: build_model / example_batch keyword arguments.
         global_batch_size: samples per step.
         steps: optimizer steps.
-        optimizer: AdamW settings (lr, betas, eps, weight_decay).
+        optimizer: the generated module's optimizer settings (autopar/codegen/generate.py
+            DEFAULT_OPTIMIZER's keys; missing ones: a constant rate, no clipping, embeddings, norms
+            and biases exempt from decay).
         seed: seed of the weights; batches use seed + 1 + step.
         data: the run's samples (else example_batch), and its validation batches.
         eval_every, eval_batches: the validation loss every ``eval_every`` steps and after the
@@ -114,9 +122,10 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
     model_file = load_model_file(model_path)
     torch.manual_seed(seed)
     model = model_file.build_model(**accepted_kwargs(model_file.build_model, model_kwargs))
-    adamw = torch.optim.AdamW(model.parameters(), lr=optimizer["lr"], betas=tuple(optimizer["betas"]),
+    adamw = torch.optim.AdamW(decay_groups(model, optimizer), lr=optimizer["lr"], betas=tuple(optimizer["betas"]),
                               eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
-    losses, val_losses = [], {}
+    max_norm = float(optimizer.get("max_grad_norm", 0.0) or 0.0)
+    run = ReferenceRun(losses=[], parameters={})
     validation = data.validation(eval_batches) if data is not None and eval_every > 0 else []
     for step in range(steps):
         if data is not None:
@@ -128,15 +137,29 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
                                                  **accepted_kwargs(model_file.example_batch, model_kwargs))
         loss = compute_loss(model_file, call_model(model, batch), batch)
         loss.backward()
+        lr = learning_rate(step, steps, optimizer)
+        set_learning_rate(adamw, lr)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
         adamw.step()
         adamw.zero_grad()
-        losses.append(loss.item())
+        run.losses.append(loss.item())
+        run.grad_norms.append(float(norm))
+        run.lrs.append(lr)
         done = step + 1
         if validation and (done % eval_every == 0 or done == steps):
             model.eval()
             with torch.no_grad():
-                val_losses[done] = sum(compute_loss(model_file, call_model(model, b), b).item()
-                                       for b in validation) / len(validation)
+                run.val_losses[done] = sum(compute_loss(model_file, call_model(model, b), b).item()
+                                           for b in validation) / len(validation)
             model.train()
-    return ReferenceRun(losses=losses, parameters={n: p.detach().clone() for n, p in model.named_parameters()},
-                        val_losses=val_losses)
+    run.parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run
+
+
+def decay_groups(model: torch.nn.Module, optimizer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The model's parameters as AdamW's two groups: decayed, and exempt (weight decay 0)."""
+    no_decay = no_decay_names(model)
+    groups: dict[bool, list[torch.nn.Parameter]] = {True: [], False: []}
+    for name, parameter in model.named_parameters():
+        groups[decays(name, optimizer, no_decay)].append(parameter)
+    return [{"params": groups[True]}, {"params": groups[False], "weight_decay": 0.0}]

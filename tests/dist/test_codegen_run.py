@@ -19,7 +19,8 @@ from autopar.plan import Plan
 from autopar.runtime import read_records, run_local, run_reference
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
 
-RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "attempt", "run_id"}
+RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "attempt", "run_id", "lr",
+               "grad_norm"}
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,14 @@
                   holds the optimizer and its state; workers push their gradients to it, it
                   averages and steps, and they pull the updated parameters. O(n) traffic at the
                   server, no optimizer state on workers.
-Each wraps the optimizer (sync, then step), so the training loop is the same for every plan.
+Each wraps the optimizer (sync, then step), so the training loop is the same for every plan; a
+``before_step`` given to ``step`` (gradient clipping, clipping.py) runs between the two, on the
+averaged gradients, and ``step`` returns what it returned.
 Gradients travel in flat buckets of the plan's size (bounded extra memory per step).
 """
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -87,14 +91,20 @@ class HierarchicalSync:
     """Average gradients over the data-parallel group in three steps (see the module docstring),
     then run the wrapped optimizer."""
 
-    def __init__(self, parameters: list[nn.Parameter], optimizer, intra: dist.ProcessGroup,
+    reduces_gradients = True  # clipping.py's step_optimizer passes before_step
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], optimizer, intra: dist.ProcessGroup,
                  inter: dist.ProcessGroup, dp: int, bucket_bytes: int):
-        self.parameters = [p for p in parameters if p.requires_grad]
+        self.parameters = [p for _, p in named if p.requires_grad]
         self.optimizer, self.intra, self.inter, self.dp = optimizer, intra, inter, dp
         self.buckets = buckets(self.parameters, bucket_bytes)
 
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, before_step: Callable[[], Any] | None = None) -> Any:
         per_node = dist.get_world_size(self.intra)
         ensure_grads(self.parameters)
         for bucket in self.buckets:
@@ -105,7 +115,9 @@ class HierarchicalSync:
             dist.all_reduce(shard, group=self.inter)
             all_gather_single(padded, shard, group=self.intra)
             unflatten_into(padded[:flat.numel()] / self.dp, [_local(p.grad) for p in bucket])
+        result = before_step() if before_step is not None else None
         self.optimizer.step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -154,20 +166,28 @@ class HalvingDoublingSync:
     """Average gradients over the data-parallel group by recursive halving and doubling, bucket
     by bucket, then run the wrapped optimizer."""
 
-    def __init__(self, parameters: list[nn.Parameter], optimizer, group: dist.ProcessGroup, bucket_bytes: int):
-        self.parameters = [p for p in parameters if p.requires_grad]
+    reduces_gradients = True  # clipping.py's step_optimizer passes before_step
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], optimizer, group: dist.ProcessGroup, bucket_bytes: int):
+        self.parameters = [p for _, p in named if p.requires_grad]
         self.optimizer = optimizer
         self.ranks = dist.get_process_group_ranks(group)
         self.buckets = buckets(self.parameters, bucket_bytes)
 
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, before_step: Callable[[], Any] | None = None) -> Any:
         ensure_grads(self.parameters)
         for bucket in self.buckets:
             flat = flat_grads(bucket)
             halving_doubling_all_reduce(flat, self.ranks)
             unflatten_into(flat / len(self.ranks), [_local(p.grad) for p in bucket])
+        result = before_step() if before_step is not None else None
         self.optimizer.step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -175,19 +195,30 @@ class HalvingDoublingSync:
 
 class ParameterServer:
     """The group's first rank serves: receives every worker's gradients (push), averages them,
-    steps the only optimizer, and sends the parameters back (pull)."""
+    steps the only optimizer, and sends the parameters back (pull). Workers take part in
+    ``before_step`` too (a clipping norm's all-reduce spans every rank); their gradients, left
+    unaveraged, count nowhere (the server's copy counts) and are not used."""
 
-    def __init__(self, parameters: list[nn.Parameter], make_optimizer, group: dist.ProcessGroup, bucket_bytes: int):
-        self.parameters = [p for p in parameters if p.requires_grad]
+    reduces_gradients = True  # clipping.py's step_optimizer passes before_step
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], make_optimizer, group: dist.ProcessGroup,
+                 bucket_bytes: int):
+        """``make_optimizer(named)`` builds the server's optimizer over (FQN, parameter) pairs."""
+        named = [(n, p) for n, p in named if p.requires_grad]
+        self.parameters = [p for _, p in named]
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.server = self.ranks[0]
         self.is_server = dist.get_rank() == self.server
-        self.optimizer = make_optimizer(self.parameters) if self.is_server else None
+        self.optimizer = make_optimizer(named) if self.is_server else None
         self.buckets = buckets(self.parameters, bucket_bytes)
 
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups if self.optimizer is not None else []
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, before_step: Callable[[], Any] | None = None) -> Any:
         workers = [r for r in self.ranks if r != self.server]
         for bucket in self.buckets:
             flat = flat_grads(bucket)
@@ -200,6 +231,7 @@ class ParameterServer:
                 unflatten_into(total / len(self.ranks), [_local(p.grad) for p in bucket])
             else:
                 dist.send(flat, dst=self.server, group=self.group)
+        result = before_step() if before_step is not None else None
         if self.is_server:
             self.optimizer.step()
         for bucket in self.buckets:
@@ -210,6 +242,7 @@ class ParameterServer:
             else:
                 dist.recv(flat, src=self.server, group=self.group)
                 unflatten_into(flat, [_local(p).data for p in bucket])
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters:

@@ -1,6 +1,7 @@
-"""The optimizer: AdamW, with its state sharded over data-parallel replicas for ZeRO-1."""
+"""The optimizer: AdamW in decayed and exempt groups, ZeRO-1's sharded AdamW, the learning-rate schedule."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -9,20 +10,53 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def build_optimizer(parameters: list[nn.Parameter], settings: dict) -> torch.optim.Optimizer:
-    """AdamW over ``parameters`` (one pipeline stage's, possibly sharded) with ``settings``
-    (lr, betas, eps, weight_decay)."""
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+# Modules whose parameters AdamW does not decay (besides every parameter of fewer than 2 dims):
+# shrinking an embedding row or a norm's gain towards zero is not the regularisation meant.
+NO_DECAY_MODULES = (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
+                    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """FQNs of the unsharded ``model``'s parameters exempt from weight decay: those of embeddings
+    and normalisation modules (by type, or a class name ending in Norm), and every parameter of
+    fewer than 2 dims (biases, norm gains). A tensor under several names (a head tied to the
+    embedding) is exempt under all of them when one of them is. Decided before the model is cut
+    or sharded: names stay, but a traced pipeline stage keeps no module types and a shard's
+    shape is not the parameter's."""
+    exempt_ids = set()
+    names_of: dict[int, list[str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        norm_like = isinstance(module, NO_DECAY_MODULES) or type(module).__name__.endswith("Norm")
+        for name, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
+            names_of.setdefault(id(parameter), []).append(f"{prefix}.{name}" if prefix else name)
+            if norm_like or parameter.ndim < 2:
+                exempt_ids.add(id(parameter))
+    return {name for key in exempt_ids for name in names_of[key]}
+
+
+def decays(name: str, settings: dict, no_decay: set[str]) -> bool:
+    """Whether AdamW decays the parameter ``name`` (every one with ``decay_all``)."""
+    return settings.get("weight_decay", 0.0) != 0 and (settings.get("decay_all", False) or name not in no_decay)
+
+
+def build_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, no_decay: set[str] = frozenset()
+                    ) -> torch.optim.Optimizer:
+    """AdamW over ``named`` parameters (one pipeline stage's, possibly sharded) with ``settings``
+    (lr, betas, eps, weight_decay, decay_all); ``no_decay``: the FQNs `no_decay_names` exempts."""
     # foreach (CUDA's default, forced here so CPU runs take the same path): one fused update per
     # group, and a DTensor op refuses plain tensors or another mesh's DTensors beside it.
-    return torch.optim.AdamW(uniform_groups(parameters), foreach=True, **adamw_options(settings))
+    return torch.optim.AdamW(uniform_groups(named, settings, no_decay), foreach=True, **adamw_options(settings))
 
 
-def build_zero1_optimizer(parameters: list[nn.Parameter], settings: dict, group: dist.ProcessGroup
-                          ) -> torch.optim.Optimizer | "ShardedAdamW":
+def build_zero1_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, group: dist.ProcessGroup,
+                          no_decay: set[str] = frozenset()) -> torch.optim.Optimizer | "ShardedAdamW":
     """ZeRO-1: AdamW whose state each rank of ``group`` (the data-parallel replicas) keeps 1/n of."""
     if dist.get_world_size(group) > 1:
-        return ShardedAdamW(parameters, group, **adamw_options(settings))
-    return build_optimizer(parameters, settings)
+        parameters = [p for _, p in named]
+        return ShardedAdamW(parameters, group, decayed=[decays(n, settings, no_decay) for n, _ in named],
+                            **adamw_options(settings))
+    return build_optimizer(named, settings, no_decay)
 
 
 def adamw_options(settings: dict) -> dict:
@@ -30,14 +64,56 @@ def adamw_options(settings: dict) -> dict:
                 weight_decay=settings["weight_decay"])
 
 
-def uniform_groups(parameters: list[nn.Parameter]) -> list[dict]:
-    """``parameters`` as optimizer groups that each hold one kind: plain tensors, or DTensors of
-    one mesh (what TP leaves replicated stays plain beside its sharded weights)."""
+def uniform_groups(named: list[tuple[str, nn.Parameter]], settings: dict | None = None, no_decay: set[str] = frozenset()
+                   ) -> list[dict]:
+    """``named`` parameters as optimizer groups that each hold one kind (plain tensors, or
+    DTensors of one mesh: what TP leaves replicated stays plain beside its sharded weights) and
+    one weight decay (``settings``'s, or none for the exempt)."""
     groups: dict[Any, list[nn.Parameter]] = {}
-    for parameter in parameters:
+    for name, parameter in named:
         kind = parameter.device_mesh if isinstance(parameter, DTensor) else None
-        groups.setdefault(kind, []).append(parameter)
-    return [{"params": members} for members in groups.values()]
+        decayed = settings is None or decays(name, settings, no_decay)
+        groups.setdefault((kind, decayed), []).append(parameter)
+    return [{"params": members, **({} if decayed else {"weight_decay": 0.0})}
+            for (_, decayed), members in groups.items()]
+
+
+def learning_rate(step: int, total_steps: int, settings: dict) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of a run of ``total_steps``.
+
+    Linear warmup over ``warmup_steps`` (step s < w trains at lr (s + 1) / w), then by
+    ``schedule`` from lr to ``min_lr`` over the steps up to ``decay_steps`` (default: the run's
+    total), at progress t = (s - w) / (decay_steps - w): constant (lr), linear, cosine
+    (min_lr + (lr - min_lr) (1 + cos(pi t)) / 2), or wsd (warmup-stable-decay: lr until the last
+    ``wsd_decay_fraction`` of decay_steps, then linear to min_lr over them). Past decay_steps: min_lr
+    (constant: lr).
+    """
+    lr, warmup = float(settings["lr"]), int(settings.get("warmup_steps", 0))
+    schedule = settings.get("schedule", "constant")
+    min_lr = float(settings.get("min_lr", 0.0))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
+    end = int(settings.get("decay_steps") or total_steps)
+    if schedule == "wsd":
+        length = max(1, round(float(settings.get("wsd_decay_fraction", 0.2)) * end))
+        start = max(warmup, end - length)
+    else:
+        start = warmup
+    t = min(1.0, max(0.0, (step - start) / max(1, end - start)))
+    if schedule == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
+    if schedule in ("linear", "wsd"):
+        return lr + (min_lr - lr) * t
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
+
+
+def set_learning_rate(optimizer: Any, lr: float) -> None:
+    """Set every parameter group's learning rate: torch's optimizers, `ShardedAdamW` and the
+    gradient exchanges of gradient_sync.py (which show their inner optimizer's groups)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 # torch 2.13 renamed the flat collectives (the old names warn that they are deprecated); older
@@ -57,11 +133,17 @@ class ShardedAdamW:
     Gradients arrive already averaged over the group (replicated). Each rank flattens its
     parameters into one vector, updates its contiguous slice with an ordinary AdamW (element-
     wise, so identical to updating the whole vector), and one all-gather puts the updated slices
-    back together on every rank.
+    back together on every rank. Weight decay is applied here, to the slice's elements of the
+    ``decayed`` parameters only, as torch's AdamW applies it (p *= 1 - lr * weight_decay before
+    the Adam update, which then runs without decay), so one process matches torch's AdamW with
+    a decayed and an exempt group bit for bit.
     """
 
-    def __init__(self, parameters: list[nn.Parameter], group: dist.ProcessGroup, **options):
-        self.parameters = [p for p in parameters if p.requires_grad]
+    def __init__(self, parameters: list[nn.Parameter], group: dist.ProcessGroup, decayed: list[bool] | None = None,
+                 **options):
+        kept = [i for i, p in enumerate(parameters) if p.requires_grad]
+        self.parameters = [parameters[i] for i in kept]
+        self.decayed = [True if decayed is None else decayed[i] for i in kept]
         self.group = group
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         with torch.no_grad():
@@ -71,7 +153,25 @@ class ShardedAdamW:
         self.start = min(rank * self.shard_numel, self.numel)
         self.stop = min(self.start + self.shard_numel, self.numel)
         self.shard = nn.Parameter(flat[self.start:self.stop].clone())
-        self.inner = torch.optim.AdamW([self.shard], **options)
+        self.weight_decay = float(options.pop("weight_decay", 0.0))
+        self.decay_ranges = self._decay_ranges()
+        self.inner = torch.optim.AdamW([self.shard], weight_decay=0.0, **options)
+
+    def _decay_ranges(self) -> list[tuple[int, int]]:
+        """(start, stop) in the shard of each decayed parameter's elements it holds."""
+        ranges, offset = [], 0
+        for p, decayed in zip(self.parameters, self.decayed):
+            size = _local(p).numel()
+            low, high = max(offset, self.start), min(offset + size, self.stop)
+            if decayed and low < high:
+                ranges.append((low - self.start, high - self.start))
+            offset += size
+        return ranges
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner AdamW's one group (its lr is the one `set_learning_rate` sets)."""
+        return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters:
@@ -82,6 +182,10 @@ class ShardedAdamW:
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.parameters]
         flat_grad = torch.cat([g.reshape(-1).float() for g in grads])
         self.shard.grad = flat_grad[self.start:self.stop].clone()
+        if self.weight_decay:
+            factor = 1 - self.inner.param_groups[0]["lr"] * self.weight_decay
+            for low, high in self.decay_ranges:
+                self.shard[low:high].mul_(factor)
         self.inner.step()
         for p, value in zip(self.parameters, self._per_parameter(self._gather(self.shard))):
             _local(p).copy_(value)
@@ -127,9 +231,10 @@ class ShardedAdamW:
                 flat[f"state.{fqn}.{name}"] = _like(p, value.clone())
         step = state.get("step", torch.zeros((), dtype=torch.float32))
         options = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}
-        for fqn in fqns:
+        for fqn, decayed in zip(fqns, self.decayed):
             flat[f"state.{fqn}.step"] = step.clone()
             flat.update({f"param_groups.{fqn}.{k}": v for k, v in options.items()})
+            flat[f"param_groups.{fqn}.weight_decay"] = self.weight_decay if decayed else 0.0
         return flat
 
     @torch.no_grad()
@@ -143,8 +248,8 @@ class ShardedAdamW:
             state[name] = whole[self.start:self.stop].to(self.shard.device).clone()
         self.inner.state[self.shard] = state
         group = self.inner.param_groups[0]
-        for k in group:
-            if k != "params" and f"param_groups.{fqns[0]}.{k}" in flat:
+        for k in group:  # the decay stays this optimizer's own (per parameter, applied in `step`)
+            if k not in ("params", "weight_decay") and f"param_groups.{fqns[0]}.{k}" in flat:
                 group[k] = flat[f"param_groups.{fqns[0]}.{k}"]
 
 

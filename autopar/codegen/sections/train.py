@@ -26,6 +26,7 @@ from autopar.codegen.sections.batches import (Batches, DataSource, eval_step, fo
 from autopar.codegen.sections import pretrained
 # In a generated folder this is metrics.py beside the training module (the same for every plan).
 from autopar.codegen.sections import metrics
+from autopar.codegen.sections.clipping import step_optimizer
 from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
@@ -36,7 +37,8 @@ from autopar.codegen.sections.expert_parallel import (ExpertShards, apply_ep, ap
 from autopar.codegen.sections.gradient_sync import (HalvingDoublingSync, HierarchicalSync, ParameterServer,
                                                     dp_groups, node_subgroups)
 from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
-from autopar.codegen.sections.optimizer import ShardedAdamW, build_optimizer, build_zero1_optimizer
+from autopar.codegen.sections.optimizer import (ShardedAdamW, build_optimizer, build_zero1_optimizer,
+                                                no_decay_names)
 from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
                                                local_stage_indices, module_stages, named_parameters_in_stage,
                                                run_pipeline, split_stage, split_with_tracer)
@@ -114,7 +116,8 @@ class TrainConfig:
         micro_batch_size, num_micro_batches: per data-parallel rank and step.
         dp_shares: samples per micro-batch of each data-parallel rank when uneven (else empty).
         precision: "bf16" (used on GPUs; CPUs train in fp32) or "fp32".
-        optimizer: AdamW settings (lr, betas, eps, weight_decay).
+        optimizer: AdamW settings (lr, betas, eps, weight_decay, decay_all), learning-rate schedule
+            (warmup_steps, schedule, decay_steps, min_lr, wsd_decay_fraction) and max_grad_norm.
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
         log_file: JSON lines, one record per step (rank 0 appends), or None.
         save_final: where rank 0 saves the trained parameters as full tensors, or None.
@@ -179,6 +182,8 @@ class ParallelModel:
     tied_sync: Callable[[list[nn.Module]], None] | None = None  # sums tied gradients across stages
     compute_dtype: torch.dtype | None = None  # see `compute_dtype`
     experts: Any = None  # this rank's ExpertShards under expert parallelism, else None
+    grad_norm: Any = None  # the last step's global gradient norm (a tensor; None without clipping)
+    lr: float | None = None  # the last step's learning rate
 
 
 def unsharded_named_parameters(parallel: ParallelModel) -> list[tuple[str, nn.Parameter]]:
@@ -289,10 +294,11 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
     # Parallelised on the CPU copy: TP and FSDP move each shard to the device as they make it,
     # so no GPU ever holds the whole model; what stays unsharded moves afterwards.
     layers = [layer for stage in config.stages for layer in stage]
+    no_decay = no_decay_names(model)  # from the unsharded modules
     experts = parallelize(model, model, layers, mesh, config, styles, param_dtype)
     with materialised:
         place(model, device)
-        optimizer = make_optimizer(list(model.parameters()), training, config, mesh)
+        optimizer = make_optimizer(list(model.named_parameters()), training, config, mesh, no_decay)
     return ParallelModel([model], optimizer, mesh, device, is_last_stage=True, compute_dtype=param_dtype,
                          experts=experts)
 
@@ -304,6 +310,7 @@ def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[s
     schedule them."""
     dims = config.dims
     materialised = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    no_decay = no_decay_names(model)  # from the unsharded modules (a traced stage keeps none)
     pp_rank = mesh[MeshAxis.PP.value].get_local_rank()
     pp_mesh = mesh[MeshAxis.PP.value]
     indices = local_stage_indices(len(config.stages), dims.pp, pp_rank)
@@ -343,9 +350,9 @@ def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[s
         pipeline_stages = module_stages(modules, indices, len(config.stages), pp_mesh, device)
     del model  # each stage holds its own layers now
     schedule = build_pipeline(pipeline_stages, config.schedule, training.num_micro_batches)
-    parameters = list({id(p): p for module in modules for p in module.parameters()}.values())
+    named = list({id(p): (n, p) for module in modules for n, p in named_parameters_in_stage(module)}.values())
     with materialised:
-        optimizer = make_optimizer(parameters, training, config, mesh)
+        optimizer = make_optimizer(named, training, config, mesh, no_decay)
     return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp),
@@ -361,34 +368,36 @@ def place(module: nn.Module, device: torch.device) -> None:
         module.to(device)
 
 
-def make_optimizer(parameters: list[nn.Parameter], training: TrainConfig, config: ParallelConfig,
-                   mesh: DeviceMesh) -> Any:
-    """AdamW (its state sharded over data-parallel replicas for ZeRO-1), behind the plan's
-    gradient synchronisation when it is not FSDP's."""
+def make_optimizer(named: list[tuple[str, nn.Parameter]], training: TrainConfig, config: ParallelConfig,
+                   mesh: DeviceMesh, no_decay: set[str]) -> Any:
+    """AdamW over (FQN, parameter) pairs, decaying all but ``no_decay`` (its state sharded over
+    data-parallel replicas for ZeRO-1), behind the plan's gradient synchronisation when it is
+    not FSDP's."""
     if config.custom_gradient_sync:
-        return make_gradient_sync(parameters, training, config, mesh)
+        return make_gradient_sync(named, training, config, mesh, no_decay)
     if config.zero_stage == 1:
-        return build_zero1_optimizer(parameters, training.optimizer, mesh[MeshAxis.DP_REPLICATE.value].get_group())
-    return build_optimizer(parameters, training.optimizer)
+        return build_zero1_optimizer(named, training.optimizer, mesh[MeshAxis.DP_REPLICATE.value].get_group(),
+                                     no_decay)
+    return build_optimizer(named, training.optimizer, no_decay)
 
 
-def make_gradient_sync(parameters: list[nn.Parameter], training: TrainConfig, config: ParallelConfig,
-                       mesh: DeviceMesh) -> Any:
+def make_gradient_sync(named: list[tuple[str, nn.Parameter]], training: TrainConfig, config: ParallelConfig,
+                       mesh: DeviceMesh, no_decay: set[str]) -> Any:
     """The plan's own gradient exchange (gradient_sync.py) wrapped around the optimizer."""
     group = mesh[MeshAxis.DP_REPLICATE.value].get_group()
     if config.dp_sync == "ps":
-        return ParameterServer(parameters, lambda owned: build_optimizer(owned, training.optimizer), group,
+        return ParameterServer(named, lambda owned: build_optimizer(owned, training.optimizer, no_decay), group,
                                config.dp_bucket_bytes)
     if config.zero_stage == 1:
-        optimizer = build_zero1_optimizer(parameters, training.optimizer, group)
+        optimizer = build_zero1_optimizer(named, training.optimizer, group, no_decay)
     else:
-        optimizer = build_optimizer(parameters, training.optimizer)
+        optimizer = build_optimizer(named, training.optimizer, no_decay)
     if config.dp_sync == "halving_doubling":
-        return HalvingDoublingSync(parameters, optimizer, group, config.dp_bucket_bytes)
+        return HalvingDoublingSync(named, optimizer, group, config.dp_bucket_bytes)
     intra, inter = node_subgroups(dp_groups(mesh, MeshAxis.DP_REPLICATE.value), config.gpus_per_node)
     intra_group, _ = dist.new_subgroups_by_enumeration(intra)
     inter_group, _ = dist.new_subgroups_by_enumeration(inter)
-    return HierarchicalSync(parameters, optimizer, intra_group, inter_group, config.dims.dp, config.dp_bucket_bytes)
+    return HierarchicalSync(named, optimizer, intra_group, inter_group, config.dims.dp, config.dp_bucket_bytes)
 
 
 def attention_context(parallel: ParallelModel, config: ParallelConfig, training: TrainConfig,
@@ -402,8 +411,9 @@ def attention_context(parallel: ParallelModel, config: ParallelConfig, training:
 
 
 def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, config: ParallelConfig,
-               model_module: Any) -> torch.Tensor | None:
-    """Forward and backward of every micro-batch, then one optimizer step.
+               model_module: Any, step: int = 0) -> torch.Tensor | None:
+    """Forward and backward of every micro-batch, then optimizer step ``step`` (its learning rate,
+    gradient clipping: clipping.py).
 
     Returns the mean micro-batch loss on ranks of the last pipeline stage, else None.
     """
@@ -445,7 +455,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
         parallel.experts.scale_gradients(unsharded_named_parameters(parallel))
     if config.dims.tp_enabled:
         reduce_partial_gradients(parallel.modules)
-    parallel.optimizer.step()
+    step_optimizer(parallel, training, config, step, unsharded_named_parameters(parallel))
     parallel.optimizer.zero_grad()
     return loss
 
@@ -506,7 +516,7 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    loss = train_step(parallel, batch, training, config, model_module)
+    loss = train_step(parallel, batch, training, config, model_module, step)
     loss_value = global_loss(loss, config.dims, device)
     step_time_s = time.perf_counter() - start
     memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
@@ -516,7 +526,8 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     # launch (torchrun's run id) tell the repeats apart in run.jsonl.
     record = {"step": step, "loss": loss_value, "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
               "peak_memory_bytes": int(memory), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-              "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
+              "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lr": parallel.lr,
+              "grad_norm": None if parallel.grad_norm is None else float(parallel.grad_norm)}
     if batches is not None:
         record["samples"] = batches.position  # of the run's global order, consumed once this step is done
         record["data_wait_s"] = waited
@@ -701,12 +712,27 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
             dist.destroy_process_group()
 
 
+def optimizer_settings(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The generated optimizer settings with the command line's overrides."""
+    return {**settings, "lr": args.lr, "warmup_steps": args.warmup_steps, "schedule": args.schedule,
+            "min_lr": args.min_lr, "max_grad_norm": args.max_grad_norm}
+
+
 def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Namespace:
     """Command-line overrides of the generated defaults."""
     parser = argparse.ArgumentParser(description="Train with the generated parallel plan (launch with torchrun).")
     parser.add_argument("--steps", type=int, default=defaults["steps"], help="optimizer steps to run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
     parser.add_argument("--lr", type=float, default=defaults["lr"], help="AdamW learning rate")
+    optimizer = defaults.get("optimizer", {})
+    parser.add_argument("--warmup-steps", type=int, default=optimizer.get("warmup_steps", 0),
+                        help="linear learning-rate warmup steps")
+    parser.add_argument("--schedule", choices=("constant", "linear", "cosine", "wsd"),
+                        default=optimizer.get("schedule", "constant"), help="learning-rate schedule after warmup")
+    parser.add_argument("--min-lr", type=float, default=optimizer.get("min_lr", 0.0),
+                        help="learning rate the schedule decays to")
+    parser.add_argument("--max-grad-norm", type=float, default=optimizer.get("max_grad_norm", 0.0),
+                        help="clip gradients to this global L2 norm (0: no clipping)")
     parser.add_argument("--model-file", default=defaults["model_file"], help="the model.py to train")
     parser.add_argument("--log-file", default=defaults["log_file"], help="append one JSON record per step here")
     parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")

@@ -4,7 +4,8 @@ the samples one process reads.
 A text corpus (the standard library's own json package, copied into the test's folder) goes
 through the built-in pipeline (UTF-8 bytes, documents packed with an end-of-document token,
 the last tenth held out for validation); each plan's generated module trains on it for a few
-steps with the validation loss every two, and the losses, validation losses and final
+steps (warmup, cosine decay and gradient clipping active on every step) with the validation loss
+every two, and the losses, validation losses and final
 parameters must equal one process reading whole global batches in the same global order
 (autopar.runtime.reference.ReferenceData). A model file with a ``dataset(split)`` hook
 (tests/dist/models/hooked_lm.py: map-style, or a stream that reverses its order each epoch)
@@ -29,8 +30,10 @@ from tests.dist.harness import run_ranks
 from tests.dist.plans import GLOBAL_BATCH, GPT, TinyModel, make_planner
 
 STEPS, EVAL_EVERY, EVAL_BATCHES = 4, 2, 2
+# Warmup, cosine decay and clipping active on every step (a norm far above 0.05).
+TRAINING = {**OPTIMIZER, "lr": 3e-3, "warmup_steps": 2, "schedule": "cosine", "max_grad_norm": 0.05}
 # Bytes need 257 ids (256 byte values and the end-of-document token).
-BYTE_GPT = replace(GPT, kwargs={**GPT.kwargs, "vocab": 260})
+BYTE_GPT = replace(GPT, name="gpt_bytes", kwargs={**GPT.kwargs, "vocab": 260})  # profiled apart from GPT
 CASES = {
     "dp2": dict(dp=2),
     "zero3_dp2": dict(dp=2, zero=3),
@@ -77,7 +80,7 @@ def runs(tmp_path_factory):
         plan = make_planner(BYTE_GPT, **pins).run().plan
         assert plan.world_size == 2, name
         out = root / name
-        files = generate(plan, BYTE_GPT.path, out, model_kwargs=BYTE_GPT.kwargs, optimizer=OPTIMIZER, data=data,
+        files = generate(plan, BYTE_GPT.path, out, model_kwargs=BYTE_GPT.kwargs, optimizer=TRAINING, data=data,
                          eval_every=EVAL_EVERY, eval_batches=EVAL_BATCHES)
         # The harness's ranks are daemon processes, which read in the rank itself (torchrun's
         # ranks read ahead in a worker: the resume tests).
@@ -88,15 +91,15 @@ def runs(tmp_path_factory):
         plan = make_planner(HOOKED, **pins).run().plan
         out = root / name
         kwargs = {**HOOKED.kwargs, **extra}
-        files = generate(plan, HOOKED.path, out, model_kwargs=kwargs, optimizer=OPTIMIZER,
+        files = generate(plan, HOOKED.path, out, model_kwargs=kwargs, optimizer=TRAINING,
                          eval_every=EVAL_EVERY, eval_batches=EVAL_BATCHES)
         jobs.append((str(files.script), ["--steps", str(HOOK_STEPS), "--seed", "0", "--log-file",
                                          str(out / "run.jsonl"), "--save-final", str(out / "final.pt")]))
-        references[name] = run_reference(HOOKED.path, kwargs, GLOBAL_BATCH, HOOK_STEPS, OPTIMIZER,
+        references[name] = run_reference(HOOKED.path, kwargs, GLOBAL_BATCH, HOOK_STEPS, TRAINING,
                                          data=ReferenceData.of(HOOKED.path, kwargs, None, GLOBAL_BATCH),
                                          eval_every=EVAL_EVERY, eval_batches=EVAL_BATCHES)
     run_ranks(_run_cases, 2, jobs, timeout_s=900)
-    text = run_reference(BYTE_GPT.path, BYTE_GPT.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER,
+    text = run_reference(BYTE_GPT.path, BYTE_GPT.kwargs, GLOBAL_BATCH, STEPS, TRAINING,
                          data=ReferenceData.of(BYTE_GPT.path, BYTE_GPT.kwargs, data, GLOBAL_BATCH),
                          eval_every=EVAL_EVERY, eval_batches=EVAL_BATCHES)
     references.update({name: text for name in CASES})
@@ -112,6 +115,11 @@ def test_plan_trains_on_the_data_like_one_process(case, runs):
     validation = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     torch.testing.assert_close(torch.tensor([r["loss"] for r in steps], dtype=torch.float64),
                                torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    # The clipping norm is the one process's, and clipping acted on every step.
+    assert min(reference.grad_norms) > 4 * TRAINING["max_grad_norm"]
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in steps], dtype=torch.float64),
+                               torch.tensor(reference.grad_norms, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert [r["lr"] for r in steps] == pytest.approx(reference.lrs, rel=1e-12)
     steps_run = len(reference.losses)
     assert sorted(validation) == sorted(reference.val_losses) == list(range(EVAL_EVERY, steps_run + 1, EVAL_EVERY))
     for step, value in reference.val_losses.items():

@@ -18,13 +18,17 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # Plans a 1.3B GPT for 2 DGX H100 nodes and writes its module and launch scripts, then compiles
-# a tiny GPT for this machine (4 gloo ranks) and trains it for a few steps.
+# a small byte-level GPT for this machine (2 gloo ranks) and trains it for 300 steps on real text
+# every machine has: the Python standard library's asyncio sources (validation loss every 50 steps).
+STDLIB = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 demo: setup
 	$(VENV)/bin/autopar compile examples/gpt.py cluster=dgx_h100 cluster.nodes=2 model.layers=24 \
 		model.hidden=2048 model.heads=16 model.seq_len=2048 train.global_batch_size=512 --out-dir demo/gpt_dgx_h100
-	$(VENV)/bin/autopar compile examples/gpt.py cluster=cpu_gloo model.layers=4 model.hidden=128 model.heads=4 \
-		model.seq_len=64 model.vocab=512 train.global_batch_size=16 train.precision=fp32 --out-dir demo/gpt_cpu
-	$(VENV)/bin/autopar run demo/gpt_cpu --steps 5
+	$(VENV)/bin/autopar compile examples/gpt.py cluster=cpu_gloo cluster.gpus_per_node=2 model.layers=4 \
+		model.hidden=128 model.heads=4 model.seq_len=128 model.vocab=257 train.global_batch_size=16 \
+		train.precision=fp32 data.path="$(STDLIB)/asyncio" data.val_fraction=0.05 train.eval_every=50 \
+		optim.lr=3e-3 optim.warmup_steps=30 optim.min_lr=3e-4 --out-dir demo/gpt_cpu
+	$(VENV)/bin/autopar run demo/gpt_cpu --steps 300
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -536,6 +536,9 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+SHOWN_STEPS = 15  # rows of `autopar run`'s table
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
@@ -583,7 +586,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise UserError(f"The run failed on {where} (exit {result.returncode}):\n{result.error}",
                         "fix the error above (rerun with --echo for every rank's output).")
     table = Table("step", "loss", "step time", "tokens/s", "peak memory")
-    for record in (r for r in result.records if "loss" in r):
+    steps = [r for r in result.records if "loss" in r]
+    if len(steps) > SHOWN_STEPS:  # a long run: its first steps and its last (run.jsonl has all)
+        steps = steps[:3] + steps[-(SHOWN_STEPS - 3):]
+    for record in steps:
         table.add_row(str(record["step"]), f"{record['loss']:.5f}", f"{record['step_time_s'] * 1e3:.1f} ms",
                       f"{record['tokens_per_s']:,.0f}", f"{record['peak_memory_bytes'] / 2**20:,.1f} MiB")
     console.print(table)

@@ -115,7 +115,7 @@ def _distinct_groups(name: str, grad: torch.Tensor, experts: Any) -> list[list[i
         sub = grad.device_mesh
         coordinate = sub.get_coordinate()
         for dim, placement in enumerate(grad.placements):
-            if isinstance(placement, Shard):
+            if splits(placement):
                 index = list(coordinate)
                 index[dim] = slice(None)
                 groups.append(sub.mesh[tuple(index)].reshape(-1).tolist())
@@ -125,6 +125,12 @@ def _distinct_groups(name: str, grad: torch.Tensor, experts: Any) -> list[list[i
         if name in experts.widths and experts.tp > 1:
             groups.append(dist.get_process_group_ranks(experts.tp_group))
     return groups
+
+
+def splits(placement: Any) -> bool:
+    """Whether a DTensor placement divides the tensor among the ranks of its mesh dim: Shard, or
+    FSDP's strided shard of a dim TP already split (a class of its own, not a Shard)."""
+    return isinstance(placement, Shard) or hasattr(placement, "split_factor")
 
 
 def counts_here(mesh: DeviceMesh, distinct: list[list[int]]) -> bool:

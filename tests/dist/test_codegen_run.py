@@ -19,8 +19,9 @@ from autopar.plan import Plan
 from autopar.runtime import read_records, run_local, run_reference
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
 
+# What each step's record in run.jsonl holds (samples: the data position after the step).
 RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "attempt", "run_id", "lr",
-               "grad_norm"}
+               "grad_norm", "samples", "data_wait_s"}
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,11 @@ from autopar.output_dir import Manifest
 from autopar.plan import Plan
 from autopar.runtime import run_reference
 from tests.dist.harness import free_port
+from tests.dist.test_codegen_run import RECORD_KEYS
 
 TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 128}
 OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32",
              *[f"model.{k}={v}" for k, v in TINY.items()]]
-RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "attempt", "run_id", "lr",
-               "grad_norm"}
 
 
 @pytest.fixture(scope="module")

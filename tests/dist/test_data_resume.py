@@ -40,6 +40,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def train(folder: Path, text: Path, steps: int, *extra: str, max_restarts: int = 0) -> RunResult:
     result = run_local(folder, steps=steps, max_restarts=max_restarts, timeout_s=300,
                        extra_args=["--data", f"path={text}", "--checkpoint-every", str(EVERY),
+                                   # the schedule of a 6-step run, whatever --steps this launch has
+                                   "--decay-steps", str(STEPS),
                                    "--save-final", str(folder / "final.pt"), *extra])
     assert result.ok, result.error
     return result

@@ -715,7 +715,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
 def optimizer_settings(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The generated optimizer settings with the command line's overrides."""
     return {**settings, "lr": args.lr, "warmup_steps": args.warmup_steps, "schedule": args.schedule,
-            "min_lr": args.min_lr, "max_grad_norm": args.max_grad_norm}
+            "min_lr": args.min_lr, "max_grad_norm": args.max_grad_norm, "decay_steps": args.decay_steps}
 
 
 def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Namespace:
@@ -729,6 +729,9 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
                         help="linear learning-rate warmup steps")
     parser.add_argument("--schedule", choices=("constant", "linear", "cosine", "wsd"),
                         default=optimizer.get("schedule", "constant"), help="learning-rate schedule after warmup")
+    parser.add_argument("--decay-steps", type=int, default=optimizer.get("decay_steps"), metavar="N",
+                        help="steps the schedule reaches min-lr at (default: --steps; pin it to resume a run "
+                             "with more --steps on the schedule it started)")
     parser.add_argument("--min-lr", type=float, default=optimizer.get("min_lr", 0.0),
                         help="learning rate the schedule decays to")
     parser.add_argument("--max-grad-norm", type=float, default=optimizer.get("max_grad_norm", 0.0),

@@ -23,11 +23,20 @@ OPTIM_OPTIONS = {"optim.lr": "--lr", "optim.warmup_steps": "--warmup-steps", "op
                  "optim.weight_decay": "--weight-decay", "optim.decay_steps": "--decay-steps"}
 
 
+def parsed(script: Path) -> ast.Module:
+    """The module's syntax tree; an empty one when it does not parse (an edited file: the ranks
+    then report the error as it is, with its line)."""
+    try:
+        return ast.parse(script.read_text())
+    except SyntaxError:
+        return ast.Module(body=[], type_ignores=[])
+
+
 def module_constants(script: Path, names: tuple[str, ...]) -> dict[str, Any]:
     """The module-level constants ``names`` of a generated module, read as literals from its
     source (an assignment that is not a literal is left out)."""
     values: dict[str, Any] = {}
-    for node in ast.parse(script.read_text()).body:
+    for node in parsed(script).body:
         if not isinstance(node, ast.Assign):
             continue
         targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
@@ -44,7 +53,7 @@ def module_constants(script: Path, names: tuple[str, ...]) -> dict[str, Any]:
 def module_options(script: Path) -> set[str]:
     """The long options a generated module's parse_args declares (read from its source)."""
     options = set()
-    for node in ast.walk(ast.parse(script.read_text())):
+    for node in ast.walk(parsed(script)):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
             options.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
     return options

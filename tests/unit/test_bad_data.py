@@ -65,3 +65,17 @@ def test_run_refuses_bad_data_before_any_rank_starts(case, compiled, tmp_path, c
 
 def test_run_refuses_settings_it_does_not_take(compiled, capsys):
     fails(capsys, ["run", str(compiled), "model.layers=8"], "model.layers", "data.")
+
+
+def test_run_overrides_become_the_module_options_it_declares(compiled, tmp_path):
+    from autopar.runtime.local import find_script
+    from autopar.runtime.run_settings import module_arguments, module_options
+
+    accepted = module_options(find_script(compiled))
+    assert {"--lr", "--decay-steps", "--eval-every", "--data", "--init-from"} <= accepted
+    corpus = tmp_path / "corpus.txt"
+    arguments, data = module_arguments([f"data.path={corpus}", "data.val_fraction=0.1", "optim.lr=1e-3",
+                                        "optim.decay_steps=100", "train.eval_every=5"], accepted)
+    assert arguments == ["--data", f"path={corpus}", "--data", "val_fraction=0.1", "--lr", "1e-3",
+                         "--decay-steps", "100", "--eval-every", "5"]
+    assert data == [f"path={corpus}", "val_fraction=0.1"]

@@ -209,5 +209,6 @@ class RunProgress:
 
 def default_steps(script: Path) -> int | None:
     """The generated module's own default step count (its ``DEFAULT_STEPS``), or None."""
-    match = re.search(r"^DEFAULT_STEPS = (\d+)$", script.read_text(), re.M)
-    return int(match.group(1)) if match else None
+    from autopar.runtime.run_settings import module_constants
+
+    return module_constants(script, ("DEFAULT_STEPS",)).get("DEFAULT_STEPS")

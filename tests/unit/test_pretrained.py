@@ -223,3 +223,17 @@ def test_folder_export_replaces_its_own_folder_and_refuses_a_foreign_one(tmp_pat
     with pytest.raises(WeightsError, match="holds files autopar did not write"):
         write_folder(state, foreign, [], None)
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
+def test_an_export_folder_a_user_added_to_or_linked_is_never_replaced(tmp_path):
+    state = {name: t.clone() for name, t in small(1).state_dict().items()}
+    out = write_folder(state, tmp_path / "out", [], None)
+    (out / "eval_notes.txt").write_text("mine")  # added after the export
+    with pytest.raises(WeightsError, match="eval_notes.txt"):
+        write_folder(state, out, [], None)
+    assert (out / "eval_notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+    link = tmp_path / "linked"
+    link.symlink_to(tmp_path / "out", target_is_directory=True)
+    with pytest.raises(WeightsError, match="symbolic link"):
+        write_folder(state, link, [], None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["linked", "out"]

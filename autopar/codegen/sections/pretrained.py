@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ TORCH_BIN = "pytorch_model.bin"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 # Written last into every folder --export makes: a folder holding it may be replaced by the next export.
 EXPORT_MARKER = ".autopar-export"
+# What an export folder holds (write_folder): a previous export is replaced only when it holds no more.
+EXPORT_FILES = (SAFETENSORS, "config.json", "generation_config.json", EXPORT_MARKER)
 SHOWN = 5  # names listed per kind of mismatch
 
 
@@ -289,9 +292,16 @@ def check_export_folder(path: str | Path | None) -> None:
         return
     path = Path(path)
     _import_safetensors()
-    if path.exists() and any(path.iterdir()) and not (path / EXPORT_MARKER).is_file():
-        raise WeightsError(f"--export {path}: the folder holds files autopar did not write, which it never replaces. "
-                           "Fix: pass a new or empty folder (or remove that one yourself)")
+    if path.is_symlink():
+        raise WeightsError(f"--export {path} is a symbolic link; autopar replaces an export folder as a whole and "
+                           "never through a link. Fix: pass the folder itself, or a new one")
+    if not path.exists() or not any(path.iterdir()):
+        return
+    foreign = sorted(entry.name for entry in path.iterdir() if entry.name not in EXPORT_FILES) \
+        if (path / EXPORT_MARKER).is_file() else ["(no autopar export marker)"]
+    if foreign:
+        raise WeightsError(f"--export {path}: the folder holds files autopar did not write ({', '.join(foreign[:SHOWN])}), "
+                           "which it never replaces. Fix: pass a new or empty folder (or move those files yourself)")
 
 
 def is_hugging_face(model: nn.Module | None) -> bool:
@@ -324,9 +334,9 @@ def write_folder(state: dict[str, torch.Tensor], path: str | Path, tied: list[li
     dropped = dropped_tied_names(state, tied, model)
     tensors = {name: tensor.detach().contiguous() for name, tensor in state.items() if name not in dropped}
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    # A fresh name beside the target (same file system, so the rename is atomic): nothing that was
+    # there before is ever removed.
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
         _import_safetensors("safetensors.torch").save_file(tensors, str(staging / SAFETENSORS), metadata={"format": "pt"})
         if is_hugging_face(model):
@@ -355,8 +365,7 @@ def replace_folder(staging: Path, path: Path) -> None:
     if not path.exists():
         os.replace(staging, path)
         return
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(path, old)
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))  # a fresh name: nothing else goes
+    os.replace(path, aside / path.name)
     os.replace(staging, path)
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)

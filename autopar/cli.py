@@ -542,8 +542,8 @@ SHOWN_STEPS = 15  # rows of `autopar run`'s table
 def _run(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    from autopar.driver import read_plan
     from autopar.runtime import run_local
+    from autopar.runtime.run_settings import launch_plan
 
     for option, value, lowest in (("--steps", args.steps, 1), ("--checkpoint-every", args.checkpoint_every, 1),
                                   ("--max-restarts", args.max_restarts, 0)):
@@ -555,7 +555,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     extra = ["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every is not None else []
     extra += ["--allow-fresh-start"] if args.allow_fresh_start else []
     extra += metrics_arguments(args)
-    plan = read_plan(args.out_dir / "plan.json")
+    plan = launch_plan(args.out_dir)  # its numbers in range and the module's, before anything starts
     if args.nproc is not None and args.nproc != plan.world_size:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
                         f"run it with --nproc {plan.world_size} (or omit --nproc), or compile again for "

@@ -17,7 +17,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from autopar.errors import ConfigError
-from cost_models.topology import ClusterConfig
+from cost_models.bounds import Bound, out_of_range
+from cost_models.topology import CLUSTER_BOUNDS, NODE_GROUP_BOUNDS, ClusterConfig, NodeGroupConfig
 
 
 @dataclass
@@ -47,6 +48,18 @@ class TrainConfig:
     `autopar run DIR train.eval_every=N` and the module's --eval-every override it."""
     eval_batches: int = 4
     """Global batches of the validation set (or example batches no step trains on) it averages."""
+
+
+# The range of every numeric field of each schema below (check_numbers reads them; a test keeps
+# every numeric field of every schema listed). A value outside is refused, never replaced.
+TRAIN_BOUNDS: dict[str, Bound] = {
+    "global_batch_size": Bound(low=1, integer=True),
+    "micro_batch_size": Bound(low=1, integer=True),
+    "moe_imbalance": Bound(low=1),  # the busiest rank's tokens over the mean: 1 at least
+    "router_batches": Bound(low=1, integer=True),
+    "eval_every": Bound(low=0, integer=True),
+    "eval_batches": Bound(low=1, integer=True),
+}
 
 
 OPTIM_SCHEDULES = ("constant", "linear", "cosine", "wsd")
@@ -170,6 +183,22 @@ class SolverConfig:
     """Largest context-parallel degree searched (0: no bound beyond the sequence)."""
 
 
+SOLVER_BOUNDS: dict[str, Bound] = {
+    "target_tokens_per_s": Bound(low=0),
+    "work_limit": Bound(low=0, low_open=True),
+    "time_limit_s": Bound(low=0, low_open=True),
+    "threads": Bound(low=1, integer=True),
+    "seed": Bound(low=0, high=2**31 - 1, integer=True),  # CP-SAT's random_seed is a 32-bit integer
+    "top_k": Bound(low=0, integer=True),
+    "max_micro_batch_size": Bound(low=1, integer=True),
+    "zero_stages": Bound(low=0, high=3, integer=True, each=True),
+    "interleave_chunks": Bound(low=1, integer=True, each=True),
+    "max_tp": Bound(low=0, integer=True),
+    "max_pp": Bound(low=0, integer=True),
+    "max_cp": Bound(low=0, integer=True),
+}
+
+
 @dataclass
 class PlanPins:
     """Fixed choices: a value pins that decision, null (the default) leaves it to the solver."""
@@ -217,6 +246,20 @@ class PlanPins:
     layer_recompute: dict[str, str] = field(default_factory=dict)
     """Per-layer recomputation (layer name -> none/selective/full; unlisted layers: none), e.g.
     plan.layer_recompute='{blocks.0: full}'; with pp > 1 it needs plan.stages as well."""
+
+
+_SOLVED = "the solver chooses"
+PLAN_PIN_BOUNDS: dict[str, Bound] = {
+    "dp": Bound(low=1, integer=True, null=_SOLVED),
+    "tp": Bound(low=1, integer=True, null=_SOLVED),
+    "pp": Bound(low=1, integer=True, null=_SOLVED),
+    "cp": Bound(low=1, integer=True, null=_SOLVED),
+    "ep": Bound(low=1, integer=True, null=_SOLVED),
+    "zero_stage": Bound(low=0, high=3, integer=True, null=_SOLVED),
+    "micro_batch_size": Bound(low=1, integer=True, null=_SOLVED),
+    "chunks": Bound(low=1, integer=True, null=_SOLVED),
+    "dp_shares": Bound(low=1, integer=True, each=True, null="even shares"),
+}
 
 
 @dataclass
@@ -278,6 +321,66 @@ def check_data(data: Any) -> None:
         raise ConfigError(f"Invalid configuration: {problem}.", f"{fix}.")
 
 
+# Section of the composed configuration -> (its schema, the ranges of its numeric fields).
+SCHEMA_BOUNDS: dict[str, tuple[type, dict[str, Bound]]] = {
+    "cluster": (ClusterConfig, CLUSTER_BOUNDS), "train": (TrainConfig, TRAIN_BOUNDS),
+    "solver": (SolverConfig, SOLVER_BOUNDS), "plan": (PlanPins, PLAN_PIN_BOUNDS),
+}
+
+
+def check_numbers(cfg: Any) -> None:
+    """Refuse the first numeric setting outside its declared range (SCHEMA_BOUNDS, the cluster's
+    node groups, sweep.*), naming the field, the value, the range and the fix, before any work.
+
+    Raises ConfigError (exit 1)."""
+    sections = [(name, schema, table) for name, (schema, table) in SCHEMA_BOUNDS.items()]
+    sections.append(("sweep", SweepConfig, SWEEP_BOUNDS))
+    for section, schema, table in sections:
+        node = getattr(cfg, section, None)
+        if node is not None:
+            check_fields(node, table, f"{section}.", schema)
+    if getattr(cfg, "cluster", None) is not None:
+        check_cluster(cfg.cluster)
+
+
+def check_cluster(cluster: Any) -> None:
+    """The cluster.* numbers and each node group's (ConfigError naming the first out of range)."""
+    check_fields(cluster, CLUSTER_BOUNDS, "cluster.", ClusterConfig)
+    for index, group in enumerate(getattr(cluster, "node_groups", None) or []):
+        check_fields(group, NODE_GROUP_BOUNDS, f"cluster.node_groups[{index}].", NodeGroupConfig)
+
+
+def check_fields(node: Any, table: dict[str, Bound], prefix: str, schema: type | None = None) -> None:
+    """Raise ConfigError for the first field of ``node`` outside ``table``'s range; the fix
+    suggests the schema's default."""
+    found = out_of_range(node, table)
+    if found is None:
+        return
+    path = f"{prefix}{found.name}"
+    default = _default_of(schema, found.name) if schema is not None else dataclasses.MISSING
+    example = "" if default is dataclasses.MISSING else f" (e.g. the schema's default, {path}={_yaml_value(default)})"
+    raise ConfigError(f"Invalid configuration: {found.sentence(prefix)}.",
+                      f"give {path} a value in that range{example}, or leave the override out.")
+
+
+def _default_of(schema: type, name: str) -> Any:
+    by_name = {f.name: f for f in dataclasses.fields(schema)}
+    if name not in by_name:
+        return dataclasses.MISSING
+    spec = by_name[name]
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
+
+
 # What a sweep point is worth to a sweeper that optimises (hydra/sweeper=optuna), and which way
 # is better: the sweeper's `direction` must agree.
 SWEEP_OBJECTIVES = {"cost_per_million_tokens": "minimize", "step_time_s": "minimize",
@@ -294,6 +397,9 @@ class SweepConfig:
     max_step_time_s: float = 0.0
     """Deadline on the predicted step time (0: none); a point over it, or without a plan, scores
     the objective's worst value (infinite cost or time, zero throughput)."""
+
+
+SWEEP_BOUNDS: dict[str, Bound] = {"max_step_time_s": Bound(low=0)}
 
 
 @dataclass
@@ -364,6 +470,7 @@ def compose_config(overrides: list[str] | None = None, hydra: bool = False) -> A
         raise ConfigError(f"Invalid configuration: {path} is not a field of {path.rsplit('.', 1)[0]} "
                           f"(+ can add keys only where the schema allows any: model.*, plan.layer_recompute.*).",
                           f"drop it, or use one of {', '.join(known)}{_did_you_mean(path, known)}.")
+    check_numbers(cfg)
     check_data(cfg.data)
     optimizer_settings(cfg.optim)  # its values' ranges, before any work
     return cfg

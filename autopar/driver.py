@@ -33,8 +33,10 @@ def run_profile(model_path: str | Path, cfg: Any) -> ModelProfile:
 
 def build_cluster(cfg: Any) -> ClusterSpec:
     """The cluster of the cluster.* settings, refused at once beyond the supported size."""
+    from autopar.config import check_cluster
     from autopar.solver.space import MAX_WORLD_SIZE
 
+    check_cluster(cfg.cluster)  # every number in range (a cluster recorded in a plan comes here too)
     # Counted from the settings, before the per-node list of a billion-node cluster is built.
     groups = list(cfg.cluster.get("node_groups") or []) or [cfg.cluster]
     nodes, per_node = sum(max(0, int(g.nodes)) for g in groups), int(cfg.cluster.gpus_per_node)
@@ -102,9 +104,9 @@ def run_estimate(model_path: str | Path, cfg: Any,
     from autopar.solver.tp_split import ILPSplitter
 
     cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
+    layout = pinned_layout(cfg, cluster)  # and pins that do not divide the cluster or the batch
     if profile is None:
         profile = run_profile(model_path, cfg)
-    layout = pinned_layout(cfg, cluster)
     pricer = PlanPricer(profile, cluster, train_spec(cfg, model_path), ILPSplitter(profile))
     try:
         return profile, layout, pricer.estimate(layout)

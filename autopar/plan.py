@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable, upgrade_block_containers
+from autopar.solver.space import MAX_WORLD_SIZE
+from cost_models.bounds import Bound, out_of_range
 from cost_models.layout import (CPStrategy, DPSync, MeshAxis, ParallelLayout, Recompute, Schedule, TPStyle,
                                  ZeroStage)
 from cost_models.mesh import Mesh
@@ -87,6 +89,36 @@ def software_versions() -> dict[str, str]:
         except PackageNotFoundError:
             found[package] = "not installed"
     return found
+
+
+# The range of every numeric field of a plan and its parts (Plan.problems checks them when a
+# plan.json is read; a test keeps every numeric field listed). A degree above the largest
+# cluster autopar plans is no plan of autopar's: torchrun would be asked for that many ranks.
+_DEGREE = Bound(low=1, high=MAX_WORLD_SIZE, integer=True)
+_COUNT = Bound(low=1, integer=True)
+PLAN_BOUNDS: dict[str, Bound] = {
+    "dp": _DEGREE, "tp": _DEGREE, "pp": _DEGREE, "cp": _DEGREE, "ep": _DEGREE,
+    "zero_stage": Bound(low=0, high=3, integer=True),
+    "micro_batch_size": _COUNT, "num_micro_batches": _COUNT, "chunks": _COUNT, "global_batch_size": _COUNT,
+    "dp_bucket_bytes": _COUNT,
+    "dp_shares": Bound(low=1, integer=True, each=True),
+    "moe_imbalance": Bound(low=1),
+    "expert_load": Bound(low=0, integer=True, each=True),
+}
+PREDICTED_BOUNDS: dict[str, Bound] = {
+    "step_time_s": Bound(low=0), "tokens_per_s": Bound(low=0, null="not a token model"),
+    "samples_per_s": Bound(low=0), "mfu": Bound(low=0), "peak_memory_bytes": Bound(low=0, integer=True),
+    "time_breakdown": Bound(each=True), "memory_breakdown": Bound(each=True),
+    "step_time_low_s": Bound(low=0), "step_time_high_s": Bound(low=0),
+}
+SOLVER_INFO_BOUNDS: dict[str, Bound] = {
+    "objective": Bound(), "seconds": Bound(low=0), "candidates": Bound(low=0, integer=True), "gap": Bound(low=0),
+    "priced": Bound(low=0, integer=True), "work": Bound(low=0),
+}
+PROVENANCE_BOUNDS: dict[str, Bound] = {"traced_micro_batch_size": _COUNT}
+# Plan attribute -> the table of its numeric fields ("" : the plan's own).
+PLAN_PART_BOUNDS: dict[str, dict[str, Bound]] = {"": PLAN_BOUNDS, "predicted": PREDICTED_BOUNDS,
+                                                 "solver": SOLVER_INFO_BOUNDS, "provenance": PROVENANCE_BOUNDS}
 
 
 @dataclass(frozen=True)
@@ -218,25 +250,41 @@ class Plan:
 
         Only the plan's own consistency: whether it suits a model or cluster is checked where
         those are known."""
-        found = [f"{axis}={self.degree(axis)!r} is not a positive integer" for axis in MeshAxis
-                 if not isinstance(self.degree(axis), int) or self.degree(axis) < 1]
+        found = self._number_problems()
         if sorted(self.mesh_order) != sorted(a.value for a in MeshAxis):
             found.append(f"mesh_order {list(self.mesh_order)} must order exactly the axes tp, cp, pp, dp")
         found += self._technique_problems()
-        for name in ("micro_batch_size", "num_micro_batches", "chunks", "global_batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                found.append(f"{name}={getattr(self, name)!r} is not a positive integer")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            found.append(f"ep={self.ep!r} is not a positive integer")
-        elif isinstance(self.dp, int) and self.dp >= 1 and isinstance(self.cp, int) and (self.dp * self.cp) % self.ep:
-            found.append(f"ep={self.ep} does not divide dp x cp = {self.dp * self.cp} (expert parallelism is carved "
-                         "from the data- and context-parallel ranks)")
         if found:
             return found  # the checks below assume sane numbers
+        if self.world_size > MAX_WORLD_SIZE:
+            found.append(f"its world size dp×tp×pp×cp = {self.world_size:,} is above the {MAX_WORLD_SIZE:,} GPUs "
+                         "autopar plans for")
+        if (self.dp * self.cp) % self.ep:
+            found.append(f"ep={self.ep} does not divide dp x cp = {self.dp * self.cp} (expert parallelism is carved "
+                         "from the data- and context-parallel ranks)")
+        if self.dp_shares and (len(self.dp_shares) != self.dp or sum(self.dp_shares) != self.dp * self.micro_batch_size):
+            found.append(f"dp_shares {list(self.dp_shares)} are not dp={self.dp} shares summing to dp × "
+                         f"micro_batch_size = {self.dp * self.micro_batch_size}")
         if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch_size:
             found.append(f"dp × micro_batch_size × num_micro_batches = {self.dp}×{self.micro_batch_size}×"
                          f"{self.num_micro_batches} is not the global batch {self.global_batch_size}")
         found += self._layer_problems()
+        return found
+
+    def _number_problems(self) -> list[str]:
+        """Every numeric field outside its range (PLAN_PART_BOUNDS), and the cluster it records."""
+        from cost_models.topology import cluster_problem
+
+        found = []
+        for part, table in PLAN_PART_BOUNDS.items():
+            values = getattr(self, part) if part else self
+            problem = out_of_range(values, table)
+            if problem:
+                found.append(problem.sentence(f"{part}." if part else ""))
+        cluster = self.provenance.cluster_config
+        problem = cluster_problem(cluster) if isinstance(cluster, dict) and cluster else None
+        if problem:
+            found.append(f"the cluster it records (provenance.cluster_config): {problem}")
         return found
 
     def _technique_problems(self) -> list[str]:

@@ -16,10 +16,11 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
+from cost_models.bounds import Bound, out_of_range
 from cost_models.hardware import GB, GPUSpec, get_gpu
 
 INTRA_NODE = "intra_node"
@@ -168,6 +169,36 @@ class ClusterConfig:
     (empty: `nodes` nodes of `gpu`)."""
     hardware_profile: str | None = None
     """Calibration YAML written by `autopar calibrate`, overriding GPU and link numbers."""
+
+
+# The range of every numeric field of ClusterConfig and NodeGroupConfig (cluster_problem checks
+# them where a cluster is read; a test keeps every numeric field listed).
+CLUSTER_BOUNDS: dict[str, Bound] = {
+    "nodes": Bound(low=1, integer=True),
+    "gpus_per_node": Bound(low=1, integer=True),
+    "intra_node_bandwidth_GBps": Bound(low=0, low_open=True, null="the GPU's link from the catalogue"),
+    "intra_node_latency_us": Bound(low=0),
+    "inter_node_bandwidth_GBps": Bound(low=0, low_open=True),
+    "inter_node_latency_us": Bound(low=0),
+    "memory_headroom_fraction": Bound(low=0, high=1, high_open=True),
+    "price_per_gpu_hour": Bound(low=0),
+}
+NODE_GROUP_BOUNDS: dict[str, Bound] = {"nodes": Bound(low=0, integer=True)}
+
+
+def cluster_problem(config: Any) -> str | None:
+    """The first numeric cluster.* setting (of a ClusterConfig, a DictConfig or a plain mapping)
+    outside its range, as one sentence naming the field, the value and the range (None when
+    every one is in range)."""
+    found = out_of_range(config, CLUSTER_BOUNDS)
+    if found:
+        return found.sentence("cluster.")
+    groups = config.get("node_groups") if isinstance(config, Mapping) else getattr(config, "node_groups", None)
+    for index, group in enumerate(groups or []):
+        found = out_of_range(group, NODE_GROUP_BOUNDS)
+        if found:
+            return found.sentence(f"cluster.node_groups[{index}].")
+    return None
 
 
 @dataclass(frozen=True)
@@ -322,21 +353,23 @@ class ClusterSpec:
     @classmethod
     def from_config(cls, config: Any) -> "ClusterSpec":
         """Build from a ClusterConfig (or any object / DictConfig with its fields)."""
+        problem = cluster_problem(config)
+        if problem:
+            raise ValueError(f"{problem}.")
         groups = list(getattr(config, "node_groups", None) or [])
         if not groups:
             groups = [NodeGroupConfig(gpu=config.gpu, nodes=config.nodes)]
-        if int(config.gpus_per_node) < 1 or sum(int(g.nodes) for g in groups) < 1 or any(int(g.nodes) < 0
-                                                                                         for g in groups):
-            raise ValueError(f"Cluster '{config.name}' has no GPUs: set cluster.nodes and "
-                             "cluster.gpus_per_node to at least 1.")
+        if sum(int(g.nodes) for g in groups) < 1:  # each group's count is in range; all of them 0
+            raise ValueError(f"Cluster '{config.name}' has no GPUs: its node groups hold 0 nodes; give one "
+                             "group at least 1 node (cluster.node_groups[i].nodes).")
         headroom = float(getattr(config, "memory_headroom_fraction", 0.05))
-        if not 0 <= headroom < 1:
-            raise ValueError(f"memory_headroom_fraction must be in [0, 1), got {headroom}")
         node_gpus = tuple(get_gpu(g.gpu) for g in groups for _ in range(int(g.nodes)))
         path = getattr(config, "hardware_profile", None)
         profile = load_hardware_profile(path) if path else {}
         node_gpus = tuple(_apply_gpu_profile(gpu, profile.get("gpus", {}).get(gpu.name, {})) for gpu in node_gpus)
-        intra_bw = config.intra_node_bandwidth_GBps or min(g.intra_node_bandwidth_GBps for g in node_gpus)
+        intra_bw = config.intra_node_bandwidth_GBps  # null, not 0, means the catalogue's link (0 is refused)
+        if intra_bw is None:
+            intra_bw = min(g.intra_node_bandwidth_GBps for g in node_gpus)
         link_name = min(node_gpus, key=lambda g: g.intra_node_bandwidth_GBps).intra_node_link
         intra = Link(intra_bw * GB * LINK_EFFICIENCY.get(link_name, 0.8), config.intra_node_latency_us * 1e-6,
                      link_name)

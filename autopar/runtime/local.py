@@ -28,7 +28,6 @@ from typing import Callable, Sequence
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
 from autopar.errors import UserError
-from autopar.plan import Plan
 
 LOG_NAME = "run.jsonl"
 LOCK_NAME = ".autopar-run.lock"
@@ -133,7 +132,9 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     out_dir = Path(out_dir).resolve()  # the ranks run inside it
     script = find_script(out_dir)
     if nproc is None:
-        nproc = Plan.load(out_dir / "plan.json").world_size
+        from autopar.runtime.run_settings import launch_plan
+
+        nproc = launch_plan(out_dir).world_size
     log = out_dir / LOG_NAME
     # Imported here, not at the top: the package imports this module, and a module already
     # imported when ``python -m`` runs it makes runpy print a warning into every run's output.

@@ -106,3 +106,54 @@ def check_run_data(out_dir: Path, script: Path, data_overrides: list[str], globa
     except training_data.DataError as error:
         raise UserError(f"{error.problem} Nothing was run.", error.fix) from None
     return settings.path
+
+
+# What the generated module compiled in of the plan (its PLAN constant; dp as DP_REPLICATE x
+# DP_SHARD) that `autopar run` also reads from plan.json (the ranks torchrun starts, the global
+# batch the data is checked for): the two must agree. Keys PLAN omits take these values.
+COMPILED_DEFAULTS = {"ep": 1, "dp_shares": []}
+COMPILED_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "global_batch_size", "micro_batch_size",
+                 "num_micro_batches", "dp_shares")
+
+
+def compiled_plan(script: Path) -> dict[str, Any]:
+    """The plan numbers ``script`` was compiled for ({} for a module without a PLAN constant,
+    e.g. one that does not parse: its ranks then report what is wrong)."""
+    constants = module_constants(script, ("PLAN", "DP_REPLICATE", "DP_SHARD"))
+    plan = constants.get("PLAN")
+    if not isinstance(plan, dict):
+        return {}
+    compiled = {key: plan.get(key, COMPILED_DEFAULTS.get(key)) for key in COMPILED_KEYS if key != "dp"}
+    replicate, shard = constants.get("DP_REPLICATE"), constants.get("DP_SHARD")
+    if isinstance(replicate, int) and isinstance(shard, int):
+        compiled["dp"] = replicate * shard
+    return {key: value for key, value in compiled.items() if value is not None}
+
+
+def check_plan_matches_module(plan: Any, plan_file: Path, script: Path) -> None:
+    """Refuse a plan.json whose degrees or batch sizes are not the ones ``script`` was compiled
+    for (an edited plan.json would start as many ranks as it says, whatever the module runs)."""
+    compiled = compiled_plan(script)
+    for key in COMPILED_KEYS:
+        if key not in compiled:
+            continue
+        given = getattr(plan, key)
+        given = list(given) if isinstance(given, (list, tuple)) else given
+        if given != compiled[key]:
+            raise UserError(f"{plan_file} says {key}={given} but {script.name}, the module it would launch, was "
+                            f"compiled for {key}={compiled[key]}; autopar run starts the ranks plan.json asks for, so "
+                            "the two must agree. Nothing was run.",
+                            f"restore plan.json as `autopar compile` wrote it (or compile again for other degrees or "
+                            f"batch sizes: they are compiled into {script.name}, not read from plan.json).")
+
+
+def launch_plan(out_dir: Path) -> Any:
+    """The plan ``out_dir``'s module is launched with: plan.json read and checked (every number
+    in range) and matched against the module's compiled constants, before anything starts."""
+    from autopar.driver import read_plan
+    from autopar.runtime.local import find_script
+
+    plan_file = Path(out_dir) / "plan.json"
+    plan = read_plan(plan_file)
+    check_plan_matches_module(plan, plan_file, find_script(Path(out_dir)))
+    return plan

@@ -90,12 +90,13 @@ def compare(plan: Any, estimate: dict[str, Any], measurements: list[dict[str, An
 
 def validate(out_dir: str | Path, steps: int = 5, timeout_s: float | None = None) -> Validation:
     """Run ``out_dir``'s module for ``steps`` timed steps (+2 measured ones) and compare."""
-    from autopar.driver import read_plan, rebuild_report
+    from autopar.driver import rebuild_report
     from autopar.report.document import load_report
     from autopar.runtime.local import run_local
+    from autopar.runtime.run_settings import launch_plan
 
     out_dir = Path(out_dir)
-    plan = read_plan(out_dir / "plan.json")
+    plan = launch_plan(out_dir)  # its numbers in range and the module's, before anything runs
     report_file = out_dir / "report.json"
     # Without a saved report the folder's own model copy (what the ranks will import) prices it.
     report = (load_report(report_file) if report_file.is_file()

@@ -264,6 +264,7 @@ def check_model_sha256(path: Path, expected: str, made_for: str) -> None:
 def read_plan(plan_path: str | Path):
     """Plan.load with a clear error for a missing or corrupted file."""
     from autopar.plan import Plan
+    from autopar.serialize import FieldError
 
     path = Path(plan_path)
     if not path.is_file():
@@ -271,6 +272,8 @@ def read_plan(plan_path: str | Path):
     fix = "re-create it with `autopar plan MODEL.py ... --out plan.json` (or `autopar compile` for a folder)."
     try:
         plan = Plan.load(path)
+    except FieldError as err:  # a value of the wrong kind (2.5 degrees, "4", true): the field is named
+        raise ConfigError(f"{path} is not a valid plan: {err.path}: {err.why}.", fix) from None
     except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
         text = " ".join(f"{type(err).__name__}: {err}".split())
         raise ConfigError(f"{path} is not a readable plan ({text[:200]}).", fix) from None

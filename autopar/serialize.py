@@ -55,6 +55,36 @@ def dumps(obj: Any) -> str:
     return json.dumps(to_jsonable(obj), indent=1)
 
 
+class FieldError(ValueError):
+    """A value that does not fit its field, with the field's dotted path (e.g. predicted.mfu)."""
+
+    def __init__(self, path: str, why: str):
+        self.path, self.why = path, why
+        super().__init__(f"field {path}: {why}")
+
+
+def _field(name: str, annotation: Any, data: Any) -> Any:
+    """One field's value, a failure naming the field (a hand-edited file says which one is wrong)."""
+    try:
+        return _convert(annotation, data)
+    except FieldError as err:
+        raise FieldError(f"{name}.{err.path}", err.why) from None
+    except (ValueError, TypeError, OverflowError) as err:
+        raise FieldError(name, str(err)) from None
+
+
+def _number(annotation: type, data: Any) -> int | float:
+    """An int or float field's value: a count stays a count (2.5 or true is refused, never
+    truncated to 2 or read as 1); ranges are checked by the reader (e.g. Plan.problems)."""
+    if isinstance(data, bool) or not isinstance(data, (int, float)):
+        raise ValueError(f"{data!r} is not a number")
+    if annotation is int:
+        if isinstance(data, float) and not data.is_integer():
+            raise ValueError(f"{data!r} is not an integer")
+        return int(data)
+    return float(data)
+
+
 def _convert(annotation: Any, data: Any) -> Any:
     if data is None:
         return None
@@ -67,7 +97,7 @@ def _convert(annotation: Any, data: Any) -> Any:
         if hasattr(annotation, "upgrade_data"):  # an older file's fields, renamed since
             data = annotation.upgrade_data(data)
         hints = typing.get_type_hints(annotation)
-        kwargs = {f.name: _convert(hints[f.name], data[f.name])
+        kwargs = {f.name: _field(f.name, hints[f.name], data[f.name])
                   for f in dataclasses.fields(annotation) if f.init and f.name in data}
         return annotation(**kwargs)
     if isinstance(annotation, type) and issubclass(annotation, Enum):
@@ -80,8 +110,12 @@ def _convert(annotation: Any, data: Any) -> Any:
         return tuple(_convert(a, item) for a, item in zip(args, data)) if args else tuple(data)
     if origin is dict:
         key_type, value_type = args if args else (str, Any)
-        return {_convert(key_type, k): _convert(value_type, v) for k, v in data.items()}
-    if annotation in (int, float, str, bool):
+        # JSON keys are strings: a number key is read from its text
+        keys = (lambda k: key_type(k)) if key_type in (int, float) else (lambda k: _convert(key_type, k))
+        return {keys(k): _convert(value_type, v) for k, v in data.items()}
+    if annotation in (int, float):
+        return _number(annotation, data)
+    if annotation in (str, bool):
         return annotation(data)
     if annotation is Path:
         return Path(data)

@@ -62,7 +62,7 @@ class Bound:
                 parts.append(f"below {_number(high)}" if self.high_open else f"at most {_number(high)}")
             ends = " and ".join(parts)
         if self.each:
-            text = f"a list of {kind}s" + (f", each {ends}" if ends else "")
+            text = f"{kind}s" + (f", each {ends}" if ends else "")
         else:
             text = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}" + (f" {'of ' if ends.startswith('at ') else ''}{ends}"
                                                                       if ends else "")

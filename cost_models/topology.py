@@ -425,12 +425,72 @@ class ClusterSpec:
         return self.group_links([i * stride for i in range(size)])
 
 
+# The ranges of a hardware profile's numbers (written by `autopar calibrate`, or edited by hand):
+# its links' alpha-beta fits (each collective's too), each GPU's measurements, the time factors.
+LINK_PROFILE_BOUNDS: dict[str, Bound] = {"bandwidth_Bps": Bound(low=0, low_open=True), "latency_s": Bound(low=0)}
+GPU_PROFILE_BOUNDS: dict[str, Bound] = {
+    "peak_flops": Bound(low=0, low_open=True, each=True),
+    "efficiency": Bound(low=0, high=1, low_open=True, each=True),  # a share of the peak
+    "memory_bandwidth_Bps": Bound(low=0, low_open=True),
+    "launch_overhead_s": Bound(low=0),
+}
+PROFILE_BOUNDS: dict[str, Bound] = {"time_scale": Bound(low=0, low_open=True, each=True)}
+
+
 def load_hardware_profile(path: str | Path) -> dict:
-    """Read a calibration YAML (see cost_models.calibrate for its layout)."""
-    data = yaml.safe_load(Path(path).read_text())
+    """Read a calibration YAML (see cost_models.calibrate for its layout), refusing one whose
+    numbers are out of range (ValueError naming the entry)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"Hardware profile {path} is not YAML ({' '.join(str(err).split())[:200]}); write it "
+                         f"again with `autopar calibrate --out {path}`.") from None
     if not isinstance(data, dict):
         raise ValueError(f"Hardware profile {path} is not a mapping.")
+    # YAML 1.1 reads 5.0e10 (no exponent sign) as text; such numbers were always read with float()
+    data = {key: _as_numbers(value) if key in ("gpus", "links", "time_scale") else value for key, value in data.items()}
+    problem = hardware_profile_problem(data)
+    if problem:
+        raise ValueError(f"Hardware profile {path}: {problem}; measure again with `autopar calibrate --out {path}` "
+                         "or correct that entry.")
     return data
+
+
+def _as_numbers(value: Any) -> Any:
+    """``value`` with every text that reads as a number turned into that float."""
+    if isinstance(value, dict):
+        return {key: _as_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_numbers(item) for item in value]
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def hardware_profile_problem(data: dict) -> str | None:
+    """The first number of a hardware profile outside its range (or an entry of the wrong shape)."""
+    parts: list[tuple[str, Any, dict[str, Bound]]] = [("", data, PROFILE_BOUNDS)]
+    for section, table in (("gpus", GPU_PROFILE_BOUNDS), ("links", LINK_PROFILE_BOUNDS)):
+        entries = data.get(section) or {}
+        if not isinstance(entries, dict):
+            return f"{section} is not a mapping"
+        parts += [(f"{section}.{name}.", entry, table) for name, entry in entries.items()]
+    for level, link in (data.get("links") or {}).items():
+        fits = link.get("collectives") if isinstance(link, dict) else None
+        parts += [(f"links.{level}.collectives.{op}.", fit, LINK_PROFILE_BOUNDS) for op, fit in (fits or {}).items()]
+    for prefix, values, table in parts:
+        if not isinstance(values, dict):
+            return f"{prefix.rstrip('.')} is not a mapping"
+        missing = [name for name in LINK_PROFILE_BOUNDS if table is LINK_PROFILE_BOUNDS and name not in values]
+        if missing:
+            return f"{prefix}{missing[0]} is missing"
+        found = out_of_range(values, table)
+        if found:
+            return found.sentence(prefix)
+    return None
 
 
 def _calibrated_link(entry: dict, name: str) -> Link:

@@ -79,8 +79,10 @@ def test_mixed_cluster_has_a_gpu_type_per_rank():
 
 
 def test_bad_clusters_fail_clearly():
-    with pytest.raises(ValueError, match="has no GPUs"):
+    with pytest.raises(ValueError, match="cluster.nodes=0 is out of range"):
         ClusterSpec.from_config(ClusterConfig(name="empty", gpu="H100-SXM", nodes=0))
+    with pytest.raises(ValueError, match="has no GPUs"):
+        ClusterSpec.from_config(ClusterConfig(name="empty", node_groups=[NodeGroupConfig(gpu="H100-SXM", nodes=0)]))
     with pytest.raises(ValueError, match="Unknown GPU type"):
         ClusterSpec.from_config(ClusterConfig(name="typo", gpu="H1OO"))
 

@@ -282,3 +282,49 @@ def test_run_accepts_the_plan_json_compile_wrote(compiled):
     from autopar.runtime.run_settings import launch_plan
 
     assert launch_plan(compiled).world_size == 2
+
+
+# -- the cluster description: hardware profiles and the GPU catalogue ------------------------------
+
+GOOD_PROFILE = """\
+gpus:
+  cpu: {peak_flops: {fp32: 5.0e10}, efficiency: {gemm: 1.0}, memory_bandwidth_Bps: 1.0e10, launch_overhead_s: 1.0e-5}
+links:
+  intra:
+    bandwidth_Bps: 1.0e9
+    latency_s: 2.0e-4
+    collectives: {all_gather: {latency_s: 1.0e-4, bandwidth_Bps: 2.0e9}}
+time_scale: {compute: 1.2}
+"""
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("latency_s: 2.0e-4", "latency_s: -1", "links.intra.latency_s=-1"),
+    ("bandwidth_Bps: 1.0e9", "bandwidth_Bps: .nan", "links.intra.bandwidth_Bps=nan"),
+    ("bandwidth_Bps: 2.0e9", "bandwidth_Bps: .inf", "links.intra.collectives.all_gather.bandwidth_Bps=inf"),
+    ("gemm: 1.0", "gemm: 2.5", "gpus.cpu.efficiency="),
+    ("fp32: 5.0e10", "fp32: 0", "gpus.cpu.peak_flops="),
+    ("compute: 1.2", "compute: 0", "time_scale="),
+    ("    latency_s: 2.0e-4\n", "", "links.intra.latency_s is missing"),
+    ("time_scale: {compute: 1.2}", "time_scale: {compute: [", "is not YAML"),
+])
+def test_hardware_profile_numbers_are_checked(capsys, tmp_path, no_tracing, old, new, words):
+    path = tmp_path / "hw.yaml"
+    path.write_text(GOOD_PROFILE)
+    ClusterSpec.from_config(ClusterConfig(hardware_profile=str(path)))  # the unedited profile is fine
+    assert old in GOOD_PROFILE
+    path.write_text(GOOD_PROFILE.replace(old, new))
+    refused(capsys, ["estimate", MLP, "cluster=calibrated", f"cluster.hardware_profile={path}"], words, str(path))
+
+
+def test_every_catalogue_gpu_has_numbers_in_range():
+    from cost_models.bounds import Bound, within
+    from cost_models.hardware import get_gpu, known_gpus
+
+    positive, share = Bound(low=0, low_open=True), Bound(low=0, high=1, low_open=True, each=True)
+    for name in known_gpus():
+        gpu = get_gpu(name)
+        for value in [*gpu.peak_flops.values(), gpu.memory_bytes, gpu.memory_bandwidth_Bps,
+                      gpu.intra_node_bandwidth_GBps]:
+            assert within(value, positive), name
+        assert within(gpu.efficiency, share) and gpu.launch_overhead_s >= 0, name

@@ -112,27 +112,32 @@ def optimizer_settings(optim: Any) -> dict[str, Any]:
     return settings
 
 
+OPTIM_BOUNDS: dict[str, Bound] = {
+    "lr": Bound(low=0, low_open=True),
+    "betas": Bound(low=0, high=1, high_open=True, each=True),
+    "eps": Bound(low=0, low_open=True),
+    "weight_decay": Bound(low=0),
+    "warmup_steps": Bound(low=0, integer=True),
+    "decay_steps": Bound(low=1, integer=True, null="the run's steps"),
+    "min_lr": Bound(low=0),
+    "wsd_decay_fraction": Bound(low=0, high=1, low_open=True),
+    "max_grad_norm": Bound(low=0),  # 0: no clipping
+}
+
+
 def optim_problem(s: dict[str, Any]) -> tuple[str, str] | None:
     """(field, what it must be) for the first optimizer setting out of range, else None."""
-    def finite(value: Any) -> bool:
-        return isinstance(value, (int, float)) and math.isfinite(value)
-
+    if s["name"] != "adamw":
+        return "name", "the generated module runs adamw only"
+    found = out_of_range(s, OPTIM_BOUNDS)
+    if found:
+        return found.name, f"expected {found.bound.describe()}"
     checks = [
-        ("name", s["name"] == "adamw", "the generated module runs adamw only"),
-        ("lr", finite(s["lr"]) and s["lr"] > 0, "a finite learning rate above 0 is expected"),
-        ("betas", len(s["betas"]) == 2 and all(finite(b) and 0 <= b < 1 for b in s["betas"]),
-         "two finite values in [0, 1) are expected"),
-        ("eps", finite(s["eps"]) and s["eps"] > 0, "a finite value above 0 is expected"),
-        ("weight_decay", finite(s["weight_decay"]) and s["weight_decay"] >= 0, "a finite value of 0 or more is expected"),
-        ("warmup_steps", s["warmup_steps"] >= 0, "0 or more steps are expected"),
+        ("betas", len(s["betas"]) == 2, "two values in [0, 1) are expected"),
         ("schedule", s["schedule"] in OPTIM_SCHEDULES, f"one of {', '.join(OPTIM_SCHEDULES)} is expected"),
         ("decay_steps", s["decay_steps"] is None or s["decay_steps"] > s["warmup_steps"],
          "null (the run's steps) or more steps than warmup_steps is expected"),
-        ("min_lr", finite(s["min_lr"]) and 0 <= s["min_lr"] <= s["lr"], "a finite value from 0 to lr is expected"),
-        ("wsd_decay_fraction", finite(s["wsd_decay_fraction"]) and 0 < s["wsd_decay_fraction"] <= 1,
-         "a fraction in (0, 1] is expected"),
-        ("max_grad_norm", finite(s["max_grad_norm"]) and s["max_grad_norm"] >= 0,
-         "a finite norm of 0 (no clipping) or more is expected"),
+        ("min_lr", s["min_lr"] <= s["lr"], "a finite value from 0 to lr is expected"),
     ]
     return next(((name, why) for name, ok, why in checks if not ok), None)
 
@@ -292,23 +297,22 @@ class DataConfig:
     """Token dtype of a .bin file: uint16 or uint32 (a name ending .u32.bin is read as uint32)."""
 
 
+DATA_BOUNDS: dict[str, Bound] = {
+    "val_fraction": Bound(low=0, high=0.5, high_open=True),
+    "seq_len": Bound(low=1, integer=True, null="the traced sequence length"),
+    "eod_token": Bound(low=0, integer=True, null="the tokenizer's end-of-text token"),
+    "num_workers": Bound(low=0, integer=True),
+}
+
+
 def check_data(data: Any) -> None:
     """Refuse data.* settings that cannot work, before anything runs (the files themselves are
     read, and refused, where the module is generated)."""
+    check_fields(data, DATA_BOUNDS, "data.", DataConfig)
     problems = []
-    if not 0.0 <= data.val_fraction < 0.5:
-        problems.append((f"data.val_fraction={data.val_fraction} is outside [0, 0.5)",
-                         "hold out a fraction such as 0.01, or give data.val_path"))
     if data.val_path is not None and data.val_fraction > 0:
         problems.append((f"data.val_path and data.val_fraction={data.val_fraction} both name the validation data",
                          "give one of them"))
-    if data.num_workers < 0:
-        problems.append((f"data.num_workers={data.num_workers} is negative", "use 0 or more worker processes"))
-    if data.seq_len is not None and data.seq_len <= 0:
-        problems.append((f"data.seq_len={data.seq_len} is not a positive length",
-                         "give a positive number of tokens, or null for the traced sequence length"))
-    if data.eod_token is not None and data.eod_token < 0:
-        problems.append((f"data.eod_token={data.eod_token} is negative", "give a token id, or null"))
     if data.bin_dtype not in ("uint16", "uint32"):
         problems.append((f"data.bin_dtype={data.bin_dtype} is not a token dtype", "use uint16 or uint32"))
     tokenizer = Path(data.tokenizer).expanduser()

@@ -69,6 +69,7 @@ def module_arguments(overrides: list[str], accepted: set[str]) -> tuple[list[str
         if not sep:
             raise UserError(f"{override!r} is not a KEY=VALUE override.",
                             f"write e.g. data.path=corpus.txt; run takes data.*, {', '.join(known)}.")
+        check_override_number(key, value)
         if key.startswith("data."):
             name = key[len("data."):]
             if name in PATH_SETTINGS and value and value.lower() not in ("null", "none", "bytes"):
@@ -82,6 +83,41 @@ def module_arguments(overrides: list[str], accepted: set[str]) -> tuple[list[str
                             f"pass data.* (the text pipeline's settings) or one of {', '.join(known)}; other "
                             "settings are compiled in: compile again with them.")
     return arguments, data
+
+
+def override_bound(key: str) -> Any:
+    """The declared range of a numeric train.*, optim.* or data.* setting (None for others)."""
+    from autopar.config import DATA_BOUNDS, OPTIM_BOUNDS, TRAIN_BOUNDS
+
+    section, _, name = key.partition(".")
+    return {"train": TRAIN_BOUNDS, "optim": OPTIM_BOUNDS, "data": DATA_BOUNDS}.get(section, {}).get(name)
+
+
+def check_override_number(key: str, text: str) -> None:
+    """Refuse a run override whose number is outside its field's range (as compile would), before
+    any rank starts: the module would otherwise train with a learning rate of nan."""
+    from cost_models.bounds import within
+
+    bound = override_bound(key)
+    if bound is None:
+        return
+    value = _literal(text)
+    if not within(value, bound) and not (bound.integer and isinstance(value, float) and value.is_integer()
+                                         and within(int(value), bound)):
+        raise UserError(f"{key}={text} is out of range (expected: {bound.describe()}). Nothing was run.",
+                        f"give {key} a value in that range, or leave it out to keep the compiled one.")
+
+
+def _literal(text: str) -> Any:
+    """An override's value as a number where it reads as one (null/none: None)."""
+    if text.strip().lower() in ("null", "none", "~"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
 
 
 def check_run_data(out_dir: Path, script: Path, data_overrides: list[str], global_batch_size: int) -> str | None:

@@ -108,19 +108,21 @@ def numeric_fields(schema: type) -> list[str]:
 
 
 def declared_ranges() -> list[tuple[type, dict]]:
-    from autopar.config import PLAN_PIN_BOUNDS, SOLVER_BOUNDS, SWEEP_BOUNDS, TRAIN_BOUNDS
+    from autopar.config import (DATA_BOUNDS, OPTIM_BOUNDS, PLAN_PIN_BOUNDS, SOLVER_BOUNDS, SWEEP_BOUNDS, TRAIN_BOUNDS,
+                                DataConfig, OptimConfig)
     from autopar.plan import PLAN_PART_BOUNDS
     from cost_models.topology import CLUSTER_BOUNDS, NODE_GROUP_BOUNDS
 
     parts = [(Plan if not part else typing.get_type_hints(Plan)[part], table) for part, table in PLAN_PART_BOUNDS.items()]
     return [(ClusterConfig, CLUSTER_BOUNDS), (NodeGroupConfig, NODE_GROUP_BOUNDS), (TrainConfig, TRAIN_BOUNDS),
-            (SolverConfig, SOLVER_BOUNDS), (PlanPins, PLAN_PIN_BOUNDS), (SweepConfig, SWEEP_BOUNDS), *parts]
+            (SolverConfig, SOLVER_BOUNDS), (PlanPins, PLAN_PIN_BOUNDS), (SweepConfig, SWEEP_BOUNDS),
+            (OptimConfig, OPTIM_BOUNDS), (DataConfig, DATA_BOUNDS), *parts]
 
 
 def test_every_numeric_field_has_a_declared_range():
     """A numeric field added to a schema without a range fails here."""
     ranges = declared_ranges()
-    assert len(ranges) == 10
+    assert len(ranges) == 12
     for schema, table in ranges:
         assert sorted(numeric_fields(schema)) == sorted(table), schema.__name__
 
@@ -276,6 +278,20 @@ def test_run_refuses_a_plan_json_the_module_was_not_compiled_for(capsys, compile
     change(data)
     (folder / "plan.json").write_text(json.dumps(data))
     refused(capsys, ["run", str(folder), "--steps", "1"], *words)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=nan", "optim.lr=-1", "train.eval_batches=0", "train.eval_every=2.5",
+                                      "optim.max_grad_norm=inf", "data.val_fraction=0.7", "data.num_workers=-1"])
+def test_run_overrides_out_of_range_are_refused_before_launching(capsys, compiled, never_launched, override):
+    refused(capsys, ["run", str(compiled), "--steps", "1", override], override, "Nothing was run")
+
+
+def test_run_override_numbers_in_range_pass():
+    from autopar.runtime.run_settings import module_arguments
+
+    arguments, _ = module_arguments(["optim.lr=1e-3", "train.eval_every=4", "optim.decay_steps=100"],
+                                    {"--lr", "--decay-steps"})
+    assert arguments == ["--lr", "1e-3", "--eval-every", "4", "--decay-steps", "100"]
 
 
 def test_run_accepts_the_plan_json_compile_wrote(compiled):

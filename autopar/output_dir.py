@@ -20,10 +20,12 @@ and again just before the files are moved in (`install`), since the folder may c
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,3 +238,33 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a regular file that never follows a symbolic link at ``path``: a folder
+    received from someone else could point one of autopar's files (the run lock, run.jsonl) at
+    any file of the user's, which writing would truncate or overwrite. Refuses a link or anything
+    but a regular file with a UserError naming it."""
+    path = Path(path)
+    refuse_link(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # made a link between the check and the open
+            refuse_link(path)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OutputDirError(f"{path} is not a regular file; autopar writes its own file under this name.",
+                             f"move {path} away and run again.")
+    return fd
+
+
+def refuse_link(path: Path) -> None:
+    """Refuse to write ``path`` (or into it) when it is a symbolic link (see `open_no_follow`)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OutputDirError(f"{path} is a symbolic link (to {os.readlink(path)}); autopar never writes through a "
+                             "link, since a folder received from someone else could point it at any file of yours.",
+                             f"remove the link ({path}) and run again (copy its target there first if you meant "
+                             "to keep writing into it).")

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
 from autopar.errors import UserError
+from autopar.output_dir import open_no_follow, refuse_link
 from autopar.plan import Plan
 
 LOG_NAME = "run.jsonl"
@@ -86,7 +87,7 @@ def folder_lock(out_dir: Path):
     lock's file descriptor is yielded so the launched processes can hold it too: a run whose
     CLI was killed keeps the folder until its ranks are gone."""
     path = out_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # a link there is refused, never truncated
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -135,6 +136,8 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     if nproc is None:
         nproc = Plan.load(out_dir / "plan.json").world_size
     log = out_dir / LOG_NAME
+    for written in (log, out_dir / LOCK_NAME, out_dir / "checkpoints"):  # the module refuses them too, later
+        refuse_link(written)
     # Imported here, not at the top: the package imports this module, and a module already
     # imported when ``python -m`` runs it makes runpy print a warning into every run's output.
     from autopar.runtime.loopback import torchrun_arguments

@@ -143,6 +143,15 @@ def refuse_link(path: Path, what: str) -> None:
                            "the real path (the link's target) as --checkpoint-dir if that is where you meant to write")
 
 
+def refuse_links(directory: Path) -> None:
+    """Refuse a checkpoint folder that is a link or holds a ``step_<n>`` that is one: a resumed run
+    writes into both (UNUSABLE, the step folders it saves again)."""
+    refuse_link(directory, "the checkpoint folder")
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if _STEP_FOLDER.fullmatch(path.name):
+            refuse_link(path, "checkpoint")
+
+
 def write_text_no_follow(path: Path, text: str) -> None:
     """Write ``path`` anew, refusing (ELOOP) rather than following a symbolic link there."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
@@ -519,7 +528,7 @@ class Checkpointer:
         choice: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                refuse_link(Path(self.options.directory), "the checkpoint folder")
+                refuse_links(Path(self.options.directory))
                 choice = [usable_checkpoint(self.options.directory, self.options.allow_fresh_start)]
             except RuntimeError as error:
                 choice = [str(error)]

@@ -136,7 +136,9 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     if nproc is None:
         nproc = Plan.load(out_dir / "plan.json").world_size
     log = out_dir / LOG_NAME
-    for written in (log, out_dir / LOCK_NAME, out_dir / "checkpoints"):  # the module refuses them too, later
+    # What the run writes into the folder, never through a link (the module refuses them too, but
+    # only once its ranks have started).
+    for written in (log, out_dir / LOCK_NAME, out_dir / "checkpoints", out_dir / "tensorboard"):
         refuse_link(written)
     # Imported here, not at the top: the package imports this module, and a module already
     # imported when ``python -m`` runs it makes runpy print a warning into every run's output.

@@ -111,7 +111,7 @@ def test_checkpoint_folder_that_is_a_link_is_refused_and_its_target_kept(dp2, tm
     assert [p.name for p in victim.iterdir()] == [COMPLETE] and (victim / COMPLETE).read_text() == "the user's own file"
 
 
-@pytest.mark.parametrize("name", [LOCK_NAME, "run.jsonl", "checkpoints"])
+@pytest.mark.parametrize("name", [LOCK_NAME, "run.jsonl", "checkpoints", "tensorboard"])
 def test_run_refuses_a_folder_whose_files_are_links(dp2, tmp_path, capsys, name):
     """The lock was truncated and given the run's pid, run.jsonl appended to, through the link."""
     folder = tmp_path / "received"

@@ -111,3 +111,25 @@ def test_plan_into_a_run_folder_with_a_linked_hydra_folder_is_refused(examples_d
     (tmp_path / "runs" / ".hydra").symlink_to(elsewhere)
     fails(capsys, ["plan", str(examples_dir / "gpt.py"), *TINY, "hydra.run.dir=runs"], "runs/.hydra is a symbolic link")
     assert [p.name for p in elsewhere.iterdir()] == ["config.yaml"] and (elsewhere / "config.yaml").read_text() == OWN
+
+
+def test_exported_weights_never_go_through_a_link_planted_under_the_temporary_name(tmp_path, victim):
+    """write_weights wrote ``.NAME.tmp`` beside the export, following a link planted there."""
+    import torch
+
+    from autopar.codegen.sections.checkpoint import write_weights
+
+    (tmp_path / ".export.pt.tmp").symlink_to(victim)
+    write_weights({"w": torch.ones(3)}, tmp_path / "export.pt")
+    assert victim.read_text() == OWN
+    assert torch.equal(torch.load(tmp_path / "export.pt", weights_only=True)["w"], torch.ones(3))
+
+
+def test_tensorboard_folder_that_is_a_link_is_refused(tmp_path):
+    from autopar.codegen.sections.metrics import MetricsConfig, tensorboard_dir
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "tensorboard").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RuntimeError, match="tensorboard is a symbolic link"):
+        tensorboard_dir(tmp_path / "run.jsonl", MetricsConfig(tensorboard=True))
+    assert tensorboard_dir(tmp_path / "run.jsonl", MetricsConfig(tensorboard=True, tensorboard_dir="tb")) == Path("tb")

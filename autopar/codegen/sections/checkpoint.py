@@ -628,12 +628,20 @@ def write_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
     package), else ``torch.save``. Written beside and renamed, so a crash leaves no half file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if path.suffix == ".safetensors":
-        _safetensors().save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(tmp))
-    else:
-        torch.save(state, tmp)
-    os.replace(tmp, path)
+    # A fresh name (O_EXCL: a link planted under a fixed one would be written through).
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        if path.suffix == ".safetensors":
+            _safetensors().save_file({key: tensor.contiguous() for key, tensor in state.items()}, str(tmp))
+        else:
+            torch.save(state, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _safetensors() -> Any:

@@ -201,7 +201,13 @@ def tensorboard_dir(log_file: str | Path | None, config: MetricsConfig) -> Path 
     """Where TensorBoard's files go: the option's folder, else ``tensorboard/<run id>`` beside the log."""
     if config.tensorboard_dir:
         return Path(config.tensorboard_dir)
-    return Path(log_file).parent / "tensorboard" / run_name() if log_file else None
+    if not log_file:
+        return None
+    default = Path(log_file).parent / "tensorboard"
+    if default.is_symlink():  # a received folder's link would have the events written wherever it points
+        raise RuntimeError(f"{default} is a symbolic link (to {os.readlink(default)}); the run never writes "
+                           "through a link. Fix: remove the link, or pass --tensorboard-dir with a folder of yours")
+    return default / run_name()
 
 
 def open_logger(log_file: str | Path | None, config: MetricsConfig, rank: int) -> MetricsLogger:

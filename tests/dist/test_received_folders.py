@@ -15,7 +15,7 @@ import torch
 
 from autopar.cli import main as autopar_main
 from autopar.codegen import generate
-from autopar.codegen.sections.checkpoint import COMPLETE, METADATA, file_digests
+from autopar.codegen.sections.checkpoint import COMPLETE, file_digests
 from autopar.runtime import RunResult, run_local
 from autopar.runtime.local import LOCK_NAME
 from tests.dist.plans import GPT, make_plan
@@ -23,6 +23,7 @@ from tests.dist.plans import GPT, make_plan
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 6, 2
+METADATA = ".metadata"  # DCP's, a pickle
 
 
 class Marker:
@@ -115,7 +116,7 @@ def test_checkpoint_folder_that_is_a_link_is_refused_and_its_target_kept(dp2, tm
 def test_run_refuses_a_folder_whose_files_are_links(dp2, tmp_path, capsys, name):
     """The lock was truncated and given the run's pid, run.jsonl appended to, through the link."""
     folder = tmp_path / "received"
-    shutil.copytree(dp2, folder, ignore=shutil.ignore_patterns("checkpoints", "run.jsonl", "final.pt", LOCK_NAME))
+    shutil.copytree(dp2, folder, ignore=shutil.ignore_patterns("checkpoints", "run.jsonl", "final.pt", "tensorboard", LOCK_NAME))
     victim = tmp_path / "victim.txt"
     victim.write_text("the user's own file\n")
     (folder / name).symlink_to(victim)

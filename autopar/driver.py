@@ -321,11 +321,12 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
         (plan, planning result or None for a saved plan, written files); the result's
         ``rejected`` lists the plans the proof rejected.
     """
-    from autopar.output_dir import check_out_dir, write_atomically
+    from autopar.output_dir import check_out_dir
     from autopar.runtime.proof import check_wanted
 
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, compiled_file_names(model_path), force=force)
+    provenance = dict(provenance or {})
+    check_out_dir(out_dir, [*compiled_file_names(model_path), *provenance], force=force)
     defaults = {**run_defaults(cfg, model_path), "optimizer": optimizer_settings(cfg.optim)}
     cluster = build_cluster(cfg)
     check = check_wanted(str(OmegaConf.select(cfg, "check", default="auto")),
@@ -333,7 +334,7 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
         files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force,
-                                        defaults)
+                                        defaults, provenance)
         if rejection is not None:
             raise UserError(f"The saved plan {plan_path} ({plan.summary()}) fails compile's proof: {rejection.reason}.",
                             "plan again without --plan (the planner moves past plans that fail), or pass check=off "
@@ -356,7 +357,7 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
             profile = result.pricer.profile
             plan = result.plan
             files, rejection = _compile_one(plan, result, model_path, out_dir, cluster, check, rejected, progress,
-                                            force, defaults)
+                                            force, defaults, provenance)
             if rejection is None:
                 break
             rejected.append(rejection)
@@ -364,10 +365,6 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
         if files is None:
             raise _none_proven(rejected, f"compile runs at most {MAX_PLANS_PROVEN} plans (and tries at most "
                                          f"{MAX_PLANS_TRIED})")
-    # Hydra's record of the settings (.hydra/config.yaml, overrides.yaml) lives in a folder of
-    # its own that only autopar writes; each file replaces the previous compile's atomically.
-    for relative, text in (provenance or {}).items():
-        write_atomically(out_dir / relative, text)
     written = {name: out_dir / path.name for name, path in vars(files).items()}
     written["report"] = out_dir / "report.html"
     if result is not None:
@@ -417,13 +414,16 @@ def check_corpus(data: dict[str, Any], cfg: Any, model_path: str | Path) -> None
 
 
 def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, cluster: ClusterSpec, check: bool,
-                 rejected: list[Any], progress: "Reporter | None", force: bool, defaults: dict[str, Any]):
+                 rejected: list[Any], progress: "Reporter | None", force: bool, defaults: dict[str, Any],
+                 provenance: dict[str, str]):
     """Generate ``plan`` into a staging folder, prove it and, when it passes, write its report
     and install everything into ``out_dir``: (files, None), or (None, the rejection);
-    ``defaults``: generate()'s run defaults (optimizer, data, validation)."""
+    ``defaults``: generate()'s run defaults (optimizer, data, validation); ``provenance``:
+    Hydra's record of the settings (``.hydra/config.yaml``, ...), installed and listed in the
+    manifest like every other file."""
     from autopar.codegen import generate
     from autopar.codegen.errors import CodegenError
-    from autopar.output_dir import install, staging_dir
+    from autopar.output_dir import install, staging_dir, write_atomically
     from autopar.report.document import RejectedPlan
     from autopar.report.render import write_report
     from autopar.runtime.proof import prove
@@ -448,6 +448,8 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
         report.proof = outcome.proven
         report.rejected = list(rejected)
         write_report(report, staging)
+        for relative, text in provenance.items():
+            write_atomically(staging / relative, text)
         install(staging, out_dir, force=force)
     return files, None
 

@@ -185,10 +185,14 @@ def provenance_files(cfg: Any) -> dict[str, str]:
 
 
 def write_provenance(cfg: Any, folder: Path) -> None:
-    """Keep the job's configuration and overrides in ``folder``/.hydra, as Hydra does for a run."""
+    """Keep the job's configuration and overrides in ``folder``/.hydra, as Hydra does for a run;
+    a ``.hydra`` that is a link is refused, and each file replaces (never writes through) what
+    had its name."""
+    from autopar.output_dir import refuse_link, write_atomically
+
+    refuse_link(folder / ".hydra")
     for relative, text in provenance_files(cfg).items():
-        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
-        (folder / relative).write_text(text)
+        write_atomically(folder / relative, text)
 
 
 @dataclass

@@ -20,10 +20,12 @@ and again just before the files are moved in (`install`), since the folder may c
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,9 @@ from autopar.errors import UserError
 
 MANIFEST_NAME = "autopar_manifest.json"
 _STAGING_PREFIX = ".autopar-staging."
+# Folders of an output whose files autopar writes and lists as "<folder>/<name>" (Hydra's record
+# of the settings), so an edit there is kept like any other and nothing is written through a link.
+SUBFOLDERS = (".hydra",)
 
 
 class OutputDirError(UserError):
@@ -66,7 +71,34 @@ class Manifest:
 
 
 def _plain_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..", MANIFEST_NAME) and "/" not in name and "\\" not in name
+    """A file name of the folder itself, or ``<subfolder>/<name>`` of one of `SUBFOLDERS`."""
+    folder, _, rest = name.rpartition("/")
+    if folder and folder not in SUBFOLDERS:
+        return False
+    return bool(rest) and rest not in (".", "..", MANIFEST_NAME) and "\\" not in rest
+
+
+def _subfolders(names: Iterable[str]) -> list[str]:
+    return sorted({name.rpartition("/")[0] for name in names} - {""})
+
+
+def _refuse_linked_subfolders(out_dir: Path, names: Iterable[str]) -> None:
+    """A subfolder autopar writes into must be a real folder: never followed through a link, not
+    even with --force (which replaces files, never writes through them)."""
+    for folder in _subfolders(names):
+        refuse_link(out_dir / folder)
+        if (out_dir / folder).exists() and not (out_dir / folder).is_dir():
+            raise OutputDirError(f"{out_dir / folder} is a file; autopar writes its own folder of that name there.",
+                                 f"move {out_dir / folder} away and run again.")
+
+
+def staged_files(staging: Path) -> list[str]:
+    """The files of a staging folder by manifest name (those of `SUBFOLDERS` as ``folder/name``)."""
+    names = [path.name for path in sorted(staging.iterdir()) if path.is_file()]
+    for folder in SUBFOLDERS:
+        if (staging / folder).is_dir():
+            names += [f"{folder}/{path.name}" for path in sorted((staging / folder).iterdir()) if path.is_file()]
+    return names
 
 
 def sha256_of(path: Path) -> str:
@@ -96,6 +128,8 @@ def check_out_dir(out_dir: Path, names: Iterable[str], *, force: bool, flag: str
         raise OutputDirError(f"{flag} {out_dir} is an existing file, not a folder.",
                              f"pass a new or existing folder to {flag} (autopar never replaces a file by a folder).")
     _check_writable(out_dir, flag)
+    names = list(names)
+    _refuse_linked_subfolders(out_dir, names)
     if out_dir.is_dir() and not force:
         conflicts = _conflicts(out_dir, {name: None for name in names}, whole_folder)
         _refuse(out_dir, conflicts, flag, can_force, whole_folder)
@@ -107,17 +141,20 @@ def install(staging: Path, out_dir: Path, *, force: bool, flag: str = "--out-dir
 
     Refuses (writing nothing) when a file would replace one autopar did not write, unless
     ``force`` (``whole_folder``, ``can_force``: as in `check_out_dir`). Returns name -> installed path."""
-    new = {path.name: sha256_of(path) for path in sorted(staging.iterdir()) if path.is_file()}
+    new = {name: sha256_of(staging / name) for name in staged_files(staging)}
     out_dir.mkdir(parents=True, exist_ok=True)
+    _refuse_linked_subfolders(out_dir, new)
     if not force:
         _refuse(out_dir, _conflicts(out_dir, new, whole_folder), flag, can_force, whole_folder)
     previous = Manifest.read(out_dir)
+    for folder in _subfolders(new):
+        (out_dir / folder).mkdir(exist_ok=True)
     for name in new:
-        os.replace(staging / name, out_dir / name)
+        os.replace(staging / name, out_dir / name)  # replaces a link there, never writes through it
     files = dict(new)
     for name, sha in (previous.files if previous is not None else {}).items():
         path = out_dir / name
-        if name in new or not (path.exists() or path.is_symlink()):
+        if name in new or path.parent.is_symlink() or not (path.exists() or path.is_symlink()):
             continue
         # A whole output (compile) drops an earlier compile's file it no longer produces, only
         # while it is still exactly what autopar wrote; a partial write (a report into a compiled
@@ -236,3 +273,39 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a regular file that never follows a symbolic link at ``path``: a folder
+    received from someone else could point one of autopar's files (the run lock, run.jsonl) at
+    any file of the user's, which writing would truncate or overwrite. Refuses a link or anything
+    but a regular file with a UserError naming it."""
+    path = Path(path)
+    refuse_link(path)
+    if path.exists() and not path.is_file():
+        _refuse_not_regular(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # made a link between the check and the open
+            refuse_link(path)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        _refuse_not_regular(path)
+    return fd
+
+
+def _refuse_not_regular(path: Path) -> None:
+    raise OutputDirError(f"{path} is not a regular file (a folder, a device or a pipe); autopar keeps its own file "
+                         "under this name.", f"move {path} away and run again.")
+
+
+def refuse_link(path: Path) -> None:
+    """Refuse to write ``path`` (or into it) when it is a symbolic link (see `open_no_follow`)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OutputDirError(f"{path} is a symbolic link (to {os.readlink(path)}); autopar never writes through a "
+                             "link, since a folder received from someone else could point it at any file of yours.",
+                             f"remove the link ({path}) and run again (copy its target there first if you meant "
+                             "to keep writing into it).")

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
 from autopar.errors import UserError
+from autopar.output_dir import open_no_follow, refuse_link
 
 LOG_NAME = "run.jsonl"
 LOCK_NAME = ".autopar-run.lock"
@@ -85,7 +86,7 @@ def folder_lock(out_dir: Path):
     lock's file descriptor is yielded so the launched processes can hold it too: a run whose
     CLI was killed keeps the folder until its ranks are gone."""
     path = out_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # a link there is refused, never truncated
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -136,6 +137,10 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
 
         nproc = launch_plan(out_dir).world_size
     log = out_dir / LOG_NAME
+    # What the run writes into the folder, never through a link (the module refuses them too, but
+    # only once its ranks have started).
+    for written in (log, out_dir / LOCK_NAME, out_dir / "checkpoints", out_dir / "tensorboard"):
+        refuse_link(written)
     # Imported here, not at the top: the package imports this module, and a module already
     # imported when ``python -m`` runs it makes runpy print a warning into every run's output.
     from autopar.runtime.loopback import torchrun_arguments

@@ -147,7 +147,7 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str]:
             where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
             return f"on {plan.world_size} local gloo ranks, {where}: {_last_line(result.error)}", ""
         losses = [record["loss"] for record in result.records]
-        parameters = torch.load(final) if final.is_file() else {}
+        parameters = torch.load(final, weights_only=True) if final.is_file() else {}
     reference = run_reference(model_path, dict(plan.provenance.model_kwargs), plan.global_batch_size, CHECK_STEPS,
                               optimizer)
     difference = compare_with_reference(losses, parameters, reference)

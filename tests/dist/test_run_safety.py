@@ -17,10 +17,13 @@ import shutil
 import socket
 import subprocess
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.cli import main as autopar_main
@@ -32,19 +35,21 @@ from autopar.runtime.local import LOCK_NAME, failing_rank, finished_everywhere, 
 from tests.dist.plans import GPT, make_plan
 
 
-def _checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
-    """A complete checkpoint folder as rank 0 marks it: the files, then COMPLETE with their sha256."""
+def _checkpoint(root: Path, step: int) -> Path:
+    """A complete checkpoint folder as rank 0 marks it: DCP's files (written in this process),
+    then COMPLETE with their sha256."""
     folder = root / f"step_{step}"
-    folder.mkdir(parents=True)
-    for name, data in files.items():
-        (folder / name).write_bytes(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP saving in one process
+        dcp.save({"train.step": torch.tensor(step), "model.w": torch.ones(4 * step)}, checkpoint_id=folder,
+                 no_dist=True)
     (folder / COMPLETE).write_text(json.dumps({"step": step, "sha256": file_digests(folder)}))
     return folder
 
 
 def test_truncated_checkpoint_is_skipped_for_the_previous_complete_one(tmp_path, capsys):
-    _checkpoint(tmp_path, 2, {".metadata": b"m2", "__0_0.distcp": b"a" * 100})
-    newest = _checkpoint(tmp_path, 4, {".metadata": b"m4", "__0_0.distcp": b"b" * 100})
+    _checkpoint(tmp_path, 2)
+    newest = _checkpoint(tmp_path, 4)
     (newest / "__0_0.distcp").write_bytes(b"b" * 50)
     assert usable_checkpoint(tmp_path) == (2, tmp_path / "step_2")
     assert f"skipping checkpoint {newest}: {newest / '__0_0.distcp'} does not match" in capsys.readouterr().out
@@ -53,7 +58,7 @@ def test_truncated_checkpoint_is_skipped_for_the_previous_complete_one(tmp_path,
 
 
 def test_no_usable_checkpoint_fails_with_the_cause_unless_a_fresh_start_is_allowed(tmp_path):
-    only = _checkpoint(tmp_path, 2, {".metadata": b"m", "__0_0.distcp": b"a" * 10})
+    only = _checkpoint(tmp_path, 2)
     (only / ".metadata").write_bytes(b"x")
     with pytest.raises(RuntimeError, match=r"no usable checkpoint .*step_2/\.metadata does not match.*"
                                            r"--allow-fresh-start"):
@@ -64,8 +69,8 @@ def test_no_usable_checkpoint_fails_with_the_cause_unless_a_fresh_start_is_allow
 
 def test_checkpoint_that_failed_to_load_is_not_tried_again(tmp_path):
     """--max-restarts must not loop on one bad checkpoint: a failed load marks it UNUSABLE."""
-    _checkpoint(tmp_path, 2, {"__0_0.distcp": b"a"})
-    bad = _checkpoint(tmp_path, 4, {"__0_0.distcp": b"b"})
+    _checkpoint(tmp_path, 2)
+    bad = _checkpoint(tmp_path, 4)
     (bad / UNUSABLE).write_text("CheckpointException: size mismatch\n")
     assert usable_checkpoint(tmp_path) == (2, tmp_path / "step_2")
 

@@ -59,8 +59,9 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def test_compile_records_what_it_wrote(compiled):
     manifest = Manifest.read(compiled)
     assert manifest is not None
-    # .hydra/ is Hydra's record of the settings, a folder of its own that each compile rewrites.
-    assert set(manifest.files) == {p.name for p in compiled.iterdir()} - {MANIFEST_NAME, ".hydra"}
+    # .hydra/ is Hydra's record of the settings: its files are listed like the others.
+    assert set(manifest.files) == ({p.name for p in compiled.iterdir()} - {MANIFEST_NAME, ".hydra"}
+                                   | {".hydra/config.yaml", ".hydra/overrides.yaml"})
     assert {"plan.json", "launch.sh", "sbatch.sh", "parallel_gpt.py", "gpt.py", "report.html"} <= set(manifest.files)
 
 
@@ -91,6 +92,31 @@ def test_an_edited_generated_file_is_not_replaced_without_force(examples_dir, co
     fails(capsys, ["compile", str(examples_dir / "gpt.py"), *TINY, "--plan", str(out / "plan.json"), "--out-dir",
                    str(out)], "launch.sh", "edited", "--force")
     assert snapshot(out) == before
+
+
+def test_an_edited_hydra_record_is_not_replaced_without_force(examples_dir, compiled, tmp_path, capsys):
+    out = copy_of(compiled, tmp_path)
+    (out / ".hydra" / "config.yaml").write_text("# my notes on this run\n")
+    before = snapshot(out)
+    fails(capsys, ["compile", str(examples_dir / "gpt.py"), *TINY, "--plan", str(out / "plan.json"), "--out-dir",
+                   str(out)], ".hydra/config.yaml", "edited", "--force")
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_compile_never_writes_through_a_linked_hydra_folder(examples_dir, compiled, tmp_path, capsys, force):
+    """OUT/.hydra pointing at a folder of the user's: refused before any work, even with --force
+    (which replaces files, never writes through them), and the folder it points at is untouched."""
+    out = copy_of(compiled, tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "config.yaml").write_text("the user's own file\n")
+    shutil.rmtree(out / ".hydra")
+    (out / ".hydra").symlink_to(victim)
+    fails(capsys, ["compile", str(examples_dir / "gpt.py"), *TINY, "--plan", str(out / "plan.json"), "--out-dir",
+                   str(out), *force], f"{out / '.hydra'} is a symbolic link", "remove the link")
+    assert [p.name for p in victim.iterdir()] == ["config.yaml"]
+    assert (victim / "config.yaml").read_text() == "the user's own file\n"
 
 
 def test_out_dir_naming_a_file_is_refused_and_the_file_kept(examples_dir, tmp_path, capsys):

@@ -4,7 +4,17 @@
 DCP's coordinator writes the metadata once all of them are written; rank 0 then adds
 ``COMPLETE``, which lists the sha256 of every file of the folder. A folder without it (a run
 killed while saving) is never resumed from; one whose files no longer match it (truncated,
-overwritten) is skipped with a message naming the file, and the previous complete one is used. Keys name
+overwritten) is skipped with a message naming the file, and the previous complete one is used.
+
+A checkpoint is data, never code: DCP's ``.metadata`` is a pickle, so it is read by an unpickler
+that knows DCP's metadata classes, torch.Size and dtypes and nothing else (`read_metadata`), and
+the plain values DCP keeps as bytes (the optimizer's options) are read with
+``torch.load(weights_only=True)`` (`SafeLoadPlanner`). A checkpoint whose metadata or values name
+anything else (a crafted pickle) is skipped like a corrupt one, naming what it asked for; the
+checksums cannot catch it, since whoever wrote the files can write COMPLETE too. The step a
+checkpoint holds is the one stored inside it: a folder renamed (``step_6`` to ``step_60``) is
+ordered and resumed by that step, and the run says so. Nothing is written through a symbolic
+link: a checkpoint folder, or a ``step_<n>`` in it, that is a link is refused, naming it. Keys name
 the unsharded model's FQNs, so DCP reshards on load: a checkpoint written under one plan (DP4)
 loads under another (TP2 x DP2, ZeRO-3, a pipeline).
     model.<fqn>                          parameters and buffers (DTensor shards, as the plan places them)
@@ -31,8 +41,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import importlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -48,7 +60,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                 TensorStorageMetadata)
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -59,6 +73,7 @@ OPTIONAL_KEYS = ("train.samples",)
 # Written beside a checkpoint that passed its checksums but still failed to load, so a restarted
 # attempt (torchrun --max-restarts) goes to the one before instead of failing on it again.
 UNUSABLE = "UNUSABLE"
+METADATA = ".metadata"  # DCP's, written by its coordinator
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 # What a failed save or load raises: DCP's CheckpointException is a BaseException, not an Exception.
 _FAILURES = (Exception, CheckpointException)
@@ -93,13 +108,55 @@ class CheckpointConfig:
 
 
 def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """(steps, folder) of every checkpoint marked complete, oldest first."""
+    """(steps, folder) of every checkpoint marked complete, oldest first; the steps are those its
+    COMPLETE marker records (its folder's name only when the marker records none), so a renamed
+    folder is ordered by what it holds."""
     root = Path(directory)
     if not root.is_dir():
         return []
-    found = [(int(match.group(1)), path) for path in root.iterdir()
+    found = [(recorded_step(path, int(match.group(1))), path) for path in root.iterdir()
              if (match := _STEP_FOLDER.fullmatch(path.name)) and (path / COMPLETE).is_file()]
     return sorted(found)
+
+
+def recorded_step(folder: Path, named: int) -> int:
+    """The step ``folder``'s COMPLETE marker records, else ``named`` (the folder's name)."""
+    try:
+        step = json.loads((folder / COMPLETE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return named
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else named
+
+
+def named_step(folder: Path) -> int | None:
+    """The step a checkpoint folder's name says (step_<n>), or None."""
+    match = _STEP_FOLDER.fullmatch(Path(folder).name)
+    return int(match.group(1)) if match else None
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """Refuse to write ``path`` (or into it) when it is a symbolic link: a folder received from
+    someone else could point it at any file or folder of the user's."""
+    if Path(path).is_symlink():
+        raise RuntimeError(f"{what} {path} is a symbolic link (to {os.readlink(path)}); autopar never writes "
+                           "through a link. Fix: remove the link (or replace it by a real folder or file), or pass "
+                           "the real path (the link's target) as --checkpoint-dir if that is where you meant to write")
+
+
+def refuse_links(directory: Path) -> None:
+    """Refuse a checkpoint folder that is a link or holds a ``step_<n>`` that is one: a resumed run
+    writes into both (UNUSABLE, the step folders it saves again)."""
+    refuse_link(directory, "the checkpoint folder")
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if _STEP_FOLDER.fullmatch(path.name):
+            refuse_link(path, "checkpoint")
+
+
+def write_text_no_follow(path: Path, text: str) -> None:
+    """Write ``path`` anew, refusing (ELOOP) rather than following a symbolic link there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
 
 
 def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
@@ -144,13 +201,33 @@ def checkpoint_problem(folder: Path) -> str | None:
     except (OSError, ValueError, AttributeError) as error:
         return f"its {COMPLETE} marker is unreadable ({error})"
     if expected is None:
-        return None  # written before checksums were recorded
+        return unsafe_problem(folder)  # written before checksums were recorded
     actual = file_digests(folder)
     for name, digest in expected.items():
         if name not in actual:
             return f"{folder / name} is missing"
         if actual[name] != digest:
             return f"{folder / name} does not match its checksum (truncated or overwritten)"
+    return unsafe_problem(folder)
+
+
+def unsafe_problem(folder: Path) -> str | None:
+    """Why reading ``folder`` would be more than reading data (its metadata or one of its plain
+    values names a class or function beyond plain checkpoint data), or None. Nothing from the
+    folder is run to find out."""
+    try:
+        metadata = read_metadata(folder)
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                with open(Path(folder) / info.relative_path, "rb") as handle:
+                    handle.seek(info.offset)
+                    plain_value(io.BytesIO(handle.read(info.length)), index.fqn)
+    except UnsafeCheckpoint as error:
+        return str(error)
+    except OSError as error:
+        return f"it cannot be read ({error})"
+    except Exception as error:  # a malformed entry the checks above did not foresee
+        return f"its metadata is malformed ({type(error).__name__}: {error})"
     return None
 
 
@@ -169,6 +246,103 @@ def usable_checkpoint(directory: str | Path, allow_fresh_start: bool = False) ->
         raise RuntimeError(f"no usable checkpoint in {directory} ({'; '.join(problems)}). Fix: restore the "
                            "files, move the folder away, or pass --allow-fresh-start to train from step 0")
     return None
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file asks for more than plain data to be read (a crafted pickle)."""
+
+
+# What DCP's metadata pickle may name: its own metadata classes, and torch's sizes, dtypes and
+# layouts. Any other global (os.system, builtins.eval, ...) is refused before it is looked up.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else (see `_METADATA_GLOBALS`)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()) or (module == "torch" and not name.startswith("_")
+                                                          and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"it names {module}.{name}, which is not checkpoint data (a crafted file: "
+                               "loading it would run code)")
+
+
+def _plain_file_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def read_metadata(folder: str | Path) -> Metadata:
+    """DCP's metadata of ``folder``, unpickled without running anything from it, and checked to
+    describe tensors and plain values in files of this folder only (UnsafeCheckpoint otherwise)."""
+    path = Path(folder) / METADATA
+    with open(path, "rb") as handle:
+        try:
+            metadata = _MetadataUnpickler(handle).load()
+        except UnsafeCheckpoint as error:
+            raise UnsafeCheckpoint(f"{path}: {error}") from None
+        except Exception as error:  # a truncated or garbled pickle: whatever it breaks with
+            raise UnsafeCheckpoint(f"{path} is not DCP metadata ({type(error).__name__}: {error})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise UnsafeCheckpoint(f"{path} is not DCP metadata (it holds a {type(metadata).__name__})")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise UnsafeCheckpoint(f"{path}: entry {key!r} is a {type(entry).__name__}, not a tensor or a plain value")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise UnsafeCheckpoint(f"{path} is not DCP metadata (a storage entry is keyed by {index!r})")
+        if not _plain_file_name(getattr(info, "relative_path", None)) or getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpoint(f"{path} points outside its folder or at an encoded file "
+                                   f"({getattr(info, 'relative_path', info)!r})")
+    return metadata
+
+
+def plain_value(data: io.BytesIO, key: str) -> Any:
+    """A value DCP saved as bytes (a float, a tuple of them...), read with torch's weights-only
+    unpickler: anything more than plain data is refused, not run."""
+    try:
+        return torch.load(data, weights_only=True)
+    except Exception as error:
+        # torch's message is a page of advice; "Unsupported global: GLOBAL posix.system" says what was asked.
+        named = re.search(r"GLOBAL ([\w.]+)", str(error))
+        said = f"it names {named.group(1)}, which loading would run" if named else str(error).splitlines()[0][:300]
+        raise UnsafeCheckpoint(f"its value {key!r} is not plain data ({said})") from None
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file system reader with the metadata read by `read_metadata` (no code run)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but a value kept as bytes is first read by `plain_value`; only bytes
+    that torch's weights-only unpickler accepted reach DCP's own (full) unpickler."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        plain_value(value, read_item.dest_index.fqn)
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load_safely(state: dict[str, Any], folder: str | Path, **options: Any) -> None:
+    """``dcp.load`` of ``folder`` into ``state`` that runs no code from the folder."""
+    dcp.load(state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(), **options)
 
 
 def disk_full(error: BaseException) -> bool:
@@ -304,6 +478,8 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         folder = Path(self.options.directory) / f"step_{step}"
         if dist.get_rank() == 0:
+            refuse_link(Path(self.options.directory), "the checkpoint folder")
+            refuse_link(folder, "checkpoint")
             # Leftovers of an attempt killed while writing this step: marker first, so a crash
             # half-way through the removal never leaves a marked, partial folder.
             (folder / COMPLETE).unlink(missing_ok=True)
@@ -352,6 +528,7 @@ class Checkpointer:
         choice: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
+                refuse_links(Path(self.options.directory))
                 choice = [usable_checkpoint(self.options.directory, self.options.allow_fresh_start)]
             except RuntimeError as error:
                 choice = [str(error)]
@@ -360,17 +537,21 @@ class Checkpointer:
             raise RuntimeError(choice[0])
         if choice[0] is None:
             return 0
-        step, folder = choice[0]
+        _, folder = choice[0]
         try:
-            self.samples = self.load(Path(folder))[1]
+            step, self.samples = self.load(Path(folder))
         except _FAILURES as error:
             if dist.get_rank() == 0:  # the next attempt goes to the checkpoint before this one
-                (Path(folder) / UNUSABLE).write_text(f"{type(error).__name__}: {str(error)[:2000]}\n")
+                write_text_no_follow(Path(folder) / UNUSABLE, f"{type(error).__name__}: {str(error)[:2000]}\n")
             raise RuntimeError(f"checkpoint {folder} failed to load ({type(error).__name__}: {error}); "
                                f"it is marked {UNUSABLE}, a restart resumes from the one before") from error
+        named = named_step(Path(folder))
         if dist.get_rank() == 0:
-            print(f"resumed from {folder} ({step} steps done)", flush=True)
-        self.last_saved = step
+            renamed = f", not the {named} its name says (renamed?): resuming at step {step}" if named != step else ""
+            print(f"resumed from {folder} ({step} steps done{renamed})", flush=True)
+        # A renamed folder does not count as this run's save of its step: the step is saved again
+        # under its own name when the run gets there (or ends there).
+        self.last_saved = step if named == step else None
         return step
 
     def load(self, folder: Path) -> tuple[int, int | None]:
@@ -403,7 +584,7 @@ def read_checkpoint(folder: Path, state: dict[str, Any], dims: Any,
                     tied_parameters: list[list[str]]) -> dict[str, Any]:
     """``state``'s values read from ``folder``, tensors in place. RNG states of ranks the saving
     run did not have are left out (such a rank keeps its seeded RNG)."""
-    available = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    available = set(read_metadata(folder).state_dict_metadata)
     # Optional keys: RNG states of ranks the saving run did not have; the data position of a
     # checkpoint written before it was saved.
     sources = {key: key for key in state if key in available or not (key.startswith("rng.") or key in OPTIONAL_KEYS)}
@@ -419,7 +600,7 @@ def read_checkpoint(folder: Path, state: dict[str, Any], dims: Any,
     request: dict[str, Any] = {}
     for key, source in sources.items():
         request.setdefault(source, state[key])
-    dcp.load(request, checkpoint_id=folder)
+    load_safely(request, folder)
     values = {key: request[source] for key, source in sources.items()}
     if dims.pp_enabled:
         for key, value in values.items():
@@ -432,13 +613,13 @@ def read_checkpoint(folder: Path, state: dict[str, Any], dims: Any,
 
 def consolidated_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     """The model entries of a checkpoint as full tensors, read in this process alone."""
-    metadata = dcp.FileSystemReader(folder).read_metadata()
+    metadata = read_metadata(folder)
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=folder, no_dist=True)
+        load_safely(state, folder, no_dist=True)
     return {key[len("model."):]: tensor for key, tensor in state.items()}
 
 
@@ -447,12 +628,20 @@ def write_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
     package), else ``torch.save``. Written beside and renamed, so a crash leaves no half file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if path.suffix == ".safetensors":
-        _safetensors().save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(tmp))
-    else:
-        torch.save(state, tmp)
-    os.replace(tmp, path)
+    # A fresh name (O_EXCL: a link planted under a fixed one would be written through).
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        if path.suffix == ".safetensors":
+            _safetensors().save_file({key: tensor.contiguous() for key, tensor in state.items()}, str(tmp))
+        else:
+            torch.save(state, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _safetensors() -> Any:

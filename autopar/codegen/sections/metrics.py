@@ -155,6 +155,19 @@ class MlflowSink:
         self.mlflow.end_run()
 
 
+def append_no_follow(path: str | Path) -> Any:
+    """``path`` opened for appending, refused (never followed) when it is a symbolic link: a
+    folder received from someone else could point run.jsonl at any file of the user's."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if not os.path.islink(path):
+            raise
+        raise RuntimeError(f"{path} is a symbolic link (to {os.readlink(path)}); the run never writes through a "
+                           "link. Fix: remove the link, or pass --log-file with another path") from error
+    return os.fdopen(fd, "a")
+
+
 class MetricsLogger:
     """Writes each record to the log file (one JSON line) and to every sink; `close` at the end.
     With no log file and no sinks (the ranks other than 0) it does nothing."""
@@ -165,7 +178,7 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         if self.log_file:
-            with open(self.log_file, "a") as log:
+            with append_no_follow(self.log_file) as log:
                 log.write(json.dumps(record) + "\n")
         values = scalars(record)
         if values and "step" in record:
@@ -188,7 +201,13 @@ def tensorboard_dir(log_file: str | Path | None, config: MetricsConfig) -> Path 
     """Where TensorBoard's files go: the option's folder, else ``tensorboard/<run id>`` beside the log."""
     if config.tensorboard_dir:
         return Path(config.tensorboard_dir)
-    return Path(log_file).parent / "tensorboard" / run_name() if log_file else None
+    if not log_file:
+        return None
+    default = Path(log_file).parent / "tensorboard"
+    if default.is_symlink():  # a received folder's link would have the events written wherever it points
+        raise RuntimeError(f"{default} is a symbolic link (to {os.readlink(default)}); the run never writes "
+                           "through a link. Fix: remove the link, or pass --tensorboard-dir with a folder of yours")
+    return default / run_name()
 
 
 def open_logger(log_file: str | Path | None, config: MetricsConfig, rank: int) -> MetricsLogger:

@@ -628,7 +628,7 @@ def run_progress(args: argparse.Namespace, console: Console, title: str) -> Any:
     from autopar.runtime.progress import RunProgress, default_steps
 
     steps = args.steps if args.steps is not None else default_steps(find_script(args.out_dir))
-    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title)
+    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title, max_restarts=args.max_restarts)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:

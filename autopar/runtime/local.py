@@ -174,8 +174,11 @@ def _launch(command: list[str], cwd: Path, env: dict[str, str], echo: bool, time
     """Run torchrun, collecting (and with ``echo`` printing, and to ``on_line`` passing) its
     output; (output, exit status)."""
     lines: list[str] = []
+    from autopar.runtime.lifeline import child_environment
+
+    # torchrun dies with this process, even by SIGKILL (lifeline.py), and stops its ranks then.
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env, pass_fds=(lock_fd,))
+                               env=child_environment(env), pass_fds=(lock_fd,))
     try:
         for line in process.stdout:
             lines.append(line)

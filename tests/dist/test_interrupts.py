@@ -51,3 +51,71 @@ def test_run_says_a_rank_death_its_restart_a_resume_and_a_skipped_checkpoint(dp2
     out = capsys.readouterr().out
     assert f"skipped checkpoint {folder / 'checkpoints' / 'step_6'}: {shard} does not match its checksum" in out
     assert f"resumed from step 4 (checkpoint {folder / 'checkpoints' / 'step_4'})" in out
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` still alive (zombies are dead: they only await their reaping)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id, fields[0]: state
+            alive.append(int(entry.name))
+    return alive
+
+
+def _start(command: list[str], tmp_path: Path) -> subprocess.Popen:
+    """``python -m autopar.cli ...`` in a session of its own, with a fresh TMPDIR, output to a file."""
+    temp = tmp_path / "tmp"
+    temp.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp)}
+    return subprocess.Popen([sys.executable, "-m", "autopar.cli", *command], cwd=tmp_path, env=env,
+                            stdout=(tmp_path / "cli.out").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _steps_logged(folder: Path) -> int:
+    log = folder / LOG_NAME
+    return log.read_text().count('"loss"') if log.exists() else 0
+
+
+def _leftovers(tmp_path: Path) -> list[str]:
+    """What a command left in its TMPDIR (torch's compile cache aside)."""
+    return sorted(p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor"))
+
+
+@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_die_with_the_cli_and_the_folder_is_free_again(dp2, tmp_path, sent):
+    """The CLI killed mid-run (SIGKILL: no clean-up of its own; SIGTERM: handled like Ctrl-C,
+    exit 143): torchrun and both ranks end within seconds, no restart is spent, and the next run
+    of the folder takes the lock."""
+    folder = tmp_path / "dp2"
+    shutil.copytree(dp2, folder)
+    cli = _start(["run", str(folder), "--steps", "100000", "--max-restarts", "2"], tmp_path)
+    try:
+        _wait_for(lambda: _steps_logged(folder) >= 2, 120, "two steps")
+        cli.send_signal(sent)
+        _wait_for(lambda: cli.poll() is not None, 60, "the CLI to end")
+        _wait_for(lambda: not _session(cli.pid), 30, "torchrun and the ranks to end")
+        steps = _steps_logged(folder)
+        time.sleep(2)
+        assert _steps_logged(folder) == steps  # nobody trains on
+        assert '"attempt": 1' not in (folder / LOG_NAME).read_text()  # no restart was spent
+        with (folder / LOCK_NAME).open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises BlockingIOError while held
+        if sent == signal.SIGTERM:
+            assert cli.returncode == 143, (tmp_path / "cli.out").read_text()[-3000:]
+            assert _leftovers(tmp_path) == []  # torchrun's log folder removed
+    finally:
+        for pid in _session(cli.pid):
+            os.kill(pid, signal.SIGKILL)

@@ -119,3 +119,37 @@ def test_ranks_die_with_the_cli_and_the_folder_is_free_again(dp2, tmp_path, sent
     finally:
         for pid in _session(cli.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+TINY = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32",
+        "model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32", "model.vocab=128"]
+
+
+def _proving(tmp_path: Path) -> bool:
+    return "proving" in (tmp_path / "cli.out").read_text()
+
+
+def _checking(tmp_path: Path) -> bool:
+    """The numerical check's torchrun has started (its log folder exists)."""
+    return any(p.name.startswith("autopar-torchrun-") for p in (tmp_path / "tmp").iterdir())
+
+
+@pytest.mark.parametrize("when, group", [(_proving, False), (_checking, True)], ids=["fake-step", "gloo-check"])
+def test_ctrl_c_during_compile_exits_130_and_leaves_nothing(tmp_path, when, group):
+    """Ctrl-C after CP-SAT has solved: during the fake-tensor step (SIGINT to the CLI alone) and
+    during the check on gloo ranks (to its whole process group, as a terminal sends it)."""
+    cli = _start(["compile", str(REPO / "examples" / "gpt.py"), *TINY, "check=on", "--out-dir", str(tmp_path / "out")],
+                 tmp_path)
+    try:
+        _wait_for(lambda: when(tmp_path) or cli.poll() is not None, 240, when.__name__)
+        assert cli.poll() is None, (tmp_path / "cli.out").read_text()[-3000:]
+        os.killpg(cli.pid, signal.SIGINT) if group else cli.send_signal(signal.SIGINT)
+        _wait_for(lambda: cli.poll() is not None, 120, "the CLI to end")
+        assert cli.returncode == 130, (tmp_path / "cli.out").read_text()[-3000:]
+        _wait_for(lambda: not _session(cli.pid), 30, "the proof's processes to end")
+        assert not (tmp_path / "out").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cli.out", "tmp"]  # no .autopar-staging.*
+        assert _leftovers(tmp_path) == []  # no autopar-check-*, autopar-torchrun-*
+    finally:
+        for pid in _session(cli.pid):
+            os.kill(pid, signal.SIGKILL)

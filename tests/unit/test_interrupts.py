@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,101 @@ def test_a_run_lock_whose_holder_is_gone_is_taken_over_and_names_the_new_holder(
         with pytest.raises(Exception, match=f"pid {os.getpid()}"):
             with folder_lock(tmp_path):
                 pass
+
+
+def _fake_measurements(monkeypatch) -> None:
+    """Calibration's measurements replaced by fixed numbers (what is tested is where it writes)."""
+    import cost_models.calibrate as calibration
+
+    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda n, device="cpu": 1e11)
+    monkeypatch.setattr(calibration, "measure_copy_bandwidth", lambda nbytes, device="cpu": 1e10)
+    monkeypatch.setattr(calibration, "measure_efficiencies", lambda *a, **k: {"elementwise": 0.5})
+    monkeypatch.setattr(calibration, "measure_launch_overhead", lambda device="cpu": 1e-5)
+    line = [(2.0**12, 1e-4), (2.0**20, 1e-3), (2.0**24, 1e-2)]
+    monkeypatch.setattr(calibration, "measure_collectives",
+                        lambda ranks, sizes, repeats: {op: line for op in calibration.COLLECTIVES})
+
+
+def test_calibrate_writes_into_a_folder_it_creates_and_refuses_one_under_a_file_before_measuring(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """--out new/hw.yaml: the folder is made (it failed with ENOENT after measuring); --out under a
+    file is refused before measuring; the profile is written whole or not at all."""
+    _fake_measurements(monkeypatch)
+    out = tmp_path / "new" / "deeper" / "hw.yaml"
+    assert main(["calibrate", "--out", str(out), "-q"]) == 0
+    assert "links" in out.read_text() and sorted(p.name for p in out.parent.iterdir()) == ["hw.yaml"]
+    (tmp_path / "file").write_text("mine")
+    import cost_models.calibrate as calibration
+
+    monkeypatch.setattr(calibration, "measure_gemm_flops", lambda *a, **k: pytest.fail("measured first"))
+    fails(capsys, ["calibrate", "--out", str(tmp_path / "file" / "hw.yaml")], "which is a file")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_calibrate_from_runs_writes_into_a_folder_it_creates(tmp_path, monkeypatch):
+    import cost_models.feedback as feedback
+
+    monkeypatch.setattr(feedback, "fit_time_scale", lambda runs: {"compute": 1.5})
+    (tmp_path / "validate.json").write_text("{}")
+    out = tmp_path / "new" / "hw.yaml"
+    assert main(["calibrate", "--from", str(tmp_path / "validate.json"), "--out", str(out), "-q"]) == 0
+    assert "compute: 1.5" in out.read_text()
+
+
+def _listening_of(pids: set[int]) -> set[str]:
+    """Local addresses (hex, as /proc/net writes them) of the TCP sockets ``pids`` listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(fields[1].rpartition(":")[0])
+    return found
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.add(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_calibration_ranks_listen_on_loopback_only():
+    """Every socket calibrate's processes listen on while measuring (the store, gloo's pairs) is
+    bound to 127.0.0.1 (torch's default store listened on every interface)."""
+    import threading
+
+    from cost_models.calibrate import measure_collectives
+
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(_listening_of({os.getpid(), *_children(os.getpid())}))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        # a few sizes: the ranks live long enough for the watcher to see their sockets
+        samples = measure_collectives(ranks=2, sizes=(2**12, 2**20, 2**22), repeats=3, ops=("all_reduce",))
+    finally:
+        done.set()
+        watcher.join()
+    assert len(samples["all_reduce"]) == 3
+    assert seen and seen <= {"0100007F", "0000000000000000FFFF00000100007F"}, seen  # 127.0.0.1 (v4, v4-mapped v6)

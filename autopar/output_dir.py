@@ -151,10 +151,10 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def writing_lock(out_dir: Path, verb: str = "compile") -> Iterator[Path]:
-    """Hold ``out_dir`` for one ``verb`` (created when missing, and removed again when it is left
-    empty), or refuse at once when another process holds it."""
+    """Hold ``out_dir`` for one ``verb`` (created when missing, and removed again with the folders
+    made for it when it is left empty), or refuse at once when another process holds it."""
     out_dir = Path(out_dir)
-    created = not out_dir.exists()
+    created = [folder for folder in (out_dir, *out_dir.absolute().parents) if not folder.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -167,9 +167,11 @@ def writing_lock(out_dir: Path, verb: str = "compile") -> Iterator[Path]:
         yield out_dir
     finally:
         os.close(fd)
-        if created:
-            with contextlib.suppress(OSError):  # only while empty: a failed compile leaves no folder
-                out_dir.rmdir()
+        for folder in created:  # deepest first, only while empty: a failed compile leaves no folder
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _conflicts(out_dir: Path, new: dict[str, str | None], whole_folder: bool = True) -> list[str]:

@@ -43,7 +43,7 @@ def test_the_compile_lock_is_released_and_a_folder_it_made_is_removed_while_empt
     out = tmp_path / "a" / "out"
     with writing_lock(out):
         assert out.is_dir()
-    assert not out.exists()  # created for the compile, left empty: gone (its parent is kept)
+    assert not (tmp_path / "a").exists()  # created for the compile, left empty: gone with its parent
     with writing_lock(out):
         (out / "plan.json").write_text("{}")
     with writing_lock(out):  # free again after the holder left

@@ -14,8 +14,8 @@ import os
 import shlex
 import signal
 import sys
-import threading
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable

@@ -27,8 +27,8 @@ import os
 import socket
 import tempfile
 import time
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 

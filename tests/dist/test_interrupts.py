@@ -23,6 +23,8 @@ from autopar.codegen import generate
 from autopar.runtime.local import LOCK_NAME, LOG_NAME
 from tests.dist.plans import GPT, REPO, make_plan
 
+pytestmark = pytest.mark.slow  # 3 to 4 minutes on a busy 2-core machine
+
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory) -> Path:
@@ -94,7 +96,7 @@ def _leftovers(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor"))
 
 
-@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_ranks_die_with_the_cli_and_the_folder_is_free_again(dp2, tmp_path, sent):
     """The CLI killed mid-run (SIGKILL: no clean-up of its own; SIGTERM: handled like Ctrl-C,
     exit 143): torchrun and both ranks end within seconds, no restart is spent, and the next run

@@ -15,13 +15,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from autopar.codegen.sections.train import FINISHED_MARKER
 
 # The generated module's rank-0 step line (train.py's timed_step), maybe under torchrun's [rankN]: prefix.
 STEP_LINE = re.compile(r"^(?:\[rank\d+\]:)?step (\d+)  loss (\S+)  [\d.]+ ms  ([\d,.]+) tokens/s")
@@ -32,6 +34,7 @@ SKIPPED_LINE = re.compile(_PREFIX + r"skipping checkpoint (.+?): (.*)$")
 RESUMED_LINE = re.compile(_PREFIX + r"resumed from (.+) \((\d+) steps done\)$")
 # torchrun's agent (torch/distributed/elastic/multiprocessing/api.py), when a worker exits non-zero.
 RANK_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+FINISHED_LINE = re.compile(re.escape(FINISHED_MARKER) + r" rank (\d+) of (\d+) attempt (\d+)")
 
 
 @dataclass
@@ -120,10 +123,13 @@ class RunEvents:
     Attributes:
         max_restarts: torchrun's ``--max-restarts``: the rank deaths it answers with a restart.
         failures: rank failures seen so far (one per torchrun attempt that failed).
+        finished: per attempt, the ranks that said they finished; a death after all of them did
+            is the teardown failure `autopar run` notes on its own (the run counts as finished).
     """
 
     max_restarts: int = 0
     failures: int = 0
+    finished: dict[str, tuple[int, set[int]]] = field(default_factory=dict)  # attempt -> (world, ranks)
 
     def event(self, line: str) -> str | None:
         """The line to show for ``line``, or None when it tells nothing of the kind."""
@@ -134,8 +140,12 @@ class RunEvents:
         resumed = RESUMED_LINE.match(text)
         if resumed:
             return f"resumed from step {resumed.group(2)} (checkpoint {resumed.group(1)})"
+        done = FINISHED_LINE.search(text)
+        if done:
+            self.finished.setdefault(done.group(3), (int(done.group(2)), set()))[1].add(int(done.group(1)))
+            return None
         failed = RANK_FAILED_LINE.search(text)
-        if failed:
+        if failed and not any(len(ranks) == world for world, ranks in self.finished.values()):
             return self._rank_failed(int(failed.group(2)), int(failed.group(1)))
         return None
 

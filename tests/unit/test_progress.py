@@ -108,3 +108,12 @@ def test_checkpoint_skip_rank_death_and_resume_are_one_line_each():
     assert RunEvents().event("failed (exitcode: 1) local_rank: 0 (pid: 5) of binary: x") == (
         "rank 0 died (exit 1); no restarts allowed (--max-restarts K), so the run stops")
     assert RunEvents().event("step 3  loss 2.0000  1.0 ms  10 tokens/s  peak 1 MiB") is None
+
+
+def test_a_death_after_every_rank_finished_is_not_called_a_stop():
+    """A rank dying in the process group's teardown after all ranks said they finished is the
+    run's own note ("the run counts as finished"), not a line saying the run stops."""
+    events = RunEvents()
+    for rank in (0, 1):
+        assert events.event(f"rank-finished: rank {rank} of 2 attempt 0\n") is None
+    assert events.event("failed (exitcode: -6) local_rank: 1 (pid: 7) of binary: python") is None

@@ -2,16 +2,20 @@
 
 Exit codes: 0 success, 1 a problem with the input or the environment (a full disk, a read-only
 folder; the message says how to fix it), 2 an internal error (a bug in autopar: the traceback is
-printed).
+printed), 130 Ctrl-C (SIGINT) and 143 SIGTERM. Both signals stop the work the same way: the
+processes it started are stopped and its staging and temporary folders removed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -94,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 120)
     errors = Console(stderr=True)
     try:
-        return args.handler(args, console)
+        with sigterm_as_interrupt():
+            return args.handler(args, console)
     except UserError as err:
         errors.print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
         return err.exit_code
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except OSError as err:
@@ -111,6 +118,29 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
         traceback.print_exc()
         return 2
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: handled wherever Ctrl-C is (children stopped, temporary folders removed)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises `Terminated` once (a second one during the clean-up is
+    ignored, so the clean-up finishes); the previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # errno -> (what happened, what to do); every other OSError is still reported as a bug.
@@ -628,7 +658,7 @@ def run_progress(args: argparse.Namespace, console: Console, title: str) -> Any:
     from autopar.runtime.progress import RunProgress, default_steps
 
     steps = args.steps if args.steps is not None else default_steps(find_script(args.out_dir))
-    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title)
+    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title, max_restarts=args.max_restarts)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:

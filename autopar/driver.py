@@ -321,12 +321,21 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
         (plan, planning result or None for a saved plan, written files); the result's
         ``rejected`` lists the plans the proof rejected.
     """
-    from autopar.output_dir import check_out_dir
-    from autopar.runtime.proof import check_wanted
+    from autopar.output_dir import check_out_dir, writing_lock
 
     out_dir = Path(out_dir)
     provenance = dict(provenance or {})
     check_out_dir(out_dir, [*compiled_file_names(model_path), *provenance], force=force)
+    with writing_lock(out_dir):  # a second compile into the folder meanwhile is refused
+        return _compile_held(model_path, cfg, out_dir, plan_path, progress, force, provenance, profile)
+
+
+def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: str | Path | None,
+                  progress: "Reporter | None", force: bool, provenance: dict[str, str],
+                  profile: ModelProfile | None):
+    """`run_compile` once the folder is checked and held."""
+    from autopar.runtime.proof import check_wanted
+
     defaults = {**run_defaults(cfg, model_path), "optimizer": optimizer_settings(cfg.optim)}
     cluster = build_cluster(cfg)
     check = check_wanted(str(OmegaConf.select(cfg, "check", default="auto")),

@@ -16,11 +16,16 @@ later write into the same folder:
 
 The checks run twice: before any work (`check_out_dir`, so a refusal costs no planning time)
 and again just before the files are moved in (`install`), since the folder may change meanwhile.
+
+One compile into a folder at a time (`writing_lock`): two would each pass the checks and the one
+that finished last would silently win. The lock is an flock on the folder itself (no file is
+added to it; the OS releases it when the compile ends, however it ends).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -179,6 +184,31 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
         yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def writing_lock(out_dir: Path, verb: str = "compile") -> Iterator[Path]:
+    """Hold ``out_dir`` for one ``verb`` (created when missing, and removed again with the folders
+    made for it when it is left empty), or refuse at once when another process holds it."""
+    out_dir = Path(out_dir)
+    created = [folder for folder in (out_dir, *out_dir.absolute().parents) if not folder.exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputDirError(f"{out_dir} is being written by another `autopar {verb}`; two at once would each "
+                                 "pass the checks and the one that finished last would silently replace the other's "
+                                 "files.", f"wait for it to end, or {verb} into another folder.") from None
+        yield out_dir
+    finally:
+        os.close(fd)
+        for folder in created:  # deepest first, only while empty: a failed compile leaves no folder
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _conflicts(out_dir: Path, new: dict[str, str | None], whole_folder: bool = True) -> list[str]:

@@ -20,6 +20,9 @@ injects one fault, drawn with the seed:
     pickle                 finish 4 steps, then replace step_4's .metadata by a pickle that
                            would create a file, checksums rewritten to match: no code runs, the
                            run resumes from step_2
+    term_cli               SIGTERM the `autopar run` process: handled like Ctrl-C (exit 143); the
+                           note says its exit and how long its ranks outlived it (also for
+                           kill_cli/int_cli: torchrun and the ranks die with the CLI)
 then runs `autopar run` again (waiting while a killed run's ranks still hold the folder) until
 the run completes. Reported: runs survived (finished, every step's record present, the final
 checkpoint at step 6), steps lost (steps of the final checkpoint short of 6, summed), runs in
@@ -44,6 +47,8 @@ from pathlib import Path
 STEPS, EVERY = 6, 2
 KINDS = ("kill_rank", "int_rank", "kill_cli", "int_cli", "truncate", "disk_full", "concurrent", "symlinks",
          "renamed", "pickle")
+KINDS += ("term_cli",)  # SIGTERM of the CLI
+CLI_SIGNALS = {"kill_cli": signal.SIGKILL, "int_cli": signal.SIGINT, "term_cli": signal.SIGTERM}
 LOCKED = "is being run by another"
 LINKED = ("run.jsonl", ".autopar-run.lock", "checkpoints")
 
@@ -99,6 +104,15 @@ def _run_until_done(folder: Path, deadline_s: float = 300) -> tuple[bool, str]:
             return False, output
         time.sleep(2)
     return False, output
+
+
+def _outlived(cli: subprocess.Popen, folder: Path, limit_s: float = 60) -> str:
+    """The signalled CLI's exit and how long the ranks outlived it."""
+    cli.wait(timeout=600)
+    ended = time.monotonic()
+    while _ranks(folder) and time.monotonic() - ended < limit_s:
+        time.sleep(0.2)
+    return f"cli exit {cli.returncode}, ranks gone {time.monotonic() - ended:.1f} s after it"
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
@@ -157,15 +171,16 @@ def _trial(template: Path, root: Path, kind: str, rng: random.Random) -> dict:
     note = ""
     marker = root / "CODE-RAN"
     marker.unlink(missing_ok=True)
-    if kind in ("kill_rank", "int_rank", "kill_cli", "int_cli", "concurrent"):
+    if kind in ("kill_rank", "int_rank", *CLI_SIGNALS, "concurrent"):
         first = _start(_cli(folder, *(["--max-restarts", "1"] if kind.endswith("rank") else [])))
         time.sleep(rng.uniform(2, 8) if kind == "concurrent" else rng.uniform(4, 14))
         if kind.endswith("rank"):
             ranks = _ranks(folder)
             if ranks:
                 os.kill(rng.choice(ranks), signal.SIGKILL if kind == "kill_rank" else signal.SIGINT)
-        elif kind.endswith("cli"):
-            first.send_signal(signal.SIGKILL if kind == "kill_cli" else signal.SIGINT)
+        elif kind in CLI_SIGNALS:
+            first.send_signal(CLI_SIGNALS[kind])
+            note = _outlived(first, folder)
         else:
             second = subprocess.run(_cli(folder), capture_output=True, text=True, timeout=120)
             refused = second.returncode == 1 and LOCKED in second.stderr + second.stdout

@@ -17,13 +17,18 @@ The YAML holds `gpus.<name>` (peak_flops, efficiency, memory_bandwidth_Bps, laun
 and `links.intra` (the all-reduce alpha/beta plus one entry per collective), read by
 `ClusterSpec.from_config` through `ClusterConfig.hardware_profile`. A full run takes 20-40 s on
 two CPU cores.
+
+The measuring ranks listen on 127.0.0.1 only: their rendezvous store is hosted by the calling
+process on a loopback socket (`loopback_store`) and gloo's pairs bind to ``lo``.
 """
 from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -152,20 +157,21 @@ def measure_collectives(ranks: int = 2, sizes: tuple[int, ...] = SIZES_BYTES, re
         raise ValueError("measuring collectives needs at least 2 ranks")
     context = mp.get_context("spawn")
     queue = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    store, port = loopback_store()
     workers = [context.Process(target=_collective_worker, args=(rank, ranks, port, sizes, repeats, ops, queue))
                for rank in range(ranks)]
-    for worker in workers:
-        worker.start()
     try:
+        for worker in workers:
+            worker.start()
         result = queue.get(timeout=300)
     finally:
         for worker in workers:
+            if worker.pid is None:
+                continue
             worker.join(timeout=60)
             if worker.is_alive():
                 worker.terminate()
+        del store
     if isinstance(result, str):
         raise RuntimeError(f"collective measurement failed: {result}")
     return result
@@ -177,14 +183,27 @@ def measure_all_reduce(ranks: int = 2, sizes: tuple[int, ...] = SIZES_BYTES, rep
     return measure_collectives(ranks, sizes, repeats, ("all_reduce",))["all_reduce"]
 
 
+def loopback_store() -> tuple[dist.TCPStore, int]:
+    """A rendezvous store hosted by this process on 127.0.0.1 at a free port, and the port (the
+    socket is bound before the ranks start, so no other program can take the port meanwhile;
+    torch's own store, made by rank 0 from MASTER_ADDR, would listen on every interface)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    # The store takes over the listening descriptor (detach: Python must not close it).
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=listener.detach(),
+                          wait_for_workers=False, timeout=timedelta(seconds=300))
+    return store, port
+
+
 def _collective_worker(rank: int, ranks: int, port: int, sizes, repeats: int, ops, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
     try:
         torch.set_num_threads(1)
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
         if cuda:
             torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=ranks)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=ranks)
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         warm = torch.ones(1024, device=device)
         for _ in range(5):  # first collectives set up connections: keep them out of the samples
@@ -295,5 +314,20 @@ def calibrate(out: str | Path, gpu_name: str = "cpu", ranks: int = 2, ranks_per_
         "gemm_samples": [{"n": n, "flops_per_s": f} for n, f in gemm.items()],
         "collective_samples": {op: [{"bytes": s, "seconds": t} for s, t in points] for op, points in samples.items()},
     }
-    Path(out).write_text(yaml.safe_dump(profile, sort_keys=False))
+    write_yaml(out, profile)
     return profile
+
+
+def write_yaml(out: str | Path, data: dict) -> None:
+    """Write ``data`` to ``out`` whole or not at all (a temporary file in the same folder, then
+    renamed), creating the folder if needed, as the other verbs' ``--out`` do."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(yaml.safe_dump(data, sort_keys=False))
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -79,7 +79,9 @@ def write_profile(scale: dict[str, float], out: str | Path, base: str | Path | N
     profile = dict(profile or {})
     profile["time_scale"] = {part: round(factor, 6) for part, factor in scale.items()}
     profile["time_scale_sources"] = list(sources)
-    Path(out).write_text(yaml.safe_dump(profile, sort_keys=False))
+    from cost_models.calibrate import write_yaml
+
+    write_yaml(out, profile)
     return profile
 
 

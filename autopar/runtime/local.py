@@ -5,7 +5,8 @@ it appended to ``run.jsonl``, and when a rank fails, finds that rank's error in 
 report (the module's ``main`` is wrapped in torch's ``record``, so the traceback is kept).
 
 One run per folder at a time: the run holds an flock on ``DIR/.autopar-run.lock`` (the OS
-releases it when the run's processes end, crashed or not). Every socket the run listens on is
+releases it when the run's processes end, crashed or not; torchrun, and with it the ranks, ends
+with the CLI that started it: lifeline.py). Every socket the run listens on is
 bound to 127.0.0.1 (torchrun's rendezvous store: loopback.py; rank 0's store: the generated
 module; gloo's pairs: GLOO_SOCKET_IFNAME=lo), and torchrun's logs go to a temporary folder
 removed after the run.
@@ -84,7 +85,8 @@ def read_records(path: str | Path) -> list[dict]:
 def folder_lock(out_dir: Path):
     """Hold ``out_dir``'s run lock, or refuse at once naming the process that holds it. The
     lock's file descriptor is yielded so the launched processes can hold it too: a run whose
-    CLI was killed keeps the folder until its ranks are gone."""
+    CLI was killed keeps the folder until its ranks are gone (they end with it, lifeline.py).
+    A lock file nobody holds (its run ended) is taken over and gets this process's pid."""
     path = out_dir / LOCK_NAME
     fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # a link there is refused, never truncated
     try:
@@ -180,8 +182,11 @@ def _launch(command: list[str], cwd: Path, env: dict[str, str], echo: bool, time
     """Run torchrun, collecting (and with ``echo`` printing, and to ``on_line`` passing) its
     output; (output, exit status)."""
     lines: list[str] = []
+    from autopar.runtime.lifeline import child_environment
+
+    # torchrun dies with this process, even by SIGKILL (lifeline.py), and stops its ranks then.
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env, pass_fds=(lock_fd,))
+                               env=child_environment(env), pass_fds=(lock_fd,))
     try:
         for line in process.stdout:
             lines.append(line)

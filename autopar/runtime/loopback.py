@@ -3,7 +3,8 @@
 torchrun's own c10d rendezvous store (``--standalone``) listens on every interface, and torch
 offers no option for its address; torch's rendezvous registry does take new backends, so this
 registers ``loopback``: the same dynamic rendezvous over a TCPStore given a socket bound to
-127.0.0.1 at a free port. Everything else is torchrun's (its arguments, restarts, logs).
+127.0.0.1 at a free port. Everything else is torchrun's (its arguments, restarts, logs). Started
+by autopar, it ends with the process that started it (autopar/runtime/lifeline.py).
 
     python -m autopar.runtime.loopback --nproc-per-node=2 [torchrun options] script.py [args]
 """
@@ -52,6 +53,9 @@ def torchrun_arguments(nproc: int) -> list[str]:
 def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
+    from autopar.runtime.lifeline import die_with_parent
+
+    die_with_parent()  # torchrun ends (and stops its ranks) when the autopar that started it ends
     handler_registry.register(BACKEND, loopback_handler)
     torchrun(argv)
 

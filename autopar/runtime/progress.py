@@ -5,13 +5,17 @@
 records appended to run.jsonl since the run started add what the line does not say (the
 validation loss). On a terminal it is a rich progress bar; elsewhere (CI, a pipe) one
 timestamped line at the first step, then at most one per `PLAIN_INTERVAL_S`, and one at the end.
+
+What changes the run's course is said in one line each, also without ``--echo`` (`RunEvents`):
+a checkpoint skipped because its files no longer match, a rank's death (and torchrun's restart
+of every rank, or that none is left), and the step a run resumed from.
 """
 from __future__ import annotations
 
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -19,9 +23,18 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from autopar.codegen.sections.train import FINISHED_MARKER
+
 # The generated module's rank-0 step line (train.py's timed_step), maybe under torchrun's [rankN]: prefix.
 STEP_LINE = re.compile(r"^(?:\[rank\d+\]:)?step (\d+)  loss (\S+)  [\d.]+ ms  ([\d,.]+) tokens/s")
 PLAIN_INTERVAL_S = 10.0
+# The module's and torchrun's own lines for the events a run without --echo must still show.
+_PREFIX = r"^(?:\[rank\d+\]:)?"
+SKIPPED_LINE = re.compile(_PREFIX + r"skipping checkpoint (.+?): (.*)$")
+RESUMED_LINE = re.compile(_PREFIX + r"resumed from (.+) \((\d+) steps done\)$")
+# torchrun's agent (torch/distributed/elastic/multiprocessing/api.py), when a worker exits non-zero.
+RANK_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+FINISHED_LINE = re.compile(re.escape(FINISHED_MARKER) + r" rank (\d+) of (\d+) attempt (\d+)")
 
 
 @dataclass
@@ -103,6 +116,58 @@ class ProgressState:
         return "  ".join([f"step {self.done}/{total}", *(value for value in self.fields().values() if value)])
 
 
+@dataclass
+class RunEvents:
+    """Turns the output lines that change a run's course into one line each for the user.
+
+    Attributes:
+        max_restarts: torchrun's ``--max-restarts``: the rank deaths it answers with a restart.
+        failures: rank failures seen so far (one per torchrun attempt that failed).
+        finished: per attempt, the ranks that said they finished; a death after all of them did
+            is the teardown failure `autopar run` notes on its own (the run counts as finished).
+    """
+
+    max_restarts: int = 0
+    failures: int = 0
+    finished: dict[str, tuple[int, set[int]]] = field(default_factory=dict)  # attempt -> (world, ranks)
+
+    def event(self, line: str) -> str | None:
+        """The line to show for ``line``, or None when it tells nothing of the kind."""
+        text = line.strip()
+        skipped = SKIPPED_LINE.match(text)
+        if skipped:
+            return f"skipped checkpoint {skipped.group(1)}: {skipped.group(2)}"
+        resumed = RESUMED_LINE.match(text)
+        if resumed:
+            return f"resumed from step {resumed.group(2)} (checkpoint {resumed.group(1)})"
+        done = FINISHED_LINE.search(text)
+        if done:
+            self.finished.setdefault(done.group(3), (int(done.group(2)), set()))[1].add(int(done.group(1)))
+            return None
+        failed = RANK_FAILED_LINE.search(text)
+        if failed and not any(len(ranks) == world for world, ranks in self.finished.values()):
+            return self._rank_failed(int(failed.group(2)), int(failed.group(1)))
+        return None
+
+    def _rank_failed(self, rank: int, exitcode: int) -> str:
+        self.failures += 1
+        how = f"exit {exitcode}" if exitcode >= 0 else f"signal {_signal_name(-exitcode)}"
+        if self.failures <= self.max_restarts:
+            return (f"rank {rank} died ({how}); torchrun restarts every rank (restart {self.failures} of "
+                    f"{self.max_restarts}), resuming from the latest usable checkpoint if there is one")
+        left = "no restart is left" if self.max_restarts else "no restarts allowed (--max-restarts K)"
+        return f"rank {rank} died ({how}); {left}, so the run stops"
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
 class RecordTail:
     """The records appended to a run.jsonl since this was made (a line being written waits)."""
 
@@ -145,6 +210,10 @@ class PlainDisplay:
         self.write(f"[{time.strftime('%H:%M:%S', time.localtime(now))}] {text}")
         self.printed_at, self.printed = now, text
 
+    def note(self, text: str) -> None:
+        """An event line (`RunEvents`), timestamped like the progress lines."""
+        self.write(f"[{time.strftime('%H:%M:%S', time.localtime(self.clock()))}] {text}")
+
     def __enter__(self) -> "PlainDisplay":
         return self
 
@@ -165,6 +234,10 @@ class BarDisplay:
     def show(self, state: ProgressState, final: bool = False) -> None:
         self.progress.update(self.task, total=state.total_steps, completed=state.done, **state.fields())
 
+    def note(self, text: str) -> None:
+        """An event line (`RunEvents`), printed above the bar."""
+        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
     def __enter__(self) -> "BarDisplay":
         self.progress.start()
         return self
@@ -177,19 +250,25 @@ class RunProgress:
     """A run's progress, fed the ranks' output lines; use as a context manager around the run."""
 
     def __init__(self, state: ProgressState, display: PlainDisplay | BarDisplay, tail: RecordTail | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: RunEvents | None = None) -> None:
         self.state, self.display, self.tail, self.clock = state, display, tail, clock
+        self.events = events if events is not None else RunEvents()
 
     @classmethod
-    def for_console(cls, console: Console, total_steps: int | None, log: Path, title: str) -> "RunProgress":
+    def for_console(cls, console: Console, total_steps: int | None, log: Path, title: str,
+                    max_restarts: int = 0) -> "RunProgress":
         """A bar on a terminal, timestamped lines elsewhere; run.jsonl read from its current end."""
         if console.is_terminal:
             display: PlainDisplay | BarDisplay = BarDisplay(console, title, total_steps)
         else:
-            display = PlainDisplay(lambda text: console.print(text, markup=False, highlight=False))
-        return cls(ProgressState(total_steps=total_steps), display, RecordTail(log))
+            display = PlainDisplay(lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
+        return cls(ProgressState(total_steps=total_steps), display, RecordTail(log),
+                   events=RunEvents(max_restarts=max_restarts))
 
     def feed_line(self, line: str) -> None:
+        event = self.events.event(line)
+        if event is not None:
+            self.display.note(event)
         now = self.clock()
         changed = self.state.feed_line(line, now)
         for record in self.tail.read() if self.tail is not None else []:

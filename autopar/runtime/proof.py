@@ -111,9 +111,11 @@ def prove(plan: Any, model_path: str | Path, folder: str | Path, check: bool) ->
 def fake_step(folder: str | Path, rank: int, timeout_s: float = FAKE_TIMEOUT_S) -> tuple[str, str]:
     """(failure, what ran) of one fake-tensor step of ``rank`` in a process of its own; a step
     that does not finish in time is not a failure (the plan is kept, the note says so)."""
+    from autopar.runtime.lifeline import child_environment
+
     command = [sys.executable, "-m", "autopar.runtime.proof", str(Path(folder).resolve()), "--rank", str(rank)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=child_environment())
     except subprocess.TimeoutExpired:
         return "", f"rank {rank}: not finished within {timeout_s:.0f} s (not proven at full scale)"
     marked = [line for line in done.stdout.splitlines() if line.startswith(FAILED_MARKER)]
@@ -210,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0)
     args = parser.parse_args(argv)
     from autopar.runtime.fake_memory import train_fake_step
+    from autopar.runtime.lifeline import die_with_parent
+
+    die_with_parent()  # a compile killed by SIGKILL leaves no proof step running
 
     try:
         print(train_fake_step(args.folder, args.rank), flush=True)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ortools.sat.python import cp_model
 
+from autopar.solver.stage_partition import solve_interruptibly
 from cost_models.layout import TPStyle
 
 if TYPE_CHECKING:
@@ -214,7 +215,7 @@ class IntraOpSolver:
         solver.parameters.max_deterministic_time = self.time_limit_s
         solver.parameters.random_seed = self.seed
         solver.parameters.num_workers = 1  # deterministic and fast enough for one layer
-        status = solver.solve(model)
+        status = solve_interruptibly(solver, model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"intra-op ILP for {layer} at tp={self.tp}: {solver.status_name(status)}")
         solution = self._read_solution(layer, solver, status, ops, strategies, choice, compute_terms, edge_vars,

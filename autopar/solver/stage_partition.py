@@ -34,6 +34,8 @@ tests/brute_force.py enumerates every partition and option to check it.
 """
 from __future__ import annotations
 
+import threading
+
 from ortools.sat.python import cp_model
 
 from cost_models.pipeline import (TIME_UNITS_PER_S, Partition, PartitionProblem, evaluate, mib_down, mib_up,
@@ -47,7 +49,28 @@ def solve_deterministically(model: cp_model.CpModel, time_limit_s: float, seed: 
     solver.parameters.max_deterministic_time = time_limit_s
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
-    return solver, solver.solve(model)
+    return solver, solve_interruptibly(solver, model)
+
+
+def solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel) -> int:
+    """``solver.solve(model)``, stopped by Ctrl-C like any Python code.
+
+    CP-SAT's own SIGINT catcher (``catch_sigint_signal``) would take the first Ctrl-C as "stop
+    searching" (the plan looks finished) and, once the solve returns, leave SIGINT's default
+    action behind, so a later Ctrl-C kills the process by signal with its staging folders and
+    check ranks left over. It is switched off; the solve runs on a thread (it releases the GIL)
+    while this one waits, so Ctrl-C raises KeyboardInterrupt here, which stops the search."""
+    solver.parameters.catch_sigint_signal = False
+    outcome: list[int] = []
+    worker = threading.Thread(target=lambda: outcome.append(solver.solve(model)), name="cp-sat", daemon=True)
+    worker.start()
+    try:
+        worker.join()
+    except BaseException:
+        solver.stop_search()
+        worker.join()
+        raise
+    return outcome[0]
 
 
 def priced_solution(problem: PartitionProblem, starts: list[int], options: list[int], solver: cp_model.CpSolver,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from autopar.runtime.progress import PlainDisplay, ProgressState, RecordTail, RunProgress, default_steps
+from autopar.runtime.progress import PlainDisplay, ProgressState, RecordTail, RunEvents, RunProgress, default_steps
 
 
 def step_line(step: int, loss: float, tokens: str = "1,234", prefix: str = "") -> str:
@@ -81,3 +81,39 @@ def test_default_steps_are_the_modules_own(tmp_path):
     script = tmp_path / "parallel_gpt.py"
     script.write_text('MODEL_FILE = "gpt.py"\nDEFAULT_STEPS = 25\n')
     assert default_steps(script) == 25
+
+
+def test_checkpoint_skip_rank_death_and_resume_are_one_line_each():
+    """What torchrun and the module print when a run changes course, as the run without --echo
+    shows it (the lines come from a 2-rank run killed at step 3 with one restart)."""
+    lines = []
+    events = RunEvents(max_restarts=1)
+    progress = RunProgress(ProgressState(total_steps=6), PlainDisplay(lines.append, clock=lambda: 0.0),
+                           clock=lambda: 0.0, events=events)
+    for line in ("skipping checkpoint /r/checkpoints/step_6: /r/checkpoints/step_6/__0_0.distcp does not match "
+                 "its checksum (truncated or overwritten)\n",
+                 "E1126 04:12:13.452000 27050 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                 "(exitcode: -9) local_rank: 1 (pid: 27076) of binary: /usr/bin/python\n",
+                 "resumed from /r/checkpoints/step_2 (2 steps done)\n",
+                 "[rank0]:failed (exitcode: 3) local_rank: 0 (pid: 1) of binary: python\n"):
+        progress.feed_line(line)
+    shown = [line.split("] ", 1)[1] for line in lines]
+    assert shown == [
+        "skipped checkpoint /r/checkpoints/step_6: /r/checkpoints/step_6/__0_0.distcp does not match its checksum "
+        "(truncated or overwritten)",
+        "rank 1 died (signal SIGKILL); torchrun restarts every rank (restart 1 of 1), resuming from the latest "
+        "usable checkpoint if there is one",
+        "resumed from step 2 (checkpoint /r/checkpoints/step_2)",
+        "rank 0 died (exit 3); no restart is left, so the run stops"]
+    assert RunEvents().event("failed (exitcode: 1) local_rank: 0 (pid: 5) of binary: x") == (
+        "rank 0 died (exit 1); no restarts allowed (--max-restarts K), so the run stops")
+    assert RunEvents().event("step 3  loss 2.0000  1.0 ms  10 tokens/s  peak 1 MiB") is None
+
+
+def test_a_death_after_every_rank_finished_is_not_called_a_stop():
+    """A rank dying in the process group's teardown after all ranks said they finished is the
+    run's own note ("the run counts as finished"), not a line saying the run stops."""
+    events = RunEvents()
+    for rank in (0, 1):
+        assert events.event(f"rank-finished: rank {rank} of 2 attempt 0\n") is None
+    assert events.event("failed (exitcode: -6) local_rank: 1 (pid: 7) of binary: python") is None

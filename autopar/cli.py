@@ -1,8 +1,8 @@
 """`autopar` command line: ``autopar <verb> MODEL.py [key=value ...] [options]``.
 
 Exit codes: 0 success, 1 a problem with the input or the environment (a full disk, a read-only
-folder; the message says how to fix it), 2 an internal error (a bug in autopar: the traceback is
-printed).
+folder, a command line argparse cannot read, a model file that ends the process; one paragraph says
+how to fix it), 2 an internal error (a bug in autopar: the traceback is printed), 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
 
 from autopar.errors import ConfigError, UserError
 from autopar.output_dir import write_atomically
+from autopar.user_code import TimeLimitReached, describe_exit, exits_refused
 
 PROFILE_EXAMPLES = """examples:
   autopar profile examples/gpt.py
@@ -80,37 +81,87 @@ RUN_EXAMPLES = """examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # Options may sit between overrides (`plan MODEL -m a=1,2 b=3`): argparse leaves the overrides
-    # after an option unparsed, so they are collected here.
-    args, extra = parser.parse_known_args(argv)
-    stray = [item for item in extra
-             if item.startswith("-") or ("=" not in item and not item.startswith("~")) or not hasattr(args, "overrides")]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if extra:
-        args.overrides = list(args.overrides) + extra
-    # Piped output keeps wide tables readable instead of folding them at 80 columns.
-    console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 120)
     errors = Console(stderr=True)
     try:
-        return args.handler(args, console)
+        args = parse_arguments(build_parser(), argv)
+    except UsageError as err:
+        _print_error(errors, str(err))
+        return err.exit_code
+    # Piped output keeps wide tables readable instead of folding them at 80 columns.
+    console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 120)
+    try:
+        with exits_refused():  # os._exit / os.exec* in the user's code raise instead (autopar/user_code.py)
+            return args.handler(args, console)
     except UserError as err:
-        errors.print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
+        _print_error(errors, str(err))
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+    except (SystemExit, GeneratorExit, TimeLimitReached) as err:
+        return _ended_early(err, errors)
     except OSError as err:
         # The environment, not autopar: a full disk, a read-only folder, a path that is a folder.
         if err.errno not in ENVIRONMENT_ERRNOS:
             raise
-        errors.print(f"[bold red]error:[/] {environment_error_message(err)}", markup=True, highlight=False,
-                     soft_wrap=True)
+        _print_error(errors, environment_error_message(err))
         return 1
     except Exception:  # noqa: BLE001 - anything else is our bug: show everything
-        errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
-        traceback.print_exc()
-        return 2
+        return _internal_error(errors)
+
+
+class UsageError(UserError):
+    """A command line argparse cannot read (exit 1 like every user error; argparse itself exits 2)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise `UsageError` (one paragraph, exit 1) instead of printing
+    the usage and exiting 2, which autopar keeps for its own bugs."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}.", f"see `{self.prog} --help` for its arguments and examples.")
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The verb's arguments. Options may sit between overrides (`plan MODEL -m a=1,2 b=3`):
+    argparse leaves the overrides after an option unparsed, so they are collected here."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra
+             if item.startswith("-") or ("=" not in item and not item.startswith("~")) or not hasattr(args, "overrides")]
+    if stray:
+        prog = f"{parser.prog} {args.verb}" if getattr(args, "verb", None) else parser.prog
+        raise UsageError(f"{prog}: unrecognized arguments: {' '.join(stray)}.",
+                         f"see `{prog} --help` for its arguments and examples.")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
+def _print_error(errors: Console, message: str) -> None:
+    errors.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+
+
+def _internal_error(errors: Console) -> int:
+    errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
+    traceback.print_exc()
+    return 2
+
+
+def _ended_early(err: BaseException, errors: Console) -> int:
+    """Code autopar ran tried to end the process (sys.exit, os._exit, raise GeneratorExit) or ran
+    past its bound: the user's code is named (exit 1); from autopar's own code it is a bug (exit 2)."""
+    from autopar.model_file import EXIT_FIX
+    from autopar.user_code import exit_origin, in_autopar
+
+    frame = exit_origin(err)
+    if frame is None or in_autopar(frame):
+        return _internal_error(errors)
+    if isinstance(err, TimeLimitReached):
+        problem = f"{frame.filename}:{frame.lineno} (in {frame.name}) ran past autopar's bound of {err.seconds:g} s."
+        _print_error(errors, f"{problem} Fix: make it finish sooner.")
+        return 1
+    _print_error(errors, f"{frame.filename}:{frame.lineno} (in {frame.name}) {describe_exit(err, located=False)} while autopar "
+                         f"ran it: the command stopped before it had finished, nothing was written. Fix: {EXIT_FIX}")
+    return 1
 
 
 # errno -> (what happened, what to do); every other OSError is still reported as a bug.
@@ -139,7 +190,7 @@ def environment_error_message(err: OSError) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description="Plan and compile parallel PyTorch training.")
+    parser = ArgumentParser(prog="autopar", description="Plan and compile parallel PyTorch training.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     _add_verb(verbs, "profile", "trace one training step and report FLOPs, bytes and memory per layer",
               PROFILE_EXAMPLES, _profile)

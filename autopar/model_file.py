@@ -36,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.errors import ModelFileError
+from autopar.user_code import (IMPORT_TIMEOUT_ENV, TimeLimitReached, describe_exit, exits_refused, import_timeout_s,
+                               time_limit)
 
 REQUIRED_FUNCTIONS = ("build_model", "example_batch")
 
@@ -62,6 +64,11 @@ META_BUILD_FIX = ("build the model without touching real memory: create its tens
                   "`with torch.device('meta'):`; don't create large tensors at import time or with real storage "
                   "(numpy arrays, explicit device='cpu' tensors made outside build_model) and don't load "
                   "checkpoints in build_model: load weights in the training script instead.")
+
+
+EXIT_FIX = ("remove the sys.exit() / os._exit() / raise SystemExit (a script's own entry point goes under "
+            "`if __name__ == '__main__':`, which autopar's import does not run); raise an exception to report a "
+            "problem.")
 
 
 @dataclass(frozen=True)
@@ -102,9 +109,20 @@ def load_model_file(path: str | Path) -> ModelFile:
     sys.modules[module_name] = module
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
+    timeout_s = import_timeout_s()
     try:
-        with _AllocationGuard(IMPORT_ALLOCATION_LIMIT_BYTES), address_space_cap():
+        with _AllocationGuard(IMPORT_ALLOCATION_LIMIT_BYTES), address_space_cap(), exits_refused(), \
+                time_limit(timeout_s):
             spec.loader.exec_module(module)
+    except TimeLimitReached as err:
+        raise ModelFileError(f"Importing {path.name} did not finish within {timeout_s:g} s (stopped at "
+                             f"{_frame_text(err.where)}); autopar bounds the import so that a file that waits "
+                             "forever cannot hold the command.",
+                             "make the import quick (download or wait in build_model() or the training script, "
+                             f"not at import), or allow it longer: {IMPORT_TIMEOUT_ENV}=SECONDS.") from None
+    except (SystemExit, GeneratorExit) as err:
+        raise ModelFileError(f"Importing {path.name} {describe_exit(err)}: the file must not end the process, "
+                             "autopar imports it to plan.", EXIT_FIX) from None
     except _OversizedAllocation as err:
         raise ModelFileError(f"Importing {path.name} creates a real tensor of {err.nbytes / 2**30:,.1f} GiB "
                              f"({err.op}{_location(err, path)}); planning must not allocate the model's memory "
@@ -260,10 +278,13 @@ def compute_loss(model_file: ModelFile, output: Any, batch: Any) -> torch.Tensor
 
 def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
-        with address_space_cap():
+        with address_space_cap(), exits_refused():
             return fn(*args, **kwargs)
     except ModelFileError:
         raise
+    except (SystemExit, GeneratorExit) as err:
+        raise ModelFileError(f"{fn.__name__}() in {model_file.path.name} {describe_exit(err)}: it must return, "
+                             "not end the process (autopar calls it to plan).", EXIT_FIX) from None
     except Exception as err:  # noqa: BLE001 - the user's function failed; say where
         call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
         if _is_out_of_memory(err):
@@ -326,6 +347,11 @@ def _module_count_limit(model_file: ModelFile, limit: int) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def _frame_text(frame: traceback.FrameSummary | None) -> str:
+    """'model.py:3, in <module>' for a frame, or 'an unknown place'."""
+    return f"{Path(frame.filename).name}:{frame.lineno}, in {frame.name}" if frame is not None else "an unknown place"
 
 
 def _describe(err: BaseException, path: Path) -> str:

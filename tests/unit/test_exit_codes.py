@@ -1,0 +1,176 @@
+"""The exit-code contract of every verb: 0 done, 1 a user or environment error in one paragraph
+("error: <problem> Fix: <fix>"), 2 a bug in autopar (traceback), 130 Ctrl-C. A model file that
+ends the process, a command line argparse cannot read, a file that waits forever at import: 1."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+from tests.conftest import REPO, write_model_file
+
+MODEL_BODY = """
+import torch
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        {forward}
+        return self.proj(x)
+
+def build_model():
+    {build}
+    return Tiny()
+
+def example_batch(batch_size):
+    return torch.zeros(batch_size, 4)
+"""
+
+
+def model_source(top: str = "", build: str = "pass", forward: str = "pass") -> str:
+    return "import os\nimport sys\nimport time\n" + top + "\n" + MODEL_BODY.format(build=build, forward=forward)
+
+
+def one_paragraph_error(err: str, *words: str) -> None:
+    """``err`` is a single 'error: ... Fix: ...' paragraph without a traceback, naming ``words``."""
+    err = err.strip()
+    assert err.startswith("error:") and "Fix:" in err, err
+    assert "Traceback" not in err and "\n" not in err, err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+
+
+def cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The CLI in its own process (for exits that would end the test's process on today's code)."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "AUTOPAR_CHECK": "off", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "autopar.cli", *argv], capture_output=True, text=True,
+                          env=environment, timeout=timeout, cwd=REPO)
+
+
+# -- a model file that ends the process -----------------------------------------------------------
+
+@pytest.mark.parametrize("top, line", [("raise SystemExit(0)", 4), ("sys.exit()", 4), ("sys.exit(3)", 4)])
+def test_model_file_exiting_at_import_is_a_user_error(tmp_path, capsys, top, line):
+    model = write_model_file(tmp_path, model_source(top=top))
+    out = tmp_path / "out"
+    code = main(["compile", str(model), "--out-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "Importing model.py raised SystemExit", f"model.py:{line}", "__name__")
+    assert not out.exists()
+
+
+def test_os_exit_zero_at_import_does_not_end_compile_with_success(tmp_path):
+    """os._exit(0) used to end `compile` with exit 0 and nothing written."""
+    model = write_model_file(tmp_path, model_source(top="os._exit(0)"))
+    out = tmp_path / "out"
+    done = cli("compile", str(model), "--out-dir", str(out))
+    assert done.returncode == 1, done.stderr
+    one_paragraph_error(done.stderr, "Importing model.py called os._exit(0)", "model.py:4")
+    assert not out.exists()
+
+
+def test_sys_exit_in_build_model_exits_1_naming_the_function(tmp_path, capsys):
+    model = write_model_file(tmp_path, model_source(build="sys.exit(3)"))
+    code = main(["compile", str(model), "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "build_model() in model.py raised SystemExit(3)", "model.py:18, in build_model")
+
+
+def test_os_exit_in_forward_is_named_not_obeyed(tmp_path):
+    model = write_model_file(tmp_path, model_source(forward="os._exit(0)"))
+    done = cli("profile", str(model))
+    assert done.returncode == 1, done.stderr
+    one_paragraph_error(done.stderr, f"{model}:14 (in forward) called os._exit(0)")
+
+
+def test_generator_exit_from_the_model_file_is_a_user_error(tmp_path, capsys):
+    model = write_model_file(tmp_path, model_source(build="raise GeneratorExit"))
+    code = main(["profile", str(model)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "build_model() in model.py raised GeneratorExit")
+
+
+def test_an_exit_inside_autopar_itself_is_reported_as_a_bug(tmp_path, capsys, monkeypatch, examples_dir):
+    """The same exit from autopar's own code is no user error: exit 2 with the traceback."""
+    import autopar.driver
+
+    monkeypatch.setattr(autopar.driver, "run_profile", functools.partial(sys.exit, 5))
+    code = main(["profile", str(examples_dir / "gpt.py")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "internal error" in err and "Traceback" in err
+
+
+# -- a model file that never finishes importing ----------------------------------------------------
+
+def test_import_that_sleeps_is_stopped_at_the_bound(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_IMPORT_TIMEOUT_S", "1")
+    model = write_model_file(tmp_path, model_source(top="time.sleep(8)"))
+    start = time.monotonic()
+    code = main(["profile", str(model)])
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "Importing model.py did not finish within 1 s", "model.py:4",
+                        "AUTOPAR_IMPORT_TIMEOUT_S")
+    assert elapsed < 7, elapsed
+
+
+def test_import_that_waits_on_a_lock_forever_is_stopped(tmp_path):
+    """Not only sleeps: a wait that never returns (a lock nobody releases) in its own process."""
+    model = write_model_file(tmp_path, model_source(top="import threading\nlock = threading.Lock()\n"
+                                                         "lock.acquire()\nlock.acquire()"))
+    done = cli("profile", str(model), env={"AUTOPAR_IMPORT_TIMEOUT_S": "2"}, timeout=60)
+    assert done.returncode == 1, done.stderr
+    one_paragraph_error(done.stderr, "did not finish within 2 s", "model.py:7")
+
+
+def test_the_bound_itself_must_be_a_positive_number(tmp_path, capsys, monkeypatch, examples_dir):
+    monkeypatch.setenv("AUTOPAR_IMPORT_TIMEOUT_S", "nan")
+    code = main(["profile", str(examples_dir / "gpt.py")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "AUTOPAR_IMPORT_TIMEOUT_S=nan")
+
+
+def test_the_default_bound_is_the_one_the_readme_states():
+    from autopar.user_code import DEFAULT_IMPORT_TIMEOUT_S
+
+    readme = (REPO / "README.md").read_text()
+    assert f"AUTOPAR_IMPORT_TIMEOUT_S" in readme and f"{DEFAULT_IMPORT_TIMEOUT_S:g} s" in readme
+
+
+# -- command lines argparse cannot read -------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    ([], ["autopar:", "VERB"]),
+    (["fly"], ["invalid choice: 'fly'"]),
+    (["compile"], ["autopar compile:", "--out-dir"]),
+    (["run", "out", "--bogus"], ["autopar run: unrecognized arguments: --bogus", "autopar run --help"]),
+    (["plan", "model.py", "--top-k", "many"], ["autopar plan:", "--top-k", "'many'"]),
+    (["validate", "out", "--steps"], ["--steps", "expected one argument"]),
+])
+def test_usage_errors_exit_1_in_one_paragraph(capsys, argv, words):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, *words)
+    assert "usage:" not in err
+
+
+def test_help_still_exits_0(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "--help"])
+    assert stop.value.code == 0 and "--checkpoint-every" in capsys.readouterr().out

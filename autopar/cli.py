@@ -524,13 +524,13 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     else:
         saved, plan_file, out_dir = None, source, args.out_dir or source.parent
     check_out_dir(out_dir, REPORT_FILES, force=args.force, whole_folder=False)
+    loaded = saved is not None and saved.is_file() and args.model is None
     with console.status("Writing the report ...") as status:
-        if saved is not None and saved.is_file() and args.model is None:
+        if loaded:
             try:
                 report = load_report(saved)
             except Exception as err:  # noqa: BLE001 - any parse failure means the same thing
-                raise UserError(f"{saved} is not a readable report ({type(err).__name__}).",
-                                f"delete it to price {plan_file} again, or compile again.") from None
+                raise unreadable_report(saved, plan_file, err) from None
         else:
             plan = read_plan(plan_file)
             if args.model is None:
@@ -542,11 +542,32 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             status.update("Tracing the model and pricing the plan again ...")
             report = rebuild_report(plan, args.model)
         # The runs recorded beside the plan (autopar run, the module itself) add their loss curves.
-        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True,
-                                        run_log=plan_file.parent / "run.jsonl")
+        try:
+            files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True,
+                                            run_log=plan_file.parent / "run.jsonl")
+        except (ArithmeticError, AttributeError, KeyError, IndexError, TypeError, ValueError) as err:
+            if not loaded or written_by_autopar(saved):
+                raise  # a report autopar priced or wrote itself that cannot be rendered: a bug
+            raise unreadable_report(saved, plan_file, err) from None
     curves = f", {files['loss.png']}" if "loss.png" in files else ""
     console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}{curves}")
     return 0
+
+
+def unreadable_report(saved: Path, plan_file: Path, err: Exception) -> UserError:
+    """The one paragraph for a report.json that cannot be read or rendered (edited, damaged)."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    return UserError(f"{saved} is not a readable report ({text}); autopar did not write it as it is now.",
+                     f"delete it and run `autopar report {plan_file} --model MODEL.py` to price the plan again, or "
+                     "compile again.")
+
+
+def written_by_autopar(path: Path) -> bool:
+    """Whether ``path`` holds what autopar wrote there (its folder's manifest has its sha256)."""
+    from autopar.output_dir import Manifest, sha256_of
+
+    manifest = Manifest.read(path.parent)
+    return manifest is not None and manifest.files.get(path.name) == sha256_of(path)
 
 
 def _compile(args: argparse.Namespace, console: Console) -> int:

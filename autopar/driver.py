@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -224,10 +225,22 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
         raise ConfigError(f"The plan cannot be priced on its cluster: {err}.", "plan again.") from None
 
 
+def check_prediction(plan: Any, plan_path: str | Path) -> None:
+    """Refuse, before any work, a saved plan whose predicted step time is no time at all (0,
+    negative, nan, inf): the planner never writes one, and the report compares against it."""
+    step = plan.predicted.step_time_s
+    number = isinstance(step, (int, float)) and not isinstance(step, bool)
+    if not number or not math.isfinite(step) or step <= 0:
+        raise ConfigError(f"{plan_path} predicts a step time of {f'{step:g}' if number else repr(step)} s, which the planner never writes (it "
+                          "was edited or damaged).", "plan again: `autopar compile MODEL.py ...` without --plan, or "
+                          "`autopar plan MODEL.py ... --out plan.json`.")
+
+
 def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
     """A plan from `autopar plan --out`, refused when it was made for another model file,
     other model settings or another cluster (replaying it would train something unplanned)."""
     plan = read_plan(plan_path)
+    check_prediction(plan, plan_path)
     made_for = plan.provenance
     if not Path(model_path).is_file():
         load_model_file(model_path)  # its own clear error for a missing file

@@ -174,3 +174,101 @@ def test_help_still_exits_0(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["run", "--help"])
     assert stop.value.code == 0 and "--checkpoint-every" in capsys.readouterr().out
+
+
+# -- files autopar reads back: report.json, plan.json, run.jsonl -------------------------------------
+
+TINY_GPT = ["cluster=cpu_gloo", "model.layers=1", "model.hidden=64", "model.heads=4", "model.seq_len=16",
+            "model.vocab=128", "train.global_batch_size=8", "train.precision=fp32"]
+
+
+@pytest.fixture(scope="module")
+def planned(examples_dir, tmp_path_factory) -> Path:
+    """A folder with plan.json and the report files (report.json) of the tiny GPT."""
+    folder = tmp_path_factory.mktemp("planned")
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY_GPT, "--out", str(folder / "plan.json"),
+                 "--report", str(folder), "-q"]) == 0
+    return folder
+
+
+def _with(folder: Path, name: str, dotted: str, value, into: Path) -> Path:
+    """A copy of ``folder`` whose ``name`` JSON has ``value`` at ``dotted`` (a.b.0.c)."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, into)
+    data = json.loads((into / name).read_text())
+    node = data
+    keys = [int(k) if k.isdigit() else k for k in dotted.split(".")]
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    (into / name).write_text(json.dumps(data))
+    return into
+
+
+@pytest.mark.parametrize("field", ["plan.dp", "model_name", "cluster.links", "estimate.tflops_per_gpu",
+                                   "estimate.stage_details", "groups", "cluster.hardware.0.peak_tflops"])
+def test_report_json_with_a_null_is_a_user_error_naming_the_field(planned, tmp_path, capsys, field):
+    folder = _with(planned, "report.json", field, None, tmp_path / "edited")
+    code = main(["report", str(folder), "--out-dir", str(tmp_path / "rendered")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, f"{folder / 'report.json'} is not a readable report", "--model")
+    if field != "cluster.hardware.0.peak_tflops":  # a free-form entry: named by the failure, not the field
+        assert f"{field}: is null" in err
+    assert not (tmp_path / "rendered").exists()
+
+
+def test_saved_plan_predicting_no_step_time_is_refused_before_the_proof(planned, examples_dir, tmp_path, capsys):
+    """It used to pass the proof and then fail with ZeroDivisionError (exit 2) writing the report."""
+    folder = _with(planned, "plan.json", "predicted.step_time_s", 0, tmp_path / "zero")
+    code = main(["compile", str(examples_dir / "gpt.py"), *TINY_GPT, "--plan", str(folder / "plan.json"),
+                 "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "predicts a step time of 0 s")
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_of_a_plan_predicting_no_step_time_renders(planned, tmp_path):
+    """The report's comparison with the prediction is left out rather than dividing by zero."""
+    from dataclasses import replace
+
+    from autopar.report.document import load_report
+    from autopar.report.render import write_report
+
+    report = load_report(planned / "report.json")
+    report.plan = replace(report.plan, predicted=replace(report.plan.predicted, step_time_s=0.0))
+    files = write_report(report, tmp_path)
+    text = files["report.md"].read_text()
+    assert "Simulated step" in text and "against the cost model's 0" in text and "%)" not in text.split(
+        "against the cost model's")[1].split("\n")[0]
+
+
+def test_truncated_last_line_of_run_jsonl_is_skipped_and_the_next_record_starts_a_line(tmp_path):
+    """A run killed while writing its record leaves half a line: it is skipped (and named), and the
+    next run's records do not join it."""
+    from autopar.codegen.sections.metrics import MetricsLogger
+    from autopar.runtime.local import read_records, skipped_lines_note, unreadable_lines
+
+    log = tmp_path / "run.jsonl"
+    log.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "lo')
+    assert read_records(log) == [{"step": 1, "loss": 2.5}]
+    MetricsLogger(log).log({"step": 3, "loss": 2.25})
+    MetricsLogger(log).log({"step": 4, "loss": 2.0})
+    assert read_records(log) == [{"step": 1, "loss": 2.5}, {"step": 3, "loss": 2.25}, {"step": 4, "loss": 2.0}]
+    assert unreadable_lines(log) == [2]
+    assert skipped_lines_note(log) == ("note: run.jsonl line 2 is not a JSON record (a run killed while writing "
+                                       "it?); skipped")
+    assert log.read_text().endswith('{"step": 2, "lo\n{"step": 3, "loss": 2.25}\n{"step": 4, "loss": 2.0}\n')
+
+
+def test_a_run_jsonl_without_trouble_gets_no_note_and_no_blank_line(tmp_path):
+    from autopar.codegen.sections.metrics import MetricsLogger
+    from autopar.runtime.local import skipped_lines_note
+
+    log = tmp_path / "run.jsonl"
+    MetricsLogger(log).log({"step": 1})
+    MetricsLogger(log).log({"step": 2})
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n' and skipped_lines_note(log) is None

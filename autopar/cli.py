@@ -14,7 +14,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterable, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         # The environment, not autopar: a full disk, a read-only folder, a path that is a folder.
         if err.errno not in ENVIRONMENT_ERRNOS:
             raise
-        _print_error(errors, environment_error_message(err))
+        _print_error(errors, environment_error_message(err, verb_options(args.verb)))
         return 1
     except Exception:  # noqa: BLE001 - anything else is our bug: show everything
         return _internal_error(errors)
@@ -169,10 +169,9 @@ ENVIRONMENT_ERRNOS = {
     errno.ENOSPC: ("the disk is full", "free space on that disk (or write elsewhere) and run the command again; "
                                        "nothing was written half-way"),
     errno.EDQUOT: ("the disk quota is exhausted", "free space in your quota (or write elsewhere) and run again"),
-    errno.EROFS: ("it is on a read-only file system", "write somewhere writable (--out / --out-dir)"),
-    errno.EACCES: ("permission is denied", "write somewhere you may write (--out / --out-dir), or fix the "
-                                           "permissions"),
-    errno.EPERM: ("the operation is not permitted", "write somewhere you may write (--out / --out-dir)"),
+    errno.EROFS: ("it is on a read-only file system", "write somewhere writable{elsewhere}"),
+    errno.EACCES: ("permission is denied", "write somewhere you may write{elsewhere}, or fix the permissions"),
+    errno.EPERM: ("the operation is not permitted", "write somewhere you may write{elsewhere}"),
     errno.EISDIR: ("it is a folder where a file was expected", "pass a file path, not a folder"),
     errno.ENOTDIR: ("part of the path is a file, not a folder", "pass a path whose folders are folders"),
     errno.EEXIST: ("something is already there", "remove it or choose another path"),
@@ -181,12 +180,27 @@ ENVIRONMENT_ERRNOS = {
 }
 
 
-def environment_error_message(err: OSError) -> str:
-    """One paragraph naming the path, the cause and the fix of an environment error."""
+# The options that choose where a verb writes; a fix names only those the verb has.
+OUTPUT_OPTIONS = ("--out", "--out-dir", "--report")
+
+
+def environment_error_message(err: OSError, options: Iterable[str] = ()) -> str:
+    """One paragraph naming the path, the cause and the fix of an environment error; ``options``:
+    the verb's options (the fix suggests its output options, or a copy of the folder it runs)."""
     what, fix = ENVIRONMENT_ERRNOS[err.errno]
+    outputs = [option for option in OUTPUT_OPTIONS if option in set(options)]
+    fix = fix.format(elsewhere=f" ({' / '.join(outputs)})" if outputs else
+                     " (a copy of the folder in a place you may write)")
     path = err.filename if err.filename is not None else "a file"
     other = f" (moving it to {err.filename2})" if err.filename2 is not None else ""
     return f"{path}{other}: {what} ({os.strerror(err.errno)}). Fix: {fix}."
+
+
+def verb_options(verb: str) -> list[str]:
+    """Every option string of a verb (``--out``, ``-q``, ...), as its parser has them."""
+    parser = build_parser()
+    verbs = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return [option for action in verbs.choices[verb]._actions for option in action.option_strings]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -513,9 +527,8 @@ def _sweep(args: argparse.Namespace, top_k: list[str], console: Console) -> int:
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
-    from autopar.driver import read_plan, rebuild_report
+    from autopar.driver import read_plan, read_report, rebuild_report, unreadable_report
     from autopar.output_dir import check_out_dir
-    from autopar.report.document import load_report
     from autopar.report.render import REPORT_FILES
 
     source: Path = args.source
@@ -527,10 +540,7 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     loaded = saved is not None and saved.is_file() and args.model is None
     with console.status("Writing the report ...") as status:
         if loaded:
-            try:
-                report = load_report(saved)
-            except Exception as err:  # noqa: BLE001 - any parse failure means the same thing
-                raise unreadable_report(saved, plan_file, err) from None
+            report = read_report(saved, plan_file)
         else:
             plan = read_plan(plan_file)
             if args.model is None:
@@ -552,14 +562,6 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     curves = f", {files['loss.png']}" if "loss.png" in files else ""
     console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}{curves}")
     return 0
-
-
-def unreadable_report(saved: Path, plan_file: Path, err: Exception) -> UserError:
-    """The one paragraph for a report.json that cannot be read or rendered (edited, damaged)."""
-    text = " ".join(f"{type(err).__name__}: {err}".split())[:200]
-    return UserError(f"{saved} is not a readable report ({text}); autopar did not write it as it is now.",
-                     f"delete it and run `autopar report {plan_file} --model MODEL.py` to price the plan again, or "
-                     "compile again.")
 
 
 def written_by_autopar(path: Path) -> bool:

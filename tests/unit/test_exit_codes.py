@@ -3,6 +3,7 @@
 ends the process, a command line argparse cannot read, a file that waits forever at import: 1."""
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import subprocess
@@ -272,3 +273,85 @@ def test_a_run_jsonl_without_trouble_gets_no_note_and_no_blank_line(tmp_path):
     MetricsLogger(log).log({"step": 1})
     MetricsLogger(log).log({"step": 2})
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n' and skipped_lines_note(log) is None
+
+
+# -- messages suggest only options the verb has -------------------------------------------------------
+
+VERB_ARGUMENTS = {"profile": ["m.py"], "estimate": ["m.py"], "plan": ["m.py"], "compile": ["m.py", "--out-dir", "o"],
+                  "report": ["o"], "validate": ["o"], "run": ["o"], "calibrate": []}
+HANDLERS = {"profile": "_profile", "estimate": "_estimate", "plan": "_plan", "compile": "_compile",
+            "report": "_report", "validate": "_validate", "run": "_run", "calibrate": "_calibrate"}
+
+
+def suggested_options(message: str) -> dict[str, set[str]]:
+    """verb -> the --options a message names for it: inside "`autopar VERB ...`" for that verb,
+    elsewhere (bare) for the verb that printed it (key '')."""
+    import re
+
+    found: dict[str, set[str]] = {}
+    for verb, rest in re.findall(r"`autopar (\w+)([^`]*)`", message):
+        found.setdefault(verb, set()).update(re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest))
+    bare = re.sub(r"`autopar \w+[^`]*`", "", message)
+    found.setdefault("", set()).update(re.findall(r"(?<![\w-])--[a-z][a-z-]*", bare))
+    return found
+
+
+def check_options_exist(message: str, verb: str) -> None:
+    from autopar.cli import verb_options
+
+    for named_verb, options in suggested_options(message).items():
+        has = set(verb_options(named_verb or verb)) | {"--help"}
+        assert options <= has, f"{named_verb or verb} has no {sorted(options - has)}: {message}"
+
+
+@pytest.mark.parametrize("verb", sorted(VERB_ARGUMENTS))
+@pytest.mark.parametrize("number", [errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EISDIR])
+def test_environment_errors_suggest_only_the_verbs_own_options(verb, number, capsys, monkeypatch):
+    import autopar.cli
+
+    def fail(args, console):
+        raise OSError(number, os.strerror(number), "/somewhere/file")
+
+    monkeypatch.setattr(autopar.cli, HANDLERS[verb], fail)
+    assert main([verb, *VERB_ARGUMENTS[verb]]) == 1
+    err = capsys.readouterr().err
+    one_paragraph_error(err, "/somewhere/file")
+    check_options_exist(err, verb)
+
+
+def test_every_autopar_command_a_message_quotes_has_its_options():
+    """Messages that quote a command ("`autopar plan ... --out plan.json`") quote only options that
+    verb has, in every module of autopar."""
+    import re
+
+    quoted = 0
+    for path in sorted((REPO / "autopar").rglob("*.py")):
+        if "sections" in path.parts:
+            continue  # the generated module's own messages name its options, not autopar's
+        for verb, rest in re.findall(r"`autopar (\w+)([^`]*)`", path.read_text()):
+            if verb in VERB_ARGUMENTS:
+                quoted += 1
+                check_options_exist(f"`autopar {verb}{rest}`", verb)
+    assert quoted > 10
+
+
+def test_validate_of_a_folder_without_its_model_copy_does_not_suggest_model(planned, tmp_path, capsys):
+    """validate prices the folder's own copy of the model file; it has no --model to suggest."""
+    import shutil
+
+    folder = tmp_path / "folder"
+    shutil.copytree(planned, folder)
+    (folder / "report.json").unlink()
+    code = main(["validate", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "gpt.py is not there")
+    check_options_exist(err, "validate")
+
+
+def test_validate_with_a_null_in_report_json_is_a_user_error(planned, tmp_path, capsys):
+    folder = _with(planned, "report.json", "estimate.stages", None, tmp_path / "folder")
+    code = main(["validate", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "is not a readable report", "estimate.stages: is null")

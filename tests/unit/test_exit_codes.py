@@ -355,3 +355,37 @@ def test_validate_with_a_null_in_report_json_is_a_user_error(planned, tmp_path, 
     err = capsys.readouterr().err
     assert code == 1, err
     one_paragraph_error(err, "is not a readable report", "estimate.stages: is null")
+
+
+# -- absurd sizes end in bounded time ----------------------------------------------------------------
+
+def test_divisors_come_from_prime_factors_in_milliseconds():
+    from autopar.solver.space import divisors
+
+    for n in range(1, 1500):
+        assert divisors(n) == tuple(d for d in range(1, n + 1) if n % d == 0), n
+    start = time.monotonic()
+    assert len(divisors(10**20)) == 21 * 21  # 2^20 * 5^20
+    assert divisors(2**61 - 1) == (1, 2**61 - 1)  # a Mersenne prime
+    assert divisors(1000000007 * 998244353) == (1, 998244353, 1000000007, 1000000007 * 998244353)
+    assert time.monotonic() - start < 2
+
+
+def test_a_number_without_findable_factors_is_refused_in_bounded_time():
+    from autopar.errors import ConfigError
+    from autopar.solver.space import divisors
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="too large a number to split into parallel degrees"):
+        divisors(1000000000000000003 * 1000000000000000009)  # two primes near 10^18
+    assert time.monotonic() - start < 15
+
+
+def test_plan_of_an_absurd_global_batch_ends(examples_dir, tmp_path):
+    """train.global_batch_size=10^20 used to hang the search (divisors by a scan up to 10^10)."""
+    overrides = [item for item in TINY_GPT if not item.startswith("train.global_batch_size")]
+    done = cli("plan", str(examples_dir / "gpt.py"), *overrides, "train.global_batch_size=100000000000000000000",
+               "--out", str(tmp_path / "plan.json"), "-q", timeout=240)
+    assert done.returncode in (0, 1), done.stderr
+    if done.returncode == 1:
+        one_paragraph_error(done.stderr, "train.global_batch_size")

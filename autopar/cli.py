@@ -357,7 +357,8 @@ def _show(args: argparse.Namespace, overrides: list[str]) -> int:
     from autopar import hydra_app
 
     flags = hydra_app.HydraFlags(cfg=args.cfg, info=args.info, resolve=args.resolve, package=args.package)
-    return hydra_app.show(flags, overrides)
+    # Hydra printed its own message when it failed: whatever code it chose, that is exit 1.
+    return 0 if hydra_app.show(flags, overrides) == 0 else 1
 
 
 def _run_job(args: argparse.Namespace, job: Callable[[Any], Any], overrides: list[str]) -> Any:

@@ -114,6 +114,16 @@ def test_an_exit_inside_autopar_itself_is_reported_as_a_bug(tmp_path, capsys, mo
     assert "internal error" in err and "Traceback" in err
 
 
+
+def test_a_sweep_point_whose_model_exits_is_a_failed_point(tmp_path, capsys):
+    """Hydra's launcher would take the point's SystemExit for the sweep's own end."""
+    model = write_model_file(tmp_path, model_source(forward="sys.exit(0)"))
+    sweep = tmp_path / "sweep"
+    assert main(["plan", str(model), "cluster=cpu_gloo", "-m", "train.global_batch_size=8,16",
+                 f"hydra.sweep.dir={sweep}", "-q"]) == 0
+    rows = (sweep / "sweep.csv").read_text().splitlines()[1:]
+    assert len(rows) == 2 and all("raised SystemExit(0)" in row and "model.py:14" in row for row in rows), rows
+
 # -- a model file that never finishes importing ----------------------------------------------------
 
 def test_import_that_sleeps_is_stopped_at_the_bound(tmp_path, capsys, monkeypatch):

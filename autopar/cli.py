@@ -97,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
-    except (SystemExit, GeneratorExit, TimeLimitReached) as err:
-        return _ended_early(err, errors)
     except OSError as err:
         # The environment, not autopar: a full disk, a read-only folder, a path that is a folder.
         if err.errno not in ENVIRONMENT_ERRNOS:
@@ -107,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception:  # noqa: BLE001 - anything else is our bug: show everything
         return _internal_error(errors)
+    except BaseException as err:  # noqa: BLE001 - SystemExit, GeneratorExit, a user's own BaseException
+        return _ended_early(err, errors)
 
 
 class UsageError(UserError):
@@ -147,8 +147,9 @@ def _internal_error(errors: Console) -> int:
 
 
 def _ended_early(err: BaseException, errors: Console) -> int:
-    """Code autopar ran tried to end the process (sys.exit, os._exit, raise GeneratorExit) or ran
-    past its bound: the user's code is named (exit 1); from autopar's own code it is a bug (exit 2)."""
+    """Code autopar ran tried to end the process (sys.exit, os._exit, raise GeneratorExit or
+    another BaseException) or ran past its bound: the user's code is named (exit 1); from
+    autopar's own code it is a bug (exit 2)."""
     from autopar.model_file import EXIT_FIX
     from autopar.user_code import exit_origin, in_autopar
 

@@ -120,9 +120,6 @@ def load_model_file(path: str | Path) -> ModelFile:
                              "forever cannot hold the command.",
                              "make the import quick (download or wait in build_model() or the training script, "
                              f"not at import), or allow it longer: {IMPORT_TIMEOUT_ENV}=SECONDS.") from None
-    except (SystemExit, GeneratorExit) as err:
-        raise ModelFileError(f"Importing {path.name} {describe_exit(err)}: the file must not end the process, "
-                             "autopar imports it to plan.", EXIT_FIX) from None
     except _OversizedAllocation as err:
         raise ModelFileError(f"Importing {path.name} creates a real tensor of {err.nbytes / 2**30:,.1f} GiB "
                              f"({err.op}{_location(err, path)}); planning must not allocate the model's memory "
@@ -134,6 +131,11 @@ def load_model_file(path: str | Path) -> ModelFile:
                                  "refused before it was made.", META_BUILD_FIX) from None
         raise ModelFileError(f"Importing {path.name} raised {_describe(err, path)}.",
                              "make the file importable on its own (`python -c 'import ...'`).") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - SystemExit, os._exit, GeneratorExit: it must not end autopar
+        raise ModelFileError(f"Importing {path.name} {describe_exit(err)}: the file must not end the process, "
+                             "autopar imports it to plan.", EXIT_FIX) from None
     missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
     if missing:
         raise ModelFileError(
@@ -282,9 +284,6 @@ def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwar
             return fn(*args, **kwargs)
     except ModelFileError:
         raise
-    except (SystemExit, GeneratorExit) as err:
-        raise ModelFileError(f"{fn.__name__}() in {model_file.path.name} {describe_exit(err)}: it must return, "
-                             "not end the process (autopar calls it to plan).", EXIT_FIX) from None
     except Exception as err:  # noqa: BLE001 - the user's function failed; say where
         call = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
         if _is_out_of_memory(err):
@@ -295,6 +294,11 @@ def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwar
         raise ModelFileError(f"{fn.__name__}({call}) in {model_file.path.name} raised "
                              f"{_describe(err, model_file.path)}.",
                              "fix the function, or the model.<name> overrides it was given.") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - SystemExit, os._exit, GeneratorExit: it must not end autopar
+        raise ModelFileError(f"{fn.__name__}() in {model_file.path.name} {describe_exit(err)}: it must return, "
+                             "not end the process (autopar calls it to plan).", EXIT_FIX) from None
 
 
 def _address_space_bytes() -> int | None:

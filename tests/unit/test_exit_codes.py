@@ -103,6 +103,15 @@ def test_generator_exit_from_the_model_file_is_a_user_error(tmp_path, capsys):
     one_paragraph_error(err, "build_model() in model.py raised GeneratorExit")
 
 
+
+def test_a_base_exception_of_the_model_files_own_is_a_user_error(tmp_path, capsys):
+    model = write_model_file(tmp_path, model_source(top="class Stop(BaseException):\n    pass",
+                                                    forward="raise Stop()"))
+    code = main(["profile", str(model)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, f"{model}:15 (in forward) raised Stop")
+
 def test_an_exit_inside_autopar_itself_is_reported_as_a_bug(tmp_path, capsys, monkeypatch, examples_dir):
     """The same exit from autopar's own code is no user error: exit 2 with the traceback."""
     import autopar.driver

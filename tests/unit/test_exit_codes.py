@@ -270,11 +270,13 @@ def test_truncated_last_line_of_run_jsonl_is_skipped_and_the_next_record_starts_
     """A run killed while writing its record leaves half a line: it is skipped (and named), and the
     next run's records do not join it."""
     from autopar.codegen.sections.metrics import MetricsLogger
-    from autopar.runtime.local import read_records, skipped_lines_note, unreadable_lines
+    from autopar.runtime.local import read_records
 
     log = tmp_path / "run.jsonl"
     log.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "lo')
     assert read_records(log) == [{"step": 1, "loss": 2.5}]
+    from autopar.runtime.local import skipped_lines_note, unreadable_lines
+
     MetricsLogger(log).log({"step": 3, "loss": 2.25})
     MetricsLogger(log).log({"step": 4, "loss": 2.0})
     assert read_records(log) == [{"step": 1, "loss": 2.5}, {"step": 3, "loss": 2.25}, {"step": 4, "loss": 2.0}]
@@ -315,11 +317,19 @@ def suggested_options(message: str) -> dict[str, set[str]]:
     return found
 
 
-def check_options_exist(message: str, verb: str) -> None:
-    from autopar.cli import verb_options
+def parser_options(verb: str) -> set[str]:
+    """Every option string the verb's parser accepts."""
+    import argparse
 
+    from autopar.cli import build_parser
+
+    verbs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {option for action in verbs.choices[verb]._actions for option in action.option_strings}
+
+
+def check_options_exist(message: str, verb: str) -> None:
     for named_verb, options in suggested_options(message).items():
-        has = set(verb_options(named_verb or verb)) | {"--help"}
+        has = parser_options(named_verb or verb) | {"--help"}
         assert options <= has, f"{named_verb or verb} has no {sorted(options - has)}: {message}"
 
 

@@ -160,8 +160,9 @@ def _ended_early(err: BaseException, errors: Console) -> int:
         problem = f"{frame.filename}:{frame.lineno} (in {frame.name}) ran past autopar's bound of {err.seconds:g} s."
         _print_error(errors, f"{problem} Fix: make it finish sooner.")
         return 1
-    _print_error(errors, f"{frame.filename}:{frame.lineno} (in {frame.name}) {describe_exit(err, located=False)} while autopar "
-                         f"ran it: the command stopped before it had finished, nothing was written. Fix: {EXIT_FIX}")
+    where = f"{frame.filename}:{frame.lineno} (in {frame.name})"
+    _print_error(errors, f"{where} {describe_exit(err, located=False)} while autopar ran it, so the command stopped "
+                         f"before it had finished. Fix: {EXIT_FIX}")
     return 1
 
 
@@ -749,7 +750,12 @@ def _calibrate_from_runs(args: argparse.Namespace, console: Console) -> int:
         except (OSError, ValueError) as err:
             raise UserError(f"{path} is not a readable validate.json ({type(err).__name__}).",
                             "pass files written by `autopar validate DIR`.") from None
-    scale = fit_time_scale(runs)
+    try:
+        scale = fit_time_scale(runs)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:  # a file that was not validate's
+        text = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise UserError(f"The files given to --from do not hold what `autopar validate` writes ({text}).",
+                        "pass validate.json files as `autopar validate DIR` wrote them.") from None
     write_profile(scale, args.out, args.base, [str(path) for path in args.validations])
     console.print("fitted factors (measured / predicted): " + ", ".join(f"{k} {v:.3g}" for k, v in scale.items()))
     console.print(f"wrote {args.out}; price with it: cluster.hardware_profile={args.out}")

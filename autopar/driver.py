@@ -235,8 +235,9 @@ def check_prediction(plan: Any, plan_path: str | Path) -> None:
     step = plan.predicted.step_time_s
     number = isinstance(step, (int, float)) and not isinstance(step, bool)
     if not number or not math.isfinite(step) or step <= 0:
-        raise ConfigError(f"{plan_path} predicts a step time of {f'{step:g}' if number else repr(step)} s, which the planner never writes (it "
-                          "was edited or damaged).", "plan again: `autopar compile MODEL.py ...` without --plan, or "
+        shown = f"{step:g}" if number else repr(step)
+        raise ConfigError(f"{plan_path} predicts a step time of {shown} s, which the planner never writes (it was "
+                          "edited or damaged).", "plan again: `autopar compile MODEL.py ...` without --plan, or "
                           "`autopar plan MODEL.py ... --out plan.json`.")
 
 

@@ -94,7 +94,7 @@ def _numbered_lines(path: str | Path) -> list[tuple[int, Any]]:
             continue
         try:
             lines.append((number, json.loads(line)))
-        except ValueError:  # JSONDecodeError, or a number too large for float
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             lines.append((number, None))
     return lines
 

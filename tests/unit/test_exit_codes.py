@@ -296,6 +296,17 @@ def test_a_run_jsonl_without_trouble_gets_no_note_and_no_blank_line(tmp_path):
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n' and skipped_lines_note(log) is None
 
 
+
+@pytest.mark.parametrize("content", ['{"time_breakdown": null, "ranks": []}', '[1, 2]', '{}'])
+def test_calibrate_from_a_file_that_is_not_validates_is_a_user_error(tmp_path, capsys, content):
+    given = tmp_path / "validate.json"
+    given.write_text(content)
+    code = main(["calibrate", "--from", str(given), "--out", str(tmp_path / "hw.yaml")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    one_paragraph_error(err, "do not hold what `autopar validate` writes")
+    assert not (tmp_path / "hw.yaml").exists()
+
 # -- messages suggest only options the verb has -------------------------------------------------------
 
 VERB_ARGUMENTS = {"profile": ["m.py"], "estimate": ["m.py"], "plan": ["m.py"], "compile": ["m.py", "--out-dir", "o"],

@@ -1,9 +1,10 @@
 """`autopar` command line: ``autopar <verb> MODEL.py [key=value ...] [options]``.
 
 Exit codes: 0 success, 1 a problem with the input or the environment (a full disk, a read-only
-folder; the message says how to fix it), 2 an internal error (a bug in autopar: the traceback is
-printed), 130 Ctrl-C (SIGINT) and 143 SIGTERM. Both signals stop the work the same way: the
-processes it started are stopped and its staging and temporary folders removed.
+folder, a command line argparse cannot read, a model file that ends the process; one paragraph says
+how to fix it), 2 an internal error (a bug in autopar: the traceback is printed), 130 Ctrl-C
+(SIGINT) and 143 SIGTERM. Both signals stop the work the same way: the processes it started are
+stopped and its staging and temporary folders removed.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import tempfile
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
 
 from autopar.errors import ConfigError, UserError
 from autopar.output_dir import write_atomically
+from autopar.user_code import TimeLimitReached, describe_exit, exits_refused
 
 PROFILE_EXAMPLES = """examples:
   autopar profile examples/gpt.py
@@ -84,24 +86,20 @@ RUN_EXAMPLES = """examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # Options may sit between overrides (`plan MODEL -m a=1,2 b=3`): argparse leaves the overrides
-    # after an option unparsed, so they are collected here.
-    args, extra = parser.parse_known_args(argv)
-    stray = [item for item in extra
-             if item.startswith("-") or ("=" not in item and not item.startswith("~")) or not hasattr(args, "overrides")]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if extra:
-        args.overrides = list(args.overrides) + extra
-    # Piped output keeps wide tables readable instead of folding them at 80 columns.
-    console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 120)
     errors = Console(stderr=True)
     try:
-        with sigterm_as_interrupt():
+        args = parse_arguments(build_parser(), argv)
+    except UsageError as err:
+        _print_error(errors, str(err))
+        return err.exit_code
+    # Piped output keeps wide tables readable instead of folding them at 80 columns.
+    console = Console(quiet=args.quiet, width=None if sys.stdout.isatty() else 120)
+    try:
+        # os._exit / os.exec* in the user's code raise instead (autopar/user_code.py)
+        with sigterm_as_interrupt(), exits_refused():
             return args.handler(args, console)
     except UserError as err:
-        errors.print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
+        _print_error(errors, str(err))
         return err.exit_code
     except Terminated:
         return 128 + signal.SIGTERM
@@ -111,13 +109,69 @@ def main(argv: list[str] | None = None) -> int:
         # The environment, not autopar: a full disk, a read-only folder, a path that is a folder.
         if err.errno not in ENVIRONMENT_ERRNOS:
             raise
-        errors.print(f"[bold red]error:[/] {environment_error_message(err)}", markup=True, highlight=False,
-                     soft_wrap=True)
+        _print_error(errors, environment_error_message(err, verb_options(args.verb)))
         return 1
     except Exception:  # noqa: BLE001 - anything else is our bug: show everything
-        errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
-        traceback.print_exc()
-        return 2
+        return _internal_error(errors)
+    except BaseException as err:  # noqa: BLE001 - SystemExit, GeneratorExit, a user's own BaseException
+        return _ended_early(err, errors)
+
+
+class UsageError(UserError):
+    """A command line argparse cannot read (exit 1 like every user error; argparse itself exits 2)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise `UsageError` (one paragraph, exit 1) instead of printing
+    the usage and exiting 2, which autopar keeps for its own bugs."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}.", f"see `{self.prog} --help` for its arguments and examples.")
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The verb's arguments. Options may sit between overrides (`plan MODEL -m a=1,2 b=3`):
+    argparse leaves the overrides after an option unparsed, so they are collected here."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra
+             if item.startswith("-") or ("=" not in item and not item.startswith("~")) or not hasattr(args, "overrides")]
+    if stray:
+        prog = f"{parser.prog} {args.verb}" if getattr(args, "verb", None) else parser.prog
+        raise UsageError(f"{prog}: unrecognized arguments: {' '.join(stray)}.",
+                         f"see `{prog} --help` for its arguments and examples.")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
+def _print_error(errors: Console, message: str) -> None:
+    errors.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+
+
+def _internal_error(errors: Console) -> int:
+    errors.print("[bold red]internal error[/] (a bug in autopar; please report it with this output):")
+    traceback.print_exc()
+    return 2
+
+
+def _ended_early(err: BaseException, errors: Console) -> int:
+    """Code autopar ran tried to end the process (sys.exit, os._exit, raise GeneratorExit or
+    another BaseException) or ran past its bound: the user's code is named (exit 1); from
+    autopar's own code it is a bug (exit 2)."""
+    from autopar.model_file import EXIT_FIX
+    from autopar.user_code import exit_origin, in_autopar
+
+    frame = exit_origin(err)
+    if frame is None or in_autopar(frame):
+        return _internal_error(errors)
+    if isinstance(err, TimeLimitReached):
+        problem = f"{frame.filename}:{frame.lineno} (in {frame.name}) ran past autopar's bound of {err.seconds:g} s."
+        _print_error(errors, f"{problem} Fix: make it finish sooner.")
+        return 1
+    where = f"{frame.filename}:{frame.lineno} (in {frame.name})"
+    _print_error(errors, f"{where} {describe_exit(err, located=False)} while autopar ran it, so the command stopped "
+                         f"before it had finished. Fix: {EXIT_FIX}")
+    return 1
 
 
 class Terminated(KeyboardInterrupt):
@@ -148,10 +202,9 @@ ENVIRONMENT_ERRNOS = {
     errno.ENOSPC: ("the disk is full", "free space on that disk (or write elsewhere) and run the command again; "
                                        "nothing was written half-way"),
     errno.EDQUOT: ("the disk quota is exhausted", "free space in your quota (or write elsewhere) and run again"),
-    errno.EROFS: ("it is on a read-only file system", "write somewhere writable (--out / --out-dir)"),
-    errno.EACCES: ("permission is denied", "write somewhere you may write (--out / --out-dir), or fix the "
-                                           "permissions"),
-    errno.EPERM: ("the operation is not permitted", "write somewhere you may write (--out / --out-dir)"),
+    errno.EROFS: ("it is on a read-only file system", "write somewhere writable{elsewhere}"),
+    errno.EACCES: ("permission is denied", "write somewhere you may write{elsewhere}, or fix the permissions"),
+    errno.EPERM: ("the operation is not permitted", "write somewhere you may write{elsewhere}"),
     errno.EISDIR: ("it is a folder where a file was expected", "pass a file path, not a folder"),
     errno.ENOTDIR: ("part of the path is a file, not a folder", "pass a path whose folders are folders"),
     errno.EEXIST: ("something is already there", "remove it or choose another path"),
@@ -160,16 +213,31 @@ ENVIRONMENT_ERRNOS = {
 }
 
 
-def environment_error_message(err: OSError) -> str:
-    """One paragraph naming the path, the cause and the fix of an environment error."""
+# The options that choose where a verb writes; a fix names only those the verb has.
+OUTPUT_OPTIONS = ("--out", "--out-dir", "--report")
+
+
+def environment_error_message(err: OSError, options: Iterable[str] = ()) -> str:
+    """One paragraph naming the path, the cause and the fix of an environment error; ``options``:
+    the verb's options (the fix suggests its output options, or a copy of the folder it runs)."""
     what, fix = ENVIRONMENT_ERRNOS[err.errno]
+    outputs = [option for option in OUTPUT_OPTIONS if option in set(options)]
+    fix = fix.format(elsewhere=f" ({' / '.join(outputs)})" if outputs else
+                     " (a copy of the folder in a place you may write)")
     path = err.filename if err.filename is not None else "a file"
     other = f" (moving it to {err.filename2})" if err.filename2 is not None else ""
     return f"{path}{other}: {what} ({os.strerror(err.errno)}). Fix: {fix}."
 
 
+def verb_options(verb: str) -> list[str]:
+    """Every option string of a verb (``--out``, ``-q``, ...), as its parser has them."""
+    parser = build_parser()
+    verbs = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return [option for action in verbs.choices[verb]._actions for option in action.option_strings]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description="Plan and compile parallel PyTorch training.")
+    parser = ArgumentParser(prog="autopar", description="Plan and compile parallel PyTorch training.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     _add_verb(verbs, "profile", "trace one training step and report FLOPs, bytes and memory per layer",
               PROFILE_EXAMPLES, _profile)
@@ -322,7 +390,8 @@ def _show(args: argparse.Namespace, overrides: list[str]) -> int:
     from autopar import hydra_app
 
     flags = hydra_app.HydraFlags(cfg=args.cfg, info=args.info, resolve=args.resolve, package=args.package)
-    return hydra_app.show(flags, overrides)
+    # Hydra printed its own message when it failed: whatever code it chose, that is exit 1.
+    return 0 if hydra_app.show(flags, overrides) == 0 else 1
 
 
 def _run_job(args: argparse.Namespace, job: Callable[[Any], Any], overrides: list[str]) -> Any:
@@ -492,9 +561,8 @@ def _sweep(args: argparse.Namespace, top_k: list[str], console: Console) -> int:
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
-    from autopar.driver import read_plan, rebuild_report
+    from autopar.driver import read_plan, read_report, rebuild_report, unreadable_report
     from autopar.output_dir import check_out_dir
-    from autopar.report.document import load_report
     from autopar.report.render import REPORT_FILES
 
     source: Path = args.source
@@ -503,13 +571,10 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     else:
         saved, plan_file, out_dir = None, source, args.out_dir or source.parent
     check_out_dir(out_dir, REPORT_FILES, force=args.force, whole_folder=False)
+    loaded = saved is not None and saved.is_file() and args.model is None
     with console.status("Writing the report ...") as status:
-        if saved is not None and saved.is_file() and args.model is None:
-            try:
-                report = load_report(saved)
-            except Exception as err:  # noqa: BLE001 - any parse failure means the same thing
-                raise UserError(f"{saved} is not a readable report ({type(err).__name__}).",
-                                f"delete it to price {plan_file} again, or compile again.") from None
+        if loaded:
+            report = read_report(saved, plan_file)
         else:
             plan = read_plan(plan_file)
             if args.model is None:
@@ -521,11 +586,24 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             status.update("Tracing the model and pricing the plan again ...")
             report = rebuild_report(plan, args.model)
         # The runs recorded beside the plan (autopar run, the module itself) add their loss curves.
-        files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True,
-                                        run_log=plan_file.parent / "run.jsonl")
+        try:
+            files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True,
+                                            run_log=plan_file.parent / "run.jsonl")
+        except (ArithmeticError, AttributeError, KeyError, IndexError, TypeError, ValueError) as err:
+            if not loaded or written_by_autopar(saved):
+                raise  # a report autopar priced or wrote itself that cannot be rendered: a bug
+            raise unreadable_report(saved, plan_file, err) from None
     curves = f", {files['loss.png']}" if "loss.png" in files else ""
     console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}{curves}")
     return 0
+
+
+def written_by_autopar(path: Path) -> bool:
+    """Whether ``path`` holds what autopar wrote there (its folder's manifest has its sha256)."""
+    from autopar.output_dir import Manifest, sha256_of
+
+    manifest = Manifest.read(path.parent)
+    return manifest is not None and manifest.files.get(path.name) == sha256_of(path)
 
 
 def _compile(args: argparse.Namespace, console: Console) -> int:
@@ -703,7 +781,12 @@ def _calibrate_from_runs(args: argparse.Namespace, console: Console) -> int:
         except (OSError, ValueError) as err:
             raise UserError(f"{path} is not a readable validate.json ({type(err).__name__}).",
                             "pass files written by `autopar validate DIR`.") from None
-    scale = fit_time_scale(runs)
+    try:
+        scale = fit_time_scale(runs)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:  # a file that was not validate's
+        text = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise UserError(f"The files given to --from do not hold what `autopar validate` writes ({text}).",
+                        "pass validate.json files as `autopar validate DIR` wrote them.") from None
     write_profile(scale, args.out, args.base, [str(path) for path in args.validations])
     console.print("fitted factors (measured / predicted): " + ", ".join(f"{k} {v:.3g}" for k, v in scale.items()))
     console.print(f"wrote {args.out}; price with it: cluster.hardware_profile={args.out}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,16 +171,17 @@ def report_of(result: Any) -> Any:
                         notes=replication_notes(result.replicated_ops, result.plan.tp) + list(result.illegal_splits))
 
 
-def rebuild_report(plan: Any, model_path: str | Path) -> Any:
+def rebuild_report(plan: Any, model_path: str | Path, model_option: str | None = "--model") -> Any:
     """Price a saved plan again from its provenance (its model settings, the cluster) with the
     model file ``model_path`` and build its report; runners-up are not part of a plan file, so
-    the report has none."""
+    the report has none. ``model_option``: the verb's option that named the model file (None:
+    the file is a compiled folder's copy, or the verb's argument), for the messages' fixes."""
     from autopar.report.document import build_report, replication_notes
     from autopar.solver.tp_split import replicated_ops
 
     from dataclasses import replace
 
-    pricer, estimate = price_saved_plan(plan, model_path)
+    pricer, estimate = price_saved_plan(plan, model_path, model_option)
     report = build_report(plan, estimate, pricer,
                           notes=["Rebuilt from plan.json alone: the runners-up, binding limits and the search's "
                                  "wall time are recorded only when the report is written by `autopar compile` or "
@@ -188,7 +190,8 @@ def rebuild_report(plan: Any, model_path: str | Path) -> Any:
     return replace(report, solver_seconds=None)
 
 
-def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Estimate]:
+def price_saved_plan(plan: Any, model_path: str | Path,
+                     model_option: str | None = "--model") -> tuple[PlanPricer, Estimate]:
     """The pricer and estimate of a saved plan, priced again from its provenance (its model
     settings, the cluster) with the model file ``model_path``: what the report shows and what a
     measurement is compared with.
@@ -205,11 +208,13 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
     path = Path(model_path)
     if not path.is_file():
         raise ConfigError(f"The model file {path} is not there (the plan is priced again from it).",
-                          "pass --model PATH to the model.py the plan was made for.")
+                          f"pass {model_option} PATH to the model.py the plan was made for." if model_option else
+                          "put the model.py the plan was made for back at that path (a compiled folder keeps its "
+                          "copy there), or compile again.")
     if not made_for.cluster_config:
         raise ConfigError("This plan does not record its cluster settings (made by an older autopar).",
                           "plan again with `autopar plan ... --out plan.json`.")
-    check_model_sha256(path, made_for.model_sha256, "the plan was made for")
+    check_model_sha256(path, made_for.model_sha256, "the plan was made for", model_option)
     model_file = load_model_file(path)
     profile = profile_model(model_file, dict(made_for.model_kwargs), micro_batch_size=made_for.traced_micro_batch_size,
                             precision=plan.precision, blocks=list(plan.block_containers) or None)
@@ -226,10 +231,23 @@ def price_saved_plan(plan: Any, model_path: str | Path) -> tuple[PlanPricer, Est
         raise ConfigError(f"The plan cannot be priced on its cluster: {err}.", "plan again.") from None
 
 
+def check_prediction(plan: Any, plan_path: str | Path) -> None:
+    """Refuse, before any work, a saved plan whose predicted step time is no time at all (0,
+    negative, nan, inf): the planner never writes one, and the report compares against it."""
+    step = plan.predicted.step_time_s
+    number = isinstance(step, (int, float)) and not isinstance(step, bool)
+    if not number or not math.isfinite(step) or step <= 0:
+        shown = f"{step:g}" if number else repr(step)
+        raise ConfigError(f"{plan_path} predicts a step time of {shown} s, which the planner never writes (it was "
+                          "edited or damaged).", "plan again: `autopar compile MODEL.py ...` without --plan, or "
+                          "`autopar plan MODEL.py ... --out plan.json`.")
+
+
 def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
     """A plan from `autopar plan --out`, refused when it was made for another model file,
     other model settings or another cluster (replaying it would train something unplanned)."""
     plan = read_plan(plan_path)
+    check_prediction(plan, plan_path)
     made_for = plan.provenance
     if not Path(model_path).is_file():
         load_model_file(model_path)  # its own clear error for a missing file
@@ -253,12 +271,15 @@ def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
     return plan
 
 
-def check_model_sha256(path: Path, expected: str, made_for: str) -> None:
-    """Refuse, before importing it, a model file whose bytes are not the ones ``expected``."""
+def check_model_sha256(path: Path, expected: str, made_for: str, model_option: str | None = "--model") -> None:
+    """Refuse, before importing it, a model file whose bytes are not the ones ``expected``
+    (``model_option``: the verb's option that named it, or None)."""
     sha = file_sha256(path)
     if expected and sha != expected:
+        fix = (f"pass {model_option} with the original model.py, or plan again." if model_option else
+               "put the original model.py back at that path, or compile again.")
         raise ConfigError(f"{path} is not the model file {made_for} (sha256 {sha[:12]}…, plan: {expected[:12]}…); "
-                          "it was not imported.", "pass --model with the original model.py, or plan again.")
+                          "it was not imported.", fix)
 
 
 def read_plan(plan_path: str | Path):
@@ -282,6 +303,26 @@ def read_plan(plan_path: str | Path):
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise ConfigError(f"{path} is not a valid plan: {problems[0]}{more}.", fix)
     return plan
+
+
+def read_report(report_path: str | Path, plan_file: str | Path | None = None):
+    """load_report with one paragraph for a report.json that cannot be read (edited, damaged):
+    it names the value that does not fit and how to get the report back."""
+    from autopar.report.document import load_report
+
+    path = Path(report_path)
+    try:
+        return load_report(path)
+    except Exception as err:  # noqa: BLE001 - any parse failure means the same thing to the user
+        raise unreadable_report(path, Path(plan_file) if plan_file else path.parent / "plan.json", err) from None
+
+
+def unreadable_report(saved: Path, plan_file: Path, err: Exception) -> ConfigError:
+    """The one paragraph for a report.json that cannot be read or rendered."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    return ConfigError(f"{saved} is not a readable report ({text}); autopar did not write it as it is now.",
+                       f"delete it and run `autopar report {plan_file} --model MODEL.py` to price the plan again, or "
+                       "compile again.")
 
 
 def compiled_file_names(model_path: str | Path) -> list[str]:
@@ -453,7 +494,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
             return None, RejectedPlan(plan.summary(), outcome.failure)
         if progress:
             progress.phase(f"writing the module, launch scripts and report into {out_dir}")
-        report = report_of(result) if result is not None else rebuild_report(plan, model_path)
+        report = report_of(result) if result is not None else rebuild_report(plan, model_path, None)
         report.proof = outcome.proven
         report.rejected = list(rejected)
         write_report(report, staging)

@@ -36,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.errors import ModelFileError
+from autopar.user_code import (IMPORT_TIMEOUT_ENV, TimeLimitReached, describe_exit, exits_refused, import_timeout_s,
+                               time_limit)
 
 REQUIRED_FUNCTIONS = ("build_model", "example_batch")
 
@@ -62,6 +64,11 @@ META_BUILD_FIX = ("build the model without touching real memory: create its tens
                   "`with torch.device('meta'):`; don't create large tensors at import time or with real storage "
                   "(numpy arrays, explicit device='cpu' tensors made outside build_model) and don't load "
                   "checkpoints in build_model: load weights in the training script instead.")
+
+
+EXIT_FIX = ("remove the sys.exit() / os._exit() / raise SystemExit (a script's own entry point goes under "
+            "`if __name__ == '__main__':`, which autopar's import does not run); raise an exception to report a "
+            "problem.")
 
 
 @dataclass(frozen=True)
@@ -102,9 +109,17 @@ def load_model_file(path: str | Path) -> ModelFile:
     sys.modules[module_name] = module
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
+    timeout_s = import_timeout_s()
     try:
-        with _AllocationGuard(IMPORT_ALLOCATION_LIMIT_BYTES), address_space_cap():
+        with _AllocationGuard(IMPORT_ALLOCATION_LIMIT_BYTES), address_space_cap(), exits_refused(), \
+                time_limit(timeout_s):
             spec.loader.exec_module(module)
+    except TimeLimitReached as err:
+        raise ModelFileError(f"Importing {path.name} did not finish within {timeout_s:g} s (stopped at "
+                             f"{_frame_text(err.where)}); autopar bounds the import so that a file that waits "
+                             "forever cannot hold the command.",
+                             "make the import quick (download or wait in build_model() or the training script, "
+                             f"not at import), or allow it longer: {IMPORT_TIMEOUT_ENV}=SECONDS.") from None
     except _OversizedAllocation as err:
         raise ModelFileError(f"Importing {path.name} creates a real tensor of {err.nbytes / 2**30:,.1f} GiB "
                              f"({err.op}{_location(err, path)}); planning must not allocate the model's memory "
@@ -116,6 +131,11 @@ def load_model_file(path: str | Path) -> ModelFile:
                                  "refused before it was made.", META_BUILD_FIX) from None
         raise ModelFileError(f"Importing {path.name} raised {_describe(err, path)}.",
                              "make the file importable on its own (`python -c 'import ...'`).") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - SystemExit, os._exit, GeneratorExit: it must not end autopar
+        raise ModelFileError(f"Importing {path.name} {describe_exit(err)}: the file must not end the process, "
+                             "autopar imports it to plan.", EXIT_FIX) from None
     missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
     if missing:
         raise ModelFileError(
@@ -260,7 +280,7 @@ def compute_loss(model_file: ModelFile, output: Any, batch: Any) -> torch.Tensor
 
 def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
-        with address_space_cap():
+        with address_space_cap(), exits_refused():
             return fn(*args, **kwargs)
     except ModelFileError:
         raise
@@ -274,6 +294,11 @@ def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwar
         raise ModelFileError(f"{fn.__name__}({call}) in {model_file.path.name} raised "
                              f"{_describe(err, model_file.path)}.",
                              "fix the function, or the model.<name> overrides it was given.") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - SystemExit, os._exit, GeneratorExit: it must not end autopar
+        raise ModelFileError(f"{fn.__name__}() in {model_file.path.name} {describe_exit(err)}: it must return, "
+                             "not end the process (autopar calls it to plan).", EXIT_FIX) from None
 
 
 def _address_space_bytes() -> int | None:
@@ -326,6 +351,11 @@ def _module_count_limit(model_file: ModelFile, limit: int) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def _frame_text(frame: traceback.FrameSummary | None) -> str:
+    """'model.py:3, in <module>' for a frame, or 'an unknown place'."""
+    return f"{Path(frame.filename).name}:{frame.lineno}, in {frame.name}" if frame is not None else "an unknown place"
 
 
 def _describe(err: BaseException, path: Path) -> str:

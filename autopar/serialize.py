@@ -56,21 +56,16 @@ def dumps(obj: Any) -> str:
 
 
 class FieldError(ValueError):
-    """A value that does not fit its field, with the field's dotted path (e.g. predicted.mfu)."""
+    """A value of a file that does not fit its field (a null where a number belongs, 2.5 for a
+    count, ...); ``path`` names the field (``plan.dp``, ``alternatives.0.reason``)."""
 
-    def __init__(self, path: str, why: str):
-        self.path, self.why = path, why
-        super().__init__(f"field {path}: {why}")
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}" if path else problem)
+        self.path, self.problem = path, problem
 
-
-def _field(name: str, annotation: Any, data: Any) -> Any:
-    """One field's value, a failure naming the field (a hand-edited file says which one is wrong)."""
-    try:
-        return _convert(annotation, data)
-    except FieldError as err:
-        raise FieldError(f"{name}.{err.path}", err.why) from None
-    except (ValueError, TypeError, OverflowError) as err:
-        raise FieldError(name, str(err)) from None
+    @property
+    def why(self) -> str:
+        return self.problem
 
 
 def _number(annotation: type, data: Any) -> int | float:
@@ -86,14 +81,18 @@ def _number(annotation: type, data: Any) -> int | float:
 
 
 def _convert(annotation: Any, data: Any) -> Any:
-    if data is None:
-        return None
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if data is None:
+        if annotation is Any or annotation is None or type(None) in args:
+            return None
+        raise FieldError("", f"is null where {_type_words(annotation)} belongs")
     if origin in (typing.Union, types.UnionType):
         candidates = [a for a in args if a is not type(None)]
         return _convert(candidates[0], data) if len(candidates) == 1 else data
     if dataclasses.is_dataclass(annotation):
+        if not isinstance(data, dict):
+            raise FieldError("", f"is {type(data).__name__} where an object ({annotation.__name__}) belongs")
         if hasattr(annotation, "upgrade_data"):  # an older file's fields, renamed since
             data = annotation.upgrade_data(data)
         hints = typing.get_type_hints(annotation)
@@ -103,7 +102,7 @@ def _convert(annotation: Any, data: Any) -> Any:
     if isinstance(annotation, type) and issubclass(annotation, Enum):
         return annotation(data)
     if origin is list:
-        return [_convert(args[0], item) for item in data] if args else list(data)
+        return [_field(str(i), args[0], item) for i, item in enumerate(data)] if args else list(data)
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], item) for item in data)
@@ -112,7 +111,7 @@ def _convert(annotation: Any, data: Any) -> Any:
         key_type, value_type = args if args else (str, Any)
         # JSON keys are strings: a number key is read from its text
         keys = (lambda k: key_type(k)) if key_type in (int, float) else (lambda k: _convert(key_type, k))
-        return {keys(k): _convert(value_type, v) for k, v in data.items()}
+        return {keys(k): _field(str(k), value_type, v) for k, v in data.items()}
     if annotation in (int, float):
         return _number(annotation, data)
     if annotation in (str, bool):
@@ -120,3 +119,23 @@ def _convert(annotation: Any, data: Any) -> Any:
     if annotation is Path:
         return Path(data)
     return data
+
+
+def _field(name: str, annotation: Any, data: Any) -> Any:
+    """`_convert` of one field or item, naming it in the error of a value that does not fit."""
+    try:
+        return _convert(annotation, data)
+    except FieldError as err:
+        raise FieldError(f"{name}.{err.path}" if err.path else name, err.problem) from None
+    except (ValueError, TypeError, OverflowError) as err:
+        raise FieldError(name, str(err)) from None
+
+
+def _type_words(annotation: Any) -> str:
+    """'a float', 'a list', 'an object (Predicted)': what a field holds, for messages."""
+    origin = typing.get_origin(annotation) or annotation
+    if dataclasses.is_dataclass(annotation):
+        return f"an object ({annotation.__name__})"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             tuple: "a list", dict: "an object"}
+    return names.get(origin, getattr(origin, "__name__", str(origin)))

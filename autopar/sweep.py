@@ -137,6 +137,12 @@ class PlanPoint:
             return failed_row(None, err.problem)
         except Exception as err:  # noqa: BLE001 - a bug: its traceback goes in the row, the sweep goes on
             return failed_row(None, f"internal error {type(err).__name__}: {err}", traceback.format_exc())
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # noqa: BLE001 - the model file's code tried to end the process
+            from autopar.user_code import describe_exit
+
+            return failed_row(None, f"the model file's code {describe_exit(err)}; it must not end the process")
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "plan.json").write_text(result.plan.to_json())
         return row_of(result.plan, cluster.price_per_gpu_hour, cluster.name)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.plan import MeshAxis, Plan
-from autopar.serialize import from_jsonable, to_jsonable
+from autopar.serialize import FieldError, from_jsonable, to_jsonable
 from cost_models.collectives import Collective, best_algorithm
 from cost_models.layout import ParallelLayout
 from cost_models.step import Estimate, PlanPricer
@@ -104,7 +104,14 @@ class PlanReport:
 
     @classmethod
     def from_json(cls, text: str) -> "PlanReport":
-        return from_jsonable(cls, json.loads(text))
+        """The report a report.json holds; `FieldError` names a value that does not fit its field
+        (the estimate, kept as a dict, is checked against `Estimate` as well)."""
+        report = from_jsonable(cls, json.loads(text))
+        try:
+            from_jsonable(Estimate, report.estimate)
+        except FieldError as err:
+            raise FieldError(f"estimate.{err.path}" if err.path else "estimate", err.problem) from None
+        return report
 
     @property
     def cost_per_million_tokens(self) -> float | None:

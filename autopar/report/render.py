@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,8 +88,8 @@ def sections(report: PlanReport) -> list[Section]:
     simulated = plan_timeline(plan, estimate).step_time_s
     result.append(Section("Timeline of one step", [
         Image("timeline.png", "simulated timeline"),
-        f"Simulated step {_ms(simulated)} against the cost model's {_ms(predicted.step_time_s)} "
-        f"({simulated / predicted.step_time_s - 1:+.1%}): the simulation plays every op in order with each rank's "
+        f"Simulated step {_ms(simulated)} against the cost model's {_ms(predicted.step_time_s)}"
+        f"{_relative(simulated, predicted.step_time_s)}: the simulation plays every op in order with each rank's "
         "sends queued on its link; the planner's closed form paces the steady state by the slowest rank.",
         f"Simulated with the plan's per-stage times through the {plan.schedule} schedule; open timeline.json in "
         "Perfetto or chrome://tracing for the interactive view (one process per pipeline rank, standing for its "
@@ -239,6 +240,13 @@ def to_html(report: PlanReport, parts: list[Section], folder: Path) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>autopar plan: {html.escape(report.model_name)}</title><style>{STYLE}</style></head>"
             f"<body>{''.join(body)}</body></html>\n")
+
+
+def _relative(value: float, reference: float) -> str:
+    """' (+12.3%)': ``value`` against ``reference``; nothing where the reference is no time."""
+    if not math.isfinite(reference) or reference <= 0 or not math.isfinite(value):
+        return ""
+    return f" ({value / reference - 1:+.1%})"
 
 
 def training_section(curves: LossCurves, predicted_step_time_s: float | None) -> Section:

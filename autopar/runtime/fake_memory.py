@@ -580,7 +580,7 @@ def predict_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], in
 
     out_dir = Path(out_dir)
     plan = Plan.load(out_dir / "plan.json")
-    _, estimate = price_saved_plan(plan, out_dir / Path(plan.provenance.model_path).name)
+    _, estimate = price_saved_plan(plan, out_dir / Path(plan.provenance.model_path).name, None)
     details = estimate.stage_details[pipeline_rank(plan, rank)]
     breakdown = details["memory_breakdown"]
     context = CUDA_CONTEXT_BYTES if any(gpu != "cpu" for gpu in details["gpu"]) else 0

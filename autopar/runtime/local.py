@@ -24,7 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
@@ -74,11 +74,40 @@ def find_script(out_dir: Path) -> Path:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """The JSON records of a run.jsonl (missing file: none)."""
+    """The JSON records of a run.jsonl (missing file: none); a line that is not a JSON object (a
+    run killed while writing it) is skipped (`unreadable_lines` names them)."""
+    return [record for _, record in _numbered_lines(path) if isinstance(record, dict)]
+
+
+def unreadable_lines(path: str | Path) -> list[int]:
+    """Line numbers (from 1) of run.jsonl that hold no JSON object."""
+    return [number for number, record in _numbered_lines(path) if not isinstance(record, dict)]
+
+
+def _numbered_lines(path: str | Path) -> list[tuple[int, Any]]:
+    """(line number, parsed JSON or None) for each non-blank line of a run.jsonl."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            lines.append((number, json.loads(line)))
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+            lines.append((number, None))
+    return lines
+
+
+def skipped_lines_note(path: Path) -> str | None:
+    """One line for `autopar run`'s output when run.jsonl holds lines that are not records."""
+    broken = unreadable_lines(path)
+    if not broken:
+        return None
+    shown = ", ".join(map(str, broken[:5])) + (f" and {len(broken) - 5} more" if len(broken) > 5 else "")
+    return (f"note: {path.name} line{'s' if len(broken) > 1 else ''} {shown} {'are' if len(broken) > 1 else 'is'} "
+            "not a JSON record (a run killed while writing it?); skipped")
 
 
 @contextlib.contextmanager
@@ -170,6 +199,9 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
             shutil.rmtree(logs, ignore_errors=True)
     result = RunResult(returncode=returncode, records=read_records(log)[before:], output=output,
                        warnings=re.findall(r"^(?:\[rank\d+\]:)?(warning: .*)$", output, re.M))
+    note = skipped_lines_note(log)
+    if note is not None:
+        result.warnings.append(note)
     if returncode != 0 and returncode != 124 and finished_everywhere(output, nproc):
         result.teardown_failure, result.returncode = returncode, 0
     elif returncode != 0:

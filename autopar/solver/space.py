@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from autopar.errors import ConfigError
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.mesh import Mesh
 from cost_models.layout import CPStrategy, DPSync, ParallelLayout, Schedule, ZeroStage, enum_member
@@ -100,10 +102,98 @@ class ModelShape:
 
 @functools.lru_cache(maxsize=4096)
 def divisors(n: int) -> tuple[int, ...]:
-    """The divisors of n in increasing order, found up to sqrt(n): the enumeration asks for the
-    divisors of the world size many times, and a scan up to n took minutes at a million GPUs."""
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return tuple(small + [n // d for d in reversed(small) if d * d != n])
+    """The divisors of n in increasing order, built from its prime factors: the enumeration asks
+    for the divisors of the world size and the batch many times, and a scan up to sqrt(n) would
+    not end for an absurd batch (10^20: 10^10 trials); factoring takes milliseconds."""
+    found = [1]
+    for prime, power in sorted(prime_factors(n).items()):
+        found = [d * prime ** k for d in found for k in range(power + 1)]
+    return tuple(sorted(found))
+
+
+SMALL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+
+
+def prime_factors(n: int) -> dict[int, int]:
+    """n's prime factorisation {prime: power}: small factors by trial division, the rest by
+    Pollard's rho (a Miller-Rabin test tells a prime cofactor)."""
+    factors: dict[int, int] = {}
+    for p in range(2, 1000):
+        while n % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            n //= p
+    pending = [n] if n > 1 else []
+    while pending:
+        m = pending.pop()
+        if _is_prime(m):
+            factors[m] = factors.get(m, 0) + 1
+            continue
+        d = _pollard_rho(m)
+        pending += [d, m // d]
+    return factors
+
+
+def _is_prime(n: int) -> bool:
+    """Miller-Rabin with the first 13 primes as bases: exact below 3.3 * 10^24."""
+    if n < 2:
+        return False
+    for p in SMALL_PRIMES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in SMALL_PRIMES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+# Rho steps before a factor search gives up (~2 s of Python): enough for every number with a factor
+# below ~10^11 (any batch or cluster size a plan can be made for); past it the number is refused.
+RHO_STEP_LIMIT = 1 << 19
+
+
+def _pollard_rho(n: int) -> int:
+    """A nontrivial factor of the odd composite n (Brent's cycle finding on x^2 + c, gcds taken
+    over batches of 128 steps)."""
+    steps = 0
+    for c in range(1, 64):
+        y, r, q, g = 2, 1, 1, 1
+        x = ys = y
+        while g == 1:
+            x = y
+            for _ in range(r):
+                y = (y * y + c) % n
+            k = 0
+            while k < r and g == 1:
+                ys = y
+                for _ in range(min(128, r - k)):
+                    y = (y * y + c) % n
+                    q = q * abs(x - y) % n
+                g = math.gcd(q, n)
+                k += 128
+            r *= 2
+            steps += r
+            if steps > RHO_STEP_LIMIT:
+                raise ConfigError(f"{n} is too large a number to split into parallel degrees (it has no factor autopar "
+                                  "finds in bounded time); it comes from the batch size or the cluster's GPU count.",
+                                  "use a train.global_batch_size and cluster size of realistic magnitude.")
+        if g == n:  # the batch overshot: step back one at a time
+            g = 1
+            while g == 1:
+                ys = (ys * ys + c) % n
+                g = math.gcd(abs(x - ys), n)
+        if g != n:
+            return g
+    raise ConfigError(f"no factor of {n} found", "use a realistic batch size and cluster size.")
 
 
 def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int, global_batch_size: int,

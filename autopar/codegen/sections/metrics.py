@@ -175,9 +175,13 @@ class MetricsLogger:
     def __init__(self, log_file: str | Path | None = None, sinks: list[Sink] | None = None) -> None:
         self.log_file = log_file
         self.sinks = list(sinks or [])
+        self.on_new_line = False  # whether the log file is known to end with a whole line
 
     def log(self, record: dict[str, Any]) -> None:
         if self.log_file:
+            if not self.on_new_line:
+                end_line(self.log_file)
+                self.on_new_line = True
             with append_no_follow(self.log_file) as log:
                 log.write(json.dumps(record) + "\n")
         values = scalars(record)
@@ -189,6 +193,23 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+def end_line(path: str | Path) -> None:
+    """End a last line left without its newline (a run killed while writing a record), so the
+    next record starts a line of its own instead of joining the broken one; readers skip that."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            if log.tell() == 0:
+                return
+            log.seek(-1, os.SEEK_END)
+            last = log.read(1)
+    except FileNotFoundError:
+        return
+    if last != b"\n":
+        with append_no_follow(path) as log:
+            log.write("\n")
 
 
 def run_name() -> str:

@@ -90,16 +90,19 @@ def compare(plan: Any, estimate: dict[str, Any], measurements: list[dict[str, An
 
 def validate(out_dir: str | Path, steps: int = 5, timeout_s: float | None = None) -> Validation:
     """Run ``out_dir``'s module for ``steps`` timed steps (+2 measured ones) and compare."""
-    from autopar.driver import read_report, rebuild_report
+    from autopar.driver import read_plan, read_report, rebuild_report
     from autopar.runtime.local import run_local
-    from autopar.runtime.run_settings import launch_plan
+    from autopar.runtime.local import find_script
+    from autopar.runtime.run_settings import check_plan_matches_module
 
     out_dir = Path(out_dir)
-    plan = launch_plan(out_dir)  # its numbers in range and the module's, before anything runs
+    plan_file = out_dir / "plan.json"
+    plan = read_plan(plan_file)  # its numbers in range
     report_file = out_dir / "report.json"
     # Without a saved report the folder's own model copy (what the ranks will import) prices it.
     report = (read_report(report_file) if report_file.is_file()
               else rebuild_report(plan, out_dir / Path(plan.provenance.model_path).name, None))
+    check_plan_matches_module(plan, plan_file, find_script(out_dir))  # the module's plan, before anything runs
     folder = out_dir / "measure"
     _clear_measurements(folder)
     result = run_local(out_dir, plan.world_size, steps, extra_args=["--measure-dir", str(folder.resolve())],

@@ -52,8 +52,10 @@ class TrainConfig:
 # The range of every numeric field of each schema below (check_numbers reads them; a test keeps
 # every numeric field of every schema listed). A value outside is refused, never replaced.
 TRAIN_BOUNDS: dict[str, Bound] = {
-    "global_batch_size": Bound(low=1, integer=True),
-    "micro_batch_size": Bound(low=1, integer=True),
+    # 2^24 sequences a step: 4,000 times the largest published batch (LAMB's 65,536), so a typo
+    # (1e20) is refused at once instead of planned, proven and failing deep inside FSDP.
+    "global_batch_size": Bound(low=1, high=2**24, integer=True),
+    "micro_batch_size": Bound(low=1, high=2**24, integer=True),
     "moe_imbalance": Bound(low=1),  # the busiest rank's tokens over the mean: 1 at least
     "router_batches": Bound(low=1, integer=True),
     "eval_every": Bound(low=0, integer=True),

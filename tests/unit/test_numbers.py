@@ -61,7 +61,7 @@ def test_infinite_latency_is_refused_not_an_overflow(capsys, no_tracing):
 
 def test_micro_batch_of_zero_is_named_not_blamed_on_fake_tensors(capsys, no_tracing):
     err = refused(capsys, ["profile", MLP, "train.micro_batch_size=0"], "train.micro_batch_size=0",
-                  "an integer of at least 1", "train.micro_batch_size=1")
+                  "an integer from 1 to 16,777,216", "train.micro_batch_size=1")
     assert "fake tensors" not in err
 
 

@@ -5,10 +5,13 @@ styles then run the model's own code on each rank's share. That code is not alwa
 for a share, and a split it cannot run either crashes at run time or silently computes
 something else. Three rules, each naming the op or module that decided it:
 
-- *module class*: only ``nn.Linear`` and ``nn.Embedding`` have torch parallel styles; a GEMM
-  of another module (GPT-2's ``Conv1D``, ``nn.MultiheadAttention``'s packed projection, a
-  convolution, BLOOM's attention scores read beside its ALiBi table) runs replicated, and so
-  does a subclass with a forward of its own (OPT's learned positional embedding).
+- *module class*: a module is split when its forward computes an affine map of its input on
+  its own weight and bias (``nn.Linear``; GPT-2's ``Conv1D``, weight stored ``(in, out)``;
+  ``FalconLinear``), recognised by running it on random values (`autopar.solver.linear_like`),
+  or is a plain ``nn.Embedding``; a GEMM of another module (``nn.MultiheadAttention``'s packed
+  projection, a convolution, BLOOM's attention scores read beside its ALiBi table) runs
+  replicated, and so does an embedding subclass with a forward of its own (OPT's learned
+  positional embedding).
 - *fused output cut along the split dim* (read from the traced graph): a projection whose
   output is sliced, split or indexed along the dimension a column split shards (Phi-3's
   ``qkv_proj`` and ``gate_up_proj``, nanoGPT's ``c_attn.split``, Falcon's fused query/key/value)
@@ -38,6 +41,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from autopar.solver.linear_like import affine_layout, linear_stand_ins
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -150,19 +155,22 @@ class TPLegality:
         found = []
         for module in sorted(split_modules):
             instance = named.get(module)
-            if instance is None:
+            if instance is None or (isinstance(instance, nn.Embedding) and type(instance).forward is nn.Embedding.forward):
                 continue
-            if not isinstance(instance, (nn.Linear, nn.Embedding)):
-                found.append(IllegalSplit(module, "module class",
-                                          f"{module} is a {type(instance).__name__}, not nn.Linear or nn.Embedding: "
-                                          "no torch parallel style splits it"))
-            elif type(instance).forward not in (nn.Linear.forward, nn.Embedding.forward):
+            if affine_layout(instance) is not None:
+                continue  # an affine map, whatever its class (GPT-2's Conv1D, FalconLinear): split like nn.Linear
+            if isinstance(instance, nn.Embedding):
                 # A style converts the module's inputs; a forward of its own (OPT's learned
                 # positions compute indices from the mask) feeds the lookup something else.
                 found.append(IllegalSplit(module, "module class",
                                           f"{module} is a {type(instance).__name__}, whose forward is not "
-                                          f"{type(instance).__mro__[1].__name__}'s: a torch parallel style converts "
-                                          "its inputs, not what it passes to the matmul or lookup"))
+                                          "nn.Embedding's: a torch parallel style converts its inputs, not what it "
+                                          "passes to the lookup"))
+            else:
+                found.append(IllegalSplit(module, "module class",
+                                          f"{module} is a {type(instance).__name__}, whose forward is not an affine map "
+                                          "of its input (x @ W.T + b or x @ W + b on its weight and bias alone, as "
+                                          "probed on random values): no parallel style splits it"))
         return found
 
     def _regions(self, styles: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -187,10 +195,12 @@ class TPLegality:
         _, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
         for region, children in regions.items():
             linears = {name: style for name, style in children.items()
-                       if style in ("colwise", "rowwise") and isinstance(named.get(name), nn.Linear)}
+                       if style in ("colwise", "rowwise") and named.get(name) is not None
+                       and affine_layout(named[name]) is not None}
             if not linears:
                 continue
-            error, local = _run_narrowed(build, named, linears, tp, *run)
+            with linear_stand_ins(build.model, named, linears) as probed:
+                error, local = _run_narrowed(build, probed, linears, tp, *run)
             error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
             if error is not None:
                 for name in linears:

@@ -1,0 +1,161 @@
+"""How much of a model a tensor-parallel plan actually splits.
+
+Legality analysis (`autopar.solver.tp_legality`) keeps splits the model's code cannot run out of
+the search, and the search replicates what is cheaper whole; on some ways of writing a model
+that leaves almost every linear layer replicated, so ``tp`` ranks compute the same step ``tp``
+times. The coverage says so: the share of the blocks' linear parameters the plan shards, and
+of their forward FLOPs, with each replicated linear module and why. A pinned ``plan.tp`` under
+which less than half of the linear parameters split is refused (`check_pinned_coverage`).
+
+The blocks are the profile's block layers (every layer where a model has none); a *linear
+module* is one a GEMM of which reads a weight (`cost_models.tp_layout.ModuleTree`), GPT-2's
+Conv1D and ``nn.MultiheadAttention`` included, so what legality refuses still counts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autopar.errors import UserError
+from cost_models.tp_layout import ModuleTree
+
+if TYPE_CHECKING:
+    from autopar.profile import ModelProfile
+    from autopar.solver.tp_legality import IllegalSplit
+
+SPLIT = ("colwise", "rowwise")
+MIN_PINNED_SHARE = 0.5  # a pinned tp splitting less of the linear parameters is refused
+
+
+@dataclass(frozen=True)
+class TPCoverage:
+    """What a plan's tensor parallelism splits of the blocks (see the module docstring).
+
+    Attributes:
+        tp: the degree.
+        linear_params: parameters of the blocks' linear modules (every block counted).
+        split_params: of those, the ones the plan shards (a row-parallel bias stays whole).
+        flops: forward FLOPs of the blocks, per micro-batch.
+        split_flops: of those, the ones that run sharded (divided by tp).
+        replicated: a linear module left whole (named in the first block of its kind) -> why.
+    """
+
+    tp: int
+    linear_params: int = 0
+    split_params: int = 0
+    flops: float = 0.0
+    split_flops: float = 0.0
+    replicated: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def param_share(self) -> float | None:
+        return self.split_params / self.linear_params if self.linear_params else None
+
+    @property
+    def flop_share(self) -> float | None:
+        return self.split_flops / self.flops if self.flops else None
+
+    def summary(self) -> str:
+        return coverage_line(self.tp, self.param_share, self.flop_share)
+
+
+def coverage_line(tp: int, param_share: float | None, flop_share: float | None) -> str:
+    """One line: ``tensor parallel (tp=2) splits 75% of the blocks' linear parameters, 69% of
+    their forward FLOPs``."""
+    if param_share is None:
+        return f"tensor parallel (tp={tp}): the blocks hold no linear layer to split"
+    flops = f", {flop_share:.0%} of their forward FLOPs" if flop_share is not None else ""
+    return f"tensor parallel (tp={tp}) splits {param_share:.0%} of the blocks' linear parameters{flops}"
+
+
+def coverage_notes(plan: Any) -> list[str]:
+    """The report's line on the plan's TP coverage (none without TP or in an older plan file)."""
+    predicted = plan.predicted
+    if plan.tp <= 1 or predicted.tp_param_share is None:
+        return []
+    return [coverage_line(plan.tp, predicted.tp_param_share, predicted.tp_flop_share) + "."]
+
+
+def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
+                illegal: dict[str, "IllegalSplit"] | None = None, sharded_ops: dict[str, set[str]] | None = None,
+                tree: ModuleTree | None = None) -> TPCoverage:
+    """The coverage of ``styles`` (module FQN -> style, as plan.tp_styles) at degree ``tp``.
+
+    Args:
+        illegal: module (of a layer kind) -> why legality refused its split, for the reasons.
+        sharded_ops: layer kind -> names of its forward ops the ILP runs sharded; without it a
+            block's FLOPs count as split where they are GEMMs of split modules.
+        tree: the profile's module tree (built when not given).
+    """
+    if tp <= 1:
+        return TPCoverage(tp)
+    tree = tree or ModuleTree.of_profile(profile)
+    illegal = illegal or {}
+    layers = [layer for layer in profile.layers if layer.is_block] or list(profile.layers)
+    counts: dict[str, int] = {}
+    for layer in layers:
+        kind = layer.repeat_of or layer.name
+        counts[kind] = counts.get(kind, 0) + 1
+    linear_params = split_params = 0
+    flops = split_flops = 0.0
+    replicated: dict[str, str] = {}
+    for kind, count in counts.items():
+        modules = sorted(name for name, what in tree.kinds.items() if what == "linear" and _under(name, kind))
+        modules = [m for m in modules if not any(_under(m, other) and m != other for other in modules)]
+        for module in modules:
+            style = styles.get(module, "replicate")
+            params = _params_under(profile, module)
+            linear_params += count * sum(params.values())
+            if style in SPLIT:
+                split_params += count * sum(size for name, size in params.items()
+                                            if not (style == "rowwise" and name == f"{module}.bias"))
+            elif params:
+                replicated[module] = illegal[module].reason if module in illegal else \
+                    "the search found it faster whole (its split's communication costs more than it saves)"
+        sharded = (sharded_ops or {}).get(kind)
+        for op in profile.ops:
+            if op.layer != kind or op.phase != "forward" or op.op_class == "view":
+                continue
+            flops += count * op.flops
+            if sharded is not None:
+                split_flops += count * op.flops if op.name in sharded else 0
+            elif op.op_class == "gemm" and styles.get(op.module or "", "replicate") in SPLIT:
+                split_flops += count * op.flops
+    return TPCoverage(tp, linear_params, split_params, flops, split_flops, replicated)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _params_under(profile: "ModelProfile", module: str) -> dict[str, int]:
+    return {name: math.prod(shape) for name, shape in profile.param_shapes.items()
+            if name.startswith(module + ".")}
+
+
+class TPCoverageError(UserError):
+    """A pinned tensor-parallel degree that splits too little; carries the coverage it found."""
+
+    def __init__(self, coverage: TPCoverage, problem: str, fix: str):
+        super().__init__(problem, fix)
+        self.coverage = coverage
+
+
+def check_pinned_coverage(coverage: TPCoverage) -> None:
+    """Refuse a pinned tensor-parallel degree under which less than half of the blocks' linear
+    parameters split: the plan would spend ``tp`` ranks on one replicated step."""
+    share = coverage.param_share
+    if share is None or share >= MIN_PINNED_SHARE:
+        return
+    shown = list(coverage.replicated.items())
+    listed = "; ".join(f"{module} ({why})" for module, why in shown[:6])
+    more = f"; and {len(shown) - 6} more" if len(shown) > 6 else ""
+    raise TPCoverageError(
+        coverage,
+        f"plan.tp={coverage.tp} is pinned, but tensor parallelism would split only {share:.0%} of the blocks' "
+        f"linear parameters ({coverage.split_params:,} of {coverage.linear_params:,}); the rest runs replicated on "
+        f"every tensor-parallel rank, {coverage.tp} GPUs computing what one would. Left replicated: {listed}{more}.",
+        "pin a smaller plan.tp (or leave plan.tp unset for the planner to choose), or spend those GPUs on data "
+        "parallelism (plan.dp); to split these modules, write them as plain nn.Linear layers whose outputs the "
+        "model's code reads per head.")

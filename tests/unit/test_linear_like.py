@@ -1,0 +1,106 @@
+"""Linear-like modules recognised by what their forward computes (autopar.solver.linear_like),
+and the share of a model a tensor-parallel plan splits (autopar.solver.tp_coverage)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.errors import UserError
+from autopar.solver.linear_like import AffineLayout, affine_layout
+from autopar.solver.tp_coverage import TPCoverage, check_pinned_coverage, coverage_line
+
+
+class Conv1D(nn.Module):
+    """GPT-2's transposed linear, as transformers writes it (sizes read from its attributes)."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class FalconLinear(nn.Linear):
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class Scaled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class WithScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x @ self.weight.T * self.scale
+
+
+def test_a_transposed_weight_is_recognised_with_its_sizes():
+    assert affine_layout(Conv1D(6, 4)) == AffineLayout(transposed=True, in_features=4, out_features=6)
+    assert affine_layout(Conv1D(6, 4)).out_dim == 1
+
+
+def test_a_linear_subclass_with_an_affine_forward_is_recognised_and_one_that_scales_is_not():
+    assert affine_layout(FalconLinear(4, 6)) == AffineLayout(transposed=False, in_features=4, out_features=6)
+    assert affine_layout(FalconLinear(4, 6, bias=False)) == AffineLayout(False, 4, 6)
+    assert affine_layout(nn.Linear(4, 6)) == AffineLayout(False, 4, 6)
+    assert affine_layout(Scaled(4, 4)) is None
+
+
+def test_a_square_weight_is_told_apart_by_its_values():
+    """With in == out both layouts fit the shapes; only the values say which map it computes."""
+    assert affine_layout(Conv1D(5, 5)).transposed
+    assert not affine_layout(FalconLinear(5, 5)).transposed
+
+
+def test_modules_with_more_state_or_no_matrix_are_not_affine():
+    assert affine_layout(WithScale()) is None
+    assert affine_layout(nn.Embedding(8, 4)) is None
+    assert affine_layout(nn.LayerNorm(4)) is None
+    assert affine_layout(nn.Conv1d(4, 4, 3)) is None
+
+
+def test_modules_built_on_fake_tensors_are_probed_on_real_ones():
+    """Planning builds the model under FakeTensorMode; the probe needs values, and gets them
+    also while the mode is active."""
+    with FakeTensorMode():
+        conv, scaled = Conv1D(8, 8), Scaled(8, 8)
+        assert affine_layout(conv) == AffineLayout(True, 8, 8)
+        assert affine_layout(scaled) is None
+
+
+def _coverage(split: int, total: int = 100) -> TPCoverage:
+    return TPCoverage(tp=4, linear_params=total, split_params=split, flops=1000.0, split_flops=400.0,
+                      replicated={"h.0.attn.qkv": "h.0.attn.qkv's output is cut along its split dimension",
+                                  "h.0.mlp.up": "the search found it faster whole"})
+
+
+def test_coverage_shares_and_line():
+    coverage = _coverage(75)
+    assert coverage.param_share == 0.75 and coverage.flop_share == 0.4
+    assert coverage_line(4, 0.75, 0.4) == ("tensor parallel (tp=4) splits 75% of the blocks' linear parameters, "
+                                           "40% of their forward FLOPs")
+    assert TPCoverage(tp=2).param_share is None
+
+
+def test_a_pinned_tp_splitting_less_than_half_is_refused_naming_modules_and_reasons():
+    check_pinned_coverage(_coverage(50))  # half: accepted
+    with pytest.raises(UserError) as refused:
+        check_pinned_coverage(_coverage(49))
+    text = str(refused.value)
+    assert "plan.tp=4" in text and "49%" in text
+    assert "h.0.attn.qkv (h.0.attn.qkv's output is cut along its split dimension)" in text
+    assert "h.0.mlp.up (the search found it faster whole)" in text
+    assert "Fix: pin a smaller plan.tp" in text and "plan.dp" in text

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.codegen.in_place import outputs_modified_in_place
 from autopar.model_file import build_fake, call_model, load_model_file
 from autopar.codegen.sections.contract import tokens_per_sample
 from autopar.codegen.sections.expert_parallel import router_width
@@ -41,6 +42,8 @@ class ModuleFacts:
             BERT layer gets the hidden states and its attention mask).
         transposed: a linear layer storing its weight ``(in, out)`` (GPT-2's Conv1D), split by
             the transposed styles (sections/linear_like.py) rather than torch's.
+        output_modified_in_place: the model's code modifies its output in place (Falcon's
+            ``mlp_output += ...``): a split copies it (autopar.codegen.in_place).
     """
 
     class_name: str
@@ -51,6 +54,7 @@ class ModuleFacts:
     outputs: int | None = None
     positional_inputs: int = 1
     transposed: bool = False
+    output_modified_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
         handles.append(module.register_forward_hook(record_output))
     try:
         with build.fake_mode, torch.no_grad():
-            call_model(model, build.batch)
+            modified = outputs_modified_in_place(model, lambda: call_model(model, build.batch))
     finally:
         for handle in handles:
             handle.remove()
@@ -134,7 +138,8 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
                                  first_input=first_inputs.get(name), has_parameters=any(True for _ in module.parameters()),
                                  called=name in first_inputs, outputs=outputs.get(name),
                                  positional_inputs=positional.get(name, 1),
-                                 transposed=bool(getattr(affine_layout(module), "transposed", False)))
+                                 transposed=bool(getattr(affine_layout(module), "transposed", False)),
+                                 output_modified_in_place=name in modified)
                for name, module in model.named_modules()}
     children = {name: [f"{name}.{child}" if name else child for child, _ in module.named_children()]
                 for name, module in model.named_modules()}

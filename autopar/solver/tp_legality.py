@@ -3,7 +3,7 @@
 The operator-wise ILP (`intra_op`) splits any GEMM that reads a parameter; torch's parallel
 styles then run the model's own code on each rank's share. That code is not always written
 for a share, and a split it cannot run either crashes at run time or silently computes
-something else. Three rules, each naming the op or module that decided it:
+something else. The rules, each naming the op or module that decided it:
 
 - *module class*: a module is split when its forward computes an affine map of its input on
   its own weight and bias (``nn.Linear``; GPT-2's ``Conv1D``, weight stored ``(in, out)``;
@@ -18,8 +18,6 @@ something else. Three rules, each naming the op or module that decided it:
   would hand each rank a contiguous block of the fused matrix, not its share of each part. An
   op that drops a dim (``select``) counts as a cut wherever it selects: BLOOM's per-head
   interleaved ``query_key_value`` is refused although a split by heads would keep it whole.
-- *output modified in place* (traced graph): a split module returns a view made by DTensor's
-  ``to_local``, which autograd forbids modifying in place (Falcon's ``mlp_output += ...``).
 - *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
   are split column- then row-wise) is run with its linears narrowed to one rank's share; code
   that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``)
@@ -32,7 +30,6 @@ A rule that cannot be checked (no model file to build) is skipped, never guessed
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +48,6 @@ if TYPE_CHECKING:
 _CUTTING = ("aten.slice.", "aten.split.", "aten.split_with_sizes.", "aten.chunk.", "aten.narrow.",
             "aten.select.", "aten.index.", "aten.unbind.", "aten.index_select.")
 _RESHAPING = ("aten.view.", "aten._unsafe_view.", "aten.reshape.")
-_IN_PLACE = re.compile(r"^aten\.\w+_\.")  # add_, mul_, copy_ ...: the first argument is modified
 
 
 @dataclass(frozen=True)
@@ -60,7 +56,7 @@ class IllegalSplit:
 
     Attributes:
         module: the module's FQN (in the layer the ILP solves).
-        kind: the rule that decided it (``module class``, ``fused output``, ``in-place output``,
+        kind: the rule that decided it (``module class``, ``fused output``,
             ``local shapes``).
         reason: what decided it, naming the op or module.
     """
@@ -93,8 +89,10 @@ class TPLegality:
             found: dict[str, IllegalSplit] = {}
             ops = [op for op in self.profile.ops if op.layer == layer and op.phase == "forward"]
             split_modules = _split_candidates(self.profile, ops)
+            # (An output the model's code modifies in place is no reason to keep a module whole:
+            # code generation copies it, autopar.codegen.in_place.)
             for item in [*self._class_rule(split_modules), *_fused_rule(ops, split_modules),
-                         *_in_place_rule(ops, split_modules), *_too_small_rule(self.profile, split_modules, tp)]:
+                         *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
             self._static[(layer, tp)] = found
         return self._static[(layer, tp)]
@@ -286,25 +284,6 @@ def _too_small_rule(profile: "ModelProfile", split_modules: set[str], tp: int) -
         if small:
             found.append(IllegalSplit(module, "too small", f"{module}'s weight {list(shape)} has a dim of {small[0]}, "
                                                          f"fewer than tp={tp} ranks to split it over"))
-    return found
-
-
-def _in_place_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
-    """Split-candidate modules whose output an in-place op modifies (through views)."""
-    by_name = {op.name: op for op in ops}
-    found = []
-    for op in ops:
-        if not _IN_PLACE.match(op.target) or not op.inputs:
-            continue
-        source = by_name.get(op.inputs[0])
-        while source is not None and source.op_class == "view" and source.module not in split_modules \
-                and source.inputs:
-            source = by_name.get(source.inputs[0])
-        if source is not None and source.module in split_modules and source.module != op.module:
-            found.append(IllegalSplit(source.module, "in-place output",
-                                      f"{source.module}'s output is modified in place by {op.target} in "
-                                      f"{op.module or op.layer}: a split module returns a view autograd forbids "
-                                      "modifying"))
     return found
 
 

@@ -104,3 +104,64 @@ def test_a_pinned_tp_splitting_less_than_half_is_refused_naming_modules_and_reas
     assert "h.0.attn.qkv (h.0.attn.qkv's output is cut along its split dimension)" in text
     assert "h.0.mlp.up (the search found it faster whole)" in text
     assert "Fix: pin a smaller plan.tp" in text and "plan.dp" in text
+
+
+MODEL_FILE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Conv1D(nn.Module):
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(32, 8), Conv1D(8, 32)
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = self.c_proj(F.gelu(self.c_fc(x)))
+        z = self.down(F.gelu(self.up(x + y)))
+        z.view(-1)[:1] += 1  # in place, through a view
+        return x + z
+
+
+def build_model():
+    return nn.Sequential(Block())
+
+
+def example_batch(batch_size):
+    return torch.randn(batch_size, 4, 8)
+
+
+def loss_fn(output, batch):
+    return output.pow(2).mean()
+'''
+
+
+def test_codegen_marks_transposed_linears_and_outputs_modified_in_place(tmp_path):
+    from autopar.codegen.model_facts import inspect_model
+    from autopar.codegen.tp_plan import StyleSpec, with_transposed_styles
+
+    path = tmp_path / "model.py"
+    path.write_text(MODEL_FILE)
+    facts = inspect_model(path, {})
+    assert facts.kind("0.c_fc") == "linear" and facts.modules["0.c_fc"].transposed
+    assert facts.kind("0.up") == "linear" and not facts.modules["0.up"].transposed
+    assert {name for name, m in facts.modules.items() if m.output_modified_in_place} == {"0.down"}
+    styles = with_transposed_styles({"0.c_fc": StyleSpec("ColwiseParallel"), "0.c_proj": StyleSpec("RowwiseParallel"),
+                                     "0.up": StyleSpec("ColwiseParallel"), "0.down": StyleSpec("RowwiseParallel")}, facts)
+    assert [spec.source() for spec in styles.values()] == [
+        "TransposedColwiseParallel()", "TransposedRowwiseParallel()", "ColwiseParallel()",
+        "OwnedOutput(style=RowwiseParallel())"]

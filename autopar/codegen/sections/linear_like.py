@@ -1,12 +1,13 @@
-"""Tensor-parallel styles for linear layers storing their weight transposed (GPT-2's Conv1D)."""
+"""Tensor-parallel styles beyond torch's: transposed linear layers (GPT-2's Conv1D), owned outputs."""
 from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 def shard_transposed(weight_placement: Placement, bias_placement: Placement, src_data_rank: int | None,
@@ -45,3 +46,20 @@ class TransposedRowwiseParallel(RowwiseParallel):
                                  partial(shard_transposed, Shard(0), Replicate(), self.src_data_rank),
                                  partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class OwnedOutput(ParallelStyle):
+    """``style``, with the module's output copied: a split module returns ``DTensor.to_local()``,
+    a view autograd forbids modifying in place, and the model's code modifies this one (Falcon's
+    ``mlp_output += attention_output``). One copy of the output, where the code needs it only."""
+
+    def __init__(self, *, style: ParallelStyle):
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        module.register_forward_hook(
+            lambda _module, _inputs, output: output.clone()
+            if isinstance(output, torch.Tensor) and not isinstance(output, DTensor) else output)
+        return module

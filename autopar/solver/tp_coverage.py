@@ -5,7 +5,9 @@ the search, and the search replicates what is cheaper whole; on some ways of wri
 that leaves almost every linear layer replicated, so ``tp`` ranks compute the same step ``tp``
 times. The coverage says so: the share of the blocks' linear parameters the plan shards, and
 of their forward FLOPs, with each replicated linear module and why. A pinned ``plan.tp`` under
-which less than half of the linear parameters split is refused (`check_pinned_coverage`).
+which less than half of the linear parameters can split is refused (`check_pinned_coverage`):
+the model's code keeps them whole (the legality rules), whatever the cluster. A plan that could
+split more but found replicating faster on the cluster's links is not refused; its share says so.
 
 The blocks are the profile's block layers (every layer where a model has none); a *linear
 module* is one a GEMM of which reads a weight (`cost_models.tp_layout.ModuleTree`), GPT-2's
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
     from autopar.solver.tp_legality import IllegalSplit
 
 SPLIT = ("colwise", "rowwise")
-MIN_PINNED_SHARE = 0.5  # a pinned tp splitting less of the linear parameters is refused
+MIN_PINNED_SHARE = 0.5  # a pinned tp under which less of the linear parameters can split is refused
+FASTER_WHOLE = "the search found it faster whole on this cluster: its split communicates more than it saves"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class TPCoverage:
         tp: the degree.
         linear_params: parameters of the blocks' linear modules (every block counted).
         split_params: of those, the ones the plan shards (a row-parallel bias stays whole).
+        refused_params: of those, the ones of modules the legality rules keep whole.
         flops: forward FLOPs of the blocks, per micro-batch.
         split_flops: of those, the ones that run sharded (divided by tp).
         replicated: a linear module left whole (named in the first block of its kind) -> why.
@@ -44,6 +48,7 @@ class TPCoverage:
     tp: int
     linear_params: int = 0
     split_params: int = 0
+    refused_params: int = 0
     flops: float = 0.0
     split_flops: float = 0.0
     replicated: dict[str, str] = field(default_factory=dict)
@@ -51,6 +56,16 @@ class TPCoverage:
     @property
     def param_share(self) -> float | None:
         return self.split_params / self.linear_params if self.linear_params else None
+
+    @property
+    def splittable_share(self) -> float | None:
+        """The share of the linear parameters the legality rules let split."""
+        return 1 - self.refused_params / self.linear_params if self.linear_params else None
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Replicated modules the legality rules keep whole, and why."""
+        return {module: why for module, why in self.replicated.items() if why != FASTER_WHOLE}
 
     @property
     def flop_share(self) -> float | None:
@@ -97,7 +112,7 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
     for layer in layers:
         kind = layer.repeat_of or layer.name
         counts[kind] = counts.get(kind, 0) + 1
-    linear_params = split_params = 0
+    linear_params = split_params = refused_params = 0
     flops = split_flops = 0.0
     replicated: dict[str, str] = {}
     for kind, count in counts.items():
@@ -111,8 +126,9 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
                 split_params += count * sum(size for name, size in params.items()
                                             if not (style == "rowwise" and name == f"{module}.bias"))
             elif params:
-                replicated[module] = illegal[module].reason if module in illegal else \
-                    "the search found it faster whole (its split's communication costs more than it saves)"
+                replicated[module] = illegal[module].reason if module in illegal else FASTER_WHOLE
+            if module in illegal:
+                refused_params += count * sum(params.values())
         sharded = (sharded_ops or {}).get(kind)
         for op in profile.ops:
             if op.layer != kind or op.phase != "forward" or op.op_class == "view":
@@ -122,7 +138,7 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
                 split_flops += count * op.flops if op.name in sharded else 0
             elif op.op_class == "gemm" and styles.get(op.module or "", "replicate") in SPLIT:
                 split_flops += count * op.flops
-    return TPCoverage(tp, linear_params, split_params, flops, split_flops, replicated)
+    return TPCoverage(tp, linear_params, split_params, refused_params, flops, split_flops, replicated)
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -143,19 +159,21 @@ class TPCoverageError(UserError):
 
 
 def check_pinned_coverage(coverage: TPCoverage) -> None:
-    """Refuse a pinned tensor-parallel degree under which less than half of the blocks' linear
-    parameters split: the plan would spend ``tp`` ranks on one replicated step."""
-    share = coverage.param_share
+    """Refuse a pinned tensor-parallel degree under which the model's code lets less than half of
+    the blocks' linear parameters split: the plan would spend ``tp`` ranks on a mostly
+    replicated step, whatever the cluster."""
+    share = coverage.splittable_share
     if share is None or share >= MIN_PINNED_SHARE:
         return
-    shown = list(coverage.replicated.items())
+    shown = list(coverage.refused.items())
     listed = "; ".join(f"{module} ({why})" for module, why in shown[:6])
     more = f"; and {len(shown) - 6} more" if len(shown) > 6 else ""
     raise TPCoverageError(
         coverage,
-        f"plan.tp={coverage.tp} is pinned, but tensor parallelism would split only {share:.0%} of the blocks' "
-        f"linear parameters ({coverage.split_params:,} of {coverage.linear_params:,}); the rest runs replicated on "
-        f"every tensor-parallel rank, {coverage.tp} GPUs computing what one would. Left replicated: {listed}{more}.",
+        f"plan.tp={coverage.tp} is pinned, but tensor parallelism could split at most {share:.0%} of the blocks' "
+        f"linear parameters (the model's code keeps {coverage.refused_params:,} of {coverage.linear_params:,} whole); "
+        f"those run replicated on every tensor-parallel rank, {coverage.tp} GPUs computing what one would. "
+        f"Left replicated: {listed}{more}.",
         "pin a smaller plan.tp (or leave plan.tp unset for the planner to choose), or spend those GPUs on data "
-        "parallelism (plan.dp); to split these modules, write them as plain nn.Linear layers whose outputs the "
-        "model's code reads per head.")
+        "parallelism (plan.dp); or write these modules as plain linear layers whose outputs the model's code "
+        "reads by its own sizes.")

@@ -115,6 +115,10 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
     linear_params = split_params = refused_params = 0
     flops = split_flops = 0.0
     replicated: dict[str, str] = {}
+    ops_of: dict[str, list] = {}
+    for op in profile.ops:
+        if op.layer in counts:
+            ops_of.setdefault(op.layer, []).append(op)
     for kind, count in counts.items():
         modules = sorted(name for name, what in tree.kinds.items() if what == "linear" and _under(name, kind))
         modules = [m for m in modules if not any(_under(m, other) and m != other for other in modules)]
@@ -130,8 +134,8 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
             if module in illegal:
                 refused_params += count * sum(params.values())
         sharded = (sharded_ops or {}).get(kind)
-        for op in profile.ops:
-            if op.layer != kind or op.phase != "forward" or op.op_class == "view":
+        for op in ops_of.get(kind, []):
+            if op.phase != "forward" or op.op_class == "view":
                 continue
             flops += count * op.flops
             if sharded is not None:
@@ -165,15 +169,18 @@ def check_pinned_coverage(coverage: TPCoverage) -> None:
     share = coverage.splittable_share
     if share is None or share >= MIN_PINNED_SHARE:
         return
-    shown = list(coverage.refused.items())
-    listed = "; ".join(f"{module} ({why})" for module, why in shown[:6])
-    more = f"; and {len(shown) - 6} more" if len(shown) > 6 else ""
+    by_reason: dict[str, list[str]] = {}
+    for module, why in coverage.refused.items():
+        by_reason.setdefault(why, []).append(module)
+    groups = [f"{', '.join(modules)} ({why})" for why, modules in by_reason.items()]
+    listed = "; ".join(groups[:5]) + (f"; and {len(groups) - 5} more" if len(groups) > 5 else "")
+    percent = math.floor(share * 100)  # 49.8% is under half: never shown as 50%
     raise TPCoverageError(
         coverage,
-        f"plan.tp={coverage.tp} is pinned, but tensor parallelism could split at most {share:.0%} of the blocks' "
+        f"plan.tp={coverage.tp} is pinned, but tensor parallelism could split at most {percent}% of the blocks' "
         f"linear parameters (the model's code keeps {coverage.refused_params:,} of {coverage.linear_params:,} whole); "
         f"those run replicated on every tensor-parallel rank, {coverage.tp} GPUs computing what one would. "
-        f"Left replicated: {listed}{more}.",
+        f"Left replicated (named in the first block of each kind): {listed}.",
         "pin a smaller plan.tp (or leave plan.tp unset for the planner to choose), or spend those GPUs on data "
         "parallelism (plan.dp); or write these modules as plain linear layers whose outputs the model's code "
         "reads by its own sizes.")

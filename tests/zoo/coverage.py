@@ -29,7 +29,7 @@ def pinned_tp_coverage(model_name: str, tp: int) -> TPCoverage | str:
     except TPCoverageError as err:
         return err.coverage
     except UserError as err:
-        return "refused: " + " ".join(str(err).split())[:120]
+        return "refused: " + " ".join(err.problem.split()).rpartition(": ")[2].rstrip(".")[:80]
     return result.tp_coverage
 
 

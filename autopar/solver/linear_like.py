@@ -56,6 +56,27 @@ def affine_layout(module: nn.Module) -> AffineLayout | None:
         return AffineLayout(False, weight.shape[1], weight.shape[0])
     if not _holds_only_weight_and_bias(module) or weight.numel() > PROBE_LIMIT:
         return None
+    key = _probe_key(module)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(module)
+    return _PROBED[key]
+
+
+# Probe results by what decides them (a model repeats one class and shape per block: GPT-2 XL's
+# 192 Conv1D modules are probed 4 times).
+_PROBED: dict[tuple, "AffineLayout | None"] = {}
+
+
+def _probe_key(module: nn.Module) -> tuple:
+    """The class, the parameters' shapes, the plain attributes (Conv1D's ``nf``) and the mode."""
+    plain = tuple(sorted((name, value) for name, value in vars(module).items()
+                         if isinstance(value, (int, float, str, bool, type(None))) and not name.startswith("_")))
+    shapes = tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+    return type(module), shapes, plain, module.training
+
+
+def _probe(module: nn.Module) -> "AffineLayout | None":
+    weight = module.weight
     bias = getattr(module, "bias", None)
     rows, cols = weight.shape
     candidates = [AffineLayout(False, cols, rows), AffineLayout(True, rows, cols)]

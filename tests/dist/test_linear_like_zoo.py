@@ -28,9 +28,11 @@ def test_gpt2_conv1d_splits_and_trains_like_one_process(outcomes):
     styles = _plan(root, "hf_gpt2-tp2").tp_styles
     for block in ("transformer.h.0", "transformer.h.1"):
         assert styles[f"{block}.mlp.c_fc"] == "colwise" and styles[f"{block}.mlp.c_proj"] == "rowwise"
-        assert styles[f"{block}.attn.c_proj"] == "rowwise"
+        # c_attn's fused output stays whole (fused output): its partner c_proj splits on its own
+        # (the search's choice of column or row split, gathered or sliced)
+        assert styles[f"{block}.attn.c_proj"] in ("colwise", "rowwise")
     source = next((root / "hf_gpt2-tp2" / "compiled").glob("parallel_*.py")).read_text()
-    assert "TransposedColwiseParallel()" in source and "TransposedRowwiseParallel(" in source
+    assert "TransposedColwiseParallel(" in source and "TransposedRowwiseParallel(" in source
     assert _plan(root, "hf_gpt2-tp2").predicted.tp_param_share >= 0.5
 
 

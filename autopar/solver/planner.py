@@ -203,7 +203,7 @@ class Planner:
             if robust is not None:
                 winner = robust[0]
         plan, estimate = self.to_plan(winner, result)
-        coverage = self.tp_coverage(plan.tp) if plan.tp > 1 else None
+        coverage = self.tp_coverage(plan.tp, plan.expert_tp) if plan.tp > 1 else None
         if coverage is not None and (self.pins.tp or 1) > 1:
             check_pinned_coverage(coverage)  # a pinned tp under which little splits is refused
         alternatives = [Alternative(self.to_plan(other, result)[0], self._why_lost(other, winner))
@@ -333,7 +333,8 @@ class Planner:
                                 peak_memory_bytes=estimate.peak_memory_bytes,
                                 time_breakdown=estimate.time_breakdown, memory_breakdown=estimate.memory_breakdown,
                                 step_time_low_s=interval.low_s, step_time_high_s=interval.high_s,
-                                extrapolated=list(interval.reasons), **self._coverage_fields(scored.candidate.tp)),
+                                extrapolated=list(interval.reasons),
+                                **self._coverage_fields(scored.candidate.tp, scored.candidate.expert_tp)),
             solver=SolverInfo(status=result.status, objective=scored.step_time_s, seconds=round(result.seconds, 3),
                               candidates=result.candidates, gap=result.gap,
                               priced=result.priced, work=result.work, stopped_by=result.stopped_by),
@@ -343,19 +344,19 @@ class Planner:
                                   versions=software_versions()))
         return plan, estimate
 
-    def tp_coverage(self, tp: int) -> TPCoverage:
+    def tp_coverage(self, tp: int, expert_tp: bool = False) -> TPCoverage:
         """What tensor parallelism of degree ``tp`` splits of the blocks, as solved so far
         (autopar.solver.tp_coverage), with legality's reason for each module it refused."""
         illegal = {module: item for (_, degree), found in self.splitter.illegal.items() if degree == tp
                    for module, item in found.items()}
         sharded = {layer: ops for (layer, degree), ops in self.splitter.sharded_ops.items() if degree == tp}
-        return tp_coverage(self.profile, self._tp_styles(tp), tp, illegal, sharded, self.splitter.tree)
+        return tp_coverage(self.profile, self._tp_styles(tp), tp, illegal, sharded, self.splitter.tree, expert_tp)
 
-    def _coverage_fields(self, tp: int) -> dict[str, float | None]:
+    def _coverage_fields(self, tp: int, expert_tp: bool) -> dict[str, float | None]:
         """The plan's Predicted fields for its TP coverage (rounded: plan.json stays stable)."""
         if tp <= 1:
             return {}
-        coverage = self.tp_coverage(tp)
+        coverage = self.tp_coverage(tp, expert_tp)
         share = lambda value: None if value is None else round(value, 4)  # noqa: E731
         return {"tp_param_share": share(coverage.param_share), "tp_flop_share": share(coverage.flop_share)}
 

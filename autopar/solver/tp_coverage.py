@@ -11,7 +11,9 @@ split more but found replicating faster on the cluster's links is not refused; i
 
 The blocks are the profile's block layers (every layer where a model has none); a *linear
 module* is one a GEMM of which reads a weight (`cost_models.tp_layout.ModuleTree`), GPT-2's
-Conv1D and ``nn.MultiheadAttention`` included, so what legality refuses still counts.
+Conv1D and ``nn.MultiheadAttention`` included, so what legality refuses still counts; so is a
+module named ``experts`` (the expert-parallel contract: stacked feed-forward weights), which
+tensor parallelism splits under expert TP only.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 SPLIT = ("colwise", "rowwise")
 MIN_PINNED_SHARE = 0.5  # a pinned tp under which less of the linear parameters can split is refused
 FASTER_WHOLE = "the search found it faster whole on this cluster: its split communicates more than it saves"
+NO_EXPERT_TP = "experts are split by tensor parallelism only under expert TP (plan.expert_tp)"
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class TPCoverage:
     @property
     def refused(self) -> dict[str, str]:
         """Replicated modules the legality rules keep whole, and why."""
-        return {module: why for module, why in self.replicated.items() if why != FASTER_WHOLE}
+        return {module: why for module, why in self.replicated.items() if why not in (FASTER_WHOLE, NO_EXPERT_TP)}
 
     @property
     def flop_share(self) -> float | None:
@@ -94,7 +97,7 @@ def coverage_notes(plan: Any) -> list[str]:
 
 def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
                 illegal: dict[str, "IllegalSplit"] | None = None, sharded_ops: dict[str, set[str]] | None = None,
-                tree: ModuleTree | None = None) -> TPCoverage:
+                tree: ModuleTree | None = None, expert_tp: bool = False) -> TPCoverage:
     """The coverage of ``styles`` (module FQN -> style, as plan.tp_styles) at degree ``tp``.
 
     Args:
@@ -102,6 +105,7 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
         sharded_ops: layer kind -> names of its forward ops the ILP runs sharded; without it a
             block's FLOPs count as split where they are GEMMs of split modules.
         tree: the profile's module tree (built when not given).
+        expert_tp: the plan splits each expert's width over the TP group.
     """
     if tp <= 1:
         return TPCoverage(tp)
@@ -120,25 +124,32 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
         if op.layer in counts:
             ops_of.setdefault(op.layer, []).append(op)
     for kind, count in counts.items():
-        modules = sorted(name for name, what in tree.kinds.items() if what == "linear" and _under(name, kind))
+        modules = sorted(name for name, what in tree.kinds.items() if _under(name, kind)
+                         and (what == "linear" or name.rpartition(".")[2] == "experts"))
         modules = [m for m in modules if not any(_under(m, other) and m != other for other in modules)]
         for module in modules:
-            style = styles.get(module, "replicate")
+            experts = module.rpartition(".")[2] == "experts"
+            style = ("colwise" if expert_tp else "replicate") if experts else styles.get(module, "replicate")
             params = _params_under(profile, module)
             linear_params += count * sum(params.values())
             if style in SPLIT:
                 split_params += count * sum(size for name, size in params.items()
                                             if not (style == "rowwise" and name == f"{module}.bias"))
             elif params:
-                replicated[module] = illegal[module].reason if module in illegal else FASTER_WHOLE
-            if module in illegal:
-                refused_params += count * sum(params.values())
+                # Experts are split by expert TP, not by a parallel style (the class rule's say on
+                # them is no refusal).
+                refused = module in illegal and not experts
+                replicated[module] = illegal[module].reason if refused else NO_EXPERT_TP if experts else FASTER_WHOLE
+                refused_params += count * sum(params.values()) if refused else 0
         sharded = (sharded_ops or {}).get(kind)
+        split_experts = [m for m in modules if expert_tp and m.rpartition(".")[2] == "experts"]
         for op in ops_of.get(kind, []):
             if op.phase != "forward" or op.op_class == "view":
                 continue
             flops += count * op.flops
-            if sharded is not None:
+            if any(_under(op.module or "", m) for m in split_experts):
+                split_flops += count * op.flops  # each expert's width over the TP group
+            elif sharded is not None:
                 split_flops += count * op.flops if op.name in sharded else 0
             elif op.op_class == "gemm" and styles.get(op.module or "", "replicate") in SPLIT:
                 split_flops += count * op.flops

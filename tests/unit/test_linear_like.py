@@ -269,3 +269,22 @@ def Plan_load(path):
     from autopar.plan import Plan
 
     return Plan.load(path)
+
+
+def test_experts_count_as_linear_parameters_split_only_under_expert_tp():
+    """The MoE test model's experts (stacked feed-forward weights) are most of its block
+    parameters: split by expert TP, replicated over the TP group without it, never 'refused'."""
+    import math
+    from pathlib import Path
+
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+    from autopar.solver.tp_coverage import NO_EXPERT_TP, tp_coverage
+
+    profile = profile_model(load_model_file(Path(__file__).resolve().parents[1] / "moe_model.py"), {}, 1, "fp32")
+    experts = sum(math.prod(shape) for name, shape in profile.param_shapes.items() if ".experts." in name)
+    whole, split = (tp_coverage(profile, {}, 2, expert_tp=flag) for flag in (False, True))
+    assert experts > 0 and whole.linear_params == split.linear_params
+    assert whole.split_params == 0 and split.split_params == experts
+    assert whole.refused_params == 0 and NO_EXPERT_TP in whole.replicated.values()
+    assert split.flop_share > 0 and whole.flop_share == 0

@@ -47,6 +47,10 @@ class Predicted:
     step_time_low_s: float = 0.0
     step_time_high_s: float = 0.0
     extrapolated: list[str] = field(default_factory=list)
+    # Share of the blocks' linear parameters, and of their forward FLOPs, that tensor parallelism
+    # shards (autopar.solver.tp_coverage); None without TP, or in a plan written before them.
+    tp_param_share: float | None = None
+    tp_flop_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ PREDICTED_BOUNDS: dict[str, Bound] = {
     "samples_per_s": Bound(low=0), "mfu": Bound(low=0), "peak_memory_bytes": Bound(low=0, integer=True),
     "time_breakdown": Bound(each=True), "memory_breakdown": Bound(each=True),
     "step_time_low_s": Bound(low=0), "step_time_high_s": Bound(low=0),
+    "tp_param_share": Bound(low=0, high=1, null="no tensor parallelism"),
+    "tp_flop_share": Bound(low=0, high=1, null="no tensor parallelism"),
 }
 SOLVER_INFO_BOUNDS: dict[str, Bound] = {
     "objective": Bound(), "seconds": Bound(low=0), "candidates": Bound(low=0, integer=True), "gap": Bound(low=0),

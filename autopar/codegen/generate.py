@@ -24,7 +24,7 @@ from autopar.codegen.model_facts import ModelFacts, inspect_model
 from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
 from autopar.codegen.specialize import fold, prune, referenced_names
 from autopar.codegen.stage_flow import LayerReads, layer_reads, skipped_read, uncarried_read
-from autopar.codegen.tp_plan import TPPlan, build_tp_plan
+from autopar.codegen.tp_plan import SPLITTING_STYLES, TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plan import Plan
 from autopar.trace.sequence import POSITION_ARGUMENT_NAMES
@@ -373,7 +373,7 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         f" x {plan.micro_batch_size}",
     ]
     if plan.tp > 1:
-        split = sum(1 for s in tp.styles.values() if s.style in ("ColwiseParallel", "RowwiseParallel"))
+        split = sum(1 for s in tp.styles.values() if s.style in SPLITTING_STYLES)
         lines.append(f"  tensor       {split} modules split over {plan.tp} ranks"
                      + (", sequence parallel" if plan.sequence_parallel else "")
                      + (", loss parallel" if tp.loss_parallel else ""))

@@ -15,9 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.codegen.in_place import outputs_modified_in_place
 from autopar.model_file import build_fake, call_model, load_model_file
 from autopar.codegen.sections.contract import tokens_per_sample
 from autopar.codegen.sections.expert_parallel import router_width
+from autopar.solver.linear_like import affine_layout
 from autopar.trace.experts import experts_inputs
 from autopar.trace.sequence import position_argument
 from cost_models.expert_parallel import feed_forward_width, is_dropless
@@ -38,6 +40,10 @@ class ModuleFacts:
         outputs: how many values forward returned as a tuple/list, or None for a single value.
         positional_inputs: how many arguments its first call passed positionally (a Hugging Face
             BERT layer gets the hidden states and its attention mask).
+        transposed: a linear layer storing its weight ``(in, out)`` (GPT-2's Conv1D), split by
+            the transposed styles (sections/linear_like.py) rather than torch's.
+        output_modified_in_place: the model's code modifies its output in place (Falcon's
+            ``mlp_output += ...``): a split copies it (autopar.codegen.in_place).
     """
 
     class_name: str
@@ -47,6 +53,8 @@ class ModuleFacts:
     called: bool
     outputs: int | None = None
     positional_inputs: int = 1
+    transposed: bool = False
+    output_modified_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ def module_kind(module: nn.Module) -> str:
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if affine_layout(module) is not None:
+        return "linear"  # an affine map by what its forward computes (autopar.solver.linear_like)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         return "container"
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or any(h in type(module).__name__.lower() for h in NORM_CLASS_HINTS):
@@ -120,14 +130,16 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
         handles.append(module.register_forward_hook(record_output))
     try:
         with build.fake_mode, torch.no_grad():
-            call_model(model, build.batch)
+            modified = outputs_modified_in_place(model, lambda: call_model(model, build.batch))
     finally:
         for handle in handles:
             handle.remove()
     modules = {name: ModuleFacts(class_name=type(module).__name__, kind=module_kind(module),
                                  first_input=first_inputs.get(name), has_parameters=any(True for _ in module.parameters()),
                                  called=name in first_inputs, outputs=outputs.get(name),
-                                 positional_inputs=positional.get(name, 1))
+                                 positional_inputs=positional.get(name, 1),
+                                 transposed=bool(getattr(affine_layout(module), "transposed", False)),
+                                 output_modified_in_place=name in modified)
                for name, module in model.named_modules()}
     children = {name: [f"{name}.{child}" if name else child for child, _ in module.named_children()]
                 for name, module in model.named_modules()}

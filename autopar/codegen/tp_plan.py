@@ -190,8 +190,31 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
                                     + (("use_local_output", "False"),), "one all-reduce of the input's gradient")
     if sp:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
+    out = with_transposed_styles(out, facts)
     result.styles = {name: out[name] for name in facts.modules if name in out}
     return result
+
+
+# Styles that shard a module's weight (the header counts them), and the transposed-weight
+# variant of torch's two linear styles (sections/linear_like.py).
+SPLITTING_STYLES = frozenset({"ColwiseParallel", "RowwiseParallel", "TransposedColwiseParallel",
+                              "TransposedRowwiseParallel", "OwnedOutput"})
+_TRANSPOSED = {"ColwiseParallel": "TransposedColwiseParallel", "RowwiseParallel": "TransposedRowwiseParallel"}
+
+
+def with_transposed_styles(styles: dict[str, StyleSpec], facts: ModelFacts) -> dict[str, StyleSpec]:
+    """``styles`` with each linear layer that stores its weight ``(in, out)`` (GPT-2's Conv1D,
+    `ModuleFacts.transposed`) given the transposed variant of its style, same arguments."""
+    styles = {name: StyleSpec(_TRANSPOSED[spec.style], spec.arguments, spec.why)
+              if spec.style in _TRANSPOSED and name in facts.modules and facts.modules[name].transposed else spec
+              for name, spec in styles.items()}
+    # A split module's output is a view autograd forbids modifying in place: where the model's
+    # code does (Falcon's mlp_output += ...), the output is copied once (OwnedOutput).
+    return {name: StyleSpec("OwnedOutput", (("style", spec.source()),), spec.why + "; its output is copied, "
+                            "which the model's code modifies in place")
+            if spec.style in SPLITTING_STYLES and name in facts.modules and facts.modules[name].output_modified_in_place
+            and ("use_local_output", "False") not in spec.arguments else spec
+            for name, spec in styles.items()}
 
 
 def _only_linears_hold_weights(region: str, facts: ModelFacts) -> bool:

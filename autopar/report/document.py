@@ -14,6 +14,7 @@ from typing import Any
 
 from autopar.plan import MeshAxis, Plan
 from autopar.serialize import FieldError, from_jsonable, to_jsonable
+from autopar.solver.tp_coverage import coverage_notes
 from cost_models.collectives import Collective, best_algorithm
 from cost_models.layout import ParallelLayout
 from cost_models.step import Estimate, PlanPricer
@@ -137,7 +138,8 @@ def build_report(plan: Plan, estimate: Estimate, pricer: PlanPricer, alternative
         alternatives=[AlternativeRow(a.plan.summary(), a.plan.predicted.step_time_s, a.plan.predicted.tokens_per_s,
                                      a.plan.predicted.peak_memory_bytes, a.reason) for a in alternatives],
         binding=[BindingRow(b.constraint, b.relaxing) for b in binding],
-        groups=process_groups(plan, estimate, pricer), notes=list(notes) + uncosted_notes(profile) + sequence_notes(profile),
+        groups=process_groups(plan, estimate, pricer),
+        notes=coverage_notes(plan) + list(notes) + uncosted_notes(profile) + sequence_notes(profile),
         solver_seconds=plan.solver.seconds)
 
 

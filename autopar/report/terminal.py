@@ -6,6 +6,7 @@ from rich.table import Table
 
 from autopar.profile import LayerProfile, ModelProfile
 from autopar.report.units import format_bytes, format_count
+from autopar.solver.tp_coverage import coverage_notes
 
 
 def collapse_repeats(layers: list[LayerProfile]) -> list[tuple[LayerProfile, LayerProfile, int]]:
@@ -97,6 +98,8 @@ def print_plan(result, console: Console) -> None:
                       + (f"; extrapolated: {'; '.join(predicted.extrapolated)}" if predicted.extrapolated else "") + ")")
     if plan.pp > 1:
         console.print("stages: " + ", ".join(f"{len(stage)} layers" for stage in plan.stages))
+    for line in coverage_notes(plan):
+        console.print(line)
     solver = plan.solver
     console.print(f"solver {solver.status} in {solver.seconds:.1f} s ({solver.work:,.1f} work units) over "
                   f"{solver.candidates:,} candidates"

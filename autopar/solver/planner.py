@@ -16,6 +16,7 @@ from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
 from autopar.solver.space import MAX_WORLD_SIZE, Candidate, ModelShape, divisors, enumerate_candidates
+from autopar.solver.tp_coverage import TPCoverage, check_pinned_coverage, tp_coverage
 from autopar.solver.tp_split import ILPSplitter, illegal_splits, replicated_ops
 from cost_models.expert_parallel import UNSPLITTABLE_WIDTH
 from cost_models.hardware import get_gpu, known_gpus
@@ -68,6 +69,8 @@ class PlanningResult:
     illegal_splits: list[str] = field(default_factory=list)
     # plans compile's proof rejected before this one (autopar.report.document.RejectedPlan)
     rejected: list[Any] = field(default_factory=list)
+    # what the plan's tensor parallelism splits (None without TP): autopar.solver.tp_coverage
+    tp_coverage: TPCoverage | None = None
 
 
 @contextmanager
@@ -200,6 +203,9 @@ class Planner:
             if robust is not None:
                 winner = robust[0]
         plan, estimate = self.to_plan(winner, result)
+        coverage = self.tp_coverage(plan.tp, plan.expert_tp) if plan.tp > 1 else None
+        if coverage is not None and (self.pins.tp or 1) > 1:
+            check_pinned_coverage(coverage)  # a pinned tp under which little splits is refused
         alternatives = [Alternative(self.to_plan(other, result)[0], self._why_lost(other, winner))
                         for other in result.best
                         if other.candidate != winner.candidate and other is not fastest][: self.solver.top_k]
@@ -212,7 +218,7 @@ class Planner:
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
                               binding=binding, pricer=self.pricer,
                               replicated_ops=replicated_ops(self.splitter, plan.tp),
-                              illegal_splits=self._illegal_splits(plan))
+                              illegal_splits=self._illegal_splits(plan), tp_coverage=coverage)
 
     def _illegal_splits(self, plan: Plan) -> list[str]:
         """Which splits legality analysis kept out of the search, one line per kind."""
@@ -327,7 +333,8 @@ class Planner:
                                 peak_memory_bytes=estimate.peak_memory_bytes,
                                 time_breakdown=estimate.time_breakdown, memory_breakdown=estimate.memory_breakdown,
                                 step_time_low_s=interval.low_s, step_time_high_s=interval.high_s,
-                                extrapolated=list(interval.reasons)),
+                                extrapolated=list(interval.reasons),
+                                **self._coverage_fields(scored.candidate.tp, scored.candidate.expert_tp)),
             solver=SolverInfo(status=result.status, objective=scored.step_time_s, seconds=round(result.seconds, 3),
                               candidates=result.candidates, gap=result.gap,
                               priced=result.priced, work=result.work, stopped_by=result.stopped_by),
@@ -336,6 +343,22 @@ class Planner:
                                   traced_micro_batch_size=self.profile.micro_batch_size,
                                   versions=software_versions()))
         return plan, estimate
+
+    def tp_coverage(self, tp: int, expert_tp: bool = False) -> TPCoverage:
+        """What tensor parallelism of degree ``tp`` splits of the blocks, as solved so far
+        (autopar.solver.tp_coverage), with legality's reason for each module it refused."""
+        illegal = {module: item for (_, degree), found in self.splitter.illegal.items() if degree == tp
+                   for module, item in found.items()}
+        sharded = {layer: ops for (layer, degree), ops in self.splitter.sharded_ops.items() if degree == tp}
+        return tp_coverage(self.profile, self._tp_styles(tp), tp, illegal, sharded, self.splitter.tree, expert_tp)
+
+    def _coverage_fields(self, tp: int, expert_tp: bool) -> dict[str, float | None]:
+        """The plan's Predicted fields for its TP coverage (rounded: plan.json stays stable)."""
+        if tp <= 1:
+            return {}
+        coverage = self.tp_coverage(tp, expert_tp)
+        share = lambda value: None if value is None else round(value, 4)  # noqa: E731
+        return {"tp_param_share": share(coverage.param_share), "tp_flop_share": share(coverage.flop_share)}
 
     def _tp_styles(self, tp: int) -> dict[str, str]:
         """Module FQN -> style for every layer, repeating each layer kind's ILP solution."""

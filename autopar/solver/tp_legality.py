@@ -3,20 +3,21 @@
 The operator-wise ILP (`intra_op`) splits any GEMM that reads a parameter; torch's parallel
 styles then run the model's own code on each rank's share. That code is not always written
 for a share, and a split it cannot run either crashes at run time or silently computes
-something else. Three rules, each naming the op or module that decided it:
+something else. The rules, each naming the op or module that decided it:
 
-- *module class*: only ``nn.Linear`` and ``nn.Embedding`` have torch parallel styles; a GEMM
-  of another module (GPT-2's ``Conv1D``, ``nn.MultiheadAttention``'s packed projection, a
-  convolution, BLOOM's attention scores read beside its ALiBi table) runs replicated, and so
-  does a subclass with a forward of its own (OPT's learned positional embedding).
+- *module class*: a module is split when its forward computes an affine map of its input on
+  its own weight and bias (``nn.Linear``; GPT-2's ``Conv1D``, weight stored ``(in, out)``;
+  ``FalconLinear``), recognised by running it on random values (`autopar.solver.linear_like`),
+  or is a plain ``nn.Embedding``; a GEMM of another module (``nn.MultiheadAttention``'s packed
+  projection, a convolution, BLOOM's attention scores read beside its ALiBi table) runs
+  replicated, and so does an embedding subclass with a forward of its own (OPT's learned
+  positional embedding).
 - *fused output cut along the split dim* (read from the traced graph): a projection whose
   output is sliced, split or indexed along the dimension a column split shards (Phi-3's
   ``qkv_proj`` and ``gate_up_proj``, nanoGPT's ``c_attn.split``, Falcon's fused query/key/value)
   would hand each rank a contiguous block of the fused matrix, not its share of each part. An
   op that drops a dim (``select``) counts as a cut wherever it selects: BLOOM's per-head
   interleaved ``query_key_value`` is refused although a split by heads would keep it whole.
-- *output modified in place* (traced graph): a split module returns a view made by DTensor's
-  ``to_local``, which autograd forbids modifying in place (Falcon's ``mlp_output += ...``).
 - *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
   are split column- then row-wise) is run with its linears narrowed to one rank's share; code
   that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``)
@@ -29,7 +30,6 @@ A rule that cannot be checked (no model file to build) is skipped, never guessed
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +39,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autopar.solver.linear_like import affine_layout, linear_stand_ins
+
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
 
@@ -46,7 +48,6 @@ if TYPE_CHECKING:
 _CUTTING = ("aten.slice.", "aten.split.", "aten.split_with_sizes.", "aten.chunk.", "aten.narrow.",
             "aten.select.", "aten.index.", "aten.unbind.", "aten.index_select.")
 _RESHAPING = ("aten.view.", "aten._unsafe_view.", "aten.reshape.")
-_IN_PLACE = re.compile(r"^aten\.\w+_\.")  # add_, mul_, copy_ ...: the first argument is modified
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class IllegalSplit:
 
     Attributes:
         module: the module's FQN (in the layer the ILP solves).
-        kind: the rule that decided it (``module class``, ``fused output``, ``in-place output``,
+        kind: the rule that decided it (``module class``, ``fused output``,
             ``local shapes``).
         reason: what decided it, naming the op or module.
     """
@@ -88,8 +89,10 @@ class TPLegality:
             found: dict[str, IllegalSplit] = {}
             ops = [op for op in self.profile.ops if op.layer == layer and op.phase == "forward"]
             split_modules = _split_candidates(self.profile, ops)
+            # (An output the model's code modifies in place is no reason to keep a module whole:
+            # code generation copies it, autopar.codegen.in_place.)
             for item in [*self._class_rule(split_modules), *_fused_rule(ops, split_modules),
-                         *_in_place_rule(ops, split_modules), *_too_small_rule(self.profile, split_modules, tp)]:
+                         *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
             self._static[(layer, tp)] = found
         return self._static[(layer, tp)]
@@ -150,19 +153,22 @@ class TPLegality:
         found = []
         for module in sorted(split_modules):
             instance = named.get(module)
-            if instance is None:
+            if instance is None or (isinstance(instance, nn.Embedding) and type(instance).forward is nn.Embedding.forward):
                 continue
-            if not isinstance(instance, (nn.Linear, nn.Embedding)):
-                found.append(IllegalSplit(module, "module class",
-                                          f"{module} is a {type(instance).__name__}, not nn.Linear or nn.Embedding: "
-                                          "no torch parallel style splits it"))
-            elif type(instance).forward not in (nn.Linear.forward, nn.Embedding.forward):
+            if affine_layout(instance) is not None:
+                continue  # an affine map, whatever its class (GPT-2's Conv1D, FalconLinear): split like nn.Linear
+            if isinstance(instance, nn.Embedding):
                 # A style converts the module's inputs; a forward of its own (OPT's learned
                 # positions compute indices from the mask) feeds the lookup something else.
                 found.append(IllegalSplit(module, "module class",
                                           f"{module} is a {type(instance).__name__}, whose forward is not "
-                                          f"{type(instance).__mro__[1].__name__}'s: a torch parallel style converts "
-                                          "its inputs, not what it passes to the matmul or lookup"))
+                                          "nn.Embedding's: a torch parallel style converts its inputs, not what it "
+                                          "passes to the lookup"))
+            else:
+                found.append(IllegalSplit(module, "module class",
+                                          f"{module} is a {type(instance).__name__}, whose forward is not an affine map "
+                                          "of its input (x @ W.T + b or x @ W + b on its weight and bias alone, as "
+                                          "probed on random values): no parallel style splits it"))
         return found
 
     def _regions(self, styles: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -187,10 +193,12 @@ class TPLegality:
         _, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
         for region, children in regions.items():
             linears = {name: style for name, style in children.items()
-                       if style in ("colwise", "rowwise") and isinstance(named.get(name), nn.Linear)}
+                       if style in ("colwise", "rowwise") and named.get(name) is not None
+                       and affine_layout(named[name]) is not None}
             if not linears:
                 continue
-            error, local = _run_narrowed(build, named, linears, tp, *run)
+            with linear_stand_ins(build.model, named, linears) as probed:
+                error, local = _run_narrowed(build, probed, linears, tp, *run)
             error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
             if error is not None:
                 for name in linears:
@@ -276,25 +284,6 @@ def _too_small_rule(profile: "ModelProfile", split_modules: set[str], tp: int) -
         if small:
             found.append(IllegalSplit(module, "too small", f"{module}'s weight {list(shape)} has a dim of {small[0]}, "
                                                          f"fewer than tp={tp} ranks to split it over"))
-    return found
-
-
-def _in_place_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
-    """Split-candidate modules whose output an in-place op modifies (through views)."""
-    by_name = {op.name: op for op in ops}
-    found = []
-    for op in ops:
-        if not _IN_PLACE.match(op.target) or not op.inputs:
-            continue
-        source = by_name.get(op.inputs[0])
-        while source is not None and source.op_class == "view" and source.module not in split_modules \
-                and source.inputs:
-            source = by_name.get(source.inputs[0])
-        if source is not None and source.module in split_modules and source.module != op.module:
-            found.append(IllegalSplit(source.module, "in-place output",
-                                      f"{source.module}'s output is modified in place by {op.target} in "
-                                      f"{op.module or op.layer}: a split module returns a view autograd forbids "
-                                      "modifying"))
     return found
 
 

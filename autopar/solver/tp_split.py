@@ -72,6 +72,8 @@ class ILPSplitter:
         # (layer, tp) whose loss takes the head's vocabulary-sharded output (loss parallel): only
         # there may codegen keep the head's output a DTensor (CLIP's text_projection feeds a matmul)
         self.loss_parallel: set[tuple[str, int]] = set()
+        # (layer, tp) -> its forward ops that run sharded (autopar.solver.tp_coverage's FLOPs)
+        self.sharded_ops: dict[tuple[str, int], set[str]] = {}
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
         """The ILP's split of the layer among splits codegen runs as priced: the class and graph
@@ -118,6 +120,7 @@ class ILPSplitter:
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]
         ops = list(self.index.by_layer.get(layer_name, []))
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
+        self.sharded_ops[(layer_name, tp)] = sharded_ops
         sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
 
         def sharded(op) -> bool:

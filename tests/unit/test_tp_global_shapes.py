@@ -93,3 +93,84 @@ def test_codegen_keeps_dtensor_outputs_only_in_dtensor_regions():
     assert styles["blocks.0.mlp.fc"] == styles["blocks.1.attn.q"] == "ColwiseParallel()"
     assert styles["blocks.0.mlp.out"] == "RowwiseParallel()"
     assert not styles.get("blocks.1.attn", "").startswith("GlobalShapes")
+
+
+UNEQUAL_CUT = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 64)  # a value of 48 and a gate of 16 (GQA's q of h, k and v of kv·d)
+            self.out = nn.Linear(48, 32)
+
+        def forward(self, x):
+            value, gate = self.proj(x).split([48, 16], dim=-1)
+            return x + self.out(value) * gate.sum(-1, keepdim=True)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+
+    def build_model():
+        return Model()
+
+
+    def example_batch(batch_size: int):
+        return {"tokens": torch.randint(0, 64, (batch_size, 16))}
+
+
+    def loss_fn(out, batch):
+        return out.float().pow(2).mean()
+''')
+
+
+def test_fused_projections_cut_into_equal_parts_are_split_as_fused():
+    legality = TPLegality(profile_model(load_model_file(REPO / "tests" / "dist" / "models" / "gpt_fused.py"),
+                                        dict(layers=2, hidden=32, heads=4, seq_len=16, vocab=64), 1, "fp32"))
+    styles = {"blocks.0.attn.c_attn": "colwise", "blocks.0.attn.c_proj": "rowwise",
+              "blocks.0.mlp.w12": "colwise", "blocks.0.mlp.w3": "rowwise"}
+    assert legality.static("blocks.0", 2) == {}
+    assert legality.probe("blocks.0", 2, styles) == {}
+    assert legality.fused("blocks.0", 2, styles) == {"blocks.0.attn.c_attn": 3, "blocks.0.mlp.w12": 2}
+
+
+def test_a_fused_projection_cut_into_unequal_parts_stays_refused(tmp_path):
+    path = tmp_path / "unequal_cut.py"
+    path.write_text(UNEQUAL_CUT)
+    found = TPLegality(profile_model(load_model_file(path), {}, 1, "fp32")).static("blocks.0", 2)
+    assert set(found) == {"blocks.0.proj"} and found["blocks.0.proj"].kind == "fused output"
+    assert "aten.split_with_sizes" in found["blocks.0.proj"].reason
+
+
+def test_codegen_writes_fused_projections_as_fused_styles():
+    model = TinyModel(name="gpt_fused", path=REPO / "tests" / "dist" / "models" / "gpt_fused.py",
+                      kwargs=dict(layers=2, hidden=32, heads=4, seq_len=16, vocab=64), prologue=["wte", "wpe"],
+                      container="blocks", blocks=2, epilogue=["ln_f", "lm_head"])
+    plan = make_plan(model, tp=2)
+    assert plan.tp_fused_parts["blocks.0.attn.c_attn"] == 3 and plan.tp_fused_parts["blocks.1.mlp.w12"] == 2
+    styles = {name: spec.source() for name, spec in build_tp_plan(plan, inspect_model(model.path, model.kwargs)).styles.items()}
+    assert styles["blocks.0.attn.c_attn"] == "FusedColwiseParallel(parts=3)"
+    assert styles["blocks.1.mlp.w12"] == "FusedColwiseParallel(parts=2)"
+    assert styles["blocks.0.attn.c_proj"] == "RowwiseParallel(input_layouts=Shard(-1))"
+
+
+@pytest.mark.parametrize(("size", "whole", "pieces"), [(32, 96, 3), ([32, 32, 32], 96, 3), ([48, 16], 64, None),
+                                                       (40, 96, None)])
+def test_equal_pieces_of_a_split(size, whole, pieces):
+    from autopar.codegen.sections.tensor_parallel import _equal_pieces
+
+    assert _equal_pieces(size, whole) == pieces

@@ -144,8 +144,6 @@ class Plan:
         tp_dtensor_regions: paired regions whose code views activations by global sizes
             (``b, s, h = x.shape``): their column-parallel outputs stay DTensors (see
             autopar.solver.tp_global_shapes); the other regions hand on local shards.
-        tp_fused_parts: fused projections in those regions (module FQN -> equal parts its
-            output is cut into: 3 for QKV), split so each rank holds its heads' rows of each part.
         sequence_parallel: shard norms/residuals along the sequence inside TP groups.
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
         cp_strategy: ulysses (head all-to-all) or ring (K/V passed around the CP ring).
@@ -179,7 +177,6 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)
     tp_styles: dict[str, str] = field(default_factory=dict)
     tp_dtensor_regions: list[str] = field(default_factory=list)
-    tp_fused_parts: dict[str, int] = field(default_factory=dict)
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cp_strategy: str = "ulysses"

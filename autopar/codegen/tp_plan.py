@@ -194,22 +194,18 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
                                     + (("use_local_output", "False"),), "one all-reduce of the input's gradient")
     if sp:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
-    _keep_dtensors(out, dtensor_regions, plan.tp_fused_parts)
+    _keep_dtensors(out, dtensor_regions)
     result.styles = {name: out[name] for name in facts.modules if name in out}
     return result
 
 
-def _keep_dtensors(out: dict[str, StyleSpec], dtensor_regions: set[str], fused: dict[str, int]) -> None:
+def _keep_dtensors(out: dict[str, StyleSpec], dtensor_regions: set[str]) -> None:
     """Regions whose code views by global sizes: column outputs stay DTensors, the row-parallel
-    partner reads them as ``Shard(-1)``, and the region runs in ``GlobalShapes``. A fused
-    projection there holds its heads' rows of every part (``FusedColwiseParallel``)."""
+    partner reads them as ``Shard(-1)``, and the region runs in ``GlobalShapes``."""
     for module, spec in list(out.items()):
         if _parent(module) not in dtensor_regions:
             continue
-        if spec.style == "ColwiseParallel" and module in fused:
-            out[module] = StyleSpec("FusedColwiseParallel", (("parts", str(fused[module])),),
-                                    "fused projection: each rank holds its heads' rows of every part")
-        elif spec.style == "ColwiseParallel":
+        if spec.style == "ColwiseParallel":
             out[module] = StyleSpec("ColwiseParallel", spec.arguments + (("use_local_output", "False"),),
                                     "output stays a DTensor: the region's code views it by global sizes")
         elif spec.style == "RowwiseParallel":

@@ -33,12 +33,10 @@ from torch.utils._pytree import tree_flatten
 
 
 def dtensor_region_error(build: Any, named: dict[str, nn.Module], region: str, linears: dict[str, str], tp: int,
-                         module: nn.Module, inputs: tuple[tuple, dict], call_model: Callable | None,
-                         fused: dict[str, int] | None = None) -> str | None:
+                         module: nn.Module, inputs: tuple[tuple, dict], call_model: Callable | None) -> str | None:
     """Why ``module`` (a layer with its captured inputs, or the model on its batch through
     ``call_model``) cannot run with the paired ``region``'s ``linears`` (FQN -> colwise/rowwise)
-    keeping DTensor activations, or None when it can (see the module docstring). ``fused``:
-    column-parallel fused projections (FQN -> equal parts), split as ``FusedColwiseParallel``."""
+    keeping DTensor activations, or None when it can (see the module docstring)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     for name, style in linears.items():
@@ -52,7 +50,7 @@ def dtensor_region_error(build: Any, named: dict[str, nn.Module], region: str, l
         with _fake_ranks(tp) as mesh:
             if mesh is None:
                 return "a process group is already initialised in this process, so the DTensor probe cannot run"
-            with build.fake_mode, _sharded_linears(named, linears, mesh, fused or {}), _as_generated(named[region]), \
+            with build.fake_mode, _sharded_linears(named, linears, mesh), _as_generated(named[region]), \
                     torch.no_grad(), CommDebugMode() as comms:
                 output = call_model(module, build.batch) if call_model is not None else module(*inputs[0], **inputs[1])
     except Exception as err:  # noqa: BLE001 - any failure of the model's code on DTensors is the finding
@@ -117,11 +115,9 @@ def _as_generated(region: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sharded_linears(named: dict[str, nn.Module], linears: dict[str, str], mesh: Any,
-                     fused: dict[str, int]) -> Iterator[None]:
+def _sharded_linears(named: dict[str, nn.Module], linears: dict[str, str], mesh: Any) -> Iterator[None]:
     """Each linear computing on rank 0's share and handing on what its style does: a column-
-    parallel one a ``Shard(-1)`` DTensor (a fused one ``_StridedShard(-1)``), a row-parallel one
-    the all-reduced local sum."""
+    parallel one a ``Shard(-1)`` DTensor, a row-parallel one the all-reduced local sum."""
     patched = []
     try:
         for name, style in linears.items():
@@ -132,8 +128,7 @@ def _sharded_linears(named: dict[str, nn.Module], linears: dict[str, str], mesh:
             weight = torch.empty(shape, dtype=linear.weight.dtype)
             bias = None if linear.bias is None else torch.empty(
                 shape[0] if style == "colwise" else out_features, dtype=linear.bias.dtype)
-            linear.forward = (_column(weight, bias, mesh, fused.get(name, 0)) if style == "colwise"
-                              else _row(weight, bias, mesh))
+            linear.forward = (_column if style == "colwise" else _row)(weight, bias, mesh)
             patched.append(linear)
         yield
     finally:
@@ -141,16 +136,13 @@ def _sharded_linears(named: dict[str, nn.Module], linears: dict[str, str], mesh:
             del linear.forward
 
 
-def _column(weight: torch.Tensor, bias: torch.Tensor | None, mesh: Any, parts: int) -> Callable[[torch.Tensor], Any]:
+def _column(weight: torch.Tensor, bias: torch.Tensor | None, mesh: Any) -> Callable[[torch.Tensor], Any]:
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     def forward(x: torch.Tensor) -> Any:
         local = x.to_local() if isinstance(x, DTensor) else x
         out = F.linear(local, weight, bias)
-        dim = out.dim() - 1
-        return DTensor.from_local(out, mesh, [_StridedShard(dim, split_factor=parts) if parts else Shard(dim)],
-                                  run_check=False)
+        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
 
     return forward
 

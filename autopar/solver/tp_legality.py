@@ -15,10 +15,6 @@ something else. Three rules, each naming the op or module that decided it:
   would hand each rank a contiguous block of the fused matrix, not its share of each part. An
   op that drops a dim (``select``) counts as a cut wherever it selects: BLOOM's per-head
   interleaved ``query_key_value`` is refused although a split by heads would keep it whole.
-  A projection whose output itself is split or chunked into equal parts along its last dim
-  (QKV, gate-up) is split as a fused projection instead, each rank holding its heads' rows of
-  every part, when its paired region runs with DTensor activations (the probe below;
-  autopar.solver.tp_global_shapes); elsewhere it stays refused.
 - *output modified in place* (traced graph): a split module returns a view made by DTensor's
   ``to_local``, which autograd forbids modifying in place (Falcon's ``mlp_output += ...``).
 - *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
@@ -71,7 +67,6 @@ class IllegalSplit:
     module: str
     kind: str
     reason: str
-    parts: int = 0  # fused output: equal parts along the last dim (0: not a plain equal cut)
 
 
 class _InputsCaptured(Exception):
@@ -89,7 +84,6 @@ class TPLegality:
     _probed: dict[tuple[str, int, frozenset], dict[str, IllegalSplit]] = field(default_factory=dict)
     _inputs: dict[str, tuple[tuple, dict] | None] = field(default_factory=dict)
     _dtensor: dict[tuple[str, int, frozenset], set[str]] = field(default_factory=dict)
-    _fused: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
 
     def static(self, layer: str, tp: int) -> dict[str, IllegalSplit]:
         """Module -> why it cannot be split, by the class and graph rules (independent of styles)."""
@@ -102,9 +96,7 @@ class TPLegality:
             for item in [*self._class_rule(split_modules), *_fused_rule(ops, split_modules),
                          *_in_place_rule(ops, split_modules), *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
-            # Equal cuts are left to the region probe, which splits them as fused projections.
-            self._fused[(layer, tp)] = {m: item.parts for m, item in found.items() if item.parts}
-            self._static[(layer, tp)] = {m: item for m, item in found.items() if not item.parts}
+            self._static[(layer, tp)] = found
         return self._static[(layer, tp)]
 
     def probe(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, IllegalSplit]:
@@ -112,16 +104,9 @@ class TPLegality:
         regions = self._regions(styles)
         key = (layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))
         if key not in self._probed:
-            self.static(layer, tp)  # finds the fused projections the probe splits as such
             self._dtensor[key] = set()
             self._probed[key] = self._probe_regions(layer, regions, tp, self._dtensor[key])
         return self._probed[key]
-
-    def fused(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, int]:
-        """Fused projections of ``styles`` split as such (module -> equal parts of its output)."""
-        regions = self.dtensor_regions(layer, tp, styles)
-        return {m: parts for m, parts in self._fused.get((layer, tp), {}).items()
-                if styles.get(m) == "colwise" and m.rpartition(".")[0] in regions}
 
     def dtensor_regions(self, layer: str, tp: int, styles: dict[str, str]) -> set[str]:
         """Regions of ``styles`` (probed) that run only with DTensor activations."""
@@ -218,19 +203,17 @@ class TPLegality:
                        if style in ("colwise", "rowwise") and isinstance(named.get(name), nn.Linear)}
             if not linears:
                 continue
-            fused = {name: parts for name, parts in self._fused.get((layer, tp), {}).items()
-                     if linears.get(name) == "colwise"}
-            error, local = _run_narrowed(build, named, linears, tp, *run) if not fused else ("a fused projection", [])
+            error, local = _run_narrowed(build, named, linears, tp, *run)
             error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
             if error is not None:
-                failed = dtensor_region_error(build, named, region, linears, tp, *run, fused=fused)
+                failed = dtensor_region_error(build, named, region, linears, tp, *run)
                 if failed is None:
                     dtensor.add(region)
                     continue
                 error = f"{error}; with DTensor activations: {failed}"
                 for name in linears:
                     found[name] = IllegalSplit(
-                        name, "fused output" if name in fused else "local shapes",
+                        name, "local shapes",
                         f"{region} fails on one rank's share of its columns ({error}): its code reshapes by a "
                         "count the split does not divide, e.g. a hard-coded number of heads")
         return found
@@ -268,11 +251,9 @@ def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Illegal
                 shape = user.input_shapes[0]
                 if user.target.startswith(_CUTTING):
                     if any(len(out) != len(shape) or out[dim] != shape[dim] for out in user.output_shapes if out):
-                        parts = _equal_parts(user, shape, dim) if current.module == op.module and dim == len(shape) - 1 else 0
                         found.append(IllegalSplit(op.module, "fused output",
                                                   f"{op.module}'s output is cut along its split dimension by "
-                                                  f"{user.target} in {user.module or op.layer}: a fused projection",
-                                                  parts))
+                                                  f"{user.target} in {user.module or op.layer}: a fused projection"))
                         frontier = []
                         break
                 elif user.target.startswith(_RESHAPING) and user.output_shapes:
@@ -283,15 +264,6 @@ def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Illegal
                         and user.output_shapes and user.output_shapes[0] == shape:
                     frontier.append((user, dim))  # the module's own bias add or cast
     return found
-
-
-def _equal_parts(cut: "OpProfile", shape: list[int], dim: int) -> int:
-    """How many equal parts ``cut`` (a split or chunk along ``dim``) makes of the whole dim, or 0."""
-    outputs = [out for out in cut.output_shapes if out]
-    if not cut.target.startswith(("aten.split.", "aten.split_with_sizes.", "aten.chunk.")) or len(outputs) < 2:
-        return 0
-    sizes = {out[dim] for out in outputs if len(out) == len(shape)}
-    return len(outputs) if len(sizes) == 1 and sizes.pop() * len(outputs) == shape[dim] else 0
 
 
 def _reshaped_dim(before: list[int], after: list[int], dim: int) -> int | None:

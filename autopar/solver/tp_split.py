@@ -75,8 +75,6 @@ class ILPSplitter:
         # (layer, tp) -> paired regions of its solution that keep DTensor activations (their code
         # views by global sizes: autopar.solver.tp_global_shapes)
         self.dtensor_regions: dict[tuple[str, int], set[str]] = {}
-        # (layer, tp) -> fused projections split as such (module -> equal parts of its output)
-        self.fused: dict[tuple[str, int], dict[str, int]] = {}
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
         """The ILP's split of the layer among splits codegen runs as priced: the class and graph
@@ -121,7 +119,6 @@ class ILPSplitter:
         if tp > 1:
             self.dtensor_regions[(layer_name, tp)] = self.legality.dtensor_regions(
                 layer_name, tp, self.solutions[(layer_name, tp)])
-            self.fused[(layer_name, tp)] = self.legality.fused(layer_name, tp, self.solutions[(layer_name, tp)])
         if "loss_parallel" in solution.op_strategy.values():
             self.loss_parallel.add((layer_name, tp))
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]

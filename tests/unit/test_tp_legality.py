@@ -139,15 +139,12 @@ def test_separate_projections_viewed_by_minus_one_split_like_megatron(model_path
     assert legality.probe("blocks.0", 2, styles) == {}
 
 
-def test_fused_projection_cut_into_equal_parts_is_split_as_a_fused_projection(model_path):
-    """`qkv(x).split(h, dim=2)`: three equal parts along the split dim. Not refused by the graph
-    rule; the region probe splits it as fused (each rank its heads' rows of q, k and v). Unequal
-    cuts stay refused: tests/unit/test_tp_global_shapes.py."""
+def test_fused_projection_cut_along_its_split_dim_is_refused_by_the_split_op(model_path):
     legality = TPLegality(_profile(model_path, "fused"))
-    assert legality.static("blocks.0", 2) == {}
-    styles = {"blocks.0.attn.qkv": "colwise", "blocks.0.attn.o": "rowwise"}
-    assert legality.probe("blocks.0", 2, styles) == {}
-    assert legality.fused("blocks.0", 2, styles) == {"blocks.0.attn.qkv": 3}
+    found = legality.static("blocks.0", 2)
+    assert set(found) == {"blocks.0.attn.qkv"}
+    assert found["blocks.0.attn.qkv"].kind == "fused output"
+    assert "aten.split" in found["blocks.0.attn.qkv"].reason
 
 
 def test_view_by_a_hard_coded_head_count_fails_on_a_share_and_runs_on_dtensors(model_path):
@@ -206,7 +203,7 @@ def test_a_weight_narrower_than_tp_stays_replicated_and_does_not_refuse_the_degr
     assert 1 in shape.split_dims and shape.tp_divides(2) and shape.tp_problem(2) is None
 
 
-@pytest.mark.parametrize("style", ["in_place", "conv1d", "gated"])
+@pytest.mark.parametrize("style", ["fused", "in_place", "conv1d", "gated"])
 def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
     """End to end through the splitter the planner prices with: the illegal modules come back
     replicated, the legal rest may still split, and each refused kind has one report line."""
@@ -240,7 +237,7 @@ def test_a_gpt_keeps_sequence_parallelism():
 
 
 def test_the_plan_result_names_what_decided_each_refused_split(model_path):
-    """Under a tp=2 pin the plan trains the in-place model with the modified module replicated,
+    """Under a tp=2 pin the plan trains the fused model with its fused projection replicated,
     and the planning result carries one line per refused kind for the report."""
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
@@ -248,12 +245,12 @@ def test_the_plan_result_names_what_decided_each_refused_split(model_path):
 
     cluster = ClusterSpec.from_config(ClusterConfig(name="cpu2", gpu="cpu", nodes=1, gpus_per_node=2,
                                                     intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
-    result = Planner(_profile(model_path, "in_place"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
+    result = Planner(_profile(model_path, "fused"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
                      SolverConfig(top_k=0), PlanPins(tp=2)).run()
     assert result.plan.tp == 2 and not result.plan.sequence_parallel
-    assert result.plan.tp_styles.get("blocks.0.down", "replicate") == "replicate"
-    in_place = [line for line in result.illegal_splits if "(in-place output)" in line]
-    assert len(in_place) == 1 and "blocks.0.down" in in_place[0] and "aten.add_" in in_place[0]
+    assert result.plan.tp_styles.get("blocks.0.attn.qkv", "replicate") == "replicate"
+    fused = [line for line in result.illegal_splits if "(fused output)" in line]
+    assert len(fused) == 1 and "blocks.0.attn.qkv" in fused[0] and "aten.split" in fused[0]
     assert any(line.startswith("sequence parallelism not considered: blocks.0.") for line in result.illegal_splits)
 
 

@@ -8,10 +8,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -71,78 +69,11 @@ def global_shapes_context(device_type: str) -> Iterator[None]:
     """Plain tensors read as replicated DTensors and, on CPU, SDPA's math kernel (see GlobalShapes)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(implicit_replication())
-        stack.enter_context(FusedSplit())
         if device_type == "cpu":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
         yield
-
-
-class FusedColwiseParallel(ParallelStyle):
-    """A fused projection (``qkv = Linear(h, 3h)`` cut into ``parts`` equal chunks: QKV, gate-up)
-    split column-wise so that each rank holds its heads' rows of every part.
-
-    Weight and bias become ``_StridedShard(0, split_factor=parts)`` DTensors: their global
-    tensors (checkpoints, optimizer state) keep the model's layout, while a rank's local rows
-    are its share of each part in turn. The output is a ``_StridedShard(-1)`` DTensor that
-    `FusedSplit` cuts into ``Shard(-1)`` parts without communication (DTensor's own split would
-    all-gather it). Runs inside a `GlobalShapes` region.
-    """
-
-    def __init__(self, parts: int) -> None:
-        super().__init__()
-        self.parts = parts
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placement = [_StridedShard(0, split_factor=self.parts)]
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(parameter.detach(), device_mesh, placement)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
-        parts = self.parts
-
-        def forward(x: torch.Tensor) -> DTensor:
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            # This rank's matmul gives a partial input gradient; the Replicate input sums it.
-            local = x.to_local(grad_placements=[Partial()])
-            bias = module.bias.to_local() if module.bias is not None else None
-            out = torch.nn.functional.linear(local, module.weight.to_local(), bias)
-            return DTensor.from_local(out, device_mesh, [_StridedShard(out.dim() - 1, split_factor=parts)],
-                                      run_check=False)
-
-        module.forward = forward
-        return module
-
-
-class FusedSplit(TorchFunctionMode):
-    """``split``/``chunk`` of a `FusedColwiseParallel` output into its equal parts along the
-    fused dim: each rank's local chunks, as ``Shard`` DTensors of the parts (no communication)."""
-
-    _CUTS = (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func in self._CUTS and args and isinstance(args[0], DTensor):
-            x = args[0]
-            placement = x.placements[0] if x.placements else None
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) % max(x.dim(), 1)
-            if isinstance(placement, _StridedShard) and x.device_mesh.ndim == 1 and placement.dim == dim:
-                size = kwargs.get("split_size_or_sections", kwargs.get("chunks", args[1] if len(args) > 1 else None))
-                chunk = func in (torch.Tensor.chunk, torch.chunk)
-                pieces = size if chunk else _equal_pieces(size, x.shape[dim])
-                if pieces == placement.split_factor:
-                    return tuple(DTensor.from_local(piece, x.device_mesh, [Shard(dim)], run_check=False)
-                                 for piece in x.to_local().chunk(pieces, dim))
-        return func(*args, **kwargs)
-
-
-def _equal_pieces(size: Any, whole: int) -> int | None:
-    """How many equal pieces ``split(size)`` cuts ``whole`` into (a size or a list of sizes), or None."""
-    if isinstance(size, int):
-        return whole // size if size > 0 and whole % size == 0 else None
-    sizes = list(size) if isinstance(size, (list, tuple)) else []
-    return len(sizes) if sizes and len(set(sizes)) == 1 and sizes[0] * len(sizes) == whole else None
 
 
 def tie_parameters(model: nn.Module, tied_parameters: list[list[str]]) -> None:

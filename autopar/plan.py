@@ -147,6 +147,9 @@ class Plan:
         recompute: layer name -> none / selective / full activation recomputation.
         tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel
             (the operator-wise ILP's choice; modules not listed stay replicated).
+        tp_dtensor_regions: paired regions whose code views activations by global sizes
+            (``b, s, h = x.shape``): their column-parallel outputs stay DTensors (see
+            autopar.solver.tp_global_shapes); the other regions hand on local shards.
         sequence_parallel: shard norms/residuals along the sequence inside TP groups.
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
         cp_strategy: ulysses (head all-to-all) or ring (K/V passed around the CP ring).
@@ -179,6 +182,7 @@ class Plan:
     stages: list[list[str]] = field(default_factory=list)
     recompute: dict[str, str] = field(default_factory=dict)
     tp_styles: dict[str, str] = field(default_factory=dict)
+    tp_dtensor_regions: list[str] = field(default_factory=list)
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cp_strategy: str = "ulysses"

@@ -13,6 +13,9 @@ follows from those choices and the model's structure:
 - With sequence parallelism the residual stream between layers is sharded along the sequence
   (dim 1): norms run on their shard (``SequenceParallel``), a region gathers the sequence on
   entry and reduce-scatters on exit, the first block slices its input, and the head gathers.
+- A paired region whose code views by global sizes (``plan.tp_dtensor_regions``) keeps its
+  activations as DTensors instead: global shapes, local shards (autopar.solver.tp_global_shapes);
+  the region itself is wrapped in ``GlobalShapes``, around any input style it has.
 - Parameters tied across modules (a GPT head and its token embedding) must be sharded alike:
   the embedding takes the layout the head's style gives the shared weight.
 """
@@ -121,6 +124,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
                            "re-plan for this model file (the plan was made for another model).")
     styles = harmonise_tied(styles, facts, result.notes)
     regions = paired_regions(styles, facts)
+    dtensor_regions = set(plan.tp_dtensor_regions) & regions
     sp = plan.sequence_parallel
     blocks = [block for container in plan.block_containers for block in facts.children.get(container, [])]
     block_set = set(blocks)
@@ -190,6 +194,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
                                     + (("use_local_output", "False"),), "one all-reduce of the input's gradient")
     if sp:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
+    _keep_dtensors(out, dtensor_regions)
     out = with_transposed_styles(out, facts)
     result.styles = {name: out[name] for name in facts.modules if name in out}
     return result
@@ -215,6 +220,25 @@ def with_transposed_styles(styles: dict[str, StyleSpec], facts: ModelFacts) -> d
             if spec.style in SPLITTING_STYLES and name in facts.modules and facts.modules[name].output_modified_in_place
             and ("use_local_output", "False") not in spec.arguments else spec
             for name, spec in styles.items()}
+
+
+def _keep_dtensors(out: dict[str, StyleSpec], dtensor_regions: set[str]) -> None:
+    """Regions whose code views by global sizes: column outputs stay DTensors, the row-parallel
+    partner reads them as ``Shard(-1)``, and the region runs in ``GlobalShapes``."""
+    for module, spec in list(out.items()):
+        if _parent(module) not in dtensor_regions:
+            continue
+        if spec.style == "ColwiseParallel":
+            out[module] = StyleSpec("ColwiseParallel", spec.arguments + (("use_local_output", "False"),),
+                                    "output stays a DTensor: the region's code views it by global sizes")
+        elif spec.style == "RowwiseParallel":
+            out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Shard(-1)"),) + spec.arguments,
+                                    spec.why + ", reading the DTensor shards")
+    for region in sorted(dtensor_regions):
+        inner = out.get(region)
+        out[region] = StyleSpec("GlobalShapes", (("inner", inner.source()),) if inner else (),
+                                "global sizes in the model's code: runs on DTensors"
+                                + (f"; {inner.why}" if inner and inner.why else ""))
 
 
 def _only_linears_hold_weights(region: str, facts: ModelFacts) -> bool:

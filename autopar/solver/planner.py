@@ -317,7 +317,8 @@ class Planner:
             hybrid_shard=scored.candidate.hybrid_shard, micro_batch_size=scored.candidate.micro_batch_size,
             num_micro_batches=scored.candidate.num_micro_batches, schedule=scored.candidate.schedule,
             chunks=scored.candidate.chunks, stages=stages, recompute=recompute,
-            tp_styles=self._tp_styles(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
+            tp_styles=self._tp_styles(scored.candidate.tp),
+            tp_dtensor_regions=self._tp_dtensor_regions(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
                               for module, style in self._tp_styles(scored.candidate.tp).items())
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
@@ -370,6 +371,15 @@ class Planner:
             for module, style in self.splitter.solutions.get((kind, tp), {}).items():
                 styles[layer.name + module[len(kind):] if module.startswith(kind) else module] = style
         return styles
+
+    def _tp_dtensor_regions(self, tp: int) -> list[str]:
+        """Paired regions keeping DTensor activations, for every layer (as `_tp_styles`)."""
+        found: list[str] = []
+        for layer in self.profile.layers:
+            kind = layer.repeat_of or layer.name
+            for region in sorted(self.splitter.dtensor_regions.get((kind, tp), ())):
+                found.append(layer.name + region[len(kind):] if region.startswith(kind) else region)
+        return found
 
     # -- explanations --------------------------------------------------------------------------------
 

@@ -23,7 +23,9 @@ something else. The rules, each naming the op or module that decided it:
   that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``)
   fails there, and so does code that folds the sequence instead (OPT's
   ``view(bsz, -1, self.num_heads, d)``: an op whose output lost part of the sequence length);
-  the region's linears run replicated instead.
+  the region's linears run replicated instead, unless the region runs with its activations kept
+  as DTensors, as the generated code then runs it (autopar.solver.tp_global_shapes): global
+  sizes stay global there, and such a region is split and listed in ``dtensor_regions``.
 
 A rule that cannot be checked (no model file to build) is skipped, never guessed.
 """
@@ -40,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.solver.linear_like import affine_layout, linear_stand_ins
+from autopar.solver.tp_global_shapes import dtensor_region_error
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -80,6 +83,7 @@ class TPLegality:
     _static: dict[tuple[str, int], dict[str, IllegalSplit]] = field(default_factory=dict)
     _probed: dict[tuple[str, int, frozenset], dict[str, IllegalSplit]] = field(default_factory=dict)
     _inputs: dict[str, tuple[tuple, dict] | None] = field(default_factory=dict)
+    _dtensor: dict[tuple[str, int, frozenset], set[str]] = field(default_factory=dict)
 
     def static(self, layer: str, tp: int) -> dict[str, IllegalSplit]:
         """Module -> why it cannot be split, by the class and graph rules (independent of styles)."""
@@ -102,8 +106,15 @@ class TPLegality:
         regions = self._regions(styles)
         key = (layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))
         if key not in self._probed:
-            self._probed[key] = self._probe_regions(layer, regions, tp)
+            self._dtensor[key] = set()
+            self._probed[key] = self._probe_regions(layer, regions, tp, self._dtensor[key])
         return self._probed[key]
+
+    def dtensor_regions(self, layer: str, tp: int, styles: dict[str, str]) -> set[str]:
+        """Regions of ``styles`` (probed) that run only with DTensor activations."""
+        regions = self._regions(styles)
+        self.probe(layer, tp, styles)
+        return set(self._dtensor[(layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))])
 
     def _layer_inputs(self, layer: str, named: dict[str, nn.Module], call_model: Any) -> tuple[tuple, dict] | None:
         """The arguments the model's forward passes ``layer`` (one fake forward, kept), so a probe
@@ -179,7 +190,8 @@ class TPLegality:
         return {parent: children for parent, children in by_parent.items()
                 if {"colwise", "rowwise"} <= set(children.values())}
 
-    def _probe_regions(self, layer: str, regions: dict[str, dict[str, str]], tp: int) -> dict[str, IllegalSplit]:
+    def _probe_regions(self, layer: str, regions: dict[str, dict[str, str]], tp: int,
+                       dtensor: set[str]) -> dict[str, IllegalSplit]:
         build = self._model()
         if build is None or not regions:
             return {}
@@ -201,6 +213,11 @@ class TPLegality:
                 error, local = _run_narrowed(build, probed, linears, tp, *run)
             error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
             if error is not None:
+                failed = dtensor_region_error(build, named, region, linears, tp, *run)
+                if failed is None:
+                    dtensor.add(region)
+                    continue
+                error = f"{error}; with DTensor activations: {failed}"
                 for name in linears:
                     found[name] = IllegalSplit(
                         name, "local shapes",

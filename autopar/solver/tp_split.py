@@ -74,6 +74,9 @@ class ILPSplitter:
         self.loss_parallel: set[tuple[str, int]] = set()
         # (layer, tp) -> its forward ops that run sharded (autopar.solver.tp_coverage's FLOPs)
         self.sharded_ops: dict[tuple[str, int], set[str]] = {}
+        # (layer, tp) -> paired regions of its solution that keep DTensor activations (their code
+        # views by global sizes: autopar.solver.tp_global_shapes)
+        self.dtensor_regions: dict[tuple[str, int], set[str]] = {}
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
         """The ILP's split of the layer among splits codegen runs as priced: the class and graph
@@ -115,6 +118,9 @@ class ILPSplitter:
         solution = self._solve(layer_name, tp, group, gpu)
         self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
         self.replicated[(layer_name, tp)] = solution.replicated_ops
+        if tp > 1:
+            self.dtensor_regions[(layer_name, tp)] = self.legality.dtensor_regions(
+                layer_name, tp, self.solutions[(layer_name, tp)])
         if "loss_parallel" in solution.op_strategy.values():
             self.loss_parallel.add((layer_name, tp))
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]

@@ -1,12 +1,15 @@
 """Tensor and sequence parallelism: apply a plan of per-module parallel styles."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -30,6 +33,47 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
     """
     parallelize_module(model, tp_mesh, plan)
     tie_parameters(model, tied_parameters)
+
+
+class GlobalShapes(ParallelStyle):
+    """A paired region whose code reads global sizes (``b, s, h = x.shape``, then
+    ``view(b, s, self.n_head, h // self.n_head)``): its column-parallel outputs stay DTensors, so
+    the code sees global shapes while every op computes on this rank's heads.
+
+    The region's forward runs with plain tensors it meets (a causal mask, a rotary table: equal
+    on every tensor-parallel rank, which read the same batch) taken as replicated, and on CPU
+    with SDPA's math kernel (DTensor shards its matmuls by heads; the fused CPU kernel has no
+    sharding rule). ``inner`` is the region's own input style, applied first.
+    """
+
+    def __init__(self, inner: ParallelStyle | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.inner is not None:
+            module = self.inner._apply(module, device_mesh)
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def global_forward(*args: Any, **kwargs: Any) -> Any:
+            with global_shapes_context(device_mesh.device_type):
+                return forward(*args, **kwargs)
+
+        module.forward = global_forward
+        return module
+
+
+@contextlib.contextmanager
+def global_shapes_context(device_type: str) -> Iterator[None]:
+    """Plain tensors read as replicated DTensors and, on CPU, SDPA's math kernel (see GlobalShapes)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(implicit_replication())
+        if device_type == "cpu":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        yield
 
 
 def tie_parameters(model: nn.Module, tied_parameters: list[list[str]]) -> None:

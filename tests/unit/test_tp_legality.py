@@ -204,7 +204,7 @@ def test_a_weight_narrower_than_tp_stays_replicated_and_does_not_refuse_the_degr
     assert 1 in shape.split_dims and shape.tp_divides(2) and shape.tp_problem(2) is None
 
 
-@pytest.mark.parametrize("style", ["fused", "in_place", "conv1d", "gated"])
+@pytest.mark.parametrize("style", ["fused", "conv1d", "gated"])
 def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
     """End to end through the splitter the planner prices with: the illegal modules come back
     replicated, the legal rest may still split, and each refused kind has one report line."""

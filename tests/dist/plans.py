@@ -67,13 +67,14 @@ def boundary_stages(model: TinyModel) -> list[list[str]]:
 # Megatron's pairing for the tiny blocks. At 40 µs per message it splits part of each block and
 # replicates the rest (communication outweighs their compute): a genuinely mixed split.
 FAST_LINK_US, SLOW_LINK_US = 3.0, 40.0
-_PROFILES: dict[str, object] = {}
+_PROFILES: dict[tuple[str, str, str], object] = {}
 
 
 def _profile(model: TinyModel):
-    if model.name not in _PROFILES:
-        _PROFILES[model.name] = profile_model(load_model_file(model.path), dict(model.kwargs), 1, "fp32")
-    return _PROFILES[model.name]
+    key = (model.name, str(model.path), repr(sorted(model.kwargs.items())))  # two sizes of one file differ
+    if key not in _PROFILES:
+        _PROFILES[key] = profile_model(load_model_file(model.path), dict(model.kwargs), 1, "fp32")
+    return _PROFILES[key]
 
 
 def make_plan(model: TinyModel, **choices) -> Plan:

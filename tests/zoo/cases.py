@@ -75,10 +75,10 @@ REFUSED: dict[str, str] = {
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters
 # split is refused
 # (autopar/solver/tp_coverage.py; shares from `python -m tests.zoo.coverage`, TABLE.md): Phi-3's
-# fused qkv_proj and gate_up_proj (33%), OPT's attention viewing by its global head count (49%),
-# Whisper's attention likewise (40%), the encoder-decoder's nn.MultiheadAttention (40%).
+# fused qkv_proj and gate_up_proj (33%) and the encoder-decoder's nn.MultiheadAttention (40%).
+# (OPT's and Whisper's attention, viewing by global head counts, split as DTensor regions: 99%.)
 TP_COVERAGE_REFUSED = 'tensor parallelism could split at most'
-REFUSED.update({case: TP_COVERAGE_REFUSED for case in ("hf_phi3-tp2", "hf_opt-tp2", "hf_whisper-tp2", "encdec-tp2")})
+REFUSED.update({case: TP_COVERAGE_REFUSED for case in ("hf_phi3-tp2", "encdec-tp2")})
 
 # Known to fail (measured; strict xfail, so a fix shows up as XPASS and must move the case out).
 KNOWN_FAILURES: dict[str, str] = {}

@@ -57,7 +57,7 @@ def test_plan_splits_every_block_linear_of_a_gpt_viewing_by_global_sizes(case, r
             "mlp.fc": "colwise", "mlp.out": "rowwise"}
     assert plan.tp_dtensor_regions == [f"{b}.{r}" for b in GLOBAL_VIEWS.block_names for r in ("attn", "mlp")]
     # The GPT written for shares keeps local tensors: no DTensor dispatch where it is not needed.
-    assert runs[f"gpt-{case}"]["plan"].tp_dtensor_regions == []
+    assert runs[f"{LOCAL_VIEWS.name}-{case}"]["plan"].tp_dtensor_regions == []
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -75,7 +75,7 @@ def test_a_gpt_viewing_by_global_sizes_trains_like_one_process(case, runs):
 @pytest.mark.parametrize("case", list(CASES))
 def test_dtensor_regions_issue_the_collectives_of_local_ones(case, runs):
     """Same plan shape, same collectives per step: the views and SDPA stay on local shards."""
-    global_plan, local_plan = runs[f"gpt_global_shapes-{case}"]["plan"], runs[f"gpt-{case}"]["plan"]
+    global_plan, local_plan = runs[f"gpt_global_shapes-{case}"]["plan"], runs[f"{LOCAL_VIEWS.name}-{case}"]["plan"]
     assert sorted(global_plan.tp_styles.values()) == sorted(local_plan.tp_styles.values())
-    assert runs[f"gpt_global_shapes-{case}"]["issued"] == runs[f"gpt-{case}"]["issued"]
+    assert runs[f"gpt_global_shapes-{case}"]["issued"] == runs[f"{LOCAL_VIEWS.name}-{case}"]["issued"]
 

@@ -68,7 +68,7 @@ def assert_finished_like_the_reference(result: RunResult, final: Path, uninterru
     assert result.ok, result.error
     assert [r["step"] for r in result.records] == list(range(resumed_at, STEPS))
     _, parameters = uninterrupted
-    trained = torch.load(final)
+    trained = torch.load(final, weights_only=True)
     assert trained.keys() == parameters.keys()
     assert all(torch.equal(trained[name], parameters[name]) for name in parameters)
 

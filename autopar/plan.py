@@ -108,6 +108,7 @@ PLAN_BOUNDS: dict[str, Bound] = {
     "dp_shares": Bound(low=1, integer=True, each=True),
     "moe_imbalance": Bound(low=1),
     "expert_load": Bound(low=0, integer=True, each=True),
+    "tp_fused": Bound(low=1, integer=True, each=True),
 }
 PREDICTED_BOUNDS: dict[str, Bound] = {
     "step_time_s": Bound(low=0), "tokens_per_s": Bound(low=0, null="not a token model"),
@@ -150,6 +151,9 @@ class Plan:
         tp_dtensor_regions: paired regions whose code views activations by global sizes
             (``b, s, h = x.shape``): their column-parallel outputs stay DTensors (see
             autopar.solver.tp_global_shapes); the other regions hand on local shards.
+        tp_fused: column-parallel fused projections (one linear for q, k and v, or gate and up)
+            -> the global sizes of the parts the model's code cuts its output into; each rank
+            holds its share of every part (autopar.solver.tp_fused).
         sequence_parallel: shard norms/residuals along the sequence inside TP groups.
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
         cp_strategy: ulysses (head all-to-all) or ring (K/V passed around the CP ring).
@@ -183,6 +187,7 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)
     tp_styles: dict[str, str] = field(default_factory=dict)
     tp_dtensor_regions: list[str] = field(default_factory=list)
+    tp_fused: dict[str, list[int]] = field(default_factory=dict)
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cp_strategy: str = "ulysses"

@@ -448,6 +448,9 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
     ]
     if plan.tp > 1:
         constants.append(f"LOSS_PARALLEL = {tp.loss_parallel}")
+    if tp.fused_parameters:
+        constants.append("# Fused projections split as their parts: parameter -> (its rows' dim, the parts' sizes).")
+        constants.append(f"FUSED_PARAMETERS = {pprint.pformat(tp.fused_parameters, width=110, compact=True)}")
     if plan.pp > 1:
         constants.append(f"PIPELINE_SPLIT = {layout.pipeline_split!r}  # how stages are cut (see the pipeline section)")
     if plan.cp > 1:
@@ -483,7 +486,7 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         tp_plan_source(plan, tp),
         "",
         "",
-        parallel_config_source(plan),
+        parallel_config_source(plan, bool(tp.fused_parameters)),
         "",
         "",
         train_config_source(plan),
@@ -510,7 +513,7 @@ def packed_dict_source(name: str, data: dict[str, Any], width: int = 110) -> str
     return "\n".join(lines + ["}"])
 
 
-def parallel_config_source(plan: Plan) -> str:
+def parallel_config_source(plan: Plan, tp_fused_parameters: bool = False) -> str:
     """``def parallel_config(plan)``: the ParallelConfig fields this plan sets (the others keep
     their defaults, which this plan's code never reads)."""
     fields = [
@@ -524,6 +527,8 @@ def parallel_config_source(plan: Plan) -> str:
     ]
     if plan.tp > 1:
         fields.append("loss_parallel=LOSS_PARALLEL,")
+    if tp_fused_parameters:
+        fields.append("fused_parameters=FUSED_PARAMETERS,")
     if plan.pp > 1:
         fields += ['schedule=plan["schedule"],', "pipeline_split=PIPELINE_SPLIT,"]
     if plan.ep > 1:

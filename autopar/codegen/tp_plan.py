@@ -16,6 +16,9 @@ follows from those choices and the model's structure:
 - A paired region whose code views by global sizes (``plan.tp_dtensor_regions``) keeps its
   activations as DTensors instead: global shapes, local shards (autopar.solver.tp_global_shapes);
   the region itself is wrapped in ``GlobalShapes``, around any input style it has.
+- A fused projection whose output the region's code cuts into parts (``plan.tp_fused``: one
+  linear for q, k and v) is split as its parts (``FusedColwise``, its region under ``CutsFused``):
+  each rank holds its share of every part.
 - Parameters tied across modules (a GPT head and its token embedding) must be sharded alike:
   the embedding takes the layout the head's style gives the shared weight.
 """
@@ -60,6 +63,7 @@ class TPPlan:
     styles: dict[str, StyleSpec] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     loss_parallel: bool = False
+    fused_parameters: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # FQN -> (row dim, parts)
 
 
 def _parent(name: str) -> str:
@@ -196,6 +200,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
     _keep_dtensors(out, dtensor_regions)
     out = with_transposed_styles(out, facts)
+    result.fused_parameters = _split_fused(out, {m: p for m, p in plan.tp_fused.items() if _parent(m) in regions})
     result.styles = {name: out[name] for name in facts.modules if name in out}
     return result
 
@@ -203,7 +208,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
 # Styles that shard a module's weight (the header counts them), and the transposed-weight
 # variant of torch's two linear styles (sections/linear_like.py).
 SPLITTING_STYLES = frozenset({"ColwiseParallel", "RowwiseParallel", "TransposedColwiseParallel",
-                              "TransposedRowwiseParallel", "OwnedOutput"})
+                              "TransposedRowwiseParallel", "OwnedOutput", "FusedColwise"})
 _TRANSPOSED = {"ColwiseParallel": "TransposedColwiseParallel", "RowwiseParallel": "TransposedRowwiseParallel"}
 
 
@@ -220,6 +225,30 @@ def with_transposed_styles(styles: dict[str, StyleSpec], facts: ModelFacts) -> d
             if spec.style in SPLITTING_STYLES and name in facts.modules and facts.modules[name].output_modified_in_place
             and ("use_local_output", "False") not in spec.arguments else spec
             for name, spec in styles.items()}
+
+
+def _split_fused(out: dict[str, StyleSpec], fused: dict[str, list[int]]) -> dict[str, tuple[int, list[int]]]:
+    """Fused projections of paired regions (``plan.tp_fused``) split as their parts: each one's
+    column style wrapped in ``FusedColwise``, its region's in ``CutsFused``; returns the
+    parameters whose rows that permutes (FQN -> (row dim, parts)), which leave the run in the
+    model's own order (checkpointing.RowOrders)."""
+    permuted: dict[str, tuple[int, list[int]]] = {}
+    for module, parts in fused.items():
+        spec = out.get(module)
+        if spec is None or spec.style not in ("ColwiseParallel", "TransposedColwiseParallel"):
+            continue
+        transposed = spec.style == "TransposedColwiseParallel"
+        arguments = (("parts", repr(list(parts))), ("style", spec.source())) + ((("weight_dim", "1"),) if transposed else ())
+        out[module] = StyleSpec("FusedColwise", arguments, spec.why + "; a fused projection: each rank holds its "
+                                "share of every part")
+        permuted[f"{module}.weight"] = (1 if transposed else 0, list(parts))
+        permuted[f"{module}.bias"] = (0, list(parts))  # (a module without one never asks)
+    for region in sorted({_parent(_module_of(name)) for name in permuted}):
+        inner = out.get(region)
+        out[region] = StyleSpec("CutsFused", (("inner", inner.source()),) if inner else (),
+                                "cuts its fused projections' outputs by global sizes: each rank takes its share"
+                                + (f"; {inner.why}" if inner and inner.why else ""))
+    return permuted
 
 
 def _keep_dtensors(out: dict[str, StyleSpec], dtensor_regions: set[str]) -> None:

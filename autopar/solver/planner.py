@@ -318,7 +318,8 @@ class Planner:
             num_micro_batches=scored.candidate.num_micro_batches, schedule=scored.candidate.schedule,
             chunks=scored.candidate.chunks, stages=stages, recompute=recompute,
             tp_styles=self._tp_styles(scored.candidate.tp),
-            tp_dtensor_regions=self._tp_dtensor_regions(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
+            tp_dtensor_regions=self._tp_dtensor_regions(scored.candidate.tp),
+            tp_fused=self._tp_fused(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
                               for module, style in self._tp_styles(scored.candidate.tp).items())
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
@@ -379,6 +380,15 @@ class Planner:
             kind = layer.repeat_of or layer.name
             for region in sorted(self.splitter.dtensor_regions.get((kind, tp), ())):
                 found.append(layer.name + region[len(kind):] if region.startswith(kind) else region)
+        return found
+
+    def _tp_fused(self, tp: int) -> dict[str, list[int]]:
+        """Fused projections split as their parts, for every layer (as `_tp_styles`)."""
+        found: dict[str, list[int]] = {}
+        for layer in self.profile.layers:
+            kind = layer.repeat_of or layer.name
+            for module, parts in sorted(self.splitter.fused_parts.get((kind, tp), {}).items()):
+                found[layer.name + module[len(kind):] if module.startswith(kind) else module] = list(parts)
         return found
 
     # -- explanations --------------------------------------------------------------------------------

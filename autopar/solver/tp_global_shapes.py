@@ -96,22 +96,12 @@ def _fake_ranks(tp: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _as_generated(region: nn.Module) -> Iterator[None]:
+def _as_generated(region: nn.Module) -> contextlib.AbstractContextManager:
     """``region``'s forward run in the context the generated code's ``GlobalShapes`` style gives it."""
     from autopar.codegen.sections.tensor_parallel import global_shapes_context
+    from autopar.solver.tp_fused import forward_within
 
-    forward = region.forward
-
-    def in_context(*args: Any, **kwargs: Any) -> Any:
-        with global_shapes_context("cpu"):
-            return forward(*args, **kwargs)
-
-    region.forward = in_context
-    try:
-        yield
-    finally:
-        del region.forward
+    return forward_within(region, lambda: global_shapes_context("cpu"))
 
 
 @contextlib.contextmanager

@@ -15,9 +15,11 @@ something else. The rules, each naming the op or module that decided it:
 - *fused output cut along the split dim* (read from the traced graph): a projection whose
   output is sliced, split or indexed along the dimension a column split shards (Phi-3's
   ``qkv_proj`` and ``gate_up_proj``, nanoGPT's ``c_attn.split``, Falcon's fused query/key/value)
-  would hand each rank a contiguous block of the fused matrix, not its share of each part. An
-  op that drops a dim (``select``) counts as a cut wherever it selects: BLOOM's per-head
-  interleaved ``query_key_value`` is refused although a split by heads would keep it whole.
+  would hand each rank a contiguous block of the fused matrix, not its share of each part,
+  unless the cuts are read as parts (autopar.solver.tp_fused: the projection then splits as its
+  parts). An op that drops a dim counts as a cut of the split dim unless the shapes say it
+  dropped another: BLOOM's per-head interleaved ``query_key_value`` is cut along its ``3``
+  after a view into heads, which a split by heads keeps whole.
 - *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
   are split column- then row-wise) is run with its linears narrowed to one rank's share; code
   that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``)
@@ -31,6 +33,7 @@ A rule that cannot be checked (no model file to build) is skipped, never guessed
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.solver.linear_like import affine_layout, linear_stand_ins
+from autopar.solver.tp_fused import cutting_fused, recorded_parts
 from autopar.solver.tp_global_shapes import dtensor_region_error
 
 if TYPE_CHECKING:
@@ -84,6 +88,7 @@ class TPLegality:
     _probed: dict[tuple[str, int, frozenset], dict[str, IllegalSplit]] = field(default_factory=dict)
     _inputs: dict[str, tuple[tuple, dict] | None] = field(default_factory=dict)
     _dtensor: dict[tuple[str, int, frozenset], set[str]] = field(default_factory=dict)
+    _fused: dict[tuple[str, int], dict[str, list[int]]] = field(default_factory=dict)
 
     def static(self, layer: str, tp: int) -> dict[str, IllegalSplit]:
         """Module -> why it cannot be split, by the class and graph rules (independent of styles)."""
@@ -95,11 +100,41 @@ class TPLegality:
             split_modules = _split_candidates(self.profile, ops)
             # (An output the model's code modifies in place is no reason to keep a module whole:
             # code generation copies it, autopar.codegen.in_place.)
-            for item in [*self._class_rule(split_modules), *_fused_rule(ops, split_modules),
+            fused = self._fused.setdefault((layer, tp), {})
+            for item in [*self._class_rule(split_modules), *self._fused_parts(layer, tp, _fused_rule(ops, split_modules), fused),
                          *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
             self._static[(layer, tp)] = found
         return self._static[(layer, tp)]
+
+    def fused_parts(self, layer: str, tp: int) -> dict[str, list[int]]:
+        """Fused projections of ``layer`` that split as their parts at ``tp``: FQN -> the parts'
+        global sizes (autopar.solver.tp_fused)."""
+        self.static(layer, tp)
+        return dict(self._fused.get((layer, tp), {}))
+
+    def _fused_parts(self, layer: str, tp: int, cut: list[IllegalSplit],
+                     fused: dict[str, list[int]]) -> list[IllegalSplit]:
+        """Of the projections the graph rule found cut, those whose cuts are parts each rank can
+        hold a share of go to ``fused``; the others stay refused (returned)."""
+        build = self._model() if cut else None
+        if build is None:
+            return cut
+        from autopar.model_file import call_model
+
+        named = dict(build.model.named_modules())
+        inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
+        refused = []
+        for item in cut:
+            module = named.get(item.module)
+            parts = None if module is None else recorded_parts(module, functools.partial(
+                _run_fake, build, named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
+                call_model if not inputs else None))
+            if parts is not None and all(part % tp == 0 for part in parts):
+                fused[item.module] = parts
+            else:
+                refused.append(item)
+        return refused
 
     def probe(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, IllegalSplit]:
         """Regions of ``styles`` whose code fails on one rank's share: region's linears -> why."""
@@ -209,11 +244,14 @@ class TPLegality:
                        and affine_layout(named[name]) is not None}
             if not linears:
                 continue
-            with linear_stand_ins(build.model, named, linears) as probed:
+            fused = {name: parts for name, parts in self._fused.get((layer, tp), {}).items()
+                     if linears.get(name) == "colwise"}
+            with linear_stand_ins(build.model, named, linears) as probed, cutting_fused(probed, fused):
                 error, local = _run_narrowed(build, probed, linears, tp, *run)
             error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
             if error is not None:
-                failed = dtensor_region_error(build, named, region, linears, tp, *run)
+                with cutting_fused(named, fused):
+                    failed = dtensor_region_error(build, named, region, linears, tp, *run)
                 if failed is None:
                     dtensor.add(region)
                     continue
@@ -257,7 +295,7 @@ def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Illegal
                     continue
                 shape = user.input_shapes[0]
                 if user.target.startswith(_CUTTING):
-                    if any(len(out) != len(shape) or out[dim] != shape[dim] for out in user.output_shapes if out):
+                    if any(_cuts_dim(shape, out, dim) for out in user.output_shapes if out):
                         found.append(IllegalSplit(op.module, "fused output",
                                                   f"{op.module}'s output is cut along its split dimension by "
                                                   f"{user.target} in {user.module or op.layer}: a fused projection"))
@@ -271,6 +309,18 @@ def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Illegal
                         and user.output_shapes and user.output_shapes[0] == shape:
                     frontier.append((user, dim))  # the module's own bias add or cast
     return found
+
+
+def _cuts_dim(shape: list[int], out: list[int], dim: int) -> bool:
+    """Whether an op cutting ``shape`` into ``out`` cuts dim ``dim``: it shrinks it, or drops a dim
+    that could be it. An op dropping one dim that can only be another (BLOOM's per-head
+    interleaved ``qkv.view(b, s, heads, 3, d)[..., 0, :]`` selects along the 3) leaves it whole."""
+    if len(out) == len(shape):
+        return out[dim] != shape[dim]
+    if len(out) != len(shape) - 1:
+        return True
+    dropped = [index for index in range(len(shape)) if shape[:index] + shape[index + 1:] == out]
+    return not dropped or dim in dropped
 
 
 def _reshaped_dim(before: list[int], after: list[int], dim: int) -> int | None:
@@ -342,6 +392,13 @@ def _folded_sequence(full: list[tuple[str, tuple[int, ...]]], local: list[tuple[
         if len(whole) == len(share) and any(w == seq_len and s != w for w, s in zip(whole[:-1], share[:-1])):
             return f"{target} gives {list(share)} where the whole model has {list(whole)}, a cut sequence"
     return None
+
+
+def _run_fake(build: Any, module: nn.Module, inputs: tuple[tuple, dict], call_model: Any | None) -> Any:
+    """One forward of ``module`` (a layer on its captured inputs, or the model on its batch through
+    ``call_model``) on fake tensors."""
+    with build.fake_mode, torch.no_grad():
+        return call_model(module, build.batch) if call_model is not None else module(*inputs[0], **inputs[1])
 
 
 def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, module: nn.Module,

@@ -77,6 +77,9 @@ class ILPSplitter:
         # (layer, tp) -> paired regions of its solution that keep DTensor activations (their code
         # views by global sizes: autopar.solver.tp_global_shapes)
         self.dtensor_regions: dict[tuple[str, int], set[str]] = {}
+        # (layer, tp) -> fused projections of its solution split as their parts (column-parallel in
+        # a paired region): FQN -> the parts' global sizes (autopar.solver.tp_fused)
+        self.fused_parts: dict[tuple[str, int], dict[str, list[int]]] = {}
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
         """The ILP's split of the layer among splits codegen runs as priced: the class and graph
@@ -119,8 +122,12 @@ class ILPSplitter:
         self.solutions[(layer_name, tp)] = {module: style.value for module, style in solution.module_style.items()}
         self.replicated[(layer_name, tp)] = solution.replicated_ops
         if tp > 1:
-            self.dtensor_regions[(layer_name, tp)] = self.legality.dtensor_regions(
-                layer_name, tp, self.solutions[(layer_name, tp)])
+            styles = self.solutions[(layer_name, tp)]
+            self.dtensor_regions[(layer_name, tp)] = self.legality.dtensor_regions(layer_name, tp, styles)
+            regions = paired_regions(styles, self.tree.children, self.tree.kind)
+            self.fused_parts[(layer_name, tp)] = {
+                module: parts for module, parts in self.legality.fused_parts(layer_name, tp).items()
+                if styles.get(module) == "colwise" and module.rpartition(".")[0] in regions}
         if "loss_parallel" in solution.op_strategy.values():
             self.loss_parallel.add((layer_name, tp))
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]

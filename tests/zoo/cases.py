@@ -14,8 +14,13 @@ TWO_RANK_PINS = ["dp2", "zero3", "tp2", "pp2", "cp2"]
 # ModuleDict, the frozen-parameter GPT and the GPT example.
 FOUR_RANK_PINS = ["zero3_dp4", "dp2_tp2", "dp2_pp2", "tp2_pp2", "dp2_cp2"]
 FOUR_RANK_MODELS = ["hf_llama", "hf_mixtral", "hf_gpt2", "hf_bert", "hf_t5", "nanogpt", "frozen", "gpt"]
+# Tensor parallelism at 2 and 4 on 4 ranks for the layouts written to test it (fused_layouts.py):
+# fused qkv cut into unequal parts and a fused gate-up, NeoX's interleaved qkv, global-size views.
+TP_LAYOUT_PINS = ["dp2_tp2", "tp4"]
+TP_LAYOUT_MODELS = ["fused_qkv", "neox_qkv", "global_views"]
 ALL_CASES = ([f"{model}-{pin}" for model in MODELS for pin in TWO_RANK_PINS]
-             + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS])
+             + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS]
+             + [f"{model}-{pin}" for model in TP_LAYOUT_MODELS for pin in TP_LAYOUT_PINS])
 
 # CI's subset (about a minute and a half on two cores): the nanoGPT layout under three kinds of
 # split in one spawn of ranks, the frozen-parameter model, and context parallelism refused
@@ -78,7 +83,7 @@ REFUSED: dict[str, str] = {
 # fused qkv_proj and gate_up_proj (33%) and the encoder-decoder's nn.MultiheadAttention (40%).
 # (OPT's and Whisper's attention, viewing by global head counts, split as DTensor regions: 99%.)
 TP_COVERAGE_REFUSED = 'tensor parallelism could split at most'
-REFUSED.update({case: TP_COVERAGE_REFUSED for case in ("hf_phi3-tp2", "encdec-tp2")})
+REFUSED.update({case: TP_COVERAGE_REFUSED for case in ("encdec-tp2",)})
 
 # Known to fail (measured; strict xfail, so a fix shows up as XPASS and must move the case out).
 KNOWN_FAILURES: dict[str, str] = {}

@@ -84,6 +84,10 @@ MODELS = {m.name: m for m in [
     ZooModel("frozen", MODELS_DIR / "frozen.py"),
     ZooModel("cnn", EXAMPLES_DIR / "cnn.py", {"width": 8, "blocks": 4, "image": 8}),
     ZooModel("gpt", EXAMPLES_DIR / "gpt.py", {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64}),
+    # Attention and MLPs written the common ways tensor parallelism must split (fused_layouts.py).
+    ZooModel("fused_qkv", MODELS_DIR / "fused_layouts.py", {"layout": "split"}),
+    ZooModel("neox_qkv", MODELS_DIR / "fused_layouts.py", {"layout": "interleaved"}),
+    ZooModel("global_views", MODELS_DIR / "fused_layouts.py", {"layout": "global_views"}),
 ]}
 PINS = {p.name: p for p in [
     Pin("dp2", dict(dp=2, tp=1, pp=1, cp=1, zero_stage=0)),
@@ -96,6 +100,7 @@ PINS = {p.name: p for p in [
     Pin("dp2_pp2", dict(dp=2, tp=1, pp=2, cp=1)),
     Pin("tp2_pp2", dict(dp=1, tp=2, pp=2, cp=1)),
     Pin("dp2_cp2", dict(dp=2, tp=1, pp=1, cp=2)),
+    Pin("tp4", dict(dp=1, tp=4, pp=1, cp=1)),
 ]}
 
 

@@ -377,6 +377,73 @@ def checkpoint_key(section: str, key: str, dims: Any) -> str:
     return f"{section}.{key}"
 
 
+def fused_row_order(parts: list[int], tp: int) -> list[int]:
+    """Rows of a fused projection of ``parts`` (global sizes, in order) as tensor parallelism holds
+    them: rank 0's share of every part, then rank 1's, ... (the generated module's fused section)."""
+    starts = [sum(parts[:index]) for index in range(len(parts))]
+    return [start + rank * (size // tp) + row for rank in range(tp)
+            for start, size in zip(starts, parts) for row in range(size // tp)]
+
+
+class RowOrders:
+    """Parameters held with their rows permuted (fused projections split as their parts), put
+    back in the model's own order wherever they leave the run (checkpoints, gathered weights) and
+    permuted again on the way in, so files keep the model's layout under any plan.
+
+    Args:
+        fused: parameter FQN -> (the dim its rows run along, the parts' global sizes).
+        tp: the tensor-parallel degree they were permuted for.
+    """
+
+    def __init__(self, fused: dict[str, tuple[int, list[int]]], tp: int) -> None:
+        self.orders = {name: (dim, torch.tensor(fused_row_order(parts, tp))) for name, (dim, parts) in fused.items()}
+
+    def public(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """A whole tensor of parameter ``name`` (or its optimizer moment) in the model's row order."""
+        if name not in self.orders:
+            return full
+        dim, order = self.orders[name]
+        return full.index_select(dim, torch.argsort(order).to(full.device))
+
+    def private(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """A whole tensor in the model's row order, in the order the run holds it."""
+        if name not in self.orders:
+            return full
+        dim, order = self.orders[name]
+        return full.index_select(dim, order.to(full.device))
+
+    def convert(self, state: dict[str, Any], to_public: bool) -> dict[str, Any]:
+        """Checkpoint ``state`` (model.<fqn>, optimizer.state.<fqn>.<moment>) with the permuted
+        parameters' entries converted (whole tensors gathered for it, one at a time)."""
+        if not self.orders:
+            return state
+        converted = dict(state)
+        for key in sorted(state):
+            name = self._parameter_of(key, state[key])
+            if name is not None:
+                converted[key] = self._redistributed(name, state[key], to_public)
+        return converted
+
+    def _parameter_of(self, key: str, value: Any) -> str | None:
+        for prefix in ("model.", "optimizer.state."):
+            rest = key[len(prefix):] if key.startswith(prefix) else None
+            for name, (dim, order) in self.orders.items() if rest is not None else ():
+                if (rest == name or rest.startswith(name + ".")) and isinstance(value, torch.Tensor) \
+                        and value.dim() > dim and value.shape[dim] == len(order):
+                    return name
+        return None
+
+    def _redistributed(self, name: str, value: torch.Tensor, to_public: bool) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        convert = self.public if to_public else self.private
+        if not isinstance(value, DTensor):
+            return convert(name, value.detach())
+        full = convert(name, value.detach().full_tensor())
+        whole = DTensor.from_local(full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False)
+        return whole.redistribute(value.device_mesh, value.placements)  # a local cut: no communication
+
+
 def _tied_alias(key: str, available: set[str], tied_parameters: list[list[str]]) -> str | None:
     """``key`` with its parameter named by another of its tied names, one the checkpoint holds, or
     None. (A pipeline's last stage asks for the state of ``lm_head.weight``; a run without
@@ -430,11 +497,13 @@ class Checkpointer:
             per-parameter form, so their checkpoints load under any plan too.
         dims: the plan's degrees (pipeline stages are saved under the whole model's FQNs).
         tied_parameters: parameter FQNs sharing one tensor.
+        rows: parameters held with permuted rows (fused projections), saved in the model's order.
     """
 
     def __init__(self, options: CheckpointConfig, modules: list[nn.Module], optimizer: Any, dims: Any,
-                 tied_parameters: list[list[str]]):
+                 tied_parameters: list[list[str]], rows: RowOrders | None = None):
         self.options = options
+        self.rows = rows or RowOrders({}, 1)
         self.dims = dims
         self.model = modules[0]
         if dims.pp_enabled:
@@ -461,7 +530,7 @@ class Checkpointer:
             for key, value in values.items():
                 name = checkpoint_key(section, key, self.dims)
                 state[name], origin[name] = value, (section, key)
-        return state, origin
+        return self.rows.convert(state, to_public=True), origin
 
     def _parameter_fqns(self) -> list[str]:
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -559,7 +628,8 @@ class Checkpointer:
         step and data position (None when it recorded none)."""
         state, origin = self._state(0)  # the shapes and shardings to load into
         loaded: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}, "train": {}, "rng": {}}
-        for key, value in read_checkpoint(folder, state, self.dims, self.tied_parameters).items():
+        read = self.rows.convert(read_checkpoint(folder, state, self.dims, self.tied_parameters), to_public=False)
+        for key, value in read.items():
             section, name = origin[key]
             loaded[section][name] = value
         set_model_state_dict(self.model, loaded["model"])  # first: ZeRO-1 copies its slice from the parameters

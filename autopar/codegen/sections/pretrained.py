@@ -32,7 +32,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -209,21 +209,25 @@ def shard_index(tensor: DTensor) -> tuple[slice, ...] | None:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
-def local_part(source: WeightSource, name: str, target: torch.Tensor) -> torch.Tensor:
-    """The part of the file's tensor ``name`` that ``target`` holds on this rank."""
+def local_part(source: WeightSource, name: str, target: torch.Tensor,
+               permute: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The part of the file's tensor ``name`` that ``target`` holds on this rank (``permute``: the
+    rows of a tensor the run holds in another order, a fused projection's, put in that order)."""
     if not isinstance(target, DTensor):
-        return source.read(name)
-    index = shard_index(target)
+        return source.read(name) if permute is None else permute(source.read(name))
+    index = shard_index(target) if permute is None else None
     if index is not None:
         return source.read(name, index)
     # Several blocks: cut the whole tensor as DTensor does (src_data_rank=None: no communication).
     full = source.read(name).to(target.device)
+    full = full if permute is None else permute(full)
     return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
 
 
 @torch.no_grad()
 def load_pretrained(path: str | Path, expected: dict[str, tuple[int, ...]], held: list[tuple[str, torch.Tensor]],
-                    tied: list[list[str]], ignored: list[str] = ()) -> int:
+                    tied: list[list[str]], ignored: list[str] = (),
+                    permuted: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> int:
     """Copy the weights at ``path`` into this rank's tensors; returns how many tensors it set.
 
     Args:
@@ -233,6 +237,8 @@ def load_pretrained(path: str | Path, expected: dict[str, tuple[int, ...]], held
             model (DTensors hold a shard; tied tensors under each name).
         tied: groups of parameter FQNs sharing one tensor.
         ignored: patterns of file names to leave out without complaint (`ignored_unexpected`).
+        permuted: FQN -> how to put a whole tensor's rows in the order this run holds them
+            (fused projections split as their parts).
 
     Raises:
         WeightsError: the names or shapes do not match (nothing was changed), or the file is unreadable.
@@ -248,7 +254,7 @@ def load_pretrained(path: str | Path, expected: dict[str, tuple[int, ...]], held
         if id(tensor) in done:
             continue
         done.add(id(tensor))
-        part = local_part(source, found[name], tensor)
+        part = local_part(source, found[name], tensor, (permuted or {}).get(name))
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if tuple(part.shape) != tuple(local.shape):
             raise WeightsError(f"--init-from: {name}'s shard on this rank has shape {list(local.shape)} but its "

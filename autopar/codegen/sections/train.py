@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import resource
 import socket
@@ -81,12 +82,18 @@ class ParallelConfig:
     expert_tp: bool = False  # every expert's feed-forward width split over the tensor-parallel group
     dp_bucket_bytes: int = 25 * 2**20  # gradient_sync.py's bucket size
     gpus_per_node: int = 8  # which ranks share a node (hierarchical all-reduce)
+    fused_parameters: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # TP: fused projections' (dim, parts)
 
     @property
     def custom_gradient_sync(self) -> bool:
         """Gradients averaged by gradient_sync.py instead of FSDP."""
         return (self.dp_sync in GRADIENT_SYNC_ALGORITHMS and self.zero_stage <= 1 and self.dims.dp > 1
                 and not self.dims.cp_enabled)
+
+    @property
+    def rows(self) -> checkpointing.RowOrders:
+        """Parameters held with permuted rows (fused projections split as their parts, fused.py)."""
+        return checkpointing.RowOrders(self.fused_parameters, self.dims.tp)
 
     @property
     def expert_parallel(self) -> bool:
@@ -481,8 +488,10 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
     """Every parameter as a full fp32 tensor under its FQN in the unsharded model (tied parameters
     under each of their names), gathered on rank 0; None on the other ranks."""
     state: dict[str, torch.Tensor] = {}
+    rows = config.rows
     for name, parameter in unsharded_named_parameters(parallel):
         full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        full = rows.public(name, full)
         if config.experts_split:
             full = parallel.experts.full(name, full.detach())
         state[name] = full.detach().float().cpu()
@@ -600,8 +609,10 @@ def start_from_pretrained(parallel: ParallelModel, training: TrainConfig, config
     model = meta_model(model_module, training.model_kwargs)
     prefix = "model." if parallel.schedule is not None else ""  # a stage holds its model copy under `model`
     held = unsharded_named_parameters(parallel) + pretrained.persistent_buffers(parallel.modules, prefix)
+    rows = config.rows
     pretrained.load_pretrained(training.init_from, pretrained.expected_tensors(model), held, config.tied_parameters,
-                               pretrained.ignored_unexpected(model))
+                               pretrained.ignored_unexpected(model),
+                               {name: functools.partial(rows.private, name) for name in rows.orders})
     if config.zero_stage == 1:  # ZeRO-1 updates a copy of its slice of the parameters, taken at set-up
         zero1 = getattr(parallel.optimizer, "optimizer", parallel.optimizer)  # inside a gradient exchange
         if isinstance(zero1, ShardedAdamW):
@@ -664,7 +675,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # report training's peak, not set-up's
         checkpointer = checkpointing.Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer,
-                                                  config.dims, config.tied_parameters)
+                                                  config.dims, config.tied_parameters, config.rows)
         first_step = checkpointer.resume() if training.checkpoint.enabled else 0
         source = open_data(training, model_module, forward_arguments_of(parallel.modules[0]))
         # Samples of the run's global order consumed before this start (a checkpoint written

@@ -1,0 +1,112 @@
+"""Fused projections: where the model's code cuts one linear's output into parts.
+
+nanoGPT's ``c_attn(x).split(n_embd, dim=2)``, Phi-3's ``qkv[..., :q_pos]`` slices and its
+``gate_up.chunk(2, dim=-1)`` cut a projection's output along the features a column split
+shards. Such a projection splits as its parts (autopar.codegen.sections.fused): each rank holds
+its share of every part, and the region's cuts, still written in global sizes, are answered
+with those shares. The parts are read by running the layer once on fake tensors and recording
+every torch call on the projection's output: each must be a cut along the last dim, and the
+union of their bounds gives the parts. Any other use (a view into heads before the cut, as
+Falcon writes it) leaves the projection to the graph rule, which keeps it whole.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from autopar.codegen.sections.fused import FUSED_PARTS, FusedCuts, FusedCutError, _requested_cut
+
+# Calls that read a tensor's metadata only: no use of its values.
+_METADATA = frozenset({"__get__", "size", "dim", "numel", "__len__", "is_contiguous", "element_size",
+                       "stride", "storage_offset", "is_floating_point"})
+
+
+class _CutRecorder(TorchFunctionMode):
+    """Records the global bounds of every cut of a tagged output; any other use spoils it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bounds: set[tuple[int, int]] = set()
+        self.other_use: str | None = None
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensor = args[0] if args else None
+        if isinstance(tensor, torch.Tensor) and getattr(tensor, FUSED_PARTS, None) is not None:
+            name = getattr(func, "__name__", str(func))
+            try:
+                cut = _requested_cut(func, tensor, args[1:], kwargs, tensor.shape[-1])
+            except FusedCutError as err:
+                cut, self.other_use = None, str(err)
+            if cut is not None:
+                self.bounds.update(cut.bounds)
+            elif name not in _METADATA and self.other_use is None:
+                self.other_use = name
+        return func(*args, **kwargs)
+
+
+def recorded_parts(module: nn.Module, run: Callable[[], Any]) -> list[int] | None:
+    """The parts ``run`` (a forward of the layer holding ``module``) cuts ``module``'s output
+    into, in order; None when it uses the output otherwise, or cuts nothing."""
+    recorder = _CutRecorder()
+    handle = module.register_forward_hook(lambda _m, _i, out: _tag(out, [out.shape[-1]]))
+    try:
+        with recorder:
+            run()
+    except Exception:  # noqa: BLE001 - a layer that cannot run here is judged by the other rules
+        return None
+    finally:
+        handle.remove()
+    if recorder.other_use is not None or not recorder.bounds:
+        return None
+    edges = sorted({edge for bound in recorder.bounds for edge in bound})
+    if edges[0] != 0:
+        edges = [0, *edges]
+    parts = [stop - start for start, stop in zip(edges, edges[1:])]
+    return parts if len(parts) > 1 else None
+
+
+def _tag(output: Any, parts: list[int]) -> Any:
+    if isinstance(output, torch.Tensor):
+        setattr(output, FUSED_PARTS, parts)
+    return output
+
+
+@contextlib.contextmanager
+def forward_within(module: nn.Module, context: Callable[[], Any]) -> Iterator[None]:
+    """``module``'s forward run inside ``context()`` until exit, then as it was (wrappers nest)."""
+    own = module.__dict__.get("forward")
+    forward = module.forward
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return forward(*args, **kwargs)
+
+    module.forward = wrapped
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+@contextlib.contextmanager
+def cutting_fused(named: dict[str, nn.Module], fused: dict[str, list[int]]) -> Iterator[None]:
+    """The fused projections ``fused`` (FQN -> parts) tagging their outputs and their regions
+    running under `FusedCuts`, as the generated code runs them."""
+    with contextlib.ExitStack() as stack:
+        regions: list[nn.Module] = []
+        for name, parts in fused.items():
+            handle = named[name].register_forward_hook(lambda _m, _i, out, parts=parts: _tag(out, parts))
+            stack.callback(handle.remove)
+            region = named[name.rpartition(".")[0]]
+            if all(region is not seen for seen in regions):
+                regions.append(region)
+                stack.enter_context(forward_within(region, FusedCuts))
+        yield

@@ -40,7 +40,7 @@ MODEL = textwrap.dedent('''
         def __init__(self, style, hidden, heads):
             super().__init__()
             self.style, self.heads, self.head_dim = style, heads, hidden // heads
-            if style == "fused":
+            if style in ("fused", "fused_heads"):
                 self.qkv = nn.Linear(hidden, 3 * hidden)
             elif style == "conv1d":
                 self.qkv = Conv1D(3 * hidden, hidden)
@@ -52,6 +52,9 @@ MODEL = textwrap.dedent('''
             b, s, h = x.shape
             if self.style in ("fused", "conv1d"):
                 q, k, v = self.qkv(x).split(h, dim=2)
+            elif self.style == "fused_heads":  # Falcon's way: viewed into heads, then cut along them
+                qkv = self.qkv(x).view(b, s, 3 * self.heads, self.head_dim)
+                q, k, v = (qkv[:, :, i * self.heads:(i + 1) * self.heads].reshape(b, s, h) for i in range(3))
             else:
                 q, k, v = self.q(x), self.k(x), self.v(x)
             if self.style == "folded":  # OPT's view: -1 for the sequence, the global head count
@@ -139,12 +142,27 @@ def test_separate_projections_viewed_by_minus_one_split_like_megatron(model_path
     assert legality.probe("blocks.0", 2, styles) == {}
 
 
-def test_fused_projection_cut_along_its_split_dim_is_refused_by_the_split_op(model_path):
+def test_fused_projection_cut_into_parts_splits_as_its_parts(model_path):
+    """``qkv(x).split(h, dim=2)``: the cuts are read as three parts, each rank holds its share of
+    each (autopar.solver.tp_fused), so nothing is refused and the region runs."""
     legality = TPLegality(_profile(model_path, "fused"))
+    assert legality.static("blocks.0", 2) == {}
+    assert legality.fused_parts("blocks.0", 2) == {"blocks.0.attn.qkv": [64, 64, 64]}
+    styles = {"blocks.0.attn.qkv": "colwise", "blocks.0.attn.o": "rowwise"}
+    assert legality.probe("blocks.0", 2, styles) == {}
+    # It views the parts by its global head count: the region keeps DTensor activations.
+    assert legality.dtensor_regions("blocks.0", 2, styles) == {"blocks.0.attn"}
+
+
+def test_fused_projection_cut_after_a_view_into_heads_is_refused_by_the_cut(model_path):
+    """Falcon's way: the fused output is viewed into heads and then sliced along them; that is no
+    cut of the output into parts, and a contiguous share would hand rank 0 q and half of k."""
+    legality = TPLegality(_profile(model_path, "fused_heads"))
     found = legality.static("blocks.0", 2)
     assert set(found) == {"blocks.0.attn.qkv"}
     assert found["blocks.0.attn.qkv"].kind == "fused output"
-    assert "aten.split" in found["blocks.0.attn.qkv"].reason
+    assert "aten.slice" in found["blocks.0.attn.qkv"].reason
+    assert legality.fused_parts("blocks.0", 2) == {}
 
 
 def test_view_by_a_hard_coded_head_count_fails_on_a_share_and_runs_on_dtensors(model_path):
@@ -185,10 +203,12 @@ def test_an_output_modified_in_place_does_not_keep_its_module_whole(model_path):
 
 
 def test_a_transposed_linear_is_judged_by_what_it_computes_not_by_its_class(model_path):
-    """GPT-2's Conv1D computes x @ W + b: the class rule lets it through (whatever else may keep
-    its fused output whole); tests/unit/test_linear_like.py refuses a module that is no affine map."""
-    found = TPLegality(_profile(model_path, "conv1d")).static("blocks.0", 2)
-    assert all(item.kind != "module class" for item in found.values()), found
+    """GPT-2's Conv1D computes x @ W + b: the class rule lets it through, and its fused output,
+    cut by ``split``, splits as its parts; tests/unit/test_linear_like.py refuses a module that is
+    no affine map."""
+    legality = TPLegality(_profile(model_path, "conv1d"))
+    assert legality.static("blocks.0", 2) == {}
+    assert legality.fused_parts("blocks.0", 2) == {"blocks.0.attn.qkv": [64, 64, 64]}
 
 
 def test_a_weight_narrower_than_tp_stays_replicated_and_does_not_refuse_the_degree(model_path):
@@ -204,7 +224,7 @@ def test_a_weight_narrower_than_tp_stays_replicated_and_does_not_refuse_the_degr
     assert 1 in shape.split_dims and shape.tp_divides(2) and shape.tp_problem(2) is None
 
 
-@pytest.mark.parametrize("style", ["fused", "conv1d", "gated"])
+@pytest.mark.parametrize("style", ["fused_heads", "gated"])
 def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
     """End to end through the splitter the planner prices with: the illegal modules come back
     replicated, the legal rest may still split, and each refused kind has one report line."""
@@ -238,21 +258,29 @@ def test_a_gpt_keeps_sequence_parallelism():
 
 
 def test_the_plan_result_names_what_decided_each_refused_split(model_path):
-    """Under a tp=2 pin the plan trains the fused model with its fused projection replicated,
-    and the planning result carries one line per refused kind for the report."""
+    """Under a tp=2 pin the plan trains the Falcon-style fused model with its fused projection
+    replicated, and the planning result carries one line per refused kind for the report; the
+    split-into-parts model's plan splits it and lists its parts."""
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
     from cost_models.step import TrainSpec
 
     cluster = ClusterSpec.from_config(ClusterConfig(name="cpu2", gpu="cpu", nodes=1, gpus_per_node=2,
                                                     intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
-    result = Planner(_profile(model_path, "fused"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
-                     SolverConfig(top_k=0), PlanPins(tp=2)).run()
+
+    def plan(style: str):
+        return Planner(_profile(model_path, style), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
+                       SolverConfig(top_k=0), PlanPins(tp=2)).run()
+
+    result = plan("fused_heads")
     assert result.plan.tp == 2 and not result.plan.sequence_parallel
-    assert result.plan.tp_styles.get("blocks.0.attn.qkv", "replicate") == "replicate"
+    assert result.plan.tp_styles.get("blocks.0.attn.qkv", "replicate") == "replicate" and result.plan.tp_fused == {}
     fused = [line for line in result.illegal_splits if "(fused output)" in line]
-    assert len(fused) == 1 and "blocks.0.attn.qkv" in fused[0] and "aten.split" in fused[0]
+    assert len(fused) == 1 and "blocks.0.attn.qkv" in fused[0] and "aten.slice" in fused[0]
     assert any(line.startswith("sequence parallelism not considered: blocks.0.") for line in result.illegal_splits)
+    split = plan("fused").plan
+    assert split.tp_styles["blocks.0.attn.qkv"] == "colwise"
+    assert split.tp_fused == {f"blocks.{i}.attn.qkv": [64, 64, 64] for i in range(2)}
 
 
 def test_a_pin_of_sequence_parallelism_it_cannot_wrap_is_refused_naming_the_module(model_path):

@@ -79,9 +79,10 @@ REFUSED: dict[str, str] = {
 
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters
 # split is refused
-# (autopar/solver/tp_coverage.py; shares from `python -m tests.zoo.coverage`, TABLE.md): Phi-3's
-# fused qkv_proj and gate_up_proj (33%) and the encoder-decoder's nn.MultiheadAttention (40%).
-# (OPT's and Whisper's attention, viewing by global head counts, split as DTensor regions: 99%.)
+# (autopar/solver/tp_coverage.py; shares from `python -m tests.zoo.coverage`, TABLE.md): the
+# encoder-decoder's nn.MultiheadAttention (40%). (OPT's and Whisper's attention, viewing by global
+# head counts, split as DTensor regions: 99%; Phi-3's fused qkv_proj and gate_up_proj split as
+# their parts: 100%.)
 TP_COVERAGE_REFUSED = 'tensor parallelism could split at most'
 REFUSED.update({case: TP_COVERAGE_REFUSED for case in ("encdec-tp2",)})
 

@@ -138,8 +138,10 @@ def _requested_cut(func: Callable, tensor: torch.Tensor, rest: tuple, kwargs: di
         return _Cut([(int(start), int(start) + int(length))], many=False) if _last_dim(dim, tensor) else None
     if name == "__getitem__":
         key = rest[0] if isinstance(rest[0], tuple) else (rest[0],)
-        if not key or not isinstance(key[-1], slice) or key[-1] == slice(None):
-            return None
+        if Ellipsis not in key and len(key) < tensor.dim():
+            return None  # the last dim is not indexed
+        if not isinstance(key[-1], slice) or key[-1] == slice(None):
+            raise FusedCutError(f"a fused projection's output indexed as [{key}]: only [..., a:b] reads a part")
         leading = key[:-1]
         if not (leading == (Ellipsis,) or (all(k == slice(None) for k in leading) and len(leading) == tensor.dim() - 1)):
             raise FusedCutError(f"a fused projection's output indexed as [{key}]: only [..., a:b] reads a part")

@@ -1,6 +1,7 @@
 """Step time of tensor parallelism on a GPT that views by global sizes (its regions keep DTensor
-activations: autopar.solver.tp_global_shapes) vs the same GPT written for shares
-(``view(b, s, -1, d)``: local tensors), tp=2 on 2 gloo CPU ranks.
+activations: autopar.solver.tp_global_shapes), and on one that also fuses q, k and v into one
+projection cut by ``split`` (examples/gpt_fused.py: split as its parts, autopar.solver.tp_fused),
+vs the same GPT written for shares (``view(b, s, -1, d)``: local tensors), tp=2 on 2 gloo CPU ranks.
 
 Both plans are generated at the same size and run in the same 2 processes, one after the other,
 each for STEPS steps; the median step time past the first WARMUP steps is compared. Where
@@ -43,13 +44,14 @@ def _run(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> None:
 
 def main() -> int:
     models = {"local_views": _model("gpt", REPO / "examples" / "gpt.py"),
-              "global_views": _model("gpt_global_shapes", REPO / "tests" / "dist" / "models" / "gpt_global_shapes.py")}
+              "global_views": _model("gpt_global_shapes", REPO / "tests" / "dist" / "models" / "gpt_global_shapes.py"),
+              "fused_global_views": _model("gpt_fused", REPO / "examples" / "gpt_fused.py")}
     with tempfile.TemporaryDirectory() as root:
         jobs = []
         for name, model in models.items():
             plan = make_planner(model, tp=2).run().plan
             files = generate(plan, model.path, Path(root) / name, optimizer=OPTIMIZER)
-            print(f"{name}: dtensor regions {len(plan.tp_dtensor_regions)}, "
+            print(f"{name}: dtensor regions {len(plan.tp_dtensor_regions)}, fused {len(plan.tp_fused)}, "
                   f"split {sum(s != 'replicate' for s in plan.tp_styles.values())} of {len(plan.tp_styles)} modules")
             jobs.append((name, (str(files.script), str(Path(root) / name / "run.jsonl"))))
         run_ranks(_run, 2, jobs, timeout_s=900)
@@ -57,7 +59,8 @@ def main() -> int:
                    for name, (_, log) in jobs}
     for name, seconds in medians.items():
         print(f"{name}: median step {seconds * 1e3:.1f} ms")
-    print(f"global / local = {medians['global_views'] / medians['local_views']:.3f}")
+    for name in ("global_views", "fused_global_views"):
+        print(f"{name} / local_views = {medians[name] / medians['local_views']:.3f}")
     return 0
 
 

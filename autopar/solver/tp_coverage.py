@@ -88,11 +88,18 @@ def coverage_line(tp: int, param_share: float | None, flop_share: float | None) 
 
 
 def coverage_notes(plan: Any) -> list[str]:
-    """The report's line on the plan's TP coverage (none without TP or in an older plan file)."""
+    """The report's lines on the plan's TP coverage and its fused projections (none without TP or in
+    an older plan file)."""
     predicted = plan.predicted
     if plan.tp <= 1 or predicted.tp_param_share is None:
         return []
-    return [coverage_line(plan.tp, predicted.tp_param_share, predicted.tp_flop_share) + "."]
+    notes = [coverage_line(plan.tp, predicted.tp_param_share, predicted.tp_flop_share) + "."]
+    fused = getattr(plan, "tp_fused", {})
+    if fused:
+        kinds = sorted({module.rsplit(".", 1)[-1] + " " + str(parts) for module, parts in fused.items()})
+        notes.append(f"{len(fused)} fused projections split as their parts, each rank holding its share of every "
+                     f"part ({', '.join(kinds)}).")
+    return notes
 
 
 def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,

@@ -133,3 +133,13 @@ def test_a_region_run_on_one_ranks_share_computes_that_ranks_heads():
         with cutting_fused({"": share, "qkv": share.qkv}, {"qkv": [16, 8, 8]}):
             total += share(x)
     torch.testing.assert_close(total + whole.o.bias, expected)
+
+
+def test_the_report_names_the_fused_projections_split_as_their_parts():
+    from autopar.plan import Plan, Predicted
+    from autopar.solver.tp_coverage import coverage_notes
+
+    plan = Plan(tp=2, tp_fused={"blocks.0.attn.qkv": [64, 32, 32], "blocks.1.attn.qkv": [64, 32, 32]},
+                predicted=Predicted(tp_param_share=1.0, tp_flop_share=0.9))
+    assert coverage_notes(plan)[1] == ("2 fused projections split as their parts, each rank holding its share of "
+                                       "every part (qkv [64, 32, 32]).")

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 # In a generated folder this is checkpointing.py beside the training module.
 from autopar.codegen.sections import checkpoint as checkpointing
+from autopar.codegen.sections.tensor_parallel import RegionStyle
 
 FUSED_PARTS = "_fused_parts"  # attribute of a fused output: its parts' global sizes along the last dim
 
@@ -62,26 +63,12 @@ def _tag_output(parts: list[int], _module: nn.Module, _inputs: Any, output: Any)
     return output
 
 
-class CutsFused(ParallelStyle):
+class CutsFused(RegionStyle):
     """The region holding fused projections: its forward runs under `FusedCuts` (``inner``, the
     region's own style, applied first)."""
 
-    def __init__(self, inner: ParallelStyle | None = None) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.inner is not None:
-            module = self.inner._apply(module, device_mesh)
-        forward = module.forward
-
-        @functools.wraps(forward)
-        def cutting_forward(*args: Any, **kwargs: Any) -> Any:
-            with FusedCuts():
-                return forward(*args, **kwargs)
-
-        module.forward = cutting_forward
-        return module
+    def context(self, device_mesh: DeviceMesh) -> FusedCuts:
+        return FusedCuts()
 
 
 class FusedCutError(RuntimeError):

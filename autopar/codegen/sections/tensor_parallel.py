@@ -35,20 +35,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
     tie_parameters(model, tied_parameters)
 
 
-class GlobalShapes(ParallelStyle):
-    """A paired region whose code reads global sizes (``b, s, h = x.shape``, then
-    ``view(b, s, self.n_head, h // self.n_head)``): its column-parallel outputs stay DTensors, so
-    the code sees global shapes while every op computes on this rank's heads.
-
-    The region's forward runs with plain tensors it meets (a causal mask, a rotary table: equal
-    on every tensor-parallel rank, which read the same batch) taken as replicated, and on CPU
-    with SDPA's math kernel (DTensor shards its matmuls by heads; the fused CPU kernel has no
-    sharding rule). ``inner`` is the region's own input style, applied first.
-    """
+class RegionStyle(ParallelStyle):
+    """A style for a region (attention, an MLP) whose forward must run in a context: ``inner``,
+    the region's own input style, is applied first, then its forward is wrapped in `context`."""
 
     def __init__(self, inner: ParallelStyle | None = None) -> None:
         super().__init__()
         self.inner = inner
+
+    def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.inner is not None:
@@ -56,12 +52,27 @@ class GlobalShapes(ParallelStyle):
         forward = module.forward
 
         @functools.wraps(forward)
-        def global_forward(*args: Any, **kwargs: Any) -> Any:
-            with global_shapes_context(device_mesh.device_type):
+        def forward_in_context(*args: Any, **kwargs: Any) -> Any:
+            with self.context(device_mesh):
                 return forward(*args, **kwargs)
 
-        module.forward = global_forward
+        module.forward = forward_in_context
         return module
+
+
+class GlobalShapes(RegionStyle):
+    """A paired region whose code reads global sizes (``b, s, h = x.shape``, then
+    ``view(b, s, self.n_head, h // self.n_head)``): its column-parallel outputs stay DTensors, so
+    the code sees global shapes while every op computes on this rank's heads.
+
+    The region's forward runs with plain tensors it meets (a causal mask, a rotary table: equal
+    on every tensor-parallel rank, which read the same batch) taken as replicated, and on CPU
+    with SDPA's math kernel (DTensor shards its matmuls by heads; the fused CPU kernel has no
+    sharding rule). ``inner`` is the region's own input style.
+    """
+
+    def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
+        return global_shapes_context(device_mesh.device_type)
 
 
 @contextlib.contextmanager

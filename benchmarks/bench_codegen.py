@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,15 @@ def _hand_step(model, optimizer, batch: dict, model_file) -> float:
     return float(value) / RANKS
 
 
+def _hand_batch(generated: Any, training: Any, model_module: Any, step: int, dp_rank: int) -> Any:
+    """The hand-written run's slice of step ``step``'s batch: the same samples the generated
+    module's rank of that data-parallel index reads (its own mesh may order ranks otherwise)."""
+    whole = generated.make_batch(model_module, training.model_kwargs, training.global_batch_size,
+                                 training.seed + 1 + step)
+    first, size = training.share(dp_rank)
+    return generated.slice_batch(whole, first, first + size * training.num_micro_batches)
+
+
 # -- side by side --------------------------------------------------------------------------------
 
 def _rank(rank: int, port: int, script: str, queue) -> None:
@@ -121,13 +131,12 @@ def _rank(rank: int, port: int, script: str, queue) -> None:
         training, config = generated.train_config(generated.PLAN, args), generated.parallel_config(generated.PLAN)
         model_module = generated.load_model_file(training.model_file)
         parallel = generated.setup(training, config, generated.tp_plan, model_module, torch.device("cpu"))
-        dp_rank = generated.dp_rank(parallel.mesh, config.dims)
         model, optimizer, hand_dp_rank = _hand_written(model_module, training.seed)
         times = {"generated": [], "hand_written": []}
         losses = {"generated": [], "hand_written": []}
         for step in range(WARMUP + MEASURED):
-            batch = generated.local_batch(training, model_module, step, dp_rank, torch.device("cpu"))
-            hand_batch = generated.local_batch(training, model_module, step, hand_dp_rank, torch.device("cpu"))
+            batch = generated.local_batch(training, config, model_module, step, parallel.mesh, torch.device("cpu"))
+            hand_batch = _hand_batch(generated, training, model_module, step, hand_dp_rank)
             # Alternate which goes first so neither always follows the other's cache state.
             order = ("generated", "hand_written") if step % 2 == 0 else ("hand_written", "generated")
             for which in order:

@@ -145,8 +145,13 @@ class Plan:
         stages: layer names of each (virtual) pipeline stage in order; stage j runs on PP rank
             j mod pp. One stage holding every layer when pp == 1.
         recompute: layer name -> none / selective / full activation recomputation.
-        tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel
-            (the operator-wise ILP's choice; modules not listed stay replicated).
+        tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel /
+            kv_group (the operator-wise ILP's choice; modules not listed stay replicated).
+        tp_kv_heads: the key/value heads of grouped-query attention that kv_group modules compute
+            one per group of tp / tp_kv_heads ranks (autopar.solver.tp_kv_groups); 0: none.
+        tp_region_attributes: paired region -> integer attribute -> value the generated code sets
+            on it so its attention repeats the rank's key/value head to its query heads (the
+            count of query heads per key/value head, found by probing: tp_legality).
         tp_dtensor_regions: paired regions whose code views activations by global sizes
             (``b, s, h = x.shape``): their column-parallel outputs stay DTensors (see
             autopar.solver.tp_global_shapes); the other regions hand on local shards.
@@ -183,6 +188,8 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)
     tp_styles: dict[str, str] = field(default_factory=dict)
     tp_dtensor_regions: list[str] = field(default_factory=list)
+    tp_kv_heads: int = 0
+    tp_region_attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cp_strategy: str = "ulysses"

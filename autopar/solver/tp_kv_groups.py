@@ -47,11 +47,13 @@ class KVGroups:
     (the attention op's query and key heads, and the projections' widths).
 
     Attributes:
+        heads: query heads of the model.
         kv_heads: key/value heads of the model (the number of groups).
         head_dim: features per head.
         modules: FQN -> output features of each projection whose output is ``kv_heads`` heads.
     """
 
+    heads: int
     kv_heads: int
     head_dim: int
     modules: dict[str, int]
@@ -78,7 +80,7 @@ def kv_groups(profile: "ModelProfile", tp: int, candidates: set[str] | None = No
         if leaf == "weight" and len(dims) == 2 and dims[0] == width and dims[1] != width \
                 and (candidates is None or module in candidates):
             modules[module] = dims[0]
-    return KVGroups(shape.kv_heads, shape.head_dim, modules) if modules else None
+    return KVGroups(shape.heads, shape.kv_heads, shape.head_dim, modules) if modules else None
 
 
 def weight_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4) -> float:

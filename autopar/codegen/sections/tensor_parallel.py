@@ -106,6 +106,26 @@ class KVGroupColwise(ParallelStyle):
         return module
 
 
+class WithAttributes(ParallelStyle):
+    """A paired region with key/value projections computed by group whose attention repeats the
+    key/value heads by a count it holds (Hugging Face's ``num_key_value_groups``): that count set
+    to the query heads per rank, as the planner's probe found it runs (autopar/solver/
+    tp_legality.py), so this rank's key/value head is repeated to its own query heads. ``inner``
+    is the region's own input style, applied first."""
+
+    def __init__(self, attributes: dict[str, int], inner: ParallelStyle | None = None) -> None:
+        super().__init__()
+        self.attributes = attributes
+        self.inner = inner
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.inner is not None:
+            module = self.inner._apply(module, device_mesh)
+        for name, value in self.attributes.items():
+            setattr(module, name, value)
+        return module
+
+
 @contextlib.contextmanager
 def global_shapes_context(device_type: str) -> Iterator[None]:
     """Plain tensors read as replicated DTensors and, on CPU, SDPA's math kernel (see GlobalShapes)."""

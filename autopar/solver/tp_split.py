@@ -202,6 +202,8 @@ class ILPSplitter:
             comm=issued.without_sp, forward_comm=issued.forward_without_sp,
             comm_under_sp=issued.under_sp, forward_comm_under_sp=issued.forward_under_sp,
             rerun_comm=issued.rerun_without_sp, rerun_comm_under_sp=issued.rerun_under_sp,
+            per_step_gradients=tuple(math.prod(shape) for name, shape in sorted(self.profile.param_shapes.items())
+                                     if name.rpartition(".")[0] in by_groups),
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
             styles=styles, activations=acts, sp=sp)
@@ -313,10 +315,7 @@ def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, 
         op = by_name.get(source)
         again = source in recomputed or source not in by_name  # another layer's output: read first
         if kind == "kv-group gradient all-reduce":
-            # Summed once per step (reduce_partial_gradients), priced with each micro-batch's backward.
-            backward.append(item)
-            backward_sp.append(item)
-            continue
+            continue  # summed once per step (reduce_partial_gradients): TPLayerSplit.per_step_gradients
         if kind == "backward all-reduce":
             readers = [o for o in _readers_through_views(source, by_name)
                        if strategy.get(o.name) in ("colwise", "kv_group")]

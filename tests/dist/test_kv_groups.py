@@ -12,14 +12,12 @@ gradients' all-reduces in backward, and one all-reduce per key/value weight grad
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
 from autopar.codegen import generate
 from autopar.runtime import read_records, run_reference
-from tests.dist.equivalence import OPTIMIZER, STEPS, _run_generated_cases
+from tests.dist.equivalence import OPTIMIZER, STEPS, Outcome, _run_generated_cases
 from tests.dist.harness import run_ranks
 from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel, make_planner
 
@@ -43,10 +41,12 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     found: dict[str, dict] = {}
     jobs: dict[int, list] = {}
     for case, (model, pins, ranks) in CASES.items():
-        plan = make_planner(model, **pins).run().plan
+        planner = make_planner(model, **pins)
+        plan = planner.run().plan
         out = root / case
         files = generate(plan, model.path, out, optimizer=OPTIMIZER)
-        found[case] = {"plan": plan, "log": out / "run.jsonl", "final": out / "final.pt", "model": model}
+        found[case] = {"plan": plan, "planner": planner, "log": out / "run.jsonl", "final": out / "final.pt",
+                       "model": model}
         jobs.setdefault(ranks, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
     for ranks, batch in jobs.items():
         issued = run_ranks(_run_generated_cases, ranks, batch, timeout_s=900)
@@ -83,3 +83,15 @@ def test_key_value_groups_train_like_one_process(case, runs):
     for name, expected in reference.parameters.items():
         torch.testing.assert_close(run["parameters"][name], expected, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_issues_the_priced_collectives(case, runs):
+    """One step's collectives, by kind, equal the pricer's, the key/value gradients' once-per-step
+    all-reduces among them (2 per block: k_proj's and v_proj's weights)."""
+    from tests.dist.test_collective_counts import issued_by_kind
+
+    run = runs[case]
+    issued = issued_by_kind(Outcome(plan=run["plan"], issued=run["issued"]))
+    priced = run["planner"].pricer.issued_collectives(run["plan"].layout())
+    assert issued == priced, f"{case}: issued {issued}, priced {priced}"

@@ -464,8 +464,17 @@ class LayerCost:
         if layout.tp == 1 or not split.per_step_gradients:
             return {}
         group = self.placement(layout, "tp")
-        return {"tp_comm": sum(self.collective_s(Collective.ALL_REDUCE, elements * self.grads_bytes, group)
-                               for elements in split.per_step_gradients)}
+        return {"tp_comm": self._partial_reductions(layout) * sum(
+            self.collective_s(Collective.ALL_REDUCE, elements * self.grads_bytes, group)
+            for elements in split.per_step_gradients)}
+
+    def _partial_reductions(self, layout: Any) -> int:
+        """How often per step a partial gradient is all-reduced over the TP group: once
+        (`reduce_partial_gradients`), or every micro-batch where FSDP reduce-scatters every
+        micro-batch (ZeRO-2/3 outside a pipeline), which sums it first (the rule
+        `sp_gradient_collectives` measured for sequence-parallel norms)."""
+        return layout.num_micro_batches if layout.zero_stage >= 2 and self._grad_size(layout) > 1 \
+            and layout.pp == 1 else 1
 
     def _replica_sync_s(self, layer: Any, split: TPLayerSplit, layout: Any, backward_s: float) -> float:
         """ZeRO-0/1: the gradients' all-reduce after the last micro-batch (per FSDP unit, or the
@@ -636,9 +645,9 @@ class LayerCost:
             split = self.split(layer.name, layout, reference)
             for op, _ in self.tp_issued(split, layout, self.recompute_options[option] == "full"):
                 counts[op] = counts.get(op, 0) + layout.num_micro_batches
-            if split.per_step_gradients:  # partial gradients, summed once per step
+            if split.per_step_gradients:  # partial gradients, summed once per step (or per micro-batch)
                 counts[Collective.ALL_REDUCE.value] = counts.get(Collective.ALL_REDUCE.value, 0) + \
-                    len(split.per_step_gradients)
+                    len(split.per_step_gradients) * self._partial_reductions(layout)
         return counts
 
     def ep_collectives(self, layout: ParallelLayout) -> dict[str, int]:

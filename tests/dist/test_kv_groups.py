@@ -6,7 +6,8 @@ sequence parallelism, 2 gloo ranks) and with 2 key/value heads at tp=4 (4 gloo r
 splits q_proj column-wise and o_proj row-wise, computes k_proj and v_proj by key/value group
 (``kv_group``: each rank its group's head, the weight whole), sets the attention's repeat count to
 the query heads per rank, and after 3 steps the losses and every parameter match the
-single-process run (tolerances as tests/dist/test_equivalence.py). The step issues what the
+single-process run (tolerances as tests/dist/test_equivalence.py); so does the 1-head Llama at
+dp=2 x tp=2 under ZeRO-3 (FSDP beside the partial key/value gradients). The step issues what the
 pricer counts: per block one all-reduce per row-parallel linear in forward, the regions' input
 gradients' all-reduces in backward, and one all-reduce per key/value weight gradient.
 """
@@ -31,7 +32,7 @@ def _llama(kv_heads: int) -> TinyModel:
 
 # case -> (model, pins, ranks)
 CASES = {"kv1-tp2": (_llama(1), dict(tp=2), 2), "kv1-tp2_sp": (_llama(1), dict(tp=2, sp=True), 2),
-         "kv2-tp4": (_llama(2), dict(tp=4), 4)}
+         "kv2-tp4": (_llama(2), dict(tp=4), 4), "kv1-dp2_tp2_zero3": (_llama(1), dict(dp=2, tp=2, zero=3), 4)}
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,12 @@ TWO_RANK_PINS = ["dp2", "zero3", "tp2", "pp2", "cp2"]
 # ModuleDict, the frozen-parameter GPT and the GPT example.
 FOUR_RANK_PINS = ["zero3_dp4", "dp2_tp2", "dp2_pp2", "tp2_pp2", "dp2_cp2"]
 FOUR_RANK_MODELS = ["hf_llama", "hf_mixtral", "hf_gpt2", "hf_bert", "hf_t5", "nanogpt", "frozen", "gpt"]
+# Grouped-query attention with more TP ranks than key/value heads (2 of them at tp=4: each rank
+# computes its group's head, autopar/solver/tp_kv_groups.py).
+GQA_TP4_MODELS = ["hf_llama"]
 ALL_CASES = ([f"{model}-{pin}" for model in MODELS for pin in TWO_RANK_PINS]
-             + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS])
+             + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS]
+             + [f"{model}-tp4" for model in GQA_TP4_MODELS])
 
 # CI's subset (about a minute and a half on two cores): the nanoGPT layout under three kinds of
 # split in one spawn of ranks, the frozen-parameter model, and context parallelism refused

@@ -27,9 +27,19 @@ heads itself to the global count (``repeat_kv`` by ``num_key_value_groups``, HF'
 its SDPA path with a mask) cannot run either way without changing the module's attributes: the
 *local shapes* probe finds it failing and the region runs replicated.
 
-Price (``KVGroupCost``): the projection's compute divides by the number of key/value heads, not
-by tp; its weight, gradient and optimizer states stay whole on every rank; one extra all-reduce
-of its weight's gradient per step.
+Price (autopar.solver.intra_op's ``kv_group`` strategy, autopar.solver.tp_split): the
+projection's forward and backward work divides by the number of key/value heads, not by tp; its
+weight, gradient and optimizer states stay whole on every rank (not counted as split); its saved
+output is priced whole (an over-count: a rank keeps one head); one all-reduce over the TP group
+of each of its parameters' gradients per step (``TPLayerSplit.per_step_gradients``), every
+micro-batch where FSDP reduce-scatters every micro-batch (ZeRO-2/3 without a pipeline), as
+measured (tests/dist/test_kv_groups.py). The ILP weighs that all-reduce once per micro-batch when
+it chooses between kv_group and replicating the projection.
+
+Where it applies: ``ModelShape.kv_grouped`` (tp > kv heads, tp a multiple of them, query heads
+divisible by tp), with the heads read from the traced SDPA op; attention written as matmuls
+(Hugging Face's eager path) shows no heads in the trace, so its projections are not offered
+``kv_group`` and split as before.
 """
 from __future__ import annotations
 

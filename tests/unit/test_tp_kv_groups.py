@@ -84,3 +84,14 @@ def test_probe_finds_the_repeat_count_by_value(llama):
     assert legality.probe(block, 4, styles) == {}
     assert legality.region_attributes(block, 4, styles) == {f"{block}.self_attn": {"num_key_value_groups": 1}}
     assert legality.dtensor_regions(block, 4, styles) == set()
+
+
+def test_codegen_runs_key_value_groups_only_inside_a_local_region():
+    from autopar.codegen.errors import CodegenError
+    from autopar.codegen.tp_plan import _kv_group_style
+
+    spec = _kv_group_style("model.layers.0.self_attn.k_proj", in_region=True, dtensor_region=False, kv_heads=2)
+    assert spec.source() == "KVGroupColwise(groups=2)"
+    for in_region, dtensor_region in ((False, False), (True, True)):
+        with pytest.raises(CodegenError, match="by key/value group"):
+            _kv_group_style("model.layers.0.self_attn.k_proj", in_region, dtensor_region, 2)

@@ -30,7 +30,9 @@ its SDPA path with a mask) cannot run either way without changing the module's a
 Price (autopar.solver.intra_op's ``kv_group`` strategy, autopar.solver.tp_split): the
 projection's forward and backward work divides by the number of key/value heads, not by tp; its
 weight, gradient and optimizer states stay whole on every rank (not counted as split); its saved
-output is priced whole (an over-count: a rank keeps one head); one all-reduce over the TP group
+output is priced whole (an over-count: a rank keeps one head), while the elementwise ops on
+the key/value head after it (rotary embedding) are priced as split by tp (an under-count by
+tp / kv of ops that small); one all-reduce over the TP group
 of each of its parameters' gradients per step (``TPLayerSplit.per_step_gradients``), every
 micro-batch where FSDP reduce-scatters every micro-batch (ZeRO-2/3 without a pipeline), as
 measured (tests/dist/test_kv_groups.py). The ILP weighs that all-reduce once per micro-batch when

@@ -333,6 +333,8 @@ class Plan:
         styles = sorted({str(v) for v in self.tp_styles.values()} - set(TP_STYLES))
         if styles:
             found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")
+        if TPStyle.KV_GROUP.value in self.tp_styles.values() and (self.tp_kv_heads < 1 or self.tp % self.tp_kv_heads):
+            found.append(f"kv_group styles need tp_kv_heads to divide tp={self.tp} (it is {self.tp_kv_heads})")
         return found
 
     def with_updates(self, **changes: Any) -> "Plan":

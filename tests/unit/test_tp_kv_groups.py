@@ -95,3 +95,12 @@ def test_codegen_runs_key_value_groups_only_inside_a_local_region():
     for in_region, dtensor_region in ((False, False), (True, True)):
         with pytest.raises(CodegenError, match="by key/value group"):
             _kv_group_style("model.layers.0.self_attn.k_proj", in_region, dtensor_region, 2)
+
+
+def test_a_plan_computing_key_value_groups_names_how_many():
+    from autopar.plan import Plan
+
+    plan = Plan(tp=4, layer_names=["a"], stages=[["a"]], tp_styles={"a.k_proj": "kv_group"})
+    assert any("tp_kv_heads" in problem for problem in plan.problems())
+    assert not any("tp_kv_heads" in problem for problem in plan.with_updates(tp_kv_heads=2).problems())
+    assert any("tp_kv_heads" in problem for problem in plan.with_updates(tp_kv_heads=3).problems())

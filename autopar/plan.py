@@ -103,6 +103,8 @@ _COUNT = Bound(low=1, integer=True)
 PLAN_BOUNDS: dict[str, Bound] = {
     "dp": _DEGREE, "tp": _DEGREE, "pp": _DEGREE, "cp": _DEGREE, "ep": _DEGREE,
     "zero_stage": Bound(low=0, high=3, integer=True),
+    "tp_kv_heads": Bound(low=0, high=MAX_WORLD_SIZE, integer=True),
+    "tp_region_attributes": Bound(low=1, integer=True, each=True),  # a repeat count per rank
     "micro_batch_size": _COUNT, "num_micro_batches": _COUNT, "chunks": _COUNT, "global_batch_size": _COUNT,
     "dp_bucket_bytes": _COUNT,
     "dp_shares": Bound(low=1, integer=True, each=True),

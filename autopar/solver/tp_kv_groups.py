@@ -85,14 +85,38 @@ def kv_groups(profile: "ModelProfile", tp: int, candidates: set[str] | None = No
     if not shape.kv_grouped(tp) or not shape.head_dim:
         return None
     width = shape.kv_heads * shape.head_dim
+    feeding = _key_value_producers(profile)
     modules = {}
     for name, dims in profile.param_shapes.items():
         module, _, leaf = name.rpartition(".")
-        # nn.Linear's (out, in) weight whose outputs are the key/value heads and whose inputs are not
-        if leaf == "weight" and len(dims) == 2 and dims[0] == width and dims[1] != width \
+        # nn.Linear's (out, in) weight whose outputs are the key/value heads and whose inputs are
+        # not, computing what the attention reads as keys or values
+        if leaf == "weight" and len(dims) == 2 and dims[0] == width and dims[1] != width and module in feeding \
                 and (candidates is None or module in candidates):
             modules[module] = dims[0]
     return KVGroups(shape.heads, shape.kv_heads, shape.head_dim, modules) if modules else None
+
+
+def _key_value_producers(profile: "ModelProfile") -> set[str]:
+    """Modules whose forward GEMM computes, through any ops of the same layer, an attention op's
+    key or value input (the first GEMM met walking up from each: rotary tables and masks come
+    from other layers or from no GEMM)."""
+    by_name = {op.name: op for op in profile.ops if op.phase == "forward"}
+    found: set[str] = set()
+    for attention in by_name.values():
+        if attention.op_class != "attention":
+            continue
+        frontier, seen = list(attention.inputs[1:3]), set()
+        while frontier:
+            op = by_name.get(frontier.pop())
+            if op is None or op.name in seen or op.layer != attention.layer:
+                continue
+            seen.add(op.name)
+            if op.op_class == "gemm" and op.module is not None:
+                found.add(op.module)
+            else:
+                frontier.extend(op.inputs)
+    return found
 
 
 def weight_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4) -> float:

@@ -27,6 +27,12 @@ def _block(profile) -> str:
 
 
 def test_key_value_projections_are_found_from_the_traced_shapes(llama):
+    """Projections with kv_heads * head_dim outputs whose GEMM computes the attention's keys or
+    values (walked up the traced graph from the SDPA op)."""
+    from autopar.solver.tp_kv_groups import _key_value_producers
+
+    # The walk stops at the first GEMM: not q_proj (the query), nor anything before the norms
+    assert _key_value_producers(llama) == {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "kv"}
     assert kv_groups(llama, 2) is None  # 2 key/value heads split over 2 ranks as usual
     assert kv_groups(llama, 8) is None  # 4 query heads do not divide over 8 ranks
     groups = kv_groups(llama, 4)

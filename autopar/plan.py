@@ -103,6 +103,8 @@ _COUNT = Bound(low=1, integer=True)
 PLAN_BOUNDS: dict[str, Bound] = {
     "dp": _DEGREE, "tp": _DEGREE, "pp": _DEGREE, "cp": _DEGREE, "ep": _DEGREE,
     "zero_stage": Bound(low=0, high=3, integer=True),
+    "tp_kv_heads": Bound(low=0, high=MAX_WORLD_SIZE, integer=True),
+    "tp_region_attributes": Bound(low=1, integer=True, each=True),  # a repeat count per rank
     "micro_batch_size": _COUNT, "num_micro_batches": _COUNT, "chunks": _COUNT, "global_batch_size": _COUNT,
     "dp_bucket_bytes": _COUNT,
     "dp_shares": Bound(low=1, integer=True, each=True),
@@ -146,8 +148,13 @@ class Plan:
         stages: layer names of each (virtual) pipeline stage in order; stage j runs on PP rank
             j mod pp. One stage holding every layer when pp == 1.
         recompute: layer name -> none / selective / full activation recomputation.
-        tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel
-            (the operator-wise ILP's choice; modules not listed stay replicated).
+        tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel /
+            kv_group (the operator-wise ILP's choice; modules not listed stay replicated).
+        tp_kv_heads: the key/value heads of grouped-query attention that kv_group modules compute
+            one per group of tp / tp_kv_heads ranks (autopar.solver.tp_kv_groups); 0: none.
+        tp_region_attributes: paired region -> integer attribute -> value the generated code sets
+            on it so its attention repeats the rank's key/value head to its query heads (the
+            count of query heads per key/value head, found by probing: tp_legality).
         tp_dtensor_regions: paired regions whose code views activations by global sizes
             (``b, s, h = x.shape``): their column-parallel outputs stay DTensors (see
             autopar.solver.tp_global_shapes); the other regions hand on local shards.
@@ -188,6 +195,8 @@ class Plan:
     tp_styles: dict[str, str] = field(default_factory=dict)
     tp_dtensor_regions: list[str] = field(default_factory=list)
     tp_fused: dict[str, list[int]] = field(default_factory=dict)
+    tp_kv_heads: int = 0
+    tp_region_attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     sequence_parallel: bool = False
     loss_parallel: bool = False
     cp_strategy: str = "ulysses"
@@ -331,6 +340,8 @@ class Plan:
         styles = sorted({str(v) for v in self.tp_styles.values()} - set(TP_STYLES))
         if styles:
             found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")
+        if TPStyle.KV_GROUP.value in self.tp_styles.values() and (self.tp_kv_heads < 1 or self.tp % self.tp_kv_heads):
+            found.append(f"kv_group styles need tp_kv_heads to divide tp={self.tp} (it is {self.tp_kv_heads})")
         return found
 
     def with_updates(self, **changes: Any) -> "Plan":

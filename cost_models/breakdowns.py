@@ -141,8 +141,9 @@ class Breakdowns:
         parts["pp_comm"] = m * speed * sum(problem.send_s[stage[-1]] for j, stage in enumerate(stages)
                                            if j % layout.pp == device and j < len(stages) - 1)
         per_device = self._per_step_by_device(layout, problem, stages)
-        once = max(per_device, key=lambda totals: totals["optimizer"] + totals["dp_comm"])
+        once = max(per_device, key=lambda totals: sum(totals.values()))
         parts["dp_comm"] += once["dp_comm"]
+        parts["tp_comm"] += once["tp_comm"]  # partial gradients summed once per step (key/value groups)
         parts["optimizer"] = once["optimizer"]
         parts["dp_comm"] += self.fixed_time_s(layout)  # gradient clipping's all-reduce over every rank
         busy = sum(parts.values())
@@ -168,7 +169,7 @@ class Breakdowns:
         rows = self.per_step_rows(layout, self._device_facts(layout)[0])
         result = []
         for d in range(layout.pp):
-            totals = {"optimizer": 0.0, "dp_comm": 0.0}
+            totals = {"optimizer": 0.0, "dp_comm": 0.0, "tp_comm": 0.0}
             for l in self._device_layers(layout, stages, d):
                 for name, seconds in rows[l].items():
                     totals[name] += seconds * problem.speed_of(d)

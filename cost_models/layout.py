@@ -48,6 +48,10 @@ class TPStyle(StrEnum):
     ROWWISE = "rowwise"
     VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on rows: RowwiseParallel on nn.Embedding
     HIDDEN_PARALLEL = "hidden_parallel"  # embedding sharded on columns: ColwiseParallel on nn.Embedding
+    # A key/value projection of grouped-query attention with fewer heads than TP ranks: each rank
+    # computes its group's head (weight whole on every rank, gradient summed over the group);
+    # autopar.solver.tp_kv_groups
+    KV_GROUP = "kv_group"
 
 
 class ZeroStage(IntEnum):

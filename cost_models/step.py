@@ -261,7 +261,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                                                layout.hybrid_shard, self._span(layout, ("dp", "cp")),
                                                self._shard_size(layout), layout.micro_batch_size,
                                                getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep,
-                                               self._expert_tp(layout), layout.pp),
+                                               self._expert_tp(layout), layout.pp, self._span(layout, "tp")),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 
     def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:

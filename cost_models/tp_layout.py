@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from autopar.profile import ModelProfile
 
 SPLIT_STYLES = ("colwise", "rowwise")
+# Styles that hand a paired region's attention its heads as a column-parallel linear does: a
+# key/value projection with fewer heads than ranks computes its group's head (kv_group).
+COLUMN_STYLES = ("colwise", "kv_group")
 
 
 class SPRole(StrEnum):
@@ -70,12 +73,13 @@ def sp_role(kind: str, has_parameters: bool, is_region: bool) -> SPRole:
 
 def paired_regions(styles: dict[str, str], children: dict[str, list[str]], kind: Callable[[str], str]) -> set[str]:
     """Modules whose linear children are all split, with both column- and row-wise among them
-    (Megatron's pairing: inside, the activation stays sharded)."""
+    (Megatron's pairing: inside, the activation stays sharded); a key/value projection computing
+    its group's head (kv_group) counts as split."""
     regions = set()
     for name, kids in children.items():
         linears = [c for c in kids if kind(c) == "linear"]
         chosen = {styles.get(c, "replicate") for c in linears}
-        if linears and chosen == set(SPLIT_STYLES):
+        if linears and set(SPLIT_STYLES) <= chosen <= {*SPLIT_STYLES, *COLUMN_STYLES}:
             regions.add(name)
     return regions
 

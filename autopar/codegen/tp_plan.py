@@ -19,6 +19,9 @@ follows from those choices and the model's structure:
 - A fused projection whose output the region's code cuts into parts (``plan.tp_fused``: one
   linear for q, k and v) is split as its parts (``FusedColwise``, its region under ``CutsFused``):
   each rank holds its share of every part.
+- A key/value projection of grouped-query attention with fewer heads than ranks (``kv_group``)
+  computes its group's head inside its paired region (``KVGroupColwise``, whole weight,
+  partial gradient: autopar.solver.tp_kv_groups); it never runs outside one.
 - Parameters tied across modules (a GPT head and its token embedding) must be sharded alike:
   the embedding takes the layout the head's style gives the shared weight.
 """
@@ -151,6 +154,9 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
                 out[module] = StyleSpec("ColwiseParallel", (("input_layouts", "Replicate()"), ("output_layouts", "Replicate()")),
                                         "embedding split along the hidden dim")
             continue
+        if style == "kv_group":
+            out[module] = _kv_group_style(module, in_region, parent in dtensor_regions, plan.tp_kv_heads)
+            continue
         if style not in SPLIT_STYLES:
             continue
         if kind != "linear":
@@ -199,6 +205,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
     if sp:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
     _keep_dtensors(out, dtensor_regions)
+    _set_region_attributes(out, {r: a for r, a in plan.tp_region_attributes.items() if r in regions})
     out = with_transposed_styles(out, facts)
     result.fused_parameters = _split_fused(out, {m: p for m, p in plan.tp_fused.items() if _parent(m) in regions})
     result.styles = {name: out[name] for name in facts.modules if name in out}
@@ -208,7 +215,8 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
 # Styles that shard a module's weight (the header counts them), and the transposed-weight
 # variant of torch's two linear styles (sections/linear_like.py).
 SPLITTING_STYLES = frozenset({"ColwiseParallel", "RowwiseParallel", "TransposedColwiseParallel",
-                              "TransposedRowwiseParallel", "OwnedOutput", "FusedColwise"})
+                              "TransposedRowwiseParallel", "OwnedOutput", "FusedColwise",
+                              "KVGroupColwise"})
 _TRANSPOSED = {"ColwiseParallel": "TransposedColwiseParallel", "RowwiseParallel": "TransposedRowwiseParallel"}
 
 
@@ -249,6 +257,30 @@ def _split_fused(out: dict[str, StyleSpec], fused: dict[str, list[int]]) -> dict
                                 "cuts its fused projections' outputs by global sizes: each rank takes its share"
                                 + (f"; {inner.why}" if inner and inner.why else ""))
     return permuted
+
+
+def _kv_group_style(module: str, in_region: bool, dtensor_region: bool, kv_heads: int) -> StyleSpec:
+    """``KVGroupColwise`` for a key/value projection the plan computes by group, where the
+    planner offers it: inside a paired region running on local tensors."""
+    if not in_region or dtensor_region or kv_heads < 1:
+        where = ("outside a paired region" if not in_region else "in a region keeping DTensor activations"
+                 if dtensor_region else "without plan.tp_kv_heads")
+        raise CodegenError(f"the plan computes {module} by key/value group {where}, which the generated code cannot "
+                           "run.", "re-plan with this version of autopar (its planner offers kv_group only inside "
+                           "a paired region on local tensors), or pin plan.tp to a divisor of the key/value heads.")
+    return StyleSpec("KVGroupColwise", (("groups", str(kv_heads)),),
+                     "fewer key/value heads than ranks: this rank computes its group's head")
+
+
+def _set_region_attributes(out: dict[str, StyleSpec], attributes: dict[str, dict[str, int]]) -> None:
+    """Regions whose attention repeats key/value heads by a count it holds: that count set to the
+    query heads per rank (``WithAttributes``), around any style the region has."""
+    for region, values in sorted(attributes.items()):
+        inner = out.get(region)
+        arguments = (("attributes", repr(dict(sorted(values.items())))),) + ((("inner", inner.source()),) if inner else ())
+        out[region] = StyleSpec("WithAttributes", arguments,
+                                "its attention repeats this rank's key/value head to its query heads"
+                                + (f"; {inner.why}" if inner and inner.why else ""))
 
 
 def _keep_dtensors(out: dict[str, StyleSpec], dtensor_regions: set[str]) -> None:

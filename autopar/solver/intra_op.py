@@ -27,7 +27,10 @@ The program (built by `IntraOpSolver.solve`):
 Only reshardings a module-level TP plan (torch's parallelize_module styles) can express are
 offered, so every solution can be generated as code: S→R all-gather (a colwise layer with a
 replicated output), P→R all-reduce (rowwise). Strategies per op: a parameterised GEMM may replicate (R→R, full cost), go column-parallel
-(R→S, cost/t, backward all-reduce of its input's gradient) or row-parallel (S→P, cost/t); an
+(R→S, cost/t, backward all-reduce of its input's gradient) or row-parallel (S→P, cost/t); a
+key/value projection of grouped-query attention with kv < t heads may instead compute its
+group's head (R→S, cost/kv, the input's all-reduce shared, plus one all-reduce of its weight's
+gradient: autopar.solver.tp_kv_groups), and a column split, which would cut a head, is not offered; an
 embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); attention, views,
 elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
 feature dim) need R; ops no split strategy covers (sorting, scans, FFTs along a dimension,
@@ -80,7 +83,7 @@ class Strategy:
     compute_divisor: bool  # compute divided by t
     style: Style | None = None  # meaning for a parameterised module
     splits_input: bool = False  # column-parallel: backward all-reduce of the input gradient
-    extra_comm: str | None = None  # "loss_parallel": three all-reduces of b·s floats
+    extra_comm: str | None = None  # "loss_parallel": three all-reduces of b·s floats; "kv_group": its weight's gradient
 
 
 @dataclass
@@ -111,6 +114,8 @@ _VOCAB = Strategy("vocab_parallel", State.R, State.P, True, Style.VOCAB_PARALLEL
 _HIDDEN = Strategy("hidden_parallel", State.R, State.S, True, Style.HIDDEN_PARALLEL)
 _LOSS_PARALLEL = Strategy("loss_parallel", State.S, State.R, True, extra_comm="loss_parallel")
 _VIEW_P = Strategy("P", State.P, State.P, False)
+# Compute divided by the key/value heads, not t (each rank computes its group's head)
+_KV_GROUP = Strategy("kv_group", State.R, State.S, False, Style.KV_GROUP, splits_input=True, extra_comm="kv_group")
 
 # Resharding a module-level TP plan can express: local ops keep their state, a colwise output
 # can be gathered (output_layouts=Replicate()), a rowwise output all-reduced (the default).
@@ -166,8 +171,12 @@ class IntraOpSolver:
 
     def __init__(self, profile: "ModelProfile", costs: TPCosts, tp: int, time_limit_s: float = 10.0,
                  seed: int = 0, replicated_modules: frozenset[str] = frozenset(),
-                 gathered_modules: frozenset[str] = frozenset(), index: "OpIndex | None" = None):
+                 gathered_modules: frozenset[str] = frozenset(), index: "OpIndex | None" = None,
+                 kv_group_modules: dict[str, tuple[int, float]] | None = None):
         self.profile = profile
+        # Key/value projections with fewer heads than ranks -> (key/value heads, bytes of their
+        # gradients): offered kv_group instead of a column split (autopar.solver.tp_kv_groups).
+        self.kv_group_modules = kv_group_modules or {}
         # Modules whose split the model's code cannot run (autopar.solver.tp_legality): only
         # their replicated strategy is offered, so no illegal split is ever priced.
         self.replicated_modules = replicated_modules
@@ -197,6 +206,9 @@ class IntraOpSolver:
                 seconds = base / self.tp if strategy.compute_divisor else base
                 if strategy.extra_comm == "loss_parallel":
                     seconds += 3 * self.costs.all_reduce_s(self._loss_parallel_bytes(op))
+                if strategy.extra_comm == "kv_group":
+                    groups, gradient_bytes = self.kv_group_modules[op.module]
+                    seconds = base / groups + self.costs.all_reduce_s(gradient_bytes)
                 compute_terms[(op.name, index)] = seconds
                 objective.append((_units(seconds), choice[(op.name, index)]))
         edges = self._edges(ops, by_name)
@@ -299,6 +311,8 @@ class IntraOpSolver:
         if has_param and op.module in self.replicated_modules and \
                 (op.op_class == "gemm" or "embedding" in op.target and "backward" not in op.target):
             return [_REPLICATE]
+        if op.op_class == "gemm" and has_param and op.module in self.kv_group_modules and self.tp > 1:
+            return [_REPLICATE, _KV_GROUP]
         if op.op_class == "gemm" and has_param and self.tp > 1:
             return [_REPLICATE, _COLWISE, _ROWWISE]
         if "embedding" in op.target and "backward" not in op.target and has_param and self.tp > 1:
@@ -382,9 +396,12 @@ class IntraOpSolver:
                 comm += self.costs.all_reduce_s(self._bytes(by_name[source]))
                 events.append(("backward all-reduce", source, self._bytes(by_name[source])))
         for op in ops:
-            if strategies[op.name][_chosen(solver, choice, op.name, strategies)].extra_comm == "loss_parallel":
+            extra = strategies[op.name][_chosen(solver, choice, op.name, strategies)].extra_comm
+            if extra == "loss_parallel":
                 # Priced with the op's compute (its strategy's cost); listed so it is counted.
                 events += [("loss-parallel all-reduce", op.name, self._loss_parallel_bytes(op))] * 3
+            elif extra == "kv_group":
+                events.append(("kv-group gradient all-reduce", op.name, self.kv_group_modules[op.module][1]))
         return IntraOpSolution(layer=layer, tp=self.tp, op_strategy=op_strategy, module_style=module_style,
                                compute_s=compute, comm_s=comm, comm_events=events,
                                status=solver.status_name(status))

@@ -319,7 +319,9 @@ class Planner:
             chunks=scored.candidate.chunks, stages=stages, recompute=recompute,
             tp_styles=self._tp_styles(scored.candidate.tp),
             tp_dtensor_regions=self._tp_dtensor_regions(scored.candidate.tp),
-            tp_fused=self._tp_fused(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
+            tp_fused=self._tp_fused(scored.candidate.tp),
+            tp_kv_heads=self._tp_kv_heads(scored.candidate.tp),
+            tp_region_attributes=self._tp_region_attributes(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
                               for module, style in self._tp_styles(scored.candidate.tp).items())
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
@@ -372,6 +374,21 @@ class Planner:
             for module, style in self.splitter.solutions.get((kind, tp), {}).items():
                 styles[layer.name + module[len(kind):] if module.startswith(kind) else module] = style
         return styles
+
+    def _tp_kv_heads(self, tp: int) -> int:
+        """The key/value heads the plan's kv_group modules compute by group (0: none chosen)."""
+        groups = self.splitter.kv_groups.get(tp)
+        chosen = "kv_group" in self._tp_styles(tp).values()
+        return groups.kv_heads if groups is not None and chosen else 0
+
+    def _tp_region_attributes(self, tp: int) -> dict[str, dict[str, int]]:
+        """Region -> attribute -> value set for its key/value groups, for every layer (as `_tp_styles`)."""
+        found: dict[str, dict[str, int]] = {}
+        for layer in self.profile.layers:
+            kind = layer.repeat_of or layer.name
+            for region, attributes in sorted(self.splitter.region_attributes.get((kind, tp), {}).items()):
+                found[layer.name + region[len(kind):] if region.startswith(kind) else region] = dict(attributes)
+        return found
 
     def _tp_dtensor_regions(self, tp: int) -> list[str]:
         """Paired regions keeping DTensor activations, for every layer (as `_tp_styles`)."""

@@ -85,15 +85,21 @@ class ModelShape:
                    expert_width=experts.common_width(), batch_blocker=getattr(profile, "batch_mixer", None))
 
     def tp_divides(self, tp: int) -> bool:
-        if any(dim % tp and dim > tp for dim in self.split_dims):
-            return False
-        return all(count is None or count % tp == 0 for count in (self.heads, self.kv_heads))
+        return self.tp_problem(tp) is None
+
+    def kv_grouped(self, tp: int) -> bool:
+        """Whether ``tp`` exceeds the key/value heads of grouped-query attention by a whole factor:
+        each rank then computes its group's key/value head (Megatron-LM's and vLLM's layout,
+        autopar.solver.tp_kv_groups) while queries split by heads."""
+        return (self.kv_heads is not None and self.heads is not None and self.kv_heads < tp
+                and tp % self.kv_heads == 0 and self.heads % tp == 0)
 
     def tp_problem(self, tp: int) -> str | None:
         """Why a TP degree is illegal (for error messages), or None."""
         for label, count in (("attention heads", self.heads), ("key/value heads", self.kv_heads)):
-            if count is not None and count % tp:
-                return f"{count} {label} are not divisible by tp={tp}"
+            if count is not None and count % tp and not (label == "key/value heads" and self.kv_grouped(tp)):
+                return (f"{count} {label} are not divisible by tp={tp}"
+                        + (f" (nor is tp={tp} a multiple of them)" if label == "key/value heads" else ""))
         bad = [dim for dim in self.split_dims if dim % tp and dim > tp]
         if bad:
             return f"weight dimension {bad[0]} is not divisible by tp={tp}"

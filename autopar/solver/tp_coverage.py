@@ -32,6 +32,8 @@ SPLIT = ("colwise", "rowwise")
 MIN_PINNED_SHARE = 0.5  # a pinned tp under which less of the linear parameters can split is refused
 FASTER_WHOLE = "the search found it faster whole on this cluster: its split communicates more than it saves"
 NO_EXPERT_TP = "experts are split by tensor parallelism only under expert TP (plan.expert_tp)"
+KV_GROUP = ("fewer key/value heads than ranks: each rank computes its group's head, the weight whole on every rank "
+            "(autopar.solver.tp_kv_groups)")
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,8 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
                 # Experts are split by expert TP, not by a parallel style (the class rule's say on
                 # them is no refusal).
                 refused = module in illegal and not experts
-                replicated[module] = illegal[module].reason if refused else NO_EXPERT_TP if experts else FASTER_WHOLE
+                replicated[module] = illegal[module].reason if refused else NO_EXPERT_TP if experts \
+                    else KV_GROUP if style == "kv_group" else FASTER_WHOLE
                 refused_params += count * sum(params.values()) if refused else 0
         sharded = (sharded_ops or {}).get(kind)
         split_experts = [m for m in modules if expert_tp and m.rpartition(".")[2] == "experts"]

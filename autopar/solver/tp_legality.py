@@ -27,7 +27,14 @@ something else. The rules, each naming the op or module that decided it:
   ``view(bsz, -1, self.num_heads, d)``: an op whose output lost part of the sequence length);
   the region's linears run replicated instead, unless the region runs with its activations kept
   as DTensors, as the generated code then runs it (autopar.solver.tp_global_shapes): global
-  sizes stay global there, and such a region is split and listed in ``dtensor_regions``.
+  sizes stay global there, and such a region is split and listed in ``dtensor_regions``. A
+  key/value projection computing its group's head (``kv_group``, autopar.solver.tp_kv_groups)
+  is narrowed to one head's rows: attention that repeats key/value heads by a count it holds
+  (Hugging Face's ``repeat_kv(k, self.num_key_value_groups)``) fails there, unless one integer
+  attribute of the region equal to that count (query heads per key/value head), set to the
+  query heads per rank, makes it run: the probe tries each such attribute alone, by value, and
+  the one that works is set in the generated code (``region_attributes``). Such a region runs on
+  local tensors only.
 
 A rule that cannot be checked (no model file to build) is skipped, never guessed.
 """
@@ -37,7 +44,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -46,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.solver.linear_like import affine_layout, linear_stand_ins
 from autopar.solver.tp_fused import cutting_fused, recorded_parts
+from autopar.solver.tp_kv_groups import KVGroups, kv_groups
 from autopar.solver.tp_global_shapes import dtensor_region_error
 
 if TYPE_CHECKING:
@@ -89,6 +97,8 @@ class TPLegality:
     _inputs: dict[str, tuple[tuple, dict] | None] = field(default_factory=dict)
     _dtensor: dict[tuple[str, int, frozenset], set[str]] = field(default_factory=dict)
     _fused: dict[tuple[str, int], dict[str, list[int]]] = field(default_factory=dict)
+    _kv_groups: dict[int, KVGroups | None] = field(default_factory=dict)
+    _attributes: dict[tuple[str, int, frozenset], dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def static(self, layer: str, tp: int) -> dict[str, IllegalSplit]:
         """Module -> why it cannot be split, by the class and graph rules (independent of styles)."""
@@ -142,8 +152,17 @@ class TPLegality:
         key = (layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))
         if key not in self._probed:
             self._dtensor[key] = set()
-            self._probed[key] = self._probe_regions(layer, regions, tp, self._dtensor[key])
+            self._attributes[key] = {}
+            self._probed[key] = self._probe_regions(layer, regions, tp, self._dtensor[key], self._attributes[key])
         return self._probed[key]
+
+    def region_attributes(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, dict[str, int]]:
+        """Regions of ``styles`` (probed) that run their key/value groups with an attribute set:
+        region -> attribute -> value (see the module docstring)."""
+        regions = self._regions(styles)
+        self.probe(layer, tp, styles)
+        key = (layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))
+        return {region: dict(found) for region, found in self._attributes[key].items()}
 
     def dtensor_regions(self, layer: str, tp: int, styles: dict[str, str]) -> set[str]:
         """Regions of ``styles`` (probed) that run only with DTensor activations."""
@@ -226,7 +245,7 @@ class TPLegality:
                 if {"colwise", "rowwise"} <= set(children.values())}
 
     def _probe_regions(self, layer: str, regions: dict[str, dict[str, str]], tp: int,
-                       dtensor: set[str]) -> dict[str, IllegalSplit]:
+                       dtensor: set[str], attributes: dict[str, dict[str, int]]) -> dict[str, IllegalSplit]:
         build = self._model()
         if build is None or not regions:
             return {}
@@ -234,24 +253,39 @@ class TPLegality:
 
         named = dict(build.model.named_modules())
         found: dict[str, IllegalSplit] = {}
+        if tp not in self._kv_groups:
+            self._kv_groups[tp] = kv_groups(self.profile, tp)
+        groups = self._kv_groups[tp]
         inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
         run = (named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
                call_model if not inputs else None)
         _, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
         for region, children in regions.items():
             linears = {name: style for name, style in children.items()
-                       if style in ("colwise", "rowwise") and named.get(name) is not None
+                       if style in ("colwise", "rowwise", "kv_group") and named.get(name) is not None
                        and affine_layout(named[name]) is not None}
             if not linears:
                 continue
+            rows = {name: groups.rows_per_rank(name) for name, style in linears.items()
+                    if style == "kv_group" and groups is not None and name in groups.modules}
+            if len(rows) < sum(style == "kv_group" for style in linears.values()):
+                continue  # not a key/value projection of this degree (the ILP offers kv_group to no other)
             fused = {name: parts for name, parts in self._fused.get((layer, tp), {}).items()
                      if linears.get(name) == "colwise"}
             with linear_stand_ins(build.model, named, linears) as probed, cutting_fused(probed, fused):
-                error, local = _run_narrowed(build, probed, linears, tp, *run)
+                error, local = _run_narrowed(build, probed, linears, tp, *run, group_rows=rows)
             error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
+            if error is not None and rows and groups is not None:
+                adjusted = _group_count_attribute(named[region], groups, tp, lambda: _narrowed_error(
+                    build, named, linears, tp, run, rows, whole, self.profile.tokens_per_sample))
+                if adjusted is not None:
+                    attributes[region] = adjusted
+                    continue
             if error is not None:
+                # Key/value heads by group run on local tensors only (tp_kv_groups says why)
                 with cutting_fused(named, fused):
-                    failed = dtensor_region_error(build, named, region, linears, tp, *run)
+                    failed = "key/value projections computed by group keep local tensors" if rows else \
+                        dtensor_region_error(build, named, region, linears, tp, *run)
                 if failed is None:
                     dtensor.add(region)
                     continue
@@ -354,6 +388,33 @@ def _too_small_rule(profile: "ModelProfile", split_modules: set[str], tp: int) -
     return found
 
 
+def _narrowed_error(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, run: tuple,
+                    rows: dict[str, int], whole: list, seq_len: int | None) -> str | None:
+    """Why the layer fails with ``linears`` narrowed (as `TPLegality._probe_regions` runs it), or None."""
+    with linear_stand_ins(build.model, named, linears) as probed:
+        error, local = _run_narrowed(build, probed, linears, tp, *run, group_rows=rows)
+    return error or _folded_sequence(whole, local, seq_len)
+
+
+def _group_count_attribute(region: nn.Module, groups: KVGroups, tp: int,
+                           error: Callable[[], str | None]) -> dict[str, int] | None:
+    """The integer attribute of ``region`` holding the query heads per key/value head (found by
+    its value, each candidate tried alone) that, set to the query heads per rank, lets the region
+    run on one rank's share (``error()`` None), as {name: value}; None when none does. With one
+    key/value head per rank, a repeat by that count gives the rank's query heads their keys."""
+    per_group, per_rank = groups.heads // groups.kv_heads, groups.heads // tp
+    for name, value in sorted(vars(region).items()):
+        if type(value) is not int or value != per_group:
+            continue
+        setattr(region, name, per_rank)
+        try:
+            if error() is None:
+                return {name: per_rank}
+        finally:
+            setattr(region, name, value)
+    return None
+
+
 class _Shapes(TorchDispatchMode):
     """Records, in order, the output shapes of every op that reads an activation (a tensor
     computed from ``inputs``): weights' transposes and constants are left out, since their
@@ -402,11 +463,12 @@ def _run_fake(build: Any, module: nn.Module, inputs: tuple[tuple, dict], call_mo
 
 
 def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, module: nn.Module,
-                  inputs: tuple[tuple, dict], call_model: Any | None) -> tuple[str | None, list]:
+                  inputs: tuple[tuple, dict], call_model: Any | None,
+                  group_rows: dict[str, int] | None = None) -> tuple[str | None, list]:
     """Run ``module`` (a layer with its captured inputs, or the model on its batch through
     ``call_model``) on fake tensors with ``linears`` narrowed to one rank's share (colwise:
-    out_features / tp, rowwise: in_features / tp); the error it raised (or None) and the
-    shapes its ops produced."""
+    out_features / tp, rowwise: in_features / tp, kv_group: its ``group_rows``); the error it
+    raised (or None) and the shapes its ops produced."""
     saved = {}
     shapes = _Shapes(build.batch if call_model is not None else inputs)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
@@ -417,13 +479,16 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
             for name, style in linears.items():
                 linear = named[name]
                 out_features, in_features = linear.weight.shape
-                if (out_features if style == "colwise" else in_features) % tp:
+                if style == "kv_group":
+                    shape = ((group_rows or {})[name], in_features)
+                elif (out_features if style == "colwise" else in_features) % tp:
                     return f"{name}'s {'out' if style == 'colwise' else 'in'} features do not divide by {tp}", []
+                else:
+                    shape = (out_features // tp, in_features) if style == "colwise" else (out_features, in_features // tp)
                 saved[name] = (linear.weight, linear.bias)
-                shape = (out_features // tp, in_features) if style == "colwise" else (out_features, in_features // tp)
                 linear.weight = nn.Parameter(torch.empty(shape, dtype=linear.weight.dtype),
                                              requires_grad=linear.weight.requires_grad)
-                if linear.bias is not None and style == "colwise":
+                if linear.bias is not None and style in ("colwise", "kv_group"):
                     linear.bias = nn.Parameter(torch.empty(shape[0], dtype=linear.bias.dtype),
                                                requires_grad=linear.bias.requires_grad)
             with torch.no_grad(), shapes:

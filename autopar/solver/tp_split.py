@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes
+from autopar.solver.tp_kv_groups import KVGroups, kv_groups, weight_bytes
 from autopar.solver.tp_legality import IllegalSplit, TPLegality
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
@@ -29,6 +30,7 @@ _SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel"}  # saved 
 _PARTIAL_OUTPUT = {"rowwise", "vocab_parallel"}  # partial sums, reduced afterwards
 _COLLECTIVE_OF_EVENT = {"P->R": Collective.ALL_REDUCE, "S->R": Collective.ALL_GATHER,
                         "backward all-reduce": Collective.ALL_REDUCE,
+                        "kv-group gradient all-reduce": Collective.ALL_REDUCE,
                         "loss-parallel all-reduce": Collective.ALL_REDUCE}
 
 
@@ -80,6 +82,22 @@ class ILPSplitter:
         # (layer, tp) -> fused projections of its solution split as their parts (column-parallel in
         # a paired region): FQN -> the parts' global sizes (autopar.solver.tp_fused)
         self.fused_parts: dict[tuple[str, int], dict[str, list[int]]] = {}
+        # (layer, tp) -> region -> attribute -> value the generated code sets for its key/value
+        # groups (autopar.solver.tp_legality's region_attributes)
+        self.region_attributes: dict[tuple[str, int], dict[str, dict[str, int]]] = {}
+        # tp -> the key/value projections computed by groups at that degree (None: no such attention)
+        self.kv_groups: dict[int, KVGroups | None] = {}
+
+    def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[int, float]]:
+        """The layer's key/value projections offered the kv_group style at ``tp`` -> (key/value
+        heads, bytes of their gradients' per-step all-reduce)."""
+        if tp not in self.kv_groups:
+            self.kv_groups[tp] = kv_groups(self.profile, tp)
+        groups = self.kv_groups[tp]
+        if groups is None:
+            return {}
+        return {module: (groups.kv_heads, weight_bytes(self.profile, module)) for module in groups.modules
+                if module == layer_name or module.startswith(layer_name + ".")}
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
         """The ILP's split of the layer among splits codegen runs as priced: the class and graph
@@ -88,14 +106,23 @@ class ILPSplitter:
         solved again without it."""
         illegal = self.illegal.setdefault((layer_name, tp), dict(self.legality.static(layer_name, tp)))
         gathered: frozenset[str] = frozenset()
+        kv_modules = self.kv_group_modules(layer_name, tp)
         while True:
             solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s,
                                    replicated_modules=frozenset(illegal), gathered_modules=gathered,
-                                   index=self.index)
+                                   index=self.index, kv_group_modules=kv_modules)
             solution = solver.solve(layer_name)
             if tp <= 1:
                 return solution
             unpaired = self._unpaired_columns(solution) - gathered
+            lone_groups = {m for m in unpaired if solution.module_style[m].value == "kv_group"}
+            if lone_groups:
+                # A key/value head per group feeds the attention of its query heads only: outside
+                # a paired region nothing would read it (codegen has no gathered variant).
+                illegal.update({m: IllegalSplit(m, "key/value groups", f"{m} computes one key/value head per "
+                                                "group, which only a paired region's attention reads")
+                                for m in lone_groups})
+                continue
             if unpaired:
                 gathered |= unpaired
                 continue
@@ -115,7 +142,7 @@ class ILPSplitter:
         styles = {module: style.value for module, style in solution.module_style.items()}
         regions = paired_regions(styles, self.tree.children, self.tree.kind)
         return frozenset(module for module, style in styles.items()
-                         if style == "colwise" and module.rpartition(".")[0] not in regions)
+                         if style in ("colwise", "kv_group") and module.rpartition(".")[0] not in regions)
 
     def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit:
         solution = self._solve(layer_name, tp, group, gpu)
@@ -124,6 +151,7 @@ class ILPSplitter:
         if tp > 1:
             styles = self.solutions[(layer_name, tp)]
             self.dtensor_regions[(layer_name, tp)] = self.legality.dtensor_regions(layer_name, tp, styles)
+            self.region_attributes[(layer_name, tp)] = self.legality.region_attributes(layer_name, tp, styles)
             regions = paired_regions(styles, self.tree.children, self.tree.kind)
             self.fused_parts[(layer_name, tp)] = {
                 module: parts for module, parts in self.legality.fused_parts(layer_name, tp).items()
@@ -135,15 +163,21 @@ class ILPSplitter:
         sharded_ops = {name for name, strategy in solution.op_strategy.items() if strategy in _SHARDED}
         self.sharded_ops[(layer_name, tp)] = sharded_ops
         sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
+        # Key/value projections computing their group's head: work divided by the key/value heads
+        by_groups = {module: self.kv_group_modules(layer_name, tp)[module][0]
+                     for module, style in solution.module_style.items() if style.value == "kv_group"}
 
         def sharded(op) -> bool:
             return op.name in sharded_ops if op.phase == "forward" else op.module in sharded_modules
+
+        def divisor(op) -> int:
+            return tp if sharded(op) else by_groups.get(op.module, 1)
 
         forward = [op for op in ops if op.phase == "forward" and op.op_class != "view"]
         backward = [op for op in ops if op.phase == "backward" and op.op_class != "view"]
 
         def seconds(selected) -> float:
-            return sum(op_roofline_s(op, gpu, self.dtype) / (tp if sharded(op) else 1) for op in selected)
+            return sum(op_roofline_s(op, gpu, self.dtype) / divisor(op) for op in selected)
 
         compute = compute_of_ops(forward, backward, seconds)
         layer = self.profile.layer(layer_name)
@@ -155,8 +189,10 @@ class ILPSplitter:
                                  row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
                                  tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
         params = layer.param_count
+        # (A kv_group module's weight stays whole on every rank: not split.)
         split_params = sum(_split_params(self.profile, module, style.value)
-                           for module, style in solution.module_style.items() if style.value != "replicate")
+                           for module, style in solution.module_style.items()
+                           if style.value not in ("replicate", "kv_group"))
         tied_params, tied_comm = self._tied_splits(layer, ops, solution.module_style, tp, group, gpu)
         split_params += tied_params
         styles = {module: style.value for module, style in solution.module_style.items()}
@@ -166,11 +202,14 @@ class ILPSplitter:
                       [op for op in backward if not sharded(op)], lambda op: op_roofline_s(op, gpu, self.dtype))
         return TPLayerSplit(
             compute=compute,
-            replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in forward if not sharded(op)),
-            replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) for op in backward if not sharded(op)),
+            replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) / divisor(op) for op in forward if not sharded(op)),
+            replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) / divisor(op) for op in backward
+                                      if not sharded(op)),
             comm=issued.without_sp, forward_comm=issued.forward_without_sp,
             comm_under_sp=issued.under_sp, forward_comm_under_sp=issued.forward_under_sp,
             rerun_comm=issued.rerun_without_sp, rerun_comm_under_sp=issued.rerun_under_sp,
+            per_step_gradients=tuple(math.prod(shape) for name, shape in sorted(self.profile.param_shapes.items())
+                                     if name.rpartition(".")[0] in by_groups),
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
             styles=styles, activations=acts, sp=sp)
@@ -281,8 +320,11 @@ def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, 
         item = (collective.value, float(nbytes))
         op = by_name.get(source)
         again = source in recomputed or source not in by_name  # another layer's output: read first
+        if kind == "kv-group gradient all-reduce":
+            continue  # summed once per step (reduce_partial_gradients): TPLayerSplit.per_step_gradients
         if kind == "backward all-reduce":
-            readers = [o for o in _readers_through_views(source, by_name) if strategy.get(o.name) == "colwise"]
+            readers = [o for o in _readers_through_views(source, by_name)
+                       if strategy.get(o.name) in ("colwise", "kv_group")]
             producer = _producer_through_views(source, by_name)
             entering = {o.module for o in readers if _in_region(o.module, regions)
                         and not (producer is not None and _in_region(producer.module, regions))}

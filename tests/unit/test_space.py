@@ -1,6 +1,8 @@
 """Search space: legality rules (divisibility, TP inside a node, batch arithmetic, pins)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autopar.config import PlanPins, SolverConfig
@@ -20,7 +22,8 @@ def test_every_candidate_is_consistent():
     for c in found:
         assert c.world_size == 16
         assert c.dp * c.micro_batch_size * c.num_micro_batches == 32
-        assert SHAPE.kv_heads % c.tp == 0 and SHAPE.heads % c.tp == 0
+        # tp divides the key/value heads, or is a whole multiple of them (key/value groups)
+        assert (SHAPE.kv_heads % c.tp == 0 or c.tp % SHAPE.kv_heads == 0) and SHAPE.heads % c.tp == 0
         assert c.pp <= SHAPE.num_blocks and c.pp * c.chunks <= SHAPE.num_blocks
         assert c.pp == 1 or c.num_micro_batches >= c.pp
 
@@ -42,9 +45,11 @@ def test_candidates_are_the_layouts_the_constructor_builds():
         ParallelLayout.of_final_values(degree=2)
 
 
-def test_tp_limited_by_kv_heads_and_kept_inside_a_node():
+def test_tp_limited_by_heads_and_kept_inside_a_node():
     tps = {c.tp for c in candidates(world=64)}
-    assert tps == {1, 2, 4}  # 4 KV heads
+    # 16 query heads, 4 key/value heads: tp=8 computes each key/value head on a group of 2
+    # ranks (autopar.solver.tp_kv_groups); 16 would leave the node
+    assert tps == {1, 2, 4, 8}
     for c in candidates(world=64):
         degrees = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp}
         assert _group_span(c.mesh_order, "tp", degrees, 8)[0] == 1
@@ -76,8 +81,12 @@ def test_shape_from_profile_reads_heads_and_kv_heads(examples_dir):
                             {"layers": 2, "hidden": 128, "heads": 8, "kv_heads": 2, "ffn": 256}, 1, "fp32")
     shape = ModelShape.from_profile(profile)
     assert (shape.heads, shape.kv_heads, shape.head_dim, shape.num_blocks) == (8, 2, 16, 2)
-    assert shape.tp_divides(2) and not shape.tp_divides(4)
-    assert "2 key/value heads are not divisible by tp=4" == shape.tp_problem(4)
+    # tp=4: 2 query heads per rank, each group of 2 ranks computing one key/value head
+    assert shape.tp_divides(2) and shape.tp_divides(4) and shape.kv_grouped(4) and not shape.kv_grouped(2)
+    assert "8 attention heads are not divisible by tp=16" == shape.tp_problem(16)
+    uneven = dataclasses.replace(shape, heads=12, kv_heads=3)
+    assert not uneven.kv_grouped(4)
+    assert uneven.tp_problem(4) == "3 key/value heads are not divisible by tp=4 (nor is tp=4 a multiple of them)"
 
 
 def test_solver_bounds_shrink_the_space_to_exactly_the_bounded_part():

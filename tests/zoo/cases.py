@@ -18,9 +18,13 @@ FOUR_RANK_MODELS = ["hf_llama", "hf_mixtral", "hf_gpt2", "hf_bert", "hf_t5", "na
 # fused qkv cut into unequal parts and a fused gate-up, NeoX's interleaved qkv, global-size views.
 TP_LAYOUT_PINS = ["dp2_tp2", "tp4"]
 TP_LAYOUT_MODELS = ["fused_qkv", "neox_qkv", "global_views"]
+# Grouped-query attention with more TP ranks than key/value heads (2 of them at tp=4: each rank
+# computes its group's head, autopar/solver/tp_kv_groups.py).
+GQA_TP4_MODELS = ["hf_llama"]
 ALL_CASES = ([f"{model}-{pin}" for model in MODELS for pin in TWO_RANK_PINS]
              + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS]
-             + [f"{model}-{pin}" for model in TP_LAYOUT_MODELS for pin in TP_LAYOUT_PINS])
+             + [f"{model}-{pin}" for model in TP_LAYOUT_MODELS for pin in TP_LAYOUT_PINS]
+             + [f"{model}-tp4" for model in GQA_TP4_MODELS])
 
 # CI's subset (about a minute and a half on two cores): the nanoGPT layout under three kinds of
 # split in one spawn of ranks, the frozen-parameter model, and context parallelism refused

@@ -93,6 +93,7 @@ PINS = {p.name: p for p in [
     Pin("dp2", dict(dp=2, tp=1, pp=1, cp=1, zero_stage=0)),
     Pin("zero3", dict(dp=2, tp=1, pp=1, cp=1, zero_stage=3)),
     Pin("tp2", dict(dp=1, tp=2, pp=1, cp=1)),
+    Pin("tp4", dict(dp=1, tp=4, pp=1, cp=1)),
     Pin("pp2", dict(dp=1, tp=1, pp=2, cp=1)),
     Pin("cp2", dict(dp=1, tp=1, pp=1, cp=2)),
     Pin("zero3_dp4", dict(dp=4, tp=1, pp=1, cp=1, zero_stage=3)),
@@ -100,7 +101,6 @@ PINS = {p.name: p for p in [
     Pin("dp2_pp2", dict(dp=2, tp=1, pp=2, cp=1)),
     Pin("tp2_pp2", dict(dp=1, tp=2, pp=2, cp=1)),
     Pin("dp2_cp2", dict(dp=2, tp=1, pp=1, cp=2)),
-    Pin("tp4", dict(dp=1, tp=4, pp=1, cp=1)),
 ]}
 
 

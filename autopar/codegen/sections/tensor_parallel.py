@@ -8,7 +8,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -73,6 +74,67 @@ class GlobalShapes(RegionStyle):
 
     def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
         return global_shapes_context(device_mesh.device_type)
+
+
+class KVGroupColwise(ParallelStyle):
+    """A key/value projection of grouped-query attention with fewer heads (``groups``) than
+    tensor-parallel ranks: rank r computes head ``r // (tp / groups)``, the one its query heads
+    read (Megatron-LM's layout; autopar/solver/tp_kv_groups.py says why not DTensors).
+
+    The weight stays whole on every rank as a replicated DTensor (checkpoints and the optimizer
+    see the model's tensor); its gradient is declared partial, each rank holding its query heads'
+    share of its group's rows, and is summed once per step with the other partial gradients
+    (``reduce_partial_gradients``). The input's gradient is partial too, as a column-parallel
+    linear's: a replicated DTensor input sums it with the region's other projections' in one
+    all-reduce, and a plain input is all-reduced here.
+    """
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        if tp % self.groups or module.weight.shape[0] % self.groups:
+            raise ValueError(f"{type(module).__name__} with {module.weight.shape[0]} outputs cannot be computed in "
+                             f"{self.groups} key/value groups over {tp} ranks")
+        group = device_mesh.get_local_rank() // (tp // self.groups)
+        rows = module.weight.shape[0] // self.groups
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Replicate()]),
+                                                         requires_grad=parameter.requires_grad))
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            local = x.to_local(grad_placements=[Partial()])
+            weight = module.weight.to_local(grad_placements=[Partial()])[group * rows:(group + 1) * rows]
+            bias = None if module.bias is None else module.bias.to_local(grad_placements=[Partial()])[
+                group * rows:(group + 1) * rows]
+            return F.linear(local, weight, bias)
+
+        module.forward = forward
+        return module
+
+
+class WithAttributes(ParallelStyle):
+    """A paired region with key/value projections computed by group whose attention repeats the
+    key/value heads by a count it holds (Hugging Face's ``num_key_value_groups``): that count set
+    to the query heads per rank, as the planner's probe found it runs (autopar/solver/
+    tp_legality.py), so this rank's key/value head is repeated to its own query heads. ``inner``
+    is the region's own input style, applied first."""
+
+    def __init__(self, attributes: dict[str, int], inner: ParallelStyle | None = None) -> None:
+        super().__init__()
+        self.attributes = attributes
+        self.inner = inner
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.inner is not None:
+            module = self.inner._apply(module, device_mesh)
+        for name, value in self.attributes.items():
+            setattr(module, name, value)
+        return module
 
 
 @contextlib.contextmanager

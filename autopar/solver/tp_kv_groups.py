@@ -1,0 +1,126 @@
+"""Grouped-query attention with more tensor-parallel ranks than key/value heads.
+
+Llama-3-70B has 64 query heads and 8 key/value heads; at tp=16 a column split of ``k_proj``
+would cut each key/value head in half. Megatron-LM and vLLM instead give every rank the
+key/value head of its query heads' group: ranks ``g·tp/kv .. (g+1)·tp/kv - 1`` all compute
+head ``g``. This module finds the projections that need it (``kv_group`` style) and what they
+cost; the generated code runs them with ``KVGroupColwise`` (autopar/codegen/sections/
+tensor_parallel.py).
+
+Design (Megatron's way, on local tensors). Each rank holds the whole key/value weight (a
+replicated DTensor, so checkpoints, clipping and the optimizer see one tensor of the model's
+shape), computes only its group's rows, and hands the attention one local key/value head beside
+its ``heads / tp`` query heads: attention that broadcasts key/value heads over query heads
+(SDPA's ``enable_gqa``, Hugging Face's SDPA path without a padding mask) runs unchanged. The
+weight's gradient is declared partial (each rank adds only its query heads' share of its group's
+rows) and summed over the TP group once per step with the other partial gradients
+(``reduce_partial_gradients``); the input's gradient is partial like a column-parallel linear's,
+summed by the region's one backward all-reduce.
+
+Rejected: keeping k/v whole as replicated DTensors in a DTensor region (``GlobalShapes``), so
+that SDPA slices them to the query heads' shards locally. Measured on torch 2.13 CPU with a
+Hugging Face Llama (4 query heads, 1 key/value head, tp=2): the batched matmul of a head-sharded
+query (``_StridedShard`` after folding batch and heads) against a replicated key all-gathers the
+query in forward, and its backward all-gathers three more tensors; correct, but not the one
+all-reduce per row-parallel linear that the layout is priced at. Code that repeats key/value
+heads itself to the global count (``repeat_kv`` by ``num_key_value_groups``, HF's eager path or
+its SDPA path with a mask) cannot run either way without changing the module's attributes: the
+*local shapes* probe finds it failing and the region runs replicated.
+
+Price (autopar.solver.intra_op's ``kv_group`` strategy, autopar.solver.tp_split): the
+projection's forward and backward work divides by the number of key/value heads, not by tp; its
+weight, gradient and optimizer states stay whole on every rank (not counted as split); its saved
+output is priced whole (an over-count: a rank keeps one head), while the elementwise ops on
+the key/value head after it (rotary embedding) are priced as split by tp (an under-count by
+tp / kv of ops that small); one all-reduce over the TP group
+of each of its parameters' gradients per step (``TPLayerSplit.per_step_gradients``), every
+micro-batch where FSDP reduce-scatters every micro-batch (ZeRO-2/3 without a pipeline), as
+measured (tests/dist/test_kv_groups.py). The ILP weighs that all-reduce once per micro-batch when
+it chooses between kv_group and replicating the projection.
+
+Where it applies: ``ModelShape.kv_grouped`` (tp > kv heads, tp a multiple of them, query heads
+divisible by tp), with the heads read from the traced SDPA op; attention written as matmuls
+(Hugging Face's eager path) shows no heads in the trace, so its projections are not offered
+``kv_group`` and split as before.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The grouped-query attention of a model at one TP degree, read from the traced shapes
+    (the attention op's query and key heads, and the projections' widths).
+
+    Attributes:
+        heads: query heads of the model.
+        kv_heads: key/value heads of the model (the number of groups).
+        head_dim: features per head.
+        modules: FQN -> output features of each projection whose output is ``kv_heads`` heads.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    modules: dict[str, int]
+
+    def rows_per_rank(self, module: str) -> int:
+        """Output features each rank computes: one group's share of the module's heads."""
+        return self.modules[module] // self.kv_heads
+
+
+def kv_groups(profile: "ModelProfile", tp: int, candidates: set[str] | None = None) -> KVGroups | None:
+    """The key/value projections that take the ``kv_group`` style at ``tp`` (None when tp does
+    not exceed the key/value heads by a whole factor, or the model has no such attention).
+    ``candidates``: the modules the split may touch (autopar.solver.tp_legality)."""
+    from autopar.solver.space import ModelShape
+
+    shape = ModelShape.from_profile(profile)
+    if not shape.kv_grouped(tp) or not shape.head_dim:
+        return None
+    width = shape.kv_heads * shape.head_dim
+    feeding = _key_value_producers(profile)
+    modules = {}
+    for name, dims in profile.param_shapes.items():
+        module, _, leaf = name.rpartition(".")
+        # nn.Linear's (out, in) weight whose outputs are the key/value heads and whose inputs are
+        # not, computing what the attention reads as keys or values
+        if leaf == "weight" and len(dims) == 2 and dims[0] == width and dims[1] != width and module in feeding \
+                and (candidates is None or module in candidates):
+            modules[module] = dims[0]
+    return KVGroups(shape.heads, shape.kv_heads, shape.head_dim, modules) if modules else None
+
+
+def _key_value_producers(profile: "ModelProfile") -> set[str]:
+    """Modules whose forward GEMM computes, through any ops of the same layer, an attention op's
+    key or value input (the first GEMM met walking up from each: rotary tables and masks come
+    from other layers or from no GEMM)."""
+    by_name = {op.name: op for op in profile.ops if op.phase == "forward"}
+    found: set[str] = set()
+    for attention in by_name.values():
+        if attention.op_class != "attention":
+            continue
+        frontier, seen = list(attention.inputs[1:3]), set()
+        while frontier:
+            op = by_name.get(frontier.pop())
+            if op is None or op.name in seen or op.layer != attention.layer:
+                continue
+            seen.add(op.name)
+            if op.op_class == "gemm" and op.module is not None:
+                found.add(op.module)
+            else:
+                frontier.extend(op.inputs)
+    return found
+
+
+def weight_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4) -> float:
+    """Bytes of a ``kv_group`` module's gradients (weight and bias) its per-step all-reduce moves
+    (fp32 gradients by default: the optimizer's master copy)."""
+    return float(bytes_per_element * sum(math.prod(shape) for name, shape in profile.param_shapes.items()
+                                         if name.rpartition(".")[0] == module))

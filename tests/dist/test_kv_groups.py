@@ -1,0 +1,98 @@
+"""Grouped-query attention with more tensor-parallel ranks than key/value heads trains like one
+process (autopar.solver.tp_kv_groups).
+
+A Hugging Face Llama (hidden 64, 4 query heads) with 1 key/value head at tp=2 (with and without
+sequence parallelism, 2 gloo ranks) and with 2 key/value heads at tp=4 (4 gloo ranks): the plan
+splits q_proj column-wise and o_proj row-wise, computes k_proj and v_proj by key/value group
+(``kv_group``: each rank its group's head, the weight whole), sets the attention's repeat count to
+the query heads per rank, and after 3 steps the losses and every parameter match the
+single-process run (tolerances as tests/dist/test_equivalence.py); so does the 1-head Llama at
+dp=2 x tp=2 under ZeRO-3 (FSDP beside the partial key/value gradients). The step issues what the
+pricer counts: per block one all-reduce per row-parallel linear in forward, the regions' input
+gradients' all-reduces in backward, and one all-reduce per key/value weight gradient.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.codegen import generate
+from autopar.runtime import read_records, run_reference
+from tests.dist.equivalence import OPTIMIZER, STEPS, Outcome, _run_generated_cases
+from tests.dist.harness import run_ranks
+from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel, make_planner
+
+
+def _llama(kv_heads: int) -> TinyModel:
+    return TinyModel(name=f"llama_kv{kv_heads}", path=REPO / "examples" / "llama_hf.py",
+                     kwargs=dict(layers=2, hidden=64, heads=4, kv_heads=kv_heads, ffn=128, vocab=64, seq_len=16),
+                     prologue=["model.embed_tokens"], container="model.layers", blocks=2,
+                     epilogue=["model.norm", "lm_head"])
+
+
+# case -> (model, pins, ranks)
+CASES = {"kv1-tp2": (_llama(1), dict(tp=2), 2), "kv1-tp2_sp": (_llama(1), dict(tp=2, sp=True), 2),
+         "kv2-tp4": (_llama(2), dict(tp=4), 4), "kv1-dp2_tp2_zero3": (_llama(1), dict(dp=2, tp=2, zero=3), 4)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """Per case: its plan, losses, final parameters and per-rank collectives of step 2."""
+    root = tmp_path_factory.mktemp("kv_groups")
+    found: dict[str, dict] = {}
+    jobs: dict[int, list] = {}
+    for case, (model, pins, ranks) in CASES.items():
+        planner = make_planner(model, **pins)
+        plan = planner.run().plan
+        out = root / case
+        files = generate(plan, model.path, out, optimizer=OPTIMIZER)
+        found[case] = {"plan": plan, "planner": planner, "log": out / "run.jsonl", "final": out / "final.pt",
+                       "model": model}
+        jobs.setdefault(ranks, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
+    for ranks, batch in jobs.items():
+        issued = run_ranks(_run_generated_cases, ranks, batch, timeout_s=900)
+        for case, *_ in batch:
+            found[case]["issued"] = [by_case[case] for by_case in issued]
+    for run in found.values():
+        run["losses"] = [r["loss"] for r in read_records(run["log"])]
+        run["parameters"] = torch.load(run["final"])
+    return found
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_computes_key_value_heads_by_group(case, runs):
+    plan, model = runs[case]["plan"], runs[case]["model"]
+    for block in model.block_names:
+        assert {m[len(block) + 1:]: s for m, s in plan.tp_styles.items() if m.startswith(block + ".self_attn.")} == {
+            "self_attn.q_proj": "colwise", "self_attn.k_proj": "kv_group", "self_attn.v_proj": "kv_group",
+            "self_attn.o_proj": "rowwise"}
+    assert plan.tp_kv_heads == model.kwargs["kv_heads"]
+    # Hugging Face repeats key/value heads by num_key_value_groups (4 / kv): set to the query
+    # heads per rank, found by probing the attention module's integers by value.
+    assert plan.tp_region_attributes == {f"{b}.self_attn": {"num_key_value_groups": 4 // plan.tp}
+                                         for b in model.block_names}
+    assert plan.tp_dtensor_regions == []
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_key_value_groups_train_like_one_process(case, runs):
+    run, model = runs[case], runs[case]["model"]
+    reference = run_reference(model.path, model.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER)
+    torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert run["losses"][0] != run["losses"][-1]
+    for name, expected in reference.parameters.items():
+        torch.testing.assert_close(run["parameters"][name], expected, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_issues_the_priced_collectives(case, runs):
+    """One step's collectives, by kind, equal the pricer's, the key/value gradients' once-per-step
+    all-reduces among them (2 per block: k_proj's and v_proj's weights)."""
+    from tests.dist.test_collective_counts import issued_by_kind
+
+    run = runs[case]
+    issued = issued_by_kind(Outcome(plan=run["plan"], issued=run["issued"]))
+    priced = run["planner"].pricer.issued_collectives(run["plan"].layout())
+    assert issued == priced, f"{case}: issued {issued}, priced {priced}"

@@ -1,0 +1,112 @@
+"""Grouped-query attention with more TP ranks than key/value heads (autopar.solver.tp_kv_groups):
+the analysis finds the key/value projections from the traced shapes, the ILP computes them by
+group (``kv_group``), the probe finds the attention's repeat count, and the price counts the
+replicated key/value work, memory and the gradients' once-per-step all-reduces."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.solver.tp_kv_groups import kv_groups
+from autopar.solver.tp_legality import TPLegality
+from cost_models.compute import compute_dtype, op_roofline_s
+from cost_models.topology import ClusterConfig, ClusterSpec
+from tests.profiles import tp_split, traced
+
+HIDDEN, HEADS, KV_HEADS, FFN = 256, 4, 2, 688
+HEAD_DIM = HIDDEN // HEADS
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return traced("llama_hf.py", "bf16", 1, layers=2, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN,
+                  vocab=1024, seq_len=128)
+
+
+def _block(profile) -> str:
+    return next(layer.name for layer in profile.layers if layer.is_block)
+
+
+def test_key_value_projections_are_found_from_the_traced_shapes(llama):
+    """Projections with kv_heads * head_dim outputs whose GEMM computes the attention's keys or
+    values (walked up the traced graph from the SDPA op)."""
+    from autopar.solver.tp_kv_groups import _key_value_producers
+
+    # The walk stops at the first GEMM: not q_proj (the query), nor anything before the norms
+    assert _key_value_producers(llama) == {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "kv"}
+    assert kv_groups(llama, 2) is None  # 2 key/value heads split over 2 ranks as usual
+    assert kv_groups(llama, 8) is None  # 4 query heads do not divide over 8 ranks
+    groups = kv_groups(llama, 4)
+    assert (groups.heads, groups.kv_heads, groups.head_dim) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert sorted(groups.modules) == [f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "kv"]
+    assert {groups.rows_per_rank(m) for m in groups.modules} == {HEAD_DIM}  # one head per rank
+
+
+def test_tp4_splits_attention_with_key_value_heads_by_group(llama):
+    block = _block(llama)
+    split = tp_split(llama, block, 4)
+    styles = {module.rsplit(".", 1)[-1]: style for module, style in split.styles.items()}
+    assert styles == {"q_proj": "colwise", "k_proj": "kv_group", "v_proj": "kv_group", "o_proj": "rowwise",
+                      "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+    # Megatron's four all-reduces per micro-batch (two forward, two of the inputs' gradients),
+    # and once per step one all-reduce of each key/value weight's gradient.
+    comm, forward = split.collectives(sequence_parallel=False)
+    assert [kind for kind, _ in comm] == ["all_reduce"] * 4 and forward == 2
+    assert split.per_step_gradients == (KV_HEADS * HEAD_DIM * HIDDEN,) * 2
+
+
+def test_key_value_weights_stay_whole_in_the_price(llama):
+    block = _block(llama)
+    split = tp_split(llama, block, 4)
+    params = llama.layer(block).param_count
+    whole = 2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM * HIDDEN  # two RMSNorms, k_proj and v_proj
+    assert params == 2 * HIDDEN * HIDDEN + 2 * KV_HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN
+    assert split.tp_sharded_param_fraction == pytest.approx((params - whole) / params)
+
+
+def test_key_value_work_divides_by_the_key_value_heads_not_by_tp(llama):
+    """At tp=2 every split op divides by 2, k and v included; at tp=4 the same ops divide by 4
+    except k's and v's GEMMs, which each of the 2 ranks of a group computes whole for its head:
+    still halved."""
+    block = _block(llama)
+    one, two, four = (tp_split(llama, block, t) for t in (1, 2, 4))
+    gpu = ClusterSpec.from_config(ClusterConfig(name="t", gpu="A100-80GB", nodes=1, gpus_per_node=4)).node_gpus[0]
+    kv_s = sum(op_roofline_s(op, gpu, compute_dtype(llama.precision)) for op in llama.ops
+               if op.layer == block and op.phase == "forward" and op.op_class == "gemm"
+               and (op.module or "").endswith(("k_proj", "v_proj")))
+    assert kv_s > 0
+    whole = two.replicated_forward_s  # norms, residual adds, rotary tables: replicated at either degree
+    assert four.replicated_forward_s == pytest.approx(whole + kv_s / 2)
+    assert four.compute.forward_s == pytest.approx(whole + kv_s / 2 + (one.compute.forward_s - whole - kv_s) / 4)
+
+
+def test_probe_finds_the_repeat_count_by_value(llama):
+    """Hugging Face repeats each key/value head num_key_value_groups (= 4 / 2) times; with one
+    head per rank beside one query head that count must be 1. The probe finds the attribute by
+    its value and keeps the region legal with it set."""
+    block = _block(llama)
+    styles = {f"{block}.self_attn.{p}": s for p, s in (("q_proj", "colwise"), ("k_proj", "kv_group"),
+                                                       ("v_proj", "kv_group"), ("o_proj", "rowwise"))}
+    legality = TPLegality(llama)
+    assert legality.probe(block, 4, styles) == {}
+    assert legality.region_attributes(block, 4, styles) == {f"{block}.self_attn": {"num_key_value_groups": 1}}
+    assert legality.dtensor_regions(block, 4, styles) == set()
+
+
+def test_codegen_runs_key_value_groups_only_inside_a_local_region():
+    from autopar.codegen.errors import CodegenError
+    from autopar.codegen.tp_plan import _kv_group_style
+
+    spec = _kv_group_style("model.layers.0.self_attn.k_proj", in_region=True, dtensor_region=False, kv_heads=2)
+    assert spec.source() == "KVGroupColwise(groups=2)"
+    for in_region, dtensor_region in ((False, False), (True, True)):
+        with pytest.raises(CodegenError, match="by key/value group"):
+            _kv_group_style("model.layers.0.self_attn.k_proj", in_region, dtensor_region, 2)
+
+
+def test_a_plan_computing_key_value_groups_names_how_many():
+    from autopar.plan import Plan
+
+    plan = Plan(tp=4, layer_names=["a"], stages=[["a"]], tp_styles={"a.k_proj": "kv_group"})
+    assert any("tp_kv_heads" in problem for problem in plan.problems())
+    assert not any("tp_kv_heads" in problem for problem in plan.with_updates(tp_kv_heads=2).problems())
+    assert any("tp_kv_heads" in problem for problem in plan.with_updates(tp_kv_heads=3).problems())

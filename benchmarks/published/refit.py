@@ -129,7 +129,7 @@ class Refit:
         low, high = self.interval()
         return {
             "generated_by": "python -m benchmarks.published.refit (do not edit by hand)",
-            "compute_time_scale": self.compute_time_scale,
+            "compute_time_scale": dict(self.compute_time_scale),
             "interval_quantiles": list(INTERVAL_QUANTILES),
             "interval": {"low": low, "high": high},
             "held_out_residuals": {row.id: r for row, r in zip(self.rows, self.held_out_residuals())},

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.published.compare import Comparison
-from benchmarks.published.refit import NEUTRAL, ScalePoint, fit_scale, fold_scales, scale_point
+from benchmarks.published.refit import (NEUTRAL, PricedRow, Refit, ScalePoint, fit_scale, fold_scales, scale_point,
+                                        stale)
 from cost_models.calibration import load_calibration
 from cost_models.hardware import COMPUTE_TIME_SCALE, get_gpu, with_compute_scale
 from cost_models.uncertainty import (RESIDUAL_HIGH, RESIDUAL_LOW, coverage, held_out_coverage,
@@ -52,6 +53,29 @@ def test_each_fold_fits_without_its_row():
     points = [ScalePoint(1.0, 1.0, 2.0), ScalePoint(1.0, 1.0, 1.5), ScalePoint(2.0, 1.0, 2.0), None,
               ScalePoint(1.0, 1.0, 9.0)]
     assert fold_scales(["A", "A", "A", None, "B"], points) == [1.32, 1.5, 1.68, None, NEUTRAL]
+
+
+def _comparison(run_id: str, predicted_s: float, measured_s: float) -> Comparison:
+    return Comparison(run={"id": run_id, "table": "T"}, gpus=8, gpu="A100-80GB", measured_step_s=measured_s,
+                      predicted_step_s=predicted_s, breakdown={"compute": predicted_s}, predicted_memory_GiB=1.0,
+                      fits=True, work=1.0)
+
+
+def test_a_stored_file_that_differs_from_the_refit_is_stale():
+    """Two rows: r1 in sample 1.1 / 1.0 - 1 = +10%, held out at 1.2 s: +20%; r2 -10% both ways.
+    The refit's own file is up to date; a residual off by 2 points, or a scale off by 0.01, names
+    the row or the family."""
+    rows = [PricedRow(_comparison("r1", 1.1, 1.0), _comparison("r1", 1.0, 1.0), "A100", 1.17, 1.2),
+            PricedRow(_comparison("r2", 0.9, 1.0), _comparison("r2", 0.9, 1.0), None, None, 0.9)]
+    result = Refit(rows, [ScalePoint(1.0, 0.1 / 0.17, 1.0), None], {"A100": 1.17})
+    stored = result.to_json()
+    assert stored["held_out_residuals"] == {"r1": pytest.approx(0.2), "r2": pytest.approx(-0.1)}
+    assert stored["in_sample_residuals"]["r1"] == pytest.approx(0.1)
+    assert stale(result, stored) == []
+    stored["held_out_residuals"]["r2"] = -0.12
+    stored["compute_time_scale"]["A100"] = 1.18
+    problems = stale(result, stored)
+    assert len(problems) == 2 and "A100" in problems[0] and problems[1].startswith("r2 held out")
 
 
 def test_scale_point_is_the_secant_between_neutral_and_catalogue_prices():

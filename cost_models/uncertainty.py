@@ -23,7 +23,8 @@ set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
   fabric (PUBLISHED.md has none), so it is extrapolated from two nodes on, its bandwidth divided
   by NETWORK_FALL_PER_DOUBLING per doubling of nodes beyond one (UNMEASURED_COLLECTIVES);
 - a GPU type without a calibration row: its compute UNCALIBRATED_GPU_SLOWDOWN slower (the
-  largest |error| of a calibrated GPU's median table, rounded up).
+  largest median |out-of-sample error| of a calibration table, rounded up to a percent; written
+  to cost_models/calibration.json with the interval).
 
 The planner's robust objective uses `s_pessimistic`: of two plans whose intervals overlap, the
 one that depends less on what was extrapolated is preferred (autopar.solver.planner).
@@ -40,7 +41,7 @@ INTERVAL_QUANTILES = (0.10, 0.90)
 RESIDUAL_LOW = float(load_calibration()["interval"]["low"])
 RESIDUAL_HIGH = float(load_calibration()["interval"]["high"])
 NETWORK_FALL_PER_DOUBLING = 1.8
-UNCALIBRATED_GPU_SLOWDOWN = 0.25
+UNCALIBRATED_GPU_SLOWDOWN = float(load_calibration()["uncalibrated_gpu_slowdown"])
 CALIBRATED_GPUS = ("A100-80GB", "H100-SXM")
 UNMEASURED_COLLECTIVES = ("all_to_all",)
 

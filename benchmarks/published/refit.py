@@ -21,12 +21,16 @@ folds' scales fall between or near them); the fit is the closed form of least sq
 relative errors (`fit_scale`). The scale is rounded to SCALE_DECIMALS as the catalogue's is.
 
 The prediction interval (cost_models/uncertainty.py) is the 10th and 90th percentiles of the
-held-out residuals (`interval_from_residuals`).
+held-out residuals (`interval_from_residuals`), and the pessimistic slowdown of a GPU type with
+no calibration row the largest median |held-out residual| of a table, rounded up to a percent
+(`uncalibrated_gpu_slowdown`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +72,13 @@ def fold_scales(families: list[str | None], points: list[ScalePoint | None]) -> 
         others = [p for j, (f, p) in enumerate(zip(families, points)) if j != i and f == family and p]
         scales.append(round(fit_scale(others), SCALE_DECIMALS))
     return scales
+
+
+def uncalibrated_gpu_slowdown(tables: list[str], residuals: list[float]) -> float:
+    """The largest median |residual| of a table, rounded up to a percent: how far off a GPU type's
+    compute can be where its rows were (the pessimistic price of one with none)."""
+    medians = [statistics.median(abs(r) for t, r in zip(tables, residuals) if t == table) for table in set(tables)]
+    return math.ceil(round(max(medians) * 100, 9)) / 100
 
 
 def scale_point(shipped: Comparison, neutral: Comparison, shipped_scale: float) -> ScalePoint:
@@ -127,11 +138,14 @@ class Refit:
         from cost_models.uncertainty import INTERVAL_QUANTILES
 
         low, high = self.interval()
+        tables = [row.table for row in self.rows]
         return {
             "generated_by": "python -m benchmarks.published.refit (do not edit by hand)",
             "compute_time_scale": dict(self.compute_time_scale),
             "interval_quantiles": list(INTERVAL_QUANTILES),
             "interval": {"low": low, "high": high},
+            "uncalibrated_gpu_slowdown": uncalibrated_gpu_slowdown(tables, self.held_out_residuals()),
+            "tables": {row.id: row.table for row in self.rows},
             "held_out_residuals": {row.id: r for row, r in zip(self.rows, self.held_out_residuals())},
             "in_sample_residuals": {row.id: round(row.error, RESIDUAL_DECIMALS) for row in self.rows},
             "fold_compute_time_scale": {row.id: row.fold_scale for row in self.rows if row.fold_scale is not None},

@@ -7,10 +7,10 @@ import pytest
 
 from benchmarks.published.compare import Comparison
 from benchmarks.published.refit import (NEUTRAL, PricedRow, Refit, ScalePoint, fit_scale, fold_scales, scale_point,
-                                        stale)
+                                        stale, uncalibrated_gpu_slowdown)
 from cost_models.calibration import load_calibration
 from cost_models.hardware import COMPUTE_TIME_SCALE, get_gpu, with_compute_scale
-from cost_models.uncertainty import (RESIDUAL_HIGH, RESIDUAL_LOW, coverage, held_out_coverage,
+from cost_models.uncertainty import (RESIDUAL_HIGH, RESIDUAL_LOW, UNCALIBRATED_GPU_SLOWDOWN, coverage, held_out_coverage,
                                      interval_from_residuals, percentile)
 
 pytestmark = pytest.mark.unit
@@ -110,6 +110,22 @@ def test_stored_interval_is_the_percentiles_of_the_stored_residuals():
     low, high = interval_from_residuals(residuals, tuple(stored["interval_quantiles"]))
     assert (RESIDUAL_LOW, RESIDUAL_HIGH) == (pytest.approx(low, abs=1e-12), pytest.approx(high, abs=1e-12))
     assert RESIDUAL_LOW < 0 < RESIDUAL_HIGH
+
+
+def test_uncalibrated_slowdown_is_the_worst_table_median_rounded_up():
+    """Table A: |-0.1|, 0.2, 0.3 -> median 0.2; table B: 0.2504, -0.2506 -> median 0.2505, the
+    largest, rounded up to 0.26; a median of exactly 0.25 stays 0.25."""
+    tables = ["A", "A", "A", "B", "B"]
+    assert uncalibrated_gpu_slowdown(tables, [-0.1, 0.2, 0.3, 0.2504, -0.2506]) == 0.26
+    assert uncalibrated_gpu_slowdown(["A", "A"], [0.24, -0.26]) == 0.25
+
+
+def test_stored_slowdown_follows_from_the_stored_residuals():
+    stored = load_calibration()
+    ids = list(stored["held_out_residuals"])
+    slowdown = uncalibrated_gpu_slowdown([stored["tables"][i] for i in ids],
+                                         [stored["held_out_residuals"][i] for i in ids])
+    assert slowdown == stored["uncalibrated_gpu_slowdown"] == UNCALIBRATED_GPU_SLOWDOWN
 
 
 def test_stored_folds_follow_from_the_stored_rows():

@@ -88,6 +88,9 @@ def _summary(result: Refit, calibration: list) -> list[dict]:
                  "held_out_error": f"{low:+.1%} / {high:+.1%}"})
     rows.append({"id": "coverage of the held-out residuals: by the interval; by one computed without the row",
                  "held_out_error": f"{coverage(residuals, low, high):.0%}; {held_out_coverage(residuals):.0%}"})
+    stored = result.to_json()
+    rows.append({"id": "pessimistic compute slowdown of a GPU type with no calibration row (worst table median)",
+                 "held_out_error": f"{stored['uncalibrated_gpu_slowdown']:.0%}"})
     scales = [r.fold_scale for r in result.rows if r.fold_scale is not None]
     rows.append({"id": "compute time scale: all rows; folds (min-max)",
                  "held_out_error": ", ".join(f"{f} {s:.2f}" for f, s in result.compute_time_scale.items())

@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     low, high = result.interval()
     print(f"wrote {CALIBRATION_FILE.name}: compute time scale {result.compute_time_scale}, "
           f"interval {low:+.1%} / {high:+.1%}")
+    from cost_models.hardware import COMPUTE_TIME_SCALE
+
+    if result.compute_time_scale != COMPUTE_TIME_SCALE:  # the residuals were priced with the old scale
+        print(f"the fitted scale moved (was {COMPUTE_TIME_SCALE}): run the refit again to price with it")
     return 0
 
 

@@ -1,43 +1,100 @@
 """The cost model against published training runs (benchmarks/published/runs.yaml): predicted vs
 measured step time per run (signed error: negative = predicted faster), the median |error| of
-the calibration rows, rank correlation within each table, and the same after a leave-one-out
-fit (benchmarks/published/compare.py says what is fitted).
+the calibration rows in sample and out of sample, rank correlation within each table, the
+prediction interval and how much of the out-of-sample residuals it holds.
 
     python -m benchmarks.run published
+
+Columns: `error` is the catalogue as shipped (its constants fitted on every calibration row,
+this one included); `held_out_error` the row priced with every constant fitted to the
+calibration set refitted on the other rows (benchmarks/published/refit.py); `factors_loo` a
+model with more freedom: a compute factor per GPU type and a communication factor fitted
+without the row (benchmarks/published/compare.py, `leave_one_out`) over the prices with the
+compute time scale at 1, so the A100's factor takes the scale's place and nothing is fitted on
+the row. The summary also gives the older figure, the same factors over the catalogue's prices
+(its scale fitted on every row). The benchmark fails if cost_models/calibration.json is not
+what these rows give.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
-from benchmarks.published.compare import fit_compute_scale, leave_one_out, load_runs, median_abs, price, spearman_by_table
+from benchmarks.published.compare import (fit_compute_scale, leave_one_out, load_runs, median_abs, price,
+                                          spearman_by_table)
+from benchmarks.published.refit import Refit, refit, stale
 
 
 def run() -> list[dict]:
-    compared = [price(run) for run in load_runs()]
-    calibration = [c for c in compared if c.run["calibration"]]
-    factors = leave_one_out(calibration)
-    rows = []
-    for c in compared:
-        memory = c.run["measured"].get("memory_GiB")
-        rows.append({"id": c.run["id"], "gpus": c.gpus, "measured_s": round(c.measured_step_s, 3),
-                     "predicted_s": round(c.predicted_step_s, 3), "error": f"{c.error:+.1%}",
-                     "loo_error": f"{c.loo_error:+.1%}" if c.run["calibration"] else "(not in the set)",
-                     "memory_GiB": f"{c.predicted_memory_GiB:.1f} vs {memory}" if memory else
-                     f"{c.predicted_memory_GiB:.1f}" + ("" if c.fits else " (over)")})
-    by_table = spearman_by_table(calibration)
-    rows.append({"id": "median |error|, calibration rows",
-                 "error": f"{median_abs([c.error for c in calibration]):.1%}",
-                 "loo_error": f"{median_abs([c.loo_error for c in calibration]):.1%}"})
-    for table in sorted({c.run["table"] for c in calibration}):
-        members = [c for c in calibration if c.run["table"] == table]
-        rows.append({"id": f"table {table}: median |error|, Spearman",
-                     "error": f"{median_abs([c.error for c in members]):.1%}, "
-                              f"{by_table.get(table, float('nan')):+.2f}",
-                     "loo_error": f"{median_abs([c.loo_error for c in members]):.1%}"})
-    rows.append({"id": "fitted factors (all calibration rows)",
+    from cost_models.calibration import load_calibration
+
+    runs = load_runs()
+    result = refit(runs)
+    held = {row.id: row for row in result.rows}
+    calibration = [row.shipped for row in result.rows]
+    neutral = [replace(row.neutral) for row in result.rows]  # copies: leave_one_out fills loo_step_s
+    factors = leave_one_out(neutral)
+    for row, priced in zip(calibration, neutral):
+        row.loo_step_s = priced.loo_step_s
+    in_sample_scale = [replace(c) for c in calibration]
+    leave_one_out(in_sample_scale)
+    compared = {c.run["id"]: c for c in calibration}
+    compared.update({run["id"]: price(run) for run in runs if not run["calibration"]})
+    rows = [_run_row(compared[run["id"]], held.get(run["id"])) for run in runs]
+    rows += _summary(result, calibration)
+    rows.append({"id": "median |error| of the factors refitted over the catalogue's prices (the older figure)",
+                 "factors_loo": f"{median_abs([c.loo_error for c in in_sample_scale]):.1%}"})
+    rows.append({"id": "fitted factors (all calibration rows, compute time scale at 1)",
                  "error": ", ".join(f"{name} {value:.3f}" for name, value in factors.items())})
     rows.append({"id": "compute time scale fitted per GPU (communication as priced)",
                  "error": ", ".join(f"{gpu} {value:.3f}" for gpu, value in fit_compute_scale(calibration).items())})
+    problems = stale(result, load_calibration())
+    assert not problems, ("cost_models/calibration.json is not what the calibration rows give ("
+                          + "; ".join(problems[:5]) + "): rerun `python -m benchmarks.published.refit`.")
+    return rows
+
+
+def _run_row(c, row) -> dict:
+    memory = c.run["measured"].get("memory_GiB")
+    return {"id": c.run["id"], "gpus": c.gpus, "measured_s": round(c.measured_step_s, 3),
+            "predicted_s": round(c.predicted_step_s, 3), "error": f"{c.error:+.1%}",
+            "held_out_error": f"{row.held_out_error:+.1%}" if row else "(not in the set)",
+            "factors_loo": f"{c.loo_error:+.1%}" if row else "",
+            "fold_scale": f"{row.fold_scale:.2f}" if row and row.fold_scale is not None else "",
+            "memory_GiB": f"{c.predicted_memory_GiB:.1f} vs {memory}" if memory else
+            f"{c.predicted_memory_GiB:.1f}" + ("" if c.fits else " (over)")}
+
+
+def _summary(result: Refit, calibration: list) -> list[dict]:
+    """Medians overall and per table, the interval and its coverage of the held-out residuals."""
+    from cost_models.uncertainty import INTERVAL_QUANTILES, coverage, held_out_coverage
+
+    by_table = spearman_by_table(calibration)
+    rows = [{"id": "median |error|, calibration rows",
+             "error": f"{median_abs([r.error for r in result.rows]):.1%}",
+             "held_out_error": f"{median_abs([r.held_out_error for r in result.rows]):.1%}",
+             "factors_loo": f"{median_abs([c.loo_error for c in calibration]):.1%}"}]
+    for table in sorted({r.table for r in result.rows}):
+        members = [r for r in result.rows if r.table == table]
+        rows.append({"id": f"table {table}: median |error|, Spearman",
+                     "error": f"{median_abs([r.error for r in members]):.1%}, "
+                              f"{by_table.get(table, float('nan')):+.2f}",
+                     "held_out_error": f"{median_abs([r.held_out_error for r in members]):.1%}",
+                     "factors_loo": f"{median_abs([r.shipped.loo_error for r in members]):.1%}"})
+    residuals = result.held_out_residuals()
+    low, high = result.interval()
+    quantiles = "/".join(f"{q:.0%}" for q in INTERVAL_QUANTILES)
+    rows.append({"id": f"interval: {quantiles} percentiles of the held-out residuals",
+                 "held_out_error": f"{low:+.1%} / {high:+.1%}"})
+    rows.append({"id": "coverage of the held-out residuals: by the interval; by one computed without the row",
+                 "held_out_error": f"{coverage(residuals, low, high):.0%}; {held_out_coverage(residuals):.0%}"})
+    stored = result.to_json()
+    rows.append({"id": "pessimistic compute slowdown of a GPU type with no calibration row (worst table median)",
+                 "held_out_error": f"{stored['uncalibrated_gpu_slowdown']:.0%}"})
+    scales = [r.fold_scale for r in result.rows if r.fold_scale is not None]
+    rows.append({"id": "compute time scale: all rows; folds (min-max)",
+                 "held_out_error": ", ".join(f"{f} {s:.2f}" for f, s in result.compute_time_scale.items())
+                                   + (f"; {min(scales):.2f}-{max(scales):.2f}" if scales else "")})
     return rows
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
+from cost_models.calibration import load_calibration
+
 TERA = 1e12
 GB = 1e9
 GiB = 2**30
@@ -96,17 +98,17 @@ def _gpu(name: str, *, peaks_tflops: dict[str, float], memory_gb: float, bandwid
                    sm_count=sm_count)
 
 
-# Fitted to published runs (benchmarks/published/runs.yaml, `python -m benchmarks.run published`,
-# row "compute time scale fitted per GPU"): per GPU type, the factor on compute-bound seconds
+# Fitted to published runs (benchmarks/published/runs.yaml, `python -m benchmarks.published.refit`
+# writes it to cost_models/calibration.json): per GPU family, the factor on compute-bound seconds
 # (compute, recomputation, bubble, optimizer) minimising the squared relative step-time errors
-# of its calibration rows, communication priced as is. A100 (18 Megatron-LM rows, A1 and B4,
-# fitted with this scale at 1): 1.150 when first fitted, 1.17 after the pricing of re-run TP
-# collectives and NCCL's protocols moved the rows (the fit read 1.018 with 1.15 in, 1.001 with
-# 1.17), i.e. every class reaches 1/1.17 of the efficiency a lone kernel does (matmul 0.87 ->
-# 0.74: clocks under sustained load in 2021-22 fp16 training).
-# H100 (11 rows, Megatron-Core A6 and torchtitan D7): 0.94, left at 1: the two tables pull
-# opposite ways (A6 over, D7 under), which is communication and FSDP, not compute speed.
-COMPUTE_TIME_SCALE = {"A100": 1.17}
+# of its calibration rows, communication priced as is (`benchmarks.published.refit.fit_scale`).
+# A100 (18 Megatron-LM rows, A1 and B4): 1.17, i.e. every class reaches 1/1.17 of the efficiency
+# a lone kernel does (matmul 0.87 -> 0.74: clocks under sustained load in 2021-22 fp16 training).
+# H100 (11 rows, Megatron-Core A6 and torchtitan D7) is not fitted (0.94 when tried): the two
+# tables pull opposite ways (A6 over, D7 under), which is communication and FSDP, not compute
+# speed. UNSCALED_EFFICIENCY is each fitted family's lone-kernel efficiency, before the scale.
+COMPUTE_TIME_SCALE: dict[str, float] = dict(load_calibration()["compute_time_scale"])
+UNSCALED_EFFICIENCY: dict[str, dict[str, float]] = {"A100": {"gemm": 0.87}}
 
 
 def _fitted(efficiency: dict[str, float], time_scale: float) -> dict[str, float]:
@@ -127,10 +129,10 @@ CATALOGUE: dict[str, GPUSpec] = {spec.name: spec for spec in (
     # or 80 GB HBM2e at 2,039 GB/s; NVLink 3 at 300 GB/s per direction. No fp8.
     _gpu("A100-40GB", peaks_tflops={"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, memory_gb=40,
          bandwidth_GBps=1555, link="NVLink3", link_GBps=300, source="NVIDIA A100 datasheet",
-         efficiency=_fitted({"gemm": 0.87}, COMPUTE_TIME_SCALE["A100"]), sm_count=108),
+         efficiency=_fitted(UNSCALED_EFFICIENCY["A100"], COMPUTE_TIME_SCALE["A100"]), sm_count=108),
     _gpu("A100-80GB", peaks_tflops={"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, memory_gb=80,
          bandwidth_GBps=2039, link="NVLink3", link_GBps=300, source="NVIDIA A100 datasheet",
-         efficiency=_fitted({"gemm": 0.87}, COMPUTE_TIME_SCALE["A100"]), sm_count=108),
+         efficiency=_fitted(UNSCALED_EFFICIENCY["A100"], COMPUTE_TIME_SCALE["A100"]), sm_count=108),
     # NVIDIA H100 datasheet, SXM5: 67 fp32, 494.5 tf32, 989 bf16/fp16, 1,979 fp8 (dense, half the
     # sparsity figures); 80 GB HBM3 at 3,350 GB/s; NVLink 4 at 450 GB/s per direction.
     _gpu("H100-SXM", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979}, memory_gb=80,
@@ -167,6 +169,20 @@ CATALOGUE: dict[str, GPUSpec] = {spec.name: spec for spec in (
          efficiency={name: 1.0 for name in DEFAULT_EFFICIENCY}),
 )}
 CATALOGUE["cpu"] = CATALOGUE["cpu"].with_overrides(launch_overhead_s=20e-6)
+
+
+def scale_family(gpu_name: str) -> str | None:
+    """The COMPUTE_TIME_SCALE family a GPU belongs to ("A100-80GB" -> "A100"), None if unfitted."""
+    return next((family for family in UNSCALED_EFFICIENCY if gpu_name.startswith(family)), None)
+
+
+def with_compute_scale(gpu: GPUSpec, scale: float) -> GPUSpec:
+    """The GPU with its family's fitted scale replaced by `scale` (1.0: the lone kernel's
+    efficiency, nothing fitted); a GPU outside every fitted family is returned as is."""
+    family = scale_family(gpu.name)
+    if family is None:
+        return gpu
+    return gpu.with_overrides(efficiency={**gpu.efficiency, **_fitted(UNSCALED_EFFICIENCY[family], scale)})
 
 
 def known_gpus() -> list[str]:

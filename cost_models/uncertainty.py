@@ -4,9 +4,12 @@ A predicted step time s comes with an interval for the step a run would measure:
 
     [s / (1 + RESIDUAL_HIGH),  s_pessimistic / (1 + RESIDUAL_LOW)]
 
-RESIDUAL_LOW and RESIDUAL_HIGH are the 10th and 90th percentiles of the cost model's errors
-(predicted / measured - 1) over the 29 calibration rows of `python -m benchmarks.run published`
-(-17.5% and +16.9%). `s_pessimistic` is the same plan priced again with what it extrapolates
+RESIDUAL_LOW and RESIDUAL_HIGH are the 10th and 90th percentiles (INTERVAL_QUANTILES) of the
+cost model's out-of-sample errors (predicted / measured - 1) over the calibration rows of
+benchmarks/published/runs.yaml: each row priced with every constant fitted to the calibration
+set refitted on the other rows (`python -m benchmarks.published.refit` computes them with
+`interval_from_residuals` and writes them to cost_models/calibration.json, read here).
+`s_pessimistic` is the same plan priced again with what it extrapolates
 set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
 
 - a collective group spanning more nodes than any published measurement on that network
@@ -20,7 +23,8 @@ set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
   fabric (PUBLISHED.md has none), so it is extrapolated from two nodes on, its bandwidth divided
   by NETWORK_FALL_PER_DOUBLING per doubling of nodes beyond one (UNMEASURED_COLLECTIVES);
 - a GPU type without a calibration row: its compute UNCALIBRATED_GPU_SLOWDOWN slower (the
-  largest |error| of a calibrated GPU's median table, rounded up).
+  largest median |out-of-sample error| of a calibration table, rounded up to a percent; written
+  to cost_models/calibration.json with the interval).
 
 The planner's robust objective uses `s_pessimistic`: of two plans whose intervals overlap, the
 one that depends less on what was extrapolated is preferred (autopar.solver.planner).
@@ -30,14 +34,49 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from cost_models.calibration import load_calibration
 from cost_models.topology import ClusterSpec
 
-RESIDUAL_LOW = -0.175
-RESIDUAL_HIGH = 0.169
+INTERVAL_QUANTILES = (0.10, 0.90)
+RESIDUAL_LOW = float(load_calibration()["interval"]["low"])
+RESIDUAL_HIGH = float(load_calibration()["interval"]["high"])
 NETWORK_FALL_PER_DOUBLING = 1.8
-UNCALIBRATED_GPU_SLOWDOWN = 0.25
+UNCALIBRATED_GPU_SLOWDOWN = float(load_calibration()["uncalibrated_gpu_slowdown"])
 CALIBRATED_GPUS = ("A100-80GB", "H100-SXM")
 UNMEASURED_COLLECTIVES = ("all_to_all",)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1) of values, linearly interpolated between order statistics
+    (numpy's default: position q·(n - 1) in the sorted values)."""
+    if not values:
+        raise ValueError("a percentile of no values")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+
+
+def interval_from_residuals(residuals: list[float], quantiles: tuple[float, float] = INTERVAL_QUANTILES
+                            ) -> tuple[float, float]:
+    """(RESIDUAL_LOW, RESIDUAL_HIGH): the residuals' low and high quantiles."""
+    return percentile(residuals, quantiles[0]), percentile(residuals, quantiles[1])
+
+
+def coverage(residuals: list[float], low: float, high: float) -> float:
+    """Share of residuals inside [low, high]: of runs whose measurement the interval holds."""
+    return sum(low <= r <= high for r in residuals) / len(residuals) if residuals else float("nan")
+
+
+def held_out_coverage(residuals: list[float], quantiles: tuple[float, float] = INTERVAL_QUANTILES) -> float:
+    """Share of residuals inside the interval computed from the others: the coverage to expect of
+    a row the interval was not computed from (the in-sample coverage flatters by construction)."""
+    inside = 0
+    for i, r in enumerate(residuals):
+        low, high = interval_from_residuals(residuals[:i] + residuals[i + 1:], quantiles)
+        inside += low <= r <= high
+    return inside / len(residuals) if residuals else float("nan")
 
 
 @dataclass(frozen=True)

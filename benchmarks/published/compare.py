@@ -6,7 +6,9 @@ than the published run. A published throughput is turned into a step time with t
 its authors used (Megatron-LM counts FLOPs by eq. 3 of Narayanan et al. 2021, which includes
 the recomputed forward; Megatron-Core by 72·B·s·l·h²(1 + s/6h + V/12lh)).
 
-The leave-one-out fit: per GPU type a factor on the compute-bound parts of the step (compute,
+benchmarks/published/refit.py holds the honest leave-one-out: every constant the catalogue fits
+to the calibration rows (the per-GPU compute time scale) refitted without the row it prices.
+`leave_one_out` below is a diagnostic on top of that: per GPU type a factor on the compute-bound parts of the step (compute,
 recomputation, bubble, optimizer) and one factor on the exposed communication, fitted by
 least squares on relative errors to every calibration row but one, then used to predict that
 one. A model right for the reasons the rows show keeps its error after the fit; one that only
@@ -14,10 +16,11 @@ memorises rows does not.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,19 +99,38 @@ def overrides(run: dict[str, Any]) -> list[str]:
 def cached_profile(run: dict[str, Any], cfg: Any):
     """Trace once per model shape and precision (kept under benchmarks/results/, not committed)."""
     from autopar.driver import run_profile
-    from autopar.profile import ModelProfile
 
     key = hashlib.sha256(json.dumps([run["model"], run["precision"]], sort_keys=True).encode()).hexdigest()[:16]
     path = PROFILE_CACHE / f"{run['model']['file'].removesuffix('.py')}-{key}.json"
     if path.exists():
-        return ModelProfile.load(path)
+        return _load_profile(str(path))
     profile = run_profile(REPO / "examples" / run["model"]["file"], cfg)
     PROFILE_CACHE.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     return profile
 
 
-def price(run: dict[str, Any]) -> Comparison:
+@functools.lru_cache(maxsize=2)
+def _load_profile(path: str):
+    """A cached profile read once for the several prices of one run (loading dominates a price)."""
+    from autopar.profile import ModelProfile
+
+    return ModelProfile.load(Path(path))
+
+
+def with_compute_scales(cluster: Any, scales: dict[str, float]) -> Any:
+    """The cluster with each fitted GPU family's compute time scale replaced by `scales[family]`
+    (families not named keep the catalogue's)."""
+    from cost_models.hardware import scale_family, with_compute_scale
+
+    gpus = tuple(with_compute_scale(gpu, scales[scale_family(gpu.name)])
+                 if scale_family(gpu.name) in scales else gpu for gpu in cluster.node_gpus)
+    return replace(cluster, node_gpus=gpus)
+
+
+def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None) -> Comparison:
+    """The run priced with its pinned plan; `compute_scales` (GPU family -> scale) replaces the
+    catalogue's fitted compute time scales (1.0: nothing fitted)."""
     from autopar.config import compose_config
     from autopar.driver import build_cluster, pinned_layout, train_spec
     from autopar.solver.tp_split import ILPSplitter
@@ -116,6 +138,8 @@ def price(run: dict[str, Any]) -> Comparison:
 
     cfg = compose_config(overrides(run))
     cluster = build_cluster(cfg)
+    if compute_scales:
+        cluster = with_compute_scales(cluster, compute_scales)
     profile = cached_profile(run, cfg)
     layout = pinned_layout(cfg, cluster)
     recompute = (layout.recompute,)
@@ -126,6 +150,11 @@ def price(run: dict[str, Any]) -> Comparison:
     return Comparison(run=run, gpus=cluster.world_size, gpu=cluster.node_gpus[0].name, measured_step_s=step,
                       predicted_step_s=estimate.step_time_s, breakdown=dict(estimate.time_breakdown),
                       predicted_memory_GiB=estimate.peak_memory_bytes / 2**30, fits=estimate.fits, work=work)
+
+
+def compute_bound_s(row: Comparison) -> float:
+    """Seconds of the step the compute time scale multiplies (COMPUTE_BOUND parts)."""
+    return sum(row.breakdown.get(p, 0.0) for p in COMPUTE_BOUND)
 
 
 def _design(rows: list[Comparison], gpus: list[str]) -> np.ndarray:

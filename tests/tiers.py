@@ -12,6 +12,7 @@ never run either.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 import pytest
@@ -43,14 +44,19 @@ def runs(item: pytest.Item) -> bool:
     return item.get_closest_marker("extended") is None or extended_on(item.config)
 
 
-def selected(request: pytest.FixtureRequest, argname: str, fixture: str | None = None) -> set[Any]:
-    """The values of parameter ``argname`` among this session's tests that will run (and use
-    ``fixture``, when given): the cases a shared fixture must produce."""
+def selected(request: pytest.FixtureRequest, argname: str, fixture: str, where: Path) -> set[Any]:
+    """The values of parameter ``argname`` among this session's tests that will run and use
+    ``fixture``, in the file or folder ``where`` (another folder may name a fixture alike): the
+    cases a shared fixture must produce."""
     found = set()
-    for item in request.session.items:
+    for item in session_items(request, fixture, where):
         callspec = getattr(item, "callspec", None)
-        if callspec is None or argname not in callspec.params or not runs(item):
-            continue
-        if fixture is None or fixture in getattr(item, "fixturenames", ()):
+        if callspec is not None and argname in callspec.params:
             found.add(callspec.params[argname])
     return found
+
+
+def session_items(request: pytest.FixtureRequest, fixture: str, where: Path) -> list[pytest.Item]:
+    """This session's tests in ``where`` that will run and use ``fixture``."""
+    return [item for item in request.session.items
+            if Path(item.path).resolve().is_relative_to(where) and fixture in getattr(item, "fixturenames", ()) and runs(item)]

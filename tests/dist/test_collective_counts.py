@@ -116,7 +116,7 @@ def counted(request, tmp_path_factory) -> dict[str, dict]:
     """Per case this session reads: the plan's priced collectives, and those issued by a one-step
     run, at 2 and 4 micro-batches (one spawn of 2 ranks for every case)."""
     root = tmp_path_factory.mktemp("counts")
-    wanted = selected(request, "case_id", "counted")
+    wanted = selected(request, "case_id", "counted", Path(__file__).resolve())
     jobs, cases = [], {}
     for case_id, (model, sp, latency) in zip(IDS, CASES):
         if case_id not in wanted:

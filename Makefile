@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch goes in first so resolving the project pulls no multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test wheel-check test-zoo bench clean
+.PHONY: setup demo test test-full wheel-check test-zoo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,17 @@ demo: setup
 		optim.lr=3e-3 optim.warmup_steps=30 optim.min_lr=3e-4 --out-dir demo/gpt_cpu
 	$(VENV)/bin/autopar run demo/gpt_cpu --steps 300
 
+# The default tier (CI's): one process a test, spread over TEST_WORKERS processes (pytest-xdist,
+# a file's tests together), then the suites that start ranks, one test at a time (their ranks use
+# the cores). test-full adds the extended tier (tests marked `extended`, tests/tiers.py).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
+	$(PY) -m pytest -q tests/dist tests/zoo
+
+test-full: setup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit --extended
+	$(PY) -m pytest -q tests/dist tests/zoo --extended
 
 # The built wheel, installed with torch alone into a fresh venv (build/wheel-venv), plans,
 # compiles, runs and reports a tiny GPT from a temporary folder outside the repository (~1 min).

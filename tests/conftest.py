@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import OPTION, runs
+
 # compile's small-scale numerical check (2 steps on gloo ranks against one process, 10-20 s per
 # compile on this machine) is off in tests about something else; the tests of the proof
 # (tests/dist/test_proof.py) and the zoo turn it on explicitly. The full-scale step on fake
@@ -28,9 +30,18 @@ def write_model_file(tmp_path: Path, source: str, name: str = "model.py") -> Pat
     return path
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test by its folder: tests/unit -> unit, tests/dist -> dist."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(OPTION, action="store_true", default=False,
+                     help="also run the extended tier (tests marked extended: exhaustive variants; make test-full)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test by its folder (tests/unit -> unit, tests/dist -> dist) and skip the
+    extended tier unless --extended (tests/tiers.py)."""
+    skip = pytest.mark.skip(reason=f"extended tier: run with {OPTION} (make test-full)")
     for item in items:
         folder = Path(item.fspath).parent.name
         if folder in ("unit", "dist"):
             item.add_marker(getattr(pytest.mark, folder))
+        if not runs(item):
+            item.add_marker(skip)

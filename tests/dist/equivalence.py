@@ -105,6 +105,18 @@ CASES = [
     Case("pp2_uneven_3_1", dict(pp=2, uneven_stages=True)),
 ]
 IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES if model in case.models]
+# The default run (tests/tiers.py): every technique and combination kind above once, on GPT, and
+# the tiny Llama (grouped-query attention, an untied head, Hugging Face's code) under each kind
+# of split (data, tensor with its own operator-wise split, pipeline, context). The extended tier
+# adds the remaining Llama cases and the GPT cases whose kinds a default case already combines
+# (cp4 Ulysses beside cp4 ring and cp2 Ulysses, a second cp x tp and cp x pp, Ulysses under
+# recomputation, hierarchical sync under ZeRO-1, the parameter server beside tp, dp x tp and
+# dp x pp and tp x pp, which the dp x tp x pp case runs together).
+EXTENDED_GPT = {"cp4_ulysses", "cp2_tp2_ring", "cp2_pp2_ulysses", "cp2_ulysses_recompute", "zero1_dp4_hierarchical",
+                "dp2_tp2_parameter_server", "dp2_tp2", "dp2_pp2", "tp2_pp2_sp"}
+DEFAULT_LLAMA = {"zero3_dp4", "tp2_sp", "tp2_sp_mixed_split", "pp2_1f1b", "cp2_ring"}
+DEFAULT_IDS = [f"gpt-{case.name}" for case in CASES if case.name not in EXTENDED_GPT] + \
+    [f"llama_hf-{name}" for name in sorted(DEFAULT_LLAMA)]
 
 
 def count_collectives(module: Any, step: int) -> dict[str, int]:
@@ -159,16 +171,16 @@ class Outcome:
     error: str | None = None
 
 
-def run_cases(root: Path) -> dict[str, Outcome]:
-    """Generate every case under ``root``, run them grouped by world size, and collect each
-    one's losses, final parameters and issued collectives."""
+def run_cases(root: Path, wanted: set[str] | None = None) -> dict[str, Outcome]:
+    """Generate every case under ``root`` (those in ``wanted``, when given), run them grouped by
+    world size, and collect each one's losses, final parameters and issued collectives."""
     by_world: dict[int, list[tuple[str, str, str, str]]] = {}
     results: dict[str, Outcome] = {}
     for model_name, model in MODELS.items():
         for case in CASES:
-            if model_name not in case.models:
-                continue
             case_id = f"{model_name}-{case.name}"
+            if model_name not in case.models or (wanted is not None and case_id not in wanted):
+                continue
             planner = case.planner(model)
             plan = planner.run().plan
             results[case_id] = Outcome(plan=plan, planner=planner)

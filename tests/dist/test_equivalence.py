@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from autopar.runtime import run_reference
-from tests.dist.equivalence import CASES, IDS, OPTIMIZER, STEPS, Case
+from tests.dist.equivalence import CASES, DEFAULT_IDS, IDS, OPTIMIZER, STEPS, Case
 from tests.dist.plans import GLOBAL_BATCH, MODELS
+from tests.tiers import tiered
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def references() -> dict[str, object]:
             for name, model in MODELS.items()}
 
 
-@pytest.mark.parametrize("case_id", IDS)
+@pytest.mark.parametrize("case_id", tiered(IDS, DEFAULT_IDS))
 def test_generated_module_matches_unsharded_model(case_id, outcomes, references):
     """Loss per step and final parameters equal the single-process run of the original model."""
     outcome = outcomes[case_id]
@@ -51,11 +52,11 @@ def test_generated_module_matches_unsharded_model(case_id, outcomes, references)
     assert outcome.losses[0] != outcome.losses[-1]
 
 
-@pytest.mark.parametrize("case", [c.name for c in CASES if "pp2" in c.name])
-def test_tied_embedding_and_head_stay_identical_across_stages(case, outcomes):
+@pytest.mark.parametrize("case_id", tiered([f"gpt-{c.name}" for c in CASES if "pp2" in c.name], DEFAULT_IDS))
+def test_tied_embedding_and_head_stay_identical_across_stages(case_id, outcomes):
     """GPT ties its LM head to the token embedding; pipeline stages hold one copy each, and the
     summed gradient keeps both copies equal, as the single tensor would be."""
-    outcome = outcomes[f"gpt-{case}"]
+    outcome = outcomes[case_id]
     assert outcome.error is None, outcome.error
     torch.testing.assert_close(outcome.parameters["lm_head.weight"], outcome.parameters["wte.weight"],
                                rtol=0, atol=0)

@@ -60,6 +60,7 @@ from cost_models.step import PlanPricer, TrainSpec
 from cost_models.topology import ClusterConfig, ClusterSpec
 from tests.dist.equivalence import COUNTED_STEP, count_collectives
 from tests.dist.harness import run_ranks
+from tests.tiers import session_items, tiered
 
 pytestmark = [pytest.mark.dist]
 
@@ -98,6 +99,14 @@ SEQUENCE_PARALLEL = [("hf_qwen2_moe", 2, 3, 4, 1, 2, 1, True)]
 # (..., sequence parallelism, expert TP): each expert's width split over the TP pair too
 EXPERT_TP = [("mixtral", 2, 3, 4, 1, 2, 1, False, True), ("hf_mixtral", 2, 3, 4, 1, 2, 1, True, True),
              ("mixtral_plain", 1, 3, 4, 2, 2, 1, False, True)]
+# The default run (tests/tiers.py) keeps a case of every kind above: experts over 2 and 4 ranks,
+# over expert-data-parallel groups, token dropping, latent attention, Hugging Face's routed
+# experts, a pipeline cut from the graph and by modules, TP (with MLA's replicated projection),
+# SP, CP and expert TP; the extended tier adds the same kinds on the other models.
+EXTENDED_CASES = {("qwen2_moe", 2, 3, 4), ("deepseek_v3", 2, 3, 4), ("hf_deepseek_v3", 2, 3, 4),
+                  ("mixtral", 1, 3, 4, 2, 1), ("qwen2_moe", 2, 3, 4, 2, 1), ("deepseek_v3", 2, 3, 4, 2, 1),
+                  ("qwen2_moe", 2, 3, 4, 1, 2), ("hf_mixtral", 2, 3, 4, 1, 2),
+                  ("mixtral_plain", 1, 3, 4, 2, 2, 1, False, True)}
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.
@@ -179,15 +188,37 @@ def _run(rank: int, world_size: int, jobs: list[tuple[str, str, str, str]]) -> d
     return {case: counts.get(ALL_TO_ALL_EVENT, 0) for case, counts in counted.items()}
 
 
+def tier(cases: list[tuple], unpack: bool = False) -> list:
+    """``cases`` as parameters, those in EXTENDED_CASES in the extended tier."""
+    return tiered(cases, [case for case in cases if case not in EXTENDED_CASES], unpack=unpack)
+
+
+def wanted_cases(request: pytest.FixtureRequest) -> set[str]:
+    """The case ids this session's tests of `outcomes` read (skipped and deselected ones left out)."""
+    found = set()
+    for item in session_items(request, "outcomes", Path(__file__).resolve()):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "case" in params:
+            found.add(case_id(*params["case"]))
+        elif "name" in params:
+            found.add(case_id(params["name"], params["ep"], params["zero"], params["world"]))
+        elif "precision" in params:
+            found.add(f"example_{params['precision']}")
+    return found
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict:
+def outcomes(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("expert_parallel")
+    wanted = wanted_cases(request)
     jobs: dict[int, list[tuple[str, str, str, str]]] = {}
     priced = {}
     every = CASES + PIPELINED + TENSOR_PARALLEL + CONTEXT_PARALLEL + SEQUENCE_PARALLEL + EXPERT_TP
     for name, ep, zero, world, pp, tp, cp, sp, etp in [(case + (1, 1, 1, False, False)[len(case) - 4:])
                                                         for case in every]:
         case = case_id(name, ep, zero, world, pp, tp, cp, sp, etp)
+        if case not in wanted:
+            continue
         plan = make_plan(name, ep, zero, world, pp, tp, cp, sp, etp)
         assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.sequence_parallel, plan.expert_tp, plan.zero_stage) == \
             (ep, world // (pp * tp * cp), pp, tp, cp, sp, etp, zero)
@@ -208,9 +239,11 @@ def outcomes(tmp_path_factory) -> dict:
         priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0)
         jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
     for precision in PRECISIONS:
+        if f"example_{precision}" not in wanted:
+            continue
         out = root / f"example_{precision}"
         script = compile_example(precision, out)
-        jobs[2].append((f"example_{precision}", str(script), str(out / "run.jsonl"), str(out / "final.pt")))
+        jobs.setdefault(2, []).append((f"example_{precision}", str(script), str(out / "run.jsonl"), str(out / "final.pt")))
         priced[f"example_{precision}"] = None
     issued: dict[str, list[int]] = {}  # case -> all-to-alls issued by each rank
     for world, world_jobs in sorted(jobs.items()):
@@ -234,13 +267,13 @@ def assert_trains_like_one_process(losses: list[float], parameters: dict, model_
     assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
 
 
-@pytest.mark.parametrize("name, ep, zero, world", CASES)
+@pytest.mark.parametrize("name, ep, zero, world", tier(CASES, unpack=True))
 def test_generated_expert_parallel_module_matches_one_process(name, ep, zero, world, outcomes):
     losses, parameters, _, _ = outcomes[case_id(name, ep, zero, world)]
     assert_trains_like_one_process(losses, parameters, model_file(name), MODELS[name], OPTIMIZER)
 
 
-@pytest.mark.parametrize("name, ep, zero, world", CASES)
+@pytest.mark.parametrize("name, ep, zero, world", tier(CASES, unpack=True))
 def test_priced_all_to_alls_are_issued(name, ep, zero, world, outcomes):
     """The dispatch and combine all-to-alls the pricer counts per step (4 per MoE layer and
     micro-batch, 5 where the counts go first: EXCHANGES, by hand, x 8 / world micro-batches here)
@@ -251,7 +284,7 @@ def test_priced_all_to_alls_are_issued(name, ep, zero, world, outcomes):
     assert issued == [priced] * world  # every rank is in an expert-parallel group of both layers
 
 
-@pytest.mark.parametrize("case", [case for case in PIPELINED if case[1] > 1], ids=lambda case: case_id(*case))
+@pytest.mark.parametrize("case", tier([case for case in PIPELINED if case[1] > 1]), ids=lambda case: case_id(*case))
 def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(case, outcomes):
     """Under ep=2 x pp=2 each stage's ranks exchange the tokens of that stage's MoE layer only;
     the pricer counts one rank per stage (cost_models/issued.py): 4 all-to-alls x 2 layers x 4
@@ -263,7 +296,7 @@ def test_priced_all_to_alls_are_issued_by_the_stages_of_a_pipeline(case, outcome
     assert issued == [priced // pp] * world
 
 
-@pytest.mark.parametrize("case", PIPELINED, ids=lambda case: case_id(*case))
+@pytest.mark.parametrize("case", tier(PIPELINED), ids=lambda case: case_id(*case))
 def test_pipelined_moe_model_trains_like_one_process(case, outcomes):
     """A model threading its auxiliary loss through the blocks, cut into pipeline stages, trains
     like one process: losses and final parameters (the aux loss of every stage's blocks counted).
@@ -291,7 +324,7 @@ def test_compiled_moe_example_trains_like_one_process(precision, outcomes):
     assert_trains_like_one_process(losses, parameters, EXAMPLE, {}, DEFAULT_OPTIMIZER)
 
 
-@pytest.mark.parametrize("case", TENSOR_PARALLEL + SEQUENCE_PARALLEL, ids=lambda case: case_id(*case))
+@pytest.mark.parametrize("case", tier(TENSOR_PARALLEL + SEQUENCE_PARALLEL), ids=lambda case: case_id(*case))
 def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(case, outcomes):
     """dp=2 (ep=2) x tp=2, ZeRO-3: the modules the operator-wise split shards (the routers, the
     position embedding and the LM head, its logits vocabulary-sharded into the loss; the shared
@@ -312,7 +345,7 @@ def test_expert_parallelism_beside_tensor_parallelism_trains_like_one_process(ca
     assert issued == [priced] * case[3]
 
 
-@pytest.mark.parametrize("case", CONTEXT_PARALLEL, ids=lambda case: case_id(*case))
+@pytest.mark.parametrize("case", tier(CONTEXT_PARALLEL), ids=lambda case: case_id(*case))
 def test_expert_parallelism_across_context_parallel_ranks_trains_like_one_process(case, outcomes):
     """Experts exchanged dropless route each token alone, so EP can be carved from dp x cp, as
     Megatron-Core's expert-data-parallel groups are: Hugging Face Qwen2-MoE on dp=2 x cp=2 with
@@ -327,7 +360,7 @@ def test_expert_parallelism_across_context_parallel_ranks_trains_like_one_proces
     assert issued == [priced] * world
 
 
-@pytest.mark.parametrize("case", EXPERT_TP, ids=lambda case: case_id(*case))
+@pytest.mark.parametrize("case", tier(EXPERT_TP), ids=lambda case: case_id(*case))
 def test_experts_split_over_tensor_parallel_ranks_train_like_one_process(case, outcomes):
     """Expert tensor parallelism: each expert's feed-forward width split over the TP pair (its
     [E, h, F] and [E, F, h] weights, or Hugging Face's fused [E, 2F, h] gate-up projection block by

@@ -9,7 +9,12 @@ import pytest
 from autopar.plan import Plan
 from tests.zoo.harness import run_zoo
 
-pytestmark = pytest.mark.slow  # about a minute and a half on an idle 2-core machine
+# About a minute and a half on an idle 2-core machine. Extended tier (tests/tiers.py): the same
+# splits (Conv1D under the transposed styles, FalconLinear, the in-place output copied) train
+# like one process in the default run at module level, tests/dist/test_linear_like_tp.py; here
+# they run end to end through compile's proof on the Hugging Face models (also zoo cases
+# hf_gpt2-tp2 and hf_falcon-tp2, make test-zoo).
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,8 @@ SLEEPER = textwrap.dedent("""
     from autopar import cli
 
     def working(args, console):
-        print("working", flush=True)
         try:
+            print("working", flush=True)  # inside: a signal right after it still finds the finally
             time.sleep(60)
         finally:
             print("cleaned up", flush=True)

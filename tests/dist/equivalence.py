@@ -119,6 +119,17 @@ DEFAULT_IDS = [f"gpt-{case.name}" for case in CASES if case.name not in EXTENDED
     [f"llama_hf-{name}" for name in sorted(DEFAULT_LLAMA)]
 
 
+def assert_trains_like(losses: list[float], parameters: dict[str, torch.Tensor], reference: Any) -> None:
+    """A sharded run equal to one process (``reference``, a ReferenceRun): losses to rtol 1e-5,
+    a loss that moved, and every parameter to rtol 1e-4 (test_equivalence.py's tolerances)."""
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert losses[0] != losses[-1]
+    for name, expected in reference.parameters.items():
+        torch.testing.assert_close(parameters[name], expected, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def count_collectives(module: Any, step: int) -> dict[str, int]:
     """Wrap ``module.train_step`` so that its call for ``step`` runs under the torch profiler;
     returns the dict it fills: profiler event name -> calls (c10d and gloo events only).

@@ -7,7 +7,7 @@ projections were split as their parts, its tensor-parallel rows were predicted u
 than published, because the priced plan replicated attention; split, both files must price the
 same plan and land within the same error.
 
-    python -m benchmarks.run fused_published
+    python -m benchmarks.run a1_fused
 """
 from __future__ import annotations
 

@@ -228,10 +228,13 @@ def outcomes(request, tmp_path_factory) -> dict:
         assert ("apply_ep(" in files.script.read_text()) == (ep > 1)
         assert ('expert_tp=plan["expert_tp"]' in files.script.read_text()) == etp
         if tp > 1 and "kv_lora_rank" in MODELS[name]:
-            # MLA's down-projection output is split into the latent and the rotary key: the legality
-            # analysis's fused-output rule keeps it replicated (a column split would hand each rank
-            # a block of the fused output).
-            assert "attn.wkv_a" not in files.script.read_text() and "attn.wkv_b" in files.script.read_text()
+            # MLA's down-projection output is split into the latent and the rotary key (two parts,
+            # autopar.solver.tp_fused); it feeds a norm, no row-parallel partner, so a split gathers
+            # its output whole in the model's order (no FusedColwise), or it stays replicated.
+            text = files.script.read_text()
+            assert "attn.wkv_b" in text and "FusedColwise" not in text
+            assert "attn.wkv_a" not in text or \
+                '.attn.wkv_a": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())' in text
         if pp > 1:  # the aux loss read by every block makes codegen cut the stages from an exported graph
             split = "tracer" if MODELS[name].get("aux_loss", True) and model_file(name) == MOE else "modules"
             assert f"PIPELINE_SPLIT = {split!r}" in files.script.read_text()

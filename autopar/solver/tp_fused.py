@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autopar.codegen.sections.fused import FUSED_PARTS, FusedCuts, FusedCutError, _requested_cut
+from autopar.codegen.sections.fused import FUSED_PARTS, FusedCuts, FusedCutError, requested_cut, tag_fused_output
 
 # Calls that read a tensor's metadata only: no use of its values.
 _METADATA = frozenset({"__get__", "size", "dim", "numel", "__len__", "is_contiguous", "element_size",
@@ -39,7 +39,7 @@ class _CutRecorder(TorchFunctionMode):
         if isinstance(tensor, torch.Tensor) and getattr(tensor, FUSED_PARTS, None) is not None:
             name = getattr(func, "__name__", str(func))
             try:
-                cut = _requested_cut(func, tensor, args[1:], kwargs, tensor.shape[-1])
+                cut = requested_cut(func, tensor, args[1:], kwargs, tensor.shape[-1])
             except FusedCutError as err:
                 cut, self.other_use = None, str(err)
             if cut is not None:
@@ -53,7 +53,7 @@ def recorded_parts(module: nn.Module, run: Callable[[], Any]) -> list[int] | Non
     """The parts ``run`` (a forward of the layer holding ``module``) cuts ``module``'s output
     into, in order; None when it uses the output otherwise, or cuts nothing."""
     recorder = _CutRecorder()
-    handle = module.register_forward_hook(lambda _m, _i, out: _tag(out, [out.shape[-1]]))
+    handle = module.register_forward_hook(lambda _m, _i, out: tag_fused_output(out, [out.shape[-1]]))
     try:
         with recorder:
             run()
@@ -68,12 +68,6 @@ def recorded_parts(module: nn.Module, run: Callable[[], Any]) -> list[int] | Non
         edges = [0, *edges]
     parts = [stop - start for start, stop in zip(edges, edges[1:])]
     return parts if len(parts) > 1 else None
-
-
-def _tag(output: Any, parts: list[int]) -> Any:
-    if isinstance(output, torch.Tensor):
-        setattr(output, FUSED_PARTS, parts)
-    return output
 
 
 @contextlib.contextmanager
@@ -103,7 +97,7 @@ def cutting_fused(named: dict[str, nn.Module], fused: dict[str, list[int]]) -> I
     with contextlib.ExitStack() as stack:
         regions: list[nn.Module] = []
         for name, parts in fused.items():
-            handle = named[name].register_forward_hook(lambda _m, _i, out, parts=parts: _tag(out, parts))
+            handle = named[name].register_forward_hook(lambda _m, _i, out, parts=parts: tag_fused_output(out, parts))
             stack.callback(handle.remove)
             region = named[name.rpartition(".")[0]]
             if all(region is not seen for seen in regions):

@@ -90,7 +90,7 @@ def test_a_checkpoint_resumes_across_the_fused_split(compiled, reference, tmp_pa
     assert [r["step"] for r in records] == list(range(HALF, STEPS))
     torch.testing.assert_close(torch.tensor([r["loss"] for r in records], dtype=torch.float64),
                                torch.tensor(reference[STEPS].losses[HALF:], dtype=torch.float64), rtol=1e-5, atol=0)
-    assert_parameters_equal(torch.load(tmp_path / "final.pt"), reference[STEPS].parameters)
+    assert_parameters_equal(torch.load(tmp_path / "final.pt", weights_only=True), reference[STEPS].parameters)
 
 
 def test_init_from_a_file_puts_its_rows_where_the_fused_split_holds_them(compiled, reference, tmp_path):
@@ -103,4 +103,5 @@ def test_init_from_a_file_puts_its_rows_where_the_fused_split_holds_them(compile
     torch.testing.assert_close(torch.tensor([r["loss"] for r in runs["tp2"]], dtype=torch.float64),
                                torch.tensor([r["loss"] for r in runs["dp2"]], dtype=torch.float64), rtol=1e-5, atol=0)
     assert runs["tp2"][0]["loss"] != pytest.approx(reference[HALF].losses[0], rel=1e-3)  # it did start from the file
-    assert_parameters_equal(torch.load(tmp_path / "tp2.pt"), torch.load(tmp_path / "dp2.pt"))
+    assert_parameters_equal(torch.load(tmp_path / "tp2.pt", weights_only=True),
+                            torch.load(tmp_path / "dp2.pt", weights_only=True))

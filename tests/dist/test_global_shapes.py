@@ -43,7 +43,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     issued = run_ranks(_run_generated_cases, 2, jobs, timeout_s=900)
     for case_id, run in found.items():
         run["losses"] = [r["loss"] for r in read_records(run["log"])]
-        run["parameters"] = torch.load(run["final"])
+        run["parameters"] = torch.load(run["final"], weights_only=True)
         run["issued"] = [by_case[case_id] for by_case in issued]
     return found
 

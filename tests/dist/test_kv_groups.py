@@ -55,7 +55,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
             found[case]["issued"] = [by_case[case] for by_case in issued]
     for run in found.values():
         run["losses"] = [r["loss"] for r in read_records(run["log"])]
-        run["parameters"] = torch.load(run["final"])
+        run["parameters"] = torch.load(run["final"], weights_only=True)
     return found
 
 

@@ -397,13 +397,13 @@ class RowOrders:
 
     def __init__(self, fused: dict[str, tuple[int, list[int]]], tp: int) -> None:
         self.orders = {name: (dim, torch.tensor(fused_row_order(parts, tp))) for name, (dim, parts) in fused.items()}
+        self.inverses = {name: torch.argsort(order) for name, (_, order) in self.orders.items()}
 
     def public(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """A whole tensor of parameter ``name`` (or its optimizer moment) in the model's row order."""
         if name not in self.orders:
             return full
-        dim, order = self.orders[name]
-        return full.index_select(dim, torch.argsort(order).to(full.device))
+        return full.index_select(self.orders[name][0], self.inverses[name].to(full.device))
 
     def private(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """A whole tensor in the model's row order, in the order the run holds it."""

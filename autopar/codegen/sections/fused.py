@@ -14,7 +14,6 @@ are put back on the way out and permuted on the way in (checkpointing.py, pretra
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
@@ -35,11 +34,11 @@ FUSED_PARTS = "_fused_parts"  # attribute of a fused output: its parts' global s
 def permute_output_rows(module: nn.Module, parts: list[int], tp: int, weight_dim: int) -> None:
     """Put ``module``'s weight (output features along ``weight_dim``) and bias in the order each
     rank's contiguous shard is its share of every part."""
+    order = torch.tensor(checkpointing.fused_row_order(parts, tp))
     for name, dim in (("weight", weight_dim), ("bias", 0)):
         parameter = getattr(module, name, None)
         if parameter is not None:
-            order = torch.tensor(checkpointing.fused_row_order(parts, tp), device=parameter.device)
-            parameter.data = parameter.data.index_select(dim, order)
+            parameter.data = parameter.data.index_select(dim, order.to(parameter.device))
 
 
 class FusedColwise(ParallelStyle):
@@ -53,11 +52,12 @@ class FusedColwise(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         permute_output_rows(module, self.parts, device_mesh.size(), self.weight_dim)
         module = self.style._apply(module, device_mesh)
-        module.register_forward_hook(functools.partial(_tag_output, self.parts))
+        module.register_forward_hook(lambda _module, _inputs, output: tag_fused_output(output, self.parts))
         return module
 
 
-def _tag_output(parts: list[int], _module: nn.Module, _inputs: Any, output: Any) -> Any:
+def tag_fused_output(output: Any, parts: list[int]) -> Any:
+    """``output`` (a fused projection's) marked with its parts, for `FusedCuts`."""
     if isinstance(output, torch.Tensor):
         setattr(output, FUSED_PARTS, parts)
     return output
@@ -86,7 +86,7 @@ class FusedCuts(TorchFunctionMode):
         parts = getattr(tensor, FUSED_PARTS, None) if isinstance(tensor, torch.Tensor) else None
         if parts is None:
             return func(*args, **kwargs)
-        cut = _requested_cut(func, tensor, args[1:], kwargs, sum(parts))
+        cut = requested_cut(func, tensor, args[1:], kwargs, sum(parts))
         if cut is None:
             return func(*args, **kwargs)
         pieces = [_share(tensor, parts, start, stop) for start, stop in cut.bounds]
@@ -104,7 +104,7 @@ def _last_dim(dim: int, tensor: torch.Tensor) -> bool:
     return dim in (-1, tensor.dim() - 1)
 
 
-def _requested_cut(func: Callable, tensor: torch.Tensor, rest: tuple, kwargs: dict, total: int) -> _Cut | None:
+def requested_cut(func: Callable, tensor: torch.Tensor, rest: tuple, kwargs: dict, total: int) -> _Cut | None:
     """What part of the fused output the call asks for, or None for a call that cuts nothing along
     the last dim (it runs as written)."""
     name = getattr(func, "__name__", "")

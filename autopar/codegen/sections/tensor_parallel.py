@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from abc import abstractmethod
 from typing import Any, Iterator
 
 import torch
@@ -44,8 +45,9 @@ class RegionStyle(ParallelStyle):
         super().__init__()
         self.inner = inner
 
+    @abstractmethod
     def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
-        raise NotImplementedError
+        """The context the region's forward runs in, on ``device_mesh``."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.inner is not None:

@@ -61,7 +61,39 @@ CASES = {  # name: (model file, overrides); every decision pinned
                                             "plan.tp=4", "plan.sequence_parallel=true", "plan.zero_stage=1",
                                             "plan.micro_batch_size=2", "plan.recompute=none"]),
 }
+
+# Plans measured beside the same plan written by hand (benchmarks/handwritten.py), on an H200 with
+# its own preset; the tp=4 GPT three ways (heads viewed by shares, by global sizes through DTensor
+# regions, and q/k/v fused then split) to show what TP on models as people write them costs.
+ONE_H200 = ["cluster=hgx_h200", *ONE_H100[1:]]
+
+
+def _faked_h200(gpus: int, tp: int, global_batch: int, micro: int) -> list[str]:
+    return ["cluster=hgx_h200", "cluster.nodes=1", f"cluster.gpus_per_node={gpus}", "plan.pp=1", "plan.cp=1",
+            f"plan.dp={gpus // tp}", f"plan.tp={tp}", "plan.sequence_parallel=false", "plan.zero_stage=0",
+            f"train.global_batch_size={global_batch}", f"plan.micro_batch_size={micro}", "plan.recompute=none"]
+
+
+GPT_TP4 = [*GPT_1_3B, *_faked_h200(4, 4, 16, 4)]
+BASELINE_CASES = {
+    "h200_gpt1.3b_mb4": ("examples/gpt.py", [*GPT_1_3B, *ONE_H200, "train.global_batch_size=16",
+                                             "plan.micro_batch_size=4", "plan.recompute=none"]),
+    "h200_llama1b_mb4": ("examples/llama_hf.py", [*LLAMA_1B, *ONE_H200, "train.global_batch_size=16",
+                                                  "plan.micro_batch_size=4", "plan.recompute=none"]),
+    "h200_gpt1.3b_tp4": ("examples/gpt.py", GPT_TP4),
+    "h200_gpt1.3b_tp4_global_views": ("tests/dist/models/gpt_global_shapes.py", GPT_TP4),
+    "h200_gpt1.3b_tp4_fused_qkv": ("examples/gpt_fused.py", GPT_TP4),
+    "h200_llama3_8b_tp8": ("examples/llama_hf.py", [*LLAMA3_8B, *_faked_h200(8, 8, 8, 2)]),
+    "h200_llama1b_tp8_kv_groups": ("examples/llama_hf.py", [*LLAMA_1B, *_faked_h200(8, 8, 16, 4)]),
+}
 STEPS = 5
+
+
+def _case(name: str) -> tuple[Path, list[str]]:
+    """A case's model file and overrides (CASES name files in examples/, BASELINE_CASES by repository path)."""
+    if name in CASES:
+        return REPO / "examples" / CASES[name][0], CASES[name][1]
+    return REPO / BASELINE_CASES[name][0], BASELINE_CASES[name][1]
 
 
 def compile_cases(folder: Path, names: list[str]) -> None:
@@ -69,8 +101,10 @@ def compile_cases(folder: Path, names: list[str]) -> None:
     from autopar.driver import run_compile
 
     for name in names or CASES:
-        example, overrides = CASES[name]
-        plan, _, _ = run_compile(REPO / "examples" / example, compose_config(overrides), folder / name)
+        path, overrides = _case(name)
+        if (folder / name / "plan.json").exists():
+            continue
+        plan, _, _ = run_compile(path, compose_config(overrides), folder / name)
         print(f"{name}: {plan.summary()}  predicted {plan.predicted.step_time_s * 1e3:.1f} ms, "
               f"{plan.predicted.peak_memory_bytes / 2**30:.2f} GiB", flush=True)
 
@@ -109,21 +143,26 @@ def train_faked_rank(folder: Path, steps: int) -> list[dict]:
 
 
 def profile_faked_rank(folder: Path, names: list[str]) -> None:
-    """Where a faked rank's step goes: GPU kernel time vs wall time (a host-bound step shows a
-    GPU idle most of the time) and the ops costing most host time."""
+    """Where a faked rank's step goes, for the generated module and for the same plan by hand:
+    GPU kernel time vs wall time (a host-bound step shows a GPU idle most of the time), and the
+    ops costing most GPU time (which casts and copies)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks import handwritten
+
+    runs = {"generated": lambda path: train_faked_rank(path, 3), "handwritten": lambda path: handwritten.measure(path, 3)}
     for name in names:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            records = train_faked_rank(folder / name, 3)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu_s = sum(e.device_time for e in kernels) / 1e6
-        print(json.dumps({"case": name, "wall_s_3_steps": round(sum(r["step_time_s"] for r in records), 3),
-                          "gpu_kernel_s_3_steps": round(gpu_s, 3), "kernels": len(kernels)}), flush=True)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60),
-              flush=True)
-        torch.cuda.empty_cache()
+        for how, run in runs.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(folder / name)
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            print(json.dumps({"case": name, "how": how, "gpu_kernel_s_3_steps": round(sum(e.device_time for e in kernels) / 1e6, 3),
+                              "kernels": len(kernels)}), flush=True)
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                                                      max_name_column_width=40),
+                  flush=True)
+            torch.cuda.empty_cache()
 
 
 def measure_faked_rank(folder: Path) -> dict:
@@ -146,9 +185,12 @@ def measure_cases(folder: Path, names: list[str]) -> None:
 
     import torch
 
+    from benchmarks import handwritten
+
     for name in names or CASES:
         plan = json.loads((folder / name / "plan.json").read_text())
-        record = {"case": name, "model": CASES[name][0], "overrides": CASES[name][1], "device": torch.cuda.get_device_name(),
+        path, overrides = _case(name)
+        record = {"case": name, "model": path.name, "overrides": overrides, "device": torch.cuda.get_device_name(),
                   "torch": torch.__version__}
         try:
             faked = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"] > 1
@@ -158,6 +200,13 @@ def measure_cases(folder: Path, names: list[str]) -> None:
             record["time_error_pct"] = round(100 * (record[f"predicted_{time_key}"] / record[f"measured_{time_key}"] - 1), 1)
         except Exception as err:  # one failing case must not hide the others' numbers
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
+        gc.collect()
+        torch.cuda.empty_cache()
+        if name in BASELINE_CASES:
+            try:
+                record.update(handwritten.measure(folder / name, STEPS))
+            except Exception as err:
+                record["handwritten_error"] = f"{type(err).__name__}: {err}"[:2000]
         print(json.dumps(record), flush=True)
         gc.collect()
         torch.cuda.empty_cache()

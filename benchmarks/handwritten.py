@@ -1,0 +1,118 @@
+"""The same plan written by hand: what a user writes with torch.distributed alone (torchtitan's way)
+for a compiled plan's degrees, micro-batching and precision, to measure what the generated
+module's own machinery costs on the same GPU.
+
+It reads only plan.json and the model file copied beside it, and writes the Megatron layout
+itself (``parallelize_module`` with the column/row styles per block, the embedding and head by
+vocabulary rows, the tied weight tied again), FSDP2 ``fully_shard`` per block and at the root
+with bf16 compute and fp32 reduction, AdamW (foreach), and the usual accumulation loop. No
+data pipeline, metrics, checkpoints or recovery: one batch per micro-batch drawn up front.
+
+    python -m benchmarks.handwritten PLAN_DIR [STEPS]   # one rank; the other ranks faked
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+# Per model file: the block container, each block's Megatron layout, and the embedding and head.
+LAYOUTS = {
+    "gpt.py": ("blocks", {"attn.q_proj": "col", "attn.k_proj": "col", "attn.v_proj": "col", "attn.out_proj": "row",
+                          "mlp.fc_in": "col", "mlp.fc_out": "row"}, "wte", "lm_head"),
+    "llama_hf.py": ("model.layers", {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
+                                     "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col",
+                                     "mlp.down_proj": "row"}, "model.embed_tokens", "lm_head"),
+}
+
+
+def _load_model_file(path: Path):
+    spec = importlib.util.spec_from_file_location(f"handwritten_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tensor_parallel(model: nn.Module, layout: tuple, tp_mesh) -> None:
+    container, per_block, embedding, head = layout
+    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+    for block in model.get_submodule(container):
+        parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in per_block.items()})
+    tied = model.get_submodule(head).weight is model.get_submodule(embedding).weight
+    parallelize_module(model, tp_mesh, {embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                                        head: ColwiseParallel(output_layouts=Replicate())})
+    if tied:  # both now hold vocabulary rows (Shard(0)): one parameter again, as the model wrote it
+        model.get_submodule(head).weight = model.get_submodule(embedding).weight
+
+
+def _fully_shard(model: nn.Module, container: str, dp_mesh) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.get_submodule(container):
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def train_handwritten(folder: Path, steps: int, device: torch.device) -> dict:
+    """``steps`` optimizer steps of ``folder``'s plan by hand; rank 0 of an initialised group."""
+    plan = json.loads((folder / "plan.json").read_text())
+    if plan["pp"] > 1 or plan["cp"] > 1 or plan["sequence_parallel"] or plan["zero_stage"] not in (0, 1, 3):
+        raise ValueError("the hand-written baseline covers dp x tp plans without sequence parallelism")
+    model_path = folder / Path(plan["provenance"]["model_path"]).name
+    model_file = _load_model_file(model_path)
+    kwargs = plan["provenance"]["model_kwargs"]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_file.build_model(**kwargs)
+    mesh = init_device_mesh(device.type, (plan["dp"], plan["tp"]), mesh_dim_names=("dp", "tp"))
+    layout = LAYOUTS[model_path.name]
+    if plan["tp"] > 1:
+        _tensor_parallel(model, layout, mesh["tp"])
+    _fully_shard(model, layout[0], mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+    micro, count = plan["micro_batch_size"], plan["num_micro_batches"]
+    batch_kwargs = {k: v for k, v in kwargs.items() if k in ("seq_len", "vocab")}
+    batches = [{k: v.to(device) for k, v in model_file.example_batch(micro, **batch_kwargs).items()} for _ in range(count)]
+    torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "targets")}
+            loss = model_file.loss_fn(model(**inputs), batch) / count
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return {"handwritten_step_s": statistics.median(times[2:] or times), "handwritten_peak_bytes": peak}
+
+
+def measure(folder: Path, steps: int = 5) -> dict:
+    """Rank 0 of ``folder``'s plan by hand, the other ranks faked (collectives return at once)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plan = json.loads((folder / "plan.json").read_text())
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    world_size = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"]
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        return train_handwritten(folder, steps, device)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:]))))

@@ -36,6 +36,11 @@ class TrainConfig:
     """Mixture-of-experts routing: the most-loaded expert-parallel rank's tokens over the mean
     where the experts are exchanged dropless (1: even), what its group waits for. Experts that
     take their tokens grouped with a capacity run the same work however tokens are routed."""
+    tp_runtime: str = "dtensor"
+    """How tensor parallelism runs, for pricing: dtensor (the generated module: each split module
+    dispatches through DTensor on the host, cost_models.host) or plain (plain tensors and explicit
+    collectives, as Megatron-LM and nanotron run it: no such host cost). Compile always
+    generates the dtensor runtime; plain prices runs of those engines (benchmarks/published)."""
     router_checkpoint: str | None = None
     """A state dict of the model (torch.save; read with weights_only) whose routers' tokens per
     expert are measured over router_batches example batches and price the busiest

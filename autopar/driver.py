@@ -62,7 +62,8 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
                                     cfg.train.micro_batch_size, cfg.train.router_batches)
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
                      optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
-                     clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0)
+                     clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0,
+                     tp_runtime=OmegaConf.select(cfg, "train.tp_runtime", default="dtensor"))
 
 
 @functools.lru_cache(maxsize=4)

@@ -16,6 +16,7 @@ from cost_models.compute import LayerCompute
 from cost_models.expert_parallel import (COUNT_BYTES, all_to_alls, count_exchanges, dispatch_bytes, expert_tp_sums,
                                          routing_pace)
 from cost_models.hardware import GiB, GPUSpec
+from cost_models.host import dtensor_modules, host_s
 from cost_models.issued import cp_passes
 from cost_models.layout import ParallelLayout
 from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
@@ -223,8 +224,7 @@ class LayerCost:
             return parts
         return {part: seconds * self.cluster.scale_of(part) for part, seconds in parts.items()}
 
-    @staticmethod
-    def _compute_s(split: TPLayerSplit, layout: Any, per_token: float, gpu: GPUSpec, forward_passes: float = 1.0,
+    def _compute_s(self, split: TPLayerSplit, layout: Any, per_token: float, gpu: GPUSpec, forward_passes: float = 1.0,
                    nongemm_passes: float = 0.0) -> float:
         """Compute seconds of a layer's micro-batch, recomputation included as asked."""
         seconds = split.compute.time_s(per_token, gpu.launch_overhead_s, forward_passes, nongemm_passes)
@@ -234,6 +234,8 @@ class LayerCost:
             # cost_models/tp_layout.py) do 1/t of the work.
             share = (1 - 1 / layout.tp) * per_token
             seconds -= share * (forward_passes * split.sp.forward_s + split.sp.backward_s)
+        if layout.tp > 1 and self.train.tp_runtime == "dtensor":  # the host dispatching DTensor modules: a floor
+            seconds = max(seconds, host_s(dtensor_modules(split.styles), forward_passes))
         return seconds
 
     def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:

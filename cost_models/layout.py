@@ -94,6 +94,7 @@ AXES = tuple(a.value for a in MeshAxis)
 SCHEDULES = tuple(s.value for s in Schedule)
 CP_STRATEGIES = tuple(s.value for s in CPStrategy)
 PRECISIONS = ("fp32", "bf16", "fp16")
+TP_RUNTIMES = ("dtensor", "plain")  # see TrainSpec.tp_runtime
 
 
 class FrozenDict(dict):
@@ -119,6 +120,8 @@ class TrainSpec:
             for each ep instead of moe_imbalance.
         clip_grad_norm: whether each step clips gradients by their global norm (the generated
             module's optim.max_grad_norm > 0): one scalar all-reduce over every rank per step.
+        tp_runtime: dtensor (each TP-split module dispatches through DTensor on the host, a
+            floor under its compute: cost_models.host) or plain (Megatron-style, no such floor).
     """
 
     global_batch_size: int
@@ -127,6 +130,7 @@ class TrainSpec:
     moe_imbalance: float = 1.0
     expert_load: tuple[tuple[str, tuple[int, ...]], ...] = ()
     clip_grad_norm: bool = True
+    tp_runtime: str = "dtensor"
 
 
 def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:
@@ -289,6 +293,8 @@ def validate_train(train: TrainSpec, profile: Any) -> None:
         raise ValueError(f"precision '{train.precision}' is not one of {', '.join(PRECISIONS)}")
     if train.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    if train.tp_runtime not in TP_RUNTIMES:
+        raise ValueError(f"tp_runtime '{train.tp_runtime}' is not one of {', '.join(TP_RUNTIMES)}")
     if train.global_batch_size < 1:
         raise ValueError(f"global batch size must be at least 1, got {train.global_batch_size}")
     if train.moe_imbalance < 1:

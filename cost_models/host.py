@@ -8,8 +8,9 @@ local again, and their backward), some twenty Python dispatches per module per m
 
 Ranks of TP plans measured on an H100 and an H200 with the other ranks' collectives faked
 (benchmarks/measured/*_plan_check.jsonl: 0.3-1.1 s of predicted GPU work per step, 1.2-4.4x that
-measured) spent 1.6-2.7 ms per split module per micro-batch, forward and backward together,
-whatever the module's size: their GPUs idled while the host dispatched. Below that the
+measured) spent 1.6-2.2 ms per DTensor module per micro-batch, forward and backward together,
+whatever the module's size (a split module, or a norm run by sequence parallelism on its
+slice): their GPUs idled while the host dispatched. Below that the
 layer's GPU time stops mattering; above it (large layers, long sequences) the host runs ahead
 and costs nothing. `DTENSOR_MODULE_HOST_S` is the median over those runs, refitted and checked
 out of sample by tests/unit/test_cost_vs_gpu.py.
@@ -21,7 +22,7 @@ from typing import Iterable, Mapping
 
 from cost_models.layout import TPStyle
 
-DTENSOR_MODULE_HOST_S = 1.93e-3  # seconds per DTensor module per micro-batch, forward + backward
+DTENSOR_MODULE_HOST_S = 1.92e-3  # seconds per DTensor module per micro-batch, forward + backward
 
 # Styles whose module runs on DTensors (torch's Colwise/RowwiseParallel and their embedding
 # forms); a key/value group computes on plain local tensors.
@@ -31,7 +32,8 @@ FORWARD_SHARE = 0.5  # forward and backward each dispatch about half (an op and 
 
 
 def dtensor_modules(styles: Mapping[str, str]) -> int:
-    """How many of a layer's modules run on DTensors under their TP styles."""
+    """How many of a layer's modules run on DTensors under their TP styles (sequence
+    parallelism's norms are counted by `cost_models.tp_layout.SPParts.norms`)."""
     return sum(str(style) in DTENSOR_STYLES for style in styles.values())
 
 

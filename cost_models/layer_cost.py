@@ -111,6 +111,10 @@ class TPLayerSplit:
             return self.comm_under_sp, self.forward_comm_under_sp or 0
         return self.comm, len(self.comm) // 2 if self.forward_comm is None else self.forward_comm
 
+    def dtensor_modules(self, sequence_parallel: bool) -> int:
+        """Modules of the layer that run on DTensors (what the host dispatches: cost_models.host)."""
+        return dtensor_modules(self.styles) + (self.sp.norms if sequence_parallel else 0)
+
     def recomputed_collectives(self, sequence_parallel: bool) -> tuple[tuple[str, float], ...]:
         """The collectives full recomputation's re-run forward issues again (SP boundaries apart)."""
         rerun = self.rerun_comm_under_sp if sequence_parallel and self.comm_under_sp is not None else self.rerun_comm
@@ -235,7 +239,7 @@ class LayerCost:
             share = (1 - 1 / layout.tp) * per_token
             seconds -= share * (forward_passes * split.sp.forward_s + split.sp.backward_s)
         if layout.tp > 1 and self.train.tp_runtime == "dtensor":  # the host dispatching DTensor modules: a floor
-            seconds = max(seconds, host_s(dtensor_modules(split.styles), forward_passes))
+            seconds = max(seconds, host_s(split.dtensor_modules(layout.sequence_parallel), forward_passes))
         return seconds
 
     def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:

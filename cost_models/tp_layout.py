@@ -173,6 +173,8 @@ class SPLayerLayout:
             residual stream (`SP_BOUNDARY` of the GATHERED children; the blocks' entry).
         boundary_bytes: which stream those move: the layer's input ("input") or, at the blocks'
             entry, the first block's input ("output" of the layers before it).
+        norms: how many norms run as SequenceParallel modules (on DTensors, dispatched on the
+            host like a split module: cost_models.host).
     """
 
     on_slice: frozenset[str] = frozenset()
@@ -180,6 +182,7 @@ class SPLayerLayout:
     block_ops_on_slice: bool = False
     boundary: tuple[tuple[str, Collective], ...] = ()
     boundary_bytes: str = "input"  # the layer's input stream, or the first block's (the blocks' entry)
+    norms: int = 0
 
     def runs_on_slice(self, module: str | None) -> bool:
         """Whether a replicated op of `module` runs on the sequence slice."""
@@ -211,9 +214,10 @@ def sp_layer_layout(tree: ModuleTree, layer: str, containers: Sequence[str], lay
         return SPLayerLayout(
             on_slice=frozenset(c for c, r in roles.items() if r in (SPRole.SEQUENCE_SHARD, SPRole.LOCAL)),
             whole=frozenset(c for c, r in roles.items() if r == SPRole.GATHERED),
-            block_ops_on_slice=True, boundary=boundary)
+            block_ops_on_slice=True, boundary=boundary,
+            norms=sum(role == SPRole.SEQUENCE_SHARD for role in roles.values()))
     if layer in after and tree.kind(layer) == "norm":
-        return SPLayerLayout(on_slice=frozenset({layer}))  # the final norm: SequenceParallel
+        return SPLayerLayout(on_slice=frozenset({layer}), norms=1)  # the final norm: SequenceParallel
     heads = [name for name in after if tree.kind(name) == "linear"]
     if layer in after and styles.get(layer, "replicate") not in SPLIT_STYLES \
             and (layer in tree.with_parameters or (heads and layer == heads[-1])):
@@ -249,12 +253,14 @@ class SPParts:
             pricer divides these by t under SP, and only these).
         comm: (collective, bytes at the profiled micro-batch) the boundaries add, forward first.
         forward_comm: how many leading entries of `comm` are forward.
+        norms: the norms it runs as SequenceParallel modules (`SPLayerLayout.norms`).
     """
 
     forward_s: float = 0.0
     backward_s: float = 0.0
     comm: tuple[tuple[str, float], ...] = ()
     forward_comm: int = 0
+    norms: int = 0
 
 
 def sp_parts(profile: "ModelProfile", tree: ModuleTree, layer_name: str, styles: dict[str, str],
@@ -273,4 +279,4 @@ def sp_parts(profile: "ModelProfile", tree: ModuleTree, layer_name: str, styles:
     return SPParts(forward_s=sum(seconds(op) for op in replicated_forward if layout.runs_on_slice(op.module)),
                    backward_s=sum(seconds(op) for op in replicated_backward if layout.runs_on_slice(op.module)),
                    comm=tuple((c.value, stream) for c in ordered),
-                   forward_comm=sum(1 for phase, _ in layout.boundary if phase == "forward"))
+                   forward_comm=sum(1 for phase, _ in layout.boundary if phase == "forward"), norms=layout.norms)

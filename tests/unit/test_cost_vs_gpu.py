@@ -113,7 +113,6 @@ FAKED_TP_RUNS = [r for r in PLAN_RUNS if "measured_compute_s" in r and "plan.tp=
 def _faked_rank(run) -> tuple[float, float, int]:
     """(measured seconds, priced optimizer seconds, DTensor module micro-batches) of a faked TP rank."""
     from autopar.solver.tp_split import ILPSplitter
-    from cost_models.host import dtensor_modules
     from cost_models.step import PlanPricer
     from autopar.driver import build_cluster, pinned_layout, train_spec
 
@@ -122,7 +121,8 @@ def _faked_rank(run) -> tuple[float, float, int]:
     pricer = PlanPricer(profile, cluster, train_spec(cfg, path), ILPSplitter(profile))
     layout = pinned_layout(cfg, cluster)
     gpu = cluster.node_gpus[0]
-    modules = sum(dtensor_modules(pricer.split(layer.name, layout, gpu).styles) for layer in profile.layers)
+    modules = sum(pricer.split(layer.name, layout, gpu).dtensor_modules(layout.sequence_parallel)
+                  for layer in profile.layers)
     optimizer = pricer.estimate(layout).time_breakdown.get("optimizer", 0.0)
     return run["measured_compute_s"], optimizer, modules * layout.num_micro_batches
 
@@ -144,11 +144,11 @@ def test_dtensor_host_time_is_what_the_measured_ranks_show():
 
 
 @pytest.mark.parametrize("run", FAKED_TP_RUNS, ids=lambda r: r["case"])
-def test_tp_rank_step_within_35_percent_out_of_sample(run, monkeypatch):
-    """A faked TP rank's step priced with the host constant refitted without it: within 35% of what
-    ran (the GPU work alone is priced at 20-50% of it)."""
+def test_tp_rank_step_within_30_percent_out_of_sample(run, monkeypatch):
+    """A faked TP rank's step priced with the host constant refitted without it: within 30% of what
+    ran (the GPU work alone is priced at 16-48% of it)."""
     import cost_models.host as host
 
     others = [_faked_rank(other) for other in FAKED_TP_RUNS if other is not run]
     monkeypatch.setattr(host, "DTENSOR_MODULE_HOST_S", host.fit_per_module_s(others))
-    assert _predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.35)
+    assert _predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.30)

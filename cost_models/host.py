@@ -39,7 +39,7 @@ def dtensor_modules(styles: Mapping[str, str]) -> int:
 
 def host_s(modules: int, forward_passes: float = 1.0) -> float:
     """Host seconds of one micro-batch through ``modules`` DTensor modules, forward run
-    ``forward_passes`` times (full recomputation runs it twice)."""
+    ``forward_passes`` times (full recomputation runs it twice; selective, a fraction more)."""
     return DTENSOR_MODULE_HOST_S * modules * (FORWARD_SHARE * forward_passes + 1 - FORWARD_SHARE)
 
 

@@ -239,7 +239,11 @@ class LayerCost:
             share = (1 - 1 / layout.tp) * per_token
             seconds -= share * (forward_passes * split.sp.forward_s + split.sp.backward_s)
         if layout.tp > 1 and self.train.tp_runtime == "dtensor":  # the host dispatching DTensor modules: a floor
-            seconds = max(seconds, host_s(split.dtensor_modules(layout.sequence_parallel), forward_passes))
+            # Recomputation dispatches again what it re-runs: the forward (full), or the share of
+            # its ops that selective recomputation runs again.
+            compute = split.compute
+            rerun = nongemm_passes * compute.forward_nongemm_launches / max(compute.forward_launches, 1)
+            seconds = max(seconds, host_s(split.dtensor_modules(layout.sequence_parallel), forward_passes + rerun))
         return seconds
 
     def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:

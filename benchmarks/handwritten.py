@@ -8,7 +8,7 @@ vocabulary rows, the tied weight tied again), FSDP2 ``fully_shard`` per block an
 with bf16 compute and fp32 reduction, AdamW (foreach), and the usual accumulation loop. No
 data pipeline, metrics, checkpoints or recovery: one batch per micro-batch drawn up front.
 
-    python -m benchmarks.handwritten PLAN_DIR [STEPS]   # one rank; the other ranks faked
+    python -m benchmarks.handwritten PLAN_DIR STEPS [autocast]   # one rank; the other ranks faked
 """
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ def _fully_shard(model: nn.Module, container: str, dp_mesh) -> None:
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
 
 
-def train_handwritten(folder: Path, steps: int, device: torch.device) -> dict:
-    """``steps`` optimizer steps of ``folder``'s plan by hand; rank 0 of an initialised group."""
+def train_handwritten(folder: Path, steps: int, device: torch.device, autocast: bool = False) -> dict:
+    """``steps`` optimizer steps of ``folder``'s plan by hand; rank 0 of an initialised group
+    (``autocast``: forward and loss under CUDA's bf16 autocast too, as the generated module runs)."""
     plan = json.loads((folder / "plan.json").read_text())
     if plan["pp"] > 1 or plan["cp"] > 1 or plan["sequence_parallel"] or plan["zero_stage"] not in (0, 1, 3):
         raise ValueError("the hand-written baseline covers dp x tp plans without sequence parallelism")
@@ -89,7 +90,8 @@ def train_handwritten(folder: Path, steps: int, device: torch.device) -> dict:
         start = time.perf_counter()
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "targets")}
-            loss = model_file.loss_fn(model(**inputs), batch) / count
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model_file.loss_fn(model(**inputs), batch) / count
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -100,7 +102,7 @@ def train_handwritten(folder: Path, steps: int, device: torch.device) -> dict:
     return {"handwritten_step_s": statistics.median(times[2:] or times), "handwritten_peak_bytes": peak}
 
 
-def measure(folder: Path, steps: int = 5) -> dict:
+def measure(folder: Path, steps: int = 5, autocast: bool = False) -> dict:
     """Rank 0 of ``folder``'s plan by hand, the other ranks faked (collectives return at once)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -109,10 +111,11 @@ def measure(folder: Path, steps: int = 5) -> dict:
     world_size = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"]
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        return train_handwritten(folder, steps, device)
+        return train_handwritten(folder, steps, device, autocast)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:]))))
+    folder, steps, *how = sys.argv[1:]
+    print(json.dumps(measure(Path(folder), int(steps), autocast="autocast" in how)))

@@ -151,14 +151,16 @@ def profile_faked_rank(folder: Path, names: list[str]) -> None:
 
     from benchmarks import handwritten
 
-    runs = {"generated": lambda path: train_faked_rank(path, 3), "handwritten": lambda path: handwritten.measure(path, 3)}
+    runs = {"generated": lambda path: train_faked_rank(path, 3),
+            "handwritten": lambda path: handwritten.measure(path, 3)}
     for name in names:
         for how, run in runs.items():
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 run(folder / name)
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            print(json.dumps({"case": name, "how": how, "gpu_kernel_s_3_steps": round(sum(e.device_time for e in kernels) / 1e6, 3),
-                              "kernels": len(kernels)}), flush=True)
+            gpu_s = sum(e.device_time for e in kernels) / 1e6
+            print(json.dumps({"case": name, "how": how, "gpu_kernel_s_3_steps": round(gpu_s, 3), "kernels": len(kernels)}),
+                  flush=True)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
                                                                       max_name_column_width=40),
                   flush=True)

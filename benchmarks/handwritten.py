@@ -50,8 +50,9 @@ def _tensor_parallel(model: nn.Module, layout: tuple, tp_mesh) -> None:
     for block in model.get_submodule(container):
         parallelize_module(block, tp_mesh, {name: styles[style]() for name, style in per_block.items()})
     tied = model.get_submodule(head).weight is model.get_submodule(embedding).weight
-    parallelize_module(model, tp_mesh, {embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                                        head: ColwiseParallel(output_layouts=Replicate())})
+    whole = Replicate()
+    parallelize_module(model, tp_mesh, {embedding: RowwiseParallel(input_layouts=whole, output_layouts=whole),
+                                        head: ColwiseParallel(output_layouts=whole)})
     if tied:  # both now hold vocabulary rows (Shard(0)): one parameter again, as the model wrote it
         model.get_submodule(head).weight = model.get_submodule(embedding).weight
 
@@ -83,7 +84,8 @@ def train_handwritten(folder: Path, steps: int, device: torch.device, autocast: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
     micro, count = plan["micro_batch_size"], plan["num_micro_batches"]
     batch_kwargs = {k: v for k, v in kwargs.items() if k in ("seq_len", "vocab")}
-    batches = [{k: v.to(device) for k, v in model_file.example_batch(micro, **batch_kwargs).items()} for _ in range(count)]
+    drawn = [model_file.example_batch(micro, **batch_kwargs) for _ in range(count)]
+    batches = [{key: value.to(device) for key, value in batch.items()} for batch in drawn]
     torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
     times = []
     for _ in range(steps):

@@ -123,13 +123,14 @@ def test_pricer_and_codegen_read_the_same_roles(model):
         assert {c for c, r in from_model.items() if r != SPRole.LOCAL} <= set(tree.roles(block, styles))
 
 
-def _replicating_pricer():
+def _replicating_pricer(tp_runtime: str = "plain"):
     """A tiny GPT on 2 H100s whose link latency (1 s) makes the operator-wise split replicate
-    every module."""
+    every module; the GPU's work alone unless ``tp_runtime`` is dtensor (cost_models.host)."""
     profile = traced("gpt.py", "bf16", 2)
     cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="H100-SXM", nodes=1, gpus_per_node=2,
                                                     intra_node_latency_us=1e6))
-    return profile, cluster, PlanPricer(profile, cluster, TrainSpec(global_batch_size=4), ILPSplitter(profile))
+    train = TrainSpec(global_batch_size=4, tp_runtime=tp_runtime)
+    return profile, cluster, PlanPricer(profile, cluster, train, ILPSplitter(profile))
 
 
 def test_replicated_tp_plan_under_sp_is_priced_as_it_runs():
@@ -149,6 +150,25 @@ def test_replicated_tp_plan_under_sp_is_priced_as_it_runs():
     assert sp.time_breakdown["tp_comm"] == pytest.approx(2 * (4 * 4 + 2) * gather, rel=1e-6)
     assert pricer.tp_collectives(ParallelLayout(tp=2, micro_batch_size=2, num_micro_batches=2,
                                                 sequence_parallel=True)) == {"all_gather": 2 * 18}
+
+
+def test_sequence_parallel_norms_are_dispatched_on_the_host():
+    """Run by autopar's module, the same replicated plan splits nothing, so no host floor without
+    sequence parallelism; with it each norm runs as a SequenceParallel DTensor module, whose
+    dispatch (cost_models.host) bounds the tiny GPT's compute from below: 2 norms a block, the
+    final norm, per micro-batch."""
+    from cost_models.host import host_s
+
+    profile, cluster, pricer = _replicating_pricer("dtensor")
+    layout = dict(tp=2, micro_batch_size=2, num_micro_batches=2)
+    gpu_only = _replicating_pricer()[2]
+    assert pricer.estimate(ParallelLayout(**layout)).time_breakdown["compute"] == pytest.approx(
+        gpu_only.estimate(ParallelLayout(**layout)).time_breakdown["compute"])
+    blocks = sum(1 for layer in profile.layers if layer.name.startswith("blocks."))
+    floor = 2 * host_s(2 * blocks + 1)
+    with_sp = ParallelLayout(**layout, sequence_parallel=True)
+    sp = pricer.estimate(with_sp).time_breakdown["compute"]
+    assert floor <= sp <= floor + gpu_only.estimate(with_sp).time_breakdown["compute"]
 
 
 def test_report_does_not_claim_split_matrices_for_a_replicated_plan():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from autopar.plan import Plan
 from autopar.report.document import AXIS_NAMES, PlanReport
 from autopar.report.units import format_count
+from cost_models.host import dtensor_modules, host_s
 from cost_models.mesh import Mesh
 
 ZERO_WORDS = {0: "Every DP rank keeps full parameters, gradients and optimizer states (DDP)",
@@ -103,6 +104,15 @@ def describe_axes(plan: Plan, gpus_per_node: int) -> list[str]:
     return sentences
 
 
+def host_dispatch_words(plan: Plan) -> str:
+    """What tensor parallelism costs the host: each split module dispatches through DTensor in
+    Python, a floor under its layer's compute that GPU speed does not lower (cost_models.host)."""
+    modules = dtensor_modules(plan.tp_styles)
+    return (f"Host dispatch: {modules} split modules run on DTensors, about {host_s(modules) * 1e3:,.0f} ms of "
+            "Python dispatch per micro-batch (forward and backward), below which their layers' compute is not "
+            "priced.")
+
+
 def describe_plan(report: PlanReport) -> list[str]:
     """The plan in words, one short paragraph per decision."""
     plan, cluster = report.plan, report.cluster
@@ -129,6 +139,8 @@ def describe_plan(report: PlanReport) -> list[str]:
     if plan.sequence_parallel:
         lines.append("Sequence parallelism: norms, dropout and residuals run on 1/tp of the sequence inside TP "
                      "groups.")
+    if plan.tp > 1 and dtensor_modules(plan.tp_styles):
+        lines.append(host_dispatch_words(plan))
     recomputed = {option: sum(1 for value in plan.recompute.values() if value == option)
                   for option in ("selective", "full")}
     if any(recomputed.values()):

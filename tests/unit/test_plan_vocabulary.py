@@ -171,6 +171,18 @@ def test_sequence_parallel_norms_are_dispatched_on_the_host():
     assert floor <= sp <= floor + gpu_only.estimate(with_sp).time_breakdown["compute"]
 
 
+def test_report_says_what_tp_costs_the_host():
+    """A split plan's words give its DTensor modules' host dispatch (cost_models.host: 12 modules
+    at 1.92 ms is 23 ms a micro-batch); replicated modules dispatch nothing and are not counted."""
+    from autopar.report.words import host_dispatch_words
+    from cost_models.host import DTENSOR_MODULE_HOST_S
+
+    styles = {f"blocks.{i}.{name}": style for i in range(3)
+              for name, style in (("q", "colwise"), ("k", "colwise"), ("v", "colwise"), ("o", "rowwise"))}
+    words = host_dispatch_words(Plan(tp=2, tp_styles={**styles, "wte": "replicate"}))
+    assert "12 split modules" in words and f"{12 * DTENSOR_MODULE_HOST_S * 1e3:,.0f} ms" in words
+
+
 def test_report_does_not_claim_split_matrices_for_a_replicated_plan():
     base = dict(tp=2, layer_names=["a"], stages=[["a"]], mesh_order=["tp", "cp", "pp", "dp"])
     replicated = describe_axes(Plan(**base, tp_styles={"a.fc": "replicate"}, sequence_parallel=True), 8)[0]

@@ -109,8 +109,7 @@ def host_dispatch_words(plan: Plan) -> str:
     Python, a floor under its layer's compute that GPU speed does not lower (cost_models.host)."""
     modules = dtensor_modules(plan.tp_styles)
     return (f"Host dispatch: {modules} split modules run on DTensors, about {host_s(modules) * 1e3:,.0f} ms of "
-            "Python dispatch per micro-batch (forward and backward), below which their layers' compute is not "
-            "priced.")
+            "Python dispatch per micro-batch (forward and backward); their layers are priced no faster than that.")
 
 
 def describe_plan(report: PlanReport) -> list[str]:

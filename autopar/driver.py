@@ -12,6 +12,7 @@ from autopar.config import optimizer_settings
 from autopar.errors import ConfigError, UserError
 from autopar.model_file import file_sha256, load_model_file
 from autopar.profile import ModelProfile, profile_model
+from cost_models.layout import TP_RUNTIMES
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
 
@@ -56,6 +57,11 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     """The training settings the cost model reads; with train.router_checkpoint, the tokens per
     expert measured from it (once per model, checkpoint and settings)."""
     load: tuple = ()
+    tp_runtime = OmegaConf.select(cfg, "train.tp_runtime", default="dtensor")
+    if tp_runtime not in TP_RUNTIMES:
+        raise ConfigError(f"Unknown train.tp_runtime '{tp_runtime}'.",
+                          "use dtensor (the generated module's tensor parallelism) or plain (Megatron-style, on "
+                          "plain tensors: for pricing runs of such engines).")
     checkpoint = OmegaConf.select(cfg, "train.router_checkpoint", default=None)
     if checkpoint and model_path is not None:
         load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
@@ -63,7 +69,7 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
                      optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
                      clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0,
-                     tp_runtime=OmegaConf.select(cfg, "train.tp_runtime", default="dtensor"))
+                     tp_runtime=tp_runtime)
 
 
 @functools.lru_cache(maxsize=4)

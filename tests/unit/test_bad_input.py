@@ -419,3 +419,9 @@ def test_time_limit_returns_a_plan_marked_not_optimal(examples_dir, tmp_path, ca
     assert optimal["status"] == "OPTIMAL"
     # the gap bounds how far the returned plan can be from the optimum
     assert solver["objective"] * (1 - solver["gap"]) - 1e-9 <= optimal["objective"] <= solver["objective"]
+
+
+def test_unknown_tp_runtime_names_the_choices(examples_dir, capsys):
+    """train.tp_runtime picks how TP is priced; a value no runtime has is refused, naming both."""
+    fails(capsys, ["estimate", str(examples_dir / "gpt.py"), "train.tp_runtime=megatron", "plan.tp=2"],
+          "unknown train.tp_runtime 'megatron'", "dtensor", "plain")

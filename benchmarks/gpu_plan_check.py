@@ -161,8 +161,7 @@ def profile_faked_rank(folder: Path, names: list[str]) -> None:
             gpu_s = sum(e.device_time for e in kernels) / 1e6
             print(json.dumps({"case": name, "how": how, "gpu_kernel_s_3_steps": round(gpu_s, 3), "kernels": len(kernels)}),
                   flush=True)
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
-                                                                      max_name_column_width=40),
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=40),
                   flush=True)
             torch.cuda.empty_cache()
 

@@ -86,7 +86,8 @@ def train_handwritten(folder: Path, steps: int, device: torch.device, autocast: 
     batch_kwargs = {k: v for k, v in kwargs.items() if k in ("seq_len", "vocab")}
     drawn = [model_file.example_batch(micro, **batch_kwargs) for _ in range(count)]
     batches = [{key: value.to(device) for key, value in batch.items()} for batch in drawn]
-    torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(steps):
         start = time.perf_counter()

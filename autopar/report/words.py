@@ -106,10 +106,15 @@ def describe_axes(plan: Plan, gpus_per_node: int) -> list[str]:
 
 def host_dispatch_words(plan: Plan) -> str:
     """What tensor parallelism costs the host: each split module dispatches through DTensor in
-    Python, a floor under its layer's compute that GPU speed does not lower (cost_models.host)."""
-    modules = dtensor_modules(plan.tp_styles)
+    Python, a floor under its layer's compute that GPU speed does not lower (cost_models.host);
+    "" when no module is split."""
+    modules = dtensor_modules(plan.tp_styles) if plan.tp > 1 else 0
+    if not modules:
+        return ""
+    norms = " (and more for the norms sequence parallelism runs on DTensors)" if plan.sequence_parallel else ""
     return (f"Host dispatch: {modules} split modules run on DTensors, about {host_s(modules) * 1e3:,.0f} ms of "
-            "Python dispatch per micro-batch (forward and backward); their layers are priced no faster than that.")
+            f"Python dispatch per micro-batch (forward and backward){norms}; their layers are priced no faster "
+            "than that.")
 
 
 def describe_plan(report: PlanReport) -> list[str]:
@@ -138,8 +143,8 @@ def describe_plan(report: PlanReport) -> list[str]:
     if plan.sequence_parallel:
         lines.append("Sequence parallelism: norms, dropout and residuals run on 1/tp of the sequence inside TP "
                      "groups.")
-    if plan.tp > 1 and dtensor_modules(plan.tp_styles):
-        lines.append(host_dispatch_words(plan))
+    if host := host_dispatch_words(plan):
+        lines.append(host)
     recomputed = {option: sum(1 for value in plan.recompute.values() if value == option)
                   for option in ("selective", "full")}
     if any(recomputed.values()):

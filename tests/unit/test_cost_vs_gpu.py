@@ -122,9 +122,9 @@ def _faked_rank(run) -> tuple[float, float, int]:
 
 
 def _price_faked_rank(run) -> tuple[float, float, int]:
+    from autopar.driver import build_cluster, pinned_layout, train_spec
     from autopar.solver.tp_split import ILPSplitter
     from cost_models.step import PlanPricer
-    from autopar.driver import build_cluster, pinned_layout, train_spec
 
     path, cfg, profile = _traced(run)
     cluster = build_cluster(cfg)

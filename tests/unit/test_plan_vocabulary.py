@@ -181,6 +181,7 @@ def test_report_says_what_tp_costs_the_host():
               for name, style in (("q", "colwise"), ("k", "colwise"), ("v", "colwise"), ("o", "rowwise"))}
     words = host_dispatch_words(Plan(tp=2, tp_styles={**styles, "wte": "replicate"}))
     assert "12 split modules" in words and f"{12 * DTENSOR_MODULE_HOST_S * 1e3:,.0f} ms" in words
+    assert host_dispatch_words(Plan(tp=2, tp_styles={"wte": "replicate"})) == ""
 
 
 def test_report_does_not_claim_split_matrices_for_a_replicated_plan():

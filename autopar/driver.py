@@ -30,7 +30,8 @@ def run_profile(model_path: str | Path, cfg: Any) -> ModelProfile:
     model_file = load_model_file(model_path)
     blocks = OmegaConf.select(cfg, "plan.blocks", default=None)
     return profile_model(model_file, model_kwargs(cfg), micro_batch_size=cfg.train.micro_batch_size,
-                         precision=cfg.train.precision, blocks=list(blocks) if blocks else None)
+                         precision=cfg.train.precision, blocks=list(blocks) if blocks else None,
+                         trace_every_block=bool(OmegaConf.select(cfg, "plan.trace_every_block", default=False)))
 
 
 def build_cluster(cfg: Any) -> ClusterSpec:

@@ -22,13 +22,17 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
+from autopar.errors import TraceError
 from autopar.model_file import ModelFile, build_fake
 from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
-from autopar.trace.ops import OpClass, classify, flop_count, op_name
 from autopar.trace.batch import batch_statistics
 from autopar.trace.experts import experts_inputs
-from autopar.trace.sequence import position_blocker, sequence_mixers
+from autopar.trace.layers import find_block_containers
+from autopar.trace.ops import OpClass, classify, flop_count, op_name
+from autopar.trace.repeated_blocks import (NotExpandable, expand, expand_mixers, full_input_names, narrowed,
+                                           select_traced_blocks)
+from autopar.trace.sequence import SequenceMixer, position_blocker, sequence_mixers
 
 # Mixed precision is traced the way FSDP2 (MixedPrecisionPolicy) and Megatron run it: parameters
 # and activations in 16 bit, fp32 master weights and optimizer states kept by the optimizer
@@ -142,6 +146,9 @@ class ModelProfile:
     experts_inputs: dict[str, list[str]] = field(default_factory=dict)
     """FQN -> the required inputs of each ``experts`` module's forward (trace/experts.py):
     expert parallelism exchanges only a module taking one, its tokens grouped by expert."""
+    copied_blocks: list[str] = field(default_factory=list)
+    """Blocks not traced: each repeats its run's second block, whose ops were copied for it
+    (autopar.trace.repeated_blocks); empty when every block was traced."""
 
     @property
     def flops_total(self) -> int:
@@ -199,10 +206,12 @@ class ModelProfile:
 
 
 def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_batch_size: int = 1,
-                  precision: str = "fp32", blocks: list[str] | None = None) -> ModelProfile:
+                  precision: str = "fp32", blocks: list[str] | None = None,
+                  trace_every_block: bool = False) -> ModelProfile:
     """Build the model on fake tensors, capture one training step and profile it.
 
-    ``blocks`` (``plan.blocks``) names the stacks of blocks instead of detecting them."""
+    ``blocks`` (``plan.blocks``) names the stacks of blocks instead of detecting them. Runs of
+    identical blocks are traced once (autopar.trace.repeated_blocks) unless ``trace_every_block``."""
     if precision not in PRECISION_DTYPES:
         from autopar.errors import ConfigError
 
@@ -210,22 +219,19 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
     start = time.perf_counter()
     build = build_fake(model_file, model_kwargs, micro_batch_size, dtype=PRECISION_DTYPES[precision])
     containers = _pinned_containers(build.model, blocks)
-    captured = capture_training_step(model_file, build)
-    grouping = group_layers(build.model, captured, containers)
+    stacks = containers or find_block_containers(build.model)
     batch_leaves, _ = tree_flatten(build.batch)
     tokens = _tokens_per_sample(batch_leaves)
-    mixers = sequence_mixers(captured, tokens, build.model)
-    mixers += [blocker] if (blocker := position_blocker(captured, tokens, build.model)) else []
-    facts = profile_ops(captured, grouping)
-    ops = facts.ops
-    layers = aggregate_layers(facts, grouping, build.model)
-    coverage = coverage_report(ops)
+    traced = None if trace_every_block else _trace_repeated_blocks_once(model_file, build, stacks, tokens)
+    traced = traced or _trace_whole(model_file, build, stacks, tokens)
+    ops = traced.facts.ops
+    layers = aggregate_layers(traced.facts, traced.grouping, build.model)
     params = list(build.model.named_parameters())
     buffers = list(build.model.named_buffers())
     return ModelProfile(
         model_name=model_file.name, model_path=str(model_file.path), model_sha256=model_file.sha256,
         model_kwargs=dict(model_kwargs), micro_batch_size=micro_batch_size,
-        tokens_per_sample=_tokens_per_sample(batch_leaves), precision=precision,
+        tokens_per_sample=tokens, precision=precision,
         param_count=sum(p.numel() for _, p in params),
         param_bytes=sum(_nbytes(p) for _, p in params),
         buffer_bytes=sum(_nbytes(b) for _, b in buffers),
@@ -233,13 +239,77 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         flops_forward=sum(layer.flops_forward for layer in layers),
         flops_backward=sum(layer.flops_backward for layer in layers),
         activation_bytes=sum(op.saved_for_backward_bytes for op in ops),
-        num_nodes=len(captured.graph_module.graph.nodes),
+        num_nodes=traced.num_nodes,
         seconds=round(time.perf_counter() - start, 3),
-        block_containers=grouping.containers, torch_version=torch.__version__,
+        block_containers=traced.grouping.containers, torch_version=torch.__version__,
         param_shapes={name: list(p.shape) for name, p in params},
-        placeholders=_placeholder_roles(captured),
-        layers=layers, coverage=coverage, ops=ops, sequence_mixers=[m.describe() for m in mixers],
-        experts_inputs=experts_inputs(build.model), batch_mixer=batch_statistics(captured))
+        placeholders=traced.placeholders,
+        layers=layers, coverage=coverage_report(ops), ops=ops,
+        sequence_mixers=[m.describe() for m in traced.mixers],
+        experts_inputs=experts_inputs(build.model), batch_mixer=traced.batch_mixer, copied_blocks=traced.copied_blocks)
+
+
+@dataclass
+class _Traced:
+    """What profiling reads off a captured step (of the whole model, or expanded from the
+    narrowed one)."""
+
+    grouping: LayerGrouping
+    facts: "GraphFacts"
+    placeholders: dict[str, str]
+    num_nodes: int
+    mixers: list[SequenceMixer]
+    batch_mixer: str | None
+    copied_blocks: list[str] = field(default_factory=list)
+
+
+def _trace_whole(model_file: ModelFile, build: Any, stacks: list[str], tokens: int | None) -> _Traced:
+    captured = capture_training_step(model_file, build)
+    grouping = group_layers(build.model, captured, stacks)
+    return _Traced(grouping=grouping, facts=profile_ops(captured, grouping),
+                   placeholders=_placeholder_roles(captured), num_nodes=len(captured.graph_module.graph.nodes),
+                   mixers=_mixers(captured, tokens, build.model), batch_mixer=batch_statistics(captured))
+
+
+def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[str],
+                                tokens: int | None) -> _Traced | None:
+    """The step traced with each run of identical blocks narrowed to three and the rest copied
+    (autopar.trace.repeated_blocks); None where the model has no such run or its trace does not
+    allow copying (the caller traces the whole model)."""
+    selection = select_traced_blocks(build.model, stacks) if stacks else None
+    if selection is None:
+        return None
+    try:
+        with narrowed(build.model, selection):
+            captured = capture_training_step(model_file, build)
+            grouping = group_layers(build.model, captured, stacks)
+            mixers = expand_mixers(sequence_mixers(captured, tokens, build.model), selection)
+            blocker = position_blocker(captured, tokens, build.model)
+        facts = profile_ops(captured, grouping)
+        traced_roles = _placeholder_roles(captured)
+        batch_inputs = sum(role.startswith("input:") for role in traced_roles.values())
+        full_roles = ([f"param:{name}" for name, _ in build.model.named_parameters()]
+                      + [f"buffer:{name}" for name, _ in build.model.named_buffers()]
+                      + [f"input:{index}" for index in range(batch_inputs)])
+        expansion = expand(selection, facts.ops, grouping, facts, captured.graph_module.graph, traced_roles, full_roles)
+    except (NotExpandable, TraceError):
+        return None
+    full_grouping = LayerGrouping(containers=grouping.containers, layer_names=expansion.layer_names,
+                                  block_names=expansion.block_names, node_layer={},
+                                  param_layer=expansion.param_layer, repeat_of=expansion.repeat_of)
+    full_facts = GraphFacts(ops=expansion.ops, saved_by_layer=expansion.saved_by_layer,
+                            boundary_in=expansion.boundary_in, boundary_out=expansion.boundary_out)
+    return _Traced(grouping=full_grouping, facts=full_facts,
+                   placeholders=dict(zip(full_input_names(full_roles), full_roles)),
+                   num_nodes=len(captured.graph_module.graph.nodes) + expansion.added_nodes,
+                   mixers=mixers + ([blocker] if blocker else []), batch_mixer=batch_statistics(captured),
+                   copied_blocks=sorted(selection.left_out, key=expansion.layer_names.index))
+
+
+def _mixers(captured: CapturedStep, tokens: int | None, model: torch.nn.Module) -> list[SequenceMixer]:
+    mixers = sequence_mixers(captured, tokens, model)
+    blocker = position_blocker(captured, tokens, model)
+    return mixers + ([blocker] if blocker else [])
 
 
 @dataclass

@@ -159,7 +159,8 @@ def _profile(model_path: str, cfg: Any) -> Any:
     from autopar.driver import model_kwargs, run_profile
 
     key = repr((model_path, model_kwargs(cfg), cfg.train.micro_batch_size, cfg.train.precision,
-                OmegaConf.select(cfg, "plan.blocks", default=None)))
+                OmegaConf.select(cfg, "plan.blocks", default=None),
+                OmegaConf.select(cfg, "plan.trace_every_block", default=False)))
     if key not in _PROFILES:
         _PROFILES[key] = run_profile(model_path, cfg)
     return _PROFILES[key]

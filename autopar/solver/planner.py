@@ -718,9 +718,10 @@ class Planner:
                             "pin a micro-batch size that divides it, or leave plan.micro_batch_size unset.")
 
     def _pin_overrides(self) -> list[str]:
-        """The pins as the plan.<name>=<value> overrides that set them (layer maps left out)."""
+        """The pins as the plan.<name>=<value> overrides that set them (layer maps, and how the
+        model is traced, left out)."""
         return [f"plan.{name}={value}" for name, value in vars(self.pins).items()
-                if value not in (None, {}, []) and name not in ("stages", "layer_recompute")]
+                if value not in (None, {}, []) and name not in ("stages", "layer_recompute", "trace_every_block")]
 
     def _why_no_candidates(self) -> str:
         pins = self._pin_overrides()

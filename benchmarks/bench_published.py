@@ -42,6 +42,7 @@ def run() -> list[dict]:
     compared.update({run["id"]: price(run) for run in runs if not run["calibration"]})
     rows = [_run_row(compared[run["id"]], held.get(run["id"])) for run in runs]
     rows += _summary(result, calibration)
+    rows += _ptdp_against_zero3(compared)
     rows.append({"id": "median |error| of the factors refitted over the catalogue's prices (the older figure)",
                  "factors_loo": f"{median_abs([c.loo_error for c in in_sample_scale]):.1%}"})
     rows.append({"id": "fitted factors (all calibration rows, compute time scale at 1)",
@@ -51,6 +52,23 @@ def run() -> list[dict]:
     problems = stale(result, load_calibration())
     assert not problems, ("cost_models/calibration.json is not what the calibration rows give ("
                           + "; ".join(problems[:5]) + "): rerun `python -m benchmarks.published.refit`.")
+    return rows
+
+
+def _ptdp_against_zero3(compared: dict) -> list[dict]:
+    """A4 at each model size and GPU count the paper ran both ways: how much faster PTD-P is than
+    flat ZeRO-3 per GPU, measured and predicted, and whether the prediction keeps the order."""
+    rows = []
+    for ptdp in (c for c in compared.values() if c.run["table"] == "A4" and "-ptdp-" in c.run["id"]):
+        zero3 = compared.get(ptdp.run["id"].replace("-ptdp-", "-zero3-"))
+        if zero3 is None:
+            continue
+        measured = ptdp.run["measured"]["tflops_per_gpu"] / zero3.run["measured"]["tflops_per_gpu"]
+        # per-GPU rate: work over step time (the same batch and GPU count in each pair)
+        predicted = (ptdp.work / ptdp.predicted_step_s) / (zero3.work / zero3.predicted_step_s)
+        rows.append({"id": f"A4 {ptdp.run['id'].split('-')[1]} on {ptdp.gpus} GPUs: PTD-P / ZeRO-3 per-GPU rate",
+                     "error": f"measured {measured:.2f}, predicted {predicted:.2f}"
+                              f" ({'same order' if (measured > 1) == (predicted > 1) else 'order reversed'})"})
     return rows
 
 

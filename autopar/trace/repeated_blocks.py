@@ -303,7 +303,11 @@ def expand(selection: TraceSelection, ops: list, grouping: Any, facts: Any, grap
             return key
         kind, _, fqn = role.partition(":")
         renamed = _renamed(fqn, second, block)
-        return key if renamed == fqn else (FULL_INPUT, full_name_of_role[f"{kind}:{renamed}"])
+        if renamed == fqn:
+            return key
+        if f"{kind}:{renamed}" not in full_name_of_role:
+            raise NotExpandable(f"{block} has no {renamed} (shared with another block?)")
+        return FULL_INPUT, full_name_of_role[f"{kind}:{renamed}"]
 
     # Where the copies go: forward after the second block's forward, in order; backward before
     # the second block's backward, in reverse.
@@ -311,20 +315,16 @@ def expand(selection: TraceSelection, ops: list, grouping: Any, facts: Any, grap
     before: dict[int, list[Key]] = defaultdict(list)
     copied: dict[Key, tuple[Any, str, str, list[Key]]] = {}
     for copies in runs:
+        second = copies.run.second
         for j, block in enumerate(copies.run.left_out, start=1):
-            for stretch, keys in ((copies.second.forward, after[copies.second.forward.stop]),
-                                  (copies.second.backward, None)):
-                made = []
-                for position in stretch:
-                    op = ops[position]
-                    key = ((copies.number, j), op.name)
-                    copied[key] = (op, block, copies.run.second,
-                                   [own_input(copies.copy_input(j, name), copies.run.second, block) for name in op.inputs])
-                    made.append(key)
-                if keys is not None:
-                    keys.extend(made)
-                else:
-                    before[copies.second.backward.start][:0] = made
+            def copy(position: int) -> Key:
+                op = ops[position]
+                key = ((copies.number, j), op.name)
+                copied[key] = (op, block, second, [own_input(copies.copy_input(j, name), second, block)
+                                                   for name in op.inputs])
+                return key
+            after[copies.second.forward.stop].extend(copy(position) for position in copies.second.forward)
+            before[copies.second.backward.start][:0] = [copy(position) for position in copies.second.backward]
     rewired = _rewired_inputs(runs, ops, stretches)
 
     order: list[Key] = []
@@ -386,13 +386,14 @@ def _rewired_inputs(runs: list[_RunCopies], ops: list, stretches: dict[str, _Str
         run = copies.run
         last, first = stretches[run.last], stretches[run.first]
         may_read = set(copies.second.positions) | set(last.positions) | set(first.backward)
+        second_forward = {ops[position].name for position in copies.second.forward}
         for position, op in enumerate(ops):
             read = [name for name in op.inputs if name in copies.inside]
             if read and position not in may_read:
                 raise NotExpandable(f"{op.name} ({op.layer}) reads {run.second}'s values")
             if position in last.positions:
                 for name in read:
-                    if position not in last.positions or name not in {ops[p].name for p in copies.second.forward}:
+                    if name not in second_forward:
                         raise NotExpandable(f"{op.name} reads {run.second}'s backward")
                     rewired[(op.name, name)] = ((copies.number, copies.count), name)
         for position in copies.second.backward:

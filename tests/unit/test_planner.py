@@ -313,3 +313,40 @@ def test_collector_paused_while_planning_and_restored_after():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_cross_node_tp_explanation_prices_tp_packed_into_whole_nodes(examples_dir, monkeypatch):
+    """The "TP kept inside a node" explanation searches plans whose TP groups span nodes, each
+    group packed into whole nodes (2 nodes of 4 for tp=8), never a strided placement (8 nodes
+    of 1): those cost an operator-wise solve per layer kind and placement, for plans no faster."""
+    from types import SimpleNamespace
+
+    import autopar.solver.planner as planner_module
+    from autopar.solver.space import enumerate_candidates
+    from cost_models.mesh import Mesh
+
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 2, "hidden": 256, "heads": 16, "seq_len": 64,
+                                                  "vocab": 1024})
+    planner = Planner(profile, cluster("H100-SXM", 8, 4), TrainSpec(global_batch_size=32, precision="bf16"),
+                      SolverConfig(top_k=0), PlanPins())
+    searched: list = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def run(self, candidates):
+            searched.extend(candidates)
+            return SimpleNamespace(best=[])
+
+    monkeypatch.setattr(planner_module, "PlanSearch", Recording)
+    assert planner._cross_node_tp_gain(None) == "no plan with TP across nodes fits in memory"
+    assert {c.tp for c in searched} == {8, 16}
+    def packed(c) -> bool:
+        degrees = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp}
+        return Mesh.from_degrees(c.mesh_order, degrees).span("tp", 4) == (c.tp // 4, 4)
+
+    offered = [c for c in enumerate_candidates(planner.shape, 32, 4, 32, SolverConfig(allow_cross_node_tp=True),
+                                               PlanPins()) if c.tp > 4]
+    assert any(not packed(c) for c in offered)  # strided placements exist, and are left out
+    assert searched == [c for c in offered if packed(c)]

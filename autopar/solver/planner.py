@@ -522,8 +522,12 @@ class Planner:
             degrees = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp}
             return Mesh.from_degrees(c.mesh_order, degrees).span("tp", per_node) == (c.tp // per_node, per_node)
 
-        extra = [c for c in enumerate_candidates(self.shape, self.cluster.world_size, per_node,
-                                                 self.train.global_batch_size, wider, self.pins)
+        # One enumeration per cross-node degree (as if pinned), not all 300,000 candidates filtered.
+        degrees = [self.pins.tp] if self.pins.tp is not None else \
+            [tp for tp in divisors(self.cluster.world_size) if tp > per_node]
+        extra = [c for tp in degrees for c in enumerate_candidates(self.shape, self.cluster.world_size, per_node,
+                                                                   self.train.global_batch_size, wider,
+                                                                   replace(self.pins, tp=tp))
                  if c.tp > per_node and packed(c)]
         if not extra:
             return "no plan with TP across nodes exists for this model and batch"

@@ -16,9 +16,14 @@ per phase, and nothing but its neighbours may read the second block's values. Th
 block's ops, with its forward stretch and its backward stretch, are copied once per left-out
 block, named and wired as a full trace names and wires them (`expand`): a copy reads its
 predecessor's outputs and its successor's gradients. Where any check fails, the whole model is
-traced (`autopar.profile.profile_model` falls back), so a model whose blocks differ in ways the
-structure does not show (a branch on the block's index) costs time, not a wrong profile.
-tests/unit/test_repeated_blocks.py compares the expanded profile with a full trace, field by field.
+traced (`autopar.profile.profile_model` falls back).
+
+What this cannot see: a middle block that computes differently from the three traced ones
+without any attribute showing it. A condition on the index attribute in the block's own classes
+keeps that attribute in the comparison (`index_attributes`), so those blocks differ and are all
+traced; a branch hidden elsewhere (a helper function handed the index) is what
+``plan.trace_every_block=true`` is for. tests/unit/test_repeated_blocks.py compares the expanded
+profile with a full trace, field by field.
 """
 from __future__ import annotations
 

@@ -52,6 +52,9 @@ def print_profile(profile: ModelProfile, console: Console) -> None:
     console.print(f"parameters {format_count(profile.param_count)} ({format_bytes(profile.param_bytes)}), "
                   f"{profile.num_nodes} graph nodes, {where} with "
                   f"{len(blocks)} blocks ({repeated} repeats of an earlier one), traced in {profile.seconds:.1f} s")
+    if profile.copied_blocks:
+        console.print(f"{len(profile.copied_blocks)} of the repeats were copied from an identical traced block, "
+                      "not traced (plan.trace_every_block=true traces every block)")
     unknown = profile.uncosted_ops()
     if unknown:
         listed = ", ".join(f"{entry.op} ×{entry.count}" for entry in unknown)

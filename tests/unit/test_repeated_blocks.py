@@ -151,3 +151,16 @@ def test_narrowed_stack_keeps_names_and_is_restored(tmp_path):
         assert [name for name, _ in model.blocks.named_children()] == ["0", "1", "5"]
         assert len(model.blocks) == 3 and isinstance(model.blocks, nn.ModuleList)
     assert len(model.blocks) == 6
+
+
+def test_profile_output_says_which_blocks_were_copied(examples_dir):
+    """`autopar profile` says how many blocks were copied and how to trace them all."""
+    from rich.console import Console
+
+    from autopar.report.terminal import print_profile
+
+    copied = profile_model(load_model_file(examples_dir / "gpt.py"), GPT, micro_batch_size=1, precision="fp32")
+    console = Console(record=True, width=200)
+    print_profile(copied, console)
+    assert copied.copied_blocks == ["blocks.2", "blocks.3"]
+    assert "2 of the repeats were copied from an identical traced block" in console.export_text()

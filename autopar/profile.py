@@ -30,8 +30,8 @@ from autopar.trace.batch import batch_statistics
 from autopar.trace.experts import experts_inputs
 from autopar.trace.layers import find_block_containers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
-from autopar.trace.repeated_blocks import (NotExpandable, expand, expand_mixers, full_input_names, narrowed,
-                                           select_traced_blocks)
+from autopar.trace.repeated_blocks import (NotExpandable, TraceSelection, expand, expand_mixers, full_input_names,
+                                           narrowed, select_traced_blocks)
 from autopar.trace.sequence import SequenceMixer, position_blocker, sequence_mixers
 
 # Mixed precision is traced the way FSDP2 (MixedPrecisionPolicy) and Megatron run it: parameters
@@ -283,14 +283,12 @@ def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[
         with narrowed(build.model, selection):
             captured = capture_training_step(model_file, build)
             grouping = group_layers(build.model, captured, stacks)
-            mixers = expand_mixers(sequence_mixers(captured, tokens, build.model), selection)
-            blocker = position_blocker(captured, tokens, build.model)
+            mixers = _mixers(captured, tokens, build.model, selection)
         facts = profile_ops(captured, grouping)
         traced_roles = _placeholder_roles(captured)
         batch_inputs = sum(role.startswith("input:") for role in traced_roles.values())
-        full_roles = ([f"param:{name}" for name, _ in build.model.named_parameters()]
-                      + [f"buffer:{name}" for name, _ in build.model.named_buffers()]
-                      + [f"input:{index}" for index in range(batch_inputs)])
+        full_roles = _input_roles([name for name, _ in build.model.named_parameters()],
+                                  [name for name, _ in build.model.named_buffers()], batch_inputs)
         expansion = expand(selection, facts.ops, grouping, facts, captured.graph_module.graph, traced_roles, full_roles)
     except (NotExpandable, TraceError):
         return None
@@ -302,12 +300,17 @@ def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[
     return _Traced(grouping=full_grouping, facts=full_facts,
                    placeholders=dict(zip(full_input_names(full_roles), full_roles)),
                    num_nodes=len(captured.graph_module.graph.nodes) + expansion.added_nodes,
-                   mixers=mixers + ([blocker] if blocker else []), batch_mixer=batch_statistics(captured),
+                   mixers=mixers, batch_mixer=batch_statistics(captured),
                    copied_blocks=sorted(selection.left_out, key=expansion.layer_names.index))
 
 
-def _mixers(captured: CapturedStep, tokens: int | None, model: torch.nn.Module) -> list[SequenceMixer]:
+def _mixers(captured: CapturedStep, tokens: int | None, model: torch.nn.Module,
+            selection: TraceSelection | None = None) -> list[SequenceMixer]:
+    """The sequence mixers (each copied block's too, under ``selection``), then what keeps the
+    model from being given positions."""
     mixers = sequence_mixers(captured, tokens, model)
+    if selection is not None:
+        mixers = expand_mixers(mixers, selection)
     blocker = position_blocker(captured, tokens, model)
     return mixers + ([blocker] if blocker else [])
 
@@ -451,9 +454,14 @@ def coverage_report(ops: list[OpProfile]) -> list[CoverageEntry]:
 def _placeholder_roles(captured: CapturedStep) -> dict[str, str]:
     """Graph input name -> 'param:<fqn>', 'buffer:<fqn>' or 'input:<index>' (batch tensors)."""
     names = [n.name for n in captured.graph_module.graph.nodes if n.op == "placeholder"]
-    roles = ([f"param:{p}" for p in captured.param_names] + [f"buffer:{b}" for b in captured.buffer_names])
-    roles += [f"input:{i}" for i in range(len(names) - len(roles))]
-    return dict(zip(names, roles))
+    inputs = len(names) - len(captured.param_names) - len(captured.buffer_names)
+    return dict(zip(names, _input_roles(captured.param_names, captured.buffer_names, inputs)))
+
+
+def _input_roles(param_names: list[str], buffer_names: list[str], batch_inputs: int) -> list[str]:
+    """The graph inputs' roles in their order: parameters, buffers, then the batch's tensors."""
+    return ([f"param:{p}" for p in param_names] + [f"buffer:{b}" for b in buffer_names]
+            + [f"input:{i}" for i in range(batch_inputs)])
 
 
 def _by_class(ops: Iterator[OpProfile]) -> dict[str, OpClassCost]:

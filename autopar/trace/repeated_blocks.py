@@ -38,6 +38,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from autopar.trace.layers import _join
+
 # Runs shorter than this are traced whole: eliding one block saves little and the three traced
 # blocks (first, second, last) are needed to check the run.
 MIN_RUN = 4
@@ -185,19 +187,15 @@ def narrowed(model: nn.Module, selection: TraceSelection) -> Iterator[None]:
 def expand_mixers(mixers: list, selection: TraceSelection) -> list:
     """The sequence mixers a full trace lists (one per module and reason, in graph order): the
     second block's, again for each left-out block after it."""
+    own = {run: [m for m in mixers if _inside(m.module, run.second)] for run in selection.runs}
     expanded = []
     for mixer in mixers:
         expanded.append(mixer)
-        for run in selection.runs:
-            own = [m for m in mixers if _inside(m.module, run.second)]
-            if own and mixer is own[-1]:
+        for run, seconds in own.items():
+            if seconds and mixer is seconds[-1]:
                 expanded.extend(replace(m, module=_renamed(m.module, run.second, block))
-                                for block in run.left_out for m in own)
+                                for block in run.left_out for m in seconds)
     return expanded
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _inside(name: str | None, block: str) -> bool:
@@ -209,7 +207,6 @@ def _renamed(name: str | None, old: str, new: str) -> str | None:
     if not _inside(name, old):
         return name
     return new + name[len(old):]
-
 
 
 @dataclass(frozen=True)
@@ -298,8 +295,8 @@ def expand(selection: TraceSelection, ops: list, grouping: Any, facts: Any, grap
     constants = {node.name for node in graph.nodes if node.op == "get_attr"}
     runs = [_run_copies(number, run, ops, grouping, stretches, constants)
             for number, run in enumerate(selection.runs)]
-    inputs = _full_input_names(traced_roles, full_roles)
     full_name_of_role = dict(zip(full_roles, full_input_names(full_roles)))
+    inputs = _full_input_names(traced_roles, full_name_of_role)
 
     def own_input(key: Key, second: str, block: str) -> Key:
         """A copy reads its own block's parameters and buffers where the second block reads its."""
@@ -355,7 +352,7 @@ def expand(selection: TraceSelection, ops: list, grouping: Any, facts: Any, grap
             op, block, second, keys = copied[key]
             full_ops.append(replace(op, name=names[key], inputs=[name_of(k) for k in keys],
                                     module=_renamed(op.module, second, block), layer=_renamed(op.layer, second, block)))
-    return _full_grouping(runs, grouping, facts, full_ops, name_of, rewired,
+    return _full_grouping(runs, grouping, facts, full_ops, name_of,
                           added_nodes=len(order) - len(ops) + len(full_roles) - len(traced_roles))
 
 
@@ -443,14 +440,14 @@ def _same(op: Any) -> tuple:
             op.saved_for_backward_bytes, tuple(map(tuple, op.input_shapes)), tuple(map(tuple, op.output_shapes)))
 
 
-def _full_input_names(traced: dict[str, str], full_roles: list[str]) -> dict[str, str]:
-    """Traced input name -> the full graph's name for the same role (make_fx names the flattened
-    inputs ``params_<i>``, ``buffers_<i>``, ``batch_<i>``: checked on the traced graph)."""
-    full = {role: _input_name(role, full_roles) for role in full_roles}
-    traced_roles = list(traced.values())
+def _full_input_names(traced: dict[str, str], full: dict[str, str]) -> dict[str, str]:
+    """Traced input name -> the full graph's name for the same role (``full``: role -> name;
+    make_fx names the flattened inputs ``params_<i>``, ``buffers_<i>``, ``batch_<i>``: checked on
+    the traced graph)."""
+    expected = full_input_names(list(traced.values()))
     renamed = {}
-    for name, role in traced.items():
-        if _input_name(role, traced_roles) != name or role not in full:
+    for (name, role), named in zip(traced.items(), expected):
+        if named != name or role not in full:
             raise NotExpandable(f"input {name} ({role}) is not named as expected")
         renamed[name] = full[role]
     return renamed
@@ -459,15 +456,16 @@ def _full_input_names(traced: dict[str, str], full_roles: list[str]) -> dict[str
 _INPUT_PREFIX = {"param": "params", "buffer": "buffers", "input": "batch"}
 
 
-def _input_name(role: str, roles: list[str]) -> str:
-    kind = role.split(":", 1)[0]
-    same_kind = [r for r in roles if r.split(":", 1)[0] == kind]
-    return f"{_INPUT_PREFIX[kind]}_{same_kind.index(role) + 1}"
-
-
 def full_input_names(roles: list[str]) -> list[str]:
-    """The names a full trace gives inputs of these roles, in the same order."""
-    return [_input_name(role, roles) for role in roles]
+    """The names a full trace gives inputs of these roles, in the same order (numbered from 1
+    within each kind)."""
+    counts: dict[str, int] = defaultdict(int)
+    names = []
+    for role in roles:
+        kind = role.split(":", 1)[0]
+        counts[kind] += 1
+        names.append(f"{_INPUT_PREFIX[kind]}_{counts[kind]}")
+    return names
 
 
 def _input_order(name: str) -> tuple[int, int]:
@@ -498,7 +496,7 @@ def _candidate(node: torch.fx.Node) -> str:
 
 
 def _full_grouping(runs: list[_RunCopies], grouping: Any, facts: Any, full_ops: list, name_of: Any,
-                   rewired: dict[tuple[str, str], Key], added_nodes: int) -> Expansion:
+                   added_nodes: int) -> Expansion:
     """Layers, parameters, repeats and graph facts of the full model."""
     after_second = {copies.run.second: copies.run.left_out for copies in runs}
     layer_names: list[str] = []

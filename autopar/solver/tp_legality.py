@@ -30,17 +30,18 @@ something else. The rules, each naming the op or module that decided it:
   sizes stay global there, and such a region is split and listed in ``dtensor_regions``. A
   key/value projection computing its group's head (``kv_group``, autopar.solver.tp_kv_groups)
   is narrowed to one head's rows: attention that repeats key/value heads by a count it holds
-  (Hugging Face's ``repeat_kv(k, self.num_key_value_groups)``) fails there, unless one integer
-  attribute of the region equal to that count (query heads per key/value head), set to the
-  query heads per rank, makes it run: the probe tries each such attribute alone, by value, and
-  the one that works is set in the generated code (``region_attributes``). Such a region runs on
-  local tensors only.
+  (Hugging Face's ``repeat_kv(k, self.num_key_value_groups)``) or views by a head count it holds
+  (StableLM's ``num_heads``, ``num_key_value_heads``) fails there, unless integer attributes of
+  the region holding those counts, set to one rank's counts, make it run: the probe finds them by
+  value, fewest first, and the set that works is set in the generated code
+  (``region_attributes``). Such a region runs on local tensors only.
 
 A rule that cannot be checked (no model file to build) is skipped, never guessed.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -398,21 +399,41 @@ def _narrowed_error(build: Any, named: dict[str, nn.Module], linears: dict[str, 
 
 def _group_count_attribute(region: nn.Module, groups: KVGroups, tp: int,
                            error: Callable[[], str | None]) -> dict[str, int] | None:
-    """The integer attribute of ``region`` holding the query heads per key/value head (found by
-    its value, each candidate tried alone) that, set to the query heads per rank, lets the region
-    run on one rank's share (``error()`` None), as {name: value}; None when none does. With one
-    key/value head per rank, a repeat by that count gives the rank's query heads their keys."""
-    per_group, per_rank = groups.heads // groups.kv_heads, groups.heads // tp
-    for name, value in sorted(vars(region).items()):
-        if type(value) is not int or value != per_group:
-            continue
-        setattr(region, name, per_rank)
-        try:
-            if error() is None:
-                return {name: per_rank}
-        finally:
-            setattr(region, name, value)
+    """The integer attributes of ``region`` holding a head count, set to one rank's count, that
+    let the region run on one rank's share (``error()`` None), as {name: value}; None when no set
+    does. Each attribute is found by its value: the query heads (set to ``heads / tp``), the
+    key/value heads (set to 1: a rank computes one) or the query heads per key/value head (set to
+    the query heads per rank, so a repeat by it gives the rank's query heads their keys).
+    Hugging Face's Llama needs only the last; StableLM, viewing queries by ``num_heads`` and keys
+    by ``num_key_value_heads``, needs all three. Fewest changes are tried first."""
+    per_rank = groups.heads // tp
+    local = {groups.heads: {per_rank}, groups.kv_heads: {1}, groups.heads // groups.kv_heads: {per_rank}}
+    if groups.heads == groups.kv_heads * groups.kv_heads:  # a count that is both kv heads and a group
+        local[groups.kv_heads] = {1, per_rank}
+    options = [(name, sorted(local[value] - {value})) for name, value in sorted(vars(region).items())
+               if type(value) is int and value in local and local[value] - {value}]
+    tries = 0
+    for size in range(1, min(len(options), _MOST_HEAD_ATTRIBUTES) + 1):
+        for chosen in itertools.combinations(options, size):
+            for values in itertools.product(*(choices for _, choices in chosen)):
+                tries += 1
+                if tries > _MOST_HEAD_ATTRIBUTE_TRIES:
+                    return None
+                setting = {name: value for (name, _), value in zip(chosen, values)}
+                kept = {name: getattr(region, name) for name in setting}
+                for name, value in setting.items():
+                    setattr(region, name, value)
+                try:
+                    if error() is None:
+                        return setting
+                finally:
+                    for name, value in kept.items():
+                        setattr(region, name, value)
     return None
+
+
+_MOST_HEAD_ATTRIBUTES = 3  # query heads, key/value heads, and their ratio
+_MOST_HEAD_ATTRIBUTE_TRIES = 64  # each a fake forward of one layer
 
 
 class _Shapes(TorchDispatchMode):

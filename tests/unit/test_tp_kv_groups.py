@@ -5,6 +5,7 @@ replicated key/value work, memory and the gradients' once-per-step all-reduces."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autopar.solver.tp_kv_groups import kv_groups
 from autopar.solver.tp_legality import TPLegality
@@ -110,3 +111,50 @@ def test_a_plan_computing_key_value_groups_names_how_many():
     assert any("tp_kv_heads" in problem for problem in plan.problems())
     assert not any("tp_kv_heads" in problem for problem in plan.with_updates(tp_kv_heads=2).problems())
     assert any("tp_kv_heads" in problem for problem in plan.with_updates(tp_kv_heads=3).problems())
+
+
+class _HeadViews(torch.nn.Module):
+    """Attention viewing by the head counts it holds: queries by ``num_heads``, keys by
+    ``num_key_value_heads``, keys repeated ``num_key_value_groups`` times (StableLM's way), or,
+    with ``views_by_heads`` False, by -1 as Hugging Face's Llama does (only the repeat count read)."""
+
+    def __init__(self, views_by_heads: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.num_key_value_groups = HEADS, KV_HEADS, HEADS // KV_HEADS
+        self.head_dim, self.layer_idx, self.views_by_heads = HEAD_DIM, KV_HEADS, views_by_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        b, s, _ = q.shape
+        q = q.view(b, s, self.num_heads if self.views_by_heads else -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.num_key_value_heads if self.views_by_heads else -1, self.head_dim).transpose(1, 2)
+        k = k.repeat_interleave(self.num_key_value_groups, dim=1)
+        if q.shape != k.shape:  # as SDPA without enable_gqa: one key head per query head
+            raise RuntimeError(f"query heads {q.shape[1]} and key heads {k.shape[1]} differ")
+        return (q * k).sum()
+
+
+@pytest.mark.parametrize("views_by_heads, expected", [
+    (False, {"num_key_value_groups": 1}),
+    (True, {"num_heads": 1, "num_key_value_heads": 1, "num_key_value_groups": 1}),
+])
+def test_probe_sets_every_head_count_the_region_views_by(views_by_heads, expected):
+    """At tp=4 over 4 query and 2 key/value heads a rank holds one of each. The probe sets the
+    fewest attributes that make the region run on that share, found by value (``layer_idx``,
+    equal to a head count here by chance, is tried and left alone since changing it fixes nothing)."""
+    from autopar.solver.tp_kv_groups import KVGroups
+    from autopar.solver.tp_legality import _group_count_attribute
+
+    region = _HeadViews(views_by_heads)
+    q, k = torch.zeros(1, 3, HEAD_DIM), torch.zeros(1, 3, HEAD_DIM)  # one head each
+
+    def error():
+        try:
+            region(q, k)
+        except RuntimeError as failure:
+            return str(failure)
+        return None
+
+    assert error() is not None
+    groups = KVGroups(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, modules={})
+    assert _group_count_attribute(region, groups, 4, error) == expected
+    assert (region.num_heads, region.num_key_value_heads, region.num_key_value_groups) == (HEADS, KV_HEADS, 2)

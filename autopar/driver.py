@@ -1,6 +1,7 @@
 """The one place that knows the order of the stages; the CLI verbs call these functions."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -401,6 +402,7 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                             "if only the small-scale check fails and you accept that.")
         result = None
     else:
+        from autopar.runtime.blame import blame
         from autopar.solver.planner import split_of
 
         rejected: list[Any] = []
@@ -420,8 +422,17 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                                             force, defaults, provenance)
             if rejection is None:
                 break
+            blamed = blame(plan, rejection.reason) if rejection.differs else None
+            if blamed is None:
+                excluded.add(split_of(plan))
+            else:
+                # The next plan goes without the way of splitting that trained another model.
+                profile = blamed.excluded_from(profile)
+                rejection = dataclasses.replace(rejection, reason=f"{rejection.reason}; to blame: {blamed.technique}, "
+                                                                  "which no further plan uses", blamed=blamed.cause)
+                if progress:
+                    progress.phase(f"not splitting that way again: {blamed.technique}")
             rejected.append(rejection)
-            excluded.add(split_of(plan))
         if files is None:
             raise _none_proven(rejected, f"compile runs at most {MAX_PLANS_PROVEN} plans (and tries at most "
                                          f"{MAX_PLANS_TRIED})")
@@ -501,7 +512,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
         if not outcome.ok:
             if progress:
                 progress.phase(f"rejected {plan.summary()}: {outcome.failure}")
-            return None, RejectedPlan(plan.summary(), outcome.failure)
+            return None, RejectedPlan(plan.summary(), outcome.failure, differs=outcome.differs)
         if progress:
             progress.phase(f"writing the module, launch scripts and report into {out_dir}")
         report = report_of(result) if result is not None else rebuild_report(plan, model_path, None)
@@ -515,8 +526,15 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
 
 
 def _none_proven(rejected: list[Any], why_stopped: str) -> UserError:
-    """The one paragraph for a compile whose every plan failed its proof (nothing written)."""
+    """The one paragraph for a compile whose every plan failed its proof (nothing written): each
+    plan and its reason, then each cause the check measured once, in words."""
     listed = "; ".join(f"({i}) {r.summary}: {r.reason}" for i, r in enumerate(rejected, 1))
-    return UserError(f"No plan passed compile's proof, so nothing was written: {listed}; {why_stopped}.",
-                     "fix what the first reason names in the model (or report it as an autopar bug), pin another "
-                     "split (plan.tp/pp/cp/zero_stage), or pass check=off if only the small-scale check fails.")
+    causes = list(dict.fromkeys(r.blamed for r in rejected if r.blamed))
+    problem = f"No plan passed compile's proof, so nothing was written: {listed}; {why_stopped}."
+    if causes:
+        problem += " " + " ".join(cause[0].upper() + cause[1:] + "." for cause in causes)
+    unexplained = any(not r.blamed for r in rejected if r.ran)
+    return UserError(problem, ("fix what the first reason names in the model" + (" (or report it as an autopar bug)"
+                                                                                   if unexplained else "")
+                               + ", pin another split (plan.tp/pp/cp/zero_stage), or pass check=off if only the "
+                               "small-scale check fails."))

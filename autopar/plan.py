@@ -168,6 +168,9 @@ class Plan:
         dp_bucket_bytes: gradient bytes per synchronisation bucket (hierarchical / ps).
         dp_shares: samples per micro-batch of each data-parallel rank when uneven (mixed GPU
             types get shares in proportion to their speed); empty: micro_batch_size each.
+        token_loss: the loss is a mean over the targets it counts and the plan splits the batch
+            (ranks, shards of the sequence or micro-batches): each part's loss is weighed by its
+            count, with one all-reduce of the counts per step (autopar/trace/loss_tokens.py).
         layer_names, block_containers: the profile's layer order and the FQNs of its stacks of
             blocks (containers whose children are layers), in the order their blocks run.
         global_batch_size, precision, optimizer, moe_imbalance: the
@@ -203,6 +206,7 @@ class Plan:
     dp_sync: str = "ring"
     dp_bucket_bytes: int = 25 * 2**20
     dp_shares: list[int] = field(default_factory=list)
+    token_loss: bool = False
     layer_names: list[str] = field(default_factory=list)
     block_containers: list[str] = field(default_factory=list)
     global_batch_size: int = 1

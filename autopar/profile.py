@@ -27,6 +27,7 @@ from autopar.model_file import ModelFile, build_fake
 from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.batch import batch_statistics
+from autopar.trace.loss_tokens import token_mean_loss
 from autopar.trace.experts import experts_inputs
 from autopar.trace.layers import find_block_containers
 from autopar.trace.ops import OpClass, classify, flop_count, op_name
@@ -143,6 +144,9 @@ class ModelProfile:
     batch_mixer: str | None = None
     """Why a split of the batch (dp, micro-batches, cp) would train another model, e.g. batch
     normalisation in training mode (trace/batch.py); None: the samples never meet."""
+    token_loss: str | None = None
+    """The loss's mean over the targets it counts (trace/loss_tokens.py), described: a split of
+    the batch weighs each part by its count (None: no such mean, or several)."""
     experts_inputs: dict[str, list[str]] = field(default_factory=dict)
     """FQN -> the required inputs of each ``experts`` module's forward (trace/experts.py):
     expert parallelism exchanges only a module taking one, its tokens grouped by expert."""
@@ -246,7 +250,8 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         placeholders=traced.placeholders,
         layers=layers, coverage=coverage_report(ops), ops=ops,
         sequence_mixers=[m.describe() for m in traced.mixers],
-        experts_inputs=experts_inputs(build.model), batch_mixer=traced.batch_mixer, copied_blocks=traced.copied_blocks)
+        experts_inputs=experts_inputs(build.model), batch_mixer=traced.batch_mixer, token_loss=traced.token_loss,
+        copied_blocks=traced.copied_blocks)
 
 
 @dataclass
@@ -260,6 +265,7 @@ class _Traced:
     num_nodes: int
     mixers: list[SequenceMixer]
     batch_mixer: str | None
+    token_loss: str | None
     copied_blocks: list[str] = field(default_factory=list)
 
 
@@ -268,7 +274,8 @@ def _trace_whole(model_file: ModelFile, build: Any, stacks: list[str], tokens: i
     grouping = group_layers(build.model, captured, stacks)
     return _Traced(grouping=grouping, facts=profile_ops(captured, grouping),
                    placeholders=_placeholder_roles(captured), num_nodes=len(captured.graph_module.graph.nodes),
-                   mixers=_mixers(captured, tokens, build.model), batch_mixer=batch_statistics(captured))
+                   mixers=_mixers(captured, tokens, build.model), batch_mixer=batch_statistics(captured),
+                   token_loss=token_mean_loss(captured))
 
 
 def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[str],
@@ -300,7 +307,7 @@ def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[
     return _Traced(grouping=full_grouping, facts=full_facts,
                    placeholders=dict(zip(full_input_names(full_roles), full_roles)),
                    num_nodes=len(captured.graph_module.graph.nodes) + expansion.added_nodes,
-                   mixers=mixers, batch_mixer=batch_statistics(captured),
+                   mixers=mixers, batch_mixer=batch_statistics(captured), token_loss=token_mean_loss(captured),
                    copied_blocks=sorted(selection.left_out, key=expansion.layer_names.index))
 
 

@@ -45,14 +45,16 @@ class IssuedCollectives:
         total: Counts = {}
         for counts in (self.tp_collectives(layout), self.sp_gradient_collectives(layout), self.ep_collectives(layout),
                        self.dp_collectives(layout), self.pp_collectives(layout), self.cp_collectives(layout),
-                       self.clip_collectives(layout)):
+                       self.scalar_collectives(layout)):
             add(total, counts)
         return total
 
-    def clip_collectives(self, layout: ParallelLayout) -> Counts:
+    def scalar_collectives(self, layout: ParallelLayout) -> Counts:
         """Gradient clipping (the module's max_grad_norm > 0): one all-reduce of the squared norm
-        over every rank per step (codegen's `clip_gradients`), counted on each pipeline rank."""
-        return {Collective.ALL_REDUCE.value: layout.pp} if self.train.clip_grad_norm else {}
+        over every rank per step (codegen's `clip_gradients`), and a token-level loss's count of
+        counted targets (codegen's `TokenCounts.finish`), each counted on each pipeline rank."""
+        calls = int(self.train.clip_grad_norm) + int(self.weighs_tokens(layout))
+        return {Collective.ALL_REDUCE.value: layout.pp * calls} if calls else {}
 
     def sp_gradient_collectives(self, layout: ParallelLayout) -> Counts:
         """Under sequence parallelism the norms run on each rank's slice of the sequence, so their

@@ -57,7 +57,7 @@ from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_B
                                    proportional_shares)
 from cost_models.topology import ClusterSpec, GroupPlacement
 
-CLIP_NORM_BYTES = 8  # gradient clipping's all-reduce: one float64 sum of squares
+SCALAR_BYTES = 8  # one float64: gradient clipping's sum of squares, a token-level loss's count
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
@@ -287,16 +287,25 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         return (layout.zero_stage, self._shard_size(layout), self._uses_fsdp(layout), layout.pp > 1)
 
     def fixed_time_s(self, layout: Any) -> float:
-        """Step time outside the per-layer prices: gradient clipping's all-reduce of one float64
-        (the sum of squares) over every rank, which each pipeline rank waits for before its
-        update (every other cost is attributed to a layer)."""
-        if not self.train.clip_grad_norm:
+        """Step time outside the per-layer prices, each an all-reduce of one float64 over every
+        rank that each pipeline rank waits for before its update (every other cost is attributed
+        to a layer): gradient clipping's sum of squares, and a token-level loss's count of
+        counted targets (`weighs_tokens`)."""
+        calls = int(self.train.clip_grad_norm) + int(self.weighs_tokens(layout))
+        if not calls:
             return 0.0
-        key = ("clip", layout.world_size)  # every rank: the mesh order does not change the group
+        key = ("scalar", layout.world_size)  # every rank: the mesh order does not change the group
         if key not in self._placements:
             group = self.cluster.group_links(list(range(layout.world_size)))
-            self._placements[key] = self.collective_s(Collective.ALL_REDUCE, CLIP_NORM_BYTES, group)
-        return self._placements[key]
+            self._placements[key] = self.collective_s(Collective.ALL_REDUCE, SCALAR_BYTES, group)
+        return calls * self._placements[key]
+
+    def weighs_tokens(self, layout: Any) -> bool:
+        """Whether the step weighs a token-level loss by counts: the loss is a mean over the
+        targets it counts (the profile's ``token_loss``) and the layout splits the batch (data or
+        context parallel ranks, or micro-batches), so parts count different numbers of them."""
+        splits = layout.dp * layout.cp > 1 or layout.num_micro_batches > 1
+        return splits and getattr(self.profile, "token_loss", None) is not None
 
     # -- a complete layout ----------------------------------------------------------------------
 

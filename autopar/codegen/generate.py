@@ -301,6 +301,7 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
         'config.dp_sync == "halving_doubling"': plan.dp_sync == "halving_doubling",
         "config.dp_sync in NCCL_ALGORITHMS": plan.dp_sync in NCCL_ALGORITHMS,
         "self.dp_shares": bool(plan.dp_shares),  # TrainConfig's
+        "training.token_loss": plan.token_loss,
     })
     if plan.tp == 1:  # with TP, whether the head keeps loss parallelism is codegen's (tp_plan.build_tp_plan)
         facts["config.loss_parallel"] = False
@@ -433,6 +434,7 @@ def runtime_plan(plan: Plan) -> dict[str, Any]:
     keys += ["dp_sync"] + (["dp_bucket_bytes"] if custom_gradient_sync(plan) else [])
     keys += ["global_batch_size", "micro_batch_size", "num_micro_batches", "precision"]
     keys += ["dp_shares"] if plan.dp_shares else []
+    keys += ["token_loss"] if plan.token_loss else []
     data = {key: written[key] for key in keys}
     data["recompute"] = {layer: mode for layer, mode in data["recompute"].items() if mode != "none"}
     return data
@@ -553,6 +555,7 @@ def parallel_config_source(plan: Plan, tp_fused_parameters: bool = False) -> str
 
 def train_config_source(plan: Plan) -> str:
     shares = '        dp_shares=plan["dp_shares"],\n' if plan.dp_shares else ""
+    shares += '        token_loss=plan["token_loss"],\n' if plan.token_loss else ""
     return f'''def train_config(plan: dict, args: argparse.Namespace) -> TrainConfig:
     """Batch sizes and precision from the plan; steps, seed, the optimizer's overrides, files and checkpoints
     from the command line."""

@@ -42,6 +42,8 @@ class RejectedPlan:
     summary: str
     reason: str
     ran: bool = True  # False: code generation refused it, nothing ran
+    differs: bool = False  # it ran and trained something else than one process
+    blamed: str = ""  # the way of splitting the check blamed, in words (autopar/runtime/blame.py), if any
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,13 @@ class ProofOutcome:
     Attributes:
         failure: one line saying why the plan is rejected ("" when it passed).
         proven: what passed, in words (each check that ran, and any that could not finish).
+        differs: the run finished and trained something else than one process (its loss or
+            parameters differ): the plan's way of splitting the model is to blame, not a crash.
     """
 
     failure: str = ""
     proven: str = ""
+    differs: bool = False
 
     @property
     def ok(self) -> bool:
@@ -102,9 +105,9 @@ def prove(plan: Any, model_path: str | Path, folder: str | Path, check: bool) ->
     fake = f"one step at full scale ({plan.world_size} ranks) on fake tensors: " + "; ".join(proven)
     if not check:
         return ProofOutcome(proven=fake)
-    failure, note = numerical_check(plan, model_path)
+    failure, note, differs = numerical_check(plan, model_path)
     if failure:
-        return ProofOutcome(failure=failure)
+        return ProofOutcome(failure=failure, differs=differs)
     return ProofOutcome(proven=f"{fake}; {note}")
 
 
@@ -126,9 +129,10 @@ def fake_step(folder: str | Path, rank: int, timeout_s: float = FAKE_TIMEOUT_S) 
     return "", done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"rank {rank}"
 
 
-def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str]:
-    """(failure, what passed) of `CHECK_STEPS` steps of ``plan``'s module on local gloo ranks
-    against the unsharded model on one process."""
+def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
+    """(failure, what passed, whether the run finished and differs from one process) of
+    `CHECK_STEPS` steps of ``plan``'s module on local gloo ranks against the unsharded model on
+    one process."""
     import torch
 
     from autopar.codegen import generate
@@ -144,19 +148,19 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str]:
         result = run_local(folder, plan.world_size, CHECK_STEPS, timeout_s=CHECK_TIMEOUT_S,
                            extra_args=["--seed", "0", "--save-final", str(final)])
         if result.returncode == 124:
-            return f"on {plan.world_size} local gloo ranks: not finished within {CHECK_TIMEOUT_S:.0f} s", ""
+            return f"on {plan.world_size} local gloo ranks: not finished within {CHECK_TIMEOUT_S:.0f} s", "", False
         if not result.ok:
             where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
-            return f"on {plan.world_size} local gloo ranks, {where}: {_last_line(result.error)}", ""
+            return f"on {plan.world_size} local gloo ranks, {where}: {_last_line(result.error)}", "", False
         losses = [record["loss"] for record in result.records]
         parameters = torch.load(final, weights_only=True) if final.is_file() else {}
     reference = run_reference(model_path, dict(plan.provenance.model_kwargs), plan.global_batch_size, CHECK_STEPS,
                               optimizer)
     difference = compare_with_reference(losses, parameters, reference)
     if difference:
-        return difference, ""
+        return difference, "", True
     return "", (f"{CHECK_STEPS} steps on {plan.world_size} local gloo ranks equal to one process (losses within "
-                f"rtol {LOSS_RTOL:g}, parameters within rtol {PARAM_RTOL:g} + atol {PARAM_ATOL:g})")
+                f"rtol {LOSS_RTOL:g}, parameters within rtol {PARAM_RTOL:g} + atol {PARAM_ATOL:g})"), False
 
 
 def compare_with_reference(losses: list[float], parameters: dict[str, Any], reference: Any) -> str:

@@ -328,7 +328,7 @@ class Planner:
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
             cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync,
             dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout), dp_shares=list(self.pricer.dp_shares(layout)),
-            layer_names=names,
+            token_loss=self.pricer.weighs_tokens(layout), layer_names=names,
             block_containers=list(self.profile.block_containers), global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
             moe_imbalance=self.train.moe_imbalance,

@@ -55,6 +55,10 @@ def test_a_plan_that_trains_something_else_is_caught_only_by_the_check(tmp_path,
     assert main(["compile", str(MODELS / "batch_mixing.py"), *pinned, "check=on", "--out-dir", str(checked)]) == 1
     error = " ".join(capsys.readouterr().err.split())
     assert "loss differs from one process by" in error and "at step 0" in error
+    # The check blames the batch split (the plan split nothing else) and says how samples meet;
+    # with dp pinned no plan is left, and a known cause is no autopar bug.
+    assert "to blame: splitting the batch" in error and "the samples of a batch meet" in error
+    assert "autopar bug" not in error
     assert not checked.exists()
     # check=off skips the small-scale run: the full-scale step on fake tensors passes (the
     # shapes are right), so the plan is written and its report says what was not checked.
@@ -63,6 +67,21 @@ def test_a_plan_that_trains_something_else_is_caught_only_by_the_check(tmp_path,
                  "-q"]) == 0
     report = (unchecked / "report.md").read_text()
     assert "one step at full scale (2 ranks) on fake tensors" in report and "local gloo ranks" not in report
+
+
+def test_a_split_that_trains_something_else_is_not_tried_again(tmp_path, capsys):
+    """Unpinned, the fastest plan of the batch-mixing model splits the batch; the check blames
+    that split, so the next plan keeps the whole batch in one micro-batch (tensor parallelism)
+    instead of trying the batch split again with another ZeRO stage or micro-batch size."""
+    out = tmp_path / "out"
+    assert main(["compile", str(MODELS / "batch_mixing.py"), *TWO_CPU_RANKS, "check=on", "--out-dir", str(out)]) == 0
+    terminal = " ".join(capsys.readouterr().out.split())
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["dp"] == 1 and plan["num_micro_batches"] == 1 and plan["cp"] == 1
+    rejected = json.loads((out / "report.json").read_text())["rejected"]
+    assert len(rejected) == 1 and "dp=2" in rejected[0]["summary"]
+    assert "to blame: splitting the batch" in rejected[0]["reason"]
+    assert "not splitting that way again" in terminal
 
 
 def test_a_saved_plan_that_fails_is_refused_with_its_reason(tmp_path, capsys):

@@ -20,11 +20,15 @@ TP_LAYOUT_PINS = ["dp2_tp2", "tp4"]
 TP_LAYOUT_MODELS = ["fused_qkv", "neox_qkv", "global_views"]
 # Grouped-query attention with more TP ranks than key/value heads (2 of them at tp=4: each rank
 # computes its group's head, autopar/solver/tp_kv_groups.py).
-GQA_TP4_MODELS = ["hf_llama"]
+GQA_TP4_MODELS = ["hf_llama", "hf_stablelm"]
+# A masked LM (labels of -100 outside the masked tokens) with the batch split two ways at once:
+# each part counts its own tokens, weighed by counts (autopar/trace/loss_tokens.py).
+TOKEN_LOSS_PINS = ["dp2_pp2", "dp2_cp2"]
 ALL_CASES = ([f"{model}-{pin}" for model in MODELS for pin in TWO_RANK_PINS]
              + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS]
              + [f"{model}-{pin}" for model in TP_LAYOUT_MODELS for pin in TP_LAYOUT_PINS]
-             + [f"{model}-tp4" for model in GQA_TP4_MODELS])
+             + [f"{model}-tp4" for model in GQA_TP4_MODELS]
+             + [f"hf_bert_mlm-{pin}" for pin in TOKEN_LOSS_PINS])
 
 # CI's subset (about a minute and a half on two cores): the nanoGPT layout under three kinds of
 # split in one spawn of ranks, the frozen-parameter model, and context parallelism refused

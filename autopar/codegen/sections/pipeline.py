@@ -328,22 +328,26 @@ def module_stages(stage_modules: list[nn.Module], stage_indices: list[int], num_
             for module, index in zip(stage_modules, stage_indices)]
 
 
-def build_pipeline(stages: list[Any], schedule: str, num_micro_batches: int):
+def build_pipeline(stages: list[Any], schedule: str, num_micro_batches: int,
+                   loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None):
     """The pipeline schedule running this rank's stages.
 
     Args:
         stages: this rank's pipeline stages (one, or chunks of them for interleaving).
         schedule: "gpipe", "1f1b" or "interleaved_1f1b".
         num_micro_batches: micro-batches per step per data-parallel rank.
+        loss_fn: what the last stage's output (the micro-batch's loss) becomes before its
+            backward; None: the loss itself (a token-level loss weighs it: token_loss.py).
     """
     schedule_class = SCHEDULES[schedule]
     # The last stage already returns the loss; the schedule divides gradients by the number of
     # micro-batches (scale_grads), which makes them those of the mean loss over the batch.
+    loss_fn = loss_fn or _loss_is_output
     if schedule_class is ScheduleInterleaved1F1B:
-        return schedule_class(stages, n_microbatches=num_micro_batches, loss_fn=_loss_is_output)
+        return schedule_class(stages, n_microbatches=num_micro_batches, loss_fn=loss_fn)
     if len(stages) != 1:
         raise ValueError(f"schedule {schedule!r} runs one stage per rank, got {len(stages)}")
-    return schedule_class(stages[0], n_microbatches=num_micro_batches, loss_fn=_loss_is_output)
+    return schedule_class(stages[0], n_microbatches=num_micro_batches, loss_fn=loss_fn)
 
 
 def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

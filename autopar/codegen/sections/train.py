@@ -45,6 +45,7 @@ from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradient
                                                run_pipeline, split_stage, split_with_tracer)
 from autopar.codegen.sections.recompute import apply_recompute
 from autopar.codegen.sections.tensor_parallel import apply_tp, reduce_partial_gradients, replicated_beside_shards
+from autopar.codegen.sections.token_loss import TokenCounts
 
 
 GRADIENT_SYNC_ALGORITHMS = ("hierarchical", "halving_doubling", "ps")  # dp_sync run by gradient_sync.py
@@ -139,6 +140,8 @@ class TrainConfig:
         init_from: weights to start from instead of the seed's (a file or model folder, see
             pretrained.py), unless a checkpoint is resumed; or None.
         metrics: where rank 0 sends the records besides log_file (see metrics.py).
+        token_loss: the loss is a mean over the targets it counts (cross-entropy with ignored
+            labels), weighed by counts across ranks and micro-batches (token_loss.py).
     """
 
     model_file: str
@@ -161,6 +164,7 @@ class TrainConfig:
     eval_batches: int = 4
     init_from: str | None = None
     metrics: metrics.MetricsConfig = field(default_factory=metrics.MetricsConfig)
+    token_loss: bool = False
 
     def share(self, rank_in_dp: int) -> tuple[int, int]:
         """(first sample, samples per micro-batch) of a data-parallel rank's part of the batch."""
@@ -170,8 +174,8 @@ class TrainConfig:
 
     def loss_weight(self, rank_in_dp: int) -> float:
         """Factor on this rank's mean loss so averaging over data-parallel ranks weights each by
-        its samples (1 when shares are even)."""
-        if not self.dp_shares:
+        its samples (1 when shares are even, or where counted tokens weigh it: token_loss.py)."""
+        if not self.dp_shares or self.token_loss:
             return 1.0
         return self.dp_shares[rank_in_dp] * len(self.dp_shares) / sum(self.dp_shares)
 
@@ -191,6 +195,7 @@ class ParallelModel:
     experts: Any = None  # this rank's ExpertShards under expert parallelism, else None
     grad_norm: Any = None  # the last step's global gradient norm (a tensor; None without clipping)
     lr: float | None = None  # the last step's learning rate
+    token_counts: TokenCounts | None = None  # a token-level loss's counts (token_loss.py), else None
 
 
 def unsharded_named_parameters(parallel: ParallelModel) -> list[tuple[str, nn.Parameter]]:
@@ -307,7 +312,7 @@ def setup(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         place(model, device)
         optimizer = make_optimizer(list(model.named_parameters()), training, config, mesh, no_decay)
     return ParallelModel([model], optimizer, mesh, device, is_last_stage=True, compute_dtype=param_dtype,
-                         experts=experts)
+                         experts=experts, token_counts=TokenCounts(device) if training.token_loss else None)
 
 
 def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[str, ParallelStyle], model: nn.Module,
@@ -356,14 +361,16 @@ def setup_pipeline(training: TrainConfig, config: ParallelConfig, styles: dict[s
             modules.append(stage)
         pipeline_stages = module_stages(modules, indices, len(config.stages), pp_mesh, device)
     del model  # each stage holds its own layers now
-    schedule = build_pipeline(pipeline_stages, config.schedule, training.num_micro_batches)
+    token_counts = TokenCounts(device) if training.token_loss else None
+    schedule = build_pipeline(pipeline_stages, config.schedule, training.num_micro_batches,
+                              token_counts.weigh_output if token_counts is not None else None)
     named = list({id(p): (n, p) for module in modules for n, p in named_parameters_in_stage(module)}.values())
     with materialised:
         optimizer = make_optimizer(named, training, config, mesh, no_decay)
     return ParallelModel(modules, optimizer, mesh, device, is_last_stage=len(config.stages) - 1 in indices,
                          schedule=schedule,
                          tied_sync=TiedGradientSync(config.tied_parameters, config.stages, mesh, dims.pp),
-                         compute_dtype=param_dtype, experts=experts)
+                         compute_dtype=param_dtype, experts=experts, token_counts=token_counts)
 
 
 def place(module: nn.Module, device: torch.device) -> None:
@@ -422,11 +429,14 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
     """Forward and backward of every micro-batch, then optimizer step ``step`` (its learning rate,
     gradient clipping: clipping.py).
 
-    Returns the mean micro-batch loss on ranks of the last pipeline stage, else None.
+    Returns the mean micro-batch loss on ranks of the last pipeline stage, else None (with a
+    token-level loss, this rank's share of the batch's: see token_loss.py).
     """
     loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
     dtype = parallel.compute_dtype
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    if training.token_loss:
+        parallel.token_counts.start()
     if config.dims.pp_enabled:
         with loss_context(), autocast:
             loss = run_pipeline(parallel.schedule, batch, parallel.is_last_stage,
@@ -452,12 +462,17 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
                     if config.loss_parallel:
                         output = replicated_beside_shards(output, parallel.mesh[MeshAxis.TP.value])
                     loss = compute_loss(model_module, output, micro) * weight
+                    if training.token_loss:
+                        loss = parallel.token_counts.weigh(loss)  # the sum over its counted targets
                     # Autograd keeps what backward needs; a name on the output (the logits, often
                     # the largest activation) would keep all of it through backward.
                     del output
                 (loss / n).backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n
+    if training.token_loss:
+        loss = parallel.token_counts.finish(parallel.modules, config.dims.dp * config.dims.cp,
+                                            training.num_micro_batches, config.dims.tp, loss)
     if config.experts_split:
         parallel.experts.scale_gradients(unsharded_named_parameters(parallel))
     if config.dims.tp_enabled:

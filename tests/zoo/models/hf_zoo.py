@@ -13,6 +13,7 @@ import transformers as hf
 from torch.nn import functional as F
 
 HIDDEN, HEADS, VOCAB = 32, 4, 64
+MASK_TOKEN = 0  # masked LMs' [MASK] (tokens are drawn from 3 up)
 
 # Causal language models: (config class, model class, config fields beyond the common ones).
 _CAUSAL = {
@@ -49,7 +50,7 @@ _CAUSAL = {
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
 _EAGER_ONLY = {"bloom", "gemma2", "gptj"}
 CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
-OTHER_ARCHS = ["bert", "roberta", "t5", "vit", "whisper", "clip"]
+OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip"]
 ARCHS = CAUSAL_ARCHS + OTHER_ARCHS
 
 
@@ -69,10 +70,10 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
         config = getattr(hf, config_cls)(**{**common, **extra})
         config._attn_implementation = "eager" if arch.endswith("_eager") or name in _EAGER_ONLY else "sdpa"
         return getattr(hf, model_cls)(config)
-    if arch in ("bert", "roberta"):
-        config_cls = hf.BertConfig if arch == "bert" else hf.RobertaConfig
+    if arch in ("bert", "roberta", "bert_mlm"):
+        config_cls = hf.RobertaConfig if arch == "roberta" else hf.BertConfig
         config = config_cls(**common, intermediate_size=64, pad_token_id=1)
-        return (hf.BertForMaskedLM if arch == "bert" else hf.RobertaForMaskedLM)(config)
+        return (hf.RobertaForMaskedLM if arch == "roberta" else hf.BertForMaskedLM)(config)
     if arch == "t5":
         config = hf.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=layers, num_heads=HEADS,
                              dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
@@ -106,6 +107,9 @@ def example_batch(batch_size: int, arch: str = "llama", seq_len: int = 16) -> di
         return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
     if arch in ("bert", "roberta"):
         return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if arch == "bert_mlm":  # BERT's masked LM: a quarter of the tokens masked, the rest not counted (-100)
+        inputs, masked = tokens[:, :-1], torch.rand(batch_size, seq_len) < 0.25
+        return {"input_ids": inputs.masked_fill(masked, MASK_TOKEN), "labels": inputs.masked_fill(~masked, -100)}
     if arch == "t5":
         return {"input_ids": tokens[:, :-1], "decoder_input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
     if arch == "vit":

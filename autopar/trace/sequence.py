@@ -23,6 +23,12 @@ whose output at one position reads others:
   shard would take over its own tokens only; a reduction over every dim (a loss) is averaged
   over the shards like the loss, and one over the last dim (norms) reads one position;
 - convolutions over the sequence (kernels wider than one position);
+- recurrences: ``nn.RNN``/``LSTM``/``GRU`` (one fused ATen op, or a cell per step), whose state
+  at one position carries every earlier one;
+- the sequence cut into positions (``unbind``, ``select``, a ``split`` into pieces along it) of an
+  activation: a loop over the positions (a scan written step by step) or one position read for
+  the whole sequence (pooling the first or the last token), which a shard without that position
+  cannot compute;
 - ``nn.MultiheadAttention`` (torch.nn's Transformer layers): its attention kernel is called from
   C++, so the Python-level replacement does not reach it;
 - positions numbered inside the model: without a position argument (POSITION_ARGUMENTS) in
@@ -49,6 +55,10 @@ _CUMULATIVE = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "var", "std", "var_mean", "std_mean", "logsumexp", "max", "min",
                "linalg_vector_norm"}
 _SHIFTS = {"slice", "constant_pad_nd", "pad", "narrow", "roll"}
+_RECURRENCES = {"lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn",
+                "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell",
+                "rnn_relu_cell"}
+_CUTS = {"unbind", "select", "split", "unsafe_split", "split_with_sizes", "unsafe_split_with_sizes"}
 _SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument index
     "_scaled_dot_product_flash_attention_for_cpu": 6,
     "_scaled_dot_product_efficient_attention": 3,
@@ -57,6 +67,7 @@ _SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument 
 }
 
 
+RECURRENCE = "a recurrence along the sequence (an RNN, LSTM or GRU)"
 POSITION_ARGUMENTS = ("position_ids", "positions", "pos")  # Hugging Face, vLLM-style, nanoGPT-style
 POSITION_ARGUMENT_NAMES = "/".join(POSITION_ARGUMENTS)  # as messages name them
 
@@ -92,6 +103,7 @@ def sequence_mixers(captured: CapturedStep, seq_len: int | None,
     if not seq_len or seq_len < 2:
         return []
     native = _native_attention_modules(model) if model is not None else set()
+    recurrent = _recurrent_modules(model) if model is not None else set()
     found: dict[tuple[str | None, str], SequenceMixer] = {}
     for node in captured.forward_calls():
         name = op_name(node.target).split(".")[-1]
@@ -105,6 +117,8 @@ def sequence_mixers(captured: CapturedStep, seq_len: int | None,
         reason = _mixing_reason(name, node, seq_len)
         if reason is None and "scaled_dot_product" in name and _inside(module, native):
             reason = "attention inside nn.MultiheadAttention, which context parallelism does not replace"
+        if reason and _inside(module, recurrent):
+            reason = RECURRENCE  # a recurrent module's steps, whichever ops its kernel runs as
         if reason:
             found.setdefault((module, reason), SequenceMixer(module, name, reason))
     return list(found.values())
@@ -114,6 +128,11 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
     out = _value(node)
     args = [_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if name in _RECURRENCES and first is not None and seq_len in first.shape:
+        return RECURRENCE
+    if name in _CUTS and first is not None and first.dtype.is_floating_point \
+            and _cuts_sequence(name, args, first, seq_len):
+        return "the sequence cut into positions (a loop over them, or one position read for the whole sequence)"
     if first is None or not isinstance(out, torch.Tensor):
         return _sdpa_mask_reason(name, args, seq_len) if first is not None else None
     if name in _SOFTMAX:
@@ -144,6 +163,25 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
         if weight is not None and weight.shape[-1] > 1:
             return "a convolution over the sequence"
     return _sdpa_mask_reason(name, args, seq_len)
+
+
+def _cuts_sequence(name: str, args: list[Any], first: torch.Tensor, seq_len: int) -> bool:
+    """Whether a cut op takes pieces of a dim of size S other than the last (features, which a
+    fused projection splits): one position (``select``), every position (``unbind``), or pieces
+    shorter than the sequence (``split``)."""
+    if first.dim() < 2:
+        return False
+    splits = name.startswith(("split", "unsafe_split"))
+    index = 2 if splits else 1  # select(self, dim, index), unbind(self, dim=0), split(self, sizes, dim=0)
+    dim = args[index] if len(args) > index and isinstance(args[index], int) else 0
+    dim %= first.dim()
+    if first.shape[dim] != seq_len or dim == first.dim() - 1:
+        return False
+    if splits:
+        sizes = args[1] if len(args) > 1 else None
+        pieces = [sizes] if isinstance(sizes, int) else list(sizes) if isinstance(sizes, (list, tuple)) else []
+        return bool(pieces) and all(isinstance(p, int) and p < seq_len for p in pieces)
+    return True
 
 
 def _indexes_embedding(node: torch.fx.Node, hops: int = 8) -> bool:
@@ -187,6 +225,10 @@ def _sdpa_mask_reason(name: str, args: list[Any], seq_len: int) -> str | None:
     if tuple(mask.shape[-2:]) == (seq_len, seq_len) and query.shape[-2] == key.shape[-2] == seq_len:
         return None
     return "attention with a mask other than the causal one"
+
+
+def _recurrent_modules(model: torch.nn.Module) -> set[str]:
+    return {name for name, module in model.named_modules() if isinstance(module, torch.nn.RNNBase)}
 
 
 def _native_attention_modules(model: torch.nn.Module) -> set[str]:

@@ -115,6 +115,70 @@ def test_a_per_sequence_statistic_blocks_cp():
                                      "'blocks.0.moe')"
 
 
+_SEQUENCE_MODEL = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+class Model(nn.Module):
+    def __init__(self, mixer):
+        super().__init__()
+        self.embed = nn.Embedding(64, 24)
+        self.mixer_kind = mixer
+        self.rnn = {"lstm": nn.LSTM(24, 24, batch_first=True), "gru": nn.GRU(24, 24, batch_first=True)}.get(mixer)
+        self.qkv = nn.Linear(24, 72)
+        self.head = nn.Linear(24, 64)
+
+    def forward(self, tokens, positions=None):
+        x = self.embed(tokens)
+        if self.rnn is not None:
+            x, _ = self.rnn(x)
+        elif self.mixer_kind == "scan":  # a recurrence written step by step
+            state, steps = torch.zeros_like(x[:, 0]), []
+            for step in x.unbind(1):
+                state = 0.5 * state + step
+                steps.append(state)
+            x = torch.stack(steps, 1)
+        elif self.mixer_kind == "first_token":  # pooled at the first position
+            x = x[:, 0:1] * x  # (a slice, not a select: the same position for every rank's tokens)
+            x = x + x.select(1, 0).unsqueeze(1)
+        q, k, v = self.qkv(x).split(24, dim=-1)  # a fused projection cut along its features: no mixing
+        return self.head(q + k + v)
+
+def build_model(mixer="lstm"):
+    return Model(mixer)
+
+def example_batch(batch_size, mixer="lstm"):
+    tokens = torch.randint(0, 64, (batch_size, 17))
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+            "positions": torch.arange(16).expand(batch_size, 16)}
+
+def loss_fn(output, batch):
+    return F.cross_entropy(output.flatten(0, 1), batch["targets"].flatten())
+"""
+
+
+@pytest.mark.parametrize("mixer,expected", [
+    ("lstm", "a recurrence along the sequence (an RNN, LSTM or GRU)"),
+    ("gru", "a recurrence along the sequence (an RNN, LSTM or GRU)"),
+    ("scan", "the sequence cut into positions (a loop over them, or one position read for the whole sequence)"),
+    ("first_token", "the sequence cut into positions (a loop over them, or one position read for the whole "
+                    "sequence)"),
+    ("none", None),
+])
+def test_recurrences_and_positions_cut_out_block_cp(tmp_path, mixer, expected):
+    """An LSTM or GRU (one fused ATen op on the CPU, or a cell per step), a scan written step by
+    step and a token pooled at one position read other positions than their own; a fused
+    projection split along its features (a dim that is not the sequence) does not."""
+    path = tmp_path / "model.py"
+    path.write_text(_SEQUENCE_MODEL)
+    profile = profile_model(load_model_file(path), {"mixer": mixer}, micro_batch_size=2, precision="fp32")
+    if expected is None:
+        assert profile.sequence_mixers == []
+    else:
+        assert any(found.startswith(expected + " (") for found in profile.sequence_mixers), profile.sequence_mixers
+
+
 def test_torch_multihead_attention_counts_as_mixing():
     """nn.TransformerEncoderLayer calls the attention kernel from C++, past the replaced function."""
     profile = profile_model(load_model_file(ZOO / "encdec.py"), {}, micro_batch_size=1, precision="fp32")

@@ -274,7 +274,7 @@ def _trace_whole(model_file: ModelFile, build: Any, stacks: list[str], tokens: i
     grouping = group_layers(build.model, captured, stacks)
     return _Traced(grouping=grouping, facts=profile_ops(captured, grouping),
                    placeholders=_placeholder_roles(captured), num_nodes=len(captured.graph_module.graph.nodes),
-                   mixers=_mixers(captured, tokens, build.model), batch_mixer=batch_statistics(captured),
+                   mixers=_mixers(captured, tokens, build.model, build.batch), batch_mixer=batch_statistics(captured),
                    token_loss=token_mean_loss(captured))
 
 
@@ -290,7 +290,7 @@ def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[
         with narrowed(build.model, selection):
             captured = capture_training_step(model_file, build)
             grouping = group_layers(build.model, captured, stacks)
-            mixers = _mixers(captured, tokens, build.model, selection)
+            mixers = _mixers(captured, tokens, build.model, build.batch, selection)
         facts = profile_ops(captured, grouping)
         traced_roles = _placeholder_roles(captured)
         batch_inputs = sum(role.startswith("input:") for role in traced_roles.values())
@@ -311,11 +311,11 @@ def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[
                    copied_blocks=sorted(selection.left_out, key=expansion.layer_names.index))
 
 
-def _mixers(captured: CapturedStep, tokens: int | None, model: torch.nn.Module,
+def _mixers(captured: CapturedStep, tokens: int | None, model: torch.nn.Module, batch: Any,
             selection: TraceSelection | None = None) -> list[SequenceMixer]:
     """The sequence mixers (each copied block's too, under ``selection``), then what keeps the
     model from being given positions."""
-    mixers = sequence_mixers(captured, tokens, model)
+    mixers = sequence_mixers(captured, tokens, model, batch)
     if selection is not None:
         mixers = expand_mixers(mixers, selection)
     blocker = position_blocker(captured, tokens, model)

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_flatten_with_path
 
 from autopar.trace.capture import CapturedStep
 from autopar.trace.ops import op_name
@@ -60,13 +62,14 @@ _RECURRENCES = {"lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer", "_cud
                 "rnn_relu_cell"}
 _CUTS = {"unbind", "select", "split", "unsafe_split", "split_with_sizes", "unsafe_split_with_sizes"}
 _SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument index
-    "_scaled_dot_product_flash_attention_for_cpu": 6,
+    "_scaled_dot_product_flash_attention_for_cpu": 5,  # attn_mask: by keyword
     "_scaled_dot_product_efficient_attention": 3,
     "_scaled_dot_product_attention_math": 3,
     "scaled_dot_product_attention": 3,
 }
 
 
+PADDING_MASK_ARGUMENT = "attention_mask"  # Hugging Face's; CP fills it with ones where the batch has none
 RECURRENCE = "a recurrence along the sequence (an RNN, LSTM or GRU)"
 POSITION_ARGUMENTS = ("position_ids", "positions", "pos")  # Hugging Face, vLLM-style, nanoGPT-style
 POSITION_ARGUMENT_NAMES = "/".join(POSITION_ARGUMENTS)  # as messages name them
@@ -94,14 +97,16 @@ class SequenceMixer:
         return f"{self.reason} ({self.op} in {where})"
 
 
-def sequence_mixers(captured: CapturedStep, seq_len: int | None,
-                    model: torch.nn.Module | None = None) -> list[SequenceMixer]:
+def sequence_mixers(captured: CapturedStep, seq_len: int | None, model: torch.nn.Module | None = None,
+                    batch: Any = None) -> list[SequenceMixer]:
     """Forward ops that mix positions along a sequence of ``seq_len`` tokens, one per
     (module, reason) in graph order; empty when the step has no sequence. With ``model``,
     attention inside ``nn.MultiheadAttention`` counts too: it calls the attention kernel from
-    C++, past the Python function CP replaces."""
+    C++, past the Python function CP replaces. With the traced ``batch``, an attention mask
+    computed from positions and a padding mask is evaluated on the values CP feeds them."""
     if not seq_len or seq_len < 2:
         return []
+    fed = cp_fed_inputs(captured, batch) if batch is not None else {}
     native = _native_attention_modules(model) if model is not None else set()
     recurrent = _recurrent_modules(model) if model is not None else set()
     found: dict[tuple[str | None, str], SequenceMixer] = {}
@@ -114,7 +119,7 @@ def sequence_mixers(captured: CapturedStep, seq_len: int | None,
         # vocabulary as large as the sequence must not look like S x S scores.
         if module is None and name in _SOFTMAX:
             continue
-        reason = _mixing_reason(name, node, seq_len)
+        reason = _mixing_reason(name, node, seq_len, fed)
         if reason is None and "scaled_dot_product" in name and _inside(module, native):
             reason = "attention inside nn.MultiheadAttention, which context parallelism does not replace"
         if reason and _inside(module, recurrent):
@@ -124,7 +129,7 @@ def sequence_mixers(captured: CapturedStep, seq_len: int | None,
     return list(found.values())
 
 
-def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
+def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int, fed: dict[str, torch.Tensor]) -> str | None:
     out = _value(node)
     args = [_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -134,7 +139,7 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
             and _cuts_sequence(name, args, first, seq_len):
         return "the sequence cut into positions (a loop over them, or one position read for the whole sequence)"
     if first is None or not isinstance(out, torch.Tensor):
-        return _sdpa_mask_reason(name, args, seq_len) if first is not None else None
+        return _sdpa_mask_reason(name, node, args, seq_len, fed) if first is not None else None
     if name in _SOFTMAX:
         dim = _dim(args, 1, first)
         if first.dim() >= 2 and first.shape[dim] == seq_len and first.shape[-2] == seq_len:
@@ -162,7 +167,7 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int) -> str | None:
         weight = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         if weight is not None and weight.shape[-1] > 1:
             return "a convolution over the sequence"
-    return _sdpa_mask_reason(name, args, seq_len)
+    return _sdpa_mask_reason(name, node, args, seq_len, fed)
 
 
 def _cuts_sequence(name: str, args: list[Any], first: torch.Tensor, seq_len: int) -> bool:
@@ -215,20 +220,97 @@ def _reduces_sequence(args: list[Any], first: torch.Tensor, seq_len: int) -> boo
     return any(first.shape[d] == seq_len and d != first.dim() - 1 for d in reduced)
 
 
-def _sdpa_mask_reason(name: str, args: list[Any], seq_len: int) -> str | None:
+def _sdpa_mask_reason(name: str, node: torch.fx.Node, args: list[Any], seq_len: int,
+                      fed: dict[str, torch.Tensor]) -> str | None:
     index = _SDPA_MASK_ARG.get(name)
-    if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
+    if index is None:
         return None
-    mask = args[index]
+    # Positional, or by keyword (the CPU flash kernel takes attn_mask only by keyword)
+    mask_node = node.args[index] if len(node.args) > index else node.kwargs.get("attn_mask")
+    mask = _value(mask_node) if isinstance(mask_node, torch.fx.Node) else None
+    if not isinstance(mask, torch.Tensor):
+        return None
     query, key = args[0], args[1]
-    # The one mask CP understands: causal over the local tokens (queries x keys, both S).
+    # The one mask CP understands: causal over the local tokens (queries x keys, both S). A mask
+    # computed from nothing but constants (Hugging Face builds its causal and sliding-window
+    # masks from an arange) is evaluated: a window or any other pattern is found here, where the
+    # generated attention would refuse it only once it runs.
     if tuple(mask.shape[-2:]) == (seq_len, seq_len) and query.shape[-2] == key.shape[-2] == seq_len:
-        return None
+        value = constant_value(mask_node, fed)
+        if value is None or _is_causal(value):
+            return None
+        return "attention with a mask other than the causal one (a sliding window or local attention)"
     return "attention with a mask other than the causal one"
 
 
 def _recurrent_modules(model: torch.nn.Module) -> set[str]:
     return {name for name, module in model.named_modules() if isinstance(module, torch.nn.RNNBase)}
+
+
+_MOST_CONSTANT_NODES = 2000  # a mask's computation; more is not a mask built from an arange
+
+
+def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """The value of ``node`` when it is computed from constants and ``inputs`` (graph input name
+    -> value) alone, by running those ops on real tensors; None when a parameter or any other
+    graph input is among its ancestors."""
+    inputs = inputs or {}
+    ancestors, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in ancestors:
+            continue
+        known = current.op == "placeholder" and current.name in inputs
+        if (current.op != "call_function" and not known) or len(ancestors) > _MOST_CONSTANT_NODES:
+            return None
+        ancestors.add(current)
+        stack.extend(current.all_input_nodes)
+    graph, copies = torch.fx.Graph(), {}
+    placeholders = []
+    for current in node.graph.nodes:  # graph order is a topological order
+        if current in ancestors:
+            copies[current] = graph.node_copy(current, lambda n: copies[n])
+            if current.op == "placeholder":
+                placeholders.append(inputs[current.name])
+    graph.output(copies[node])
+    try:
+        with unset_fake_temporarily():
+            value = torch.fx.GraphModule(torch.nn.Module(), graph)(*placeholders)
+    except Exception:  # noqa: BLE001 - an op that cannot run on real tensors here: no value, no verdict
+        return None
+    return value if isinstance(value, torch.Tensor) and not value.is_meta else None
+
+
+def cp_fed_inputs(captured: CapturedStep, batch: Any) -> dict[str, torch.Tensor]:
+    """Graph input name -> the value context parallelism gives it, for the batch's position
+    argument (the global positions, 0..S-1 in every row) and padding mask (all ones where the
+    batch has none: codegen/sections/context_parallel.py); the traced ``batch`` supplies names
+    and shapes (its leaves are the graph's last inputs, in pytree order)."""
+    leaves = tree_flatten_with_path(batch)[0]
+    names = [n.name for n in captured.graph_module.graph.nodes if n.op == "placeholder"][-len(leaves):] \
+        if leaves else []
+    fed = {}
+    with unset_fake_temporarily():
+        for name, (path, leaf) in zip(names, leaves):
+            key = getattr(path[-1], "key", None) if path else None
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                continue
+            if key in POSITION_ARGUMENTS:
+                fed[name] = torch.arange(leaf.shape[-1], dtype=leaf.dtype).expand(tuple(leaf.shape)).clone()
+            elif key == PADDING_MASK_ARGUMENT:
+                fed[name] = torch.ones(tuple(leaf.shape), dtype=leaf.dtype)
+    return fed
+
+
+def _is_causal(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` (boolean, or additive: 0 where allowed) allows each query exactly the keys
+    at or before it, in every batch row and head."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any()):
+        return False  # finite non-zero entries: a bias, not a mask
+    queries, keys = mask.shape[-2:]
+    causal = torch.ones(queries, keys, dtype=torch.bool).tril()
+    return bool((allowed == causal).all())
 
 
 def _native_attention_modules(model: torch.nn.Module) -> set[str]:

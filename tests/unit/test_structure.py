@@ -179,6 +179,42 @@ def test_recurrences_and_positions_cut_out_block_cp(tmp_path, mixer, expected):
         assert any(found.startswith(expected + " (") for found in profile.sequence_mixers), profile.sequence_mixers
 
 
+_WINDOWED = """
+import torch
+import transformers as hf
+from torch.nn import functional as F
+
+def build_model(window=4):
+    config = hf.MistralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=64, vocab_size=64, max_position_embeddings=64, use_cache=False,
+                              sliding_window=window)
+    config._attn_implementation = "sdpa"
+    return hf.MistralForCausalLM(config)
+
+def example_batch(batch_size, window=4):
+    tokens = torch.randint(3, 64, (batch_size, 17))
+    return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:],
+            "position_ids": torch.arange(16).expand(batch_size, 16)}
+
+def loss_fn(output, batch):
+    return F.cross_entropy(output.logits.flatten(0, -2), batch["targets"].flatten())
+"""
+
+
+@pytest.mark.parametrize("window,blocked", [(4, True), (64, False)])
+def test_a_sliding_window_mask_blocks_cp_at_profile(tmp_path, window, blocked):
+    """Hugging Face passes SDPA a mask built from the positions: evaluated on the positions CP
+    feeds (0..S-1), a window of 4 over 16 tokens is no causal mask, so CP is refused at profile
+    (the generated attention would refuse it only when run); a window longer than the sequence
+    is the causal mask."""
+    path = tmp_path / "model.py"
+    path.write_text(_WINDOWED)
+    profile = profile_model(load_model_file(path), {"window": window}, micro_batch_size=1, precision="fp32")
+    expected = ["attention with a mask other than the causal one (a sliding window or local attention) "
+                "(_scaled_dot_product_flash_attention_for_cpu in module 'model.layers.0.self_attn')"]
+    assert profile.sequence_mixers == (expected if blocked else [])
+
+
 def test_torch_multihead_attention_counts_as_mixing():
     """nn.TransformerEncoderLayer calls the attention kernel from C++, past the replaced function."""
     profile = profile_model(load_model_file(ZOO / "encdec.py"), {}, micro_batch_size=1, precision="fp32")

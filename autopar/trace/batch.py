@@ -15,7 +15,6 @@ ranks; this rule holds wherever the plan is made.
 from __future__ import annotations
 
 from autopar.trace.capture import CapturedStep
-from autopar.trace.ops import op_name
 
 # ATen's batch-norm ops and the index of their `training` argument.
 _BATCH_NORM_TRAINING_ARG = {"native_batch_norm": 5, "_native_batch_norm_legit": 5,
@@ -26,13 +25,8 @@ _BATCH_NORM_TRAINING_ARG = {"native_batch_norm": 5, "_native_batch_norm_legit": 
 def batch_statistics(captured: CapturedStep) -> str | None:
     """Why a split of the batch would train another model (None: the samples never meet): the
     first forward batch norm in training mode, with its module."""
-    for node in captured.forward_calls():
-        parts = op_name(node.target).split(".")
-        name = next((part for part in parts if part in _BATCH_NORM_TRAINING_ARG), None)
-        if name is None:
-            continue
-        index = _BATCH_NORM_TRAINING_ARG[name]
-        if len(node.args) > index and node.args[index] is True:
+    for node, name, training in captured.forward_calls_of(_BATCH_NORM_TRAINING_ARG):
+        if training is True:
             module = captured.node_module.get(node.name)
             return (f"batch normalisation in training mode ({name} in module '{module}') normalises over the batch, "
                     "so a part of it would be normalised by the part's statistics")

@@ -16,7 +16,7 @@ import contextlib
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -25,6 +25,7 @@ from torch.func import functional_call
 
 from autopar.errors import TraceError
 from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
+from autopar.trace.ops import op_name
 from autopar.model_file import FakeBuild, ModelFile, compute_loss, model_inputs
 
 MODULE_KEY = "autopar_module"
@@ -56,6 +57,15 @@ class CapturedStep:
         """The forward pass's op calls, in graph order."""
         return (node for node in self.graph_module.graph.nodes
                 if node.op == "call_function" and self.node_phase.get(node.name) != BACKWARD)
+
+    def forward_calls_of(self, ops: Mapping[str, int]) -> Iterator[tuple[torch.fx.Node, str, Any]]:
+        """The forward calls of the ATen ops named in ``ops`` (op name -> index of an argument),
+        each with its name and that argument (None when not passed)."""
+        for node in self.forward_calls():
+            name = next((part for part in op_name(node.target).split(".") if part in ops), None)
+            if name is not None:
+                index = ops[name]
+                yield node, name, node.args[index] if len(node.args) > index else None
 
 
 def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedStep:

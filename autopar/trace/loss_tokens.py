@@ -18,7 +18,6 @@ generated step reads the count from the loss's autograd graph after each micro-b
 from __future__ import annotations
 
 from autopar.trace.capture import CapturedStep
-from autopar.trace.ops import op_name
 
 _MEAN_OVER_TARGETS = {"nll_loss_forward": 3, "nll_loss2d_forward": 3}  # op -> index of `reduction`
 _MEAN = 1  # ATen's Reduction::Mean
@@ -28,13 +27,9 @@ def token_mean_loss(captured: CapturedStep) -> str | None:
     """The loss's mean over counted targets, described with its module, when the step computes
     exactly one (None: none, or several, whose counts one weight cannot carry)."""
     found = []
-    for node in captured.forward_calls():
-        parts = op_name(node.target).split(".")
-        name = next((part for part in parts if part in _MEAN_OVER_TARGETS), None)
-        if name is None:
-            continue
-        index = _MEAN_OVER_TARGETS[name]
-        reduction = node.args[index] if len(node.args) > index else node.kwargs.get("reduction", _MEAN)
+    for node, name, reduction in captured.forward_calls_of(_MEAN_OVER_TARGETS):
+        if reduction is None:
+            reduction = node.kwargs.get("reduction", _MEAN)
         if reduction == _MEAN:
             module = captured.node_module.get(node.name)
             found.append(f"{name} (a mean over the targets not ignored)" + (f" in module '{module}'" if module else ""))

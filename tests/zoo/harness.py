@@ -63,11 +63,12 @@ class Pin:
 
     name: str
     pins: dict[str, Any]
+    ranks: int = 0  # ranks of a pin that fixes no degree (the planner's first plan); else the degrees'
 
     @property
     def world_size(self) -> int:
         p = self.pins
-        return p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
+        return self.ranks or p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
 
 
 def _hf(arch: str, **kwargs: Any) -> ZooModel:
@@ -101,6 +102,9 @@ PINS = {p.name: p for p in [
     Pin("dp2_pp2", dict(dp=2, tp=1, pp=2, cp=1)),
     Pin("tp2_pp2", dict(dp=1, tp=2, pp=2, cp=1)),
     Pin("dp2_cp2", dict(dp=2, tp=1, pp=1, cp=2)),
+    # Nothing pinned: the plan `autopar compile` picks first on 2 ranks (moving past plans its
+    # proof rejects), as a new user meets it.
+    Pin("first", {}, ranks=2),
 ]}
 
 

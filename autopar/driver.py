@@ -528,11 +528,10 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
 def _none_proven(rejected: list[Any], why_stopped: str) -> UserError:
     """The one paragraph for a compile whose every plan failed its proof (nothing written): each
     plan and its reason, then each cause the check measured once, in words."""
-    listed = "; ".join(f"({i}) {r.summary}: {r.reason}" for i, r in enumerate(rejected, 1))
+    listed = "".join(f"\n  ({i}) {r.summary}: {r.reason}" for i, r in enumerate(rejected, 1))
     causes = list(dict.fromkeys(r.blamed for r in rejected if r.blamed))
-    problem = f"No plan passed compile's proof, so nothing was written: {listed}; {why_stopped}."
-    if causes:
-        problem += " " + " ".join(cause[0].upper() + cause[1:] + "." for cause in causes)
+    problem = f"No plan passed compile's proof, so nothing was written ({why_stopped}):{listed}"
+    problem += "".join(f"\nCause: {cause}." for cause in causes) + "\n"  # one line each, the fix on its own
     unexplained = any(not r.blamed for r in rejected if r.ran)
     return UserError(problem, ("fix what the first reason names in the model" + (" (or report it as an autopar bug)"
                                                                                    if unexplained else "")

@@ -143,6 +143,10 @@ def describe_plan(report: PlanReport) -> list[str]:
     if plan.sequence_parallel:
         lines.append("Sequence parallelism: norms, dropout and residuals run on 1/tp of the sequence inside TP "
                      "groups.")
+    if plan.token_loss:
+        lines.append("Token-level loss: the loss is a mean over the tokens it counts (ignored labels left out), so "
+                     "each micro-batch's mean is weighed by its count and the counts are all-reduced once per step: "
+                     "the gradients and logged loss are those of the mean over the whole batch.")
     if host := host_dispatch_words(plan):
         lines.append(host)
     recomputed = {option: sum(1 for value in plan.recompute.values() if value == option)

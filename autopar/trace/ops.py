@@ -9,6 +9,8 @@ either are listed in the profile's coverage report, never silently costed as zer
 """
 from __future__ import annotations
 
+import math
+
 import operator
 from enum import StrEnum
 from typing import Any, Callable
@@ -34,9 +36,26 @@ class OpClass(StrEnum):
     OTHER = "other"  # no formula and no known class: listed in the coverage report
 
 
+def rnn_layer_flop(input_shape: Any, input_weights: Any, hidden_weights: Any, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of one recurrent layer and direction over a sequence (ATen's CPU ``mkldnn_rnn_layer``,
+    which ``nn.LSTM``/``GRU``/``RNN`` run as one op): each token multiplies the input by the
+    gates' input weights and the previous state by their hidden weights (2 FLOPs a weight), the
+    gates' elementwise work left out as small beside it."""
+    tokens = math.prod(input_shape[:-1])
+    return 2 * tokens * (math.prod(input_weights) + math.prod(hidden_weights))
+
+
+def rnn_layer_backward_flop(input_shape: Any, input_weights: Any, hidden_weights: Any, *args: Any,
+                            **kwargs: Any) -> int:
+    """Backward of `rnn_layer_flop`: the inputs' and the weights' gradients, twice the forward."""
+    return 2 * rnn_layer_flop(input_shape, input_weights, hidden_weights)
+
+
 # Shape-level formulas, in the form FlopCounterMode(custom_mapping=...) expects.
 EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten._grouped_mm: grouped_mm_flop,
+    aten.mkldnn_rnn_layer: rnn_layer_flop,
+    aten.mkldnn_rnn_layer_backward: rnn_layer_backward_flop,
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__,
 }

@@ -179,6 +179,19 @@ def test_recurrences_and_positions_cut_out_block_cp(tmp_path, mixer, expected):
         assert any(found.startswith(expected + " (") for found in profile.sequence_mixers), profile.sequence_mixers
 
 
+@pytest.mark.parametrize("mixer", ["lstm", "gru"])
+def test_a_recurrent_layer_is_priced_by_its_weights(tmp_path, mixer):
+    """An LSTM (4 gates) and a GRU (3), 24 features in and out, over 2 x 16 tokens: 2 FLOPs per
+    weight per token forward, whether the CPU runs the layer as one fused op (fp32: mkldnn's, which
+    has no formula in torch) or as a cell per step."""
+    path = tmp_path / "model.py"
+    path.write_text(_SEQUENCE_MODEL)
+    profile = profile_model(load_model_file(path), {"mixer": mixer}, micro_batch_size=2, precision="fp32")
+    gates = {"lstm": 4, "gru": 3}[mixer]
+    assert profile.layer("rnn").flops_forward == 2 * (2 * 16) * gates * 24 * (24 + 24)
+    assert profile.layer("rnn").flops_backward >= profile.layer("rnn").flops_forward
+
+
 _WINDOWED = """
 import torch
 import transformers as hf

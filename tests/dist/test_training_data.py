@@ -51,6 +51,10 @@ HOOK_CASES = {
     "hook_dp2": (dict(dp=2), {}),
     "hook_stream_dp2": (dict(dp=2), {"stream": True}),
     "hook_pp2": (dict(pp=2), {}),
+    # Labels of -100 on a quarter of the targets or so, a different count per sample: training
+    # and validation losses weigh each rank's and micro-batch's mean by its count (token_loss.py).
+    "hook_masked_dp2": (dict(dp=2), {"masked": True}),
+    "hook_masked_pp2": (dict(pp=2), {"masked": True}),
 }
 
 

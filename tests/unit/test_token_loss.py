@@ -145,3 +145,22 @@ def test_plans_weigh_tokens_only_where_the_batch_is_split():
         assert pricer.scalar_collectives(layout) == {"all_reduce": 1}
     assert not pricer.weighs_tokens(whole)
     assert pricer.fixed_time_s(whole) == 0 and pricer.scalar_collectives(whole) == {}
+
+
+def test_validation_counts_are_recorded_without_autograd(one_rank_group):
+    """Validation runs under no_grad, so no graph keeps the count: the counting mode records it
+    as each mean nll_loss runs (a sum-reduced one is not a mean), and the summed micro-batch
+    losses over the global count give the whole batch's mean."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 7)
+    inputs, targets = torch.randn(2, 5, 4), torch.randint(0, 7, (2, 5))
+    targets[0, :4] = IGNORED  # 1 + 5 counted
+    counts = TokenCounts(torch.device("cpu"))
+    with torch.no_grad():
+        with counts.counting():
+            means = torch.stack([F.cross_entropy(head(inputs[m]), targets[m]) for m in range(2)])
+            F.cross_entropy(head(inputs[0]), targets[0], reduction="sum")
+        expected = F.cross_entropy(head(inputs).flatten(0, 1), targets.flatten())
+    assert [c.item() for c in counts.counts] == [1, 5]
+    whole = counts.summed(means).sum() / counts.global_count(2)
+    assert whole.item() == pytest.approx(expected.item(), rel=1e-6)

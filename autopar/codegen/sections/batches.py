@@ -209,33 +209,50 @@ def validation_batches(source: DataSource, training: TrainConfig, config: Parall
 def eval_step(parallel: ParallelModel, batch: Any, training: TrainConfig, config: ParallelConfig,
               model_module: Any) -> torch.Tensor | None:
     """The loss of one batch without training on it: forward only, the model in eval mode
-    (dropout off); the mean micro-batch loss on ranks of the last pipeline stage, else None."""
-    loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
-    dtype = parallel.compute_dtype
-    autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    (dropout off); the mean micro-batch loss on ranks of the last pipeline stage, else None (with
+    a token-level loss, this rank's share of the batch's: token_loss.py)."""
+    n = training.num_micro_batches
     for module in parallel.modules:
         module.eval()
     try:
-        if config.dims.pp_enabled:
-            with loss_context(), autocast:
-                return run_pipeline(parallel.schedule, batch, parallel.is_last_stage,
-                                    traced=config.pipeline_split == "tracer", evaluate=True)
-        model = parallel.modules[0]
-        n = training.num_micro_batches
-        rank_in_dp = dp_rank(parallel.mesh, config.dims)
-        _, size = training.share(rank_in_dp)
-        total = torch.zeros((), device=parallel.device)
-        for i in range(n):
-            micro = slice_batch(batch, i * size, (i + 1) * size)
-            with loss_context(), autocast:
-                args, kwargs = model_inputs(model, micro)
-                output = model(*args, **kwargs)
-                if config.loss_parallel:
-                    output = replicated_beside_shards(output, parallel.mesh[MeshAxis.TP.value])
-                loss = compute_loss(model_module, output, micro) * training.loss_weight(rank_in_dp)
-            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
-        return total / n
+        if training.token_loss:
+            with parallel.token_counts.counting():
+                summed = micro_batch_losses(parallel, batch, training, config, model_module)
+            if summed is not None:
+                summed = parallel.token_counts.summed(summed).sum()
+            count = parallel.token_counts.global_count(n)
+            return None if summed is None else summed * config.dims.dp * config.dims.cp * config.dims.tp / count
+        losses = micro_batch_losses(parallel, batch, training, config, model_module)
+        return None if losses is None else losses.mean()
     finally:
         for module in parallel.modules:
             module.train()
+
+
+@torch.no_grad()
+def micro_batch_losses(parallel: ParallelModel, batch: Any, training: TrainConfig, config: ParallelConfig,
+                       model_module: Any) -> torch.Tensor | None:
+    """Each micro-batch's loss of one batch, forward only (1-D, on ranks of the last pipeline
+    stage; None on the others)."""
+    loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
+    dtype = parallel.compute_dtype
+    autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    if config.dims.pp_enabled:
+        with loss_context(), autocast:
+            return run_pipeline(parallel.schedule, batch, parallel.is_last_stage,
+                                traced=config.pipeline_split == "tracer", evaluate=True, per_micro_batch=True)
+    model = parallel.modules[0]
+    rank_in_dp = dp_rank(parallel.mesh, config.dims)
+    _, size = training.share(rank_in_dp)
+    losses = []
+    for i in range(training.num_micro_batches):
+        micro = slice_batch(batch, i * size, (i + 1) * size)
+        with loss_context(), autocast:
+            args, kwargs = model_inputs(model, micro)
+            output = model(*args, **kwargs)
+            if config.loss_parallel:
+                output = replicated_beside_shards(output, parallel.mesh[MeshAxis.TP.value])
+            loss = compute_loss(model_module, output, micro) * training.loss_weight(rank_in_dp)
+        losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float())
+    return torch.stack(losses)
 

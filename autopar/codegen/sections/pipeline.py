@@ -355,9 +355,9 @@ def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool, traced: bool = False,
-                 evaluate: bool = False) -> torch.Tensor | None:
+                 evaluate: bool = False, per_micro_batch: bool = False) -> torch.Tensor | None:
     """One forward and backward of every micro-batch (forward only with ``evaluate``); the mean
-    micro-batch loss on the last stage.
+    micro-batch loss on the last stage (each micro-batch's, 1-D, with ``per_micro_batch``).
 
     Module stages take the batch as keyword arguments on every stage; traced stages take it as
     positional arguments of the first stage only."""
@@ -373,7 +373,8 @@ def run_pipeline(schedule: Any, batch: Any, is_last_stage: bool, traced: bool = 
         run(target=target, losses=losses, return_outputs=False, **kwargs)
     if not is_last_stage:
         return None
-    return torch.stack([loss.detach().float() for loss in losses]).mean()
+    each = torch.stack([loss.detach().float() for loss in losses])
+    return each if per_micro_batch else each.mean()
 
 
 class TiedGradientSync:

@@ -11,7 +11,9 @@ which makes it the sum over its tokens; after the step's last backward one all-r
 every rank gives the global count N, and the gradients, summed by backward and averaged over
 the data-parallel and context-parallel ranks, are scaled by (micro-batches x those ranks) / N:
 those of the one-process mean over the whole batch, as Hugging Face's ``num_items_in_batch``
-computes it for gradient accumulation. The logged loss is the same sum over N.
+computes it for gradient accumulation. The logged loss is the same sum over N, and so is the
+validation loss, whose forward keeps no autograd graph: there the counts are recorded as the
+nll ops run (`counting`).
 """
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Autograd's nodes of ATen's nll_loss_forward / nll_loss2d_forward: they keep the count.
 COUNTING_NODES = ("NllLossBackward0", "NllLoss2DBackward0")
 MEAN_REDUCTION = 1  # ATen's Reduction::Mean
 MOST_NODES_WALKED = 256  # the loss op sits a few nodes from the loss; this bounds a walk past it
+COUNTING_OPS = (torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward)  # (loss, total_weight)
 
 
 def counted_targets(loss: torch.Tensor) -> torch.Tensor:
@@ -81,6 +85,27 @@ class TokenCounts:
         """A pipeline schedule's loss function: the last stage's output is the loss."""
         return self.weigh(output)
 
+    def counting(self) -> "CountedTargets":
+        """Record the count of every mean nll_loss run inside (validation: no autograd graph)."""
+        self.counts.clear()
+        return CountedTargets(self.counts)
+
+    def summed(self, losses: torch.Tensor) -> torch.Tensor:
+        """The micro-batches' means ``losses`` (1-D, in order) times their recorded counts: their
+        sums (a part without a counted target adds nothing)."""
+        counts = torch.stack(self.counts[-len(losses):]).to(losses.dtype)
+        return torch.where(counts > 0, losses, torch.zeros_like(losses)) * counts
+
+    def global_count(self, micro_batches: int) -> torch.Tensor:
+        """The targets the whole batch counts, over every rank, times the tensor-parallel ranks
+        (each counts the same ones). The micro-batches' counts are the last ones: on its first
+        step, torch's pipeline schedule calls the loss function once more, before them, to infer
+        gradient shapes."""
+        count = torch.stack(self.counts[-micro_batches:]).sum() if self.counts else \
+            torch.zeros((), dtype=torch.float64, device=self.device)
+        dist.all_reduce(count)  # every rank: only a pipeline's last stage counts
+        return count
+
     def finish(self, modules: list[nn.Module], averaged_over: int, micro_batches: int, tp: int,
                loss: torch.Tensor | None) -> torch.Tensor | None:
         """After the step's backward: scale the gradients to the one-process mean over the whole
@@ -93,14 +118,25 @@ class TokenCounts:
             tp: tensor-parallel ranks, which all count the same targets.
         """
         self.weighing = False
-        # The micro-batches' counts are the last ones: on its first step, torch's pipeline
-        # schedule calls the loss function once more, before them, to infer gradient shapes.
-        count = torch.stack(self.counts[-micro_batches:]).sum() if self.counts else \
-            torch.zeros((), dtype=torch.float64, device=self.device)
-        dist.all_reduce(count)  # every rank: only a pipeline's last stage counts
-        factor = (micro_batches * averaged_over * tp / count).float()
+        factor = (micro_batches * averaged_over * tp / self.global_count(micro_batches)).float()
         grads = {id(p): p.grad for module in modules for p in module.parameters() if p.grad is not None}
         with torch.no_grad():
             for grad in grads.values():
                 (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor.to(grad.dtype))
         return None if loss is None else loss * factor
+
+
+class CountedTargets(TorchDispatchMode):
+    """Appends to ``counts`` the count (float64) of every mean nll_loss that runs while active."""
+
+    def __init__(self, counts: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        reduction = args[3] if len(args) > 3 else (kwargs or {}).get("reduction", MEAN_REDUCTION)
+        if func.overloadpacket in COUNTING_OPS and reduction == MEAN_REDUCTION:
+            count = out[1].full_tensor() if isinstance(out[1], DTensor) else out[1]
+            self.counts.append(count.detach().to(torch.float64))
+        return out

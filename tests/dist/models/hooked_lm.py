@@ -2,7 +2,8 @@
 collate into example_batch's structure (a dict of tokens and next-token labels). The sequences
 follow a rule (each token is 3x the previous plus 1, mod the vocabulary, from a random start),
 so training on them lowers the loss. ``stream=True`` gives an iterable dataset instead of a
-map-style one."""
+map-style one; ``masked=True`` labels with -100 (not counted by the loss) every target that is a
+multiple of 4, so each sample counts a different number of tokens (a token-level loss)."""
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -38,9 +39,16 @@ def build_model(vocab: int = 64, hidden: int = 32, layers: int = 4):
     return TinyLM(vocab, hidden, layers)
 
 
-def example_batch(batch_size: int, seq_len: int = 16, vocab: int = 64):
-    tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
-    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+IGNORED = -100
+
+
+def labelled(tokens: torch.Tensor, masked: bool) -> dict:
+    labels = tokens[..., 1:]
+    return {"tokens": tokens[..., :-1], "labels": labels.masked_fill(labels % 4 == 0, IGNORED) if masked else labels}
+
+
+def example_batch(batch_size: int, seq_len: int = 16, vocab: int = 64, masked: bool = False):
+    return labelled(torch.randint(0, vocab, (batch_size, seq_len + 1)), masked)
 
 
 def loss_fn(logits, batch):
@@ -55,16 +63,16 @@ def sequence(start: int, length: int, vocab: int) -> torch.Tensor:
 
 
 class RuleSequences(Dataset):
-    def __init__(self, count: int, seq_len: int, vocab: int, seed: int):
+    def __init__(self, count: int, seq_len: int, vocab: int, seed: int, masked: bool = False):
         starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed))
         self.samples = [sequence(int(s), seq_len, vocab) for s in starts]
+        self.masked = masked
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, index):
-        tokens = self.samples[index]
-        return {"tokens": tokens[:-1], "labels": tokens[1:]}
+        return labelled(self.samples[index], self.masked)
 
 
 class RuleStream(IterableDataset):
@@ -82,7 +90,8 @@ class RuleStream(IterableDataset):
         return (self.inner[i] for i in order)
 
 
-def dataset(split: str, seq_len: int = 16, vocab: int = 64, stream: bool = False):
+def dataset(split: str, seq_len: int = 16, vocab: int = 64, stream: bool = False, masked: bool = False):
     count, seed = (40, 1) if split == "train" else (16, 2)
-    kind = RuleStream if stream else RuleSequences
-    return kind(count, seq_len, vocab, seed)
+    if stream:
+        return RuleStream(count, seq_len, vocab, seed)
+    return RuleSequences(count, seq_len, vocab, seed, masked)

@@ -28,7 +28,9 @@ ALL_CASES = ([f"{model}-{pin}" for model in MODELS for pin in TWO_RANK_PINS]
              + [f"{model}-{pin}" for model in FOUR_RANK_MODELS for pin in FOUR_RANK_PINS]
              + [f"{model}-{pin}" for model in TP_LAYOUT_MODELS for pin in TP_LAYOUT_PINS]
              + [f"{model}-tp4" for model in GQA_TP4_MODELS]
-             + [f"hf_bert_mlm-{pin}" for pin in TOKEN_LOSS_PINS])
+             + [f"hf_bert_mlm-{pin}" for pin in TOKEN_LOSS_PINS]
+             # What `autopar compile` hands a new user: nothing pinned, on 2 ranks.
+             + [f"{model}-first" for model in MODELS])
 
 # CI's subset (about a minute and a half on two cores): the nanoGPT layout under three kinds of
 # split in one spawn of ranks, the frozen-parameter model, and context parallelism refused

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._pytree import tree_flatten_with_path
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
 from autopar.trace.capture import CapturedStep
 from autopar.trace.ops import op_name
@@ -248,6 +248,10 @@ def _recurrent_modules(model: torch.nn.Module) -> set[str]:
 
 
 _MOST_CONSTANT_NODES = 2000  # a mask's computation; more is not a mask built from an arange
+# Planning allocates no large memory: a mask of more elements (S > 4096: 128k tokens would be a
+# 64 GiB float mask) is not evaluated, and is taken for causal as before; the generated attention
+# still refuses any other mask when it runs.
+_MOST_CONSTANT_ELEMENTS = 2**24
 
 
 def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -262,6 +266,9 @@ def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None =
             continue
         known = current.op == "placeholder" and current.name in inputs
         if (current.op != "call_function" and not known) or len(ancestors) > _MOST_CONSTANT_NODES:
+            return None
+        if any(isinstance(value, torch.Tensor) and value.numel() > _MOST_CONSTANT_ELEMENTS
+               for value in tree_flatten(_value(current))[0]):
             return None
         ancestors.add(current)
         stack.extend(current.all_input_nodes)

@@ -28,6 +28,7 @@ class Blame:
     Attributes:
         technique: what is excluded from now on, in words ("splitting the batch").
         cause: why, in words a user can act on (the measured difference included).
+        splits_sequence: the sequence split (context parallelism) is blamed, else the batch split.
     """
 
     technique: str

@@ -310,14 +310,15 @@ def cp_fed_inputs(captured: CapturedStep, batch: Any) -> dict[str, torch.Tensor]
 
 
 def _is_causal(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` (boolean, or additive: 0 where allowed) allows each query exactly the keys
-    at or before it, in every batch row and head."""
-    allowed = mask if mask.dtype == torch.bool else mask == 0
+    """Whether ``mask`` passes the generated attention's own test of a causal mask
+    (`is_local_causal_mask`: boolean, or additive with 0 where allowed), and holds no finite
+    non-zero entry (a bias, which that test would take for masked)."""
+    # Imported here: autopar.codegen's package imports model_facts, which imports this module.
+    from autopar.codegen.sections.context_parallel import is_local_causal_mask
+
     if mask.dtype != torch.bool and bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any()):
-        return False  # finite non-zero entries: a bias, not a mask
-    queries, keys = mask.shape[-2:]
-    causal = torch.ones(queries, keys, dtype=torch.bool).tril()
-    return bool((allowed == causal).all())
+        return False
+    return is_local_causal_mask(mask, *mask.shape[-2:])
 
 
 def _native_attention_modules(model: torch.nn.Module) -> set[str]:

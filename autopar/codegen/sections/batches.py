@@ -215,14 +215,12 @@ def eval_step(parallel: ParallelModel, batch: Any, training: TrainConfig, config
     for module in parallel.modules:
         module.eval()
     try:
+        counting = parallel.token_counts.counting() if training.token_loss else contextlib.nullcontext()
+        with counting:
+            losses = micro_batch_losses(parallel, batch, training, config, model_module)
         if training.token_loss:
-            with parallel.token_counts.counting():
-                summed = micro_batch_losses(parallel, batch, training, config, model_module)
-            if summed is not None:
-                summed = parallel.token_counts.summed(summed).sum()
-            count = parallel.token_counts.global_count(n)
-            return None if summed is None else summed * config.dims.dp * config.dims.cp * config.dims.tp / count
-        losses = micro_batch_losses(parallel, batch, training, config, model_module)
+            share = parallel.token_counts.share_of_mean(n, config.dims.dp * config.dims.cp, config.dims.tp)
+            return None if losses is None else parallel.token_counts.summed(losses).sum() * share
         return None if losses is None else losses.mean()
     finally:
         for module in parallel.modules:

@@ -77,9 +77,7 @@ class TokenCounts:
         count = count.to(loss.dtype)
         if isinstance(loss, DTensor):
             count = DTensor.from_local(count, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
-        # A part without a counted target has a mean of 0/0 (nan): it adds nothing to the sum,
-        # as in one process (its gradient is 0 either way).
-        return torch.where(count > 0, loss, torch.zeros_like(loss)) * count
+        return sum_over_targets(loss, count)
 
     def weigh_output(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         """A pipeline schedule's loss function: the last stage's output is the loss."""
@@ -93,8 +91,7 @@ class TokenCounts:
     def summed(self, losses: torch.Tensor) -> torch.Tensor:
         """The micro-batches' means ``losses`` (1-D, in order) times their recorded counts: their
         sums (a part without a counted target adds nothing)."""
-        counts = torch.stack(self.counts[-len(losses):]).to(losses.dtype)
-        return torch.where(counts > 0, losses, torch.zeros_like(losses)) * counts
+        return sum_over_targets(losses, torch.stack(self.counts[-len(losses):]).to(losses.dtype))
 
     def global_count(self, micro_batches: int) -> torch.Tensor:
         """The targets the whole batch counts, over every rank, times the tensor-parallel ranks
@@ -105,6 +102,12 @@ class TokenCounts:
             torch.zeros((), dtype=torch.float64, device=self.device)
         dist.all_reduce(count)  # every rank: only a pipeline's last stage counts
         return count
+
+    def share_of_mean(self, micro_batches: int, averaged_over: int, tp: int) -> torch.Tensor:
+        """What turns a sum over this rank's counted targets into its share of the batch's mean,
+        as the ranks' shares are averaged (the logged loss; gradients over ``averaged_over``
+        data-parallel x context-parallel ranks): those ranks x tp / the global count."""
+        return (averaged_over * tp / self.global_count(micro_batches)).float()
 
     def finish(self, modules: list[nn.Module], averaged_over: int, micro_batches: int, tp: int,
                loss: torch.Tensor | None) -> torch.Tensor | None:
@@ -118,12 +121,18 @@ class TokenCounts:
             tp: tensor-parallel ranks, which all count the same targets.
         """
         self.weighing = False
-        factor = (micro_batches * averaged_over * tp / self.global_count(micro_batches)).float()
+        factor = micro_batches * self.share_of_mean(micro_batches, averaged_over, tp)
         grads = {id(p): p.grad for module in modules for p in module.parameters() if p.grad is not None}
         with torch.no_grad():
             for grad in grads.values():
                 (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor.to(grad.dtype))
         return None if loss is None else loss * factor
+
+
+def sum_over_targets(mean: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A mean over counted targets times their count: their sum. A part without a counted target
+    has a mean of 0/0 (nan): it adds nothing, as in one process (its gradient is 0 either way)."""
+    return torch.where(count > 0, mean, torch.zeros_like(mean)) * count
 
 
 class CountedTargets(TorchDispatchMode):

@@ -23,7 +23,11 @@ class ModelFileError(UserError):
 
 
 class TraceError(UserError):
-    """The model could not be captured as a graph; the message names the module and construct."""
+    """The model could not be captured as a graph; the message names the module and construct.
+
+    ``data_dependent``: it stopped at a tensor's value, and tracing with the batch's values may pass."""
+
+    data_dependent = False
 
 
 class ConfigError(UserError):

@@ -35,6 +35,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from autopar.data_dependent import (ValueHints, data_dependent_fake_mode, is_data_dependent, real_values,
+                                    register_missing_fake_kernels, tracing_in)
 from autopar.errors import ModelFileError
 from autopar.user_code import (IMPORT_TIMEOUT_ENV, TimeLimitReached, describe_exit, exits_refused, import_timeout_s,
                                time_limit)
@@ -209,24 +211,40 @@ class FakeBuild:
     fake_mode: FakeTensorMode
     model: torch.nn.Module
     batch: Any
+    value_hints: ValueHints | None = None
 
+    @property
+    def data_dependent(self) -> bool:
+        return self.value_hints is not None
+
+    def active(self) -> contextlib.AbstractContextManager:
+        """The fake mode to run the model in (see autopar.data_dependent.tracing_in)."""
+        return tracing_in(self.fake_mode)
 
 
 def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
-               dtype: torch.dtype | None = None) -> FakeBuild:
+               dtype: torch.dtype | None = None, data_dependent: bool = False) -> FakeBuild:
     """Build model and batch under FakeTensorMode, so a 70B model costs no real memory.
 
     Models built on the meta device (``with torch.device("meta")``) are accepted too: their
     parameters are materialised as fake CPU tensors. With ``dtype``, floating-point
     parameters and inputs are created in that dtype (16-bit training) through the default dtype.
+    With ``data_dependent``, the mode is autopar.data_dependent's: the weights fake, the batch's
+    values real, for code whose shapes or branches depend on values.
     """
     check_model_kwargs(model_file, kwargs)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    register_missing_fake_kernels()
+    value_hints = None
+    if data_dependent:
+        fake_mode, value_hints = data_dependent_fake_mode()
+    else:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with fake_mode, _default_dtype(dtype), _value_free_initialisers():
         model = build_model(model_file, kwargs)
         if any(t.device.type == "meta" for t in _tensors_of(model)):
             model = model.to_empty(device="cpu")
-        batch = make_batch(model_file, batch_size, kwargs)
+        with real_values(fake_mode, data_dependent):
+            batch = make_batch(model_file, batch_size, kwargs)
     real = [name for name, t in _named_tensors_of(model) if not isinstance(t, FakeTensor)]
     if real:
         raise ModelFileError(
@@ -235,7 +253,19 @@ def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
             "create parameters inside build_model() with ordinary constructors (nn.Linear, "
             "torch.empty, ...) instead of loading or reusing tensors made outside it; autopar "
             "calls it under FakeTensorMode, where such constructors allocate nothing. " + META_BUILD_FIX)
-    return FakeBuild(fake_mode=fake_mode, model=model, batch=batch)
+    return FakeBuild(fake_mode=fake_mode, model=model, batch=batch, value_hints=value_hints)
+
+
+def build_fake_for(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
+                   run: Callable[[FakeBuild], Any], dtype: torch.dtype | None = None) -> Any:
+    """``run(build_fake(...))``, built again in the data-dependent mode where the ordinary fake
+    run stops at a tensor's value (autopar.data_dependent)."""
+    try:
+        return run(build_fake(model_file, kwargs, batch_size, dtype))
+    except Exception as err:  # noqa: BLE001 - only a stop at a value is retried; the rest is re-raised
+        if not (is_data_dependent(err) or getattr(err, "data_dependent", False)):
+            raise
+    return run(build_fake(model_file, kwargs, batch_size, dtype, data_dependent=True))
 
 
 def model_inputs(model: torch.nn.Module, batch: Any) -> tuple[tuple, dict]:

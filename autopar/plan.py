@@ -171,6 +171,9 @@ class Plan:
         token_loss: the loss is a mean over the targets it counts and the plan splits the batch
             (ranks, shards of the sequence or micro-batches): each part's loss is weighed by its
             count, with one all-reduce of the counts per step (autopar/trace/loss_tokens.py).
+        data_dependent, estimated: the model's shapes or branches depend on tensor values (planned
+            with the example batch's values, autopar/data_dependent.py), and what of them was read
+            from that batch or guessed rather than traced.
         layer_names, block_containers: the profile's layer order and the FQNs of its stacks of
             blocks (containers whose children are layers), in the order their blocks run.
         global_batch_size, precision, optimizer, moe_imbalance: the
@@ -207,6 +210,8 @@ class Plan:
     dp_bucket_bytes: int = 25 * 2**20
     dp_shares: list[int] = field(default_factory=list)
     token_loss: bool = False
+    data_dependent: bool = False
+    estimated: list[str] = field(default_factory=list)
     layer_names: list[str] = field(default_factory=list)
     block_containers: list[str] = field(default_factory=list)
     global_batch_size: int = 1

@@ -12,6 +12,7 @@ them to other micro-batch sizes and parallel splits.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter, defaultdict
@@ -23,7 +24,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autopar.errors import TraceError
-from autopar.model_file import ModelFile, build_fake
+from autopar.data_dependent import concrete
+from autopar.model_file import FakeBuild, ModelFile, build_fake_for
 from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, capture_training_step, group_layers
 from autopar.trace.batch import batch_statistics
@@ -153,6 +155,11 @@ class ModelProfile:
     copied_blocks: list[str] = field(default_factory=list)
     """Blocks not traced: each repeats its run's second block, whose ops were copied for it
     (autopar.trace.repeated_blocks); empty when every block was traced."""
+    data_dependent: bool = False
+    """The step's shapes or branches depend on tensor values, so it was traced with the batch's
+    values (autopar.data_dependent), and every later fake run of the model must be too."""
+    estimated: list[str] = field(default_factory=list)
+    """What of a data-dependent step was read from the example batch or guessed, not traced."""
 
     @property
     def flops_total(self) -> int:
@@ -221,7 +228,14 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
 
         raise ConfigError(f"Unknown precision '{precision}'.", f"use one of {', '.join(PRECISION_DTYPES)}.")
     start = time.perf_counter()
-    build = build_fake(model_file, model_kwargs, micro_batch_size, dtype=PRECISION_DTYPES[precision])
+    return build_fake_for(model_file, model_kwargs, micro_batch_size,
+                          lambda build: _profile_built(model_file, build, model_kwargs, micro_batch_size, precision,
+                                                       blocks, trace_every_block, start),
+                          dtype=PRECISION_DTYPES[precision])
+
+
+def _profile_built(model_file: ModelFile, build: FakeBuild, model_kwargs: dict[str, Any], micro_batch_size: int,
+                   precision: str, blocks: list[str] | None, trace_every_block: bool, start: float) -> ModelProfile:
     containers = _pinned_containers(build.model, blocks)
     stacks = containers or find_block_containers(build.model)
     batch_leaves, _ = tree_flatten(build.batch)
@@ -232,7 +246,7 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
     layers = aggregate_layers(traced.facts, traced.grouping, build.model)
     params = list(build.model.named_parameters())
     buffers = list(build.model.named_buffers())
-    return ModelProfile(
+    profile = ModelProfile(
         model_name=model_file.name, model_path=str(model_file.path), model_sha256=model_file.sha256,
         model_kwargs=dict(model_kwargs), micro_batch_size=micro_batch_size,
         tokens_per_sample=tokens, precision=precision,
@@ -251,7 +265,11 @@ def profile_model(model_file: ModelFile, model_kwargs: dict[str, Any], micro_bat
         layers=layers, coverage=coverage_report(ops), ops=ops,
         sequence_mixers=[m.describe() for m in traced.mixers],
         experts_inputs=experts_inputs(build.model), batch_mixer=traced.batch_mixer, token_loss=traced.token_loss,
-        copied_blocks=traced.copied_blocks)
+        copied_blocks=traced.copied_blocks, data_dependent=build.data_dependent)
+    if build.value_hints is None:
+        return profile
+    profile = concrete(profile)  # sizes that depend on values become numbers (guessed ones noted next)
+    return dataclasses.replace(profile, estimated=build.value_hints.described())
 
 
 @dataclass
@@ -297,7 +315,11 @@ def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[
         full_roles = _input_roles([name for name, _ in build.model.named_parameters()],
                                   [name for name, _ in build.model.named_buffers()], batch_inputs)
         expansion = expand(selection, facts.ops, grouping, facts, captured.graph_module.graph, traced_roles, full_roles)
-    except (NotExpandable, TraceError):
+    except NotExpandable:
+        return None
+    except TraceError as err:
+        if err.data_dependent:
+            raise  # traced again with the batch's values (autopar.data_dependent), narrowed again
         return None
     full_grouping = LayerGrouping(containers=grouping.containers, layer_names=expansion.layer_names,
                                   block_names=expansion.block_names, node_layer={},

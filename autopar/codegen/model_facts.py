@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autopar.codegen.in_place import outputs_modified_in_place
-from autopar.model_file import build_fake, call_model, load_model_file
+from autopar.model_file import FakeBuild, build_fake_for, call_model, load_model_file
 from autopar.codegen.sections.contract import tokens_per_sample
 from autopar.codegen.sections.expert_parallel import router_width
 from autopar.solver.linear_like import affine_layout
@@ -108,7 +108,10 @@ def module_kind(module: nn.Module) -> str:
 def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_size: int = 1) -> ModelFacts:
     """Build ``model_path``'s model under FakeTensorMode, run one forward, and record its facts."""
     model_file = load_model_file(model_path)
-    build = build_fake(model_file, model_kwargs, batch_size)
+    return build_fake_for(model_file, model_kwargs, batch_size, _inspect_built)
+
+
+def _inspect_built(build: FakeBuild) -> ModelFacts:
     model = build.model
     first_inputs: dict[str, str | None] = {}
     positional: dict[str, int] = {}
@@ -129,7 +132,7 @@ def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_si
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
         handles.append(module.register_forward_hook(record_output))
     try:
-        with build.fake_mode, torch.no_grad():
+        with build.active(), torch.no_grad():
             modified = outputs_modified_in_place(model, lambda: call_model(model, build.batch))
     finally:
         for handle in handles:

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from autopar.model_file import build_fake, call_model, compute_loss, load_model_file
+from autopar.model_file import FakeBuild, ModelFile, build_fake_for, call_model, compute_loss, load_model_file
 from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
 
 LOSS = "the loss"
@@ -90,7 +90,10 @@ def layer_reads(model_path: str | Path, model_kwargs: dict[str, Any], layers: li
     the loss read (see the module docstring)."""
     allow_fp32_grouped_mm_on_fake_tensors()  # fp32 MoE experts, as when the model was traced
     model_file = load_model_file(model_path)
-    build = build_fake(model_file, model_kwargs, batch_size)
+    return build_fake_for(model_file, model_kwargs, batch_size, lambda build: _layer_reads_built(model_file, build, layers))
+
+
+def _layer_reads_built(model_file: ModelFile, build: FakeBuild, layers: list[str]) -> LayerReads:
     provenance = _Provenance()
     reads = LayerReads()
     handles = []
@@ -107,7 +110,7 @@ def layer_reads(model_path: str | Path, model_kwargs: dict[str, Any], layers: li
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after))
     try:
-        with build.fake_mode, torch.no_grad(), provenance:
+        with build.active(), torch.no_grad(), provenance:
             provenance.mark(build.batch, {BATCH})
             output = call_model(build.model, build.batch)
             reads.other[LOSS] = provenance.of(compute_loss(model_file, output, build.batch))

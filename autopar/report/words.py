@@ -147,6 +147,10 @@ def describe_plan(report: PlanReport) -> list[str]:
         lines.append("Token-level loss: the loss is a mean over the tokens it counts (ignored labels left out), so "
                      "each micro-batch's mean is weighed by its count and the counts are all-reduced once per step: "
                      "the gradients and logged loss are those of the mean over the whole batch.")
+    if plan.data_dependent:
+        lines.append("Value-dependent code (sizes or branches that depend on tensor values) was planned with the "
+                     "example batch's values; estimated rather than traced: "
+                     + ("; ".join(plan.estimated) if plan.estimated else "nothing") + ".")
     if host := host_dispatch_words(plan):
         lines.append(host)
     recomputed = {option: sum(1 for value in plan.recompute.values() if value == option)

@@ -142,9 +142,11 @@ def fake_rank(out_dir: str | Path, rank: int, propagation: "ShardingPropagation"
     fake tensors at the plan's full world size (the other ranks faked)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autopar.data_dependent import data_dependent_fake_mode, register_missing_fake_kernels, tracing_in
     from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
 
     allow_fp32_grouped_mm_on_fake_tensors()
+    register_missing_fake_kernels()
     out_dir = Path(out_dir)
     plan = json.loads((out_dir / "plan.json").read_text())
     world_size = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"]
@@ -153,11 +155,15 @@ def fake_rank(out_dir: str | Path, rank: int, propagation: "ShardingPropagation"
         training = generated.train_config(generated.PLAN, command_line(generated))
         config = generated.parallel_config(generated.PLAN)
         model_module = generated.load_model_file(training.model_file)
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        if plan.get("data_dependent"):  # shapes or branches depend on values: the batch's are real
+            fake_mode, _ = data_dependent_fake_mode(allow_non_fake_inputs=True)
+        else:
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         device = torch.device("cpu")
         parallel = generated.setup(training, config, generated.tp_plan, model_module, device, fake_mode=fake_mode)
         pp_rank = parallel.mesh["pp"].get_local_rank() if config.dims.pp_enabled else 0
-        with propagation.active(), fake_mode, generated.attention_context(parallel, config, training, model_module):
+        with propagation.active(), tracing_in(fake_mode), \
+                generated.attention_context(parallel, config, training, model_module):
             batch = generated.local_batch(training, config, model_module, 0, parallel.mesh, device)
             yield FakeRank(generated, parallel, batch, training, config, model_module, fake_mode, pp_rank)
 

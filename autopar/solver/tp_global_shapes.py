@@ -50,7 +50,7 @@ def dtensor_region_error(build: Any, named: dict[str, nn.Module], region: str, l
         with _fake_ranks(tp) as mesh:
             if mesh is None:
                 return "a process group is already initialised in this process, so the DTensor probe cannot run"
-            with build.fake_mode, _sharded_linears(named, linears, mesh), _as_generated(named[region]), \
+            with build.active(), _sharded_linears(named, linears, mesh), _as_generated(named[region]), \
                     torch.no_grad(), CommDebugMode() as comms:
                 output = call_model(module, build.batch) if call_model is not None else module(*inputs[0], **inputs[1])
     except Exception as err:  # noqa: BLE001 - any failure of the model's code on DTensors is the finding

@@ -185,7 +185,7 @@ class TPLegality:
 
             handle = named[layer].register_forward_pre_hook(keep, with_kwargs=True)
             try:
-                with self._build.fake_mode, torch.no_grad():
+                with self._build.active(), torch.no_grad():
                     call_model(self._build.model, self._build.batch)
             except _InputsCaptured:
                 pass
@@ -206,7 +206,8 @@ class TPLegality:
                 from autopar.model_file import build_fake, load_model_file
 
                 try:
-                    self._build = build_fake(load_model_file(path), dict(self.profile.model_kwargs), 1)
+                    self._build = build_fake(load_model_file(path), dict(self.profile.model_kwargs), 1,
+                                             data_dependent=self.profile.data_dependent)
                 except Exception:  # noqa: BLE001 - the profile was traced; a rebuild failing only skips the rules
                     self._build = None
         return self._build
@@ -479,7 +480,7 @@ def _folded_sequence(full: list[tuple[str, tuple[int, ...]]], local: list[tuple[
 def _run_fake(build: Any, module: nn.Module, inputs: tuple[tuple, dict], call_model: Any | None) -> Any:
     """One forward of ``module`` (a layer on its captured inputs, or the model on its batch through
     ``call_model``) on fake tensors."""
-    with build.fake_mode, torch.no_grad():
+    with build.active(), torch.no_grad():
         return call_model(module, build.batch) if call_model is not None else module(*inputs[0], **inputs[1])
 
 
@@ -496,7 +497,7 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a failure here is the finding, not an error to log
     try:
-        with build.fake_mode:
+        with build.active():
             for name, style in linears.items():
                 linear = named[name]
                 out_features, in_features = linear.weight.shape

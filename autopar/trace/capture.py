@@ -23,6 +23,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
+from autopar.data_dependent import is_data_dependent
 from autopar.errors import TraceError
 from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
 from autopar.trace.ops import op_name
@@ -95,11 +96,11 @@ def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedSt
             grads = torch.autograd.grad(loss, [params[name] for name in trainable], allow_unused=True)
         return loss, grads
 
-    with fx_traceback.preserve_node_meta(), build.fake_mode:
+    with fx_traceback.preserve_node_meta(), build.active():
         try:
             graph_module = make_fx(training_step)(params, buffers, build.batch)
         except Exception as err:  # noqa: BLE001 - reported with the module and construct
-            raise _trace_error(err, annotations.stack_at_failure, model_file.path) from None
+            raise _trace_error(err, annotations.stack_at_failure, model_file.path, build.data_dependent) from None
         finally:
             annotations.unwind()
     node_module, node_phase = _attribute_nodes(graph_module)
@@ -187,22 +188,31 @@ def _attribute_nodes(graph_module: torch.fx.GraphModule) -> tuple[dict[str, str 
     return node_module, node_phase
 
 
-def _trace_error(err: Exception, module_stack: list[str], model_path: Path) -> TraceError:
-    """Name the module and the construct that stopped tracing, and how to fix it."""
+def _trace_error(err: Exception, module_stack: list[str], model_path: Path, retried: bool) -> TraceError:
+    """Name the module and the construct that stopped tracing, and how to fix it.
+
+    A stop at a tensor's value is marked ``data_dependent`` so the caller traces again with the
+    batch's values (autopar.data_dependent); ``retried`` says that was already done."""
     module = module_stack[-1] if module_stack else "(outside any module)"
     where = _innermost_user_frame(err)
     text = f"{type(err).__name__}: {err}".splitlines()[0]
-    data_dependent = any(word in str(err) for word in ("_local_scalar_dense", "data-dependent",
-                                                       "DataDependent", "item()"))
-    if data_dependent or "DataDependent" in type(err).__name__:
+    data_dependent = is_data_dependent(err)
+    if data_dependent and retried:
+        construct = ("a branch or size that depends on a tensor's value computed from the weights, which "
+                     "planning does not have (values computed from the batch alone are read)")
+        fix = ("make the branch depend on shapes or configuration, or on the batch's values, use "
+               "torch.where / torch._check, or move the check out of forward().")
+    elif data_dependent:
         construct = "data-dependent control flow (a Python branch or .item() on a tensor's value)"
         fix = ("make the branch depend on shapes or configuration instead of tensor values, use "
                "torch.where / torch._check, or move the check out of forward().")
     else:
         construct = f"an operation that cannot run on fake tensors ({text})"
-        fix = ("write the module with standard torch ops, or register a fake/meta kernel for a "
-               "custom op (torch.library.register_fake).")
-    return TraceError(f"Tracing stopped in module '{module}' at {where}: {construct}.", fix)
+        fix = ("register a fake kernel for a custom op (torch.library.register_fake), or write the module "
+               "with standard torch ops.")
+    error = TraceError(f"Tracing stopped in module '{module}' at {where}: {construct}.", fix)
+    error.data_dependent = data_dependent and not retried
+    return error
 
 
 def _innermost_user_frame(err: Exception) -> str:

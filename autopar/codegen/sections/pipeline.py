@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.fx.experimental._config
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
@@ -108,7 +109,9 @@ class SkippedLayer(nn.Module):
             return getattr(self._shape_model[0], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad(), MetaShapes():
+        # A layer that selects rows by value (``nonzero``, a boolean mask: a mixture of experts'
+        # loop) has no meta shapes unless every element is taken as selected, an upper bound.
+        with torch.no_grad(), MetaShapes(), torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
             shapes = self._shape_model[0](*_to_meta(args), **_to_meta(kwargs))
         return _zeros_like_meta(shapes, self.device)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import sympy
 import torch
 import torch._functorch.config as functorch_config
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 import torch.fx.experimental._config as shapes_config
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -264,7 +264,8 @@ def register_missing_fake_kernels() -> None:
 
     ``aten._ctc_loss`` (every CTC speech model's loss): its ``log_alpha`` output is sized by the
     longest target, a value; we size it by the targets' padded width (2-D targets) or their
-    count (1-D), an upper bound, since only the backward reads it."""
+    count (1-D), an upper bound, since only the backward reads it — or by the longest target
+    where the lengths' values are known (`data_dependent_fake_mode`), as the real kernel does."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -281,7 +282,12 @@ def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: tor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     batched = log_probs.dim() == 3
     steps, batch = log_probs.shape[0], (log_probs.shape[1] if batched else 1)
-    longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+    lengths = getattr(target_lengths, "real_tensor", None)  # the batch's, where its values are known
+    if lengths is not None and lengths.numel():
+        with unset_fake_temporarily():  # a real tensor: read outside the fake mode
+            longest = int(lengths.max())
+    else:
+        longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
     return (log_probs.new_empty((batch,) if batched else ()),
             log_probs.new_empty((batch, steps, 2 * longest + 1)))
 

@@ -320,12 +320,22 @@ class IntraOpSolver:
         if not activation_inputs or self.tp == 1:
             return [_ALL_R]
         if any(word in op.target for word in _LOSS_TARGETS):
-            return [_ALL_R, _LOSS_PARALLEL]
+            return [_ALL_R, _LOSS_PARALLEL] if self._feeds_nll_only(op, by_name) else [_ALL_R]
         if op.op_class in ("reduction", "norm") or unsplittable(op):
             return [_ALL_R]
         if op.op_class == "view":
             return [_ALL_R, _ALL_S, _VIEW_P]
         return [_ALL_R, _ALL_S]
+
+    @staticmethod
+    def _feeds_nll_only(op: "OpProfile", by_name: dict[str, "OpProfile"]) -> bool:
+        """Whether a loss op can take vocabulary-sharded logits: torch's loss parallelism covers
+        log-softmax only into ``nll_loss`` (cross-entropy), not a CTC loss or a KL divergence."""
+        if "_log_softmax" not in op.target:
+            return True
+        consumers = [other for other in by_name.values() if op.name in other.inputs and other.phase != "backward"
+                     and "detach" not in other.target]  # a detach keeps it for backward
+        return bool(consumers) and all("nll_loss" in other.target for other in consumers)
 
     def _edges(self, ops, by_name) -> list[tuple[str, str]]:
         """Activation edges inside the layer (inputs from other layers arrive replicated)."""

@@ -77,7 +77,8 @@ def _hf(arch: str, **kwargs: Any) -> ZooModel:
 
 HF_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3", "phi", "gemma", "gemma2", "gpt2", "gpt_neox",
             "falcon", "opt", "stablelm", "bloom", "gptj", "olmo", "granite", "qwen2_moe", "deepseek_v3",
-            "llama_labels", "llama_eager", "bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip"]
+            "llama_labels", "llama_eager", "bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip",
+            "wav2vec2_ctc"]
 MODELS = {m.name: m for m in [
     *(_hf(arch) for arch in HF_ARCHS),
     ZooModel("nanogpt", MODELS_DIR / "nanogpt.py"),
@@ -89,6 +90,10 @@ MODELS = {m.name: m for m in [
     ZooModel("fused_qkv", MODELS_DIR / "fused_layouts.py", {"layout": "split"}),
     ZooModel("neox_qkv", MODELS_DIR / "fused_layouts.py", {"layout": "interleaved"}),
     ZooModel("global_views", MODELS_DIR / "fused_layouts.py", {"layout": "global_views"}),
+    # Shapes and branches that depend on values: nonzero experts, a labels check, a boolean-mask loss.
+    ZooModel("value_dependent", MODELS_DIR / "value_dependent.py"),
+    # An LSTM given positions: its recurrence must keep context parallelism out at profile.
+    ZooModel("recurrent", MODELS_DIR / "recurrent.py"),
 ]}
 PINS = {p.name: p for p in [
     Pin("dp2", dict(dp=2, tp=1, pp=1, cp=1, zero_stage=0)),

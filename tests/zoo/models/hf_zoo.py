@@ -50,7 +50,7 @@ _CAUSAL = {
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
 _EAGER_ONLY = {"bloom", "gemma2", "gptj"}
 CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
-OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip"]
+OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip", "wav2vec2_ctc"]
 ARCHS = CAUSAL_ARCHS + OTHER_ARCHS
 
 
@@ -96,6 +96,14 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
         vision = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=HEADS,
                       image_size=16, patch_size=4)
         return hf.CLIPModel(hf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    if arch == "wav2vec2_ctc":  # speech with a CTC head: its loss checks labels.max() and masked_selects them
+        config = hf.Wav2Vec2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
+                                   num_attention_heads=HEADS, intermediate_size=64, conv_dim=(16, 16),
+                                   conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
+                                   num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                                   layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0, ctc_loss_reduction="mean")
+        return hf.Wav2Vec2ForCTC(config)
     raise ValueError(f"unknown arch {arch!r}; one of {', '.join(ARCHS)}")
 
 
@@ -119,6 +127,11 @@ def example_batch(batch_size: int, arch: str = "llama", seq_len: int = 16) -> di
                 "targets": tokens[:, 1:]}
     if arch == "clip":
         return {"input_ids": tokens[:, :-1], "pixel_values": torch.randn(batch_size, 3, 16, 16)}
+    if arch == "wav2vec2_ctc":  # 2 frames per label at most (8 of audio per frame); -100 pads shorter transcripts
+        labels = torch.randint(3, VOCAB, (batch_size, seq_len // 2))
+        lengths = torch.randint(seq_len // 4, seq_len // 2 + 1, (batch_size, 1))
+        labels = labels.masked_fill(torch.arange(seq_len // 2) >= lengths, -100)
+        return {"input_values": torch.randn(batch_size, seq_len * 8), "labels": labels}
     raise ValueError(f"unknown arch {arch!r}")
 
 

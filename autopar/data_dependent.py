@@ -107,7 +107,9 @@ class ValueHints(dict):
         return int(upper) if upper is not None and upper.is_finite else 0
 
     def described(self) -> list[str]:
-        """One line per place in the user's code where a value was needed."""
+        """One line per place in the user's code where a value was needed: read from the batch,
+        guessed, or decided by torch without us (some branches are settled on an expression of a
+        value, which the mapping records under that expression)."""
         lines = []
         read_at = sorted(set(self.read.values()) - {""})
         if self.read:
@@ -122,6 +124,12 @@ class ValueHints(dict):
             unbounded = f"{len(values) - len(bounded)} with no known bound taken as 0" if len(bounded) < len(values) else ""
             lines.append(f"{len(values)} size(s) or value(s) that depend on the weights, made at {where}: "
                          + "; ".join(part for part in (taken, unbounded) if part))
+        known = set(self.read) | set(self.guesses) | {key for key in self.keys() if _is_unbacked(key)}
+        others = sorted({self._made_at(symbol) or "a line not found" for symbol in self.shape_env.var_to_stack
+                         if _is_unbacked(symbol) and symbol not in known})
+        if others:
+            lines.append(f"value-dependent branch(es) or size(s) decided by torch from the batch's values or its "
+                         f"proven bounds, made at {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}")
         return lines
 
 

@@ -528,7 +528,11 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
 def _none_proven(rejected: list[Any], why_stopped: str) -> UserError:
     """The one paragraph for a compile whose every plan failed its proof (nothing written): each
     plan and its reason, then each cause the check measured once, in words."""
-    listed = "".join(f"\n  ({i}) {r.summary}: {r.reason}" for i, r in enumerate(rejected, 1))
+    first_with: dict[str, int] = {}
+    listed = ""
+    for i, r in enumerate(rejected, 1):  # each reason once: a plan failing as an earlier one did points to it
+        listed += f"\n  ({i}) {r.summary}: " + (f"as ({first_with[r.reason]})" if r.reason in first_with else r.reason)
+        first_with.setdefault(r.reason, i)
     causes = list(dict.fromkeys(r.blamed for r in rejected if r.blamed))
     problem = f"No plan passed compile's proof, so nothing was written ({why_stopped}):{listed}"
     problem += "".join(f"\nCause: {cause}." for cause in causes) + "\n"  # one line each, the fix on its own

@@ -103,6 +103,10 @@ def print_plan(result, console: Console) -> None:
         console.print("stages: " + ", ".join(f"{len(stage)} layers" for stage in plan.stages))
     for line in coverage_notes(plan):
         console.print(line)
+    if plan.data_dependent:
+        console.print("value-dependent code, planned with the example batch's values; not traced exactly:")
+        for line in plan.estimated:
+            console.print(f"  {line}", markup=False)
     solver = plan.solver
     console.print(f"solver {solver.status} in {solver.seconds:.1f} s ({solver.work:,.1f} work units) over "
                   f"{solver.candidates:,} candidates"

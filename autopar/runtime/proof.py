@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(train_fake_step(args.folder, args.rank), flush=True)
     except BaseException as err:  # noqa: BLE001 - any failure of the generated code rejects the plan
-        line = traceback.format_exception_only(type(err), err)[-1].strip()
+        # The message's first line: torch's C++ errors go on with "Exception raised from ..." and frames.
+        message = (str(err).strip().splitlines() or [""])[0]
+        line = f"{type(err).__name__}: {message}" if message else type(err).__name__
         print(f"{FAILED_MARKER} {' '.join(line.split())[:300]}", flush=True)
         print(traceback.format_exc(), file=sys.stderr)
         return 1

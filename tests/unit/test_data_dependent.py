@@ -25,11 +25,13 @@ def profile():
 
 def test_value_dependent_model_is_profiled_with_its_estimates_named(profile):
     assert profile.data_dependent
-    read, guessed = profile.estimated
+    read, guessed, decided = profile.estimated
     # The mask's count comes from the batch: the line that selects by it is named.
     assert "read from the example batch" in read and "logits[keep]" in read
     # Each expert's share of the tokens depends on the weights: all 32 tokens, its upper bound.
     assert "torch.nonzero(choice == index)" in guessed and f"({BATCH * SEQ})" in guessed
+    # The labels check is settled by torch on the batch's labels (its branch, not a size).
+    assert "labels.max() >= logits.shape[-1]" in decided
 
 
 def test_expert_flops_are_priced_at_the_bound_and_the_loss_at_the_real_count(profile):

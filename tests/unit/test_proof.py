@@ -62,3 +62,31 @@ def test_a_rejection_excludes_the_plans_that_run_the_same_parallel_code():
     assert split_of(tp2) != split_of(ParallelLayout(tp=2, sequence_parallel=True))
     assert split_of(ParallelLayout(pp=2, schedule="gpipe")) != split_of(ParallelLayout(pp=2, schedule="1f1b"))
     assert split_of(ParallelLayout(dp=2, zero_stage=0)) != split_of(ParallelLayout(dp=2, zero_stage=3))
+
+
+def test_a_compile_none_proven_lists_each_reason_once():
+    from autopar.driver import _none_proven
+    from autopar.report.document import RejectedPlan
+
+    same = "at full scale on fake tensors, rank 0: RuntimeError: out of memory"
+    rejected = [RejectedPlan("plan A", same), RejectedPlan("plan B", "loss differs from one process by 0.01"),
+                RejectedPlan("plan C", same)]
+    problem = _none_proven(rejected, "3 plans tried").problem
+    assert problem.count("out of memory") == 1 and problem.count("differs") == 1
+    assert "(3) plan C: as (1)" in problem
+    assert max(len(line) for line in problem.splitlines()) < 200
+
+
+def test_a_failed_full_scale_step_reports_the_first_line_of_a_torch_error(tmp_path, capsys, monkeypatch):
+    """torch's C++ errors go on with "Exception raised from ..." and a page of frames."""
+    import autopar.runtime.fake_memory as fake_memory
+    from autopar.runtime import proof
+
+    def fails(folder, rank):
+        raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides\nException raised from "
+                           "throw_cannot_call_with_symbolic at c10/core/TensorImpl.cpp:340\nframe #0: c10::Error")
+    monkeypatch.setattr(fake_memory, "train_fake_step", fails)
+    monkeypatch.setattr("autopar.runtime.lifeline.die_with_parent", lambda: None)
+    assert proof.main([str(tmp_path)]) == 1
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(proof.FAILED_MARKER)]
+    assert line.endswith("RuntimeError: Cannot call numel() on tensor with symbolic sizes/strides")

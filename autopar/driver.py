@@ -1,6 +1,7 @@
 """The one place that knows the order of the stages; the CLI verbs call these functions."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -422,7 +423,9 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                                             force, defaults, provenance)
             if rejection is None:
                 break
-            blamed = blame(plan, rejection.reason) if rejection.differs else None
+            blamed = None
+            if rejection.differs:
+                blamed = blame(plan, rejection.reason) or _diagnose(plan, cfg, model_path, profile, progress)
             if blamed is None:
                 excluded.add(split_of(plan))
             else:
@@ -523,6 +526,33 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
             write_atomically(staging / relative, text)
         install(staging, out_dir, force=force)
     return files, None
+
+
+def _diagnose(plan: Any, cfg: Any, model_path: str | Path, profile: ModelProfile,
+              progress: "Reporter | None") -> Any:
+    """For ``plan``, which splits several ways and trained something else: compile's check of
+    each of its batch and sequence splits alone on 2 ranks (autopar.runtime.blame's
+    `diagnostic_pins`); the Blame of the first that trains something else too, else None."""
+    from autopar.runtime.blame import batch_blame, diagnostic_pins, sequence_blame
+    from autopar.runtime.proof import numerical_check
+
+    for splits_sequence, pins in diagnostic_pins(plan):
+        single = copy.deepcopy(cfg)  # the structured config, with the single split pinned on 2 ranks
+        for key, value in {**{f"plan.{k}": v for k, v in pins.items()}, "cluster.nodes": 1,
+                           "cluster.gpus_per_node": 2}.items():
+            OmegaConf.update(single, key, value)
+        try:
+            alone = run_plan(model_path, single, profile=profile).plan
+        except UserError:
+            continue  # no plan splits that way alone on 2 ranks: nothing to measure
+        if progress:
+            progress.phase(f"checking {alone.summary()} alone: {plan.summary()} split several ways")
+        difference, _, differs = numerical_check(alone, model_path)
+        if differs:
+            how = (f"with its {'sequence' if splits_sequence else 'batch'} split alone ({alone.summary()}, checked "
+                   f"because {plan.summary()} split several ways)")
+            return (sequence_blame if splits_sequence else batch_blame)(how, difference)
+    return None
 
 
 def _none_proven(rejected: list[Any], why_stopped: str) -> UserError:

@@ -110,3 +110,18 @@ def test_a_pipeline_stage_of_frozen_parameters_only_passes_the_full_scale_step(t
     assert main(["compile", str(frozen), *TWO_CPU_RANKS, "plan.pp=2", "check=off", "--out-dir", str(out), "-q"]) == 0
     assert json.loads((out / "plan.json").read_text())["pp"] == 2
     assert "rank 0 (pipeline rank 0): stage(s) [0]" in json.loads((out / "report.json").read_text())["proof"]
+
+
+def test_a_plan_splitting_several_ways_is_diagnosed_split_by_split(tmp_path, capsys):
+    """dp=2 x tp=2 of the batch-mixing model trains something else, and the check alone cannot
+    tell which split is to blame; compile checks the batch split alone (dp=2 on 2 ranks), which
+    differs too, so the batch split is blamed: with dp pinned nothing is left, and the refusal
+    names the measured cause, not an autopar bug."""
+    out = tmp_path / "out"
+    settings = ["cluster=cpu_gloo", "cluster.gpus_per_node=4", "train.global_batch_size=8", "train.precision=fp32",
+                "plan.dp=2", "plan.tp=2", "plan.pp=1", "plan.cp=1", "check=on"]
+    assert main(["compile", str(MODELS / "batch_mixing.py"), *settings, "--out-dir", str(out)]) == 1
+    error = " ".join(capsys.readouterr().err.split())
+    assert "to blame: splitting the batch" in error
+    assert "with its batch split alone (dp=2 tp=1 pp=1 cp=1" in error and "split several ways" in error
+    assert "autopar bug" not in error and not out.exists()

@@ -139,9 +139,7 @@ def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = Non
             progress.phase(f"tracing one training step of {model_path} on fake tensors")
         profile = run_profile(model_path, cfg)
     if progress:
-        copied = f" ({len(profile.copied_blocks)} identical blocks copied, not traced)" if profile.copied_blocks else ""
-        progress.phase(f"traced {len(profile.ops):,} ops in {len(profile.layers)} layers{copied}; "
-                       "building the search space")
+        progress.phase(f"traced {profile.traced_words()}; building the search space")
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
     planner = Planner(profile, cluster, train_spec(cfg, model_path), solver, pins,

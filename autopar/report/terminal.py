@@ -44,17 +44,10 @@ def profile_table(profile: ModelProfile) -> Table:
 def print_profile(profile: ModelProfile, console: Console) -> None:
     """The profile table, then totals and the coverage report's warnings."""
     console.print(profile_table(profile))
-    blocks = profile.blocks
-    repeated = sum(1 for layer in blocks if layer.repeat_of)
-    stacks = profile.block_containers
-    where = (f"block container '{stacks[0]}'" if len(stacks) == 1 else
-             f"{len(stacks)} stacks ({', '.join(repr(name) for name in stacks)})" if stacks else "no block container")
     console.print(f"parameters {format_count(profile.param_count)} ({format_bytes(profile.param_bytes)}), "
-                  f"{profile.num_nodes} graph nodes, {where} with "
-                  f"{len(blocks)} blocks ({repeated} repeats of an earlier one), traced in {profile.seconds:.1f} s")
+                  f"traced in {profile.seconds:.1f} s: {profile.traced_words()}")
     if profile.copied_blocks:
-        console.print(f"{len(profile.copied_blocks)} of the repeats were copied from an identical traced block, "
-                      "not traced (plan.trace_every_block=true traces every block)")
+        console.print("(plan.trace_every_block=true traces every block)")
     unknown = profile.uncosted_ops()
     if unknown:
         listed = ", ".join(f"{entry.op} ×{entry.count}" for entry in unknown)

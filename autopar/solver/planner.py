@@ -16,7 +16,7 @@ from autopar.errors import UserError
 from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
 from autopar.solver.space import MAX_WORLD_SIZE, Candidate, ModelShape, divisors, enumerate_candidates
-from autopar.solver.tp_coverage import TPCoverage, check_pinned_coverage, tp_coverage
+from autopar.solver.tp_coverage import FASTER_WHOLE, TPCoverage, check_pinned_coverage, tp_coverage
 from autopar.solver.tp_split import ILPSplitter, illegal_splits, replicated_ops
 from cost_models.expert_parallel import UNSPLITTABLE_WIDTH
 from cost_models.hardware import get_gpu, known_gpus
@@ -191,13 +191,25 @@ class Planner:
         candidates = self.candidates()
         if not candidates:
             raise UserError(self._why_no_candidates(), self._no_candidates_fix())
-        search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=max(1, self.solver.top_k + 1),
-                            seed=self.solver.seed, workers=self.solver.threads, progress=self.progress,
-                            fixed_partition=self._pinned_partition(), work_limit=self.solver.work_limit)
-        result = search.run(candidates)
-        if not result.best:
-            raise InfeasibleError(*self._smallest_fitting_change())
-        winner = self._choose(result)
+        not_offered: list[str] = []
+        while True:
+            search = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s,
+                                top_k=max(1, self.solver.top_k + 1), seed=self.solver.seed, workers=self.solver.threads,
+                                progress=self.progress, fixed_partition=self._pinned_partition(),
+                                work_limit=self.solver.work_limit)
+            result = search.run(candidates)
+            if not result.best:
+                raise InfeasibleError(*self._smallest_fitting_change())
+            winner = self._choose(result)
+            idle_tp = self._idle_tp(winner.candidate)
+            rest = [c for c in candidates if c.tp != idle_tp]
+            if idle_tp is None or not rest:
+                break
+            # A tensor-parallel degree whose best split of this model replicates every linear layer
+            # spends tp GPUs on one GPU's work: not offered (an unpinned degree only).
+            not_offered.append(f"tp={idle_tp} not offered: its best split of this model replicates every linear "
+                               f"layer ({FASTER_WHOLE}), so {idle_tp} GPUs would compute what one does")
+            candidates = rest
         fastest, robust = winner, None
         if self.solver.objective == "robust":
             robust = self._robust_choice(winner, candidates, result.work)
@@ -219,7 +231,15 @@ class Planner:
         return PlanningResult(plan=plan, alternatives=alternatives, search=result, estimate=estimate,
                               binding=binding, pricer=self.pricer,
                               replicated_ops=replicated_ops(self.splitter, plan.tp),
-                              illegal_splits=self._illegal_splits(plan), tp_coverage=coverage)
+                              illegal_splits=not_offered + self._illegal_splits(plan), tp_coverage=coverage)
+
+    def _idle_tp(self, candidate: Any) -> int | None:
+        """``candidate``'s unpinned tensor-parallel degree when its best split shards none of the
+        blocks' linear parameters (autopar.solver.tp_coverage), else None."""
+        if candidate.tp <= 1 or (self.pins.tp or 1) > 1:
+            return None
+        share = self.tp_coverage(candidate.tp, candidate.expert_tp).param_share
+        return candidate.tp if share == 0 else None
 
     def _illegal_splits(self, plan: Plan) -> list[str]:
         """Which splits legality analysis kept out of the search, one line per kind."""

@@ -163,7 +163,7 @@ def test_progress_by_phase_in_a_log(examples_dir, tmp_path, capsys):
                  str(tmp_path / "plan.json")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "note: train.precision=bf16: CPU ranks compute in fp32" in out
-    phases = ["tracing one training step", "traced", "ops in 6 layers", "pricing", "candidates (compute floors)",
+    phases = ["tracing one training step", "traced", "graph nodes in 6 layers", "pricing", "candidates (compute floors)",
               "solving: candidate"]
     positions = [out.index(words) for words in phases]
     assert positions == sorted(positions)

@@ -121,7 +121,8 @@ class ValueHints(dict):
         for where, values in by_line.items():
             bounded = [value for value in values if value]
             taken = (f"taken at their upper bounds ({', '.join(map(str, sorted(set(bounded))))})" if bounded else "")
-            unbounded = f"{len(values) - len(bounded)} with no known bound taken as 0" if len(bounded) < len(values) else ""
+            unbounded = (f"{len(values) - len(bounded)} with no known bound taken as 0"
+                         if len(bounded) < len(values) else "")
             lines.append(f"{len(values)} size(s) or value(s) that depend on the weights, made at {where}: "
                          + "; ".join(part for part in (taken, unbounded) if part))
         known = set(self.read) | set(self.guesses) | {key for key in self.keys() if _is_unbacked(key)}

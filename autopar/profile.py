@@ -185,11 +185,13 @@ class ModelProfile:
         """What was traced, in the words `autopar profile` and the planner's progress both print
         (one count of nodes, layers and blocks, whichever command shows it)."""
         stacks = self.block_containers
+        named = ", ".join(repr(name) for name in stacks)
         where = (f"block container '{stacks[0]}'" if len(stacks) == 1 else
-                 f"{len(stacks)} stacks ({', '.join(repr(name) for name in stacks)})" if stacks else "no block container")
+                 f"{len(stacks)} stacks ({named})" if stacks else "no block container")
         copied = (f", {len(self.copied_blocks)} of them copied from an identical traced block, not traced"
                   if self.copied_blocks else "")
-        return f"{self.num_nodes:,} graph nodes in {len(self.layers)} layers; {where} with {len(self.blocks)} blocks{copied}"
+        return (f"{self.num_nodes:,} graph nodes in {len(self.layers)} layers; {where} with "
+                f"{len(self.blocks)} blocks{copied}")
 
     def uncosted_ops(self) -> list[CoverageEntry]:
         """Ops we could neither count FLOPs for nor classify: their cost is unknown."""

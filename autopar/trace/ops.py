@@ -83,6 +83,8 @@ _MEMORY_OPS = {
     aten.native_dropout_backward, aten.lift_fresh_copy, aten.randint, aten.rand, aten.randn,
     aten.avg_pool2d, aten.avg_pool2d_backward, aten._adaptive_avg_pool2d,
     aten._adaptive_avg_pool2d_backward, aten.upsample_nearest2d,
+    # selections by value and the CTC loss (autopar/data_dependent.py plans them)
+    aten.nonzero, aten.masked_select, aten.masked_scatter, aten.index_add, aten._ctc_loss, aten._ctc_loss_backward,
 }
 # Losses reduce their (elementwise) input to a scalar: priced as reductions.
 _LOSS_OPS = {
@@ -90,8 +92,10 @@ _LOSS_OPS = {
     aten.huber_loss, aten.huber_loss_backward, aten.binary_cross_entropy, aten.binary_cross_entropy_backward,
     aten.binary_cross_entropy_with_logits, aten.nll_loss2d_forward, aten.nll_loss2d_backward,
 }
-# Reshape-like ops that never copy in the traces we see (the input is always contiguous there).
-_VIEW_LIKE = {aten._unsafe_view, aten.lift_fresh}
+# Reshape-like ops that never copy in the traces we see (the input is always contiguous there),
+# and reads of a size or of one value (a value-dependent trace records them): no data moved.
+_VIEW_LIKE = {aten._unsafe_view, aten.lift_fresh, aten.sym_size, aten.sym_numel, aten.sym_stride,
+              aten.sym_storage_offset, aten._local_scalar_dense}
 
 
 def packet_of(target: Any) -> Any:

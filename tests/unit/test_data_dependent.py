@@ -47,6 +47,7 @@ def test_expert_flops_are_priced_at_the_bound_and_the_loss_at_the_real_count(pro
     assert BATCH * SEQ // 2 <= rows <= BATCH * SEQ
     assert profile.token_loss  # a mean over the kept tokens: a batch split weighs parts by count
     assert all(isinstance(op.flops, int) for op in profile.ops)  # no symbolic sizes left
+    assert profile.uncosted_ops() == []  # nonzero, index_add, size and value reads have a cost class
 
 
 def test_weight_dependent_branch_is_guessed_and_said(tmp_path):

@@ -49,8 +49,8 @@ _DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "DynamicOutputShapeExc
 class ValueHints(dict):
     """The shape environment's values for its unbacked symbols: the real one where the batch
     alone determines it (filled by torch's real-value propagation), otherwise a guess made the
-    first time the shape environment must decide on one. ``guesses`` and ``read`` remember
-    where each was needed.
+    first time the shape environment must decide on one. ``guesses`` (with where each was made)
+    and ``read`` remember which were guessed and which read.
 
     A symbol without a real value is offered for guessing only while the shape environment
     evaluates a guard or a size (`allow_guesses`): torch's real-value propagation asks the
@@ -61,7 +61,7 @@ class ValueHints(dict):
         super().__init__()
         self.shape_env = shape_env
         self.guesses: dict[sympy.Symbol, tuple[int, str]] = {}
-        self.read: dict[sympy.Symbol, str] = {}
+        self.read: set[sympy.Symbol] = set()
         self.deciding = 0
 
     def __bool__(self) -> bool:
@@ -69,7 +69,7 @@ class ValueHints(dict):
 
     def __setitem__(self, symbol: Any, value: Any) -> None:
         if _is_unbacked(symbol) and symbol not in self.guesses:
-            self.read.setdefault(symbol, user_frame())
+            self.read.add(symbol)  # where: its creation stack, read once in `described`
         super().__setitem__(symbol, value)
 
     def __contains__(self, symbol: object) -> bool:
@@ -111,7 +111,7 @@ class ValueHints(dict):
         guessed, or decided by torch without us (some branches are settled on an expression of a
         value, which the mapping records under that expression)."""
         lines = []
-        read_at = sorted(set(self.read.values()) - {""})
+        read_at = sorted({self._made_at(symbol) for symbol in self.read} - {""})
         if self.read:
             lines.append(f"{len(self.read)} value-dependent size(s) or branch(es) read from the example batch"
                          + (f" ({', '.join(read_at[:3])}{', ...' if len(read_at) > 3 else ''})" if read_at else ""))
@@ -125,7 +125,7 @@ class ValueHints(dict):
                          if len(bounded) < len(values) else "")
             lines.append(f"{len(values)} size(s) or value(s) that depend on the weights, made at {where}: "
                          + "; ".join(part for part in (taken, unbounded) if part))
-        known = set(self.read) | set(self.guesses) | {key for key in self.keys() if _is_unbacked(key)}
+        known = self.read | set(self.guesses) | {key for key in self.keys() if _is_unbacked(key)}
         others = sorted({self._made_at(symbol) or "a line not found" for symbol in self.shape_env.var_to_stack
                          if _is_unbacked(symbol) and symbol not in known})
         if others:

@@ -23,7 +23,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
-from autopar.data_dependent import is_data_dependent
+from autopar.data_dependent import is_data_dependent, user_frame
 from autopar.errors import TraceError
 from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
 from autopar.trace.ops import op_name
@@ -194,7 +194,7 @@ def _trace_error(err: Exception, module_stack: list[str], model_path: Path, retr
     A stop at a tensor's value is marked ``data_dependent`` so the caller traces again with the
     batch's values (autopar.data_dependent); ``retried`` says that was already done."""
     module = module_stack[-1] if module_stack else "(outside any module)"
-    where = _innermost_user_frame(err)
+    where = user_frame(traceback.extract_tb(err.__traceback__)) or "an unknown location"
     text = f"{type(err).__name__}: {err}".splitlines()[0]
     data_dependent = is_data_dependent(err)
     if data_dependent and retried:
@@ -213,14 +213,3 @@ def _trace_error(err: Exception, module_stack: list[str], model_path: Path, retr
     error = TraceError(f"Tracing stopped in module '{module}' at {where}: {construct}.", fix)
     error.data_dependent = data_dependent and not retried
     return error
-
-
-def _innermost_user_frame(err: Exception) -> str:
-    """The last frame outside torch's own sources, as 'file.py:12 (`code`)'."""
-    torch_dir = str(Path(torch.__file__).parent)
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if not f.filename.startswith(torch_dir) and "/autopar/" not in f.filename.replace("\\", "/")]
-    if not frames:
-        return "an unknown location"
-    frame = frames[-1]
-    return f"{Path(frame.filename).name}:{frame.lineno} (`{(frame.line or '').strip()}`)"

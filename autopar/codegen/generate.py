@@ -652,13 +652,19 @@ def _block_range_source(members: list[str], container: str) -> str:
 
 def main_section() -> str:
     return banner("Entry point") + f'''
-@record
-def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
-    """Train with the plan; see the module docstring for how to launch (``after_steps``: see train)."""
-    args = parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER,
+def command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's settings: the compiled defaults under the command line's options (autopar's
+    in-process API reads them here too)."""
+    return parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER,
                              "model_file": MODEL_FILE, "log_file": str(Path(__file__).with_name("run.jsonl")),
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY,
                              "eval_every": EVAL_EVERY, "eval_batches": EVAL_BATCHES}})
+
+
+@record
+def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None = None) -> list[dict[str, float]]:
+    """Train with the plan; see the module docstring for how to launch (``after_steps``: see train)."""
+    args = command_line(argv)
     if args.export and "RANK" not in os.environ:  # not under torchrun: only consolidate the latest checkpoint
         pretrained.check_paths(None, args.export)
         model_module = load_model_file(args.model_file)  # a folder export reads the model's config

@@ -24,6 +24,7 @@ from autopar.codegen.sections.checkpoint import COMPLETE, latest_checkpoint
 from autopar.runtime import RunResult, run_local
 from autopar.runtime.generated import import_generated
 from tests.dist.plans import GPT, make_plan
+from tests.tiers import EXTENDED
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +59,7 @@ def uninterrupted(compiled) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     return {r["step"]: r["loss"] for r in result.records}, torch.load(folder / "final.pt")
 
 
+@EXTENDED
 def test_killed_rank_is_restarted_and_training_resumes_exactly(compiled, uninterrupted, tmp_path):
     """The last rank dies by SIGKILL when it starts step 5; torchrun restarts all four, which
     resume from the latest complete (asynchronously written) checkpoint and finish."""
@@ -94,6 +96,7 @@ def resharded(compiled, uninterrupted, tmp_path_factory) -> tuple[RunResult, Pat
     return train(compiled["tp2_dp2"], checkpoints), checkpoints
 
 
+@EXTENDED
 def test_dp4_checkpoint_loads_under_tp2_dp2_and_training_continues_alike(uninterrupted, resharded):
     losses, _ = uninterrupted
     result, checkpoints = resharded
@@ -102,6 +105,7 @@ def test_dp4_checkpoint_loads_under_tp2_dp2_and_training_continues_alike(uninter
     assert [r["loss"] for r in result.records] == pytest.approx([losses[s] for s in range(4, STEPS)], rel=1e-5)
 
 
+@EXTENDED
 def test_half_written_checkpoint_is_never_resumed_from(resharded):
     result, checkpoints = resharded
     assert result.records[0]["step"] == 4  # not 6

@@ -18,6 +18,7 @@ from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.plan import Plan
 from autopar.runtime import read_records, run_local, run_reference
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
+from tests.tiers import EXTENDED
 
 # What each step's record in run.jsonl holds (samples: the data position after the step).
 RECORD_KEYS = {"step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "attempt", "run_id", "lr",
@@ -81,6 +82,7 @@ def test_failing_rank_is_named_with_its_error(tmp_path):
     assert "RuntimeError: rank one cannot build the model" in result.error
 
 
+@EXTENDED
 def test_rank_killed_in_native_code_shows_its_python_stack(tmp_path):
     """A rank dying by a signal (a crash in C++) has no Python exception; torchrun's workers print
     their Python stack (faulthandler), and the error carries it: the signal and the call that died."""

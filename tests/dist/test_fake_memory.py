@@ -24,6 +24,7 @@ from autopar.codegen import generate
 from autopar.config import compose_config
 from autopar.driver import build_cluster, run_plan, run_profile
 from autopar.runtime.fake_memory import check_rank
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,9 @@ PLANS = {
     "cp2_ring_selective": ["plan.dp=4", "plan.cp=2", "plan.cp_strategy=ring", "plan.tp=1", "plan.pp=1",
                            "plan.zero_stage=3", "plan.micro_batch_size=1", "plan.recompute=selective"],
 }
+# The default run (tests/tiers.py): ZeRO-3 alone and the pipeline x TP x SP hybrid; the extended
+# tier adds TP x SP under ZeRO-3 and ring attention under selective recomputation.
+DEFAULT_PLANS = ["zero3_dp8", "pp2_tp2_dp2"]
 MODEL_OF_PLAN = {"cp2_ring_selective": {**GPT, "seq_len": 2048}}
 TOLERANCE = 0.10
 
@@ -62,7 +66,7 @@ def compile_plan(examples_dir, out, pins: list[str], model: dict = GPT):
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(PLANS))
+@pytest.fixture(scope="module", params=tiered(sorted(PLANS), default=DEFAULT_PLANS, ids=sorted(PLANS)))
 def checked(request, examples_dir, tmp_path_factory):
     out = compile_plan(examples_dir, tmp_path_factory.mktemp("fake") / request.param, PLANS[request.param],
                        MODEL_OF_PLAN.get(request.param, GPT))

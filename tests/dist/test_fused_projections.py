@@ -22,7 +22,7 @@ from autopar.codegen.sections.checkpoint import consolidated_weights
 from autopar.runtime import run_local, run_reference
 from tests.dist.equivalence import OPTIMIZER, assert_trains_like
 from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel, make_plan
-from tests.tiers import tiered
+from tests.tiers import EXTENDED, tiered
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +76,7 @@ def test_the_plan_splits_the_fused_projections_as_their_parts(compiled):
     assert "FusedColwise(parts=[32, 16, 16]" in source and "CutsFused(" in source
 
 
+@EXTENDED
 def test_zero3_tp2_checkpoint_holds_the_weights_of_one_process_in_its_row_order(compiled, reference, tmp_path):
     records = train(compiled["tp2_zero3"], HALF, tmp_path / "checkpoints")
     assert_trains_like([r["loss"] for r in records], consolidated_weights(tmp_path / "checkpoints" / f"step_{HALF}"),
@@ -93,6 +94,7 @@ def test_a_checkpoint_resumes_across_the_fused_split(compiled, reference, tmp_pa
     assert_parameters_equal(torch.load(tmp_path / "final.pt", weights_only=True), reference[STEPS].parameters)
 
 
+@EXTENDED
 def test_init_from_a_file_puts_its_rows_where_the_fused_split_holds_them(compiled, reference, tmp_path):
     weights = tmp_path / "start.pt"
     torch.save(reference[HALF].parameters, weights)

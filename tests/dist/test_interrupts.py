@@ -22,6 +22,7 @@ from autopar.cli import main as autopar_main
 from autopar.codegen import generate
 from autopar.runtime.local import LOCK_NAME, LOG_NAME
 from tests.dist.plans import GPT, REPO, make_plan
+from tests.tiers import tiered
 
 pytestmark = pytest.mark.slow  # 3 to 4 minutes on a busy 2-core machine
 
@@ -96,7 +97,8 @@ def _leftovers(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor"))
 
 
-@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("sent", tiered([signal.SIGKILL, signal.SIGTERM], default=[signal.SIGTERM],
+                                        ids=["SIGKILL", "SIGTERM"]))
 def test_ranks_die_with_the_cli_and_the_folder_is_free_again(dp2, tmp_path, sent):
     """The CLI killed mid-run (SIGKILL: no clean-up of its own; SIGTERM: handled like Ctrl-C,
     exit 143): torchrun and both ranks end within seconds, no restart is spent, and the next run
@@ -136,7 +138,8 @@ def _checking(tmp_path: Path) -> bool:
     return any(p.name.startswith("autopar-torchrun-") for p in (tmp_path / "tmp").iterdir())
 
 
-@pytest.mark.parametrize("when, group", [(_proving, False), (_checking, True)], ids=["fake-step", "gloo-check"])
+@pytest.mark.parametrize("when, group", tiered([(_proving, False), (_checking, True)], default=[(_checking, True)],
+                                                 ids=["fake-step", "gloo-check"], unpack=True))
 def test_ctrl_c_during_compile_exits_130_and_leaves_nothing(tmp_path, when, group):
     """Ctrl-C after CP-SAT has solved: during the fake-tensor step (SIGINT to the CLI alone) and
     during the check on gloo ranks (to its whole process group, as a terminal sends it)."""

@@ -40,6 +40,7 @@ from tests.dist.equivalence import OPTIMIZER as TESTED
 OPTIMIZER = {**TESTED, "schedule": "constant", "warmup_steps": 0, "max_grad_norm": 0.0, "decay_all": True}
 from tests.dist.harness import run_ranks
 from tests.dist.plans import GLOBAL_BATCH, LLAMA, REPO, TinyModel, make_plan
+from tests.tiers import EXTENDED
 
 STEPS = 2
 PRETRAINED_SEED = 123
@@ -149,6 +150,7 @@ def test_run_starts_from_the_pretrained_weights_and_exports_a_folder_transformer
 
 
 @pytest.mark.slow
+@EXTENDED
 def test_autopar_run_init_from_then_a_resume_keeps_the_checkpoint_and_export_consolidates_it(tmp_path, monkeypatch):
     """`autopar run --init-from` (relative paths, from the caller's folder) trains from the
     pretrained weights; a second run resumes its checkpoint instead of loading them again; and

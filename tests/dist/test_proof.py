@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
+from tests.tiers import EXTENDED
 
 MODELS = Path(__file__).resolve().parent / "models"
 TWO_CPU_RANKS = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32"]
@@ -69,6 +70,7 @@ def test_a_plan_that_trains_something_else_is_caught_only_by_the_check(tmp_path,
     assert "one step at full scale (2 ranks) on fake tensors" in report and "local gloo ranks" not in report
 
 
+@EXTENDED
 def test_a_split_that_trains_something_else_is_not_tried_again(tmp_path, capsys):
     """Unpinned, the fastest plans of the batch-mixing model (narrow, long sequences: little to
     all-reduce for dp, much for TP) split the batch; the check blames that split, so the next plan

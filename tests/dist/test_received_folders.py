@@ -19,6 +19,7 @@ from autopar.codegen.sections.checkpoint import COMPLETE, file_digests
 from autopar.runtime import RunResult, run_local
 from autopar.runtime.local import LOCK_NAME
 from tests.dist.plans import GPT, make_plan
+from tests.tiers import EXTENDED
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +74,7 @@ def assert_finished_like_the_reference(result: RunResult, final: Path, uninterru
     assert all(torch.equal(trained[name], parameters[name]) for name in parameters)
 
 
+@EXTENDED
 def test_renamed_checkpoint_resumes_at_the_step_it_holds(dp2, uninterrupted, tmp_path):
     """step_4 renamed step_40: the run resumes at step 4 (not 40, which would end it with 36 steps
     unaccounted for and the parameters of step 4), says so, and ends as the reference did."""

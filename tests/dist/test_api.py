@@ -84,3 +84,39 @@ def test_the_api_trains_what_the_compiled_module_trains(api_tp2, tmp_path):
     assert set(cli_parameters) == set(api_parameters)
     for name, tensor in cli_parameters.items():
         torch.testing.assert_close(api_parameters[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def _weights_and_answers(rank: int, world_size: int) -> tuple[str, str, object]:
+    """On each rank: check_same_weights of a model seeded by rank (then by 0), and what
+    on_rank_zero hands every rank when rank 0's work fails with a UserError."""
+    from autopar.api import check_same_weights, on_rank_zero
+    from autopar.errors import UserError
+
+    torch.manual_seed(rank)
+    try:
+        check_same_weights(torch.nn.Linear(4, 4), torch.device("cpu"))
+        differing = "accepted"
+    except UserError as err:
+        differing = err.problem
+    torch.manual_seed(0)
+    check_same_weights(torch.nn.Linear(4, 4), torch.device("cpu"))
+
+    def fails() -> None:
+        raise UserError("no plan fits", "add nodes")
+
+    try:
+        on_rank_zero(fails)
+        answer = "returned"
+    except UserError as err:
+        answer = f"{err.problem} / {err.fix}"
+    return differing, answer, on_rank_zero(lambda: {"rank": rank})
+
+
+def test_ranks_with_different_weights_are_refused_and_rank_zeros_answer_reaches_every_rank():
+    from tests.dist.harness import run_ranks
+
+    results = run_ranks(_weights_and_answers, 2, timeout_s=120)
+    for differing, answer, shared in results:
+        assert "ranks built different weights" in differing
+        assert answer == "no plan fits / add nodes"
+        assert shared == {"rank": 0}

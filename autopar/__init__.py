@@ -10,6 +10,10 @@ API = ("plan", "parallelize", "estimate", "ParallelTraining")
 
 
 def __getattr__(name: str):
+    if name == "plan":  # the module autopar/plan.py, which calls the API's search when called
+        import autopar.plan
+
+        return autopar.plan
     if name in API:
         from autopar import api
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, NoReturn
 from rich.console import Console
 from rich.markup import escape
 
+from autopar.emit import ENGINES
 from autopar.errors import ConfigError, UserError
 from autopar.output_dir import write_atomically
 from autopar.user_code import TimeLimitReached, describe_exit, exits_refused
@@ -263,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--plan", type=Path, default=None,
                           help="reuse this saved plan instead of solving (must match the model file and cluster)")
     compile_.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
+    for verb in (plan, compile_):
+        verb.add_argument("--emit", action="append", default=[], choices=ENGINES, metavar="ENGINE",
+                          help="also write the plan as that engine's settings beside plan.json (repeatable): "
+                               "torchtitan, megatron, deepspeed, accelerate; a plan the engine cannot run is refused")
     report = _add_plain_verb(verbs, "report", "write the plan report (HTML, markdown, timeline) of a plan or compiled folder",
                              "Render report.html (self-contained), report.md, timeline.json (Chrome trace) and figures "
                              "for a compiled folder or a plan.json.", REPORT_EXAMPLES, _report)
@@ -494,6 +499,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         from hydra.core.hydra_config import HydraConfig
 
         from autopar.driver import precision_note, report_of, run_plan
+        from autopar.emit import engine_files
         from autopar.progress import PhaseProgress
         from autopar.report.terminal import print_plan
 
@@ -506,9 +512,13 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         out = args.out or Path(HydraConfig.get().runtime.output_dir) / "plan.json"
         if args.out is None:
             write_provenance(cfg, out.parent)
+        engine_texts = engine_files(result.plan, args.emit)  # an engine's refusal before anything is written
         write_atomically(out, result.plan.to_json())
         where = "" if args.out else " (Hydra's run folder: choose it with hydra.run.dir=DIR, or pass --out FILE)"
         console.print(f"wrote {_shown_path(out)}{where}")
+        for name, text in engine_texts.items():
+            write_atomically(out.parent / name, text)
+            console.print(f"wrote {_shown_path(out.parent / name)}")
         if args.report is not None:
             with console.status("Writing the report ..."):
                 files = write_report_atomically(report_of(result), args.report)
@@ -621,7 +631,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
         _note(console, precision_note(cfg))
         with PhaseProgress(console, f"planning {args.model}" if args.plan is None else f"reusing {args.plan}") as progress:
             plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress,
-                                              provenance=hydra_app.provenance_files(cfg), force=args.force)
+                                              provenance=hydra_app.provenance_files(cfg), force=args.force,
+                                              emit=tuple(args.emit))
         if result is not None:
             print_plan(result, console)
             for rejected in result.rejected:

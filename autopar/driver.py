@@ -355,7 +355,8 @@ MAX_PLANS_TRIED = 8
 
 def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path: str | Path | None = None,
                 progress: "Reporter | None" = None, force: bool = False,
-                provenance: dict[str, str] | None = None, profile: ModelProfile | None = None):
+                provenance: dict[str, str] | None = None, profile: ModelProfile | None = None,
+                emit: tuple[str, ...] = ()):
     """Stages 1-5: plan (or reuse a saved plan), prove the generated module (autopar/runtime/proof.py)
     and write it with its launch scripts and report into ``out_dir``, all or nothing and without
     losing anything autopar did not write there (see autopar/output_dir.py): the folder is
@@ -367,6 +368,8 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     rejected plan with its reason. A saved plan (``plan_path``) that fails is refused.
 
     ``profile``: the model's profile when the caller traced it already (for these settings).
+    ``emit``: engines whose settings file is written beside plan.json (autopar/emit/); a plan an
+    engine cannot run is rejected like one that fails the proof.
 
     Returns:
         (plan, planning result or None for a saved plan, written files); the result's
@@ -376,14 +379,17 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
 
     out_dir = Path(out_dir)
     provenance = dict(provenance or {})
-    check_out_dir(out_dir, [*compiled_file_names(model_path), *provenance], force=force)
+    from autopar.emit import writers
+
+    engine_names = [writers()[engine].file_name for engine in emit]
+    check_out_dir(out_dir, [*compiled_file_names(model_path), *provenance, *engine_names], force=force)
     with writing_lock(out_dir):  # a second compile into the folder meanwhile is refused
-        return _compile_held(model_path, cfg, out_dir, plan_path, progress, force, provenance, profile)
+        return _compile_held(model_path, cfg, out_dir, plan_path, progress, force, provenance, profile, emit)
 
 
 def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: str | Path | None,
                   progress: "Reporter | None", force: bool, provenance: dict[str, str],
-                  profile: ModelProfile | None):
+                  profile: ModelProfile | None, emit: tuple[str, ...]):
     """`run_compile` once the folder is checked and held."""
     from autopar.runtime.proof import check_wanted
 
@@ -394,7 +400,7 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
         files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force,
-                                        defaults, provenance)
+                                        defaults, provenance, emit)
         if rejection is not None:
             raise UserError(f"The saved plan {plan_path} ({plan.summary()}) fails compile's proof: {rejection.reason}.",
                             "plan again without --plan (the planner moves past plans that fail), or pass check=off "
@@ -418,7 +424,7 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
             profile = result.pricer.profile
             plan = result.plan
             files, rejection = _compile_one(plan, result, model_path, out_dir, cluster, check, rejected, progress,
-                                            force, defaults, provenance)
+                                            force, defaults, provenance, emit)
             if rejection is None:
                 break
             blamed = None
@@ -439,6 +445,9 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                                          f"{MAX_PLANS_TRIED})")
     written = {name: out_dir / path.name for name, path in vars(files).items()}
     written["report"] = out_dir / "report.html"
+    from autopar.emit import writers
+
+    written.update({engine: out_dir / writers()[engine].file_name for engine in emit})
     if result is not None:
         result.rejected = list(rejected)
     return plan, result, written
@@ -487,7 +496,7 @@ def check_corpus(data: dict[str, Any], cfg: Any, model_path: str | Path) -> None
 
 def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, cluster: ClusterSpec, check: bool,
                  rejected: list[Any], progress: "Reporter | None", force: bool, defaults: dict[str, Any],
-                 provenance: dict[str, str]):
+                 provenance: dict[str, str], emit: tuple[str, ...] = ()):
     """Generate ``plan`` into a staging folder, prove it and, when it passes, write its report
     and install everything into ``out_dir``: (files, None), or (None, the rejection);
     ``defaults``: generate()'s run defaults (optimizer, data, validation); ``provenance``:
@@ -495,11 +504,16 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
     manifest like every other file."""
     from autopar.codegen import generate
     from autopar.codegen.errors import CodegenError
+    from autopar.emit import EngineRefusal, engine_files
     from autopar.output_dir import install, staging_dir, write_atomically
     from autopar.report.document import RejectedPlan
     from autopar.report.render import write_report
     from autopar.runtime.proof import prove
 
+    try:
+        engine_texts = engine_files(plan, emit)
+    except EngineRefusal as err:
+        return None, RejectedPlan(plan.summary(), f"{err.engine} cannot run it: {err.why}", ran=False)
     with staging_dir(out_dir) as staging:
         try:
             files = generate(plan, model_path, staging, gpus_per_node=cluster.gpus_per_node, **defaults)
@@ -520,7 +534,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
         report.proof = outcome.proven
         report.rejected = list(rejected)
         write_report(report, staging)
-        for relative, text in provenance.items():
+        for relative, text in {**provenance, **engine_texts}.items():
             write_atomically(staging / relative, text)
         install(staging, out_dir, force=force)
     return files, None

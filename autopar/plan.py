@@ -13,6 +13,8 @@ Mesh axes are named by `MeshAxis` and listed innermost (fastest links) to outerm
 from __future__ import annotations
 
 import json
+import sys
+import types
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -390,3 +392,17 @@ class Plan:
         path = Path(path)
         text = path.read_text()
         return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+
+class _PlanModule(types.ModuleType):
+    """This module, callable as the API's search: `autopar.plan(model.py, ...)` (autopar/api.py)
+    names both this module and that function, and importing the module makes it the package's
+    ``plan`` attribute, so the module itself answers the call."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
+        from autopar.api import plan
+
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _PlanModule

@@ -43,6 +43,7 @@ def test_plan_is_the_search_of_autopar_plan():
     planned = autopar.plan(GPT, *pins, model={"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 128})
     expected = run_plan(GPT, compose_config(SMALL)).plan
     assert planned.summary() == expected.summary()
+    assert autopar.plan(GPT, *SMALL).summary() == expected.summary()  # again, the plan module imported by now
     assert planned.provenance.model_path == expected.provenance.model_path
 
 
@@ -60,7 +61,8 @@ def test_a_batch_of_another_size_than_the_plans_is_refused():
 
 def test_importing_autopar_does_not_import_torch():
     """The command line starts without torch; the API loads on first use."""
-    code = "import sys, autopar; print('torch' in sys.modules); from autopar import api; print(autopar.plan is api.plan)"
+    code = ("import sys, autopar; print('torch' in sys.modules); from autopar import api; "
+            "print(autopar.parallelize is api.parallelize and callable(autopar.plan))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert done.stdout.split() == ["False", "True"]
 

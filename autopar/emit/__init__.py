@@ -1,0 +1,124 @@
+"""Plans written for the engines people already train with (`--emit ENGINE`).
+
+Each engine module turns a `Plan` into that engine's own settings file and says what of the plan
+the engine cannot run (`EngineWriter.refusal`): a plan the engine would run differently from how
+it was priced is refused by name, never approximated. The files say what the plan chose; the
+model, data and optimizer stay the user's (an engine's model config is not ours to write).
+
+    torchtitan   torchtitan_args.txt   overrides of a torchtitan job (--parallelism.*, --training.*,
+                                       --activation_checkpoint.mode)
+    megatron     megatron_args.txt     Megatron-LM / NeMo arguments (model-parallel sizes, sequence
+                                       parallel, distributed optimizer, recomputation, batch sizes)
+    deepspeed    deepspeed.json        a DeepSpeed config (ZeRO stage, micro-batch, accumulation,
+                                       activation checkpointing, precision, clipping)
+    accelerate   accelerate_fsdp.yaml  an accelerate config for FSDP2 (with its tensor/context-
+                                       parallel sizes)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from autopar.errors import UserError
+
+
+@dataclass(frozen=True)
+class EngineWriter:
+    """One engine: the file it reads, what of a plan it cannot run, and the file's text."""
+
+    name: str
+    file_name: str
+    refusal: Callable[[Any], str | None]
+    render: Callable[[Any], str]
+
+
+def writers() -> dict[str, EngineWriter]:
+    from autopar.emit import accelerate, deepspeed, megatron, torchtitan
+
+    return {module.WRITER.name: module.WRITER for module in (torchtitan, megatron, deepspeed, accelerate)}
+
+
+ENGINES = ("torchtitan", "megatron", "deepspeed", "accelerate")
+
+
+def engine_files(plan: Any, engines: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """File name -> text for each engine, or a UserError naming what an engine cannot run."""
+    known = writers()
+    files = {}
+    for name in dict.fromkeys(engines):
+        if name not in known:
+            raise UserError(f"--emit {name}: no such engine.", f"use one of {', '.join(ENGINES)}.")
+        writer = known[name]
+        why = writer.refusal(plan)
+        if why:
+            raise EngineRefusal(name, plan, why)
+        files[writer.file_name] = writer.render(plan)
+    return files
+
+
+class EngineRefusal(UserError):
+    """A plan that an engine cannot run as it was priced."""
+
+    def __init__(self, engine: str, plan: Any, why: str):
+        super().__init__(f"{engine} cannot run the plan {plan.summary()}: {why}.",
+                         f"pin plan.* settings that {engine} runs (as the reason says), or emit for another engine.")
+        self.engine = engine
+        self.why = why
+
+
+def write_engine_files(plan: Any, engines: list[str] | tuple[str, ...], folder: Path) -> list[Path]:
+    """Write each engine's file into ``folder`` (all checked before any is written)."""
+    from autopar.output_dir import write_atomically
+
+    files = engine_files(plan, engines)
+    written = []
+    for name, text in files.items():
+        write_atomically(folder / name, text)
+        written.append(folder / name)
+    return written
+
+
+def block_recompute(plan: Any) -> dict[str, str]:
+    """Recomputation of the repeated blocks (layers named by an index: ``blocks.3``,
+    ``model.layers.12``), the only layers an engine's setting checkpoints; embeddings and heads
+    are never recomputed by them."""
+    return {name: mode for name, mode in plan.recompute.items() if any(part.isdigit() for part in name.split("."))}
+
+
+def uniform_recompute(plan: Any) -> str:
+    """The blocks' recomputation mode when every block has the same ("none" without any), else
+    "mixed" (engines set one mode for all blocks: `mixed_recompute` refuses it)."""
+    modes = set(block_recompute(plan).values()) or {"none"}
+    return modes.pop() if len(modes) == 1 else "mixed"
+
+
+def mixed_recompute(plan: Any) -> str | None:
+    """Why an engine cannot say the plan's recomputation, or None."""
+    if uniform_recompute(plan) != "mixed":
+        return None
+    counts: dict[str, int] = {}
+    for mode in block_recompute(plan).values():
+        counts[mode] = counts.get(mode, 0) + 1
+    mix = ", ".join(f"{count} blocks {mode}" for mode, count in sorted(counts.items()))
+    return f"recomputation differs by block ({mix}), which its settings cannot say; pin plan.recompute=MODE"
+
+
+CUSTOM_SYNC = ("ps", "hierarchical", "halving_doubling")
+
+
+def common_refusal(plan: Any, engine: str) -> str | None:
+    """What no engine's settings say: autopar's own gradient exchanges and uneven data shares."""
+    if plan.dp_sync in CUSTOM_SYNC:
+        return (f"its gradients are exchanged by autopar's own {plan.dp_sync} all-reduce, {engine} reduces with "
+                "NCCL's; pin plan.dp_sync=auto")
+    if plan.dp_shares and len(set(plan.dp_shares)) > 1:
+        return f"its data-parallel ranks take uneven shares ({plan.dp_shares}), which {engine} does not split"
+    return mixed_recompute(plan)
+
+
+def comment_lines(plan: Any, engine: str) -> list[str]:
+    """The header of an arguments file: what made it and how to use it."""
+    return [f"# {engine} settings of the autopar plan {plan.summary()}",
+            f"# predicted {plan.predicted.step_time_s:.4g} s/step on {plan.world_size} ranks "
+            f"(model {plan.provenance.model_path or '?'}); lines starting with # are comments"]

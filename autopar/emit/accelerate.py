@@ -1,0 +1,63 @@
+"""accelerate: a config file for ``accelerate launch --config_file accelerate_fsdp.yaml`` running
+FSDP2 (ZeRO-3: reshard after forward; ZeRO-2: not) with its tensor- and context-parallel sizes.
+
+accelerate has no pipeline parallelism and no ZeRO-0/1 under FSDP (that is its DDP launch), so
+such plans are refused; blocks are wrapped by the model's own ``_no_split_modules`` (Hugging Face
+models) through TRANSFORMER_BASED_WRAP; selective recomputation is not one of its settings.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from autopar.emit import EngineWriter, common_refusal, uniform_recompute
+
+
+def refusal(plan: Any) -> str | None:
+    if plan.pp > 1:
+        return "accelerate has no pipeline parallelism; pin plan.pp=1"
+    if plan.ep > 1:
+        return "accelerate has no expert parallelism; pin plan.ep=1"
+    if plan.zero_stage < 2:
+        return f"accelerate's FSDP shards gradients and parameters (ZeRO-2/3), not ZeRO-{plan.zero_stage}; pin " \
+               "plan.zero_stage=2 or 3"
+    if plan.hybrid_shard:
+        return "hybrid sharding's replica groups are not written here; pin plan.hybrid_shard=false"
+    if plan.cp > 1 and plan.cp_strategy != "ring":
+        return "accelerate's context parallelism (torch's) is a ring; pin plan.cp_strategy=ring"
+    if uniform_recompute(plan) == "selective":
+        return "accelerate checkpoints whole blocks only; pin plan.recompute=full or none"
+    return common_refusal(plan, "accelerate")
+
+
+def config(plan: Any) -> dict[str, Any]:
+    nodes = int(plan.provenance.cluster_config.get("nodes") or 1)
+    settings: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(plan.precision, "no"),
+        "num_machines": nodes,
+        "num_processes": plan.world_size,
+        "machine_rank": 0,
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": plan.zero_stage == 3,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_activation_checkpointing": uniform_recompute(plan) == "full",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        },
+    }
+    if plan.tp > 1 or plan.cp > 1:
+        settings["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1,
+                                          "parallelism_config_dp_shard_size": plan.dp,
+                                          "parallelism_config_tp_size": plan.tp,
+                                          "parallelism_config_cp_size": plan.cp}
+    return settings
+
+
+def render(plan: Any) -> str:
+    return yaml.safe_dump(config(plan), sort_keys=False)
+
+
+WRITER = EngineWriter("accelerate", "accelerate_fsdp.yaml", refusal, render)

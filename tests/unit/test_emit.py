@@ -1,0 +1,199 @@
+"""Plans written for other engines (autopar/emit/): each file is read back by the engine's own
+config classes (torchtitan's ParallelismConfig/TrainingConfig through tyro and its ParallelDims,
+megatron-core's ModelParallelConfig and TransformerConfig, DeepSpeed's DeepSpeedConfig,
+accelerate's config file and FSDP plugin), which validate it, and gives the plan's degrees back;
+what an engine cannot run is refused by name."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import field, make_dataclass
+
+import pytest
+import yaml
+
+from autopar.emit import EngineRefusal, engine_files, write_engine_files
+from autopar.errors import UserError
+from tests.dist.plans import GPT, make_plan
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {"zero3_dp4": make_plan(GPT, dp=4, zero=3),
+            "zero2_dp2_tp2_sp": make_plan(GPT, dp=2, tp=2, zero=2, sp=True),
+            "zero1_dp2_tp2_pp2_v2": make_plan(GPT, dp=2, tp=2, pp=2, zero=1, schedule="interleaved_1f1b", chunks=2),
+            "cp2_ring_full": make_plan(GPT, dp=2, cp=2, zero=3, cp_strategy="ring",
+                                       recompute={f"blocks.{i}": "full" for i in range(GPT.blocks)}),
+            "dp2_zero0": make_plan(GPT, dp=2)}
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_torchtitan_reads_the_degrees_back(plans):
+    import tyro
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.config.manager import custom_registry
+    from torchtitan.distributed import ParallelDims
+
+    # The two sections of torchtitan's job config the file sets, parsed as its ConfigManager does.
+    Job = make_dataclass("Job", [("parallelism", ParallelismConfig, field(default_factory=ParallelismConfig)),
+                                 ("training", TrainingConfig, field(default_factory=TrainingConfig))])
+
+    for name in ("zero3_dp4", "zero2_dp2_tp2_sp", "cp2_ring_full"):
+        plan = plans[name]
+        text = engine_files(plan, ["torchtitan"])["torchtitan_args.txt"]
+        job = tyro.cli(Job, args=_lines(text), registry=custom_registry)
+        p = job.parallelism
+        dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                            ep=p.expert_parallel_degree, world_size=plan.world_size)
+        assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp, dims.cp) == (plan.dp, plan.tp, plan.pp, plan.cp)
+        assert p.enable_sequence_parallel == plan.sequence_parallel
+        assert p.fsdp_reshard_after_forward == ("always" if plan.zero_stage == 3 else "never")
+        assert job.training.global_batch_size == plan.global_batch_size
+        assert job.training.local_batch_size * plan.dp == plan.global_batch_size
+        assert ("full" in text) == (name == "cp2_ring_full")
+
+
+def _megatron_args(text: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()  # the flags of Megatron-LM's arguments.py that the file uses
+    for flag in ("tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size",
+                 "expert-model-parallel-size", "expert-tensor-parallel-size", "micro-batch-size", "global-batch-size",
+                 "num-virtual-stages-per-pipeline-rank", "recompute-num-layers"):
+        parser.add_argument(f"--{flag}", type=int)
+    for flag in ("cp-comm-type", "recompute-granularity", "recompute-method"):
+        parser.add_argument(f"--{flag}")
+    for flag in ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16"):
+        parser.add_argument(f"--{flag}", action="store_true")
+    return parser.parse_args([word for line in _lines(text) for word in line.split()])
+
+
+def test_megatron_core_accepts_the_arguments(plans):
+    import torch
+    from megatron.core import ModelParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    plan = plans["zero1_dp2_tp2_pp2_v2"]
+    args = _megatron_args(engine_files(plan, ["megatron"])["megatron_args.txt"])
+    parallel = ModelParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                   virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
+                                   sequence_parallel=args.sequence_parallel,
+                                   context_parallel_size=args.context_parallel_size,
+                                   expert_model_parallel_size=args.expert_model_parallel_size,
+                                   pipeline_dtype=torch.float32)
+    assert (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+            parallel.virtual_pipeline_model_parallel_size) == (plan.tp, plan.pp, plan.chunks)
+    assert args.use_distributed_optimizer and args.micro_batch_size == plan.micro_batch_size
+    assert args.global_batch_size == plan.global_batch_size
+    TransformerConfig(num_layers=GPT.blocks, hidden_size=GPT.kwargs["hidden"], num_attention_heads=GPT.kwargs["heads"],
+                      tensor_model_parallel_size=args.tensor_model_parallel_size,
+                      pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                      sequence_parallel=args.sequence_parallel, pipeline_dtype=torch.float32)
+    full = _megatron_args(engine_files(plans["cp2_ring_full"], ["megatron"])["megatron_args.txt"]) \
+        if plans["cp2_ring_full"].zero_stage <= 1 else None
+    assert full is None  # ZeRO-3 is refused below
+
+
+def test_deepspeed_config_holds_its_batch_arithmetic(plans, monkeypatch):
+    from deepspeed.runtime import config as deepspeed_config
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    # Outside a process group DeepSpeed takes a world of 1 before asking the unit below.
+    monkeypatch.setattr(deepspeed_config.dist, "get_rank", lambda *_: 0)
+
+    class DataParallel:  # DeepSpeed asks a model-parallel unit for the data-parallel size
+        def __init__(self, size: int):
+            self.size = size
+
+        def get_data_parallel_world_size(self) -> int:
+            return self.size
+
+        def get_model_parallel_world_size(self) -> int:
+            return 1
+
+    for name in ("zero3_dp4", "dp2_zero0"):
+        plan = plans[name]
+        settings = json.loads(engine_files(plan, ["deepspeed"])["deepspeed.json"])
+        config = DeepSpeedConfig(settings, mpu=DataParallel(plan.dp))
+        assert config.zero_optimization_stage == plan.zero_stage
+        assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) \
+            == (plan.global_batch_size, plan.micro_batch_size, plan.num_micro_batches)
+
+
+def test_accelerate_reads_the_fsdp_config(plans, tmp_path):
+    from accelerate import FullyShardedDataParallelPlugin, ParallelismConfig
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    plan = plans["zero2_dp2_tp2_sp"]
+    path = write_engine_files(plan, ["accelerate"], tmp_path)[0]
+    loaded = ClusterConfig.from_yaml_file(path)
+    assert loaded.num_processes == plan.world_size and loaded.distributed_type == "FSDP"
+    fsdp = loaded.fsdp_config
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp["fsdp_version"],
+                                            reshard_after_forward=fsdp["fsdp_reshard_after_forward"],
+                                            activation_checkpointing=fsdp["fsdp_activation_checkpointing"])
+    assert plugin.reshard_after_forward is False  # ZeRO-2
+    sizes = {key.removeprefix("parallelism_config_"): value for key, value in loaded.parallelism_config.items()}
+    parallel = ParallelismConfig(**sizes)
+    assert (parallel.dp_shard_size, parallel.tp_size, parallel.cp_size) == (plan.dp, plan.tp, plan.cp)
+
+
+@pytest.mark.parametrize("case, engine, reason", [
+    ("zero3_dp4", "megatron", "distributed optimizer is ZeRO-1"),
+    ("zero1_dp2_tp2_pp2_v2", "torchtitan", "no ZeRO-1"),
+    ("zero1_dp2_tp2_pp2_v2", "deepspeed", "tp=2 is model code"),
+    ("zero1_dp2_tp2_pp2_v2", "accelerate", "no pipeline parallelism"),
+    ("dp2_zero0", "accelerate", "not ZeRO-0"),
+])
+def test_what_an_engine_cannot_run_is_refused_by_name(plans, case, engine, reason):
+    with pytest.raises(EngineRefusal, match=reason):
+        engine_files(plans[case], [engine])
+
+
+def test_a_refusal_writes_no_file_and_an_unknown_engine_is_named(plans, tmp_path):
+    with pytest.raises(EngineRefusal):
+        write_engine_files(plans["zero3_dp4"], ["deepspeed", "megatron"], tmp_path)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(UserError, match="no such engine.*torchtitan, megatron"):
+        engine_files(plans["zero3_dp4"], ["nemo"])
+
+
+def test_mixed_recomputation_is_refused_not_approximated():
+    plan = make_plan(GPT, dp=2, zero=3, recompute={"blocks.0": "full", "blocks.1": "selective"})
+    with pytest.raises(EngineRefusal, match="recomputation differs by block"):
+        engine_files(plan, ["torchtitan"])
+    assert yaml  # the accelerate file is YAML (read above)
+
+
+SMALL = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "model.layers=2", "model.hidden=64", "model.heads=4",
+         "model.seq_len=32", "model.vocab=128", "train.global_batch_size=8", "train.precision=fp32"]
+
+
+def test_plan_and_compile_write_the_engine_files_beside_plan_json(examples_dir, tmp_path, capsys):
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *SMALL, "plan.dp=2", "plan.zero_stage=3", "--emit", "deepspeed",
+                 "--emit", "accelerate", "--out", str(out)]) == 0
+    assert json.loads((tmp_path / "deepspeed.json").read_text())["zero_optimization"] == {"stage": 3}
+    assert yaml.safe_load((tmp_path / "accelerate_fsdp.yaml").read_text())["num_processes"] == 2
+    compiled = tmp_path / "compiled"
+    assert main(["compile", str(examples_dir / "gpt.py"), *SMALL, "plan.dp=2", "plan.zero_stage=1",
+                 "--emit", "megatron", "--out-dir", str(compiled)]) == 0
+    assert "--use-distributed-optimizer" in (compiled / "megatron_args.txt").read_text()
+    assert "megatron_args.txt" in capsys.readouterr().out
+
+
+def test_a_plan_the_engine_cannot_run_writes_nothing(examples_dir, tmp_path, capsys):
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *SMALL, "plan.dp=2", "plan.zero_stage=3", "--emit", "megatron",
+                 "--out", str(out)]) == 1
+    assert "Megatron-LM's distributed optimizer is ZeRO-1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

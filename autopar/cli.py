@@ -43,6 +43,7 @@ ESTIMATE_EXAMPLES = """examples:
       plan.chunks=2 train.global_batch_size=1536 model.layers=48 model.hidden=6144 model.heads=48 \\
       model.seq_len=2048 model.vocab=50257 --out estimate.json
   autopar estimate examples/gpt.py cluster=dgx_h100 cluster.inter_node_bandwidth_GBps=12.5 plan.tp=8
+  autopar estimate examples/gpt.py cluster=dgx_h100 cluster.nodes=4 --from megatron_args.txt
 """
 
 PLAN_EXAMPLES = """examples:
@@ -242,8 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     _add_verb(verbs, "profile", "trace one training step and report FLOPs, bytes and memory per layer",
               PROFILE_EXAMPLES, _profile)
-    _add_verb(verbs, "estimate", "predict step time, throughput, MFU and memory of one fixed plan (plan.*=...)",
-              ESTIMATE_EXAMPLES, _estimate)
+    estimate = _add_verb(verbs, "estimate", "predict step time, throughput, MFU and memory of one fixed plan (plan.*=...)",
+                         ESTIMATE_EXAMPLES, _estimate)
+    estimate.add_argument("--from", dest="from_file", type=Path, default=None, metavar="FILE",
+                          help="price the settings of another engine's file (a DeepSpeed .json, an accelerate .yaml, "
+                               "Megatron-LM or torchtitan arguments), beside the best plan that engine runs and the "
+                               "best plan overall")
     plan = _add_verb(verbs, "plan", "search for the fastest plan that fits and explain the runners-up",
                      PLAN_EXAMPLES, _plan)
     plan.add_argument("--top-k", type=int, default=None, help="runners-up to show (solver.top_k)")
@@ -454,7 +459,12 @@ def _check_out(args: argparse.Namespace) -> None:
 
 
 def _estimate(args: argparse.Namespace, console: Console) -> int:
-    overrides = _hydra_overrides(args, "estimate", NO_RUN_FOLDER)
+    settings = None
+    if args.from_file is not None:
+        from autopar.emit import read_engine_file
+
+        settings = read_engine_file(args.from_file)  # its settings follow (and win over) the command line's
+    overrides = _hydra_overrides(args, "estimate", NO_RUN_FOLDER, settings.overrides() if settings else None)
     if _show_requested(args):
         return _show(args, overrides)
     _check_out(args)
@@ -468,12 +478,47 @@ def _estimate(args: argparse.Namespace, console: Console) -> int:
         with console.status("Tracing and pricing ..."):
             profile, layout, estimate = run_estimate(args.model, cfg)
         print_estimate(profile, layout, estimate, console)
+        if settings is not None:
+            _compare_with_best(args, cfg, settings, profile, estimate, console)
         if args.out is not None:
             write_atomically(args.out, json.dumps(estimate.to_dict(), indent=1))
             console.print(f"wrote {args.out}")
 
     _run_job(args, job, overrides)
     return 0
+
+
+def _compare_with_best(args: argparse.Namespace, cfg: Any, settings: Any, profile: Any, estimate: Any,
+                       console: Console) -> None:
+    """`estimate --from`: the file's price beside the best plan its engine runs and the best plan."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from autopar.driver import run_plan
+
+    free = copy.deepcopy(cfg)  # the same settings with the file's plan.* choices left to the search
+    for key in settings.pins:
+        if key.startswith("plan."):
+            OmegaConf.update(free, key, None)
+    engine_cfg = copy.deepcopy(free)
+    OmegaConf.update(engine_cfg, "plan.engine", settings.engine)
+    rows = [(f"your config ({args.from_file.name}, {settings.engine})", estimate.step_time_s)]
+    with console.status(f"Planning the best {settings.engine} config and the best plan ..."):
+        for label, planned_cfg in ((f"best {settings.engine} config", engine_cfg), ("best plan", free)):
+            try:
+                plan = run_plan(args.model, planned_cfg, profile=profile).plan
+                rows.append((f"{label}: {plan.summary()}", plan.predicted.step_time_s))
+            except UserError as err:
+                rows.append((f"{label}: none ({err.problem})", None))
+    yours = estimate.step_time_s
+    for label, seconds in rows:
+        gain = f" ({yours / seconds:.2f}x)" if seconds and label != rows[0][0] else ""
+        shown = f"{seconds:.4g} s/step{gain}" if seconds else "-"
+        console.print(f"{label}: {shown}", markup=False, highlight=False, soft_wrap=True)
+    if settings.ignored:
+        console.print(f"not priced (not parallelism or batch settings): {', '.join(settings.ignored)}",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:

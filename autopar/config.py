@@ -259,6 +259,9 @@ class PlanPins:
     traced as its first, second and last block and the others are copied from the second
     (autopar.trace.repeated_blocks: 3.6 s instead of 34 s for a 70B profile); set it for a model
     whose blocks branch on their own index in ways neither their attributes nor those three show."""
+    engine: str | None = None
+    """Search only what this engine runs: torchtitan, megatron, deepspeed or accelerate (their rules
+    in autopar/emit/; the plan is still priced as autopar's module runs it)."""
     layer_recompute: dict[str, str] = field(default_factory=dict)
     """Per-layer recomputation (layer name -> none/selective/full; unlisted layers: none), e.g.
     plan.layer_recompute='{blocks.0: full}'; with pp > 1 it needs plan.stages as well."""

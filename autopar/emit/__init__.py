@@ -16,7 +16,7 @@ model, data and optimizer stay the user's (an engine's model config is not ours 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +31,88 @@ class EngineWriter:
     file_name: str
     refusal: Callable[[Any], str | None]
     render: Callable[[Any], str]
+    layout_refusal: Callable[[Any], str | None]  # the part a search candidate already decides
+    read: Callable[[str], "EngineSettings"]  # the engine's file back into autopar settings (`--from`)
+
+
+@dataclass
+class EngineSettings:
+    """What an engine's settings file says in autopar's terms (`autopar estimate --from`).
+
+    Attributes:
+        engine: the engine.
+        pins: Hydra override -> value (plan.* and train.*).
+        ignored: the file's keys that say nothing autopar prices (model, data, logging, ...).
+        problems: values autopar cannot price (the file is refused, naming them).
+    """
+
+    engine: str
+    pins: dict[str, Any] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def pin(self, key: str, value: Any) -> None:
+        self.pins[key] = value
+
+    def refuse(self, problem: str) -> None:
+        self.problems.append(problem)
+
+    def overrides(self) -> list[str]:
+        return [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in self.pins.items()]
+
+
+FILE_KINDS = {".json": "deepspeed", ".yaml": "accelerate", ".yml": "accelerate"}
+
+
+def read_engine_file(path: Path) -> EngineSettings:
+    """An engine's settings file (deepspeed JSON, accelerate YAML, Megatron-LM or torchtitan
+    arguments, told apart by their option names), read; a file autopar cannot price is refused."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UserError(f"Cannot read {path}: {err.strerror}.", "pass an existing settings file to --from.") from None
+    engine = FILE_KINDS.get(path.suffix.lower())
+    if engine is None:
+        engine = "torchtitan" if "--parallelism." in text or "--training." in text else \
+            "megatron" if "-model-parallel-size" in text or "--micro-batch-size" in text else None
+    if engine is None:
+        raise UserError(f"{path} is not a settings file autopar reads.",
+                        "pass a DeepSpeed .json, an accelerate .yaml, or Megatron-LM / torchtitan arguments "
+                        "(--tensor-model-parallel-size ..., --parallelism.* ...).")
+    settings = writers()[engine].read(text)
+    if settings.problems:
+        raise UserError(f"{path} ({engine}) holds what autopar cannot price: {'; '.join(settings.problems)}.",
+                        "change those settings to ones the engine and autopar both run.")
+    return settings
+
+
+def argument_pairs(text: str, separator: str = " ", flags: tuple[str, ...] = ()) -> dict[str, str]:
+    """``--name value`` / ``--name=value`` arguments of a file or command line (comments and
+    anything before the first option skipped) -> {name: value}; ``flags`` take no value."""
+    import shlex
+
+    lines = text.replace("\\\n", " ").splitlines()  # a shell command's continued lines are one
+    words = [word for line in lines if not line.lstrip().startswith("#") for word in shlex.split(line)]
+    values: dict[str, str] = {}
+    index = 0
+    while index < len(words):
+        word = words[index]
+        index += 1
+        if not word.startswith("--"):
+            continue
+        name, has_value, value = word[2:].partition("=")
+        if not has_value and name not in flags and index < len(words) and not words[index].startswith("--"):
+            value, index = words[index], index + 1
+        values[name] = value if (has_value or value) else "true"
+    return values
+
+
+def writer(name: str) -> EngineWriter:
+    """The engine named ``name``, or a UserError listing the engines."""
+    known = writers()
+    if name not in known:
+        raise UserError(f"No engine named {name!r}.", f"use one of {', '.join(ENGINES)}.")
+    return known[name]
 
 
 def writers() -> dict[str, EngineWriter]:

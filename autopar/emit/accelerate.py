@@ -11,10 +11,11 @@ from typing import Any
 
 import yaml
 
-from autopar.emit import EngineWriter, common_refusal, uniform_recompute
+from autopar.emit import EngineSettings, EngineWriter, common_refusal, uniform_recompute
 
 
-def refusal(plan: Any) -> str | None:
+def layout_refusal(plan: Any) -> str | None:
+    """What of the plan's degrees and techniques the engine cannot run (a Plan or a search candidate)."""
     if plan.pp > 1:
         return "accelerate has no pipeline parallelism; pin plan.pp=1"
     if plan.ep > 1:
@@ -26,9 +27,16 @@ def refusal(plan: Any) -> str | None:
         return "hybrid sharding's replica groups are not written here; pin plan.hybrid_shard=false"
     if plan.cp > 1 and plan.cp_strategy != "ring":
         return "accelerate's context parallelism (torch's) is a ring; pin plan.cp_strategy=ring"
+    return None
+
+
+def refusal(plan: Any) -> str | None:
+    why = layout_refusal(plan) or common_refusal(plan, "accelerate")
+    if why:
+        return why
     if uniform_recompute(plan) == "selective":
         return "accelerate checkpoints whole blocks only; pin plan.recompute=full or none"
-    return common_refusal(plan, "accelerate")
+    return None
 
 
 def config(plan: Any) -> dict[str, Any]:
@@ -60,4 +68,29 @@ def render(plan: Any) -> str:
     return yaml.safe_dump(config(plan), sort_keys=False)
 
 
-WRITER = EngineWriter("accelerate", "accelerate_fsdp.yaml", refusal, render)
+def read(text: str) -> EngineSettings:
+    """The plan.* and train.* settings of an accelerate config running FSDP."""
+    settings = EngineSettings("accelerate")
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        settings.refuse(f"not YAML ({err})")
+        return settings
+    if values.get("distributed_type") != "FSDP":
+        settings.refuse(f"distributed_type {values.get('distributed_type')!r}: only FSDP configs are read")
+        return settings
+    fsdp = values.get("fsdp_config", {})
+    settings.pin("plan.zero_stage", 3 if fsdp.get("fsdp_reshard_after_forward", True) in (True, "FULL_SHARD") else 2)
+    settings.pin("plan.recompute", "full" if fsdp.get("fsdp_activation_checkpointing") else "none")
+    sizes = values.get("parallelism_config") or {}
+    for key, axis in (("parallelism_config_tp_size", "tp"), ("parallelism_config_cp_size", "cp")):
+        settings.pin(f"plan.{axis}", int(sizes.get(key, 1)))
+    settings.pin("plan.pp", 1)
+    if int(sizes.get("parallelism_config_cp_size", 1)) > 1:
+        settings.pin("plan.cp_strategy", "ring")
+    precision = values.get("mixed_precision", "no")
+    settings.pin("train.precision", {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32"))
+    return settings
+
+
+WRITER = EngineWriter("accelerate", "accelerate_fsdp.yaml", refusal, render, layout_refusal, read)

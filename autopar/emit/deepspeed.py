@@ -12,18 +12,26 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from autopar.emit import EngineWriter, common_refusal, uniform_recompute
+from autopar.emit import EngineSettings, EngineWriter, common_refusal, uniform_recompute
 
 
-def refusal(plan: Any) -> str | None:
+def layout_refusal(plan: Any) -> str | None:
+    """What of the plan's degrees and techniques the engine cannot run (a Plan or a search candidate)."""
     for axis in ("tp", "pp", "cp", "ep"):
         if getattr(plan, axis) > 1:
             return f"a DeepSpeed config sets data parallelism and ZeRO only ({axis}={getattr(plan, axis)} is model code)"
     if plan.hybrid_shard:
         return "hybrid sharding is not DeepSpeed's ZeRO (hpZ partitions differently); pin plan.hybrid_shard=false"
+    return None
+
+
+def refusal(plan: Any) -> str | None:
+    why = layout_refusal(plan) or common_refusal(plan, "DeepSpeed")
+    if why:
+        return why
     if uniform_recompute(plan) == "selective":
         return "DeepSpeed checkpoints whole layers only; pin plan.recompute=full or none"
-    return common_refusal(plan, "DeepSpeed")
+    return None
 
 
 def config(plan: Any) -> dict[str, Any]:
@@ -45,4 +53,34 @@ def render(plan: Any) -> str:
     return json.dumps(config(plan), indent=2) + "\n"
 
 
-WRITER = EngineWriter("deepspeed", "deepspeed.json", refusal, render)
+KNOWN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
+         "bf16", "fp16", "gradient_clipping", "activation_checkpointing", "optimizer", "scheduler",
+         "steps_per_print", "wall_clock_breakdown")
+
+
+def read(text: str) -> EngineSettings:
+    """The plan.* and train.* settings of a DeepSpeed config; keys it does not price are listed as
+    ignored."""
+    settings = EngineSettings("deepspeed")
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        settings.refuse(f"not JSON ({err.msg} at line {err.lineno})")
+        return settings
+    settings.ignored += [key for key in values if key not in KNOWN]
+    for axis in ("tp", "pp", "cp", "ep"):
+        settings.pin(f"plan.{axis}", 1)
+    settings.pin("plan.zero_stage", int(values.get("zero_optimization", {}).get("stage", 0)))
+    if "train_micro_batch_size_per_gpu" in values:
+        settings.pin("plan.micro_batch_size", int(values["train_micro_batch_size_per_gpu"]))
+    if "train_batch_size" in values:
+        settings.pin("train.global_batch_size", int(values["train_batch_size"]))
+    for precision in ("bf16", "fp16"):
+        if values.get(precision, {}).get("enabled"):
+            settings.pin("train.precision", precision)
+    if "activation_checkpointing" in values:
+        settings.pin("plan.recompute", "full")
+    return settings
+
+
+WRITER = EngineWriter("deepspeed", "deepspeed.json", refusal, render, layout_refusal, read)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.emit import EngineWriter, comment_lines, common_refusal, uniform_recompute
+from autopar.emit import EngineSettings, EngineWriter, argument_pairs, comment_lines, common_refusal, uniform_recompute
 
 CP_COMM = {"ring": "p2p", "ulysses": "a2a"}
 
 
-def refusal(plan: Any) -> str | None:
+def layout_refusal(plan: Any) -> str | None:
+    """What of the plan's degrees and techniques the engine cannot run (a Plan or a search candidate)."""
     if plan.zero_stage >= 2 and plan.dp > 1:
         return (f"Megatron-LM's distributed optimizer is ZeRO-1 (gradients and parameters whole on each rank), "
                 f"not ZeRO-{plan.zero_stage}; pin plan.zero_stage=1")
@@ -22,7 +23,11 @@ def refusal(plan: Any) -> str | None:
         return "Megatron-LM has no hybrid sharding; pin plan.hybrid_shard=false"
     if plan.pp > 1 and plan.schedule == "gpipe":
         return "Megatron-LM runs 1F1B (interleaved or not), not GPipe; pin plan.schedule=1f1b"
-    return common_refusal(plan, "Megatron-LM")
+    return None
+
+
+def refusal(plan: Any) -> str | None:
+    return layout_refusal(plan) or common_refusal(plan, "Megatron-LM")
 
 
 def arguments(plan: Any) -> dict[str, Any]:
@@ -61,4 +66,54 @@ def render(plan: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render)
+SIZES = {"tensor-model-parallel-size": "tp", "pipeline-model-parallel-size": "pp", "context-parallel-size": "cp",
+         "expert-model-parallel-size": "ep", "micro-batch-size": "micro_batch_size",
+         "num-virtual-stages-per-pipeline-rank": "chunks"}
+# --checkpoint-activations: the 2021 spelling of full recomputation (Megatron-LM's SC21 scripts).
+FLAGS = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "checkpoint-activations")
+OTHERS = ("global-batch-size", "expert-tensor-parallel-size", "cp-comm-type", "recompute-granularity",
+          "recompute-method", "recompute-num-layers", "num-layers-per-virtual-pipeline-stage", "num-layers")
+
+
+def read(text: str) -> EngineSettings:
+    """The plan.* and train.* settings of Megatron-LM arguments (the file `render` writes, or a
+    launch command's arguments); arguments about anything else are listed as ignored."""
+    settings = EngineSettings("megatron")
+    values = argument_pairs(text, flags=FLAGS)
+    for name, value in values.items():
+        if name in SIZES:
+            settings.pin(f"plan.{SIZES[name]}", int(value))
+        elif name not in FLAGS and name not in OTHERS:
+            settings.ignored.append(f"--{name}")
+    pp = int(values.get("pipeline-model-parallel-size", 1))
+    if "num-layers-per-virtual-pipeline-stage" in values:  # the older spelling: layers per virtual stage
+        if "num-layers" not in values:
+            settings.refuse("--num-layers-per-virtual-pipeline-stage without --num-layers (the chunks per rank "
+                            "follow from both)")
+        else:
+            per_rank = int(values["num-layers"]) // pp
+            settings.pin("plan.chunks", per_rank // int(values["num-layers-per-virtual-pipeline-stage"]))
+    chunks = int(settings.pins.get("plan.chunks", 1))
+    if pp > 1:
+        settings.pin("plan.schedule", "interleaved_1f1b" if chunks > 1 else "1f1b")
+    settings.pin("plan.sequence_parallel", "sequence-parallel" in values)
+    settings.pin("plan.zero_stage", 1 if "use-distributed-optimizer" in values else 0)
+    if "expert-tensor-parallel-size" in values:
+        settings.pin("plan.expert_tp", int(values["expert-tensor-parallel-size"]) > 1)
+    if "cp-comm-type" in values:
+        comm = {value: key for key, value in CP_COMM.items()}
+        if values["cp-comm-type"] not in comm:
+            settings.refuse(f"--cp-comm-type {values['cp-comm-type']} (autopar prices p2p as ring, a2a as ulysses)")
+        else:
+            settings.pin("plan.cp_strategy", comm[values["cp-comm-type"]])
+    granularity = values.get("recompute-granularity") or ("full" if "checkpoint-activations" in values else None)
+    settings.pin("plan.recompute", granularity or "none")
+    if "global-batch-size" in values:
+        settings.pin("train.global_batch_size", int(values["global-batch-size"]))
+    for precision in ("bf16", "fp16"):
+        if precision in values:
+            settings.pin("train.precision", precision)
+    return settings
+
+
+WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render, layout_refusal, read)

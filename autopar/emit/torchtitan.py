@@ -13,21 +13,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.emit import EngineWriter, comment_lines, common_refusal, uniform_recompute
+from autopar.emit import EngineSettings, EngineWriter, argument_pairs, comment_lines, common_refusal, uniform_recompute
 
+AC_COMMENT = "# activation checkpointing:"
 SCHEDULES = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "gpipe": "GPipe"}
 
 
-def refusal(plan: Any) -> str | None:
+def layout_refusal(plan: Any) -> str | None:
+    """What of the plan's degrees and techniques the engine cannot run (a Plan or a search candidate)."""
     if plan.zero_stage == 1 and plan.dp > 1:
         return "torchtitan has no ZeRO-1 (its data parallelism is FSDP or DDP); pin plan.zero_stage=2 or 3"
-    if plan.zero_stage == 0 and plan.dp > 1 and plan.world_size > plan.dp:
+    if plan.zero_stage == 0 and plan.dp > 1 and plan.tp * plan.pp * plan.cp > 1:
         return "torchtitan's DDP runs only alone, not beside other parallelism; pin plan.zero_stage=2 or 3"
     if plan.hybrid_shard:
         return "hybrid sharding's group size is not one of torchtitan's settings here; pin plan.hybrid_shard=false"
     if plan.cp > 1 and plan.cp_strategy != "ring":
         return "torchtitan's context parallelism is a ring; pin plan.cp_strategy=ring"
-    return common_refusal(plan, "torchtitan")
+    return None
+
+
+def refusal(plan: Any) -> str | None:
+    return layout_refusal(plan) or common_refusal(plan, "torchtitan")
 
 
 def options(plan: Any) -> dict[str, Any]:
@@ -55,7 +61,7 @@ def render(plan: Any) -> str:
     lines = comment_lines(plan, "torchtitan")
     mode = uniform_recompute(plan)
     policy = {"full": "FullAC", "selective": "SelectiveAC"}.get(mode)
-    lines.append(f"# activation checkpointing: {mode}" + (f" (the job config's {policy} policy)" if policy else ""))
+    lines.append(f"{AC_COMMENT} {mode}" + (f" (the job config's {policy} policy)" if policy else ""))
     if plan.pp > 1:
         lines.append(f"# stages as planned (torchtitan's own split may differ): {plan.stages}")
     for name, value in options(plan).items():
@@ -67,4 +73,71 @@ def render(plan: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-WRITER = EngineWriter("torchtitan", "torchtitan_args.txt", refusal, render)
+DEGREES = {"tensor_parallel_degree": "tp", "pipeline_parallel_degree": "pp", "context_parallel_degree": "cp",
+           "expert_parallel_degree": "ep"}
+
+
+def read(text: str) -> EngineSettings:
+    """The plan.* and train.* settings of torchtitan overrides (``--parallelism.*``, ``--training.*``);
+    other options are listed as ignored."""
+    settings = EngineSettings("torchtitan")
+    values = argument_pairs(text, separator="=")
+    parallel = {key.removeprefix("parallelism."): value for key, value in values.items()
+                if key.startswith("parallelism.")}
+    training = {key.removeprefix("training."): value for key, value in values.items() if key.startswith("training.")}
+    known_parallel = {*DEGREES, "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                      "enable_sequence_parallel", "no_enable_sequence_parallel", "pipeline_parallel_schedule",
+                      "pipeline_parallel_microbatch_size"}
+    settings.ignored += [f"--{key}" for key in values if key != "activation_checkpoint.mode"
+                         and not key.startswith(("parallelism.", "training."))
+                         or (key.startswith("parallelism.") and key.removeprefix("parallelism.") not in known_parallel)
+                         or (key.startswith("training.") and key.removeprefix("training.") not in
+                             ("local_batch_size", "global_batch_size"))]
+    for key, axis in DEGREES.items():
+        if key in parallel:
+            settings.pin(f"plan.{axis}", int(parallel[key]))
+    replicate = int(parallel.get("data_parallel_replicate_degree", 1))
+    shard = int(parallel.get("data_parallel_shard_degree", -1))
+    if shard > 1:
+        settings.pin("plan.zero_stage", 2 if parallel.get("fsdp_reshard_after_forward") == "never" else 3)
+        if replicate > 1:
+            settings.pin("plan.hybrid_shard", True)
+        settings.pin("plan.dp", replicate * shard)
+    elif shard == 1:
+        settings.pin("plan.zero_stage", 0)
+        settings.pin("plan.dp", replicate)
+    else:  # -1: every rank the other degrees leave (torchtitan's default), sharded
+        settings.pin("plan.zero_stage", 3)
+    tp = int(parallel.get("tensor_parallel_degree", 1))
+    sequence_parallel = "no_enable_sequence_parallel" not in parallel and \
+        parallel.get("enable_sequence_parallel", "true").lower() not in ("false", "0")
+    settings.pin("plan.sequence_parallel", tp > 1 and sequence_parallel)
+    if int(parallel.get("context_parallel_degree", 1)) > 1:
+        settings.pin("plan.cp_strategy", "ring")
+    if int(parallel.get("pipeline_parallel_degree", 1)) > 1:
+        schedule = parallel.get("pipeline_parallel_schedule", "1F1B")
+        names = {value: key for key, value in SCHEDULES.items()}
+        if schedule not in names:
+            settings.refuse(f"--parallelism.pipeline_parallel_schedule={schedule} (autopar prices "
+                            f"{', '.join(SCHEDULES.values())})")
+        else:
+            settings.pin("plan.schedule", names[schedule])
+        if "pipeline_parallel_microbatch_size" in parallel:
+            settings.pin("plan.micro_batch_size", int(parallel["pipeline_parallel_microbatch_size"]))
+    elif "local_batch_size" in training:
+        settings.pin("plan.micro_batch_size", int(training["local_batch_size"]))
+    # Activation checkpointing is a policy object of the job's config: read from the comment this
+    # module writes, or from --activation_checkpoint.mode (torchtitan's spelling before 0.3).
+    mode = values.get("activation_checkpoint.mode") or next(
+        (line.split(":", 1)[1].split()[0] for line in text.splitlines() if line.startswith(AC_COMMENT)), None)
+    if mode is not None:
+        if mode not in ("none", "selective", "full"):
+            settings.refuse(f"activation checkpointing {mode!r} (autopar prices none, selective and full)")
+        else:
+            settings.pin("plan.recompute", mode)
+    if "global_batch_size" in training and int(training["global_batch_size"]) > 0:
+        settings.pin("train.global_batch_size", int(training["global_batch_size"]))
+    return settings
+
+
+WRITER = EngineWriter("torchtitan", "torchtitan_args.txt", refusal, render, layout_refusal, read)

@@ -151,6 +151,12 @@ class Planner:
                                      self.train.global_batch_size, self.solver, self.pins)
         if self.excluded_splits:
             found = [c for c in found if split_of(c) not in self.excluded_splits]
+        engine = getattr(self.pins, "engine", None)
+        if engine:  # only what that engine runs (autopar/emit/)
+            from autopar.emit import writer
+
+            runs = writer(engine).layout_refusal
+            found = [c for c in found if runs(c) is None]
         if self.pins.stages:
             return [c for c in found if c.pp * c.chunks == len(self.pins.stages)]
         if self.pins.layer_recompute:

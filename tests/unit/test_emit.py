@@ -14,7 +14,7 @@ import yaml
 
 from autopar.emit import EngineRefusal, engine_files, write_engine_files
 from autopar.errors import UserError
-from tests.dist.plans import GPT, make_plan
+from tests.dist.plans import GPT, REPO, make_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -197,3 +197,71 @@ def test_a_plan_the_engine_cannot_run_writes_nothing(examples_dir, tmp_path, cap
                  "--out", str(out)]) == 1
     assert "Megatron-LM's distributed optimizer is ZeRO-1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def _settings_text(engine: str, run: dict) -> str:
+    """A published row's settings as that engine's users write them."""
+    plan = run["plan"]
+    if engine == "megatron":  # Megatron-LM's SC21 scripts (run_table_1.sh)
+        words = [f"--tensor-model-parallel-size {plan.get('tp', 1)}", f"--pipeline-model-parallel-size {plan.get('pp', 1)}",
+                 f"--micro-batch-size {plan['micro_batch_size']}", f"--global-batch-size {run['global_batch_size']}",
+                 f"--num-layers {run['model']['layers']}", "--checkpoint-activations", "--fp16", "--seq-length 2048"]
+        if plan.get("chunks", 1) > 1:
+            per_stage = run["model"]["layers"] // (plan["pp"] * plan["chunks"])
+            words.append(f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+        return " \\\n".join(words)
+    return "\n".join([f"--parallelism.data_parallel_shard_degree={plan['dp']}",  # torchtitan's 8B FSDP run
+                      f"--training.local_batch_size={plan['micro_batch_size']}",
+                      f"--training.global_batch_size={run['global_batch_size']}",
+                      f"--activation_checkpoint.mode={plan['recompute']}", "--training.seq_len=8192"])
+
+
+@pytest.mark.parametrize("row, engine", [("A1-3.6B", "megatron"), ("A1-39.1B", "megatron"), ("D7-8B-fsdp8", "torchtitan")])
+def test_an_engine_file_prices_like_the_published_rows_pins(row, engine, tmp_path):
+    """`estimate --from` reads the row's settings as its engine spells them and prices exactly what
+    the row's plan.* pins price."""
+    from autopar.config import compose_config
+    from autopar.driver import run_estimate
+    from autopar.emit import read_engine_file
+    from benchmarks.published.compare import cached_profile, load_runs, overrides
+
+    run = next(r for r in load_runs() if r["id"] == row)
+    path = tmp_path / ("args.txt")
+    path.write_text(_settings_text(engine, run))
+    settings = read_engine_file(path)
+    assert settings.engine == engine
+    pinned = overrides(run)
+    base = [item for item in pinned if not item.startswith("plan.")]
+    cfg = compose_config(pinned)
+    profile = cached_profile(run, cfg)
+    model = REPO / "examples" / run["model"]["file"]
+    expected = run_estimate(model, cfg, profile=profile)[2].step_time_s
+    priced = run_estimate(model, compose_config([*base, *settings.overrides()]), profile=profile)[2].step_time_s
+    assert priced == pytest.approx(expected, rel=1e-9)
+    assert settings.ignored == (["--seq-length"] if engine == "megatron" else ["--training.seq_len"])
+
+
+def test_estimate_from_a_file_prints_it_beside_the_best_engine_config_and_the_best_plan(examples_dir, tmp_path, capsys):
+    from autopar.cli import main
+
+    file = tmp_path / "deepspeed.json"
+    file.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
+                                "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3},
+                                "fp16": {"enabled": False}, "steps_per_print": 10, "wandb": {"enabled": True}}))
+    assert main(["estimate", str(examples_dir / "gpt.py"), *SMALL, "--from", str(file)]) == 0
+    out = capsys.readouterr().out
+    yours = float(out.split("your config (deepspeed.json, deepspeed): ")[1].split()[0])
+    engine_line = out.split("best deepspeed config: ")[1].splitlines()[0]
+    assert "tp=1 pp=1 cp=1" in engine_line  # a DeepSpeed config splits data only
+    best = float(out.split("best plan: ")[1].split(": ")[1].split()[0])
+    assert best <= float(engine_line.split(": ")[1].split()[0]) <= yours * (1 + 1e-9)
+    assert "not priced (not parallelism or batch settings): wandb" in out
+
+
+def test_a_file_autopar_cannot_read_is_named(examples_dir, tmp_path, capsys):
+    from autopar.cli import main
+
+    file = tmp_path / "settings.txt"
+    file.write_text("learning_rate: 3e-4\n")
+    assert main(["estimate", str(examples_dir / "gpt.py"), *SMALL, "--from", str(file)]) == 1
+    assert "is not a settings file autopar reads" in capsys.readouterr().err

@@ -265,3 +265,36 @@ def test_a_file_autopar_cannot_read_is_named(examples_dir, tmp_path, capsys):
     file.write_text("learning_rate: 3e-4\n")
     assert main(["estimate", str(examples_dir / "gpt.py"), *SMALL, "--from", str(file)]) == 1
     assert "is not a settings file autopar reads" in capsys.readouterr().err
+
+
+def test_expert_parallel_degrees_go_to_torchtitan_and_back(examples_dir, tmp_path):
+    """A Mixtral-style plan with experts over 2 ranks (under ZeRO-3, as autopar runs expert
+    parallelism): torchtitan's file carries the degree, torchtitan's ParallelDims accepts it and
+    `--from` reads it back; Megatron-LM, whose distributed optimizer is ZeRO-1, refuses the plan."""
+    import tyro
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.config.manager import custom_registry
+    from torchtitan.distributed import ParallelDims
+
+    from autopar.config import compose_config
+    from autopar.driver import run_plan
+    from autopar.emit import read_engine_file
+
+    model = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn=64",
+             "model.experts=4", "model.top_k=2", "model.vocab=128", "model.seq_len=32"]
+    plan = run_plan(examples_dir / "mixtral.py", compose_config(
+        ["cluster=cpu_gloo", "cluster.gpus_per_node=4", "train.global_batch_size=8", "train.precision=fp32", *model,
+         "plan.dp=4", "plan.ep=2", "plan.zero_stage=3", "plan.tp=1", "plan.pp=1"])).plan
+    assert plan.ep == 2
+    text = engine_files(plan, ["torchtitan"])["torchtitan_args.txt"]
+    Job = make_dataclass("Job", [("parallelism", ParallelismConfig, field(default_factory=ParallelismConfig))])
+    parallel = tyro.cli(Job, args=[line for line in _lines(text) if line.startswith("--parallelism.")],
+                        registry=custom_registry).parallelism
+    ParallelDims(dp_replicate=1, dp_shard=parallel.data_parallel_shard_degree, cp=1, tp=1, pp=1,
+                 ep=parallel.expert_parallel_degree, world_size=plan.world_size)
+    assert parallel.expert_parallel_degree == 2
+    path = tmp_path / "torchtitan_args.txt"
+    path.write_text(text)
+    assert read_engine_file(path).pins["plan.ep"] == 2
+    with pytest.raises(EngineRefusal, match="ZeRO-1"):
+        engine_files(plan, ["megatron"])

@@ -653,8 +653,8 @@ def _block_range_source(members: list[str], container: str) -> str:
 def main_section() -> str:
     return banner("Entry point") + f'''
 def command_line(argv: list[str] | None = None) -> argparse.Namespace:
-    """The run's settings: the compiled defaults under the command line's options (autopar's
-    in-process API reads them here too)."""
+    """The run's settings: the compiled defaults under the command line's options (what code
+    importing this module reads too, to train with it in a loop of its own)."""
     return parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER,
                              "model_file": MODEL_FILE, "log_file": str(Path(__file__).with_name("run.jsonl")),
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY,

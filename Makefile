@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch goes in first so resolving the project pulls no multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-full wheel-check test-zoo bench clean
+.PHONY: setup demo test test-full wheel-check test-zoo bench bench-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ test-zoo: setup
 
 bench: setup
 	$(PY) -m benchmarks.run
+
+# Every benchmark at its smallest size (one case, few steps): that they still run (CI runs it).
+bench-smoke: setup
+	$(PY) -m benchmarks.run --smoke
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from benchmarks import cases
 from benchmarks.published.compare import load_runs, median_abs, price
 
 LAYOUTS = {"separate q/k/v": "gpt.py", "fused qkv": "gpt_fused.py"}
@@ -20,7 +21,7 @@ LAYOUTS = {"separate q/k/v": "gpt.py", "fused qkv": "gpt_fused.py"}
 
 def run() -> list[dict]:
     rows, errors = [], {name: [] for name in LAYOUTS}
-    for published in (r for r in load_runs() if r["table"] == "A1"):
+    for published in cases([r for r in load_runs() if r["table"] == "A1"]):
         row = {"id": published["id"], "tp": published["plan"].get("tp", 1)}
         for name, file in LAYOUTS.items():
             compared = price({**published, "model": {**published["model"], "file": file}})

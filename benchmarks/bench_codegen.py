@@ -30,11 +30,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.runtime.generated import command_line, import_generated
+from benchmarks import sized
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 512}
 RANKS = 4
-WARMUP, MEASURED = 2, 12
+WARMUP, MEASURED = sized(2, 1), sized(12, 2)
 
 
 def _plan():

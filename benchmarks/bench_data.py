@@ -24,9 +24,10 @@ from autopar.codegen import generate
 from autopar.codegen.sections import data as training_data
 from autopar.codegen.sections import loader as data_loading
 from autopar.runtime import run_local
+from benchmarks import sized
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
 
-SEQ_LEN, STEPS, LOADER_STEPS = 128, 30, 200
+SEQ_LEN, STEPS, LOADER_STEPS = 128, sized(30, 3), sized(200, 10)
 KWARGS = {**GPT.kwargs, "vocab": 257, "seq_len": SEQ_LEN, "hidden": 128, "layers": 4}
 
 

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke
+
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
 
@@ -32,6 +34,10 @@ CASES = [
     ("Llama-3-8B (seq 8192) on 64 H100", "llama_hf.py",
      [*LLAMA3_8B, "cluster=dgx_h100", "cluster.nodes=8", "train.global_batch_size=512"]),
 ]
+# The smoke run's case (benchmarks/__init__.py): the 8B shape cut to 2 blocks on one node.
+SMOKE_CASE = ("Llama-3-8B shape, 2 blocks, on 8 H100", "llama_hf.py",
+              [*(item for item in LLAMA3_8B if not item.startswith("model.layers=")), "model.layers=2",
+               "cluster=dgx_h100", "cluster.nodes=1", "train.global_batch_size=16"])
 RANK = 0
 
 
@@ -66,7 +72,7 @@ def measure_case(name: str, example: str, overrides: list[str], folder: Path) ->
 def run() -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for index, (name, example, overrides) in enumerate(CASES):
+        for index, (name, example, overrides) in enumerate([SMOKE_CASE] if smoke() else CASES):
             rows.append(measure_case(name, example, overrides, Path(scratch) / f"case{index}"))
     return rows
 

@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks import cases, sized
+
 REPO = Path(__file__).resolve().parent.parent
 GPT = ["model.layers=4", "model.hidden=256", "model.heads=4", "model.seq_len=128", "model.vocab=1024"]
 LLAMA = ["model.layers=4", "model.hidden=256", "model.heads=4", "model.kv_heads=2", "model.ffn=688",
@@ -42,7 +44,7 @@ PLANS = [  # (name, model file, model overrides, ranks, pins)
     ("llama dp2 tp2", "llama_hf.py", LLAMA, 4, ["plan.dp=2", "plan.tp=2", "plan.zero_stage=0",
                                                 "plan.micro_batch_size=4", "plan.sequence_parallel=false"]),
 ]
-STEPS = 6
+STEPS = sized(6, 3)
 
 
 def repriced_step_s(plan, model_path: Path, profile: Path) -> float:
@@ -63,7 +65,7 @@ def run() -> list[dict]:
 
     work = Path(tempfile.mkdtemp(prefix="fidelity-"))
     runs = []
-    for name, model, overrides, ranks, pins in PLANS:
+    for name, model, overrides, ranks, pins in cases(PLANS):
         cfg = compose_config([*COMMON, f"cluster.gpus_per_node={ranks}", *overrides, *pins])
         out = work / name.replace(" ", "_")
         plan, _, _ = run_compile(REPO / "examples" / model, cfg, out)

@@ -22,12 +22,13 @@ import torch
 from autopar.codegen import generate
 from autopar.runtime import read_records
 from autopar.runtime.generated import import_generated
+from benchmarks import sized
 from tests.dist.equivalence import OPTIMIZER
 from tests.dist.harness import run_ranks
 from tests.dist.plans import REPO, TinyModel, make_planner
 
 SIZE = dict(layers=2, hidden=256, heads=8, seq_len=128, vocab=1024)
-STEPS, WARMUP = 12, 2
+STEPS, WARMUP = sized(12, 3), sized(2, 1)
 
 
 def _model(name: str, path: Path) -> TinyModel:
@@ -42,25 +43,33 @@ def _run(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> None:
         module.main(["--steps", str(STEPS), "--seed", "0", "--log-file", log_file])
 
 
-def main() -> int:
+def run() -> list[dict]:
+    """Median step time of each layout at tp=2 on 2 gloo ranks, and its ratio to local views."""
     models = {"local_views": _model("gpt", REPO / "examples" / "gpt.py"),
               "global_views": _model("gpt_global_shapes", REPO / "tests" / "dist" / "models" / "gpt_global_shapes.py"),
               "fused_global_views": _model("gpt_fused", REPO / "examples" / "gpt_fused.py")}
+    rows = []
     with tempfile.TemporaryDirectory() as root:
         jobs = []
         for name, model in models.items():
             plan = make_planner(model, tp=2).run().plan
             files = generate(plan, model.path, Path(root) / name, optimizer=OPTIMIZER)
-            print(f"{name}: dtensor regions {len(plan.tp_dtensor_regions)}, fused {len(plan.tp_fused)}, "
-                  f"split {sum(s != 'replicate' for s in plan.tp_styles.values())} of {len(plan.tp_styles)} modules")
+            rows.append({"layout": name, "dtensor_regions": len(plan.tp_dtensor_regions), "fused": len(plan.tp_fused),
+                         "split_modules": f"{sum(s != 'replicate' for s in plan.tp_styles.values())} of "
+                                          f"{len(plan.tp_styles)}"})
             jobs.append((name, (str(files.script), str(Path(root) / name / "run.jsonl"))))
         run_ranks(_run, 2, jobs, timeout_s=900)
         medians = {name: statistics.median(r["step_time_s"] for r in read_records(log)[WARMUP:])
                    for name, (_, log) in jobs}
-    for name, seconds in medians.items():
-        print(f"{name}: median step {seconds * 1e3:.1f} ms")
-    for name in ("global_views", "fused_global_views"):
-        print(f"{name} / local_views = {medians[name] / medians['local_views']:.3f}")
+    for row in rows:
+        row["median_step_ms"] = round(medians[row["layout"]] * 1e3, 1)
+        row["vs_local_views"] = round(medians[row["layout"]] / medians["local_views"], 3)
+    return rows
+
+
+def main() -> int:
+    for row in run():
+        print(row)
     return 0
 
 

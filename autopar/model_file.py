@@ -143,7 +143,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(
             f"{path.name} does not define {', '.join(f'{m}()' for m in missing)}.",
             "define build_model(**kw) -> nn.Module and example_batch(batch_size, **kw) "
-            "(see the model.py contract in the README).")
+            "(see the model.py contract in docs/model_contract.md).")
     loss_fn = getattr(module, "loss_fn", None)
     dataset = getattr(module, "dataset", None)
     return ModelFile(path=path, sha256=hashlib.sha256(source).hexdigest(),

@@ -2,7 +2,7 @@
 
 Data parallelism, ZeRO and micro-batching each hand a forward a part of the global batch, and
 context parallelism a part of every sequence; that is exact for a model whose samples do not
-see each other (the README's model contract). Batch normalisation in training mode normalises
+see each other (docs/model_contract.md). Batch normalisation in training mode normalises
 each feature by the mean and variance over the batch (and the sequence or the image), so on a
 part of it those statistics, and the loss, are the part's: a ResNet under dp=2 trained a loss
 0.0783 off at its first step. The planner then keeps the whole batch in every forward: dp = cp =

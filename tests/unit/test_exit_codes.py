@@ -167,11 +167,11 @@ def test_the_bound_itself_must_be_a_positive_number(tmp_path, capsys, monkeypatc
     one_paragraph_error(err, "AUTOPAR_IMPORT_TIMEOUT_S=nan")
 
 
-def test_the_default_bound_is_the_one_the_readme_states():
+def test_the_default_bound_is_the_one_the_docs_state():
     from autopar.user_code import DEFAULT_IMPORT_TIMEOUT_S
 
-    readme = (REPO / "README.md").read_text()
-    assert f"AUTOPAR_IMPORT_TIMEOUT_S" in readme and f"{DEFAULT_IMPORT_TIMEOUT_S:g} s" in readme
+    safety = (REPO / "docs" / "safety.md").read_text()
+    assert "AUTOPAR_IMPORT_TIMEOUT_S" in safety and f"{DEFAULT_IMPORT_TIMEOUT_S:g} s" in safety
 
 
 # -- command lines argparse cannot read -------------------------------------------------------------

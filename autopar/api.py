@@ -72,7 +72,10 @@ def parallelize(model: Any, plan: Any, *, model_file: ModelSource | None = None,
         model_file: the model.py the plan was made for (default: the plan's record of it); its
             example_batch and loss_fn are used, its build_model is not.
         options: the generated module's command-line options by name (``lr``, ``steps`` for the
-            learning-rate schedule, ``max_grad_norm``, ``warmup_steps``, ``schedule``, ``seed``).
+            learning-rate schedule, ``max_grad_norm``, ``warmup_steps``, ``schedule``, ``seed``;
+            ``checkpoint_dir`` and ``checkpoint_every``: save every N steps there, as DCP
+            checkpoints any plan can load, and resume from the latest complete one now, with
+            ``steps_done`` set to its step).
         prove: run compile's proof (one step at full scale on fake tensors) before training.
     """
     import torch.distributed as dist
@@ -117,6 +120,7 @@ class ParallelTraining:
     training: Any
     config: Any
     model_module: Any
+    checkpointer: Any = None  # the generated checkpointing.py's Checkpointer (None without checkpoints)
     steps_done: int = 0
     losses: list[float] = field(default_factory=list)
 
@@ -130,7 +134,11 @@ class ParallelTraining:
         model_module = SimpleNamespace(build_model=lambda **_: model, example_batch=loaded.example_batch,
                                        loss_fn=getattr(loaded, "loss_fn", None))
         parallel = module.setup(training, config, module.tp_plan, model_module, device)
-        return cls(module, parallel, training, config, model_module)
+        if not training.checkpoint.enabled:
+            return cls(module, parallel, training, config, model_module)
+        checkpointer = module.checkpointing.Checkpointer(training.checkpoint, parallel.modules, parallel.optimizer,
+                                                         config.dims, config.tied_parameters)
+        return cls(module, parallel, training, config, model_module, checkpointer, steps_done=checkpointer.resume())
 
     @property
     def modules(self) -> list[Any]:
@@ -152,7 +160,15 @@ class ParallelTraining:
             loss = module.train_step(parallel, local, training, config, self.model_module, self.steps_done)
         self.steps_done += 1
         self.losses.append(module.global_loss(loss, config.dims, parallel.device))
+        if self.checkpointer is not None and self.steps_done % training.checkpoint.every == 0:
+            self.checkpointer.save(self.steps_done)
         return self.losses[-1]
+
+    def close(self) -> None:
+        """Save the last step's state if it was not saved yet, and wait for every checkpoint
+        write (nothing without checkpoints); call it on every rank when training ends."""
+        if self.checkpointer is not None:
+            self.checkpointer.finish(self.steps_done)
 
     def example_batch(self, step: int | None = None) -> Any:
         """The global batch the compiled module trains on at ``step`` (default: the next one):

@@ -32,6 +32,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--save-final", default=None, help="save the trained parameters (rank 0) here")
+    parser.add_argument("--checkpoint-dir", default=None, help="checkpoint every step here, resume from it")
     args, overrides = parser.parse_known_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     cluster = "dgx_h100" if torch.cuda.is_available() else "cpu_gloo"
@@ -40,12 +41,15 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         print(f"plan: {plan.summary()}", flush=True)
     torch.manual_seed(0)  # the same weights on every rank
-    training = autopar.parallelize(build_model(), plan, options={"lr": 1e-3, "steps": args.steps})
-    for step in range(args.steps):
+    training = autopar.parallelize(build_model(), plan, options={"lr": 1e-3, "steps": args.steps,
+                                                                  "checkpoint_dir": args.checkpoint_dir,
+                                                                  "checkpoint_every": 1 if args.checkpoint_dir else 0})
+    for step in range(training.steps_done, args.steps):  # from the checkpoint's step when resuming
         torch.manual_seed(1 + step)  # this step's batch, the same on every rank
         loss = training.step(example_batch(BATCH))
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss:.4f}", flush=True)
+    training.close()
     parameters = training.full_parameters()
     if args.save_final and dist.get_rank() == 0:
         torch.save(parameters, args.save_final)

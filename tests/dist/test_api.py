@@ -28,11 +28,12 @@ CASES = {"tp2": (2, ["plan.tp=2"]), "zero3_dp2": (2, ["plan.dp=2", "plan.zero_st
          "pp2": (2, ["plan.pp=2"]), "dp2_tp2": (4, ["plan.dp=2", "plan.tp=2"])}
 
 
-def run_own_loop(ranks: int, pins: list[str], out: Path) -> tuple[str, dict[str, torch.Tensor]]:
+def run_own_loop(ranks: int, pins: list[str], out: Path, *options: str) -> tuple[str, dict[str, torch.Tensor]]:
     """The example under torchrun: (its output, the parameters it saved after STEPS steps)."""
     saved = out / "final.pt"
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={free_port()}", str(EXAMPLE), "--steps", str(STEPS), "--save-final", str(saved), *pins]
+               f"--master-port={free_port()}", str(EXAMPLE), "--steps", str(STEPS), "--save-final", str(saved),
+               *options, *pins]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout, torch.load(saved, weights_only=True)
@@ -45,7 +46,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def api_tp2(tmp_path_factory):
-    return run_own_loop(*CASES["tp2"], tmp_path_factory.mktemp("api_tp2"))
+    """The tp2 case, checkpointing every step into its folder's checkpoints/."""
+    out = tmp_path_factory.mktemp("api_tp2")
+    return (*run_own_loop(*CASES["tp2"], out, "--checkpoint-dir", str(out / "checkpoints")), out)
 
 
 def losses_of(output: str) -> list[float]:
@@ -63,7 +66,7 @@ def assert_equal_to_one_process(output: str, parameters: dict[str, torch.Tensor]
 @pytest.mark.parametrize("case", tiered(list(CASES), default=["tp2"]))
 def test_own_loop_trains_like_one_process(case, reference, api_tp2, tmp_path):
     ranks, pins = CASES[case]
-    output, parameters = api_tp2 if case == "tp2" else run_own_loop(ranks, pins, tmp_path)
+    output, parameters = api_tp2[:2] if case == "tp2" else run_own_loop(ranks, pins, tmp_path)
     assert "plan: " in output
     assert_equal_to_one_process(output, parameters, reference)
 
@@ -75,7 +78,7 @@ def test_the_api_trains_what_the_compiled_module_trains(api_tp2, tmp_path):
     assert autopar_main(["compile", str(EXAMPLE), "cluster=cpu_gloo", "cluster.gpus_per_node=2",
                          f"train.global_batch_size={BATCH}", "train.precision=fp32", *CASES["tp2"][1],
                          f"optim.lr={LR}", "--out-dir", str(out)]) == 0
-    output, api_parameters = api_tp2
+    output, api_parameters, _ = api_tp2
     assert output.split("plan: ", 1)[1].splitlines()[0] == Plan.load(out / "plan.json").summary()
     saved = tmp_path / "cli_final.pt"
     result = run_local(out, steps=STEPS, extra_args=["--save-final", str(saved)])
@@ -84,6 +87,23 @@ def test_the_api_trains_what_the_compiled_module_trains(api_tp2, tmp_path):
     assert set(cli_parameters) == set(api_parameters)
     for name, tensor in cli_parameters.items():
         torch.testing.assert_close(api_parameters[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_loop_resumed_from_its_checkpoint_ends_where_the_whole_run_ended(api_tp2, reference, tmp_path):
+    """The run stopped after step 2 (its last checkpoint removed) and started again: it resumes at
+    step 2 from DCP, trains the last step, and ends with the uninterrupted run's parameters."""
+    import shutil
+
+    _, whole, out = api_tp2
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(out / "checkpoints", checkpoints)
+    assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{n}" for n in range(1, STEPS + 1)]
+    shutil.rmtree(checkpoints / f"step_{STEPS}")
+    output, resumed = run_own_loop(*CASES["tp2"], tmp_path, "--checkpoint-dir", str(checkpoints))
+    assert f"({STEPS - 1} steps done)" in output
+    assert losses_of(output) == pytest.approx(reference.losses[STEPS - 1:], rel=1e-4)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def _weights_and_answers(rank: int, world_size: int) -> tuple[str, str, object]:

@@ -489,9 +489,20 @@ def compose_config(overrides: list[str] | None = None, hydra: bool = False) -> A
                           f"(+ can add keys only where the schema allows any: model.*, plan.layer_recompute.*).",
                           f"drop it, or use one of {', '.join(known)}{_did_you_mean(path, known)}.")
     check_numbers(cfg)
+    check_engine(cfg.plan)
     check_data(cfg.data)
     optimizer_settings(cfg.optim)  # its values' ranges, before any work
     return cfg
+
+
+def check_engine(pins: Any) -> None:
+    """plan.engine names an engine `--emit` writes for (checked before any tracing)."""
+    from autopar.emit import ENGINES
+
+    engine = getattr(pins, "engine", None)
+    if engine is not None and engine not in ENGINES:
+        raise ConfigError(f"plan.engine={engine} is not an engine autopar plans for.",
+                          f"use one of {', '.join(ENGINES)}, or leave plan.engine unset.")
 
 
 def fields_outside_schema(cfg: Any) -> list[tuple[str, list[str]]]:

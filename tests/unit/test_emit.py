@@ -298,3 +298,11 @@ def test_expert_parallel_degrees_go_to_torchtitan_and_back(examples_dir, tmp_pat
     assert read_engine_file(path).pins["plan.ep"] == 2
     with pytest.raises(EngineRefusal, match="ZeRO-1"):
         engine_files(plan, ["megatron"])
+
+
+def test_an_unknown_engine_is_refused_before_tracing(examples_dir, capsys):
+    from autopar.cli import main
+
+    assert main(["plan", str(examples_dir / "gpt.py"), *SMALL, "plan.engine=nemo"]) == 1
+    err = capsys.readouterr().err
+    assert "plan.engine=nemo is not an engine" in err and "torchtitan, megatron, deepspeed, accelerate" in err

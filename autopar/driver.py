@@ -379,9 +379,9 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
 
     out_dir = Path(out_dir)
     provenance = dict(provenance or {})
-    from autopar.emit import writers
+    from autopar.emit import writer
 
-    engine_names = [writers()[engine].file_name for engine in emit]
+    engine_names = [writer(engine).file_name for engine in emit]
     check_out_dir(out_dir, [*compiled_file_names(model_path), *provenance, *engine_names], force=force)
     with writing_lock(out_dir):  # a second compile into the folder meanwhile is refused
         return _compile_held(model_path, cfg, out_dir, plan_path, progress, force, provenance, profile, emit)
@@ -445,9 +445,9 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                                          f"{MAX_PLANS_TRIED})")
     written = {name: out_dir / path.name for name, path in vars(files).items()}
     written["report"] = out_dir / "report.html"
-    from autopar.emit import writers
+    from autopar.emit import writer
 
-    written.update({engine: out_dir / writers()[engine].file_name for engine in emit})
+    written.update({engine: out_dir / writer(engine).file_name for engine in emit})
     if result is not None:
         result.rejected = list(rejected)
     return plan, result, written

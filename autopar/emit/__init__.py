@@ -5,8 +5,8 @@ the engine cannot run (`EngineWriter.refusal`): a plan the engine would run diff
 it was priced is refused by name, never approximated. The files say what the plan chose; the
 model, data and optimizer stay the user's (an engine's model config is not ours to write).
 
-    torchtitan   torchtitan_args.txt   overrides of a torchtitan job (--parallelism.*, --training.*,
-                                       --activation_checkpoint.mode)
+    torchtitan   torchtitan_args.txt   overrides of a torchtitan job (--parallelism.*, --training.*;
+                                       the activation-checkpointing policy in a comment)
     megatron     megatron_args.txt     Megatron-LM / NeMo arguments (model-parallel sizes, sequence
                                        parallel, distributed optimizer, recomputation, batch sizes)
     deepspeed    deepspeed.json        a DeepSpeed config (ZeRO stage, micro-batch, accumulation,
@@ -111,7 +111,7 @@ def writer(name: str) -> EngineWriter:
     """The engine named ``name``, or a UserError listing the engines."""
     known = writers()
     if name not in known:
-        raise UserError(f"No engine named {name!r}.", f"use one of {', '.join(ENGINES)}.")
+        raise UserError(f"{name!r}: no such engine.", f"use one of {', '.join(ENGINES)}.")
     return known[name]
 
 
@@ -126,16 +126,13 @@ ENGINES = ("torchtitan", "megatron", "deepspeed", "accelerate")
 
 def engine_files(plan: Any, engines: list[str] | tuple[str, ...]) -> dict[str, str]:
     """File name -> text for each engine, or a UserError naming what an engine cannot run."""
-    known = writers()
     files = {}
     for name in dict.fromkeys(engines):
-        if name not in known:
-            raise UserError(f"--emit {name}: no such engine.", f"use one of {', '.join(ENGINES)}.")
-        writer = known[name]
-        why = writer.refusal(plan)
+        engine = writer(name)
+        why = engine.refusal(plan)
         if why:
             raise EngineRefusal(name, plan, why)
-        files[writer.file_name] = writer.render(plan)
+        files[engine.file_name] = engine.render(plan)
     return files
 
 
@@ -189,8 +186,12 @@ def mixed_recompute(plan: Any) -> str | None:
 CUSTOM_SYNC = ("ps", "hierarchical", "halving_doubling")
 
 
-def common_refusal(plan: Any, engine: str) -> str | None:
-    """What no engine's settings say: autopar's own gradient exchanges and uneven data shares."""
+def common_refusal(plan: Any, engine: str, whole_blocks_only: bool = False) -> str | None:
+    """What no engine's settings say: autopar's own gradient exchanges, uneven data shares,
+    recomputation that differs by block; and, for an engine that checkpoints whole blocks only
+    (``whole_blocks_only``), selective recomputation."""
+    if whole_blocks_only and uniform_recompute(plan) == "selective":
+        return f"{engine} checkpoints whole blocks only; pin plan.recompute=full or none"
     if plan.dp_sync in CUSTOM_SYNC:
         return (f"its gradients are exchanged by autopar's own {plan.dp_sync} all-reduce, {engine} reduces with "
                 "NCCL's; pin plan.dp_sync=auto")

@@ -26,12 +26,7 @@ def layout_refusal(plan: Any) -> str | None:
 
 
 def refusal(plan: Any) -> str | None:
-    why = layout_refusal(plan) or common_refusal(plan, "DeepSpeed")
-    if why:
-        return why
-    if uniform_recompute(plan) == "selective":
-        return "DeepSpeed checkpoints whole layers only; pin plan.recompute=full or none"
-    return None
+    return layout_refusal(plan) or common_refusal(plan, "DeepSpeed", whole_blocks_only=True)
 
 
 def config(plan: Any) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def arguments(plan: Any) -> dict[str, Any]:
         values.update({"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1})
     elif mode == "selective":
         values["recompute-granularity"] = "selective"
-    values[{"bf16": "bf16", "fp16": "fp16"}.get(plan.precision, "")] = True
-    values.pop("", None)
+    if plan.precision in ("bf16", "fp16"):
+        values[plan.precision] = True
     return values
 
 

@@ -19,7 +19,8 @@ def layout_refusal(plan: Any) -> str | None:
     """What of the plan's degrees and techniques the engine cannot run (a Plan or a search candidate)."""
     for axis in ("tp", "pp", "cp", "ep"):
         if getattr(plan, axis) > 1:
-            return f"a DeepSpeed config sets data parallelism and ZeRO only ({axis}={getattr(plan, axis)} is model code)"
+            degree = getattr(plan, axis)
+            return f"a DeepSpeed config sets data parallelism and ZeRO only ({axis}={degree} is model code)"
     if plan.hybrid_shard:
         return "hybrid sharding is not DeepSpeed's ZeRO (hpZ partitions differently); pin plan.hybrid_shard=false"
     return None

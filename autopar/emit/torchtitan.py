@@ -85,7 +85,8 @@ def read(text: str) -> EngineSettings:
     parallel = {key.removeprefix("parallelism."): value for key, value in values.items()
                 if key.startswith("parallelism.")}
     training = {key.removeprefix("training."): value for key, value in values.items() if key.startswith("training.")}
-    known_parallel = {*DEGREES, "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+    known_parallel = {*DEGREES, "data_parallel_replicate_degree", "data_parallel_shard_degree",
+                      "fsdp_reshard_after_forward",
                       "enable_sequence_parallel", "no_enable_sequence_parallel", "pipeline_parallel_schedule",
                       "pipeline_parallel_microbatch_size"}
     settings.ignored += [f"--{key}" for key in values if key != "activation_checkpoint.mode"

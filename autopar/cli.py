@@ -539,6 +539,11 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     _check_out(args)
     if args.report is not None:
         check_out_dir(args.report, REPORT_FILES, force=False, flag="--report", whole_folder=False, can_force=False)
+    if args.emit and args.out is not None:  # engine files beside --out replace none that autopar did not write
+        from autopar.emit import writer
+
+        check_out_dir(args.out.parent, [writer(engine).file_name for engine in args.emit], force=False, flag="--out",
+                      whole_folder=False, can_force=False)
 
     def job(cfg: Any) -> None:
         from hydra.core.hydra_config import HydraConfig

@@ -306,3 +306,14 @@ def test_an_unknown_engine_is_refused_before_tracing(examples_dir, capsys):
     assert main(["plan", str(examples_dir / "gpt.py"), *SMALL, "plan.engine=nemo"]) == 1
     err = capsys.readouterr().err
     assert "plan.engine=nemo is not an engine" in err and "torchtitan, megatron, deepspeed, accelerate" in err
+
+
+def test_plan_never_replaces_a_settings_file_the_user_wrote(examples_dir, tmp_path, capsys):
+    from autopar.cli import main
+
+    mine = tmp_path / "deepspeed.json"
+    mine.write_text('{"train_batch_size": 1024}')
+    assert main(["plan", str(examples_dir / "gpt.py"), *SMALL, "plan.dp=2", "plan.zero_stage=3", "--emit", "deepspeed",
+                 "--out", str(tmp_path / "plan.json")]) == 1
+    assert "deepspeed.json" in capsys.readouterr().err
+    assert mine.read_text() == '{"train_batch_size": 1024}' and not (tmp_path / "plan.json").exists()

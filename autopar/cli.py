@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     _add_verb(verbs, "profile", "trace one training step and report FLOPs, bytes and memory per layer",
               PROFILE_EXAMPLES, _profile)
-    estimate = _add_verb(verbs, "estimate", "predict step time, throughput, MFU and memory of one fixed plan (plan.*=...)",
+    estimate = _add_verb(verbs, "estimate",
+                         "predict step time, throughput, MFU and memory of one fixed plan (plan.*=...)",
                          ESTIMATE_EXAMPLES, _estimate)
     estimate.add_argument("--from", dest="from_file", type=Path, default=None, metavar="FILE",
                           help="price the settings of another engine's file (a DeepSpeed .json, an accelerate .yaml, "

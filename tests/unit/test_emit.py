@@ -203,7 +203,8 @@ def _settings_text(engine: str, run: dict) -> str:
     """A published row's settings as that engine's users write them."""
     plan = run["plan"]
     if engine == "megatron":  # Megatron-LM's SC21 scripts (run_table_1.sh)
-        words = [f"--tensor-model-parallel-size {plan.get('tp', 1)}", f"--pipeline-model-parallel-size {plan.get('pp', 1)}",
+        words = [f"--tensor-model-parallel-size {plan.get('tp', 1)}",
+                 f"--pipeline-model-parallel-size {plan.get('pp', 1)}",
                  f"--micro-batch-size {plan['micro_batch_size']}", f"--global-batch-size {run['global_batch_size']}",
                  f"--num-layers {run['model']['layers']}", "--checkpoint-activations", "--fp16", "--seq-length 2048"]
         if plan.get("chunks", 1) > 1:
@@ -216,7 +217,8 @@ def _settings_text(engine: str, run: dict) -> str:
                       f"--activation_checkpoint.mode={plan['recompute']}", "--training.seq_len=8192"])
 
 
-@pytest.mark.parametrize("row, engine", [("A1-3.6B", "megatron"), ("A1-39.1B", "megatron"), ("D7-8B-fsdp8", "torchtitan")])
+@pytest.mark.parametrize("row, engine", [("A1-3.6B", "megatron"), ("A1-39.1B", "megatron"),
+                                         ("D7-8B-fsdp8", "torchtitan")])
 def test_an_engine_file_prices_like_the_published_rows_pins(row, engine, tmp_path):
     """`estimate --from` reads the row's settings as its engine spells them and prices exactly what
     the row's plan.* pins price."""

@@ -85,6 +85,11 @@ BASELINE_CASES = {
     "h200_gpt1.3b_tp4_fused_qkv": ("examples/gpt_fused.py", GPT_TP4),
     "h200_llama3_8b_tp8": ("examples/llama_hf.py", [*LLAMA3_8B, *_faked_h200(8, 8, 8, 2)]),
     "h200_llama1b_tp8_kv_groups": ("examples/llama_hf.py", [*LLAMA_1B, *_faked_h200(8, 8, 16, 4)]),
+    # torchtitan's Llama-3.1-8B FSDP run (runs.yaml D7-8B-fsdp8) as one of its eight ranks
+    "h200_llama3.1_8b_d7_fsdp8": ("examples/llama_hf.py", [
+        *LLAMA3_8B[:-1], "model.seq_len=8192",
+        *[pin for pin in _faked_h200(8, 1, 16, 2) if not pin.startswith(("plan.zero_stage", "plan.recompute"))],
+        "plan.zero_stage=3", "plan.recompute=selective"]),
 }
 STEPS = 5
 

@@ -4,8 +4,9 @@ module's own machinery costs on the same GPU.
 
 It reads only plan.json and the model file copied beside it, and writes the Megatron layout
 itself (``parallelize_module`` with the column/row styles per block, the embedding and head by
-vocabulary rows, the tied weight tied again), FSDP2 ``fully_shard`` per block and at the root
-with bf16 compute and fp32 reduction, AdamW (foreach), and the usual accumulation loop. No
+vocabulary rows, the tied weight tied again), each block under torch.utils.checkpoint where the
+plan recomputes, FSDP2 ``fully_shard`` per block and at the root with bf16 compute and fp32
+reduction, AdamW (foreach), and the usual accumulation loop. No
 data pipeline, metrics, checkpoints or recovery: one batch per micro-batch drawn up front.
 
     python -m benchmarks.handwritten PLAN_DIR STEPS [autocast]   # one rank; the other ranks faked
@@ -57,6 +58,39 @@ def _tensor_parallel(model: nn.Module, layout: tuple, tp_mesh) -> None:
         model.get_submodule(head).weight = model.get_submodule(embedding).weight
 
 
+def _block_recompute(plan: dict) -> str:
+    """The recomputation most of the plan's layers take (plan.json gives it per layer)."""
+    chosen = plan["recompute"]
+    if isinstance(chosen, str):
+        return chosen
+    values = list(chosen.values())
+    return max(set(values), key=values.count) if values else "none"
+
+
+def _recompute(model: nn.Module, container: str, how: str) -> None:
+    """Each block under torch.utils.checkpoint: "full" keeps only its input; "selective" keeps
+    the outputs of its matrix products and attention and reruns the rest (torchtitan's op-level
+    selective checkpointing)."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    kept = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context():
+        return create_selective_checkpoint_contexts(policy)
+
+    for block in model.get_submodule(container):
+        def forward(*args, _forward=block.forward, **kwargs):
+            if how == "selective":
+                return checkpoint(_forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+        block.forward = forward
+
+
 def _fully_shard(model: nn.Module, container: str, dp_mesh) -> None:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.get_submodule(container):
@@ -68,6 +102,7 @@ def train_handwritten(folder: Path, steps: int, device: torch.device, autocast: 
     """``steps`` optimizer steps of ``folder``'s plan by hand; rank 0 of an initialised group
     (``autocast``: forward and loss under CUDA's bf16 autocast too, as the generated module runs)."""
     plan = json.loads((folder / "plan.json").read_text())
+    recompute = _block_recompute(plan)
     if plan["pp"] > 1 or plan["cp"] > 1 or plan["sequence_parallel"] or plan["zero_stage"] not in (0, 1, 3):
         raise ValueError("the hand-written baseline covers dp x tp plans without sequence parallelism")
     model_path = folder / Path(plan["provenance"]["model_path"]).name
@@ -80,6 +115,8 @@ def train_handwritten(folder: Path, steps: int, device: torch.device, autocast: 
     layout = LAYOUTS[model_path.name]
     if plan["tp"] > 1:
         _tensor_parallel(model, layout, mesh["tp"])
+    if recompute != "none":
+        _recompute(model, layout[0], recompute)
     _fully_shard(model, layout[0], mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
     micro, count = plan["micro_batch_size"], plan["num_micro_batches"]

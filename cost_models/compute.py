@@ -86,8 +86,8 @@ def roofline_s(op_class: str, flops: float, moved_bytes: float, gpu: GPUSpec, dt
         return 0.0
     efficiency = gpu.efficiency_of(op_class) * (shape_efficiency if op_class == "gemm" else 1.0)
     if op_class in FLOP_BOUND_CLASSES:
-        return max(flops / (gpu.flops(dtype) * efficiency), moved_bytes / gpu.memory_bandwidth_Bps)
-    return max(flops / gpu.flops(dtype), moved_bytes / (gpu.memory_bandwidth_Bps * efficiency))
+        return max(flops / (gpu.sustained_flops(dtype) * efficiency), moved_bytes / gpu.memory_bandwidth_Bps)
+    return max(flops / gpu.sustained_flops(dtype), moved_bytes / (gpu.memory_bandwidth_Bps * efficiency))
 
 
 def op_roofline_s(op: Any, gpu: GPUSpec, dtype: str) -> float:

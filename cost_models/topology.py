@@ -169,6 +169,10 @@ class ClusterConfig:
     (empty: `nodes` nodes of `gpu`)."""
     hardware_profile: str | None = None
     """Calibration YAML written by `autopar calibrate`, overriding GPU and link numbers."""
+    power_limit_W: float | None = None
+    """Board power limit the GPUs run at, watts (null: each GPU's rated limit). Training holds a GPU
+    at its limit, so a lower one lowers the clock compute-bound work runs at
+    (`GPUSpec.clock_share`); memory bandwidth is unchanged."""
 
 
 # The range of every numeric field of ClusterConfig and NodeGroupConfig (cluster_problem checks
@@ -182,6 +186,7 @@ CLUSTER_BOUNDS: dict[str, Bound] = {
     "inter_node_latency_us": Bound(low=0),
     "memory_headroom_fraction": Bound(low=0, high=1, high_open=True),
     "price_per_gpu_hour": Bound(low=0),
+    "power_limit_W": Bound(low=0, low_open=True, null="each GPU's rated limit"),
 }
 NODE_GROUP_BOUNDS: dict[str, Bound] = {"nodes": Bound(low=0, integer=True)}
 
@@ -199,6 +204,18 @@ def cluster_problem(config: Any) -> str | None:
         if found:
             return found.sentence(f"cluster.node_groups[{index}].")
     return None
+
+
+def _power_limited(gpus: tuple[GPUSpec, ...], limit_W: float | None) -> tuple[GPUSpec, ...]:
+    """The GPUs run at a power limit; refused at or below a GPU's idle power (nothing would run)."""
+    if not limit_W:
+        return gpus
+    for gpu in gpus:
+        if limit_W <= gpu.idle_power_W:
+            raise ValueError(f"cluster.power_limit_W={limit_W:g} is at or below a {gpu.name}'s idle power "
+                             f"({gpu.idle_power_W:g} W); give the limit the GPUs run at (its rated limit is "
+                             f"{gpu.rated_power_W:g} W)")
+    return tuple(gpu.with_overrides(power_limit_W=float(limit_W)) for gpu in gpus)
 
 
 @dataclass(frozen=True)
@@ -367,6 +384,7 @@ class ClusterSpec:
         path = getattr(config, "hardware_profile", None)
         profile = load_hardware_profile(path) if path else {}
         node_gpus = tuple(_apply_gpu_profile(gpu, profile.get("gpus", {}).get(gpu.name, {})) for gpu in node_gpus)
+        node_gpus = _power_limited(node_gpus, getattr(config, "power_limit_W", None))
         intra_bw = config.intra_node_bandwidth_GBps  # null, not 0, means the catalogue's link (0 is refused)
         if intra_bw is None:
             intra_bw = min(g.intra_node_bandwidth_GBps for g in node_gpus)

@@ -155,3 +155,31 @@ def test_a100_efficiencies_carry_the_fitted_compute_scale():
         assert gpu.efficiency["attention"] == pytest.approx(0.470, abs=1e-3)
         assert gpu.efficiency["view"] == 1.0
     assert get_gpu("H100-SXM").efficiency == DEFAULT_EFFICIENCY
+
+
+def test_power_limit_slows_compute_by_the_cube_root_of_dynamic_power():
+    """A Grand Teton H100 at 500 W of its rated 700 W, idling at 121 W: its clock sustains
+    ((500 - 121) / (700 - 121))^(1/3) = 0.8683 of the rated-power clock, so a GEMM-bound op takes
+    1 / 0.8683 = 1.152x as long and a memory-bound one the same time."""
+    from cost_models.compute import roofline_s
+
+    rated = get_gpu("H100-SXM-96GB")
+    limited = rated.with_overrides(power_limit_W=500)
+    assert limited.clock_share == pytest.approx(0.8683, abs=1e-4)
+    gemm = (2 * 8192**3, 3 * 2 * 8192**2)
+    assert roofline_s("gemm", *gemm, limited, "bf16") / roofline_s("gemm", *gemm, rated, "bf16") == pytest.approx(
+        1 / 0.8683, rel=1e-4)
+    copy = (0, 2 * 2**30)
+    assert roofline_s("memory", *copy, limited, "bf16") == roofline_s("memory", *copy, rated, "bf16")
+    assert rated.with_overrides(power_limit_W=800).clock_share == 1.0  # no clock above the rated limit's
+    assert limited.signature != rated.signature  # priced layers are cached per signature
+
+
+def test_cluster_power_limit_reaches_every_gpu_and_is_checked():
+    preset = ClusterConfig(name="teton", gpu="H100-SXM-96GB", nodes=2, gpus_per_node=8, power_limit_W=500)
+    cluster = ClusterSpec.from_config(preset)
+    assert {gpu.power_limit_W for gpu in cluster.node_gpus} == {500}
+    with pytest.raises(ValueError, match="idle power"):
+        ClusterSpec.from_config(dataclasses.replace(preset, power_limit_W=100))
+    with pytest.raises(ValueError, match="power_limit_W"):
+        ClusterSpec.from_config(dataclasses.replace(preset, power_limit_W=-5))

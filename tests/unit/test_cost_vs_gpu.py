@@ -7,6 +7,7 @@ efficiencies and the per-op launch cost, must predict each within 15%.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,41 @@ def test_tp_rank_step_within_30_percent_out_of_sample(run, monkeypatch):
     others = [_faked_rank(other) for other in FAKED_TP_RUNS if other is not run]
     monkeypatch.setattr(host, "DTENSOR_MODULE_HOST_S", host.fit_per_module_s(others))
     assert _predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.30)
+
+
+# Kernels and decoder layers at the shapes of the published H100 runs (Megatron-Core A6,
+# torchtitan D7), measured on an H200 (benchmarks/gpu_efficiency_check.py): Hopper compute at the
+# H100 SXM's peak and clocks, with faster memory (the model prices each GPU's own bandwidth).
+EFFICIENCY = MEASURED.parent / "h200_efficiency.jsonl"
+
+
+def test_gemms_at_published_run_shapes_priced_within_10_percent():
+    """144 GEMMs (forward, input and weight gradients of every linear of 8 runs' layers): median
+    error within 10%, none off by more than 30% (tile and wave quantisation priced)."""
+    from benchmarks.gpu_efficiency_compare import priced_gemms, read_records
+
+    errors = [abs(priced.error) for priced in priced_gemms(*read_records(EFFICIENCY))]
+    assert statistics.median(errors) <= 0.10
+    assert max(errors) <= 0.30
+
+
+@pytest.mark.parametrize("run", ["A6-1.7B", "D7-8B"])
+def test_decoder_layer_forward_backward_within_20_percent(run):
+    """One block of the example at the run's sizes, priced from its meta-tensor profile, against
+    the per-layer wall time measured (difference of two layer counts, loss and head excluded)."""
+    from benchmarks.gpu_efficiency_compare import layer_comparison, read_records
+
+    layer = layer_comparison(*_with_run(read_records(EFFICIENCY), run))
+    assert sum(layer["predicted_s"].values()) == pytest.approx(layer["wall_s"], rel=0.20)
+
+
+def _with_run(records_and_gpu, run):
+    records, gpu = records_and_gpu
+    return records, run, gpu
+
+
+def test_fsdp_rank_of_torchtitan_llama_run_within_10_percent():
+    """torchtitan's Llama-3.1-8B FSDP plan (dp 8, ZeRO-3, micro-batch 2 of 8192 tokens, selective
+    recomputation) as rank 0 of 8 on an H200, the other ranks faked: compute priced within 10%."""
+    run = next(r for r in PLAN_RUNS if r["case"] == "h200_llama3.1_8b_d7_fsdp8")
+    assert _predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.10)

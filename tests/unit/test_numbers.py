@@ -139,7 +139,7 @@ CLI_CASES = [(section, name, value)
 
 
 def test_the_cli_cases_cover_both_schemas():
-    assert len({(section, name) for section, name, _ in CLI_CASES}) == 14 and len(CLI_CASES) == 14 * 3 + 9
+    assert len({(section, name) for section, name, _ in CLI_CASES}) == 15 and len(CLI_CASES) == 15 * 3 + 10
 
 
 @pytest.mark.parametrize("section, name, value", CLI_CASES)

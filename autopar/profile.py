@@ -32,10 +32,10 @@ from autopar.trace.batch import batch_statistics
 from autopar.trace.loss_tokens import token_mean_loss
 from autopar.trace.experts import experts_inputs
 from autopar.trace.layers import find_block_containers
-from autopar.trace.ops import OpClass, classify, flop_count, op_name
+from autopar.trace.ops import OpClass, attention_is_causal, classify, flop_count, op_name
 from autopar.trace.repeated_blocks import (NotExpandable, TraceSelection, expand, expand_mixers, full_input_names,
                                            narrowed, select_traced_blocks)
-from autopar.trace.sequence import SequenceMixer, position_blocker, sequence_mixers
+from autopar.trace.sequence import SequenceMixer, causal_mask_attention, position_blocker, sequence_mixers
 
 # Mixed precision is traced the way FSDP2 (MixedPrecisionPolicy) and Megatron run it: parameters
 # and activations in 16 bit, fp32 master weights and optimizer states kept by the optimizer
@@ -61,6 +61,7 @@ class OpProfile:
     inputs: list[str]
     input_shapes: list[list[int]]
     output_shapes: list[list[int]]
+    causal: bool = False  # attention run with is_causal: its kernel skips the blocks above the diagonal
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,8 @@ class _Traced:
 def _trace_whole(model_file: ModelFile, build: Any, stacks: list[str], tokens: int | None) -> _Traced:
     captured = capture_training_step(model_file, build)
     grouping = group_layers(build.model, captured, stacks)
-    return _Traced(grouping=grouping, facts=profile_ops(captured, grouping),
+    causal = causal_mask_attention(captured, build.batch)
+    return _Traced(grouping=grouping, facts=profile_ops(captured, grouping, causal),
                    placeholders=_placeholder_roles(captured), num_nodes=len(captured.graph_module.graph.nodes),
                    mixers=_mixers(captured, tokens, build.model, build.batch), batch_mixer=batch_statistics(captured),
                    token_loss=token_mean_loss(captured))
@@ -321,7 +323,7 @@ def _trace_repeated_blocks_once(model_file: ModelFile, build: Any, stacks: list[
             captured = capture_training_step(model_file, build)
             grouping = group_layers(build.model, captured, stacks)
             mixers = _mixers(captured, tokens, build.model, build.batch, selection)
-        facts = profile_ops(captured, grouping)
+        facts = profile_ops(captured, grouping, causal_mask_attention(captured, build.batch))
         traced_roles = _placeholder_roles(captured)
         batch_inputs = sum(role.startswith("input:") for role in traced_roles.values())
         full_roles = _input_roles([name for name, _ in build.model.named_parameters()],
@@ -375,8 +377,9 @@ class GraphFacts:
     boundary_out: dict[str, dict[str, int]]
 
 
-def profile_ops(captured: CapturedStep, grouping: LayerGrouping) -> GraphFacts:
-    """Per-op FLOPs, bytes moved, new allocations and bytes saved for backward."""
+def profile_ops(captured: CapturedStep, grouping: LayerGrouping, causal_masked: set[str] = frozenset()) -> GraphFacts:
+    """Per-op FLOPs, bytes moved, new allocations and bytes saved for backward (``causal_masked``:
+    the attention nodes whose mask is the causal one, `causal_mask_attention`)."""
     graph = captured.graph_module.graph
     producer: dict[int, str] = {}  # storage id -> node that allocated it
     storage_bytes: dict[int, int] = {}
@@ -434,7 +437,9 @@ def profile_ops(captured: CapturedStep, grouping: LayerGrouping) -> GraphFacts:
             saved_for_backward_bytes=saved_by_op.get(node.name, 0),
             inputs=[arg.name for arg in inputs],
             input_shapes=[list(t.shape) for arg in inputs for t in _tensors(arg.meta.get("val"))],
-            output_shapes=[list(t.shape) for t in outputs]))
+            output_shapes=[list(t.shape) for t in outputs],
+            causal=op_class == OpClass.ATTENTION and (node.name in causal_masked
+                                                      or attention_is_causal(node.target, *_arg_values(node)))))
 
     boundary_in: dict[str, dict[str, int]] = defaultdict(dict)
     boundary_out: dict[str, dict[str, int]] = defaultdict(dict)

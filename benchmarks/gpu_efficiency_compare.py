@@ -9,6 +9,7 @@ result says which class the model gets wrong, by how much, and where.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +42,21 @@ def price_gemm(m: int, n: int, k: int, gpu: GPUSpec) -> float:
 
 
 def price_attention(record: dict, gpu: GPUSpec) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of one SDPA as profiled: torch's flop counter counts
-    the full square whatever the mask (4·b·h·s²·d forward, 2.5x that backward)."""
+    """(forward, forward + backward) seconds of one causal SDPA as a profile holds it: torch's flop
+    counter counts the full square (4·b·h·s²·d forward, 2.5x that backward), the op is marked
+    causal, and `op_time_s` prices the work its kernel computes."""
+    from types import SimpleNamespace
+
+    from cost_models.compute import op_time_s
+
+    shape = [record["batch"], record["heads"], record["seq"], record["head_dim"]]
     forward_flops = 4 * record["batch"] * record["heads"] * record["seq"] ** 2 * record["head_dim"]
-    moved = 4 * BF16 * record["batch"] * record["heads"] * record["seq"] * record["head_dim"]
-    forward = roofline_s("attention", forward_flops, moved, gpu, "bf16") + gpu.launch_overhead_s
-    backward = roofline_s("attention", 2.5 * forward_flops, 2 * moved, gpu, "bf16") + gpu.launch_overhead_s
-    return forward, forward + backward
+    moved = 4 * BF16 * math.prod(shape)
+    forward, backward = (SimpleNamespace(op_class="attention", flops=flops, bytes_read=moved, bytes_written=moved // 4,
+                                         input_shapes=[shape], causal=True)
+                         for flops in (forward_flops, 2.5 * forward_flops))
+    forward_s = op_time_s(forward, gpu, "bf16")
+    return forward_s, forward_s + op_time_s(backward, gpu, "bf16")
 
 
 def layer_prediction(run: str, shape: dict, gpu: GPUSpec) -> dict[str, float]:

@@ -90,13 +90,43 @@ def roofline_s(op_class: str, flops: float, moved_bytes: float, gpu: GPUSpec, dt
     return max(flops / gpu.sustained_flops(dtype), moved_bytes / (gpu.memory_bandwidth_Bps * efficiency))
 
 
+ATTENTION_BLOCK = 128  # query rows (and key rows) a fused attention kernel takes per tile
+
+
+def attention_work_share(op: Any) -> float:
+    """Share of an attention op's counted FLOPs (every query against every key, as torch's flop
+    counter counts them) that a fused kernel computes: with a causal mask, query block i of n
+    reads only key blocks 0..i, n(n+1)/2 of the n^2."""
+    if not getattr(op, "causal", False) or not op.input_shapes or len(op.input_shapes[0]) < 2:
+        return 1.0
+    blocks = max(1, math.ceil(op.input_shapes[0][-2] / ATTENTION_BLOCK))
+    return (blocks + 1) / (2 * blocks)
+
+
+def attention_tail_s(op: Any, gpu: GPUSpec, dtype: str) -> float:
+    """The time an attention kernel's last tiles add past an even spread of its work over the SMs:
+    a tile (one query block of one head) runs on one SM, and the longest reads all n key blocks;
+    tiles of sizes up to that finish at different times, about half the longest one apart."""
+    if not gpu.sm_count or not op.input_shapes or len(op.input_shapes[0]) < 3:
+        return 0.0
+    shape = op.input_shapes[0]
+    tiles = math.prod(shape[:-2]) * max(1, math.ceil(shape[-2] / ATTENTION_BLOCK))
+    per_sm = gpu.sustained_flops(dtype) * gpu.efficiency_of("attention") / gpu.sm_count
+    return 0.5 * op.flops / tiles / per_sm
+
+
 def op_roofline_s(op: Any, gpu: GPUSpec, dtype: str) -> float:
-    """Roofline time of one profiled op, without the launch overhead."""
+    """Roofline time of one profiled op, without the launch overhead (an attention op: the work
+    its kernel computes, and its tail, `attention_work_share` and `attention_tail_s`)."""
+    moved = op.bytes_read + op.bytes_written
+    if op.op_class == "attention":
+        return roofline_s("attention", op.flops * attention_work_share(op), moved, gpu, dtype) \
+            + attention_tail_s(op, gpu, dtype)
     shape = 1.0
     if op.op_class == "gemm" and gpu.sm_count:
         dims = gemm_dims(op)
         shape = gemm_shape_efficiency(*dims, gpu.sm_count) if dims else 1.0
-    return roofline_s(op.op_class, op.flops, op.bytes_read + op.bytes_written, gpu, dtype, shape)
+    return roofline_s(op.op_class, op.flops, moved, gpu, dtype, shape)
 
 
 def op_time_s(op: Any, gpu: GPUSpec, dtype: str) -> float:

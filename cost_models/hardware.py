@@ -22,11 +22,14 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 # Fraction of peak FLOP/s (gemm, attention: compute-bound classes) or of memory bandwidth (the
 # memory-bound classes) that a kernel of each class reaches. GEMM: the measured matmul shares
-# above; fused attention runs below GEMM efficiency (FlashAttention-2 paper, Dao 2023, Fig. 4:
-# 50-70% of peak forward, less backward); element-wise and copy kernels stream at ~70% of HBM
-# bandwidth, norms and reductions a little lower (two passes or a reduction tree).
+# above; fused attention: 52% of peak on the work it computes (a causal kernel skips the keys
+# past each query block, `cost_models.compute.attention_work_share`), forward and backward
+# together, as PyTorch's SDPA ran on an H200 with 64-128 heads x 8192 tokens in flight
+# (benchmarks/measured/h200_power.jsonl; 61% forward alone); element-wise and copy kernels
+# stream at ~70% of HBM bandwidth, norms and reductions a little lower (two passes or a
+# reduction tree).
 DEFAULT_EFFICIENCY = {
-    "gemm": 0.80, "attention": 0.55, "elementwise": 0.70, "norm": 0.60, "reduction": 0.60,
+    "gemm": 0.80, "attention": 0.52, "elementwise": 0.70, "norm": 0.60, "reduction": 0.60,
     "memory": 0.70, "other": 0.50, "view": 1.0,
 }
 
@@ -130,12 +133,13 @@ def _gpu(name: str, *, peaks_tflops: dict[str, float], memory_gb: float, bandwid
 # writes it to cost_models/calibration.json): per GPU family, the factor on compute-bound seconds
 # (compute, recomputation, bubble, optimizer) minimising the squared relative step-time errors
 # of its calibration rows, communication priced as is (`benchmarks.published.refit.fit_scale`).
-# A100 (18 Megatron-LM rows, A1 and B4): 1.17, i.e. every class reaches 1/1.17 of the efficiency
-# a lone kernel does (matmul 0.87 -> 0.74: clocks under sustained load in 2021-22 fp16 training).
-# Hopper is not fitted: Megatron-Core's nine H100 rows (A6) would take 0.88 and torchtitan's two
-# rows on 500 W, 2.4 TB/s Grand Teton H100s (D7) 1.09, both within their interval as priced from
-# the datasheets and the measured power law (`GPUSpec.clock_share`; before that law D7 was
-# priced 24-26% fast). UNSCALED_EFFICIENCY is each fitted family's lone-kernel efficiency, before the scale.
+# A100 (18 Megatron-LM rows, A1 and B4): 1.19, i.e. every class reaches 1/1.19 of the efficiency
+# a lone kernel does (matmul 0.87 -> 0.73: clocks under sustained load in 2021-22 fp16 training,
+# as a Hopper at its power limit trains at 82% of its boost clock, benchmarks/measured/h200_power.jsonl).
+# Hopper is not fitted: Megatron-Core's nine H100 rows (A6) would take 0.91 and torchtitan's two
+# rows on 500 W, 2.4 TB/s Grand Teton H100s (D7) 1.20 (their op-level selective checkpointing
+# recomputes every other matmul, which the plan priced does not), both within their interval as
+# priced from the datasheets, the measured attention and power laws (`GPUSpec.clock_share`).
 COMPUTE_TIME_SCALE: dict[str, float] = dict(load_calibration()["compute_time_scale"])
 UNSCALED_EFFICIENCY: dict[str, dict[str, float]] = {"A100": {"gemm": 0.87}}
 

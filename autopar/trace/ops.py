@@ -140,3 +140,14 @@ def flop_count(target: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
     if formula is None:
         return None
     return int(formula(*args, **kwargs, out_val=out))
+
+
+def attention_is_causal(target: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an attention op runs with ``is_causal`` set (its schema's argument of that name,
+    forward or backward): a fused kernel then skips the key blocks past each query block."""
+    schema = getattr(target, "_schema", None)
+    for index, argument in enumerate(getattr(schema, "arguments", ())):
+        if argument.name == "is_causal":
+            value = kwargs.get("is_causal", args[index] if index < len(args) else argument.default_value)
+            return bool(value)
+    return False

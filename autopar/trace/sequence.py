@@ -254,10 +254,11 @@ _MOST_CONSTANT_NODES = 2000  # a mask's computation; more is not a mask built fr
 _MOST_CONSTANT_ELEMENTS = 2**24
 
 
-def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None = None,
+                   most_elements: int = _MOST_CONSTANT_ELEMENTS) -> torch.Tensor | None:
     """The value of ``node`` when it is computed from constants and ``inputs`` (graph input name
     -> value) alone, by running those ops on real tensors; None when a parameter or any other
-    graph input is among its ancestors."""
+    graph input is among its ancestors, or a tensor on the way holds more than ``most_elements``."""
     inputs = inputs or {}
     ancestors, stack = set(), [node]
     while stack:
@@ -267,7 +268,7 @@ def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None =
         known = current.op == "placeholder" and current.name in inputs
         if (current.op != "call_function" and not known) or len(ancestors) > _MOST_CONSTANT_NODES:
             return None
-        if any(isinstance(value, torch.Tensor) and value.numel() > _MOST_CONSTANT_ELEMENTS
+        if any(isinstance(value, torch.Tensor) and value.numel() > most_elements
                for value in tree_flatten(_value(current))[0]):
             return None
         ancestors.add(current)
@@ -286,6 +287,46 @@ def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None =
     except Exception:  # noqa: BLE001 - an op that cannot run on real tensors here: no value, no verdict
         return None
     return value if isinstance(value, torch.Tensor) and not value.is_meta else None
+
+
+# Pricing evaluates larger masks than the check above: a boolean mask of 2 x 8192 x 8192 tokens is
+# 128 MiB; beyond 256 MiB a mask is priced as computing every key (the cost without skipping).
+_MOST_PRICED_MASK_ELEMENTS = 2**28
+_MASK_ARGUMENTS = ("attn_mask", "attn_bias")
+
+
+def causal_mask_attention(captured: CapturedStep, batch: Any) -> set[str]:
+    """Names of the attention nodes, forward and backward, whose mask is the causal one once
+    computed from constants and the inputs a run without padding gives (positions 0..S-1, a
+    padding mask of ones). A model library builds such a mask only while traced: run eagerly
+    with no padding mask, Hugging Face's SDPA path passes ``is_causal`` instead, and the kernel
+    skips the key blocks past each query block (`cost_models.compute` prices that)."""
+    fed = cp_fed_inputs(captured, batch) if batch is not None else {}
+    verdicts: dict[torch.fx.Node, bool] = {}
+    found = set()
+    for node in captured.graph_module.graph.nodes:
+        mask_node = _mask_argument(node)
+        if mask_node is None:
+            continue
+        if mask_node not in verdicts:
+            value = constant_value(mask_node, fed, _MOST_PRICED_MASK_ELEMENTS)
+            verdicts[mask_node] = value is not None and value.dim() >= 2 and value.shape[-1] == value.shape[-2] \
+                and _is_causal(value)
+        if verdicts[mask_node]:
+            found.add(node.name)
+    return found
+
+
+def _mask_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The mask node an attention op is given (by its schema's argument name), None without one."""
+    if node.op != "call_function" or "scaled_dot_product" not in op_name(node.target):
+        return None
+    arguments = getattr(getattr(node.target, "_schema", None), "arguments", ())
+    for index, argument in enumerate(arguments):
+        if argument.name in _MASK_ARGUMENTS:
+            mask = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+            return mask if isinstance(mask, torch.fx.Node) else None
+    return None
 
 
 def cp_fed_inputs(captured: CapturedStep, batch: Any) -> dict[str, torch.Tensor]:

@@ -30,6 +30,16 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PROFILE_CACHE = REPO / "benchmarks" / "results" / "profiles"
+
+
+@functools.lru_cache(maxsize=1)
+def tracing_code_digest() -> str:
+    """A digest of the code a profile comes from (autopar/profile.py and autopar/trace/): a cached
+    profile traced by other code is traced again rather than priced stale."""
+    digest = hashlib.sha256()
+    for path in sorted([REPO / "autopar" / "profile.py", *(REPO / "autopar" / "trace").glob("*.py")]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 COMPUTE_BOUND = ("compute", "recompute", "bubble", "optimizer")
 COMMUNICATION = ("tp_comm", "cp_comm", "pp_comm", "dp_comm")
 
@@ -101,7 +111,8 @@ def cached_profile(run: dict[str, Any], cfg: Any):
     """Trace once per model shape and precision (kept under benchmarks/results/, not committed)."""
     from autopar.driver import run_profile
 
-    key = hashlib.sha256(json.dumps([run["model"], run["precision"]], sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([run["model"], run["precision"], tracing_code_digest()],
+                                    sort_keys=True).encode()).hexdigest()[:16]
     path = PROFILE_CACHE / f"{run['model']['file'].removesuffix('.py')}-{key}.json"
     if path.exists():
         return _load_profile(str(path))

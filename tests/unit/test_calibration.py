@@ -92,11 +92,11 @@ def test_scale_point_is_the_secant_between_neutral_and_catalogue_prices():
 
 
 def test_with_compute_scale_swaps_the_fitted_scale():
-    """Scale 1 gives the A100's lone-kernel efficiencies (matmul 0.87, attention 0.55); the
+    """Scale 1 gives the A100's lone-kernel efficiencies (matmul 0.87, attention 0.52); the
     catalogue's scale gives the catalogue's GPU; a GPU of no fitted family is left as is."""
     a100 = get_gpu("A100-80GB")
     neutral = with_compute_scale(a100, 1.0)
-    assert neutral.efficiency["gemm"] == 0.87 and neutral.efficiency["attention"] == 0.55
+    assert neutral.efficiency["gemm"] == 0.87 and neutral.efficiency["attention"] == 0.52
     assert neutral.efficiency["view"] == 1.0
     assert with_compute_scale(a100, COMPUTE_TIME_SCALE["A100"]) == a100
     assert with_compute_scale(get_gpu("H100-SXM"), 2.0) == get_gpu("H100-SXM")

@@ -145,14 +145,14 @@ def test_gemm_shape_efficiency_hand_counts():
 @pytest.mark.unit
 def test_a100_efficiencies_carry_the_fitted_compute_scale():
     """The A100's catalogue efficiencies are a lone kernel's divided by the scale fitted to
-    published runs (hand count: matmul 0.87 / 1.17 = 0.744, attention 0.55 / 1.17 = 0.470);
+    published runs (hand count: matmul 0.87 / 1.19 = 0.731, attention 0.52 / 1.19 = 0.437);
     views stay free and GPUs without a fit keep the defaults."""
     from cost_models.hardware import COMPUTE_TIME_SCALE, DEFAULT_EFFICIENCY
 
     for name in ("A100-40GB", "A100-80GB"):
         gpu = get_gpu(name)
-        assert gpu.efficiency["gemm"] == pytest.approx(0.744, abs=1e-3)
-        assert gpu.efficiency["attention"] == pytest.approx(0.470, abs=1e-3)
+        assert gpu.efficiency["gemm"] == pytest.approx(0.731, abs=1e-3)
+        assert gpu.efficiency["attention"] == pytest.approx(0.437, abs=1e-3)
         assert gpu.efficiency["view"] == 1.0
     assert get_gpu("H100-SXM").efficiency == DEFAULT_EFFICIENCY
 
@@ -183,3 +183,23 @@ def test_cluster_power_limit_reaches_every_gpu_and_is_checked():
         ClusterSpec.from_config(dataclasses.replace(preset, power_limit_W=100))
     with pytest.raises(ValueError, match="power_limit_W"):
         ClusterSpec.from_config(dataclasses.replace(preset, power_limit_W=-5))
+
+
+def test_causal_attention_is_priced_by_the_blocks_its_kernel_computes():
+    """Causal attention over 4096 tokens (32 query blocks of 128): query block i reads key blocks
+    0..i, 33/64 of the square the flop counter counts; its tail is half the longest tile (one
+    query block of one head against all 32 key blocks) on one of the H100's 132 SMs."""
+    from types import SimpleNamespace
+
+    from cost_models.compute import attention_tail_s, attention_work_share, op_roofline_s, roofline_s
+
+    gpu = get_gpu("H100-SXM")
+    flops = 4 * 1 * 16 * 4096**2 * 128
+    causal = SimpleNamespace(op_class="attention", flops=flops, bytes_read=0, bytes_written=0,
+                             input_shapes=[[1, 16, 4096, 128]], causal=True)
+    full = SimpleNamespace(**{**vars(causal), "causal": False})
+    assert attention_work_share(causal) == 33 / 64 and attention_work_share(full) == 1.0
+    per_sm = 989e12 * gpu.efficiency_of("attention") / 132
+    assert attention_tail_s(causal, gpu, "bf16") == pytest.approx(0.5 * flops / (16 * 32) / per_sm)
+    assert op_roofline_s(causal, gpu, "bf16") == pytest.approx(
+        roofline_s("attention", flops * 33 / 64, 0, gpu, "bf16") + attention_tail_s(causal, gpu, "bf16"))

@@ -426,3 +426,16 @@ def test_batch_statistics_keep_the_whole_batch_in_every_forward():
     gpt = profile_model(load_model_file(examples / "gpt.py"), {"layers": 2, "hidden": 32, "heads": 4, "seq_len": 16,
                                                                "vocab": 64}, micro_batch_size=1, precision="fp32")
     assert gpt.batch_mixer is None
+
+
+@pytest.mark.parametrize("window,causal", [(4, False), (64, True)])
+def test_attention_is_priced_causal_only_under_the_causal_mask(tmp_path, window, causal):
+    """Hugging Face's mask, evaluated while profiling: the causal one (a window past the sequence)
+    marks the attention ops causal, forward and backward (eagerly run without padding, the model
+    passes is_causal and the kernel skips the keys past each query); a window of 4 does not."""
+    path = tmp_path / "model.py"
+    path.write_text(_WINDOWED)
+    profile = profile_model(load_model_file(path), {"window": window}, micro_batch_size=1, precision="fp32")
+    attention = [op for op in profile.ops if op.op_class == "attention"]
+    assert {op.phase for op in attention} == {"forward", "backward"}
+    assert all(op.causal == causal for op in attention)

@@ -106,7 +106,10 @@ EXPERT_TP = [("mixtral", 2, 3, 4, 1, 2, 1, False, True), ("hf_mixtral", 2, 3, 4,
 EXTENDED_CASES = {("qwen2_moe", 2, 3, 4), ("deepseek_v3", 2, 3, 4), ("hf_deepseek_v3", 2, 3, 4),
                   ("mixtral", 1, 3, 4, 2, 1), ("qwen2_moe", 2, 3, 4, 2, 1), ("deepseek_v3", 2, 3, 4, 2, 1),
                   ("qwen2_moe", 2, 3, 4, 1, 2), ("hf_mixtral", 2, 3, 4, 1, 2),
-                  ("mixtral_plain", 1, 3, 4, 2, 2, 1, False, True)}
+                  ("mixtral_plain", 1, 3, 4, 2, 2, 1, False, True),
+                  # the same kinds again on another model (kept within CI's time)
+                  ("mixtral", 2, 3, 2), ("hf_qwen2_moe", 2, 3, 4, 2, 1), ("mixtral", 2, 3, 4, 1, 2),
+                  ("mixtral", 2, 3, 4, 1, 2, 1, False, True)}
 GLOBAL_BATCH, STEPS = 8, 3
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mixtral.py"
 # The numerical check at compile would spawn ranks of its own: the modules train in the spawn below.

@@ -79,9 +79,10 @@ class GPUSpec:
     def clock_share(self) -> float:
         """Share of its rated-power clock a GPU sustains under a lower power limit.
 
-        Training holds a GPU at its power limit: an H200 rated 700 W drew 687 W training Llama
-        layers and 691 W on a long bf16 GEMM, its SM clock falling from 1980 to 1620 and 1485 MHz,
-        while its memory clock stayed at 3201 MHz (benchmarks/measured/h200_power.jsonl). Dynamic
+        Training holds a GPU at its power limit: an H100 SXM rated 700 W drew 689 W training Llama
+        layers and 698 W on a long bf16 GEMM, its SM clock falling from 1980 to 1605 and 1380 MHz
+        while its memory clock stayed put (an H200: 687 and 691 W, 1620 and 1485 MHz;
+        benchmarks/measured/h100_power.jsonl, h200_power.jsonl). Dynamic
         power goes as frequency times voltage squared, and voltage rises about linearly with
         frequency over the DVFS range, so the clock a limit sustains goes as the cube root of the
         dynamic power it allows: ((limit - idle) / (rated - idle))^(1/3). Only compute-bound work
@@ -150,7 +151,8 @@ def _fitted(efficiency: dict[str, float], time_scale: float) -> dict[str, float]
             if name != "view"}
 
 
-HOPPER_SXM_IDLE_W = 121.0  # an idle H200's board power (benchmarks/measured/h200_power.jsonl)
+# Idle board power, measured (benchmarks/measured/h100_power.jsonl, h200_power.jsonl).
+H100_SXM_IDLE_W, H200_IDLE_W = 128.0, 121.0
 
 # watts: each datasheet's maximum board power (V100 SXM2 300, A100 SXM 400, H100/H200 SXM 700,
 # H100 PCIe 350, B200 1,000, L40S 350, MI300X 750 W).
@@ -172,17 +174,16 @@ CATALOGUE: dict[str, GPUSpec] = {spec.name: spec for spec in (
          efficiency=_fitted(UNSCALED_EFFICIENCY["A100"], COMPUTE_TIME_SCALE["A100"]), sm_count=108, watts=400),
     # NVIDIA H100 datasheet, SXM5: 67 fp32, 494.5 tf32, 989 bf16/fp16, 1,979 fp8 (dense, half the
     # sparsity figures); 80 GB HBM3 at 3,350 GB/s; NVLink 4 at 450 GB/s per direction; up to 700 W.
-    # Hopper SXM boards idle at about 121 W (an H200, benchmarks/measured/h200_power.jsonl).
     _gpu("H100-SXM", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979}, memory_gb=80,
          bandwidth_GBps=3350, link="NVLink4", link_GBps=450, source="NVIDIA H100 datasheet", sm_count=132,
-         watts=700, idle_watts=HOPPER_SXM_IDLE_W),
+         watts=700, idle_watts=H100_SXM_IDLE_W),
     # The H100 SXM with 96 GB of HBM2e at 2.4 TB/s (Meta's Grand Teton servers, whose runs the
     # torchtitan benchmarks report; they power-limit them, `cluster=grand_teton_h100`): the SXM5
     # die and clocks with slower memory.
     _gpu("H100-SXM-96GB", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979},
          memory_gb=96, bandwidth_GBps=2400, link="NVLink4", link_GBps=450,
          source="NVIDIA H100 SXM5 die; 96 GB HBM2e at 2.4 TB/s as torchtitan's H100 benchmark states", sm_count=132,
-         watts=700, idle_watts=HOPPER_SXM_IDLE_W),
+         watts=700, idle_watts=H100_SXM_IDLE_W),
     # Same datasheet, PCIe card: 51 fp32, 378 tf32, 756 bf16/fp16, 1,513 fp8; 80 GB HBM2e at
     # 2,000 GB/s; PCIe Gen5 x16 (64 GB/s per direction) between cards.
     _gpu("H100-PCIe", peaks_tflops={"fp32": 51, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513}, memory_gb=80,
@@ -191,7 +192,7 @@ CATALOGUE: dict[str, GPUSpec] = {spec.name: spec for spec in (
     # NVIDIA H200 product page: H100 SXM compute; 141 GB HBM3e at 4,800 GB/s; NVLink 4; up to 700 W.
     _gpu("H200", peaks_tflops={"fp32": 67, "tf32": 494.5, "bf16": 989, "fp16": 989, "fp8": 1979}, memory_gb=141,
          bandwidth_GBps=4800, link="NVLink4", link_GBps=450, source="NVIDIA H200 product page", sm_count=132,
-         watts=700, idle_watts=HOPPER_SXM_IDLE_W),
+         watts=700, idle_watts=H200_IDLE_W),
     # NVIDIA HGX B200 pages (per GPU, dense): 80 fp32, ~1,100 tf32, 2,250 bf16/fp16, 4,500 fp8;
     # ~180 GB usable HBM3e at 8 TB/s; NVLink 5 at 900 GB/s per direction.
     _gpu("B200", peaks_tflops={"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, memory_gb=180,

@@ -746,8 +746,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
                            max_restarts=args.max_restarts, init_from=args.init_from, export=args.export,
                            on_line=progress.feed_line if progress else None)
-    for warning in result.warnings:  # shown with or without --echo
-        console.print(warning, markup=False)
+    for warning in result.warnings:  # shown with or without --echo; one line, as the rank wrote it
+        console.print(warning, markup=False, soft_wrap=True)
     if result.teardown_failure is not None:
         console.print(f"note: every rank finished and wrote its results, then one died while shutting down "
                       f"(torchrun exit {result.teardown_failure}); the run counts as finished", markup=False)

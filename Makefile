@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch goes in first so resolving the project pulls no multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-full wheel-check test-zoo bench bench-smoke clean
+.PHONY: setup demo test test-full lint wheel-check test-zoo bench bench-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/dist tests/zoo
+
+# Undefined and unused names and pycodestyle's errors (pyproject.toml [tool.ruff]); CI runs it.
+lint: setup
+	$(PY) -m ruff check .
 
 test-full: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit --extended

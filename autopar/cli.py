@@ -15,7 +15,6 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import traceback
 from pathlib import Path

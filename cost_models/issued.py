@@ -19,7 +19,6 @@ all-reduces) is measurement, not training, and is not priced.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from cost_models.collectives import Algorithm, Collective
 from cost_models.layout import ParallelLayout, fsdp_groups

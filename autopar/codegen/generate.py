@@ -599,7 +599,7 @@ def tp_plan_source(plan: Plan, tp: TPPlan) -> str:
             top[module] = spec
         else:
             per_block[block][module[len(block) + 1:]] = spec
-    lines = [f"def tp_plan() -> dict[str, ParallelStyle]:", doc, "    plan: dict[str, ParallelStyle] = {"]
+    lines = ["def tp_plan() -> dict[str, ParallelStyle]:", doc, "    plan: dict[str, ParallelStyle] = {"]
     lines += _entries({f"{module!r}": spec for module, spec in top.items()}, "        ")
     lines.append("    }")
     # Blocks of one stack with the same relative layout share one loop.
@@ -651,14 +651,14 @@ def _block_range_source(members: list[str], container: str) -> str:
 
 
 def main_section() -> str:
-    return banner("Entry point") + f'''
+    return banner("Entry point") + '''
 def command_line(argv: list[str] | None = None) -> argparse.Namespace:
     """The run's settings: the compiled defaults under the command line's options (what code
     importing this module reads too, to train with it in a loop of its own)."""
-    return parse_args(argv, {{"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER,
+    return parse_args(argv, {"steps": DEFAULT_STEPS, "lr": OPTIMIZER["lr"], "optimizer": OPTIMIZER,
                              "model_file": MODEL_FILE, "log_file": str(Path(__file__).with_name("run.jsonl")),
                              "checkpoint_dir": CHECKPOINT_DIR, "checkpoint_every": CHECKPOINT_EVERY,
-                             "eval_every": EVAL_EVERY, "eval_batches": EVAL_BATCHES}})
+                             "eval_every": EVAL_EVERY, "eval_batches": EVAL_BATCHES})
 
 
 @record
@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None 
         folder = checkpointing.export_latest_checkpoint(
             args.checkpoint_dir, args.export,
             lambda state, path: write_export(state, path, TIED_PARAMETERS, lambda: meta_model(model_module, MODEL_KWARGS)))
-        print(f"exported {{folder}} to {{args.export}}")
+        print(f"exported {folder} to {args.export}")
         return []
     return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256,
                  after_steps=after_steps)

@@ -166,7 +166,6 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
 def compare_with_reference(losses: list[float], parameters: dict[str, Any], reference: Any) -> str:
     """"" when the run's losses and final parameters are the one-process run's, else one line
     naming the first difference."""
-    import torch
 
     if len(losses) != len(reference.losses):
         return f"the run logged {len(losses)} losses for {len(reference.losses)} steps"

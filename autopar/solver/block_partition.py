@@ -151,7 +151,7 @@ class BlockPartitioner:
         """Spread each device's blocks over its chunks (evenly, first chunks get the remainder;
         an empty first/last stage gets none), then lay the stages out in order. Within a device,
         option 0's blocks come first, then option 1's, ..."""
-        P, p, v = problem.num_stages, problem.devices, problem.chunks
+        P, p = problem.num_stages, problem.devices
         counts = [0] * P
         for d in range(p):
             chunks = [j for j in range(d, P, p) if not (j == 0 and empty_first) and not (j == P - 1 and empty_last)]

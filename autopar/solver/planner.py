@@ -523,7 +523,7 @@ class Planner:
         if not extra:
             reason = (f"no data-parallel degree an expert-parallel degree divides divides the global batch {batch}"
                       if batch % world else
-                      f"the pins exclude it" if self._pin_overrides() else "no degree divides both dp and the experts")
+                      "the pins exclude it" if self._pin_overrides() else "no degree divides both dp and the experts")
             return Binding("expert parallelism: no plan can use it (the generated code carves it from the "
                            "data-parallel ranks and runs it with ZeRO-2/3, cp=1, no sequence parallelism and no "
                            f"hybrid sharding): {reason}",

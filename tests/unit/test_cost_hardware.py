@@ -147,7 +147,7 @@ def test_a100_efficiencies_carry_the_fitted_compute_scale():
     """The A100's catalogue efficiencies are a lone kernel's divided by the scale fitted to
     published runs (hand count: matmul 0.87 / 1.19 = 0.731, attention 0.52 / 1.19 = 0.437);
     views stay free and GPUs without a fit keep the defaults."""
-    from cost_models.hardware import COMPUTE_TIME_SCALE, DEFAULT_EFFICIENCY
+    from cost_models.hardware import DEFAULT_EFFICIENCY
 
     for name in ("A100-40GB", "A100-80GB"):
         gpu = get_gpu(name)

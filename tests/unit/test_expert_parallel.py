@@ -498,7 +498,7 @@ def test_tokens_per_expert_are_measured_from_a_router_checkpoint(tmp_path):
                 expected[f"model.layers.{layer}.mlp.experts"] = expected.get(f"model.layers.{layer}.mlp.experts", 0) + counts
     assert load == {fqn: counts.tolist() for fqn, counts in expected.items()}
     assert all(sum(counts) == 3 * 2 * 16 * 2 for counts in load.values())  # batches x samples x tokens x top-2
-    cfg = compose_config([f"model.arch=mixtral", "cluster=cpu_gloo", "cluster.gpus_per_node=4", "plan.ep=2",
+    cfg = compose_config(["model.arch=mixtral", "cluster=cpu_gloo", "cluster.gpus_per_node=4", "plan.ep=2",
                           "plan.dp=4", "plan.zero_stage=3", "train.precision=fp32", "train.global_batch_size=8",
                           f"train.router_checkpoint={checkpoint}", "train.router_batches=3",
                           "train.micro_batch_size=2"])

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 

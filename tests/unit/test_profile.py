@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.errors import TraceError
 from autopar.model_file import build_fake, call_model, compute_loss, load_model_file
 from autopar.profile import ModelProfile, profile_model
 from autopar.trace.ops import EXTRA_FLOP_FORMULAS, OpClass

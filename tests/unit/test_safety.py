@@ -357,7 +357,7 @@ def example_batch(batch_size):
           "model.py:", unwritten=(tmp_path / "p.json",))
 
 
-def test_a_touched_8_gib_buffer_is_refused_too(tmp_path, capsys, capped_memory):
+def test_a_touched_8_gib_buffer_is_refused_too(tmp_path, capsys, capped_memory):  # noqa: F811 - the fixture
     """bytearray fills its memory, so it is tested only under the 6 GiB safety cap of the test."""
     model = write_model_file(tmp_path, """
 import torch

@@ -302,19 +302,50 @@ def causal_mask_attention(captured: CapturedStep, batch: Any) -> set[str]:
     with no padding mask, Hugging Face's SDPA path passes ``is_causal`` instead, and the kernel
     skips the key blocks past each query block (`cost_models.compute` prices that)."""
     fed = cp_fed_inputs(captured, batch) if batch is not None else {}
-    verdicts: dict[torch.fx.Node, bool] = {}
+    verdicts: dict[Any, bool] = {}  # by what computes the mask: each block's copy is judged once
+    spelled: dict[torch.fx.Node, Any] = {}
     found = set()
     for node in captured.graph_module.graph.nodes:
         mask_node = _mask_argument(node)
         if mask_node is None:
             continue
-        if mask_node not in verdicts:
+        key = _computation(mask_node, spelled)
+        if key not in verdicts:
             value = constant_value(mask_node, fed, _MOST_PRICED_MASK_ELEMENTS)
-            verdicts[mask_node] = value is not None and value.dim() >= 2 and value.shape[-1] == value.shape[-2] \
+            verdicts[key] = value is not None and value.dim() >= 2 and value.shape[-1] == value.shape[-2] \
                 and _is_causal(value)
-        if verdicts[mask_node]:
+        if verdicts[key]:
             found.add(node.name)
     return found
+
+
+def _computation(node: torch.fx.Node, spelled: dict[torch.fx.Node, Any]) -> Any:
+    """A hashable spelling of what computes ``node``: its op and arguments, its inputs spelled the
+    same way down to the graph's inputs (by name) and parameters; equal spellings, equal values."""
+    if node in spelled:
+        return spelled[node]
+    stack = [node]
+    while stack:  # inputs first, without recursion (a mask's computation can be deep)
+        current = stack[-1]
+        pending = [n for n in current.all_input_nodes if n not in spelled]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        if current.op != "call_function":
+            spelled[current] = (current.op, current.name)
+            continue
+
+        def spell(value: Any) -> Any:
+            if isinstance(value, torch.fx.Node):
+                return spelled[value]
+            if isinstance(value, (list, tuple)):
+                return tuple(spell(item) for item in value)
+            return repr(value)
+
+        spelled[current] = (str(current.target), spell(current.args),
+                            tuple(sorted((k, spell(v)) for k, v in current.kwargs.items())))
+    return spelled[node]
 
 
 def _mask_argument(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -17,15 +17,36 @@ Tolerances (fp32 throughout):
   the tests use eps = 1e-6 (instead of 1e-8, which would make those steps ~lr/10 and
   different for *any* change of reduction order, including a different GPU) so the amplified
   noise stays below 1e-5 in absolute terms. Every other parameter is held to rtol 1e-4.
+
+The collectives a generated step issues are the ones its plan was priced with (here, beside the
+runs it reads, so that one process computes them; tests/dist/test_collective_counts.py holds the
+tensor-parallel counts per micro-batch). Every plan, per step
+(`test_step_issues_the_priced_collectives`): for each plan of the equivalence suite
+(tests/dist/equivalence.py, both models), the run the equivalence test compares with one
+process also profiles its second step's `train_step` on every rank (the
+torch profiler, CPU events). The c10d op of every collective call is counted (`C10D`: the
+transport's one event per call, whoever issued it: FSDP, DTensor's functional collectives,
+torch.distributed calls), on the ranks of the pipeline group through rank 0 (one rank per
+stage, coordinate 0 on every other axis), summed, by kind. That equals
+`PlanPricer.issued_collectives` of the plan: tensor-, expert-, data-, pipeline- and
+context-parallel groups' calls in one step. Why the second step: the first one's set-up (FSDP's
+lazy initialisation, the pipeline's shape inference) is not a steady step; profiling only
+`train_step` leaves out, in one named place, what a step does besides training and what no
+price covers: the logged loss's all-reduce and the peak memory's (`timed_step`'s measurement).
+A send and its receive are one `send_recv`; the receives are checked to match the sends. A c10d
+op that no kind names fails the test (an unpriced collective cannot slip through).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 
 from autopar.runtime import run_reference
-from tests.dist.equivalence import CASES, DEFAULT_IDS, IDS, OPTIMIZER, STEPS, Case
+from cost_models.mesh import Mesh
+from tests.dist.equivalence import CASES, DEFAULT_IDS, IDS, OPTIMIZER, STEPS, Case, Outcome
 from tests.dist.plans import GLOBAL_BATCH, MODELS
 from tests.tiers import tiered
 
@@ -80,3 +101,33 @@ def test_planned_tp_splits_shard_the_blocks(model):
     assert sorted(set(block_styles(Case("tp2", dict(tp=2))))) == ["colwise", "rowwise"]
     slow = set(block_styles(Case("tp2_sp_mixed_split", dict(tp=2, sp=True, mixed_tp=True))))
     assert slow == ({"colwise", "rowwise", "replicate"} if model == "gpt" else {"replicate"})
+
+
+# The c10d op of each collective call -> the kind the pricer names. A send and its receive make
+# one exchange (`send_recv`), counted by its send; "recv" is checked against it.
+C10D = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather",
+        "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
+        "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
+        "c10d::send": "send_recv", "c10d::recv_": "recv"}
+
+
+def issued_by_kind(outcome: Outcome) -> dict[str, int]:
+    """Calls in the counted step on the pipeline group through rank 0, by kind (c10d ops that no
+    kind names keep their event name, so they show up as unpriced)."""
+    counts: Counter = Counter()
+    for rank in Mesh.of(outcome.plan.layout()).group_ranks("pp"):
+        for event, calls in outcome.issued[rank].items():
+            if event.startswith("c10d::"):
+                counts[C10D.get(event, event)] += calls
+    return dict(counts)
+
+
+@pytest.mark.parametrize("case_id", tiered(IDS, DEFAULT_IDS))
+def test_step_issues_the_priced_collectives(case_id, outcomes):
+    """One step's collectives, by kind, equal those priced for the plan (the module docstring says how)."""
+    outcome = outcomes[case_id]
+    assert outcome.error is None, outcome.error
+    issued = issued_by_kind(outcome)
+    assert issued.pop("recv", 0) == issued.get("send_recv", 0), f"{case_id}: a send without its receive: {issued}"
+    priced = outcome.planner.pricer.issued_collectives(outcome.plan.layout())
+    assert issued == priced, f"{case_id}: issued {issued}, priced {priced} ({outcome.plan.summary()})"

@@ -15,7 +15,6 @@ move them past the tolerance (checked against a reference run that decays everyt
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

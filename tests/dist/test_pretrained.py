@@ -34,13 +34,13 @@ from autopar.model_file import call_model, compute_loss, load_model_file
 from autopar.runtime import read_records, run_local
 from autopar.runtime.generated import import_generated
 from tests.dist.equivalence import OPTIMIZER as TESTED
+from tests.dist.harness import run_ranks
+from tests.dist.plans import GLOBAL_BATCH, LLAMA, REPO, TinyModel, make_plan
+from tests.tiers import EXTENDED
 
 # The reference below is transformers' model under torch's plain AdamW: a constant rate, every
 # parameter decayed, no clipping, so the module is compiled with those settings.
 OPTIMIZER = {**TESTED, "schedule": "constant", "warmup_steps": 0, "max_grad_norm": 0.0, "decay_all": True}
-from tests.dist.harness import run_ranks
-from tests.dist.plans import GLOBAL_BATCH, LLAMA, REPO, TinyModel, make_plan
-from tests.tiers import EXTENDED
 
 STEPS = 2
 PRETRAINED_SEED = 123

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 
 from autopar.cli import main
 from tests.tiers import EXTENDED

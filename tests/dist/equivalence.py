@@ -23,6 +23,7 @@ from autopar.plan import Plan
 from autopar.runtime import read_records
 from autopar.runtime.generated import import_generated
 from autopar.solver.planner import Planner
+from cost_models.mesh import Mesh
 from tests.dist.harness import RankFailure, run_ranks
 from tests.dist.plans import MODELS, TinyModel, boundary_stages, make_planner
 
@@ -230,3 +231,22 @@ def _run_world(world_size: int, jobs: list[tuple[str, str, str, str]], results: 
         outcome.losses = [r["loss"] for r in read_records(log_file)]
         outcome.parameters = torch.load(final)
         outcome.issued = [by_case[case_id] for by_case in issued]
+
+
+# The c10d op of each collective call -> the kind the pricer names. A send and its receive make
+# one exchange (`send_recv`), counted by its send; "recv" is checked against it.
+C10D = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather",
+        "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
+        "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
+        "c10d::send": "send_recv", "c10d::recv_": "recv"}
+
+
+def issued_by_kind(outcome: Outcome) -> dict[str, int]:
+    """Calls in the counted step on the pipeline group through rank 0, by kind (c10d ops that no
+    kind names keep their event name, so they show up as unpriced)."""
+    counts: Counter = Counter()
+    for rank in Mesh.of(outcome.plan.layout()).group_ranks("pp"):
+        for event, calls in outcome.issued[rank].items():
+            if event.startswith("c10d::"):
+                counts[C10D.get(event, event)] += calls
+    return dict(counts)

@@ -39,14 +39,11 @@ op that no kind names fails the test (an unpriced collective cannot slip through
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
 from autopar.runtime import run_reference
-from cost_models.mesh import Mesh
-from tests.dist.equivalence import CASES, DEFAULT_IDS, IDS, OPTIMIZER, STEPS, Case, Outcome
+from tests.dist.equivalence import CASES, DEFAULT_IDS, IDS, OPTIMIZER, STEPS, Case, issued_by_kind
 from tests.dist.plans import GLOBAL_BATCH, MODELS
 from tests.tiers import tiered
 
@@ -101,25 +98,6 @@ def test_planned_tp_splits_shard_the_blocks(model):
     assert sorted(set(block_styles(Case("tp2", dict(tp=2))))) == ["colwise", "rowwise"]
     slow = set(block_styles(Case("tp2_sp_mixed_split", dict(tp=2, sp=True, mixed_tp=True))))
     assert slow == ({"colwise", "rowwise", "replicate"} if model == "gpt" else {"replicate"})
-
-
-# The c10d op of each collective call -> the kind the pricer names. A send and its receive make
-# one exchange (`send_recv`), counted by its send; "recv" is checked against it.
-C10D = {"c10d::allreduce_": "all_reduce", "c10d::_allgather_base_": "all_gather",
-        "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::_reduce_scatter_base_": "reduce_scatter",
-        "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter", "c10d::alltoall_base_": "all_to_all",
-        "c10d::send": "send_recv", "c10d::recv_": "recv"}
-
-
-def issued_by_kind(outcome: Outcome) -> dict[str, int]:
-    """Calls in the counted step on the pipeline group through rank 0, by kind (c10d ops that no
-    kind names keep their event name, so they show up as unpriced)."""
-    counts: Counter = Counter()
-    for rank in Mesh.of(outcome.plan.layout()).group_ranks("pp"):
-        for event, calls in outcome.issued[rank].items():
-            if event.startswith("c10d::"):
-                counts[C10D.get(event, event)] += calls
-    return dict(counts)
 
 
 @pytest.mark.parametrize("case_id", tiered(IDS, DEFAULT_IDS))

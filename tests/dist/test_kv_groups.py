@@ -85,7 +85,7 @@ def test_key_value_groups_train_like_one_process(case, runs):
 def test_step_issues_the_priced_collectives(case, runs):
     """One step's collectives, by kind, equal the pricer's, the key/value gradients' once-per-step
     all-reduces among them (2 per block: k_proj's and v_proj's weights)."""
-    from tests.dist.test_collective_counts import issued_by_kind
+    from tests.dist.equivalence import issued_by_kind
 
     run = runs[case]
     issued = issued_by_kind(Outcome(plan=run["plan"], issued=run["issued"]))

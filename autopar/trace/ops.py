@@ -142,12 +142,17 @@ def flop_count(target: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
     return int(formula(*args, **kwargs, out_val=out))
 
 
+def schema_argument(target: Any, args: Any, kwargs: Any, names: tuple[str, ...]) -> tuple[bool, Any]:
+    """(whether the op's schema has an argument named one of ``names``, that argument's value in
+    this call: by position, by keyword, or the schema's default)."""
+    for index, argument in enumerate(getattr(getattr(target, "_schema", None), "arguments", ())):
+        if argument.name in names:
+            return True, kwargs.get(argument.name, args[index] if index < len(args) else argument.default_value)
+    return False, None
+
+
 def attention_is_causal(target: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether an attention op runs with ``is_causal`` set (its schema's argument of that name,
-    forward or backward): a fused kernel then skips the key blocks past each query block."""
-    schema = getattr(target, "_schema", None)
-    for index, argument in enumerate(getattr(schema, "arguments", ())):
-        if argument.name == "is_causal":
-            value = kwargs.get("is_causal", args[index] if index < len(args) else argument.default_value)
-            return bool(value)
-    return False
+    """Whether an attention op runs with ``is_causal`` set (forward or backward): a fused kernel
+    then skips the key blocks past each query block."""
+    found, value = schema_argument(target, args, kwargs, ("is_causal",))
+    return found and bool(value)

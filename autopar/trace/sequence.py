@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
 from autopar.trace.capture import CapturedStep
-from autopar.trace.ops import op_name
+from autopar.trace.ops import op_name, schema_argument
 
 _SOFTMAX = {"_softmax", "softmax", "_safe_softmax", "_log_softmax", "log_softmax"}
 _CUMULATIVE = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
@@ -61,12 +61,7 @@ _RECURRENCES = {"lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer", "_cud
                 "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell",
                 "rnn_relu_cell"}
 _CUTS = {"unbind", "select", "split", "unsafe_split", "split_with_sizes", "unsafe_split_with_sizes"}
-_SDPA_MASK_ARG = {  # ATen attention ops taking a mask, and the mask's argument index
-    "_scaled_dot_product_flash_attention_for_cpu": 5,  # attn_mask: by keyword
-    "_scaled_dot_product_efficient_attention": 3,
-    "_scaled_dot_product_attention_math": 3,
-    "scaled_dot_product_attention": 3,
-}
+_MASK_ARGUMENTS = ("attn_mask", "attn_bias")  # what ATen's attention ops call the mask they take
 
 
 PADDING_MASK_ARGUMENT = "attention_mask"  # Hugging Face's; CP fills it with ones where the batch has none
@@ -139,7 +134,7 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int, fed: dict[str, 
             and _cuts_sequence(name, args, first, seq_len):
         return "the sequence cut into positions (a loop over them, or one position read for the whole sequence)"
     if first is None or not isinstance(out, torch.Tensor):
-        return _sdpa_mask_reason(name, node, args, seq_len, fed) if first is not None else None
+        return _sdpa_mask_reason(node, args, seq_len, fed) if first is not None else None
     if name in _SOFTMAX:
         dim = _dim(args, 1, first)
         if first.dim() >= 2 and first.shape[dim] == seq_len and first.shape[-2] == seq_len:
@@ -167,7 +162,7 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int, fed: dict[str, 
         weight = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         if weight is not None and weight.shape[-1] > 1:
             return "a convolution over the sequence"
-    return _sdpa_mask_reason(name, node, args, seq_len, fed)
+    return _sdpa_mask_reason(node, args, seq_len, fed)
 
 
 def _cuts_sequence(name: str, args: list[Any], first: torch.Tensor, seq_len: int) -> bool:
@@ -220,14 +215,10 @@ def _reduces_sequence(args: list[Any], first: torch.Tensor, seq_len: int) -> boo
     return any(first.shape[d] == seq_len and d != first.dim() - 1 for d in reduced)
 
 
-def _sdpa_mask_reason(name: str, node: torch.fx.Node, args: list[Any], seq_len: int,
+def _sdpa_mask_reason(node: torch.fx.Node, args: list[Any], seq_len: int,
                       fed: dict[str, torch.Tensor]) -> str | None:
-    index = _SDPA_MASK_ARG.get(name)
-    if index is None:
-        return None
-    # Positional, or by keyword (the CPU flash kernel takes attn_mask only by keyword)
-    mask_node = node.args[index] if len(node.args) > index else node.kwargs.get("attn_mask")
-    mask = _value(mask_node) if isinstance(mask_node, torch.fx.Node) else None
+    mask_node = _mask_argument(node)
+    mask = _value(mask_node) if mask_node is not None else None
     if not isinstance(mask, torch.Tensor):
         return None
     query, key = args[0], args[1]
@@ -292,7 +283,6 @@ def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None =
 # Pricing evaluates larger masks than the check above: a boolean mask of 2 x 8192 x 8192 tokens is
 # 128 MiB; beyond 256 MiB a mask is priced as computing every key (the cost without skipping).
 _MOST_PRICED_MASK_ELEMENTS = 2**28
-_MASK_ARGUMENTS = ("attn_mask", "attn_bias")
 
 
 def causal_mask_attention(captured: CapturedStep, batch: Any) -> set[str]:
@@ -349,15 +339,12 @@ def _computation(node: torch.fx.Node, spelled: dict[torch.fx.Node, Any]) -> Any:
 
 
 def _mask_argument(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The mask node an attention op is given (by its schema's argument name), None without one."""
+    """The mask node an attention op is given (its schema's attn_mask or attn_bias, by position or
+    by keyword: the CPU flash kernel takes it only by keyword), None without one."""
     if node.op != "call_function" or "scaled_dot_product" not in op_name(node.target):
         return None
-    arguments = getattr(getattr(node.target, "_schema", None), "arguments", ())
-    for index, argument in enumerate(arguments):
-        if argument.name in _MASK_ARGUMENTS:
-            mask = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            return mask if isinstance(mask, torch.fx.Node) else None
-    return None
+    _, mask = schema_argument(node.target, node.args, node.kwargs, _MASK_ARGUMENTS)
+    return mask if isinstance(mask, torch.fx.Node) else None
 
 
 def cp_fed_inputs(captured: CapturedStep, batch: Any) -> dict[str, torch.Tensor]:

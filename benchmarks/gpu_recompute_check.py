@@ -1,7 +1,8 @@
 """Selective recomputation two ways on a GPU, at torchtitan's Llama-3.1-8B shape (runs.yaml D7):
 keeping every matrix product and attention output (autopar's `selective`), and keeping every
 other matrix product only (torchtitan's op-level policy in its published runs). Step time
-(forward + backward) and peak memory of a decoder stack, with no recomputation beside them.
+(forward + backward) and peak memory of a decoder stack, with no recomputation beside them (the
+policies are benchmarks/handwritten.py's).
 
     python -m benchmarks.gpu_recompute_check > h100_recompute.jsonl
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -17,43 +17,18 @@ sys.path.insert(0, str(REPO))
 LAYERS = 3
 
 
-def _policy(every_other: bool, counts: dict):
-    """A selective policy: keep matrix products and attention; with ``every_other``, every second
-    matrix product of the layer is recomputed instead (counted separately in forward and in the
-    recomputation, so both agree on which)."""
-    import torch
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    kept = {aten.mm.default, aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if op == aten.mm.default:
-            counts[mode] += 1
-        keep = op in kept and not (every_other and op == aten.mm.default and counts[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return lambda: create_selective_checkpoint_contexts(policy)
-
-
 def measure(how: str) -> dict:
     import torch
-    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+    from torch.utils.checkpoint import set_checkpoint_early_stop
 
     from benchmarks.gpu_efficiency_check import RUNS, Timer, _model_case
+    from benchmarks.handwritten import recompute_blocks
 
     shape = next(run for run in RUNS if run.run == "D7-8B")
     module, model, batch = _model_case(shape, LAYERS, torch.device("cuda"))
     model = model.to(torch.bfloat16)
     if how != "none":
-        for layer in model.model.layers:
-            context = _policy(how == "every_other_matmul", defaultdict(int))
-
-            def forward(*args, _forward=layer.forward, _context=context, **kwargs):
-                return checkpoint(_forward, *args, use_reentrant=False, context_fn=_context, **kwargs)
-            layer.forward = forward
+        recompute_blocks(model.model.layers, "selective" if how == "keep_every_matmul" else how)
     batch = {key: value.cuda() for key, value in batch.items()}
     inputs = {key: value for key, value in batch.items() if key not in ("labels", "targets")}
 

@@ -67,27 +67,42 @@ def _block_recompute(plan: dict) -> str:
     return max(set(values), key=values.count) if values else "none"
 
 
-def _recompute(model: nn.Module, container: str, how: str) -> None:
-    """Each block under torch.utils.checkpoint: "full" keeps only its input; "selective" keeps
-    the outputs of its matrix products and attention and reruns the rest (torchtitan's op-level
-    selective checkpointing)."""
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+def selective_context(every_other_matmul: bool = False):
+    """A context_fn for torch.utils.checkpoint that keeps the outputs of matrix products and
+    attention and reruns the rest (torchtitan's op-level selective checkpointing); with
+    ``every_other_matmul``, every second matrix product is rerun too, as torchtitan's published
+    runs did (counted apart in forward and in the recomputation, so both pick the same ones)."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
     kept = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default}
+    counts: dict[str, int] = defaultdict(int)
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op == aten.mm.default:
+            counts[mode] += 1
+        keep = op in kept and not (every_other_matmul and op == aten.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def context():
-        return create_selective_checkpoint_contexts(policy)
+    return lambda: create_selective_checkpoint_contexts(policy)
 
-    for block in model.get_submodule(container):
-        def forward(*args, _forward=block.forward, **kwargs):
-            if how == "selective":
-                return checkpoint(_forward, *args, use_reentrant=False, context_fn=context, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+def recompute_blocks(blocks, how: str) -> None:
+    """Each block under torch.utils.checkpoint: "full" keeps only its input, "selective" and
+    "every_other_matmul" keep what `selective_context` keeps (one context per block)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        context = selective_context(how == "every_other_matmul") if how != "full" else None
+
+        def forward(*args, _forward=block.forward, _context=context, **kwargs):
+            if _context is None:
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=_context, **kwargs)
         block.forward = forward
 
 
@@ -116,7 +131,7 @@ def train_handwritten(folder: Path, steps: int, device: torch.device, autocast: 
     if plan["tp"] > 1:
         _tensor_parallel(model, layout, mesh["tp"])
     if recompute != "none":
-        _recompute(model, layout[0], recompute)
+        recompute_blocks(model.get_submodule(layout[0]), recompute)
     _fully_shard(model, layout[0], mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
     micro, count = plan["micro_batch_size"], plan["num_micro_batches"]

@@ -740,7 +740,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"training data: {corpus}", markup=False)
     extra += settings
     title = f"{plan.world_size} local ranks"
-    progress = None if args.echo else run_progress(args, console, title)
+    progress = None if args.echo else run_progress(args, console, title, plan.world_size)
     with progress or console.status(f"Running {title} ..."):
         result = run_local(args.out_dir, plan.world_size, args.steps, extra_args=extra, echo=args.echo,
                            max_restarts=args.max_restarts, init_from=args.init_from, export=args.export,
@@ -791,13 +791,14 @@ def metrics_arguments(args: argparse.Namespace) -> list[str]:
     return forwarded + (["--mlflow", args.mlflow] if args.mlflow is not None else [])
 
 
-def run_progress(args: argparse.Namespace, console: Console, title: str) -> Any:
+def run_progress(args: argparse.Namespace, console: Console, title: str, world: int) -> Any:
     """`autopar run`'s progress display (a bar on a terminal, timestamped lines otherwise)."""
     from autopar.runtime.local import LOG_NAME, find_script
     from autopar.runtime.progress import RunProgress, default_steps
 
     steps = args.steps if args.steps is not None else default_steps(find_script(args.out_dir))
-    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title, max_restarts=args.max_restarts)
+    return RunProgress.for_console(console, steps, args.out_dir / LOG_NAME, title, max_restarts=args.max_restarts,
+                                   world=world)
 
 
 def _validate(args: argparse.Namespace, console: Console) -> int:

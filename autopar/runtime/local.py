@@ -30,6 +30,7 @@ from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
 from autopar.codegen.sections.train import FINISHED_MARKER
 from autopar.errors import UserError
 from autopar.output_dir import open_no_follow, refuse_link
+from autopar.runtime.progress import PEER_GONE
 
 LOG_NAME = "run.jsonl"
 LOCK_NAME = ".autopar-run.lock"
@@ -251,9 +252,6 @@ def finished_everywhere(output: str, nproc: int) -> bool:
 _BLOCK = re.compile(r"^\[\d+\]:\n(.*?)(?=^\[\d+\]:\n|^-{10,}|^={10,}|\Z)", re.S | re.M)
 _RANK = re.compile(r"rank\s*:\s*(\d+)")
 _FATAL = "Fatal Python error"  # how faulthandler starts the stack of a rank killed by a signal
-# A rank that dies takes its peers' collectives down with it; their errors are consequences.
-_CONSEQUENCES = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
-                 "Signal 15 (SIGTERM)")
 
 
 def failing_rank(output: str) -> tuple[int | None, str]:
@@ -265,7 +263,7 @@ def failing_rank(output: str) -> tuple[int | None, str]:
     report = output[output.find("Failures:"):] if "Failures:" in output else output
     blocks = [block.strip() for block in _BLOCK.findall(report) if _RANK.search(block)]
     if blocks:
-        causes = [b for b in blocks if not any(symptom in b for symptom in _CONSEQUENCES)]
+        causes = [b for b in blocks if not any(symptom in b for symptom in PEER_GONE)]
         block = (causes or blocks)[0]
         if "Signal" in block and _FATAL in output:  # died in C++: add the stack its faulthandler printed
             stack = output[output.find(_FATAL):]

@@ -35,6 +35,10 @@ RESUMED_LINE = re.compile(_PREFIX + r"resumed from (.+) \((\d+) steps done\)$")
 # torchrun's agent (torch/distributed/elastic/multiprocessing/api.py), when a worker exits non-zero.
 RANK_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 FINISHED_LINE = re.compile(re.escape(FINISHED_MARKER) + r" rank (\d+) of (\d+) attempt (\d+)")
+RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
+# A rank that dies takes its peers' collectives down with it: their errors are consequences.
+PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+             "Signal 15 (SIGTERM)")
 
 
 @dataclass
@@ -120,16 +124,27 @@ class ProgressState:
 class RunEvents:
     """Turns the output lines that change a run's course into one line each for the user.
 
+    torchrun names one failed rank per failed attempt: the failure with the smallest timestamp,
+    where a rank that raised carries the second its error file was written and a rank killed
+    by a signal the second torchrun noticed it. So a rank whose collective failed because a peer
+    was killed can be named instead of that peer, or the rank torchrun then stopped (SIGTERM).
+    When the named rank's failure is such a consequence and, of the other ranks, exactly one
+    showed no consequence of its own, that one is named as the cause.
+
     Attributes:
         max_restarts: torchrun's ``--max-restarts``: the rank deaths it answers with a restart.
+        world: the run's ranks, when known (it lets the cause be named).
         failures: rank failures seen so far (one per torchrun attempt that failed).
         finished: per attempt, the ranks that said they finished; a death after all of them did
             is the teardown failure `autopar run` notes on its own (the run counts as finished).
+        peer_gone: ranks whose output since the last failure shows a peer's death.
     """
 
     max_restarts: int = 0
+    world: int | None = None
     failures: int = 0
     finished: dict[str, tuple[int, set[int]]] = field(default_factory=dict)  # attempt -> (world, ranks)
+    peer_gone: set[int] = field(default_factory=set)
 
     def event(self, line: str) -> str | None:
         """The line to show for ``line``, or None when it tells nothing of the kind."""
@@ -145,18 +160,31 @@ class RunEvents:
             self.finished.setdefault(done.group(3), (int(done.group(2)), set()))[1].add(int(done.group(1)))
             return None
         failed = RANK_FAILED_LINE.search(text)
-        if failed and not any(len(ranks) == world for world, ranks in self.finished.values()):
-            return self._rank_failed(int(failed.group(2)), int(failed.group(1)))
+        if failed:
+            rank, exitcode = int(failed.group(2)), int(failed.group(1))
+            consequences, self.peer_gone = self.peer_gone, set()
+            if any(len(ranks) == world for world, ranks in self.finished.values()):
+                return None
+            return self._rank_failed(rank, exitcode, consequences)
+        ranked = RANK_LINE.match(text)
+        if ranked and any(symptom in text for symptom in PEER_GONE):
+            self.peer_gone.add(int(ranked.group(1)))
         return None
 
-    def _rank_failed(self, rank: int, exitcode: int) -> str:
+    def _rank_failed(self, rank: int, exitcode: int, consequences: set[int]) -> str:
         self.failures += 1
         how = f"exit {exitcode}" if exitcode >= 0 else f"signal {_signal_name(-exitcode)}"
+        died = f"rank {rank} died ({how})"
+        if (rank in consequences or how == "signal SIGTERM") and self.world is not None:
+            causes = set(range(self.world)) - consequences - {rank}
+            if len(causes) == 1:
+                died = (f"rank {causes.pop()} died without an error of its own (killed by a signal: SIGKILL or "
+                        f"the out-of-memory killer); rank {rank} failed with it ({how})")
         if self.failures <= self.max_restarts:
-            return (f"rank {rank} died ({how}); torchrun restarts every rank (restart {self.failures} of "
+            return (f"{died}; torchrun restarts every rank (restart {self.failures} of "
                     f"{self.max_restarts}), resuming from the latest usable checkpoint if there is one")
         left = "no restart is left" if self.max_restarts else "no restarts allowed (--max-restarts K)"
-        return f"rank {rank} died ({how}); {left}, so the run stops"
+        return f"{died}; {left}, so the run stops"
 
 
 def _signal_name(number: int) -> str:
@@ -256,14 +284,14 @@ class RunProgress:
 
     @classmethod
     def for_console(cls, console: Console, total_steps: int | None, log: Path, title: str,
-                    max_restarts: int = 0) -> "RunProgress":
+                    max_restarts: int = 0, world: int | None = None) -> "RunProgress":
         """A bar on a terminal, timestamped lines elsewhere; run.jsonl read from its current end."""
         if console.is_terminal:
             display: PlainDisplay | BarDisplay = BarDisplay(console, title, total_steps)
         else:
             display = PlainDisplay(lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
         return cls(ProgressState(total_steps=total_steps), display, RecordTail(log),
-                   events=RunEvents(max_restarts=max_restarts))
+                   events=RunEvents(max_restarts=max_restarts, world=world))
 
     def feed_line(self, line: str) -> None:
         event = self.events.event(line)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,7 +46,10 @@ def test_run_says_a_rank_death_its_restart_a_resume_and_a_skipped_checkpoint(dp2
     monkeypatch.setattr(runtime, "run_local", failing_at_step_3)
     assert autopar_main(["run", str(folder), "--steps", "6", "--checkpoint-every", "2", "--max-restarts", "1"]) == 0
     out = capsys.readouterr().out
-    assert "rank 1 died (signal SIGKILL); torchrun restarts every rank (restart 1 of 1)" in out
+    # torchrun names rank 1 (SIGKILL) or, under load, rank 0, whose collective failed first
+    # (RunEvents then names rank 1 as the cause): either way the line blames rank 1.
+    assert re.search(r"rank 1 died (\(signal SIGKILL\)|without an error of its own .*?); torchrun restarts "
+                     r"every rank \(restart 1 of 1\)", out), out
     assert f"resumed from step 2 (checkpoint {folder / 'checkpoints' / 'step_2'})" in out
     monkeypatch.setattr(runtime, "run_local", launch)
     shard = sorted((folder / "checkpoints" / "step_6").glob("*.distcp"))[0]

@@ -110,6 +110,27 @@ def test_checkpoint_skip_rank_death_and_resume_are_one_line_each():
     assert RunEvents().event("step 3  loss 2.0000  1.0 ms  10 tokens/s  peak 1 MiB") is None
 
 
+def test_a_rank_failing_because_its_peer_was_killed_is_not_named_the_cause():
+    """torchrun names the failure with the smallest timestamp, and a rank that raised carries its
+    error file's second while a killed rank carries the second torchrun noticed it: under load it
+    names the survivor whose collective failed (or that it then stopped). The killed rank is named."""
+    events = RunEvents(max_restarts=1, world=2)
+    assert events.event("[rank0]:RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:1234") is None
+    said = events.event("E1127 failed (exitcode: -15) local_rank: 0 (pid: 7) of binary: python")
+    assert said.startswith("rank 1 died without an error of its own (killed by a signal: SIGKILL or the "
+                           "out-of-memory killer); rank 0 failed with it (signal SIGTERM); torchrun restarts")
+    # The next attempt starts clean: a rank failing of its own is named as torchrun names it.
+    assert events.event("failed (exitcode: 1) local_rank: 0 (pid: 9) of binary: python").startswith(
+        "rank 0 died (exit 1); no restart is left")
+    # Without the world size, or with two candidates, torchrun's choice is all there is.
+    unknown = RunEvents(world=None)
+    assert unknown.event("failed (exitcode: -15) local_rank: 0 (pid: 7) of binary: x").startswith("rank 0 died (signal SIGTERM)")
+    several = RunEvents(world=4)
+    assert several.event("[rank2]:Connection reset by peer") is None
+    assert several.event("failed (exitcode: -15) local_rank: 0 (pid: 7) of binary: x").startswith("rank 0 died (signal SIGTERM)")
+
+
 def test_a_death_after_every_rank_finished_is_not_called_a_stop():
     """A rank dying in the process group's teardown after all ranks said they finished is the
     run's own note ("the run counts as finished"), not a line saying the run stops."""

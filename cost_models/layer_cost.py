@@ -82,9 +82,6 @@ class TPLayerSplit:
             forward stops at the last tensor the layer's backward reads (non-reentrant
             checkpointing's early stop), so a collective after it (a block's last row-parallel
             output) is not issued again.
-        per_step_gradients: elements of each parameter whose gradient is a partial sum over the
-            TP group, all-reduced once per step (codegen's `reduce_partial_gradients`): the
-            weights of key/value projections computed by group (autopar.solver.tp_kv_groups).
     """
 
     compute: LayerCompute
@@ -101,7 +98,6 @@ class TPLayerSplit:
     forward_comm_under_sp: int | None = None
     rerun_comm: tuple[tuple[str, float], ...] | None = None
     rerun_comm_under_sp: tuple[tuple[str, float], ...] | None = None
-    per_step_gradients: tuple[int, ...] = ()
 
     def collectives(self, sequence_parallel: bool) -> tuple[tuple[tuple[str, float], ...], int]:
         """(comm, how many of it lead in forward) as the styles issue them, with or without
@@ -455,36 +451,15 @@ class LayerCost:
         expert_shard = max(1, shard // layout.ep)
         update = (dense / shard + experts / expert_shard) * OPTIMIZER_BYTES_PER_PARAM.get(self.train.optimizer, 28) \
             / bandwidth
-        partial = self._partial_gradients_s(split, layout)
         if grad_size == 1 or params == 0:
-            return self._scaled({"optimizer": update, "dp_comm": 0.0, **partial})
+            return self._scaled({"optimizer": update, "dp_comm": 0.0})
         per_token = scale / layout.cp
         backward = split.compute.backward_s * per_token + split.compute.backward_launches * gpu.launch_overhead_s
         if layout.zero_stage <= 1:
-            return self._scaled({"optimizer": update, "dp_comm": self._replica_sync_s(layer, split, layout, backward),
-                                 **partial})
+            return self._scaled({"optimizer": update, "dp_comm": self._replica_sync_s(layer, split, layout, backward)})
         if layout.pp == 1:  # ZeRO-2/3 reduce every micro-batch (_zero_micro_batch_s)
-            return self._scaled({"optimizer": update, "dp_comm": 0.0, **partial})
-        return self._scaled({"optimizer": update, "dp_comm": self._pipelined_zero_s(layer, split, layout, backward),
-                             **partial})
-
-    def _partial_gradients_s(self, split: TPLayerSplit, layout: Any) -> dict[str, float]:
-        """{"tp_comm": seconds} of the once-per-step all-reduces of the layer's partial gradients
-        over the TP group (key/value projections computed by group), or {} when it has none."""
-        if layout.tp == 1 or not split.per_step_gradients:
-            return {}
-        group = self.placement(layout, "tp")
-        return {"tp_comm": self._partial_reductions(layout) * sum(
-            self.collective_s(Collective.ALL_REDUCE, elements * self.grads_bytes, group)
-            for elements in split.per_step_gradients)}
-
-    def _partial_reductions(self, layout: Any) -> int:
-        """How often per step a partial gradient is all-reduced over the TP group: once
-        (`reduce_partial_gradients`), or every micro-batch where FSDP reduce-scatters every
-        micro-batch (ZeRO-2/3 outside a pipeline), which sums it first (the rule
-        `sp_gradient_collectives` measured for sequence-parallel norms)."""
-        return layout.num_micro_batches if layout.zero_stage >= 2 and self._grad_size(layout) > 1 \
-            and layout.pp == 1 else 1
+            return self._scaled({"optimizer": update, "dp_comm": 0.0})
+        return self._scaled({"optimizer": update, "dp_comm": self._pipelined_zero_s(layer, split, layout, backward)})
 
     def _replica_sync_s(self, layer: Any, split: TPLayerSplit, layout: Any, backward_s: float) -> float:
         """ZeRO-0/1: the gradients' all-reduce after the last micro-batch (per FSDP unit, or the
@@ -655,9 +630,6 @@ class LayerCost:
             split = self.split(layer.name, layout, reference)
             for op, _ in self.tp_issued(split, layout, self.recompute_options[option] == "full"):
                 counts[op] = counts.get(op, 0) + layout.num_micro_batches
-            if split.per_step_gradients:  # partial gradients, summed once per step (or per micro-batch)
-                counts[Collective.ALL_REDUCE.value] = counts.get(Collective.ALL_REDUCE.value, 0) + \
-                    len(split.per_step_gradients) * self._partial_reductions(layout)
         return counts
 
     def ep_collectives(self, layout: ParallelLayout) -> dict[str, int]:

@@ -20,8 +20,8 @@ follows from those choices and the model's structure:
   linear for q, k and v) is split as its parts (``FusedColwise``, its region under ``CutsFused``):
   each rank holds its share of every part.
 - A key/value projection of grouped-query attention with fewer heads than ranks (``kv_group``)
-  computes its group's head inside its paired region (``KVGroupColwise``, whole weight,
-  partial gradient: autopar.solver.tp_kv_groups); it never runs outside one.
+  computes its group's head inside its paired region (``KVGroupColwise``: the weight held split
+  by rows, gathered each forward: autopar.solver.tp_kv_groups); it never runs outside one.
 - Parameters tied across modules (a GPT head and its token embedding) must be sharded alike:
   the embedding takes the layout the head's style gives the shared weight.
 """

@@ -29,8 +29,8 @@ offered, so every solution can be generated as code: S→R all-gather (a colwise
 replicated output), P→R all-reduce (rowwise). Strategies per op: a parameterised GEMM may replicate (R→R, full cost), go column-parallel
 (R→S, cost/t, backward all-reduce of its input's gradient) or row-parallel (S→P, cost/t); a
 key/value projection of grouped-query attention with kv < t heads may instead compute its
-group's head (R→S, cost/kv, the input's all-reduce shared, plus one all-reduce of its weight's
-gradient: autopar.solver.tp_kv_groups), and a column split, which would cut a head, is not offered; an
+group's head (R→S, cost/kv, the input's all-reduce shared, plus its weight's all-gather in
+forward and its gradient's reduce-scatter in backward: autopar.solver.tp_kv_groups), and a column split, which would cut a head, is not offered; an
 embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); attention, views,
 elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
 feature dim) need R; ops no split strategy covers (sorting, scans, FFTs along a dimension,
@@ -83,7 +83,7 @@ class Strategy:
     compute_divisor: bool  # compute divided by t
     style: Style | None = None  # meaning for a parameterised module
     splits_input: bool = False  # column-parallel: backward all-reduce of the input gradient
-    extra_comm: str | None = None  # "loss_parallel": three all-reduces of b·s floats; "kv_group": its weight's gradient
+    extra_comm: str | None = None  # "loss_parallel": three all-reduces of b·s floats; "kv_group": its weight's gather
 
 
 @dataclass
@@ -175,7 +175,7 @@ class IntraOpSolver:
                  kv_group_modules: dict[str, tuple[int, float]] | None = None):
         self.profile = profile
         # Key/value projections with fewer heads than ranks -> (key/value heads, bytes of their
-        # gradients): offered kv_group instead of a column split (autopar.solver.tp_kv_groups).
+        # weights): offered kv_group instead of a column split (autopar.solver.tp_kv_groups).
         self.kv_group_modules = kv_group_modules or {}
         # Modules whose split the model's code cannot run (autopar.solver.tp_legality): only
         # their replicated strategy is offered, so no illegal split is ever priced.
@@ -207,8 +207,9 @@ class IntraOpSolver:
                 if strategy.extra_comm == "loss_parallel":
                     seconds += 3 * self.costs.all_reduce_s(self._loss_parallel_bytes(op))
                 if strategy.extra_comm == "kv_group":
-                    groups, gradient_bytes = self.kv_group_modules[op.module]
-                    seconds = base / groups + self.costs.all_reduce_s(gradient_bytes)
+                    groups, weight_bytes = self.kv_group_modules[op.module]
+                    seconds = base / groups + self.costs.all_gather_s(weight_bytes) + \
+                        self.costs.reduce_scatter_s(weight_bytes)
                 compute_terms[(op.name, index)] = seconds
                 objective.append((_units(seconds), choice[(op.name, index)]))
         edges = self._edges(ops, by_name)
@@ -411,7 +412,9 @@ class IntraOpSolver:
                 # Priced with the op's compute (its strategy's cost); listed so it is counted.
                 events += [("loss-parallel all-reduce", op.name, self._loss_parallel_bytes(op))] * 3
             elif extra == "kv_group":
-                events.append(("kv-group gradient all-reduce", op.name, self.kv_group_modules[op.module][1]))
+                weight_bytes = self.kv_group_modules[op.module][1]
+                events += [("kv-group weight all-gather", op.name, weight_bytes),
+                           ("kv-group gradient reduce-scatter", op.name, weight_bytes)]
         return IntraOpSolution(layer=layer, tp=self.tp, op_strategy=op_strategy, module_style=module_style,
                                compute_s=compute, comm_s=comm, comm_events=events,
                                status=solver.status_name(status))

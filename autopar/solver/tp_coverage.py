@@ -28,12 +28,12 @@ if TYPE_CHECKING:
     from autopar.profile import ModelProfile
     from autopar.solver.tp_legality import IllegalSplit
 
-SPLIT = ("colwise", "rowwise")
+# A key/value projection computed by group holds its weight split by rows like a column-parallel
+# one (autopar.solver.tp_kv_groups); its work divides by the key/value heads, not by tp.
+SPLIT = ("colwise", "rowwise", "kv_group")
 MIN_PINNED_SHARE = 0.5  # a pinned tp under which less of the linear parameters can split is refused
 FASTER_WHOLE = "the search found it faster whole on this cluster: its split communicates more than it saves"
 NO_EXPERT_TP = "experts are split by tensor parallelism only under expert TP (plan.expert_tp)"
-KV_GROUP = ("fewer key/value heads than ranks: each rank computes its group's head, the weight whole on every rank "
-            "(autopar.solver.tp_kv_groups)")
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
                 # them is no refusal).
                 refused = module in illegal and not experts
                 replicated[module] = illegal[module].reason if refused else NO_EXPERT_TP if experts \
-                    else KV_GROUP if style == "kv_group" else FASTER_WHOLE
+                    else FASTER_WHOLE
                 refused_params += count * sum(params.values()) if refused else 0
         sharded = (sharded_ops or {}).get(kind)
         split_experts = [m for m in modules if expert_tp and m.rpartition(".")[2] == "experts"]

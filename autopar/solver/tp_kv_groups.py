@@ -7,15 +7,23 @@ head ``g``. This module finds the projections that need it (``kv_group`` style) 
 cost; the generated code runs them with ``KVGroupColwise`` (autopar/codegen/sections/
 tensor_parallel.py).
 
-Design (Megatron's way, on local tensors). Each rank holds the whole key/value weight (a
-replicated DTensor, so checkpoints, clipping and the optimizer see one tensor of the model's
-shape), computes only its group's rows, and hands the attention one local key/value head beside
-its ``heads / tp`` query heads: attention that broadcasts key/value heads over query heads
-(SDPA's ``enable_gqa``, Hugging Face's SDPA path without a padding mask) runs unchanged. The
-weight's gradient is declared partial (each rank adds only its query heads' share of its group's
-rows) and summed over the TP group once per step with the other partial gradients
-(``reduce_partial_gradients``); the input's gradient is partial like a column-parallel linear's,
+Design (Megatron's computation on local tensors, the weight stored split as ZeRO-3 would). Each
+rank holds 1/tp of the key/value weight's rows (a ``Shard(0)`` DTensor, as a column-parallel
+weight: checkpoints, clipping and the optimizer see one tensor of the model's shape),
+all-gathers it in forward, computes only its group's rows, and hands the attention one local
+key/value head beside its ``heads / tp`` query heads: attention that broadcasts key/value heads
+over query heads (SDPA's ``enable_gqa``, Hugging Face's SDPA path without a padding mask) runs
+unchanged. The backward of the gather reduce-scatters the weight's gradient, which sums the
+shares of the ranks of a group (each adds only its query heads' part of its group's rows) and
+leaves each rank its own rows; the input's gradient is partial like a column-parallel linear's,
 summed by the region's one backward all-reduce.
+
+Before, the weight stayed whole on every rank and its partial gradient was all-reduced once per
+step: one collective a step instead of two a micro-batch, but the weight, its gradient and its
+optimizer states tp times over; on the zoo's GQA models (2 key/value heads of 4) that left 11%
+of the blocks' parameters whole at tp=4, and Llama-3-70B's 8 key/value heads at tp=16 would
+hold each key/value weight 16 times. The gather moves the weight once per micro-batch (twice
+under full recomputation), small beside the layer's activations' collectives.
 
 Rejected: keeping k/v whole as replicated DTensors in a DTensor region (``GlobalShapes``), so
 that SDPA slices them to the query heads' shards locally. Measured on torch 2.13 CPU with a
@@ -29,14 +37,13 @@ its SDPA path with a mask) cannot run either way without changing the module's a
 
 Price (autopar.solver.intra_op's ``kv_group`` strategy, autopar.solver.tp_split): the
 projection's forward and backward work divides by the number of key/value heads, not by tp; its
-weight, gradient and optimizer states stay whole on every rank (not counted as split); its saved
-output is priced whole (an over-count: a rank keeps one head), while the elementwise ops on
-the key/value head after it (rotary embedding) are priced as split by tp (an under-count by
-tp / kv of ops that small); one all-reduce over the TP group
-of each of its parameters' gradients per step (``TPLayerSplit.per_step_gradients``), every
-micro-batch where FSDP reduce-scatters every micro-batch (ZeRO-2/3 without a pipeline), as
-measured (tests/dist/test_kv_groups.py). The ILP weighs that all-reduce once per micro-batch when
-it chooses between kv_group and replicating the projection.
+weight, gradient and optimizer states divide by tp (counted as split); its saved output is
+priced whole (an over-count: a rank keeps one head), while the elementwise ops on the key/value
+head after it (rotary embedding) are priced as split by tp (an under-count by tp / kv of ops
+that small); each micro-batch one all-gather of its weight in forward (again under full
+recomputation) and one reduce-scatter of its gradient in backward over the TP group, as
+measured (tests/dist/test_kv_groups.py). The ILP weighs both when it chooses between kv_group
+and replicating the projection. The gathered weight is transient and not priced.
 
 Where it applies: ``ModelShape.kv_grouped`` (tp > kv heads, tp a multiple of them, query heads
 divisible by tp), with the heads read from the traced SDPA op; attention written as matmuls
@@ -120,7 +127,7 @@ def _key_value_producers(profile: "ModelProfile") -> set[str]:
 
 
 def weight_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4) -> float:
-    """Bytes of a ``kv_group`` module's gradients (weight and bias) its per-step all-reduce moves
-    (fp32 gradients by default: the optimizer's master copy)."""
+    """Bytes of a ``kv_group`` module's parameters (weight and bias), which its forward gathers
+    and its backward reduce-scatters (fp32 by default: the optimizer's master copy)."""
     return float(bytes_per_element * sum(math.prod(shape) for name, shape in profile.param_shapes.items()
                                          if name.rpartition(".")[0] == module))

@@ -30,7 +30,8 @@ _SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel"}  # saved 
 _PARTIAL_OUTPUT = {"rowwise", "vocab_parallel"}  # partial sums, reduced afterwards
 _COLLECTIVE_OF_EVENT = {"P->R": Collective.ALL_REDUCE, "S->R": Collective.ALL_GATHER,
                         "backward all-reduce": Collective.ALL_REDUCE,
-                        "kv-group gradient all-reduce": Collective.ALL_REDUCE,
+                        "kv-group weight all-gather": Collective.ALL_GATHER,
+                        "kv-group gradient reduce-scatter": Collective.REDUCE_SCATTER,
                         "loss-parallel all-reduce": Collective.ALL_REDUCE}
 
 
@@ -90,7 +91,7 @@ class ILPSplitter:
 
     def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[int, float]]:
         """The layer's key/value projections offered the kv_group style at ``tp`` -> (key/value
-        heads, bytes of their gradients' per-step all-reduce)."""
+        heads, bytes of their weights: gathered each forward, their gradients reduce-scattered)."""
         if tp not in self.kv_groups:
             self.kv_groups[tp] = kv_groups(self.profile, tp)
         groups = self.kv_groups[tp]
@@ -189,10 +190,8 @@ class ILPSplitter:
                                  row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
                                  tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
         params = layer.param_count
-        # (A kv_group module's weight stays whole on every rank: not split.)
         split_params = sum(_split_params(self.profile, module, style.value)
-                           for module, style in solution.module_style.items()
-                           if style.value not in ("replicate", "kv_group"))
+                           for module, style in solution.module_style.items() if style.value != "replicate")
         tied_params, tied_comm = self._tied_splits(layer, ops, solution.module_style, tp, group, gpu)
         split_params += tied_params
         styles = {module: style.value for module, style in solution.module_style.items()}
@@ -208,8 +207,6 @@ class ILPSplitter:
             comm=issued.without_sp, forward_comm=issued.forward_without_sp,
             comm_under_sp=issued.under_sp, forward_comm_under_sp=issued.forward_under_sp,
             rerun_comm=issued.rerun_without_sp, rerun_comm_under_sp=issued.rerun_under_sp,
-            per_step_gradients=tuple(math.prod(shape) for name, shape in sorted(self.profile.param_shapes.items())
-                                     if name.rpartition(".")[0] in by_groups),
             tp_sharded_activation_fraction=acts.saved_sharded_bytes / acts.saved_bytes if acts.saved_bytes else 0.0,
             tp_sharded_param_fraction=min(1.0, split_params / params) if params else 0.0,
             styles=styles, activations=acts, sp=sp)
@@ -320,8 +317,12 @@ def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, 
         item = (collective.value, float(nbytes))
         op = by_name.get(source)
         again = source in recomputed or source not in by_name  # another layer's output: read first
-        if kind == "kv-group gradient all-reduce":
-            continue  # summed once per step (reduce_partial_gradients): TPLayerSplit.per_step_gradients
+        if kind.startswith("kv-group"):  # the weight's gather (again when recomputed) and its gradient's reduction
+            (forward if kind.endswith("all-gather") else backward).append(item)
+            (forward_sp if kind.endswith("all-gather") else backward_sp).append(item)
+            rerun += [item] if again and kind.endswith("all-gather") else []
+            rerun_sp += [item] if again and kind.endswith("all-gather") else []
+            continue
         if kind == "backward all-reduce":
             readers = [o for o in _readers_through_views(source, by_name)
                        if strategy.get(o.name) in ("colwise", "kv_group")]

@@ -4,12 +4,14 @@ process (autopar.solver.tp_kv_groups).
 A Hugging Face Llama (hidden 64, 4 query heads) with 1 key/value head at tp=2 (with and without
 sequence parallelism, 2 gloo ranks) and with 2 key/value heads at tp=4 (4 gloo ranks): the plan
 splits q_proj column-wise and o_proj row-wise, computes k_proj and v_proj by key/value group
-(``kv_group``: each rank its group's head, the weight whole), sets the attention's repeat count to
+(``kv_group``: each rank its group's head, the weight split by rows and gathered each forward),
+sets the attention's repeat count to
 the query heads per rank, and after 3 steps the losses and every parameter match the
 single-process run (tolerances as tests/dist/test_equivalence.py); so does the 1-head Llama at
-dp=2 x tp=2 under ZeRO-3 (FSDP beside the partial key/value gradients). The step issues what the
-pricer counts: per block one all-reduce per row-parallel linear in forward, the regions' input
-gradients' all-reduces in backward, and one all-reduce per key/value weight gradient.
+dp=2 x tp=2 under ZeRO-3 (FSDP sharding the row-split key/value weights further). The step
+issues what the pricer counts: per block one all-reduce per row-parallel linear in forward, the
+regions' input gradients' all-reduces in backward, and per key/value weight one all-gather in
+forward and one reduce-scatter of its gradient in backward, every micro-batch.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Grouped-query attention with more TP ranks than key/value heads (autopar.solver.tp_kv_groups):
 the analysis finds the key/value projections from the traced shapes, the ILP computes them by
 group (``kv_group``), the probe finds the attention's repeat count, and the price counts the
-replicated key/value work, memory and the gradients' once-per-step all-reduces."""
+key/value work repeated within a group, the weights split by tp, and each micro-batch's gather
+of the weights and reduce-scatter of their gradients."""
 from __future__ import annotations
 
 import pytest
@@ -49,17 +50,23 @@ def test_tp4_splits_attention_with_key_value_heads_by_group(llama):
     assert styles == {"q_proj": "colwise", "k_proj": "kv_group", "v_proj": "kv_group", "o_proj": "rowwise",
                       "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
     # Megatron's four all-reduces per micro-batch (two forward, two of the inputs' gradients),
-    # and once per step one all-reduce of each key/value weight's gradient.
+    # and per micro-batch each key/value weight gathered in forward, its gradient reduce-scattered.
     comm, forward = split.collectives(sequence_parallel=False)
-    assert [kind for kind, _ in comm] == ["all_reduce"] * 4 and forward == 2
-    assert split.per_step_gradients == (KV_HEADS * HEAD_DIM * HIDDEN,) * 2
+    kv_bytes = 4.0 * KV_HEADS * HEAD_DIM * HIDDEN
+    assert sorted(kind for kind, _ in comm[:forward]) == ["all_gather"] * 2 + ["all_reduce"] * 2
+    assert sorted(kind for kind, _ in comm[forward:]) == ["all_reduce"] * 2 + ["reduce_scatter"] * 2
+    assert sorted(nbytes for kind, nbytes in comm if kind in ("all_gather", "reduce_scatter")) == [kv_bytes] * 4
+    # A fully recomputed block gathers the key/value weights again (they precede attention).
+    assert sorted(kind for kind, _ in split.rerun_comm if kind == "all_gather") == ["all_gather"] * 2
 
 
-def test_key_value_weights_stay_whole_in_the_price(llama):
+def test_key_value_weights_are_split_by_tp_in_the_price(llama):
+    """The key/value weights are held split by rows (each rank 1/tp, gathered per forward), so
+    only the two RMSNorms stay whole."""
     block = _block(llama)
     split = tp_split(llama, block, 4)
     params = llama.layer(block).param_count
-    whole = 2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM * HIDDEN  # two RMSNorms, k_proj and v_proj
+    whole = 2 * HIDDEN  # two RMSNorms
     assert params == 2 * HIDDEN * HIDDEN + 2 * KV_HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN
     assert split.tp_sharded_param_fraction == pytest.approx((params - whole) / params)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -81,14 +81,15 @@ class GlobalShapes(RegionStyle):
 class KVGroupColwise(ParallelStyle):
     """A key/value projection of grouped-query attention with fewer heads (``groups``) than
     tensor-parallel ranks: rank r computes head ``r // (tp / groups)``, the one its query heads
-    read (Megatron-LM's layout; autopar/solver/tp_kv_groups.py says why not DTensors).
+    read (Megatron-LM's layout on local tensors; autopar/solver/tp_kv_groups.py says why).
 
-    The weight stays whole on every rank as a replicated DTensor (checkpoints and the optimizer
-    see the model's tensor); its gradient is declared partial, each rank holding its query heads'
-    share of its group's rows, and is summed once per step with the other partial gradients
-    (``reduce_partial_gradients``). The input's gradient is partial too, as a column-parallel
-    linear's: a replicated DTensor input sums it with the region's other projections' in one
-    all-reduce, and a plain input is all-reduced here.
+    The weight is held split by rows over the TP group like a column-parallel weight (a
+    ``Shard(0)`` DTensor: checkpoints and the optimizer see the model's tensor, each rank 1/tp of
+    it). Each forward all-gathers it and keeps its group's rows; autograd's backward of that
+    gather reduce-scatters the gradient, summing the shares the ranks of a group computed for
+    their query heads. The input's gradient is partial, as a column-parallel linear's: a
+    replicated DTensor input sums it with the region's other projections' in one all-reduce, and
+    a plain input is all-reduced here.
     """
 
     def __init__(self, groups: int) -> None:
@@ -101,19 +102,21 @@ class KVGroupColwise(ParallelStyle):
             raise ValueError(f"{type(module).__name__} with {module.weight.shape[0]} outputs cannot be computed in "
                              f"{self.groups} key/value groups over {tp} ranks")
         group = device_mesh.get_local_rank() // (tp // self.groups)
-        rows = module.weight.shape[0] // self.groups
+        rows = slice(group * module.weight.shape[0] // self.groups, (group + 1) * module.weight.shape[0] // self.groups)
         for name, parameter in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Replicate()]),
+            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Shard(0)]),
                                                          requires_grad=parameter.requires_grad))
+
+        def group_rows(parameter: DTensor) -> torch.Tensor:
+            whole = parameter.redistribute(device_mesh, [Replicate()])
+            return whole.to_local(grad_placements=[Partial()])[rows]
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
             local = x.to_local(grad_placements=[Partial()])
-            weight = module.weight.to_local(grad_placements=[Partial()])[group * rows:(group + 1) * rows]
-            bias = None if module.bias is None else module.bias.to_local(grad_placements=[Partial()])[
-                group * rows:(group + 1) * rows]
-            return F.linear(local, weight, bias)
+            bias = None if module.bias is None else group_rows(module.bias)
+            return F.linear(local, group_rows(module.weight), bias)
 
         module.forward = forward
         return module

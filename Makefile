@@ -31,13 +31,11 @@ demo: setup
 	$(VENV)/bin/autopar run demo/gpt_cpu --steps 300
 
 # The default tier (CI's): one process a test, spread over TEST_WORKERS processes (pytest-xdist,
-# a file's tests together), then the suites that start ranks, one test at a time (their ranks use
-# the cores). Two of those files at once finish in 0.6 of the time, but under that load torchrun
-# can report a rank it stopped itself (SIGTERM) as the one that died, which a test of `autopar
-# run`'s messages catches; DIST_WORKERS=2 runs them so all the same. test-full adds the extended
+# a file's tests together), then the suites that start ranks, two files at a time (0.6 of the
+# time of one at a time; DIST_WORKERS=0 runs one test at a time). test-full adds the extended
 # tier (tests marked `extended`, tests/tiers.py).
 TEST_WORKERS ?= 2
-DIST_WORKERS ?= 0
+DIST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 	$(PY) -m pytest -q -n $(DIST_WORKERS) --dist loadfile tests/dist tests/zoo

@@ -104,6 +104,8 @@ EXPERT_TP = [("mixtral", 2, 3, 4, 1, 2, 1, False, True), ("hf_mixtral", 2, 3, 4,
 # experts, a pipeline cut from the graph and by modules, TP (with MLA's replicated projection),
 # SP, CP and expert TP; the extended tier adds the same kinds on the other models.
 EXTENDED_CASES = {("qwen2_moe", 2, 3, 4), ("deepseek_v3", 2, 3, 4), ("hf_deepseek_v3", 2, 3, 4),
+                  # token dropping and latent attention run by default beside TP (their tp2 cases)
+                  ("qwen2_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 2),
                   ("mixtral", 1, 3, 4, 2, 1), ("qwen2_moe", 2, 3, 4, 2, 1), ("deepseek_v3", 2, 3, 4, 2, 1),
                   ("qwen2_moe", 2, 3, 4, 1, 2), ("hf_mixtral", 2, 3, 4, 1, 2),
                   ("mixtral_plain", 1, 3, 4, 2, 2, 1, False, True),

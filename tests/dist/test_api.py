@@ -16,7 +16,7 @@ from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.plan import Plan
 from autopar.runtime import run_local, run_reference
 from tests.dist.harness import free_port
-from tests.tiers import tiered
+from tests.tiers import EXTENDED, tiered
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +71,7 @@ def test_own_loop_trains_like_one_process(case, reference, api_tp2, tmp_path):
     assert_equal_to_one_process(output, parameters, reference)
 
 
+@EXTENDED  # each equals one process by default: the API's loop here, the compiled module in test_equivalence
 def test_the_api_trains_what_the_compiled_module_trains(api_tp2, tmp_path):
     """`autopar compile` of the same file and settings, run by `autopar run`: the same plan and
     the same parameters after the same steps (the API runs the module compile writes)."""

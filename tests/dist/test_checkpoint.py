@@ -150,6 +150,7 @@ def test_autopar_run_passes_restarts_and_checkpoints_on(compiled, monkeypatch):
     assert calls[0]["max_restarts"] == 2 and calls[0]["extra_args"] == ["--checkpoint-every", "5"]
 
 
+@EXTENDED  # by default: skipping (test_interrupts, test_run_safety) and exact resumes (test_api, test_data_resume)
 def test_resume_skips_truncated_checkpoints_and_ends_with_the_uninterrupted_parameters(compiled, uninterrupted,
                                                                                        tmp_path):
     """The DP4 run's checkpoints with step_8 and step_6 truncated: the run resumes from step_4 and

@@ -91,9 +91,10 @@ def _count_step(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict
     return found
 
 
-# The default run counts GPT's four cases and Llama's mixed split at 40 µs (the case that found
-# the unpaired-columns rule); Llama's other three repeat a layout GPT's cases already count.
-DEFAULT_IDS = [case_id for case_id in IDS if case_id.startswith("gpt-")] + [f"llama_hf-sp-{SLOW_LINK_US:g}us"]
+# The default run counts GPT without SP and with every module replicated under SP, and Llama's
+# mixed split at 40 µs (the case that found the unpaired-columns rule, SP on); the others repeat
+# a layout these count.
+DEFAULT_IDS = [f"gpt-nosp-{FAST_LINK_US:g}us", f"gpt-sp-{REPLICATE_LINK_US:g}us", f"llama_hf-sp-{SLOW_LINK_US:g}us"]
 REPLICATED_IDS = [f"{model.name}-sp-{REPLICATE_LINK_US:g}us" for model in (GPT, LLAMA)]
 
 

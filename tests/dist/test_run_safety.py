@@ -33,6 +33,7 @@ from autopar.codegen.sections.checkpoint import (_FAILURES, COMPLETE, UNUSABLE, 
 from autopar.runtime.generated import import_generated
 from autopar.runtime.local import LOCK_NAME, failing_rank, finished_everywhere, folder_lock, run_local
 from tests.dist.plans import GPT, make_plan
+from tests.tiers import EXTENDED
 
 
 def _checkpoint(root: Path, step: int) -> Path:
@@ -194,6 +195,7 @@ def test_rank_zero_store_listens_on_loopback_only(dp2, monkeypatch):
         dist.destroy_process_group()
 
 
+@EXTENDED  # its reading of the output runs by default (test_finished_run_with_a_rank_killed_in_teardown_...)
 def test_rank_aborting_after_it_finished_does_not_fail_the_run(tmp_path):
     """Two ranks say they finished, then rank 1 dies by SIGABRT (as gloo's teardown sometimes
     does on a loaded CPU): the run is finished, with the abort noted; without the marker it fails."""

@@ -1,35 +1,38 @@
-"""Install a requirement into another venv by hard-linking the files this interpreter's venv holds.
+"""Install requirements into another venv by hard-linking the files this interpreter's venv holds.
 
-The wheel check needs a fresh venv with torch alone, and pip would download and unpack the same
-~1 GB wheel the developer's venv already unpacked (a minute and a half of CI's two cores). When
-this venv's distribution satisfies the requirement, its files (and those of what it requires,
-recursively) are linked into the target's site-packages with their dist-info, so pip in the
-target sees them installed; the scripts outside site-packages are left out. Prints "linked" or
-"missing" (the caller then installs with pip).
+The wheel check needs a fresh venv with torch and what the wheel declares, and pip would
+download and unpack the same wheels the developer's venv already unpacked (~1 GB for torch: a
+minute and more of CI's two cores). When this venv's distributions satisfy the requirements,
+their files (and those of what they require, recursively; no extras) are linked into the
+target's site-packages with their dist-info, so pip in the target sees them installed and an
+undeclared dependency is still missing there; the scripts outside site-packages are left out.
+Prints "linked" or "missing" (the caller then installs with pip).
 
-Usage: python .ci/link_installed.py TARGET_SITE_PACKAGES REQUIREMENT
+Usage: python .ci/link_installed.py TARGET_SITE_PACKAGES REQUIREMENT... [--requirements-of WHEEL]
 """
 from __future__ import annotations
 
+import email.parser
 import importlib.metadata as metadata
 import os
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
 
-def closure(requirement: Requirement) -> list[metadata.Distribution] | None:
-    """The installed distributions satisfying ``requirement`` and what they require (extras off),
+def closure(requirements: list[Requirement]) -> list[metadata.Distribution] | None:
+    """The installed distributions satisfying ``requirements`` and what they require (extras off),
     or None when one is missing or the wrong version."""
     found: dict[str, metadata.Distribution] = {}
-    pending = [requirement]
+    pending = list(requirements)
     while pending:
         wanted = pending.pop()
         if wanted.marker is not None and not wanted.marker.evaluate({"extra": ""}):
             continue
-        key = wanted.name.lower().replace("_", "-")
+        key = canonical(wanted.name)
         if key in found:
             continue
         try:
@@ -41,6 +44,15 @@ def closure(requirement: Requirement) -> list[metadata.Distribution] | None:
         found[key] = distribution
         pending += [Requirement(text) for text in distribution.requires or []]
     return list(found.values())
+
+
+def installed_in(target: Path) -> set[str]:
+    """Normalised names of the distributions a site-packages holds (a new venv's pip, setuptools)."""
+    return {canonical(path.name.split("-")[0]) for path in target.glob("*.dist-info")}
+
+
+def canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def link(distribution: metadata.Distribution, target: Path) -> None:
@@ -59,14 +71,31 @@ def link(distribution: metadata.Distribution, target: Path) -> None:
             shutil.copy2(source, destination)
 
 
+def wheel_requirements(wheel: Path) -> list[Requirement]:
+    """The wheel's own Requires-Dist (read from its METADATA)."""
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        message = email.parser.BytesParser().parsebytes(archive.read(name))
+    return [Requirement(text) for text in message.get_all("Requires-Dist") or []]
+
+
 def main(argv: list[str]) -> None:
-    target, requirement = Path(argv[0]), Requirement(argv[1])
-    distributions = closure(requirement)
+    target, rest = Path(argv[0]), argv[1:]
+    requirements = []
+    while rest:
+        if rest[0] == "--requirements-of":
+            requirements += wheel_requirements(Path(rest[1]))
+            rest = rest[2:]
+        else:
+            requirements.append(Requirement(rest.pop(0)))
+    distributions = closure(requirements)
     if distributions is None:
         print("missing")
         return
+    present = installed_in(target)
     for distribution in distributions:
-        link(distribution, target)
+        if canonical(distribution.metadata["Name"]) not in present:  # the venv's own copy stays
+            link(distribution, target)
     print("linked")
 
 

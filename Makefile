@@ -63,9 +63,10 @@ test-zoo: setup
 bench: setup
 	$(PY) -m benchmarks.run
 
-# Every benchmark at its smallest size (one case, few steps): that they still run (CI runs it).
+# Every benchmark at its smallest size (one case, few steps): that they still run (CI runs it;
+# one intra-op thread, as the tests).
 bench-smoke: setup
-	$(PY) -m benchmarks.run --smoke
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m benchmarks.run --smoke
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo

@@ -108,8 +108,10 @@ class KVGroupColwise(ParallelStyle):
                                                          requires_grad=parameter.requires_grad))
 
         def group_rows(parameter: DTensor) -> torch.Tensor:
+            # A copy of the group's rows: the linear saves it for backward, and a view would keep
+            # the whole gathered weight alive until then.
             whole = parameter.redistribute(device_mesh, [Replicate()])
-            return whole.to_local(grad_placements=[Partial()])[rows]
+            return whole.to_local(grad_placements=[Partial()])[rows].clone()
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not isinstance(x, DTensor):

@@ -32,6 +32,7 @@ def gpt_dp2(tmp_path_factory) -> Path:
     return out
 
 
+@EXTENDED  # by default through `autopar run`: test_compile_cli.py's test_run_trains_like_the_unsharded_model
 def test_run_local_trains_and_records_one_record_per_step(gpt_dp2):
     """A second run appends to run.jsonl instead of overwriting it: tests/dist/test_compile_cli.py's
     test_recompiling_a_trained_folder_keeps_its_checkpoints_and_run_records finds both runs'

@@ -61,6 +61,9 @@ def test_run_trains_like_the_unsharded_model(compiled, capsys):
     assert len(records) == 3 and all(set(r) == RECORD_KEYS for r in records)
     reference = run_reference(compiled / "gpt.py", TINY, 8, 3, DEFAULT_OPTIMIZER)
     assert [r["loss"] for r in records] == pytest.approx(reference.losses, rel=1e-5)
+    for record in records:
+        assert record["tokens_per_s"] == pytest.approx(8 * TINY["seq_len"] / record["step_time_s"], rel=1e-6)
+        assert record["peak_memory_bytes"] > 0
 
 
 def test_run_refuses_another_rank_count(compiled, capsys):

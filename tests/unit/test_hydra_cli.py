@@ -17,6 +17,7 @@ from autopar.cli import main
 from autopar.config import compose_config
 from autopar.errors import ConfigError
 from autopar.plan import Plan
+from tests.tiers import EXTENDED
 
 TINY = ["cluster=cpu_gloo", "model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32",
         "model.vocab=128", "train.global_batch_size=8", "train.precision=fp32"]
@@ -117,6 +118,7 @@ def test_sweep_writes_into_hydra_sweep_dir(examples_dir, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["D"]
 
 
+@EXTENDED  # the sweep itself runs by default in the basic launcher (test_sweep_writes_into_hydra_sweep_dir, the wheel check)
 def test_joblib_launcher_plans_points_in_parallel_processes(examples_dir, tmp_path):
     out = tmp_path / "sweep"
     assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=1,2",

@@ -19,6 +19,7 @@ from autopar.output_dir import MANIFEST_NAME, Manifest, install
 from autopar.plan import Plan
 from autopar.solver.space import _group_span, divisors
 from tests.conftest import write_model_file
+from tests.tiers import tiered
 from tests.unit.test_bad_input import _address_space_bytes, capped_memory, fails  # noqa: F401 - a fixture
 
 TINY = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "model.layers=2", "model.hidden=64", "model.heads=4",
@@ -291,7 +292,9 @@ def test_a_read_only_location_is_refused_before_the_model_is_read(tmp_path, caps
     assert not (tmp_path / "IMPORTED").exists()
 
 
-@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only")])
+# By default the full disk; the read-only one takes the same path with its own words.
+@pytest.mark.parametrize("code, words", tiered([(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only")],
+                                               [(errno.ENOSPC, "disk is full")], unpack=True))
 def test_a_full_or_read_only_disk_while_compiling_is_one_paragraph_and_writes_nothing(examples_dir, tmp_path,
                                                                                       capsys, monkeypatch,
                                                                                       code, words):

@@ -17,6 +17,7 @@ from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.plan import Plan
 from autopar.runtime import read_records, run_local, run_reference
+from autopar.runtime.local import finished_everywhere
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
 from tests.tiers import EXTENDED
 
@@ -108,7 +109,10 @@ def test_generated_module_runs_where_autopar_is_not_installed(gpt_dp2, tmp_path)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
                 sys.executable, "-S", "parallel_gpt.py", "--steps", "1"]
     run = subprocess.run(launcher, env=env, cwd=out, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    output = run.stdout + run.stderr
+    # gloo's teardown can abort a rank after every rank said it finished (a loaded CPU;
+    # `autopar run` counts such a run as finished, test_run_safety.py): the module ran.
+    assert run.returncode == 0 or finished_everywhere(output, 2), run.stdout[-2000:] + run.stderr[-4000:]
     assert len(read_records(out / "run.jsonl")) == 1
 
 

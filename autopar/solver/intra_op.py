@@ -172,10 +172,10 @@ class IntraOpSolver:
     def __init__(self, profile: "ModelProfile", costs: TPCosts, tp: int, time_limit_s: float = 10.0,
                  seed: int = 0, replicated_modules: frozenset[str] = frozenset(),
                  gathered_modules: frozenset[str] = frozenset(), index: "OpIndex | None" = None,
-                 kv_group_modules: dict[str, tuple[int, float]] | None = None):
+                 kv_group_modules: dict[str, tuple[int, tuple[float, ...]]] | None = None):
         self.profile = profile
-        # Key/value projections with fewer heads than ranks -> (key/value heads, bytes of their
-        # weights): offered kv_group instead of a column split (autopar.solver.tp_kv_groups).
+        # Key/value projections with fewer heads than ranks -> (key/value heads, bytes of each of
+        # their parameters): offered kv_group instead of a column split (autopar.solver.tp_kv_groups).
         self.kv_group_modules = kv_group_modules or {}
         # Modules whose split the model's code cannot run (autopar.solver.tp_legality): only
         # their replicated strategy is offered, so no illegal split is ever priced.
@@ -207,9 +207,9 @@ class IntraOpSolver:
                 if strategy.extra_comm == "loss_parallel":
                     seconds += 3 * self.costs.all_reduce_s(self._loss_parallel_bytes(op))
                 if strategy.extra_comm == "kv_group":
-                    groups, weight_bytes = self.kv_group_modules[op.module]
-                    seconds = base / groups + self.costs.all_gather_s(weight_bytes) + \
-                        self.costs.reduce_scatter_s(weight_bytes)
+                    groups, parameters = self.kv_group_modules[op.module]
+                    seconds = base / groups + sum(self.costs.all_gather_s(nbytes) + self.costs.reduce_scatter_s(nbytes)
+                                                  for nbytes in parameters)
                 compute_terms[(op.name, index)] = seconds
                 objective.append((_units(seconds), choice[(op.name, index)]))
         edges = self._edges(ops, by_name)
@@ -412,9 +412,9 @@ class IntraOpSolver:
                 # Priced with the op's compute (its strategy's cost); listed so it is counted.
                 events += [("loss-parallel all-reduce", op.name, self._loss_parallel_bytes(op))] * 3
             elif extra == "kv_group":
-                weight_bytes = self.kv_group_modules[op.module][1]
-                events += [("kv-group weight all-gather", op.name, weight_bytes),
-                           ("kv-group gradient reduce-scatter", op.name, weight_bytes)]
+                for nbytes in self.kv_group_modules[op.module][1]:
+                    events += [("kv-group weight all-gather", op.name, nbytes),
+                               ("kv-group gradient reduce-scatter", op.name, nbytes)]
         return IntraOpSolution(layer=layer, tp=self.tp, op_strategy=op_strategy, module_style=module_style,
                                compute_s=compute, comm_s=comm, comm_events=events,
                                status=solver.status_name(status))

@@ -126,8 +126,9 @@ def _key_value_producers(profile: "ModelProfile") -> set[str]:
     return found
 
 
-def weight_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4) -> float:
-    """Bytes of a ``kv_group`` module's parameters (weight and bias), which its forward gathers
-    and its backward reduce-scatters (fp32 by default: the optimizer's master copy)."""
-    return float(bytes_per_element * sum(math.prod(shape) for name, shape in profile.param_shapes.items()
-                                         if name.rpartition(".")[0] == module))
+def parameter_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4) -> tuple[float, ...]:
+    """Bytes of each of a ``kv_group`` module's parameters (its weight, and its bias where it has
+    one: Qwen2's), in name order: the forward gathers each and the backward reduce-scatters each,
+    one collective apiece (fp32 by default: the optimizer's master copy)."""
+    return tuple(float(bytes_per_element * math.prod(shape)) for name, shape in sorted(profile.param_shapes.items())
+                 if name.rpartition(".")[0] == module)

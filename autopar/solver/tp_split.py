@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes
-from autopar.solver.tp_kv_groups import KVGroups, kv_groups, weight_bytes
+from autopar.solver.tp_kv_groups import KVGroups, kv_groups, parameter_bytes
 from autopar.solver.tp_legality import IllegalSplit, TPLegality
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
@@ -89,15 +89,15 @@ class ILPSplitter:
         # tp -> the key/value projections computed by groups at that degree (None: no such attention)
         self.kv_groups: dict[int, KVGroups | None] = {}
 
-    def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[int, float]]:
+    def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[int, tuple[float, ...]]]:
         """The layer's key/value projections offered the kv_group style at ``tp`` -> (key/value
-        heads, bytes of their weights: gathered each forward, their gradients reduce-scattered)."""
+        heads, bytes of each parameter: gathered each forward, its gradient reduce-scattered)."""
         if tp not in self.kv_groups:
             self.kv_groups[tp] = kv_groups(self.profile, tp)
         groups = self.kv_groups[tp]
         if groups is None:
             return {}
-        return {module: (groups.kv_heads, weight_bytes(self.profile, module)) for module in groups.modules
+        return {module: (groups.kv_heads, parameter_bytes(self.profile, module)) for module in groups.modules
                 if module == layer_name or module.startswith(layer_name + ".")}
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:

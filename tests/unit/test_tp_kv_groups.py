@@ -165,3 +165,15 @@ def test_probe_sets_every_head_count_the_region_views_by(views_by_heads, expecte
     groups = KVGroups(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, modules={})
     assert _group_count_attribute(region, groups, 4, error) == expected
     assert (region.num_heads, region.num_key_value_heads, region.num_key_value_groups) == (HEADS, KV_HEADS, 2)
+
+
+def test_each_key_value_parameter_is_gathered_and_reduced_on_its_own():
+    """KVGroupColwise gathers the weight and the bias (Qwen2's k_proj has one) one collective
+    each, so the price lists one per parameter, in name order, at fp32."""
+    from types import SimpleNamespace
+
+    from autopar.solver.tp_kv_groups import parameter_bytes
+
+    profile = SimpleNamespace(param_shapes={"a.k_proj.weight": [16, 64], "a.k_proj.bias": [16],
+                                            "a.q_proj.weight": [64, 64]})
+    assert parameter_bytes(profile, "a.k_proj") == (4.0 * 16, 4.0 * 16 * 64)

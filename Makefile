@@ -39,17 +39,18 @@ demo: setup
 TEST_WORKERS ?= 2
 DIST_WORKERS ?= 2
 TEST_THREADS ?= 1
+PYTEST = OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q
 test: setup
-	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
-	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(DIST_WORKERS) --dist loadfile tests/dist tests/zoo
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests/unit
+	$(PYTEST) -n $(DIST_WORKERS) --dist loadfile tests/dist tests/zoo
 
 # Undefined and unused names and pycodestyle's errors (pyproject.toml [tool.ruff]); CI runs it.
 lint: setup
 	$(PY) -m ruff check .
 
 test-full: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit --extended
-	$(PY) -m pytest -q tests/dist tests/zoo --extended
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests/unit --extended
+	$(PYTEST) tests/dist tests/zoo --extended
 
 # The built wheel, installed with torch alone into a fresh venv (build/wheel-venv), plans,
 # compiles, runs and reports a tiny GPT from a temporary folder outside the repository (~1 min).

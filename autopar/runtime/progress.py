@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -175,7 +176,7 @@ class RunEvents:
         self.failures += 1
         how = f"exit {exitcode}" if exitcode >= 0 else f"signal {_signal_name(-exitcode)}"
         died = f"rank {rank} died ({how})"
-        if (rank in consequences or how == "signal SIGTERM") and self.world is not None:
+        if (rank in consequences or exitcode == -signal.SIGTERM) and self.world is not None:
             causes = set(range(self.world)) - consequences - {rank}
             if len(causes) == 1:
                 died = (f"rank {causes.pop()} died without an error of its own (killed by a signal: SIGKILL or "
@@ -188,8 +189,6 @@ class RunEvents:
 
 
 def _signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:

@@ -317,11 +317,15 @@ def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, 
         item = (collective.value, float(nbytes))
         op = by_name.get(source)
         again = source in recomputed or source not in by_name  # another layer's output: read first
-        if kind.startswith("kv-group"):  # the weight's gather (again when recomputed) and its gradient's reduction
-            (forward if kind.endswith("all-gather") else backward).append(item)
-            (forward_sp if kind.endswith("all-gather") else backward_sp).append(item)
-            rerun += [item] if again and kind.endswith("all-gather") else []
-            rerun_sp += [item] if again and kind.endswith("all-gather") else []
+        if kind == "kv-group gradient reduce-scatter":  # in backward, with or without SP
+            backward.append(item)
+            backward_sp.append(item)
+            continue
+        if kind == "kv-group weight all-gather":  # in forward, again when recomputed, with or without SP
+            forward.append(item)
+            forward_sp.append(item)
+            rerun += [item] if again else []
+            rerun_sp += [item] if again else []
             continue
         if kind == "backward all-reduce":
             readers = [o for o in _readers_through_views(source, by_name)

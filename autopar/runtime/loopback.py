@@ -3,8 +3,10 @@
 torchrun's own c10d rendezvous store (``--standalone``) listens on every interface, and torch
 offers no option for its address; torch's rendezvous registry does take new backends, so this
 registers ``loopback``: the same dynamic rendezvous over a TCPStore given a socket bound to
-127.0.0.1 at a free port. Everything else is torchrun's (its arguments, restarts, logs). Started
-by autopar, it ends with the process that started it (autopar/runtime/lifeline.py).
+127.0.0.1 at a free port. The ranks' own store (where the process group meets) is hosted here
+too, anew for every attempt (`FreshStorePerAttempt`). Everything else is torchrun's (its
+arguments, restarts, logs). Started by autopar, it ends with the process that started it
+(autopar/runtime/lifeline.py).
 
     python -m autopar.runtime.loopback --nproc-per-node=2 [torchrun options] script.py [args]
 """
@@ -16,10 +18,11 @@ import uuid
 from datetime import timedelta
 
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousParameters,
+                                                  RendezvousStoreInfo)
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 LOOPBACK = "127.0.0.1"
 BACKEND = "autopar-loopback"
@@ -33,14 +36,61 @@ class LoopbackBackend(C10dRendezvousBackend):
         return BACKEND
 
 
-def loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """A c10d dynamic rendezvous whose store this process hosts on 127.0.0.1 at a free port."""
+def loopback_store(timeout: timedelta) -> TCPStore:
+    """A store this process hosts on 127.0.0.1, at a port it holds from the start."""
     listener = socket.create_server((LOOPBACK, 0))
     port = listener.getsockname()[1]
     # The store takes over the listening descriptor (detach: Python must not close it).
-    store = TCPStore(LOOPBACK, port, is_master=True, master_listen_fd=listener.detach(), multi_tenant=True,
-                     timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))
-    return create_handler(store, LoopbackBackend(store, params.run_id), params)
+    return TCPStore(LOOPBACK, port, is_master=True, master_listen_fd=listener.detach(), multi_tenant=True,
+                    timeout=timeout)
+
+
+class FreshStorePerAttempt(RendezvousHandler):
+    """torch's dynamic rendezvous, whose ranks meet in a store this agent hosts anew for every
+    attempt. Why not torch's two ways: left to rank 0, the store's port is one the agent found
+    free and closed again, and rank 0 binds it seconds later, once it has imported torch: anything
+    on the machine may take the port meanwhile (a run failed so, "Address already in use", beside
+    other runs). torch's shared agent store listens from the start but is kept across restarts,
+    where restarted ranks read the dead attempt's addresses (pytorch/pytorch#135712)."""
+
+    def __init__(self, rendezvous: RendezvousHandler, timeout: timedelta):
+        self._rendezvous = rendezvous
+        self._timeout = timeout
+        self.store: TCPStore | None = None
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the ranks connect to ``self.store`` (TORCHELASTIC_USE_AGENT_STORE)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        met = self._rendezvous.next_rendezvous()
+        self.store = loopback_store(self._timeout)  # the last attempt's ranks are gone: its store goes
+        return RendezvousInfo(met.store, met.rank, met.world_size, RendezvousStoreInfo(LOOPBACK, self.store.port))
+
+    def get_backend(self) -> str:
+        return self._rendezvous.get_backend()
+
+    def is_closed(self) -> bool:
+        return self._rendezvous.is_closed()
+
+    def set_closed(self) -> None:
+        self._rendezvous.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._rendezvous.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._rendezvous.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._rendezvous.shutdown()
+
+
+def loopback_handler(params: RendezvousParameters) -> FreshStorePerAttempt:
+    """A c10d dynamic rendezvous whose store this process hosts on 127.0.0.1 at a free port."""
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    store = loopback_store(timeout)
+    return FreshStorePerAttempt(create_handler(store, LoopbackBackend(store, params.run_id), params), timeout)
 
 
 def torchrun_arguments(nproc: int) -> list[str]:

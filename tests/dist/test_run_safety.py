@@ -33,6 +33,7 @@ from autopar.codegen.sections.checkpoint import (_FAILURES, COMPLETE, UNUSABLE, 
 from autopar.runtime.generated import import_generated
 from autopar.runtime.local import LOCK_NAME, failing_rank, finished_everywhere, folder_lock, run_local
 from tests.dist.plans import GPT, make_plan
+from tests.sockets import LOOPBACK_HEX, listening_addresses
 from tests.tiers import EXTENDED
 
 
@@ -166,18 +167,6 @@ def test_launch_script_with_its_port_taken_fails_at_once(dp2):
     assert f"port {port} on 127.0.0.1 is taken by another program" in run.stderr
 
 
-def _listening_addresses(port: int) -> set[str]:
-    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) listening on ``port``."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, _, hex_port = local.partition(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                found.add(address)
-    return found
-
-
 def test_rank_zero_store_listens_on_loopback_only(dp2, monkeypatch):
     """The generated module's join: with MASTER_ADDR 127.0.0.1, rank 0's store is bound there (one
     rank in this process: a group of one)."""
@@ -190,7 +179,7 @@ def test_rank_zero_store_listens_on_loopback_only(dp2, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     module.join_process_group("gloo")
     try:
-        assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1 in /proc/net's byte order
+        assert listening_addresses(port) == {LOOPBACK_HEX}
     finally:
         dist.destroy_process_group()
 

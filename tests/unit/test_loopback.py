@@ -1,0 +1,74 @@
+"""`autopar run`'s torchrun hosts the ranks' store itself, listening before they start, anew
+for every attempt (autopar/runtime/loopback.py)."""
+from __future__ import annotations
+
+import re
+import textwrap
+from datetime import timedelta
+
+from torch.distributed import HashStore, TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+
+from autopar.runtime.local import run_local
+from autopar.runtime.loopback import LOOPBACK, FreshStorePerAttempt
+from tests.sockets import LOOPBACK_HEX, listening_addresses
+
+
+class OneNodeRendezvous(RendezvousHandler):
+    """A rendezvous of this node alone, as torchrun's with the rank-0 store (no store of its own)."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self.rounds += 1
+        return RendezvousInfo(HashStore(), 0, 1, RendezvousStoreInfo(LOOPBACK, 1))
+
+    def get_backend(self): return "one-node"
+    def is_closed(self): return False
+    def set_closed(self): pass
+    def num_nodes_waiting(self): return 0
+    def get_run_id(self): return "test"
+    def shutdown(self): return True
+
+
+def test_every_attempt_meets_in_a_new_store_listening_on_loopback_before_the_ranks_start():
+    handler = FreshStorePerAttempt(OneNodeRendezvous(), timedelta(seconds=10))
+    assert handler.use_agent_store  # the agent tells the ranks to connect, not to host
+    first = handler.next_rendezvous().bootstrap_store_info
+    assert first.master_addr == LOOPBACK and listening_addresses(first.master_port) == {LOOPBACK_HEX}
+    TCPStore(LOOPBACK, first.master_port, is_master=False, timeout=timedelta(seconds=5)).set("address", "dead rank")
+    second = handler.next_rendezvous().bootstrap_store_info
+    assert second.master_port != first.master_port and listening_addresses(second.master_port) == {LOOPBACK_HEX}
+    assert not TCPStore(LOOPBACK, second.master_port, is_master=False,
+                        timeout=timedelta(seconds=5)).check(["address"])
+
+
+RESTARTED_RANK = textwrap.dedent("""\
+    import os, sys, time
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(seconds=60))
+    print(f"rank {os.environ['RANK']} attempt {attempt} agent store {os.environ['TORCHELASTIC_USE_AGENT_STORE']} "
+          f"port {os.environ['MASTER_PORT']} stale {store.check(['left by attempt 0'])}", flush=True)
+    if attempt == 0:
+        store.set("left by attempt 0", "1")
+        store.add("ranks", 1)
+        while store.add("ranks", 0) < 2:
+            time.sleep(0.05)
+        sys.exit(3)
+""")
+
+
+def test_a_restarted_run_meets_in_a_fresh_store(tmp_path):
+    """Both ranks fail once; the restarted pair finds nothing the first attempt left."""
+    (tmp_path / "parallel_stub.py").write_text(RESTARTED_RANK)
+    result = run_local(tmp_path, nproc=2, max_restarts=1, timeout_s=120)
+    assert result.ok, result.output
+    seen = re.findall(r"rank (\d) attempt (\d) agent store (\w+) port (\d+) stale (\w+)", result.output)
+    assert sorted((rank, attempt) for rank, attempt, *_ in seen) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert {(agent, stale) for _, _, agent, _, stale in seen} == {("True", "False")}
+    assert len({port for _, attempt, _, port, _ in seen if attempt == "0"}) == 1
+    assert {port for _, attempt, _, port, _ in seen if attempt == "0"} != {port for _, a, _, port, _ in seen if a == "1"}

@@ -53,11 +53,11 @@ RESTARTED_RANK = textwrap.dedent("""\
                      timeout=timedelta(seconds=60))
     print(f"rank {os.environ['RANK']} attempt {attempt} agent store {os.environ['TORCHELASTIC_USE_AGENT_STORE']} "
           f"port {os.environ['MASTER_PORT']} stale {store.check(['left by attempt 0'])}", flush=True)
-    if attempt == 0:
-        store.set("left by attempt 0", "1")
-        store.add("ranks", 1)
-        while store.add("ranks", 0) < 2:
+    if attempt == 0:  # once both have looked, leave a key and fail
+        store.add("looked", 1)
+        while store.add("looked", 0) < 2:
             time.sleep(0.05)
+        store.set("left by attempt 0", "1")
         sys.exit(3)
 """)
 

@@ -151,7 +151,8 @@ class Plan:
             j mod pp. One stage holding every layer when pp == 1.
         recompute: layer name -> none / selective / full activation recomputation.
         tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel /
-            kv_group (the operator-wise ILP's choice; modules not listed stay replicated).
+            kv_group / head_norm (the operator-wise ILP's choice; modules not listed stay
+            replicated; head_norm: a per-head norm on the rank's heads, its weight whole).
         tp_kv_heads: the key/value heads of grouped-query attention that kv_group modules compute
             one per group of tp / tp_kv_heads ranks (autopar.solver.tp_kv_groups); 0: none.
         tp_region_attributes: paired region -> integer attribute -> value the generated code sets

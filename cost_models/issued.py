@@ -42,7 +42,7 @@ class IssuedCollectives:
         """Collective -> calls in one step on the counted ranks (see the module docstring): every
         group's (tensor, expert, data, pipeline and context parallel) summed."""
         total: Counts = {}
-        for counts in (self.tp_collectives(layout), self.sp_gradient_collectives(layout), self.ep_collectives(layout),
+        for counts in (self.tp_collectives(layout), self.partial_gradient_collectives(layout), self.ep_collectives(layout),
                        self.dp_collectives(layout), self.pp_collectives(layout), self.cp_collectives(layout),
                        self.scalar_collectives(layout)):
             add(total, counts)
@@ -55,19 +55,28 @@ class IssuedCollectives:
         calls = int(self.train.clip_grad_norm) + int(self.weighs_tokens(layout))
         return {Collective.ALL_REDUCE.value: layout.pp * calls} if calls else {}
 
-    def sp_gradient_collectives(self, layout: ParallelLayout) -> Counts:
-        """Under sequence parallelism the norms run on each rank's slice of the sequence, so their
-        parameters' gradients are partial sums; codegen's `reduce_partial_gradients` all-reduces
-        each once per step over the TP group (measured: GPT's 18 norm weights and biases, Llama's
-        9 norm weights, and no other parameter). Where FSDP reduce-scatters every micro-batch
-        (ZeRO-2/3 outside a pipeline) it sums them first, every micro-batch (measured on GPT
-        cp2 x tp2+SP ZeRO-2: 36 all-reduces at 2 micro-batches)."""
-        if layout.tp == 1 or not layout.sequence_parallel:
+    def partial_gradient_collectives(self, layout: ParallelLayout) -> Counts:
+        """Gradients that are partial sums over the TP group: under sequence parallelism the
+        norms' (they run on each rank's slice of the sequence), and with per-head norms on head
+        shards (Qwen3's q_norm and k_norm, ``head_norm``: autopar.solver.tp_head_norms) theirs.
+        Codegen's `reduce_partial_gradients` all-reduces each once per step over the TP group
+        (measured: GPT's 18 norm weights and biases, Llama's 9 norm weights, and no other
+        parameter). Where FSDP reduce-scatters every micro-batch (ZeRO-2/3 outside a pipeline)
+        it sums them first, every micro-batch (measured on GPT cp2 x tp2+SP ZeRO-2: 36
+        all-reduces at 2 micro-batches)."""
+        if layout.tp == 1:
             return {}
-        count = sum(len(self._slice_norm_params(layer.name)) for layer in self.layers)
+        reference = self._device_facts(layout)[0]
+        count = sum(len(self._slice_norm_params(layer.name)) if layout.sequence_parallel else 0 for layer in self.layers)
+        count += sum(self._head_norm_params(self.split(layer.name, layout, reference).styles) for layer in self.layers)
         if layout.zero_stage >= 2 and self._grad_size(layout) > 1 and layout.pp == 1:
             count *= layout.num_micro_batches
         return {Collective.ALL_REDUCE.value: count} if count else {}
+
+    def _head_norm_params(self, styles: dict[str, str]) -> int:
+        """Parameters of a layer's modules whose split runs them on head shards."""
+        modules = {module for module, style in styles.items() if style == "head_norm"}
+        return sum(name.rpartition(".")[0] in modules for name in self.profile.param_shapes) if modules else 0
 
     def _slice_norm_params(self, layer: str) -> list[str]:
         """Parameters of the norms that run on the sequence slice in ``layer`` under SP (the

@@ -49,9 +49,12 @@ class TPStyle(StrEnum):
     VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on rows: RowwiseParallel on nn.Embedding
     HIDDEN_PARALLEL = "hidden_parallel"  # embedding sharded on columns: ColwiseParallel on nn.Embedding
     # A key/value projection of grouped-query attention with fewer heads than TP ranks: each rank
-    # computes its group's head (weight whole on every rank, gradient summed over the group);
-    # autopar.solver.tp_kv_groups
+    # computes its group's head (weight split by rows, gathered each forward, its gradient
+    # reduce-scattered); autopar.solver.tp_kv_groups
     KV_GROUP = "kv_group"
+    # A norm over each attention head's features (Qwen3's q_norm) on the rank's heads: weight
+    # whole, its gradient all-reduced; autopar.solver.tp_head_norms. Splits no parameter.
+    HEAD_NORM = "head_norm"
 
 
 class ZeroStage(IntEnum):

@@ -4,16 +4,23 @@ The defaults are a tiny Llama for tests; Llama-3-70B's shape is
 
     autopar profile examples/llama_hf.py model.layers=80 model.hidden=8192 model.heads=64 \\
         model.kv_heads=8 model.ffn=28672 model.vocab=128256 model.seq_len=4096
+
+``model.family=qwen3`` builds the same shape as Qwen3 (``Qwen3ForCausalLM``: a Llama whose
+queries and keys are normalised per head).
 """
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def build_model(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-                ffn: int = 352, vocab: int = 512, seq_len: int = 64) -> torch.nn.Module:
-    config = LlamaConfig(
+                ffn: int = 352, vocab: int = 512, seq_len: int = 64, family: str = "llama") -> torch.nn.Module:
+    config_class, model_class = FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        head_dim=hidden // heads,
         num_hidden_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -24,7 +31,7 @@ def build_model(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: in
         attn_implementation="sdpa",
         use_cache=False,
     )
-    return LlamaForCausalLM(config)
+    return getattr(transformers, model_class)(config)
 
 
 def example_batch(batch_size: int, seq_len: int = 64, vocab: int = 512):

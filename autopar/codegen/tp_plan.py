@@ -19,6 +19,9 @@ follows from those choices and the model's structure:
 - A fused projection whose output the region's code cuts into parts (``plan.tp_fused``: one
   linear for q, k and v) is split as its parts (``FusedColwise``, its region under ``CutsFused``):
   each rank holds its share of every part.
+- A norm over each attention head's features (``head_norm``: Qwen3's ``q_norm``) runs on the
+  rank's heads (``HeadNorm``: its weight a replicated DTensor whose partial gradient is summed
+  over the group; autopar.solver.tp_head_norms).
 - A key/value projection of grouped-query attention with fewer heads than ranks (``kv_group``)
   computes its group's head inside its paired region (``KVGroupColwise``: the weight held split
   by rows, gathered each forward: autopar.solver.tp_kv_groups); it never runs outside one.
@@ -157,6 +160,10 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         if style == "kv_group":
             out[module] = _kv_group_style(module, in_region, parent in dtensor_regions, plan.tp_kv_heads)
             continue
+        if style == "head_norm":
+            out[module] = StyleSpec("HeadNorm", (), "a norm over each head's features, on this rank's heads; its "
+                                    "weight's gradient summed over the group")
+            continue
         if style not in SPLIT_STYLES:
             continue
         if kind != "linear":
@@ -195,7 +202,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         # keeps a plain input: a DTensor would reach the norms' plain weights. Its column-parallel
         # linears each reduce their own input gradient, as the pricer counts (its regions are a
         # block's children: autopar.solver.tp_split.ILPSplitter._split_regions).
-        entered = {r for r in (regions - block_set) & set(facts.modules) if _only_linears_hold_weights(r, facts)}
+        entered = {r for r in (regions - block_set) & set(facts.modules) if _only_linears_hold_weights(r, facts, styles)}
         for region in sorted(entered):
             # Its input as a replicated DTensor: the column-parallel matmuls reading it (q, k and
             # v) sum their input gradients as DTensors and all-reduce once, as priced (one
@@ -302,15 +309,16 @@ def _keep_dtensors(out: dict[str, StyleSpec], dtensor_regions: set[str]) -> None
                                 + (f"; {inner.why}" if inner and inner.why else ""))
 
 
-def _only_linears_hold_weights(region: str, facts: ModelFacts) -> bool:
+def _only_linears_hold_weights(region: str, facts: ModelFacts, styles: dict[str, str]) -> bool:
     """Whether a replicated DTensor can enter ``region``: every child holding parameters is a
-    linear layer. A norm inside it (a frozen GPT's ``mlp = Sequential(LayerNorm, Linear, ...)``)
+    linear layer, or a per-head norm (``HeadNorm``: its weight a DTensor, reading a projection's
+    heads). A norm inside it (a frozen GPT's ``mlp = Sequential(LayerNorm, Linear, ...)``)
     would meet the DTensor with its plain weight; such a region keeps a plain input and its
     column-parallel linears, fed by the norm, each reduce their own input gradient, as the
     pricer counts (autopar.solver.tp_split.issued_collectives: their input is made inside the
     region)."""
-    return all(facts.kind(child) == "linear" for child in facts.children.get(region, [])
-               if facts.modules[child].has_parameters)
+    return all(facts.kind(child) == "linear" or styles.get(child) == "head_norm"
+               for child in facts.children.get(region, []) if facts.modules[child].has_parameters)
 
 
 def _head(styles: dict[str, str], facts: ModelFacts, after_last_block: list[str]) -> str | None:

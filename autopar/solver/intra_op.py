@@ -33,11 +33,14 @@ group's head (R→S, cost/kv, the input's all-reduce shared, plus its weight's a
 forward and its gradient's reduce-scatter in backward: autopar.solver.tp_kv_groups), and a column split, which would cut a head, is not offered; an
 embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); attention, views,
 elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
-feature dim) need R; ops no split strategy covers (sorting, scans, FFTs along a dimension,
+feature dim) need R, except a per-head norm's (Qwen3's q_norm: over each head's features), which
+may run on head shards for an all-reduce of its weight's gradient (autopar.solver.tp_head_norms); ops no split strategy covers (sorting, scans, FFTs along a dimension,
 and ops of unknown kind) fall back to R and are listed in the solution (`replicated_ops`) so the
 report can say so; the loss may take vocabulary-sharded logits (loss parallel) for three
 small all-reduces. Compute of an op counts forward and backward: its forward cost times its module's
-backward/forward ratio from the profile.
+backward/forward ratio from the profile; a split divides its roofline time, not its kernel
+launches (a shard's kernel launches all the same: dividing them made gathering tiny outputs
+look cheaper than Megatron's pairing at the zoo's widths).
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ class TPCosts(Protocol):
     """Prices the ILP needs: per-op compute time on one GPU and collectives on the TP group."""
 
     def op_time_s(self, op: "OpProfile") -> float: ...
+    def launch_s(self, op: "OpProfile") -> float: ...  # the part of op_time_s a shard does not divide
     def all_reduce_s(self, nbytes: float) -> float: ...
     def all_gather_s(self, nbytes: float) -> float: ...
     def reduce_scatter_s(self, nbytes: float) -> float: ...
@@ -116,6 +120,8 @@ _LOSS_PARALLEL = Strategy("loss_parallel", State.S, State.R, True, extra_comm="l
 _VIEW_P = Strategy("P", State.P, State.P, False)
 # Compute divided by the key/value heads, not t (each rank computes its group's head)
 _KV_GROUP = Strategy("kv_group", State.R, State.S, False, Style.KV_GROUP, splits_input=True, extra_comm="kv_group")
+# A norm over each head's features on the rank's heads: its weight's gradient all-reduced
+_HEAD_NORM = Strategy("head_norm", State.S, State.S, True, Style.HEAD_NORM, extra_comm="head_norm")
 
 # Resharding a module-level TP plan can express: local ops keep their state, a colwise output
 # can be gathered (output_layouts=Replicate()), a rowwise output all-reduced (the default).
@@ -172,8 +178,12 @@ class IntraOpSolver:
     def __init__(self, profile: "ModelProfile", costs: TPCosts, tp: int, time_limit_s: float = 10.0,
                  seed: int = 0, replicated_modules: frozenset[str] = frozenset(),
                  gathered_modules: frozenset[str] = frozenset(), index: "OpIndex | None" = None,
-                 kv_group_modules: dict[str, tuple[int, tuple[float, ...]]] | None = None):
+                 kv_group_modules: dict[str, tuple[int, tuple[float, ...]]] | None = None,
+                 head_norms: dict[str, tuple[float, ...]] | None = None):
         self.profile = profile
+        # Reductions of per-head norm modules -> bytes of each of the module's parameters:
+        # offered head_norm beside R (autopar.solver.tp_head_norms).
+        self.head_norms = head_norms or {}
         # Key/value projections with fewer heads than ranks -> (key/value heads, bytes of each of
         # their parameters): offered kv_group instead of a column split (autopar.solver.tp_kv_groups).
         self.kv_group_modules = kv_group_modules or {}
@@ -201,14 +211,19 @@ class IntraOpSolver:
         objective: list[tuple[int, cp_model.IntVar]] = []
         compute_terms: dict[tuple[str, int], float] = {}
         for op in ops:
-            base = self.costs.op_time_s(op) * (1.0 + backward_ratio.get(op.module, backward_ratio[None]))
+            phases = 1.0 + backward_ratio.get(op.module, backward_ratio[None])
+            base = self.costs.op_time_s(op) * phases
+            # A shard's kernel still launches: only the roofline part divides.
+            launch = self.costs.launch_s(op) * phases
             for index, strategy in enumerate(strategies[op.name]):
-                seconds = base / self.tp if strategy.compute_divisor else base
+                seconds = (base - launch) / self.tp + launch if strategy.compute_divisor else base
                 if strategy.extra_comm == "loss_parallel":
                     seconds += 3 * self.costs.all_reduce_s(self._loss_parallel_bytes(op))
+                if strategy.extra_comm == "head_norm":  # priced per micro-batch: issued once a step or more
+                    seconds += sum(self.costs.all_reduce_s(nbytes) for nbytes in self._head_norm_gradients(op, ops))
                 if strategy.extra_comm == "kv_group":
                     groups, parameters = self.kv_group_modules[op.module]
-                    seconds = base / groups + sum(self.costs.all_gather_s(nbytes) + self.costs.reduce_scatter_s(nbytes)
+                    seconds = (base - launch) / groups + launch + sum(self.costs.all_gather_s(nbytes) + self.costs.reduce_scatter_s(nbytes)
                                                   for nbytes in parameters)
                 compute_terms[(op.name, index)] = seconds
                 objective.append((_units(seconds), choice[(op.name, index)]))
@@ -221,6 +236,7 @@ class IntraOpSolver:
         for source, var in all_reduce_vars.items():
             objective.append((_units(self.costs.all_reduce_s(self._bytes(by_name[source]))), var))
         self._add_layer_outputs_replicated(model, ops, strategies, choice)
+        self._add_head_norms_whole(model, ops, strategies, choice)
         model.minimize(sum(coefficient * var for coefficient, var in objective))
 
         solver = cp_model.CpSolver()
@@ -297,6 +313,21 @@ class IntraOpSolver:
                     if strategy.output != State.R:
                         model.add(choice[(op.name, k)] == 0)
 
+    def _add_head_norms_whole(self, model, ops, strategies, choice):
+        """A per-head norm module's reductions run alike: its style covers the whole module."""
+        by_module: dict[str, list[str]] = defaultdict(list)
+        for op in ops:
+            if op.name in self.head_norms and self.tp > 1:
+                by_module[op.module].append(op.name)
+        for names in by_module.values():
+            for other in names[1:]:
+                model.add(_head_norm_choice(names[0], strategies, choice) == _head_norm_choice(other, strategies, choice))
+
+    def _head_norm_gradients(self, op: "OpProfile", ops: list["OpProfile"]) -> tuple[float, ...]:
+        """Bytes of the gradients a head_norm module all-reduces, counted at its first reduction."""
+        first = next(other for other in ops if other.name in self.head_norms and other.module == op.module)
+        return self.head_norms[op.name] if first.name == op.name else ()
+
     # -- graph reading -----------------------------------------------------------------------
 
     def _strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"]) -> list[Strategy]:
@@ -322,6 +353,8 @@ class IntraOpSolver:
             return [_ALL_R]
         if any(word in op.target for word in _LOSS_TARGETS):
             return [_ALL_R, _LOSS_PARALLEL] if self._feeds_nll_only(op, by_name) else [_ALL_R]
+        if op.name in self.head_norms:
+            return [_ALL_R, _HEAD_NORM]
         if op.op_class in ("reduction", "norm") or unsplittable(op):
             return [_ALL_R]
         if op.op_class == "view":
@@ -418,6 +451,10 @@ class IntraOpSolver:
         return IntraOpSolution(layer=layer, tp=self.tp, op_strategy=op_strategy, module_style=module_style,
                                compute_s=compute, comm_s=comm, comm_events=events,
                                status=solver.status_name(status))
+
+
+def _head_norm_choice(name: str, strategies: dict, choice: dict) -> cp_model.IntVar:
+    return next(choice[(name, k)] for k, s in enumerate(strategies[name]) if s.extra_comm == "head_norm")
 
 
 def _chosen(solver: cp_model.CpSolver, choice: dict, op_name: str, strategies: dict) -> int:

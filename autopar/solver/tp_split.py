@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes
+from autopar.solver.tp_head_norms import head_norm_reductions
 from autopar.solver.tp_kv_groups import KVGroups, kv_groups, parameter_bytes
 from autopar.solver.tp_legality import IllegalSplit, TPLegality
 from cost_models.collectives import Collective, collective_time_s
@@ -25,9 +26,10 @@ from cost_models.tp_layout import ModuleTree, SPRole, after_blocks, paired_regio
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
 
-_SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel"}
-_SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel"}  # saved outputs divide by t
+_SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel", "head_norm"}
+_SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel", "head_norm"}  # saved outputs divide by t
 _PARTIAL_OUTPUT = {"rowwise", "vocab_parallel"}  # partial sums, reduced afterwards
+_WHOLE = {"replicate", "head_norm"}  # styles that keep every parameter whole
 _COLLECTIVE_OF_EVENT = {"P->R": Collective.ALL_REDUCE, "S->R": Collective.ALL_GATHER,
                         "backward all-reduce": Collective.ALL_REDUCE,
                         "kv-group weight all-gather": Collective.ALL_GATHER,
@@ -43,6 +45,9 @@ class _GroupCosts:
 
     def op_time_s(self, op) -> float:
         return op_time_s(op, self.gpu, self.dtype)
+
+    def launch_s(self, op) -> float:
+        return op_time_s(op, self.gpu, self.dtype) - op_roofline_s(op, self.gpu, self.dtype)
 
     def all_reduce_s(self, nbytes: float) -> float:
         return collective_time_s(Collective.ALL_REDUCE, nbytes, self.group)
@@ -88,6 +93,8 @@ class ILPSplitter:
         self.region_attributes: dict[tuple[str, int], dict[str, dict[str, int]]] = {}
         # tp -> the key/value projections computed by groups at that degree (None: no such attention)
         self.kv_groups: dict[int, KVGroups | None] = {}
+        # reductions of per-head norms that may run on head shards (autopar.solver.tp_head_norms)
+        self.head_norms = head_norm_reductions(profile)
 
     def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[int, tuple[float, ...]]]:
         """The layer's key/value projections offered the kv_group style at ``tp`` -> (key/value
@@ -111,7 +118,7 @@ class ILPSplitter:
         while True:
             solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s,
                                    replicated_modules=frozenset(illegal), gathered_modules=gathered,
-                                   index=self.index, kv_group_modules=kv_modules)
+                                   index=self.index, kv_group_modules=kv_modules, head_norms=self.head_norms)
             solution = solver.solve(layer_name)
             if tp <= 1:
                 return solution
@@ -191,7 +198,7 @@ class ILPSplitter:
                                  tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
         params = layer.param_count
         split_params = sum(_split_params(self.profile, module, style.value)
-                           for module, style in solution.module_style.items() if style.value != "replicate")
+                           for module, style in solution.module_style.items() if style.value not in _WHOLE)
         tied_params, tied_comm = self._tied_splits(layer, ops, solution.module_style, tp, group, gpu)
         split_params += tied_params
         styles = {module: style.value for module, style in solution.module_style.items()}

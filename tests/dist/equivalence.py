@@ -209,6 +209,24 @@ def run_cases(root: Path, wanted: set[str] | None = None) -> dict[str, Outcome]:
     return results
 
 
+def run_pinned_cases(root: Path, cases: dict[str, tuple[TinyModel, dict]]) -> dict[str, Outcome]:
+    """Plan each case (case id -> (model, `make_planner` pins)), generate it under ``root``, run
+    them grouped by world size, and collect each one's outcome (as `run_cases`)."""
+    by_world: dict[int, list[tuple[str, str, str, str]]] = {}
+    results: dict[str, Outcome] = {}
+    for case_id, (model, pins) in cases.items():
+        planner = make_planner(model, **pins)
+        plan = planner.run().plan
+        results[case_id] = Outcome(plan=plan, planner=planner)
+        out = root / case_id
+        files = generate(plan, model.path, out, optimizer=OPTIMIZER)
+        by_world.setdefault(plan.world_size, []).append(
+            (case_id, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
+    for world_size, jobs in sorted(by_world.items()):
+        _run_world(world_size, jobs, results)
+    return results
+
+
 def _run_world(world_size: int, jobs: list[tuple[str, str, str, str]], results: dict[str, Outcome]) -> None:
     """Run one world size's cases in one spawn and fill their outcomes."""
     issued = None

@@ -16,13 +16,10 @@ forward and one reduce-scatter of its gradient in backward, every micro-batch.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from autopar.codegen import generate
-from autopar.runtime import read_records, run_reference
-from tests.dist.equivalence import OPTIMIZER, STEPS, Outcome, _run_generated_cases, assert_trains_like
-from tests.dist.harness import run_ranks
-from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel, make_planner
+from autopar.runtime import run_reference
+from tests.dist.equivalence import OPTIMIZER, STEPS, Outcome, assert_trains_like, issued_by_kind, run_pinned_cases
+from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel
 
 
 def _llama(kv_heads: int) -> TinyModel:
@@ -32,38 +29,20 @@ def _llama(kv_heads: int) -> TinyModel:
                      epilogue=["model.norm", "lm_head"])
 
 
-# case -> (model, pins, ranks)
-CASES = {"kv1-tp2": (_llama(1), dict(tp=2), 2), "kv1-tp2_sp": (_llama(1), dict(tp=2, sp=True), 2),
-         "kv2-tp4": (_llama(2), dict(tp=4), 4), "kv1-dp2_tp2_zero3": (_llama(1), dict(dp=2, tp=2, zero=3), 4)}
+# case -> (model, pins)
+CASES = {"kv1-tp2": (_llama(1), dict(tp=2)), "kv1-tp2_sp": (_llama(1), dict(tp=2, sp=True)),
+         "kv2-tp4": (_llama(2), dict(tp=4)), "kv1-dp2_tp2_zero3": (_llama(1), dict(dp=2, tp=2, zero=3))}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
-    """Per case: its plan, losses, final parameters and per-rank collectives of step 2."""
-    root = tmp_path_factory.mktemp("kv_groups")
-    found: dict[str, dict] = {}
-    jobs: dict[int, list] = {}
-    for case, (model, pins, ranks) in CASES.items():
-        planner = make_planner(model, **pins)
-        plan = planner.run().plan
-        out = root / case
-        files = generate(plan, model.path, out, optimizer=OPTIMIZER)
-        found[case] = {"plan": plan, "planner": planner, "log": out / "run.jsonl", "final": out / "final.pt",
-                       "model": model}
-        jobs.setdefault(ranks, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
-    for ranks, batch in jobs.items():
-        issued = run_ranks(_run_generated_cases, ranks, batch, timeout_s=900)
-        for case, *_ in batch:
-            found[case]["issued"] = [by_case[case] for by_case in issued]
-    for run in found.values():
-        run["losses"] = [r["loss"] for r in read_records(run["log"])]
-        run["parameters"] = torch.load(run["final"], weights_only=True)
-    return found
+def runs(tmp_path_factory) -> dict[str, Outcome]:
+    """Per case: its plan, losses, final parameters and per-rank collectives of the counted step."""
+    return run_pinned_cases(tmp_path_factory.mktemp("kv_groups"), CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_computes_key_value_heads_by_group(case, runs):
-    plan, model = runs[case]["plan"], runs[case]["model"]
+    plan, model = runs[case].plan, CASES[case][0]
     for block in model.block_names:
         assert {m[len(block) + 1:]: s for m, s in plan.tp_styles.items() if m.startswith(block + ".self_attn.")} == {
             "self_attn.q_proj": "colwise", "self_attn.k_proj": "kv_group", "self_attn.v_proj": "kv_group",
@@ -78,18 +57,18 @@ def test_plan_computes_key_value_heads_by_group(case, runs):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_key_value_groups_train_like_one_process(case, runs):
-    run, model = runs[case], runs[case]["model"]
+    run, model = runs[case], CASES[case][0]
+    assert run.error is None, run.error
     reference = run_reference(model.path, model.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER)
-    assert_trains_like(run["losses"], run["parameters"], reference)
+    assert_trains_like(run.losses, run.parameters, reference)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_issues_the_priced_collectives(case, runs):
-    """One step's collectives, by kind, equal the pricer's, the key/value gradients' once-per-step
-    all-reduces among them (2 per block: k_proj's and v_proj's weights)."""
-    from tests.dist.equivalence import issued_by_kind
-
+    """One step's collectives, by kind, equal the pricer's, the key/value weights' gathers and
+    their gradients' reduce-scatters among them."""
     run = runs[case]
-    issued = issued_by_kind(Outcome(plan=run["plan"], issued=run["issued"]))
-    priced = run["planner"].pricer.issued_collectives(run["plan"].layout())
+    assert run.error is None, run.error
+    issued = issued_by_kind(run)
+    priced = run.planner.pricer.issued_collectives(run.plan.layout())
     assert issued == priced, f"{case}: issued {issued}, priced {priced}"

@@ -124,6 +124,36 @@ class KVGroupColwise(ParallelStyle):
         return module
 
 
+class HeadNorm(ParallelStyle):
+    """A norm over each attention head's features (Qwen3's ``q_norm``) on this rank's heads
+    (autopar/solver/tp_head_norms.py says why). Its parameters become replicated DTensors and
+    its input, the rank's heads, a DTensor sharded along a dim it does not normalise, so every
+    op computes on the rank's heads unchanged and the weight's gradient comes out a partial sum,
+    which `reduce_partial_gradients` (or FSDP's reduce-scatter) sums over the group. A plain
+    input gives a plain output, as the region's other ops expect."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Replicate()]),
+                                                         requires_grad=parameter.requires_grad))
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def forward_on_heads(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(x, DTensor):  # a region keeping DTensor activations: already its heads
+                if any(p.is_shard(x.ndim - 1) or p.is_shard(-1) for p in x.placements):
+                    raise ValueError(f"{type(module).__name__} normalises the dim its input is sharded along")
+                return forward(x, *args, **kwargs)
+            # The heads' dim of [batch, seq, heads, head_dim]; any dim but the last computes the
+            # same (each row is normalised on its own), only the gradient's sum over them matters.
+            heads = DTensor.from_local(x, device_mesh, [Shard(x.ndim - 2)], run_check=False)
+            out = forward(heads, *args, **kwargs)
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        module.forward = forward_on_heads
+        return module
+
+
 class WithAttributes(ParallelStyle):
     """A paired region with key/value projections computed by group whose attention repeats the
     key/value heads by a count it holds (Hugging Face's ``num_key_value_groups``): that count set

@@ -108,12 +108,18 @@ def _key_value_producers(profile: "ModelProfile") -> set[str]:
     """Modules whose forward GEMM computes, through any ops of the same layer, an attention op's
     key or value input (the first GEMM met walking up from each: rotary tables and masks come
     from other layers or from no GEMM)."""
+    return attention_producers(profile, slice(1, 3))
+
+
+def attention_producers(profile: "ModelProfile", inputs: slice = slice(0, 3)) -> set[str]:
+    """Modules whose forward GEMM computes, through any ops of the same layer, the ``inputs`` of
+    an attention op (query, key, value by default), the first GEMM met walking up from each."""
     by_name = {op.name: op for op in profile.ops if op.phase == "forward"}
     found: set[str] = set()
     for attention in by_name.values():
         if attention.op_class != "attention":
             continue
-        frontier, seen = list(attention.inputs[1:3]), set()
+        frontier, seen = list(attention.inputs[inputs]), set()
         while frontier:
             op = by_name.get(frontier.pop())
             if op is None or op.name in seen or op.layer != attention.layer:

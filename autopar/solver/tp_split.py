@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes
 from autopar.solver.tp_head_norms import head_norm_reductions
-from autopar.solver.tp_kv_groups import KVGroups, kv_groups, parameter_bytes
+from autopar.solver.tp_kv_groups import KVGroups, attention_producers, kv_groups, parameter_bytes
 from autopar.solver.tp_legality import IllegalSplit, TPLegality
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
@@ -45,9 +45,6 @@ class _GroupCosts:
 
     def op_time_s(self, op) -> float:
         return op_time_s(op, self.gpu, self.dtype)
-
-    def launch_s(self, op) -> float:
-        return op_time_s(op, self.gpu, self.dtype) - op_roofline_s(op, self.gpu, self.dtype)
 
     def all_reduce_s(self, nbytes: float) -> float:
         return collective_time_s(Collective.ALL_REDUCE, nbytes, self.group)
@@ -95,6 +92,7 @@ class ILPSplitter:
         self.kv_groups: dict[int, KVGroups | None] = {}
         # reductions of per-head norms that may run on head shards (autopar.solver.tp_head_norms)
         self.head_norms = head_norm_reductions(profile)
+        self._attention_inputs: set[str] | None = None  # modules computing an attention's inputs, found once
 
     def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[int, tuple[float, ...]]]:
         """The layer's key/value projections offered the kv_group style at ``tp`` -> (key/value
@@ -111,33 +109,60 @@ class ILPSplitter:
         """The ILP's split of the layer among splits codegen runs as priced: the class and graph
         rules first, then each solution's column-parallel modules outside a paired region gathered
         at their output (`_unpaired_columns`), then its split regions probed and, where one fails,
-        solved again without it."""
-        illegal = self.illegal.setdefault((layer_name, tp), dict(self.legality.static(layer_name, tp)))
+        solved again without it. Key/value projections computed by group left outside a paired
+        region are either ruled out, or kept with their region's output projections offered no
+        column split (so that it pairs): the cheaper of the two."""
+        key = (layer_name, tp)
+        illegal = self.illegal.setdefault(key, dict(self.legality.static(layer_name, tp)))
+        solution, self.illegal[key] = self._solve_under(layer_name, tp, group, gpu, illegal, frozenset())
+        return solution
+
+    def _solve_under(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec,
+                     illegal: dict[str, IllegalSplit], not_colwise: frozenset[str]
+                     ) -> tuple[IntraOpSolution, dict[str, IllegalSplit]]:
+        """`_solve` with ``illegal`` modules replicated and ``not_colwise`` ones offered no column
+        split: (the solution, the modules found illegal on the way)."""
+        illegal = dict(illegal)
         gathered: frozenset[str] = frozenset()
         kv_modules = self.kv_group_modules(layer_name, tp)
         while True:
             solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s,
                                    replicated_modules=frozenset(illegal), gathered_modules=gathered,
-                                   index=self.index, kv_group_modules=kv_modules, head_norms=self.head_norms)
+                                   index=self.index, kv_group_modules=kv_modules, head_norms=self.head_norms,
+                                   not_colwise=not_colwise)
             solution = solver.solve(layer_name)
             if tp <= 1:
-                return solution
+                return solution, illegal
             unpaired = self._unpaired_columns(solution) - gathered
             lone_groups = {m for m in unpaired if solution.module_style[m].value == "kv_group"}
             if lone_groups:
                 # A key/value head per group feeds the attention of its query heads only: outside
                 # a paired region nothing would read it (codegen has no gathered variant).
+                outputs = self._output_projections(lone_groups, solution) - not_colwise
+                paired = self._solve_under(layer_name, tp, group, gpu, illegal, not_colwise | outputs) \
+                    if outputs else None
                 illegal.update({m: IllegalSplit(m, "key/value groups", f"{m} computes one key/value head per "
                                                 "group, which only a paired region's attention reads")
                                 for m in lone_groups})
-                continue
+                alone = self._solve_under(layer_name, tp, group, gpu, illegal, not_colwise)
+                return min((found for found in (paired, alone) if found is not None), key=lambda f: f[0].time_s)
             if unpaired:
                 gathered |= unpaired
                 continue
             failed = self.legality.probe(layer_name, tp, {m: s.value for m, s in solution.module_style.items()})
             if not failed or set(failed) <= set(illegal):
-                return solution
+                return solution, illegal
             illegal.update(failed)
+
+    def _output_projections(self, lone_groups: set[str], solution: IntraOpSolution) -> frozenset[str]:
+        """The column-parallel linears of the lone key/value groups' regions that compute none of
+        an attention's inputs (o_proj): what would pair the region if split by rows."""
+        if self._attention_inputs is None:
+            self._attention_inputs = attention_producers(self.profile)
+        regions = {module.rpartition(".")[0] for module in lone_groups}
+        return frozenset(module for module, style in solution.module_style.items()
+                         if style.value == "colwise" and module.rpartition(".")[0] in regions
+                         and module not in self._attention_inputs)
 
     def _unpaired_columns(self, solution: IntraOpSolution) -> frozenset[str]:
         """Column-parallel modules outside a paired region (autopar.codegen.tp_plan's rule, from

@@ -177,3 +177,32 @@ def test_each_key_value_parameter_is_gathered_and_reduced_on_its_own():
     profile = SimpleNamespace(param_shapes={"a.k_proj.weight": [16, 64], "a.k_proj.bias": [16],
                                             "a.q_proj.weight": [64, 64]})
     assert parameter_bytes(profile, "a.k_proj") == (4.0 * 16, 4.0 * 16 * 64)
+
+
+def test_key_value_groups_left_unpaired_are_kept_by_pairing_the_region_when_that_is_cheaper():
+    """Granite multiplies o_proj's output by a residual multiplier, and at the zoo's widths the
+    ILP's first split gathers o_proj's column shards after it, leaving the attention unpaired and
+    its key/value groups unread. The splitter then also solves with o_proj offered no column
+    split: the region pairs (o_proj row-parallel), keeps k and v by group, and is priced below
+    the split that replicates them, which it chooses."""
+    from autopar.solver.intra_op import IntraOpSolver
+    from autopar.solver.tp_split import _GroupCosts
+    from cost_models.compute import compute_dtype
+    from tests.profiles import planner_splitter
+
+    granite = traced("../tests/zoo/models/hf_zoo.py", "fp32", 1, arch="granite", layers=2, seq_len=16)
+    block = _block(granite)
+    spec = ClusterSpec.from_config(ClusterConfig(name="t", gpu="A100-80GB", nodes=1, gpus_per_node=4))
+    costs = _GroupCosts(spec.node_gpus[0], compute_dtype(granite.precision), spec.group_links(list(range(4))))
+    splitter = planner_splitter(granite)
+    attention = f"{block}.self_attn"
+    first = IntraOpSolver(granite, costs, 4, index=splitter.index, kv_group_modules=splitter.kv_group_modules(block, 4),
+                          head_norms=splitter.head_norms).solve(block)
+    assert first.module_style[f"{attention}.o_proj"].value == "colwise"  # unpaired: the case at hand
+    styles = {m.rsplit(".", 1)[-1]: s for m, s in tp_split(granite, block, 4).styles.items() if m.startswith(attention)}
+    assert styles == {"q_proj": "colwise", "k_proj": "kv_group", "v_proj": "kv_group", "o_proj": "rowwise"}
+    whole = IntraOpSolver(granite, costs, 4, index=splitter.index, head_norms=splitter.head_norms,
+                          replicated_modules=frozenset({f"{attention}.k_proj", f"{attention}.v_proj"})).solve(block)
+    paired = IntraOpSolver(granite, costs, 4, index=splitter.index, kv_group_modules=splitter.kv_group_modules(block, 4),
+                           not_colwise=frozenset({f"{attention}.o_proj"})).solve(block)
+    assert paired.time_s < whole.time_s

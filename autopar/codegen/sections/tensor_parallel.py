@@ -81,7 +81,7 @@ class GlobalShapes(RegionStyle):
 class KVGroupColwise(ParallelStyle):
     """A key/value projection of grouped-query attention with fewer heads (``groups``) than
     tensor-parallel ranks: rank r computes head ``r // (tp / groups)``, the one its query heads
-    read (Megatron-LM's layout on local tensors; autopar/solver/tp_kv_groups.py says why).
+    read (Megatron-LM's layout, on local tensors).
 
     The weight is held split by rows over the TP group like a column-parallel weight (a
     ``Shard(0)`` DTensor: checkpoints and the optimizer see the model's tensor, each rank 1/tp of
@@ -125,9 +125,8 @@ class KVGroupColwise(ParallelStyle):
 
 
 class HeadNorm(ParallelStyle):
-    """A norm over each attention head's features (Qwen3's ``q_norm``) on this rank's heads
-    (autopar/solver/tp_head_norms.py says why). Its parameters become replicated DTensors and
-    its input, the rank's heads, a DTensor sharded along a dim it does not normalise, so every
+    """A norm over each attention head's features (Qwen3's ``q_norm``) on this rank's heads.
+    Its parameters become replicated DTensors and its input, the rank's heads, a DTensor sharded along a dim it does not normalise, so every
     op computes on the rank's heads unchanged and the weight's gradient comes out a partial sum,
     which `reduce_partial_gradients` (or FSDP's reduce-scatter) sums over the group. A plain
     input gives a plain output, as the region's other ops expect."""
@@ -157,8 +156,7 @@ class HeadNorm(ParallelStyle):
 class WithAttributes(ParallelStyle):
     """A paired region with key/value projections computed by group whose attention repeats the
     key/value heads by a count it holds (Hugging Face's ``num_key_value_groups``): that count set
-    to the query heads per rank, as the planner's probe found it runs (autopar/solver/
-    tp_legality.py), so this rank's key/value head is repeated to its own query heads. ``inner``
+    to the query heads per rank, as the planner's probe found it runs, so this rank's key/value head is repeated to its own query heads. ``inner``
     is the region's own input style, applied first."""
 
     def __init__(self, attributes: dict[str, int], inner: ParallelStyle | None = None) -> None:

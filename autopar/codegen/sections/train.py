@@ -643,8 +643,8 @@ LOOPBACK = "127.0.0.1"
 
 def join_process_group(backend: str) -> None:
     """Join the ranks torchrun started (env://). When they meet on the loopback address (a local
-    run) and rank 0 hosts the store (torchrun's own is not shared: see launch.py; `autopar run`
-    hosts it in torchrun's agent instead: autopar/runtime/loopback.py), rank 0's store
+    run) and rank 0 hosts the store (torchrun's own is not shared: see launch.sh; a launcher
+    hosting it in torchrun's agent says so in TORCHELASTIC_USE_AGENT_STORE), rank 0's store
     listens on 127.0.0.1 only: torch's env:// start would listen on every interface, open to
     anyone who can reach the machine."""
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

@@ -113,6 +113,7 @@ PLAN_BOUNDS: dict[str, Bound] = {
     "moe_imbalance": Bound(low=1),
     "expert_load": Bound(low=0, integer=True, each=True),
     "tp_fused": Bound(low=1, integer=True, each=True),
+    "tp_grouped_parts": Bound(low=0, integer=True, each=True),
 }
 PREDICTED_BOUNDS: dict[str, Bound] = {
     "step_time_s": Bound(low=0), "tokens_per_s": Bound(low=0, null="not a token model"),
@@ -164,6 +165,9 @@ class Plan:
         tp_fused: column-parallel fused projections (one linear for q, k and v, or gate and up)
             -> the global sizes of the parts the model's code cuts its output into; each rank
             holds its share of every part (autopar.solver.tp_fused).
+        tp_grouped_parts: fused projections computed by key/value group (``kv_group``: Phi-3's
+            qkv_proj at tp above its key/value heads) -> the indices of their parts that each
+            rank computes for its group (the key/value parts); the others split by tp.
         sequence_parallel: shard norms/residuals along the sequence inside TP groups.
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
         cp_strategy: ulysses (head all-to-all) or ring (K/V passed around the CP ring).
@@ -204,6 +208,7 @@ class Plan:
     tp_styles: dict[str, str] = field(default_factory=dict)
     tp_dtensor_regions: list[str] = field(default_factory=list)
     tp_fused: dict[str, list[int]] = field(default_factory=dict)
+    tp_grouped_parts: dict[str, list[int]] = field(default_factory=dict)
     tp_kv_heads: int = 0
     tp_region_attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     sequence_parallel: bool = False
@@ -354,6 +359,10 @@ class Plan:
             found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")
         if TPStyle.KV_GROUP.value in self.tp_styles.values() and (self.tp_kv_heads < 1 or self.tp % self.tp_kv_heads):
             found.append(f"kv_group styles need tp_kv_heads to divide tp={self.tp} (it is {self.tp_kv_heads})")
+        stray = sorted(module for module, indices in self.tp_grouped_parts.items()
+                       if any(index >= len(self.tp_fused.get(module, [])) for index in indices))
+        if stray:
+            found.append(f"tp_grouped_parts names parts {stray[0]} does not have in tp_fused")
         return found
 
     def with_updates(self, **changes: Any) -> "Plan":

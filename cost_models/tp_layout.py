@@ -75,12 +75,13 @@ def sp_role(kind: str, has_parameters: bool, is_region: bool) -> SPRole:
 def paired_regions(styles: dict[str, str], children: dict[str, list[str]], kind: Callable[[str], str]) -> set[str]:
     """Modules whose linear children are all split, with both column- and row-wise among them
     (Megatron's pairing: inside, the activation stays sharded); a key/value projection computing
-    its group's head (kv_group) counts as split."""
+    its group's head (kv_group) counts as column-wise (Phi-3's fused qkv_proj is the region's
+    only column-side linear)."""
     regions = set()
     for name, kids in children.items():
         linears = [c for c in kids if kind(c) == "linear"]
         chosen = {styles.get(c, "replicate") for c in linears}
-        if linears and set(SPLIT_STYLES) <= chosen <= {*SPLIT_STYLES, *COLUMN_STYLES}:
+        if linears and "rowwise" in chosen and chosen & set(COLUMN_STYLES) and chosen <= {*SPLIT_STYLES, *COLUMN_STYLES}:
             regions.add(name)
     return regions
 

@@ -158,7 +158,9 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
                                         "embedding split along the hidden dim")
             continue
         if style == "kv_group":
-            out[module] = _kv_group_style(module, in_region, parent in dtensor_regions, plan.tp_kv_heads)
+            out[module] = _kv_group_style(module, in_region, parent in dtensor_regions, plan.tp_kv_heads,
+                                          plan.tp_fused.get(module), plan.tp_grouped_parts.get(module),
+                                          facts.modules[module].transposed)
             continue
         if style == "head_norm":
             out[module] = StyleSpec("HeadNorm", (), "a norm over each head's features, on this rank's heads; its "
@@ -223,7 +225,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
 # variant of torch's two linear styles (sections/linear_like.py).
 SPLITTING_STYLES = frozenset({"ColwiseParallel", "RowwiseParallel", "TransposedColwiseParallel",
                               "TransposedRowwiseParallel", "OwnedOutput", "FusedColwise",
-                              "KVGroupColwise"})
+                              "KVGroupColwise", "FusedKVGroupColwise"})
 _TRANSPOSED = {"ColwiseParallel": "TransposedColwiseParallel", "RowwiseParallel": "TransposedRowwiseParallel"}
 
 
@@ -250,6 +252,10 @@ def _split_fused(out: dict[str, StyleSpec], fused: dict[str, list[int]]) -> dict
     permuted: dict[str, tuple[int, list[int]]] = {}
     for module, parts in fused.items():
         spec = out.get(module)
+        if spec is not None and spec.style == "FusedKVGroupColwise":  # permutes its own rows
+            permuted[f"{module}.weight"] = (0, list(parts))
+            permuted[f"{module}.bias"] = (0, list(parts))
+            continue
         if spec is None or spec.style not in ("ColwiseParallel", "TransposedColwiseParallel"):
             continue
         transposed = spec.style == "TransposedColwiseParallel"
@@ -266,17 +272,31 @@ def _split_fused(out: dict[str, StyleSpec], fused: dict[str, list[int]]) -> dict
     return permuted
 
 
-def _kv_group_style(module: str, in_region: bool, dtensor_region: bool, kv_heads: int) -> StyleSpec:
+def _kv_group_style(module: str, in_region: bool, dtensor_region: bool, kv_heads: int,
+                    parts: list[int] | None = None, grouped: list[int] | None = None,
+                    transposed: bool = False) -> StyleSpec:
     """``KVGroupColwise`` for a key/value projection the plan computes by group, where the
-    planner offers it: inside a paired region running on local tensors."""
+    planner offers it: inside a paired region running on local tensors; ``FusedKVGroupColwise``
+    for a fused projection of ``parts`` whose ``grouped`` parts are key/value heads."""
     if not in_region or dtensor_region or kv_heads < 1:
         where = ("outside a paired region" if not in_region else "in a region keeping DTensor activations"
                  if dtensor_region else "without plan.tp_kv_heads")
         raise CodegenError(f"the plan computes {module} by key/value group {where}, which the generated code cannot "
                            "run.", "re-plan with this version of autopar (its planner offers kv_group only inside "
                            "a paired region on local tensors), or pin plan.tp to a divisor of the key/value heads.")
-    return StyleSpec("KVGroupColwise", (("groups", str(kv_heads)),),
-                     "fewer key/value heads than ranks: this rank computes its group's head")
+    if parts is None:
+        return StyleSpec("KVGroupColwise", (("groups", str(kv_heads)),),
+                         "fewer key/value heads than ranks: this rank computes its group's head")
+    if not grouped or transposed:
+        raise CodegenError(f"the plan computes the fused projection {module} by key/value group "
+                           + ("with its weight stored (in, out), which the generated code does not split so."
+                              if transposed else "without naming its key/value parts (plan.tp_grouped_parts)."),
+                           "re-plan with this version of autopar, or pin plan.tp to a divisor of the key/value heads.")
+    flags = [index in grouped for index in range(len(parts))]
+    return StyleSpec("FusedKVGroupColwise", (("parts", repr(list(parts))), ("groups", str(kv_heads)),
+                                             ("grouped", repr(flags))),
+                     "a fused projection with fewer key/value heads than ranks: this rank computes its share of "
+                     "the query part and its group's key/value heads")
 
 
 def _set_region_attributes(out: dict[str, StyleSpec], attributes: dict[str, dict[str, int]]) -> None:

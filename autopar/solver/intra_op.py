@@ -180,7 +180,7 @@ class IntraOpSolver:
     def __init__(self, profile: "ModelProfile", costs: TPCosts, tp: int, time_limit_s: float = 10.0,
                  seed: int = 0, replicated_modules: frozenset[str] = frozenset(),
                  gathered_modules: frozenset[str] = frozenset(), index: "OpIndex | None" = None,
-                 kv_group_modules: dict[str, tuple[int, tuple[float, ...]]] | None = None,
+                 kv_group_modules: dict[str, tuple[float, tuple[float, ...]]] | None = None,
                  head_norms: dict[str, tuple[float, ...]] | None = None,
                  not_colwise: frozenset[str] = frozenset()):
         self.profile = profile
@@ -190,8 +190,10 @@ class IntraOpSolver:
         # Reductions of per-head norm modules -> bytes of each of the module's parameters:
         # offered head_norm beside R (autopar.solver.tp_head_norms).
         self.head_norms = head_norms or {}
-        # Key/value projections with fewer heads than ranks -> (key/value heads, bytes of each of
-        # their parameters): offered kv_group instead of a column split (autopar.solver.tp_kv_groups).
+        # Key/value projections with fewer heads than ranks -> (how many times less work a rank
+        # does: the key/value heads, more for a fused projection whose query part splits by tp;
+        # bytes of each parameter's gathered rows): offered kv_group instead of a column split
+        # (autopar.solver.tp_kv_groups).
         self.kv_group_modules = kv_group_modules or {}
         # Modules whose split the model's code cannot run (autopar.solver.tp_legality): only
         # their replicated strategy is offered, so no illegal split is ever priced.
@@ -225,8 +227,8 @@ class IntraOpSolver:
                 if strategy.extra_comm == "head_norm":  # priced per micro-batch: issued once a step or more
                     seconds += sum(self.costs.all_reduce_s(nbytes) for nbytes in self._head_norm_gradients(op, ops))
                 if strategy.extra_comm == "kv_group":
-                    groups, parameters = self.kv_group_modules[op.module]
-                    seconds = base / groups + sum(self.costs.all_gather_s(nbytes) + self.costs.reduce_scatter_s(nbytes)
+                    divisor, parameters = self.kv_group_modules[op.module]
+                    seconds = base / divisor + sum(self.costs.all_gather_s(nbytes) + self.costs.reduce_scatter_s(nbytes)
                                                   for nbytes in parameters)
                 compute_terms[(op.name, index)] = seconds
                 objective.append((_units(seconds), choice[(op.name, index)]))

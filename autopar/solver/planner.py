@@ -347,6 +347,7 @@ class Planner:
             tp_styles=self._tp_styles(scored.candidate.tp),
             tp_dtensor_regions=self._tp_dtensor_regions(scored.candidate.tp),
             tp_fused=self._tp_fused(scored.candidate.tp),
+            tp_grouped_parts=self._by_layer(self.splitter.grouped_parts, scored.candidate.tp),
             tp_kv_heads=self._tp_kv_heads(scored.candidate.tp),
             tp_region_attributes=self._tp_region_attributes(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
@@ -429,11 +430,15 @@ class Planner:
 
     def _tp_fused(self, tp: int) -> dict[str, list[int]]:
         """Fused projections split as their parts, for every layer (as `_tp_styles`)."""
+        return self._by_layer(self.splitter.fused_parts, tp)
+
+    def _by_layer(self, per_kind: dict[tuple[str, int], dict[str, list[int]]], tp: int) -> dict[str, list[int]]:
+        """A splitter's per-layer-kind module -> list, for every layer (as `_tp_styles`)."""
         found: dict[str, list[int]] = {}
         for layer in self.profile.layers:
             kind = layer.repeat_of or layer.name
-            for module, parts in sorted(self.splitter.fused_parts.get((kind, tp), {}).items()):
-                found[layer.name + module[len(kind):] if module.startswith(kind) else module] = list(parts)
+            for module, values in sorted(per_kind.get((kind, tp), {}).items()):
+                found[layer.name + module[len(kind):] if module.startswith(kind) else module] = list(values)
         return found
 
     # -- explanations --------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from cost_models.techniques import zero_stages_for
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
-    from autopar.profile import ModelProfile
+    from autopar.profile import ModelProfile, OpProfile
 
 AXES = ("tp", "cp", "pp", "dp")
 
@@ -65,7 +65,7 @@ class ModelShape:
         attention = [op for op in profile.ops if op.op_class == "attention" and op.phase == "forward"]
         if attention and len(attention[0].input_shapes) >= 2 and len(attention[0].input_shapes[0]) == 4:
             heads, head_dim = attention[0].input_shapes[0][1], attention[0].input_shapes[0][3]
-            kv_heads = attention[0].input_shapes[1][1]
+            kv_heads = _key_heads_before_repeat(profile, attention[0])
         dims: set[int] = set()
         blocks = {layer.name for layer in profile.blocks}
         for name, shape in profile.param_shapes.items():
@@ -406,3 +406,23 @@ def distinct_mesh_orders(degrees: dict[str, int], gpus_per_node: int) -> list[tu
 def _group_span(order: tuple[str, ...], axis: str, degrees: dict[str, int], gpus_per_node: int) -> tuple[int, int]:
     """(nodes spanned, ranks per node) of one group of `axis` when axes are laid out in `order`."""
     return Mesh.from_degrees(order, degrees).span(axis, gpus_per_node)
+
+
+def _key_heads_before_repeat(profile: "ModelProfile", attention: "OpProfile") -> int:
+    """The key heads an attention op reads, before the repeat Hugging Face's attention makes of
+    them (``repeat_kv``: unsqueeze, expand, reshape to the query heads): the fewest heads of a
+    ``[batch, heads, seq, head_dim]`` tensor met walking up the key input through views and
+    copies, and at the op that made it (a fused q/k/v projection shows no key width of its own)."""
+    key = attention.input_shapes[1]
+    heads = key[1]
+    by_name = {op.name: op for op in profile.ops if op.phase == "forward" and op.layer == attention.layer}
+    name = attention.inputs[1] if len(attention.inputs) > 1 else None
+    while name in by_name:
+        op = by_name[name]
+        shape = op.output_shapes[0] if op.output_shapes else []
+        if len(shape) == 4 and shape[0] == key[0] and shape[2:] == key[2:]:
+            heads = min(heads, shape[1])
+        if op.op_class not in ("view", "memory") or not op.inputs:
+            break
+        name = op.inputs[0]
+    return heads

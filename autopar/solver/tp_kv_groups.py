@@ -45,15 +45,25 @@ recomputation) and one reduce-scatter of its gradient in backward over the TP gr
 measured (tests/dist/test_kv_groups.py). The ILP weighs both when it chooses between kv_group
 and replicating the projection. The gathered weight is transient and not priced.
 
+Fused projections: Phi-3 computes q, k and v in one ``qkv_proj`` that its code cuts into
+parts (autopar.solver.tp_fused). At tp above its key/value heads the projection takes
+``kv_group`` as a whole (``FusedKVGroupColwise``, autopar/codegen/sections/fused.py): held like
+a fused column-parallel weight (rows permuted so each rank's ``Shard(0)`` share is 1/tp of
+every part), each forward gathers the key/value parts' shares in one all-gather and keeps the
+group's rows, while the query part's rows are the rank's own; priced with its work divided by
+the rows a rank computes (the query part's 1/tp and a group's head of each key/value part) and
+the gather and reduce-scatter of the key/value parts' rows only (`KVGroups.with_fused`).
+
 Where it applies: ``ModelShape.kv_grouped`` (tp > kv heads, tp a multiple of them, query heads
-divisible by tp), with the heads read from the traced SDPA op; attention written as matmuls
+divisible by tp), with the heads read from the traced SDPA op (the key's heads before the
+attention repeats them); attention written as matmuls
 (Hugging Face's eager path) shows no heads in the trace, so its projections are not offered
 ``kv_group`` and split as before.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,23 +79,63 @@ class KVGroups:
         heads: query heads of the model.
         kv_heads: key/value heads of the model (the number of groups).
         head_dim: features per head.
-        modules: FQN -> output features of each projection whose output is ``kv_heads`` heads.
+        tp: the tensor-parallel degree.
+        modules: FQN -> output features of each projection whose output is ``kv_heads`` heads,
+            or, for a fused projection (`fused`), holds such parts.
+        feeding: modules whose GEMM computes an attention's keys or values.
+        fused: fused projections (Phi-3's ``qkv_proj``) -> their parts' global sizes: a part of
+            ``kv_heads`` heads is computed by group, the others split by tp as their parts.
     """
 
     heads: int
     kv_heads: int
     head_dim: int
+    tp: int
     modules: dict[str, int]
+    feeding: frozenset[str] = frozenset()
+    fused: dict[str, list[int]] = field(default_factory=dict)
+
+    def grouped(self, module: str) -> list[bool]:
+        """Per part of ``module``'s output (one part when not fused): whether it is computed by group."""
+        parts = self.fused.get(module, [self.modules[module]])
+        return [module not in self.fused or size == self.kv_heads * self.head_dim for size in parts]
+
+    def local_parts(self, module: str) -> list[int]:
+        """Output features each rank computes, per part: one group's share of a grouped part,
+        1/tp of any other."""
+        parts = self.fused.get(module, [self.modules[module]])
+        return [size // (self.kv_heads if grouped else self.tp) for size, grouped in zip(parts, self.grouped(module))]
 
     def rows_per_rank(self, module: str) -> int:
-        """Output features each rank computes: one group's share of the module's heads."""
-        return self.modules[module] // self.kv_heads
+        """Output features each rank computes."""
+        return sum(self.local_parts(module))
+
+    def work_divisor(self, module: str) -> float:
+        """How many times less work of ``module`` each rank does than one unsplit GPU."""
+        return self.modules[module] / self.rows_per_rank(module)
+
+    def gathered_share(self, module: str) -> float:
+        """The share of ``module``'s rows that each forward gathers (its grouped parts')."""
+        parts = self.fused.get(module, [self.modules[module]])
+        return sum(size for size, grouped in zip(parts, self.grouped(module)) if grouped) / sum(parts)
+
+    def with_fused(self, fused: dict[str, list[int]]) -> "KVGroups":
+        """These groups and the fused projections of ``fused`` (FQN -> parts, split as their
+        parts: autopar.solver.tp_fused) that compute keys or values as parts of ``kv_heads``
+        heads, each part dividing by its divisor."""
+        width = self.kv_heads * self.head_dim
+        found = {module: list(parts) for module, parts in fused.items() if module in self.feeding and width in parts
+                 and all(size % (self.kv_heads if size == width else self.tp) == 0 for size in parts)}
+        if not found:
+            return self
+        return replace(self, modules={**self.modules, **{m: sum(parts) for m, parts in found.items()}},
+                       fused={**self.fused, **found})
 
 
-def kv_groups(profile: "ModelProfile", tp: int, candidates: set[str] | None = None) -> KVGroups | None:
+def kv_groups(profile: "ModelProfile", tp: int) -> KVGroups | None:
     """The key/value projections that take the ``kv_group`` style at ``tp`` (None when tp does
-    not exceed the key/value heads by a whole factor, or the model has no such attention).
-    ``candidates``: the modules the split may touch (autopar.solver.tp_legality)."""
+    not exceed the key/value heads by a whole factor, or the model has no such attention);
+    fused ones join by `KVGroups.with_fused` once their parts are known."""
     from autopar.solver.space import ModelShape
 
     shape = ModelShape.from_profile(profile)
@@ -98,10 +148,9 @@ def kv_groups(profile: "ModelProfile", tp: int, candidates: set[str] | None = No
         module, _, leaf = name.rpartition(".")
         # nn.Linear's (out, in) weight whose outputs are the key/value heads and whose inputs are
         # not, computing what the attention reads as keys or values
-        if leaf == "weight" and len(dims) == 2 and dims[0] == width and dims[1] != width and module in feeding \
-                and (candidates is None or module in candidates):
+        if leaf == "weight" and len(dims) == 2 and dims[0] == width and dims[1] != width and module in feeding:
             modules[module] = dims[0]
-    return KVGroups(shape.heads, shape.kv_heads, shape.head_dim, modules) if modules else None
+    return KVGroups(shape.heads, shape.kv_heads, shape.head_dim, tp, modules, frozenset(feeding))
 
 
 def _key_value_producers(profile: "ModelProfile") -> set[str]:
@@ -132,9 +181,11 @@ def attention_producers(profile: "ModelProfile", inputs: slice = slice(0, 3)) ->
     return found
 
 
-def parameter_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4) -> tuple[float, ...]:
+def parameter_bytes(profile: "ModelProfile", module: str, bytes_per_element: int = 4,
+                    share: float = 1.0) -> tuple[float, ...]:
     """Bytes of each of a ``kv_group`` module's parameters (its weight, and its bias where it has
-    one: Qwen2's), in name order: the forward gathers each and the backward reduce-scatters each,
-    one collective apiece (fp32 by default: the optimizer's master copy)."""
-    return tuple(float(bytes_per_element * math.prod(shape)) for name, shape in sorted(profile.param_shapes.items())
-                 if name.rpartition(".")[0] == module)
+    one: Qwen2's), in name order, times ``share`` (of a fused projection, its grouped parts'
+    rows): the forward gathers each and the backward reduce-scatters each, one collective apiece
+    (fp32 by default: the optimizer's master copy)."""
+    return tuple(float(bytes_per_element * math.prod(shape)) * share
+                 for name, shape in sorted(profile.param_shapes.items()) if name.rpartition(".")[0] == module)

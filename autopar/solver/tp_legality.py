@@ -244,7 +244,7 @@ class TPLegality:
         for module, style in styles.items():
             by_parent.setdefault(module.rpartition(".")[0], {})[module] = style
         return {parent: children for parent, children in by_parent.items()
-                if {"colwise", "rowwise"} <= set(children.values())}
+                if "rowwise" in children.values() and {"colwise", "kv_group"} & set(children.values())}
 
     def _probe_regions(self, layer: str, regions: dict[str, dict[str, str]], tp: int,
                        dtensor: set[str], attributes: dict[str, dict[str, int]]) -> dict[str, IllegalSplit]:
@@ -258,6 +258,8 @@ class TPLegality:
         if tp not in self._kv_groups:
             self._kv_groups[tp] = kv_groups(self.profile, tp)
         groups = self._kv_groups[tp]
+        if groups is not None:
+            groups = groups.with_fused(self._fused.get((layer, tp), {}))
         inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
         run = (named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
                call_model if not inputs else None)
@@ -273,19 +275,20 @@ class TPLegality:
             if len(rows) < sum(style == "kv_group" for style in linears.values()):
                 continue  # not a key/value projection of this degree (the ILP offers kv_group to no other)
             fused = {name: parts for name, parts in self._fused.get((layer, tp), {}).items()
-                     if linears.get(name) == "colwise"}
-            with linear_stand_ins(build.model, named, linears) as probed, cutting_fused(probed, fused):
-                error, local = _run_narrowed(build, probed, linears, tp, *run, group_rows=rows)
-            error = error or _folded_sequence(whole, local, self.profile.tokens_per_sample)
+                     if linears.get(name) in ("colwise", "kv_group")}
+            # a fused projection with parts computed by group: its output's parts at their local sizes
+            shares = {name: groups.local_parts(name) for name in fused if name in rows}
+            narrowed = functools.partial(_narrowed_error, build, named, linears, tp, run, rows, whole,
+                                         self.profile.tokens_per_sample, fused, shares)
+            error = narrowed()
             if error is not None and rows and groups is not None:
-                adjusted = _group_count_attribute(named[region], groups, tp, lambda: _narrowed_error(
-                    build, named, linears, tp, run, rows, whole, self.profile.tokens_per_sample))
+                adjusted = _group_count_attribute(named[region], groups, tp, narrowed)
                 if adjusted is not None:
                     attributes[region] = adjusted
                     continue
             if error is not None:
                 # Key/value heads by group run on local tensors only (tp_kv_groups says why)
-                with cutting_fused(named, fused):
+                with cutting_fused(named, fused, shares):
                     failed = "key/value projections computed by group keep local tensors" if rows else \
                         dtensor_region_error(build, named, region, linears, tp, *run)
                 if failed is None:
@@ -391,9 +394,12 @@ def _too_small_rule(profile: "ModelProfile", split_modules: set[str], tp: int) -
 
 
 def _narrowed_error(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, run: tuple,
-                    rows: dict[str, int], whole: list, seq_len: int | None) -> str | None:
-    """Why the layer fails with ``linears`` narrowed (as `TPLegality._probe_regions` runs it), or None."""
-    with linear_stand_ins(build.model, named, linears) as probed:
+                    rows: dict[str, int], whole: list, seq_len: int | None, fused: dict[str, list[int]],
+                    shares: dict[str, list[int]]) -> str | None:
+    """Why the layer fails with ``linears`` narrowed and its ``fused`` projections cut as their
+    parts (``shares``: their local sizes where not 1/tp), as `TPLegality._probe_regions` runs
+    it, or None."""
+    with linear_stand_ins(build.model, named, linears) as probed, cutting_fused(probed, fused, shares):
         error, local = _run_narrowed(build, probed, linears, tp, *run, group_rows=rows)
     return error or _folded_sequence(whole, local, seq_len)
 

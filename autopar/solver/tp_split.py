@@ -85,6 +85,9 @@ class ILPSplitter:
         # (layer, tp) -> fused projections of its solution split as their parts (column-parallel in
         # a paired region): FQN -> the parts' global sizes (autopar.solver.tp_fused)
         self.fused_parts: dict[tuple[str, int], dict[str, list[int]]] = {}
+        # (layer, tp) -> fused projections of its solution computed by key/value group -> the
+        # indices of their parts each rank computes for its group (autopar.solver.tp_kv_groups)
+        self.grouped_parts: dict[tuple[str, int], dict[str, list[int]]] = {}
         # (layer, tp) -> region -> attribute -> value the generated code sets for its key/value
         # groups (autopar.solver.tp_legality's region_attributes)
         self.region_attributes: dict[tuple[str, int], dict[str, dict[str, int]]] = {}
@@ -94,16 +97,24 @@ class ILPSplitter:
         self.head_norms = head_norm_reductions(profile)
         self._attention_inputs: set[str] | None = None  # modules computing an attention's inputs, found once
 
-    def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[int, tuple[float, ...]]]:
-        """The layer's key/value projections offered the kv_group style at ``tp`` -> (key/value
-        heads, bytes of each parameter: gathered each forward, its gradient reduce-scattered)."""
+    def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[float, tuple[float, ...]]]:
+        """The layer's key/value projections offered the kv_group style at ``tp`` -> (how many
+        times less work each rank does, bytes of each parameter's gathered rows: gathered each
+        forward, their gradient reduce-scattered). A fused projection computing keys or values
+        among its parts (Phi-3's qkv_proj) is one of them: its query part split by tp."""
+        groups = self.groups_of(layer_name, tp)
+        if groups is None:
+            return {}
+        return {module: (groups.work_divisor(module), parameter_bytes(self.profile, module,
+                                                                      share=groups.gathered_share(module)))
+                for module in groups.modules if module == layer_name or module.startswith(layer_name + ".")}
+
+    def groups_of(self, layer_name: str, tp: int) -> KVGroups | None:
+        """The key/value groups at ``tp``, with the layer's fused projections among them."""
         if tp not in self.kv_groups:
             self.kv_groups[tp] = kv_groups(self.profile, tp)
         groups = self.kv_groups[tp]
-        if groups is None:
-            return {}
-        return {module: (groups.kv_heads, parameter_bytes(self.profile, module)) for module in groups.modules
-                if module == layer_name or module.startswith(layer_name + ".")}
+        return groups.with_fused(self.legality.fused_parts(layer_name, tp)) if groups is not None else None
 
     def _solve(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> IntraOpSolution:
         """The ILP's split of the layer among splits codegen runs as priced: the class and graph
@@ -188,7 +199,11 @@ class ILPSplitter:
             regions = paired_regions(styles, self.tree.children, self.tree.kind)
             self.fused_parts[(layer_name, tp)] = {
                 module: parts for module, parts in self.legality.fused_parts(layer_name, tp).items()
-                if styles.get(module) == "colwise" and module.rpartition(".")[0] in regions}
+                if styles.get(module) in ("colwise", "kv_group") and module.rpartition(".")[0] in regions}
+            groups = self.groups_of(layer_name, tp)
+            self.grouped_parts[(layer_name, tp)] = {
+                module: [index for index, grouped in enumerate(groups.grouped(module)) if grouped]
+                for module in self.fused_parts[(layer_name, tp)] if styles[module] == "kv_group"} if groups else {}
         if "loss_parallel" in solution.op_strategy.values():
             self.loss_parallel.add((layer_name, tp))
         self._styles[(layer_name, tp, group, gpu.signature)] = self.solutions[(layer_name, tp)]

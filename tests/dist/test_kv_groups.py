@@ -2,7 +2,9 @@
 process (autopar.solver.tp_kv_groups).
 
 A Hugging Face Llama (hidden 64, 4 query heads) with 1 key/value head at tp=2 (with and without
-sequence parallelism, 2 gloo ranks) and with 2 key/value heads at tp=4 (4 gloo ranks): the plan
+sequence parallelism, 2 gloo ranks) and with 2 key/value heads at tp=4 (4 gloo ranks), and a
+Hugging Face Phi-3 at tp=4 (2 key/value heads, q, k and v one fused linear whose key/value parts
+are computed by group and whose query part splits by heads): the plan
 splits q_proj column-wise and o_proj row-wise, computes k_proj and v_proj by key/value group
 (``kv_group``: each rank its group's head, the weight split by rows and gathered each forward),
 sets the attention's repeat count to
@@ -29,9 +31,20 @@ def _llama(kv_heads: int) -> TinyModel:
                      epilogue=["model.norm", "lm_head"])
 
 
+# Hugging Face's Phi-3 at the zoo's size: q, k and v in one fused qkv_proj (2 key/value heads of 4)
+PHI3 = TinyModel(name="phi3", path=REPO / "tests" / "zoo" / "models" / "hf_zoo.py",
+                 kwargs=dict(arch="phi3", layers=2, seq_len=16), prologue=["model.embed_tokens"],
+                 container="model.layers", blocks=2, epilogue=["model.norm", "lm_head"])
+
 # case -> (model, pins)
 CASES = {"kv1-tp2": (_llama(1), dict(tp=2)), "kv1-tp2_sp": (_llama(1), dict(tp=2, sp=True)),
-         "kv2-tp4": (_llama(2), dict(tp=4)), "kv1-dp2_tp2_zero3": (_llama(1), dict(dp=2, tp=2, zero=3))}
+         "kv2-tp4": (_llama(2), dict(tp=4)), "kv1-dp2_tp2_zero3": (_llama(1), dict(dp=2, tp=2, zero=3)),
+         "phi3-tp4": (PHI3, dict(tp=4))}
+# case -> the attention's styles, the key/value heads
+ATTENTION = {case: ({"self_attn.q_proj": "colwise", "self_attn.k_proj": "kv_group", "self_attn.v_proj": "kv_group",
+                     "self_attn.o_proj": "rowwise"}, model.kwargs["kv_heads"])
+             for case, (model, _) in CASES.items() if model is not PHI3}
+ATTENTION["phi3-tp4"] = ({"self_attn.qkv_proj": "kv_group", "self_attn.o_proj": "rowwise"}, 2)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +56,13 @@ def runs(tmp_path_factory) -> dict[str, Outcome]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_computes_key_value_heads_by_group(case, runs):
     plan, model = runs[case].plan, CASES[case][0]
+    styles, kv_heads = ATTENTION[case]
     for block in model.block_names:
-        assert {m[len(block) + 1:]: s for m, s in plan.tp_styles.items() if m.startswith(block + ".self_attn.")} == {
-            "self_attn.q_proj": "colwise", "self_attn.k_proj": "kv_group", "self_attn.v_proj": "kv_group",
-            "self_attn.o_proj": "rowwise"}
-    assert plan.tp_kv_heads == model.kwargs["kv_heads"]
+        assert {m[len(block) + 1:]: s for m, s in plan.tp_styles.items() if m.startswith(block + ".self_attn.")} == styles
+    assert plan.tp_kv_heads == kv_heads
+    # Phi-3's fused projection: its key and value parts computed by group, its query part split
+    assert plan.tp_grouped_parts == ({f"{b}.self_attn.qkv_proj": [1, 2] for b in model.block_names}
+                                     if model is PHI3 else {})
     # Hugging Face repeats key/value heads by num_key_value_groups (4 / kv): set to the query
     # heads per rank, found by probing the attention module's integers by value.
     assert plan.tp_region_attributes == {f"{b}.self_attn": {"num_key_value_groups": 4 // plan.tp}

@@ -100,6 +100,11 @@ class _Attention(nn.Module):
             q, k, v = out[..., :16], out[..., 16:24], out[..., 24:]
         elif self.cut == "view":
             q, k, v = out.view(*x.shape[:-1], 4, 8)[..., :2, :].flatten(-2), out[..., 16:24], out[..., 24:]
+        elif self.cut == "slots":  # Falcon's multi-query way: heads + 2 slots, cut along them
+            slots = out.view(*x.shape[:-1], 4, 8)
+            q, k, v = slots[..., :-2, :].flatten(-2), slots[..., [-2], :].flatten(-2), slots[..., [-1], :].flatten(-2)
+        elif self.cut == "slots_summed":  # the slots read otherwise: not parts
+            q, k, v = out.view(*x.shape[:-1], 4, 8).sum(-2).repeat(1, 1, 4).split([16, 8, 8], dim=-1)
         else:
             q, k, v = out.split([16, 8, 8], dim=-1)
         b, s, _ = x.shape
@@ -109,8 +114,11 @@ class _Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
-@pytest.mark.parametrize("cut, parts", [("split", [16, 8, 8]), ("slices", [16, 8, 8]), ("view", None)])
+@pytest.mark.parametrize("cut, parts", [("split", [16, 8, 8]), ("slices", [16, 8, 8]), ("view", [16, 8, 8]),
+                                       ("slots", [16, 8, 8]), ("slots_summed", None)])
 def test_parts_are_read_from_what_the_code_does_with_the_output(cut, parts):
+    """Cuts along the last dim, or along slots of a view splitting it (a cut by whole slots),
+    give the parts; any other use of the output or of its slots gives none."""
     attention = _Attention(cut)
     assert recorded_parts(attention.qkv, lambda: attention(torch.randn(2, 3, 16))) == parts
 

@@ -162,7 +162,7 @@ def test_probe_sets_every_head_count_the_region_views_by(views_by_heads, expecte
         return None
 
     assert error() is not None
-    groups = KVGroups(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, modules={})
+    groups = KVGroups(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, tp=4, modules={})
     assert _group_count_attribute(region, groups, 4, error) == expected
     assert (region.num_heads, region.num_key_value_heads, region.num_key_value_groups) == (HEADS, KV_HEADS, 2)
 
@@ -206,3 +206,65 @@ def test_key_value_groups_left_unpaired_are_kept_by_pairing_the_region_when_that
     paired = IntraOpSolver(granite, costs, 4, index=splitter.index, kv_group_modules=splitter.kv_group_modules(block, 4),
                            not_colwise=frozenset({f"{attention}.o_proj"})).solve(block)
     assert paired.time_s < whole.time_s
+
+
+@pytest.fixture(scope="module")
+def phi3():
+    """Hugging Face's Phi-3 at the zoo's size: one fused qkv_proj of parts [32, 16, 16] (4 query
+    heads and 2 key/value heads of 8 features), cut by the attention's code with slices."""
+    return traced("../tests/zoo/models/hf_zoo.py", "fp32", 1, arch="phi3", layers=2, seq_len=16)
+
+
+def test_key_heads_are_read_before_the_attention_repeats_them(phi3):
+    """Phi-3 repeats its 2 key/value heads to the 4 query heads before SDPA, and no projection
+    shows their width (q, k and v are one fused linear): the heads come from the key tensor
+    before the repeat."""
+    from autopar.solver.space import ModelShape
+
+    shape = ModelShape.from_profile(phi3)
+    assert (shape.heads, shape.kv_heads, shape.head_dim) == (4, 2, 8)
+    assert shape.kv_grouped(4) and not shape.kv_grouped(2)
+
+
+def test_a_fused_projection_computes_its_key_value_parts_by_group(phi3):
+    """At tp=4 each rank computes 1/4 of the query part (one head) and its group's head of k and
+    of v: 24 of the 64 rows (2.67 times less work than one GPU), gathering the key/value parts'
+    rows (half the weight) each forward."""
+    from tests.profiles import planner_splitter
+
+    block = _block(phi3)
+    qkv = f"{block}.self_attn.qkv_proj"
+    groups = planner_splitter(phi3).groups_of(block, 4)
+    assert groups.fused == {qkv: [32, 16, 16]}
+    assert groups.grouped(qkv) == [False, True, True] and groups.local_parts(qkv) == [8, 8, 8]
+    assert groups.work_divisor(qkv) == pytest.approx(64 / 24) and groups.gathered_share(qkv) == 0.5
+    assert planner_splitter(phi3).kv_group_modules(block, 4)[qkv] == (pytest.approx(64 / 24), (4.0 * 64 * 32 / 2,))
+    styles = {m.rsplit(".", 1)[-1]: s for m, s in tp_split(phi3, block, 4).styles.items()}
+    assert styles == {"qkv_proj": "kv_group", "o_proj": "rowwise", "gate_up_proj": "colwise", "down_proj": "rowwise"}
+    assert planner_splitter(phi3).grouped_parts[(block, 4)] == {qkv: [1, 2]}
+    # the attention repeats its key/value head by num_key_value_groups: set to the query heads per rank
+    assert planner_splitter(phi3).region_attributes[(block, 4)] == {f"{block}.self_attn": {"num_key_value_groups": 1}}
+
+
+def test_codegen_computes_a_fused_projections_key_value_parts_by_group():
+    from autopar.codegen.errors import CodegenError
+    from autopar.codegen.tp_plan import _kv_group_style
+
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    spec = _kv_group_style(qkv, True, False, 2, [32, 16, 16], [1, 2])
+    assert spec.source() == "FusedKVGroupColwise(parts=[32, 16, 16], groups=2, grouped=[False, True, True])"
+    for grouped, transposed in ((None, False), ([1, 2], True)):
+        with pytest.raises(CodegenError, match="fused projection"):
+            _kv_group_style(qkv, True, False, 2, [32, 16, 16], grouped, transposed)
+
+
+def test_a_fused_outputs_parts_are_read_at_their_local_sizes():
+    """The region cuts the fused output by global sizes; a rank holding [8 query, 8 key, 8 value]
+    features of parts [32, 16, 16] gets each part's own 8."""
+    from autopar.codegen.sections.fused import FusedCuts, tag_fused_output
+
+    output = tag_fused_output(torch.arange(24.0).reshape(1, 24), [32, 16, 16], [8, 8, 8])
+    with FusedCuts():
+        query, key, value = output[..., :32], output[..., 32:48], output[..., 48:]
+    assert [piece.tolist()[0] for piece in (query, key, value)] == [list(map(float, range(a, a + 8)))
+                                                                   for a in (0, 8, 16)]

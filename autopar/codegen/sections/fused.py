@@ -17,17 +17,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 # In a generated folder this is checkpointing.py beside the training module.
 from autopar.codegen.sections import checkpoint as checkpointing
-from autopar.codegen.sections.tensor_parallel import RegionStyle
+from autopar.codegen.sections.tensor_parallel import RegionStyle, group_rows, partial_input
 
 FUSED_PARTS = "_fused_parts"  # attribute of a fused output: its parts' global sizes along the last dim
+FUSED_LOCAL_PARTS = "_fused_local_parts"  # and their sizes on this rank, where not 1/tp of each
 
 
 @torch.no_grad()
@@ -56,11 +58,75 @@ class FusedColwise(ParallelStyle):
         return module
 
 
-def tag_fused_output(output: Any, parts: list[int]) -> Any:
-    """``output`` (a fused projection's) marked with its parts, for `FusedCuts`."""
+def tag_fused_output(output: Any, parts: list[int], local_parts: list[int] | None = None) -> Any:
+    """``output`` (a fused projection's) marked with its parts, for `FusedCuts`, and with their
+    sizes on this rank where they are not 1/tp of each (key/value parts computed by group)."""
     if isinstance(output, torch.Tensor):
         setattr(output, FUSED_PARTS, parts)
+        setattr(output, FUSED_LOCAL_PARTS, local_parts)
     return output
+
+
+class FusedKVGroupColwise(ParallelStyle):
+    """A fused projection (Phi-3's ``qkv_proj``) whose key/value parts (``grouped``) have fewer
+    heads (``groups``) than tensor-parallel ranks: rank r computes its 1/tp share of each other
+    part (the query heads) and, of each grouped part, the head of its group ``r // (tp /
+    groups)``, as `KVGroupColwise` does for a key/value projection of its own.
+
+    Held as `FusedColwise` holds a fused weight: rows permuted so that rank r's ``Shard(0)``
+    share is 1/tp of every part. Each forward gathers the grouped parts' shares over the group
+    in one collective and keeps its group's rows (the backward reduce-scatters their gradient);
+    the other parts' rows are this rank's own. The output is tagged with the parts' global and
+    local sizes, so the region's cuts by global sizes read this rank's share of each
+    (`FusedCuts`)."""
+
+    def __init__(self, *, parts: list[int], groups: int, grouped: list[bool]) -> None:
+        super().__init__()
+        self.parts, self.groups, self.grouped = list(parts), groups, list(grouped)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        if tp % self.groups or any(size % (self.groups if grouped else tp)
+                                   for size, grouped in zip(self.parts, self.grouped)):
+            raise ValueError(f"a fused projection of parts {self.parts} cannot be computed in {self.groups} key/value "
+                             f"groups over {tp} ranks")
+        permute_output_rows(module, self.parts, tp, 0)
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Shard(0)]),
+                                                         requires_grad=parameter.requires_grad))
+        group = device_mesh.get_local_rank() // (tp // self.groups)
+        local_parts = [size // self.groups if grouped else size // tp for size, grouped in zip(self.parts, self.grouped)]
+        # The grouped parts' shares are gathered in one collective: rank j's block of the gathered
+        # rows holds its share of each grouped part in turn; a part's group rows are the shares
+        # of the group's ranks, in rank order.
+        block = sum(size // tp for size, grouped in zip(self.parts, self.grouped) if grouped)
+        ranks = range(group * (tp // self.groups), (group + 1) * (tp // self.groups))
+        offsets, offset = [], 0
+        for size, grouped in zip(self.parts, self.grouped):
+            offsets.append(offset)
+            offset += size // tp if grouped else 0
+        group_indices = {index: torch.tensor([rank * block + offsets[index] + row for rank in ranks
+                                              for row in range(size // tp)])
+                         for index, (size, grouped) in enumerate(zip(self.parts, self.grouped)) if grouped}
+
+        wanted = torch.cat(list(group_indices.values()))
+        starts = [sum(size // tp for size in self.parts[:index]) for index in range(len(self.parts))]
+
+        def rows_of(parameter: DTensor) -> torch.Tensor:
+            share = parameter.to_local()
+            own = [share.narrow(0, start, size // tp) for start, size in zip(starts, self.parts)]
+            kept = group_rows(torch.cat([own[index] for index in group_indices]), device_mesh,
+                              wanted.to(share.device))
+            grouped = dict(zip(group_indices, kept.split([local_parts[index] for index in group_indices])))
+            return torch.cat([grouped.get(index, piece) for index, piece in enumerate(own)])
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            bias = None if module.bias is None else rows_of(module.bias)
+            output = F.linear(partial_input(x, device_mesh), rows_of(module.weight), bias)
+            return tag_fused_output(output, self.parts, local_parts)
+
+        module.forward = forward
+        return module
 
 
 class CutsFused(RegionStyle):
@@ -89,7 +155,8 @@ class FusedCuts(TorchFunctionMode):
         cut = requested_cut(func, tensor, args[1:], kwargs, sum(parts))
         if cut is None:
             return func(*args, **kwargs)
-        pieces = [_share(tensor, parts, start, stop) for start, stop in cut.bounds]
+        local_parts = getattr(tensor, FUSED_LOCAL_PARTS, None)
+        pieces = [_share(tensor, parts, start, stop, local_parts) for start, stop in cut.bounds]
         return tuple(pieces) if cut.many else pieces[0]
 
 
@@ -139,15 +206,20 @@ def requested_cut(func: Callable, tensor: torch.Tensor, rest: tuple, kwargs: dic
     return None
 
 
-def _share(tensor: torch.Tensor, parts: list[int], start: int, stop: int) -> torch.Tensor:
-    """This rank's share of the part spanning global [start, stop) of the fused output."""
+def _share(tensor: torch.Tensor, parts: list[int], start: int, stop: int,
+           local_parts: list[int] | None = None) -> torch.Tensor:
+    """This rank's share of the part spanning global [start, stop) of the fused output (1/tp of
+    each part, or the part's size in ``local_parts``)."""
     bounds = [(sum(parts[:index]), sum(parts[:index + 1])) for index in range(len(parts))]
     if (start, stop) not in bounds:
         raise FusedCutError(f"a fused projection of parts {parts} cut at [{start}, {stop}), which is not one "
                             "of its parts")
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    tp = sum(parts) // local.shape[-1]  # each part's share is 1/tp of it, in the parts' order
-    piece = local.narrow(-1, start // tp, (stop - start) // tp)
+    if local_parts is None:
+        tp = sum(parts) // local.shape[-1]  # each part's share is 1/tp of it, in the parts' order
+        local_parts = [size // tp for size in parts]
+    index = bounds.index((start, stop))
+    piece = local.narrow(-1, sum(local_parts[:index]), local_parts[index])
     if isinstance(tensor, DTensor):
         return DTensor.from_local(piece, tensor.device_mesh, tensor.placements, run_check=False)
     return piece

@@ -107,21 +107,32 @@ class KVGroupColwise(ParallelStyle):
             module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Shard(0)]),
                                                          requires_grad=parameter.requires_grad))
 
-        def group_rows(parameter: DTensor) -> torch.Tensor:
-            # A copy of the group's rows: the linear saves it for backward, and a view would keep
-            # the whole gathered weight alive until then.
-            whole = parameter.redistribute(device_mesh, [Replicate()])
-            return whole.to_local(grad_placements=[Partial()])[rows].clone()
-
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            local = x.to_local(grad_placements=[Partial()])
-            bias = None if module.bias is None else group_rows(module.bias)
-            return F.linear(local, group_rows(module.weight), bias)
+            bias = None if module.bias is None else group_rows(module.bias, device_mesh, rows)
+            return F.linear(partial_input(x, device_mesh), group_rows(module.weight, device_mesh, rows), bias)
 
         module.forward = forward
         return module
+
+
+def group_rows(rows_shard: torch.Tensor, device_mesh: DeviceMesh, rows: slice | torch.Tensor) -> torch.Tensor:
+    """``rows`` of a tensor held split by rows over ``device_mesh`` (a ``Shard(0)`` DTensor, or
+    this rank's plain share of it), gathered: autograd's backward reduce-scatters their gradient,
+    summing what each rank computed with them. A copy: the linear saves it for backward, and a
+    view would keep the whole gathered tensor alive until then."""
+    if not isinstance(rows_shard, DTensor):
+        rows_shard = DTensor.from_local(rows_shard, device_mesh, [Shard(0)], run_check=False)
+    whole = rows_shard.redistribute(device_mesh, [Replicate()])
+    return whole.to_local(grad_placements=[Partial()])[rows].clone()
+
+
+def partial_input(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """A linear's input as a local tensor whose gradient is partial, as a column-parallel
+    linear's: a replicated DTensor input sums it with its region's other projections' in one
+    all-reduce, and a plain input is all-reduced here."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+    return x.to_local(grad_placements=[Partial()])
 
 
 class HeadNorm(ParallelStyle):

@@ -44,23 +44,22 @@ def head_norm_reductions(profile: "ModelProfile") -> dict[str, tuple[float, ...]
     if not shape.head_dim or not shape.heads:
         return {}
     head_counts = {shape.heads, shape.kv_heads or shape.heads}
-    found: dict[str, tuple[float, ...]] = {}
-    for op in profile.ops:
-        if op.phase != "forward" or op.op_class not in ("reduction", "norm") or op.module is None:
-            continue
-        parameters = _per_head_parameters(profile, op.module, shape.head_dim)
-        if parameters and _reduces_head_features(op, shape.head_dim, head_counts):
-            found[op.name] = parameters
-    return found
+    norms = _per_head_norms(profile, shape.head_dim)
+    return {op.name: norms[op.module] for op in profile.ops
+            if op.phase == "forward" and op.op_class in ("reduction", "norm") and op.module in norms
+            and _reduces_head_features(op, shape.head_dim, head_counts)}
 
 
-def _per_head_parameters(profile: "ModelProfile", module: str, head_dim: int) -> tuple[float, ...]:
-    """Bytes of each parameter of ``module`` when all of them are its own vectors of ``head_dim``
-    (none of a sub-module's); () otherwise."""
-    shapes = [(name, dims) for name, dims in sorted(profile.param_shapes.items()) if name.startswith(module + ".")]
-    if not shapes or any(name.rpartition(".")[0] != module or list(dims) != [head_dim] for name, dims in shapes):
-        return ()
-    return tuple(4.0 * math.prod(dims) for _, dims in shapes)
+def _per_head_norms(profile: "ModelProfile", head_dim: int) -> dict[str, tuple[float, ...]]:
+    """Module -> bytes of each of its parameters, for the modules whose parameters are all their
+    own vectors of ``head_dim`` (a module whose sub-modules hold parameters is none of them)."""
+    direct: dict[str, list[tuple[str, list[int]]]] = {}
+    for name, dims in sorted(profile.param_shapes.items()):
+        direct.setdefault(name.rpartition(".")[0], []).append((name, list(dims)))
+    # modules above a parameter holder: their sub-modules hold parameters
+    above = {holder.rsplit(".", depth)[0] for holder in direct for depth in range(1, holder.count(".") + 1)}
+    return {module: tuple(4.0 * math.prod(dims) for _, dims in shapes) for module, shapes in direct.items()
+            if module not in above and all(dims == [head_dim] for _, dims in shapes)}
 
 
 def _reduces_head_features(op: "OpProfile", head_dim: int, head_counts: set[int]) -> bool:

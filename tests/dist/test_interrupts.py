@@ -60,6 +60,15 @@ def test_run_says_a_rank_death_its_restart_a_resume_and_a_skipped_checkpoint(dp2
     assert f"resumed from step 4 (checkpoint {folder / 'checkpoints' / 'step_4'})" in out
 
 
+def _signal_masks(pid: int) -> str:
+    """The signals ``pid`` blocks, ignores and catches, as /proc writes them (for a failure's message)."""
+    try:
+        return " ".join(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError:
+        return "(gone)"
+
+
 def _session(sid: int) -> list[int]:
     """The processes of session ``sid`` still alive (zombies are dead: they only await their reaping)."""
     alive = []
@@ -152,9 +161,10 @@ def test_ctrl_c_during_compile_exits_130_and_leaves_nothing(tmp_path, when, grou
     try:
         _wait_for(lambda: when(tmp_path) or cli.poll() is not None, 240, when.__name__)
         assert cli.poll() is None, (tmp_path / "cli.out").read_text()[-3000:]
+        masks = _signal_masks(cli.pid)
         os.killpg(cli.pid, signal.SIGINT) if group else cli.send_signal(signal.SIGINT)
         _wait_for(lambda: cli.poll() is not None, 120, "the CLI to end")
-        assert cli.returncode == 130, (tmp_path / "cli.out").read_text()[-3000:]
+        assert cli.returncode == 130, f"{masks}\n" + (tmp_path / "cli.out").read_text()[-3000:]
         _wait_for(lambda: not _session(cli.pid), 30, "the proof's processes to end")
         assert not (tmp_path / "out").exists()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["cli.out", "tmp"]  # no .autopar-staging.*

@@ -90,7 +90,16 @@ def _start(command: list[str], tmp_path: Path) -> subprocess.Popen:
     temp.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp)}
     return subprocess.Popen([sys.executable, "-m", "autopar.cli", *command], cwd=tmp_path, env=env,
-                            stdout=(tmp_path / "cli.out").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=(tmp_path / "cli.out").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT with its default action and unblocked, as a shell starts a foreground command: a
+    child inherits both from this test process, whose state earlier tests in the same worker may
+    have changed (the compile test got neither signal twice in full suite runs, never alone)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _wait_for(condition, timeout_s: float, what: str) -> None:

@@ -25,9 +25,10 @@ from cost_models.layout import TPStyle
 DTENSOR_MODULE_HOST_S = 1.92e-3  # seconds per DTensor module per micro-batch, forward + backward
 
 # Styles whose module runs on DTensors (torch's Colwise/RowwiseParallel and their embedding
-# forms); a key/value group computes on plain local tensors.
+# forms, and a per-head norm on the rank's heads, as a sequence-parallel norm on its slice); a
+# key/value group computes on plain local tensors.
 DTENSOR_STYLES = frozenset({TPStyle.COLWISE.value, TPStyle.ROWWISE.value, TPStyle.VOCAB_PARALLEL.value,
-                            TPStyle.HIDDEN_PARALLEL.value})
+                            TPStyle.HIDDEN_PARALLEL.value, TPStyle.HEAD_NORM.value})
 FORWARD_SHARE = 0.5  # forward and backward each dispatch about half (an op and its backward)
 
 

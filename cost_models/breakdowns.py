@@ -85,7 +85,7 @@ class Breakdowns:
             time_breakdown=self._time_breakdown(layout, problem, partition, slowest, stages),
             dp_sync_algorithm=self._dp_algorithm(layout),
             device_time_s=partition.device_time_s, device_memory_bytes=partition.device_memory_bytes,
-            stages=[[self.layers[l].name for l in stage] for stage in stages],
+            stages=[[self.layers[index].name for index in stage] for stage in stages],
             recompute=[problem.option_names[o] for o in partition.options], fits=fits,
             stage_details=self._stage_details(layout, problem, partition, stages),
             stage_timings=self._stage_timings(layout, problem, partition, stages))
@@ -107,20 +107,20 @@ class Breakdowns:
         return self.dp_sync_cost(layout, params * self.grads_bytes).algorithm.value
 
     def _device_layers(self, layout: ParallelLayout, stages: list[list[int]], device: int) -> list[int]:
-        return [l for j, stage in enumerate(stages) if j % layout.pp == device for l in stage]
+        return [index for j, stage in enumerate(stages) if j % layout.pp == device for index in stage]
 
     def _memory_breakdown(self, layout, problem, partition, device, stages) -> dict[str, int]:
         reference = self._device_facts(layout)[0]
         states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "compute_copy": 0.0}
-        for l in self._device_layers(layout, stages, device):
-            layer = self.layers[l]
+        for index in self._device_layers(layout, stages, device):
+            layer = self.layers[index]
             s = self._states(layer, self.split(layer.name, layout, reference), layout)
             states["params"] += s.params_bytes
             states["grads"] += s.grads_bytes
             states["optimizer"] += s.optimizer_bytes
             states["compute_copy"] += s.compute_copy_bytes
-        activations = sum(problem.in_flight[device] * problem.activation_bytes[l][partition.options[l]]
-                          for l in self._device_layers(layout, stages, device))
+        activations = sum(problem.in_flight[device] * problem.activation_bytes[index][partition.options[index]]
+                          for index in self._device_layers(layout, stages, device))
         memory = min(g.memory_bytes for g in self.pp_rank_gpus(layout)[device])
         copy = states.pop("compute_copy")
         return {**{k: int(v) for k, v in states.items()}, "activations": int(activations),
@@ -135,8 +135,8 @@ class Breakdowns:
         time_rows = self.time_parts_rows(layout, reference)
         speed = problem.speed_of(device)
         parts = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm"), 0.0)
-        for l in self._device_layers(layout, stages, device):
-            for name, seconds in time_rows[l][partition.options[l]].items():
+        for index in self._device_layers(layout, stages, device):
+            for name, seconds in time_rows[index][partition.options[index]].items():
                 parts[name] += m * seconds * speed
         parts["pp_comm"] = m * speed * sum(problem.send_s[stage[-1]] for j, stage in enumerate(stages)
                                            if j % layout.pp == device and j < len(stages) - 1)
@@ -155,7 +155,7 @@ class Breakdowns:
         pp_gpus = self.pp_rank_gpus(layout)
         per_step = self._per_step_by_device(layout, problem, stages)
         return [{"pp_rank": d, "gpu": sorted({g.name for g in pp_gpus[d]}),
-                 "layers": [self.layers[l].name for l in self._device_layers(layout, stages, d)],
+                 "layers": [self.layers[index].name for index in self._device_layers(layout, stages, d)],
                  "time_per_micro_batch_s": partition.device_time_s[d],
                  "memory_bytes": partition.device_memory_bytes[d],
                  "capacity_bytes": problem.capacity_bytes[d],
@@ -170,8 +170,8 @@ class Breakdowns:
         result = []
         for d in range(layout.pp):
             totals = {"optimizer": 0.0, "dp_comm": 0.0, "tp_comm": 0.0}
-            for l in self._device_layers(layout, stages, d):
-                for name, seconds in rows[l].items():
+            for index in self._device_layers(layout, stages, d):
+                for name, seconds in rows[index].items():
                     totals[name] += seconds * problem.speed_of(d)
             result.append(totals)
         return result
@@ -187,10 +187,10 @@ class Breakdowns:
         for j, stage in enumerate(stages):
             speed = problem.speed_of(j % layout.pp)
             forward = backward = 0.0
-            for l in stage:
-                layer, option = self.layers[l], partition.options[l]
-                recompute = rows[l][option]["recompute"] * speed
-                rest = problem.time_s[l][option] * speed - recompute
+            for index in stage:
+                layer, option = self.layers[index], partition.options[index]
+                recompute = rows[index][option]["recompute"] * speed
+                rest = problem.time_s[index][option] * speed - recompute
                 flops = layer.flops_forward + layer.flops_backward
                 share = layer.flops_forward / flops if flops else 1 / 3
                 forward += share * rest

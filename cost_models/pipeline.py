@@ -159,13 +159,13 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
     for j, layers in enumerate(stages):
         device = j % problem.devices
         speed = problem.speed_of(device)
-        device_units[device] += sum(time_units(speed * problem.time_s[l][options[l]]) for l in layers)
+        device_units[device] += sum(time_units(speed * problem.time_s[layer][options[layer]]) for layer in layers)
         if j < problem.num_stages - 1:
             device_units[device] += time_units(speed * problem.send_s[layers[-1]])
         if problem.per_step_s:
-            per_step_units[device] += sum(time_units(speed * problem.per_step_s[l]) for l in layers)
-        for l in layers:
-            layer_bytes = problem.static_bytes[l] + problem.in_flight[device] * problem.activation_bytes[l][options[l]]
+            per_step_units[device] += sum(time_units(speed * problem.per_step_s[layer]) for layer in layers)
+        for layer in layers:
+            layer_bytes = problem.static_bytes[layer] + problem.in_flight[device] * problem.activation_bytes[layer][options[layer]]
             device_mib[device] += mib_up(layer_bytes)
             device_bytes[device] += int(layer_bytes)
     if any(used > mib_down(cap) for used, cap in zip(device_mib, problem.capacity_bytes)):

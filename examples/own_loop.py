@@ -53,4 +53,7 @@ if __name__ == "__main__":
     parameters = training.full_parameters()
     if args.save_final and dist.get_rank() == 0:
         torch.save(parameters, args.save_final)
+    # Every rank past its last collective before any tears the group down: gloo aborts a process
+    # whose peer exits while a transfer is still winding down.
+    dist.barrier()
     dist.destroy_process_group()

@@ -46,7 +46,7 @@ def brute_force_partition(problem: PartitionProblem, allowed_starts: set[int] | 
     layer, priced by `evaluate`: the oracle the stage-partition ILP is checked against."""
     L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
     best: Partition | None = None
-    positions = [l for l in range(1, L) if allowed_starts is None or l in allowed_starts]
+    positions = [start for start in range(1, L) if allowed_starts is None or start in allowed_starts]
     for cuts in itertools.combinations(positions, P - 1):
         starts = [0, *cuts]
         for chosen in itertools.product(range(options), repeat=L):

@@ -34,17 +34,17 @@ class BlockRun:
 
 def find_block_run(problem: PartitionProblem) -> BlockRun | None:
     """The longest run of layers with identical prices (time, memory, send, per-step)."""
-    def key(l: int) -> tuple:
-        return (tuple(problem.time_s[l]), tuple(problem.activation_bytes[l]), problem.static_bytes[l],
-                problem.send_s[l], problem.per_step_s[l] if problem.per_step_s else 0.0)
+    def key(layer: int) -> tuple:
+        return (tuple(problem.time_s[layer]), tuple(problem.activation_bytes[layer]), problem.static_bytes[layer],
+                problem.send_s[layer], problem.per_step_s[layer] if problem.per_step_s else 0.0)
 
     best = BlockRun(0, 0)
     start = 0
-    for l in range(1, problem.num_layers + 1):
-        if l == problem.num_layers or key(l) != key(start):
-            if l - start > best.count:
-                best = BlockRun(start, l - start)
-            start = l
+    for layer in range(1, problem.num_layers + 1):
+        if layer == problem.num_layers or key(layer) != key(start):
+            if layer - start > best.count:
+                best = BlockRun(start, layer - start)
+            start = layer
     return best if best.count >= 2 else None
 
 
@@ -70,7 +70,7 @@ class BlockPartitioner:
         # cost term (its time and memory are sums over its blocks), so only totals are decided.
         n = [model.new_int_var(0, K, f"n[{d}]") for d in range(p)]
         k = [[model.new_int_var(0, K, f"k[{d},{r}]") for r in range(options)] for d in range(p)]
-        y = {l: [model.new_bool_var(f"y[{l},{r}]") for r in range(options)] for l in prefix + suffix}
+        y = {layer: [model.new_bool_var(f"y[{layer},{r}]") for r in range(options)] for layer in prefix + suffix}
         empty_first = model.new_bool_var("first_stage_without_blocks")
         empty_last = model.new_bool_var("last_stage_without_blocks")
         if not prefix:
@@ -117,12 +117,12 @@ class BlockPartitioner:
             else:
                 device_time[d].append(senders * block_send)
             edge_layers = (prefix if d == 0 else []) + (suffix if d == (P - 1) % p else [])
-            for l in edge_layers:
-                device_time[d] += [time_units(speed * problem.time_s[l][r]) * y[l][r] for r in range(options)]
-                memory[d] += [mib_up(problem.static_bytes[l] + problem.in_flight[d] * problem.activation_bytes[l][r])
-                              * y[l][r] for r in range(options)]
+            for layer in edge_layers:
+                device_time[d] += [time_units(speed * problem.time_s[layer][r]) * y[layer][r] for r in range(options)]
+                memory[d] += [mib_up(problem.static_bytes[layer] + problem.in_flight[d] * problem.activation_bytes[layer][r])
+                              * y[layer][r] for r in range(options)]
                 if problem.per_step_s:
-                    per_step[d].append(time_units(speed * problem.per_step_s[l]))
+                    per_step[d].append(time_units(speed * problem.per_step_s[layer]))
 
         horizon = 10**15
         slowest = model.new_int_var(0, horizon, "slowest")
@@ -160,8 +160,8 @@ class BlockPartitioner:
                 counts[j] = total // len(chunks) + (1 if position < total % len(chunks) else 0)
         options_left = [[solver.value(var) for var in k[d]] for d in range(p)]
         starts, chosen = [0], [0] * problem.num_layers
-        for l in prefix + suffix:
-            chosen[l] = next(r for r, var in enumerate(y[l]) if solver.value(var))
+        for layer in prefix + suffix:
+            chosen[layer] = next(r for r, var in enumerate(y[layer]) if solver.value(var))
         position = run.first
         for j in range(P):
             if j > 0:

@@ -51,11 +51,11 @@ def longest_identical_run(time_s: list[list[float]]) -> tuple[int, float]:
     cached = _LONGEST_RUN.get(id(time_s))
     if cached is None or cached[0] is not time_s:
         best, start = (0, 0.0), 0
-        for l in range(1, len(time_s) + 1):
-            if l == len(time_s) or time_s[l] != time_s[start]:
-                if l - start > best[0]:
-                    best = (l - start, min(time_s[start]))
-                start = l
+        for layer in range(1, len(time_s) + 1):
+            if layer == len(time_s) or time_s[layer] != time_s[start]:
+                if layer - start > best[0]:
+                    best = (layer - start, min(time_s[start]))
+                start = layer
         cached = (time_s, *best)
         _LONGEST_RUN[id(time_s)] = cached
     return cached[1], cached[2]
@@ -98,11 +98,11 @@ def _floor_summary(layer_s: list[float]) -> tuple[float, int, float]:
     cached = _FLOOR_SUMMARIES.get(id(layer_s))
     if cached is None or cached[0] is not layer_s:
         longest, value, start = 0, 0.0, 0
-        for l in range(1, len(layer_s) + 1):
-            if l == len(layer_s) or layer_s[l] != layer_s[start]:
-                if l - start > longest:
-                    longest, value = l - start, layer_s[start]
-                start = l
+        for layer in range(1, len(layer_s) + 1):
+            if layer == len(layer_s) or layer_s[layer] != layer_s[start]:
+                if layer - start > longest:
+                    longest, value = layer - start, layer_s[start]
+                start = layer
         cached = (layer_s, sum(layer_s), longest, value)
         _FLOOR_SUMMARIES[id(layer_s)] = cached
     return cached[1], cached[2], cached[3]
@@ -147,12 +147,13 @@ def block_lower_bound_s(problem: PartitionProblem, run: "BlockRun") -> float:
     for d in range(p):
         edges = (list(prefix) if d == 0 else []) + (list(suffix) if d == (P - 1) % p else [])
         in_flight = problem.in_flight[d]
-        edge_bytes = sum(problem.static_bytes[l] + in_flight * min(problem.activation_bytes[l]) for l in edges)
+        edge_bytes = sum(problem.static_bytes[layer] + in_flight * min(problem.activation_bytes[layer])
+                         for layer in edges)
         budget = problem.capacity_bytes[d] - problem.overhead_bytes[d] - edge_bytes
         if budget < 0:
             return math.inf
         senders = v - (1 if d == p - 1 else 0) if P > 1 else 0
-        fixed = sum(min(problem.time_s[l]) for l in edges) + senders * block_send
+        fixed = sum(min(problem.time_s[layer]) for layer in edges) + senders * block_send
         speed = problem.speed_of(d)
         row = [speed * fixed]
         for n in range(1, K + 1):

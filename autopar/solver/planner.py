@@ -307,10 +307,14 @@ class Planner:
                        f"{theirs.extrapolated_share:.0%} slower at its pessimistic value")
 
     def _layout(self, scored: Scored) -> ParallelLayout:
+        return layout_of(scored.candidate, *self._named_partition(scored))
+
+    def _named_partition(self, scored: Scored) -> tuple[list[list[str]], dict[str, str]]:
+        """The partition's stages and each layer's recomputation, by layer name."""
         names = [layer.name for layer in self.profile.layers]
-        stages = [[names[l] for l in stage] for stage in scored.partition.stages(len(names))]
-        recompute = {names[l]: self.pricer.recompute_options[o] for l, o in enumerate(scored.partition.options)}
-        return layout_of(scored.candidate, stages, recompute)
+        stages = [[names[at] for at in stage] for stage in scored.partition.stages(len(names))]
+        options = self.pricer.recompute_options
+        return stages, {name: options[option] for name, option in zip(names, scored.partition.options)}
 
     @staticmethod
     def _summary(scored: Scored) -> str:
@@ -330,9 +334,7 @@ class Planner:
 
     def to_plan(self, scored: Scored, result: SearchResult) -> tuple[Plan, Estimate]:
         names = [layer.name for layer in self.profile.layers]
-        stages = [[names[l] for l in stage] for stage in scored.partition.stages(len(names))]
-        options = self.pricer.recompute_options
-        recompute = {names[l]: options[o] for l, o in enumerate(scored.partition.options)}
+        stages, recompute = self._named_partition(scored)
         layout = layout_of(scored.candidate, stages, recompute)
         estimate = self.pricer.estimate(layout)
         interval = self.interval(scored)

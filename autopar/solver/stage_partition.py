@@ -130,49 +130,50 @@ class StagePartitioner:
         self.work_s += solver.deterministic_time
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return unresolved(problem, solver, status)
-        starts = [l for l in range(L) if l == 0 or any(solver.value(last[(l - 1, j)]) for j in range(P - 1))]
-        chosen = [next(r for j in range(P) for r in range(options) if solver.value(w[(l, j, r)]))
-                  for l in range(L)]
+        starts = [layer for layer in range(L)
+                  if layer == 0 or any(solver.value(last[(layer - 1, j)]) for j in range(P - 1))]
+        chosen = [next(r for j in range(P) for r in range(options) if solver.value(w[(layer, j, r)]))
+                  for layer in range(L)]
         return priced_solution(problem, starts, chosen, solver, status)
 
     def _add_assignment(self, model, problem, L, P, options):
-        x = {(l, j): model.new_bool_var(f"x[{l},{j}]") for l in range(L) for j in range(P)}
-        y = {(l, r): model.new_bool_var(f"y[{l},{r}]") for l in range(L) for r in range(options)}
+        x = {(layer, j): model.new_bool_var(f"x[{layer},{j}]") for layer in range(L) for j in range(P)}
+        y = {(layer, r): model.new_bool_var(f"y[{layer},{r}]") for layer in range(L) for r in range(options)}
         w = {}
-        for l in range(L):
-            model.add_exactly_one(x[(l, j)] for j in range(P))
-            model.add_exactly_one(y[(l, r)] for r in range(options))
+        for layer in range(L):
+            model.add_exactly_one(x[(layer, j)] for j in range(P))
+            model.add_exactly_one(y[(layer, r)] for r in range(options))
             for j in range(P):
                 for r in range(options):
-                    var = model.new_bool_var(f"w[{l},{j},{r}]")
-                    model.add_multiplication_equality(var, [x[(l, j)], y[(l, r)]])
-                    w[(l, j, r)] = var
-                model.add(sum(w[(l, j, r)] for r in range(options)) == x[(l, j)])
+                    var = model.new_bool_var(f"w[{layer},{j},{r}]")
+                    model.add_multiplication_equality(var, [x[(layer, j)], y[(layer, r)]])
+                    w[(layer, j, r)] = var
+                model.add(sum(w[(layer, j, r)] for r in range(options)) == x[(layer, j)])
         # last[l, j]: layer l is the last layer of stage j (it sends to stage j + 1).
         last = {}
-        for l in range(L - 1):
+        for layer in range(L - 1):
             for j in range(P - 1):
-                var = model.new_bool_var(f"last[{l},{j}]")
-                model.add_multiplication_equality(var, [x[(l, j)], x[(l + 1, j + 1)]])
-                last[(l, j)] = var
+                var = model.new_bool_var(f"last[{layer},{j}]")
+                model.add_multiplication_equality(var, [x[(layer, j)], x[(layer + 1, j + 1)]])
+                last[(layer, j)] = var
         return x, w, last
 
     def _add_contiguity(self, model, x, last, L, P):
-        stage = [sum(j * x[(l, j)] for j in range(P)) for l in range(L)]
+        stage = [sum(j * x[(layer, j)] for j in range(P)) for layer in range(L)]
         model.add(stage[0] == 0)
         model.add(stage[L - 1] == P - 1)
-        for l in range(L - 1):
-            model.add(stage[l] <= stage[l + 1])
-            model.add(stage[l + 1] <= stage[l] + 1)
+        for layer in range(L - 1):
+            model.add(stage[layer] <= stage[layer + 1])
+            model.add(stage[layer + 1] <= stage[layer] + 1)
 
     def _add_memory_limits(self, model, problem, w, L, P, options):
         for device in range(problem.devices):
             terms = []
             for j in range(device, P, problem.devices):
-                for l in range(L):
+                for layer in range(L):
                     for r in range(options):
-                        layer_bytes = problem.static_bytes[l] + problem.in_flight[device] * problem.activation_bytes[l][r]
-                        terms.append(mib_up(layer_bytes) * w[(l, j, r)])
+                        layer_bytes = problem.static_bytes[layer] + problem.in_flight[device] * problem.activation_bytes[layer][r]
+                        terms.append(mib_up(layer_bytes) * w[(layer, j, r)])
             model.add(sum(terms) + mib_up(problem.overhead_bytes[device]) <= mib_down(problem.capacity_bytes[device]))
 
     def _add_device_times(self, model, problem, w, last, L, P, options):
@@ -184,10 +185,10 @@ class StagePartitioner:
             speed = problem.speed_of(device)
             terms = []
             for j in range(device, P, problem.devices):
-                terms += [time_units(speed * problem.time_s[l][r]) * w[(l, j, r)]
-                          for l in range(L) for r in range(options)]
+                terms += [time_units(speed * problem.time_s[layer][r]) * w[(layer, j, r)]
+                          for layer in range(L) for r in range(options)]
                 if j < P - 1:
-                    terms += [time_units(speed * problem.send_s[l]) * last[(l, j)] for l in range(L - 1)]
+                    terms += [time_units(speed * problem.send_s[layer]) * last[(layer, j)] for layer in range(L - 1)]
             var = model.new_int_var(0, horizon, f"D[{device}]")
             model.add(var == sum(terms))
             model.add(slowest >= var)
@@ -202,6 +203,6 @@ class StagePartitioner:
         once = model.new_int_var(0, horizon, "per_step")
         for device in range(problem.devices):
             speed = problem.speed_of(device)
-            model.add(once >= sum(time_units(speed * problem.per_step_s[l]) * x[(l, j)]
-                                  for j in range(device, P, problem.devices) for l in range(L)))
+            model.add(once >= sum(time_units(speed * problem.per_step_s[layer]) * x[(layer, j)]
+                                  for j in range(device, P, problem.devices) for layer in range(L)))
         return once

@@ -76,11 +76,11 @@ def load_runs(path: Path = HERE / "runs.yaml") -> list[dict[str, Any]]:
 def megatron_flops(run: dict[str, Any], formula: str) -> float:
     """FLOPs of one iteration as the authors count them (module docstring)."""
     model = run["model"]
-    B, s, l, h, V = run["global_batch_size"], model["seq_len"], model["layers"], model["hidden"], model["vocab"]
+    B, s, layers, h, V = run["global_batch_size"], model["seq_len"], model["layers"], model["hidden"], model["vocab"]
     if formula == "megatron_recompute":  # Narayanan et al. 2021, eq. 3
-        return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+        return 96 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (16 * layers * h))
     if formula == "megatron_model":  # Korthikanti et al. 2022, App. A (model FLOPs)
-        return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+        return 72 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (12 * layers * h))
     raise ValueError(f"unknown flops formula {formula}")
 
 

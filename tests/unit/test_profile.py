@@ -158,7 +158,7 @@ def example_batch(batch_size):
 def test_profile_of_parallel_tensors_is_independent_of_threads(gpt_profile):
     """Profiling is deterministic: a second run gives the same numbers."""
     again = profile_model(load_model_file(gpt_profile.model_path), GPT, micro_batch_size=2, precision="fp32")
-    assert [l.flops_forward for l in again.layers] == [l.flops_forward for l in gpt_profile.layers]
+    assert [each.flops_forward for each in again.layers] == [each.flops_forward for each in gpt_profile.layers]
     assert again.activation_bytes == gpt_profile.activation_bytes
     assert torch.get_default_dtype() == torch.float32
 

@@ -362,7 +362,7 @@ class Plan:
         stray = sorted(module for module, indices in self.tp_grouped_parts.items()
                        if any(index >= len(self.tp_fused.get(module, [])) for index in indices))
         if stray:
-            found.append(f"tp_grouped_parts names parts {stray[0]} does not have in tp_fused")
+            found.append(f"tp_grouped_parts names parts of {stray[0]} that tp_fused does not give it")
         return found
 
     def with_updates(self, **changes: Any) -> "Plan":

@@ -72,6 +72,12 @@ def sp_role(kind: str, has_parameters: bool, is_region: bool) -> SPRole:
     return SPRole.GATHERED
 
 
+def pairs(chosen: set[str]) -> bool:
+    """Whether a region's linears of these styles pair: a row-parallel one beside a column-side
+    one (column-parallel, or a key/value projection computing its group's head)."""
+    return "rowwise" in chosen and bool(chosen & set(COLUMN_STYLES))
+
+
 def paired_regions(styles: dict[str, str], children: dict[str, list[str]], kind: Callable[[str], str]) -> set[str]:
     """Modules whose linear children are all split, with both column- and row-wise among them
     (Megatron's pairing: inside, the activation stays sharded); a key/value projection computing
@@ -81,7 +87,7 @@ def paired_regions(styles: dict[str, str], children: dict[str, list[str]], kind:
     for name, kids in children.items():
         linears = [c for c in kids if kind(c) == "linear"]
         chosen = {styles.get(c, "replicate") for c in linears}
-        if linears and "rowwise" in chosen and chosen & set(COLUMN_STYLES) and chosen <= {*SPLIT_STYLES, *COLUMN_STYLES}:
+        if linears and pairs(chosen) and chosen <= {*SPLIT_STYLES, *COLUMN_STYLES}:
             regions.add(name)
     return regions
 

@@ -246,22 +246,21 @@ def with_transposed_styles(styles: dict[str, StyleSpec], facts: ModelFacts) -> d
 
 def _split_fused(out: dict[str, StyleSpec], fused: dict[str, list[int]]) -> dict[str, tuple[int, list[int]]]:
     """Fused projections of paired regions (``plan.tp_fused``) split as their parts: each one's
-    column style wrapped in ``FusedColwise``, its region's in ``CutsFused``; returns the
+    column style wrapped in ``FusedColwise`` (``FusedKVGroupColwise`` holds its parts itself), its
+    region's in ``CutsFused``; returns the
     parameters whose rows that permutes (FQN -> (row dim, parts)), which leave the run in the
     model's own order (checkpointing.RowOrders)."""
     permuted: dict[str, tuple[int, list[int]]] = {}
     for module, parts in fused.items():
         spec = out.get(module)
-        if spec is not None and spec.style == "FusedKVGroupColwise":  # permutes its own rows
-            permuted[f"{module}.weight"] = (0, list(parts))
-            permuted[f"{module}.bias"] = (0, list(parts))
-            continue
-        if spec is None or spec.style not in ("ColwiseParallel", "TransposedColwiseParallel"):
+        if spec is None or spec.style not in ("ColwiseParallel", "TransposedColwiseParallel", "FusedKVGroupColwise"):
             continue
         transposed = spec.style == "TransposedColwiseParallel"
-        arguments = (("parts", repr(list(parts))), ("style", spec.source())) + ((("weight_dim", "1"),) if transposed else ())
-        out[module] = StyleSpec("FusedColwise", arguments, spec.why + "; a fused projection: each rank holds its "
-                                "share of every part")
+        if spec.style != "FusedKVGroupColwise":  # which permutes its own rows
+            arguments = (("parts", repr(list(parts))), ("style", spec.source())) + ((("weight_dim", "1"),) if transposed
+                                                                                   else ())
+            out[module] = StyleSpec("FusedColwise", arguments, spec.why + "; a fused projection: each rank holds its "
+                                    "share of every part")
         permuted[f"{module}.weight"] = (1 if transposed else 0, list(parts))
         permuted[f"{module}.bias"] = (0, list(parts))  # (a module without one never asks)
     for region in sorted({_parent(_module_of(name)) for name in permuted}):

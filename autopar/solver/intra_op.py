@@ -214,6 +214,7 @@ class IntraOpSolver:
         by_name = {op.name: op for op in ops}
         backward_ratio = self._backward_ratio(layer)
         strategies = {op.name: self._strategies(op, by_name) for op in ops}
+        norms = self._head_norm_modules(ops)
         model = cp_model.CpModel()
         choice = self._add_strategy_choice(model, strategies)
         objective: list[tuple[int, cp_model.IntVar]] = []
@@ -225,7 +226,7 @@ class IntraOpSolver:
                 if strategy.extra_comm == "loss_parallel":
                     seconds += 3 * self.costs.all_reduce_s(self._loss_parallel_bytes(op))
                 if strategy.extra_comm == "head_norm":  # priced per micro-batch: issued once a step or more
-                    seconds += sum(self.costs.all_reduce_s(nbytes) for nbytes in self._head_norm_gradients(op, ops))
+                    seconds += sum(self.costs.all_reduce_s(nbytes) for nbytes in self._head_norm_gradients(op, norms))
                 if strategy.extra_comm == "kv_group":
                     divisor, parameters = self.kv_group_modules[op.module]
                     seconds = base / divisor + sum(self.costs.all_gather_s(nbytes) + self.costs.reduce_scatter_s(nbytes)
@@ -241,7 +242,7 @@ class IntraOpSolver:
         for source, var in all_reduce_vars.items():
             objective.append((_units(self.costs.all_reduce_s(self._bytes(by_name[source]))), var))
         self._add_layer_outputs_replicated(model, ops, strategies, choice)
-        self._add_head_norms_whole(model, ops, strategies, choice)
+        self._add_head_norms_whole(model, norms, strategies, choice)
         model.minimize(sum(coefficient * var for coefficient, var in objective))
 
         solver = cp_model.CpSolver()
@@ -318,20 +319,23 @@ class IntraOpSolver:
                     if strategy.output != State.R:
                         model.add(choice[(op.name, k)] == 0)
 
-    def _add_head_norms_whole(self, model, ops, strategies, choice):
-        """A per-head norm module's reductions run alike: its style covers the whole module."""
+    def _head_norm_modules(self, ops: list["OpProfile"]) -> dict[str, list[str]]:
+        """Per-head norm module -> its reductions offered head_norm, in trace order."""
         by_module: dict[str, list[str]] = defaultdict(list)
         for op in ops:
             if op.name in self.head_norms and self.tp > 1:
                 by_module[op.module].append(op.name)
-        for names in by_module.values():
+        return by_module
+
+    def _add_head_norms_whole(self, model, norms: dict[str, list[str]], strategies, choice):
+        """A per-head norm module's reductions run alike: its style covers the whole module."""
+        for names in norms.values():
             for other in names[1:]:
                 model.add(_head_norm_choice(names[0], strategies, choice) == _head_norm_choice(other, strategies, choice))
 
-    def _head_norm_gradients(self, op: "OpProfile", ops: list["OpProfile"]) -> tuple[float, ...]:
+    def _head_norm_gradients(self, op: "OpProfile", norms: dict[str, list[str]]) -> tuple[float, ...]:
         """Bytes of the gradients a head_norm module all-reduces, counted at its first reduction."""
-        first = next(other for other in ops if other.name in self.head_norms and other.module == op.module)
-        return self.head_norms[op.name] if first.name == op.name else ()
+        return self.head_norms[op.name] if norms[op.module][0] == op.name else ()
 
     # -- graph reading -----------------------------------------------------------------------
 

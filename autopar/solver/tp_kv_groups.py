@@ -95,16 +95,19 @@ class KVGroups:
     feeding: frozenset[str] = frozenset()
     fused: dict[str, list[int]] = field(default_factory=dict)
 
+    def parts(self, module: str) -> list[int]:
+        """The global sizes of ``module``'s output parts (one part when not fused)."""
+        return self.fused.get(module, [self.modules[module]])
+
     def grouped(self, module: str) -> list[bool]:
-        """Per part of ``module``'s output (one part when not fused): whether it is computed by group."""
-        parts = self.fused.get(module, [self.modules[module]])
-        return [module not in self.fused or size == self.kv_heads * self.head_dim for size in parts]
+        """Per part of ``module``'s output: whether it is computed by group."""
+        return [module not in self.fused or size == self.kv_heads * self.head_dim for size in self.parts(module)]
 
     def local_parts(self, module: str) -> list[int]:
         """Output features each rank computes, per part: one group's share of a grouped part,
         1/tp of any other."""
-        parts = self.fused.get(module, [self.modules[module]])
-        return [size // (self.kv_heads if grouped else self.tp) for size, grouped in zip(parts, self.grouped(module))]
+        return [size // (self.kv_heads if grouped else self.tp)
+                for size, grouped in zip(self.parts(module), self.grouped(module))]
 
     def rows_per_rank(self, module: str) -> int:
         """Output features each rank computes."""
@@ -116,7 +119,7 @@ class KVGroups:
 
     def gathered_share(self, module: str) -> float:
         """The share of ``module``'s rows that each forward gathers (its grouped parts')."""
-        parts = self.fused.get(module, [self.modules[module]])
+        parts = self.parts(module)
         return sum(size for size, grouped in zip(parts, self.grouped(module)) if grouped) / sum(parts)
 
     def with_fused(self, fused: dict[str, list[int]]) -> "KVGroups":

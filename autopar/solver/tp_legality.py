@@ -56,6 +56,7 @@ from autopar.solver.linear_like import affine_layout, linear_stand_ins
 from autopar.solver.tp_fused import cutting_fused, recorded_parts
 from autopar.solver.tp_kv_groups import KVGroups, kv_groups
 from autopar.solver.tp_global_shapes import dtensor_region_error
+from cost_models.tp_layout import pairs
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -244,7 +245,7 @@ class TPLegality:
         for module, style in styles.items():
             by_parent.setdefault(module.rpartition(".")[0], {})[module] = style
         return {parent: children for parent, children in by_parent.items()
-                if "rowwise" in children.values() and {"colwise", "kv_group"} & set(children.values())}
+                if pairs(set(children.values()))}
 
     def _probe_regions(self, layer: str, regions: dict[str, dict[str, str]], tp: int,
                        dtensor: set[str], attributes: dict[str, dict[str, int]]) -> dict[str, IllegalSplit]:

@@ -212,8 +212,9 @@ class ILPSplitter:
         self.sharded_ops[(layer_name, tp)] = sharded_ops
         sharded_modules = {op.module for op in ops if op.name in sharded_ops and op.phase == "forward"}
         # Key/value projections computing their group's head: work divided by the key/value heads
-        by_groups = {module: self.kv_group_modules(layer_name, tp)[module][0]
-                     for module, style in solution.module_style.items() if style.value == "kv_group"}
+        kv_modules = self.kv_group_modules(layer_name, tp) if tp > 1 else {}
+        by_groups = {module: kv_modules[module][0] for module, style in solution.module_style.items()
+                     if style.value == "kv_group"}
 
         def sharded(op) -> bool:
             return op.name in sharded_ops if op.phase == "forward" else op.module in sharded_modules

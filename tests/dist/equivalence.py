@@ -20,12 +20,13 @@ import torch
 from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.plan import Plan
-from autopar.runtime import read_records
+from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
 from autopar.solver.planner import Planner
 from cost_models.mesh import Mesh
 from tests.dist.harness import RankFailure, run_ranks
-from tests.dist.plans import MODELS, TinyModel, boundary_stages, make_planner
+from tests.dist.plans import GLOBAL_BATCH, MODELS, TinyModel, boundary_stages, make_planner
+from tests.tiers import selected
 
 STEPS = 3
 OPTIMIZER = {**DEFAULT_OPTIMIZER, "eps": 1e-6}  # see tests/dist/test_equivalence.py's docstring
@@ -225,6 +226,31 @@ def run_pinned_cases(root: Path, cases: dict[str, tuple[TinyModel, dict]]) -> di
     for world_size, jobs in sorted(by_world.items()):
         _run_world(world_size, jobs, results)
     return results
+
+
+def run_selected_cases(request: Any, tmp_path_factory: Any, cases: dict[str, tuple[TinyModel, dict]],
+                       where: Path) -> dict[str, Outcome]:
+    """`run_pinned_cases` of the cases (the ``case`` parameter) that this session's tests in the
+    file ``where`` read through their ``runs`` fixture (tests/tiers.py)."""
+    wanted = selected(request, "case", "runs", where)
+    return run_pinned_cases(tmp_path_factory.mktemp(where.stem), {c: v for c, v in cases.items() if c in wanted})
+
+
+def assert_outcome_trains_like(outcome: Outcome, model: TinyModel) -> None:
+    """A case's run equal to one process of ``model`` (`assert_trains_like`)."""
+    assert outcome.error is None, outcome.error
+    reference = run_reference(model.path, model.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER)
+    assert_trains_like(outcome.losses, outcome.parameters, reference)
+
+
+def assert_issues_the_priced_collectives(case_id: str, outcome: Outcome) -> None:
+    """One step's collectives, by kind, equal those priced for the case's plan (every send
+    with its receive)."""
+    assert outcome.error is None, outcome.error
+    issued = issued_by_kind(outcome)
+    assert issued.pop("recv", 0) == issued.get("send_recv", 0), f"{case_id}: a send without its receive: {issued}"
+    priced = outcome.planner.pricer.issued_collectives(outcome.plan.layout())
+    assert issued == priced, f"{case_id}: issued {issued}, priced {priced} ({outcome.plan.summary()})"
 
 
 def _run_world(world_size: int, jobs: list[tuple[str, str, str, str]], results: dict[str, Outcome]) -> None:

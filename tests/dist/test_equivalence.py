@@ -43,7 +43,8 @@ import pytest
 import torch
 
 from autopar.runtime import run_reference
-from tests.dist.equivalence import CASES, DEFAULT_IDS, IDS, OPTIMIZER, STEPS, Case, issued_by_kind
+from tests.dist.equivalence import (CASES, DEFAULT_IDS, IDS, OPTIMIZER, STEPS, Case,
+                                    assert_issues_the_priced_collectives)
 from tests.dist.plans import GLOBAL_BATCH, MODELS
 from tests.tiers import tiered
 
@@ -103,9 +104,4 @@ def test_planned_tp_splits_shard_the_blocks(model):
 @pytest.mark.parametrize("case_id", tiered(IDS, DEFAULT_IDS))
 def test_step_issues_the_priced_collectives(case_id, outcomes):
     """One step's collectives, by kind, equal those priced for the plan (the module docstring says how)."""
-    outcome = outcomes[case_id]
-    assert outcome.error is None, outcome.error
-    issued = issued_by_kind(outcome)
-    assert issued.pop("recv", 0) == issued.get("send_recv", 0), f"{case_id}: a send without its receive: {issued}"
-    priced = outcome.planner.pricer.issued_collectives(outcome.plan.layout())
-    assert issued == priced, f"{case_id}: issued {issued}, priced {priced} ({outcome.plan.summary()})"
+    assert_issues_the_priced_collectives(case_id, outcomes[case_id])

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from autopar.runtime import run_reference
-from tests.dist.equivalence import OPTIMIZER, STEPS, Outcome, assert_trains_like, issued_by_kind, run_pinned_cases
-from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel
-from tests.tiers import selected, tiered
+from tests.dist.equivalence import (Outcome, assert_issues_the_priced_collectives, assert_outcome_trains_like,
+                                    run_selected_cases)
+from tests.dist.plans import REPO, TinyModel
+from tests.tiers import tiered
 
 QWEN3 = TinyModel(name="qwen3", path=REPO / "tests" / "zoo" / "models" / "hf_zoo.py",
                   kwargs=dict(arch="qwen3", layers=2, seq_len=16), prologue=["model.embed_tokens"],
@@ -28,13 +28,13 @@ QWEN3 = TinyModel(name="qwen3", path=REPO / "tests" / "zoo" / "models" / "hf_zoo
 CASES = {"tp2": (QWEN3, dict(tp=2)), "tp2_sp": (QWEN3, dict(tp=2, sp=True)), "tp4": (QWEN3, dict(tp=4)),
          "dp2_tp2_zero3": (QWEN3, dict(dp=2, tp=2, zero=3))}
 
-# The default tier leaves out tp2 is held by tp2_sp (the same split under SP) and dp2_tp2_zero3 (tp=2 without SP).
+# The default tier leaves out tp2, whose split tp2_sp holds under SP and dp2_tp2_zero3 without it.
 CASE_TIERS = tiered(list(CASES), default=[case for case in CASES if case != "tp2"])
+
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, Outcome]:
-    wanted = selected(request, "case", "runs", Path(__file__).resolve())
-    return run_pinned_cases(tmp_path_factory.mktemp("head_norms"), {c: v for c, v in CASES.items() if c in wanted})
+    return run_selected_cases(request, tmp_path_factory, CASES, Path(__file__).resolve())
 
 
 @pytest.mark.parametrize("case", CASE_TIERS)
@@ -49,16 +49,9 @@ def test_plan_pairs_attention_with_its_norms_on_head_shards(case, runs):
 
 @pytest.mark.parametrize("case", CASE_TIERS)
 def test_head_norms_train_like_one_process(case, runs):
-    run = runs[case]
-    assert run.error is None, run.error
-    reference = run_reference(QWEN3.path, QWEN3.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER)
-    assert_trains_like(run.losses, run.parameters, reference)
+    assert_outcome_trains_like(runs[case], QWEN3)
 
 
 @pytest.mark.parametrize("case", CASE_TIERS)
 def test_step_issues_the_priced_collectives(case, runs):
-    run = runs[case]
-    assert run.error is None, run.error
-    issued = issued_by_kind(run)
-    priced = run.planner.pricer.issued_collectives(run.plan.layout())
-    assert issued == priced, f"{case}: issued {issued}, priced {priced}"
+    assert_issues_the_priced_collectives(case, runs[case])

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from autopar.runtime import run_reference
-from tests.dist.equivalence import OPTIMIZER, STEPS, Outcome, assert_trains_like, issued_by_kind, run_pinned_cases
-from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel
-from tests.tiers import selected, tiered
+from tests.dist.equivalence import (Outcome, assert_issues_the_priced_collectives, assert_outcome_trains_like,
+                                    run_selected_cases)
+from tests.dist.plans import REPO, TinyModel
+from tests.tiers import tiered
 
 
 def _llama(kv_heads: int) -> TinyModel:
@@ -49,14 +49,14 @@ ATTENTION = {case: ({"self_attn.q_proj": "colwise", "self_attn.k_proj": "kv_grou
              for case, (model, _) in CASES.items() if model is not PHI3}
 ATTENTION["phi3-tp4"] = ({"self_attn.qkv_proj": "kv_group", "self_attn.o_proj": "rowwise"}, 2)
 
-# The default tier leaves out kv1-tp2 is held by kv1-tp2_sp (the same split under SP) and kv1-dp2_tp2_zero3 (tp=2 without SP).
+# The default tier leaves out kv1-tp2, whose split kv1-tp2_sp holds under SP and kv1-dp2_tp2_zero3
+# without it.
 CASE_TIERS = tiered(list(CASES), default=[case for case in CASES if case != "kv1-tp2"])
+
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, Outcome]:
-    """Per case: its plan, losses, final parameters and per-rank collectives of the counted step."""
-    wanted = selected(request, "case", "runs", Path(__file__).resolve())
-    return run_pinned_cases(tmp_path_factory.mktemp("kv_groups"), {c: v for c, v in CASES.items() if c in wanted})
+    return run_selected_cases(request, tmp_path_factory, CASES, Path(__file__).resolve())
 
 
 @pytest.mark.parametrize("case", CASE_TIERS)
@@ -78,18 +78,11 @@ def test_plan_computes_key_value_heads_by_group(case, runs):
 
 @pytest.mark.parametrize("case", CASE_TIERS)
 def test_key_value_groups_train_like_one_process(case, runs):
-    run, model = runs[case], CASES[case][0]
-    assert run.error is None, run.error
-    reference = run_reference(model.path, model.kwargs, GLOBAL_BATCH, STEPS, OPTIMIZER)
-    assert_trains_like(run.losses, run.parameters, reference)
+    assert_outcome_trains_like(runs[case], CASES[case][0])
 
 
 @pytest.mark.parametrize("case", CASE_TIERS)
 def test_step_issues_the_priced_collectives(case, runs):
     """One step's collectives, by kind, equal the pricer's, the key/value weights' gathers and
     their gradients' reduce-scatters among them."""
-    run = runs[case]
-    assert run.error is None, run.error
-    issued = issued_by_kind(run)
-    priced = run.planner.pricer.issued_collectives(run.plan.layout())
-    assert issued == priced, f"{case}: issued {issued}, priced {priced}"
+    assert_issues_the_priced_collectives(case, runs[case])

@@ -68,7 +68,8 @@ def test_the_head_norm_option_prices_its_gradient_all_reduces_and_never_costs_mo
     ops = [op for op in qwen3.ops if op.layer == block and op.phase == "forward"]
     reductions = [op for op in ops if op.name in found]
     assert len(reductions) == 2  # one mean per norm: the gradient's all-reduce is priced at it
-    assert [solver._head_norm_gradients(op, ops) for op in reductions] == [(4.0 * HEAD_DIM,)] * 2
+    norms = solver._head_norm_modules(ops)
+    assert [solver._head_norm_gradients(op, norms) for op in reductions] == [(4.0 * HEAD_DIM,)] * 2
 
 
 def test_the_step_counts_each_norm_weights_gradient_all_reduce(qwen3):

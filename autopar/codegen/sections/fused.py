@@ -14,19 +14,20 @@ are put back on the way out and permuted on the way in (checkpointing.py, pretra
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 # In a generated folder this is checkpointing.py beside the training module.
 from autopar.codegen.sections import checkpoint as checkpointing
-from autopar.codegen.sections.tensor_parallel import RegionStyle, group_rows, partial_input
+from autopar.codegen.sections.tensor_parallel import RegionStyle, group_rows, hold_parameters, partial_input
 
 FUSED_PARTS = "_fused_parts"  # attribute of a fused output: its parts' global sizes along the last dim
 FUSED_LOCAL_PARTS = "_fused_local_parts"  # and their sizes on this rank, where not 1/tp of each
@@ -91,33 +92,24 @@ class FusedKVGroupColwise(ParallelStyle):
             raise ValueError(f"a fused projection of parts {self.parts} cannot be computed in {self.groups} key/value "
                              f"groups over {tp} ranks")
         permute_output_rows(module, self.parts, tp, 0)
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Shard(0)]),
-                                                         requires_grad=parameter.requires_grad))
+        hold_parameters(module, device_mesh, Shard(0))
         group = device_mesh.get_local_rank() // (tp // self.groups)
         local_parts = [size // self.groups if grouped else size // tp for size, grouped in zip(self.parts, self.grouped)]
+        starts = [sum(size // tp for size in self.parts[:index]) for index in range(len(self.parts))]
         # The grouped parts' shares are gathered in one collective: rank j's block of the gathered
         # rows holds its share of each grouped part in turn; a part's group rows are the shares
         # of the group's ranks, in rank order.
-        block = sum(size // tp for size, grouped in zip(self.parts, self.grouped) if grouped)
+        shares = {index: size // tp for index, (size, grouped) in enumerate(zip(self.parts, self.grouped)) if grouped}
+        block, offsets = sum(shares.values()), dict(zip(shares, itertools.accumulate(shares.values(), initial=0)))
         ranks = range(group * (tp // self.groups), (group + 1) * (tp // self.groups))
-        offsets, offset = [], 0
-        for size, grouped in zip(self.parts, self.grouped):
-            offsets.append(offset)
-            offset += size // tp if grouped else 0
-        group_indices = {index: torch.tensor([rank * block + offsets[index] + row for rank in ranks
-                                              for row in range(size // tp)])
-                         for index, (size, grouped) in enumerate(zip(self.parts, self.grouped)) if grouped}
-
-        wanted = torch.cat(list(group_indices.values()))
-        starts = [sum(size // tp for size in self.parts[:index]) for index in range(len(self.parts))]
+        wanted = torch.tensor([rank * block + offsets[index] + row for index, share in shares.items()
+                               for rank in ranks for row in range(share)])
 
         def rows_of(parameter: DTensor) -> torch.Tensor:
             share = parameter.to_local()
             own = [share.narrow(0, start, size // tp) for start, size in zip(starts, self.parts)]
-            kept = group_rows(torch.cat([own[index] for index in group_indices]), device_mesh,
-                              wanted.to(share.device))
-            grouped = dict(zip(group_indices, kept.split([local_parts[index] for index in group_indices])))
+            kept = group_rows(torch.cat([own[index] for index in shares]), device_mesh, wanted.to(share.device))
+            grouped = dict(zip(shares, kept.split([local_parts[index] for index in shares])))
             return torch.cat([grouped.get(index, piece) for index, piece in enumerate(own)])
 
         def forward(x: torch.Tensor) -> torch.Tensor:

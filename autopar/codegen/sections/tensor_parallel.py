@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -103,9 +103,7 @@ class KVGroupColwise(ParallelStyle):
                              f"{self.groups} key/value groups over {tp} ranks")
         group = device_mesh.get_local_rank() // (tp // self.groups)
         rows = slice(group * module.weight.shape[0] // self.groups, (group + 1) * module.weight.shape[0] // self.groups)
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Shard(0)]),
-                                                         requires_grad=parameter.requires_grad))
+        hold_parameters(module, device_mesh, Shard(0))
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             bias = None if module.bias is None else group_rows(module.bias, device_mesh, rows)
@@ -113,6 +111,14 @@ class KVGroupColwise(ParallelStyle):
 
         module.forward = forward
         return module
+
+
+def hold_parameters(module: nn.Module, device_mesh: DeviceMesh, placement: Placement) -> None:
+    """``module``'s own parameters replaced by DTensors of ``placement`` over ``device_mesh``
+    (same names: checkpoints and the optimizer see the model's tensors)."""
+    for name, parameter in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [placement]),
+                                                     requires_grad=parameter.requires_grad))
 
 
 def group_rows(rows_shard: torch.Tensor, device_mesh: DeviceMesh, rows: slice | torch.Tensor) -> torch.Tensor:
@@ -137,15 +143,14 @@ def partial_input(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
 
 class HeadNorm(ParallelStyle):
     """A norm over each attention head's features (Qwen3's ``q_norm``) on this rank's heads.
-    Its parameters become replicated DTensors and its input, the rank's heads, a DTensor sharded along a dim it does not normalise, so every
-    op computes on the rank's heads unchanged and the weight's gradient comes out a partial sum,
-    which `reduce_partial_gradients` (or FSDP's reduce-scatter) sums over the group. A plain
-    input gives a plain output, as the region's other ops expect."""
+    Its parameters become replicated DTensors and its input, the rank's heads, a DTensor sharded
+    along a dim it does not normalise, so every op computes on the rank's heads unchanged and the
+    weight's gradient comes out a partial sum, which `reduce_partial_gradients` (or FSDP's
+    reduce-scatter) sums over the group. A plain input gives a plain output, as the region's
+    other ops expect."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(parameter.data, device_mesh, [Replicate()]),
-                                                         requires_grad=parameter.requires_grad))
+        hold_parameters(module, device_mesh, Replicate())
         forward = module.forward
 
         @functools.wraps(forward)
@@ -167,8 +172,9 @@ class HeadNorm(ParallelStyle):
 class WithAttributes(ParallelStyle):
     """A paired region with key/value projections computed by group whose attention repeats the
     key/value heads by a count it holds (Hugging Face's ``num_key_value_groups``): that count set
-    to the query heads per rank, as the planner's probe found it runs, so this rank's key/value head is repeated to its own query heads. ``inner``
-    is the region's own input style, applied first."""
+    to the query heads per rank, as the planner's probe found it runs, so this rank's key/value
+    head is repeated to its own query heads. ``inner`` is the region's own input style, applied
+    first."""
 
     def __init__(self, attributes: dict[str, int], inner: ParallelStyle | None = None) -> None:
         super().__init__()

@@ -41,6 +41,11 @@ class TrainConfig:
     dispatches through DTensor on the host, cost_models.host) or plain (plain tensors and explicit
     collectives, as Megatron-LM and nanotron run it: no such host cost). Compile always
     generates the dtensor runtime; plain prices runs of those engines (benchmarks/published)."""
+    zero3_runtime: str = "fsdp2"
+    """How ZeRO-3 runs, for pricing: fsdp2 (the generated module: one all-gather per block,
+    prefetched) or deepspeed_2021 (DeepSpeed's stage 3 as published 2021 runs ran it: one
+    collective per tensor, none overlapped; cost_models.deepspeed_zero3). Compile always
+    generates fsdp2; deepspeed_2021 prices runs of that engine (benchmarks/published)."""
     router_checkpoint: str | None = None
     """A state dict of the model (torch.save; read with weights_only) whose routers' tokens per
     expert are measured over router_batches example batches and price the busiest

@@ -14,7 +14,7 @@ from autopar.config import optimizer_settings
 from autopar.errors import ConfigError, UserError
 from autopar.model_file import file_sha256, load_model_file
 from autopar.profile import ModelProfile, profile_model
-from cost_models.layout import TP_RUNTIMES
+from cost_models.layout import TP_RUNTIMES, ZERO3_RUNTIMES
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
 
@@ -65,6 +65,11 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
         raise ConfigError(f"Unknown train.tp_runtime '{tp_runtime}'.",
                           "use dtensor (the generated module's tensor parallelism) or plain (Megatron-style, on "
                           "plain tensors: for pricing runs of such engines).")
+    zero3_runtime = OmegaConf.select(cfg, "train.zero3_runtime", default="fsdp2")
+    if zero3_runtime not in ZERO3_RUNTIMES:
+        raise ConfigError(f"Unknown train.zero3_runtime '{zero3_runtime}'.",
+                          "use fsdp2 (the generated module's ZeRO-3) or deepspeed_2021 (DeepSpeed's stage 3 of "
+                          "2021: for pricing runs of that engine).")
     checkpoint = OmegaConf.select(cfg, "train.router_checkpoint", default=None)
     if checkpoint and model_path is not None:
         load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
@@ -72,7 +77,7 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
                      optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
                      clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0,
-                     tp_runtime=tp_runtime)
+                     tp_runtime=tp_runtime, zero3_runtime=zero3_runtime)
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from cost_models.collectives import Algorithm, Collective
 from cost_models.compute import LayerCompute
+from cost_models.deepspeed_zero3 import PerTensorZero3
 from cost_models.expert_parallel import (COUNT_BYTES, all_to_alls, count_exchanges, dispatch_bytes, expert_tp_sums,
                                          routing_pace)
 from cost_models.hardware import GiB, GPUSpec
@@ -173,13 +174,13 @@ class LayerCost:
         changes (compute without recomputation, the collectives' prices, ZeRO's traffic) is
         priced once for all of them: the planner prices every layer kind under each option."""
         compute = split.compute
-        overhead = gpu.launch_overhead_s
         per_token = scale / layout.cp
         plain = self._compute_s(split, layout, per_token, gpu)
         # The TP group's collectives (tp_issued), priced once with and once without full
         # recomputation's re-run forward, whichever the options need.
         tp_comm_s = {full: self._tp_comm_s(split, layout, per_token, full) for full in {o == "full" for o in options}}
-        zero_s = self._zero_micro_batch_s(layer, split, layout, compute, per_token, overhead)
+        zero_s = {full: self._zero_micro_batch_s(layer, split, layout, compute, per_token, gpu, full)
+                  for full in {o == "full" for o in options}}
         parts = []
         for option in options:
             forward_passes, nongemm_passes = RECOMPUTE_PASSES[option]
@@ -193,7 +194,7 @@ class LayerCost:
                 "compute": plain + self._ep_wait_s(layer, split, layout, per_token, forward_passes),
                 "recompute": recompute, "tp_comm": tp_comm_s[option == "full"],
                 "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
-                "ep_comm": self._ep_time_s(layer, layout, scale, option), "dp_comm": zero_s}))
+                "ep_comm": self._ep_time_s(layer, layout, scale, option), "dp_comm": zero_s[option == "full"]}))
         return parts
 
     @staticmethod
@@ -379,11 +380,15 @@ class LayerCost:
         return (pace / self._expert_tp(layout) - 1.0) * expert_s
 
     def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
-                            per_token: float, overhead: float) -> float:
+                            per_token: float, gpu: GPUSpec, full_recompute: bool) -> float:
         """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute: the layer's
-        share of its FSDP unit's messages (`IssuedCollectives._fsdp_collectives` counts them)."""
+        share of its FSDP unit's messages (`IssuedCollectives._fsdp_collectives` counts them);
+        under train.zero3_runtime=deepspeed_2021, one exposed collective per tensor instead."""
         if layout.zero_stage < 2 or self._grad_size(layout) == 1:
             return 0.0
+        if layout.zero_stage == 3 and self.train.zero3_runtime == "deepspeed_2021":
+            return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.collective_s, 3 if full_recompute else 2)
+        overhead = gpu.launch_overhead_s
         _, is_root = self.fsdp_unit_of(layer.name)
         if layout.pp > 1 and (layout.zero_stage == 2 or is_root):
             return 0.0  # gathered and reduced once per step under a pipeline schedule (per_step_parts)
@@ -404,6 +409,15 @@ class LayerCost:
             return exposed_s(gather, forward) + exposed_s(rs, backward) + replicas
         # ZeRO-3 gathers the unit's parameters before its forward and again before its backward.
         return exposed_s(gather, forward) + exposed_s(gather + rs, backward) + replicas
+
+    def _per_tensor_zero3(self, layer: Any, split: TPLayerSplit, layout: Any, gpu: GPUSpec) -> PerTensorZero3:
+        """The layer's tensors as DeepSpeed's stage 3 gathers them (cost_models.deepspeed_zero3),
+        each shrunk by the layer's TP share."""
+        numels = [math.prod(self.profile.param_shapes.get(name, [0])) for name in layer.param_names]
+        share = self._tp_params(layer, split, layout) / max(1, sum(numels))
+        return PerTensorZero3(tuple(n * share for n in numels), self.weights_bytes, self.grads_bytes,
+                              self._shard_group(layout), gpu.launch_overhead_s,
+                              gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise"))
 
     def _unit_share_s(self, op: Collective, layer: Any, split: TPLayerSplit, layout: Any, bytes_per_param: float,
                       group: Any) -> float:

@@ -98,6 +98,7 @@ SCHEDULES = tuple(s.value for s in Schedule)
 CP_STRATEGIES = tuple(s.value for s in CPStrategy)
 PRECISIONS = ("fp32", "bf16", "fp16")
 TP_RUNTIMES = ("dtensor", "plain")  # see TrainSpec.tp_runtime
+ZERO3_RUNTIMES = ("fsdp2", "deepspeed_2021")  # see TrainSpec.zero3_runtime
 
 
 class FrozenDict(dict):
@@ -125,6 +126,8 @@ class TrainSpec:
             module's optim.max_grad_norm > 0): one scalar all-reduce over every rank per step.
         tp_runtime: dtensor (each TP-split module dispatches through DTensor on the host, a
             floor under its compute: cost_models.host) or plain (Megatron-style, no such floor).
+        zero3_runtime: fsdp2 (the generated module) or deepspeed_2021 (one exposed collective
+            per tensor: cost_models.deepspeed_zero3), for pricing published runs of that engine.
     """
 
     global_batch_size: int
@@ -134,6 +137,7 @@ class TrainSpec:
     expert_load: tuple[tuple[str, tuple[int, ...]], ...] = ()
     clip_grad_norm: bool = True
     tp_runtime: str = "dtensor"
+    zero3_runtime: str = "fsdp2"
 
 
 def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:
@@ -298,6 +302,8 @@ def validate_train(train: TrainSpec, profile: Any) -> None:
         raise ValueError(f"optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     if train.tp_runtime not in TP_RUNTIMES:
         raise ValueError(f"tp_runtime '{train.tp_runtime}' is not one of {', '.join(TP_RUNTIMES)}")
+    if train.zero3_runtime not in ZERO3_RUNTIMES:
+        raise ValueError(f"zero3_runtime '{train.zero3_runtime}' is not one of {', '.join(ZERO3_RUNTIMES)}")
     if train.global_batch_size < 1:
         raise ValueError(f"global batch size must be at least 1, got {train.global_batch_size}")
     if train.moe_imbalance < 1:

@@ -12,14 +12,17 @@ from torch import nn
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, fused_qkv: bool = False):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         self.heads = heads
-        self.q_proj = nn.Linear(hidden, hidden)
-        self.k_proj = nn.Linear(hidden, hidden)
-        self.v_proj = nn.Linear(hidden, hidden)
+        if fused_qkv:  # one [3h, h] projection, as Megatron-LM's GPT holds it
+            self.qkv_proj = nn.Linear(hidden, 3 * hidden)
+        else:
+            self.q_proj = nn.Linear(hidden, hidden)
+            self.k_proj = nn.Linear(hidden, hidden)
+            self.v_proj = nn.Linear(hidden, hidden)
         self.out_proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,9 +30,12 @@ class CausalSelfAttention(nn.Module):
         # -1 for the head count keeps the module correct when tensor parallelism gives each
         # rank only a slice of the heads.
         shape = (batch, seq, -1, hidden // self.heads)
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = (part.view(shape).transpose(1, 2) for part in self.qkv_proj(x).chunk(3, dim=-1))
+        else:
+            q = self.q_proj(x).view(shape).transpose(1, 2)
+            k = self.k_proj(x).view(shape).transpose(1, 2)
+            v = self.v_proj(x).view(shape).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -45,10 +51,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, fused_qkv: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(hidden)
-        self.attn = CausalSelfAttention(hidden, heads)
+        self.attn = CausalSelfAttention(hidden, heads, fused_qkv)
         self.ln_2 = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden)
 
@@ -58,11 +64,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int):
+    def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int, fused_qkv: bool = False):
         super().__init__()
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seq_len, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, fused_qkv) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
@@ -80,8 +86,8 @@ class GPT(nn.Module):
 
 
 def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int = 128,
-                vocab: int = 1024) -> nn.Module:
-    return GPT(layers, hidden, heads, seq_len, vocab)
+                vocab: int = 1024, fused_qkv: bool = False) -> nn.Module:
+    return GPT(layers, hidden, heads, seq_len, vocab, fused_qkv)
 
 
 def example_batch(batch_size: int, seq_len: int = 128, vocab: int = 1024):

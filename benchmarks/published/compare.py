@@ -103,7 +103,8 @@ def overrides(run: dict[str, Any]) -> list[str]:
     return ([f"model.{k}={v}" for k, v in model.items()]
             + [f"cluster={run['cluster']['preset']}", f"cluster.nodes={run['cluster']['nodes']}",
                f"train.precision={run['precision']}", f"train.global_batch_size={run['global_batch_size']}",
-               f"train.tp_runtime={run.get('tp_runtime', 'plain')}"]
+               f"train.tp_runtime={run.get('tp_runtime', 'plain')}",
+               f"train.zero3_runtime={run.get('zero3_runtime', 'fsdp2')}"]
             + [f"plan.{k}={v}" for k, v in run["plan"].items()])
 
 

@@ -427,6 +427,12 @@ def test_time_limit_returns_a_plan_marked_not_optimal(examples_dir, tmp_path, ca
     assert solver["objective"] * (1 - solver["gap"]) - 1e-9 <= optimal["objective"] <= solver["objective"]
 
 
+def test_unknown_zero3_runtime_names_the_choices(examples_dir, capsys):
+    """train.zero3_runtime picks how ZeRO-3 is priced; a value no runtime has is refused, naming both."""
+    fails(capsys, ["estimate", str(examples_dir / "gpt.py"), "train.zero3_runtime=deepspeed", "plan.zero_stage=3"],
+          "unknown train.zero3_runtime 'deepspeed'", "fsdp2", "deepspeed_2021")
+
+
 def test_unknown_tp_runtime_names_the_choices(examples_dir, capsys):
     """train.tp_runtime picks how TP is priced; a value no runtime has is refused, naming both."""
     fails(capsys, ["estimate", str(examples_dir / "gpt.py"), "train.tp_runtime=megatron", "plan.tp=2"],

@@ -1,0 +1,68 @@
+"""ZeRO-3 as DeepSpeed ran it in 2021: a pricing runtime for published runs of that engine
+(`train.zero3_runtime=deepspeed_2021`; Narayanan et al. 2021, Table 2, PUBLISHED.md A4), not
+one autopar generates (its ZeRO-3 is FSDP2: one all-gather per block, prefetched behind compute).
+
+What DeepSpeed's stage-3 code of that time did each step (partition_parameters.py `_allgather_param`,
+`_reduce_scatter_gradient`; stage3.py's parameter coordinator), and what each costs here:
+- Every parameter tensor of at least PERSISTENCE_THRESHOLD elements is partitioned over the
+  whole data-parallel group and gathered alone: one NCCL all-gather per tensor, not one per
+  block. Smaller tensors (biases, norms) stay whole on every rank and are never gathered.
+- Before each gather the host calls `torch.cuda.synchronize()`: the gather waits for every
+  queued kernel, and the next kernel waits for the gather. Nothing overlaps; each collective is
+  priced whole, after the compute, by the same alpha-beta model as every other collective
+  (cost_models.collectives: a ring over 1,536 ranks pays 1,535 per-step latencies per tensor).
+- A tensor is gathered for its forward, again when activation checkpointing re-runs the forward,
+  and again for the backward (released after each); every gradient tensor is reduce-scattered
+  alone, with no bucket (overlap_comm off by default for stage 3).
+- Both collectives take Python lists of one view per rank. DeepSpeed builds the views in a
+  Python loop (HOST_VIEW_S per rank); torch's list reduce-scatter then copies every rank's piece
+  into a flat buffer, one kernel launch per rank, before NCCL starts. The gather's copies out of
+  NCCL's flat output are queued behind the ring (hidden), but move its bytes again: a zeroed
+  buffer, NCCL's output and the copy (read and write) are 4 bytes of memory traffic per byte
+  gathered, the reduce-scatter's copy in 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from cost_models.collectives import Collective
+from cost_models.topology import GroupPlacement
+
+PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default
+# One `flat.narrow(0, offset, size)` and `list.append` from Python, per rank: 1.6 us measured
+# with torch 2.x on the 2-core CI machine (2021's dispatcher was no faster); not fitted to A4.
+HOST_VIEW_S = 1.6e-6
+GATHER_MEMORY_PASSES = 4
+SCATTER_MEMORY_PASSES = 2
+
+
+@dataclass(frozen=True)
+class PerTensorZero3:
+    """One layer's ZeRO-3 traffic per micro-batch, one collective per tensor, nothing overlapped."""
+
+    tensor_numels: tuple[float, ...]
+    weights_bytes: float
+    grads_bytes: float
+    group: GroupPlacement
+    launch_overhead_s: float
+    memory_bandwidth_Bps: float
+
+    def seconds(self, collective_s: Callable[[Collective, float, GroupPlacement], float], gathers: int) -> float:
+        """Seconds the layer's gathers (`gathers` per tensor: 3 under full recomputation, else 2)
+        and gradient reduce-scatters add to a micro-batch."""
+        n = self.group.size
+        if n <= 1:
+            return 0.0
+        total = 0.0
+        for numel in self.tensor_numels:
+            scatter_bytes = numel * self.grads_bytes
+            total += (collective_s(Collective.REDUCE_SCATTER, scatter_bytes, self.group)
+                      + n * (HOST_VIEW_S + self.launch_overhead_s)
+                      + SCATTER_MEMORY_PASSES * scatter_bytes / self.memory_bandwidth_Bps)
+            if numel < PERSISTENCE_THRESHOLD:
+                continue
+            gather_bytes = numel * self.weights_bytes
+            total += gathers * (collective_s(Collective.ALL_GATHER, gather_bytes, self.group) + n * HOST_VIEW_S
+                                + GATHER_MEMORY_PASSES * gather_bytes / self.memory_bandwidth_Bps)
+        return total

@@ -264,6 +264,10 @@ class PlanPins:
     traced as its first, second and last block and the others are copied from the second
     (autopar.trace.repeated_blocks: 3.6 s instead of 34 s for a 70B profile); set it for a model
     whose blocks branch on their own index in ways neither their attributes nor those three show."""
+    reuse_profile: bool = True
+    """Reuse the profile an earlier run traced from the same model file, the modules it imports,
+    the same settings and the same autopar (autopar.profile_cache: kept under
+    $AUTOPAR_PROFILE_CACHE, else ~/.cache/autopar/profiles); false traces again."""
     engine: str | None = None
     """Search only what this engine runs: torchtitan, megatron, deepspeed or accelerate (their rules
     in autopar/emit/; the plan is still priced as autopar's module runs it)."""

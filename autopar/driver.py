@@ -4,12 +4,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from autopar import profile_cache
 from autopar.config import optimizer_settings
 from autopar.errors import ConfigError, UserError
 from autopar.model_file import file_sha256, load_model_file
@@ -29,11 +31,31 @@ def model_kwargs(cfg: Any) -> dict[str, Any]:
 
 def run_profile(model_path: str | Path, cfg: Any) -> ModelProfile:
     """Stage 1+2: load model.py, trace one training step on fake tensors, profile it."""
+    return traced_or_kept(model_path, cfg)[0]
+
+
+def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool]:
+    """(profile, whether it was kept from an earlier run of the same model and settings:
+    autopar.profile_cache) for `run_profile`."""
     model_file = load_model_file(model_path)
     blocks = OmegaConf.select(cfg, "plan.blocks", default=None)
-    return profile_model(model_file, model_kwargs(cfg), micro_batch_size=cfg.train.micro_batch_size,
-                         precision=cfg.train.precision, blocks=list(blocks) if blocks else None,
-                         trace_every_block=bool(OmegaConf.select(cfg, "plan.trace_every_block", default=False)))
+    settings = dict(model=model_kwargs(cfg), micro_batch_size=cfg.train.micro_batch_size,
+                    precision=cfg.train.precision, blocks=list(blocks) if blocks else None,
+                    trace_every_block=bool(OmegaConf.select(cfg, "plan.trace_every_block", default=False)))
+    key = None
+    if OmegaConf.select(cfg, "plan.reuse_profile", default=True):
+        source = model_file.path.read_bytes()
+        if hashlib.sha256(source).hexdigest() == model_file.sha256:  # not edited since it was imported
+            key = profile_cache.profile_key(model_file.path, source, settings)
+            kept = profile_cache.load(key, model_file.path, model_file.sha256)
+            if kept is not None:
+                return kept, True
+    profile = profile_model(model_file, settings["model"], micro_batch_size=settings["micro_batch_size"],
+                            precision=settings["precision"], blocks=settings["blocks"],
+                            trace_every_block=settings["trace_every_block"])
+    if key is not None:
+        profile_cache.store(key, profile)
+    return profile, False
 
 
 def build_cluster(cfg: Any) -> ClusterSpec:
@@ -139,12 +161,14 @@ def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = Non
     from autopar.solver.planner import Planner
 
     cluster = build_cluster(cfg)  # before tracing: a bad cluster is reported at once
+    kept = False
     if profile is None:
         if progress:
             progress.phase(f"tracing one training step of {model_path} on fake tensors")
-        profile = run_profile(model_path, cfg)
+        profile, kept = traced_or_kept(model_path, cfg)
     if progress:
-        progress.phase(f"traced {profile.traced_words()}; building the search space")
+        again = " (reused: traced before from the same files and settings; plan.reuse_profile=false traces again)"
+        progress.phase(f"traced {profile.traced_words()}{again if kept else ''}; building the search space")
     solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
     pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
     planner = Planner(profile, cluster, train_spec(cfg, model_path), solver, pins,

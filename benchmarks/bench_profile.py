@@ -8,12 +8,15 @@ CLI in a child process so the figures include start-up and nothing else shares t
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import sized
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_70B = ["model.layers=80", "model.hidden=8192", "model.heads=64", "model.kv_heads=8", "model.ffn=28672",
@@ -26,14 +29,20 @@ def run() -> dict:
         out = Path(tmp) / "profile.json"
         command = [sys.executable, "-m", "autopar.cli", "profile", str(REPO / "examples" / "llama_hf.py"),
                    *LLAMA_70B, "--out", str(out), "-q"]
-        start = time.perf_counter()
-        subprocess.run(command, check=True)
-        wall_s = time.perf_counter() - start
+        # The first run traces and keeps the profile (autopar.profile_cache, in this run's own
+        # folder); the second (not in the smoke run) is the same command again, reusing it.
+        environment = {**os.environ, "AUTOPAR_PROFILE_CACHE": str(Path(tmp) / "profiles")}
+        seconds = []
+        for _ in range(sized(2, 1)):
+            start = time.perf_counter()
+            subprocess.run(command, check=True, env=environment)
+            seconds.append(time.perf_counter() - start)
+        wall_s = seconds[0]
         peak_rss_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         profile = json.loads(out.read_text())
     return {
         "benchmark": "profile Llama-3-70B shape (seq 4096, micro-batch 1)",
-        "wall_s": round(wall_s, 1), "trace_and_profile_s": profile["seconds"],
+        "wall_s": round(wall_s, 1), "again_s": round(seconds[-1], 1) if len(seconds) > 1 else None, "trace_and_profile_s": profile["seconds"],
         "peak_rss_GiB": round(peak_rss_bytes / 2**30, 2), "graph_nodes": profile["num_nodes"],
         "params_B": round(profile["param_count"] / 1e9, 2),
         "target": f"< {TARGET_S:.0f} s, < {TARGET_RSS_BYTES / 2**30:.0f} GiB",

@@ -13,6 +13,9 @@ from tests.tiers import OPTION, runs
 # (tests/dist/test_proof.py) and the zoo turn it on explicitly. The full-scale step on fake
 # tensors always runs.
 os.environ.setdefault("AUTOPAR_CHECK", "off")
+# Profiles kept between runs (autopar/profile_cache.py) are off too: a test's trace must not come
+# from another test's run; tests/unit/test_profile_cache.py turns them on in a folder of its own.
+os.environ.setdefault("AUTOPAR_PROFILE_CACHE", "off")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

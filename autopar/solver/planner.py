@@ -218,7 +218,7 @@ class Planner:
             candidates = rest
         fastest, robust = winner, None
         if self.solver.objective == "robust":
-            robust = self._robust_choice(winner, candidates, result.work)
+            robust = self._robust_choice(winner, candidates, result.work, search.floors)
             if robust is not None:
                 winner = robust[0]
         plan, estimate = self.to_plan(winner, result)
@@ -274,7 +274,8 @@ class Planner:
                                  self.splitter, recompute_options=self.pricer.recompute_options)
         return PredictionInterval(predicted, pessimistic.estimate(layout).step_time_s, extrapolation.reasons)
 
-    def _robust_choice(self, fastest: Scored, candidates: list[Candidate], spent: float) -> tuple[Scored, str] | None:
+    def _robust_choice(self, fastest: Scored, candidates: list[Candidate], spent: float,
+                       floors: list[tuple[float, int, Candidate]]) -> tuple[Scored, str] | None:
         """When the fastest plan rests on extrapolated terms, the best plan under their pessimistic
         value; chosen (with the reason in words) if its interval overlaps the fastest plan's and
         its pessimistic price is lower."""
@@ -290,7 +291,8 @@ class Planner:
         # cut off there, so candidates whose floor is above it are neither priced nor solved.
         found = PlanSearch(cautious, time_limit_s=self.solver.time_limit_s, seed=self.solver.seed,
                            workers=self.solver.threads, work_limit=min(self.solver.work_limit, max(1.0, spent)),
-                           fixed_partition=self._pinned_partition()).run(candidates, cutoff_s=mine.pessimistic_s)
+                           fixed_partition=self._pinned_partition()).run(candidates, cutoff_s=mine.pessimistic_s,
+                                                                         floors=floors)
         if not found.best or found.best[0].candidate == fastest.candidate:
             return None
         other = found.best[0]

@@ -124,16 +124,22 @@ class PlanSearch:
         self.blocks = BlockPartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
         self.progress = progress
 
-    def run(self, candidates: list[Candidate], cutoff_s: float = float("inf")) -> SearchResult:
+    def run(self, candidates: list[Candidate], cutoff_s: float = float("inf"),
+            floors: list[tuple[float, int, Candidate]] | None = None) -> SearchResult:
         """The best `top_k` candidates; with `cutoff_s`, only plans faster than it are looked for
         (the robust objective's second search: a plan no faster than the one it would replace
         under the same prices cannot be chosen, so nothing at or above the cutoff is priced or
-        solved, and finding nothing is an answer, not a failure)."""
+        solved, and finding nothing is an answer, not a failure). `floors`: another search's
+        floors of the same candidates under prices no higher than this pricer's (the robust
+        search's pessimistic prices only raise them), still lower bounds here, not computed again;
+        the floors used are kept as `self.floors`."""
         start = time.perf_counter()
         rejected: dict[str, int] = {}
         if self.progress:
             self.progress(SearchProgress("pricing", 0, len(candidates)))
-        floors = self._floors(candidates, rejected)
+        if floors is None:
+            floors = self._floors(candidates, rejected)
+        self.floors = floors
         waiting: list[tuple[float, int, Candidate, PartitionProblem]] = []  # priced, by lower bound
         next_floor = 0
         best: list[Scored] = []  # max-heap by negated time, size top_k

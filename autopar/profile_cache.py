@@ -1,0 +1,159 @@
+"""Profiles kept between runs, so a second `autopar plan` of the same model skips tracing.
+
+Tracing a frontier model still costs seconds (the 405B Llama: building it on fake tensors and
+tracing a narrowed copy, ~4 s of a ~14 s plan); sweeps, re-plans on another cluster and
+compile after plan ask for the same profile again. A profile is reused only when everything it
+was traced from is unchanged, named in its key:
+- the model file's bytes, and the bytes of every neighbour module it imports (a `blocks.py`
+  beside `model.py`), the installed version of every other package it imports by name
+  (transformers), Python's and torch's versions;
+- the settings tracing reads (model.*, micro-batch size, precision, plan.blocks,
+  plan.trace_every_block);
+- autopar's own code (a digest of its .py files): a profile traced by other code is traced again.
+A stale or unreadable entry is traced again, never trusted; a cache that cannot be written
+(read-only home) costs nothing but the reuse. Entries live in `$AUTOPAR_PROFILE_CACHE`, else
+`$XDG_CACHE_HOME/autopar/profiles`, else `~/.cache/autopar/profiles`; `AUTOPAR_PROFILE_CACHE=off`
+or `plan.reuse_profile=false` turns reuse off. Entries are JSON (no code, no pickle).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.profile import ModelProfile
+from autopar.serialize import to_jsonable
+
+CACHE_VARIABLE = "AUTOPAR_PROFILE_CACHE"
+PACKAGE = Path(__file__).resolve().parent
+
+
+def cache_folder() -> Path | None:
+    """Where profiles are kept (module docstring); None when reuse is off."""
+    setting = os.environ.get(CACHE_VARIABLE, "")
+    if setting.lower() == "off":
+        return None
+    if setting:
+        return Path(setting).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "autopar" / "profiles"
+
+
+@functools.cache
+def autopar_code_digest() -> str:
+    """A digest of autopar's .py files: what a profile's meaning depends on besides the model."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(PACKAGE)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def imported_names(source: bytes) -> list[str]:
+    """Top-level names of the modules a file imports (absolute imports, at any depth)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return sorted(names)
+
+
+def _neighbour_digest(folder: Path, name: str) -> str | None:
+    """The bytes of a module or package beside the model file, digested (None: no such file)."""
+    module, package = folder / f"{name}.py", folder / name
+    files = [module] if module.is_file() else sorted(package.rglob("*.py")) if package.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _installed_version(name: str) -> str | None:
+    """The version of an imported package, by its own `__version__` or the distribution of its
+    name, with where it was imported from (None: neither known, e.g. the standard library)."""
+    module = sys.modules.get(name)
+    version = getattr(module, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return f"{version} at {getattr(module, '__file__', None)}"
+
+
+def dependencies(model_path: Path, source: bytes) -> dict[str, Any]:
+    """What the model file imports, as its key records it: neighbours by content, packages by version."""
+    found: dict[str, Any] = {}
+    seen: set[str] = set()
+    pending = [(model_path.parent, source)]
+    while pending:
+        folder, text = pending.pop()
+        for name in imported_names(text):
+            if name in seen:
+                continue
+            seen.add(name)
+            neighbour = _neighbour_digest(folder, name)
+            if neighbour is not None:
+                found[name] = neighbour
+                module = folder / f"{name}.py"
+                if module.is_file():  # its own imports count too
+                    pending.append((folder, module.read_bytes()))
+            else:
+                found[name] = _installed_version(name)
+    return found
+
+
+def profile_key(model_path: Path, source: bytes, settings: dict[str, Any]) -> str:
+    """The cache key of a profile (module docstring says what it holds)."""
+    facts = {"model": hashlib.sha256(source).hexdigest(), "imports": dependencies(model_path, source),
+             "settings": settings, "python": sys.version, "torch": torch.__version__,
+             "autopar": autopar_code_digest()}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load(key: str, model_path: Path, model_sha256: str) -> ModelProfile | None:
+    """The kept profile of `key`, pointed at `model_path` (None: none kept, unreadable, or of
+    other bytes than the model file's)."""
+    folder = cache_folder()
+    if folder is None:
+        return None
+    try:
+        profile = ModelProfile.load(folder / f"{key}.json")
+    except Exception:  # noqa: BLE001 - a missing or damaged entry is traced again, never trusted
+        return None
+    if profile.model_sha256 != model_sha256:
+        return None
+    return dataclasses.replace(profile, model_path=str(model_path))
+
+
+def store(key: str, profile: ModelProfile) -> Path | None:
+    """Keep a profile under `key`, written whole or not at all (None: not kept)."""
+    folder = cache_folder()
+    if folder is None:
+        return None
+    temporary: str | None = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            json.dump(to_jsonable(profile), out, separators=(",", ":"))  # compact: 7x faster to write
+        os.replace(temporary, folder / f"{key}.json")
+    except OSError:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+        return None
+    return folder / f"{key}.json"

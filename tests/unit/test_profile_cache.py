@@ -1,0 +1,115 @@
+"""A second plan of the same model reuses the first one's profile (autopar/profile_cache.py), and
+only then: any change to the model file, a module beside it that it imports, or a setting that
+tracing reads traces again; a damaged entry is traced again and an unwritable cache costs nothing."""
+from __future__ import annotations
+
+import pytest
+
+from autopar import driver, profile_cache
+from autopar.cli import main
+from autopar.config import compose_config
+
+GPT = """
+import torch
+from torch import nn
+from helpers import width
+
+
+def build_model(layers: int = 2, hidden: int = 32):
+    return nn.Sequential(nn.Embedding(64, hidden), *[nn.Linear(hidden, width(hidden)) for _ in range(layers)],
+                         nn.Linear(width(hidden), 64))
+
+
+def example_batch(batch_size: int):
+    return torch.randint(0, 64, (batch_size, 8))
+"""
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    monkeypatch.setenv(profile_cache.CACHE_VARIABLE, str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "helpers.py").write_text("def width(hidden):\n    return hidden\n")
+    (folder / "model.py").write_text(GPT)
+    return folder / "model.py"
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times a profile was traced (not reused)."""
+    count = []
+    real = driver.profile_model
+    monkeypatch.setattr(driver, "profile_model", lambda *a, **k: count.append(1) or real(*a, **k))
+    return count
+
+
+def _profile(path, *overrides):
+    return driver.traced_or_kept(path, compose_config(["cluster=cpu_gloo", *overrides]))
+
+
+def test_the_second_profile_of_the_same_model_is_the_first_one_kept(model, traces, tmp_path):
+    first, kept_first = _profile(model)
+    second, kept_second = _profile(model)
+    assert (kept_first, kept_second, len(traces)) == (False, True, 1)
+    assert second.to_json() == first.to_json()
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("change", ["model file", "imported neighbour", "model setting", "precision"])
+def test_any_change_tracing_reads_traces_again(model, traces, change):
+    _profile(model)
+    overrides = []
+    if change == "model file":
+        model.write_text(GPT + "\n# edited\n")
+    elif change == "imported neighbour":
+        (model.parent / "helpers.py").write_text("def width(hidden):\n    return 2 * hidden\n")
+    elif change == "model setting":
+        overrides = ["model.hidden=16"]
+    else:
+        overrides = ["train.precision=fp32"]
+    profile, kept = _profile(model, *overrides)
+    assert not kept and len(traces) == 2
+    if change == "imported neighbour":  # what the neighbour changed is in the new profile
+        assert max(shape[0] for shape in profile.param_shapes.values()) == 64
+
+
+def test_a_damaged_entry_is_traced_again_and_replaced(model, traces, tmp_path):
+    _profile(model)
+    (entry,) = (tmp_path / "cache").glob("*.json")
+    entry.write_text('{"model_name": ')
+    _, kept = _profile(model)
+    assert not kept and len(traces) == 2
+    _, kept = _profile(model)
+    assert kept and len(traces) == 2
+
+
+def test_reuse_off_by_setting_or_variable_keeps_nothing(model, traces, tmp_path, monkeypatch):
+    _profile(model, "plan.reuse_profile=false")
+    _profile(model, "plan.reuse_profile=false")
+    assert len(traces) == 2 and not (tmp_path / "cache").exists()
+    monkeypatch.setenv(profile_cache.CACHE_VARIABLE, "off")
+    _profile(model)
+    assert len(traces) == 3 and not (tmp_path / "cache").exists()
+
+
+def test_an_unwritable_cache_still_plans(model, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv(profile_cache.CACHE_VARIABLE, str(blocker / "profiles"))
+    assert main(["plan", str(model), "cluster=cpu_gloo", "--out", str(tmp_path / "plan.json")]) == 0
+    assert (tmp_path / "plan.json").exists() and blocker.read_text().startswith("a file")
+
+
+def test_plan_says_when_it_reused_a_profile(model, tmp_path, capsys):
+    for out in ("first.json", "second.json"):
+        assert main(["plan", str(model), "cluster=cpu_gloo", "--out", str(tmp_path / out)]) == 0
+    assert (tmp_path / "first.json").read_text() == (tmp_path / "second.json").read_text()
+    output = capsys.readouterr()
+    assert (output.out + output.err).count("reused: traced before") == 1
+
+
+def test_imports_are_read_from_the_source_at_any_depth():
+    source = b"import os.path\nfrom transformers.models import llama\nfrom . import sibling\n" \
+             b"def f():\n    import helpers\n"
+    assert profile_cache.imported_names(source) == ["helpers", "os", "transformers"]

@@ -8,11 +8,13 @@ machinery: one forward and backward over the whole global batch per step, torch'
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import default_collate
 
 from autopar.codegen.sections.contract import tokens_per_sample
@@ -103,7 +105,7 @@ def _samples(dataset: Any, seed: int, start: int, count: int, shuffle: bool) -> 
 
 def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_batch_size: int, steps: int,
                   optimizer: dict[str, Any], seed: int = 0, data: ReferenceData | None = None,
-                  eval_every: int = 0, eval_batches: int = 4) -> ReferenceRun:
+                  eval_every: int = 0, eval_batches: int = 4, dtype: torch.dtype | None = None) -> ReferenceRun:
     """Train the unsharded model for ``steps`` steps on one process (CPU, fp32).
 
     Args:
@@ -118,10 +120,16 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
         data: the run's samples (else example_batch), and its validation batches.
         eval_every, eval_batches: the validation loss every ``eval_every`` steps and after the
             last, over ``eval_batches`` batches (0: never).
+        dtype: the same run in another floating dtype (float64: how far fp32's rounding moved
+            the fp32 run, what compile's check sets its tolerances from); the weights are
+            initialised as in fp32 and converted, floating inputs converted, and tensors the model
+            makes itself are made in it.
     """
     model_file = load_model_file(model_path)
     torch.manual_seed(seed)
     model = model_file.build_model(**accepted_kwargs(model_file.build_model, model_kwargs))
+    if dtype is not None:
+        model.to(dtype)
     adamw = torch.optim.AdamW(decay_groups(model, optimizer), lr=optimizer["lr"], betas=tuple(optimizer["betas"]),
                               eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
     max_norm = float(optimizer.get("max_grad_norm", 0.0) or 0.0)
@@ -135,12 +143,14 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
                 torch.manual_seed(seed + 1 + step)
                 batch = model_file.example_batch(global_batch_size,
                                                  **accepted_kwargs(model_file.example_batch, model_kwargs))
-        loss = compute_loss(model_file, call_model(model, batch), batch)
-        loss.backward()
-        lr = learning_rate(step, steps, optimizer)
-        set_learning_rate(adamw, lr)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-        adamw.step()
+        with computing_in(dtype):
+            batch = floating_as(batch, dtype)
+            loss = compute_loss(model_file, call_model(model, batch), batch)
+            loss.backward()
+            lr = learning_rate(step, steps, optimizer)
+            set_learning_rate(adamw, lr)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+            adamw.step()
         adamw.zero_grad()
         run.losses.append(loss.item())
         run.grad_norms.append(float(norm))
@@ -154,6 +164,27 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
             model.train()
     run.parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
     return run
+
+
+@contextlib.contextmanager
+def computing_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """Tensors made without a dtype are made in ``dtype`` (nothing changes for None)."""
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def floating_as(batch: Any, dtype: torch.dtype | None) -> Any:
+    """The batch with its floating-point tensors in ``dtype`` (as it is for None)."""
+    if dtype is None:
+        return batch
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
 
 
 def decay_groups(model: torch.nn.Module, optimizer: dict[str, Any]) -> list[dict[str, Any]]:

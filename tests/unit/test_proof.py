@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from autopar.errors import ConfigError
-from autopar.runtime.proof import check_wanted, compare_with_reference, proof_ranks
+from autopar.runtime.proof import (LOSS_RTOL, LOSS_RTOL_FLOOR, PARAM_ATOL, PARAM_ATOL_FLOOR, PARAM_RTOL,
+                                   PARAM_RTOL_FLOOR, Tolerances, check_wanted, compare_with_reference, proof_ranks)
 from autopar.runtime.reference import ReferenceRun
 from autopar.solver.planner import split_of
 from cost_models.layout import ParallelLayout
@@ -45,14 +46,45 @@ def test_a_run_equal_to_one_process_up_to_float_reduction_order_passes():
 def test_the_first_difference_is_named_in_one_line():
     parameters = _reference().parameters
     assert compare_with_reference([2.0, 1.51], parameters, _reference()) == \
-        "loss differs from one process by 0.01 at step 1"
+        "loss differs from one process by 0.01 at step 1 (tolerance 1.5e-05: the widest tolerances)"
     assert compare_with_reference([2.0], parameters, _reference()) == "the run logged 1 losses for 2 steps"
     # w[1] is 2e-3 away: beyond 1e-5 + 1e-4 x 2
     moved = {"w": torch.tensor([1.0, -2.002]), "b": torch.tensor([0.5])}
     assert compare_with_reference([2.0, 1.5], moved, _reference()) == \
-        "parameter w differs from one process by 0.002 after 2 steps"
+        ("parameter w differs from one process by 0.002 after 2 steps (tolerance rtol 0.0001 + atol 1e-05: the "
+         "widest tolerances)")
     assert compare_with_reference([2.0, 1.5], {"w": parameters["w"]}, _reference()) == \
         "the run saved no value for parameter b"
+
+
+def _twin(loss_gap: float, parameter_gap: float) -> ReferenceRun:
+    """The reference's float64 twin, `loss_gap` (relative) and `parameter_gap` (absolute) away."""
+    reference = _reference()
+    return ReferenceRun(losses=[loss * (1 + loss_gap) for loss in reference.losses],
+                        parameters={n: p.double() + parameter_gap for n, p in reference.parameters.items()})
+
+
+def test_tolerances_are_the_runs_own_rounding_times_the_factor_within_floor_and_ceiling():
+    tolerances = Tolerances.from_rounding(_reference(), _twin(1e-8, 1e-7))
+    # 20 x 1e-8 relative on the loss, 20 x 1e-7 absolute, 20 x 1e-7 / 0.5 relative on the parameters
+    assert tolerances.loss_rtol == pytest.approx(2e-7, rel=1e-3)
+    assert tolerances.param_atol == pytest.approx(2e-6, rel=1e-3)
+    assert tolerances.param_rtol == pytest.approx(4e-6, rel=1e-2)
+    exact = Tolerances.from_rounding(_reference(), _twin(0.0, 0.0))
+    assert (exact.loss_rtol, exact.param_rtol, exact.param_atol) == (LOSS_RTOL_FLOOR, PARAM_RTOL_FLOOR, PARAM_ATOL_FLOOR)
+    noisy = Tolerances.from_rounding(_reference(), _twin(1e-3, 1e-2))
+    assert (noisy.loss_rtol, noisy.param_rtol, noisy.param_atol) == (LOSS_RTOL, PARAM_RTOL, PARAM_ATOL)
+    assert Tolerances.from_rounding(_reference(), None) == Tolerances(source=Tolerances.from_rounding(
+        _reference(), None).source)
+
+
+def test_a_difference_inside_the_widest_tolerance_but_beyond_the_rounding_is_refused():
+    """A relative 5e-6 on a loss (the widest tolerance is 1e-5) where fp32 moved the run by 1e-9."""
+    tolerances = Tolerances.from_rounding(_reference(), _twin(1e-9, 1e-9))
+    losses = [2.0, 1.5 * (1 + 5e-6)]
+    assert compare_with_reference(losses, _reference().parameters, _reference()) == ""
+    assert compare_with_reference(losses, _reference().parameters, _reference(), tolerances).startswith(
+        "loss differs from one process by 7.5e-06 at step 1 (tolerance 1.5e-07: 20x the fp32 rounding")
 
 
 def test_a_rejection_excludes_the_plans_that_run_the_same_parallel_code():

@@ -46,10 +46,13 @@ PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
 # Within them, the check's tolerances come from the run's own rounding (`RoundingNoise`): the
 # one-process run is repeated in float64, and how far fp32's rounding moved it, times
 # NOISE_FACTOR, bounds how far another fp32 reduction order (the plan's) may land from it. Never
-# below the floors (a model whose fp32 run rounds exactly still has sharded sums that do not).
+# below the floors: a split can compute differently, not only sum in another order (ring
+# attention merges softmax blocks: GPT-NeoX at cp=2 lands 1.7e-7 from one process where the
+# one-process run is 5e-9 from float64), and a model whose fp32 run rounds almost exactly still
+# has sharded sums that do not.
 NOISE_FACTOR = 20.0
-LOSS_RTOL_FLOOR = 1e-7
-PARAM_RTOL_FLOOR, PARAM_ATOL_FLOOR = 1e-6, 1e-8
+LOSS_RTOL_FLOOR = 1e-6
+PARAM_RTOL_FLOOR, PARAM_ATOL_FLOOR = 1e-5, 1e-7
 FAKE_TIMEOUT_S = 600.0
 CHECK_TIMEOUT_S = 600.0
 FAILED_MARKER = "proof-failed:"

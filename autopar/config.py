@@ -160,7 +160,8 @@ class SolverConfig:
     objective: str = "robust"
     """robust (the fastest plan that fits, unless a plan whose prediction interval overlaps it
     depends less on what the cost model extrapolates beyond its calibration set: collectives over
-    more nodes than any published run, an uncalibrated GPU; cost_models.uncertainty), throughput
+    more nodes than any published run, an uncalibrated GPU, an overlap no published run measured
+    such as ring attention's; cost_models.uncertainty), throughput
     (the fastest by prediction alone), memory (least memory within 5% of the fastest), or
     min_gpus (fewest GPUs reaching target_tokens_per_s)."""
     target_tokens_per_s: float = 0.0

@@ -23,6 +23,7 @@ from cost_models.layout import ParallelLayout
 from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
                                  trained_model_states)
 from cost_models.topology import GroupPlacement
+from cost_models.uncertainty import RING_ATTENTION
 from cost_models.tp_layout import SPParts
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
@@ -312,6 +313,8 @@ class LayerCost:
         # transfer overlaps the attention of the block in hand, so at long sequences (attention
         # quadratic, transfers linear) it hides.
         exchange = passes * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
+        if RING_ATTENTION in self.cluster.exposed_overlap:
+            return exchange  # the pessimistic price: no published run measured this overlap
         attention = (compute.attention_s + (forwards - 1) * compute.attention_forward_s
                      or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)

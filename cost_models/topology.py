@@ -363,6 +363,9 @@ class ClusterSpec:
     price_per_gpu_hour: float = 0.0
     calibration: str = "catalogue (datasheets)"
     time_scale: tuple[tuple[str, float], ...] = ()  # measured/predicted factors per step-time part (feedback.py)
+    # Techniques whose communication is priced without the compute it overlaps (the pessimistic
+    # price of an overlap no published run measured: cost_models.uncertainty).
+    exposed_overlap: tuple[str, ...] = ()
 
     def scale_of(self, part: str) -> float:
         return next((factor for name, factor in self.time_scale if name == part), 1.0)

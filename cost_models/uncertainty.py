@@ -24,7 +24,11 @@ set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
   by NETWORK_FALL_PER_DOUBLING per doubling of nodes beyond one (UNMEASURED_COLLECTIVES);
 - a GPU type without a calibration row: its compute UNCALIBRATED_GPU_SLOWDOWN slower (the
   largest median |out-of-sample error| of a calibration table, rounded up to a percent; written
-  to cost_models/calibration.json with the interval).
+  to cost_models/calibration.json with the interval);
+- a technique whose price credits communication hidden behind compute, where no calibration run
+  used it (`techniques_of`; calibration.json's `techniques` lists those the rows use): that
+  communication priced exposed (ring attention's K/V exchange without the attention it overlaps;
+  ClusterSpec.exposed_overlap). No calibration row uses context parallelism today.
 
 The planner's robust objective uses `s_pessimistic`: of two plans whose intervals overlap, the
 one that depends less on what was extrapolated is preferred (autopar.solver.planner).
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from cost_models.calibration import load_calibration
 from cost_models.topology import ClusterSpec
@@ -44,6 +49,18 @@ NETWORK_FALL_PER_DOUBLING = 1.8
 UNCALIBRATED_GPU_SLOWDOWN = float(load_calibration()["uncalibrated_gpu_slowdown"])
 CALIBRATED_GPUS = ("A100-80GB", "H100-SXM")
 UNMEASURED_COLLECTIVES = ("all_to_all",)
+RING_ATTENTION = "ring_attention"
+CALIBRATED_TECHNIQUES = frozenset(load_calibration().get("techniques", ()))
+TECHNIQUE_WORDS = {RING_ATTENTION: "ring attention's K/V exchange hidden behind attention"}
+
+
+def techniques_of(plan: Any) -> frozenset[str]:
+    """The techniques of a layout, plan or a published run's pins (any object with their
+    attributes) whose price credits an overlap of communication with compute."""
+    found = set()
+    if (getattr(plan, "cp", 1) or 1) > 1 and (getattr(plan, "cp_strategy", "ring") or "ring") == "ring":
+        found.add(RING_ATTENTION)
+    return frozenset(found)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -88,6 +105,7 @@ class Extrapolation:
     reasons: tuple[str, ...] = ()
     measured_nodes: int = 0  # groups over more nodes than this are extrapolated
     unmeasured_ops: tuple[str, ...] = ()  # collectives extrapolated from two nodes on
+    exposed: tuple[str, ...] = ()  # techniques whose overlap no published run measured: priced exposed
 
     @property
     def any(self) -> bool:
@@ -128,9 +146,11 @@ def measured_nodes(cluster: ClusterSpec) -> int:
     return cluster.inter.network.measured_nodes if cluster.inter.network else 0
 
 
-def extrapolations(cluster: ClusterSpec, widest_nodes: int, all_to_all_nodes: int = 0) -> Extrapolation:
-    """The pessimistic factors for a plan whose widest collective group spans `widest_nodes` and
-    whose all-to-all group (if any) spans `all_to_all_nodes`."""
+def extrapolations(cluster: ClusterSpec, widest_nodes: int, all_to_all_nodes: int = 0,
+                   techniques: frozenset[str] = frozenset()) -> Extrapolation:
+    """The pessimistic factors for a plan whose widest collective group spans `widest_nodes`,
+    whose all-to-all group (if any) spans `all_to_all_nodes` and which uses `techniques`
+    (`techniques_of`)."""
     reasons: list[str] = []
     network_factor = compute_factor = 1.0
     measured = measured_nodes(cluster)
@@ -152,13 +172,17 @@ def extrapolations(cluster: ClusterSpec, widest_nodes: int, all_to_all_nodes: in
         network_factor = max(network_factor, NETWORK_FALL_PER_DOUBLING ** math.log2(all_to_all_nodes))
         reasons.append(f"all-to-all over {all_to_all_nodes} nodes of {network}, with no published all-to-all "
                        "measurement (priced as the ring's links)")
-    return Extrapolation(network_factor, compute_factor, tuple(reasons), measured, unmeasured)
+    exposed = tuple(sorted(techniques - CALIBRATED_TECHNIQUES)) if gpus != ["cpu"] else ()
+    reasons += [f"{TECHNIQUE_WORDS[name]}, an overlap no published run measured (priced exposed at its pessimistic "
+                "value)" for name in exposed]
+    return Extrapolation(network_factor, compute_factor, tuple(reasons), measured, unmeasured, exposed)
 
 
 def pessimistic_cluster(cluster: ClusterSpec, extrapolation: Extrapolation) -> ClusterSpec:
     """The cluster as the pessimistic price sees it: every group over more nodes than were measured
     loses NETWORK_FALL_PER_DOUBLING of bandwidth per doubling beyond (groups within the measured
-    range, and point-to-point sends, keep their price); an uncalibrated GPU computes slower."""
+    range, and point-to-point sends, keep their price); an uncalibrated GPU computes slower; an
+    unmeasured overlap is priced exposed."""
     inter = cluster.inter
     if extrapolation.network_factor != 1.0:
         inter = replace(inter, measured_nodes=extrapolation.measured_nodes,
@@ -171,4 +195,4 @@ def pessimistic_cluster(cluster: ClusterSpec, extrapolation: Extrapolation) -> C
                                                / extrapolation.compute_factor)
                   for gpu in gpus}
         gpus = tuple(slower[gpu.name] for gpu in gpus)
-    return replace(cluster, inter=inter, node_gpus=gpus)
+    return replace(cluster, inter=inter, node_gpus=gpus, exposed_overlap=extrapolation.exposed)

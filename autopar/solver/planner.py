@@ -26,7 +26,8 @@ from cost_models.mesh import Mesh
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
-from cost_models.uncertainty import Extrapolation, PredictionInterval, extrapolations, pessimistic_cluster
+from cost_models.uncertainty import (Extrapolation, PredictionInterval, extrapolations, pessimistic_cluster,
+                                     techniques_of)
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
@@ -46,6 +47,11 @@ class Alternative:
 
     plan: Plan
     reason: str
+
+
+# plan.* settings that are not decisions of the plan: layer maps (listed on their own) and how the
+# model is traced.
+NOT_DECISIONS = ("stages", "layer_recompute", "trace_every_block", "reuse_profile")
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,7 @@ class Planner:
         """What the layout's price extrapolates: its widest collective group, and its all-to-all."""
         widest = max(self.pricer.placement(layout, axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
         all_to_all = self.pricer.placement(layout, "ep").nodes if getattr(layout, "ep", 1) > 1 else 0
-        return extrapolations(self.cluster, widest, all_to_all)
+        return extrapolations(self.cluster, widest, all_to_all, techniques_of(layout))
 
     def interval(self, scored: Scored) -> PredictionInterval:
         """The plan's predicted step, its pessimistic price and why they differ."""
@@ -280,7 +286,7 @@ class Planner:
         value; chosen (with the reason in words) if its interval overlaps the fastest plan's and
         its pessimistic price is lower."""
         extrapolation = self._extrapolation(self._layout(fastest))
-        if extrapolation.network_factor == 1.0:
+        if extrapolation.network_factor == 1.0 and not extrapolation.exposed:
             return None  # an uncalibrated GPU's compute weighs on every plan alike: nothing to trade
         mine = self.interval(fastest)
         cautious = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation),
@@ -321,7 +327,7 @@ class Planner:
     @staticmethod
     def _summary(scored: Scored) -> str:
         c = scored.candidate
-        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "") + (f" ep={c.ep}" if c.ep > 1 else "")
+        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp} {c.cp_strategy}" if c.cp > 1 else "") + (f" ep={c.ep}" if c.ep > 1 else "")
                 + f" ZeRO-{c.zero_stage}"
                 + (f" {c.schedule}" if c.pp > 1 else ""))
 
@@ -770,7 +776,7 @@ class Planner:
         """The pins as the plan.<name>=<value> overrides that set them (layer maps, and how the
         model is traced, left out)."""
         return [f"plan.{name}={value}" for name, value in vars(self.pins).items()
-                if value not in (None, {}, []) and name not in ("stages", "layer_recompute", "trace_every_block")]
+                if value not in (None, {}, []) and name not in NOT_DECISIONS]
 
     def _why_no_candidates(self) -> str:
         pins = self._pin_overrides()

@@ -33,6 +33,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.published.compare import Comparison, compute_bound_s, load_runs, price
@@ -145,6 +146,7 @@ class Refit:
             "interval_quantiles": list(INTERVAL_QUANTILES),
             "interval": {"low": low, "high": high},
             "uncalibrated_gpu_slowdown": uncalibrated_gpu_slowdown(tables, self.held_out_residuals()),
+            "techniques": calibrated_techniques([row.shipped.run for row in self.rows]),
             "tables": {row.id: row.table for row in self.rows},
             "held_out_residuals": {row.id: r for row, r in zip(self.rows, self.held_out_residuals())},
             "in_sample_residuals": {row.id: round(row.error, RESIDUAL_DECIMALS) for row in self.rows},
@@ -154,6 +156,14 @@ class Refit:
                                      "measured_s": round(p.measured_s, RESIDUAL_DECIMALS)}
                             for row, p in zip(self.rows, self.points) if p},
         }
+
+
+def calibrated_techniques(runs: list[dict[str, Any]]) -> list[str]:
+    """The overlapped techniques (cost_models.uncertainty.techniques_of) some calibration run used:
+    a plan's use of any other is priced pessimistically exposed."""
+    from cost_models.uncertainty import techniques_of
+
+    return sorted(set().union(*(techniques_of(SimpleNamespace(**run.get("plan", {}))) for run in runs)))
 
 
 def refit(runs: list[dict[str, Any]], progress: bool = False) -> Refit:

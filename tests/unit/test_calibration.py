@@ -150,3 +150,13 @@ def test_stored_folds_follow_from_the_stored_rows():
             continue
         on_line = (point.neutral_s + (fold - NEUTRAL) * point.slope_s) / point.measured_s - 1
         assert stored["held_out_residuals"][run_id] == pytest.approx(on_line, abs=0.01)
+
+
+def test_stored_techniques_are_those_the_calibration_runs_use():
+    """calibration.json's techniques (the overlaps a calibration run measured) follow from the
+    calibration rows' plans; a plan using any other is priced exposed at its pessimistic value."""
+    from benchmarks.published.compare import load_runs
+    from benchmarks.published.refit import calibrated_techniques
+
+    assert calibrated_techniques([run for run in load_runs() if run["calibration"]]) == \
+        load_calibration()["techniques"]

@@ -113,3 +113,11 @@ def test_imports_are_read_from_the_source_at_any_depth():
     source = b"import os.path\nfrom transformers.models import llama\nfrom . import sibling\n" \
              b"def f():\n    import helpers\n"
     assert profile_cache.imported_names(source) == ["helpers", "os", "transformers"]
+
+
+def test_reusing_a_profile_is_not_a_pin(model, tmp_path, capsys):
+    """plan.reuse_profile says how the model is traced, not what the plan decides."""
+    assert main(["plan", str(model), "cluster=cpu_gloo", "plan.reuse_profile=false", "--out",
+                 str(tmp_path / "plan.json")]) == 0
+    output = capsys.readouterr()
+    assert "reuse_profile" not in output.out + output.err

@@ -101,3 +101,55 @@ def test_presets_say_whether_their_node_count_fall_is_measured():
         assert not network.fall_measured and network.ring_fall == network.tree_fall == 0.0
         assert "NOT measured" in network.describe() and network.curve in network.describe()
     assert NETWORKS["efa"].fall_measured and "NOT" not in NETWORKS["efa"].describe()
+
+
+def test_ring_attention_is_extrapolated_until_a_calibration_run_uses_it():
+    """No calibration run uses context parallelism: a ring-attention plan's exchange (hidden behind
+    attention in its nominal price) is priced exposed at its pessimistic value; Ulysses' all-to-alls
+    are on the critical path in both, and CPU ranks have nothing calibrated to extrapolate from."""
+    from types import SimpleNamespace
+
+    from cost_models.uncertainty import RING_ATTENTION, techniques_of
+
+    assert techniques_of(SimpleNamespace(cp=4, cp_strategy="ring")) == {RING_ATTENTION}
+    assert techniques_of(SimpleNamespace(cp=4, cp_strategy="ulysses")) == frozenset()
+    assert techniques_of(SimpleNamespace(tp=8, pp=4)) == frozenset()
+    spec = cluster(gpu="H100-SXM", nodes=8)
+    ring = extrapolations(spec, 1, techniques=frozenset({RING_ATTENTION}))
+    assert ring.exposed == (RING_ATTENTION,) and ring.network_factor == 1.0
+    assert any("ring attention" in reason for reason in ring.reasons)
+    assert pessimistic_cluster(spec, ring).exposed_overlap == (RING_ATTENTION,)
+    cpu = ClusterSpec.from_config(ClusterConfig(name="c", gpu="cpu", nodes=1, gpus_per_node=4))
+    assert not extrapolations(cpu, 1, techniques=frozenset({RING_ATTENTION})).any
+
+
+def test_the_pessimistic_price_of_ring_attention_is_its_whole_exchange(examples_dir):
+    """Hand count on a 2-layer Llama at 32k tokens, cp=4 ring on one H100 node: nominally the K/V
+    exchange hides behind attention (cp_comm is what does not fit plus the interference share);
+    pessimistically cp_comm is every step's exchange: passes x (cp - 1) sends of a rank's K/V
+    block per layer."""
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+    from cost_models.issued import cp_passes
+    from cost_models.layout import ParallelLayout
+    from cost_models.step import PlanPricer, TrainSpec
+    from cost_models.uncertainty import RING_ATTENTION, Extrapolation
+
+    kwargs = dict(layers=2, hidden=1024, heads=8, kv_heads=8, ffn=3584, vocab=32000, seq_len=32768)
+    profile = profile_model(load_model_file(examples_dir / "llama_hf.py"), kwargs, 1, "bf16")
+    spec = cluster(gpu="H100-SXM", nodes=1)
+    layout = ParallelLayout(cp=4, cp_strategy="ring", zero_stage=2, dp=2, num_micro_batches=1)
+    train = TrainSpec(global_batch_size=2)
+    nominal = PlanPricer(profile, spec, train)
+    exposed = PlanPricer(profile, pessimistic_cluster(spec, Extrapolation(reasons=("x",), exposed=(RING_ATTENTION,))),
+                         train)
+    blocks = [layer for layer in profile.layers if layer.is_block]
+    group = nominal.placement(layout, "cp")
+    per_block = []
+    for layer in blocks:
+        _, kv = nominal._attention_bytes[nominal.compute.kind(layer.name)]
+        per_block.append(cp_passes("ring", "none") * 3 * nominal.collective_s(Collective.SEND_RECV, kv / 4, group))
+    hidden = nominal.estimate(layout).time_breakdown["cp_comm"]
+    whole = exposed.estimate(layout).time_breakdown["cp_comm"]
+    assert whole == pytest.approx(sum(per_block), rel=1e-6)
+    assert hidden < 0.5 * whole

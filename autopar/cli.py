@@ -135,7 +135,8 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> 
     argparse leaves the overrides after an option unparsed, so they are collected here."""
     args, extra = parser.parse_known_args(argv)
     stray = [item for item in extra
-             if item.startswith("-") or ("=" not in item and not item.startswith("~")) or not hasattr(args, "overrides")]
+             if item.startswith("-") or ("=" not in item and not item.startswith("~"))
+             or not hasattr(args, "overrides")]
     if stray:
         prog = f"{parser.prog} {args.verb}" if getattr(args, "verb", None) else parser.prog
         raise UsageError(f"{prog}: unrecognized arguments: {' '.join(stray)}.",
@@ -273,10 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         verb.add_argument("--emit", action="append", default=[], choices=ENGINES, metavar="ENGINE",
                           help="also write the plan as that engine's settings beside plan.json (repeatable): "
                                "torchtitan, megatron, deepspeed, accelerate; a plan the engine cannot run is refused")
-    report = _add_plain_verb(verbs, "report", "write the plan report (HTML, markdown, timeline) of a plan or compiled folder",
+    report = _add_plain_verb(verbs, "report",
+                             "write the plan report (HTML, markdown, timeline) of a plan or compiled folder",
                              "Render report.html (self-contained), report.md, timeline.json (Chrome trace) and figures "
                              "for a compiled folder or a plan.json.", REPORT_EXAMPLES, _report)
-    report.add_argument("source", type=Path, metavar="PLAN_OR_DIR", help="a folder `autopar compile` wrote, or a plan.json")
+    report.add_argument("source", type=Path, metavar="PLAN_OR_DIR",
+                        help="a folder `autopar compile` wrote, or a plan.json")
     report.add_argument("--out-dir", type=Path, default=None,
                         help="where to write (default: the folder itself, or the plan file's folder)")
     report.add_argument("--model", type=Path, default=None,
@@ -284,8 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "without it the model file named inside the plan is never imported")
     report.add_argument("--force", action="store_true",
                         help="replace report files in the folder that autopar did not write or that were edited")
-    validate = _add_plain_verb(verbs, "validate", "run a compiled folder a few steps and compare predictions with "
-                               "measurements", "Train DIR's plan on local ranks for a few steps; per rank, print predicted "
+    validate = _add_plain_verb(verbs, "validate",
+                               "run a compiled folder a few steps and compare predictions with measurements",
+                               "Train DIR's plan on local ranks for a few steps; per rank, print predicted "
                                "vs measured step time, its compute/communication split and peak memory, and write "
                                "DIR/validate.json (input of `autopar calibrate --from`).",
                                "examples:\n  autopar validate out/tiny --steps 6\n"
@@ -296,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "Launch DIR/parallel_<model>.py with torchrun on this machine; one JSON record per step is "
                           "appended to DIR/run.jsonl.", RUN_EXAMPLES, _run)
     run.add_argument("out_dir", type=Path, metavar="DIR", help="folder `autopar compile` wrote")
-    run.add_argument("--nproc", type=int, default=None, help="local ranks (default and only choice: the plan's world size)")
+    run.add_argument("--nproc", type=int, default=None,
+                     help="local ranks (default and only choice: the plan's world size)")
     run.add_argument("--steps", type=int, default=None, help="training steps (default: the module's own)")
     run.add_argument("--echo", action="store_true", help="print the ranks' output as it comes")
     run.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
@@ -679,7 +684,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
         from autopar.report.terminal import print_plan
 
         _note(console, precision_note(cfg))
-        with PhaseProgress(console, f"planning {args.model}" if args.plan is None else f"reusing {args.plan}") as progress:
+        with PhaseProgress(console,
+                           f"planning {args.model}" if args.plan is None else f"reusing {args.plan}") as progress:
             plan, result, files = run_compile(args.model, cfg, args.out_dir, args.plan, progress=progress,
                                               provenance=hydra_app.provenance_files(cfg), force=args.force,
                                               emit=tuple(args.emit))

@@ -559,7 +559,8 @@ def config_error(err: Exception) -> ConfigError:
     while cause.__cause__ is not None and not getattr(cause, "full_key", None):
         cause = cause.__cause__
     key = getattr(cause, "full_key", None)
-    merged = str(err).removeprefix("Error merging override ").split("=", 1)[0].lstrip("~+") if "Error merging override " in str(err) else ""
+    merged = (str(err).removeprefix("Error merging override ").split("=", 1)[0].lstrip("~+")
+              if "Error merging override " in str(err) else "")
     if key and merged and not key.startswith(merged):  # a key inside a list item is named from the item
         key = f"{merged}.{key}"
     first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__

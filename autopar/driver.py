@@ -75,7 +75,8 @@ def build_cluster(cfg: Any) -> ClusterSpec:
     try:
         return ClusterSpec.from_config(cfg.cluster)
     except (ValueError, OSError) as err:
-        raise ConfigError(f"Invalid cluster: {err}", "`autopar plan --help` lists the cluster presets and fields.") from None
+        raise ConfigError(f"Invalid cluster: {err}",
+                          "`autopar plan --help` lists the cluster presets and fields.") from None
 
 
 def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:

@@ -228,11 +228,13 @@ def config_help() -> ConfigHelp:
     conf = resources.files("autopar.conf")
     groups = {entry.name: sorted(item.name.removesuffix(".yaml") for item in entry.iterdir()
                                  if item.name.endswith(".yaml"))
-              for entry in sorted(conf.iterdir(), key=lambda e: e.name) if entry.is_dir() and entry.name != "__pycache__"}
+              for entry in sorted(conf.iterdir(), key=lambda e: e.name)
+              if entry.is_dir() and entry.name != "__pycache__"}
     fields_ = {"model": ["<any build_model()/example_batch() keyword>"]}
     for section in dataclasses.fields(AutoparConfig):
         if dataclasses.is_dataclass(section.default_factory):
-            fields_[section.name] = [f"{f.name}:{_type_name(f.type)}" for f in dataclasses.fields(section.default_factory)]
+            fields_[section.name] = [f"{f.name}:{_type_name(f.type)}"
+                                     for f in dataclasses.fields(section.default_factory)]
     return ConfigHelp(groups, fields_)
 
 

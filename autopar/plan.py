@@ -303,7 +303,8 @@ class Plan:
         if (self.dp * self.cp) % self.ep:
             found.append(f"ep={self.ep} does not divide dp x cp = {self.dp * self.cp} (expert parallelism is carved "
                          "from the data- and context-parallel ranks)")
-        if self.dp_shares and (len(self.dp_shares) != self.dp or sum(self.dp_shares) != self.dp * self.micro_batch_size):
+        if self.dp_shares and (len(self.dp_shares) != self.dp
+                               or sum(self.dp_shares) != self.dp * self.micro_batch_size):
             found.append(f"dp_shares {list(self.dp_shares)} are not dp={self.dp} shares summing to dp × "
                          f"micro_batch_size = {self.dp * self.micro_batch_size}")
         if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch_size:

@@ -43,7 +43,8 @@ def validation_overrides(overrides: list[str]) -> list[list[str]]:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
         raise ConfigError(f"Invalid sweep: {' '.join(str(err).split())}",
-                          "write sweeps as key=a,b,c (or range(1,9), choice(...), interval(...) with Optuna).") from None
+                          "write sweeps as key=a,b,c (or range(1,9), choice(...), interval(...) "
+                          "with Optuna).") from None
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     lists = [fixed]
     for o in parsed:

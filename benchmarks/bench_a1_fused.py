@@ -30,7 +30,8 @@ def run() -> list[dict]:
             row[f"{name}: error"] = f"{compared.error:+.1%}"
         row["measured_s"] = round(compared.measured_step_s, 3)
         rows.append(row)
-    rows.append({"id": "median |error|", **{f"{name}: error": f"{median_abs(found):.1%}" for name, found in errors.items()}})
+    rows.append({"id": "median |error|",
+                 **{f"{name}: error": f"{median_abs(found):.1%}" for name, found in errors.items()}})
     return rows
 
 

@@ -217,13 +217,14 @@ def fake_rank_memory(out_dir: str | Path, steps: int = 3) -> dict:
         script = next(out_dir.glob("parallel_*.py"))
         generated = import_generated(script, "generated_fake_rank")
         args = command_line(generated, steps=steps)
-        records = generated.train(generated.train_config(generated.PLAN, args), generated.parallel_config(generated.PLAN),
-                                  generated.tp_plan)
+        records = generated.train(generated.train_config(generated.PLAN, args),
+                                  generated.parallel_config(generated.PLAN), generated.tp_plan)
     finally:
         dist.destroy_process_group()
     measured = max(r["peak_memory_bytes"] for r in records)
     predicted = plan["predicted"]["peak_memory_bytes"]
-    return {"plan": script.name, "world_size": world_size, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    return {"plan": script.name, "world_size": world_size,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "measured_peak_GiB": round(measured / 2**30, 2), "predicted_peak_GiB": round(predicted / 2**30, 2),
             "measured_over_predicted": round(measured / predicted, 3) if predicted else None,
             "step_time_s": [round(r["step_time_s"], 4) for r in records]}

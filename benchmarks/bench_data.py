@@ -55,7 +55,8 @@ def run() -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="bench-data-"))
     try:
         corpus = corpus_folder(root)
-        rows = [{"measure": f"loader alone, {w} worker(s)", "samples/s": f"{loader_throughput(corpus, root / 'cache', w):,.0f}"}
+        rows = [{"measure": f"loader alone, {w} worker(s)",
+                 "samples/s": f"{loader_throughput(corpus, root / 'cache', w):,.0f}"}
                 for w in (0, 1)]
         folder = root / "gpt"
         plan = make_plan(GPT, dp=2)

@@ -57,11 +57,13 @@ def measure_case(name: str, example: str, overrides: list[str], folder: Path) ->
     result = check_rank(folder, RANK)
     measured_s = time.perf_counter() - start - compiled_s
     worst = max((key for key in ("params", "grads", "optimizer", "activations", "buffers")
-                 if result.error_pct[key] is not None), key=lambda key: abs(result.predicted[key] - result.measured[key]))
+                 if result.error_pct[key] is not None),
+                key=lambda key: abs(result.predicted[key] - result.measured[key]))
     return {"case": name, "plan": plan.summary(), "rank": RANK, "pp_rank": result.pp_rank,
             "predicted_GiB": gib(result.predicted["total"]), "measured_GiB": gib(result.measured["total"]),
             "error_pct": result.error_pct["total"], "within_10pct": abs(result.error_pct["total"]) <= 10,
-            "activations_pred_meas_GiB": f"{gib(result.predicted['activations'])} / {gib(result.measured['activations'])}",
+            "activations_pred_meas_GiB": f"{gib(result.predicted['activations'])} / "
+                                         f"{gib(result.measured['activations'])}",
             "states_pred_meas_GiB": " / ".join(str(gib(sum(r[k] for k in ("params", "grads", "optimizer"))))
                                                for r in (result.predicted, result.measured)),
             "buffers_pred_meas_GiB": f"{gib(result.predicted['buffers'])} / {gib(result.measured['buffers'])}",

@@ -10,7 +10,8 @@ runners-up; trace_s is tracing and profiling before it). The whole `autopar plan
 process start to plan.json (imports, tracing with each run of identical blocks traced once, the
 search, the report), is timed separately for the Llama-3-405B case (target 15 s) and the Llama-3-70B one
 (target 10 s): cli_s traces the model, cli_again_s is the same command run again, reusing the
-profile the first kept (autopar.profile_cache). The search's budget is deterministic work (`solver.work_limit`), so the plan, status and
+profile the first kept (autopar.profile_cache). The search's budget is deterministic work
+(`solver.work_limit`), so the plan, status and
 gap printed here are the same on any machine load; only the seconds change.
 
     python -m benchmarks.bench_planner

@@ -42,7 +42,8 @@ def run() -> dict:
         profile = json.loads(out.read_text())
     return {
         "benchmark": "profile Llama-3-70B shape (seq 4096, micro-batch 1)",
-        "wall_s": round(wall_s, 1), "again_s": round(seconds[-1], 1) if len(seconds) > 1 else None, "trace_and_profile_s": profile["seconds"],
+        "wall_s": round(wall_s, 1), "again_s": round(seconds[-1], 1) if len(seconds) > 1 else None,
+        "trace_and_profile_s": profile["seconds"],
         "peak_rss_GiB": round(peak_rss_bytes / 2**30, 2), "graph_nodes": profile["num_nodes"],
         "params_B": round(profile["param_count"] / 1e9, 2),
         "target": f"< {TARGET_S:.0f} s, < {TARGET_RSS_BYTES / 2**30:.0f} GiB",

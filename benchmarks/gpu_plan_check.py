@@ -125,7 +125,8 @@ def measure_one_gpu(folder: Path) -> dict:
     result = validate(folder, steps=STEPS)
     rank = result.ranks[0]
     return {"measured_step_s": rank.measured["step_time_s"], "measured_peak_bytes": rank.measured["peak_memory_bytes"],
-            "predicted_step_s": rank.predicted["step_time_s"], "predicted_peak_bytes": rank.predicted["peak_memory_bytes"],
+            "predicted_step_s": rank.predicted["step_time_s"],
+            "predicted_peak_bytes": rank.predicted["peak_memory_bytes"],
             "memory_detail": json.loads((folder / "measure" / "rank_0.json").read_text())["memory_breakdown"]}
 
 
@@ -164,7 +165,8 @@ def profile_faked_rank(folder: Path, names: list[str]) -> None:
                 run(folder / name)
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             gpu_s = sum(e.device_time for e in kernels) / 1e6
-            print(json.dumps({"case": name, "how": how, "gpu_kernel_s_3_steps": round(gpu_s, 3), "kernels": len(kernels)}),
+            print(json.dumps({"case": name, "how": how, "gpu_kernel_s_3_steps": round(gpu_s, 3),
+                              "kernels": len(kernels)}),
                   flush=True)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=40),
                   flush=True)
@@ -182,7 +184,8 @@ def measure_faked_rank(folder: Path) -> dict:
     memory = cuda_peak(torch.device("cuda", torch.cuda.current_device()))
     warm = [record["step_time_s"] for record in records[2:]]
     return {"measured_compute_s": statistics.median(warm), "predicted_compute_s": predicted_compute_s(plan),
-            "measured_peak_bytes": memory["peak_memory_bytes"], "predicted_peak_bytes": plan["predicted"]["peak_memory_bytes"],
+            "measured_peak_bytes": memory["peak_memory_bytes"],
+            "predicted_peak_bytes": plan["predicted"]["peak_memory_bytes"],
             "memory_detail": memory["memory_breakdown"]}
 
 
@@ -201,9 +204,11 @@ def measure_cases(folder: Path, names: list[str]) -> None:
         try:
             faked = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"] > 1
             record.update(measure_faked_rank(folder / name) if faked else measure_one_gpu(folder / name))
-            record["memory_error_pct"] = round(100 * (record["predicted_peak_bytes"] / record["measured_peak_bytes"] - 1), 1)
+            record["memory_error_pct"] = round(
+                100 * (record["predicted_peak_bytes"] / record["measured_peak_bytes"] - 1), 1)
             time_key = "compute_s" if faked else "step_s"
-            record["time_error_pct"] = round(100 * (record[f"predicted_{time_key}"] / record[f"measured_{time_key}"] - 1), 1)
+            record["time_error_pct"] = round(
+                100 * (record[f"predicted_{time_key}"] / record[f"measured_{time_key}"] - 1), 1)
         except Exception as err:  # one failing case must not hide the others' numbers
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
         gc.collect()

@@ -51,7 +51,8 @@ def measure(how: str) -> dict:
 if __name__ == "__main__":
     import torch
 
-    print(json.dumps({"kind": "device", "device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+    print(json.dumps({"kind": "device", "device": torch.cuda.get_device_name(), "torch": torch.__version__}),
+          flush=True)
     for how in ("none", "keep_every_matmul", "every_other_matmul"):
         print(json.dumps(measure(how)), flush=True)
         torch.cuda.empty_cache()

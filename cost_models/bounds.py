@@ -64,8 +64,8 @@ class Bound:
         if self.each:
             text = f"{kind}s" + (f", each {ends}" if ends else "")
         else:
-            text = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}" + (f" {'of ' if ends.startswith('at ') else ''}{ends}"
-                                                                      if ends else "")
+            text = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}" \
+                + (f" {'of ' if ends.startswith('at ') else ''}{ends}" if ends else "")
         return text + (f", or null ({self.null})" if self.null else "")
 
 

@@ -176,7 +176,8 @@ class LayerCompute:
     attention_s: float = 0.0
     attention_forward_s: float = 0.0
 
-    def time_s(self, scale: float, overhead_s: float, forward_passes: float = 1.0, nongemm_passes: float = 0.0) -> float:
+    def time_s(self, scale: float, overhead_s: float, forward_passes: float = 1.0,
+               nongemm_passes: float = 0.0) -> float:
         """Forward(s) + backward (+ selective re-forward) at `scale` x the profiled micro-batch."""
         return (scale * (forward_passes * self.forward_s + self.backward_s + nongemm_passes * self.forward_nongemm_s)
                 + overhead_s * (forward_passes * self.forward_launches + self.backward_launches

@@ -225,7 +225,8 @@ def _grouped_rows(ops: list[Any], modules: set[str], experts: int) -> int:
     """Rows of a grouped experts module's input, [E, C, ...] -> E x C, from the first forward
     op inside it that reads a tensor led by E (0 when the profile has no per-op detail)."""
     for op in ops:
-        if op.phase == "forward" and op.module and any(op.module == m or op.module.startswith(m + ".") for m in modules):
+        if op.phase == "forward" and op.module \
+                and any(op.module == m or op.module.startswith(m + ".") for m in modules):
             for shape in op.input_shapes:
                 if len(shape) >= 3 and shape[0] == experts:
                     return int(shape[0] * shape[1])

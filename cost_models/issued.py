@@ -42,9 +42,9 @@ class IssuedCollectives:
         """Collective -> calls in one step on the counted ranks (see the module docstring): every
         group's (tensor, expert, data, pipeline and context parallel) summed."""
         total: Counts = {}
-        for counts in (self.tp_collectives(layout), self.partial_gradient_collectives(layout), self.ep_collectives(layout),
-                       self.dp_collectives(layout), self.pp_collectives(layout), self.cp_collectives(layout),
-                       self.scalar_collectives(layout)):
+        for counts in (self.tp_collectives(layout), self.partial_gradient_collectives(layout),
+                       self.ep_collectives(layout), self.dp_collectives(layout), self.pp_collectives(layout),
+                       self.cp_collectives(layout), self.scalar_collectives(layout)):
             add(total, counts)
         return total
 
@@ -67,7 +67,8 @@ class IssuedCollectives:
         if layout.tp == 1:
             return {}
         reference = self._device_facts(layout)[0]
-        count = sum(len(self._slice_norm_params(layer.name)) if layout.sequence_parallel else 0 for layer in self.layers)
+        count = sum(len(self._slice_norm_params(layer.name)) if layout.sequence_parallel else 0
+                    for layer in self.layers)
         count += sum(self._head_norm_params(self.split(layer.name, layout, reference).styles) for layer in self.layers)
         if layout.zero_stage >= 2 and self._grad_size(layout) > 1 and layout.pp == 1:
             count *= layout.num_micro_batches

@@ -276,11 +276,13 @@ class LayerCost:
         compute = (self._compute_s(split, layout, scale / layout.cp, gpu)
                    + self._ep_wait_s(layer, split, layout, scale / layout.cp)) * self.cluster.scale_of("compute")
         per_token = scale / layout.cp
-        tp_comm_s = {rerun: self._tp_comm_s(split, layout, per_token, rerun, boundaries=False) for rerun in (False, True)}
+        tp_comm_s = {rerun: self._tp_comm_s(split, layout, per_token, rerun, boundaries=False)
+                     for rerun in (False, True)}
         comm = []
         for option in self.recompute_options:
             comm.append(tp_comm_s[option == "full"] * self.cluster.scale_of("tp_comm")
-                        + self._cp_time_s(layer, layout, scale, split.compute, option) * self.cluster.scale_of("cp_comm")
+                        + self._cp_time_s(layer, layout, scale, split.compute, option)
+                          * self.cluster.scale_of("cp_comm")
                         + self._ep_time_s(layer, layout, scale, option) * self.cluster.scale_of("ep_comm"))
         return compute + min(comm)
 
@@ -390,7 +392,8 @@ class LayerCost:
         if layout.zero_stage < 2 or self._grad_size(layout) == 1:
             return 0.0
         if layout.zero_stage == 3 and self.train.zero3_runtime == "deepspeed_2021":
-            return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.collective_s, 3 if full_recompute else 2)
+            return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.collective_s,
+                                                                             3 if full_recompute else 2)
         overhead = gpu.launch_overhead_s
         _, is_root = self.fsdp_unit_of(layer.name)
         if layout.pp > 1 and (layout.zero_stage == 2 or is_root):

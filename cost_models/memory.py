@@ -199,7 +199,8 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: s
     ops = list(forward_ops)
     total = float(layer.activation_bytes)
     sharded = min(float(sum(op.saved_for_backward_bytes for op in ops if op.name in sharded_outputs)), total)
-    full = float(sum(op.saved_for_backward_bytes for op in ops if op.name in gathered and op.name not in sharded_outputs))
+    full = float(sum(op.saved_for_backward_bytes for op in ops
+                     if op.name in gathered and op.name not in sharded_outputs))
     full = min(full, total - sharded) if tp > 1 else 0.0
     unwrapped = [op for op in ops if not runs_inside(op.module, layer.name)]
     unwrapped_sharded = float(sum(op.saved_for_backward_bytes for op in unwrapped if op.name in sharded_outputs))

@@ -165,7 +165,8 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
         if problem.per_step_s:
             per_step_units[device] += sum(time_units(speed * problem.per_step_s[layer]) for layer in layers)
         for layer in layers:
-            layer_bytes = problem.static_bytes[layer] + problem.in_flight[device] * problem.activation_bytes[layer][options[layer]]
+            layer_bytes = (problem.static_bytes[layer]
+                           + problem.in_flight[device] * problem.activation_bytes[layer][options[layer]])
             device_mib[device] += mib_up(layer_bytes)
             device_bytes[device] += int(layer_bytes)
     if any(used > mib_down(cap) for used, cap in zip(device_mib, problem.capacity_bytes)):

@@ -142,7 +142,8 @@ class Placement:
                         / (layout.tp * layout.cp))
             options = [Algorithm.RING, Algorithm.TREE] + ([Algorithm.HIERARCHICAL] if group.crosses_nodes else [])
             options += [Algorithm.PARAMETER_SERVER] if layout.zero_stage == 0 else []
-            costs = [CollectiveCost(Collective.ALL_REDUCE, a, collective_time_s(Collective.ALL_REDUCE, nbytes, group, a))
+            costs = [CollectiveCost(Collective.ALL_REDUCE, a,
+                                    collective_time_s(Collective.ALL_REDUCE, nbytes, group, a))
                      for a in options]
             self._collectives[key] = min(costs, key=lambda c: (self.exposed_dp_sync_s(c, backward),
                                                                options.index(c.algorithm))).algorithm

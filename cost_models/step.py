@@ -62,8 +62,8 @@ SCALAR_BYTES = 8  # one float64: gradient clipping's sum of squares, a token-lev
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
 
-__all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", "validate", "validate_layout", "TPLayerSplit",
-           "TPSplitter", "CUDA_CONTEXT_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "OVERLAP_INTERFERENCE",
+__all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", "validate", "validate_layout",
+           "TPLayerSplit", "TPSplitter", "CUDA_CONTEXT_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "OVERLAP_INTERFERENCE",
            "RING_TILE_SCORE_BYTES", "attention_io_bytes", "exposed_s", "BUCKET_CHOICES_BYTES", "DP_BUCKET_BYTES",
            "POST_BACKWARD_SYNC", "proportional_shares"]
 

@@ -284,7 +284,8 @@ def problems(layout: Any, facts: LayoutFacts = LayoutFacts()) -> list[str]:
               Family.EP_DISPATCH: getattr(layout, "ep_dispatch", ExpertDispatch.ALL_TO_ALL)}
     for family, value in values.items():
         entry = chosen(family, value)
-        if (family == Family.CP_STRATEGY and layout.cp == 1) or (family == Family.DP_SYNC and layout.dp * layout.cp == 1) \
+        if (family == Family.CP_STRATEGY and layout.cp == 1) \
+                or (family == Family.DP_SYNC and layout.dp * layout.cp == 1) \
                 or (family == Family.EP_DISPATCH and getattr(layout, "ep", 1) == 1):
             continue  # the technique is not used
         for require in entry.requires:

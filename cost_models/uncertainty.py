@@ -15,7 +15,8 @@ set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
 - a collective group spanning more nodes than any published measurement on that network
   (`NetworkSpec.measured_nodes` in cost_models/topology.py: 64 on EFA, the Playbook's collective
   curve; 48 on InfiniBand, which has no collective curve, only the training runs' data-parallel
-  groups; none on RoCE, so every RoCE group across nodes is extrapolated): the network's bandwidth divided by NETWORK_FALL_PER_DOUBLING per doubling
+  groups; none on RoCE, so every RoCE group across nodes is extrapolated): the network's bandwidth
+  divided by NETWORK_FALL_PER_DOUBLING per doubling
   of nodes beyond. 1.8 is how fast measured bus bandwidth fell per doubling where it was
   measured falling (the Ultra-Scale Playbook's all-gather: x1.25, x1.96, x2.5 from 8 to 64
   nodes; geometric mean 1.8);

@@ -59,4 +59,5 @@ def selected(request: pytest.FixtureRequest, argname: str, fixture: str, where: 
 def session_items(request: pytest.FixtureRequest, fixture: str, where: Path) -> list[pytest.Item]:
     """This session's tests in ``where`` that will run and use ``fixture``."""
     return [item for item in request.session.items
-            if Path(item.path).resolve().is_relative_to(where) and fixture in getattr(item, "fixturenames", ()) and runs(item)]
+            if Path(item.path).resolve().is_relative_to(where) and fixture in getattr(item, "fixturenames", ())
+            and runs(item)]

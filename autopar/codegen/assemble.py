@@ -115,7 +115,8 @@ def assemble_sections(imports: ImportBlock, transform: Callable[[str], str] = la
             summary, _ = split_section(section_source(name), ImportBlock())
             module = BESIDE[name].removesuffix(".py")
             parts.append(f"{banner(summary)}\n# The same for every plan: {BESIDE[name]} beside this file.\n"
-                         f'{module} = import_file(Path(__file__).with_name("{BESIDE[name]}"), f"{{__name__}}_{module}")\n')
+                         f'{module} = import_file(Path(__file__).with_name("{BESIDE[name]}"), '
+                         f'f"{{__name__}}_{module}")\n')
             continue
         summary, code = split_section(section_source(name), imports)
         parts.append(f"{banner(summary)}\n{transform(code)}")

@@ -318,9 +318,9 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
     facts_of_plan = plan_facts(plan, layout)
     sections = assemble_sections(imports, lambda code: fold(code, facts_of_plan))  # section by section: fast
     for module, names in (("torch.distributed.tensor", {"Replicate", "Shard"}),
-                          ("torch.distributed.tensor.parallel", {"ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-                                                                 "PrepareModuleInput", "PrepareModuleInputOutput",
-                                                                 "ParallelStyle"}),
+                          ("torch.distributed.tensor.parallel", {"ColwiseParallel", "RowwiseParallel",
+                                                                 "SequenceParallel", "PrepareModuleInput",
+                                                                 "PrepareModuleInputOutput", "ParallelStyle"}),
                           ("torch.distributed.elastic.multiprocessing.errors", {"record"}),
                           ("pathlib", {"Path"})):
         imports.from_names.setdefault(module, set()).update(names)
@@ -387,21 +387,25 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
     lines += ["", "Predicted by the cost model (per step)"]
     if p.step_time_s:
         lines.append(f"  step time    {_fmt_seconds(p.step_time_s)}"
-                     + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else f", {p.samples_per_s:,.1f} samples/s")
+                     + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s
+                        else f", {p.samples_per_s:,.1f} samples/s")
                      + (f", MFU {p.mfu:.1%}" if p.mfu else ""))
         if p.time_breakdown:
-            lines.append("  time         " + ", ".join(f"{k} {_fmt_seconds(v)}" for k, v in p.time_breakdown.items() if v))
+            lines.append("  time         "
+                         + ", ".join(f"{k} {_fmt_seconds(v)}" for k, v in p.time_breakdown.items() if v))
         lines.append(f"  peak memory  {_fmt_bytes(p.peak_memory_bytes)} per rank")
     else:
         lines.append("  (no prediction recorded in the plan)")
-    lines.append(f"  solver       {plan.solver.status}, {plan.solver.candidates} candidates, {plan.solver.seconds:.1f} s")
+    lines.append(f"  solver       {plan.solver.status}, {plan.solver.candidates} candidates, "
+                 f"{plan.solver.seconds:.1f} s")
     notes = tp.notes + layout.notes
     if notes:
         lines += ["", "Adjustments made when generating"] + [f"  - {note}" for note in notes]
     lines += [
         "",
         "Run",
-        f"  ./launch.sh --steps 10                      ({nodes} node(s) x {min(plan.world_size, gpus_per_node)} ranks; sbatch.sh for SLURM)",
+        f"  ./launch.sh --steps 10                      ({nodes} node(s) x {min(plan.world_size, gpus_per_node)} "
+        "ranks; sbatch.sh for SLURM)",
         f"  torchrun --nproc-per-node {plan.world_size} parallel_{name}.py --steps 10   (one machine)",
         "  Uses NCCL on GPUs and gloo on CPUs; each step appends a JSON record to run.jsonl (and scalars",
         "  to tensorboard/<run id>/; --wandb PROJECT, --mlflow EXPERIMENT log there too).",
@@ -479,8 +483,10 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         "# model file's dataset() hook, else example_batch. Tokenized corpora are cached in DATA_CACHE.",
         f"DATA = {pprint.pformat(training.data, width=110, sort_dicts=False)}",
         'DATA_CACHE = str(Path(__file__).with_name("data_cache"))',
-        f"SEQ_LEN, VOCAB_ROWS = {facts.seq_len}, {facts.vocab_rows}  # tokens per sample planned; the largest embedding's rows",
-        f"EVAL_EVERY, EVAL_BATCHES = {training.eval_every}, {training.eval_batches}  # validation loss: every N steps, over K batches",
+        f"SEQ_LEN, VOCAB_ROWS = {facts.seq_len}, {facts.vocab_rows}  "
+        "# tokens per sample planned; the largest embedding's rows",
+        f"EVAL_EVERY, EVAL_BATCHES = {training.eval_every}, {training.eval_batches}  "
+        "# validation loss: every N steps, over K batches",
         "",
         *constants,
         "",
@@ -670,7 +676,8 @@ def main(argv: list[str] | None = None, after_steps: Callable[..., None] | None 
         model_module = load_model_file(args.model_file)  # a folder export reads the model's config
         folder = checkpointing.export_latest_checkpoint(
             args.checkpoint_dir, args.export,
-            lambda state, path: write_export(state, path, TIED_PARAMETERS, lambda: meta_model(model_module, MODEL_KWARGS)))
+            lambda state, path: write_export(state, path, TIED_PARAMETERS,
+                                             lambda: meta_model(model_module, MODEL_KWARGS)))
         print(f"exported {folder} to {args.export}")
         return []
     return train(train_config(PLAN, args), parallel_config(PLAN), tp_plan, expected_sha256=MODEL_SHA256,

@@ -100,7 +100,8 @@ def module_kind(module: nn.Module) -> str:
         return "linear"  # an affine map by what its forward computes (autopar.solver.linear_like)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         return "container"
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or any(h in type(module).__name__.lower() for h in NORM_CLASS_HINTS):
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) \
+            or any(h in type(module).__name__.lower() for h in NORM_CLASS_HINTS):
         return "norm"
     return "other"
 
@@ -126,7 +127,8 @@ def _inspect_built(build: FakeBuild) -> ModelFacts:
                 first_inputs[name] = None
             else:
                 parameters = list(inspect.signature(mod.forward).parameters)
-                first_inputs[name] = parameters[0] if parameters and parameters[0] in kwargs else next(iter(kwargs), None)
+                first_inputs[name] = (parameters[0] if parameters and parameters[0] in kwargs
+                                      else next(iter(kwargs), None))
         def record_output(mod: nn.Module, args: tuple, output: Any, name: str = name) -> None:
             outputs.setdefault(name, len(output) if isinstance(output, (tuple, list)) else None)
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
@@ -138,7 +140,8 @@ def _inspect_built(build: FakeBuild) -> ModelFacts:
         for handle in handles:
             handle.remove()
     modules = {name: ModuleFacts(class_name=type(module).__name__, kind=module_kind(module),
-                                 first_input=first_inputs.get(name), has_parameters=any(True for _ in module.parameters()),
+                                 first_input=first_inputs.get(name),
+                                 has_parameters=any(True for _ in module.parameters()),
                                  called=name in first_inputs, outputs=outputs.get(name),
                                  positional_inputs=positional.get(name, 1),
                                  transposed=bool(getattr(affine_layout(module), "transposed", False)),

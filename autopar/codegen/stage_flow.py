@@ -90,7 +90,8 @@ def layer_reads(model_path: str | Path, model_kwargs: dict[str, Any], layers: li
     the loss read (see the module docstring)."""
     allow_fp32_grouped_mm_on_fake_tensors()  # fp32 MoE experts, as when the model was traced
     model_file = load_model_file(model_path)
-    return build_fake_for(model_file, model_kwargs, batch_size, lambda build: _layer_reads_built(model_file, build, layers))
+    return build_fake_for(model_file, model_kwargs, batch_size,
+                          lambda build: _layer_reads_built(model_file, build, layers))
 
 
 def _layer_reads_built(model_file: ModelFile, build: FakeBuild, layers: list[str]) -> LayerReads:

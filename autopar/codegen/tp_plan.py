@@ -151,10 +151,12 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         in_region = parent in regions
         if kind == "embedding":
             if style == "vocab_parallel":
-                out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Replicate()"), ("output_layouts", "Replicate()")),
+                out[module] = StyleSpec("RowwiseParallel",
+                                        (("input_layouts", "Replicate()"), ("output_layouts", "Replicate()")),
                                         "vocabulary-parallel embedding: each rank holds a slice of the rows")
             elif style == "hidden_parallel":
-                out[module] = StyleSpec("ColwiseParallel", (("input_layouts", "Replicate()"), ("output_layouts", "Replicate()")),
+                out[module] = StyleSpec("ColwiseParallel",
+                                        (("input_layouts", "Replicate()"), ("output_layouts", "Replicate()")),
                                         "embedding split along the hidden dim")
             continue
         if style == "kv_group":
@@ -185,8 +187,9 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         elif style == "colwise" and in_region:
             out[module] = StyleSpec("ColwiseParallel", (), "output stays sharded for the row-parallel partner")
         elif style == "colwise":
-            out[module] = StyleSpec("ColwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),
-                                                        ("output_layouts", "Replicate()")),
+            out[module] = StyleSpec("ColwiseParallel",
+                                    (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),
+                                     ("output_layouts", "Replicate()")),
                                     "no row-parallel partner: output gathered")
         elif in_region and sp and _parent(parent) in block_set:
             out[module] = StyleSpec("RowwiseParallel", (("output_layouts", "Shard(1)"),),
@@ -197,19 +200,22 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
             # whole sequence on: a reduce-scatter here would give it a slice.
             out[module] = StyleSpec("RowwiseParallel", (), "all-reduce the partial sums")
         else:
-            out[module] = StyleSpec("RowwiseParallel", (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),),
+            out[module] = StyleSpec("RowwiseParallel",
+                                    (("input_layouts", "Shard(1)" if stream_input else "Replicate()"),),
                                     "no column-parallel partner: input sliced locally")
     if not sp:
         # A block whose own linears pair (Whisper's fc1 and fc2 sit in the layer beside its norms)
         # keeps a plain input: a DTensor would reach the norms' plain weights. Its column-parallel
         # linears each reduce their own input gradient, as the pricer counts (its regions are a
         # block's children: autopar.solver.tp_split.ILPSplitter._split_regions).
-        entered = {r for r in (regions - block_set) & set(facts.modules) if _only_linears_hold_weights(r, facts, styles)}
+        entered = {r for r in (regions - block_set) & set(facts.modules)
+                   if _only_linears_hold_weights(r, facts, styles)}
         for region in sorted(entered):
             # Its input as a replicated DTensor: the column-parallel matmuls reading it (q, k and
             # v) sum their input gradients as DTensors and all-reduce once, as priced (one
             # all-reduce per shared input), not once per matmul.
-            out[region] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, region, "Replicate()", "Replicate()")
+            out[region] = StyleSpec("PrepareModuleInput",
+                                    _input_layout_args(facts, region, "Replicate()", "Replicate()")
                                     + (("use_local_output", "False"),), "one all-reduce of the input's gradient")
     if sp:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
@@ -303,7 +309,8 @@ def _set_region_attributes(out: dict[str, StyleSpec], attributes: dict[str, dict
     query heads per rank (``WithAttributes``), around any style the region has."""
     for region, values in sorted(attributes.items()):
         inner = out.get(region)
-        arguments = (("attributes", repr(dict(sorted(values.items())))),) + ((("inner", inner.source()),) if inner else ())
+        arguments = ((("attributes", repr(dict(sorted(values.items())))),)
+                     + ((("inner", inner.source()),) if inner else ()))
         out[region] = StyleSpec("WithAttributes", arguments,
                                 "its attention repeats this rank's key/value head to its query heads"
                                 + (f"; {inner.why}" if inner and inner.why else ""))
@@ -379,7 +386,8 @@ def _sequence_parallel_styles(plan: Plan, facts: ModelFacts, styles: dict[str, s
                 # gradients (Partial) add up as DTensors and leave the region in one
                 # reduce-scatter, where plain tensors would all-reduce once per matmul.
                 out[child] = StyleSpec("PrepareModuleInput", _input_layout_args(facts, child, "Shard(1)", "Replicate()")
-                                       + (("use_local_output", "False"),), "all-gather the sequence before the split matmuls")
+                                       + (("use_local_output", "False"),),
+                                       "all-gather the sequence before the split matmuls")
             elif role == SPRole.UNSUPPORTED:
                 raise CodegenError(f"sequence parallelism cannot wrap {child}: a linear layer called directly on the "
                                    "residual stream.", "plan with plan.sequence_parallel=false.")

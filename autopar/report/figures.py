@@ -9,7 +9,8 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 MEMORY_COLOURS = {"params": "#4C78A8", "grads": "#72B7B2", "optimizer": "#F58518", "activations": "#E45756",
                   "buffers": "#B279A2"}
 TIME_COLOURS = {"compute": "#4C78A8", "recompute": "#9ECAE9", "tp_comm": "#F58518", "cp_comm": "#FFBF79",
-                "ep_comm": "#72B7B2", "pp_comm": "#54A24B", "dp_comm": "#E45756", "bubble": "#BAB0AC", "optimizer": "#B279A2"}
+                "ep_comm": "#72B7B2", "pp_comm": "#54A24B", "dp_comm": "#E45756", "bubble": "#BAB0AC",
+                "optimizer": "#B279A2"}
 
 
 def _pyplot():

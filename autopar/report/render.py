@@ -97,7 +97,8 @@ def sections(report: PlanReport) -> list[Section]:
     if report.alternatives:
         result.append(Section("Alternatives and why they lost", [Table(
             ["plan", "step time", "peak memory", "why it lost"],
-            [[a.summary, _ms(a.step_time_s), format_bytes(a.peak_memory_bytes), a.reason] for a in report.alternatives])]))
+            [[a.summary, _ms(a.step_time_s), format_bytes(a.peak_memory_bytes), a.reason]
+             for a in report.alternatives])]))
     if report.binding:
         result.append(Section("What binds this plan", [Table(
             ["constraint", "relaxing it"], [[b.constraint, b.relaxing] for b in report.binding])]))
@@ -138,7 +139,8 @@ def mesh_section(report: PlanReport) -> Section:
         "axis; colour = pipeline rank.",
         Table(["node"] + [f"GPU {i}" for i in range(per_node)], rows, colours)]
     if cluster.nodes > shown_nodes:
-        blocks.append(f"Nodes {shown_nodes}-{cluster.nodes - 1} repeat the pattern (rank r sits on node r // {per_node}).")
+        blocks.append(f"Nodes {shown_nodes}-{cluster.nodes - 1} repeat the pattern "
+                      f"(rank r sits on node r // {per_node}).")
     return Section("Device mesh", blocks)
 
 
@@ -168,7 +170,8 @@ def assumptions_section(report: PlanReport) -> Section:
                  format_bytes(h["memory_bytes"]), f"{h['memory_bandwidth_GBps']:,.0f} GB/s",
                  ", ".join(f"{k} {v:.2f}" for k, v in h["efficiency"].items() if k != "view"),
                  f"{h['launch_overhead_us']:.0f} µs", h["source"]] for h in cluster.hardware]
-    links = [[level.replace("_", " "), link["name"], f"{link['bandwidth_GBps']:,.1f} GB/s", f"{link['latency_us']:.1f} µs"]
+    links = [[level.replace("_", " "), link["name"], f"{link['bandwidth_GBps']:,.1f} GB/s",
+              f"{link['latency_us']:.1f} µs"]
              for level, link in cluster.links.items()]
     groups = [[g.axis, str(g.size), g.span, g.link, g.traffic, g.algorithm] for g in report.groups]
     blocks: list[str | Table | Image] = [
@@ -202,7 +205,8 @@ def to_markdown(report: PlanReport, parts: list[Section]) -> str:
 
 # -- HTML -----------------------------------------------------------------------------------------
 
-STYLE = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1200px;margin:2em auto;
+STYLE = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1200px;\
+margin:2em auto;
 padding:0 1em;color:#222;line-height:1.45}h1{font-size:1.5em}h2{font-size:1.15em;border-bottom:1px solid #ddd;
 padding-bottom:.2em;margin-top:1.6em}table{border-collapse:collapse;margin:.6em 0;font-size:.85em}
 td,th{border:1px solid #ccc;padding:.25em .5em;text-align:left;vertical-align:top}th{background:#f4f4f4}

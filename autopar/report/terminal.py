@@ -65,7 +65,8 @@ def print_estimate(profile: ModelProfile, layout, estimate, console: Console) ->
     console.print(f"step {estimate.step_time_s * 1e3:,.1f} ms, {rate}, {estimate.tflops_per_gpu:.1f} TFLOP/s per GPU, "
                   f"MFU {estimate.mfu:.1%} (HFU {estimate.hfu:.1%}), peak memory "
                   f"{format_bytes(estimate.peak_memory_bytes)}{'' if estimate.fits else ' [red](does not fit)[/]'}")
-    console.print(breakdown_table("time per step", {k: f"{v * 1e3:,.1f} ms" for k, v in estimate.time_breakdown.items()}))
+    console.print(breakdown_table("time per step",
+                                  {k: f"{v * 1e3:,.1f} ms" for k, v in estimate.time_breakdown.items()}))
     console.print(breakdown_table("memory of the fullest rank",
                                   {k: format_bytes(v) for k, v in estimate.memory_breakdown.items()}))
 
@@ -91,7 +92,8 @@ def print_plan(result, console: Console) -> None:
     if predicted.step_time_high_s:
         console.print(f"a measured step is expected in {predicted.step_time_low_s * 1e3:,.0f}-"
                       f"{predicted.step_time_high_s * 1e3:,.0f} ms (the cost model's spread over published runs"
-                      + (f"; extrapolated: {'; '.join(predicted.extrapolated)}" if predicted.extrapolated else "") + ")")
+                      + (f"; extrapolated: {'; '.join(predicted.extrapolated)}" if predicted.extrapolated else "")
+                      + ")")
     if plan.pp > 1:
         console.print("stages: " + ", ".join(f"{len(stage)} layers" for stage in plan.stages))
     for line in coverage_notes(plan):
@@ -106,12 +108,13 @@ def print_plan(result, console: Console) -> None:
                   f"{f', gap {solver.gap:.1%}' if solver.gap else ''}")
     if solver.status not in ("OPTIMAL", "PINNED"):
         if solver.stopped_by == "time_limit":
-            console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its wall-clock safety cap with the "
-                          f"best plan found, at most {solver.gap:.1%} slower than the bound; this result depends on "
-                          "the machine's load: raise solver.time_limit_s (or lower solver.work_limit).")
+            console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its wall-clock safety cap "
+                          f"with the best plan found, at most {solver.gap:.1%} slower than the bound; this result "
+                          "depends on the machine's load: raise solver.time_limit_s (or lower solver.work_limit).")
         else:
-            console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its work limit with the best plan "
-                          f"found, at most {solver.gap:.1%} slower than the bound; raise solver.work_limit to search on.")
+            console.print(f"[bold yellow]not proven optimal[/]: the search stopped at its work limit with the best "
+                          f"plan found, at most {solver.gap:.1%} slower than the bound; raise solver.work_limit to "
+                          "search on.")
     for target, modules in sorted(getattr(result, "replicated_ops", {}).items()):
         console.print(f"replicated under TP: {target} in {', '.join(modules[:4])}"
                       f"{' ...' if len(modules) > 4 else ''} (no tensor-parallel split covers it)")

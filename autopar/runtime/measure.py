@@ -59,7 +59,8 @@ def cuda_peak(device: torch.device) -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info(device)
     outside = max(0, total - free - int(torch.cuda.memory_reserved(device)))
     return {"peak_memory_bytes": allocated + outside,
-            "memory_breakdown": {"allocated_peak": allocated, "reserved_peak": int(torch.cuda.max_memory_reserved(device)),
+            "memory_breakdown": {"allocated_peak": allocated,
+                                 "reserved_peak": int(torch.cuda.max_memory_reserved(device)),
                                  "outside_allocator": outside}}
 
 

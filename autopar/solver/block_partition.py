@@ -105,7 +105,8 @@ class BlockPartitioner:
         for d in range(p):
             speed = problem.speed_of(d)
             device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][r] for r in range(options)]
-            memory[d] += [mib_up(problem.static_bytes[block] + problem.in_flight[d] * problem.activation_bytes[block][r])
+            memory[d] += [mib_up(problem.static_bytes[block]
+                                 + problem.in_flight[d] * problem.activation_bytes[block][r])
                           * k[d][r] for r in range(options)]
             if problem.per_step_s:
                 per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d])
@@ -119,7 +120,8 @@ class BlockPartitioner:
             edge_layers = (prefix if d == 0 else []) + (suffix if d == (P - 1) % p else [])
             for layer in edge_layers:
                 device_time[d] += [time_units(speed * problem.time_s[layer][r]) * y[layer][r] for r in range(options)]
-                memory[d] += [mib_up(problem.static_bytes[layer] + problem.in_flight[d] * problem.activation_bytes[layer][r])
+                memory[d] += [mib_up(problem.static_bytes[layer]
+                                     + problem.in_flight[d] * problem.activation_bytes[layer][r])
                               * y[layer][r] for r in range(options)]
                 if problem.per_step_s:
                     per_step[d].append(time_units(speed * problem.per_step_s[layer]))

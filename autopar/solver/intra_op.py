@@ -26,15 +26,18 @@ The program (built by `IntraOpSolver.solve`):
 
 Only reshardings a module-level TP plan (torch's parallelize_module styles) can express are
 offered, so every solution can be generated as code: S→R all-gather (a colwise layer with a
-replicated output), P→R all-reduce (rowwise). Strategies per op: a parameterised GEMM may replicate (R→R, full cost), go column-parallel
+replicated output), P→R all-reduce (rowwise). Strategies per op: a parameterised GEMM may replicate
+(R→R, full cost), go column-parallel
 (R→S, cost/t, backward all-reduce of its input's gradient) or row-parallel (S→P, cost/t); a
 key/value projection of grouped-query attention with kv < t heads may instead compute its
 group's head (R→S, cost/kv, the input's all-reduce shared, plus its weight's all-gather in
-forward and its gradient's reduce-scatter in backward: autopar.solver.tp_kv_groups), and a column split, which would cut a head, is not offered; an
+forward and its gradient's reduce-scatter in backward: autopar.solver.tp_kv_groups), and a column
+split, which would cut a head, is not offered; an
 embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); attention, views,
 elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
 feature dim) need R, except a per-head norm's (Qwen3's q_norm: over each head's features), which
-may run on head shards for an all-reduce of its weight's gradient (autopar.solver.tp_head_norms); ops no split strategy covers (sorting, scans, FFTs along a dimension,
+may run on head shards for an all-reduce of its weight's gradient (autopar.solver.tp_head_norms);
+ops no split strategy covers (sorting, scans, FFTs along a dimension,
 and ops of unknown kind) fall back to R and are listed in the solution (`replicated_ops`) so the
 report can say so; the loss may take vocabulary-sharded logits (loss parallel) for three
 small all-reduces. Compute of an op counts forward and backward: its forward cost times its module's
@@ -331,7 +334,8 @@ class IntraOpSolver:
         """A per-head norm module's reductions run alike: its style covers the whole module."""
         for names in norms.values():
             for other in names[1:]:
-                model.add(_head_norm_choice(names[0], strategies, choice) == _head_norm_choice(other, strategies, choice))
+                model.add(_head_norm_choice(names[0], strategies, choice)
+                          == _head_norm_choice(other, strategies, choice))
 
     def _head_norm_gradients(self, op: "OpProfile", norms: dict[str, list[str]]) -> tuple[float, ...]:
         """Bytes of the gradients a head_norm module all-reduces, counted at its first reduction."""

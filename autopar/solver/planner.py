@@ -127,7 +127,8 @@ _CP_REMEDIES = (
 
 def cp_remedy(blocker: str) -> str:
     """The change to the model that lifts ``blocker``."""
-    return next((remedy for words, remedy in _CP_REMEDIES if words in blocker), "rewrite that op to read its own position only")
+    return next((remedy for words, remedy in _CP_REMEDIES if words in blocker),
+                "rewrite that op to read its own position only")
 
 
 class Planner:
@@ -327,7 +328,8 @@ class Planner:
     @staticmethod
     def _summary(scored: Scored) -> str:
         c = scored.candidate
-        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp} {c.cp_strategy}" if c.cp > 1 else "") + (f" ep={c.ep}" if c.ep > 1 else "")
+        return (f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp} {c.cp_strategy}" if c.cp > 1 else "")
+                + (f" ep={c.ep}" if c.ep > 1 else "")
                 + f" ZeRO-{c.zero_stage}"
                 + (f" {c.schedule}" if c.pp > 1 else ""))
 
@@ -359,7 +361,8 @@ class Planner:
             tp_fused=self._tp_fused(scored.candidate.tp),
             tp_grouped_parts=self._by_layer(self.splitter.grouped_parts, scored.candidate.tp),
             tp_kv_heads=self._tp_kv_heads(scored.candidate.tp),
-            tp_region_attributes=self._tp_region_attributes(scored.candidate.tp), sequence_parallel=scored.candidate.sequence_parallel,
+            tp_region_attributes=self._tp_region_attributes(scored.candidate.tp),
+            sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
                               for module, style in self._tp_styles(scored.candidate.tp).items())
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
@@ -515,7 +518,8 @@ class Planner:
         batch, step = self.train.global_batch_size, winner.candidate.dp * winner.candidate.micro_batch_size
         if batch % (winner.candidate.dp * 2) and winner.candidate.dp * 2 * winner.candidate.tp * winner.candidate.pp \
                 * winner.candidate.cp <= self.cluster.world_size:
-            found.append(Binding(f"batch divisibility: global batch {batch} does not split over dp={winner.candidate.dp * 2}",
+            found.append(Binding(f"batch divisibility: global batch {batch} does not split over "
+                                 f"dp={winner.candidate.dp * 2}",
                                  f"train.global_batch_size={-(-batch // (2 * step)) * 2 * step} would allow "
                                  f"dp={winner.candidate.dp * 2}; plan again with it to price that"))
         if self.shape.experts and winner.candidate.ep == 1:
@@ -550,7 +554,8 @@ class Planner:
         if not best:
             return Binding("expert parallelism", f"none of the {len(extra)} plans with ep > 1 fits in memory")
         change = best[0].step_time_s / winner.step_time_s - 1
-        verdict = f"{change:.1%} slower" if change >= 0 else f"{-change:.1%} faster on paper (the objective chose otherwise)"
+        verdict = (f"{change:.1%} slower" if change >= 0
+                   else f"{-change:.1%} faster on paper (the objective chose otherwise)")
         return Binding("expert parallelism", f"the best plan with it, {self._summary(best[0])}, is {verdict}")
 
     def _cross_node_tp_gain(self, winner: Scored) -> str:
@@ -581,7 +586,8 @@ class Planner:
         change = best[0].step_time_s / winner.step_time_s - 1
         return (f"the best plan with TP across whole nodes (tp={best[0].candidate.tp}) is "
                 + (f"{-change:.1%} faster" if change < 0 else f"{change:.1%} slower") + ": "
-                + ("allow it with solver.allow_cross_node_tp=true" if change < 0 else "keeping TP inside costs nothing"))
+                + ("allow it with solver.allow_cross_node_tp=true" if change < 0
+                   else "keeping TP inside costs nothing"))
 
     def _pinned_partition(self) -> Callable[[PartitionProblem], Partition | None] | None:
         """The layer-wise split and per-layer recomputation the pins fix, priced as they are
@@ -668,8 +674,10 @@ class Planner:
             raise UserError(f"plan.cp={self.pins.cp} would train a different model: context parallelism gives each "
                             f"rank a shard of every sequence, and this model computes something else on a shard: "
                             f"{self.shape.cp_blocker}.",
-                            f"pin plan.cp=1 (or leave it unset), or change the model: {cp_remedy(self.shape.cp_blocker)}.")
-        split = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("dp", "cp") if (getattr(self.pins, axis) or 1) > 1]
+                            "pin plan.cp=1 (or leave it unset), or change the model: "
+                            f"{cp_remedy(self.shape.cp_blocker)}.")
+        split = [f"plan.{axis}={getattr(self.pins, axis)}" for axis in ("dp", "cp")
+                 if (getattr(self.pins, axis) or 1) > 1]
         micro = self.pins.micro_batch_size
         split += [f"plan.micro_batch_size={micro}"] if micro and micro < self.train.global_batch_size else []
         if self.shape.batch_blocker and split:

@@ -239,7 +239,8 @@ class PlanSearch:
                             seconds=time.perf_counter() - start, candidates=len(candidates),
                             partitions_solved=len(solved), gap=gap, rejected=rejected,
                             work=round(self._work(priced), 6), stopped_by=stopped_by, pruned=pruned,
-                            priced=priced, over_memory=sorted(over_memory, key=lambda item: item[:2])[:OVER_MEMORY_KEPT])
+                            priced=priced,
+                            over_memory=sorted(over_memory, key=lambda item: item[:2])[:OVER_MEMORY_KEPT])
 
     def _work(self, priced: int) -> float:
         """Deterministic work so far: CP-SAT's deterministic seconds plus the pricing charge."""

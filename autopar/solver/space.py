@@ -1,6 +1,7 @@
 """The search space: every global configuration of a plan (all but the layer partition).
 
-A candidate (a `ParallelLayout` without its stage split) fixes the parallel degrees and their order on the topology, the ZeRO stage,
+A candidate (a `ParallelLayout` without its stage split) fixes the parallel degrees and their order
+on the topology, the ZeRO stage,
 micro-batching, the pipeline schedule and the sequence/context-parallel options. What is
 legal follows from the model (heads and hidden sizes divisible by TP, layers by stages), the
 batch (global batch = dp × micro-batch × micro-batches), the cluster (TP inside a node unless
@@ -219,7 +220,8 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
                                        solver.max_cp)):
             if world_size % (tp * cp):
                 continue
-            for pp in pinned("pp", bounded([d for d in divisors(world_size // (tp * cp)) if d <= max(1, shape.num_blocks)],
+            for pp in pinned("pp", bounded([d for d in divisors(world_size // (tp * cp))
+                                            if d <= max(1, shape.num_blocks)],
                                            solver.max_pp)):
                 if world_size % (tp * cp * pp):
                     continue

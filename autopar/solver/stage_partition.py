@@ -172,7 +172,8 @@ class StagePartitioner:
             for j in range(device, P, problem.devices):
                 for layer in range(L):
                     for r in range(options):
-                        layer_bytes = problem.static_bytes[layer] + problem.in_flight[device] * problem.activation_bytes[layer][r]
+                        layer_bytes = (problem.static_bytes[layer]
+                                       + problem.in_flight[device] * problem.activation_bytes[layer][r])
                         terms.append(mib_up(layer_bytes) * w[(layer, j, r)])
             model.add(sum(terms) + mib_up(problem.overhead_bytes[device]) <= mib_down(problem.capacity_bytes[device]))
 

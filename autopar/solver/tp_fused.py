@@ -74,7 +74,8 @@ class _CutRecorder(TorchFunctionMode):
 def _slots_of(tensor: torch.Tensor, viewed: Any) -> bool:
     """Whether ``viewed`` is ``tensor`` with its last dim split into (slots, features per slot)."""
     return isinstance(viewed, torch.Tensor) and viewed.dim() == tensor.dim() + 1 \
-        and tuple(viewed.shape[:-2]) == tuple(tensor.shape[:-1]) and viewed.shape[-2] * viewed.shape[-1] == tensor.shape[-1]
+        and tuple(viewed.shape[:-2]) == tuple(tensor.shape[:-1]) \
+        and viewed.shape[-2] * viewed.shape[-1] == tensor.shape[-1]
 
 
 def _slot_cut(name: str, tensor: torch.Tensor, rest: tuple) -> list[tuple[int, int]] | None:

@@ -142,7 +142,8 @@ def _row(weight: torch.Tensor, bias: torch.Tensor | None, mesh: Any) -> Callable
 
     def forward(x: Any) -> torch.Tensor:
         shard = [Shard(x.dim() - 1)]
-        x = x.redistribute(mesh, shard) if isinstance(x, DTensor) else DTensor.from_local(x, mesh, shard, run_check=False)
+        x = (x.redistribute(mesh, shard) if isinstance(x, DTensor)
+             else DTensor.from_local(x, mesh, shard, run_check=False))
         partial = DTensor.from_local(F.linear(x.to_local(), weight), mesh, [Partial()], run_check=False)
         out = partial.redistribute(mesh, [Replicate()]).to_local()
         return out if bias is None else out + bias

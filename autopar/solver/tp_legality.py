@@ -113,7 +113,8 @@ class TPLegality:
             # (An output the model's code modifies in place is no reason to keep a module whole:
             # code generation copies it, autopar.codegen.in_place.)
             fused = self._fused.setdefault((layer, tp), {})
-            for item in [*self._class_rule(split_modules), *self._fused_parts(layer, tp, _fused_rule(ops, split_modules), fused),
+            for item in [*self._class_rule(split_modules),
+                         *self._fused_parts(layer, tp, _fused_rule(ops, split_modules), fused),
                          *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
             self._static[(layer, tp)] = found
@@ -221,7 +222,8 @@ class TPLegality:
         found = []
         for module in sorted(split_modules):
             instance = named.get(module)
-            if instance is None or (isinstance(instance, nn.Embedding) and type(instance).forward is nn.Embedding.forward):
+            if instance is None or (isinstance(instance, nn.Embedding)
+                                    and type(instance).forward is nn.Embedding.forward):
                 continue
             if affine_layout(instance) is not None:
                 continue  # an affine map, whatever its class (GPT-2's Conv1D, FalconLinear): split like nn.Linear
@@ -234,9 +236,9 @@ class TPLegality:
                                           "passes to the lookup"))
             else:
                 found.append(IllegalSplit(module, "module class",
-                                          f"{module} is a {type(instance).__name__}, whose forward is not an affine map "
-                                          "of its input (x @ W.T + b or x @ W + b on its weight and bias alone, as "
-                                          "probed on random values): no parallel style splits it"))
+                                          f"{module} is a {type(instance).__name__}, whose forward is not an affine "
+                                          "map of its input (x @ W.T + b or x @ W + b on its weight and bias alone, "
+                                          "as probed on random values): no parallel style splits it"))
         return found
 
     def _regions(self, styles: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -513,7 +515,8 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
                 elif (out_features if style == "colwise" else in_features) % tp:
                     return f"{name}'s {'out' if style == 'colwise' else 'in'} features do not divide by {tp}", []
                 else:
-                    shape = (out_features // tp, in_features) if style == "colwise" else (out_features, in_features // tp)
+                    shape = ((out_features // tp, in_features) if style == "colwise"
+                             else (out_features, in_features // tp))
                 saved[name] = (linear.weight, linear.bias)
                 linear.weight = nn.Parameter(torch.empty(shape, dtype=linear.weight.dtype),
                                              requires_grad=linear.weight.requires_grad)

@@ -234,7 +234,8 @@ class ILPSplitter:
         strategy = solution.op_strategy
         colwise = {op.name for op in forward if strategy.get(op.name) == "colwise"}
         acts = layer_activations(layer, forward,
-                                 sharded_outputs={op.name for op in forward if strategy.get(op.name) in _SHARDED_OUTPUT},
+                                 sharded_outputs={op.name for op in forward
+                                                  if strategy.get(op.name) in _SHARDED_OUTPUT},
                                  row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
                                  tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived))
         params = layer.param_count
@@ -249,7 +250,8 @@ class ILPSplitter:
                       [op for op in backward if not sharded(op)], lambda op: op_roofline_s(op, gpu, self.dtype))
         return TPLayerSplit(
             compute=compute,
-            replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) / divisor(op) for op in forward if not sharded(op)),
+            replicated_forward_s=sum(op_roofline_s(op, gpu, self.dtype) / divisor(op) for op in forward
+                                     if not sharded(op)),
             replicated_backward_s=sum(op_roofline_s(op, gpu, self.dtype) / divisor(op) for op in backward
                                       if not sharded(op)),
             comm=issued.without_sp, forward_comm=issued.forward_without_sp,

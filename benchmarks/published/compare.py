@@ -8,7 +8,8 @@ the recomputed forward; Megatron-Core by 72·B·s·l·h²(1 + s/6h + V/12lh)).
 
 benchmarks/published/refit.py holds the honest leave-one-out: every constant the catalogue fits
 to the calibration rows (the per-GPU compute time scale) refitted without the row it prices.
-`leave_one_out` below is a diagnostic on top of that: per GPU type a factor on the compute-bound parts of the step (compute,
+`leave_one_out` below is a diagnostic on top of that: per GPU type a factor on the compute-bound
+parts of the step (compute,
 recomputation, bubble, optimizer) and one factor on the exposed communication, fitted by
 least squares on relative errors to every calibration row but one, then used to predict that
 one. A model right for the reasons the rows show keeps its error after the fit; one that only

@@ -97,7 +97,8 @@ def make_planner(model: TinyModel, *, dp: int = 1, tp: int = 1, pp: int = 1, zer
     cluster = ClusterSpec.from_config(ClusterConfig(
         name="tiny_cpu", gpu="cpu", nodes=world // (gpus_per_node or world), gpus_per_node=gpus_per_node or world,
         intra_node_latency_us=SLOW_LINK_US if mixed_tp else FAST_LINK_US, intra_node_bandwidth_GBps=1.5))
-    pins = PlanPins(dp=dp, tp=tp, pp=pp, cp=cp, cp_strategy=cp_strategy, dp_sync=dp_sync, dp_shares=dp_shares, zero_stage=zero, hybrid_shard=hybrid, micro_batch_size=per_rank // n,
+    pins = PlanPins(dp=dp, tp=tp, pp=pp, cp=cp, cp_strategy=cp_strategy, dp_sync=dp_sync, dp_shares=dp_shares,
+                    zero_stage=zero, hybrid_shard=hybrid, micro_batch_size=per_rank // n,
                     sequence_parallel=sp and tp > 1, schedule=schedule if pp > 1 else None,
                     chunks=chunks if schedule == "interleaved_1f1b" else 1, stages=stages,
                     layer_recompute=recompute)

@@ -135,7 +135,8 @@ def test_export_without_torchrun_consolidates_the_latest_checkpoint(compiled, un
     _, parameters = uninterrupted
     monkeypatch.delenv("RANK", raising=False)
     module = import_generated(compiled["dp4"] / "parallel_gpt.py", "generated_checkpoint_export")
-    module.main(["--checkpoint-dir", str(compiled["dp4"] / "checkpoints"), "--export", str(tmp_path / "gpt.safetensors")])
+    module.main(["--checkpoint-dir", str(compiled["dp4"] / "checkpoints"),
+                 "--export", str(tmp_path / "gpt.safetensors")])
     exported = safetensors.load_file(tmp_path / "gpt.safetensors")
     assert exported.keys() == parameters.keys()
     assert all(torch.equal(exported[name], parameters[name]) for name in parameters)

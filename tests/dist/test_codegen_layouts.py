@@ -58,7 +58,8 @@ def _inspect(rank: int, world_size: int, scripts: dict[str, str]) -> dict[str, d
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
-    scripts = {name: str(generate(make_plan(GPT, **pins), GPT.path, root / name).script) for name, pins in CASES.items()}
+    scripts = {name: str(generate(make_plan(GPT, **pins), GPT.path, root / name).script)
+               for name, pins in CASES.items()}
     return run_ranks(_inspect, 2, scripts, timeout_s=600)
 
 

@@ -58,7 +58,8 @@ EVENTS = {"_c10d_functional::all_gather_into_tensor": "all_gather",
 # link so slow that the operator-wise solver splits nothing).
 REPLICATE_LINK_US = 1e6
 CASES = [(model, sp, latency) for model in (GPT, LLAMA)
-         for sp, latency in ((False, FAST_LINK_US), (True, FAST_LINK_US), (True, SLOW_LINK_US), (True, REPLICATE_LINK_US))]
+         for sp, latency in ((False, FAST_LINK_US), (True, FAST_LINK_US), (True, SLOW_LINK_US),
+                             (True, REPLICATE_LINK_US))]
 IDS = [f"{model.name}-{'sp' if sp else 'nosp'}-{latency:g}us" for model, sp, latency in CASES]
 
 

@@ -227,8 +227,8 @@ def outcomes(request, tmp_path_factory) -> dict:
         if case not in wanted:
             continue
         plan = make_plan(name, ep, zero, world, pp, tp, cp, sp, etp)
-        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.sequence_parallel, plan.expert_tp, plan.zero_stage) == \
-            (ep, world // (pp * tp * cp), pp, tp, cp, sp, etp, zero)
+        assert (plan.ep, plan.dp, plan.pp, plan.tp, plan.cp, plan.sequence_parallel, plan.expert_tp,
+                plan.zero_stage) == (ep, world // (pp * tp * cp), pp, tp, cp, sp, etp, zero)
         out = root / case
         files = generate(plan, model_file(name), out, model_kwargs=MODELS[name], optimizer=OPTIMIZER,
                          gpus_per_node=world)
@@ -253,7 +253,8 @@ def outcomes(request, tmp_path_factory) -> dict:
             continue
         out = root / f"example_{precision}"
         script = compile_example(precision, out)
-        jobs.setdefault(2, []).append((f"example_{precision}", str(script), str(out / "run.jsonl"), str(out / "final.pt")))
+        jobs.setdefault(2, []).append((f"example_{precision}", str(script), str(out / "run.jsonl"),
+                                       str(out / "final.pt")))
         priced[f"example_{precision}"] = None
     issued: dict[str, list[int]] = {}  # case -> all-to-alls issued by each rank
     for world, world_jobs in sorted(jobs.items()):
@@ -273,7 +274,8 @@ def assert_trains_like_one_process(losses: list[float], parameters: dict, model_
                                torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=0)
     assert set(parameters) == set(reference.parameters)
     for key, expected in reference.parameters.items():
-        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(parameters[key], expected, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, key=key: f"{key}: {m}")
     assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses) and losses[0] != losses[-1]
 
 

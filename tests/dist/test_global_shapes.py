@@ -21,7 +21,8 @@ from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel, make_planner
 
 SIZE = dict(layers=2, hidden=32, heads=4, seq_len=16, vocab=64)
 GLOBAL_VIEWS = TinyModel(name="gpt_global_shapes", path=REPO / "tests" / "dist" / "models" / "gpt_global_shapes.py",
-                         kwargs=SIZE, prologue=["wte", "wpe"], container="blocks", blocks=2, epilogue=["ln_f", "lm_head"])
+                         kwargs=SIZE, prologue=["wte", "wpe"], container="blocks", blocks=2,
+                         epilogue=["ln_f", "lm_head"])
 LOCAL_VIEWS = TinyModel(name="gpt_local_views", path=REPO / "examples" / "gpt.py", kwargs=SIZE, prologue=["wte", "wpe"],
                         container="blocks", blocks=2, epilogue=["ln_f", "lm_head"])
 CASES = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True)}

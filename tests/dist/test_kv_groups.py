@@ -64,7 +64,8 @@ def test_plan_computes_key_value_heads_by_group(case, runs):
     plan, model = runs[case].plan, CASES[case][0]
     styles, kv_heads = ATTENTION[case]
     for block in model.block_names:
-        assert {m[len(block) + 1:]: s for m, s in plan.tp_styles.items() if m.startswith(block + ".self_attn.")} == styles
+        assert {m[len(block) + 1:]: s for m, s in plan.tp_styles.items()
+                if m.startswith(block + ".self_attn.")} == styles
     assert plan.tp_kv_heads == kv_heads
     # Phi-3's fused projection: its key and value parts computed by group, its query part split
     assert plan.tp_grouped_parts == ({f"{b}.self_attn.qkv_proj": [1, 2] for b in model.block_names}

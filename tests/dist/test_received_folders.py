@@ -118,7 +118,8 @@ def test_checkpoint_folder_that_is_a_link_is_refused_and_its_target_kept(dp2, tm
 def test_run_refuses_a_folder_whose_files_are_links(dp2, tmp_path, capsys, name):
     """The lock was truncated and given the run's pid, run.jsonl appended to, through the link."""
     folder = tmp_path / "received"
-    shutil.copytree(dp2, folder, ignore=shutil.ignore_patterns("checkpoints", "run.jsonl", "final.pt", "tensorboard", LOCK_NAME))
+    shutil.copytree(dp2, folder,
+                    ignore=shutil.ignore_patterns("checkpoints", "run.jsonl", "final.pt", "tensorboard", LOCK_NAME))
     victim = tmp_path / "victim.txt"
     victim.write_text("the user's own file\n")
     (folder / name).symlink_to(victim)

@@ -10,8 +10,8 @@ from benchmarks.published.refit import (NEUTRAL, PricedRow, Refit, ScalePoint, f
                                         stale, uncalibrated_gpu_slowdown)
 from cost_models.calibration import load_calibration
 from cost_models.hardware import COMPUTE_TIME_SCALE, get_gpu, with_compute_scale
-from cost_models.uncertainty import (RESIDUAL_HIGH, RESIDUAL_LOW, UNCALIBRATED_GPU_SLOWDOWN, coverage, held_out_coverage,
-                                     interval_from_residuals, percentile)
+from cost_models.uncertainty import (RESIDUAL_HIGH, RESIDUAL_LOW, UNCALIBRATED_GPU_SLOWDOWN, coverage,
+                                     held_out_coverage, interval_from_residuals, percentile)
 
 pytestmark = pytest.mark.unit
 

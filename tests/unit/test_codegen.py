@@ -267,7 +267,8 @@ def test_specialised_module_defines_what_it_uses_and_its_facts_hold(case, tmp_pa
     module = _load(files.script)
     config = module.parallel_config(module.PLAN)
     training = module.train_config(module.PLAN, command_line(module))
-    scope = {"config": config, "dims": config.dims, "self": training, "training": training, "NCCL_ALGORITHMS": sections_train.NCCL_ALGORITHMS}
+    scope = {"config": config, "dims": config.dims, "self": training, "training": training,
+             "NCCL_ALGORITHMS": sections_train.NCCL_ALGORITHMS}
     layout = derive_layout(plan, inspect_model(GPT.path, GPT.kwargs), SPECIALISED[case].get("gpus_per_node") or 8)
     for test, value in plan_facts(plan, layout).items():
         if not test.startswith("parallel."):

@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from cost_models.collectives import (P2P_LL_THRESHOLD_BYTES, PROTOCOLS, SIMPLE_STEP_SYNC_S, Algorithm, Collective, Protocol, best_algorithm,
-                                     best_protocol, bus_bandwidth, collective_time_s, protocol_time_s, protocols_for,
-                                     flat_time_s, parameter_server_load_bytes, ring_per_worker_bytes)
+from cost_models.collectives import (P2P_LL_THRESHOLD_BYTES, PROTOCOLS, SIMPLE_STEP_SYNC_S, Algorithm, Collective,
+                                     Protocol, best_algorithm, best_protocol, bus_bandwidth, collective_time_s,
+                                     protocol_time_s, protocols_for, flat_time_s, parameter_server_load_bytes,
+                                     ring_per_worker_bytes)
 from cost_models.topology import ClusterConfig, ClusterSpec, Link, NetworkSpec
 
 GB = 1e9
@@ -132,7 +133,8 @@ def test_ring_bandwidth_falls_with_the_nodes_spanned():
     group = spec.group_links(list(range(32)))
     s = 256e6
     simple = (Algorithm.RING, Protocol.SIMPLE)
-    assert collective_time_s(Collective.ALL_GATHER, s, group, *simple) == pytest.approx(31 * 40e-6 + 31 / 32 * s / 192e9)
+    assert collective_time_s(Collective.ALL_GATHER, s, group, *simple) \
+        == pytest.approx(31 * 40e-6 + 31 / 32 * s / 192e9)
     # point-to-point traffic (pipeline sends) keeps the NIC's rate
     pair = spec.group_links([0, 8])
     assert collective_time_s(Collective.SEND_RECV, s, pair) == pytest.approx(40e-6 + s / 48e9)
@@ -148,7 +150,8 @@ def test_tree_has_its_own_fall_and_sends_half_as_much_across_two_nodes():
     and each node sends S (each tree is one edge). Latency 2·ceil(log2 n) steps either way."""
     s = 1e9
     four = fabric(4, ring_fall=0.0, tree_fall=1.0).group_links(list(range(32)))
-    assert collective_time_s(Collective.ALL_REDUCE, s, four, Algorithm.TREE) == pytest.approx(2 * 5 * 40e-6 + 2 * s / 96e9)
+    assert collective_time_s(Collective.ALL_REDUCE, s, four, Algorithm.TREE) \
+        == pytest.approx(2 * 5 * 40e-6 + 2 * s / 96e9)
     two = fabric(2, ring_fall=0.0, tree_fall=1.0).group_links(list(range(16)))
     assert collective_time_s(Collective.ALL_REDUCE, s, two, Algorithm.TREE) == pytest.approx(2 * 4 * 40e-6 + s / 192e9)
     # the ring's own fall (0 here) is untouched by the tree's

@@ -30,7 +30,8 @@ def test_closed_form_brackets_the_played_schedule_on_uneven_stages(spread, gpipe
     (whose steady state hides part of a slow stage's excess) and a lower bound on played GPipe
     (which pays the slowest forward and the slowest backward separately). Forwards within ±10%
     (backwards ±20% more), as balanced partitions give, keep them within 3% (GPipe) and 10%
-    (1F1B); stages differing by up to 4x within 6% and 22%. p2p hops (priced into D twice per boundary) keep it an upper bound for 1F1B."""
+    (1F1B); stages differing by up to 4x within 6% and 22%. p2p hops (priced into D twice per
+    boundary) keep it an upper bound for 1F1B."""
     rng = random.Random(7)
     for _ in range(60):
         p = rng.choice([2, 3, 4, 6, 8])

@@ -113,7 +113,8 @@ def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parall
         states = p._states(layer, p.split(layer.name, layout, p.cluster.node_gpus[0]), layout)
         kwargs = dict(fsdp=p._uses_fsdp(layout), pipelined=False)
         want = (trained_model_states(dense, "fp32", "adam", zero, shard, **kwargs).total_bytes
-                + trained_model_states(EXPERT_PARAMS / 4, "fp32", "adam", zero, max(1, shard // 4), **kwargs).total_bytes)
+                + trained_model_states(EXPERT_PARAMS / 4, "fp32", "adam", zero, max(1, shard // 4),
+                                       **kwargs).total_bytes)
         assert states.total_bytes == pytest.approx(want)
     # ZeRO-0 by hand: fp32 weights, gradients and two Adam moments, 16 bytes a parameter.
     zero0 = ParallelLayout(dp=16, ep=4, micro_batch_size=4)
@@ -434,7 +435,8 @@ def test_expert_tensor_parallelism_is_priced_by_hand():
                 * split.compute.backward_s) * 2.0
     assert p._ep_wait_s(layer, split, etp, 2.0) == pytest.approx(-0.5 * expert_s)
     dense, experts = p._rank_params(layer, split, etp)
-    assert experts == pytest.approx(p._rank_params(layer, split, base)[1] / 2) and dense == p._rank_params(layer, split, base)[0]
+    assert experts == pytest.approx(p._rank_params(layer, split, base)[1] / 2) \
+        and dense == p._rank_params(layer, split, base)[0]
     shape = ModelShape.from_profile(moe_profile())
     assert shape.expert_width == FFN
     assert {c.expert_tp for c in enumerate_candidates(shape, 4, 4, 8, SolverConfig(), PlanPins(tp=2))} == {False, True}
@@ -495,7 +497,8 @@ def test_tokens_per_expert_are_measured_from_a_router_checkpoint(tmp_path):
             logits = model(input_ids=batch["input_ids"], output_router_logits=True).router_logits
             for layer, scores in enumerate(logits):
                 counts = torch.bincount(scores.topk(2, dim=-1).indices.flatten(), minlength=4)
-                expected[f"model.layers.{layer}.mlp.experts"] = expected.get(f"model.layers.{layer}.mlp.experts", 0) + counts
+                expected[f"model.layers.{layer}.mlp.experts"] = \
+                    expected.get(f"model.layers.{layer}.mlp.experts", 0) + counts
     assert load == {fqn: counts.tolist() for fqn, counts in expected.items()}
     assert all(sum(counts) == 3 * 2 * 16 * 2 for counts in load.values())  # batches x samples x tokens x top-2
     cfg = compose_config(["model.arch=mixtral", "cluster=cpu_gloo", "cluster.gpus_per_node=4", "plan.ep=2",

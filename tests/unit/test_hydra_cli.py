@@ -95,7 +95,8 @@ def test_plan_writes_into_the_hydra_run_dir_with_its_provenance(examples_dir, tm
     """Without --out the plan goes to Hydra's run folder, says so, and keeps .hydra/ beside it;
     a failed plan leaves no folder behind."""
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "hydra.run.dir=runs/${hydra.job.name}", "hydra.job.name=a"]) == 0
+    assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "hydra.run.dir=runs/${hydra.job.name}",
+                 "hydra.job.name=a"]) == 0
     assert "wrote runs/a/plan.json (Hydra's run folder" in " ".join(capsys.readouterr().out.split())
     assert Plan.load(tmp_path / "runs/a/plan.json").world_size == 4
     assert yaml.safe_load((tmp_path / "runs/a/.hydra/overrides.yaml").read_text())[0] == "cluster=cpu_gloo"
@@ -118,7 +119,8 @@ def test_sweep_writes_into_hydra_sweep_dir(examples_dir, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["D"]
 
 
-@EXTENDED  # the sweep itself runs by default in the basic launcher (test_sweep_writes_into_hydra_sweep_dir, the wheel check)
+# the sweep itself runs by default in the basic launcher (test_sweep_writes_into_hydra_sweep_dir, the wheel check)
+@EXTENDED
 def test_joblib_launcher_plans_points_in_parallel_processes(examples_dir, tmp_path):
     out = tmp_path / "sweep"
     assert main(["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=1,2",
@@ -154,7 +156,8 @@ def test_optuna_minimises_cost_per_million_tokens_under_a_step_time_bound(exampl
 
 def test_optuna_direction_must_match_the_objective(examples_dir, tmp_path, capsys):
     err = error_of(capsys, ["plan", str(examples_dir / "gpt.py"), *TINY, "-m", "cluster.gpus_per_node=choice(1,2)",
-                            "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "--out-dir", str(tmp_path / "s")])
+                            "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize",
+                            "--out-dir", str(tmp_path / "s")])
     assert "set hydra.sweeper.direction=minimize" in err and not (tmp_path / "s").exists()
 
 
@@ -165,8 +168,8 @@ def test_progress_by_phase_in_a_log(examples_dir, tmp_path, capsys):
                  str(tmp_path / "plan.json")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "note: train.precision=bf16: CPU ranks compute in fp32" in out
-    phases = ["tracing one training step", "traced", "graph nodes in 6 layers", "pricing", "candidates (compute floors)",
-              "solving: candidate"]
+    phases = ["tracing one training step", "traced", "graph nodes in 6 layers", "pricing",
+              "candidates (compute floors)", "solving: candidate"]
     positions = [out.index(words) for words in phases]
     assert positions == sorted(positions)
 

@@ -83,8 +83,9 @@ def test_modules_built_on_fake_tensors_are_probed_on_real_ones():
 
 def _coverage(split: int, refused: int, total: int = 100) -> TPCoverage:
     return TPCoverage(tp=4, linear_params=total, split_params=split, refused_params=refused, flops=1000.0,
-                      split_flops=400.0, replicated={"h.0.attn.qkv": "h.0.attn.qkv's output is cut along its split dimension",
-                                                     "h.0.mlp.up": FASTER_WHOLE})
+                      split_flops=400.0,
+                      replicated={"h.0.attn.qkv": "h.0.attn.qkv's output is cut along its split dimension",
+                                  "h.0.mlp.up": FASTER_WHOLE})
 
 
 def test_coverage_shares_and_line():
@@ -162,7 +163,8 @@ def test_codegen_marks_transposed_linears_and_outputs_modified_in_place(tmp_path
     assert facts.kind("0.up") == "linear" and not facts.modules["0.up"].transposed
     assert {name for name, m in facts.modules.items() if m.output_modified_in_place} == {"0.down"}
     styles = with_transposed_styles({"0.c_fc": StyleSpec("ColwiseParallel"), "0.c_proj": StyleSpec("RowwiseParallel"),
-                                     "0.up": StyleSpec("ColwiseParallel"), "0.down": StyleSpec("RowwiseParallel")}, facts)
+                                     "0.up": StyleSpec("ColwiseParallel"), "0.down": StyleSpec("RowwiseParallel")},
+                                    facts)
     assert [spec.source() for spec in styles.values()] == [
         "TransposedColwiseParallel()", "TransposedRowwiseParallel()", "ColwiseParallel()",
         "OwnedOutput(style=RowwiseParallel())"]

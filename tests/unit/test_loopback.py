@@ -71,4 +71,5 @@ def test_a_restarted_run_meets_in_a_fresh_store(tmp_path):
     assert sorted((rank, attempt) for rank, attempt, *_ in seen) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
     assert {(agent, stale) for _, _, agent, _, stale in seen} == {("True", "False")}
     assert len({port for _, attempt, _, port, _ in seen if attempt == "0"}) == 1
-    assert {port for _, attempt, _, port, _ in seen if attempt == "0"} != {port for _, a, _, port, _ in seen if a == "1"}
+    assert {port for _, attempt, _, port, _ in seen if attempt == "0"} \
+        != {port for _, a, _, port, _ in seen if a == "1"}

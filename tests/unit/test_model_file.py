@@ -40,7 +40,8 @@ def test_missing_function_is_named(tmp_path):
 def test_raising_function_reports_call_and_line(tmp_path):
     source = GOOD.replace("return torch.nn.Linear(width, 2)", "raise ValueError('width too small')")
     path = write_model_file(tmp_path, source)
-    with pytest.raises(ModelFileError, match=r"build_model\(\) in model.py raised ValueError: width too small \(model.py:4\)"):
+    with pytest.raises(ModelFileError,
+                       match=r"build_model\(\) in model.py raised ValueError: width too small \(model.py:4\)"):
         build_fake(load_model_file(path), {}, 1)
 
 

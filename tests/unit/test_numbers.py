@@ -113,7 +113,8 @@ def declared_ranges() -> list[tuple[type, dict]]:
     from autopar.plan import PLAN_PART_BOUNDS
     from cost_models.topology import CLUSTER_BOUNDS, NODE_GROUP_BOUNDS
 
-    parts = [(Plan if not part else typing.get_type_hints(Plan)[part], table) for part, table in PLAN_PART_BOUNDS.items()]
+    parts = [(Plan if not part else typing.get_type_hints(Plan)[part], table)
+             for part, table in PLAN_PART_BOUNDS.items()]
     return [(ClusterConfig, CLUSTER_BOUNDS), (NodeGroupConfig, NODE_GROUP_BOUNDS), (TrainConfig, TRAIN_BOUNDS),
             (SolverConfig, SOLVER_BOUNDS), (PlanPins, PLAN_PIN_BOUNDS), (SweepConfig, SWEEP_BOUNDS),
             (OptimConfig, OPTIM_BOUNDS), (DataConfig, DATA_BOUNDS), *parts]

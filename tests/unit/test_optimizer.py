@@ -66,7 +66,8 @@ def test_gpt_decays_matrices_only():
     assert {"wte.weight", "wpe.weight", "lm_head.weight", "ln_f.weight", "ln_f.bias", "blocks.0.ln_1.weight",
             "blocks.0.attn.q_proj.bias", "blocks.3.mlp.fc_out.bias"} <= exempt
     assert decayed == {f"blocks.{i}.{m}.weight" for i in range(4)
-                       for m in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc_in", "mlp.fc_out")}
+                       for m in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc_in",
+                                 "mlp.fc_out")}
 
 
 def test_hugging_face_llama_exempts_rms_norms_and_the_embedding():

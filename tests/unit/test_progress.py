@@ -125,10 +125,12 @@ def test_a_rank_failing_because_its_peer_was_killed_is_not_named_the_cause():
         "rank 0 died (exit 1); no restart is left")
     # Without the world size, or with two candidates, torchrun's choice is all there is.
     unknown = RunEvents(world=None)
-    assert unknown.event("failed (exitcode: -15) local_rank: 0 (pid: 7) of binary: x").startswith("rank 0 died (signal SIGTERM)")
+    assert unknown.event("failed (exitcode: -15) local_rank: 0 (pid: 7) of binary: x").startswith(
+        "rank 0 died (signal SIGTERM)")
     several = RunEvents(world=4)
     assert several.event("[rank2]:Connection reset by peer") is None
-    assert several.event("failed (exitcode: -15) local_rank: 0 (pid: 7) of binary: x").startswith("rank 0 died (signal SIGTERM)")
+    assert several.event("failed (exitcode: -15) local_rank: 0 (pid: 7) of binary: x").startswith(
+        "rank 0 died (signal SIGTERM)")
 
 
 def test_a_death_after_every_rank_finished_is_not_called_a_stop():

@@ -71,7 +71,8 @@ def test_tolerances_are_the_runs_own_rounding_times_the_factor_within_floor_and_
     assert tolerances.param_atol == PARAM_ATOL  # 2e-5, capped at the widest
     assert tolerances.param_rtol == pytest.approx(4e-5, rel=1e-2)
     exact = Tolerances.from_rounding(_reference(), _twin(0.0, 0.0))
-    assert (exact.loss_rtol, exact.param_rtol, exact.param_atol) == (LOSS_RTOL_FLOOR, PARAM_RTOL_FLOOR, PARAM_ATOL_FLOOR)
+    assert (exact.loss_rtol, exact.param_rtol, exact.param_atol) \
+        == (LOSS_RTOL_FLOOR, PARAM_RTOL_FLOOR, PARAM_ATOL_FLOOR)
     noisy = Tolerances.from_rounding(_reference(), _twin(1e-3, 1e-2))
     assert (noisy.loss_rtol, noisy.param_rtol, noisy.param_atol) == (LOSS_RTOL, PARAM_RTOL, PARAM_ATOL)
     assert Tolerances.from_rounding(_reference(), None) == Tolerances(source=Tolerances.from_rounding(

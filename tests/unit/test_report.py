@@ -49,7 +49,8 @@ def test_schedule_order_runs_every_op_once():
 
 
 def test_sends_sit_on_their_own_track_and_delay_the_next_stage():
-    stages = [{"forward_s": 1.0, "backward_s": 2.0, "send_s": 0.5}, {"forward_s": 1.0, "backward_s": 2.0, "send_s": 0.0}]
+    stages = [{"forward_s": 1.0, "backward_s": 2.0, "send_s": 0.5},
+              {"forward_s": 1.0, "backward_s": 2.0, "send_s": 0.0}]
     timeline = simulate(stages, [{"dp_comm_s": 0.25, "optimizer_s": 0.1}] * 2, 2, 1, 2, "1f1b")
     sends = [e for e in timeline.events if e.phase == "send"]
     assert sends and all(e.lane == COMMUNICATION for e in sends)
@@ -165,7 +166,8 @@ def test_sweep_of_three_points_writes_three_rows(examples_dir, tmp_path):
         assert int(row["dp"]) * int(row["tp"]) * int(row["pp"]) * int(row["cp"]) == int(row["gpus"]) == plan.world_size
         expected = 2.0 * plan.world_size / 3600 / plan.predicted.tokens_per_s * 1e6
         assert float(row["cost_per_million_tokens"]) == pytest.approx(expected, rel=1e-5)
-    assert (out / "sweep.png").stat().st_size > 0 and (out / "sweep.md").read_text().count("| cluster.gpus_per_node=") == 3
+    assert (out / "sweep.png").stat().st_size > 0 \
+        and (out / "sweep.md").read_text().count("| cluster.gpus_per_node=") == 3
 
 
 def test_a_bad_sweep_value_exits_1_before_planning(examples_dir, tmp_path, capsys):
@@ -211,6 +213,7 @@ def test_report_draws_the_loss_curves_of_run_jsonl(reported, tmp_path):
     assert (folder / "loss.png").read_bytes().startswith(b"\x89PNG")
     markdown = (folder / "report.md").read_text()
     assert "![loss curves](loss.png)" in markdown
-    assert "30 steps recorded (steps 0-29); last training loss 2.1000; last validation loss 2.3000 (step 29)" in markdown
+    assert ("30 steps recorded (steps 0-29); last training loss 2.1000; last validation loss 2.3000 (step 29)"
+            in markdown)
     html_images = (folder / "report.html").read_text().count("<img")
     assert html_images == (reported / "report.html").read_text().count("<img") + 1

@@ -91,7 +91,8 @@ def block_problem(rng: random.Random, blocks: int, devices: int, chunks: int, op
     layers = 1 + blocks + 2
     time = [[0.2 * (1 + 0.1 * r) for r in range(options)]] + [block_time] * blocks + \
         [[0.1] * options, [rng.uniform(1, 3) * (1 + 0.1 * r) for r in range(options)]]
-    activation = [[GiB // 4] * options] + [block_act] * blocks + [[GiB // 8] * options, [2 * GiB // (1 + r) for r in range(options)]]
+    activation = [[GiB // 4] * options] + [block_act] * blocks + \
+        [[GiB // 8] * options, [2 * GiB // (1 + r) for r in range(options)]]
     static = [2 * GiB] + [GiB] * blocks + [0, 2 * GiB]
     total = sum(static) + sum(max(a) for a in activation)
     return PartitionProblem(

@@ -203,7 +203,8 @@ def test_key_value_groups_left_unpaired_are_kept_by_pairing_the_region_when_that
     assert styles == {"q_proj": "colwise", "k_proj": "kv_group", "v_proj": "kv_group", "o_proj": "rowwise"}
     whole = IntraOpSolver(granite, costs, 4, index=splitter.index, head_norms=splitter.head_norms,
                           replicated_modules=frozenset({f"{attention}.k_proj", f"{attention}.v_proj"})).solve(block)
-    paired = IntraOpSolver(granite, costs, 4, index=splitter.index, kv_group_modules=splitter.kv_group_modules(block, 4),
+    paired = IntraOpSolver(granite, costs, 4, index=splitter.index,
+                           kv_group_modules=splitter.kv_group_modules(block, 4),
                            not_colwise=frozenset({f"{attention}.o_proj"})).solve(block)
     assert paired.time_s < whole.time_s
 

@@ -28,7 +28,8 @@ def test_groups_beyond_the_measured_nodes_are_extrapolated():
     assert wide.compute_factor == 1.0 and "192 nodes of infiniband" in wide.reasons[0]
     assert not extrapolations(spec, 48).any
     l40s = extrapolations(cluster("L40S", 4), 4)
-    assert l40s.compute_factor == 1 + UNCALIBRATED_GPU_SLOWDOWN and l40s.network_factor == 1.0 and "L40S" in l40s.reasons[0]
+    assert l40s.compute_factor == 1 + UNCALIBRATED_GPU_SLOWDOWN and l40s.network_factor == 1.0 \
+        and "L40S" in l40s.reasons[0]
     assert extrapolations(cluster(network="roce", nodes=2), 2).network_factor == pytest.approx(1.8)  # none measured
 
 

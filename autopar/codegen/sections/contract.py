@@ -114,7 +114,8 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
 
 def tokens_per_sample(batch: Any) -> int:
     """Sequence length of the first integer tensor of shape (batch, seq, ...); 1 for other data."""
-    leaves = list(batch.values()) if isinstance(batch, dict) else list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    leaves = (list(batch.values()) if isinstance(batch, dict)
+              else list(batch) if isinstance(batch, (tuple, list)) else [batch])
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and not leaf.is_floating_point():
             return int(leaf.shape[1])

@@ -43,7 +43,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], r
         root: the module wrapped last (a pipeline stage around ``model``); default ``model``.
         ignored: parameters FSDP leaves alone (expert slices of a traced pipeline stage).
     """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mp_policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype
+                 else MixedPrecisionPolicy())
     # FSDP cannot shard a 0-dim parameter (CLIP's logit_scale): it stays whole on every rank and
     # its gradient is averaged over the same ranks as FSDP averages the others'.
     scalars = {p for p in (root if root is not None else model).parameters() if p.dim() == 0}

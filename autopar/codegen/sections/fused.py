@@ -94,7 +94,8 @@ class FusedKVGroupColwise(ParallelStyle):
         permute_output_rows(module, self.parts, tp, 0)
         hold_parameters(module, device_mesh, Shard(0))
         group = device_mesh.get_local_rank() // (tp // self.groups)
-        local_parts = [size // self.groups if grouped else size // tp for size, grouped in zip(self.parts, self.grouped)]
+        local_parts = [size // self.groups if grouped else size // tp
+                       for size, grouped in zip(self.parts, self.grouped)]
         starts = [sum(size // tp for size in self.parts[:index]) for index in range(len(self.parts))]
         # The grouped parts' shares are gathered in one collective: rank j's block of the gathered
         # rows holds its share of each grouped part in turn; a part's group rows are the shares
@@ -189,7 +190,8 @@ def requested_cut(func: Callable, tensor: torch.Tensor, rest: tuple, kwargs: dic
         if not isinstance(key[-1], slice) or key[-1] == slice(None):
             raise FusedCutError(f"a fused projection's output indexed as [{key}]: only [..., a:b] reads a part")
         leading = key[:-1]
-        if not (leading == (Ellipsis,) or (all(k == slice(None) for k in leading) and len(leading) == tensor.dim() - 1)):
+        if not (leading == (Ellipsis,)
+                or (all(k == slice(None) for k in leading) and len(leading) == tensor.dim() - 1)):
             raise FusedCutError(f"a fused projection's output indexed as [{key}]: only [..., a:b] reads a part")
         start, stop, step = key[-1].indices(total)
         if step != 1:

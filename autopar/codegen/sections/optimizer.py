@@ -194,7 +194,8 @@ class ShardedAdamW:
     def reload_parameters(self) -> None:
         """Take this rank's slice again from the parameters, after something else set them (a
         checkpoint, pretrained weights): the slice it updates is a copy taken at construction."""
-        self.shard.copy_(torch.cat([_local(p).detach().reshape(-1).float() for p in self.parameters])[self.start:self.stop])
+        self.shard.copy_(
+            torch.cat([_local(p).detach().reshape(-1).float() for p in self.parameters])[self.start:self.stop])
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's slice put back together: one flat vector of all parameters."""

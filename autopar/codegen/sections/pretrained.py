@@ -156,7 +156,8 @@ class Mismatch:
         parts = []
         for label, items in (("missing (in the model, not in the file)", self.missing),
                              ("unexpected (in the file, not in the model)", self.unexpected),
-                             ("wrongly shaped", [f"{n} (file {list(f)}, model {list(m)})" for n, f, m in self.wrong_shape])):
+                             ("wrongly shaped", [f"{n} (file {list(f)}, model {list(m)})"
+                                                 for n, f, m in self.wrong_shape])):
             if items:
                 more = f", ... {len(items) - SHOWN} more" if len(items) > SHOWN else ""
                 parts.append(f"{len(items)} {label}: {', '.join(items[:SHOWN])}{more}")
@@ -306,7 +307,8 @@ def check_export_folder(path: str | Path | None) -> None:
     foreign = sorted(entry.name for entry in path.iterdir() if entry.name not in EXPORT_FILES) \
         if (path / EXPORT_MARKER).is_file() else ["(no autopar export marker)"]
     if foreign:
-        raise WeightsError(f"--export {path}: the folder holds files autopar did not write ({', '.join(foreign[:SHOWN])}), "
+        raise WeightsError(f"--export {path}: the folder holds files autopar did not write "
+                           f"({', '.join(foreign[:SHOWN])}), "
                            "which it never replaces. Fix: pass a new or empty folder (or move those files yourself)")
 
 
@@ -344,10 +346,12 @@ def write_folder(state: dict[str, torch.Tensor], path: str | Path, tied: list[li
     # there before is ever removed.
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        _import_safetensors("safetensors.torch").save_file(tensors, str(staging / SAFETENSORS), metadata={"format": "pt"})
+        _import_safetensors("safetensors.torch").save_file(tensors, str(staging / SAFETENSORS),
+                                                           metadata={"format": "pt"})
         if is_hugging_face(model):
             write_hf_config(model, staging)
-        (staging / EXPORT_MARKER).write_text(json.dumps({"tensors": len(tensors), "dropped_tied": sorted(dropped)}) + "\n")
+        (staging / EXPORT_MARKER).write_text(
+            json.dumps({"tensors": len(tensors), "dropped_tied": sorted(dropped)}) + "\n")
         replace_folder(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -83,7 +83,8 @@ class ParallelConfig:
     expert_tp: bool = False  # every expert's feed-forward width split over the tensor-parallel group
     dp_bucket_bytes: int = 25 * 2**20  # gradient_sync.py's bucket size
     gpus_per_node: int = 8  # which ranks share a node (hierarchical all-reduce)
-    fused_parameters: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # TP: fused projections' (dim, parts)
+    # TP: fused projections' (dim, parts)
+    fused_parameters: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def custom_gradient_sync(self) -> bool:

@@ -91,8 +91,9 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
         return hf.WhisperForConditionalGeneration(config)
     if arch == "clip":
-        text = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
-                    num_attention_heads=HEADS, max_position_embeddings=max(64, seq_len))
+        text = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=HIDDEN,
+                    intermediate_size=64, num_hidden_layers=layers, num_attention_heads=HEADS,
+                    max_position_embeddings=max(64, seq_len))
         vision = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=HEADS,
                       image_size=16, patch_size=4)
         return hf.CLIPModel(hf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))

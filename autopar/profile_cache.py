@@ -60,9 +60,14 @@ def autopar_code_digest() -> str:
 
 
 def imported_names(source: bytes) -> list[str]:
-    """Top-level names of the modules a file imports (absolute imports, at any depth)."""
+    """Top-level names of the modules a file imports (absolute imports, at any depth; none for a
+    file that does not parse, whose bytes the key holds anyway)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
     names = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -84,15 +89,48 @@ def _neighbour_digest(folder: Path, name: str) -> str | None:
 
 def _installed_version(name: str) -> str | None:
     """The version of an imported package, by its own `__version__` or the distribution of its
-    name, with where it was imported from (None: neither known, e.g. the standard library)."""
+    name, with where it was imported from; a module of no known version (one on a path the model
+    file added) by its files' bytes; None for the standard library."""
+    if name in sys.stdlib_module_names:
+        return None
     module = sys.modules.get(name)
     version = getattr(module, "__version__", None)
     if version is None:
         try:
             version = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            return None
+            file = getattr(module, "__file__", None)
+            return _distribution_versions(name) if _installed(file) else _files_digest(file)
     return f"{version} at {getattr(module, '__file__', None)}"
+
+
+def _installed(file: str | None) -> bool:
+    """Whether a module's file belongs to an installed distribution (site-packages)."""
+    return bool(file) and any(part in ("site-packages", "dist-packages") for part in Path(file).parts)
+
+
+def _distribution_versions(name: str) -> str | None:
+    """The versions of the distributions providing an installed module whose name is not theirs
+    (yaml in PyYAML); reading every distribution's metadata is slow, so only asked here."""
+    versions = []
+    for distribution in sorted(set(importlib.metadata.packages_distributions().get(name, []))):
+        try:
+            versions.append(f"{distribution}=={importlib.metadata.version(distribution)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ", ".join(versions) or None
+
+
+def _files_digest(file: str | None) -> str | None:
+    """The bytes of a module's file, or of every .py file of its package, digested."""
+    if not file:
+        return None
+    path = Path(file)
+    files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+    digest = hashlib.sha256()
+    for each in files:
+        digest.update(each.read_bytes() if each.is_file() else b"")
+    return digest.hexdigest()
 
 
 def dependencies(model_path: Path, source: bytes) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool
     if OmegaConf.select(cfg, "plan.reuse_profile", default=True):
         source = model_file.path.read_bytes()
         if hashlib.sha256(source).hexdigest() == model_file.sha256:  # not edited since it was imported
-            key = profile_cache.profile_key(model_file.path, source, settings)
+            key = profile_cache.profile_key(model_file.path, source, model_file.sha256, settings)
             kept = profile_cache.load(key, model_file.path, model_file.sha256)
             if kept is not None:
                 return kept, True

@@ -239,7 +239,7 @@ def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
         fake_mode, value_hints = data_dependent_fake_mode()
     else:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with fake_mode, _default_dtype(dtype), _value_free_initialisers():
+    with fake_mode, default_dtype(dtype), _value_free_initialisers():
         model = build_model(model_file, kwargs)
         if any(t.device.type == "meta" for t in _tensors_of(model)):
             model = model.to_empty(device="cpu")
@@ -484,7 +484,8 @@ def _value_free_initialisers() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Tensors made without a dtype are made in ``dtype`` inside (nothing changes for None)."""
     previous = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)

@@ -78,12 +78,18 @@ def imported_names(source: bytes) -> list[str]:
 def _neighbour_digest(folder: Path, name: str) -> str | None:
     """The bytes of a module or package beside the model file, digested (None: no such file)."""
     module, package = folder / f"{name}.py", folder / name
-    files = [module] if module.is_file() else sorted(package.rglob("*.py")) if package.is_dir() else []
+    if module.is_file():
+        return _digest([module])
+    return _digest(sorted(package.rglob("*.py"))) if package.is_dir() else None
+
+
+def _digest(files: list[Path]) -> str | None:
+    """The bytes of the files, digested in order (None: no files)."""
     if not files:
         return None
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.read_bytes())
+        digest.update(path.read_bytes() if path.is_file() else b"")
     return digest.hexdigest()
 
 
@@ -126,11 +132,7 @@ def _files_digest(file: str | None) -> str | None:
     if not file:
         return None
     path = Path(file)
-    files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
-    digest = hashlib.sha256()
-    for each in files:
-        digest.update(each.read_bytes() if each.is_file() else b"")
-    return digest.hexdigest()
+    return _digest(sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path])
 
 
 def dependencies(model_path: Path, source: bytes) -> dict[str, Any]:
@@ -155,9 +157,10 @@ def dependencies(model_path: Path, source: bytes) -> dict[str, Any]:
     return found
 
 
-def profile_key(model_path: Path, source: bytes, settings: dict[str, Any]) -> str:
-    """The cache key of a profile (module docstring says what it holds)."""
-    facts = {"model": hashlib.sha256(source).hexdigest(), "imports": dependencies(model_path, source),
+def profile_key(model_path: Path, source: bytes, model_sha256: str, settings: dict[str, Any]) -> str:
+    """The cache key of a profile (module docstring says what it holds); `model_sha256` is the
+    digest of `source`, the model file's bytes."""
+    facts = {"model": model_sha256, "imports": dependencies(model_path, source),
              "settings": settings, "python": sys.version, "torch": torch.__version__,
              "autopar": autopar_code_digest()}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]

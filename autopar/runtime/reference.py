@@ -8,10 +8,9 @@ machinery: one forward and backward over the whole global batch per step, torch'
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
@@ -19,7 +18,7 @@ from torch.utils.data import default_collate
 
 from autopar.codegen.sections.contract import tokens_per_sample
 from autopar.codegen.sections.optimizer import decays, learning_rate, no_decay_names, set_learning_rate
-from autopar.model_file import accepted_kwargs, call_model, compute_loss, load_model_file
+from autopar.model_file import accepted_kwargs, call_model, compute_loss, default_dtype, load_model_file
 
 
 @dataclass
@@ -143,7 +142,7 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
                 torch.manual_seed(seed + 1 + step)
                 batch = model_file.example_batch(global_batch_size,
                                                  **accepted_kwargs(model_file.example_batch, model_kwargs))
-        with computing_in(dtype):
+        with default_dtype(dtype):
             batch = floating_as(batch, dtype)
             loss = compute_loss(model_file, call_model(model, batch), batch)
             loss.backward()
@@ -164,20 +163,6 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
             model.train()
     run.parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
     return run
-
-
-@contextlib.contextmanager
-def computing_in(dtype: torch.dtype | None) -> Iterator[None]:
-    """Tensors made without a dtype are made in ``dtype`` (nothing changes for None)."""
-    if dtype is None:
-        yield
-        return
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def floating_as(batch: Any, dtype: torch.dtype | None) -> Any:

@@ -1,8 +1,9 @@
 """The cost model against published training runs (benchmarks/published/runs.yaml): predicted vs
 measured step time per run (signed error: negative = predicted faster), the median |error| of
 the calibration rows in sample and out of sample, rank correlation within each table, the
-prediction interval and how much of the out-of-sample residuals it holds (the smoke run: one row of
-each table, held to its stored in-sample residual).
+prediction interval and how much of the out-of-sample residuals it holds, and how many runs outside
+the calibration set fall inside the interval for their size (the smoke run: one row of each table,
+held to its stored in-sample residual).
 
     python -m benchmarks.run published
 
@@ -47,6 +48,7 @@ def run() -> list[dict]:
     rows = [_run_row(compared[run["id"]], held.get(run["id"])) for run in runs]
     rows += _summary(result, calibration)
     rows += _ptdp_against_zero3(compared)
+    rows += _held_out_coverage([compared[run["id"]] for run in runs if not run["calibration"]])
     rows.append({"id": "median |error| of the factors refitted over the catalogue's prices (the older figure)",
                  "factors_loo": f"{median_abs([c.loo_error for c in in_sample_scale]):.1%}"})
     rows.append({"id": "fitted factors (all calibration rows, compute time scale at 1)",
@@ -91,6 +93,26 @@ def _ptdp_against_zero3(compared: dict) -> list[dict]:
                      "error": f"measured {measured:.2f}, predicted {predicted:.2f}"
                               f" ({'same order' if (measured > 1) == (predicted > 1) else 'order reversed'})"})
     return rows
+
+
+def _held_out_coverage(others: list) -> list[dict]:
+    """The published runs outside the calibration set against the interval for their sizes
+    (widened beyond the calibrated GPU count and data-parallel group, cost_models.uncertainty):
+    how many fall inside, and which do not. Only the residual bounds are compared; a plan's
+    pessimistic price (collectives beyond the measured nodes) would widen the high side further."""
+    from cost_models.uncertainty import scale_widening
+
+    inside, widened, outside = 0, 0, []
+    for c in others:
+        low, high, reasons = scale_widening({"gpus": c.gpus, "data_parallel_ranks": c.data_parallel_ranks})
+        widened += bool(reasons)
+        if low <= c.error <= high:
+            inside += 1
+        else:
+            outside.append(f"{c.run['id']} {c.error:+.1%} ({low:+.0%}/{high:+.0%})")
+    return [{"id": f"runs outside the calibration set inside their interval ({widened} widened for size)",
+             "held_out_error": f"{inside} of {len(others)}"},
+            {"id": "outside it (error, interval)", "held_out_error": "; ".join(outside) or "none"}]
 
 
 def _run_row(c, row) -> dict:

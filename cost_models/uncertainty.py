@@ -31,6 +31,13 @@ set to its pessimistic value (`extrapolations`, `pessimistic_cluster`):
   communication priced exposed (ring attention's K/V exchange without the attention it overlaps;
   ClusterSpec.exposed_overlap). No calibration row uses context parallelism today.
 
+A run larger than every calibration row, in GPUs or in data-parallel ranks (the gradient group,
+dp x cp), widens the interval itself (`ScaleTrend`): the out-of-sample residuals as a straight line
+in log2 of that size, and the line's prediction band (Student's t at the interval's quantiles);
+beyond the largest calibrated size, each bound moves by as much as the band's does from that
+size to the run's (never narrower). refit computes the lines and writes them to
+calibration.json (`scale_trends`); a test recomputes them from the stored residuals and sizes.
+
 The planner's robust objective uses `s_pessimistic`: of two plans whose intervals overlap, the
 one that depends less on what was extrapolated is preferred (autopar.solver.planner).
 """
@@ -62,6 +69,88 @@ def techniques_of(plan: Any) -> frozenset[str]:
     if (getattr(plan, "cp", 1) or 1) > 1 and (getattr(plan, "cp_strategy", "ring") or "ring") == "ring":
         found.add(RING_ATTENTION)
     return frozenset(found)
+
+
+def student_t_quantile(q: float, dof: int) -> float:
+    """The q-quantile (0.5 <= q < 1) of Student's t with `dof` degrees of freedom: its density
+    integrated by Simpson's rule, inverted by bisection (no statistics package needed)."""
+    if not 0.5 <= q < 1 or dof < 1:
+        raise ValueError(f"a t quantile needs 0.5 <= q < 1 and dof >= 1 (got q={q}, dof={dof})")
+    scale = math.exp(math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)) / math.sqrt(dof * math.pi)
+
+    def density(t: float) -> float:
+        return scale * (1 + t * t / dof) ** (-(dof + 1) / 2)
+
+    def above_half(t: float, steps: int = 400) -> float:  # P(0 <= T <= t)
+        h = t / steps
+        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, steps))
+        return h / 3 * (density(0.0) + inner + density(t))
+
+    low, high = 0.0, 1.0
+    while above_half(high) < q - 0.5:
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if above_half(middle) < q - 0.5 else (low, middle)
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class ScaleTrend:
+    """Out-of-sample residuals as a line in log2 of a run's size (module docstring): what the
+    calibration set says about error at sizes beyond its largest row."""
+
+    size: str  # what is counted: "gpus" or "data_parallel_ranks"
+    calibrated_max: int  # the largest size a calibration row ran
+    intercept: float
+    slope: float  # residual change per doubling of the size
+    spread: float  # the residuals' standard deviation about the line (n - 2 degrees of freedom)
+    count: int
+    mean_log2: float
+    sum_squares_log2: float  # sum of (log2 size - mean)^2
+    t_quantile: float  # Student's t at the interval's upper quantile, n - 2 degrees of freedom
+
+    @classmethod
+    def fit(cls, size: str, sizes: list[int], residuals: list[float],
+            quantiles: tuple[float, float] = INTERVAL_QUANTILES) -> "ScaleTrend":
+        """Least squares of residual on log2(size); needs three rows of two sizes at least."""
+        xs = [math.log2(value) for value in sizes]
+        n = len(xs)
+        mean_x, mean_y = sum(xs) / n, sum(residuals) / n
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        if n < 3 or sxx == 0:
+            raise ValueError(f"a trend in {size} needs three rows of two sizes at least")
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, residuals)) / sxx
+        intercept = mean_y - slope * mean_x
+        sse = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, residuals))
+        return cls(size, max(sizes), intercept, slope, math.sqrt(sse / (n - 2)), n, mean_x, sxx,
+                   student_t_quantile(quantiles[1], n - 2))
+
+    def band(self, value: float) -> tuple[float, float]:
+        """The prediction band's residual bounds at `value`: the line ± t·spread·sqrt(1 + 1/n +
+        (x - mean)^2 / Sxx), x = log2(value)."""
+        x = math.log2(value)
+        half = self.t_quantile * self.spread * math.sqrt(1 + 1 / self.count
+                                                         + (x - self.mean_log2) ** 2 / self.sum_squares_log2)
+        centre = self.intercept + self.slope * x
+        return centre - half, centre + half
+
+    def widening(self, value: float) -> tuple[float, float]:
+        """How far the interval's (low, high) residual bounds move at `value`: as far as the
+        band's do from the largest calibrated size, outwards only; nothing within the range."""
+        if value <= self.calibrated_max:
+            return 0.0, 0.0
+        (low_max, high_max), (low, high) = self.band(self.calibrated_max), self.band(value)
+        return min(0.0, low - low_max), max(0.0, high - high_max)
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "size"}
+
+
+SCALE_TRENDS = {name: ScaleTrend(name, **fields)
+                for name, fields in load_calibration().get("scale_trends", {}).items()}
+SIZE_WORDS = {"gpus": "GPUs", "data_parallel_ranks": "ranks in a data-parallel group"}
+LOWEST_RESIDUAL = -0.9  # a widened low bound stops here: a run at most 10x slower than predicted
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -107,10 +196,18 @@ class Extrapolation:
     measured_nodes: int = 0  # groups over more nodes than this are extrapolated
     unmeasured_ops: tuple[str, ...] = ()  # collectives extrapolated from two nodes on
     exposed: tuple[str, ...] = ()  # techniques whose overlap no published run measured: priced exposed
+    residual_low: float = RESIDUAL_LOW  # the interval's residual bounds, widened beyond the calibrated sizes
+    residual_high: float = RESIDUAL_HIGH
 
     @property
     def any(self) -> bool:
         return bool(self.reasons)
+
+    @property
+    def reprices(self) -> bool:
+        """Whether the pessimistic price differs from the nominal one (a wider interval alone does not)."""
+        return self.network_factor != 1.0 or self.compute_factor != 1.0 or bool(self.exposed) \
+            or bool(self.unmeasured_ops)
 
 
 @dataclass(frozen=True)
@@ -120,14 +217,16 @@ class PredictionInterval:
     predicted_s: float
     pessimistic_s: float
     reasons: tuple[str, ...] = ()
+    residual_low: float = RESIDUAL_LOW
+    residual_high: float = RESIDUAL_HIGH
 
     @property
     def low_s(self) -> float:
-        return self.predicted_s / (1 + RESIDUAL_HIGH)
+        return self.predicted_s / (1 + self.residual_high)
 
     @property
     def high_s(self) -> float:
-        return self.pessimistic_s / (1 + RESIDUAL_LOW)
+        return self.pessimistic_s / (1 + self.residual_low)
 
     @property
     def extrapolated_share(self) -> float:
@@ -147,11 +246,30 @@ def measured_nodes(cluster: ClusterSpec) -> int:
     return cluster.inter.network.measured_nodes if cluster.inter.network else 0
 
 
+def scale_widening(sizes: dict[str, int], trends: dict[str, ScaleTrend] | None = None
+                   ) -> tuple[float, float, list[str]]:
+    """The interval's residual bounds for a run of these sizes ({"gpus": .., "data_parallel_ranks":
+    ..}), each trend's widening taken where it is widest, and a reason per size beyond the
+    calibrated range."""
+    trends = SCALE_TRENDS if trends is None else trends
+    low, high, reasons = RESIDUAL_LOW, RESIDUAL_HIGH, []
+    for name, value in sizes.items():
+        trend = trends.get(name)
+        if trend is None or value <= trend.calibrated_max:
+            continue
+        down, up = trend.widening(value)
+        low, high = max(LOWEST_RESIDUAL, min(low, RESIDUAL_LOW + down)), max(high, RESIDUAL_HIGH + up)
+        reasons.append(f"{value:,} {SIZE_WORDS[name]}, more than any calibration run ({trend.calibrated_max:,}): "
+                       f"the interval widened as the out-of-sample error's trend in {SIZE_WORDS[name]} "
+                       f"extrapolates ({RESIDUAL_LOW + down:+.0%}/{RESIDUAL_HIGH + up:+.0%})")
+    return low, high, reasons
+
+
 def extrapolations(cluster: ClusterSpec, widest_nodes: int, all_to_all_nodes: int = 0,
-                   techniques: frozenset[str] = frozenset()) -> Extrapolation:
+                   techniques: frozenset[str] = frozenset(), data_parallel_ranks: int = 1) -> Extrapolation:
     """The pessimistic factors for a plan whose widest collective group spans `widest_nodes`,
-    whose all-to-all group (if any) spans `all_to_all_nodes` and which uses `techniques`
-    (`techniques_of`)."""
+    whose all-to-all group (if any) spans `all_to_all_nodes`, which uses `techniques`
+    (`techniques_of`) and whose gradient group holds `data_parallel_ranks`."""
     reasons: list[str] = []
     network_factor = compute_factor = 1.0
     measured = measured_nodes(cluster)
@@ -176,7 +294,11 @@ def extrapolations(cluster: ClusterSpec, widest_nodes: int, all_to_all_nodes: in
     exposed = tuple(sorted(techniques - CALIBRATED_TECHNIQUES)) if gpus != ["cpu"] else ()
     reasons += [f"{TECHNIQUE_WORDS[name]}, an overlap no published run measured (priced exposed at its pessimistic "
                 "value)" for name in exposed]
-    return Extrapolation(network_factor, compute_factor, tuple(reasons), measured, unmeasured, exposed)
+    low, high = RESIDUAL_LOW, RESIDUAL_HIGH
+    if gpus != ["cpu"]:
+        low, high, wider = scale_widening({"gpus": cluster.world_size, "data_parallel_ranks": data_parallel_ranks})
+        reasons += wider
+    return Extrapolation(network_factor, compute_factor, tuple(reasons), measured, unmeasured, exposed, low, high)
 
 
 def pessimistic_cluster(cluster: ClusterSpec, extrapolation: Extrapolation) -> ClusterSpec:

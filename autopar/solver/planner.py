@@ -268,18 +268,21 @@ class Planner:
         """What the layout's price extrapolates: its widest collective group, and its all-to-all."""
         widest = max(self.pricer.placement(layout, axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
         all_to_all = self.pricer.placement(layout, "ep").nodes if getattr(layout, "ep", 1) > 1 else 0
-        return extrapolations(self.cluster, widest, all_to_all, techniques_of(layout))
+        return extrapolations(self.cluster, widest, all_to_all, techniques_of(layout),
+                              data_parallel_ranks=layout.dp * layout.cp)
 
     def interval(self, scored: Scored) -> PredictionInterval:
         """The plan's predicted step, its pessimistic price and why they differ."""
         layout = self._layout(scored)
         predicted = self.pricer.estimate(layout).step_time_s
         extrapolation = self._extrapolation(layout)
-        if not extrapolation.any:
-            return PredictionInterval(predicted, predicted)
-        pessimistic = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation), self.train,
-                                 self.splitter, recompute_options=self.pricer.recompute_options)
-        return PredictionInterval(predicted, pessimistic.estimate(layout).step_time_s, extrapolation.reasons)
+        pessimistic_s = predicted
+        if extrapolation.reprices:
+            pessimistic = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation), self.train,
+                                     self.splitter, recompute_options=self.pricer.recompute_options)
+            pessimistic_s = pessimistic.estimate(layout).step_time_s
+        return PredictionInterval(predicted, pessimistic_s, extrapolation.reasons, extrapolation.residual_low,
+                                  extrapolation.residual_high)
 
     def _robust_choice(self, fastest: Scored, candidates: list[Candidate], spent: float,
                        floors: list[tuple[float, int, Candidate]]) -> tuple[Scored, str] | None:

@@ -60,6 +60,7 @@ class Comparison:
     work: float  # what the rate is counted in (FLOPs by the authors' formula, else tokens)
     loo_step_s: float = float("nan")
     extra: dict[str, Any] = field(default_factory=dict)
+    data_parallel_ranks: int = 1  # the gradient group's ranks (dp x cp)
 
     @property
     def error(self) -> float:
@@ -163,7 +164,8 @@ def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None) -
     step, work = measured_step_s(run, cluster.world_size)
     return Comparison(run=run, gpus=cluster.world_size, gpu=cluster.node_gpus[0].name, measured_step_s=step,
                       predicted_step_s=estimate.step_time_s, breakdown=dict(estimate.time_breakdown),
-                      predicted_memory_GiB=estimate.peak_memory_bytes / 2**30, fits=estimate.fits, work=work)
+                      predicted_memory_GiB=estimate.peak_memory_bytes / 2**30, fits=estimate.fits, work=work,
+                      data_parallel_ranks=layout.dp * layout.cp)
 
 
 def compute_bound_s(row: Comparison) -> float:

@@ -23,7 +23,9 @@ relative errors (`fit_scale`). The scale is rounded to SCALE_DECIMALS as the cat
 The prediction interval (cost_models/uncertainty.py) is the 10th and 90th percentiles of the
 held-out residuals (`interval_from_residuals`), and the pessimistic slowdown of a GPU type with
 no calibration row the largest median |held-out residual| of a table, rounded up to a percent
-(`uncalibrated_gpu_slowdown`).
+(`uncalibrated_gpu_slowdown`). Beyond the largest calibration run, in GPUs or in data-parallel
+ranks, the interval widens along the held-out residuals' trend in that size (`scale_trends`,
+cost_models.uncertainty.ScaleTrend), fitted on the rows' sizes written beside them (`sizes`).
 """
 from __future__ import annotations
 
@@ -135,6 +137,13 @@ class Refit:
 
         return interval_from_residuals(self.held_out_residuals())
 
+    def sizes(self) -> dict[str, dict[str, int]]:
+        return {row.id: {"gpus": row.shipped.gpus, "data_parallel_ranks": row.shipped.data_parallel_ranks}
+                for row in self.rows}
+
+    def scale_trends(self) -> dict[str, dict[str, Any]]:
+        return scale_trends(self.sizes(), dict(zip((row.id for row in self.rows), self.held_out_residuals())))
+
     def to_json(self) -> dict[str, Any]:
         from cost_models.uncertainty import INTERVAL_QUANTILES
 
@@ -147,6 +156,8 @@ class Refit:
             "interval": {"low": low, "high": high},
             "uncalibrated_gpu_slowdown": uncalibrated_gpu_slowdown(tables, self.held_out_residuals()),
             "techniques": calibrated_techniques([row.shipped.run for row in self.rows]),
+            "scale_trends": self.scale_trends(),
+            "sizes": self.sizes(),
             "tables": {row.id: row.table for row in self.rows},
             "held_out_residuals": {row.id: r for row, r in zip(self.rows, self.held_out_residuals())},
             "in_sample_residuals": {row.id: round(row.error, RESIDUAL_DECIMALS) for row in self.rows},
@@ -156,6 +167,22 @@ class Refit:
                                      "measured_s": round(p.measured_s, RESIDUAL_DECIMALS)}
                             for row, p in zip(self.rows, self.points) if p},
         }
+
+
+def scale_trends(sizes: dict[str, dict[str, int]], residuals: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per size counted, the held-out residuals' line in its log2 (ScaleTrend), rounded as stored;
+    none for a size the rows cannot fit a line to (fewer than three, or all one size)."""
+    from cost_models.uncertainty import ScaleTrend
+
+    ids = list(residuals)
+    trends = {}
+    for name in ("gpus", "data_parallel_ranks"):
+        if len(ids) < 3 or len({sizes[i][name] for i in ids}) < 2:
+            continue
+        trend = ScaleTrend.fit(name, [sizes[i][name] for i in ids], [residuals[i] for i in ids])
+        trends[name] = {key: round(value, RESIDUAL_DECIMALS) if isinstance(value, float) else value
+                        for key, value in trend.to_json().items()}
+    return trends
 
 
 def calibrated_techniques(runs: list[dict[str, Any]]) -> list[str]:
@@ -200,6 +227,10 @@ def stale(refit_result: Refit, stored: dict[str, Any]) -> list[str]:
         if abs(stored["compute_time_scale"].get(family, float("nan")) - scale) > CHECK_TOLERANCE:
             problems.append(f"{family} compute time scale: stored {stored['compute_time_scale'].get(family)}, "
                             f"refit {scale}")
+    for name, trend in fresh["scale_trends"].items():
+        kept = stored.get("scale_trends", {}).get(name, {})
+        if any(abs(kept.get(key, float("nan")) - value) > CHECK_TOLERANCE for key, value in trend.items()):
+            problems.append(f"the out-of-sample error's trend in {name}: stored {kept}, refit {trend}")
     for key in ("held_out_residuals", "in_sample_residuals"):
         for run_id, value in fresh[key].items():
             kept = stored.get(key, {}).get(run_id)

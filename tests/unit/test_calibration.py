@@ -160,3 +160,17 @@ def test_stored_techniques_are_those_the_calibration_runs_use():
 
     assert calibrated_techniques([run for run in load_runs() if run["calibration"]]) == \
         load_calibration()["techniques"]
+
+
+def test_stored_scale_trends_follow_from_the_stored_residuals_and_sizes():
+    """Each trend uncertainty.py widens with is the fit of the stored held-out residuals on the
+    stored rows' sizes; the largest calibrated sizes are those of the rows."""
+    from benchmarks.published.refit import scale_trends
+    from cost_models.uncertainty import SCALE_TRENDS
+
+    stored = load_calibration()
+    fresh = scale_trends(stored["sizes"], stored["held_out_residuals"])
+    assert fresh == stored["scale_trends"]
+    for name, trend in SCALE_TRENDS.items():
+        assert trend.calibrated_max == max(size[name] for size in stored["sizes"].values())
+        assert trend.count == len(stored["held_out_residuals"])

@@ -154,3 +154,62 @@ def test_the_pessimistic_price_of_ring_attention_is_its_whole_exchange(examples_
     whole = exposed.estimate(layout).time_breakdown["cp_comm"]
     assert whole == pytest.approx(sum(per_block), rel=1e-6)
     assert hidden < 0.5 * whole
+
+
+def test_student_t_quantiles_match_the_printed_table():
+    """Student's t at 0.90 and 0.95 from a printed table: 1 dof 3.078, 2 dof 1.886, 10 dof 1.372,
+    27 dof 1.314, 27 dof at 0.95 1.703; a large dof tends to the normal's 1.2816."""
+    from cost_models.uncertainty import student_t_quantile
+
+    for q, dof, printed in ((0.9, 1, 3.078), (0.9, 2, 1.886), (0.9, 10, 1.372), (0.9, 27, 1.314), (0.95, 27, 1.703),
+                            (0.9, 100000, 1.2816)):
+        assert student_t_quantile(q, dof) == pytest.approx(printed, abs=6e-4)
+    with pytest.raises(ValueError):
+        student_t_quantile(0.3, 4)
+
+
+def test_a_scale_trend_against_a_hand_fit():
+    """Sizes 2, 4, 8, 16 (x = 1..4), residuals 0, 0.1, 0.1, 0.3: Sxx = 5, Sxy = 0.45, slope 0.09,
+    intercept 0.125 - 0.09 * 2.5 = -0.1; fitted -0.01, 0.08, 0.17, 0.26, residuals about the line
+    0.01, 0.02, -0.07, 0.04, SSE 0.007, spread sqrt(0.007 / 2); t(0.9, 2 dof) = 1.8856. At 16 the
+    band is 0.26 ± t s sqrt(1 + 1/4 + 2.25/5); at 64 (x = 6) 0.44 ± t s sqrt(1 + 1/4 + 12.25/5). The
+    interval widens at 64 by the band's move from 16: its high side by the upper bound's rise, its
+    low side not at all (the lower bound rose too); at 16 or below, by nothing."""
+    from cost_models.uncertainty import ScaleTrend
+
+    trend = ScaleTrend.fit("gpus", [2, 4, 8, 16], [0.0, 0.1, 0.1, 0.3])
+    spread, t = math.sqrt(0.007 / 2), 1.8856
+    assert (trend.slope, trend.intercept, trend.spread, trend.calibrated_max) == (
+        pytest.approx(0.09), pytest.approx(-0.1), pytest.approx(spread), 16)
+    half_16, half_64 = (t * spread * math.sqrt(1.25 + d2 / 5) for d2 in (2.25, 12.25))
+    assert trend.band(16) == (pytest.approx(0.26 - half_16, abs=1e-4), pytest.approx(0.26 + half_16, abs=1e-4))
+    assert trend.band(64) == (pytest.approx(0.44 - half_64, abs=1e-4), pytest.approx(0.44 + half_64, abs=1e-4))
+    assert trend.widening(64) == (0.0, pytest.approx(0.18 + half_64 - half_16, abs=1e-4))
+    assert trend.widening(16) == trend.widening(3) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        ScaleTrend.fit("gpus", [8, 8, 8], [0.1, 0.2, 0.3])
+
+
+def test_runs_larger_than_every_calibration_run_get_a_wider_interval():
+    """A falling trend in data-parallel ranks (residual -0.1 per doubling, calibrated to 8 ranks)
+    widens the low side beyond 8 ranks and says so; within the range the interval is the stored
+    one; the wider of two trends' bounds is kept on each side. On the shipped calibration a
+    16,384-GPU H100 cluster is beyond every calibration run: its plans carry the reason, CPU
+    ranks never do."""
+    from cost_models.uncertainty import ScaleTrend, scale_widening
+
+    falling = ScaleTrend.fit("data_parallel_ranks", [1, 2, 4, 8], [0.1, 0.0, -0.1, -0.2])
+    rising = ScaleTrend.fit("gpus", [1, 2, 4, 8], [-0.1, 0.0, 0.1, 0.2])
+    trends = {"data_parallel_ranks": falling, "gpus": rising}
+    assert scale_widening({"gpus": 8, "data_parallel_ranks": 8}, trends) == (RESIDUAL_LOW, RESIDUAL_HIGH, [])
+    low, high, reasons = scale_widening({"gpus": 8, "data_parallel_ranks": 64}, trends)
+    assert low == pytest.approx(RESIDUAL_LOW - 0.3) and high == RESIDUAL_HIGH
+    assert reasons == [reasons[0]] and reasons[0].startswith("64 ranks in a data-parallel group")
+    low, high, reasons = scale_widening({"gpus": 32, "data_parallel_ranks": 64}, trends)
+    assert (low, high) == (pytest.approx(RESIDUAL_LOW - 0.3), pytest.approx(RESIDUAL_HIGH + 0.2)) and len(reasons) == 2
+    big = extrapolations(cluster("H100-SXM", 2048), 1, data_parallel_ranks=8)
+    assert big.residual_high > RESIDUAL_HIGH and "16,384 GPUs" in big.reasons[-1] and not big.reprices
+    interval = PredictionInterval(10.0, 10.0, big.reasons, big.residual_low, big.residual_high)
+    assert interval.low_s < PredictionInterval(10.0, 10.0).low_s
+    cpu = ClusterSpec.from_config(ClusterConfig(name="c", gpu="cpu", nodes=4096, gpus_per_node=4))
+    assert not extrapolations(cpu, 1, data_parallel_ranks=16384).any

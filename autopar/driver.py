@@ -540,6 +540,12 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
     from autopar.report.render import write_report
     from autopar.runtime.proof import prove
 
+    if plan.real_values and not check:
+        raise UserError(f"Fake tensors cannot run this model ({plan.real_values}), so compile can prove a plan only "
+                        "by running it, and the small-scale check is off for this cluster.",
+                        f"pass check=on (the plan's {plan.world_size} ranks then run here on gloo against one "
+                        "process), or make the model run on fake tensors (a fake kernel for a custom op: "
+                        "torch.library.register_fake; torch ops instead of NumPy in forward()).")
     try:
         engine_texts = engine_files(plan, emit)
     except EngineRefusal as err:
@@ -551,8 +557,10 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
             return None, RejectedPlan(plan.summary(), "code generation refused it: " + " ".join(err.problem.split()),
                                       ran=False)
         if progress:
-            progress.phase(f"proving {plan.summary()}: one step at full scale on fake tensors"
-                           + (", then 2 steps on local gloo ranks against one process" if check else ""))
+            progress.phase(f"proving {plan.summary()}: "
+                           + ("2 steps on local gloo ranks against one process (fake tensors cannot run it)"
+                              if plan.real_values else "one step at full scale on fake tensors"
+                              + (", then 2 steps on local gloo ranks against one process" if check else "")))
         outcome = prove(plan, model_path, staging, check)
         if not outcome.ok:
             if progress:

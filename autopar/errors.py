@@ -25,9 +25,11 @@ class ModelFileError(UserError):
 class TraceError(UserError):
     """The model could not be captured as a graph; the message names the module and construct.
 
-    ``data_dependent``: it stopped at a tensor's value, and tracing with the batch's values may pass."""
+    ``data_dependent``: it stopped at a tensor's value, and tracing with the batch's values may pass.
+    ``fake_unsupported``: where and why an op could not run on fake tensors (a real build may run it)."""
 
     data_dependent = False
+    fake_unsupported: str | None = None
 
 
 class ConfigError(UserError):

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import importlib.util
 import inspect
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -36,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.data_dependent import (ValueHints, data_dependent_fake_mode, is_data_dependent, real_values,
-                                    register_missing_fake_kernels, tracing_in)
-from autopar.errors import ModelFileError
+                                    register_missing_fake_kernels, tracing_in, user_frame)
+from autopar.errors import ModelFileError, UserError
 from autopar.user_code import (IMPORT_TIMEOUT_ENV, TimeLimitReached, describe_exit, exits_refused, import_timeout_s,
                                time_limit)
 
@@ -60,6 +61,12 @@ _CAP_GIB = USER_CODE_ADDRESS_SPACE_HEADROOM_BYTES // 2**30
 # end (model.layers=100000). The largest dense models have a few thousand modules; a
 # 1,800-block GPT traces in about 4 minutes.
 MAX_MODULES = 20_000
+
+# Code no fake tensor can run (`.numpy()`, a custom op without a fake kernel) is traced once with
+# real tensors instead: the model built for real and run on one micro-batch, its values those of
+# the example batch. Only a model whose parameters take at most this many bytes (and an eighth of
+# the machine's memory) is built so; a larger one gets the fake run's error.
+REAL_TRACE_LIMIT_BYTES = 2 * 2**30
 
 META_BUILD_FIX = ("build the model without touching real memory: create its tensors inside build_model() "
                   "(autopar calls it under FakeTensorMode, where even a 70B model costs no memory) or under "
@@ -206,12 +213,16 @@ def make_batch(model_file: ModelFile, batch_size: int, kwargs: dict[str, Any]) -
 
 @dataclass
 class FakeBuild:
-    """A model and batch living in one FakeTensorMode: shapes and dtypes only, no storage."""
+    """A model and batch living in one FakeTensorMode: shapes and dtypes only, no storage.
 
-    fake_mode: FakeTensorMode
+    With ``real_values`` (why fake tensors could not run the model) there is no fake mode: the
+    model and batch are real (`build_real`)."""
+
+    fake_mode: FakeTensorMode | None
     model: torch.nn.Module
     batch: Any
     value_hints: ValueHints | None = None
+    real_values: str | None = None
 
     @property
     def data_dependent(self) -> bool:
@@ -219,7 +230,7 @@ class FakeBuild:
 
     def active(self) -> contextlib.AbstractContextManager:
         """The fake mode to run the model in (see autopar.data_dependent.tracing_in)."""
-        return tracing_in(self.fake_mode)
+        return contextlib.nullcontext() if self.fake_mode is None else tracing_in(self.fake_mode)
 
 
 def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
@@ -257,15 +268,78 @@ def build_fake(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
 
 
 def build_fake_for(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int,
-                   run: Callable[[FakeBuild], Any], dtype: torch.dtype | None = None) -> Any:
+                   run: Callable[[FakeBuild], Any], dtype: torch.dtype | None = None,
+                   real_values: str | None = None) -> Any:
     """``run(build_fake(...))``, built again in the data-dependent mode where the ordinary fake
-    run stops at a tensor's value (autopar.data_dependent)."""
+    run stops at a tensor's value (autopar.data_dependent), and for real (`build_real`) where a
+    fake run cannot go on at all and the model is small enough. ``real_values`` (the reason a
+    profile gave) goes straight to the real build."""
+    if real_values is not None:
+        return run(build_real(model_file, kwargs, batch_size, dtype, real_values))
+    build = build_fake(model_file, kwargs, batch_size, dtype)
     try:
-        return run(build_fake(model_file, kwargs, batch_size, dtype))
-    except Exception as err:  # noqa: BLE001 - only a stop at a value is retried; the rest is re-raised
+        return run(build)
+    except Exception as err:  # noqa: BLE001 - a stop at a value is retried with values; the rest for real
         if not (is_data_dependent(err) or getattr(err, "data_dependent", False)):
-            raise
-    return run(build_fake(model_file, kwargs, batch_size, dtype, data_dependent=True))
+            return _run_for_real(model_file, kwargs, batch_size, run, dtype, build, err)
+    build = build_fake(model_file, kwargs, batch_size, dtype, data_dependent=True)
+    try:
+        return run(build)
+    except Exception as err:  # noqa: BLE001 - as above
+        return _run_for_real(model_file, kwargs, batch_size, run, dtype, build, err)
+
+
+def _run_for_real(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int, run: Callable[[FakeBuild], Any],
+                  dtype: torch.dtype | None, fake: FakeBuild, err: Exception) -> Any:
+    """``run`` on a real build after the fake one raised ``err``; ``err`` itself where the model
+    is too large to build for real, or the real run fails too (then the fault is not the fakes')."""
+    if not (getattr(err, "fake_unsupported", False) or not isinstance(err, UserError)):
+        raise err  # autopar's own refusal (the user's function raised, a loss without parameters, ...)
+    size = sum(t.numel() * t.element_size() for t in _tensors_of(fake.model))
+    limit = real_trace_limit_bytes()
+    if size > limit:
+        if isinstance(err, UserError):  # say why it was not traced for real either
+            raise type(err)(f"{err.problem.rstrip('.')}; at {size / 2**30:.1f} GiB of parameters the model is too "
+                            f"large to trace with real tensors instead (at most {limit / 2**30:.1f} GiB here).",
+                            err.fix) from None
+        raise err
+    try:
+        return run(build_real(model_file, kwargs, batch_size, dtype, _reason(err)))
+    except Exception:  # noqa: BLE001 - the real run failing too: the first error is the one to report
+        raise err from None
+
+
+def _reason(err: Exception) -> str:
+    """Where and why fake tensors stopped, in a line: 'model.py:29 (`...`): RuntimeError: ...'."""
+    reason = getattr(err, "fake_unsupported", None)
+    if isinstance(reason, str):
+        return reason
+    where = user_frame(traceback.extract_tb(err.__traceback__))
+    text = f"{type(err).__name__}: {err}".splitlines()[0]
+    return f"{where}: {text}" if where else text
+
+
+def real_trace_limit_bytes() -> int:
+    """The largest model (parameter bytes) traced with real tensors: REAL_TRACE_LIMIT_BYTES, or an
+    eighth of the machine's memory where that is less."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return REAL_TRACE_LIMIT_BYTES
+    return min(REAL_TRACE_LIMIT_BYTES, memory // 8)
+
+
+def build_real(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int, dtype: torch.dtype | None,
+               reason: str) -> FakeBuild:
+    """Model and batch built for real (seeded), for code fake tensors cannot run (``reason``)."""
+    check_model_kwargs(model_file, kwargs)
+    torch.manual_seed(0)
+    with default_dtype(dtype):
+        model = build_model(model_file, kwargs)
+        if any(t.device.type == "meta" for t in _tensors_of(model)):
+            model = model.to_empty(device="cpu")
+        batch = make_batch(model_file, batch_size, kwargs)
+    return FakeBuild(fake_mode=None, model=model, batch=batch, real_values=reason)
 
 
 def model_inputs(model: torch.nn.Module, batch: Any) -> tuple[tuple, dict]:

@@ -181,6 +181,9 @@ class Plan:
         data_dependent, estimated: the model's shapes or branches depend on tensor values (planned
             with the example batch's values, autopar/data_dependent.py), and what of them was read
             from that batch or guessed rather than traced.
+        real_values: where and why fake tensors could not run the model: it was traced with real
+            tensors at one micro-batch (autopar.model_file.build_real), and compile's proof runs it
+            only for real (no full-scale step on fake tensors).
         layer_names, block_containers: the profile's layer order and the FQNs of its stacks of
             blocks (containers whose children are layers), in the order their blocks run.
         global_batch_size, precision, optimizer, moe_imbalance: the
@@ -220,6 +223,7 @@ class Plan:
     token_loss: bool = False
     data_dependent: bool = False
     estimated: list[str] = field(default_factory=list)
+    real_values: str | None = None
     layer_names: list[str] = field(default_factory=list)
     block_containers: list[str] = field(default_factory=list)
     global_batch_size: int = 1

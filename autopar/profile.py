@@ -161,6 +161,10 @@ class ModelProfile:
     values (autopar.data_dependent), and every later fake run of the model must be too."""
     estimated: list[str] = field(default_factory=list)
     """What of a data-dependent step was read from the example batch or guessed, not traced."""
+    real_values: str | None = None
+    """Where and why fake tensors could not run the step: it was traced with real tensors at the
+    profiled micro-batch (autopar.model_file.build_real), and every later run of the model must be
+    real too (no full-scale fake step)."""
 
     @property
     def flops_total(self) -> int:
@@ -191,8 +195,9 @@ class ModelProfile:
                  f"{len(stacks)} stacks ({named})" if stacks else "no block container")
         copied = (f", {len(self.copied_blocks)} of them copied from an identical traced block, not traced"
                   if self.copied_blocks else "")
+        real = " (traced with real tensors: fake tensors cannot run it)" if self.real_values else ""
         return (f"{self.num_nodes:,} graph nodes in {len(self.layers)} layers; {where} with "
-                f"{len(self.blocks)} blocks{copied}")
+                f"{len(self.blocks)} blocks{copied}{real}")
 
     def uncosted_ops(self) -> list[CoverageEntry]:
         """Ops we could neither count FLOPs for nor classify: their cost is unknown."""
@@ -278,7 +283,7 @@ def _profile_built(model_file: ModelFile, build: FakeBuild, model_kwargs: dict[s
         layers=layers, coverage=coverage_report(ops), ops=ops,
         sequence_mixers=[m.describe() for m in traced.mixers],
         experts_inputs=experts_inputs(build.model), batch_mixer=traced.batch_mixer, token_loss=traced.token_loss,
-        copied_blocks=traced.copied_blocks, data_dependent=build.data_dependent)
+        copied_blocks=traced.copied_blocks, data_dependent=build.data_dependent, real_values=build.real_values)
     if build.value_hints is None:
         return profile
     profile = concrete(profile)  # sizes that depend on values become numbers (guessed ones noted next)

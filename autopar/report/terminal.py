@@ -6,6 +6,7 @@ from rich.table import Table
 
 from autopar.profile import LayerProfile, ModelProfile
 from autopar.report.units import format_bytes, format_count
+from autopar.report.words import REAL_VALUES_WORDS
 from autopar.solver.tp_coverage import coverage_notes
 
 
@@ -102,6 +103,8 @@ def print_plan(result, console: Console) -> None:
         console.print("value-dependent code, planned with the example batch's values; not traced exactly:")
         for line in plan.estimated:
             console.print(f"  {line}", markup=False)
+    if plan.real_values:
+        console.print(f"{REAL_VALUES_WORDS} ({plan.real_values}).", markup=False)
     solver = plan.solver
     console.print(f"solver {solver.status} in {solver.seconds:.1f} s ({solver.work:,.1f} work units) over "
                   f"{solver.candidates:,} candidates"

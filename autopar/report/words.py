@@ -13,6 +13,9 @@ from autopar.report.units import format_count
 from cost_models.host import dtensor_modules, host_s
 from cost_models.mesh import Mesh
 
+REAL_VALUES_WORDS = ("Traced with real tensors: fake tensors cannot run this model, so it was built for real and its "
+                     "step traced on one micro-batch of the example batch (its values baked in); compile's proof "
+                     "runs it only for real, on local ranks against one process")
 ZERO_WORDS = {0: "Every DP rank keeps full parameters, gradients and optimizer states (DDP)",
               1: "Optimizer states sharded over the DP ranks (ZeRO-1)",
               2: "Optimizer states and gradients sharded over the DP ranks (ZeRO-2)",
@@ -151,6 +154,8 @@ def describe_plan(report: PlanReport) -> list[str]:
         lines.append("Value-dependent code (sizes or branches that depend on tensor values) was planned with the "
                      "example batch's values; estimated rather than traced: "
                      + ("; ".join(plan.estimated) if plan.estimated else "nothing") + ".")
+    if plan.real_values:
+        lines.append(f"{REAL_VALUES_WORDS} ({plan.real_values}).")
     if host := host_dispatch_words(plan):
         lines.append(host)
     recomputed = {option: sum(1 for value in plan.recompute.values() if value == option)

@@ -372,7 +372,7 @@ class Planner:
             cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync,
             dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout), dp_shares=list(self.pricer.dp_shares(layout)),
             token_loss=self.pricer.weighs_tokens(layout), data_dependent=self.profile.data_dependent,
-            estimated=list(self.profile.estimated), layer_names=names,
+            estimated=list(self.profile.estimated), real_values=self.profile.real_values, layer_names=names,
             block_containers=list(self.profile.block_containers), global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,
             moe_imbalance=self.train.moe_imbalance,

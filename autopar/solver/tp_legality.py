@@ -205,11 +205,15 @@ class TPLegality:
             self._built = True
             path = Path(self.profile.model_path)
             if path.is_file():
-                from autopar.model_file import build_fake, load_model_file
+                from autopar.model_file import build_fake, build_real, load_model_file
 
                 try:
-                    self._build = build_fake(load_model_file(path), dict(self.profile.model_kwargs), 1,
-                                             data_dependent=self.profile.data_dependent)
+                    kwargs = dict(self.profile.model_kwargs)
+                    if self.profile.real_values:
+                        self._build = build_real(load_model_file(path), kwargs, 1, None, self.profile.real_values)
+                    else:
+                        self._build = build_fake(load_model_file(path), kwargs, 1,
+                                                 data_dependent=self.profile.data_dependent)
                 except Exception:  # noqa: BLE001 - the profile was traced; a rebuild failing only skips the rules
                     self._build = None
         return self._build

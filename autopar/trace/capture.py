@@ -212,4 +212,6 @@ def _trace_error(err: Exception, module_stack: list[str], model_path: Path, retr
                "with standard torch ops.")
     error = TraceError(f"Tracing stopped in module '{module}' at {where}: {construct}.", fix)
     error.data_dependent = data_dependent and not retried
+    if not data_dependent:  # a real build may run it (autopar.model_file.build_real): say where and why
+        error.fake_unsupported = f"{where}: {text}"
     return error

@@ -94,6 +94,7 @@ REFUSED: dict[str, str] = {
     # Models that number positions inside forward (no positions argument to shard by).
     'value_dependent-cp2': 'position_ids/positions/pos argument',
     'hf_wav2vec2_ctc-cp2': 'position_ids/positions/pos argument',
+    'untraceable-cp2': 'position_ids/positions/pos argument',
 }
 
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters

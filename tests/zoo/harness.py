@@ -94,6 +94,8 @@ MODELS = {m.name: m for m in [
     ZooModel("value_dependent", MODELS_DIR / "value_dependent.py"),
     # An LSTM given positions: its recurrence must keep context parallelism out at profile.
     ZooModel("recurrent", MODELS_DIR / "recurrent.py"),
+    # Forward reads values through NumPy: no fake tensor runs it, so it is traced with real ones.
+    ZooModel("untraceable", MODELS_DIR / "untraceable.py"),
 ]}
 PINS = {p.name: p for p in [
     Pin("dp2", dict(dp=2, tp=1, pp=1, cp=1, zero_stage=0)),

@@ -38,6 +38,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.data_dependent import (ValueHints, data_dependent_fake_mode, is_data_dependent, real_values,
                                     register_missing_fake_kernels, tracing_in, user_frame)
+from autopar import contract
+from autopar.contract import accepted_kwargs, model_inputs
 from autopar.errors import ModelFileError, UserError
 from autopar.user_code import (IMPORT_TIMEOUT_ENV, TimeLimitReached, describe_exit, exits_refused, import_timeout_s,
                                time_limit)
@@ -161,16 +163,6 @@ def load_model_file(path: str | Path) -> ModelFile:
 def file_sha256(path: str | Path) -> str:
     """sha256 of a file's bytes: what plans record, checked before a file is imported."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``fn``'s signature can take."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(kwargs)
-    names = {p.name for p in params
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    return {k: v for k, v in kwargs.items() if k in names}
 
 
 def check_model_kwargs(model_file: ModelFile, kwargs: dict[str, Any]) -> None:
@@ -342,24 +334,6 @@ def build_real(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int, d
     return FakeBuild(fake_mode=None, model=model, batch=batch, real_values=reason)
 
 
-def model_inputs(model: torch.nn.Module, batch: Any) -> tuple[tuple, dict]:
-    """(args, kwargs) for the model's forward: dict -> kwargs, tuple/list -> positional.
-
-    Wrappers that forward everything (DDP's ``forward(*inputs, **kwargs)``) are looked through
-    to the wrapped module's signature."""
-    inner = getattr(model, "module", model)
-    if isinstance(batch, dict):
-        return (), accepted_kwargs(inner.forward, batch)
-    if isinstance(batch, (tuple, list)):
-        forward = inspect.signature(inner.forward).parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in forward):
-            return tuple(batch), {}
-        positional = [p for p in forward if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-        return tuple(batch[: max(1, len(positional))]), {}
-    return (batch,), {}
-
-
 def call_model(model: torch.nn.Module, batch: Any) -> Any:
     """Run the model on a batch as the contract says."""
     args, kwargs = model_inputs(model, batch)
@@ -367,19 +341,13 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
 
 
 def compute_loss(model_file: ModelFile, output: Any, batch: Any) -> torch.Tensor:
-    """loss_fn(output, batch) if the file defines it, else output.loss, else output.mean()."""
-    if model_file.loss_fn is not None:
-        return model_file.loss_fn(output, batch)
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, torch.Tensor):
-        return output.float().mean()
-    raise ModelFileError(f"The model returned {type(output).__name__} with no loss and "
-                         f"{model_file.path.name} defines no loss_fn(output, batch).",
-                         "define loss_fn, or return a tensor or an object with a .loss.")
+    """The contract's loss (autopar.contract), refused as the model file's fault when there is none."""
+    try:
+        return contract.compute_loss(model_file, output, batch)
+    except contract.NoLoss:
+        raise ModelFileError(f"The model returned {type(output).__name__} with no loss and "
+                             f"{model_file.path.name} defines no loss_fn(output, batch).",
+                             "define loss_fn, or return a tensor or an object with a .loss.") from None
 
 
 def _call_user(model_file: ModelFile, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

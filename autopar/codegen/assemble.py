@@ -23,8 +23,14 @@ BESIDE = {"checkpoint": "checkpointing.py", "pretrained": "pretrained.py", "metr
 _INTERNAL = "autopar"
 
 
+# The model.py contract is autopar's own module (autopar/contract.py): planning calls the same code
+# the generated module is written with. The other sections live in autopar.codegen.sections.
+SECTION_PACKAGES = {"contract": "autopar"}
+
+
 def section_source(name: str) -> str:
-    return resources.files("autopar.codegen.sections").joinpath(f"{name}.py").read_text()
+    package = SECTION_PACKAGES.get(name, "autopar.codegen.sections")
+    return resources.files(package).joinpath(f"{name}.py").read_text()
 
 
 class ImportBlock:

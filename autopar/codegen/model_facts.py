@@ -17,7 +17,7 @@ from torch import nn
 
 from autopar.codegen.in_place import outputs_modified_in_place
 from autopar.model_file import FakeBuild, build_fake_for, call_model, load_model_file
-from autopar.codegen.sections.contract import tokens_per_sample
+from autopar.contract import tokens_per_sample
 from autopar.codegen.sections.expert_parallel import router_width
 from autopar.solver.linear_like import affine_layout
 from autopar.trace.experts import experts_inputs

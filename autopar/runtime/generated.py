@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from autopar.codegen.sections.contract import import_file
+from autopar.contract import import_file
 
 
 def import_generated(script: str | Path, name: str) -> ModuleType:

@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import default_collate
 
-from autopar.codegen.sections.contract import tokens_per_sample
+from autopar.contract import tokens_per_sample
 from autopar.codegen.sections.optimizer import decays, learning_rate, no_decay_names, set_learning_rate
 from autopar.model_file import accepted_kwargs, call_model, compute_loss, default_dtype, load_model_file
 

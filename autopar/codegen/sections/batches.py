@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.codegen.sections import data as training_data
 from autopar.codegen.sections import loader as data_loading
 from autopar.codegen.sections.context_parallel import shard_sequence
-from autopar.codegen.sections.contract import (accepted_kwargs, compute_loss, make_batch, map_batch, model_inputs,
+from autopar.contract import (accepted_kwargs, compute_loss, make_batch, map_batch, model_inputs,
                                                slice_batch, tokens_per_sample)
 from autopar.codegen.sections.mesh import MeshAxis, dp_rank
 from autopar.codegen.sections.pipeline import run_pipeline

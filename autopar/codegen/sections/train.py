@@ -28,7 +28,7 @@ from autopar.codegen.sections import pretrained
 # In a generated folder this is metrics.py beside the training module (the same for every plan).
 from autopar.codegen.sections import metrics
 from autopar.codegen.sections.clipping import step_optimizer
-from autopar.codegen.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
+from autopar.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
 from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence

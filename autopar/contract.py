@@ -1,7 +1,9 @@
 """The model.py contract: load the user's file by path, make batches, feed them, take the loss.
 
-A few lines re-implemented here (rather than imported from autopar) so the generated file runs
-where autopar is not installed.
+Written once: planning (autopar.model_file, the trace) feeds batches and takes losses with these
+functions, and the generated module is written with this file's text (a section of its own,
+autopar/codegen/assemble.py), so what was traced and what runs take the same inputs. It imports
+nothing of autopar, so the generated file runs where autopar is not installed.
 """
 from __future__ import annotations
 
@@ -66,20 +68,38 @@ def make_batch(model_module: Any, model_kwargs: dict[str, Any], batch_size: int,
         return model_module.example_batch(batch_size, **accepted_kwargs(model_module.example_batch, model_kwargs))
 
 
-def model_inputs(model: torch.nn.Module, batch: Any) -> tuple[tuple, dict]:
+def _forwards_everything(forward: Callable[..., Any]) -> bool:
+    params = inspect.signature(forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params) \
+        and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def signature_module(model: nn.Module) -> nn.Module:
+    """The module whose forward says what a batch feeds: ``model``, or the module a wrapper that
+    forwards everything (DDP's ``forward(*inputs, **kwargs)``) holds as ``.module``."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) and _forwards_everything(model.forward) else model
+
+
+def model_inputs(model: nn.Module, batch: Any) -> tuple[tuple, dict]:
     """(args, kwargs) for forward: a dict batch becomes keyword arguments (only those forward
     takes, so labels may ride along for the loss), a tuple/list positional ones, a tensor the
     single argument."""
-    forward = inspect.signature(model.forward).parameters.values()
+    forward = signature_module(model).forward
     if isinstance(batch, dict):
-        return (), accepted_kwargs(model.forward, batch)
+        return (), accepted_kwargs(forward, batch)
     if isinstance(batch, (tuple, list)):
-        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in forward):
+        params = inspect.signature(forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
             return tuple(batch), {}
-        positional = [p for p in forward if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         return tuple(batch[: max(1, len(positional))]), {}
     return (batch,), {}
+
+
+class NoLoss(TypeError):
+    """The model's output holds no loss and model.py defines no loss_fn."""
 
 
 def compute_loss(model_module: Any, output: Any, batch: Any) -> torch.Tensor:
@@ -94,8 +114,8 @@ def compute_loss(model_module: Any, output: Any, batch: Any) -> torch.Tensor:
         return loss
     if isinstance(output, torch.Tensor):
         return output.float().mean()
-    raise TypeError(f"the model returned {type(output).__name__} with no loss and model.py "
-                    "defines no loss_fn(output, batch)")
+    raise NoLoss(f"the model returned {type(output).__name__} with no loss and model.py "
+                 "defines no loss_fn(output, batch)")
 
 
 def map_batch(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

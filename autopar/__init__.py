@@ -1,7 +1,8 @@
 """autopar: trace a PyTorch model, price every way of splitting it, and emit the fastest plan.
 
 In a training script of your own: ``autopar.plan``, ``autopar.parallelize``, ``autopar.estimate``
-(autopar/api.py); imported when first used, so the command line starts without torch.
+(autopar/api.py); imported when first used, so the command line starts without torch. The plan
+they return is `autopar.plans.Plan`.
 """
 
 __version__ = "0.1.0"
@@ -10,10 +11,6 @@ API = ("plan", "parallelize", "estimate", "ParallelTraining")
 
 
 def __getattr__(name: str):
-    if name == "plan":  # the module autopar/plan.py, which calls the API's search when called
-        import autopar.plan
-
-        return autopar.plan
     if name in API:
         from autopar import api
 

@@ -34,7 +34,7 @@ ModelSource = str | Path | ModuleType | Callable[..., Any]
 
 
 def plan(model_file: ModelSource, /, *overrides: str, **settings: Any) -> Any:
-    """The fastest plan that fits, as `autopar plan` finds it (an `autopar.plan.Plan`).
+    """The fastest plan that fits, as `autopar plan` finds it (an `autopar.plans.Plan`).
 
     Args:
         model_file: a model.py (the contract: build_model, example_batch, optional loss_fn), as a
@@ -43,7 +43,7 @@ def plan(model_file: ModelSource, /, *overrides: str, **settings: Any) -> Any:
         settings: the same as keywords: ``cluster="cpu_gloo"``, ``model={"layers": 4}``,
             ``plan={"tp": 2}``; a dotted key through ``**{"cluster.nodes": 2}``.
     """
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     path = model_path(model_file)
     text = on_rank_zero(lambda: _search(path, overrides_of(overrides, settings)).to_json())
@@ -68,7 +68,7 @@ def parallelize(model: Any, plan: Any, *, model_file: ModelSource | None = None,
     Args:
         model: the unsharded model, built the same way on every rank (same seed); rank 0's weights
             are compared with every other rank's, and a difference is refused.
-        plan: from `plan` (or `autopar.plan.Plan.load("plan.json")`).
+        plan: from `plan` (or `autopar.plans.Plan.load("plan.json")`).
         model_file: the model.py the plan was made for (default: the plan's record of it); its
             example_batch and loss_fn are used, its build_model is not.
         options: the generated module's command-line options by name (``lr``, ``steps`` for the

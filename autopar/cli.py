@@ -553,7 +553,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     def job(cfg: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from autopar.driver import precision_note, report_of, run_plan
+        from autopar.specs import precision_note
+        from autopar.report.rebuild import report_of
+        from autopar.driver import run_plan
         from autopar.emit import engine_files
         from autopar.progress import PhaseProgress
         from autopar.report.terminal import print_plan
@@ -626,7 +628,8 @@ def _sweep(args: argparse.Namespace, top_k: list[str], console: Console) -> int:
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
-    from autopar.driver import read_plan, read_report, rebuild_report, unreadable_report
+    from autopar.saved import read_plan
+    from autopar.report.rebuild import read_report, rebuild_report, unreadable_report
     from autopar.output_dir import check_out_dir
     from autopar.report.render import REPORT_FILES
 
@@ -679,7 +682,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
 
     def job(cfg: Any) -> None:
         from autopar import hydra_app
-        from autopar.driver import precision_note, run_compile
+        from autopar.specs import precision_note
+        from autopar.driver import run_compile
         from autopar.progress import PhaseProgress
         from autopar.report.terminal import print_plan
 
@@ -735,7 +739,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise UserError(f"{args.out_dir} was compiled for {plan.world_size} ranks, not {args.nproc}.",
                         f"run it with --nproc {plan.world_size} (or omit --nproc), or compile again for "
                         f"{args.nproc} GPUs.")
-    from autopar.runtime.local import find_script
+    from autopar.runtime.generated import find_script
     from autopar.runtime.run_settings import check_run_data, module_arguments, module_options
 
     script = find_script(args.out_dir)
@@ -776,7 +780,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def check_weights(path: Path) -> None:
     """Refuse --init-from PATH when it holds no weights the module can read."""
-    from autopar.codegen.sections.pretrained import WeightsError, weight_files
+    from autopar.sections.pretrained import WeightsError, weight_files
 
     try:
         weight_files(path)
@@ -787,7 +791,7 @@ def check_weights(path: Path) -> None:
 def metrics_arguments(args: argparse.Namespace) -> list[str]:
     """The module's metrics options `autopar run` passes on; refuses a dashboard whose package is
     missing before any rank starts."""
-    from autopar.codegen.sections.metrics import MetricsConfig, missing_packages
+    from autopar.sections.metrics import MetricsConfig, missing_packages
 
     missing = missing_packages(MetricsConfig(wandb_project=args.wandb, mlflow_experiment=args.mlflow))
     if missing:
@@ -799,7 +803,8 @@ def metrics_arguments(args: argparse.Namespace) -> list[str]:
 
 def run_progress(args: argparse.Namespace, console: Console, title: str, world: int) -> Any:
     """`autopar run`'s progress display (a bar on a terminal, timestamped lines otherwise)."""
-    from autopar.runtime.local import LOG_NAME, find_script
+    from autopar.runtime.generated import find_script
+    from autopar.runtime.local import LOG_NAME
     from autopar.runtime.progress import RunProgress, default_steps
 
     steps = args.steps if args.steps is not None else default_steps(find_script(args.out_dir))

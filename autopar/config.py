@@ -293,7 +293,7 @@ PLAN_PIN_BOUNDS: dict[str, Bound] = {
 
 @dataclass
 class DataConfig:
-    """The training text of the generated module's built-in data (autopar/codegen/sections/data.py,
+    """The training text of the generated module's built-in data (autopar/sections/data.py,
     whose DataConfig has these fields; this copy keeps Hydra from importing torch)."""
 
     path: str | None = None

@@ -38,8 +38,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar.data_dependent import (ValueHints, data_dependent_fake_mode, is_data_dependent, real_values,
                                     register_missing_fake_kernels, tracing_in, user_frame)
-from autopar import contract
-from autopar.contract import accepted_kwargs, model_inputs
+from autopar.sections import contract
+from autopar.sections.contract import accepted_kwargs, model_inputs
 from autopar.errors import ModelFileError, UserError
 from autopar.user_code import (IMPORT_TIMEOUT_ENV, TimeLimitReached, describe_exit, exits_refused, import_timeout_s,
                                time_limit)
@@ -341,7 +341,7 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
 
 
 def compute_loss(model_file: ModelFile, output: Any, batch: Any) -> torch.Tensor:
-    """The contract's loss (autopar.contract), refused as the model file's fault when there is none."""
+    """The contract's loss (autopar.sections.contract), refused as the model file's fault when there is none."""
     try:
         return contract.compute_loss(model_file, output, batch)
     except contract.NoLoss:

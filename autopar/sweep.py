@@ -129,7 +129,8 @@ class PlanPoint:
             print(line, flush=True)
 
     def plan_row(self, cfg: Any, folder: Path) -> dict[str, Any]:
-        from autopar.driver import build_cluster, run_plan
+        from autopar.specs import build_cluster
+        from autopar.driver import run_plan
 
         try:
             cluster = build_cluster(cfg)
@@ -157,7 +158,8 @@ _PROFILES: dict[str, Any] = {}
 def _profile(model_path: str, cfg: Any) -> Any:
     from omegaconf import OmegaConf
 
-    from autopar.driver import model_kwargs, run_profile
+    from autopar.specs import model_kwargs
+    from autopar.driver import run_profile
 
     key = repr((model_path, model_kwargs(cfg), cfg.train.micro_batch_size, cfg.train.precision,
                 OmegaConf.select(cfg, "plan.blocks", default=None),

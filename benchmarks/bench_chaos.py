@@ -122,7 +122,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
 
 
 def _final_weights(folder: Path):
-    from autopar.codegen.sections.checkpoint import consolidated_weights, latest_checkpoint
+    from autopar.sections.checkpoint import consolidated_weights, latest_checkpoint
     latest = latest_checkpoint(folder / "checkpoints")
     return (latest[0], consolidated_weights(latest[1])) if latest else (0, {})
 
@@ -158,7 +158,7 @@ def _plant_links(folder: Path, root: Path) -> tuple[str, bool]:
 
 def _craft_pickle(step: Path, marker: Path) -> None:
     """Replace DCP's metadata by a pickle that runs code, with COMPLETE rewritten to match."""
-    from autopar.codegen.sections.checkpoint import COMPLETE, file_digests
+    from autopar.sections.checkpoint import COMPLETE, file_digests
     (step / ".metadata").write_bytes(pickle.dumps(Marker(marker)))
     (step / COMPLETE).write_text(json.dumps({"step": 4, "sha256": file_digests(step)}))
 

@@ -39,7 +39,7 @@ WARMUP, MEASURED = sized(2, 1), sized(12, 2)
 
 
 def _plan():
-    from autopar.plan import Plan, Provenance
+    from autopar.plans import Plan, Provenance
 
     blocks = [f"blocks.{i}" for i in range(GPT["layers"])]
     styles = {"wte": "vocab_parallel", "lm_head": "colwise"}

@@ -74,7 +74,7 @@ def preset(nodes: int, name: str = "p5_h100_efa", network: str | None = None) ->
     key = (name, network or "", nodes)
     if key not in _SPECS:
         from autopar.config import compose_config
-        from autopar.driver import build_cluster
+        from autopar.specs import build_cluster
 
         overrides = [f"cluster={name}", f"cluster.nodes={nodes}"] + ([f"cluster.network={network}"] if network else [])
         _SPECS[key] = build_cluster(compose_config(overrides))

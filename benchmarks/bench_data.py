@@ -21,8 +21,8 @@ from pathlib import Path
 from statistics import median
 
 from autopar.codegen import generate
-from autopar.codegen.sections import data as training_data
-from autopar.codegen.sections import loader as data_loading
+from autopar.sections import data as training_data
+from autopar.sections import loader as data_loading
 from autopar.runtime import run_local
 from benchmarks import sized
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan

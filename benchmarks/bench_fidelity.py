@@ -49,7 +49,7 @@ STEPS = sized(6, 3)
 
 def repriced_step_s(plan, model_path: Path, profile: Path) -> float:
     """The plan priced again with the refitted hardware profile."""
-    from autopar.driver import rebuild_report
+    from autopar.report.rebuild import rebuild_report
 
     made_for = plan.provenance
     config = {**made_for.cluster_config, "hardware_profile": str(profile)}

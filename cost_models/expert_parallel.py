@@ -10,7 +10,7 @@ group), which is what ZeRO shards their states over and what their gradients are
 A layer holds experts when one of its parameters is stacked by expert: a name with an
 `experts` component and at least three dimensions ([E, ...]); E is its first dimension. Top-k
 is read off the layer's traced `topk` op (its output's last dimension). The generated exchange
-(codegen/sections/expert_parallel.py) reaches an experts module in one of two ways, read off
+(autopar/sections/expert_parallel.py) reaches an experts module in one of two ways, read off
 its forward (`ExpertExchange`): the tokens already grouped by expert with the model's own
 capacity, or (Hugging Face's experts modules) the flat tokens with their chosen experts and
 gates, exchanged dropless. A module taking anything else has an `ep_blocker` and is planned
@@ -153,7 +153,7 @@ def feed_forward_width(shapes: list[list[int]], hidden: int | None) -> int:
     plain sum of slices): each weight [E, a, b] with one of a, b the hidden size (the width of
     the router scoring the experts, `router_width`) and the other F, in 1 or 2 blocks (a fused
     [gate; up] projection); a bias or any other shape has none. The generated code reads the
-    same off the module (codegen/sections/expert_parallel.py, `width_split`)."""
+    same off the module (autopar/sections/expert_parallel.py, `width_split`)."""
     if not shapes or hidden is None or any(len(shape) != 3 or (shape[1] == hidden) == (shape[2] == hidden)
                                            for shape in shapes):
         return 0
@@ -205,7 +205,7 @@ def ep_blocker(experts_inputs: dict[str, list[str]]) -> str | None:
     """Why the generated all-to-alls cannot wrap these experts modules (FQN -> their forward's
     required inputs), or None: each must take its tokens grouped by expert, or the flat tokens
     with their chosen experts and gates (`ExpertExchange`; the runtime refuses any other,
-    codegen/sections/expert_parallel.py's `is_routed`)."""
+    autopar/sections/expert_parallel.py's `is_routed`)."""
     unknown = {fqn: inputs for fqn, inputs in experts_inputs.items() if exchange_kind(inputs) is None}
     if not unknown:
         return None

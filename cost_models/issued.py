@@ -10,7 +10,7 @@ counted rank (a stage boundary's activation counts on both of its stages).
 
     pricer.issued_collectives(plan.layout())   # {'all_gather': 11, 'reduce_scatter': 6, ...}
 
-The counting rules follow codegen (autopar/codegen/sections: data_parallel.py, optimizer.py,
+The counting rules follow codegen (autopar/sections: data_parallel.py, optimizer.py,
 gradient_sync.py, pipeline.py, context_parallel.py) and were measured on gloo ranks for every
 plan of the equivalence suite (tests/dist/test_collective_counts.py); each rule names what was
 measured. What a step issues outside `train_step` (the logged loss's and the peak memory's

@@ -1,104 +1,21 @@
-"""The plan's vocabulary and its frozen layout: the enums every stage speaks (mesh axes, pipeline
-schedule, recomputation, ZeRO stage, gradient synchronisation, context-parallel strategy), the
-plan as the cost model sees it (`ParallelLayout`), the training settings (`TrainSpec`), and the
-checks that turn a layout that cannot run into a clear ValueError before it is priced.
+"""The plan as the cost model sees it (`ParallelLayout`), the training settings (`TrainSpec`), and
+the checks that turn a layout that cannot run into a clear ValueError before it is priced.
 
-The enums are `StrEnum` / `IntEnum`, so a member equals its spelling in a plan file or a Hydra
-override ("1f1b", 2) and serialises as it. Which values can be chosen (searched or pinned) is the
-technique registry's (`cost_models.techniques`): a value with no runtime is refused there.
+The words they are written in (mesh axes, schedules, ZeRO stages, ...) are cost_models.vocabulary's.
+Which values can be chosen (searched or pinned) is the technique registry's
+(`cost_models.techniques`): a value with no runtime is refused there.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import cached_property
-from enum import IntEnum, StrEnum
 from typing import Any
 
 from cost_models.memory import OPTIMIZERS, RECOMPUTE_OPTIONS
 from cost_models.mesh import Mesh
 from cost_models.topology import ClusterSpec
-
-
-class MeshAxis(StrEnum):
-    """A DeviceMesh axis (torchtitan's vocabulary: *axis* for the mesh, *dim* for a tensor)."""
-
-    TP = "tp"
-    CP = "cp"
-    PP = "pp"
-    DP = "dp"
-
-
-class Schedule(StrEnum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved_1f1b"
-
-
-class Recompute(StrEnum):
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
-
-
-class TPStyle(StrEnum):
-    """What the operator-wise split does with a parameterised module (names follow torch's TP styles)."""
-
-    REPLICATE = "replicate"
-    COLWISE = "colwise"
-    ROWWISE = "rowwise"
-    VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on rows: RowwiseParallel on nn.Embedding
-    HIDDEN_PARALLEL = "hidden_parallel"  # embedding sharded on columns: ColwiseParallel on nn.Embedding
-    # A key/value projection of grouped-query attention with fewer heads than TP ranks: each rank
-    # computes its group's head (weight split by rows, gathered each forward, its gradient
-    # reduce-scattered); autopar.solver.tp_kv_groups
-    KV_GROUP = "kv_group"
-    # A norm over each attention head's features (Qwen3's q_norm) on the rank's heads: weight
-    # whole, its gradient all-reduced; autopar.solver.tp_head_norms. Splits no parameter.
-    HEAD_NORM = "head_norm"
-
-
-class ZeroStage(IntEnum):
-    """What ZeRO shards over the gradient (data- x context-parallel) group."""
-
-    NONE = 0  # replicated states (DDP)
-    OPTIMIZER = 1
-    GRADIENTS = 2
-    PARAMETERS = 3  # FSDP
-
-
-class DPSync(StrEnum):
-    """Gradient synchronisation of ZeRO-0/1 (AUTO: the cheapest, chosen by the pricer)."""
-
-    AUTO = "auto"
-    RING = "ring"
-    TREE = "tree"
-    HIERARCHICAL = "hierarchical"
-    PS = "ps"
-    HALVING_DOUBLING = "halving_doubling"  # recursive halving-doubling (gradient_sync.py)
-    # What a plan file records where no algorithm was chosen: FSDP's reduce-scatter (ZeRO-2/3,
-    # context parallelism) or nothing to synchronise (one gradient replica). Not pinnable.
-    REDUCE_SCATTER = "reduce_scatter"
-    NONE = "none"
-
-
-class CPStrategy(StrEnum):
-    ULYSSES = "ulysses"  # all-to-all of heads (Jacobs et al. 2023)
-    RING = "ring"  # K/V passed around the ring (Liu et al. 2023)
-
-
-class ExpertDispatch(StrEnum):
-    """How an expert-parallel group moves tokens to their experts' ranks and back (the names of
-    Megatron-Core's token dispatchers)."""
-
-    ALL_TO_ALL = "all_to_all"  # each rank sends each other rank the tokens routed to its experts
-
-
-AXES = tuple(a.value for a in MeshAxis)
-SCHEDULES = tuple(s.value for s in Schedule)
-CP_STRATEGIES = tuple(s.value for s in CPStrategy)
-PRECISIONS = ("fp32", "bf16", "fp16")
-TP_RUNTIMES = ("dtensor", "plain")  # see TrainSpec.tp_runtime
-ZERO3_RUNTIMES = ("fsdp2", "deepspeed_2021")  # see TrainSpec.zero3_runtime
+from cost_models.vocabulary import (AXES, PRECISIONS, TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, ExpertDispatch,
+                                    Recompute, Schedule, ZeroStage)
 
 
 class FrozenDict(dict):
@@ -169,7 +86,7 @@ def enum_member(enum: type, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A plan as the cost model sees it (autopar.plan.Plan carries the same fields); frozen and
+    """A plan as the cost model sees it (autopar.plans.Plan carries the same fields); frozen and
     hashable, so the pricer's caches are keyed by (projections of) the layout itself.
 
     Attributes:

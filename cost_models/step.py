@@ -49,8 +49,8 @@ from cost_models.issued import IssuedCollectives
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
                                     RING_TILE_SCORE_BYTES, LayerCost, TPLayerSplit, TPSplitter, attention_io_bytes,
                                     exposed_s)
-from cost_models.layout import (ParallelLayout, Recompute, Schedule, TrainSpec, validate, validate_layout,
-                                 validate_train)
+from cost_models.layout import ParallelLayout, TrainSpec, validate, validate_layout, validate_train
+from cost_models.vocabulary import Recompute, Schedule
 from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, state_bytes_per_param
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, Placement,

@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any, Callable
 
 from cost_models.expert_parallel import UNSPLITTABLE_WIDTH
-from cost_models.layout import CPStrategy, DPSync, ExpertDispatch, Schedule, ZeroStage
+from cost_models.vocabulary import CPStrategy, DPSync, ExpertDispatch, Schedule, ZeroStage
 
 
 class Family(StrEnum):

@@ -1,6 +1,6 @@
 """Concatenate the runtime sections into one module: merged imports, then each section's code.
 
-Imports from ``autopar.codegen.sections`` are dropped (every section shares the generated
+Imports from ``autopar.sections`` are dropped (every section shares the generated
 file's namespace); the rest are merged per module so the file has one import block, which
 keeps only the names the finished module uses (see `ImportBlock.source`).
 """
@@ -23,14 +23,8 @@ BESIDE = {"checkpoint": "checkpointing.py", "pretrained": "pretrained.py", "metr
 _INTERNAL = "autopar"
 
 
-# The model.py contract is autopar's own module (autopar/contract.py): planning calls the same code
-# the generated module is written with. The other sections live in autopar.codegen.sections.
-SECTION_PACKAGES = {"contract": "autopar"}
-
-
 def section_source(name: str) -> str:
-    package = SECTION_PACKAGES.get(name, "autopar.codegen.sections")
-    return resources.files(package).joinpath(f"{name}.py").read_text()
+    return resources.files("autopar.sections").joinpath(f"{name}.py").read_text()
 
 
 class ImportBlock:

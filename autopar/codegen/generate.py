@@ -21,12 +21,12 @@ from autopar.codegen.assemble import BESIDE, ImportBlock, assemble_sections, ban
 from autopar.codegen.errors import CodegenError
 from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
-from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
+from autopar.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
 from autopar.codegen.specialize import fold, prune, referenced_names
 from autopar.codegen.stage_flow import LayerReads, layer_reads, skipped_read, uncarried_read
 from autopar.codegen.tp_plan import SPLITTING_STYLES, TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.trace.sequence import POSITION_ARGUMENT_NAMES
 from cost_models.layout import fsdp_groups
 from cost_models.mesh import Mesh

@@ -17,9 +17,9 @@ from torch import nn
 
 from autopar.codegen.in_place import outputs_modified_in_place
 from autopar.model_file import FakeBuild, build_fake_for, call_model, load_model_file
-from autopar.contract import tokens_per_sample
-from autopar.codegen.sections.expert_parallel import router_width
-from autopar.solver.linear_like import affine_layout
+from autopar.sections.contract import tokens_per_sample
+from autopar.sections.expert_parallel import router_width
+from autopar.trace.linear_like import affine_layout
 from autopar.trace.experts import experts_inputs
 from autopar.trace.sequence import position_argument
 from cost_models.expert_parallel import feed_forward_width, is_dropless
@@ -97,7 +97,7 @@ def module_kind(module: nn.Module) -> str:
     if isinstance(module, nn.Embedding):
         return "embedding"
     if affine_layout(module) is not None:
-        return "linear"  # an affine map by what its forward computes (autopar.solver.linear_like)
+        return "linear"  # an affine map by what its forward computes (autopar.trace.linear_like)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         return "container"
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) \

@@ -1,7 +1,7 @@
 """Specialise the runtime sections to one plan: fold the branches the plan decides, drop what no
 path reaches.
 
-The sections (autopar/codegen/sections) are ordinary modules that handle every plan, so they
+The sections (autopar/sections) are ordinary modules that handle every plan, so they
 stay importable and testable on their own. A generated file serves one plan: a dp-only plan
 never runs pipeline or context-parallel code, so a reader should not have to read it. Two
 source-to-source passes, both on lines so comments survive (``ast.unparse`` would drop them):

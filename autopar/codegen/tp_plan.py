@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from autopar.codegen.errors import CodegenError
 from autopar.codegen.model_facts import ModelFacts
-from autopar.plan import Plan
+from autopar.plans import Plan
 from cost_models.tp_layout import SPLIT_STYLES, SPRole, after_blocks, paired_regions as _paired_regions, sp_role
 
 # Placement of a module's weight under each style (for matching tied parameters).

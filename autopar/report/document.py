@@ -2,7 +2,7 @@
 
 `PlanReport` is plain data (saved as report.json beside plan.json) so `autopar report` can render
 it again without tracing or solving; `build_report` assembles it from the planner's result, and
-`rebuild_report` re-prices a bare plan.json from its provenance (model file, settings, cluster).
+`autopar.report.rebuild` re-prices a bare plan.json from its provenance (model file, settings, cluster).
 Renderers (markdown, HTML, terminal) only read this structure.
 """
 from __future__ import annotations
@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.plan import MeshAxis, Plan
+from autopar.plans import MeshAxis, Plan
 from autopar.serialize import FieldError, from_jsonable, to_jsonable
 from autopar.solver.tp_coverage import coverage_notes
 from cost_models.collectives import Collective, best_algorithm
-from cost_models.layout import ParallelLayout
 from cost_models.step import Estimate, PlanPricer
 from cost_models.topology import ClusterSpec
 
@@ -125,11 +124,6 @@ class PlanReport:
         return self.cluster.price_per_gpu_hour * self.plan.world_size / 3600 / rate * 1e6
 
 
-def layout_of_plan(plan: Plan) -> ParallelLayout:
-    """The cost model's view of a plan (to price it again)."""
-    return plan.layout()
-
-
 def build_report(plan: Plan, estimate: Estimate, pricer: PlanPricer, alternatives: list[Any] = (),
                  binding: list[Any] = (), notes: list[str] = ()) -> PlanReport:
     """Assemble the report of a priced plan (alternatives/binding: the planner's explanations)."""
@@ -163,7 +157,7 @@ def cluster_facts(cluster: ClusterSpec) -> ClusterFacts:
 
 def process_groups(plan: Plan, estimate: Estimate, pricer: PlanPricer) -> list[GroupRow]:
     """Per parallel axis (degree > 1): its placement, link and the collective algorithm priced."""
-    layout = layout_of_plan(plan)
+    layout = plan.layout()
     layers = pricer.profile.layers
     block = max(layers, key=lambda layer: layer.param_count)
     activation = block.output_bytes * plan.micro_batch_size / max(1, pricer.profile.micro_batch_size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.report.document import AXIS_NAMES, PlanReport
 from autopar.report.units import format_count
 from cost_models.host import dtensor_modules, host_s

@@ -35,7 +35,7 @@ autocast op lists, which differ from the CPU's (CUDA runs layer_norm in fp32, so
 q, k and v projections each cast and keep their own bf16 copy of its output; the CPU keeps one).
 
 The prediction is ``stage_details[pp_rank]["memory_breakdown"]`` of the plan priced again from
-plan.json (`autopar.driver.price_saved_plan`). The CUDA context it includes holds no tensors
+plan.json (`autopar.saved.price_saved_plan`). The CUDA context it includes holds no tensors
 (nothing to measure on fake tensors) and is left out of both totals.
 """
 from __future__ import annotations
@@ -52,11 +52,10 @@ from types import ModuleType
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from autopar.codegen.sections.pipeline import first_called
-from autopar.runtime.generated import command_line, import_generated
+from autopar.runtime.fake_step import (ShardingPropagation, fake_rank, finish_stage_step, stage_inputs,
+                                       stage_micro_batch)
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 # MemTracker's and FSDPMemTracker's reference types -> the cost model's categories; every other
@@ -108,65 +107,6 @@ class RankMemory:
 
 # -- measuring ----------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """This process as rank ``rank`` of ``world_size``, the others faked (torch's ``fake`` backend)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@dataclass
-class FakeRank:
-    """One rank of a compiled plan set up on fake tensors, ready to train."""
-
-    generated: ModuleType
-    parallel: Any
-    batch: Any
-    training: Any
-    config: Any
-    model_module: Any
-    fake_mode: Any
-    pp_rank: int
-
-
-@contextlib.contextmanager
-def fake_rank(out_dir: str | Path, rank: int, propagation: "ShardingPropagation") -> Iterator[FakeRank]:
-    """Rank ``rank`` of the compiled folder's plan, built, sharded and given its first batch on
-    fake tensors at the plan's full world size (the other ranks faked)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autopar.data_dependent import data_dependent_fake_mode, register_missing_fake_kernels, tracing_in
-    from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
-
-    allow_fp32_grouped_mm_on_fake_tensors()
-    register_missing_fake_kernels()
-    out_dir = Path(out_dir)
-    plan = json.loads((out_dir / "plan.json").read_text())
-    world_size = plan["dp"] * plan["tp"] * plan["pp"] * plan["cp"]
-    with fake_world(rank, world_size):
-        generated = import_generated(next(out_dir.glob("parallel_*.py")), f"fake_memory_{out_dir.name}")
-        training = generated.train_config(generated.PLAN, command_line(generated))
-        config = generated.parallel_config(generated.PLAN)
-        model_module = generated.load_model_file(training.model_file)
-        if plan.get("data_dependent"):  # shapes or branches depend on values: the batch's are real
-            fake_mode, _ = data_dependent_fake_mode(allow_non_fake_inputs=True)
-        else:
-            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        device = torch.device("cpu")
-        parallel = generated.setup(training, config, generated.tp_plan, model_module, device, fake_mode=fake_mode)
-        pp_rank = parallel.mesh["pp"].get_local_rank() if config.dims.pp_enabled else 0
-        with propagation.active(), tracing_in(fake_mode), \
-                generated.attention_context(parallel, config, training, model_module):
-            batch = generated.local_batch(training, config, model_module, 0, parallel.mesh, device)
-            yield FakeRank(generated, parallel, batch, training, config, model_module, fake_mode, pp_rank)
-
 
 def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], dict[str, Any]]:
     """Rank ``rank`` of the compiled folder's plan, measured on fake tensors.
@@ -184,33 +124,6 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
             measured, details = _measure_stages(r.generated, r.parallel, r.batch, r.training, r.config,
                                                 r.model_module, r.fake_mode, r.pp_rank, propagation)
     return measured, {"pp_rank": r.pp_rank, **details}
-
-
-def train_fake_step(out_dir: str | Path, rank: int = 0) -> str:
-    """One training step of rank ``rank`` of the compiled folder's plan on fake tensors, untracked
-    (compile's proof at full scale, autopar/runtime/proof.py); what ran, in words. Raises
-    whatever the generated module raises.
-
-    pp = 1 runs the generated ``train_step``; pp > 1 runs each local stage module's forward and
-    backward of a micro-batch, then the schedule's gradient reduction and optimizer step, as
-    ``measure_rank`` does (a schedule cannot run on fake data: its stages exchange values)."""
-    generated = import_generated(next(Path(out_dir).glob("parallel_*.py")), f"fake_step_{Path(out_dir).name}")
-    config = generated.parallel_config(generated.PLAN)
-    if config.dims.pp_enabled and config.pipeline_split == "tracer":
-        # torch.export of the whole model cuts these stages, and it cannot run on fake tensors
-        return (f"rank {rank}: not run on fake tensors (its pipeline stages are cut by torch.export, which "
-                "needs real tensors)")
-    with fake_rank(out_dir, rank, ShardingPropagation()) as r:
-        if r.parallel.schedule is None:
-            r.generated.train_step(r.parallel, r.batch, r.training, r.config, r.model_module)
-            return f"rank {rank}: train_step"
-        micro = r.generated.slice_batch(r.batch, 0, r.training.micro_batch_size)
-        indices = r.generated.local_stage_indices(len(r.config.stages), r.config.dims.pp, r.pp_rank)
-        received = _stage_inputs(r.generated, r.training, r.config, r.model_module, r.parallel.mesh, r.fake_mode,
-                                 micro, indices)
-        _stage_micro_batch(r.generated, r.parallel, micro, received, r.config, indices)
-        _finish_stage_step(r.parallel)
-        return f"rank {rank} (pipeline rank {r.pp_rank}): stage(s) {indices} forward, backward and optimizer step"
 
 
 def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any,
@@ -237,12 +150,18 @@ def _measure_stages(generated: ModuleType, parallel: Any, batch: Any, training: 
     schedule's in-flight micro-batches (pp > 1; see the module docstring)."""
     micro = generated.slice_batch(batch, 0, training.micro_batch_size)
     indices = generated.local_stage_indices(len(config.stages), config.dims.pp, pp_rank)
-    received = _stage_inputs(generated, training, config, model_module, parallel.mesh, fake_mode, micro, indices)
-    _stage_micro_batch(generated, parallel, micro, received, config, indices)  # a whole step first: the
-    _finish_stage_step(parallel)                                               # optimizer state exists
-    _stage_micro_batch(generated, parallel, micro, received, config, indices)  # gradients accumulating
-    trackers = _stage_micro_batch(generated, parallel, micro, received, config, indices, propagation)
-    _finish_stage_step(parallel)
+    received = stage_inputs(generated, training, config, model_module, parallel.mesh, fake_mode, micro, indices)
+    stage_micro_batch(generated, parallel, micro, received, config, indices)  # a whole step first: the
+    finish_stage_step(parallel)                                               # optimizer state exists
+    stage_micro_batch(generated, parallel, micro, received, config, indices)  # gradients accumulating
+    trackers: dict[int, _StageTracking] = {}
+
+    def watch(index: int, module: nn.Module) -> _StageTracking:
+        trackers[index] = _StageTracking(module, _tracker(module, parallel.optimizer, propagation))
+        return trackers[index]
+
+    stage_micro_batch(generated, parallel, micro, received, config, indices, watch)
+    finish_stage_step(parallel)
     activations = {index: t.activation_bytes for index, t in trackers.items()}
     in_flight = schedule_in_flight(parallel.schedule, pp_rank, indices)
     states = [_by_category(t.after_backward) for t in trackers.values()]
@@ -267,57 +186,31 @@ def _measure_stages(generated: ModuleType, parallel: Any, batch: Any, training: 
                       "untracked_bytes": _untracked_bytes(fake_mode, *(t.tracker for t in trackers.values()))}
 
 
-@dataclass
 class _StageTracking:
-    """One stage module's tracker and what it saw of one micro-batch."""
+    """One stage module's tracker (a fake_step.StageWatch) and what it saw of one micro-batch:
+    the activations its forward left, and the tracker's categories after its backward."""
 
-    tracker: Any
-    activation_bytes: int = 0
-    after_backward: dict[str, int] = field(default_factory=dict)
+    def __init__(self, module: nn.Module, tracker: Any):
+        self.module, self.tracker = module, tracker
+        self.activation_bytes = 0
+        self.after_backward: dict[str, int] = {}
+        self._before = 0
+        _tag_accumulated_grads(tracker, module)
 
+    def __enter__(self) -> "_StageTracking":
+        self.tracker.__enter__()
+        return self
 
-def _stage_micro_batch(generated: ModuleType, parallel: Any, micro: Any, received: dict[int, torch.Tensor],
-                       config: Any, indices: list[int], propagation: ShardingPropagation | None = None
-                       ) -> dict[int, _StageTracking]:
-    """Forward and backward of one micro-batch through each local stage, with FSDP's resharding
-    and gradient reduction off as torch's PipelineStage sets them for every micro-batch; with
-    ``propagation``, each stage module under its own tracker (FSDPMemTracker takes one root)."""
-    from torch.distributed.fsdp import FSDPModule
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
+        _tag_accumulated_grads(self.tracker, self.module)
+        self.after_backward = _snapshot(self.tracker, "current")
 
-    loss_context = generated.loss_parallel if config.loss_parallel else contextlib.nullcontext
-    dtype = parallel.compute_dtype
-    kwargs = generated.batch_to_kwargs(micro)
-    tracked: dict[int, _StageTracking] = {}
-    for index, module in zip(indices, parallel.modules):
-        tracker = _tracker(module, parallel.optimizer, propagation) if propagation is not None else None
-        if tracker is not None:
-            _tag_accumulated_grads(tracker, module)
-        inputs = () if index == 0 else (received[index].detach().requires_grad_(),)
-        if isinstance(module, FSDPModule):
-            module.set_is_last_backward(False)
-            module.set_reshard_after_backward(False)
-            module.set_requires_gradient_sync(False)
-        with tracker or contextlib.nullcontext(), loss_context(), \
-                torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-            before = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
-            output = module(*inputs, **kwargs)
-            after_forward = _snapshot(tracker, "current").get("Activation", 0) if tracker else 0
-            if output.requires_grad:  # a stage of frozen parameters only (a fixed table) has no backward
-                output.backward(None if output.dim() == 0 else torch.ones_like(output))
-        if tracker is not None:
-            _tag_accumulated_grads(tracker, module)
-            tracked[index] = _StageTracking(tracker, after_forward - before, _snapshot(tracker, "current"))
-    return tracked
+    def forward_begins(self) -> None:
+        self._before = _snapshot(self.tracker, "current").get("Activation", 0)
 
-
-def _finish_stage_step(parallel: Any) -> None:
-    """The schedule's last actions: reduce the accumulated gradients, sync tied copies, step."""
-    for stage in _pipeline_stages(parallel.schedule):
-        stage.perform_reduce_grad(1)
-    if parallel.tied_sync is not None:
-        parallel.tied_sync(parallel.modules)
-    parallel.optimizer.step()
-    parallel.optimizer.zero_grad()
+    def forward_ends(self) -> None:
+        self.activation_bytes = _snapshot(self.tracker, "current").get("Activation", 0) - self._before
 
 
 def _tag_accumulated_grads(tracker: Any, module: nn.Module) -> None:
@@ -337,12 +230,6 @@ def _tag_accumulated_grads(tracker: Any, module: nn.Module) -> None:
                     tracker._update_and_maybe_create_winfos(grad, reftype)
 
 
-def _pipeline_stages(schedule: Any) -> list[Any]:
-    """The PipelineStage objects a schedule runs (one, or a rank's chunks when interleaved)."""
-    stages = getattr(schedule, "_stages", None)
-    return list(stages) if stages is not None else [schedule._stage]
-
-
 def _sum_snapshots(snapshots: list[dict[str, int]]) -> dict[str, int]:
     total: dict[str, int] = {}
     for snapshot in snapshots:
@@ -351,82 +238,7 @@ def _sum_snapshots(snapshots: list[dict[str, int]]) -> dict[str, int]:
     return total
 
 
-def _stage_inputs(generated: ModuleType, training: Any, config: Any, model_module: Any, mesh: Any, fake_mode: Any,
-                  micro: Any, indices: list[int]) -> dict[int, torch.Tensor]:
-    """Fake tensors shaped like what each local stage (but the first) receives: the input of its
-    first layer in this rank's shard of the whole model (built and parallelised as for pp = 1,
-    run forward once without autograd)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    wanted = {config.stages[i][0]: i for i in indices if i > 0}
-    if not wanted:
-        return {}
-    layers = [layer for stage in config.stages for layer in stage]
-    plan = generated.tp_plan() if config.dims.tp_enabled else {}
-    dtype = generated.compute_dtype(training.precision, torch.device("cpu"), as_gpu=True)
-    with unset_fake_temporarily():  # built on meta like setup's model: device meshes need real tensors
-        with torch.device("meta"):
-            model = generated.build_model(model_module, training.model_kwargs, training.seed)
-        generated.parallelize(model, model, layers, mesh, config, plan, dtype)
-    seen: dict[int, torch.Tensor] = {}
-
-    def capture(name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            value = args[0] if args else next(iter(kwargs.values()))
-            local = value.to_local() if hasattr(value, "to_local") else value
-            seen[wanted[name]] = torch.zeros_like(local.detach())
-        return hook
-
-    handles = [first_called(model, name).register_forward_pre_hook(capture(name), with_kwargs=True, prepend=True)
-               for name in wanted]
-    loss_context = generated.loss_parallel if config.loss_parallel else contextlib.nullcontext
-    with fake_mode:
-        generated.place(model, torch.device("cpu"))
-        args, kwargs = generated.model_inputs(model, micro)
-        with torch.no_grad(), loss_context(), torch.autocast("cpu", dtype=dtype or torch.float32,
-                                                             enabled=dtype is not None):
-            model(*args, **kwargs)
-    for handle in handles:
-        handle.remove()
-    return seen
-
-
 # -- the tracker --------------------------------------------------------------------------------
-
-class ShardingPropagation:
-    """Whether DTensor is working out an op's output shape right now.
-
-    DTensor learns an op's global output shape by running it on global-shape fake tensors under
-    the active fake mode (``ShardingPropagator._propagate_tensor_meta_non_cached``, and under a
-    fake mode it never uses its cache). On a real rank that mode is a private one the trackers
-    ignore; here it is ours, so the trackers would count those global-shape tensors (tp times
-    a shard, a whole unsharded parameter in the optimizer step) as this rank's memory. torch
-    enters ``ShardingPropagator._fake_mode_lock`` around exactly that computation; while
-    `active` this stands in for it and counts."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-
-    def __enter__(self) -> "ShardingPropagation":
-        self.depth += 1
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.depth -= 1
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator["ShardingPropagation"]:
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-        if not hasattr(ShardingPropagator, "_fake_mode_lock"):
-            raise RuntimeError("this torch has no ShardingPropagator._fake_mode_lock: DTensor's shape propagation "
-                               "cannot be told apart from this rank's tensors")
-        previous = ShardingPropagator._fake_mode_lock
-        ShardingPropagator._fake_mode_lock = self
-        try:
-            yield self
-        finally:
-            ShardingPropagator._fake_mode_lock = previous
 
 
 def _ignoring_propagation(tracker_class: type, propagation: ShardingPropagation) -> type:
@@ -580,8 +392,8 @@ def pipeline_rank(plan: Any, rank: int) -> int:
 def predict_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], int]:
     """The cost model's bytes per category for ``rank``'s pipeline rank, priced again from the
     folder's plan.json and model file; "total" leaves out the CUDA context, returned apart."""
-    from autopar.driver import price_saved_plan
-    from autopar.plan import Plan
+    from autopar.saved import price_saved_plan
+    from autopar.plans import Plan
     from cost_models.step import CUDA_CONTEXT_BYTES
 
     out_dir = Path(out_dir)

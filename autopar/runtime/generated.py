@@ -1,10 +1,21 @@
-"""Loading a generated module in this process (tests, benchmarks, one-rank memory checks)."""
+"""A compiled folder's generated module: found, and loaded in this process (tests, benchmarks,
+one-rank memory checks)."""
 from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
 
-from autopar.contract import import_file
+from autopar.sections.contract import import_file
+from autopar.errors import UserError
+
+
+def find_script(out_dir: Path) -> Path:
+    """The one generated module (parallel_*.py) of a folder `autopar compile` wrote."""
+    scripts = sorted(out_dir.glob("parallel_*.py"))
+    if len(scripts) != 1:
+        raise UserError(f"{out_dir} holds {len(scripts)} generated modules (parallel_*.py), expected one.",
+                        "pass the folder `autopar compile` wrote.")
+    return scripts[0]
 
 
 def import_generated(script: str | Path, name: str) -> ModuleType:

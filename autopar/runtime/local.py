@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
-from autopar.codegen.sections.train import FINISHED_MARKER
+from autopar.sections.train import FINISHED_MARKER
 from autopar.errors import UserError
 from autopar.output_dir import open_no_follow, refuse_link
+from autopar.runtime.generated import find_script
 from autopar.runtime.progress import PEER_GONE
 
 LOG_NAME = "run.jsonl"
@@ -64,14 +65,6 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.returncode == 0
-
-
-def find_script(out_dir: Path) -> Path:
-    scripts = sorted(out_dir.glob("parallel_*.py"))
-    if len(scripts) != 1:
-        raise UserError(f"{out_dir} holds {len(scripts)} generated modules (parallel_*.py), expected one.",
-                        "pass the folder `autopar compile` wrote.")
-    return scripts[0]
 
 
 def read_records(path: str | Path) -> list[dict]:

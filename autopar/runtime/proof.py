@@ -4,7 +4,7 @@ Two checks, each of which rejects the plan when it fails (autopar/driver.py then
 planner's next plan):
 
 1. Full scale, fake tensors: one training step of the generated module at the plan's whole
-   world size on torch's ``fake`` process group (`fake_memory.train_fake_step`), for the ranks
+   world size on torch's ``fake`` process group (`fake_step.train_fake_step`), for the ranks
    that run different code: rank 0 (first pipeline stage) and the first rank of the last
    pipeline stage. Each runs in its own process (``python -m autopar.runtime.proof DIR --rank
    R``), so a crash inside torch (a segfault, an abort) rejects the plan instead of taking the
@@ -23,7 +23,7 @@ planner's next plan):
 What neither sees: behaviour only CUDA has (NCCL, CUDA kernels and their autocast lists, the
 caching allocator, out-of-memory), and at full scale the values themselves (fake tensors carry
 shapes and dtypes) and the exchange of a pipeline schedule (its stages run one micro-batch each,
-as fake_memory.py explains).
+as fake_step.py explains).
 """
 from __future__ import annotations
 
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", help="a folder holding the generated module and plan.json")
     parser.add_argument("--rank", type=int, default=0)
     args = parser.parse_args(argv)
-    from autopar.runtime.fake_memory import train_fake_step
+    from autopar.runtime.fake_step import train_fake_step
     from autopar.runtime.lifeline import die_with_parent
 
     die_with_parent()  # a compile killed by SIGKILL leaves no proof step running

@@ -16,8 +16,8 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import default_collate
 
-from autopar.contract import tokens_per_sample
-from autopar.codegen.sections.optimizer import decays, learning_rate, no_decay_names, set_learning_rate
+from autopar.sections.contract import tokens_per_sample
+from autopar.sections.optimizer import decays, learning_rate, no_decay_names, set_learning_rate
 from autopar.model_file import accepted_kwargs, call_model, compute_loss, default_dtype, load_model_file
 
 
@@ -50,9 +50,9 @@ class ReferenceData:
            global_batch_size: int, seed: int = 0) -> "ReferenceData":
         """The model's dataset() hook's datasets, else the built-in text pipeline's for ``data``
         (DATA's settings) in the model's batch structure."""
-        from autopar.codegen.sections import data as training_data
-        from autopar.codegen.sections import loader as data_loading
-        from autopar.codegen.sections.batches import data_settings
+        from autopar.sections import data as training_data
+        from autopar.sections import loader as data_loading
+        from autopar.sections.batches import data_settings
 
         model_file = load_model_file(model_path)
         hook = getattr(model_file, "dataset", None)
@@ -83,7 +83,7 @@ def _samples(dataset: Any, seed: int, start: int, count: int, shuffle: bool) -> 
     permutation per epoch, an iterable one's own order epoch after epoch."""
     from torch.utils.data import IterableDataset
 
-    from autopar.codegen.sections import loader as data_loading
+    from autopar.sections import loader as data_loading
 
     if not isinstance(dataset, IterableDataset):
         order = data_loading.GlobalOrder(len(dataset), seed, shuffle)

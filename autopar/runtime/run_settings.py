@@ -123,8 +123,8 @@ def _literal(text: str) -> Any:
 def check_run_data(out_dir: Path, script: Path, data_overrides: list[str], global_batch_size: int) -> str | None:
     """Read the run's corpus (the compiled DATA with ``data_overrides``) into the folder's cache,
     refusing what cannot be trained on; the corpus's path, or None when the run has none."""
-    from autopar.codegen.sections import data as training_data
-    from autopar.codegen.sections.batches import corpus, data_overrides as merged, data_settings
+    from autopar.sections import data as training_data
+    from autopar.sections.batches import corpus, data_overrides as merged, data_settings
 
     constants = module_constants(script, ("DATA", "SEQ_LEN", "VOCAB_ROWS"))
     if "SEQ_LEN" not in constants:
@@ -186,8 +186,8 @@ def check_plan_matches_module(plan: Any, plan_file: Path, script: Path) -> None:
 def launch_plan(out_dir: Path) -> Any:
     """The plan ``out_dir``'s module is launched with: plan.json read and checked (every number
     in range) and matched against the module's compiled constants, before anything starts."""
-    from autopar.driver import read_plan
-    from autopar.runtime.local import find_script
+    from autopar.saved import read_plan
+    from autopar.runtime.generated import find_script
 
     plan_file = Path(out_dir) / "plan.json"
     plan = read_plan(plan_file)

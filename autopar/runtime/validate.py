@@ -90,9 +90,10 @@ def compare(plan: Any, estimate: dict[str, Any], measurements: list[dict[str, An
 
 def validate(out_dir: str | Path, steps: int = 5, timeout_s: float | None = None) -> Validation:
     """Run ``out_dir``'s module for ``steps`` timed steps (+2 measured ones) and compare."""
-    from autopar.driver import read_plan, read_report, rebuild_report
+    from autopar.saved import read_plan
+    from autopar.report.rebuild import read_report, rebuild_report
     from autopar.runtime.local import run_local
-    from autopar.runtime.local import find_script
+    from autopar.runtime.generated import find_script
     from autopar.runtime.run_settings import check_plan_matches_module
 
     out_dir = Path(out_dir)

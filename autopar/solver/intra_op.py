@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Protocol
 from ortools.sat.python import cp_model
 
 from autopar.solver.stage_partition import solve_interruptibly
-from cost_models.layout import TPStyle
+from cost_models.vocabulary import TPStyle
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from autopar.errors import UserError
-from autopar.plan import Plan, Predicted, Provenance, SolverInfo, software_versions
+from autopar.plans import MAX_WORLD_SIZE, Plan, Predicted, Provenance, SolverInfo, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
-from autopar.solver.space import MAX_WORLD_SIZE, Candidate, ModelShape, divisors, enumerate_candidates
+from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_coverage import FASTER_WHOLE, TPCoverage, check_pinned_coverage, tp_coverage
 from autopar.solver.tp_split import ILPSplitter, illegal_splits, replicated_ops
 from cost_models.expert_parallel import UNSPLITTABLE_WIDTH

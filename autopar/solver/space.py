@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Iterator
 from autopar.errors import ConfigError
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.mesh import Mesh
-from cost_models.layout import CPStrategy, DPSync, ParallelLayout, Schedule, ZeroStage, enum_member
+from cost_models.layout import ParallelLayout, enum_member
+from cost_models.vocabulary import CPStrategy, DPSync, Schedule, ZeroStage
 from cost_models.techniques import zero_stages_for
 
 if TYPE_CHECKING:
@@ -28,11 +29,6 @@ if TYPE_CHECKING:
 
 AXES = ("tp", "cp", "pp", "dp")
 
-# The largest cluster the search handles in bounded time: 65,536 GPUs (GPT, 8192 DGX nodes) plan
-# in about 20 s end to end on a 2-core machine, the search finishing within a 5 s time limit,
-# while placing groups rank by rank makes a million GPUs take minutes (218 s, the time limit not
-# honoured). Larger clusters are refused at once.
-MAX_WORLD_SIZE = 65536
 
 
 # A candidate is a layout whose stage split and recomputation the partition solver completes.

@@ -2,7 +2,7 @@
 
 nanoGPT's ``c_attn(x).split(n_embd, dim=2)``, Phi-3's ``qkv[..., :q_pos]`` slices and its
 ``gate_up.chunk(2, dim=-1)`` cut a projection's output along the features a column split
-shards. Such a projection splits as its parts (autopar.codegen.sections.fused): each rank holds
+shards. Such a projection splits as its parts (autopar.sections.fused): each rank holds
 its share of every part, and the region's cuts, still written in global sizes, are answered
 with those shares. The parts are read by running the layer once on fake tensors and recording
 every torch call on the projection's output: each must be a cut along the last dim, and the
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autopar.codegen.sections.fused import FUSED_PARTS, FusedCuts, FusedCutError, requested_cut, tag_fused_output
+from autopar.sections.fused import FUSED_PARTS, FusedCuts, FusedCutError, requested_cut, tag_fused_output
 
 # Calls that read a tensor's metadata only: no use of its values.
 _METADATA = frozenset({"__get__", "size", "dim", "numel", "__len__", "is_contiguous", "element_size",

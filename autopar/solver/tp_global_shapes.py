@@ -98,7 +98,7 @@ def _fake_ranks(tp: int) -> Iterator[Any]:
 
 def _as_generated(region: nn.Module) -> contextlib.AbstractContextManager:
     """``region``'s forward run in the context the generated code's ``GlobalShapes`` style gives it."""
-    from autopar.codegen.sections.tensor_parallel import global_shapes_context
+    from autopar.sections.tensor_parallel import global_shapes_context
     from autopar.solver.tp_fused import forward_within
 
     return forward_within(region, lambda: global_shapes_context("cpu"))

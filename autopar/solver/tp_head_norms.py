@@ -12,7 +12,7 @@ tp=4, 80% of the FLOPs).
 
 Design: the norm keeps its weight whole on every rank as a replicated DTensor and reads the
 rank's heads as a DTensor sharded along a dim other than the normalised one (``HeadNorm``,
-autopar/codegen/sections/tensor_parallel.py); torch's DTensor turns the weight's partial
+autopar/sections/tensor_parallel.py); torch's DTensor turns the weight's partial
 gradient into the whole one with an all-reduce over the TP group in each backward, the same
 mechanism that sums a sequence-parallel norm's gradient. Its output goes back to a local tensor,
 as the region's other ops expect.

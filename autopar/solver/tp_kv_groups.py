@@ -4,7 +4,7 @@ Llama-3-70B has 64 query heads and 8 key/value heads; at tp=16 a column split of
 would cut each key/value head in half. Megatron-LM and vLLM instead give every rank the
 key/value head of its query heads' group: ranks ``g·tp/kv .. (g+1)·tp/kv - 1`` all compute
 head ``g``. This module finds the projections that need it (``kv_group`` style) and what they
-cost; the generated code runs them with ``KVGroupColwise`` (autopar/codegen/sections/
+cost; the generated code runs them with ``KVGroupColwise`` (autopar/sections/
 tensor_parallel.py).
 
 Design (Megatron's computation on local tensors, the weight stored split as ZeRO-3 would). Each
@@ -47,7 +47,7 @@ and replicating the projection. The gathered weight is transient and not priced.
 
 Fused projections: Phi-3 computes q, k and v in one ``qkv_proj`` that its code cuts into
 parts (autopar.solver.tp_fused). At tp above its key/value heads the projection takes
-``kv_group`` as a whole (``FusedKVGroupColwise``, autopar/codegen/sections/fused.py): held like
+``kv_group`` as a whole (``FusedKVGroupColwise``, autopar/sections/fused.py): held like
 a fused column-parallel weight (rows permuted so each rank's ``Shard(0)`` share is 1/tp of
 every part), each forward gathers the key/value parts' shares in one all-gather and keeps the
 group's rows, while the query part's rows are the rank's own; priced with its work divided by

@@ -7,7 +7,7 @@ something else. The rules, each naming the op or module that decided it:
 
 - *module class*: a module is split when its forward computes an affine map of its input on
   its own weight and bias (``nn.Linear``; GPT-2's ``Conv1D``, weight stored ``(in, out)``;
-  ``FalconLinear``), recognised by running it on random values (`autopar.solver.linear_like`),
+  ``FalconLinear``), recognised by running it on random values (`autopar.trace.linear_like`),
   or is a plain ``nn.Embedding``; a GEMM of another module (``nn.MultiheadAttention``'s packed
   projection, a convolution, BLOOM's attention scores read beside its ALiBi table) runs
   replicated, and so does an embedding subclass with a forward of its own (OPT's learned
@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.solver.linear_like import affine_layout, linear_stand_ins
+from autopar.trace.linear_like import affine_layout, linear_stand_ins
 from autopar.solver.tp_fused import cutting_fused, recorded_parts
 from autopar.solver.tp_kv_groups import KVGroups, kv_groups
 from autopar.solver.tp_global_shapes import dtensor_region_error

@@ -1,7 +1,7 @@
 """What an experts module's forward takes: the fact that decides how expert parallelism
 exchanges its tokens.
 
-The generated expert parallelism (codegen/sections/expert_parallel.py) reaches a module named
+The generated expert parallelism (autopar/sections/expert_parallel.py) reaches a module named
 ``experts`` in one of two ways (cost_models.expert_parallel.ExpertExchange): a forward taking
 one input, the tokens already grouped by expert [E, tokens, ...], is wrapped in fixed-size
 all-to-alls; Hugging Face's experts modules (Mixtral, Qwen2-MoE, DeepSeek-V3 in transformers 5)

@@ -1,7 +1,7 @@
 """Which traced ops mix positions along the sequence, i.e. would compute something else when
 context parallelism gives each rank only a shard of every sequence.
 
-Context parallelism (codegen/sections/context_parallel.py) shards every [batch, sequence]
+Context parallelism (autopar/sections/context_parallel.py) shards every [batch, sequence]
 input, feeds the model its tokens' global positions, and replaces
 ``F.scaled_dot_product_attention`` (causal or full, without another mask) by ring or Ulysses
 attention. Everything else runs per rank on the local tokens, which is right for position-wise
@@ -350,7 +350,7 @@ def _mask_argument(node: torch.fx.Node) -> torch.fx.Node | None:
 def cp_fed_inputs(captured: CapturedStep, batch: Any) -> dict[str, torch.Tensor]:
     """Graph input name -> the value context parallelism gives it, for the batch's position
     argument (the global positions, 0..S-1 in every row) and padding mask (all ones where the
-    batch has none: codegen/sections/context_parallel.py); the traced ``batch`` supplies names
+    batch has none: autopar/sections/context_parallel.py); the traced ``batch`` supplies names
     and shapes (its leaves are the graph's last inputs, in pytree order)."""
     leaves = tree_flatten_with_path(batch)[0]
     names = [n.name for n in captured.graph_module.graph.nodes if n.op == "placeholder"][-len(leaves):] \
@@ -372,8 +372,7 @@ def _is_causal(mask: torch.Tensor) -> bool:
     """Whether ``mask`` passes the generated attention's own test of a causal mask
     (`is_local_causal_mask`: boolean, or additive with 0 where allowed), and holds no finite
     non-zero entry (a bias, which that test would take for masked)."""
-    # Imported here: autopar.codegen's package imports model_facts, which imports this module.
-    from autopar.codegen.sections.context_parallel import is_local_causal_mask
+    from autopar.sections.context_parallel import is_local_causal_mask
 
     if mask.dtype != torch.bool and bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any()):
         return False

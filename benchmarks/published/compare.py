@@ -147,7 +147,7 @@ def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None) -
     """The run priced with its pinned plan; `compute_scales` (GPU family -> scale) replaces the
     catalogue's fitted compute time scales (1.0: nothing fitted)."""
     from autopar.config import compose_config
-    from autopar.driver import build_cluster, pinned_layout, train_spec
+    from autopar.specs import build_cluster, pinned_layout, train_spec
     from autopar.solver.tp_split import ILPSplitter
     from cost_models.step import PlanPricer
 

@@ -19,7 +19,7 @@ import torch
 
 from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
 from autopar.solver.planner import Planner

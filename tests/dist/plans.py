@@ -11,7 +11,7 @@ from pathlib import Path
 
 from autopar.config import PlanPins, SolverConfig
 from autopar.model_file import load_model_file
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.profile import profile_model
 from autopar.solver.planner import Planner
 from cost_models.step import TrainSpec

@@ -13,7 +13,7 @@ import torch
 
 from autopar.cli import main as autopar_main
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime import run_local, run_reference
 from tests.dist.harness import free_port
 from tests.tiers import EXTENDED, tiered

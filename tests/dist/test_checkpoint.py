@@ -20,7 +20,7 @@ import torch
 
 from autopar.cli import main as autopar_main
 from autopar.codegen import generate
-from autopar.codegen.sections.checkpoint import COMPLETE, latest_checkpoint
+from autopar.sections.checkpoint import COMPLETE, latest_checkpoint
 from autopar.runtime import RunResult, run_local
 from autopar.runtime.generated import import_generated
 from tests.dist.plans import GPT, make_plan

@@ -15,7 +15,7 @@ import pytest
 
 from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime import read_records, run_local, run_reference
 from autopar.runtime.local import finished_everywhere
 from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan

@@ -17,7 +17,7 @@ import pytest
 from autopar.cli import main
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.output_dir import Manifest
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime import run_reference
 from tests.dist.harness import free_port
 from tests.dist.test_codegen_run import RECORD_KEYS

@@ -51,7 +51,7 @@ from autopar.codegen import generate
 from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.config import PlanPins, SolverConfig
 from autopar.model_file import load_model_file
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.profile import profile_model
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated

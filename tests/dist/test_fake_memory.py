@@ -22,7 +22,8 @@ import pytest
 
 from autopar.codegen import generate
 from autopar.config import compose_config
-from autopar.driver import build_cluster, run_plan, run_profile
+from autopar.specs import build_cluster
+from autopar.driver import run_plan, run_profile
 from autopar.runtime.fake_memory import check_rank
 from tests.tiers import tiered
 

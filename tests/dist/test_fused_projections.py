@@ -2,7 +2,7 @@
 
 The model (tests/zoo/models/fused_layouts.py, ``split``) cuts one ``qkv`` projection into q, k
 and v of unequal sizes (grouped query attention) and a fused ``gate_up`` into two halves. At tp=2
-each rank holds its share of every part, its rows permuted (autopar.codegen.sections.fused). The
+each rank holds its share of every part, its rows permuted (autopar.sections.fused). The
 tests: the plan lists those projections in ``tp_fused`` and the generated module splits them; a
 tp2 run ZeRO-3 sharded over 4 ranks checkpoints weights equal to one process's, in its row order;
 a checkpoint written by dp2 resumes under tp2 (and, in the extended tier, one written by tp2
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from autopar.codegen import generate
-from autopar.codegen.sections.checkpoint import consolidated_weights
+from autopar.sections.checkpoint import consolidated_weights
 from autopar.runtime import run_local, run_reference
 from tests.dist.equivalence import OPTIMIZER, assert_trains_like
 from tests.dist.plans import GLOBAL_BATCH, REPO, TinyModel, make_plan

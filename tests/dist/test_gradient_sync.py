@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.codegen.sections.gradient_sync import halving_doubling_all_reduce
+from autopar.sections.gradient_sync import halving_doubling_all_reduce
 from tests.dist.harness import run_ranks
 
 

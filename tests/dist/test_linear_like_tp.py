@@ -51,7 +51,7 @@ def _train(rank: int, world_size: int) -> tuple[list[float], dict[str, list]]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from autopar.codegen.sections.linear_like import OwnedOutput, TransposedColwiseParallel, TransposedRowwiseParallel
+    from autopar.sections.linear_like import OwnedOutput, TransposedColwiseParallel, TransposedRowwiseParallel
 
     torch.manual_seed(0)
     model = Model()
@@ -98,7 +98,7 @@ def _local_shapes(rank: int, world_size: int) -> dict[str, tuple[int, ...]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from autopar.codegen.sections.linear_like import TransposedColwiseParallel, TransposedRowwiseParallel
+    from autopar.sections.linear_like import TransposedColwiseParallel, TransposedRowwiseParallel
 
     model = Model()
     parallelize_module(model, init_device_mesh("cpu", (world_size,)),

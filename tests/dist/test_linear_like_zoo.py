@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.plan import Plan
+from autopar.plans import Plan
 from tests.zoo.harness import run_zoo
 
 # About a minute and a half on an idle 2-core machine. Extended tier (tests/tiers.py): the same

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from autopar.cli import main as autopar_main
 from autopar.codegen import generate
-from autopar.contract import make_batch
+from autopar.sections.contract import make_batch
 from autopar.model_file import call_model, compute_loss, load_model_file
 from autopar.runtime import read_records, run_local
 from autopar.runtime.generated import import_generated

@@ -15,7 +15,7 @@ import torch
 
 from autopar.cli import main as autopar_main
 from autopar.codegen import generate
-from autopar.codegen.sections.checkpoint import COMPLETE, file_digests
+from autopar.sections.checkpoint import COMPLETE, file_digests
 from autopar.runtime import RunResult, run_local
 from autopar.runtime.local import LOCK_NAME
 from tests.dist.plans import GPT, make_plan

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.cli import main as autopar_main
 from autopar.codegen import generate
-from autopar.codegen.sections.checkpoint import (_FAILURES, COMPLETE, UNUSABLE, _save_failed, checkpoint_problem,
+from autopar.sections.checkpoint import (_FAILURES, COMPLETE, UNUSABLE, _save_failed, checkpoint_problem,
                                                  disk_full, file_digests, usable_checkpoint)
 from autopar.runtime.generated import import_generated
 from autopar.runtime.local import LOCK_NAME, failing_rank, finished_everywhere, folder_lock, run_local

@@ -43,7 +43,7 @@ def test_plan_is_the_search_of_autopar_plan():
     planned = autopar.plan(GPT, *pins, model={"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 128})
     expected = run_plan(GPT, compose_config(SMALL)).plan
     assert planned.summary() == expected.summary()
-    assert autopar.plan(GPT, *SMALL).summary() == expected.summary()  # again, the plan module imported by now
+    assert autopar.plan(GPT, *SMALL).summary() == expected.summary()  # again, with autopar.plans imported by now
     assert planned.provenance.model_path == expected.provenance.model_path
 
 

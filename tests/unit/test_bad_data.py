@@ -68,7 +68,7 @@ def test_run_refuses_settings_it_does_not_take(compiled, capsys):
 
 
 def test_run_overrides_become_the_module_options_it_declares(compiled, tmp_path):
-    from autopar.runtime.local import find_script
+    from autopar.runtime.generated import find_script
     from autopar.runtime.run_settings import module_arguments, module_options
 
     accepted = module_options(find_script(compiled))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from autopar.codegen.sections.checkpoint import (COMPLETE, METADATA, UnsafeCheckpoint, checkpoint_problem,
+from autopar.sections.checkpoint import (COMPLETE, METADATA, UnsafeCheckpoint, checkpoint_problem,
                                                  consolidated_weights, export_latest_checkpoint, file_digests,
                                                  latest_checkpoint, read_metadata, usable_checkpoint)
 
@@ -94,7 +94,7 @@ def test_crafted_plain_value_is_refused_before_it_is_unpickled(tmp_path):
     problem = checkpoint_problem(crafted)
     assert problem is not None and "'optimizer.param_groups.w.betas' is not plain data" in problem
     assert "it names exec" in problem
-    from autopar.codegen.sections.checkpoint import load_safely
+    from autopar.sections.checkpoint import load_safely
     with pytest.raises(CheckpointException, match="not plain data .it names exec"):
         load_safely({"model.w": torch.empty(3, 4), "optimizer.param_groups.w.betas": None}, crafted, no_dist=True)
     assert not marker.exists()

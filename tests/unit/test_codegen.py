@@ -17,7 +17,7 @@ from autopar.codegen import CodegenError, generate
 from autopar.codegen.generate import derive_layout
 from autopar.codegen.model_facts import inspect_model
 from autopar.codegen.tp_plan import build_tp_plan
-from autopar.plan import Plan, Predicted, SolverInfo
+from autopar.plans import Plan, Predicted, SolverInfo
 from tests.dist.plans import GPT, LLAMA, boundary_stages, make_plan
 
 STDLIB = set(sys.stdlib_module_names)
@@ -257,7 +257,7 @@ def test_specialised_module_defines_what_it_uses_and_its_facts_hold(case, tmp_pa
     """Pruning leaves no name undefined, and every branch folded at generation takes the side the
     runtime would take for this plan."""
     from autopar.codegen.generate import plan_facts
-    from autopar.codegen.sections import train as sections_train
+    from autopar.sections import train as sections_train
     from autopar.codegen.specialize import undefined_globals
 
     plan = make_plan(GPT, **SPECIALISED[case])
@@ -282,7 +282,7 @@ def test_specialised_module_defines_what_it_uses_and_its_facts_hold(case, tmp_pa
 def test_the_runtime_generates_the_exchanges_the_registry_says_it_does():
     """The generated file cannot import the registry, so its list of dp_sync values that
     gradient_sync.py runs is its own: it must be the registry's."""
-    from autopar.codegen.sections.train import GRADIENT_SYNC_ALGORITHMS
+    from autopar.sections.train import GRADIENT_SYNC_ALGORITHMS
     from cost_models.techniques import Family, entries
 
     registry = {str(t.value) for t in entries(Family.DP_SYNC) if (t.runtime or "").startswith("gradient_sync.")}

@@ -12,7 +12,8 @@ import yaml
 
 from autopar import config
 from autopar.config import compose_config
-from autopar.driver import build_cluster, run_plan
+from autopar.specs import build_cluster
+from autopar.driver import run_plan
 from autopar.errors import ConfigError
 from cost_models import topology
 

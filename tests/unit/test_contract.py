@@ -1,4 +1,4 @@
-"""The model.py contract is written once (autopar/contract.py): planning feeds batches and takes
+"""The model.py contract is written once (autopar/sections/contract.py): planning feeds batches and takes
 losses with the functions the generated module is written with."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from autopar import contract, model_file
+from autopar import model_file
+from autopar.sections import contract
 from autopar.codegen.assemble import section_source
 
 

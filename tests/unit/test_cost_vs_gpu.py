@@ -63,7 +63,8 @@ def _traced(run):
     from omegaconf import OmegaConf
 
     from autopar.config import compose_config
-    from autopar.driver import model_kwargs, run_profile
+    from autopar.specs import model_kwargs
+    from autopar.driver import run_profile
 
     path, cfg = _model_path(run), compose_config(run["overrides"])
     key = (path, tuple(sorted(model_kwargs(cfg).items())), cfg.train.micro_batch_size, cfg.train.precision,
@@ -126,7 +127,7 @@ def _faked_rank(run) -> tuple[float, float, int]:
 
 
 def _price_faked_rank(run) -> tuple[float, float, int]:
-    from autopar.driver import build_cluster, pinned_layout, train_spec
+    from autopar.specs import build_cluster, pinned_layout, train_spec
     from autopar.solver.tp_split import ILPSplitter
     from cost_models.step import PlanPricer
 

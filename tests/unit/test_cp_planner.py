@@ -90,7 +90,7 @@ def test_robust_objective_hedges_ring_attentions_unmeasured_overlap(examples_dir
 
 def test_ring_tiles_are_priced_as_generated():
     """The cost model's ring-attention working set assumes the tile size the generated code uses."""
-    from autopar.codegen.sections.context_parallel import RING_TILE_SCORE_BYTES as generated
+    from autopar.sections.context_parallel import RING_TILE_SCORE_BYTES as generated
     from cost_models.step import RING_TILE_SCORE_BYTES as priced
 
     assert generated == priced
@@ -101,7 +101,7 @@ def test_ring_query_tiles_compute_the_same_attention(monkeypatch):
     attention, its log-sum-exp nor the gradients, causal mask included."""
     import torch
 
-    from autopar.codegen.sections import context_parallel
+    from autopar.sections import context_parallel
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 10, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))

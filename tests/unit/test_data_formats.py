@@ -1,4 +1,4 @@
-"""The built-in data's reading side (autopar/codegen/sections/data.py): every format gives the packed
+"""The built-in data's reading side (autopar/sections/data.py): every format gives the packed
 samples a hand computation gives, a tokenizer.json gives the ids `tokenizers` gives, a corpus is
 tokenized once and memory-mapped after, and every refusal names the file and a fix and writes nothing."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from autopar import config as autopar_config
-from autopar.codegen.sections import data
-from autopar.codegen.sections.data import (DataConfig, DataError, PackedSequences, data_splits, fingerprint,
+from autopar.sections import data
+from autopar.sections.data import (DataConfig, DataError, PackedSequences, data_splits, fingerprint,
                                            tokens_of, vocab_size)
 from autopar.errors import ConfigError
 

@@ -271,7 +271,7 @@ def test_report_of_a_plan_predicting_no_step_time_renders(planned, tmp_path):
 def test_truncated_last_line_of_run_jsonl_is_skipped_and_the_next_record_starts_a_line(tmp_path):
     """A run killed while writing its record leaves half a line: it is skipped (and named), and the
     next run's records do not join it."""
-    from autopar.codegen.sections.metrics import MetricsLogger
+    from autopar.sections.metrics import MetricsLogger
     from autopar.runtime.local import read_records
 
     log = tmp_path / "run.jsonl"
@@ -289,7 +289,7 @@ def test_truncated_last_line_of_run_jsonl_is_skipped_and_the_next_record_starts_
 
 
 def test_a_run_jsonl_without_trouble_gets_no_note_and_no_blank_line(tmp_path):
-    from autopar.codegen.sections.metrics import MetricsLogger
+    from autopar.sections.metrics import MetricsLogger
     from autopar.runtime.local import skipped_lines_note
 
     log = tmp_path / "run.jsonl"

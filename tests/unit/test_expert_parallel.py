@@ -306,7 +306,7 @@ def test_experts_that_route_their_own_tokens_are_exchanged_dropless(arch):
     top_k_index, top_k_weights): the routed exchange wraps them (dropless), and the generated
     code's copy of those input names is the cost model's. tests/moe_model.py's experts take the
     grouped tokens; a forward taking anything else blocks expert parallelism, naming both forms."""
-    from autopar.codegen.sections import expert_parallel as section
+    from autopar.sections import expert_parallel as section
     from autopar.trace.experts import experts_inputs
     from cost_models.expert_parallel import ROUTED_INPUTS, ExpertExchange, ep_blocker, exchange_kind, is_dropless
 
@@ -383,7 +383,7 @@ def test_the_experts_width_is_read_off_the_weights_beside_the_routers_width():
     where a weight has no single hidden dim, or a bias, nothing is split."""
     import torch
 
-    from autopar.codegen.sections.expert_parallel import _slice_width, router_width, width_split
+    from autopar.sections.expert_parallel import _slice_width, router_width, width_split
     from cost_models.expert_parallel import feed_forward_width
 
     h, f, e = 32, 64, 4

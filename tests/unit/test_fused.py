@@ -1,4 +1,4 @@
-"""Fused projections split as their parts (autopar.codegen.sections.fused, autopar.solver.tp_fused):
+"""Fused projections split as their parts (autopar.sections.fused, autopar.solver.tp_fused):
 the row order, the cuts answered with each rank's share, the parts read from the model's code,
 the rows put back in the model's order, and the styles code generation writes."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.codegen.sections.checkpoint import RowOrders, fused_row_order
-from autopar.codegen.sections.fused import FUSED_PARTS, FusedCutError, FusedCuts, permute_output_rows
+from autopar.sections.checkpoint import RowOrders, fused_row_order
+from autopar.sections.fused import FUSED_PARTS, FusedCutError, FusedCuts, permute_output_rows
 from autopar.solver.tp_fused import cutting_fused, recorded_parts
 
 
@@ -144,7 +144,7 @@ def test_a_region_run_on_one_ranks_share_computes_that_ranks_heads():
 
 
 def test_the_report_names_the_fused_projections_split_as_their_parts():
-    from autopar.plan import Plan, Predicted
+    from autopar.plans import Plan, Predicted
     from autopar.solver.tp_coverage import coverage_notes
 
     plan = Plan(tp=2, tp_fused={"blocks.0.attn.qkv": [64, 32, 32], "blocks.1.attn.qkv": [64, 32, 32]},

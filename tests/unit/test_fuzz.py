@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopar.config import compose_config
-from autopar.driver import model_kwargs, run_plan, run_profile
+from autopar.specs import model_kwargs
+from autopar.driver import run_plan, run_profile
 from autopar.errors import UserError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

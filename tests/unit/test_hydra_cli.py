@@ -16,7 +16,7 @@ import yaml
 from autopar.cli import main
 from autopar.config import compose_config
 from autopar.errors import ConfigError
-from autopar.plan import Plan
+from autopar.plans import Plan
 from tests.tiers import EXTENDED
 
 TINY = ["cluster=cpu_gloo", "model.layers=2", "model.hidden=64", "model.heads=4", "model.seq_len=32",

@@ -1,4 +1,4 @@
-"""Linear-like modules recognised by what their forward computes (autopar.solver.linear_like),
+"""Linear-like modules recognised by what their forward computes (autopar.trace.linear_like),
 and the share of a model a tensor-parallel plan splits (autopar.solver.tp_coverage)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import UserError
-from autopar.solver.linear_like import AffineLayout, affine_layout
+from autopar.trace.linear_like import AffineLayout, affine_layout
 from autopar.solver.tp_coverage import FASTER_WHOLE, TPCoverage, check_pinned_coverage, coverage_line
 
 
@@ -174,7 +174,7 @@ def test_plan_json_carries_the_shares_and_an_older_file_without_them_loads():
     import json
     from dataclasses import replace
 
-    from autopar.plan import Plan, Predicted
+    from autopar.plans import Plan, Predicted
     from autopar.solver.tp_coverage import coverage_notes
 
     plan = Plan(dp=1, tp=2, pp=1, cp=1, predicted=Predicted(tp_param_share=0.75, tp_flop_share=0.6875))
@@ -268,7 +268,7 @@ def test_autopar_plan_prints_the_share_and_refuses_a_pinned_tp_that_splits_under
 
 
 def Plan_load(path):
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     return Plan.load(path)
 

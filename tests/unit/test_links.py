@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.codegen.sections.metrics import MetricsLogger
+from autopar.sections.metrics import MetricsLogger
 from autopar.errors import UserError
 from autopar.output_dir import MANIFEST_NAME, Manifest, OutputDirError, install
 from autopar.runtime.local import LOCK_NAME, folder_lock
@@ -117,7 +117,7 @@ def test_exported_weights_never_go_through_a_link_planted_under_the_temporary_na
     """write_weights wrote ``.NAME.tmp`` beside the export, following a link planted there."""
     import torch
 
-    from autopar.codegen.sections.checkpoint import write_weights
+    from autopar.sections.checkpoint import write_weights
 
     (tmp_path / ".export.pt.tmp").symlink_to(victim)
     write_weights({"w": torch.ones(3)}, tmp_path / "export.pt")
@@ -126,7 +126,7 @@ def test_exported_weights_never_go_through_a_link_planted_under_the_temporary_na
 
 
 def test_tensorboard_folder_that_is_a_link_is_refused(tmp_path):
-    from autopar.codegen.sections.metrics import MetricsConfig, tensorboard_dir
+    from autopar.sections.metrics import MetricsConfig, tensorboard_dir
 
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "tensorboard").symlink_to(tmp_path / "elsewhere")

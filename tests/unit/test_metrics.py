@@ -12,7 +12,7 @@ import pytest
 
 from autopar.codegen import generate
 from autopar.codegen.assemble import module_beside
-from autopar.codegen.sections import metrics
+from autopar.sections import metrics
 from autopar.runtime.generated import command_line, import_generated
 from tests.dist.plans import GPT, make_plan
 

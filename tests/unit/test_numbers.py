@@ -14,9 +14,9 @@ import pytest
 
 from autopar.cli import main
 from autopar.config import PlanPins, SolverConfig, SweepConfig, TrainConfig
-from autopar.driver import read_plan
+from autopar.saved import read_plan
 from autopar.errors import ConfigError
-from autopar.plan import Plan
+from autopar.plans import Plan
 from cost_models.topology import ClusterConfig, ClusterSpec, NodeGroupConfig
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
@@ -110,7 +110,7 @@ def numeric_fields(schema: type) -> list[str]:
 def declared_ranges() -> list[tuple[type, dict]]:
     from autopar.config import (DATA_BOUNDS, OPTIM_BOUNDS, PLAN_PIN_BOUNDS, SOLVER_BOUNDS, SWEEP_BOUNDS, TRAIN_BOUNDS,
                                 DataConfig, OptimConfig)
-    from autopar.plan import PLAN_PART_BOUNDS
+    from autopar.plans import PLAN_PART_BOUNDS
     from cost_models.topology import CLUSTER_BOUNDS, NODE_GROUP_BOUNDS
 
     parts = [(Plan if not part else typing.get_type_hints(Plan)[part], table)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.codegen.sections.optimizer import (ShardedAdamW, build_optimizer, learning_rate, no_decay_names,
+from autopar.sections.optimizer import (ShardedAdamW, build_optimizer, learning_rate, no_decay_names,
                                                  set_learning_rate)
 from autopar.config import OptimConfig, compose_config, optimizer_settings
 from autopar.errors import ConfigError

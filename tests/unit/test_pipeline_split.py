@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from transformers.modeling_outputs import BaseModelOutput
 
-from autopar.codegen.sections.pipeline import SkippedLayer, StageExit, send_contiguous, split_stage
+from autopar.sections.pipeline import SkippedLayer, StageExit, send_contiguous, split_stage
 from autopar.codegen.stage_flow import layer_reads, uncarried_read
 from tests.dist.plans import GPT, boundary_stages
 

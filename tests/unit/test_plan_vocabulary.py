@@ -10,11 +10,12 @@ import torch
 
 from autopar.codegen.model_facts import inspect_model
 from autopar.codegen.tp_plan import paired_regions
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.report.words import describe_axes
 from autopar.solver.tp_split import ILPSplitter
 from cost_models.collectives import Collective, collective_time_s
-from cost_models.layout import DPSync, ParallelLayout
+from cost_models.layout import ParallelLayout
+from cost_models.vocabulary import DPSync
 from cost_models.mesh import Mesh
 from cost_models.step import PlanPricer, TrainSpec
 from cost_models.techniques import REGISTRY, Family, chosen, searchable
@@ -65,7 +66,7 @@ def test_mesh_arithmetic_lives_in_one_module():
 def test_every_searchable_technique_names_code_that_exists():
     """A technique can be chosen only if the generated code runs it: the runtime each entry
     names is a function or class of a codegen section."""
-    sections = {path.stem: path.read_text() for path in (REPO / "autopar" / "codegen" / "sections").glob("*.py")}
+    sections = {path.stem: path.read_text() for path in (REPO / "autopar" / "sections").glob("*.py")}
     for entry in REGISTRY:
         if entry.runtime is None or not entry.pinnable or entry.value == DPSync.AUTO:
             continue

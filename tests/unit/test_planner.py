@@ -156,7 +156,7 @@ def test_min_gpus_picks_the_fewest_nodes_meeting_the_target(examples_dir):
 def test_plan_round_trips_through_json_and_yaml(examples_dir, tmp_path):
     """A planned Plan (every field filled by the planner) survives JSON and YAML unchanged, and
     the solver record says how many candidates it priced out of the space."""
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     plan = plan_for(examples_dir, GPT_1B, cluster("H100-SXM", 2, 8), batch=64)
     assert 0 < plan.solver.priced <= plan.solver.candidates

@@ -1,4 +1,4 @@
-"""Pretrained weights in and model folders out (autopar/codegen/sections/pretrained.py), in one process.
+"""Pretrained weights in and model folders out (autopar/sections/pretrained.py), in one process.
 
 Loading is checked against the tensors that were saved (exact: the same values, cast where the
 file's dtype differs); a rank's shard of a DTensor against what ``distribute_tensor`` gives that
@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from autopar.cli import main as autopar_main
-from autopar.codegen.sections.pretrained import (EXPORT_MARKER, SAFETENSORS_INDEX, WeightsError, WeightSource,
+from autopar.sections.pretrained import (EXPORT_MARKER, SAFETENSORS_INDEX, WeightsError, WeightSource,
                                                  expected_tensors, is_folder_export, load_pretrained, local_part,
                                                  persistent_buffers, write_folder)
 

@@ -112,13 +112,13 @@ def test_a_compile_none_proven_lists_each_reason_once():
 
 def test_a_failed_full_scale_step_reports_the_first_line_of_a_torch_error(tmp_path, capsys, monkeypatch):
     """torch's C++ errors go on with "Exception raised from ..." and a page of frames."""
-    import autopar.runtime.fake_memory as fake_memory
+    import autopar.runtime.fake_step as fake_step
     from autopar.runtime import proof
 
     def fails(folder, rank):
         raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides\nException raised from "
                            "throw_cannot_call_with_symbolic at c10/core/TensorImpl.cpp:340\nframe #0: c10::Error")
-    monkeypatch.setattr(fake_memory, "train_fake_step", fails)
+    monkeypatch.setattr(fake_step, "train_fake_step", fails)
     monkeypatch.setattr("autopar.runtime.lifeline.die_with_parent", lambda: None)
     assert proof.main([str(tmp_path)]) == 1
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(proof.FAILED_MARKER)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.report.timeline import COMMUNICATION, schedule_order, simulate
 from cost_models.pipeline import pipeline_step_time_s, simulate_schedule
 

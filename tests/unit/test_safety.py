@@ -16,7 +16,7 @@ import pytest
 from autopar.cli import main
 from autopar.errors import UserError
 from autopar.output_dir import MANIFEST_NAME, Manifest, install
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.solver.space import _group_span, divisors
 from tests.conftest import write_model_file
 from tests.tiers import tiered

@@ -1,4 +1,4 @@
-"""Token-level losses (autopar/trace/loss_tokens.py, autopar/codegen/sections/token_loss.py): the
+"""Token-level losses (autopar/trace/loss_tokens.py, autopar/sections/token_loss.py): the
 profile finds a loss that averages over the targets it counts, each micro-batch's mean is
 weighed by its count read from autograd, and the gradients after `TokenCounts.finish` are those
 of the one-process mean over the whole batch, however the counts fall."""
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from autopar.codegen.sections.token_loss import TokenCounts, counted_targets
+from autopar.sections.token_loss import TokenCounts, counted_targets
 from tests.profiles import traced
 
 IGNORED = -100

@@ -112,7 +112,7 @@ def test_codegen_runs_key_value_groups_only_inside_a_local_region():
 
 
 def test_a_plan_computing_key_value_groups_names_how_many():
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     plan = Plan(tp=4, layer_names=["a"], stages=[["a"]], tp_styles={"a.k_proj": "kv_group"})
     assert any("tp_kv_heads" in problem for problem in plan.problems())
@@ -262,7 +262,7 @@ def test_codegen_computes_a_fused_projections_key_value_parts_by_group():
 def test_a_fused_outputs_parts_are_read_at_their_local_sizes():
     """The region cuts the fused output by global sizes; a rank holding [8 query, 8 key, 8 value]
     features of parts [32, 16, 16] gets each part's own 8."""
-    from autopar.codegen.sections.fused import FusedCuts, tag_fused_output
+    from autopar.sections.fused import FusedCuts, tag_fused_output
 
     output = tag_fused_output(torch.arange(24.0).reshape(1, 24), [32, 16, 16], [8, 8, 8])
     with FusedCuts():

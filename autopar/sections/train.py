@@ -20,32 +20,32 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
 # In a generated folder this is checkpointing.py beside the training module (the same for every plan).
-from autopar.codegen.sections import checkpoint as checkpointing
-from autopar.codegen.sections.batches import (Batches, DataSource, eval_step, forward_arguments_of, local_batch,
+from autopar.sections import checkpoint as checkpointing
+from autopar.sections.batches import (Batches, DataSource, eval_step, forward_arguments_of, local_batch,
                                               open_data, validation_batches)
 # In a generated folder this is pretrained.py beside the training module (the same for every plan).
-from autopar.codegen.sections import pretrained
+from autopar.sections import pretrained
 # In a generated folder this is metrics.py beside the training module (the same for every plan).
-from autopar.codegen.sections import metrics
-from autopar.codegen.sections.clipping import step_optimizer
-from autopar.contract import (build_model, compute_loss, file_sha256, load_model_file,
+from autopar.sections import metrics
+from autopar.sections.clipping import step_optimizer
+from autopar.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
-from autopar.codegen.sections.context_parallel import context_parallel_attention, shard_sequence
-from autopar.codegen.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
-from autopar.codegen.sections.expert_parallel import (ExpertShards, apply_ep, apply_expert_tp, expert_meshes,
+from autopar.sections.context_parallel import context_parallel_attention, shard_sequence
+from autopar.sections.data_parallel import apply_fsdp, dp_mesh_of, set_gradient_sync
+from autopar.sections.expert_parallel import (ExpertShards, apply_ep, apply_expert_tp, expert_meshes,
                                                        shard_experts)
-from autopar.codegen.sections.gradient_sync import (HalvingDoublingSync, HierarchicalSync, ParameterServer,
+from autopar.sections.gradient_sync import (HalvingDoublingSync, HierarchicalSync, ParameterServer,
                                                     dp_groups, node_subgroups)
-from autopar.codegen.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
-from autopar.codegen.sections.optimizer import (ShardedAdamW, build_optimizer, build_zero1_optimizer,
+from autopar.sections.mesh import MeshAxis, ParallelDims, build_mesh, dp_rank, pick_device
+from autopar.sections.optimizer import (ShardedAdamW, build_optimizer, build_zero1_optimizer,
                                                 no_decay_names)
-from autopar.codegen.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
+from autopar.sections.pipeline import (PipelineStageModule, TiedGradientSync, build_pipeline,
                                                local_stage_indices, module_stages, named_parameters_in_stage,
                                                run_pipeline, split_stage, split_with_tracer)
-from autopar.codegen.sections.recompute import apply_recompute
-from autopar.codegen.sections.tensor_parallel import apply_tp, reduce_partial_gradients, replicated_beside_shards
-from autopar.codegen.sections.token_loss import TokenCounts
+from autopar.sections.recompute import apply_recompute
+from autopar.sections.tensor_parallel import apply_tp, reduce_partial_gradients, replicated_beside_shards
+from autopar.sections.token_loss import TokenCounts
 
 
 GRADIENT_SYNC_ALGORITHMS = ("hierarchical", "halving_doubling", "ps")  # dp_sync run by gradient_sync.py

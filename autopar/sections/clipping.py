@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autopar.codegen.sections.optimizer import _local, learning_rate, set_learning_rate
-from autopar.codegen.sections.pipeline import _layer_of
+from autopar.sections.optimizer import _local, learning_rate, set_learning_rate
+from autopar.sections.pipeline import _layer_of
 
 
 def step_optimizer(parallel: Any, training: Any, config: Any, step: int,

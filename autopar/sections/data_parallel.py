@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from autopar.codegen.sections.mesh import MeshAxis, ParallelDims
-from autopar.contract import holds_parameters
+from autopar.sections.mesh import MeshAxis, ParallelDims
+from autopar.sections.contract import holds_parameters
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], reshard_after_forward: bool,

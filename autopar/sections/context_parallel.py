@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.utils.checkpoint import checkpoint as rerun_in_backward
 
-from autopar.codegen.sections.recompute import never_kept_by_selective
+from autopar.sections.recompute import never_kept_by_selective
 
 
 def chunk_order(cp: int) -> list[int]:

@@ -26,8 +26,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 # In a generated folder this is checkpointing.py beside the training module.
-from autopar.codegen.sections import checkpoint as checkpointing
-from autopar.codegen.sections.tensor_parallel import RegionStyle, group_rows, hold_parameters, partial_input
+from autopar.sections import checkpoint as checkpointing
+from autopar.sections.tensor_parallel import RegionStyle, group_rows, hold_parameters, partial_input
 
 FUSED_PARTS = "_fused_parts"  # attribute of a fused output: its parts' global sizes along the last dim
 FUSED_LOCAL_PARTS = "_fused_local_parts"  # and their sizes on this rank, where not 1/tp of each

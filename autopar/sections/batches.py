@@ -23,14 +23,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 # In a generated folder these are training_data.py and data_loading.py beside the training module.
-from autopar.codegen.sections import data as training_data
-from autopar.codegen.sections import loader as data_loading
-from autopar.codegen.sections.context_parallel import shard_sequence
-from autopar.contract import (accepted_kwargs, compute_loss, make_batch, map_batch, model_inputs,
+from autopar.sections import data as training_data
+from autopar.sections import loader as data_loading
+from autopar.sections.context_parallel import shard_sequence
+from autopar.sections.contract import (accepted_kwargs, compute_loss, make_batch, map_batch, model_inputs,
                                                slice_batch, tokens_per_sample)
-from autopar.codegen.sections.mesh import MeshAxis, dp_rank
-from autopar.codegen.sections.pipeline import run_pipeline
-from autopar.codegen.sections.tensor_parallel import replicated_beside_shards
+from autopar.sections.mesh import MeshAxis, dp_rank
+from autopar.sections.pipeline import run_pipeline
+from autopar.sections.tensor_parallel import replicated_beside_shards
 
 # ParallelConfig, ParallelModel and TrainConfig, in annotations here, are train.py's (which imports
 # this section, so it cannot import them back).

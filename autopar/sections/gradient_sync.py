@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.codegen.sections.optimizer import _local, all_gather_single, reduce_scatter_single
+from autopar.sections.optimizer import _local, all_gather_single, reduce_scatter_single
 
 
 def dp_groups(mesh: DeviceMesh, axis: str) -> list[list[int]]:

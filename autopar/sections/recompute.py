@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from autopar.contract import holds_parameters
+from autopar.sections.contract import holds_parameters
 # Imported under another name: the generated file also has checkpoint variables (DCP checkpoints).
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.checkpoint import checkpoint as checkpointed

@@ -1,0 +1,121 @@
+"""What a configuration asks for, as the specs every stage takes: the model's settings, the cluster,
+the training settings the cost model reads and a fully pinned layout. Built from Hydra's config
+(autopar/config.py) by the CLI, the API, the driver and the benchmarks alike."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from autopar.errors import ConfigError
+from autopar.model_file import load_model_file
+from cost_models.layout import ParallelLayout, TrainSpec
+from cost_models.topology import ClusterSpec
+from cost_models.vocabulary import TP_RUNTIMES, ZERO3_RUNTIMES
+
+def model_kwargs(cfg: Any) -> dict[str, Any]:
+    """The ``model.*`` section as plain Python values."""
+    return dict(OmegaConf.to_container(cfg.model, resolve=True))
+
+
+def build_cluster(cfg: Any) -> ClusterSpec:
+    """The cluster of the cluster.* settings, refused at once beyond the supported size."""
+    from autopar.config import check_cluster
+    from autopar.plans import MAX_WORLD_SIZE
+
+    check_cluster(cfg.cluster)  # every number in range (a cluster recorded in a plan comes here too)
+    # Counted from the settings, before the per-node list of a billion-node cluster is built.
+    groups = list(cfg.cluster.get("node_groups") or []) or [cfg.cluster]
+    nodes, per_node = sum(max(0, int(g.nodes)) for g in groups), int(cfg.cluster.gpus_per_node)
+    if nodes * per_node > MAX_WORLD_SIZE:
+        raise ConfigError(f"The cluster has {nodes * per_node:,} GPUs ({nodes:,} nodes); autopar plans clusters of "
+                          f"up to {MAX_WORLD_SIZE:,} GPUs (larger ones would not finish in bounded time).",
+                          f"use at most {MAX_WORLD_SIZE // max(1, per_node):,} nodes of {per_node} GPUs "
+                          "(cluster.nodes).")
+    try:
+        return ClusterSpec.from_config(cfg.cluster)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"Invalid cluster: {err}",
+                          "`autopar plan --help` lists the cluster presets and fields.") from None
+
+
+def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
+    """The training settings the cost model reads; with train.router_checkpoint, the tokens per
+    expert measured from it (once per model, checkpoint and settings)."""
+    load: tuple = ()
+    tp_runtime = OmegaConf.select(cfg, "train.tp_runtime", default="dtensor")
+    if tp_runtime not in TP_RUNTIMES:
+        raise ConfigError(f"Unknown train.tp_runtime '{tp_runtime}'.",
+                          "use dtensor (the generated module's tensor parallelism) or plain (Megatron-style, on "
+                          "plain tensors: for pricing runs of such engines).")
+    zero3_runtime = OmegaConf.select(cfg, "train.zero3_runtime", default="fsdp2")
+    if zero3_runtime not in ZERO3_RUNTIMES:
+        raise ConfigError(f"Unknown train.zero3_runtime '{zero3_runtime}'.",
+                          "use fsdp2 (the generated module's ZeRO-3) or deepspeed_2021 (DeepSpeed's stage 3 of "
+                          "2021: for pricing runs of that engine).")
+    checkpoint = OmegaConf.select(cfg, "train.router_checkpoint", default=None)
+    if checkpoint and model_path is not None:
+        load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
+                                    cfg.train.micro_batch_size, cfg.train.router_batches)
+    return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
+                     optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
+                     clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0,
+                     tp_runtime=tp_runtime, zero3_runtime=zero3_runtime)
+
+
+@functools.lru_cache(maxsize=4)
+def measured_expert_load(model_path: str, checkpoint: str, kwargs: tuple, batch_size: int,
+                         batches: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(experts module FQN, tokens each expert received) from the router checkpoint
+    (autopar/trace/routing.py), as TrainSpec keeps them."""
+    from autopar.trace.routing import measure_expert_load
+
+    load = measure_expert_load(load_model_file(model_path), dict(kwargs), Path(checkpoint), batch_size, batches)
+    return tuple((fqn, tuple(counts)) for fqn, counts in sorted(load.items()))
+
+
+def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
+    """A fully specified layout from plan.* overrides; unset degrees default to 1, dp fills the rest."""
+    pins = cfg.plan
+    tp, pp, cp = pins.tp or 1, pins.pp or 1, pins.cp or 1
+    if cluster.world_size % (tp * pp * cp):
+        raise ConfigError(f"tp×pp×cp = {tp * pp * cp} does not divide the cluster's {cluster.world_size} GPUs.",
+                          "change plan.tp/pp/cp or cluster.nodes.")
+    dp = pins.dp or cluster.world_size // (tp * pp * cp)
+    micro = pins.micro_batch_size or 1
+    if cfg.train.global_batch_size % (dp * micro):
+        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+                          f"dp×micro_batch_size = {dp}×{micro}.", "change the batch or plan.micro_batch_size.")
+    schedule = pins.schedule or ("interleaved_1f1b" if (pins.chunks or 1) > 1 else "1f1b")
+    return ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=pins.ep or 1, expert_tp=bool(pins.expert_tp),
+                          zero_stage=pins.zero_stage or 0,
+                          hybrid_shard=bool(pins.hybrid_shard), micro_batch_size=micro,
+                          num_micro_batches=cfg.train.global_batch_size // (dp * micro), schedule=schedule,
+                          chunks=pins.chunks or 1, sequence_parallel=bool(pins.sequence_parallel),
+                          cp_strategy=pins.cp_strategy or "ulysses", dp_sync=pins.dp_sync or "auto",
+                          recompute=pins.recompute or "none")
+
+
+def precision_note(cfg: Any) -> str | None:
+    """What to tell when the requested precision is not what will run: the generated module
+    computes in fp32 on CPU ranks (gloo), whatever train.precision says."""
+    gpus = {cfg.cluster.gpu, *(group.gpu for group in cfg.cluster.node_groups)}
+    if cfg.train.precision != "fp32" and "cpu" in gpus:
+        return (f"train.precision={cfg.train.precision}: CPU ranks compute in fp32, so the generated module trains "
+                f"in fp32 there (the plan is priced in {cfg.train.precision}); set train.precision=fp32 to price "
+                "what runs.")
+    return None
+
+
+def cluster_config(cfg: Any) -> dict[str, Any]:
+    return dict(OmegaConf.to_container(cfg.cluster, resolve=True))
+
+
+def with_cluster_config(plan: Any, cfg: Any) -> Any:
+    """Record every cluster.* setting in the plan, so it can be priced again and a replay on
+    another cluster is caught."""
+    from dataclasses import replace
+
+    return plan.with_updates(provenance=replace(plan.provenance, cluster_config=cluster_config(cfg)))

@@ -21,6 +21,7 @@ from autopar.codegen.assemble import BESIDE, ImportBlock, assemble_sections, ban
 from autopar.codegen.errors import CodegenError
 from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
+from autopar.codegen.reading_order import in_reading_order
 from autopar.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
 from autopar.codegen.specialize import fold, prune, referenced_names
 from autopar.codegen.stage_flow import LayerReads, layer_reads, skipped_read, uncarried_read
@@ -281,11 +282,14 @@ def custom_gradient_sync(plan: Plan) -> bool:
     return plan.dp_sync in GRADIENT_SYNC_ALGORITHMS and plan.zero_stage <= 1 and plan.dp > 1 and plan.cp == 1
 
 
-def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
-    """The runtime's branch conditions this plan decides, by their source text (see `specialize.fold`)."""
+def plan_facts(plan: Plan, layout: Layout) -> dict[str, Any]:
+    """What this plan fixes of the runtime's branch conditions, by their source text: flags, and
+    the values comparisons read (see `specialize.fold`). Only what PLAN decides (a command-line
+    option can change nothing here)."""
     values = {
         "tp_enabled": plan.tp > 1, "pp_enabled": plan.pp > 1, "cp_enabled": plan.cp > 1,
         "grad_sync_enabled": plan.dp * plan.cp > 1, "dp_replicate > 1": layout.dp_replicate > 1,
+        "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "dp_replicate": layout.dp_replicate,
     }
     facts = {f"{owner}.{name}": value for name, value in values.items() for owner in ("dims", "config.dims")}
     facts.update({
@@ -296,10 +300,9 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, bool]:
         "parallel.schedule is not None": plan.pp > 1,
         "config.recompute_enabled": any(mode != "none" for mode in plan.recompute.values()),
         'config.pipeline_split == "tracer"': layout.pipeline_split == "tracer",
-        "config.zero_stage == 1": plan.zero_stage == 1,
-        'config.dp_sync == "ps"': plan.dp_sync == "ps",
-        'config.dp_sync == "halving_doubling"': plan.dp_sync == "halving_doubling",
-        "config.dp_sync in NCCL_ALGORITHMS": plan.dp_sync in NCCL_ALGORITHMS,
+        "config.zero_stage": plan.zero_stage,
+        "config.dp_sync": str(plan.dp_sync),
+        "NCCL_ALGORITHMS": tuple(NCCL_ALGORITHMS),
         "self.dp_shares": bool(plan.dp_shares),  # TrainConfig's
         "training.token_loss": plan.token_loss,
     })
@@ -329,7 +332,8 @@ def render_module(plan: Plan, name: str, model_file: str, sha: str, model_kwargs
         sections,
         main_section(),
     )) + "\n"
-    body = drop_empty_sections(prune(body, RUNTIME_API | (PIPELINE_API if plan.pp > 1 else frozenset())))
+    body = prune(body, RUNTIME_API | (PIPELINE_API if plan.pp > 1 else frozenset()))
+    body = drop_empty_sections(in_reading_order(body))
     used = referenced_names(ast.parse(body))
     head = header(plan, name, model_file, tp, layout, gpus_per_node) + "\n\nfrom __future__ import annotations\n\n"
     return head + imports.source(used).strip("\n") + "\n\n\n" + body
@@ -354,6 +358,17 @@ def summarise_recompute(plan: Plan) -> str:
     if set(modes) <= {"none"}:
         return "none"
     return "; ".join(f"{mode}: {len(layers)} layer(s)" for mode, layers in modes.items())
+
+
+def applied_techniques(plan: Plan) -> str:
+    """What `parallelize` applies for this plan, in its order, in words."""
+    fsdp = (plan.dp * plan.cp > 1 or plan.precision != "fp32") and not custom_gradient_sync(plan)
+    found = [name for name, used in (("tensor parallelism", plan.tp > 1), ("expert parallelism", plan.ep > 1),
+                                     ("recomputation", any(m != "none" for m in plan.recompute.values())),
+                                     ("FSDP", fsdp)) if used]
+    if not found:
+        return "nothing (one rank in full precision)"
+    return ", ".join(found[:-1]) + (" and " if len(found) > 1 else "") + found[-1]
 
 
 def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, gpus_per_node: int) -> str:
@@ -415,11 +430,11 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
         "  --init-from PATH starts from pretrained weights (a .safetensors file, a Hugging Face folder);",
         "  --export DIR (no suffix) writes a folder that transformers' from_pretrained loads.",
         "",
-        "Edit freely: tp_plan() holds the tensor-parallel styles, PLAN what the runtime reads of the plan;",
-        "parallelize() applies them top to bottom (TP, recomputation, FSDP). Only the code this plan runs",
-        "is here: for other degrees or techniques, compile again rather than edit PLAN. What is the same for every",
-        "plan is in files beside this one: checkpointing.py, pretrained.py, metrics.py and the data pipeline",
-        "(training_data.py, data_loading.py).",
+        "Read from the top: PLAN and tp_plan() (the tensor-parallel styles: edit freely), then parallelize(),",
+        f"which applies {applied_techniques(plan)}, setup(), train_step(), train() and main(); what they",
+        "call follows. Only the code this plan runs is here (compile again for other degrees or techniques);",
+        "shared by every plan, beside it: checkpointing.py, pretrained.py, metrics.py, training_data.py, "
+        "data_loading.py.",
     ]
     # A file name may hold quotes or backslashes: escaped, they cannot end the docstring early.
     text = "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
@@ -470,18 +485,23 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         "# solver statistics, provenance). parallel_config() and train_config() read it.",
         packed_dict_source("PLAN", runtime_plan(plan)),
         "",
+        "",
+        tp_plan_source(plan, tp),
+        "",
+        "",
+        banner("The run's settings: the model file, optimizer, checkpoints and data, and the plan as dataclasses"),
         "# The user's model file (copied next to this one) and what it was planned with.",
         f"MODEL_FILE = str(Path(__file__).with_name({model_file!r}))",
         f"MODEL_SHA256 = {sha!r}",
         f"MODEL_KWARGS = {pprint.pformat(model_kwargs, width=110)}",
-        f"OPTIMIZER = {pprint.pformat(dict(optimizer), width=110, sort_dicts=False)}",
+        packed_dict_source("OPTIMIZER", dict(optimizer)),
         f"DEFAULT_STEPS = {training.steps}",
         "# Checkpoints: CHECKPOINT_DIR/step_<n>/ every CHECKPOINT_EVERY steps; 0 turns them off.",
         'CHECKPOINT_DIR = str(Path(__file__).with_name("checkpoints"))',
         f"CHECKPOINT_EVERY = {training.checkpoint_every}",
         "# Training data (training_data.py): the built-in text pipeline's settings; without a path, the",
         "# model file's dataset() hook, else example_batch. Tokenized corpora are cached in DATA_CACHE.",
-        f"DATA = {pprint.pformat(training.data, width=110, sort_dicts=False)}",
+        packed_dict_source("DATA", dict(training.data)) if training.data else "DATA = {}",
         'DATA_CACHE = str(Path(__file__).with_name("data_cache"))',
         f"SEQ_LEN, VOCAB_ROWS = {facts.seq_len}, {facts.vocab_rows}  "
         "# tokens per sample planned; the largest embedding's rows",
@@ -489,9 +509,6 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
         "# validation loss: every N steps, over K batches",
         "",
         *constants,
-        "",
-        "",
-        tp_plan_source(plan, tp),
         "",
         "",
         parallel_config_source(plan, bool(tp.fused_parameters)),
@@ -502,9 +519,15 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
     return "\n".join(body)
 
 
+ONE_LINE = 120  # the longest line a dict is written on whole (the project's own limit)
+
+
 def packed_dict_source(name: str, data: dict[str, Any], width: int = 110) -> str:
     """``NAME = {...}`` with short entries side by side and long ones on lines of their own (one
-    key per line, as pprint writes a dict, would make PLAN a screen long)."""
+    key per line, as pprint writes a dict, would make PLAN and OPTIMIZER a screen long)."""
+    whole = f"{name} = {data!r}"
+    if len(whole) <= ONE_LINE:
+        return whole
     lines, line = [f"{name} = {{"], "   "
     for key, value in data.items():
         entry = f"{key!r}: {pprint.pformat(value, width=width - 8 - len(repr(key)), compact=True)},"

@@ -11,15 +11,19 @@ source-to-source passes, both on lines so comments survive (``ast.unparse`` woul
     prune   top-level definitions that no root reaches (transitively, by name) go, and so do
             comment lines directly above them.
 
-A test is folded only when its source text is one of the plan's facts, so code written another
-way is left alone (correct, just not shortened).
+The plan's facts are values by source text: a flag (``dims.pp_enabled``: False) decides a test
+written as it, a number or name (``config.zero_stage``: 2) decides a comparison of known values
+(``config.zero_stage <= 1``), in an ``if`` and in a conditional expression (``a if test else b``
+becomes the operand taken). A test they do not decide is left alone (correct, just not shortened).
 """
 from __future__ import annotations
 
 import ast
 import builtins
+import operator
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _EXITS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
 
@@ -33,13 +37,14 @@ class _Edit:
     lines: list[str]
 
 
-def fold(source: str, facts: dict[str, bool]) -> str:
-    """``source`` with every ``if`` whose test ``facts`` decides replaced by the branch taken.
+def fold(source: str, facts: dict[str, Any]) -> str:
+    """``source`` with every ``if`` and conditional expression whose test ``facts`` decides
+    replaced by the branch taken.
 
     Args:
         source: a module's source.
-        facts: test source text -> its value for this plan (compared as ``ast.unparse`` writes
-            it, so quotes and spacing do not matter).
+        facts: expression source text -> its value for this plan (compared as ``ast.unparse``
+            writes it, so quotes and spacing do not matter).
     """
     facts = {ast.unparse(ast.parse(test, mode="eval").body): value for test, value in facts.items()}
     while True:
@@ -59,11 +64,35 @@ def fold(source: str, facts: dict[str, bool]) -> str:
         source = "\n".join(lines) + "\n"
 
 
-def truth(test: ast.expr, facts: dict[str, bool]) -> bool | None:
+_COMPARISONS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+                ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+                ast.NotIn: lambda a, b: a not in b}
+_UNKNOWN = object()
+
+
+def _known(node: ast.expr, facts: dict[str, Any]) -> Any:
+    """The value of a constant, or of an expression whose text is a fact; else _UNKNOWN."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List)):
+        values = [_known(element, facts) for element in node.elts]
+        return _UNKNOWN if any(v is _UNKNOWN for v in values) else tuple(values)
+    return facts.get(ast.unparse(node), _UNKNOWN)
+
+
+def truth(test: ast.expr, facts: dict[str, Any]) -> bool | None:
     """The value of ``test`` under ``facts``, or None when they do not decide it."""
     text = ast.unparse(test)
     if text in facts:
-        return facts[text]
+        return bool(facts[text])
+    if isinstance(test, ast.Compare):
+        values = [_known(test.left, facts), *(_known(c, facts) for c in test.comparators)]
+        if any(v is _UNKNOWN for v in values) or not all(type(op) in _COMPARISONS for op in test.ops):
+            return None
+        try:
+            return all(_COMPARISONS[type(op)](a, b) for op, a, b in zip(test.ops, values, values[1:]))
+        except TypeError:  # values that do not compare: not decided here
+            return None
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         inner = truth(test.operand, facts)
         return None if inner is None else not inner
@@ -89,9 +118,10 @@ def _blocks(tree: ast.AST):
                 yield handler, handler.body
 
 
-def _edits(tree: ast.Module, lines: list[str], facts: dict[str, bool]) -> list[_Edit]:
-    """At most one edit per block (two removals in one block could leave it empty)."""
-    edits = []
+def _edits(tree: ast.Module, lines: list[str], facts: dict[str, Any]) -> list[_Edit]:
+    """At most one edit per block (two removals in one block could leave it empty), and one per
+    line for conditional expressions."""
+    edits = _conditional_expressions(tree, lines, facts)
     for _, block in _blocks(tree):
         edit = next((_Edit(statement.end_lineno + 1, block[-1].end_lineno, [])  # the rest never runs
                      for statement in block[:-1] if isinstance(statement, _EXITS)), None)
@@ -104,6 +134,23 @@ def _edits(tree: ast.Module, lines: list[str], facts: dict[str, bool]) -> list[_
         if edit is not None:
             edits.append(edit)
     return edits
+
+
+def _conditional_expressions(tree: ast.Module, lines: list[str], facts: dict[str, Any]) -> list[_Edit]:
+    """``body if test else orelse`` written on one line, its test decided: the operand taken (an
+    operand binds tighter than a conditional expression, so its text stands in for it)."""
+    edits: dict[int, _Edit] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.IfExp) or node.lineno != node.end_lineno or node.lineno in edits:
+            continue
+        value = truth(node.test, facts)
+        if value is None:
+            continue
+        line = lines[node.lineno - 1].encode()  # ast's columns count UTF-8 bytes
+        taken = node.body if value else node.orelse
+        folded = line[:node.col_offset] + line[taken.col_offset:taken.end_col_offset] + line[node.end_col_offset:]
+        edits[node.lineno] = _Edit(node.lineno, node.lineno, [folded.decode()])
+    return list(edits.values())
 
 
 def _fold_if(node: ast.If, value: bool, lines: list[str], alone: bool) -> _Edit:

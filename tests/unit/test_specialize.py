@@ -69,3 +69,26 @@ def test_the_branch_taken_keeps_its_body_and_code_after_a_return_goes():
 def test_undecided_tests_are_left_alone():
     assert fold(SOURCE, {"config.something_else": True}) == SOURCE
     assert undefined_globals("def f():\n    return g()\n") == {"g"}
+
+
+def test_comparisons_of_known_values_and_conditional_expressions_fold():
+    """config.zero_stage = 2 decides `<= 1` (False) and `in (2, 3)` (True); a conditional
+    expression keeps the operand its test takes, even after a non-ASCII character on its line;
+    a comparison with an unknown side stays."""
+    source = textwrap.dedent('''
+        def step(config, model):
+            if config.zero_stage <= 1:
+                sync(model)
+            if config.zero_stage in (2, 3):
+                shard(model)
+            styles = tp_plan() if config.tp_enabled else {}
+            label = "π" + ("tp" if config.tp_enabled else "dp")
+            if config.zero_stage < model.depth:
+                other()
+            return styles, label
+    ''')
+    folded = fold(source, {"config.zero_stage": 2, "config.tp_enabled": False})
+    assert "sync(model)" not in folded and "    shard(model)" in folded and "in (2, 3)" not in folded
+    assert "styles = {}" in folded and 'label = "π" + ("dp")' in folded
+    assert "if config.zero_stage < model.depth:" in folded
+    assert "styles = tp_plan()" in fold(source, {"config.tp_enabled": True})

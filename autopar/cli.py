@@ -480,6 +480,13 @@ def _estimate(args: argparse.Namespace, console: Console) -> int:
         from autopar.driver import run_estimate
         from autopar.report.terminal import print_estimate
 
+        if settings is not None:
+            from autopar.emit import check_engine_file
+            from autopar.specs import build_cluster
+
+            check_engine_file(settings, build_cluster(cfg).world_size, args.from_file)
+            for note in settings.notes:
+                console.print(f"{settings.engine}: {note}", markup=False, highlight=False, soft_wrap=True)
         with console.status("Tracing and pricing ..."):
             profile, layout, estimate = run_estimate(args.model, cfg)
         print_estimate(profile, layout, estimate, console)

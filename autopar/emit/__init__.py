@@ -33,6 +33,8 @@ class EngineWriter:
     render: Callable[[Any], str]
     layout_refusal: Callable[[Any], str | None]  # the part a search candidate already decides
     read: Callable[[str], "EngineSettings"]  # the engine's file back into autopar settings (`--from`)
+    # What the engine itself would reject of a file read back, once the world size is known.
+    rules: Callable[["EngineSettings", int], list[str]] = lambda settings, world_size: []
 
 
 @dataclass
@@ -44,12 +46,16 @@ class EngineSettings:
         pins: Hydra override -> value (plan.* and train.*).
         ignored: the file's keys that say nothing autopar prices (model, data, logging, ...).
         problems: values autopar cannot price (the file is refused, naming them).
+        notes: what the engine changes of the file when it runs it (priced as it runs).
+        sizes: what the file says that the engine checks against the world size (`rules`).
     """
 
     engine: str
     pins: dict[str, Any] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)
 
     def pin(self, key: str, value: Any) -> None:
         self.pins[key] = value
@@ -84,6 +90,15 @@ def read_engine_file(path: Path) -> EngineSettings:
         raise UserError(f"{path} ({engine}) holds what autopar cannot price: {'; '.join(settings.problems)}.",
                         "change those settings to ones the engine and autopar both run.")
     return settings
+
+
+def check_engine_file(settings: EngineSettings, world_size: int, path: Path) -> None:
+    """Refuse, naming each, the values of a file read back that its engine would reject on a
+    cluster of ``world_size`` ranks (degrees that do not divide it, batch sizes that do not add up)."""
+    problems = writers()[settings.engine].rules(settings, world_size)
+    if problems:
+        raise UserError(f"{path} ({settings.engine}) on {world_size} ranks holds what {settings.engine} would reject: "
+                        f"{'; '.join(problems)}.", "change those settings (or the cluster) so that the engine runs it.")
 
 
 def argument_pairs(text: str, separator: str = " ", flags: tuple[str, ...] = ()) -> dict[str, str]:

@@ -80,6 +80,9 @@ def read(text: str) -> EngineSettings:
     sizes = values.get("parallelism_config") or {}
     for key, axis in (("parallelism_config_tp_size", "tp"), ("parallelism_config_cp_size", "cp")):
         settings.pin(f"plan.{axis}", int(sizes.get(key, 1)))
+    for key in ("dp_replicate", "dp_shard", "tp", "cp"):
+        if f"parallelism_config_{key}_size" in sizes:
+            settings.sizes[key] = int(sizes[f"parallelism_config_{key}_size"])
     settings.pin("plan.pp", 1)
     if int(sizes.get("parallelism_config_cp_size", 1)) > 1:
         settings.pin("plan.cp_strategy", "ring")
@@ -88,4 +91,16 @@ def read(text: str) -> EngineSettings:
     return settings
 
 
-WRITER = EngineWriter("accelerate", "accelerate_fsdp.yaml", refusal, render, layout_refusal, read)
+def rules(settings: EngineSettings, world_size: int) -> list[str]:
+    """accelerate's ParallelismConfig: its sizes, where the file gives them all, multiply to the
+    world size."""
+    sizes = settings.sizes
+    if "dp_shard" not in sizes:
+        return []
+    total = sizes.get("dp_replicate", 1) * sizes["dp_shard"] * sizes.get("tp", 1) * sizes.get("cp", 1)
+    if total != world_size:
+        return [f"parallelism_config's sizes multiply to {total}, not the world size {world_size}"]
+    return []
+
+
+WRITER = EngineWriter("accelerate", "accelerate_fsdp.yaml", refusal, render, layout_refusal, read, rules)

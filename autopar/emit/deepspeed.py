@@ -66,7 +66,15 @@ def read(text: str) -> EngineSettings:
     settings.ignored += [key for key in values if key not in KNOWN]
     for axis in ("tp", "pp", "cp", "ep"):
         settings.pin(f"plan.{axis}", 1)
-    settings.pin("plan.zero_stage", int(values.get("zero_optimization", {}).get("stage", 0)))
+    stage = int(values.get("zero_optimization", {}).get("stage", 0))
+    if stage not in (0, 1, 2, 3):
+        settings.refuse(f"zero_optimization.stage {stage} (DeepSpeed's stages are 0-3)")
+    settings.pin("plan.zero_stage", stage)
+    if all(values.get(precision, {}).get("enabled") for precision in ("bf16", "fp16")):
+        settings.refuse("bf16 and fp16 both enabled (DeepSpeed runs one)")
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key in values:
+            settings.sizes[key] = int(values[key])
     if "train_micro_batch_size_per_gpu" in values:
         settings.pin("plan.micro_batch_size", int(values["train_micro_batch_size_per_gpu"]))
     if "train_batch_size" in values:
@@ -79,4 +87,19 @@ def read(text: str) -> EngineSettings:
     return settings
 
 
-WRITER = EngineWriter("deepspeed", "deepspeed.json", refusal, render, layout_refusal, read)
+def rules(settings: EngineSettings, world_size: int) -> list[str]:
+    """DeepSpeed's batch check (DeepSpeedConfig._batch_assertion): the batch is micro-batch x
+    accumulation x ranks; two of the three given, the third must come out whole."""
+    total = settings.sizes.get("train_batch_size")
+    micro = settings.sizes.get("train_micro_batch_size_per_gpu")
+    steps = settings.sizes.get("gradient_accumulation_steps")
+    if total is not None and micro is not None and steps is not None and total != micro * steps * world_size:
+        return [f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
+                f"gradient_accumulation_steps {steps} x {world_size} ranks"]
+    if total is not None and (micro or steps) and total % ((micro or steps) * world_size):
+        given = "train_micro_batch_size_per_gpu" if micro else "gradient_accumulation_steps"
+        return [f"train_batch_size {total} is not divisible by {given} {micro or steps} x {world_size} ranks"]
+    return []
+
+
+WRITER = EngineWriter("deepspeed", "deepspeed.json", refusal, render, layout_refusal, read, rules)

@@ -106,6 +106,18 @@ def read(text: str) -> EngineSettings:
             settings.refuse(f"--cp-comm-type {values['cp-comm-type']} (autopar prices p2p as ring, a2a as ulysses)")
         else:
             settings.pin("plan.cp_strategy", comm[values["cp-comm-type"]])
+    tp = int(values.get("tensor-model-parallel-size", 1))
+    if "sequence-parallel" in values and tp == 1:
+        settings.pin("plan.sequence_parallel", False)
+        settings.notes.append("--sequence-parallel with a tensor-parallel size of 1: Megatron-LM turns it off "
+                              "(priced without)")
+    if chunks > 1 and pp == 1:
+        settings.refuse("virtual pipeline stages without pipeline parallelism (Megatron-LM needs "
+                        "--pipeline-model-parallel-size > 1 to interleave)")
+    for name in ("global-batch-size", "micro-batch-size", "num-layers", "context-parallel-size"):
+        if name in values:
+            settings.sizes[name] = int(values[name])
+    settings.sizes.update(tp=tp, pp=pp, chunks=chunks)
     granularity = values.get("recompute-granularity") or ("full" if "checkpoint-activations" in values else None)
     settings.pin("plan.recompute", granularity or "none")
     if "global-batch-size" in values:
@@ -116,4 +128,24 @@ def read(text: str) -> EngineSettings:
     return settings
 
 
-WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render, layout_refusal, read)
+def rules(settings: EngineSettings, world_size: int) -> list[str]:
+    """Megatron-LM's own checks of its arguments (megatron/training/arguments.py's validate_args)."""
+    sizes = settings.sizes
+    tp, pp, cp = sizes["tp"], sizes["pp"], sizes.get("context-parallel-size", 1)
+    problems = []
+    if world_size % (tp * pp * cp):
+        return [f"a world size of {world_size} is not divisible by tensor x pipeline x context parallel sizes "
+                f"{tp} x {pp} x {cp}"]
+    dp = world_size // (tp * pp * cp)
+    micro, total = sizes.get("micro-batch-size", 1), sizes.get("global-batch-size")
+    if total is not None and total % (micro * dp):
+        problems.append(f"--global-batch-size {total} is not divisible by --micro-batch-size {micro} x "
+                        f"data-parallel size {dp}")
+    layers = sizes.get("num-layers")
+    if layers is not None and layers % (pp * sizes["chunks"]):
+        problems.append(f"--num-layers {layers} is not divisible by the pipeline's {pp} stages x "
+                        f"{sizes['chunks']} virtual stages")
+    return problems
+
+
+WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render, layout_refusal, read, rules)

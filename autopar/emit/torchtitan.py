@@ -110,6 +110,11 @@ def read(text: str) -> EngineSettings:
     else:  # -1: every rank the other degrees leave (torchtitan's default), sharded
         settings.pin("plan.zero_stage", 3)
     tp = int(parallel.get("tensor_parallel_degree", 1))
+    settings.sizes.update(replicate=replicate, shard=shard, tp=tp, pp=int(parallel.get("pipeline_parallel_degree", 1)),
+                          cp=int(parallel.get("context_parallel_degree", 1)))
+    for key in ("global_batch_size", "local_batch_size"):
+        if key in training:
+            settings.sizes[key] = int(training[key])
     sequence_parallel = "no_enable_sequence_parallel" not in parallel and \
         parallel.get("enable_sequence_parallel", "true").lower() not in ("false", "0")
     settings.pin("plan.sequence_parallel", tp > 1 and sequence_parallel)
@@ -141,4 +146,27 @@ def read(text: str) -> EngineSettings:
     return settings
 
 
-WRITER = EngineWriter("torchtitan", "torchtitan_args.txt", refusal, render, layout_refusal, read)
+def rules(settings: EngineSettings, world_size: int) -> list[str]:
+    """torchtitan's own checks (ParallelDims._validate; the trainer's batch arithmetic): the degrees
+    multiply to the world size (a shard degree of -1 takes what the others leave), and the global
+    batch is a whole number of local batches per data-parallel rank."""
+    sizes = settings.sizes
+    others = sizes["replicate"] * sizes["tp"] * sizes["pp"] * sizes["cp"]
+    if sizes["shard"] == -1:
+        if world_size % others:
+            return [f"a world size of {world_size} is not divisible by the other degrees' product {others} "
+                    "(data_parallel_shard_degree=-1 takes what they leave)"]
+        shard = world_size // others
+    else:
+        shard = sizes["shard"]
+        if others * shard != world_size:
+            return [f"the degrees multiply to {others * shard}, not the world size {world_size}"]
+    dp = sizes["replicate"] * shard
+    total, local = sizes.get("global_batch_size", -1), sizes.get("local_batch_size")
+    if total > 0 and local is not None and total % (local * dp):
+        return [f"--training.global_batch_size {total} is not a multiple of --training.local_batch_size {local} x "
+                f"data-parallel degree {dp}"]
+    return []
+
+
+WRITER = EngineWriter("torchtitan", "torchtitan_args.txt", refusal, render, layout_refusal, read, rules)

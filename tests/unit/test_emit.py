@@ -319,3 +319,50 @@ def test_plan_never_replaces_a_settings_file_the_user_wrote(examples_dir, tmp_pa
                  "--out", str(tmp_path / "plan.json")]) == 1
     assert "deepspeed.json" in capsys.readouterr().err
     assert mine.read_text() == '{"train_batch_size": 1024}' and not (tmp_path / "plan.json").exists()
+
+
+ENGINE_REJECTS = {  # file name -> (text, words of the refusal), on SMALL's 2 ranks
+    "megatron_args.txt": ("--tensor-model-parallel-size 3\n--micro-batch-size 1\n--global-batch-size 8\n",
+                          ["megatron", "not divisible by tensor x pipeline x context parallel sizes 3 x 1 x 1"]),
+    "megatron_batch.txt": ("--tensor-model-parallel-size 1\n--micro-batch-size 3\n--global-batch-size 8\n",
+                           ["--global-batch-size 8 is not divisible by --micro-batch-size 3 x data-parallel size 2"]),
+    "deepspeed.json": (json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
+                                   "gradient_accumulation_steps": 1}),
+                       ["train_batch_size 8 is not train_micro_batch_size_per_gpu 1 x gradient_accumulation_steps "
+                        "1 x 2 ranks"]),
+    "torchtitan_args.txt": ("--parallelism.data_parallel_shard_degree=4\n--parallelism.tensor_parallel_degree=1\n",
+                            ["the degrees multiply to 4, not the world size 2"]),
+    "accelerate_fsdp.yaml": (yaml.safe_dump({"distributed_type": "FSDP", "parallelism_config": {
+        "parallelism_config_dp_shard_size": 4, "parallelism_config_tp_size": 1}}),
+        ["parallelism_config's sizes multiply to 4, not the world size 2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINE_REJECTS))
+def test_estimate_from_names_what_the_engine_itself_would_reject(name, examples_dir, tmp_path, capsys):
+    """Degrees that do not divide the world, batch sizes that do not add up: each engine's own check
+    of its file, named before anything is priced."""
+    from autopar.cli import main
+
+    text, words = ENGINE_REJECTS[name]
+    file = tmp_path / (name if not name.startswith("megatron") else "megatron_args.txt")
+    file.write_text(text)
+    assert main(["estimate", str(examples_dir / "gpt.py"), *SMALL, "--from", str(file)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "would reject" in err and all(word in err for word in words), err
+
+
+def test_megatron_sequence_parallel_without_tp_is_priced_as_megatron_runs_it(tmp_path):
+    """Megatron-LM turns --sequence-parallel off at a tensor-parallel size of 1 (and says so): read
+    back, the file pins no sequence parallelism and carries that note; DeepSpeed's two precisions
+    at once are refused at read."""
+    from autopar.emit import read_engine_file
+
+    file = tmp_path / "megatron_args.txt"
+    file.write_text("--tensor-model-parallel-size 1\n--sequence-parallel\n--micro-batch-size 1\n")
+    settings = read_engine_file(file)
+    assert settings.pins["plan.sequence_parallel"] is False and "turns it off" in settings.notes[0]
+    both = tmp_path / "deepspeed.json"
+    both.write_text(json.dumps({"bf16": {"enabled": True}, "fp16": {"enabled": True}}))
+    with pytest.raises(UserError, match="bf16 and fp16 both enabled"):
+        read_engine_file(both)

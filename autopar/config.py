@@ -36,11 +36,12 @@ class TrainConfig:
     """Mixture-of-experts routing: the most-loaded expert-parallel rank's tokens over the mean
     where the experts are exchanged dropless (1: even), what its group waits for. Experts that
     take their tokens grouped with a capacity run the same work however tokens are routed."""
-    tp_runtime: str = "dtensor"
+    tp_runtime: str | None = None
     """How tensor parallelism runs, for pricing: dtensor (the generated module: each split module
     dispatches through DTensor on the host, cost_models.host) or plain (plain tensors and explicit
-    collectives, as Megatron-LM and nanotron run it: no such host cost). Compile always
-    generates the dtensor runtime; plain prices runs of those engines (benchmarks/published)."""
+    collectives, as Megatron-LM and nanotron run it: no such host cost). Unset: the runtime of
+    plan.engine (Megatron-LM's is plain, torchtitan's and accelerate's DTensor), else dtensor.
+    Compile always generates the dtensor runtime; plain prices runs of those engines."""
     zero3_runtime: str = "fsdp2"
     """How ZeRO-3 runs, for pricing: fsdp2 (the generated module: one all-gather per block,
     prefetched) or deepspeed_2021 (DeepSpeed's stage 3 as published 2021 runs ran it: one

@@ -35,6 +35,7 @@ class EngineWriter:
     read: Callable[[str], "EngineSettings"]  # the engine's file back into autopar settings (`--from`)
     # What the engine itself would reject of a file read back, once the world size is known.
     rules: Callable[["EngineSettings", int], list[str]] = lambda settings, world_size: []
+    tp_runtime: str = "dtensor"  # how it runs tensor parallelism (cost_models TrainSpec.tp_runtime)
 
 
 @dataclass
@@ -86,6 +87,7 @@ def read_engine_file(path: Path) -> EngineSettings:
                         "pass a DeepSpeed .json, an accelerate .yaml, or Megatron-LM / torchtitan arguments "
                         "(--tensor-model-parallel-size ..., --parallelism.* ...).")
     settings = writers()[engine].read(text)
+    settings.pins.setdefault("plan.engine", engine)  # priced as that engine runs it (its tp_runtime)
     if settings.problems:
         raise UserError(f"{path} ({engine}) holds what autopar cannot price: {'; '.join(settings.problems)}.",
                         "change those settings to ones the engine and autopar both run.")

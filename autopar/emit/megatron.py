@@ -148,4 +148,6 @@ def rules(settings: EngineSettings, world_size: int) -> list[str]:
     return problems
 
 
-WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render, layout_refusal, read, rules)
+# Megatron-LM's tensor parallelism runs on plain tensors with explicit collectives: no DTensor
+# dispatch on the host (cost_models.host), priced so under plan.engine=megatron.
+WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render, layout_refusal, read, rules, tp_runtime="plain")

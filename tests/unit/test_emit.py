@@ -366,3 +366,26 @@ def test_megatron_sequence_parallel_without_tp_is_priced_as_megatron_runs_it(tmp
     both.write_text(json.dumps({"bf16": {"enabled": True}, "fp16": {"enabled": True}}))
     with pytest.raises(UserError, match="bf16 and fp16 both enabled"):
         read_engine_file(both)
+
+
+def test_a_named_engine_is_priced_as_it_runs_tensor_parallelism(examples_dir, tmp_path):
+    """Megatron-LM's TP runs on plain tensors (no DTensor dispatch on the host): with
+    plan.engine=megatron a tp=2 plan on an H100 node is priced as train.tp_runtime=plain prices it,
+    below the generated module's DTensor price; an explicit train.tp_runtime wins; a Megatron file
+    read back carries its engine, so `--from` prices it so too."""
+    from autopar.config import compose_config
+    from autopar.driver import run_estimate
+    from autopar.emit import read_engine_file
+
+    pins = ["cluster=dgx_h100", "cluster.nodes=1", "model.layers=2", "model.hidden=64", "model.heads=4",
+            "model.seq_len=32", "model.vocab=128", "train.global_batch_size=8", "plan.tp=2"]
+
+    def price(*extra: str) -> float:
+        return run_estimate(examples_dir / "gpt.py", compose_config([*pins, *extra]))[2].step_time_s
+
+    megatron = price("plan.engine=megatron")
+    assert megatron == price("train.tp_runtime=plain") < price()
+    assert price("plan.engine=megatron", "train.tp_runtime=dtensor") == price()
+    file = tmp_path / "megatron_args.txt"
+    file.write_text("--tensor-model-parallel-size 2\n--micro-batch-size 1\n--global-batch-size 8\n")
+    assert read_engine_file(file).pins["plan.engine"] == "megatron"

@@ -44,9 +44,11 @@ test: setup
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests/unit
 	$(PYTEST) -n $(DIST_WORKERS) --dist loadfile tests/dist tests/zoo
 
-# Undefined and unused names and pycodestyle's errors (pyproject.toml [tool.ruff]); CI runs it.
+# Undefined and unused names and pycodestyle's errors (pyproject.toml [tool.ruff]), and types
+# ([tool.mypy]); CI runs it.
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 test-full: setup
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests/unit --extended

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 try:
     import resource
 except ImportError:  # not on Windows: there the address-space cap is not set
-    resource = None
+    resource = None  # type: ignore[assignment]
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -114,6 +114,8 @@ def load_model_file(path: str | Path) -> ModelFile:
                              "correct the syntax; `python -m py_compile` shows the same error.") from None
     module_name = f"autopar_user_model_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"{path} cannot be imported as a Python module.", "pass a .py file.")
     module = importlib.util.module_from_spec(spec)
     # Registered so dataclasses/pickle inside the user's file can find their module; the file's
     # folder goes on sys.path so it can import its neighbours, as `python model.py` would.

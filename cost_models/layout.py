@@ -205,8 +205,9 @@ class ParallelLayout:
 # Fields of ParallelLayout held as enum members, and each enum's members by value.
 _ENUM_FIELDS = (("zero_stage", ZeroStage), ("schedule", Schedule), ("cp_strategy", CPStrategy), ("dp_sync", DPSync),
                 ("ep_dispatch", ExpertDispatch))
-_MEMBERS = {enum: {member.value: member for member in enum} for enum in (ZeroStage, Schedule, CPStrategy, DPSync,
-                                                                         Recompute, ExpertDispatch)}
+_MEMBERS: dict[type, dict[Any, Any]] = {
+    enum: {member.value: member for member in enum}
+    for enum in (ZeroStage, Schedule, CPStrategy, DPSync, Recompute, ExpertDispatch)}
 # Every field's default, as `__post_init__` leaves it (what `of_final_values` starts from).
 _DEFAULTS = dict(ParallelLayout().__dict__)
 
@@ -265,7 +266,7 @@ def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSp
     `dropless_experts`: every MoE layer exchanged dropless; `expert_width`: what every MoE
     layer's experts' width divides into, 0: it cannot be split)."""
     names = list(layer_names) if not isinstance(layer_names, int) else None
-    num_layers = len(names) if names is not None else layer_names
+    num_layers = len(names) if names is not None else int(layer_names)
     for axis in AXES:
         if not isinstance(layout.degree(axis), int) or layout.degree(axis) < 1:
             raise ValueError(f"{axis} must be a positive integer, got {layout.degree(axis)!r}")

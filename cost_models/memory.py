@@ -52,7 +52,7 @@ Recomputation (`LayerActivations`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import AbstractSet, Any, Iterable
 
 STATE_BYTES_PER_PARAM = {
     # precision kind -> optimizer -> (weights, gradients, optimizer states K) bytes per parameter
@@ -181,9 +181,9 @@ class LayerActivations:
         return self.saved_sharded_bytes + self.saved_replicated_bytes + self.saved_full_bytes
 
 
-def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: set[str] = frozenset(),
-                      row_parallel: set[str] = frozenset(), tp: int = 1,
-                      gathered: set[str] = frozenset()) -> LayerActivations:
+def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: AbstractSet[str] = frozenset(),
+                      row_parallel: AbstractSet[str] = frozenset(), tp: int = 1,
+                      gathered: AbstractSet[str] = frozenset()) -> LayerActivations:
     """Account a layer's activations from its forward ops.
 
     Args:

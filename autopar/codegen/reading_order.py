@@ -34,10 +34,10 @@ def in_reading_order(source: str) -> str:
         if node is None:
             continue
         first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
-        spans.append((comments_above(lines, first, ""), node.end_lineno))
+        spans.append((comments_above(lines, first, ""), node.end_lineno or node.lineno))
     moved = {number for start, end in spans for number in range(start, end + 1)}
     story = "\n\n\n".join("\n".join(lines[start - 1:end]) for start, end in spans)
-    anchor_end = defined[ANCHOR].end_lineno
+    anchor_end = defined[ANCHOR].end_lineno or defined[ANCHOR].lineno
     before = [line for number, line in enumerate(lines[:anchor_end], start=1) if number not in moved]
     after = [line for number, line in enumerate(lines[anchor_end:], start=anchor_end + 1) if number not in moved]
     text = "\n".join(before).rstrip("\n") + "\n\n\n" + banner(STORY_TITLE) + "\n" + story + "\n\n\n" \

@@ -17,6 +17,7 @@ recompute option; the order inside a stage does not change time or memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -101,7 +102,9 @@ class BlockPartitioner:
                 model.add_hint(k[d][r], share if r == fastest else 0)
 
         block = f  # any block's prices stand for all of them
-        device_time, per_step, memory = [[] for _ in range(p)], [[] for _ in range(p)], [[] for _ in range(p)]
+        device_time: list[list[Any]] = [[] for _ in range(p)]
+        per_step: list[list[Any]] = [[] for _ in range(p)]
+        memory: list[list[Any]] = [[] for _ in range(p)]
         for d in range(p):
             speed = problem.speed_of(d)
             device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][r] for r in range(options)]

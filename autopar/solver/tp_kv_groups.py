@@ -142,7 +142,7 @@ def kv_groups(profile: "ModelProfile", tp: int) -> KVGroups | None:
     from autopar.solver.space import ModelShape
 
     shape = ModelShape.from_profile(profile)
-    if not shape.kv_grouped(tp) or not shape.head_dim:
+    if not shape.kv_grouped(tp) or not shape.head_dim or shape.kv_heads is None or shape.heads is None:
         return None
     width = shape.kv_heads * shape.head_dim
     feeding = _key_value_producers(profile)

@@ -219,7 +219,7 @@ def _sdpa_mask_reason(node: torch.fx.Node, args: list[Any], seq_len: int,
                       fed: dict[str, torch.Tensor]) -> str | None:
     mask_node = _mask_argument(node)
     mask = _value(mask_node) if mask_node is not None else None
-    if not isinstance(mask, torch.Tensor):
+    if mask_node is None or not isinstance(mask, torch.Tensor):
         return None
     query, key = args[0], args[1]
     # The one mask CP understands: causal over the local tokens (queries x keys, both S). A mask
@@ -251,7 +251,8 @@ def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None =
     -> value) alone, by running those ops on real tensors; None when a parameter or any other
     graph input is among its ancestors, or a tensor on the way holds more than ``most_elements``."""
     inputs = inputs or {}
-    ancestors, stack = set(), [node]
+    ancestors: set[torch.fx.Node] = set()
+    stack = [node]
     while stack:
         current = stack.pop()
         if current in ancestors:
@@ -264,7 +265,8 @@ def constant_value(node: torch.fx.Node, inputs: dict[str, torch.Tensor] | None =
             return None
         ancestors.add(current)
         stack.extend(current.all_input_nodes)
-    graph, copies = torch.fx.Graph(), {}
+    graph = torch.fx.Graph()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
     placeholders = []
     for current in node.graph.nodes:  # graph order is a topological order
         if current in ancestors:

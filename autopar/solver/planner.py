@@ -26,8 +26,8 @@ from cost_models.mesh import Mesh
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
-from cost_models.uncertainty import (Extrapolation, PredictionInterval, extrapolations, pessimistic_cluster,
-                                     techniques_of)
+from cost_models.uncertainty import (RESIDUAL_LOW, Extrapolation, PredictionInterval, extrapolations,
+                                     pessimistic_cluster, techniques_of)
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
@@ -108,6 +108,11 @@ def split_of(layout: Any) -> tuple:
             getattr(layout, "ep", 1))
 
 
+def _s(seconds: float) -> str:
+    """A step time in words: seconds, or milliseconds below one second."""
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
+
+
 def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
     """The candidate completed with its stage split and per-layer recomputation."""
     return replace(candidate, stages=tuple(tuple(stage) for stage in stages), recompute=recompute)
@@ -151,6 +156,7 @@ class Planner:
         if pins.layer_recompute:
             options = tuple(dict.fromkeys([*options, "none", *pins.layer_recompute.values()]))
         self.pricer = PlanPricer(profile, cluster, train, self.splitter, recompute_options=options)
+        self._intervals: dict[ParallelLayout, PredictionInterval] = {}
 
     def candidates(self, cluster: ClusterSpec | None = None) -> list[Candidate]:
         cluster = cluster or self.cluster
@@ -225,7 +231,8 @@ class Planner:
             candidates = rest
         fastest, robust = winner, None
         if self.solver.objective == "robust":
-            robust = self._robust_choice(winner, candidates, result.work, search.floors)
+            robust = self._robust_choice(winner, candidates, result.work, search.floors) \
+                or self._better_known(winner, result.work, search.floors)
             if robust is not None:
                 winner = robust[0]
         plan, estimate = self.to_plan(winner, result)
@@ -272,8 +279,14 @@ class Planner:
                               data_parallel_ranks=layout.dp * layout.cp)
 
     def interval(self, scored: Scored) -> PredictionInterval:
-        """The plan's predicted step, its pessimistic price and why they differ."""
+        """The plan's predicted step, its pessimistic price and why they differ (once per layout:
+        the plan, its runners-up and the robust choice ask for the same ones)."""
         layout = self._layout(scored)
+        if layout not in self._intervals:
+            self._intervals[layout] = self._priced_interval(layout)
+        return self._intervals[layout]
+
+    def _priced_interval(self, layout: ParallelLayout) -> PredictionInterval:
         predicted = self.pricer.estimate(layout).step_time_s
         extrapolation = self._extrapolation(layout)
         pessimistic_s = predicted
@@ -317,6 +330,39 @@ class Planner:
                        f"pessimistic value (intervals {mine.low_s:.2f}-{mine.high_s:.2f} s and "
                        f"{theirs.low_s:.2f}-{theirs.high_s:.2f} s overlap); chose {self._summary(other)}, "
                        f"{theirs.extrapolated_share:.0%} slower at its pessimistic value")
+
+    def _better_known(self, fastest: Scored, spent: float,
+                      floors: list[tuple[float, int, Candidate]]) -> tuple[Scored, str] | None:
+        """When the fastest plan's data-parallel group (dp x cp ranks) is wider than any calibration
+        run's, so that its interval widens (cost_models.uncertainty.ScaleTrend): the best plan
+        whose group is not, searched among the first search's candidates (within its work, cut off
+        where its nominal price could no longer bring its worst case below the fastest plan's);
+        chosen, with the reason in words, if its interval overlaps the fastest plan's and its top
+        is lower. None otherwise."""
+        from cost_models import uncertainty
+
+        trend = uncertainty.SCALE_TRENDS.get("data_parallel_ranks")
+        widest = trend.calibrated_max if trend is not None else None
+        if widest is None or fastest.candidate.dp * fastest.candidate.cp <= widest:
+            return None
+        narrower = [floor for floor in floors if floor[2].dp * floor[2].cp <= widest]
+        if not narrower:
+            return None
+        mine = self.interval(fastest)
+        found = PlanSearch(self.pricer, time_limit_s=self.solver.time_limit_s, top_k=3, seed=self.solver.seed,
+                           workers=self.solver.threads, work_limit=min(self.solver.work_limit, max(1.0, spent)),
+                           fixed_partition=self._pinned_partition()).run(
+            [floor[2] for floor in narrower], cutoff_s=mine.high_s * (1 + RESIDUAL_LOW), floors=narrower)
+        for other in sorted(found.best):
+            theirs = self.interval(other)
+            if theirs.overlaps(mine) and theirs.high_s < mine.high_s:
+                faster = theirs.predicted_s / mine.predicted_s - 1
+                widened = [reason for reason in mine.reasons if "more than any calibration run" in reason]
+                return other, (f"{self._summary(fastest)} is {faster:.1%} faster on paper ({_s(mine.predicted_s)} vs "
+                               f"{_s(theirs.predicted_s)} a step) but its cost is less known: {'; '.join(widened)} "
+                               f"(intervals {_s(mine.low_s)}-{_s(mine.high_s)} and {_s(theirs.low_s)}-"
+                               f"{_s(theirs.high_s)} overlap); chose {self._summary(other)}, whose worst case is lower")
+        return None
 
     def _layout(self, scored: Scored) -> ParallelLayout:
         return layout_of(scored.candidate, *self._named_partition(scored))

@@ -292,6 +292,31 @@ def test_robust_objective_prefers_the_plan_that_extrapolates_less(examples_dir):
     assert robust.alternatives[0].plan.summary() == fastest.plan.summary()
 
 
+def test_robust_objective_prefers_the_plan_whose_cost_is_better_known(examples_dir, monkeypatch):
+    """With a calibration whose out-of-sample error falls steeply beyond 2 data-parallel ranks, the
+    fastest plan on one H100 node (the widest data-parallel group) gets the widest interval; the
+    robust objective takes a runner-up whose interval overlaps it and whose top is lower, and says
+    the fastest plan's cost is less known. objective=throughput keeps the fastest."""
+    import cost_models.uncertainty as uncertainty
+    from cost_models.uncertainty import ScaleTrend
+
+    steep = ScaleTrend.fit("data_parallel_ranks", [1, 2, 2, 1], [0.0, -0.3, -0.32, 0.02])
+    monkeypatch.setattr(uncertainty, "SCALE_TRENDS", {"data_parallel_ranks": steep})
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 4, "hidden": 512, "heads": 8, "seq_len": 256,
+                                                  "vocab": 1024})
+    spec = cluster("H100-SXM", 1, 8)
+    train = TrainSpec(global_batch_size=64)
+    fastest = Planner(profile, spec, train, SolverConfig(objective="throughput", top_k=4), PlanPins()).run()
+    robust = Planner(profile, spec, train, SolverConfig(top_k=4), PlanPins()).run()
+    assert fastest.plan.dp * fastest.plan.cp > 2
+    assert robust.plan.summary() != fastest.plan.summary()
+    mine, theirs = fastest.plan.predicted, robust.plan.predicted
+    assert theirs.step_time_low_s <= mine.step_time_high_s and mine.step_time_low_s <= theirs.step_time_high_s
+    assert theirs.step_time_high_s < mine.step_time_high_s
+    note = robust.binding[0].relaxing
+    assert "cost is less known" in note and "ranks in a data-parallel group" in note
+    assert robust.alternatives[0].plan.summary() == fastest.plan.summary()
+
 
 def test_collector_paused_while_planning_and_restored_after():
     """Planning pauses the cyclic garbage collector (allocation-triggered collections walked the

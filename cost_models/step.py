@@ -145,6 +145,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self._totals_cache: dict[int, tuple[list, list]] = {}
         self._devices: dict[tuple, Any] = {}
         self._placements: dict[tuple, GroupPlacement] = {}
+        self._scalar_all_reduce_s: dict[int, float] = {}
         self._collectives: dict[tuple, Any] = {}
         self._rank_gpus: dict[tuple, list[list[GPUSpec]]] = {}
         self._peak_flops = sum(self.cluster.gpu_of_rank(r).flops(self.compute.dtype)
@@ -294,11 +295,11 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         calls = int(self.train.clip_grad_norm) + int(self.weighs_tokens(layout))
         if not calls:
             return 0.0
-        key = ("scalar", layout.world_size)  # every rank: the mesh order does not change the group
-        if key not in self._placements:
-            group = self.cluster.group_links(list(range(layout.world_size)))
-            self._placements[key] = self.collective_s(Collective.ALL_REDUCE, SCALAR_BYTES, group)
-        return calls * self._placements[key]
+        ranks = layout.world_size  # every rank: the mesh order does not change the group
+        if ranks not in self._scalar_all_reduce_s:
+            group = self.cluster.group_links(list(range(ranks)))
+            self._scalar_all_reduce_s[ranks] = self.collective_s(Collective.ALL_REDUCE, SCALAR_BYTES, group)
+        return calls * self._scalar_all_reduce_s[ranks]
 
     def weighs_tokens(self, layout: Any) -> bool:
         """Whether the step weighs a token-level loss by counts: the loss is a mean over the
@@ -325,6 +326,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         fits = partition is not None
         if partition is None:
             partition = evaluate(replace(problem, capacity_bytes=[2**62] * problem.devices), starts, options)
+        if partition is None:  # without a memory limit every split evaluates
+            raise ValueError("the stage split cannot be priced")
         return self._assemble(layout, problem, partition, fits)
 
     def stage_starts(self, layout: ParallelLayout) -> list[int]:

@@ -48,7 +48,8 @@ def _ms(seconds: float) -> str:
 
 def sections(report: PlanReport) -> list[Section]:
     plan, estimate, predicted = report.plan, report.estimate, report.plan.predicted
-    result = [Section("The plan in words", describe_plan(report))]
+    words: list[str | Table | Image] = list(describe_plan(report))
+    result = [Section("The plan in words", words)]
     rate = (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s is not None
             else f"{predicted.samples_per_s:,.1f} samples/s")
     cost = report.cost_per_million_tokens
@@ -125,9 +126,11 @@ def mesh_section(report: PlanReport) -> Section:
     shown_nodes = min(cluster.nodes, GRID_NODES_SHOWN)
     cells = rank_cells(plan, per_node, limit=shown_nodes * per_node)
     axes = [axis for axis in reversed(plan.mesh_order) if plan.degree(axis) > 1] or ["dp"]
-    rows, colours = [], []
+    rows: list[list[str]] = []
+    colours: list[list[str | None]] = []
     for node in range(shown_nodes):
-        row, colour = [f"node {node} ({cluster.gpu_types[node]})"], [None]
+        row: list[str] = [f"node {node} ({cluster.gpu_types[node]})"]
+        colour: list[str | None] = [None]
         for cell in cells[node * per_node:(node + 1) * per_node]:
             row.append(f"r{cell.rank} " + " ".join(f"{axis}{cell.coords[axis]}" for axis in axes))
             colour.append(STAGE_COLOURS[cell.coords["pp"] % len(STAGE_COLOURS)])

@@ -219,7 +219,7 @@ class ILPSplitter:
         def sharded(op) -> bool:
             return op.name in sharded_ops if op.phase == "forward" else op.module in sharded_modules
 
-        def divisor(op) -> int:
+        def divisor(op) -> float:
             return tp if sharded(op) else by_groups.get(op.module, 1)
 
         forward = [op for op in ops if op.phase == "forward" and op.op_class != "view"]
@@ -344,7 +344,8 @@ def _producer_through_views(source: str, by_name: dict[str, Any]) -> Any:
     return op
 
 
-def issued_collectives(events: list[tuple[str, str, float]], by_name: dict[str, Any], strategy: dict[str, str],
+def issued_collectives(events: list[tuple[str, str, int]] | list[tuple[str, str, float]], by_name: dict[str, Any],
+                       strategy: dict[str, str],
                        tied: list[tuple[str, float]], regions: set[str]) -> IssuedCollectives:
     """The ILP's resharding events as torch's styles run them.
 

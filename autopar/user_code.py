@@ -88,20 +88,20 @@ def exits_refused() -> Iterator[None]:
                 return original(*args, **kwargs)
             call = f"os._exit({args[0] if args else ''})" if name == "_exit" else f"os.{name}()"
             raise ExitCalled(call, caller_frame())
-        refuse._autopar_guard = True
+        setattr(refuse, "_autopar_guard", True)  # a marker the nested guard looks for
         return refuse
 
     for name, original in originals.items():
         setattr(os, name, guarded(name, original))
-    if posix_exit is not None:
-        posix._exit = os._exit
+    if posix is not None and posix_exit is not None:
+        setattr(posix, "_exit", os._exit)
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(os, name, original)
-        if posix_exit is not None:
-            posix._exit = posix_exit
+        if posix is not None and posix_exit is not None:
+            setattr(posix, "_exit", posix_exit)
 
 
 @contextlib.contextmanager

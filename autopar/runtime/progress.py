@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -99,7 +99,7 @@ class ProgressState:
     def eta_s(self) -> float | None:
         """Seconds left at the rate of the steps since `segment_start`; None until two steps of
         one segment are seen, or without a total."""
-        if self.total_steps is None or self.segment_start is None or self.step is None:
+        if self.total_steps is None or self.segment_start is None or self.step is None or self.last_time is None:
             return None
         first_step, first_time = self.segment_start
         if self.step == first_step:
@@ -107,7 +107,7 @@ class ProgressState:
         per_step = (self.last_time - first_time) / (self.step - first_step)
         return max(0, self.total_steps - self.done) * per_step
 
-    def fields(self) -> dict[str, str]:
+    def fields(self) -> dict[str, Any]:
         """The shown values, formatted ("" for what is not known yet)."""
         eta = self.eta_s()
         return {"loss": "" if self.loss is None else f"loss {self.loss:.4f}",

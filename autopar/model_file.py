@@ -287,7 +287,7 @@ def _run_for_real(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int
                   dtype: torch.dtype | None, fake: FakeBuild, err: Exception) -> Any:
     """``run`` on a real build after the fake one raised ``err``; ``err`` itself where the model
     is too large to build for real, or the real run fails too (then the fault is not the fakes')."""
-    if not (getattr(err, "fake_unsupported", False) or not isinstance(err, UserError)):
+    if isinstance(err, UserError) and not getattr(err, "fake_unsupported", None):
         raise err  # autopar's own refusal (the user's function raised, a loss without parameters, ...)
     size = sum(t.numel() * t.element_size() for t in _tensors_of(fake.model))
     limit = real_trace_limit_bytes()

@@ -150,6 +150,7 @@ class ScaleTrend:
 SCALE_TRENDS = {name: ScaleTrend(name, **fields)
                 for name, fields in load_calibration().get("scale_trends", {}).items()}
 SIZE_WORDS = {"gpus": "GPUs", "data_parallel_ranks": "ranks in a data-parallel group"}
+BEYOND_CALIBRATION = "more than any calibration run"  # how a size's reason says it (the planner quotes those)
 LOWEST_RESIDUAL = -0.9  # a widened low bound stops here: a run at most 10x slower than predicted
 
 
@@ -259,7 +260,7 @@ def scale_widening(sizes: dict[str, int], trends: dict[str, ScaleTrend] | None =
             continue
         down, up = trend.widening(value)
         low, high = max(LOWEST_RESIDUAL, min(low, RESIDUAL_LOW + down)), max(high, RESIDUAL_HIGH + up)
-        reasons.append(f"{value:,} {SIZE_WORDS[name]}, more than any calibration run ({trend.calibrated_max:,}): "
+        reasons.append(f"{value:,} {SIZE_WORDS[name]}, {BEYOND_CALIBRATION} ({trend.calibrated_max:,}): "
                        f"the interval widened as the out-of-sample error's trend in {SIZE_WORDS[name]} "
                        f"extrapolates ({RESIDUAL_LOW + down:+.0%}/{RESIDUAL_HIGH + up:+.0%})")
     return low, high, reasons

@@ -106,10 +106,11 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = dict(plan.provenance.model_kwargs if model_kwargs is None else model_kwargs)
     gpus_per_node = gpus_per_node or plan.world_size
-    facts = inspect_model(model_path, kwargs, batch_size=max(1, plan.micro_batch_size))
+    facts = inspect_model(model_path, kwargs, batch_size=max(1, plan.micro_batch_size), real_values=plan.real_values)
     check_plan(plan, facts)
     tp = build_tp_plan(plan, facts)
-    reads = layer_reads(model_path, kwargs, plan.layer_names, max(1, plan.micro_batch_size)) if plan.pp > 1 else None
+    reads = (layer_reads(model_path, kwargs, plan.layer_names, max(1, plan.micro_batch_size), plan.real_values)
+             if plan.pp > 1 else None)
     layout = derive_layout(plan, facts, gpus_per_node, reads)
     name = model_path.stem
     script = out_dir / f"parallel_{name}.py"

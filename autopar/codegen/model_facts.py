@@ -106,10 +106,12 @@ def module_kind(module: nn.Module) -> str:
     return "other"
 
 
-def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_size: int = 1) -> ModelFacts:
-    """Build ``model_path``'s model under FakeTensorMode, run one forward, and record its facts."""
+def inspect_model(model_path: str | Path, model_kwargs: dict[str, Any], batch_size: int = 1,
+                  real_values: str | None = None) -> ModelFacts:
+    """Build ``model_path``'s model under FakeTensorMode, run one forward, and record its facts
+    (built for real where the plan says fake tensors cannot run it: ``real_values``)."""
     model_file = load_model_file(model_path)
-    return build_fake_for(model_file, model_kwargs, batch_size, _inspect_built)
+    return build_fake_for(model_file, model_kwargs, batch_size, _inspect_built, real_values=real_values)
 
 
 def _inspect_built(build: FakeBuild) -> ModelFacts:

@@ -85,13 +85,14 @@ def _called_modules(module: nn.Module) -> list[nn.Module]:
 
 
 def layer_reads(model_path: str | Path, model_kwargs: dict[str, Any], layers: list[str],
-                batch_size: int = 1) -> LayerReads:
-    """Trace one forward and loss of ``model_path`` on fake tensors; what each of ``layers`` and
-    the loss read (see the module docstring)."""
+                batch_size: int = 1, real_values: str | None = None) -> LayerReads:
+    """Trace one forward and loss of ``model_path`` on fake tensors (real ones where the plan says
+    fake tensors cannot run it: ``real_values``); what each of ``layers`` and the loss read (see
+    the module docstring)."""
     allow_fp32_grouped_mm_on_fake_tensors()  # fp32 MoE experts, as when the model was traced
     model_file = load_model_file(model_path)
     return build_fake_for(model_file, model_kwargs, batch_size,
-                          lambda build: _layer_reads_built(model_file, build, layers))
+                          lambda build: _layer_reads_built(model_file, build, layers), real_values=real_values)
 
 
 def _layer_reads_built(model_file: ModelFile, build: FakeBuild, layers: list[str]) -> LayerReads:

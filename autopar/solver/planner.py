@@ -357,7 +357,7 @@ class Planner:
             theirs = self.interval(other)
             if theirs.overlaps(mine) and theirs.high_s < mine.high_s:
                 faster = theirs.predicted_s / mine.predicted_s - 1
-                widened = [reason for reason in mine.reasons if "more than any calibration run" in reason]
+                widened = [reason for reason in mine.reasons if uncertainty.BEYOND_CALIBRATION in reason]
                 return other, (f"{self._summary(fastest)} is {faster:.1%} faster on paper ({_s(mine.predicted_s)} vs "
                                f"{_s(theirs.predicted_s)} a step) but its cost is less known: {'; '.join(widened)} "
                                f"(intervals {_s(mine.low_s)}-{_s(mine.high_s)} and {_s(theirs.low_s)}-"

@@ -16,8 +16,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from autopar.errors import ConfigError
-from cost_models.bounds import Bound, out_of_range
+from autopar.domain.bounds import Bound, out_of_range
 from cost_models.topology import CLUSTER_BOUNDS, NODE_GROUP_BOUNDS, ClusterConfig, NodeGroupConfig
+from autopar.domain.vocabulary import RECOMPUTE_OPTIONS, SCHEDULES
 
 
 @dataclass
@@ -185,9 +186,9 @@ class SolverConfig:
     """Let a tensor-parallel group span nodes (slow links; off as in every production setup)."""
     max_micro_batch_size: int = 16
     """Largest micro-batch size considered."""
-    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "interleaved_1f1b"])
+    schedules: list[str] = field(default_factory=lambda: list(SCHEDULES))
     """Pipeline schedules considered."""
-    recompute_options: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    recompute_options: list[str] = field(default_factory=lambda: list(RECOMPUTE_OPTIONS))
     """Per-layer activation recomputation choices considered."""
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     """ZeRO stages considered when there is data parallelism."""

@@ -5,9 +5,9 @@ solving again; `provenance` records what it was made from (model file hash, clus
 so a stale plan is detected.
 
 Mesh axes are named by `MeshAxis` and listed innermost (fastest links) to outermost in
-`mesh_order`; where each rank sits is `cost_models.mesh.Mesh`'s arithmetic. The vocabulary
+`mesh_order`; where each rank sits is `autopar.domain.mesh.Mesh`'s arithmetic. The vocabulary
 (`MeshAxis`, `Schedule`, `Recompute`, `ZeroStage`, `DPSync`, `CPStrategy`) is the cost model's
-(`cost_models.layout`), so the search, the pricer, this file and codegen spell a choice one way;
+(`autopar.domain.layout`), so the search, the pricer, this file and codegen spell a choice one way;
 `layout()` gives the frozen `ParallelLayout` the pricer reads.
 """
 from __future__ import annotations
@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable, upgrade_block_containers
-from cost_models.bounds import Bound, out_of_range
-from cost_models.layout import ParallelLayout
-from cost_models.vocabulary import CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle, ZeroStage
-from cost_models.mesh import Mesh
+from autopar.domain.bounds import Bound, out_of_range
+from autopar.domain.layout import ParallelLayout
+from autopar.domain.vocabulary import (CPStrategy, DPSync, ExpertDispatch, MeshAxis, Recompute, Schedule, TPStyle,
+                                       ZeroStage)
+from autopar.domain.mesh import Mesh
+from autopar.domain.rules import Problem, stage_partition, structure_problems
 
 # The largest cluster the search handles in bounded time: 65,536 GPUs (GPT, 8192 DGX nodes) plan
 # in about 20 s end to end on a 2-core machine, the search finishing within a 5 s time limit,
@@ -200,7 +202,7 @@ class Plan:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    ep_dispatch: str = "all_to_all"
+    ep_dispatch: str = ExpertDispatch.ALL_TO_ALL.value
     expert_tp: bool = False
     mesh_order: list[str] = field(default_factory=lambda: [a.value for a in MeshAxis])
     zero_stage: int = 0
@@ -219,8 +221,8 @@ class Plan:
     tp_region_attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    cp_strategy: str = "ulysses"
-    dp_sync: str = "ring"
+    cp_strategy: str = CPStrategy.ULYSSES.value
+    dp_sync: str = DPSync.RING.value
     dp_bucket_bytes: int = 25 * 2**20
     dp_shares: list[int] = field(default_factory=list)
     token_loss: bool = False
@@ -261,7 +263,7 @@ class Plan:
 
     def layout(self) -> ParallelLayout:
         """The frozen layout the cost model prices (the same decisions, as enums)."""
-        from cost_models.techniques import pinnable_sync
+        from autopar.domain.techniques import pinnable_sync
 
         return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
                               ep_dispatch=self.ep_dispatch, expert_tp=self.expert_tp, mesh_order=tuple(self.mesh_order),
@@ -290,7 +292,7 @@ class Plan:
             parts.append(self.schedule + (f" v={self.chunks}" if self.chunks > 1 else ""))
         if self.sequence_parallel:
             parts.append("SP")
-        parts.append("recompute " + "/".join(sorted(set(self.recompute.values())) or ["none"]))
+        parts.append("recompute " + "/".join(sorted(set(self.recompute.values())) or [Recompute.NONE.value]))
         return " ".join(parts)
 
     def problems(self) -> list[str]:
@@ -299,24 +301,12 @@ class Plan:
         Only the plan's own consistency: whether it suits a model or cluster is checked where
         those are known."""
         found = self._number_problems()
-        if sorted(self.mesh_order) != sorted(a.value for a in MeshAxis):
-            found.append(f"mesh_order {list(self.mesh_order)} must order exactly the axes tp, cp, pp, dp")
         found += self._technique_problems()
         if found:
             return found  # the checks below assume sane numbers
         if self.world_size > MAX_WORLD_SIZE:
             found.append(f"its world size dp×tp×pp×cp = {self.world_size:,} is above the {MAX_WORLD_SIZE:,} GPUs "
                          "autopar plans for")
-        if (self.dp * self.cp) % self.ep:
-            found.append(f"ep={self.ep} does not divide dp x cp = {self.dp * self.cp} (expert parallelism is carved "
-                         "from the data- and context-parallel ranks)")
-        if self.dp_shares and (len(self.dp_shares) != self.dp
-                               or sum(self.dp_shares) != self.dp * self.micro_batch_size):
-            found.append(f"dp_shares {list(self.dp_shares)} are not dp={self.dp} shares summing to dp × "
-                         f"micro_batch_size = {self.dp * self.micro_batch_size}")
-        if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch_size:
-            found.append(f"dp × micro_batch_size × num_micro_batches = {self.dp}×{self.micro_batch_size}×"
-                         f"{self.num_micro_batches} is not the global batch {self.global_batch_size}")
         found += self._layer_problems()
         return found
 
@@ -338,7 +328,7 @@ class Plan:
 
     def _technique_problems(self) -> list[str]:
         """Values the technique registry does not know or the generated code does not run."""
-        from cost_models.techniques import Family, chosen
+        from autopar.domain.techniques import Family, chosen
 
         found = []
         for family in Family:
@@ -349,19 +339,13 @@ class Plan:
         return found
 
     def _layer_problems(self) -> list[str]:
-        if not self.layer_names:
-            return ["it lists no layers (layer_names)"]
-        found = []
-        if [name for stage in self.stages for name in stage] != list(self.layer_names) or not all(self.stages):
-            found.append("stages do not list every layer once, in order")
-        if len(self.stages) != self.pp * self.chunks:
-            found.append(f"{len(self.stages)} stages for pp × chunks = {self.pp}×{self.chunks}")
-        stray = sorted(set(self.recompute) - set(self.layer_names))
-        if stray:
-            found.append(f"recompute names unknown layers ({', '.join(stray[:3])})")
-        bad = sorted({str(v) for v in self.recompute.values()} - {r.value for r in Recompute})
-        if bad:
-            found.append(f"recompute '{bad[0]}' is not one of {', '.join(r.value for r in Recompute)}")
+        """The structure's rules (autopar.domain.rules, the same the pricer and codegen ask; a plan
+        lists its stages even at pp=1), then what only a plan holds: its tensor-parallel styles."""
+        found = [] if self.layer_names else ["it lists no layers (layer_names)"]
+        broken: list[Problem | None] = [*structure_problems(self, self.layer_names or None, self.global_batch_size)]
+        if not self.stages:
+            broken.append(stage_partition(self.stages, self.layer_names))
+        found += [problem.problem for problem in broken if problem]
         styles = sorted({str(v) for v in self.tp_styles.values()} - set(TP_STYLES))
         if styles:
             found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 
 from autopar.errors import ConfigError
 from autopar.model_file import load_model_file
-from cost_models.layout import ParallelLayout, TrainSpec
+from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.topology import ClusterSpec
-from cost_models.vocabulary import TP_RUNTIMES, ZERO3_RUNTIMES
+from autopar.domain.vocabulary import TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, Recompute, Schedule
 
 def model_kwargs(cfg: Any) -> dict[str, Any]:
     """The ``model.*`` section as plain Python values."""
@@ -99,14 +99,14 @@ def pinned_layout(cfg: Any, cluster: ClusterSpec) -> ParallelLayout:
     if cfg.train.global_batch_size % (dp * micro):
         raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
                           f"dp×micro_batch_size = {dp}×{micro}.", "change the batch or plan.micro_batch_size.")
-    schedule = pins.schedule or ("interleaved_1f1b" if (pins.chunks or 1) > 1 else "1f1b")
+    schedule = pins.schedule or (Schedule.INTERLEAVED_1F1B if (pins.chunks or 1) > 1 else Schedule.ONE_F_ONE_B)
     return ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=pins.ep or 1, expert_tp=bool(pins.expert_tp),
                           zero_stage=pins.zero_stage or 0,
                           hybrid_shard=bool(pins.hybrid_shard), micro_batch_size=micro,
                           num_micro_batches=cfg.train.global_batch_size // (dp * micro), schedule=schedule,
                           chunks=pins.chunks or 1, sequence_parallel=bool(pins.sequence_parallel),
-                          cp_strategy=pins.cp_strategy or "ulysses", dp_sync=pins.dp_sync or "auto",
-                          recompute=pins.recompute or "none")
+                          cp_strategy=pins.cp_strategy or CPStrategy.ULYSSES, dp_sync=pins.dp_sync or DPSync.AUTO,
+                          recompute=pins.recompute or Recompute.NONE)
 
 
 def precision_note(cfg: Any) -> str | None:

@@ -6,7 +6,8 @@
                    TrainSpec(global_batch_size=16), tp_splitter)
     est.step_time_s, est.mfu, est.peak_memory_bytes, est.time_breakdown
 
-The package never imports autopar; it reads a ModelProfile by duck typing. Tensor parallelism is
+Of autopar it imports only the plan's domain (autopar.domain: the layout, its vocabulary, rules
+and technique registry), which imports nothing above it; it reads a ModelProfile by duck typing. Tensor parallelism is
 priced by the split the planner chooses and codegen emits, passed in as ``tp_splitter``
 (autopar.solver.tp_split.ILPSplitter(profile)); without one, only tp = 1 is priced.
 """

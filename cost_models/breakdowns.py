@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cost_models.layout import ParallelLayout
+from autopar.domain.layout import ParallelLayout
 from cost_models.pipeline import Partition, PartitionProblem
+from autopar.domain.vocabulary import Recompute
 
 
 @dataclass
@@ -91,9 +92,9 @@ class Breakdowns:
             stage_timings=self._stage_timings(layout, problem, partition, stages))
 
     def _recompute_flops(self, layer: Any, option: str, layout: ParallelLayout) -> float:
-        if option == "full":
+        if option == Recompute.FULL:
             return layer.flops_forward
-        if option == "selective":
+        if option == Recompute.SELECTIVE:
             kept = ("gemm",) if self._ring_attention(layout) else ("gemm", "attention")
             return sum(c.flops for name, c in layer.forward_by_class.items() if name not in kept)
         return 0.0

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from autopar.domain.vocabulary import Recompute
+
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile
 
@@ -141,11 +143,6 @@ class ExpertFacts:
     def common_divisor(self) -> int:
         """The largest ep every MoE layer's experts divide into (0 without experts)."""
         return math.gcd(*(layer.experts for layer in self.layers.values())) if self.layers else 0
-
-
-# Why an experts module's width cannot be split over TP, as the planner and the checks say it.
-UNSPLITTABLE_WIDTH = ("their weights are not [E, a, b] with one of a, b the hidden size (the router's width) and the "
-                      "other a feed-forward width in 1 or 2 blocks")
 
 
 def feed_forward_width(shapes: list[list[int]], hidden: int | None) -> int:
@@ -280,7 +277,7 @@ def all_to_alls(option: str, dropless: bool = False) -> int:
 def forward_passes(option: str) -> int:
     """Forwards an MoE layer runs per micro-batch under a recompute option: a recomputed one
     (full, or selective, which keeps GEMM outputs but not collectives') runs twice."""
-    return 2 if option in ("full", "selective") else 1
+    return 2 if option in (Recompute.FULL, Recompute.SELECTIVE) else 1
 
 
 def count_exchanges(option: str) -> int:

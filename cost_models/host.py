@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Iterable, Mapping
 
-from cost_models.vocabulary import TPStyle
+from autopar.domain.vocabulary import TPStyle
 
 DTENSOR_MODULE_HOST_S = 1.92e-3  # seconds per DTensor module per micro-batch, forward + backward
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 
 from cost_models.collectives import Algorithm, Collective
-from cost_models.layout import ParallelLayout, fsdp_groups
+from autopar.domain.layout import ParallelLayout, fsdp_groups
 from cost_models.tp_layout import ModuleTree, sp_layer_layout
+from autopar.domain.vocabulary import CPStrategy, Recompute
 
 Counts = dict[str, int]
 
@@ -253,7 +254,7 @@ class IssuedCollectives:
         gradient (backward)."""
         if layout.cp == 1:
             return {}
-        per_pass = ({Collective.ALL_TO_ALL.value: 4} if layout.cp_strategy == "ulysses"
+        per_pass = ({Collective.ALL_TO_ALL.value: 4} if layout.cp_strategy == CPStrategy.ULYSSES
                     else {Collective.SEND_RECV.value: layout.cp - 1})
         total: Counts = {}
         for layer, option in zip(self.layers, self.layer_options(layout)):
@@ -273,6 +274,6 @@ def cp_passes(strategy: str, recompute: str) -> int:
     ring attention, `never_kept_by_selective`, and the backward reran its ring passes three
     times, a cost of codegen's query tiles being checkpointed inside the recomputed layer that
     is priced here as it runs)."""
-    if recompute == "none":
+    if recompute == Recompute.NONE:
         return 2
-    return 5 if strategy == "ring" and recompute == "selective" else 3
+    return 5 if strategy == CPStrategy.RING and recompute == Recompute.SELECTIVE else 3

@@ -19,12 +19,13 @@ from cost_models.expert_parallel import (COUNT_BYTES, all_to_alls, count_exchang
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.host import dtensor_modules, host_s
 from cost_models.issued import cp_passes
-from cost_models.layout import ParallelLayout
+from autopar.domain.layout import ParallelLayout
 from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
                                  trained_model_states)
 from cost_models.topology import GroupPlacement
 from cost_models.uncertainty import RING_ATTENTION
 from cost_models.tp_layout import SPParts
+from autopar.domain.vocabulary import CPStrategy, Recompute
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
@@ -53,7 +54,7 @@ def attention_io_bytes(op: Any) -> tuple[float, float]:
 
 # (forward passes, non-GEMM forward passes) a recompute option runs per micro-batch: selective
 # recomputation re-runs the forward's non-GEMM ops, full recomputation the whole forward.
-RECOMPUTE_PASSES = {"none": (1.0, 0.0), "selective": (1.0, 1.0), "full": (2.0, 0.0)}
+RECOMPUTE_PASSES = {Recompute.NONE: (1.0, 0.0), Recompute.SELECTIVE: (1.0, 1.0), Recompute.FULL: (2.0, 0.0)}
 
 
 def exposed_s(comm_s: float, compute_s: float) -> float:
@@ -179,23 +180,23 @@ class LayerCost:
         plain = self._compute_s(split, layout, per_token, gpu)
         # The TP group's collectives (tp_issued), priced once with and once without full
         # recomputation's re-run forward, whichever the options need.
-        tp_comm_s = {full: self._tp_comm_s(split, layout, per_token, full) for full in {o == "full" for o in options}}
-        zero_s = {full: self._zero_micro_batch_s(layer, split, layout, compute, per_token, gpu, full)
-                  for full in {o == "full" for o in options}}
+        fulls = {o == Recompute.FULL for o in options}
+        tp_comm_s = {full: self._tp_comm_s(split, layout, per_token, full) for full in fulls}
+        zero_s = {full: self._zero_micro_batch_s(layer, split, layout, compute, per_token, gpu, full) for full in fulls}
         parts = []
         for option in options:
             forward_passes, nongemm_passes = RECOMPUTE_PASSES[option]
             total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
             recompute = total - plain
-            if option == "selective" and self._ring_attention(layout):
+            if option == Recompute.SELECTIVE and self._ring_attention(layout):
                 # Selective recomputation keeps attention's output, but ring attention runs in a
                 # region it recomputes whole (its quadratic scores are never kept).
                 recompute += compute.attention_forward_s * per_token
             parts.append(self._scaled({
                 "compute": plain + self._ep_wait_s(layer, split, layout, per_token, forward_passes),
-                "recompute": recompute, "tp_comm": tp_comm_s[option == "full"],
+                "recompute": recompute, "tp_comm": tp_comm_s[option == Recompute.FULL],
                 "cp_comm": self._cp_time_s(layer, layout, scale, compute, option),
-                "ep_comm": self._ep_time_s(layer, layout, scale, option), "dp_comm": zero_s[option == "full"]}))
+                "ep_comm": self._ep_time_s(layer, layout, scale, option), "dp_comm": zero_s[option == Recompute.FULL]}))
         return parts
 
     @staticmethod
@@ -280,7 +281,7 @@ class LayerCost:
                      for rerun in (False, True)}
         comm = []
         for option in self.recompute_options:
-            comm.append(tp_comm_s[option == "full"] * self.cluster.scale_of("tp_comm")
+            comm.append(tp_comm_s[option == Recompute.FULL] * self.cluster.scale_of("tp_comm")
                         + self._cp_time_s(layer, layout, scale, split.compute, option)
                           * self.cluster.scale_of("cp_comm")
                         + self._ep_time_s(layer, layout, scale, option) * self.cluster.scale_of("ep_comm"))
@@ -290,9 +291,10 @@ class LayerCost:
     def _ring_attention(layout: Any) -> bool:
         """Whether attention runs as ring attention: blockwise scores in the working set, and
         nothing of it (scores or output) kept by selective recomputation, which reruns it whole."""
-        return layout.cp > 1 and layout.cp_strategy == "ring"
+        return layout.cp > 1 and layout.cp_strategy == CPStrategy.RING
 
-    def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute, option: str = "none") -> float:
+    def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute,
+                   option: str = Recompute.NONE) -> float:
         if layout.cp == 1:
             return 0.0
         q, kv = (b * scale / (layout.cp * layout.tp)
@@ -304,7 +306,7 @@ class LayerCost:
         # counted in a generated step) exchanges once more.
         passes = cp_passes(layout.cp_strategy, option)
         forwards = passes - 1
-        if layout.cp_strategy == "ulysses":
+        if layout.cp_strategy == CPStrategy.ULYSSES:
             # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
             # output (q's size) back, one all-to-all each, and the same for their gradients; on
             # the critical path (attention needs all of them).
@@ -332,7 +334,7 @@ class LayerCost:
         """Ranks each expert's width is split over: tp under expert tensor parallelism, else 1."""
         return layout.tp if getattr(layout, "expert_tp", False) and layout.tp > 1 else 1
 
-    def _ep_time_s(self, layer: Any, layout: Any, scale: float, option: str = "none") -> float:
+    def _ep_time_s(self, layer: Any, layout: Any, scale: float, option: str = Recompute.NONE) -> float:
         """Dispatch and combine all-to-alls of an MoE layer's micro-batch over the expert-parallel
         group (cost_models.expert_parallel), on the critical path: the experts need their
         tokens, the next op their outputs; and under expert tensor parallelism the sums of its
@@ -648,7 +650,7 @@ class LayerCost:
         options = self.layer_options(layout)
         for layer, option in zip(self.layers, options):
             split = self.split(layer.name, layout, reference)
-            for op, _ in self.tp_issued(split, layout, self.recompute_options[option] == "full"):
+            for op, _ in self.tp_issued(split, layout, self.recompute_options[option] == Recompute.FULL):
                 counts[op] = counts.get(op, 0) + layout.num_micro_batches
         return counts
 

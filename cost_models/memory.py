@@ -54,13 +54,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Iterable
 
+from autopar.domain.vocabulary import OPTIMIZERS, RECOMPUTE_OPTIONS, Recompute
+
 STATE_BYTES_PER_PARAM = {
     # precision kind -> optimizer -> (weights, gradients, optimizer states K) bytes per parameter
     "mixed": {"adam": (2, 2, 12), "sgd": (2, 2, 8), "sgd_plain": (2, 2, 4)},
     "fp32": {"adam": (4, 4, 8), "sgd": (4, 4, 4), "sgd_plain": (4, 4, 0)},
 }
-OPTIMIZERS = tuple(STATE_BYTES_PER_PARAM["fp32"])
-RECOMPUTE_OPTIONS = ("none", "selective", "full")
 KEPT_BY_SELECTIVE = ("gemm", "attention")
 
 
@@ -270,9 +270,9 @@ def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_par
     replicated_divisor = tp if sequence_parallel else 1
     saved = acts.saved_sharded_bytes / tp + acts.saved_replicated_bytes / replicated_divisor + acts.saved_full_bytes
     unwrapped = acts.unwrapped_bytes(tp, replicated_divisor)
-    if recompute == "full":  # a layer that saves less than its input is better left alone
+    if recompute == Recompute.FULL:  # a layer that saves less than its input is better left alone
         kept = min(saved, acts.input_bytes / replicated_divisor + unwrapped)
-    elif recompute == "selective":
+    elif recompute == Recompute.SELECTIVE:
         # What the checkpoint policy saves, even where that is more than the layer saves without
         # recomputation (under TP+SP it keeps whole collective outputs: sbh(8 + 22/t) against
         # sbh(4 + 30/t) for a GPT block, more from t = 2 on): the generated code wraps the layer anyway.
@@ -284,7 +284,7 @@ def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_par
                      + acts.selective_attention_replicated_bytes / replicated_divisor)
         if tp == 1:
             kept = min(saved, kept)
-    elif recompute == "none":
+    elif recompute == Recompute.NONE:
         kept = saved
     else:
         raise ValueError(f"recompute '{recompute}' is not one of {', '.join(RECOMPUTE_OPTIONS)}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.domain.vocabulary import Schedule
+
 
 def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks: int = 1) -> float:
     """The closed form above: D_d per device (forward + backward + its sends for one micro-batch)."""
@@ -34,10 +36,10 @@ def in_flight_micro_batches(schedule: str, stages: int, micro_batches: int, devi
     """Micro-batches whose activations device `device` (0 = first stage) holds at its peak."""
     if stages == 1:
         return 1.0
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return float(micro_batches)
     held = float(min(micro_batches, stages - device))
-    if schedule == "interleaved_1f1b":
+    if schedule == Schedule.INTERLEAVED_1F1B:
         held *= 1 + (stages - 1) / (stages * micro_batches)
     return held
 
@@ -51,7 +53,7 @@ def simulate_schedule(forward_s: list[float], backward_s: list[float], micro_bat
     p, m = len(forward_s), micro_batches
     order: list[list[tuple[str, int]]] = []
     for s in range(p):
-        if schedule == "gpipe":
+        if schedule == Schedule.GPIPE:
             order.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
             continue
         warmup = min(p - s - 1, m)

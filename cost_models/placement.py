@@ -2,7 +2,7 @@
 groups, the GPU types of each pipeline and data-parallel rank, the gradient synchronisation
 algorithm and its buckets.
 
-A mixin of `cost_models.step.PlanPricer`; mesh arithmetic itself is `cost_models.mesh`'s.
+A mixin of `cost_models.step.PlanPricer`; mesh arithmetic itself is `autopar.domain.mesh`'s.
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import Any
 from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s
 from cost_models.hardware import GPUSpec
 from cost_models.layer_cost import exposed_s
-from cost_models.mesh import mesh_of
+from autopar.domain.mesh import mesh_of
 from cost_models.topology import GroupPlacement
+from autopar.domain.vocabulary import DPSync
 
 DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
 BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
@@ -113,8 +114,8 @@ class Placement:
     def dp_sync_cost(self, layout: Any, nbytes: float) -> CollectiveCost:
         """Gradient all-reduce on the gradient group: the pinned algorithm or the layout's choice."""
         group = self.grad_group(layout)
-        pinned = getattr(layout, "dp_sync", "auto") or "auto"
-        algorithm = self.auto_dp_sync(layout) if pinned == "auto" else Algorithm(pinned)
+        pinned = getattr(layout, "dp_sync", None) or DPSync.AUTO
+        algorithm = self.auto_dp_sync(layout) if pinned == DPSync.AUTO else Algorithm(pinned)
         key = ("dp_sync", algorithm, nbytes, group)
         if key not in self._collectives:
             self._collectives[key] = CollectiveCost(Collective.ALL_REDUCE, algorithm,

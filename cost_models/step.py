@@ -49,8 +49,9 @@ from cost_models.issued import IssuedCollectives
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
                                     RING_TILE_SCORE_BYTES, LayerCost, TPLayerSplit, TPSplitter, attention_io_bytes,
                                     exposed_s)
-from cost_models.layout import ParallelLayout, TrainSpec, validate, validate_layout, validate_train
-from cost_models.vocabulary import Recompute, Schedule
+from autopar.domain.layout import ParallelLayout, TrainSpec
+from cost_models.validate import validate, validate_layout, validate_train
+from autopar.domain.vocabulary import DPSync, Recompute, Schedule
 from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, state_bytes_per_param
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, Placement,
@@ -261,7 +262,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
                                                layout.hybrid_shard, self._span(layout, ("dp", "cp")),
                                                self._shard_size(layout), layout.micro_batch_size,
-                                               getattr(layout, "dp_sync", "auto"), tuple(layout.mesh_order), layout.ep,
+                                               getattr(layout, "dp_sync", DPSync.AUTO), tuple(layout.mesh_order),
+                                               layout.ep,
                                                self._expert_tp(layout), layout.pp, self._span(layout, "tp")),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from cost_models.bounds import Bound, out_of_range
+from autopar.domain.bounds import Bound, out_of_range
 from cost_models.hardware import GB, GPUSpec, get_gpu
 
 INTRA_NODE = "intra_node"

@@ -49,6 +49,7 @@ from typing import Any
 
 from cost_models.calibration import load_calibration
 from cost_models.topology import ClusterSpec
+from autopar.domain.vocabulary import CPStrategy
 
 INTERVAL_QUANTILES = (0.10, 0.90)
 RESIDUAL_LOW = float(load_calibration()["interval"]["low"])
@@ -66,7 +67,7 @@ def techniques_of(plan: Any) -> frozenset[str]:
     """The techniques of a layout, plan or a published run's pins (any object with their
     attributes) whose price credits an overlap of communication with compute."""
     found = set()
-    if (getattr(plan, "cp", 1) or 1) > 1 and (getattr(plan, "cp_strategy", "ring") or "ring") == "ring":
+    if (getattr(plan, "cp", 1) or 1) > 1 and (getattr(plan, "cp_strategy", None) or CPStrategy.RING) == CPStrategy.RING:
         found.add(RING_ATTENTION)
     return frozenset(found)
 

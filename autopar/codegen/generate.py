@@ -29,9 +29,11 @@ from autopar.codegen.tp_plan import SPLITTING_STYLES, TPPlan, build_tp_plan
 from autopar.model_file import load_model_file
 from autopar.plans import Plan
 from autopar.trace.sequence import POSITION_ARGUMENT_NAMES
-from cost_models.layout import fsdp_groups
-from cost_models.mesh import Mesh
+from autopar.domain.layout import fsdp_groups
+from autopar.domain.mesh import Mesh
+from autopar.domain.rules import structure_problems
 from cost_models.tp_layout import stack_of
+from autopar.domain.vocabulary import DPSync, Recompute, Schedule
 
 # The `optim` config group's defaults (autopar/config.py OptimConfig): what the module trains with.
 DEFAULT_OPTIMIZER = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
@@ -138,9 +140,9 @@ def generate(plan: Plan, model_path: str | Path, out_dir: str | Path, *, model_k
 
 def check_plan(plan: Plan, facts: ModelFacts) -> None:
     """Refuse plans the generated code cannot run, with the reason and the fix."""
-    # Each technique's preconditions, from its one registry entry (cost_models.techniques): a value
+    # Each technique's preconditions, from its one registry entry (autopar.domain.techniques): a value
     # with no runtime, ps with a sharded optimizer, CP without ZeRO-2/3, ...
-    from cost_models.techniques import LayoutFacts, problems
+    from autopar.domain.techniques import LayoutFacts, problems
 
     try:
         found = problems(plan.layout(), LayoutFacts(dropless_experts=facts.dropless_experts,
@@ -155,28 +157,17 @@ def check_plan(plan: Plan, facts: ModelFacts) -> None:
         raise CodegenError(f"dp_sync={plan.dp_sync} averages whole gradients after backward, which ZeRO-"
                            f"{plan.zero_stage} with cp={plan.cp} shards.", "re-plan (the planner offers it with "
                            "ZeRO-0/1 and cp=1 only), or pin plan.zero_stage=0 and plan.cp=1.")
-    if plan.dp_sync == "ps" and plan.zero_stage != 0:
-        raise CodegenError(f"a parameter server holds the whole optimizer, which ZeRO-{plan.zero_stage} shards.",
-                           "re-plan (the planner offers ps with ZeRO-0 only) or pin plan.zero_stage=0.")
+    # The structure's rules, the same the pricer and a plan file read back ask (autopar.domain.rules).
+    broken = structure_problems(plan, plan.layer_names, plan.global_batch_size)
+    if broken:
+        raise CodegenError(f"the plan cannot run: {broken[0].problem}.", f"re-plan, or {broken[0].fix}.")
+    if not plan.stages:
+        raise CodegenError("the plan lists no pipeline stages.", "re-plan; stages must partition plan.layer_names.")
     layers = [layer for stage in plan.stages for layer in stage]
-    if not plan.stages or sorted(layers) != sorted(plan.layer_names) or len(set(layers)) != len(layers):
-        raise CodegenError("the plan's stages do not list every layer exactly once.",
-                           "re-plan; stages must partition plan.layer_names.")
     missing = [layer for layer in layers if layer not in facts.modules]
     if missing:
         raise CodegenError(f"the plan names layer {missing[0]}, which the model does not have.",
                            "re-plan for this model file.")
-    if len(plan.stages) != plan.pp * max(1, plan.chunks if plan.schedule == "interleaved_1f1b" else 1):
-        raise CodegenError(f"the plan has {len(plan.stages)} stages for pp={plan.pp}, chunks={plan.chunks}.",
-                           "re-plan; a pipeline has pp x chunks stages (chunks only with interleaved_1f1b).")
-    if plan.dp_shares and (plan.pp > 1 or len(plan.dp_shares) != plan.dp
-                           or sum(plan.dp_shares) != plan.dp * plan.micro_batch_size):
-        raise CodegenError(f"uneven data-parallel shares {plan.dp_shares} need pp=1 and one share per data-parallel "
-                           f"rank summing to dp x micro_batch_size.", "re-plan.")
-    if plan.dp * plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
-        raise CodegenError(f"dp ({plan.dp}) x micro_batch_size ({plan.micro_batch_size}) x num_micro_batches "
-                           f"({plan.num_micro_batches}) != global_batch_size ({plan.global_batch_size}).",
-                           "re-plan; the batch arithmetic must hold.")
 
 
 def check_context_parallel(plan: Plan, facts: ModelFacts) -> None:
@@ -222,7 +213,7 @@ def pipeline_split(plan: Plan, facts: ModelFacts, notes: list[str], reads: Layer
     problem = module_split_problem(plan, facts, reads)
     if problem is None:
         return "modules"
-    if plan.tp > 1 or any(mode != "none" for mode in plan.recompute.values()):
+    if plan.tp > 1 or any(mode != Recompute.NONE for mode in plan.recompute.values()):
         raise CodegenError(f"the pipeline cannot be cut by modules ({problem}), and the traced split "
                            "supports neither tensor parallelism nor recomputation.",
                            "move the stage boundaries to block boundaries, or plan with plan.tp=1 "
@@ -299,7 +290,7 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, Any]:
         "config.expert_tp": plan.expert_tp,
         "config.experts_split": plan.ep > 1 or plan.expert_tp,
         "parallel.schedule is not None": plan.pp > 1,
-        "config.recompute_enabled": any(mode != "none" for mode in plan.recompute.values()),
+        "config.recompute_enabled": any(mode != Recompute.NONE for mode in plan.recompute.values()),
         'config.pipeline_split == "tracer"': layout.pipeline_split == "tracer",
         "config.zero_stage": plan.zero_stage,
         "config.dp_sync": str(plan.dp_sync),
@@ -355,9 +346,9 @@ def _fmt_bytes(n: float) -> str:
 def summarise_recompute(plan: Plan) -> str:
     modes: dict[str, list[str]] = {}
     for layer in plan.layer_names:
-        modes.setdefault(plan.recompute.get(layer, "none"), []).append(layer)
-    if set(modes) <= {"none"}:
-        return "none"
+        modes.setdefault(plan.recompute.get(layer, Recompute.NONE), []).append(layer)
+    if set(modes) <= {Recompute.NONE}:
+        return Recompute.NONE
     return "; ".join(f"{mode}: {len(layers)} layer(s)" for mode, layers in modes.items())
 
 
@@ -365,7 +356,7 @@ def applied_techniques(plan: Plan) -> str:
     """What `parallelize` applies for this plan, in its order, in words."""
     fsdp = (plan.dp * plan.cp > 1 or plan.precision != "fp32") and not custom_gradient_sync(plan)
     found = [name for name, used in (("tensor parallelism", plan.tp > 1), ("expert parallelism", plan.ep > 1),
-                                     ("recomputation", any(m != "none" for m in plan.recompute.values())),
+                                     ("recomputation", any(m != Recompute.NONE for m in plan.recompute.values())),
                                      ("FSDP", fsdp)) if used]
     if not found:
         return "nothing (one rank in full precision)"
@@ -397,7 +388,7 @@ def header(plan: Plan, name: str, model_file: str, tp: TPPlan, layout: Layout, g
     if plan.pp > 1:
         sizes = ", ".join(str(len(s)) for s in plan.stages)
         lines.append(f"  pipeline     {len(plan.stages)} stages ({sizes} layers), schedule {plan.schedule}"
-                     + (f" with {plan.chunks} chunks per rank" if plan.schedule == "interleaved_1f1b" else ""))
+                     + (f" with {plan.chunks} chunks per rank" if plan.schedule == Schedule.INTERLEAVED_1F1B else ""))
     lines.append(f"  recompute    {summarise_recompute(plan)}")
     lines.append(f"  precision    {plan.precision} on GPUs (fp32 on CPUs), optimizer AdamW")
     lines += ["", "Predicted by the cost model (per step)"]
@@ -456,7 +447,7 @@ def runtime_plan(plan: Plan) -> dict[str, Any]:
     keys += ["dp_shares"] if plan.dp_shares else []
     keys += ["token_loss"] if plan.token_loss else []
     data = {key: written[key] for key in keys}
-    data["recompute"] = {layer: mode for layer, mode in data["recompute"].items() if mode != "none"}
+    data["recompute"] = {layer: mode for layer, mode in data["recompute"].items() if mode != Recompute.NONE}
     return data
 
 
@@ -478,7 +469,7 @@ def plan_section(plan: Plan, model_file: str, sha: str, model_kwargs: dict[str, 
     if plan.cp > 1:
         constants += [f"POSITION_ARGUMENT = {facts.position_argument!r}  # forward's token positions",
                       f"MASK_ARGUMENT = {facts.mask_argument!r}  # forward's padding mask"]
-    if custom_gradient_sync(plan) and plan.dp_sync == "hierarchical":
+    if custom_gradient_sync(plan) and plan.dp_sync == DPSync.HIERARCHICAL:
         constants.append(f"GPUS_PER_NODE = {gpus_per_node}  # ranks per node (hierarchical gradient all-reduce)")
     body = [
         banner("The plan"),
@@ -573,7 +564,7 @@ def parallel_config_source(plan: Plan, tp_fused_parameters: bool = False) -> str
     fields.append('dp_sync=plan["dp_sync"],')
     if custom_gradient_sync(plan):
         fields.append('dp_bucket_bytes=plan["dp_bucket_bytes"],')
-        if plan.dp_sync == "hierarchical":
+        if plan.dp_sync == DPSync.HIERARCHICAL:
             fields.append("gpus_per_node=GPUS_PER_NODE,")
     lines = ["def parallel_config(plan: dict) -> ParallelConfig:",
              '    """The plan\'s parallel decisions as the training code takes them."""',

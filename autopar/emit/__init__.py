@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autopar.errors import UserError
+from autopar.domain.vocabulary import DPSync, Recompute
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def block_recompute(plan: Any) -> dict[str, str]:
 def uniform_recompute(plan: Any) -> str:
     """The blocks' recomputation mode when every block has the same ("none" without any), else
     "mixed" (engines set one mode for all blocks: `mixed_recompute` refuses it)."""
-    modes = set(block_recompute(plan).values()) or {"none"}
+    modes = set(block_recompute(plan).values()) or {Recompute.NONE}
     return modes.pop() if len(modes) == 1 else "mixed"
 
 
@@ -200,14 +201,14 @@ def mixed_recompute(plan: Any) -> str | None:
     return f"recomputation differs by block ({mix}), which its settings cannot say; pin plan.recompute=MODE"
 
 
-CUSTOM_SYNC = ("ps", "hierarchical", "halving_doubling")
+CUSTOM_SYNC = (DPSync.PS, DPSync.HIERARCHICAL, DPSync.HALVING_DOUBLING)
 
 
 def common_refusal(plan: Any, engine: str, whole_blocks_only: bool = False) -> str | None:
     """What no engine's settings say: autopar's own gradient exchanges, uneven data shares,
     recomputation that differs by block; and, for an engine that checkpoints whole blocks only
     (``whole_blocks_only``), selective recomputation."""
-    if whole_blocks_only and uniform_recompute(plan) == "selective":
+    if whole_blocks_only and uniform_recompute(plan) == Recompute.SELECTIVE:
         return f"{engine} checkpoints whole blocks only; pin plan.recompute=full or none"
     if plan.dp_sync in CUSTOM_SYNC:
         return (f"its gradients are exchanged by autopar's own {plan.dp_sync} all-reduce, {engine} reduces with "

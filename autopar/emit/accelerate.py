@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from autopar.emit import EngineSettings, EngineWriter, common_refusal, uniform_recompute
+from autopar.domain.vocabulary import CPStrategy, Recompute
 
 
 def layout_refusal(plan: Any) -> str | None:
@@ -25,7 +26,7 @@ def layout_refusal(plan: Any) -> str | None:
                "plan.zero_stage=2 or 3"
     if plan.hybrid_shard:
         return "hybrid sharding's replica groups are not written here; pin plan.hybrid_shard=false"
-    if plan.cp > 1 and plan.cp_strategy != "ring":
+    if plan.cp > 1 and plan.cp_strategy != CPStrategy.RING:
         return "accelerate's context parallelism (torch's) is a ring; pin plan.cp_strategy=ring"
     return None
 
@@ -47,7 +48,7 @@ def config(plan: Any) -> dict[str, Any]:
             "fsdp_version": 2,
             "fsdp_reshard_after_forward": plan.zero_stage == 3,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_activation_checkpointing": uniform_recompute(plan) == "full",
+            "fsdp_activation_checkpointing": uniform_recompute(plan) == Recompute.FULL,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         },
     }
@@ -76,7 +77,7 @@ def read(text: str) -> EngineSettings:
         return settings
     fsdp = values.get("fsdp_config", {})
     settings.pin("plan.zero_stage", 3 if fsdp.get("fsdp_reshard_after_forward", True) in (True, "FULL_SHARD") else 2)
-    settings.pin("plan.recompute", "full" if fsdp.get("fsdp_activation_checkpointing") else "none")
+    settings.pin("plan.recompute", Recompute.FULL if fsdp.get("fsdp_activation_checkpointing") else Recompute.NONE)
     sizes = values.get("parallelism_config") or {}
     for key, axis in (("parallelism_config_tp_size", "tp"), ("parallelism_config_cp_size", "cp")):
         settings.pin(f"plan.{axis}", int(sizes.get(key, 1)))
@@ -85,7 +86,7 @@ def read(text: str) -> EngineSettings:
             settings.sizes[key] = int(sizes[f"parallelism_config_{key}_size"])
     settings.pin("plan.pp", 1)
     if int(sizes.get("parallelism_config_cp_size", 1)) > 1:
-        settings.pin("plan.cp_strategy", "ring")
+        settings.pin("plan.cp_strategy", CPStrategy.RING)
     precision = values.get("mixed_precision", "no")
     settings.pin("train.precision", {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32"))
     return settings

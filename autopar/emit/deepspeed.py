@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from autopar.emit import EngineSettings, EngineWriter, common_refusal, uniform_recompute
+from autopar.domain.vocabulary import Recompute
 
 
 def layout_refusal(plan: Any) -> str | None:
@@ -40,7 +41,7 @@ def config(plan: Any) -> dict[str, Any]:
         "fp16": {"enabled": plan.precision == "fp16"},
         "gradient_clipping": 1.0,
     }
-    if uniform_recompute(plan) == "full":
+    if uniform_recompute(plan) == Recompute.FULL:
         settings["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     return settings
 
@@ -83,7 +84,7 @@ def read(text: str) -> EngineSettings:
         if values.get(precision, {}).get("enabled"):
             settings.pin("train.precision", precision)
     if "activation_checkpointing" in values:
-        settings.pin("plan.recompute", "full")
+        settings.pin("plan.recompute", Recompute.FULL)
     return settings
 
 

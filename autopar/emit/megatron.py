@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.emit import EngineSettings, EngineWriter, argument_pairs, comment_lines, common_refusal, uniform_recompute
+from autopar.domain.vocabulary import CPStrategy, Recompute, Schedule
 
-CP_COMM = {"ring": "p2p", "ulysses": "a2a"}
+CP_COMM = {CPStrategy.RING: "p2p", CPStrategy.ULYSSES: "a2a"}
 
 
 def layout_refusal(plan: Any) -> str | None:
@@ -21,7 +22,7 @@ def layout_refusal(plan: Any) -> str | None:
                 f"not ZeRO-{plan.zero_stage}; pin plan.zero_stage=1")
     if plan.hybrid_shard:
         return "Megatron-LM has no hybrid sharding; pin plan.hybrid_shard=false"
-    if plan.pp > 1 and plan.schedule == "gpipe":
+    if plan.pp > 1 and plan.schedule == Schedule.GPIPE:
         return "Megatron-LM runs 1F1B (interleaved or not), not GPipe; pin plan.schedule=1f1b"
     return None
 
@@ -50,9 +51,9 @@ def arguments(plan: Any) -> dict[str, Any]:
     if plan.zero_stage == 1 and plan.dp > 1:
         values["use-distributed-optimizer"] = True
     mode = uniform_recompute(plan)
-    if mode == "full":
+    if mode == Recompute.FULL:
         values.update({"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1})
-    elif mode == "selective":
+    elif mode == Recompute.SELECTIVE:
         values["recompute-granularity"] = "selective"
     if plan.precision in ("bf16", "fp16"):
         values[plan.precision] = True
@@ -95,7 +96,7 @@ def read(text: str) -> EngineSettings:
             settings.pin("plan.chunks", per_rank // int(values["num-layers-per-virtual-pipeline-stage"]))
     chunks = int(settings.pins.get("plan.chunks", 1))
     if pp > 1:
-        settings.pin("plan.schedule", "interleaved_1f1b" if chunks > 1 else "1f1b")
+        settings.pin("plan.schedule", Schedule.INTERLEAVED_1F1B if chunks > 1 else Schedule.ONE_F_ONE_B)
     settings.pin("plan.sequence_parallel", "sequence-parallel" in values)
     settings.pin("plan.zero_stage", 1 if "use-distributed-optimizer" in values else 0)
     if "expert-tensor-parallel-size" in values:
@@ -119,7 +120,7 @@ def read(text: str) -> EngineSettings:
             settings.sizes[name] = int(values[name])
     settings.sizes.update(tp=tp, pp=pp, chunks=chunks)
     granularity = values.get("recompute-granularity") or ("full" if "checkpoint-activations" in values else None)
-    settings.pin("plan.recompute", granularity or "none")
+    settings.pin("plan.recompute", granularity or Recompute.NONE)
     if "global-batch-size" in values:
         settings.pin("train.global_batch_size", int(values["global-batch-size"]))
     for precision in ("bf16", "fp16"):

@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.emit import EngineSettings, EngineWriter, argument_pairs, comment_lines, common_refusal, uniform_recompute
+from autopar.domain.vocabulary import RECOMPUTE_OPTIONS, CPStrategy, Recompute, Schedule
 
 AC_COMMENT = "# activation checkpointing:"
-SCHEDULES = {"1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "gpipe": "GPipe"}
+AC_POLICIES: dict[str, str] = {Recompute.FULL: "FullAC", Recompute.SELECTIVE: "SelectiveAC"}
+SCHEDULES = {Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED_1F1B: "Interleaved1F1B", Schedule.GPIPE: "GPipe"}
 
 
 def layout_refusal(plan: Any) -> str | None:
@@ -27,7 +29,7 @@ def layout_refusal(plan: Any) -> str | None:
         return "torchtitan's DDP runs only alone, not beside other parallelism; pin plan.zero_stage=2 or 3"
     if plan.hybrid_shard:
         return "hybrid sharding's group size is not one of torchtitan's settings here; pin plan.hybrid_shard=false"
-    if plan.cp > 1 and plan.cp_strategy != "ring":
+    if plan.cp > 1 and plan.cp_strategy != CPStrategy.RING:
         return "torchtitan's context parallelism is a ring; pin plan.cp_strategy=ring"
     return None
 
@@ -60,7 +62,7 @@ def options(plan: Any) -> dict[str, Any]:
 def render(plan: Any) -> str:
     lines = comment_lines(plan, "torchtitan")
     mode = uniform_recompute(plan)
-    policy = {"full": "FullAC", "selective": "SelectiveAC"}.get(mode)
+    policy = AC_POLICIES.get(mode)
     lines.append(f"{AC_COMMENT} {mode}" + (f" (the job config's {policy} policy)" if policy else ""))
     if plan.pp > 1:
         lines.append(f"# stages as planned (torchtitan's own split may differ): {plan.stages}")
@@ -119,7 +121,7 @@ def read(text: str) -> EngineSettings:
         parallel.get("enable_sequence_parallel", "true").lower() not in ("false", "0")
     settings.pin("plan.sequence_parallel", tp > 1 and sequence_parallel)
     if int(parallel.get("context_parallel_degree", 1)) > 1:
-        settings.pin("plan.cp_strategy", "ring")
+        settings.pin("plan.cp_strategy", CPStrategy.RING)
     if int(parallel.get("pipeline_parallel_degree", 1)) > 1:
         schedule = parallel.get("pipeline_parallel_schedule", "1F1B")
         names = {value: key for key, value in SCHEDULES.items()}
@@ -137,7 +139,7 @@ def read(text: str) -> EngineSettings:
     mode = values.get("activation_checkpoint.mode") or next(
         (line.split(":", 1)[1].split()[0] for line in text.splitlines() if line.startswith(AC_COMMENT)), None)
     if mode is not None:
-        if mode not in ("none", "selective", "full"):
+        if mode not in RECOMPUTE_OPTIONS:
             settings.refuse(f"activation checkpointing {mode!r} (autopar prices none, selective and full)")
         else:
             settings.pin("plan.recompute", mode)

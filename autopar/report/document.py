@@ -18,6 +18,7 @@ from autopar.solver.tp_coverage import coverage_notes
 from cost_models.collectives import Collective, best_algorithm
 from cost_models.step import Estimate, PlanPricer
 from cost_models.topology import ClusterSpec
+from autopar.domain.vocabulary import CPStrategy
 
 AXIS_NAMES = {"tp": "TP", "cp": "CP", "pp": "PP", "dp": "DP"}
 
@@ -177,8 +178,9 @@ def process_groups(plan: Plan, estimate: Estimate, pricer: PlanPricer) -> list[G
             traffic = (f"{'reduce-scatter + all-gather' if plan.sequence_parallel else 'all-reduce'} of "
                        f"activations, ~{nbytes / 2**20:.1f} MiB per collective")
         elif axis == MeshAxis.CP:
-            algorithm = "all-to-all (pairwise)" if plan.cp_strategy == "ulysses" else "ring send/recv of K/V blocks"
-            traffic = ("heads <-> sequence all-to-all before and after attention" if plan.cp_strategy == "ulysses"
+            ulysses = plan.cp_strategy == CPStrategy.ULYSSES
+            algorithm = "all-to-all (pairwise)" if ulysses else "ring send/recv of K/V blocks"
+            traffic = ("heads <-> sequence all-to-all before and after attention" if ulysses
                        else "K/V blocks passed around the ring, overlapped with attention")
         elif axis == MeshAxis.PP:
             algorithm = "point-to-point send/recv"

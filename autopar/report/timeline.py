@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autopar.domain.vocabulary import Schedule
+
 COMPUTE, COMMUNICATION = "compute", "communication"
 PHASE_COLOURS = {"forward": "#4C78A8", "backward": "#F58518", "send": "#9D9D9D", "dp_sync": "#E45756",
                  "optimizer": "#54A24B"}
@@ -75,14 +77,14 @@ def schedule_order(schedule: str, pp: int, chunks: int, micro_batches: int, pp_r
     chunk by chunk, with a warm-up of 2(p-d-1) + (v-1)p forwards.
     """
     m, v, p, d = micro_batches, chunks, pp, pp_rank
-    if schedule == "interleaved_1f1b" and v > 1:
+    if schedule == Schedule.INTERLEAVED_1F1B and v > 1:
         forwards = [(c, mb) for g in range(0, m, p) for c in range(v) for mb in range(g, min(g + p, m))]
         backwards = [(v - 1 - c, mb) for c, mb in forwards]
         warmup = min(m * v, 2 * (p - d - 1) + (v - 1) * p)
     else:
         forwards = [(c, mb) for mb in range(m) for c in range(v)]
         backwards = [(v - 1 - c, mb) for mb in range(m) for c in range(v)]
-        warmup = m * v if schedule == "gpipe" else min(m * v, p - d - 1)
+        warmup = m * v if schedule == Schedule.GPIPE else min(m * v, p - d - 1)
     ops = [("F", c, mb) for c, mb in forwards[:warmup]]
     for k in range(len(forwards) - warmup):
         ops += [("F", *forwards[warmup + k]), ("B", *backwards[k])]
@@ -213,7 +215,7 @@ def plan_timeline(plan: Any, estimate: dict[str, Any]) -> Timeline:
 
 def pp_rank_members(plan: Any) -> dict[int, list[int]]:
     """Ranks each pipeline rank stands for (its DP x TP x CP ranks)."""
-    from cost_models.mesh import Mesh
+    from autopar.domain.mesh import Mesh
 
     mesh = Mesh.of(plan)
     members: dict[int, list[int]] = {}

@@ -1,6 +1,6 @@
 """The plan in sentences and the rank grid: which rank holds which coordinate and which layers.
 
-Coordinates and groups come from `cost_models.mesh.Mesh` (rank order innermost axis first,
+Coordinates and groups come from `autopar.domain.mesh.Mesh` (rank order innermost axis first,
 `Plan.mesh_order`); a group along an axis is the ranks differing only there.
 """
 from __future__ import annotations
@@ -11,7 +11,8 @@ from autopar.plans import Plan
 from autopar.report.document import AXIS_NAMES, PlanReport
 from autopar.report.units import format_count
 from cost_models.host import dtensor_modules, host_s
-from cost_models.mesh import Mesh
+from autopar.domain.mesh import Mesh
+from autopar.domain.vocabulary import Recompute
 
 REAL_VALUES_WORDS = ("Traced with real tensors: fake tensors cannot run this model, so it was built for real and its "
                      "step traced on one micro-batch of the example batch (its values baked in); compile's proof "
@@ -159,7 +160,7 @@ def describe_plan(report: PlanReport) -> list[str]:
     if host := host_dispatch_words(plan):
         lines.append(host)
     recomputed = {option: sum(1 for value in plan.recompute.values() if value == option)
-                  for option in ("selective", "full")}
+                  for option in (Recompute.SELECTIVE, Recompute.FULL)}
     if any(recomputed.values()):
         lines.append("Activation recomputation: " + ", ".join(f"{count} layers {option}"
                                                                for option, count in recomputed.items() if count) + ".")

@@ -384,7 +384,7 @@ def schedule_in_flight(schedule: Any, pp_rank: int, indices: list[int]) -> list[
 
 def pipeline_rank(plan: Any, rank: int) -> int:
     """The pipeline coordinate of ``rank``."""
-    from cost_models.mesh import Mesh
+    from autopar.domain.mesh import Mesh
 
     return Mesh.of(plan).coordinate(rank, "pp")
 

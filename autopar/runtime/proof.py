@@ -95,7 +95,7 @@ def proof_ranks(plan: Any) -> list[int]:
     """Rank 0 and, with a pipeline, the first rank of the last pipeline stage: the ranks whose
     code differs (the embedding and the loss live on different stages; every other axis runs
     the same program on its shard)."""
-    from cost_models.mesh import Mesh
+    from autopar.domain.mesh import Mesh
 
     if plan.pp == 1:
         return [0]

@@ -96,7 +96,7 @@ def override_bound(key: str) -> Any:
 def check_override_number(key: str, text: str) -> None:
     """Refuse a run override whose number is outside its field's range (as compile would), before
     any rank starts: the module would otherwise train with a learning rate of nan."""
-    from cost_models.bounds import within
+    from autopar.domain.bounds import within
 
     bound = override_bound(key)
     if bound is None:

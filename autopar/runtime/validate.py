@@ -52,7 +52,7 @@ def error_pct(predicted: float, measured: float) -> float:
 
 
 def pp_rank_of(plan: Any, rank: int) -> int:
-    from cost_models.mesh import Mesh
+    from autopar.domain.mesh import Mesh
 
     return Mesh.of(plan).coordinate(rank, "pp")
 

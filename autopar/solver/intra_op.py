@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Protocol
 from ortools.sat.python import cp_model
 
 from autopar.solver.stage_partition import solve_interruptibly
-from cost_models.vocabulary import TPStyle
+from autopar.domain.vocabulary import TPStyle
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -72,7 +72,7 @@ class State(StrEnum):
     P = "Partial()"
 
 
-Style = TPStyle  # the plan's vocabulary (cost_models.layout), as the solution names it
+Style = TPStyle  # the plan's vocabulary (autopar.domain.layout), as the solution names it
 
 
 class TPCosts(Protocol):

@@ -18,14 +18,16 @@ from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResu
 from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_coverage import FASTER_WHOLE, TPCoverage, check_pinned_coverage, tp_coverage
 from autopar.solver.tp_split import ILPSplitter, illegal_splits, replicated_ops
-from cost_models.expert_parallel import UNSPLITTABLE_WIDTH
+from autopar.domain import rules
+from autopar.domain.techniques import UNSPLITTABLE_WIDTH
 from cost_models.hardware import get_gpu, known_gpus
-from cost_models.techniques import Family, searchable, technique
+from autopar.domain.techniques import Family, searchable, technique
 from cost_models.memory import RECOMPUTE_OPTIONS
-from cost_models.mesh import Mesh
+from autopar.domain.mesh import Mesh
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
+from autopar.domain.vocabulary import Recompute
 from cost_models.uncertainty import (RESIDUAL_LOW, Extrapolation, PredictionInterval, extrapolations,
                                      pessimistic_cluster, techniques_of)
 
@@ -113,7 +115,7 @@ def _s(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
 
 
-def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = "none") -> ParallelLayout:
+def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = Recompute.NONE) -> ParallelLayout:
     """The candidate completed with its stage split and per-layer recomputation."""
     return replace(candidate, stages=tuple(tuple(stage) for stage in stages), recompute=recompute)
 
@@ -154,7 +156,7 @@ class Planner:
         self.splitter = ILPSplitter(profile)
         options = (pins.recompute,) if pins.recompute and not pins.layer_recompute else tuple(solver.recompute_options)
         if pins.layer_recompute:
-            options = tuple(dict.fromkeys([*options, "none", *pins.layer_recompute.values()]))
+            options = tuple(dict.fromkeys([*options, Recompute.NONE.value, *pins.layer_recompute.values()]))
         self.pricer = PlanPricer(profile, cluster, train, self.splitter, recompute_options=options)
         self._intervals: dict[ParallelLayout, PredictionInterval] = {}
 
@@ -648,7 +650,7 @@ class Planner:
         for stage in (self.pins.stages or [])[1:]:
             starts.append(names.index(stage[0]))
         chosen = self.pins.layer_recompute or {}
-        options = [self.pricer.recompute_options.index(chosen.get(name, "none")) for name in names]
+        options = [self.pricer.recompute_options.index(chosen.get(name, Recompute.NONE)) for name in names]
         return lambda problem: evaluate(problem, starts, options)
 
     def _check_pins(self) -> None:
@@ -662,16 +664,12 @@ class Planner:
         self._check_pinned_batching()
 
     def _check_pinned_layers(self) -> None:
+        """Pinned stages and per-layer recomputation, by the rules every plan obeys (autopar.domain.rules)."""
         names = [layer.name for layer in self.profile.layers]
-        if self.pins.stages:
-            flat = [name for stage in self.pins.stages for name in stage]
-            if flat != names or not all(self.pins.stages):
-                raise UserError("plan.stages must list every layer once, in model order, in non-empty stages "
-                                f"(the layers are {', '.join(names)}).", "fix plan.stages or leave it unset.")
-        unknown = sorted(set(self.pins.layer_recompute or {}) - set(names))
-        if unknown:
-            raise UserError(f"plan.layer_recompute names unknown layers: {', '.join(unknown)}.",
-                            f"use layer names from `autopar profile` ({names[0]} ... {names[-1]}).")
+        broken = rules.stage_partition(self.pins.stages, names, "plan.stages") if self.pins.stages else None
+        broken = broken or rules.recompute_choices(self.pins.layer_recompute or {}, names, "plan.layer_recompute")
+        if broken:
+            raise UserError(f"{broken.problem}.", f"{broken.fix}, or leave the pin unset.")
         if self.pins.layer_recompute and not self.pins.stages and (self.pins.pp or 1) != 1:
             raise UserError("plan.layer_recompute with a pipeline needs the stages fixed as well.",
                             "add plan.stages=[[...], ...] or pin plan.pp=1.")
@@ -692,10 +690,6 @@ class Planner:
             if value is not None and value not in allowed:
                 raise UserError(f"plan.{name}={value} is not a valid choice.",
                                 f"use one of {', '.join(map(str, allowed))}, or leave plan.{name} unset.")
-        for value in (self.pins.layer_recompute or {}).values():
-            if value not in RECOMPUTE_OPTIONS:
-                raise UserError(f"plan.layer_recompute uses '{value}', which is not a recomputation choice.",
-                                f"use {', '.join(RECOMPUTE_OPTIONS)}.")
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "chunks"):
             value = getattr(self.pins, name)
             if value is not None and value < 1:
@@ -900,7 +894,7 @@ class Planner:
 
 def _entries_without_runtime(name: str) -> list:
     """Registry entries of a plan field that are priced but not generated."""
-    from cost_models.techniques import entries
+    from autopar.domain.techniques import entries
 
     if name not in {f.value for f in Family}:
         return []

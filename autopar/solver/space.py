@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Iterator
 
 from autopar.errors import ConfigError
 from cost_models.expert_parallel import ExpertFacts
-from cost_models.mesh import Mesh
-from cost_models.layout import ParallelLayout, enum_member
-from cost_models.vocabulary import CPStrategy, DPSync, Schedule, ZeroStage
-from cost_models.techniques import zero_stages_for
+from autopar.domain.mesh import Mesh
+from autopar.domain.layout import ParallelLayout, enum_member
+from autopar.domain.vocabulary import CPStrategy, DPSync, Schedule, ZeroStage
+from autopar.domain.techniques import zero_stages_for
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
@@ -277,7 +277,7 @@ def _micro_batching(shape, tp, cp, pp, dp, world_size, gpus_per_node, global_bat
     # What does not depend on micro-batching is worked out once per split of the degrees, and
     # enum fields are converted here, not in each candidate's constructor: at frontier scale the
     # candidates number hundreds of thousands.
-    dp_sync = enum_member(DPSync, pins.dp_sync or "auto")
+    dp_sync = enum_member(DPSync, pins.dp_sync or DPSync.AUTO)
     zero_stages = [enum_member(ZeroStage, zero_stage)
                    for zero_stage in pinned("zero_stage", _zero_stages(solver, dp, cp, pins.dp_sync))
                    # a pinned stage the generated code cannot pair with this cp / dp_sync is left out
@@ -356,12 +356,12 @@ def _zero_stage_runs(zero_stage: int, cp: int, dp_sync: str | None) -> bool:
 
 def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -> Iterator[tuple[str, int]]:
     if pp == 1:
-        yield ("1f1b", 1)  # no pipeline: micro-batches are gradient accumulation
+        yield (Schedule.ONE_F_ONE_B, 1)  # no pipeline: micro-batches are gradient accumulation
         return
     if micro_batches < pp:
         return  # fewer micro-batches than stages leaves ranks idle: never worth it
     for schedule in pinned("schedule", list(solver.schedules)):
-        if schedule != "interleaved_1f1b":
+        if schedule != Schedule.INTERLEAVED_1F1B:
             yield (schedule, 1)
             continue
         for chunks in pinned("chunks", list(solver.interleave_chunks)):
@@ -372,10 +372,10 @@ def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -
 
 def _cp_strategies(shape: ModelShape, tp: int, cp: int) -> list[str]:
     if cp == 1:
-        return ["ulysses"]
-    strategies = ["ring"]
+        return [CPStrategy.ULYSSES]
+    strategies = [CPStrategy.RING]
     if shape.heads and shape.heads % (tp * cp) == 0 and (shape.kv_heads or shape.heads) % (tp * cp) == 0:
-        strategies.insert(0, "ulysses")
+        strategies.insert(0, CPStrategy.ULYSSES)
     return strategies
 
 

@@ -23,7 +23,7 @@ from autopar.plans import Plan
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
 from autopar.solver.planner import Planner
-from cost_models.mesh import Mesh
+from autopar.domain.mesh import Mesh
 from tests.dist.harness import RankFailure, run_ranks
 from tests.dist.plans import GLOBAL_BATCH, MODELS, TinyModel, boundary_stages, make_planner
 from tests.tiers import selected

@@ -67,7 +67,8 @@ def test_stage_pin_that_skips_a_layer_exits_1(examples_dir, capsys):
     code = main(["plan", str(examples_dir / "gpt.py"), "cluster=cpu_gloo", "model.layers=2",
                  "plan.stages=[[wte,wpe,blocks.0],[ln_f,lm_head]]"])
     assert code == 1
-    assert "plan.stages must list every layer once" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "plan.stages must list every layer exactly once" in err and "(missing: blocks.1)" in err
 
 
 def test_plan_twice_writes_the_same_plan_json(examples_dir, tmp_path):

@@ -284,7 +284,7 @@ def test_the_runtime_generates_the_exchanges_the_registry_says_it_does():
     """The generated file cannot import the registry, so its list of dp_sync values that
     gradient_sync.py runs is its own: it must be the registry's."""
     from autopar.sections.train import GRADIENT_SYNC_ALGORITHMS
-    from cost_models.techniques import Family, entries
+    from autopar.domain.techniques import Family, entries
 
     registry = {str(t.value) for t in entries(Family.DP_SYNC) if (t.runtime or "").startswith("gradient_sync.")}
     assert registry == set(GRADIENT_SYNC_ALGORITHMS)

@@ -189,7 +189,7 @@ def test_bad_layouts_fail_clearly():
         (ParallelLayout(dp=8, micro_batch_size=2, recompute="some"), "recompute 'some'"),
         (ParallelLayout(dp=8, micro_batch_size=2, mesh_order=("tp", "dp")), "mesh_order"),
         (ParallelLayout(dp=8, micro_batch_size=2, hybrid_shard=True), "hybrid_shard needs zero_stage"),
-        (ParallelLayout(dp=4, pp=2, micro_batch_size=4, stages=(("wte",), ("wpe",))), "every layer once"),
+        (ParallelLayout(dp=4, pp=2, micro_batch_size=4, stages=(("wte",), ("wpe",))), "every layer exactly once"),
         (ParallelLayout(cp=8, micro_batch_size=16, cp_strategy="ulysses", zero_stage=2), "Ulysses needs"),  # 4 heads
         (ParallelLayout(dp=8, micro_batch_size=2, dp_sync="gossip"), "unknown dp_sync"),
         # The generated code shards CP gradients with FSDP: ZeRO-0/1 has no runtime under CP.

@@ -130,7 +130,7 @@ def test_recomputation_repeats_cp_exchanges_and_ring_attention(examples_dir):
     Selective recomputation keeps attention's output, except under ring attention, which the
     generated code reruns whole: exactly the attention forward more."""
     from cost_models.compute import op_roofline_s
-    from cost_models.layout import ParallelLayout
+    from autopar.domain.layout import ParallelLayout
     from cost_models.step import estimate
 
     profile = llama(examples_dir, heads=32, kv_heads=8, seq_len=16384)

@@ -14,9 +14,9 @@ from autopar.solver.space import ModelShape, enumerate_candidates
 from cost_models.collectives import Collective, all_to_all_s
 from cost_models.expert_parallel import ExpertFacts, all_to_alls, routing_pace
 from cost_models.memory import trained_model_states
-from cost_models.mesh import Mesh
+from autopar.domain.mesh import Mesh
 from cost_models.step import ParallelLayout, PlanPricer, TrainSpec
-from cost_models.techniques import LayoutFacts, problems
+from autopar.domain.techniques import LayoutFacts, problems
 from cost_models.topology import ClusterConfig, ClusterSpec
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ from autopar.model_file import load_model_file
 from autopar.profile import profile_model
 from autopar.solver.tp_split import ILPSplitter
 from cost_models.feedback import fit_time_scale, nonnegative_least_squares, write_profile
-from cost_models.layout import ParallelLayout
+from autopar.domain.layout import ParallelLayout
 from cost_models.step import PlanPricer, TrainSpec
 from cost_models.topology import ClusterConfig, ClusterSpec
 

@@ -8,7 +8,7 @@ from autopar.config import PlanPins, SolverConfig
 from autopar.model_file import load_model_file
 from autopar.profile import profile_model
 from autopar.solver.planner import Planner
-from cost_models.mesh import Mesh
+from autopar.domain.mesh import Mesh
 from cost_models.step import PlanPricer, TrainSpec, proportional_shares
 from cost_models.topology import ClusterConfig, ClusterSpec, NodeGroupConfig
 
@@ -78,7 +78,7 @@ def test_pricer_prices_pinned_shares_by_the_slowest_share(examples_dir):
     """On identical GPUs uneven shares only slow the step: the rank with 3 of 4 samples paces it."""
     profile = gpt(examples_dir)
     pricer = PlanPricer(profile, a100s(), TrainSpec(global_batch_size=32))
-    from cost_models.layout import ParallelLayout
+    from autopar.domain.layout import ParallelLayout
 
     even = pricer.estimate(ParallelLayout(dp=16, micro_batch_size=2, num_micro_batches=1))
     uneven = pricer.estimate(ParallelLayout(dp=16, micro_batch_size=2, num_micro_batches=1,

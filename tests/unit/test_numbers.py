@@ -1,5 +1,5 @@
 """Every number a user gives is checked where it is read: each numeric field of the cluster,
-train, solver and plan schemas and of a plan.json has one declared range (cost_models/bounds.py),
+train, solver and plan schemas and of a plan.json has one declared range (autopar/domain/bounds.py),
 and a value outside it is refused in one paragraph naming the field, the value and the range,
 before any work; never priced, replaced by a preset's value, or blamed on something else."""
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_every_cluster_preset_is_in_range():
 
 
 def test_bounds_refuse_bools_strings_and_nan_items():
-    from cost_models.bounds import Bound, out_of_range
+    from autopar.domain.bounds import Bound, out_of_range
 
     count = Bound(low=1, integer=True)
     assert not count.accepts(True) and not count.accepts("4") and not count.accepts(4.0) and count.accepts(4)
@@ -335,7 +335,7 @@ def test_hardware_profile_numbers_are_checked(capsys, tmp_path, no_tracing, old,
 
 
 def test_every_catalogue_gpu_has_numbers_in_range():
-    from cost_models.bounds import Bound, within
+    from autopar.domain.bounds import Bound, within
     from cost_models.hardware import get_gpu, known_gpus
 
     positive, share = Bound(low=0, low_open=True), Bound(low=0, high=1, low_open=True, each=True)

@@ -14,11 +14,11 @@ from autopar.plans import Plan
 from autopar.report.words import describe_axes
 from autopar.solver.tp_split import ILPSplitter
 from cost_models.collectives import Collective, collective_time_s
-from cost_models.layout import ParallelLayout
-from cost_models.vocabulary import DPSync
-from cost_models.mesh import Mesh
+from autopar.domain.layout import ParallelLayout
+from autopar.domain.vocabulary import DPSync
+from autopar.domain.mesh import Mesh
 from cost_models.step import PlanPricer, TrainSpec
-from cost_models.techniques import REGISTRY, Family, chosen, searchable
+from autopar.domain.techniques import REGISTRY, Family, chosen, searchable
 from cost_models.topology import ClusterConfig, ClusterSpec
 from cost_models.tp_layout import ModuleTree, SPRole, sp_role
 from tests.dist.plans import GPT, LLAMA, _profile
@@ -47,13 +47,13 @@ def test_mesh_coordinates_are_the_device_mesh_grid(order):
 
 
 def test_mesh_arithmetic_lives_in_one_module():
-    """No stride or coordinate arithmetic outside cost_models/mesh.py: a rank's coordinate,
+    """No stride or coordinate arithmetic outside autopar/domain/mesh.py: a rank's coordinate,
     a stride built by multiplying degrees, or a rank stepped by a stride."""
     pattern = re.compile(r"//\s*strides?\b|\bstrides?\s*\*=|//\s*stride\[|\*\s*strides?\[|mesh_strides\(")
     offenders = []
     for folder in ("autopar", "cost_models"):
         for path in sorted((REPO / folder).rglob("*.py")):
-            if path.name == "mesh.py" and path.parent.name == "cost_models":
+            if path.name == "mesh.py" and path.parent.name == "domain":
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if pattern.search(line):
@@ -82,7 +82,7 @@ def test_a_technique_without_runtime_cannot_be_chosen(monkeypatch):
     taken away, it disappears from the search and is refused with the choices that run."""
     import dataclasses
 
-    import cost_models.techniques as techniques
+    import autopar.domain.techniques as techniques
 
     assert "halving_doubling" in searchable(Family.DP_SYNC)
     assert chosen(Family.DP_SYNC, "halving_doubling").runtime == "gradient_sync.HalvingDoublingSync"

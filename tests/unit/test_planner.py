@@ -348,7 +348,7 @@ def test_cross_node_tp_explanation_prices_tp_packed_into_whole_nodes(examples_di
 
     import autopar.solver.planner as planner_module
     from autopar.solver.space import enumerate_candidates
-    from cost_models.mesh import Mesh
+    from autopar.domain.mesh import Mesh
 
     profile = profile_of(examples_dir, "gpt.py", {"layers": 2, "hidden": 256, "heads": 16, "seq_len": 64,
                                                   "vocab": 1024})

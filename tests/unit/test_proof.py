@@ -12,7 +12,7 @@ from autopar.runtime.proof import (LOSS_RTOL, LOSS_RTOL_FLOOR, PARAM_ATOL, PARAM
                                    PARAM_RTOL_FLOOR, Tolerances, check_wanted, compare_with_reference, proof_ranks)
 from autopar.runtime.reference import ReferenceRun
 from autopar.solver.planner import split_of
-from cost_models.layout import ParallelLayout
+from autopar.domain.layout import ParallelLayout
 
 
 def test_the_check_is_on_by_default_only_where_every_rank_runs_on_this_machine():

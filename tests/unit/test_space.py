@@ -33,7 +33,7 @@ def test_candidates_are_the_layouts_the_constructor_builds():
     ParallelLayout(...) would from the same values (enum members, tuples), pinned strings included."""
     from dataclasses import fields
 
-    from cost_models.layout import ParallelLayout
+    from autopar.domain.layout import ParallelLayout
 
     for found in (candidates(), candidates(schedule="gpipe", cp_strategy="ring", dp_sync="ring", zero_stage=1)):
         assert found

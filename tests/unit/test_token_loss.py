@@ -130,7 +130,7 @@ def test_a_pipeline_shape_inference_call_before_the_micro_batches_is_not_counted
 def test_plans_weigh_tokens_only_where_the_batch_is_split():
     """The plan's token_loss and its price: one scalar all-reduce per step over every rank,
     counted on each pipeline rank, where data/context ranks or micro-batches split the batch."""
-    from cost_models.layout import ParallelLayout, TrainSpec
+    from autopar.domain.layout import ParallelLayout, TrainSpec
     from cost_models.step import PlanPricer
     from cost_models.topology import ClusterConfig, ClusterSpec
 

@@ -63,9 +63,11 @@ def test_llama_with_grouped_query_attention():
                       "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
 
-def test_cost_models_never_imports_autopar():
+def test_cost_models_imports_only_the_plan_domain_of_autopar():
+    """The cost models price a layout without the tracer, the solver or code generation: of
+    autopar they load only the plan's domain (autopar.domain, which imports nothing above it)."""
     code = ("import sys, cost_models, cost_models.calibrate; "
-            "sys.exit(any(m == 'autopar' or m.startswith('autopar.') for m in sys.modules))")
+            "sys.exit(any(m.startswith('autopar.') and m.split('.')[1] != 'domain' for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 

@@ -132,7 +132,7 @@ def test_the_pessimistic_price_of_ring_attention_is_its_whole_exchange(examples_
     from autopar.model_file import load_model_file
     from autopar.profile import profile_model
     from cost_models.issued import cp_passes
-    from cost_models.layout import ParallelLayout
+    from autopar.domain.layout import ParallelLayout
     from cost_models.step import PlanPricer, TrainSpec
     from cost_models.uncertainty import RING_ATTENTION, Extrapolation
 

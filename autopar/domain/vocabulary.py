@@ -4,7 +4,7 @@ dispatch) and the spellings a plan file or Hydra override may use.
 
 The enums are `StrEnum` / `IntEnum`, so a member equals its spelling in a plan file or a Hydra
 override ("1f1b", 2) and serialises as it. Which values can be chosen (searched or pinned) is the
-technique registry's (`cost_models.techniques`), which, like the layout (`cost_models.layout`),
+technique registry's (`autopar.domain.techniques`), which, like the layout (`autopar.domain.layout`),
 imports its words from here.
 """
 from __future__ import annotations
@@ -89,6 +89,8 @@ class ExpertDispatch(StrEnum):
 AXES = tuple(a.value for a in MeshAxis)
 SCHEDULES = tuple(s.value for s in Schedule)
 CP_STRATEGIES = tuple(s.value for s in CPStrategy)
+RECOMPUTE_OPTIONS = tuple(r.value for r in Recompute)
 PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "sgd", "sgd_plain")  # adam: two fp32 states, sgd: momentum, sgd_plain: none
 TP_RUNTIMES = ("dtensor", "plain")  # see TrainSpec.tp_runtime
 ZERO3_RUNTIMES = ("fsdp2", "deepspeed_2021")  # see TrainSpec.zero3_runtime

@@ -1,9 +1,11 @@
-"""The plan as the cost model sees it (`ParallelLayout`), the training settings (`TrainSpec`), and
-the checks that turn a layout that cannot run into a clear ValueError before it is priced.
+"""The plan's decisions (`ParallelLayout`) and the training settings they are priced for
+(`TrainSpec`): what every stage reads, written once.
 
-The words they are written in (mesh axes, schedules, ZeRO stages, ...) are cost_models.vocabulary's.
-Which values can be chosen (searched or pinned) is the technique registry's
-(`cost_models.techniques`): a value with no runtime is refused there.
+The words they are written in (mesh axes, schedules, ZeRO stages, ...) are
+autopar.domain.vocabulary's; which values can be chosen (searched or pinned) is the technique
+registry's (autopar.domain.techniques), and the rules a plan's structure obeys are
+autopar.domain.rules'. Checking a layout against a model and a cluster before it is priced is the
+cost model's (cost_models.validate).
 """
 from __future__ import annotations
 
@@ -11,11 +13,8 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
-from cost_models.memory import OPTIMIZERS, RECOMPUTE_OPTIONS
-from cost_models.mesh import Mesh
-from cost_models.topology import ClusterSpec
-from cost_models.vocabulary import (AXES, PRECISIONS, TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, ExpertDispatch,
-                                    Recompute, Schedule, ZeroStage)
+from autopar.domain.mesh import Mesh
+from autopar.domain.vocabulary import AXES, CPStrategy, DPSync, ExpertDispatch, Recompute, Schedule, ZeroStage
 
 
 class FrozenDict(dict):
@@ -210,125 +209,3 @@ _MEMBERS: dict[type, dict[Any, Any]] = {
     for enum in (ZeroStage, Schedule, CPStrategy, DPSync, Recompute, ExpertDispatch)}
 # Every field's default, as `__post_init__` leaves it (what `of_final_values` starts from).
 _DEFAULTS = dict(ParallelLayout().__dict__)
-
-
-def validate_train(train: TrainSpec, profile: Any) -> None:
-    """Clear errors for training settings the cost model cannot price."""
-    if train.precision not in PRECISIONS:
-        raise ValueError(f"precision '{train.precision}' is not one of {', '.join(PRECISIONS)}")
-    if train.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
-    if train.tp_runtime not in TP_RUNTIMES:
-        raise ValueError(f"tp_runtime '{train.tp_runtime}' is not one of {', '.join(TP_RUNTIMES)}")
-    if train.zero3_runtime not in ZERO3_RUNTIMES:
-        raise ValueError(f"zero3_runtime '{train.zero3_runtime}' is not one of {', '.join(ZERO3_RUNTIMES)}")
-    if train.global_batch_size < 1:
-        raise ValueError(f"global batch size must be at least 1, got {train.global_batch_size}")
-    if train.moe_imbalance < 1:
-        raise ValueError(f"moe_imbalance is the busiest expert's tokens over the mean, at least 1; got "
-                         f"{train.moe_imbalance}")
-    if (train.precision == "fp32") != (profile.precision == "fp32"):
-        raise ValueError(f"the profile was traced in {profile.precision} but training is {train.precision}: "
-                         "profile the model in the training precision (bytes moved and saved differ)")
-
-
-def validate(layout: ParallelLayout, model: Any, cluster: ClusterSpec, train: TrainSpec, heads: int | None = None,
-             recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS) -> None:
-    """The one check of a layout against a model (a ModelProfile: its layers, sequence length,
-    precision) and a cluster, before pricing: the training settings, the degrees and batch
-    arithmetic, and every technique's preconditions from its registry entry. `Plan.problems`
-    checks a plan file's own consistency and codegen what the model file must offer; both ask
-    the same registry.
-
-    Raises:
-        ValueError: what cannot run, with the values that can.
-    """
-    validate_train(train, model)
-    experts = ep_blocker = dropless = width = None
-    if layout.ep > 1 or getattr(layout, "expert_tp", False):
-        from cost_models.expert_parallel import ExpertFacts
-
-        facts = ExpertFacts.of(model)
-        experts, ep_blocker, dropless = facts.common_divisor(), facts.ep_blocker, facts.dropless
-        width = facts.common_width()
-    validate_layout(layout, cluster, train, [layer.name for layer in model.layers], model.tokens_per_sample, heads,
-                    recompute_options, experts, ep_blocker, dropless, width)
-
-
-def validate_layout(layout: ParallelLayout, cluster: ClusterSpec, train: TrainSpec, layer_names: list[str] | int,
-                    tokens_per_sample: int | None = None, heads: int | None = None,
-                    recompute_options: tuple[str, ...] = RECOMPUTE_OPTIONS, experts: int | None = None,
-                    ep_blocker: str | None = None, dropless_experts: bool | None = None,
-                    expert_width: int | None = None) -> None:
-    """Clear errors for layouts that cannot run, before pricing them (`experts`: the number every
-    MoE layer's experts divide into, 0 for a model without experts, None: not checked;
-    `ep_blocker`: why the generated exchange cannot wrap the experts, None: it can;
-    `dropless_experts`: every MoE layer exchanged dropless; `expert_width`: what every MoE
-    layer's experts' width divides into, 0: it cannot be split)."""
-    names = list(layer_names) if not isinstance(layer_names, int) else None
-    num_layers = len(names) if names is not None else int(layer_names)
-    for axis in AXES:
-        if not isinstance(layout.degree(axis), int) or layout.degree(axis) < 1:
-            raise ValueError(f"{axis} must be a positive integer, got {layout.degree(axis)!r}")
-    if not isinstance(layout.ep, int) or layout.ep < 1:
-        raise ValueError(f"ep must be a positive integer, got {layout.ep!r}")
-    if (layout.dp * layout.cp) % layout.ep:
-        raise ValueError(f"ep={layout.ep} must divide dp x cp = {layout.dp * layout.cp}: expert parallelism is carved "
-                         "from the data- and context-parallel ranks")
-    if sorted(layout.mesh_order) != sorted(AXES):
-        raise ValueError(f"mesh_order {tuple(layout.mesh_order)} must order exactly the axes {', '.join(AXES)}")
-    if layout.world_size != cluster.world_size:
-        raise ValueError(f"dp×tp×pp×cp = {layout.dp}×{layout.tp}×{layout.pp}×{layout.cp} = {layout.world_size}, "
-                         f"but the cluster has {cluster.world_size} GPUs")
-    if layout.micro_batch_size < 1 or layout.num_micro_batches < 1:
-        raise ValueError("micro_batch_size and num_micro_batches must be at least 1")
-    if layout.dp * layout.micro_batch_size * layout.num_micro_batches != train.global_batch_size:
-        raise ValueError(f"global batch {train.global_batch_size} ≠ dp {layout.dp} × micro-batch "
-                         f"{layout.micro_batch_size} × micro-batches {layout.num_micro_batches}")
-    shares = tuple(getattr(layout, "dp_shares", ()) or ())
-    if shares and (len(shares) != layout.dp or sum(shares) != layout.dp * layout.micro_batch_size
-                   or min(shares) < 1):
-        raise ValueError(f"dp_shares {list(shares)} must give each of the {layout.dp} data-parallel ranks at least "
-                         f"one sample and sum to dp x micro_batch_size = {layout.dp * layout.micro_batch_size}")
-    if shares and layout.pp > 1:
-        raise ValueError("uneven data-parallel shares need pp=1 (each pipeline replica would run another schedule)")
-    if layout.chunks < 1:
-        raise ValueError(f"chunks must be at least 1, got {layout.chunks}")
-    if layout.pp * layout.chunks > num_layers:
-        raise ValueError(f"{num_layers} layers cannot fill pp {layout.pp} × chunks {layout.chunks} stages")
-    # Each technique's own conditions, from its registry entry (unknown or runtime-less values
-    # are refused there with the values that can be chosen).
-    from cost_models.techniques import LayoutFacts, problems
-
-    found = problems(layout, LayoutFacts(heads=heads, tokens_per_sample=tokens_per_sample, experts=experts,
-                                         ep_blocker=ep_blocker, dropless_experts=dropless_experts,
-                                         expert_width=expert_width))
-    if found:
-        raise ValueError(found[0])
-    _validate_recompute(layout.recompute, names, recompute_options)
-    if layout.stages and names is not None:
-        _validate_stages(layout, names)
-
-
-def _validate_recompute(recompute: Any, names: list[str] | None, options: tuple[str, ...]) -> None:
-    values = recompute.values() if isinstance(recompute, dict) else [recompute]
-    unknown = sorted({str(v) for v in values} - set(options))
-    if unknown:
-        raise ValueError(f"recompute '{unknown[0]}' is not one of {', '.join(options)}")
-    if isinstance(recompute, dict) and names is not None:
-        stray = sorted(set(recompute) - set(names))
-        if stray:
-            raise ValueError(f"recompute names unknown layers: {', '.join(stray[:3])}")
-
-
-def _validate_stages(layout: ParallelLayout, names: list[str]) -> None:
-    stages = [list(stage) for stage in layout.stages]
-    if len(stages) != layout.pp * layout.chunks:
-        raise ValueError(f"{len(stages)} stages given for pp={layout.pp} × chunks={layout.chunks}")
-    if any(not stage for stage in stages):
-        raise ValueError("every pipeline stage needs at least one layer")
-    flat = [name for stage in stages for name in stage]
-    if flat != names:
-        missing = sorted(set(names) - set(flat))
-        raise ValueError("stages must list every layer once, in model order"
-                         + (f" (missing: {', '.join(missing[:3])})" if missing else ""))

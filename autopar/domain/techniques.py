@@ -9,7 +9,7 @@ program that would run something else (before this registry, halving-doubling wa
 technique: a plan with it compiled and silently ran FSDP's reduction; gradient_sync.py now
 generates it).
 
-    from cost_models.techniques import Family, chosen, searchable, problems
+    from autopar.domain.techniques import Family, chosen, searchable, problems
     searchable(Family.DP_SYNC)          # ('auto', 'ring', 'tree', 'hierarchical', 'ps', 'halving_doubling')
     chosen(Family.DP_SYNC, "gossip")    # ValueError naming the problem and the fix
     problems(layout, heads=16, tokens_per_sample=2048)   # every precondition a layout breaks
@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Callable
 
-from cost_models.expert_parallel import UNSPLITTABLE_WIDTH
-from cost_models.vocabulary import CPStrategy, DPSync, ExpertDispatch, Schedule, ZeroStage
+from autopar.domain.vocabulary import CPStrategy, DPSync, ExpertDispatch, Schedule, ZeroStage
+
+# Why an experts module's width cannot be split over TP, as the planner and the checks say it.
+UNSPLITTABLE_WIDTH = ("their weights are not [E, a, b] with one of a, b the hidden size (the router's width) and the "
+                      "other a feed-forward width in 1 or 2 blocks")
 
 
 class Family(StrEnum):

@@ -13,16 +13,15 @@ Mesh axes are named by `MeshAxis` and listed innermost (fastest links) to outerm
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.domain.bounds import Bound, out_of_range
 from autopar.domain.layout import ParallelLayout
-from autopar.domain.vocabulary import (CPStrategy, DPSync, ExpertDispatch, MeshAxis, Recompute, Schedule, TPStyle,
+from autopar.domain.vocabulary import (CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle,
                                        ZeroStage)
-from autopar.domain.mesh import Mesh
 from autopar.domain.rules import Problem, stage_partition, structure_problems
 
 # The largest cluster the search handles in bounded time: 65,536 GPUs (GPT, 8192 DGX nodes) plan
@@ -136,26 +135,22 @@ PROVENANCE_BOUNDS: dict[str, Bound] = {"traced_micro_batch_size": _COUNT}
 # Plan attribute -> the table of its numeric fields ("" : the plan's own).
 PLAN_PART_BOUNDS: dict[str, dict[str, Bound]] = {"": PLAN_BOUNDS, "predicted": PREDICTED_BOUNDS,
                                                  "solver": SOLVER_INFO_BOUNDS, "provenance": PROVENANCE_BOUNDS}
+# The decisions a plan shares with the layout the pricer reads.
+LAYOUT_FIELDS = tuple(f.name for f in fields(ParallelLayout))
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A complete parallelisation of one model on one cluster.
+class Plan(ParallelLayout):
+    """A complete parallelisation of one model on one cluster: the decisions every stage reads
+    (`ParallelLayout`'s fields, defined and documented there once: degrees, mesh order, ZeRO,
+    micro-batching, schedule, stages, recomputation, SP/CP, gradient synchronisation, shares),
+    what the model and the solver fixed with them, and what the plan was made from.
 
-    Attributes:
-        dp, tp, pp, cp: parallel degrees; their product is the world size.
-        ep: expert-parallel degree, carved from dp (ep consecutive data-parallel ranks share one
-            copy of each MoE layer's experts, E / ep each); 1 without experts.
-        ep_dispatch: how tokens reach their experts' ranks (all_to_all).
-        mesh_order: axis names innermost -> outermost (innermost gets the fastest links).
-        zero_stage: 0 (DDP), 1 (sharded optimizer), 2 (+ gradients), 3 (+ parameters, FSDP).
-        hybrid_shard: ZeRO shards within a node and replicates across nodes (2-D DP mesh).
-        micro_batch_size: samples per micro-batch per DP rank.
-        num_micro_batches: micro-batches per step (gradient accumulation / pipeline depth).
-        schedule, chunks: pipeline schedule and model chunks per PP rank (v, interleaved only).
-        stages: layer names of each (virtual) pipeline stage in order; stage j runs on PP rank
-            j mod pp. One stage holding every layer when pp == 1.
-        recompute: layer name -> none / selective / full activation recomputation.
+    Attributes (beyond the layout's; two of its fields are narrower here):
+        stages: as the layout's, and listed even when pp == 1 (one stage holding every layer).
+        recompute: layer name -> none / selective / full (a plan names its layers; unlisted: none).
+        dp_sync: the algorithm the plan runs (the pricer's choice where it was auto), or
+            reduce_scatter / none where no algorithm was chosen (ZeRO-2/3, one gradient replica).
         tp_styles: module FQN -> colwise / rowwise / replicate / vocab_parallel / hidden_parallel /
             kv_group / head_norm (the operator-wise ILP's choice; modules not listed stay
             replicated; head_norm: a per-head norm on the rank's heads, its weight whole).
@@ -173,13 +168,8 @@ class Plan:
         tp_grouped_parts: fused projections computed by key/value group (``kv_group``: Phi-3's
             qkv_proj at tp above its key/value heads) -> the indices of their parts that each
             rank computes for its group (the key/value parts); the others split by tp.
-        sequence_parallel: shard norms/residuals along the sequence inside TP groups.
         loss_parallel: the LM head's logits stay vocabulary-sharded into the loss.
-        cp_strategy: ulysses (head all-to-all) or ring (K/V passed around the CP ring).
-        dp_sync: gradient synchronisation algorithm: ring, tree, hierarchical or ps.
         dp_bucket_bytes: gradient bytes per synchronisation bucket (hierarchical / ps).
-        dp_shares: samples per micro-batch of each data-parallel rank when uneven (mixed GPU
-            types get shares in proportion to their speed); empty: micro_batch_size each.
         token_loss: the loss is a mean over the targets it counts and the plan splits the batch
             (ranks, shards of the sequence or micro-batches): each part's loss is weighed by its
             count, with one all-reduce of the counts per step (autopar/trace/loss_tokens.py).
@@ -197,34 +187,16 @@ class Plan:
             checkpoint (train.router_checkpoint); empty: moe_imbalance priced the routing.
     """
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    ep_dispatch: str = ExpertDispatch.ALL_TO_ALL.value
-    expert_tp: bool = False
-    mesh_order: list[str] = field(default_factory=lambda: [a.value for a in MeshAxis])
-    zero_stage: int = 0
-    hybrid_shard: bool = False
-    micro_batch_size: int = 1
-    num_micro_batches: int = 1
-    schedule: str = Schedule.ONE_F_ONE_B.value
-    chunks: int = 1
-    stages: list[list[str]] = field(default_factory=list)
     recompute: dict[str, str] = field(default_factory=dict)
+    dp_sync: str = DPSync.RING
     tp_styles: dict[str, str] = field(default_factory=dict)
     tp_dtensor_regions: list[str] = field(default_factory=list)
     tp_fused: dict[str, list[int]] = field(default_factory=dict)
     tp_grouped_parts: dict[str, list[int]] = field(default_factory=dict)
     tp_kv_heads: int = 0
     tp_region_attributes: dict[str, dict[str, int]] = field(default_factory=dict)
-    sequence_parallel: bool = False
     loss_parallel: bool = False
-    cp_strategy: str = CPStrategy.ULYSSES.value
-    dp_sync: str = DPSync.RING.value
     dp_bucket_bytes: int = 25 * 2**20
-    dp_shares: list[int] = field(default_factory=list)
     token_loss: bool = False
     data_dependent: bool = False
     estimated: list[str] = field(default_factory=list)
@@ -240,40 +212,33 @@ class Plan:
     solver: SolverInfo = field(default_factory=SolverInfo)
     provenance: Provenance = field(default_factory=Provenance)
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
     def degree(self, axis: str) -> int:
         return getattr(self, MeshAxis(axis).value)
 
-    def mesh(self) -> Mesh:
-        return Mesh.of(self)
-
     def mesh_shape(self) -> tuple[int, ...]:
         """Mesh shape outermost first (DeviceMesh order), e.g. (dp, pp, cp, tp)."""
-        return self.mesh().shape()
+        return self.mesh.shape()
 
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return self.mesh().dim_names()
+        return self.mesh.dim_names()
 
     def rank_grid(self) -> list:
         """Nested lists of ranks in DeviceMesh order: rank r sits at its mesh coordinate."""
-        return self.mesh().rank_grid()
+        return self.mesh.rank_grid()
+
+    @classmethod
+    def of(cls, layout: ParallelLayout, **rest: Any) -> "Plan":
+        """A plan holding `layout`'s decisions; `rest` gives the others (and may override)."""
+        return cls(**{**{name: layout.__dict__[name] for name in LAYOUT_FIELDS}, **rest})
 
     def layout(self) -> ParallelLayout:
-        """The frozen layout the cost model prices (the same decisions, as enums)."""
+        """The decisions alone, as the pricer reads them (hashable: its caches key on them). A
+        recorded algorithm the search would not pin (reduce_scatter, none) is priced as auto."""
         from autopar.domain.techniques import pinnable_sync
 
-        return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
-                              ep_dispatch=self.ep_dispatch, expert_tp=self.expert_tp, mesh_order=tuple(self.mesh_order),
-                              zero_stage=self.zero_stage, hybrid_shard=self.hybrid_shard,
-                              micro_batch_size=self.micro_batch_size, num_micro_batches=self.num_micro_batches,
-                              schedule=self.schedule, chunks=self.chunks, sequence_parallel=self.sequence_parallel,
-                              cp_strategy=self.cp_strategy, dp_sync=pinnable_sync(self.dp_sync),
-                              dp_shares=tuple(self.dp_shares),
-                              stages=tuple(tuple(stage) for stage in self.stages),
-                              recompute=dict(self.recompute) or Recompute.NONE)
+        decisions = {name: self.__dict__[name] for name in LAYOUT_FIELDS}
+        decisions.update(dp_sync=pinnable_sync(self.dp_sync), recompute=self.recompute or Recompute.NONE)
+        return ParallelLayout.of_final_values(**decisions)
 
     def summary(self) -> str:
         """One line: degrees, ZeRO, micro-batching, schedule, SP/CP, recomputation."""

@@ -27,7 +27,7 @@ from autopar.domain.mesh import Mesh
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
-from autopar.domain.vocabulary import Recompute
+from autopar.domain.vocabulary import DPSync, Recompute
 from cost_models.uncertainty import (RESIDUAL_LOW, Extrapolation, PredictionInterval, extrapolations,
                                      pessimistic_cluster, techniques_of)
 
@@ -399,26 +399,19 @@ class Planner:
         layout = layout_of(scored.candidate, stages, recompute)
         estimate = self.pricer.estimate(layout)
         interval = self.interval(scored)
-        dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else "reduce_scatter"
-        plan = Plan(
-            dp=scored.candidate.dp, tp=scored.candidate.tp, pp=scored.candidate.pp, cp=scored.candidate.cp,
-            ep=scored.candidate.ep, ep_dispatch=scored.candidate.ep_dispatch, expert_tp=scored.candidate.expert_tp,
-            mesh_order=list(scored.candidate.mesh_order), zero_stage=scored.candidate.zero_stage,
-            hybrid_shard=scored.candidate.hybrid_shard, micro_batch_size=scored.candidate.micro_batch_size,
-            num_micro_batches=scored.candidate.num_micro_batches, schedule=scored.candidate.schedule,
-            chunks=scored.candidate.chunks, stages=stages, recompute=recompute,
-            tp_styles=self._tp_styles(scored.candidate.tp),
+        dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else DPSync.REDUCE_SCATTER
+        plan = Plan.of(
+            layout, recompute=recompute, tp_styles=self._tp_styles(scored.candidate.tp),
             tp_dtensor_regions=self._tp_dtensor_regions(scored.candidate.tp),
             tp_fused=self._tp_fused(scored.candidate.tp),
             tp_grouped_parts=self._by_layer(self.splitter.grouped_parts, scored.candidate.tp),
             tp_kv_heads=self._tp_kv_heads(scored.candidate.tp),
             tp_region_attributes=self._tp_region_attributes(scored.candidate.tp),
-            sequence_parallel=scored.candidate.sequence_parallel,
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
                               for module, style in self._tp_styles(scored.candidate.tp).items())
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
-            cp_strategy=scored.candidate.cp_strategy, dp_sync=dp_sync,
-            dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout), dp_shares=list(self.pricer.dp_shares(layout)),
+            dp_sync=dp_sync, dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout),
+            dp_shares=list(self.pricer.dp_shares(layout)),
             token_loss=self.pricer.weighs_tokens(layout), data_dependent=self.profile.data_dependent,
             estimated=list(self.profile.estimated), real_values=self.profile.real_values, layer_names=names,
             block_containers=list(self.profile.block_containers), global_batch_size=self.train.global_batch_size,

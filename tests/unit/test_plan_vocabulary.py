@@ -244,3 +244,51 @@ def test_loss_parallel_and_a_tied_embedding_are_priced_as_issued():
     comm, forward = head.collectives(False)
     assert [c for c, _ in comm[:forward]] == ["all_reduce"] * 3
     assert embedding.collectives(False) == ((("all_reduce", embedding.comm[0][1]),), 1)
+
+
+# -- one plan: the layout's decisions, pinned, saved and generated ------------------------------
+
+# Settings of how to plan, not decisions of the plan (which stacks to split along, how to trace,
+# whether to reuse a profile, which engine's rules to search under).
+HOW_TO_PLAN = {"blocks", "trace_every_block", "reuse_profile", "engine"}
+# Decisions no pin fixes: the mesh order is the solver's (by link speed), the number of
+# micro-batches follows from the batch, and tokens reach experts one way (all_to_all).
+NOT_PINNED = {"mesh_order", "num_micro_batches", "ep_dispatch"}
+
+
+def test_pins_are_a_partial_plan():
+    """Every plan.* pin is a field of the layout (layer_recompute: recompute per layer) or a
+    setting of how to plan, and every decision but the listed three can be pinned."""
+    from dataclasses import fields
+
+    from autopar.config import PlanPins
+    from autopar.plans import LAYOUT_FIELDS
+
+    pins = {f.name for f in fields(PlanPins)}
+    assert pins - HOW_TO_PLAN - {"layer_recompute"} == set(LAYOUT_FIELDS) - NOT_PINNED
+    assert set(LAYOUT_FIELDS) <= {f.name for f in fields(Plan)}
+
+
+def test_a_plan_is_its_layout_and_more():
+    """The plan's decisions are the layout's fields, converted the same way (members, tuples), so
+    the pricer reads a plan's layout with no field copied by hand."""
+    plan = Plan(dp=2, micro_batch_size=2, num_micro_batches=2, global_batch_size=8, layer_names=["a", "b"],
+                stages=[["a", "b"]], recompute={"a": "full"}, schedule="1f1b", zero_stage=2, dp_sync="reduce_scatter")
+    layout = plan.layout()
+    assert isinstance(plan, ParallelLayout) and type(layout) is ParallelLayout
+    assert layout == ParallelLayout(dp=2, micro_batch_size=2, num_micro_batches=2, stages=(("a", "b"),),
+                                    recompute={"a": "full"}, zero_stage=2, dp_sync="auto")
+    rebuilt = Plan.of(layout, recompute={"a": "full"}, dp_sync="reduce_scatter", global_batch_size=8,
+                      layer_names=["a", "b"])
+    assert rebuilt == plan == Plan.from_json(plan.to_json())
+    assert Plan(layer_names=["a"], stages=[["a"]]).layout().recompute == "none"
+
+
+def test_the_generated_mesh_names_the_plan_axes():
+    """The generated module imports nothing of autopar, so its mesh axes are its own enum: the
+    plan's axes, with data parallelism in two (replicas of a shard group, the group)."""
+    from autopar.domain.vocabulary import AXES
+    from autopar.sections.mesh import MeshAxis as GeneratedAxis
+
+    generated = {axis.value for axis in GeneratedAxis}
+    assert generated == (set(AXES) - {"dp"}) | {"dp_replicate", "dp_shard"}

@@ -100,7 +100,7 @@ class Breakdowns:
         return 0.0
 
     def _dp_algorithm(self, layout: ParallelLayout) -> str:
-        if self._grad_size(layout) == 1:
+        if self.groups.grad_size(layout) == 1:
             return "none"
         if layout.zero_stage >= 2:
             return "reduce_scatter (ring)"
@@ -122,7 +122,7 @@ class Breakdowns:
             states["compute_copy"] += s.compute_copy_bytes
         activations = sum(problem.in_flight[device] * problem.activation_bytes[index][partition.options[index]]
                           for index in self._device_layers(layout, stages, device))
-        memory = min(g.memory_bytes for g in self.pp_rank_gpus(layout)[device])
+        memory = min(g.memory_bytes for g in self.groups.pp_rank_gpus(layout)[device])
         copy = states.pop("compute_copy")
         return {**{k: int(v) for k, v in states.items()}, "activations": int(activations),
                 "buffers": int(problem.overhead_bytes[device] + copy),
@@ -153,7 +153,7 @@ class Breakdowns:
                                             "dp_comm", "bubble", "optimizer")}
 
     def _stage_details(self, layout, problem, partition, stages) -> list[dict[str, Any]]:
-        pp_gpus = self.pp_rank_gpus(layout)
+        pp_gpus = self.groups.pp_rank_gpus(layout)
         per_step = self._per_step_by_device(layout, problem, stages)
         return [{"pp_rank": d, "gpu": sorted({g.name for g in pp_gpus[d]}),
                  "layers": [self.layers[index].name for index in self._device_layers(layout, stages, d)],

@@ -71,7 +71,7 @@ class IssuedCollectives:
         count = sum(len(self._slice_norm_params(layer.name)) if layout.sequence_parallel else 0
                     for layer in self.layers)
         count += sum(self._head_norm_params(self.split(layer.name, layout, reference).styles) for layer in self.layers)
-        if layout.zero_stage >= 2 and self._grad_size(layout) > 1 and layout.pp == 1:
+        if layout.zero_stage >= 2 and self.groups.grad_size(layout) > 1 and layout.pp == 1:
             count *= layout.num_micro_batches
         return {Collective.ALL_REDUCE.value: count} if count else {}
 
@@ -170,7 +170,7 @@ class IssuedCollectives:
         counts = {Collective.ALL_GATHER.value: wrapped * m, Collective.REDUCE_SCATTER.value: wrapped * m}
         if layout.zero_stage == 3:
             counts[Collective.ALL_GATHER.value] += len(units) * m
-        if layout.hybrid_shard and self._shard_size(layout) < self._grad_size(layout):
+        if layout.hybrid_shard and self.groups.shard_size(layout) < self.groups.grad_size(layout):
             counts[Collective.ALL_REDUCE.value] = wrapped * m
         return counts
 

@@ -135,7 +135,7 @@ class LayerCost:
     def split(self, layer_name: str, layout: Any, gpu: GPUSpec) -> TPLayerSplit:
         """The layer kind under the layout's TP degree on `gpu` (cached)."""
         kind = self.compute.kind(layer_name)
-        group = self.placement(layout, "tp")
+        group = self.groups.placement(layout, "tp")
         key = (kind, layout.tp, group.nodes, group.per_node, gpu.signature)
         if key not in self._splits:
             if layout.tp == 1:
@@ -217,8 +217,8 @@ class LayerCost:
     def _tp_comm_s(self, split: TPLayerSplit, layout: Any, per_token: float, full_recompute: bool,
                    boundaries: bool = True) -> float:
         """Seconds of `tp_issued` for one micro-batch."""
-        group = self.placement(layout, "tp")
-        return sum(self.collective_s(Collective(op), nbytes * per_token, group)
+        group = self.groups.placement(layout, "tp")
+        return sum(self.groups.collective_s(Collective(op), nbytes * per_token, group)
                    for op, nbytes in self.tp_issued(split, layout, full_recompute, boundaries))
 
     def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
@@ -265,9 +265,10 @@ class LayerCost:
                 return None
             reference, speed, _ = devices
             scale = layout.micro_batch_size / self.b0
-            rows = self._rows("compute_floor", layout, (layout.tp, self._span(layout, "tp"), layout.sequence_parallel,
-                                                        layout.cp, layout.cp_strategy, self._span(layout, "cp"),
-                                                        layout.micro_batch_size, self._ep_key(layout)),
+            spans = (self.groups.span(layout, "tp"), self.groups.span(layout, "cp"))
+            rows = self._rows("compute_floor", layout, (layout.tp, spans[0], layout.sequence_parallel, layout.cp,
+                                                        layout.cp_strategy, spans[1], layout.micro_batch_size,
+                                                        self._ep_key(layout)),
                               lambda layer, split: self._floor_s(layer, split, layout, scale, reference), reference)
             self._floors[key] = (rows, speed)
         return self._floors[key]
@@ -301,7 +302,7 @@ class LayerCost:
                  for b in self._attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0)))
         if q + kv == 0:
             return 0.0
-        group = self.placement(layout, "cp")
+        group = self.groups.placement(layout, "cp")
         # Each pass of the layer's attention (forward, backward, recomputed forwards: `cp_passes`,
         # counted in a generated step) exchanges once more.
         passes = cp_passes(layout.cp_strategy, option)
@@ -310,13 +311,13 @@ class LayerCost:
             # Jacobs et al. 2023 (DeepSpeed-Ulysses): q, k, v to the head-sharded layout and the
             # output (q's size) back, one all-to-all each, and the same for their gradients; on
             # the critical path (attention needs all of them).
-            return passes * (2 * self.collective_s(Collective.ALL_TO_ALL, q, group)
-                             + self.collective_s(Collective.ALL_TO_ALL, kv, group))
+            return passes * (2 * self.groups.collective_s(Collective.ALL_TO_ALL, q, group)
+                             + self.groups.collective_s(Collective.ALL_TO_ALL, kv, group))
         # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's stacked K/V block forward
         # (again in a recomputed forward); backward passes its gradient back the same way; each
         # transfer overlaps the attention of the block in hand, so at long sequences (attention
         # quadratic, transfers linear) it hides.
-        exchange = passes * (layout.cp - 1) * self.collective_s(Collective.SEND_RECV, kv, group)
+        exchange = passes * (layout.cp - 1) * self.groups.collective_s(Collective.SEND_RECV, kv, group)
         if RING_ATTENTION in self.cluster.exposed_overlap:
             return exchange  # the pessimistic price: no published run measured this overlap
         attention = (compute.attention_s + (forwards - 1) * compute.attention_forward_s
@@ -327,7 +328,7 @@ class LayerCost:
         """What expert parallelism's prices read of a layout (a cache key)."""
         if not self.experts.has_experts or (layout.ep == 1 and not self._expert_tp(layout)):
             return ()
-        return (layout.ep, self._span(layout, "ep"), layout.cp, self._expert_tp(layout))
+        return (layout.ep, self.groups.span(layout, "ep"), layout.cp, self._expert_tp(layout))
 
     @staticmethod
     def _expert_tp(layout: Any) -> int:
@@ -347,11 +348,11 @@ class LayerCost:
             return sums
         pace = self._pace(moe, layout)
         nbytes = dispatch_bytes(moe, scale, layout.cp, pace)
-        group = self.placement(layout, "ep")
-        exchanges = all_to_alls(option) * self.collective_s(Collective.ALL_TO_ALL, nbytes, group)
+        group = self.groups.placement(layout, "ep")
+        exchanges = all_to_alls(option) * self.groups.collective_s(Collective.ALL_TO_ALL, nbytes, group)
         if moe.dropless:  # the per-expert counts go first, so each rank knows what it receives
-            exchanges += count_exchanges(option) * self.collective_s(Collective.ALL_TO_ALL, COUNT_BYTES * moe.experts,
-                                                                     group)
+            exchanges += count_exchanges(option) * self.groups.collective_s(
+                Collective.ALL_TO_ALL, COUNT_BYTES * moe.experts, group)
         return exchanges + sums
 
     def _pace(self, moe: Any, layout: Any) -> float:
@@ -367,8 +368,8 @@ class LayerCost:
         forward, the input's (and a dropless module's gates') partial gradients in backward."""
         if self._expert_tp(layout) == 1:
             return 0.0
-        group = self.placement(layout, "tp")
-        return sum(count * self.collective_s(Collective.ALL_REDUCE, nbytes, group)
+        group = self.groups.placement(layout, "tp")
+        return sum(count * self.groups.collective_s(Collective.ALL_REDUCE, nbytes, group)
                    for count, nbytes in expert_tp_sums(moe, scale, layout.cp, option))
 
     def _ep_wait_s(self, layer: Any, split: TPLayerSplit, layout: Any, per_token: float,
@@ -391,7 +392,7 @@ class LayerCost:
         """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute: the layer's
         share of its FSDP unit's messages (`IssuedCollectives._fsdp_collectives` counts them);
         under train.zero3_runtime=deepspeed_2021, one exposed collective per tensor instead."""
-        if layout.zero_stage < 2 or self._grad_size(layout) == 1:
+        if layout.zero_stage < 2 or self.groups.grad_size(layout) == 1:
             return 0.0
         if layout.zero_stage == 3 and self.train.zero3_runtime == "deepspeed_2021":
             return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.collective_s,
@@ -400,7 +401,7 @@ class LayerCost:
         _, is_root = self.fsdp_unit_of(layer.name)
         if layout.pp > 1 and (layout.zero_stage == 2 or is_root):
             return 0.0  # gathered and reduced once per step under a pipeline schedule (per_step_parts)
-        group = self._shard_group(layout)
+        group = self.groups.shard_group(layout)
         gather = self._unit_share_s(Collective.ALL_GATHER, layer, split, layout, self.weights_bytes, group)
         forward = compute.forward_s * per_token + compute.forward_launches * overhead
         if layout.pp > 1:  # ZeRO-3 in a pipeline: only the forward gathers come every micro-batch
@@ -424,7 +425,7 @@ class LayerCost:
         numels = [math.prod(self.profile.param_shapes.get(name, [0])) for name in layer.param_names]
         share = self._tp_params(layer, split, layout) / max(1, sum(numels))
         return PerTensorZero3(tuple(n * share for n in numels), self.weights_bytes, self.grads_bytes,
-                              self._shard_group(layout), gpu.launch_overhead_s,
+                              self.groups.shard_group(layout), gpu.launch_overhead_s,
                               gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise"))
 
     def _unit_share_s(self, op: Collective, layer: Any, split: TPLayerSplit, layout: Any, bytes_per_param: float,
@@ -436,14 +437,14 @@ class LayerCost:
         unit, _ = self.fsdp_unit_of(layer.name)
         unit_params = self._layers_params(layout, unit)
         if unit_params <= params:
-            return self.collective_s(op, params * bytes_per_param, group)
-        return self.collective_s(op, unit_params * bytes_per_param, group) * params / unit_params
+            return self.groups.collective_s(op, params * bytes_per_param, group)
+        return self.groups.collective_s(op, unit_params * bytes_per_param, group) * params / unit_params
 
     def _layers_params(self, layout: Any, names: tuple[str, ...]) -> float:
         """Parameters the named layers hold on one rank (after TP), memoised by what they depend
         on (the split of each layer, tp and ep): every layer of an FSDP unit asks for its unit's."""
         reference = self._device_facts(layout)[0]
-        group = self.placement(layout, "tp")
+        group = self.groups.placement(layout, "tp")
         key = (names, layout.tp, layout.ep, group.nodes, group.per_node, reference.signature)
         if key not in self._unit_params:
             self._unit_params[key] = sum(
@@ -455,18 +456,18 @@ class LayerCost:
         """Hybrid sharding's all-reduce of the layer's reduced shard across the replicas (FSDP
         runs it after each reduce-scatter: measured 12 on the 2 x 2 hybrid plan, 6 units x 2
         micro-batches)."""
-        if not layout.hybrid_shard or self._shard_size(layout) >= self._grad_size(layout):
+        if not layout.hybrid_shard or self.groups.shard_size(layout) >= self.groups.grad_size(layout):
             return 0.0
         params = self._tp_params(layer, split, layout)
-        return self.collective_s(Collective.ALL_REDUCE, params * self.grads_bytes / self._shard_size(layout),
-                                 self._replica_group(layout))
+        nbytes = params * self.grads_bytes / self.groups.shard_size(layout)
+        return self.groups.collective_s(Collective.ALL_REDUCE, nbytes, self.groups.replica_group(layout))
 
     def per_step_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float,
                        gpu: GPUSpec) -> dict[str, float]:
         """Seconds once per step for a layer: optimizer update and exposed gradient sync."""
         params = self._tp_params(layer, split, layout)
-        grad_size = self._grad_size(layout)
-        shard = self._shard_size(layout) if layout.zero_stage >= 1 and grad_size > 1 else 1
+        grad_size = self.groups.grad_size(layout)
+        shard = self.groups.shard_size(layout) if layout.zero_stage >= 1 and grad_size > 1 else 1
         bandwidth = gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise")
         dense, experts = self._rank_params(layer, split, layout)
         # Expert states are sharded over the expert-data-parallel group, ep times smaller.
@@ -498,15 +499,15 @@ class LayerCost:
             exposed = self.exposed_dp_sync_s(replace(cost, seconds=cost.seconds * params / unit_params), backward_s)
         if layout.zero_stage == 1:  # updated shards gathered back to every replica
             flat = self._layers_params(layout, tuple(layer.name for layer in self.layers)) / layout.pp
-            exposed += self.collective_s(Collective.ALL_GATHER, max(flat, params) * self.weights_bytes,
-                                         self._shard_group(layout)) * params / max(flat, params)
+            exposed += self.groups.collective_s(Collective.ALL_GATHER, max(flat, params) * self.weights_bytes,
+                                         self.groups.shard_group(layout)) * params / max(flat, params)
         return exposed
 
     def _pipelined_zero_s(self, layer: Any, split: TPLayerSplit, layout: Any, backward_s: float) -> float:
         """ZeRO-2/3 under a pipeline schedule, once per step: the schedule keeps gradients
         unreduced until the last micro-batch's backward (one reduce-scatter per unit, measured),
         ZeRO-2 and the root gather once, and ZeRO-3's other units once more for backward."""
-        group = self._shard_group(layout)
+        group = self.groups.shard_group(layout)
         rs = self._unit_share_s(Collective.REDUCE_SCATTER, layer, split, layout, self.grads_bytes, group)
         gather = self._unit_share_s(Collective.ALL_GATHER, layer, split, layout, self.weights_bytes, group)
         return gather + exposed_s(rs, backward_s) + self._replica_reduce_s(layer, split, layout)
@@ -531,10 +532,10 @@ class LayerCost:
         return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep / self._expert_tp(layout)
 
     def _states(self, layer: Any, split: TPLayerSplit, layout: Any) -> ModelStates:
-        grad_size = self._grad_size(layout)
+        grad_size = self.groups.grad_size(layout)
         dense, experts = self._rank_params(layer, split, layout)
         zero = layout.zero_stage if grad_size > 1 else 0
-        shard = self._shard_size(layout) if grad_size > 1 else 1
+        shard = self.groups.shard_size(layout) if grad_size > 1 else 1
         kwargs = dict(fsdp=self._uses_fsdp(layout), pipelined=layout.pp > 1)
         states = trained_model_states(dense, self.train.precision, self.train.optimizer, zero, shard, **kwargs)
         if not experts:
@@ -552,7 +553,7 @@ class LayerCost:
         if layout.pp == 1:
             return 0.0
         nbytes = layer.output_bytes * scale / layout.cp / (layout.tp if layout.sequence_parallel else 1)
-        return 2 * self.collective_s(Collective.SEND_RECV, nbytes, self.placement(layout, "pp")) * \
+        return 2 * self.groups.collective_s(Collective.SEND_RECV, nbytes, self.groups.placement(layout, "pp")) * \
             self.cluster.scale_of("pp_comm")
 
     def _overhead_bytes(self, layout: Any, scale: float, gpu: GPUSpec) -> int:
@@ -563,14 +564,14 @@ class LayerCost:
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
         largest = self._largest_params_on_rank(layout.ep) / layout.tp
         buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
-        if layout.zero_stage == 3 and self._grad_size(layout) > 1 and layout.pp == 1:
+        if layout.zero_stage == 3 and self.groups.grad_size(layout) > 1 and layout.pp == 1:
             # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
             # a pipeline stage keeps all of its layers', see `trained_model_states`).
             buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
         if self._uses_fsdp(layout):
             # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).
             buffers["gradient_reduce"] = largest * 4
-        elif self._grad_size(layout) > 1:
+        elif self.groups.grad_size(layout) > 1:
             # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
             buffers["dp_buckets"] = 2 * self.dp_bucket_bytes(layout)
         # A layer's full activations while its backward (or its recomputation) runs; under ring

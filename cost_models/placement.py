@@ -13,7 +13,7 @@ from cost_models.collectives import Algorithm, Collective, CollectiveCost, colle
 from cost_models.hardware import GPUSpec
 from cost_models.layer_cost import exposed_s
 from autopar.domain.mesh import mesh_of
-from cost_models.topology import GroupPlacement
+from cost_models.topology import ClusterSpec, GroupPlacement
 from autopar.domain.vocabulary import DPSync
 
 DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
@@ -35,8 +35,16 @@ def proportional_shares(weights: list[float], total: int) -> tuple[int, ...]:
 
 
 
-class Placement:
-    """Places a layout's groups on the cluster (mixed into PlanPricer)."""
+class LayoutGroups:
+    """Where a layout's groups sit on one cluster, and what a collective over one costs: built from
+    the cluster alone, cached per mesh (the planner asks the same questions of many layouts)."""
+
+    def __init__(self, cluster: ClusterSpec):
+        self.cluster = cluster
+        self.homogeneous = cluster.homogeneous
+        self._placements: dict[tuple, GroupPlacement] = {}
+        self._rank_gpus: dict[Any, list] = {}
+        self._collectives: dict[tuple, float] = {}
 
     def placement(self, layout: Any, axes: str | tuple[str, ...]) -> GroupPlacement:
         """Where the group through rank 0 along one mesh axis (or several) sits."""
@@ -62,14 +70,15 @@ class Placement:
         tokens, so their gradients are summed too)."""
         return self.placement(layout, ("dp", "cp"))
 
-    def _grad_size(self, layout: Any) -> int:
+    @staticmethod
+    def grad_size(layout: Any) -> int:
         return layout.dp * layout.cp
 
-    def _shard_size(self, layout: Any) -> int:
+    def shard_size(self, layout: Any) -> int:
         """Ranks ZeRO shards over: the gradient group, or its part on one node (hybrid)."""
-        return self._shard_group(layout).size
+        return self.shard_group(layout).size
 
-    def _shard_group(self, layout: Any) -> GroupPlacement:
+    def shard_group(self, layout: Any) -> GroupPlacement:
         if not layout.hybrid_shard:
             return self.grad_group(layout)
         key = ("shard", mesh_of(layout))
@@ -79,7 +88,7 @@ class Placement:
                 [r for r in ranks if r // self.cluster.gpus_per_node == 0])
         return self._placements[key]
 
-    def _replica_group(self, layout: Any) -> GroupPlacement:
+    def replica_group(self, layout: Any) -> GroupPlacement:
         """Hybrid sharding's replicas: one rank per node of the gradient group."""
         key = ("replica", mesh_of(layout))
         if key not in self._placements:
@@ -93,7 +102,7 @@ class Placement:
         """GPU types of the ranks of each pipeline rank (callers take their set, min or max: on a
         one-type cluster each pipeline rank lists its type once)."""
         key = mesh_of(layout)
-        if key not in self._rank_gpus and self._homogeneous:
+        if key not in self._rank_gpus and self.homogeneous:
             # No need to walk every rank (16,384 of them at frontier scale).
             self._rank_gpus[key] = [[self.cluster.node_gpus[0]] for _ in range(layout.pp)]
         if key not in self._rank_gpus:
@@ -104,16 +113,40 @@ class Placement:
             self._rank_gpus[key] = groups
         return self._rank_gpus[key]
 
+    def dp_rank_gpus(self, layout: Any) -> list[GPUSpec]:
+        """GPU type of each data-parallel rank (its first rank: TP groups are one type)."""
+        key = ("dp", mesh_of(layout))
+        if key not in self._rank_gpus:
+            self._rank_gpus[key] = [self.cluster.gpu_of_rank(r) for r in mesh_of(layout).group_ranks("dp")]
+        return self._rank_gpus[key]
+
+    def tp_groups_homogeneous(self, layout: Any) -> bool:
+        """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
+        if self.homogeneous:
+            return True
+        return all(len({self.cluster.gpu_of_rank(rank).name for rank in group}) == 1
+                   for group in mesh_of(layout).groups("tp"))
+
+    def span(self, layout: Any, axes: str | tuple[str, ...]) -> tuple[int, int, int, int]:
+        """A cheap cache key for a group's placement."""
+        group = self.placement(layout, axes)
+        return (group.size, group.nodes, group.per_node, group.min_per_node)
+
     def collective_s(self, op: Collective, nbytes: float, group: GroupPlacement) -> float:
-        """Cheapest-algorithm time, memoised (the planner asks the same questions many times)."""
+        """Cheapest-algorithm time, memoised."""
         key = (op, nbytes, group)
         if key not in self._collectives:
             self._collectives[key] = collective_time_s(op, nbytes, group)
         return self._collectives[key]
 
+
+class Placement:
+    """Gradient synchronisation and the speed and memory of each pipeline rank, for PlanPricer
+    (mixed into it; the groups themselves are its `groups`, a `LayoutGroups`)."""
+
     def dp_sync_cost(self, layout: Any, nbytes: float) -> CollectiveCost:
         """Gradient all-reduce on the gradient group: the pinned algorithm or the layout's choice."""
-        group = self.grad_group(layout)
+        group = self.groups.grad_group(layout)
         pinned = getattr(layout, "dp_sync", None) or DPSync.AUTO
         algorithm = self.auto_dp_sync(layout) if pinned == DPSync.AUTO else Algorithm(pinned)
         key = ("dp_sync", algorithm, nbytes, group)
@@ -133,7 +166,7 @@ class Placement:
         """The algorithm adding least to the step for the largest layer's gradients (one choice per
         layout: the generated code uses one): ring, tree, hierarchical, and with ZeRO-0 a
         parameter server (it holds the whole optimizer, which ZeRO-1 shards)."""
-        group = self.grad_group(layout)
+        group = self.groups.grad_group(layout)
         key = ("auto_dp_sync", layout.zero_stage, layout.tp, layout.micro_batch_size, group)
         if key not in self._collectives:
             largest = max(self.layers, key=lambda layer: layer.param_count)
@@ -154,7 +187,7 @@ class Placement:
         """Bucket size of the generated hierarchical / parameter-server exchange: the smallest
         candidate whose per-bucket latency adds under 1% to the exchange of all gradients (small
         buckets bound the extra memory; too small ones pay a latency per bucket)."""
-        group = self.grad_group(layout)
+        group = self.groups.grad_group(layout)
         if group.size == 1:
             return DP_BUCKET_BYTES
         algorithm = self.dp_sync_cost(layout, 1.0).algorithm
@@ -175,9 +208,9 @@ class Placement:
         return self._devices[key]
 
     def _compute_device_facts(self, layout: Any):
-        if layout.tp > 1 and not self._tp_groups_homogeneous(layout):
+        if layout.tp > 1 and not self.groups.tp_groups_homogeneous(layout):
             return None
-        pp_gpus = self.pp_rank_gpus(layout)
+        pp_gpus = self.groups.pp_rank_gpus(layout)
         reference = pp_gpus[0][0]
         if self._homogeneous and not getattr(layout, "dp_shares", ()):
             # One GPU type, even shares: every pipeline rank runs at the reference's speed.
@@ -192,19 +225,12 @@ class Placement:
         speed = [total[g.name] / total[reference.name] if total[reference.name] else 1.0 for g in slowest_gpu]
         shares = self.dp_shares(layout, total)
         if shares and total[reference.name]:
-            gpus = self.dp_rank_gpus(layout)
+            gpus = self.groups.dp_rank_gpus(layout)
             speed = [max(b * total[g.name] for b, g in zip(shares, gpus))
                      / (layout.micro_batch_size * total[reference.name])]
         capacity = [int(min(g.memory_bytes for g in group) * (1 - self.cluster.memory_headroom_fraction))
                     for group in pp_gpus]
         return reference, speed, capacity
-
-    def dp_rank_gpus(self, layout: Any) -> list[GPUSpec]:
-        """GPU type of each data-parallel rank (its first rank: TP groups are one type)."""
-        key = ("dp", mesh_of(layout))
-        if key not in self._rank_gpus:
-            self._rank_gpus[key] = [self.cluster.gpu_of_rank(r) for r in mesh_of(layout).group_ranks("dp")]
-        return self._rank_gpus[key]
 
     def dp_shares(self, layout: Any, total: dict[str, float] | None = None) -> tuple[int, ...]:
         """Samples per micro-batch of each data-parallel rank: the layout's own, or, when its
@@ -213,7 +239,7 @@ class Placement:
         pinned = tuple(getattr(layout, "dp_shares", ()) or ())
         if pinned or layout.pp > 1 or layout.dp == 1 or self._homogeneous:
             return pinned
-        gpus = self.dp_rank_gpus(layout)
+        gpus = self.groups.dp_rank_gpus(layout)
         if len({g.name for g in gpus}) == 1:
             return ()
         if total is None:
@@ -221,24 +247,12 @@ class Placement:
                                  for each in self.layers) for g in gpus}
         return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)
 
-    def _tp_groups_homogeneous(self, layout: Any) -> bool:
-        """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
-        if self._homogeneous:
-            return True
-        return all(len({self.cluster.gpu_of_rank(rank).name for rank in group}) == 1
-                   for group in mesh_of(layout).groups("tp"))
-
-    def _span(self, layout: Any, axes: str | tuple[str, ...]) -> tuple[int, int, int, int]:
-        """A cheap cache key for a group's placement."""
-        group = self.placement(layout, axes)
-        return (group.size, group.nodes, group.per_node, group.min_per_node)
-
     def _uses_fsdp(self, layout: Any) -> bool:
         """Whether the generated code wraps the model in FSDP: gradients averaged over ranks by
         FSDP's reduction, not the hierarchical / parameter-server exchange (ZeRO-0/1 only); on a
         lone data-parallel rank for its mixed precision when a GPU computes in 16 bit
         (codegen's `fsdp_wraps`)."""
-        if self._grad_size(layout) == 1:
+        if self.groups.grad_size(layout) == 1:
             return self.train.precision != "fp32" and any(gpu.name != "cpu" for gpu in self.cluster.node_gpus)
         return layout.zero_stage >= 2 or layout.cp > 1 or \
             self.dp_sync_cost(layout, 1.0).algorithm not in POST_BACKWARD_SYNC

@@ -54,9 +54,9 @@ from cost_models.validate import validate, validate_layout, validate_train
 from autopar.domain.vocabulary import DPSync, Recompute, Schedule
 from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, state_bytes_per_param
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
-from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, Placement,
+from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, LayoutGroups, Placement,
                                    proportional_shares)
-from cost_models.topology import ClusterSpec, GroupPlacement
+from cost_models.topology import ClusterSpec
 
 SCALAR_BYTES = 8  # one float64: gradient clipping's sum of squares, a token-level loss's count
 
@@ -145,14 +145,13 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self._in_flight_cache: dict[tuple, list[float]] = {}
         self._totals_cache: dict[int, tuple[list, list]] = {}
         self._devices: dict[tuple, Any] = {}
-        self._placements: dict[tuple, GroupPlacement] = {}
         self._scalar_all_reduce_s: dict[int, float] = {}
         self._collectives: dict[tuple, Any] = {}
-        self._rank_gpus: dict[tuple, list[list[GPUSpec]]] = {}
         self._peak_flops = sum(self.cluster.gpu_of_rank(r).flops(self.compute.dtype)
                                for r in range(cluster.world_size))
         self._row_cache: dict[tuple, list] = {}
         self._homogeneous = cluster.homogeneous
+        self.groups = LayoutGroups(cluster)  # where each layout's groups sit, and their collectives' cost
         self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}
         self._unit_params: dict[tuple, float] = {}
         self._largest_params = max((layer.param_count for layer in self.layers), default=0)
@@ -215,7 +214,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout), layout.ep,
                                                 self._expert_tp(layout)),
                              lambda layer, split: int(self._states(layer, split, layout).total_bytes), reference)
-        sends = self._rows("send", layout, (layout.pp, self._span(layout, "pp"), layout.micro_batch_size,
+        sends = self._rows("send", layout, (layout.pp, self.groups.span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
                            lambda layer, split: self._send_s(layer, layout, scale), reference)
         per_step = self._totals(self.per_step_rows(layout, reference))
@@ -252,7 +251,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         scale = layout.micro_batch_size / self.b0
         return self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
                                            layout.micro_batch_size, self._zero_key(layout),
-                                           self._span(layout, "tp"), self._span(layout, "cp"), self._ep_key(layout)),
+                                           self.groups.span(layout, "tp"), self.groups.span(layout, "cp"),
+                                           self._ep_key(layout)),
                           lambda layer, split: self.layer_time_parts(layer, split, layout, scale,
                                                                      self.recompute_options, reference), reference)
 
@@ -260,11 +260,11 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         """[layer] -> seconds once per step by kind (per_step_parts)."""
         scale = layout.micro_batch_size / self.b0
         return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
-                                               layout.hybrid_shard, self._span(layout, ("dp", "cp")),
-                                               self._shard_size(layout), layout.micro_batch_size,
+                                               layout.hybrid_shard, self.groups.span(layout, ("dp", "cp")),
+                                               self.groups.shard_size(layout), layout.micro_batch_size,
                                                getattr(layout, "dp_sync", DPSync.AUTO), tuple(layout.mesh_order),
                                                layout.ep,
-                                               self._expert_tp(layout), layout.pp, self._span(layout, "tp")),
+                                               self._expert_tp(layout), layout.pp, self.groups.span(layout, "tp")),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 
     def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:
@@ -278,16 +278,16 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         return self._row_cache[full_key]
 
     def _zero_key(self, layout: Any) -> tuple:
-        if layout.zero_stage < 2 or self._grad_size(layout) == 1:
+        if layout.zero_stage < 2 or self.groups.grad_size(layout) == 1:
             return ()
-        group = self._shard_group(layout)
-        replicas = self._replica_group(layout) if layout.hybrid_shard else None
+        group = self.groups.shard_group(layout)
+        replicas = self.groups.replica_group(layout) if layout.hybrid_shard else None
         return (layout.zero_stage, group.size, group.nodes, group.per_node, layout.pp > 1, replicas)
 
     def _zero_key_static(self, layout: Any) -> tuple:
-        if self._grad_size(layout) == 1:
+        if self.groups.grad_size(layout) == 1:
             return (0, 1)
-        return (layout.zero_stage, self._shard_size(layout), self._uses_fsdp(layout), layout.pp > 1)
+        return (layout.zero_stage, self.groups.shard_size(layout), self._uses_fsdp(layout), layout.pp > 1)
 
     def fixed_time_s(self, layout: Any) -> float:
         """Step time outside the per-layer prices, each an all-reduce of one float64 over every
@@ -300,7 +300,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         ranks = layout.world_size  # every rank: the mesh order does not change the group
         if ranks not in self._scalar_all_reduce_s:
             group = self.cluster.group_links(list(range(ranks)))
-            self._scalar_all_reduce_s[ranks] = self.collective_s(Collective.ALL_REDUCE, SCALAR_BYTES, group)
+            self._scalar_all_reduce_s[ranks] = self.groups.collective_s(Collective.ALL_REDUCE, SCALAR_BYTES, group)
         return calls * self._scalar_all_reduce_s[ranks]
 
     def weighs_tokens(self, layout: Any) -> bool:

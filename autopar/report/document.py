@@ -167,7 +167,7 @@ def process_groups(plan: Plan, estimate: Estimate, pricer: PlanPricer) -> list[G
         size = plan.degree(axis)
         if size == 1:
             continue
-        placement = pricer.placement(layout, axis)
+        placement = pricer.groups.placement(layout, axis)
         span = ("inside one node" if not placement.crosses_nodes
                 else f"across {placement.nodes} nodes ({placement.per_node} per node)")
         link = placement.link.name if not placement.crosses_nodes else placement.ring_link.name

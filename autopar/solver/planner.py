@@ -275,8 +275,8 @@ class Planner:
 
     def _extrapolation(self, layout: ParallelLayout) -> Extrapolation:
         """What the layout's price extrapolates: its widest collective group, and its all-to-all."""
-        widest = max(self.pricer.placement(layout, axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
-        all_to_all = self.pricer.placement(layout, "ep").nodes if getattr(layout, "ep", 1) > 1 else 0
+        widest = max(self.pricer.groups.placement(layout, axes).nodes for axes in (("dp", "cp"), "tp", "cp"))
+        all_to_all = self.pricer.groups.placement(layout, "ep").nodes if getattr(layout, "ep", 1) > 1 else 0
         return extrapolations(self.cluster, widest, all_to_all, techniques_of(layout),
                               data_parallel_ranks=layout.dp * layout.cp)
 

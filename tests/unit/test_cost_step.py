@@ -278,7 +278,7 @@ def test_zero2_gathers_parameters_every_micro_batch():
     two, four = (pricer.estimate(ParallelLayout(dp=2, micro_batch_size=4 // m, num_micro_batches=m, zero_stage=2))
                  for m in (2, 4))
     layout = ParallelLayout(dp=2, micro_batch_size=1, num_micro_batches=4, zero_stage=2)
-    group = pricer.placement(layout, ("dp", "cp"))
+    group = pricer.groups.placement(layout, ("dp", "cp"))
     by_hand = sum(collective_time_s(Collective.ALL_GATHER, layer.param_count * pricer.weights_bytes, group)
                   + collective_time_s(Collective.REDUCE_SCATTER, layer.param_count * pricer.grads_bytes, group)
                   for layer in profile.layers if layer.param_count)

@@ -98,7 +98,7 @@ def test_all_to_all_time_is_the_hand_count():
 def test_an_expert_group_across_nodes_pays_the_network():
     layout = ParallelLayout(dp=16, ep=4, zero_stage=3, micro_batch_size=4)
     one_node, two_nodes = pricer(), PlanPricer(moe_profile(), cluster(8, 2), TrainSpec(64, precision="fp32"))
-    assert one_node.placement(layout, "ep").nodes == 1 and two_nodes.placement(layout, "ep").nodes == 2
+    assert one_node.groups.placement(layout, "ep").nodes == 1 and two_nodes.groups.placement(layout, "ep").nodes == 2
     layer = one_node.profile.layer("blocks.0")
     # Half of each rank's exchange leaves the node, through a NIC far slower than NVLink.
     assert two_nodes._ep_time_s(layer, layout, 2.0) > 2 * one_node._ep_time_s(layer, layout, 2.0)
@@ -368,9 +368,9 @@ def test_the_planner_offers_expert_parallelism_only_for_experts_it_can_run():
     layer = profile.layer("model.layers.0")
     assert uneven[1]._ep_time_s(layer, layout, 1.0) > uneven[0]._ep_time_s(layer, layout, 1.0)
     # By hand: 4 exchanges of the T·k rows, and one of the 4 experts' int64 counts first.
-    even, group = uneven[0], uneven[0].placement(layout, "ep")
-    rows = even.collective_s(Collective.ALL_TO_ALL, moe.dispatch_rows * moe.token_bytes, group)
-    counts = even.collective_s(Collective.ALL_TO_ALL, 8 * 4, group)
+    even, group = uneven[0], uneven[0].groups.placement(layout, "ep")
+    rows = even.groups.collective_s(Collective.ALL_TO_ALL, moe.dispatch_rows * moe.token_bytes, group)
+    counts = even.groups.collective_s(Collective.ALL_TO_ALL, 8 * 4, group)
     assert even._ep_time_s(layer, layout, 1.0) == pytest.approx(4 * rows + counts)
     mixtral_layers = sum(1 for layer in profile.layers if facts.experts_of(layer.name))
     assert even.ep_collectives(replace(layout, num_micro_batches=2)) == {"all_to_all": 5 * mixtral_layers * 2}
@@ -423,9 +423,9 @@ def test_expert_tensor_parallelism_is_priced_by_hand():
     assert not problems(etp, LayoutFacts(experts=E, expert_width=FFN))
     assert "needs tp > 1" in problems(replace(etp, tp=1, dp=16), LayoutFacts(experts=E, expert_width=FFN))[0]
     assert "pin expert_tp=false" in problems(etp, LayoutFacts(experts=E, expert_width=0))[0]
-    group = p.placement(etp, "tp")
+    group = p.groups.placement(etp, "tp")
     rows = 2 * E * B0 * CAPACITY * moe.token_bytes  # micro-batch 4: twice the profiled rows
-    sums = {option: forwards * p.collective_s(Collective.ALL_REDUCE, rows, group)
+    sums = {option: forwards * p.groups.collective_s(Collective.ALL_REDUCE, rows, group)
             for option, forwards in (("none", 2), ("full", 3))}
     for option, want in sums.items():
         assert p._ep_time_s(layer, etp, 2.0, option) == pytest.approx(p._ep_time_s(layer, base, 2.0, option) + want)

@@ -145,11 +145,12 @@ def test_the_pessimistic_price_of_ring_attention_is_its_whole_exchange(examples_
     exposed = PlanPricer(profile, pessimistic_cluster(spec, Extrapolation(reasons=("x",), exposed=(RING_ATTENTION,))),
                          train)
     blocks = [layer for layer in profile.layers if layer.is_block]
-    group = nominal.placement(layout, "cp")
+    group = nominal.groups.placement(layout, "cp")
     per_block = []
     for layer in blocks:
         _, kv = nominal._attention_bytes[nominal.compute.kind(layer.name)]
-        per_block.append(cp_passes("ring", "none") * 3 * nominal.collective_s(Collective.SEND_RECV, kv / 4, group))
+        passes = cp_passes("ring", "none") * 3
+        per_block.append(passes * nominal.groups.collective_s(Collective.SEND_RECV, kv / 4, group))
     hidden = nominal.estimate(layout).time_breakdown["cp_comm"]
     whole = exposed.estimate(layout).time_breakdown["cp_comm"]
     assert whole == pytest.approx(sum(per_block), rel=1e-6)

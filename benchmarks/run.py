@@ -1,5 +1,7 @@
 """Run every benchmark (modules `benchmarks/bench_*.py` with a `run() -> dict`) and print one
-markdown table per benchmark; the same text goes to benchmarks/results/latest.md.
+markdown table per benchmark; the same text goes to benchmarks/results/latest.md, and each
+benchmark's table to benchmarks/results/<benchmark>.md, which the docs cite for their figures
+(tests/unit/test_docs_figures.py holds a paragraph citing one to the numbers it holds).
 
     make bench                         # all of them
     python -m benchmarks.run profile   # only those whose name contains "profile"
@@ -19,6 +21,7 @@ from benchmarks import SMOKE_ENV
 
 HERE = Path(__file__).resolve().parent
 ONLY_WHEN_NAMED = ("bench_chaos",)  # long: run only when asked for by name
+GENERATED_BY = "Written by `python -m benchmarks.run"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -56,6 +59,10 @@ def main(filters: list[str]) -> int:
         took = f" ({time.perf_counter() - start:.0f} s)" if smoke else ""
         sections.append(f"## {path.stem}{took}\n\n{markdown_table(rows)}\n")
         print(sections[-1], flush=True)
+        if not smoke:
+            (HERE / "results").mkdir(exist_ok=True)
+            (HERE / "results" / f"{path.stem}.md").write_text(f"{GENERATED_BY} {path.stem.removeprefix('bench_')}`\n\n"
+                                                             + sections[-1])
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / ("smoke.md" if smoke else "latest.md")).write_text("\n".join(sections))
     if failed:

@@ -395,7 +395,7 @@ class LayerCost:
         if layout.zero_stage < 2 or self.groups.grad_size(layout) == 1:
             return 0.0
         if layout.zero_stage == 3 and self.train.zero3_runtime == "deepspeed_2021":
-            return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.collective_s,
+            return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.groups.collective_s,
                                                                              3 if full_recompute else 2)
         overhead = gpu.launch_overhead_s
         _, is_root = self.fsdp_unit_of(layer.name)

@@ -38,3 +38,23 @@ def test_the_host_work_grows_with_the_ranks_and_one_rank_moves_nothing():
     per_rank = 3 * HOST_VIEW_S + HOST_VIEW_S + 9e-6
     assert many.seconds(_wire_s, 3) - few.seconds(_wire_s, 3) == pytest.approx(990 * per_rank)
     assert _traffic([10**6], ranks=1).seconds(_wire_s, 3) == 0.0
+
+
+def test_the_pricer_prices_a_layout_as_deepspeed_2021_ran_it():
+    """Through the pricer (its groups' collectives): the same ZeRO-3 layout is slower as DeepSpeed's
+    2021 code ran it (every tensor gathered alone behind a synchronize, three times a step under
+    recomputation) than as FSDP2 prefetches and overlaps it; ZeRO-2 is priced the same by both."""
+    from cost_models.step import ParallelLayout, TrainSpec, estimate
+    from cost_models.topology import ClusterConfig, ClusterSpec
+    from tests.profiles import gpt
+
+    profile = gpt()
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="A100-80GB", nodes=2, gpus_per_node=8))
+    zero3 = ParallelLayout(dp=16, zero_stage=3, micro_batch_size=1, num_micro_batches=1)
+    fsdp2, deepspeed = (TrainSpec(global_batch_size=16, zero3_runtime=runtime) for runtime in ("fsdp2",
+                                                                                              "deepspeed_2021"))
+    slower = estimate(profile, cluster, zero3, deepspeed).step_time_s
+    assert slower > estimate(profile, cluster, zero3, fsdp2).step_time_s
+    zero2 = ParallelLayout(dp=16, zero_stage=2, micro_batch_size=1, num_micro_batches=1)
+    assert estimate(profile, cluster, zero2, deepspeed).step_time_s == estimate(profile, cluster, zero2,
+                                                                                fsdp2).step_time_s

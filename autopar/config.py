@@ -557,7 +557,7 @@ def config_error(err: Exception) -> ConfigError:
     expects (Hydra's own message is often only 'Error merging override ...')."""
     from autopar.errors import ConfigError
 
-    cause = err
+    cause: BaseException = err
     while cause.__cause__ is not None and not getattr(cause, "full_key", None):
         cause = cause.__cause__
     key = getattr(cause, "full_key", None)

@@ -33,10 +33,13 @@ import sympy
 import torch
 import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-import torch.fx.experimental._config as shapes_config
+import torch.fx.experimental._config as _shapes_config
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+# torch's config modules gain patch() when they are installed, which a type checker cannot see.
+SHAPES_CONFIG: Any = _shapes_config
 
 _UNBACKED = (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)
 
@@ -177,7 +180,7 @@ def tracing_in(fake_mode: FakeTensorMode) -> Iterator[None]:
             yield
         return
     with fake_mode, real_values(fake_mode), fake_mode.shape_env.ignore_fresh_unbacked_symbols(), \
-            shapes_config.patch(meta_nonzero_assume_all_nonzero=True), _AtenOnlyRealValues(fake_mode):
+            SHAPES_CONFIG.patch(meta_nonzero_assume_all_nonzero=True), _AtenOnlyRealValues(fake_mode):
         yield
 
 
@@ -230,8 +233,8 @@ def concrete(value: Any) -> Any:
             return value
         return type(value)(items) if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
-        items = {key: concrete(item) for key, item in value.items()}
-        return value if all(items[key] is value[key] for key in value) else type(value)(items)
+        entries = {key: concrete(item) for key, item in value.items()}
+        return value if all(entries[key] is value[key] for key in value) else type(value)(entries)
     return value
 
 

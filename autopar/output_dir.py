@@ -34,7 +34,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 from autopar.errors import UserError
 
@@ -211,7 +211,7 @@ def writing_lock(out_dir: Path, verb: str = "compile") -> Iterator[Path]:
                 break
 
 
-def _conflicts(out_dir: Path, new: dict[str, str | None], whole_folder: bool = True) -> list[str]:
+def _conflicts(out_dir: Path, new: Mapping[str, str | None], whole_folder: bool = True) -> list[str]:
     """Files of ``out_dir`` a write of ``new`` (name -> sha256, None when not known yet) would
     lose: everything when the folder is non-empty and not autopar's, else the replaced files
     autopar did not write or that were edited since."""

@@ -286,9 +286,9 @@ class Plan(ParallelLayout):
             if problem:
                 found.append(problem.sentence(f"{part}." if part else ""))
         cluster = self.provenance.cluster_config
-        problem = cluster_problem(cluster) if isinstance(cluster, dict) and cluster else None
-        if problem:
-            found.append(f"the cluster it records (provenance.cluster_config): {problem}")
+        wrong = cluster_problem(cluster) if isinstance(cluster, dict) and cluster else None
+        if wrong:
+            found.append(f"the cluster it records (provenance.cluster_config): {wrong}")
         return found
 
     def _technique_problems(self) -> list[str]:

@@ -18,7 +18,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import AbstractSet, Any, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -382,7 +382,8 @@ class GraphFacts:
     boundary_out: dict[str, dict[str, int]]
 
 
-def profile_ops(captured: CapturedStep, grouping: LayerGrouping, causal_masked: set[str] = frozenset()) -> GraphFacts:
+def profile_ops(captured: CapturedStep, grouping: LayerGrouping,
+                causal_masked: AbstractSet[str] = frozenset()) -> GraphFacts:
     """Per-op FLOPs, bytes moved, new allocations and bytes saved for backward (``causal_masked``:
     the attention nodes whose mask is the causal one, `causal_mask_attention`)."""
     graph = captured.graph_module.graph

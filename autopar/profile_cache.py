@@ -66,7 +66,7 @@ def imported_names(source: bytes) -> list[str]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
@@ -112,7 +112,7 @@ def _installed_version(name: str) -> str | None:
 
 def _installed(file: str | None) -> bool:
     """Whether a module's file belongs to an installed distribution (site-packages)."""
-    return bool(file) and any(part in ("site-packages", "dist-packages") for part in Path(file).parts)
+    return file is not None and any(part in ("site-packages", "dist-packages") for part in Path(file).parts)
 
 
 def _distribution_versions(name: str) -> str | None:

@@ -15,9 +15,16 @@ from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.topology import ClusterSpec
 from autopar.domain.vocabulary import TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, Recompute, Schedule
 
+def _mapping(section: Any) -> dict[str, Any]:
+    """A mapping section of the configuration as plain Python values."""
+    values = OmegaConf.to_container(section, resolve=True)
+    assert isinstance(values, dict), f"{section} is not a mapping"
+    return {str(key): value for key, value in values.items()}
+
+
 def model_kwargs(cfg: Any) -> dict[str, Any]:
     """The ``model.*`` section as plain Python values."""
-    return dict(OmegaConf.to_container(cfg.model, resolve=True))
+    return _mapping(cfg.model)
 
 
 def build_cluster(cfg: Any) -> ClusterSpec:
@@ -121,7 +128,7 @@ def precision_note(cfg: Any) -> str | None:
 
 
 def cluster_config(cfg: Any) -> dict[str, Any]:
-    return dict(OmegaConf.to_container(cfg.cluster, resolve=True))
+    return _mapping(cfg.cluster)
 
 
 def with_cluster_config(plan: Any, cfg: Any) -> Any:

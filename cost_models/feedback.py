@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import yaml
@@ -73,7 +73,7 @@ def fit_time_scale(validations: list[dict[str, Any]], min_runs_per_factor: int =
 
 
 def write_profile(scale: dict[str, float], out: str | Path, base: str | Path | None = None,
-                  sources: list[str] = ()) -> dict[str, Any]:
+                  sources: Sequence[str] = ()) -> dict[str, Any]:
     """The base hardware profile (if any) with ``time_scale`` replaced by the fitted factors."""
     profile = yaml.safe_load(Path(base).read_text()) if base else {}
     profile = dict(profile or {})

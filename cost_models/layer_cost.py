@@ -132,7 +132,7 @@ class TPSplitter(Protocol):
 class LayerCost:
     """Prices one layer kind under a layout (mixed into PlanPricer)."""
 
-    def split(self, layer_name: str, layout: Any, gpu: GPUSpec) -> TPLayerSplit:
+    def split(self, layer_name: str, layout: ParallelLayout, gpu: GPUSpec) -> TPLayerSplit:
         """The layer kind under the layout's TP degree on `gpu` (cached)."""
         kind = self.compute.kind(layer_name)
         group = self.groups.placement(layout, "tp")
@@ -169,8 +169,8 @@ class LayerCost:
         kind = self.compute.kind(layer.name)
         return activations_from_fraction(layer, self._base_activations(kind), split.tp_sharded_activation_fraction)
 
-    def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, options: tuple[str, ...],
-                         gpu: GPUSpec) -> list[dict[str, float]]:
+    def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, scale: float,
+                         options: tuple[str, ...], gpu: GPUSpec) -> list[dict[str, float]]:
         """Seconds one micro-batch spends on a layer, by kind (compute, recompute, tp_comm,
         cp_comm, ep_comm, dp_comm), one dict per recompute option of `options`. What no option
         changes (compute without recomputation, the collectives' prices, ZeRO's traffic) is
@@ -200,7 +200,7 @@ class LayerCost:
         return parts
 
     @staticmethod
-    def tp_issued(split: TPLayerSplit, layout: Any, full_recompute: bool, boundaries: bool = True
+    def tp_issued(split: TPLayerSplit, layout: ParallelLayout, full_recompute: bool, boundaries: bool = True
                   ) -> tuple[tuple[str, float], ...]:
         """(collective, bytes per token) a layer's TP group issues per micro-batch: its split's,
         those full recomputation's re-run forward issues again, and under sequence parallelism
@@ -214,7 +214,7 @@ class LayerCost:
             issued += tuple(split.sp.comm) + (tuple(split.sp.comm[:split.sp.forward_comm]) if full_recompute else ())
         return issued
 
-    def _tp_comm_s(self, split: TPLayerSplit, layout: Any, per_token: float, full_recompute: bool,
+    def _tp_comm_s(self, split: TPLayerSplit, layout: ParallelLayout, per_token: float, full_recompute: bool,
                    boundaries: bool = True) -> float:
         """Seconds of `tp_issued` for one micro-batch."""
         group = self.groups.placement(layout, "tp")
@@ -227,8 +227,8 @@ class LayerCost:
             return parts
         return {part: seconds * self.cluster.scale_of(part) for part, seconds in parts.items()}
 
-    def _compute_s(self, split: TPLayerSplit, layout: Any, per_token: float, gpu: GPUSpec, forward_passes: float = 1.0,
-                   nongemm_passes: float = 0.0) -> float:
+    def _compute_s(self, split: TPLayerSplit, layout: ParallelLayout, per_token: float, gpu: GPUSpec,
+                   forward_passes: float = 1.0, nongemm_passes: float = 0.0) -> float:
         """Compute seconds of a layer's micro-batch, recomputation included as asked."""
         seconds = split.compute.time_s(per_token, gpu.launch_overhead_s, forward_passes, nongemm_passes)
         if layout.sequence_parallel and layout.tp > 1:
@@ -245,7 +245,7 @@ class LayerCost:
             seconds = max(seconds, host_s(split.dtensor_modules(layout.sequence_parallel), forward_passes + rerun))
         return seconds
 
-    def compute_floor(self, layout: Any) -> tuple[list[float], list[float]] | None:
+    def compute_floor(self, layout: ParallelLayout) -> tuple[list[float], list[float]] | None:
         """(per-layer seconds of a micro-batch below every recompute option's price, speed per
         pipeline rank), or None when the layout cannot run: compute without recomputation plus
         the least tensor- and context-parallel communication any option pays (no option avoids
@@ -273,7 +273,7 @@ class LayerCost:
             self._floors[key] = (rows, speed)
         return self._floors[key]
 
-    def _floor_s(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float, gpu: GPUSpec) -> float:
+    def _floor_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> float:
         """A layer's micro-batch seconds below each option's `layer_time_parts` total."""
         compute = (self._compute_s(split, layout, scale / layout.cp, gpu)
                    + self._ep_wait_s(layer, split, layout, scale / layout.cp)) * self.cluster.scale_of("compute")
@@ -289,12 +289,12 @@ class LayerCost:
         return compute + min(comm)
 
     @staticmethod
-    def _ring_attention(layout: Any) -> bool:
+    def _ring_attention(layout: ParallelLayout) -> bool:
         """Whether attention runs as ring attention: blockwise scores in the working set, and
         nothing of it (scores or output) kept by selective recomputation, which reruns it whole."""
         return layout.cp > 1 and layout.cp_strategy == CPStrategy.RING
 
-    def _cp_time_s(self, layer: Any, layout: Any, scale: float, compute: LayerCompute,
+    def _cp_time_s(self, layer: Any, layout: ParallelLayout, scale: float, compute: LayerCompute,
                    option: str = Recompute.NONE) -> float:
         if layout.cp == 1:
             return 0.0
@@ -324,18 +324,18 @@ class LayerCost:
                      or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)
 
-    def _ep_key(self, layout: Any) -> tuple:
+    def _ep_key(self, layout: ParallelLayout) -> tuple:
         """What expert parallelism's prices read of a layout (a cache key)."""
         if not self.experts.has_experts or (layout.ep == 1 and not self._expert_tp(layout)):
             return ()
         return (layout.ep, self.groups.span(layout, "ep"), layout.cp, self._expert_tp(layout))
 
     @staticmethod
-    def _expert_tp(layout: Any) -> int:
+    def _expert_tp(layout: ParallelLayout) -> int:
         """Ranks each expert's width is split over: tp under expert tensor parallelism, else 1."""
         return layout.tp if getattr(layout, "expert_tp", False) and layout.tp > 1 else 1
 
-    def _ep_time_s(self, layer: Any, layout: Any, scale: float, option: str = Recompute.NONE) -> float:
+    def _ep_time_s(self, layer: Any, layout: ParallelLayout, scale: float, option: str = Recompute.NONE) -> float:
         """Dispatch and combine all-to-alls of an MoE layer's micro-batch over the expert-parallel
         group (cost_models.expert_parallel), on the critical path: the experts need their
         tokens, the next op their outputs; and under expert tensor parallelism the sums of its
@@ -355,14 +355,14 @@ class LayerCost:
                 Collective.ALL_TO_ALL, COUNT_BYTES * moe.experts, group)
         return exchanges + sums
 
-    def _pace(self, moe: Any, layout: Any) -> float:
+    def _pace(self, moe: Any, layout: ParallelLayout) -> float:
         """The busiest expert-parallel rank's share of the mean (routing_pace), from the measured
         load of the layer's experts where the training settings hold one."""
         measured = dict(self.train.expert_load)
         load = tuple(sum(counts) for counts in zip(*(measured[m] for m in moe.modules if m in measured)))
         return routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless, load)
 
-    def _expert_tp_time_s(self, moe: Any, layout: Any, scale: float, option: str) -> float:
+    def _expert_tp_time_s(self, moe: Any, layout: ParallelLayout, scale: float, option: str) -> float:
         """Expert tensor parallelism's all-reduces over the TP group per micro-batch
         (cost_models.expert_parallel.expert_tp_sums): the output's partial sums in each
         forward, the input's (and a dropless module's gates') partial gradients in backward."""
@@ -372,7 +372,7 @@ class LayerCost:
         return sum(count * self.groups.collective_s(Collective.ALL_REDUCE, nbytes, group)
                    for count, nbytes in expert_tp_sums(moe, scale, layout.cp, option))
 
-    def _ep_wait_s(self, layer: Any, split: TPLayerSplit, layout: Any, per_token: float,
+    def _ep_wait_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, per_token: float,
                    forward_passes: float = 1.0) -> float:
         """Seconds the experts' compute differs from the layer's traced share of it: waiting for
         the most-loaded rank (x pace), and under expert tensor parallelism a tp-th of it each
@@ -387,7 +387,7 @@ class LayerCost:
                     + moe.expert_backward_share * compute.backward_s) * per_token
         return (pace / self._expert_tp(layout) - 1.0) * expert_s
 
-    def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: Any, compute: LayerCompute,
+    def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, compute: LayerCompute,
                             per_token: float, gpu: GPUSpec, full_recompute: bool) -> float:
         """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute: the layer's
         share of its FSDP unit's messages (`IssuedCollectives._fsdp_collectives` counts them);
@@ -419,7 +419,8 @@ class LayerCost:
         # ZeRO-3 gathers the unit's parameters before its forward and again before its backward.
         return exposed_s(gather, forward) + exposed_s(gather + rs, backward) + replicas
 
-    def _per_tensor_zero3(self, layer: Any, split: TPLayerSplit, layout: Any, gpu: GPUSpec) -> PerTensorZero3:
+    def _per_tensor_zero3(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout,
+                          gpu: GPUSpec) -> PerTensorZero3:
         """The layer's tensors as DeepSpeed's stage 3 gathers them (cost_models.deepspeed_zero3),
         each shrunk by the layer's TP share."""
         numels = [math.prod(self.profile.param_shapes.get(name, [0])) for name in layer.param_names]
@@ -428,8 +429,8 @@ class LayerCost:
                               self.groups.shard_group(layout), gpu.launch_overhead_s,
                               gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise"))
 
-    def _unit_share_s(self, op: Collective, layer: Any, split: TPLayerSplit, layout: Any, bytes_per_param: float,
-                      group: Any) -> float:
+    def _unit_share_s(self, op: Collective, layer: Any, split: TPLayerSplit, layout: ParallelLayout,
+                      bytes_per_param: float, group: Any) -> float:
         """The layer's share (by parameters) of one collective over its whole FSDP unit: units
         that hold several layers (the embeddings at the root, the final norm with the head)
         move them in one message, paying one latency."""
@@ -440,7 +441,7 @@ class LayerCost:
             return self.groups.collective_s(op, params * bytes_per_param, group)
         return self.groups.collective_s(op, unit_params * bytes_per_param, group) * params / unit_params
 
-    def _layers_params(self, layout: Any, names: tuple[str, ...]) -> float:
+    def _layers_params(self, layout: ParallelLayout, names: tuple[str, ...]) -> float:
         """Parameters the named layers hold on one rank (after TP), memoised by what they depend
         on (the split of each layer, tp and ep): every layer of an FSDP unit asks for its unit's."""
         reference = self._device_facts(layout)[0]
@@ -452,7 +453,7 @@ class LayerCost:
                 for name in names)
         return self._unit_params[key]
 
-    def _replica_reduce_s(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
+    def _replica_reduce_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> float:
         """Hybrid sharding's all-reduce of the layer's reduced shard across the replicas (FSDP
         runs it after each reduce-scatter: measured 12 on the 2 x 2 hybrid plan, 6 units x 2
         micro-batches)."""
@@ -462,7 +463,7 @@ class LayerCost:
         nbytes = params * self.grads_bytes / self.groups.shard_size(layout)
         return self.groups.collective_s(Collective.ALL_REDUCE, nbytes, self.groups.replica_group(layout))
 
-    def per_step_parts(self, layer: Any, split: TPLayerSplit, layout: Any, scale: float,
+    def per_step_parts(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, scale: float,
                        gpu: GPUSpec) -> dict[str, float]:
         """Seconds once per step for a layer: optimizer update and exposed gradient sync."""
         params = self._tp_params(layer, split, layout)
@@ -484,7 +485,7 @@ class LayerCost:
             return self._scaled({"optimizer": update, "dp_comm": 0.0})
         return self._scaled({"optimizer": update, "dp_comm": self._pipelined_zero_s(layer, split, layout, backward)})
 
-    def _replica_sync_s(self, layer: Any, split: TPLayerSplit, layout: Any, backward_s: float) -> float:
+    def _replica_sync_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, backward_s: float) -> float:
         """ZeRO-0/1: the gradients' all-reduce after the last micro-batch (per FSDP unit, or the
         generated exchange's buckets), and ZeRO-1's all-gather of the updated parameters: one
         flat message per pipeline rank (ShardedAdamW; the layer's share of the model's
@@ -503,7 +504,7 @@ class LayerCost:
                                          self.groups.shard_group(layout)) * params / max(flat, params)
         return exposed
 
-    def _pipelined_zero_s(self, layer: Any, split: TPLayerSplit, layout: Any, backward_s: float) -> float:
+    def _pipelined_zero_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, backward_s: float) -> float:
         """ZeRO-2/3 under a pipeline schedule, once per step: the schedule keeps gradients
         unreduced until the last micro-batch's backward (one reduce-scatter per unit, measured),
         ZeRO-2 and the root gather once, and ZeRO-3's other units once more for backward."""
@@ -512,7 +513,7 @@ class LayerCost:
         gather = self._unit_share_s(Collective.ALL_GATHER, layer, split, layout, self.weights_bytes, group)
         return gather + exposed_s(rs, backward_s) + self._replica_reduce_s(layer, split, layout)
 
-    def _tp_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> float:
+    def _tp_params(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> float:
         """Parameters of the layer on one rank (after TP and expert parallelism): what its
         gradient synchronisation and ZeRO gathers move. Expert gradients are summed over the
         expert-data-parallel group (dp / ep ranks), priced as the whole gradient group's
@@ -520,7 +521,7 @@ class LayerCost:
         (n-1)/n)."""
         return sum(self._rank_params(layer, split, layout))
 
-    def _rank_params(self, layer: Any, split: TPLayerSplit, layout: Any) -> tuple[float, float]:
+    def _rank_params(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> tuple[float, float]:
         """(dense, expert) parameters of the layer on one rank: TP's split applied to both
         alike, the stacked experts further divided by ep."""
         sharded = layer.param_count * split.tp_sharded_param_fraction
@@ -531,7 +532,7 @@ class LayerCost:
         expert_share = moe.expert_params / layer.param_count
         return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep / self._expert_tp(layout)
 
-    def _states(self, layer: Any, split: TPLayerSplit, layout: Any) -> ModelStates:
+    def _states(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> ModelStates:
         grad_size = self.groups.grad_size(layout)
         dense, experts = self._rank_params(layer, split, layout)
         zero = layout.zero_stage if grad_size > 1 else 0
@@ -547,7 +548,7 @@ class LayerCost:
                            states.optimizer_bytes + expert.optimizer_bytes,
                            states.compute_copy_bytes + expert.compute_copy_bytes)
 
-    def _send_s(self, layer: Any, layout: Any, scale: float) -> float:
+    def _send_s(self, layer: Any, layout: ParallelLayout, scale: float) -> float:
         """Activation to the next stage forward and its gradient back (Narayanan et al. 2021:
         b·s·h per micro-batch; ÷ t under SP, ÷ cp)."""
         if layout.pp == 1:
@@ -556,10 +557,10 @@ class LayerCost:
         return 2 * self.groups.collective_s(Collective.SEND_RECV, nbytes, self.groups.placement(layout, "pp")) * \
             self.cluster.scale_of("pp_comm")
 
-    def _overhead_bytes(self, layout: Any, scale: float, gpu: GPUSpec) -> int:
+    def _overhead_bytes(self, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> int:
         return int(sum(self._buffers(layout, scale, gpu).values()))
 
-    def _buffers(self, layout: Any, scale: float, gpu: GPUSpec) -> dict[str, float]:
+    def _buffers(self, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> dict[str, float]:
         """Memory besides model states and stored activations (the gathered compute copy of
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
         largest = self._largest_params_on_rank(layout.ep) / layout.tp

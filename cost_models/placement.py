@@ -12,6 +12,7 @@ from typing import Any
 from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s
 from cost_models.hardware import GPUSpec
 from cost_models.layer_cost import exposed_s
+from autopar.domain.layout import ParallelLayout
 from autopar.domain.mesh import mesh_of
 from cost_models.topology import ClusterSpec, GroupPlacement
 from autopar.domain.vocabulary import DPSync
@@ -46,7 +47,7 @@ class LayoutGroups:
         self._rank_gpus: dict[Any, list] = {}
         self._collectives: dict[tuple, float] = {}
 
-    def placement(self, layout: Any, axes: str | tuple[str, ...]) -> GroupPlacement:
+    def placement(self, layout: ParallelLayout, axes: str | tuple[str, ...]) -> GroupPlacement:
         """Where the group through rank 0 along one mesh axis (or several) sits."""
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         if axes == ("ep",):
@@ -56,7 +57,7 @@ class LayoutGroups:
             self._placements[key] = self.cluster.group_links(mesh_of(layout).group_ranks(axes))
         return self._placements[key]
 
-    def expert_group(self, layout: Any) -> GroupPlacement:
+    def expert_group(self, layout: ParallelLayout) -> GroupPlacement:
         """The expert-parallel group through rank 0: the first ep ranks of its data-parallel
         group, in rank order (ep consecutive data-parallel ranks, as the generated code cuts them;
         cost_models.expert_parallel)."""
@@ -65,20 +66,20 @@ class LayoutGroups:
             self._placements[key] = self.cluster.group_links(mesh_of(layout).block_ranks(("dp", "cp"), layout.ep))
         return self._placements[key]
 
-    def grad_group(self, layout: Any) -> GroupPlacement:
+    def grad_group(self, layout: ParallelLayout) -> GroupPlacement:
         """Ranks holding the same parameters: data- x context-parallel (CP ranks see other
         tokens, so their gradients are summed too)."""
         return self.placement(layout, ("dp", "cp"))
 
     @staticmethod
-    def grad_size(layout: Any) -> int:
+    def grad_size(layout: ParallelLayout) -> int:
         return layout.dp * layout.cp
 
-    def shard_size(self, layout: Any) -> int:
+    def shard_size(self, layout: ParallelLayout) -> int:
         """Ranks ZeRO shards over: the gradient group, or its part on one node (hybrid)."""
         return self.shard_group(layout).size
 
-    def shard_group(self, layout: Any) -> GroupPlacement:
+    def shard_group(self, layout: ParallelLayout) -> GroupPlacement:
         if not layout.hybrid_shard:
             return self.grad_group(layout)
         key = ("shard", mesh_of(layout))
@@ -88,7 +89,7 @@ class LayoutGroups:
                 [r for r in ranks if r // self.cluster.gpus_per_node == 0])
         return self._placements[key]
 
-    def replica_group(self, layout: Any) -> GroupPlacement:
+    def replica_group(self, layout: ParallelLayout) -> GroupPlacement:
         """Hybrid sharding's replicas: one rank per node of the gradient group."""
         key = ("replica", mesh_of(layout))
         if key not in self._placements:
@@ -98,7 +99,7 @@ class LayoutGroups:
             self._placements[key] = self.cluster.group_links(sorted(firsts.values()))
         return self._placements[key]
 
-    def pp_rank_gpus(self, layout: Any) -> list[list[GPUSpec]]:
+    def pp_rank_gpus(self, layout: ParallelLayout) -> list[list[GPUSpec]]:
         """GPU types of the ranks of each pipeline rank (callers take their set, min or max: on a
         one-type cluster each pipeline rank lists its type once)."""
         key = mesh_of(layout)
@@ -113,21 +114,21 @@ class LayoutGroups:
             self._rank_gpus[key] = groups
         return self._rank_gpus[key]
 
-    def dp_rank_gpus(self, layout: Any) -> list[GPUSpec]:
+    def dp_rank_gpus(self, layout: ParallelLayout) -> list[GPUSpec]:
         """GPU type of each data-parallel rank (its first rank: TP groups are one type)."""
         key = ("dp", mesh_of(layout))
         if key not in self._rank_gpus:
             self._rank_gpus[key] = [self.cluster.gpu_of_rank(r) for r in mesh_of(layout).group_ranks("dp")]
         return self._rank_gpus[key]
 
-    def tp_groups_homogeneous(self, layout: Any) -> bool:
+    def tp_groups_homogeneous(self, layout: ParallelLayout) -> bool:
         """A TP group never mixes GPU types (its ranks run in lockstep on sharded work)."""
         if self.homogeneous:
             return True
         return all(len({self.cluster.gpu_of_rank(rank).name for rank in group}) == 1
                    for group in mesh_of(layout).groups("tp"))
 
-    def span(self, layout: Any, axes: str | tuple[str, ...]) -> tuple[int, int, int, int]:
+    def span(self, layout: ParallelLayout, axes: str | tuple[str, ...]) -> tuple[int, int, int, int]:
         """A cheap cache key for a group's placement."""
         group = self.placement(layout, axes)
         return (group.size, group.nodes, group.per_node, group.min_per_node)
@@ -144,7 +145,7 @@ class Placement:
     """Gradient synchronisation and the speed and memory of each pipeline rank, for PlanPricer
     (mixed into it; the groups themselves are its `groups`, a `LayoutGroups`)."""
 
-    def dp_sync_cost(self, layout: Any, nbytes: float) -> CollectiveCost:
+    def dp_sync_cost(self, layout: ParallelLayout, nbytes: float) -> CollectiveCost:
         """Gradient all-reduce on the gradient group: the pinned algorithm or the layout's choice."""
         group = self.groups.grad_group(layout)
         pinned = getattr(layout, "dp_sync", None) or DPSync.AUTO
@@ -162,7 +163,7 @@ class Placement:
             return cost.seconds
         return exposed_s(cost.seconds, backward_s)
 
-    def auto_dp_sync(self, layout: Any) -> Algorithm:
+    def auto_dp_sync(self, layout: ParallelLayout) -> Algorithm:
         """The algorithm adding least to the step for the largest layer's gradients (one choice per
         layout: the generated code uses one): ring, tree, hierarchical, and with ZeRO-0 a
         parameter server (it holds the whole optimizer, which ZeRO-1 shards)."""
@@ -183,7 +184,7 @@ class Placement:
                                                                options.index(c.algorithm))).algorithm
         return self._collectives[key]
 
-    def dp_bucket_bytes(self, layout: Any) -> int:
+    def dp_bucket_bytes(self, layout: ParallelLayout) -> int:
         """Bucket size of the generated hierarchical / parameter-server exchange: the smallest
         candidate whose per-bucket latency adds under 1% to the exchange of all gradients (small
         buckets bound the extra memory; too small ones pay a latency per bucket)."""
@@ -199,7 +200,7 @@ class Placement:
                 return bucket
         return BUCKET_CHOICES_BYTES[-1]
 
-    def _device_facts(self, layout: Any) -> tuple[GPUSpec, list[float], list[int]] | None:
+    def _device_facts(self, layout: ParallelLayout) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
         group would mix GPU types. Cached per rank layout."""
         key = (mesh_of(layout), layout.micro_batch_size, tuple(getattr(layout, "dp_shares", ()) or ()))
@@ -207,7 +208,7 @@ class Placement:
             self._devices[key] = self._compute_device_facts(layout)
         return self._devices[key]
 
-    def _compute_device_facts(self, layout: Any):
+    def _compute_device_facts(self, layout: ParallelLayout):
         if layout.tp > 1 and not self.groups.tp_groups_homogeneous(layout):
             return None
         pp_gpus = self.groups.pp_rank_gpus(layout)
@@ -232,7 +233,7 @@ class Placement:
                     for group in pp_gpus]
         return reference, speed, capacity
 
-    def dp_shares(self, layout: Any, total: dict[str, float] | None = None) -> tuple[int, ...]:
+    def dp_shares(self, layout: ParallelLayout, total: dict[str, float] | None = None) -> tuple[int, ...]:
         """Samples per micro-batch of each data-parallel rank: the layout's own, or, when its
         data-parallel ranks mix GPU types (pp=1), shares in proportion to each GPU's speed
         (largest remainder, at least one each) so all finish together; () when even."""
@@ -247,7 +248,7 @@ class Placement:
                                  for each in self.layers) for g in gpus}
         return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)
 
-    def _uses_fsdp(self, layout: Any) -> bool:
+    def _uses_fsdp(self, layout: ParallelLayout) -> bool:
         """Whether the generated code wraps the model in FSDP: gradients averaged over ranks by
         FSDP's reduction, not the hierarchical / parameter-server exchange (ZeRO-0/1 only); on a
         lone data-parallel rank for its mixed precision when a GPU computes in 16 bit

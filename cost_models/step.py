@@ -140,8 +140,8 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self.b0 = profile.micro_batch_size
         self._splits: dict[tuple, TPLayerSplit] = {}
         self._base_acts: dict[str, LayerActivations] = {}
-        self._problems: dict[tuple, PartitionProblem | None] = {}
-        self._shared_rows: dict[tuple, dict[str, Any] | None] = {}
+        self._problems: dict[ParallelLayout, PartitionProblem | None] = {}
+        self._shared_rows: dict[ParallelLayout, dict[str, Any] | None] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
         self._totals_cache: dict[int, tuple[list, list]] = {}
         self._devices: dict[tuple, Any] = {}
@@ -171,7 +171,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
 
     # -- per-layer price tables (cached) ------------------------------------------------------
 
-    def partition_problem(self, layout: Any) -> PartitionProblem | None:
+    def partition_problem(self, layout: ParallelLayout) -> PartitionProblem | None:
         """Per-layer prices of a configuration for the partition solver (None if it cannot run)."""
         # What the partition decides left out (a search candidate has neither already).
         key = layout if not layout.stages and layout.recompute == Recompute.NONE else \
@@ -189,7 +189,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self._problems[key] = problem
         return problem
 
-    def _partition_rows(self, layout: Any) -> dict[str, Any] | None:
+    def _partition_rows(self, layout: ParallelLayout) -> dict[str, Any] | None:
         """The schedule-independent part of a partition problem (per-layer prices, memory per
         device, speeds), shared by the layouts that differ only in pipeline schedule and chunks."""
         key = replace(layout, stages=(), recompute=Recompute.NONE, num_micro_batches=1, schedule=Schedule.ONE_F_ONE_B,
@@ -246,7 +246,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                                           for d in range(stages)]
         return self._in_flight_cache[key]
 
-    def time_parts_rows(self, layout: Any, reference: GPUSpec) -> list[list[dict[str, float]]]:
+    def time_parts_rows(self, layout: ParallelLayout, reference: GPUSpec) -> list[list[dict[str, float]]]:
         """[layer][recompute option] -> seconds per micro-batch by kind (layer_time_parts)."""
         scale = layout.micro_batch_size / self.b0
         return self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
@@ -256,7 +256,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                           lambda layer, split: self.layer_time_parts(layer, split, layout, scale,
                                                                      self.recompute_options, reference), reference)
 
-    def per_step_rows(self, layout: Any, reference: GPUSpec) -> list[dict[str, float]]:
+    def per_step_rows(self, layout: ParallelLayout, reference: GPUSpec) -> list[dict[str, float]]:
         """[layer] -> seconds once per step by kind (per_step_parts)."""
         scale = layout.micro_batch_size / self.b0
         return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
@@ -267,7 +267,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                                                self._expert_tp(layout), layout.pp, self.groups.span(layout, "tp")),
                           lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
 
-    def _rows(self, what: str, layout: Any, key: tuple, price: Any, reference: GPUSpec) -> list:
+    def _rows(self, what: str, layout: ParallelLayout, key: tuple, price: Any, reference: GPUSpec) -> list:
         """One value per layer, priced once per layer kind and cached by what the value depends on
         (the planner prices tens of thousands of configurations that share most of these)."""
         full_key = (what, reference.signature, key)
@@ -277,19 +277,19 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
             self._row_cache[full_key] = [by_kind[kind] for kind in self._layer_kinds]
         return self._row_cache[full_key]
 
-    def _zero_key(self, layout: Any) -> tuple:
+    def _zero_key(self, layout: ParallelLayout) -> tuple:
         if layout.zero_stage < 2 or self.groups.grad_size(layout) == 1:
             return ()
         group = self.groups.shard_group(layout)
         replicas = self.groups.replica_group(layout) if layout.hybrid_shard else None
         return (layout.zero_stage, group.size, group.nodes, group.per_node, layout.pp > 1, replicas)
 
-    def _zero_key_static(self, layout: Any) -> tuple:
+    def _zero_key_static(self, layout: ParallelLayout) -> tuple:
         if self.groups.grad_size(layout) == 1:
             return (0, 1)
         return (layout.zero_stage, self.groups.shard_size(layout), self._uses_fsdp(layout), layout.pp > 1)
 
-    def fixed_time_s(self, layout: Any) -> float:
+    def fixed_time_s(self, layout: ParallelLayout) -> float:
         """Step time outside the per-layer prices, each an all-reduce of one float64 over every
         rank that each pipeline rank waits for before its update (every other cost is attributed
         to a layer): gradient clipping's sum of squares, and a token-level loss's count of
@@ -303,7 +303,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
             self._scalar_all_reduce_s[ranks] = self.groups.collective_s(Collective.ALL_REDUCE, SCALAR_BYTES, group)
         return calls * self._scalar_all_reduce_s[ranks]
 
-    def weighs_tokens(self, layout: Any) -> bool:
+    def weighs_tokens(self, layout: ParallelLayout) -> bool:
         """Whether the step weighs a token-level loss by counts: the loss is a mean over the
         targets it counts (the profile's ``token_loss``) and the layout splits the batch (data or
         context parallel ranks, or micro-batches), so parts count different numbers of them."""

@@ -118,12 +118,17 @@ def _blocks(tree: ast.AST):
                 yield handler, handler.body
 
 
+def _end(node: ast.AST) -> int:
+    """The last line of a parsed statement (ast.parse sets it on every one)."""
+    return getattr(node, "end_lineno", None) or getattr(node, "lineno")
+
+
 def _edits(tree: ast.Module, lines: list[str], facts: dict[str, Any]) -> list[_Edit]:
     """At most one edit per block (two removals in one block could leave it empty), and one per
     line for conditional expressions."""
     edits = _conditional_expressions(tree, lines, facts)
     for _, block in _blocks(tree):
-        edit = next((_Edit(statement.end_lineno + 1, block[-1].end_lineno, [])  # the rest never runs
+        edit = next((_Edit(_end(statement) + 1, _end(block[-1]), [])  # the rest never runs
                      for statement in block[:-1] if isinstance(statement, _EXITS)), None)
         for statement in block if edit is None else []:
             if isinstance(statement, ast.If) and statement.body[0].lineno > statement.lineno:
@@ -170,7 +175,7 @@ def _fold_if(node: ast.If, value: bool, lines: list[str], alone: bool) -> _Edit:
     if not kept:
         first = comments_above(lines, node.lineno, indent)
         kept = [f"{indent}pass"] if alone else []
-    return _Edit(first, node.end_lineno, kept)
+    return _Edit(first, _end(node), kept)
 
 
 def _dedent(lines: list[str], width: int) -> list[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Callable
 
+from autopar.domain.layout import ParallelLayout
 from autopar.domain.vocabulary import CPStrategy, DPSync, ExpertDispatch, Schedule, ZeroStage
 
 # Why an experts module's width cannot be split over TP, as the planner and the checks say it.
@@ -82,7 +83,7 @@ class Technique:
 # -- preconditions (each says what is wrong and how to fix it) ------------------------------------
 
 def _zero_stage_in(stages: tuple[int, ...]) -> Precondition:
-    def check(layout: Any, facts: LayoutFacts) -> str | None:
+    def check(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
         if layout.dp * layout.cp > 1 and layout.zero_stage not in stages:
             return (f"dp_sync={layout.dp_sync} needs ZeRO {' or '.join(map(str, stages))} (it reduces whole "
                     f"gradients; ZeRO-{int(layout.zero_stage)} shards them): pin zero_stage or dp_sync=auto")
@@ -90,7 +91,7 @@ def _zero_stage_in(stages: tuple[int, ...]) -> Precondition:
     return check
 
 
-def _sequence_splits(layout: Any, facts: LayoutFacts) -> str | None:
+def _sequence_splits(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if layout.cp == 1 or not facts.tokens_per_sample:
         return None
     # Ring attention's load-balanced causal split cuts each sequence into 2·cp chunks.
@@ -101,27 +102,27 @@ def _sequence_splits(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
-def _heads_split(layout: Any, facts: LayoutFacts) -> str | None:
+def _heads_split(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if layout.cp > 1 and facts.heads and facts.heads % (layout.tp * layout.cp):
         return (f"Ulysses needs the {facts.heads} attention heads divisible by tp×cp = {layout.tp * layout.cp}; "
                 "use cp_strategy=ring")
     return None
 
 
-def _cp_shards_gradients(layout: Any, facts: LayoutFacts) -> str | None:
+def _cp_shards_gradients(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if layout.cp > 1 and layout.zero_stage < 2:
         return (f"context parallelism shards gradients over data- x context-parallel ranks, which needs "
                 f"ZeRO-2 or 3 (the layout has ZeRO-{int(layout.zero_stage)}): pin zero_stage=2")
     return None
 
 
-def _chunks_need_interleaving(layout: Any, facts: LayoutFacts) -> str | None:
+def _chunks_need_interleaving(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if layout.chunks > 1:
         return "chunks > 1 needs schedule=interleaved_1f1b"
     return None
 
 
-def _interleaving(layout: Any, facts: LayoutFacts) -> str | None:
+def _interleaving(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if layout.chunks > 1 and layout.pp == 1:
         return "interleaving model chunks needs pp > 1"
     if layout.chunks > 1 and layout.num_micro_batches % layout.pp:
@@ -130,7 +131,7 @@ def _interleaving(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
-def _experts_divide(layout: Any, facts: LayoutFacts) -> str | None:
+def _experts_divide(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if facts.experts is None:
         return None
     if facts.experts == 0:
@@ -141,13 +142,13 @@ def _experts_divide(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
-def _experts_exchangeable(layout: Any, facts: LayoutFacts) -> str | None:
+def _experts_exchangeable(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if layout.ep > 1 and facts.ep_blocker:
         return f"ep={layout.ep} cannot run: {facts.ep_blocker}; pin plan.ep=1"
     return None
 
 
-def expert_tp_problem(layout: Any, facts: LayoutFacts) -> str | None:
+def expert_tp_problem(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     """Why the experts' width cannot be split over the layout's TP group (None: it can, or the
     layout does not ask for it)."""
     if not getattr(layout, "expert_tp", False):
@@ -163,7 +164,7 @@ def expert_tp_problem(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
-def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
+def _ep_runs(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     """What the generated expert-parallel code is built and tested with (one FSDP shard group
     over the data- (and context-) parallel ranks, cut into expert-parallel groups, in every
     pipeline stage and at every tensor-parallel coordinate, the experts whole on each TP rank;
@@ -180,7 +181,7 @@ def _ep_runs(layout: Any, facts: LayoutFacts) -> str | None:
     return None
 
 
-def _something_to_shard(layout: Any, facts: LayoutFacts) -> str | None:
+def _something_to_shard(layout: ParallelLayout, facts: LayoutFacts) -> str | None:
     if layout.hybrid_shard:
         return "hybrid_shard needs zero_stage >= 1 (there is nothing to shard)"
     return None
@@ -278,7 +279,7 @@ def pinnable_sync(dp_sync: Any) -> Any:
         return dp_sync
 
 
-def problems(layout: Any, facts: LayoutFacts = LayoutFacts()) -> list[str]:
+def problems(layout: ParallelLayout, facts: LayoutFacts = LayoutFacts()) -> list[str]:
     """Every precondition `layout` breaks, from the entries of the values it holds."""
     found = []
     values = {Family.DP_SYNC: pinnable_sync(getattr(layout, "dp_sync", DPSync.AUTO)),

@@ -97,7 +97,8 @@ def rules(settings: EngineSettings, world_size: int) -> list[str]:
     if total is not None and micro is not None and steps is not None and total != micro * steps * world_size:
         return [f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
                 f"gradient_accumulation_steps {steps} x {world_size} ranks"]
-    if total is not None and (micro or steps) and total % ((micro or steps) * world_size):
+    per_rank = micro or steps  # the one of the two given
+    if total is not None and per_rank and total % (per_rank * world_size):
         given = "train_micro_batch_size_per_gpu" if micro else "gradient_accumulation_steps"
         return [f"train_batch_size {total} is not divisible by {given} {micro or steps} x {world_size} ranks"]
     return []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from autopar.plans import MeshAxis, Plan
 from autopar.serialize import FieldError, from_jsonable, to_jsonable
@@ -125,8 +125,8 @@ class PlanReport:
         return self.cluster.price_per_gpu_hour * self.plan.world_size / 3600 / rate * 1e6
 
 
-def build_report(plan: Plan, estimate: Estimate, pricer: PlanPricer, alternatives: list[Any] = (),
-                 binding: list[Any] = (), notes: list[str] = ()) -> PlanReport:
+def build_report(plan: Plan, estimate: Estimate, pricer: PlanPricer, alternatives: Sequence[Any] = (),
+                 binding: Sequence[Any] = (), notes: Sequence[str] = ()) -> PlanReport:
     """Assemble the report of a priced plan (alternatives/binding: the planner's explanations)."""
     profile, cluster = pricer.profile, pricer.cluster
     return PlanReport(

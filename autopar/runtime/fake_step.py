@@ -239,9 +239,10 @@ class ShardingPropagation:
         if not hasattr(ShardingPropagator, "_fake_mode_lock"):
             raise RuntimeError("this torch has no ShardingPropagator._fake_mode_lock: DTensor's shape propagation "
                                "cannot be told apart from this rank's tensors")
-        previous = ShardingPropagator._fake_mode_lock
-        ShardingPropagator._fake_mode_lock = self
+        # A private attribute of torch's, patched for the step and put back after it.
+        previous = getattr(ShardingPropagator, "_fake_mode_lock")
+        setattr(ShardingPropagator, "_fake_mode_lock", self)
         try:
             yield self
         finally:
-            ShardingPropagator._fake_mode_lock = previous
+            setattr(ShardingPropagator, "_fake_mode_lock", previous)

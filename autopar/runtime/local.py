@@ -213,6 +213,7 @@ def _launch(command: list[str], cwd: Path, env: dict[str, str], echo: bool, time
     # torchrun dies with this process, even by SIGKILL (lifeline.py), and stops its ranks then.
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=child_environment(env), pass_fds=(lock_fd,))
+    assert process.stdout is not None  # stdout=PIPE
     try:
         for line in process.stdout:
             lines.append(line)
@@ -265,7 +266,9 @@ def failing_rank(output: str) -> tuple[int | None, str]:
             # No traceback recorded (the file failed before `record` could wrap main, e.g. a
             # syntax error): the ranks' last lines hold the cause.
             block += "\nlast lines of the ranks' output:\n" + last_lines(output)
-        return int(_RANK.search(block).group(1)), block
+        rank = _RANK.search(block)
+        assert rank is not None  # the blocks were chosen by it
+        return int(rank.group(1)), block
     ranked = re.findall(r"^\[rank(\d+)\]:.*$", output, re.M)
     return (int(ranked[0]) if ranked else None), last_lines(output)
 

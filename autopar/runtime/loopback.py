@@ -88,7 +88,7 @@ class FreshStorePerAttempt(RendezvousHandler):
 
 def loopback_handler(params: RendezvousParameters) -> FreshStorePerAttempt:
     """A c10d dynamic rendezvous whose store this process hosts on 127.0.0.1 at a free port."""
-    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     store = loopback_store(timeout)
     return FreshStorePerAttempt(create_handler(store, LoopbackBackend(store, params.run_id), params), timeout)
 

@@ -52,10 +52,11 @@ def module_constants(script: Path, names: tuple[str, ...]) -> dict[str, Any]:
 
 def module_options(script: Path) -> set[str]:
     """The long options a generated module's parse_args declares (read from its source)."""
-    options = set()
+    options: set[str] = set()
     for node in ast.walk(parsed(script)):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-            options.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
+            options.update(a.value for a in node.args
+                           if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--"))
     return options
 
 

@@ -99,7 +99,7 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def split_of(layout: Any) -> tuple:
+def split_of(layout: ParallelLayout) -> tuple:
     """What a plan splits and how (degrees, ZeRO stage, SP, CP strategy, pipeline schedule): the
     part of a plan that decides which code runs. A plan rejected at compile's proof excludes
     every candidate of its split (autopar/driver.py): those differing only in micro-batch size,

@@ -14,7 +14,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from autopar.errors import ConfigError
 from cost_models.expert_parallel import ExpertFacts
@@ -206,7 +206,7 @@ def enumerate_candidates(shape: ModelShape, world_size: int, gpus_per_node: int,
         value = getattr(pins, name)
         return [value] if value is not None else values
 
-    def bounded(values: list[int], bound: int) -> list[int]:
+    def bounded(values: Sequence[int], bound: int) -> list[int]:
         return [v for v in values if not bound or v <= bound]
 
     for tp in pinned("tp", bounded(divisors(world_size), solver.max_tp)):
@@ -370,7 +370,7 @@ def _schedules(shape: ModelShape, pp: int, micro_batches: int, solver, pinned) -
                 yield (schedule, chunks)
 
 
-def _cp_strategies(shape: ModelShape, tp: int, cp: int) -> list[str]:
+def _cp_strategies(shape: ModelShape, tp: int, cp: int) -> list[CPStrategy]:
     if cp == 1:
         return [CPStrategy.ULYSSES]
     strategies = [CPStrategy.RING]

@@ -35,6 +35,7 @@ tests/brute_force.py enumerates every partition and option to check it.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -61,7 +62,7 @@ def solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel) -> i
     check ranks left over. It is switched off; the solve runs on a thread (it releases the GIL)
     while this one waits, so Ctrl-C raises KeyboardInterrupt here, which stops the search."""
     solver.parameters.catch_sigint_signal = False
-    outcome: list[int] = []
+    outcome: list[Any] = []  # the solve's status (OR-Tools' CpSolverStatus)
     worker = threading.Thread(target=lambda: outcome.append(solver.solve(model)), name="cp-sat", daemon=True)
     worker.start()
     try:

@@ -25,6 +25,7 @@ from cost_models.tp_layout import ModuleTree, SPRole, after_blocks, paired_regio
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
+    from cost_models.layer_cost import TPSplitter
 
 _SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel", "head_norm"}
 _SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel", "head_norm"}  # saved outputs divide by t
@@ -457,11 +458,11 @@ def _column_inputs(ops_by_name: dict[str, "OpProfile"], colwise: set[str], param
     return producers
 
 
-def replicated_ops(splitter: ILPSplitter, tp: int) -> dict[str, list[str]]:
+def replicated_ops(splitter: TPSplitter | None, tp: int) -> dict[str, list[str]]:
     """Op target -> modules (in every layer, repeats included) where tensor parallelism of degree
     ``tp`` found no split and replicated the op, for the layers the splitter has solved."""
     found: dict[str, list[str]] = {}
-    if tp == 1:
+    if tp == 1 or not isinstance(splitter, ILPSplitter):  # without TP, or priced without this solver's split
         return found
     for layer in splitter.profile.layers:
         kind = layer.repeat_of or layer.name

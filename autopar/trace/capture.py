@@ -154,7 +154,7 @@ def _publish_seq_nr_during_backward(loss: torch.Tensor) -> None:
         raise TraceError("The loss does not depend on any parameter, so there is no backward to plan.",
                          "return a loss computed from the model's output.")
     seen: set[torch.autograd.graph.Node] = set()
-    todo = [loss.grad_fn]
+    todo: list[torch.autograd.graph.Node | None] = [loss.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in seen:

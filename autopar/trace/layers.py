@@ -161,6 +161,9 @@ def group_layers(model: nn.Module, captured: CapturedStep, containers: list[str]
         seq_nr = node.meta.get("seq_nr")
         if captured.node_phase[node.name] == BACKWARD:
             layer = layer_of_seq_nr.get(seq_nr, current)
+            if layer is None:  # no forward op seen yet: it joins the first layer found, as forward ops do
+                pending.append(node.name)
+                continue
             node_layer[node.name] = layer
             current = layer
             continue

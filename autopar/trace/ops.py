@@ -9,6 +9,7 @@ either are listed in the profile's coverage report, never silently costed as zer
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import operator
@@ -56,8 +57,8 @@ EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten._grouped_mm: grouped_mm_flop,
     aten.mkldnn_rnn_layer: rnn_layer_flop,
     aten.mkldnn_rnn_layer_backward: rnn_layer_backward_flop,
-    aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__,
+    aten._scaled_dot_product_flash_attention_for_cpu: inspect.unwrap(sdpa_flop),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: inspect.unwrap(sdpa_backward_flop),
 }
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry, **{op: shape_wrapper(formula) for op, formula in EXTRA_FLOP_FORMULAS.items()}}

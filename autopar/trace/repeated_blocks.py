@@ -171,7 +171,7 @@ def narrowed(model: nn.Module, selection: TraceSelection) -> Iterator[None]:
     """The stacks hold only their traced blocks, under their own names, while the context is
     open (iteration and slicing of a ModuleList, ModuleDict or Sequential see them alone)."""
     left_out = selection.left_out
-    saved: list[tuple[nn.Module, OrderedDict]] = []
+    saved: list[tuple[nn.Module, dict[str, nn.Module | None]]] = []
     try:
         for container in dict.fromkeys(run.container for run in selection.runs):
             module = model.get_submodule(container)
@@ -204,7 +204,7 @@ def _inside(name: str | None, block: str) -> bool:
 
 def _renamed(name: str | None, old: str, new: str) -> str | None:
     """``name`` with the block prefix ``old`` replaced by ``new`` (other names unchanged)."""
-    if not _inside(name, old):
+    if name is None or not _inside(name, old):
         return name
     return new + name[len(old):]
 

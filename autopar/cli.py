@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable, NoReturn
+from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -222,6 +222,7 @@ OUTPUT_OPTIONS = ("--out", "--out-dir", "--report")
 def environment_error_message(err: OSError, options: Iterable[str] = ()) -> str:
     """One paragraph naming the path, the cause and the fix of an environment error; ``options``:
     the verb's options (the fix suggests its output options, or a copy of the folder it runs)."""
+    assert err.errno is not None  # callers pass errors with one of ENVIRONMENT_ERRNOS
     what, fix = ENVIRONMENT_ERRNOS[err.errno]
     outputs = [option for option in OUTPUT_OPTIONS if option in set(options)]
     fix = fix.format(elsewhere=f" ({' / '.join(outputs)})" if outputs else
@@ -384,7 +385,7 @@ def _add_verb(verbs: argparse._SubParsersAction, name: str, help_text: str, exam
     return sub
 
 
-def _hydra_overrides(args: argparse.Namespace, verb: str, defaults: dict[str, str | Path],
+def _hydra_overrides(args: argparse.Namespace, verb: str, defaults: Mapping[str, str | Path],
                      extra: list[str] | None = None) -> list[str]:
     """The verb's overrides as Hydra gets them, checked first (in autopar's words, before torch is
     imported, so a typo costs a fraction of a second); ``defaults`` are hydra.* settings the
@@ -646,10 +647,10 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     else:
         saved, plan_file, out_dir = None, source, args.out_dir or source.parent
     check_out_dir(out_dir, REPORT_FILES, force=args.force, whole_folder=False)
-    loaded = saved is not None and saved.is_file() and args.model is None
+    loaded = saved if saved is not None and saved.is_file() and args.model is None else None  # the report kept
     with console.status("Writing the report ...") as status:
-        if loaded:
-            report = read_report(saved, plan_file)
+        if loaded is not None:
+            report = read_report(loaded, plan_file)
         else:
             plan = read_plan(plan_file)
             if args.model is None:
@@ -665,9 +666,9 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             files = write_report_atomically(report, out_dir, force=args.force, flag="--out-dir", can_force=True,
                                             run_log=plan_file.parent / "run.jsonl")
         except (ArithmeticError, AttributeError, KeyError, IndexError, TypeError, ValueError) as err:
-            if not loaded or written_by_autopar(saved):
+            if loaded is None or written_by_autopar(loaded):
                 raise  # a report autopar priced or wrote itself that cannot be rendered: a bug
-            raise unreadable_report(saved, plan_file, err) from None
+            raise unreadable_report(loaded, plan_file, err) from None
     curves = f", {files['loss.png']}" if "loss.png" in files else ""
     console.print(f"wrote {files['report.html']}, {files['report.md']}, {files['timeline.json']}{curves}")
     return 0

@@ -20,7 +20,8 @@ from autopar.model_file import load_model_file
 from autopar.profile import ModelProfile, profile_model
 from autopar.report.rebuild import rebuild_report, report_of
 from autopar.saved import load_saved_plan
-from autopar.specs import build_cluster, model_kwargs, pinned_layout, train_spec, with_cluster_config
+from autopar.specs import (build_cluster, model_kwargs, pinned_layout, section_as, section_values, train_spec,
+                           with_cluster_config)
 from cost_models.step import Estimate, ParallelLayout, PlanPricer
 from cost_models.topology import ClusterSpec
 
@@ -91,9 +92,8 @@ def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = Non
     if progress:
         again = " (reused: traced before from the same files and settings; plan.reuse_profile=false traces again)"
         progress.phase(f"traced {profile.traced_words()}{again if kept else ''}; building the search space")
-    solver = OmegaConf.to_object(cfg.solver) if not isinstance(cfg.solver, SolverConfig) else cfg.solver
-    pins = OmegaConf.to_object(cfg.plan) if not isinstance(cfg.plan, PlanPins) else cfg.plan
-    planner = Planner(profile, cluster, train_spec(cfg, model_path), solver, pins,
+    planner = Planner(profile, cluster, train_spec(cfg, model_path), section_as(cfg.solver, SolverConfig),
+                      section_as(cfg.plan, PlanPins),
                       progress=progress.search if progress else None,
                       excluded_splits=excluded_splits)
     result = planner.run()
@@ -227,9 +227,9 @@ def run_defaults(cfg: Any, model_path: str | Path) -> dict[str, Any]:
     if eval_every < 0 or eval_batches < 1:
         raise ConfigError(f"train.eval_every={eval_every} / train.eval_batches={eval_batches} is out of range.",
                           "pass train.eval_every >= 0 (0: no validation) and train.eval_batches >= 1.")
-    data = {}
+    data: dict[str, Any] = {}
     if OmegaConf.select(cfg, "data") is not None:
-        data = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if v is not None}
+        data = {k: v for k, v in section_values(cfg.data).items() if v is not None}
     if data.get("path"):
         data = {**data, "path": str(Path(data["path"]).resolve())}
         if data.get("val_path"):

@@ -17,7 +17,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from autopar.config import compose_config, normalise_overrides, register_configs
 from autopar.errors import UserError
@@ -60,7 +60,7 @@ def given_keys(overrides: list[str]) -> set[str]:
     return {item.split("=", 1)[0].lstrip("+~") for item in overrides}
 
 
-def with_defaults(verb: str, overrides: list[str], defaults: dict[str, str | Path]) -> list[str]:
+def with_defaults(verb: str, overrides: list[str], defaults: Mapping[str, str | Path]) -> list[str]:
     """The user's overrides plus autopar's defaults for those Hydra settings the user left alone
     (the job is named after the verb; Hydra's logging is quiet)."""
     keys = given_keys(overrides)

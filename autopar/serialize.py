@@ -105,7 +105,7 @@ def _convert(annotation: Any, data: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         candidates = [a for a in args if a is not type(None)]
         return _convert(candidates[0], data) if len(candidates) == 1 else data
-    if dataclasses.is_dataclass(annotation):
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
         if not isinstance(data, dict):
             raise FieldError("", f"is {type(data).__name__} where an object ({annotation.__name__}) belongs")
         if hasattr(annotation, "upgrade_data"):  # an older file's fields, renamed since
@@ -166,7 +166,7 @@ def _field(name: str | int, annotation: Any, data: Any) -> Any:
 def _type_words(annotation: Any) -> str:
     """'a float', 'a list', 'an object (Predicted)': what a field holds, for messages."""
     origin = typing.get_origin(annotation) or annotation
-    if dataclasses.is_dataclass(annotation):
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
         return f"an object ({annotation.__name__})"
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
              tuple: "a list", dict: "an object"}

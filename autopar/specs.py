@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
 
@@ -15,16 +15,26 @@ from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.topology import ClusterSpec
 from autopar.domain.vocabulary import TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, Recompute, Schedule
 
-def _mapping(section: Any) -> dict[str, Any]:
+T = TypeVar("T")
+
+
+def section_values(section: Any) -> dict[str, Any]:
     """A mapping section of the configuration as plain Python values."""
     values = OmegaConf.to_container(section, resolve=True)
     assert isinstance(values, dict), f"{section} is not a mapping"
     return {str(key): value for key, value in values.items()}
 
 
+def section_as(section: Any, kind: type[T]) -> T:
+    """A structured section of the configuration as its dataclass (Hydra hands on a DictConfig)."""
+    value = section if isinstance(section, kind) else OmegaConf.to_object(section)
+    assert isinstance(value, kind), f"{section} is not a {kind.__name__}"
+    return value
+
+
 def model_kwargs(cfg: Any) -> dict[str, Any]:
     """The ``model.*`` section as plain Python values."""
-    return _mapping(cfg.model)
+    return section_values(cfg.model)
 
 
 def build_cluster(cfg: Any) -> ClusterSpec:
@@ -128,7 +138,7 @@ def precision_note(cfg: Any) -> str | None:
 
 
 def cluster_config(cfg: Any) -> dict[str, Any]:
-    return _mapping(cfg.cluster)
+    return section_values(cfg.cluster)
 
 
 def with_cluster_config(plan: Any, cfg: Any) -> Any:

@@ -45,14 +45,14 @@ def validation_overrides(overrides: list[str]) -> list[list[str]]:
         raise ConfigError(f"Invalid sweep: {' '.join(str(err).split())}",
                           "write sweeps as key=a,b,c (or range(1,9), choice(...), interval(...) "
                           "with Optuna).") from None
-    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    fixed = [str(o.input_line) for o in parsed if not o.is_sweep_override()]
     lists = [fixed]
     for o in parsed:
         if not o.is_sweep_override():
             continue
         key = o.get_key_element()
         sweep = o.value()
-        if isinstance(sweep, IntervalSweep):
+        if isinstance(sweep, IntervalSweep) and sweep.start is not None and sweep.end is not None:
             values = [_number(sweep.start), _number(sweep.end)]
         else:
             values = list(o.sweep_string_iterator())
@@ -70,8 +70,8 @@ def check_sweep(overrides: list[str]) -> None:
 
     from autopar.config import compose_config
 
-    cfg = None
-    for item in validation_overrides(overrides):
+    cfg: Any = None
+    for item in validation_overrides(overrides):  # at least one list: the fixed overrides
         cfg = compose_config(item, hydra=True)
     objective = cfg.sweep.objective
     if objective not in SWEEP_OBJECTIVES:

@@ -11,7 +11,7 @@ import textwrap
 from importlib import resources
 from typing import Callable
 
-from autopar.codegen.specialize import comments_above
+from autopar.codegen.specialize import comments_above, last_line
 
 SECTIONS = ("contract", "mesh", "tensor_parallel", "linear_like", "fused", "recompute", "pipeline", "data_parallel",
             "context_parallel", "expert_parallel", "gradient_sync", "optimizer", "clipping", "token_loss",
@@ -41,7 +41,7 @@ class ImportBlock:
             return
         if node.module == "__future__" or (node.module or "").split(".")[0] == _INTERNAL:
             return
-        names = self.from_names.setdefault(node.module, set())
+        names = self.from_names.setdefault(node.module or "", set())
         for alias in node.names:
             names.add(alias.name if alias.asname is None else f"{alias.name} as {alias.asname}")
 
@@ -82,15 +82,15 @@ def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
     drop: set[int] = set()
     summary = ""
     body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        summary = body[0].value.value.strip().splitlines()[0]
-        drop.update(range(body[0].lineno, body[0].end_lineno + 1))
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        summary = first.value.value.strip().splitlines()[0]
+        drop.update(range(first.lineno, last_line(first) + 1))
     lines = source.splitlines()
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             imports.add(node)
-            drop.update(range(node.lineno, node.end_lineno + 1))
+            drop.update(range(node.lineno, last_line(node) + 1))
             # A comment directly above an import explains the import: it goes with it.
             drop.update(range(comments_above(lines, node.lineno, ""), node.lineno))
     lines = [line for number, line in enumerate(lines, start=1) if number not in drop]
@@ -138,7 +138,7 @@ def drop_empty_sections(source: str) -> str:
     plan does not use, once specialised)."""
     lines = source.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(BANNER)]
-    empty = set()
+    empty: set[int] = set()
     for index, start in enumerate(starts):
         end = starts[index + 1] if index + 1 < len(starts) else len(lines)
         if not any(line.strip() for line in lines[start + 1:end]):

@@ -283,7 +283,8 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, Any]:
         "grad_sync_enabled": plan.dp * plan.cp > 1, "dp_replicate > 1": layout.dp_replicate > 1,
         "dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "dp_replicate": layout.dp_replicate,
     }
-    facts = {f"{owner}.{name}": value for name, value in values.items() for owner in ("dims", "config.dims")}
+    facts: dict[str, Any] = {f"{owner}.{name}": value for name, value in values.items()
+                             for owner in ("dims", "config.dims")}
     facts.update({
         "config.custom_gradient_sync": custom_gradient_sync(plan),
         "config.expert_parallel": plan.ep > 1,

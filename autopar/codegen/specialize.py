@@ -23,7 +23,7 @@ import builtins
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import AbstractSet, Any
 
 _EXITS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
 
@@ -118,7 +118,7 @@ def _blocks(tree: ast.AST):
                 yield handler, handler.body
 
 
-def _end(node: ast.AST) -> int:
+def last_line(node: ast.AST) -> int:
     """The last line of a parsed statement (ast.parse sets it on every one)."""
     return getattr(node, "end_lineno", None) or getattr(node, "lineno")
 
@@ -128,7 +128,7 @@ def _edits(tree: ast.Module, lines: list[str], facts: dict[str, Any]) -> list[_E
     line for conditional expressions."""
     edits = _conditional_expressions(tree, lines, facts)
     for _, block in _blocks(tree):
-        edit = next((_Edit(_end(statement) + 1, _end(block[-1]), [])  # the rest never runs
+        edit = next((_Edit(last_line(statement) + 1, last_line(block[-1]), [])  # the rest never runs
                      for statement in block[:-1] if isinstance(statement, _EXITS)), None)
         for statement in block if edit is None else []:
             if isinstance(statement, ast.If) and statement.body[0].lineno > statement.lineno:
@@ -175,7 +175,7 @@ def _fold_if(node: ast.If, value: bool, lines: list[str], alone: bool) -> _Edit:
     if not kept:
         first = comments_above(lines, node.lineno, indent)
         kept = [f"{indent}pass"] if alone else []
-    return _Edit(first, _end(node), kept)
+    return _Edit(first, last_line(node), kept)
 
 
 def _dedent(lines: list[str], width: int) -> list[str]:
@@ -206,7 +206,7 @@ def referenced_names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
-def prune(source: str, roots: set[str]) -> str:
+def prune(source: str, roots: AbstractSet[str]) -> str:
     """``source`` without the top-level definitions that nothing reachable from ``roots`` (and
     from the statements that define nothing, such as ``if __name__ == "__main__"``) names."""
     tree = ast.parse(source)

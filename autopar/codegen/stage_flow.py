@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -122,7 +122,7 @@ def _layer_reads_built(model_file: ModelFile, build: FakeBuild, layers: list[str
     return reads
 
 
-def uncarried_read(stages: list[list[str]], reads: LayerReads) -> str | None:
+def uncarried_read(stages: Sequence[Sequence[str]], reads: LayerReads) -> str | None:
     """The first value a module-split pipeline of ``stages`` would not carry, in words (None if
     every read is carried): a layer or the loss reading a layer of another stage, except the
     first layer of a stage reading the previous stage through its first input."""
@@ -144,7 +144,7 @@ def uncarried_read(stages: list[list[str]], reads: LayerReads) -> str | None:
     return None
 
 
-def skipped_read(stages: list[list[str]], reads: LayerReads) -> str | None:
+def skipped_read(stages: Sequence[Sequence[str]], reads: LayerReads) -> str | None:
     """The first value a traced pipeline of ``stages`` would have to pass over a stage, in words
     (None if every layer and the loss read only their own stage and the one before; the batch
     counts as the first stage's, which copies it). torch's traced stages send only to the next

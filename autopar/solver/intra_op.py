@@ -105,7 +105,7 @@ class IntraOpSolution:
     module_style: dict[str, Style]
     compute_s: float
     comm_s: float
-    comm_events: list[tuple[str, str, int]] = field(default_factory=list)  # (collective, tensor, bytes)
+    comm_events: list[tuple[str, str, float]] = field(default_factory=list)  # (collective, tensor, bytes)
     status: str = "OPTIMAL"
     replicated_ops: list[tuple[str, str]] = field(default_factory=list)  # (op target, module): no split covers it
 
@@ -326,7 +326,7 @@ class IntraOpSolver:
         """Per-head norm module -> its reductions offered head_norm, in trace order."""
         by_module: dict[str, list[str]] = defaultdict(list)
         for op in ops:
-            if op.name in self.head_norms and self.tp > 1:
+            if op.name in self.head_norms and self.tp > 1 and op.module is not None:
                 by_module[op.module].append(op.name)
         return by_module
 
@@ -339,7 +339,7 @@ class IntraOpSolver:
 
     def _head_norm_gradients(self, op: "OpProfile", norms: dict[str, list[str]]) -> tuple[float, ...]:
         """Bytes of the gradients a head_norm module all-reduces, counted at its first reduction."""
-        return self.head_norms[op.name] if norms[op.module][0] == op.name else ()
+        return self.head_norms[op.name] if op.module is not None and norms[op.module][0] == op.name else ()
 
     # -- graph reading -----------------------------------------------------------------------
 
@@ -398,7 +398,8 @@ class IntraOpSolver:
 
     def _backward_ratio(self, layer: str) -> dict[str | None, float]:
         """Per module (and for the whole layer under key None): backward time / forward time."""
-        forward, backward = defaultdict(float), defaultdict(float)
+        forward: dict[str | None, float] = defaultdict(float)
+        backward: dict[str | None, float] = defaultdict(float)
         for op in self.index.by_layer.get(layer, []):
             target = forward if op.phase == "forward" else backward
             seconds = self.costs.op_time_s(op)
@@ -442,7 +443,8 @@ class IntraOpSolver:
                     compute += compute_terms[(op.name, k)]
                     if strategy.style is not None and op.module is not None:
                         module_style[op.module] = strategy.style
-        comm, events = 0.0, []
+        comm = 0.0
+        events: list[tuple[str, str, float]] = []
         for (source, target, a, b), var in edge_vars.items():
             if solver.value(var) and a != b:
                 seconds = self._reshard_s(a, b, by_name[source])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from autopar.errors import UserError
 from autopar.plans import MAX_WORLD_SIZE, Plan, Predicted, Provenance, SolverInfo, software_versions
@@ -115,7 +115,8 @@ def _s(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
 
 
-def layout_of(candidate: Candidate, stages: list[list[str]] = (), recompute: Any = Recompute.NONE) -> ParallelLayout:
+def layout_of(candidate: Candidate, stages: Sequence[Sequence[str]] = (),
+              recompute: Any = Recompute.NONE) -> ParallelLayout:
     """The candidate completed with its stage split and per-layer recomputation."""
     return replace(candidate, stages=tuple(tuple(stage) for stage in stages), recompute=recompute)
 
@@ -162,8 +163,8 @@ class Planner:
 
     def candidates(self, cluster: ClusterSpec | None = None) -> list[Candidate]:
         cluster = cluster or self.cluster
-        found = enumerate_candidates(self.shape, cluster.world_size, cluster.gpus_per_node,
-                                     self.train.global_batch_size, self.solver, self.pins)
+        found: Iterable[Candidate] = enumerate_candidates(self.shape, cluster.world_size, cluster.gpus_per_node,
+                                                          self.train.global_batch_size, self.solver, self.pins)
         if self.excluded_splits:
             found = [c for c in found if split_of(c) not in self.excluded_splits]
         engine = getattr(self.pins, "engine", None)
@@ -536,6 +537,7 @@ class Planner:
         search can price it: more memory, TP across nodes)."""
         found: list[Binding] = []
         problem = self.pricer.partition_problem(winner.candidate)
+        assert problem is not None  # the winner was priced, so its layout runs
         too_big = [a for a in alternatives if "over memory" in a.reason]
         used = winner.partition.device_memory_bytes
         full = [d for d, nbytes in enumerate(used) if nbytes > 0.9 * problem.capacity_bytes[d]]

@@ -161,9 +161,9 @@ class PlanSearch:
 
         over_memory: list[tuple[float, int, Candidate, PartitionProblem]] = []  # bound below the k-th best then
 
-        def refuse_for_memory(*item: object) -> None:
+        def refuse_for_memory(bound: float, index: int, candidate: Candidate, problem: PartitionProblem) -> None:
             rejected["memory"] = rejected.get("memory", 0) + 1
-            over_memory.append(item)
+            over_memory.append((bound, index, candidate, problem))
 
         while stopped_at is None:
             kth = -best[0].step_time_s if len(best) == self.top_k else cutoff_s
@@ -213,6 +213,7 @@ class PlanSearch:
                 refuse_for_memory(bound, index, candidate, problem)
                 continue
             if partition.status != "OPTIMAL":
+                assert partition.bound_s is not None  # a stopped solve reports its proven bound
                 open_bounds.append(partition.bound_s + fixed)
             if not partition.stage_starts:
                 continue
@@ -279,14 +280,19 @@ class PlanSearch:
         cannot beat `beat_s`; only otherwise spend the full work limit."""
         if self.fixed_partition is not None:
             return self.fixed_partition(problem)
-        run = find_block_run(problem)
-        partitioner = self.blocks if run is not None and problem.num_layers - run.count <= 4 else self.general
+        found = find_block_run(problem)
+        run = found if found is not None and problem.num_layers - found.count <= 4 else None
+        partitioner = self.blocks if run is not None else self.general
+
+        def solve() -> Partition | None:
+            return self.blocks.solve(problem, run) if run is not None else self.general.solve(problem)
+
         full = partitioner.time_limit_s
         partitioner.time_limit_s = min(full, 0.2)
         try:
-            quick = partitioner.solve(problem, run) if partitioner is self.blocks else partitioner.solve(problem)
+            quick = solve()
         finally:
             partitioner.time_limit_s = full
-        if quick is None or quick.status == "OPTIMAL" or quick.bound_s >= beat_s:
+        if quick is None or quick.status == "OPTIMAL" or (quick.bound_s is not None and quick.bound_s >= beat_s):
             return quick
-        return partitioner.solve(problem, run) if partitioner is self.blocks else partitioner.solve(problem)
+        return solve()

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autopar.trace.linear_like import bias_of, tensor_of
+
 
 def dtensor_region_error(build: Any, named: dict[str, nn.Module], region: str, linears: dict[str, str], tp: int,
                          module: nn.Module, inputs: tuple[tuple, dict], call_model: Callable | None) -> str | None:
@@ -40,7 +42,7 @@ def dtensor_region_error(build: Any, named: dict[str, nn.Module], region: str, l
     from torch.distributed.tensor.debug import CommDebugMode
 
     for name, style in linears.items():
-        out_features, in_features = named[name].weight.shape
+        out_features, in_features = tensor_of(named[name], "weight").shape
         if (out_features if style == "colwise" else in_features) % tp:
             return f"{name}'s {'out' if style == 'colwise' else 'in'} features do not divide by {tp}"
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
@@ -112,12 +114,13 @@ def _sharded_linears(named: dict[str, nn.Module], linears: dict[str, str], mesh:
     try:
         for name, style in linears.items():
             linear = named[name]
-            out_features, in_features = linear.weight.shape
+            whole, whole_bias = tensor_of(linear, "weight"), bias_of(linear)
+            out_features, in_features = whole.shape
             tp = mesh.size()
             shape = (out_features // tp, in_features) if style == "colwise" else (out_features, in_features // tp)
-            weight = torch.empty(shape, dtype=linear.weight.dtype)
-            bias = None if linear.bias is None else torch.empty(
-                shape[0] if style == "colwise" else out_features, dtype=linear.bias.dtype)
+            weight = torch.empty(shape, dtype=whole.dtype)
+            bias = None if whole_bias is None else torch.empty(
+                shape[0] if style == "colwise" else out_features, dtype=whole_bias.dtype)
             linear.forward = (_column if style == "colwise" else _row)(weight, bias, mesh)
             patched.append(linear)
         yield

@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.trace.linear_like import affine_layout, linear_stand_ins
+from autopar.trace.linear_like import affine_layout, bias_of, linear_stand_ins, tensor_of
 from autopar.solver.tp_fused import cutting_fused, recorded_parts
 from autopar.solver.tp_kv_groups import KVGroups, kv_groups
 from autopar.solver.tp_global_shapes import dtensor_region_error
@@ -284,7 +284,7 @@ class TPLegality:
             fused = {name: parts for name, parts in self._fused.get((layer, tp), {}).items()
                      if linears.get(name) in ("colwise", "kv_group")}
             # a fused projection with parts computed by group: its output's parts at their local sizes
-            shares = {name: groups.local_parts(name) for name in fused if name in rows}
+            shares = {name: groups.local_parts(name) for name in fused if name in rows} if groups is not None else {}
             narrowed = functools.partial(_narrowed_error, build, named, linears, tp, run, rows, whole,
                                          self.profile.tokens_per_sample, fused, shares)
             error = narrowed()
@@ -400,7 +400,8 @@ def _too_small_rule(profile: "ModelProfile", split_modules: set[str], tp: int) -
     return found
 
 
-def _narrowed_error(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, run: tuple,
+def _narrowed_error(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int,
+                    run: tuple[nn.Module, tuple[tuple, dict], Any],
                     rows: dict[str, int], whole: list, seq_len: int | None, fused: dict[str, list[int]],
                     shares: dict[str, list[int]]) -> str | None:
     """Why the layer fails with ``linears`` narrowed and its ``fused`` projections cut as their
@@ -504,7 +505,7 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
     ``call_model``) on fake tensors with ``linears`` narrowed to one rank's share (colwise:
     out_features / tp, rowwise: in_features / tp, kv_group: its ``group_rows``); the error it
     raised (or None) and the shapes its ops produced."""
-    saved = {}
+    saved: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     shapes = _Shapes(build.batch if call_model is not None else inputs)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
@@ -513,7 +514,8 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
         with build.active():
             for name, style in linears.items():
                 linear = named[name]
-                out_features, in_features = linear.weight.shape
+                weight, bias = tensor_of(linear, "weight"), bias_of(linear)
+                out_features, in_features = weight.shape
                 if style == "kv_group":
                     shape = ((group_rows or {})[name], in_features)
                 elif (out_features if style == "colwise" else in_features) % tp:
@@ -521,12 +523,12 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
                 else:
                     shape = ((out_features // tp, in_features) if style == "colwise"
                              else (out_features, in_features // tp))
-                saved[name] = (linear.weight, linear.bias)
-                linear.weight = nn.Parameter(torch.empty(shape, dtype=linear.weight.dtype),
-                                             requires_grad=linear.weight.requires_grad)
-                if linear.bias is not None and style in ("colwise", "kv_group"):
-                    linear.bias = nn.Parameter(torch.empty(shape[0], dtype=linear.bias.dtype),
-                                               requires_grad=linear.bias.requires_grad)
+                saved[name] = (weight, bias)
+                linear.weight = nn.Parameter(torch.empty(shape, dtype=weight.dtype),
+                                             requires_grad=weight.requires_grad)
+                if bias is not None and style in ("colwise", "kv_group"):
+                    linear.bias = nn.Parameter(torch.empty(shape[0], dtype=bias.dtype),
+                                               requires_grad=bias.requires_grad)
             with torch.no_grad(), shapes:
                 if call_model is not None:
                     call_model(module, build.batch)
@@ -536,6 +538,7 @@ def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, st
         return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}", shapes.seen
     finally:
         quiet.setLevel(level)
-        for name, (weight, bias) in saved.items():
-            named[name].weight, named[name].bias = weight, bias
+        for name, (kept_weight, kept_bias) in saved.items():
+            setattr(named[name], "weight", kept_weight)  # the module's own Parameters, put back
+            setattr(named[name], "bias", kept_bias)
     return None, shapes.seen

@@ -62,6 +62,19 @@ def affine_layout(module: nn.Module) -> AffineLayout | None:
     return _PROBED[key]
 
 
+def tensor_of(module: nn.Module, name: str) -> torch.Tensor:
+    """A module's parameter or buffer by name (torch types a module's attributes as Tensor or
+    Module); what is not a tensor is a bug of the caller."""
+    value = getattr(module, name)
+    assert isinstance(value, torch.Tensor), f"{type(module).__name__}.{name} is not a tensor"
+    return value
+
+
+def bias_of(module: nn.Module) -> torch.Tensor | None:
+    """A linear-like module's bias, None where it has none."""
+    return tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
+
+
 # Probe results by what decides them (a model repeats one class and shape per block: GPT-2 XL's
 # 192 Conv1D modules are probed 4 times).
 _PROBED: dict[tuple, "AffineLayout | None"] = {}
@@ -76,8 +89,8 @@ def _probe_key(module: nn.Module) -> tuple:
 
 
 def _probe(module: nn.Module) -> "AffineLayout | None":
-    weight = module.weight
-    bias = getattr(module, "bias", None)
+    weight = tensor_of(module, "weight")
+    bias = bias_of(module)
     rows, cols = weight.shape
     candidates = [AffineLayout(False, cols, rows), AffineLayout(True, rows, cols)]
     for layout in candidates:
@@ -99,11 +112,11 @@ def _computes(module: nn.Module, layout: AffineLayout, has_bias: bool) -> bool:
     so a forward that flattens and restores them is checked too)."""
     with _no_fake_mode():
         generator = torch.Generator().manual_seed(0)
-        rows, cols = module.weight.shape
+        rows, cols = tensor_of(module, "weight").shape
         weight = torch.randn(rows, cols, generator=generator)
         bias = torch.randn(layout.out_features, generator=generator) if has_bias else None
         x = torch.randn(2, 3, layout.in_features, generator=generator)
-        tensors = {"weight": weight, **({"bias": bias} if has_bias else {})}
+        tensors = {"weight": weight, **({"bias": bias} if bias is not None else {})}
         try:
             with torch.no_grad():
                 got = functional_call(module, tensors, (x,))
@@ -135,12 +148,13 @@ def linear_stand_ins(model: nn.Module, named: dict[str, nn.Module],
     for name in names:
         module = named.get(name)
         layout = affine_layout(module) if module is not None else None
-        if layout is None or not layout.transposed:
+        if module is None or layout is None or not layout.transposed:
             continue
         stand_in = nn.Linear(1, 1, bias=False)
         stand_in.in_features, stand_in.out_features = layout.in_features, layout.out_features
-        stand_in.weight = nn.Parameter(module.weight.detach().t(), requires_grad=module.weight.requires_grad)
-        stand_in.bias = module.bias
+        weight = tensor_of(module, "weight")
+        stand_in.weight = nn.Parameter(weight.detach().t(), requires_grad=weight.requires_grad)
+        stand_in.register_parameter("bias", getattr(module, "bias", None))  # the module's own, shared
         swapped[name] = module
         _set_submodule(model, name, stand_in)
     try:

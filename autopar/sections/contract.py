@@ -22,6 +22,8 @@ def import_file(path: str | Path, name: str) -> Any:
     """Import a Python file by its path under ``name``, registered first (its dataclasses look
     their module up while it executes); by path, so no module on sys.path can stand in for it."""
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python file that can be imported")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

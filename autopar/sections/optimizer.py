@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import AbstractSet, Any
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,12 @@ def no_decay_names(model: nn.Module) -> set[str]:
     return {name for key in exempt_ids for name in names_of[key]}
 
 
-def decays(name: str, settings: dict, no_decay: set[str]) -> bool:
+def decays(name: str, settings: dict, no_decay: AbstractSet[str]) -> bool:
     """Whether AdamW decays the parameter ``name`` (every one with ``decay_all``)."""
     return settings.get("weight_decay", 0.0) != 0 and (settings.get("decay_all", False) or name not in no_decay)
 
 
-def build_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, no_decay: set[str] = frozenset()
+def build_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, no_decay: AbstractSet[str] = frozenset()
                     ) -> torch.optim.Optimizer:
     """AdamW over ``named`` parameters (one pipeline stage's, possibly sharded) with ``settings``
     (lr, betas, eps, weight_decay, decay_all); ``no_decay``: the FQNs `no_decay_names` exempts."""
@@ -50,7 +50,7 @@ def build_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, no_de
 
 
 def build_zero1_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, group: dist.ProcessGroup,
-                          no_decay: set[str] = frozenset()) -> torch.optim.Optimizer | "ShardedAdamW":
+                          no_decay: AbstractSet[str] = frozenset()) -> torch.optim.Optimizer | "ShardedAdamW":
     """ZeRO-1: AdamW whose state each rank of ``group`` (the data-parallel replicas) keeps 1/n of."""
     if dist.get_world_size(group) > 1:
         parameters = [p for _, p in named]
@@ -64,8 +64,8 @@ def adamw_options(settings: dict) -> dict:
                 weight_decay=settings["weight_decay"])
 
 
-def uniform_groups(named: list[tuple[str, nn.Parameter]], settings: dict | None = None, no_decay: set[str] = frozenset()
-                   ) -> list[dict]:
+def uniform_groups(named: list[tuple[str, nn.Parameter]], settings: dict | None = None,
+                   no_decay: AbstractSet[str] = frozenset()) -> list[dict]:
     """``named`` parameters as optimizer groups that each hold one kind (plain tensors, or
     DTensors of one mesh: what TP leaves replicated stays plain beside its sharded weights) and
     one weight decay (``settings``'s, or none for the exempt)."""

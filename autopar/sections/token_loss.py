@@ -36,16 +36,16 @@ def counted_targets(loss: torch.Tensor) -> torch.Tensor:
     """The number of targets ``loss`` averages over (float64, 0-dim), read from its autograd graph:
     the nearest mean nll_loss's saved total weight (targets not ignored, weighted by class weights
     when given)."""
-    frontier, seen = [loss.grad_fn], set()
+    frontier, seen = [loss.grad_fn], set[Any]()
     while frontier and len(seen) < MOST_NODES_WALKED:
         node = frontier.pop(0)
         if node is None or node in seen:
             continue
         seen.add(node)
         if type(node).__name__ in COUNTING_NODES:
-            if node._saved_reduction != MEAN_REDUCTION:
+            if getattr(node, "_saved_reduction") != MEAN_REDUCTION:  # what autograd saved of the call
                 break
-            count = node._saved_total_weight
+            count = getattr(node, "_saved_total_weight")
             count = count.full_tensor() if isinstance(count, DTensor) else count
             return count.detach().to(torch.float64)
         frontier.extend(next_node for next_node, _ in node.next_functions)

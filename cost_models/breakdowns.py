@@ -105,7 +105,7 @@ class Breakdowns:
         if layout.zero_stage >= 2:
             return "reduce_scatter (ring)"
         params = max(layer.param_count for layer in self.layers)
-        return self.dp_sync_cost(layout, params * self.grads_bytes).algorithm.value
+        return self.sync.cost(layout, params * self.grads_bytes).algorithm.value
 
     def _device_layers(self, layout: ParallelLayout, stages: list[list[int]], device: int) -> list[int]:
         return [index for j, stage in enumerate(stages) if j % layout.pp == device for index in stage]

@@ -186,7 +186,7 @@ class IssuedCollectives:
         never splits a parameter, so this is a lower bound when parameters straddle buckets)."""
         total = sum(self._tp_params(layer, self.split(layer.name, layout, self._device_facts(layout)[0]), layout)
                     for layer in self.layers) * 4 / layout.pp
-        return max(1, math.ceil(total / self.dp_bucket_bytes(layout)))
+        return max(1, math.ceil(total / self.sync.bucket_bytes(layout)))
 
     def _custom_sync_collectives(self, layout: ParallelLayout) -> Counts:
         """gradient_sync.py's calls per bucket on the counted rank (the first of its group):

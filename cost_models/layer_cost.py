@@ -491,13 +491,13 @@ class LayerCost:
         flat message per pipeline rank (ShardedAdamW; the layer's share of the model's
         parameters over pp, as a stage's share is not known per layer)."""
         params = self._tp_params(layer, split, layout)
-        if self.dp_sync_cost(layout, 1.0).algorithm not in FSDP_ALGORITHMS:  # the generated exchange's buckets
-            exposed = self.exposed_dp_sync_s(self.dp_sync_cost(layout, params * self.grads_bytes), backward_s)
+        if self.sync.cost(layout, 1.0).algorithm not in FSDP_ALGORITHMS:  # the generated exchange's buckets
+            exposed = self.sync.exposed_s(self.sync.cost(layout, params * self.grads_bytes), backward_s)
         else:
             unit, _ = self.fsdp_unit_of(layer.name)
             unit_params = max(params, self._layers_params(layout, unit))
-            cost = self.dp_sync_cost(layout, unit_params * self.grads_bytes)
-            exposed = self.exposed_dp_sync_s(replace(cost, seconds=cost.seconds * params / unit_params), backward_s)
+            cost = self.sync.cost(layout, unit_params * self.grads_bytes)
+            exposed = self.sync.exposed_s(replace(cost, seconds=cost.seconds * params / unit_params), backward_s)
         if layout.zero_stage == 1:  # updated shards gathered back to every replica
             flat = self._layers_params(layout, tuple(layer.name for layer in self.layers)) / layout.pp
             exposed += self.groups.collective_s(Collective.ALL_GATHER, max(flat, params) * self.weights_bytes,
@@ -537,7 +537,7 @@ class LayerCost:
         dense, experts = self._rank_params(layer, split, layout)
         zero = layout.zero_stage if grad_size > 1 else 0
         shard = self.groups.shard_size(layout) if grad_size > 1 else 1
-        kwargs = dict(fsdp=self._uses_fsdp(layout), pipelined=layout.pp > 1)
+        kwargs = dict(fsdp=self.sync.uses_fsdp(layout), pipelined=layout.pp > 1)
         states = trained_model_states(dense, self.train.precision, self.train.optimizer, zero, shard, **kwargs)
         if not experts:
             return states
@@ -569,12 +569,12 @@ class LayerCost:
             # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
             # a pipeline stage keeps all of its layers', see `trained_model_states`).
             buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
-        if self._uses_fsdp(layout):
+        if self.sync.uses_fsdp(layout):
             # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).
             buffers["gradient_reduce"] = largest * 4
         elif self.groups.grad_size(layout) > 1:
             # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
-            buffers["dp_buckets"] = 2 * self.dp_bucket_bytes(layout)
+            buffers["dp_buckets"] = 2 * self.sync.bucket_bytes(layout)
         # A layer's full activations while its backward (or its recomputation) runs; under ring
         # attention, where more, one K/V block's fp32 scores and their exponentials, alive
         # together while the block runs (in forward, and in backward, which recomputes them).

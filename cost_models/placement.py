@@ -6,21 +6,14 @@ A mixin of `cost_models.step.PlanPricer`; mesh arithmetic itself is `autopar.dom
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s
+from cost_models.collectives import Collective, collective_time_s
 from cost_models.hardware import GPUSpec
-from cost_models.layer_cost import exposed_s
 from autopar.domain.layout import ParallelLayout
 from autopar.domain.mesh import mesh_of
 from cost_models.topology import ClusterSpec, GroupPlacement
-from autopar.domain.vocabulary import DPSync
 
-DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
-BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
-# Run after backward by the generated gradient_sync.py (no overlap with backward).
-POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.HALVING_DOUBLING, Algorithm.PARAMETER_SERVER)
 
 
 def proportional_shares(weights: list[float], total: int) -> tuple[int, ...]:
@@ -145,61 +138,6 @@ class Placement:
     """Gradient synchronisation and the speed and memory of each pipeline rank, for PlanPricer
     (mixed into it; the groups themselves are its `groups`, a `LayoutGroups`)."""
 
-    def dp_sync_cost(self, layout: ParallelLayout, nbytes: float) -> CollectiveCost:
-        """Gradient all-reduce on the gradient group: the pinned algorithm or the layout's choice."""
-        group = self.groups.grad_group(layout)
-        pinned = getattr(layout, "dp_sync", None) or DPSync.AUTO
-        algorithm = self.auto_dp_sync(layout) if pinned == DPSync.AUTO else Algorithm(pinned)
-        key = ("dp_sync", algorithm, nbytes, group)
-        if key not in self._collectives:
-            self._collectives[key] = CollectiveCost(Collective.ALL_REDUCE, algorithm,
-                                                    collective_time_s(Collective.ALL_REDUCE, nbytes, group, algorithm))
-        return self._collectives[key]
-
-    def exposed_dp_sync_s(self, cost: CollectiveCost, backward_s: float) -> float:
-        """What a gradient all-reduce adds to the step: FSDP's ring/tree reductions overlap the
-        backward; the generated hierarchical and parameter-server exchanges run after it."""
-        if cost.algorithm in POST_BACKWARD_SYNC:
-            return cost.seconds
-        return exposed_s(cost.seconds, backward_s)
-
-    def auto_dp_sync(self, layout: ParallelLayout) -> Algorithm:
-        """The algorithm adding least to the step for the largest layer's gradients (one choice per
-        layout: the generated code uses one): ring, tree, hierarchical, and with ZeRO-0 a
-        parameter server (it holds the whole optimizer, which ZeRO-1 shards)."""
-        group = self.groups.grad_group(layout)
-        key = ("auto_dp_sync", layout.zero_stage, layout.tp, layout.micro_batch_size, group)
-        if key not in self._collectives:
-            largest = max(self.layers, key=lambda layer: layer.param_count)
-            nbytes = largest.param_count * self.grads_bytes / layout.tp
-            gpu = self._device_facts(layout)[0]
-            backward = (self.compute.layer(largest.name, gpu).backward_s * layout.micro_batch_size / self.b0
-                        / (layout.tp * layout.cp))
-            options = [Algorithm.RING, Algorithm.TREE] + ([Algorithm.HIERARCHICAL] if group.crosses_nodes else [])
-            options += [Algorithm.PARAMETER_SERVER] if layout.zero_stage == 0 else []
-            costs = [CollectiveCost(Collective.ALL_REDUCE, a,
-                                    collective_time_s(Collective.ALL_REDUCE, nbytes, group, a))
-                     for a in options]
-            self._collectives[key] = min(costs, key=lambda c: (self.exposed_dp_sync_s(c, backward),
-                                                               options.index(c.algorithm))).algorithm
-        return self._collectives[key]
-
-    def dp_bucket_bytes(self, layout: ParallelLayout) -> int:
-        """Bucket size of the generated hierarchical / parameter-server exchange: the smallest
-        candidate whose per-bucket latency adds under 1% to the exchange of all gradients (small
-        buckets bound the extra memory; too small ones pay a latency per bucket)."""
-        group = self.groups.grad_group(layout)
-        if group.size == 1:
-            return DP_BUCKET_BYTES
-        algorithm = self.dp_sync_cost(layout, 1.0).algorithm
-        total = sum(layer.param_count for layer in self.layers) * 4 / layout.tp / layout.pp  # fp32 gradients
-        whole = collective_time_s(Collective.ALL_REDUCE, total, group, algorithm)
-        latency = collective_time_s(Collective.ALL_REDUCE, 1.0, group, algorithm)
-        for bucket in BUCKET_CHOICES_BYTES:
-            if (math.ceil(total / bucket) - 1) * latency <= 0.01 * whole:
-                return bucket
-        return BUCKET_CHOICES_BYTES[-1]
-
     def _device_facts(self, layout: ParallelLayout) -> tuple[GPUSpec, list[float], list[int]] | None:
         """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
         group would mix GPU types. Cached per rank layout."""
@@ -247,13 +185,3 @@ class Placement:
             total = {g.name: sum(self.split(each.name, layout, g).compute.time_s(1.0, g.launch_overhead_s)
                                  for each in self.layers) for g in gpus}
         return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)
-
-    def _uses_fsdp(self, layout: ParallelLayout) -> bool:
-        """Whether the generated code wraps the model in FSDP: gradients averaged over ranks by
-        FSDP's reduction, not the hierarchical / parameter-server exchange (ZeRO-0/1 only); on a
-        lone data-parallel rank for its mixed precision when a GPU computes in 16 bit
-        (codegen's `fsdp_wraps`)."""
-        if self.groups.grad_size(layout) == 1:
-            return self.train.precision != "fp32" and any(gpu.name != "cpu" for gpu in self.cluster.node_gpus)
-        return layout.zero_stage >= 2 or layout.cp > 1 or \
-            self.dp_sync_cost(layout, 1.0).algorithm not in POST_BACKWARD_SYNC

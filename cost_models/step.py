@@ -54,8 +54,8 @@ from cost_models.validate import validate, validate_layout, validate_train
 from autopar.domain.vocabulary import DPSync, Recompute, Schedule
 from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, state_bytes_per_param
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
-from cost_models.placement import (BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, LayoutGroups, Placement,
-                                   proportional_shares)
+from cost_models.dp_sync import BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, GradientSync
+from cost_models.placement import LayoutGroups, Placement, proportional_shares
 from cost_models.topology import ClusterSpec
 
 SCALAR_BYTES = 8  # one float64: gradient clipping's sum of squares, a token-level loss's count
@@ -152,6 +152,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self._row_cache: dict[tuple, list] = {}
         self._homogeneous = cluster.homogeneous
         self.groups = LayoutGroups(cluster)  # where each layout's groups sit, and their collectives' cost
+        self.sync = GradientSync(self.groups, self.compute, self.layers, self.grads_bytes, self.b0, train.precision)
         self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}
         self._unit_params: dict[tuple, float] = {}
         self._largest_params = max((layer.param_count for layer in self.layers), default=0)
@@ -287,7 +288,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
     def _zero_key_static(self, layout: ParallelLayout) -> tuple:
         if self.groups.grad_size(layout) == 1:
             return (0, 1)
-        return (layout.zero_stage, self.groups.shard_size(layout), self._uses_fsdp(layout), layout.pp > 1)
+        return (layout.zero_stage, self.groups.shard_size(layout), self.sync.uses_fsdp(layout), layout.pp > 1)
 
     def fixed_time_s(self, layout: ParallelLayout) -> float:
         """Step time outside the per-layer prices, each an all-reduce of one float64 over every

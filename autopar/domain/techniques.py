@@ -61,7 +61,7 @@ class Technique:
     Attributes:
         family, value: the plan field and its value.
         runtime: the generated code that runs it (codegen section.function), None if none does.
-        pricing: the cost-model function that prices it.
+        pricing: the cost-model function that prices it (module.name under cost_models; a test resolves it).
         zero_stages: ZeRO stages the search combines it with (a dp_sync pinned by a user is
             only meaningful where gradients are all-reduced whole, ZeRO-0/1).
         requires: preconditions, each returning why the layout cannot use it (None: it can).
@@ -191,27 +191,28 @@ def _something_to_shard(layout: ParallelLayout, facts: LayoutFacts) -> str | Non
 
 _FSDP_REDUCTION = "data_parallel.apply_fsdp (FSDP's reduction; NCCL_ALGO set by train.train)"
 REGISTRY: tuple[Technique, ...] = (
-    Technique(Family.DP_SYNC, DPSync.AUTO, "the algorithm PlanPricer.auto_dp_sync picks, generated as below",
-              "PlanPricer.auto_dp_sync", summary="the cheapest of ring, tree, hierarchical and ps"),
+    Technique(Family.DP_SYNC, DPSync.AUTO, "the algorithm GradientSync.auto picks, generated as below",
+              "dp_sync.GradientSync.auto", summary="the cheapest of ring, tree, hierarchical and ps"),
     # Under ZeRO-2/3 (and with context parallelism) FSDP's reduce-scatter replaces a pinned
     # algorithm, priced as such; the search pairs a pinned one with ZeRO-0/1 only.
-    Technique(Family.DP_SYNC, DPSync.RING, _FSDP_REDUCTION, "PlanPricer.dp_sync_cost", (0, 1),
+    Technique(Family.DP_SYNC, DPSync.RING, _FSDP_REDUCTION, "dp_sync.GradientSync.cost", (0, 1),
               summary="NCCL's ring all-reduce"),
-    Technique(Family.DP_SYNC, DPSync.TREE, _FSDP_REDUCTION, "PlanPricer.dp_sync_cost", (0, 1),
+    Technique(Family.DP_SYNC, DPSync.TREE, _FSDP_REDUCTION, "dp_sync.GradientSync.cost", (0, 1),
               summary="NCCL's tree all-reduce"),
-    Technique(Family.DP_SYNC, DPSync.HIERARCHICAL, "gradient_sync.HierarchicalSync", "PlanPricer.dp_sync_cost",
+    Technique(Family.DP_SYNC, DPSync.HIERARCHICAL, "gradient_sync.HierarchicalSync", "dp_sync.GradientSync.cost",
               (0, 1), summary="reduce-scatter in a node, all-reduce across, all-gather back"),
-    Technique(Family.DP_SYNC, DPSync.PS, "gradient_sync.ParameterServer", "PlanPricer.dp_sync_cost", (0,),
+    Technique(Family.DP_SYNC, DPSync.PS, "gradient_sync.ParameterServer", "dp_sync.GradientSync.cost", (0,),
               (_zero_stage_in((0,)),), "a parameter server per bucket (it holds the whole optimizer)"),
-    Technique(Family.DP_SYNC, DPSync.HALVING_DOUBLING, "gradient_sync.HalvingDoublingSync", "PlanPricer.dp_sync_cost",
+    Technique(Family.DP_SYNC, DPSync.HALVING_DOUBLING, "gradient_sync.HalvingDoublingSync", "dp_sync.GradientSync.cost",
               (0, 1), summary="recursive halving reduce-scatter, then recursive doubling all-gather"),
-    Technique(Family.DP_SYNC, DPSync.REDUCE_SCATTER, "data_parallel.apply_fsdp", "PlanPricer._zero_micro_batch_s",
+    Technique(Family.DP_SYNC, DPSync.REDUCE_SCATTER, "data_parallel.apply_fsdp", "step.PlanPricer._zero_micro_batch_s",
               summary="FSDP's reduce-scatter (ZeRO-2/3)", pinnable=False),
-    Technique(Family.DP_SYNC, DPSync.NONE, "nothing (one gradient replica)", "PlanPricer.per_step_parts",
+    Technique(Family.DP_SYNC, DPSync.NONE, "nothing (one gradient replica)", "step.PlanPricer.per_step_parts",
               summary="no synchronisation (one gradient replica)", pinnable=False),
-    Technique(Family.CP_STRATEGY, CPStrategy.ULYSSES, "context_parallel.ulysses_attention", "PlanPricer._cp_time_s",
-              (2, 3), (_sequence_splits, _heads_split, _cp_shards_gradients), "all-to-all of heads"),
-    Technique(Family.CP_STRATEGY, CPStrategy.RING, "context_parallel.ring_attention", "PlanPricer._cp_time_s",
+    Technique(Family.CP_STRATEGY, CPStrategy.ULYSSES, "context_parallel.ulysses_attention",
+              "step.PlanPricer._cp_time_s", (2, 3), (_sequence_splits, _heads_split, _cp_shards_gradients),
+              "all-to-all of heads"),
+    Technique(Family.CP_STRATEGY, CPStrategy.RING, "context_parallel.ring_attention", "step.PlanPricer._cp_time_s",
               (2, 3), (_sequence_splits, _cp_shards_gradients), "K/V passed around the context-parallel ring"),
     Technique(Family.SCHEDULE, Schedule.GPIPE, "pipeline.build_pipeline (ScheduleGPipe)",
               "pipeline.in_flight_micro_batches", requires=(_chunks_need_interleaving,),
@@ -230,7 +231,7 @@ REGISTRY: tuple[Technique, ...] = (
     Technique(Family.ZERO_STAGE, ZeroStage.PARAMETERS, "data_parallel.apply_fsdp (reshard_after_forward=True)",
               "memory.trained_model_states", summary="+ parameters sharded (FSDP)"),
     Technique(Family.EP_DISPATCH, ExpertDispatch.ALL_TO_ALL, "expert_parallel.apply_ep (all_to_all_single)",
-              "PlanPricer._ep_time_s", requires=(_experts_divide, _experts_exchangeable, _ep_runs),
+              "step.PlanPricer._ep_time_s", requires=(_experts_divide, _experts_exchangeable, _ep_runs),
               summary="tokens to their experts' ranks and back by all-to-all"),
 )
 

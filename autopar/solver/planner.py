@@ -411,7 +411,7 @@ class Planner:
             loss_parallel=any(style == "colwise" and module == self.profile.layers[-1].name
                               for module, style in self._tp_styles(scored.candidate.tp).items())
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
-            dp_sync=dp_sync, dp_bucket_bytes=self.pricer.dp_bucket_bytes(layout),
+            dp_sync=dp_sync, dp_bucket_bytes=self.pricer.sync.bucket_bytes(layout),
             dp_shares=list(self.pricer.dp_shares(layout)),
             token_loss=self.pricer.weighs_tokens(layout), data_dependent=self.profile.data_dependent,
             estimated=list(self.profile.estimated), real_values=self.profile.real_values, layer_names=names,

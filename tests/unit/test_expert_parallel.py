@@ -111,7 +111,7 @@ def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parall
     for zero, shard in ((0, 1), (3, 16)):
         layout = ParallelLayout(dp=16, ep=4, zero_stage=zero, micro_batch_size=4)
         states = p._states(layer, p.split(layer.name, layout, p.cluster.node_gpus[0]), layout)
-        kwargs = dict(fsdp=p._uses_fsdp(layout), pipelined=False)
+        kwargs = dict(fsdp=p.sync.uses_fsdp(layout), pipelined=False)
         want = (trained_model_states(dense, "fp32", "adam", zero, shard, **kwargs).total_bytes
                 + trained_model_states(EXPERT_PARAMS / 4, "fp32", "adam", zero, max(1, shard // 4),
                                        **kwargs).total_bytes)

@@ -20,7 +20,7 @@ from typing import Any
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.domain.bounds import Bound, out_of_range
 from autopar.domain.layout import ParallelLayout
-from autopar.domain.vocabulary import (CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle,
+from autopar.domain.vocabulary import (DP_BUCKET_BYTES, CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle,
                                        ZeroStage)
 from autopar.domain.rules import Problem, stage_partition, structure_problems
 
@@ -196,7 +196,7 @@ class Plan(ParallelLayout):
     tp_kv_heads: int = 0
     tp_region_attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     loss_parallel: bool = False
-    dp_bucket_bytes: int = 25 * 2**20
+    dp_bucket_bytes: int = DP_BUCKET_BYTES
     token_loss: bool = False
     data_dependent: bool = False
     estimated: list[str] = field(default_factory=list)

@@ -11,13 +11,12 @@ import math
 from typing import Any, Sequence
 
 from autopar.domain.layout import ParallelLayout
-from autopar.domain.vocabulary import DPSync
+from autopar.domain.vocabulary import DP_BUCKET_BYTES, DPSync
 from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s
 from cost_models.compute import ComputeModel
 from cost_models.layer_cost import exposed_s
 from cost_models.placement import LayoutGroups
 
-DP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; two buckets in flight
 BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
 # Run after backward by the generated gradient_sync.py (no overlap with backward).
 POST_BACKWARD_SYNC = (Algorithm.HIERARCHICAL, Algorithm.HALVING_DOUBLING, Algorithm.PARAMETER_SERVER)

@@ -12,7 +12,7 @@ scaled by min(1, max_norm / (norm + 1e-6)), as torch does.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import AbstractSet, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.sections.mesh import axis_names, coordinate_on
 from autopar.sections.optimizer import _local, learning_rate, set_learning_rate
 from autopar.sections.pipeline import _layer_of
 
@@ -66,7 +67,7 @@ def tied_copies_counted_elsewhere(config: Any, mesh: DeviceMesh) -> set[str]:
 
 @torch.no_grad()
 def clip_gradients(named: list[tuple[str, nn.Parameter]], max_norm: float, mesh: DeviceMesh, experts: Any = None,
-                   skipped: set[str] = frozenset()) -> torch.Tensor:
+                   skipped: AbstractSet[str] = frozenset()) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)) where norm is the global L2 norm
     (see the module docstring), with one all-reduce over every rank; returns the norm.
 
@@ -113,10 +114,10 @@ def _distinct_groups(name: str, grad: torch.Tensor, experts: Any) -> list[list[i
     groups: list[list[int]] = []
     if isinstance(grad, DTensor):
         sub = grad.device_mesh
-        coordinate = sub.get_coordinate()
+        coordinate = coordinate_on(sub)
         for dim, placement in enumerate(grad.placements):
             if splits(placement):
-                index = list(coordinate)
+                index: list[int | slice] = list(coordinate)
                 index[dim] = slice(None)
                 groups.append(sub.mesh[tuple(index)].reshape(-1).tolist())
     if experts is not None and name in experts.names:
@@ -138,9 +139,9 @@ def counts_here(mesh: DeviceMesh, distinct: list[list[int]]) -> bool:
     rank at coordinate 0 (with this rank's other coordinates) is this one or holds different
     elements of it (is in a group of ``distinct``); otherwise that rank holds this rank's
     elements and counts them. Along an axis split into expert groups, the first group counts."""
-    grid, coordinate = mesh.mesh, mesh.get_coordinate()
+    grid, coordinate = mesh.mesh, coordinate_on(mesh)
     different = {dist.get_rank()}.union(*distinct)
-    for axis, axis_name in enumerate(mesh.mesh_dim_names):
+    for axis, axis_name in enumerate(axis_names(mesh)):
         if axis_name == "pp" or grid.shape[axis] == 1:
             continue
         first = list(coordinate)

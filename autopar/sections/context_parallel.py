@@ -139,14 +139,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     query_pos = local_positions(seq_len, cp, rank).to(q.device)
     block = torch.stack([k, v])
-    out = lse = None
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
     for step in range(cp):
         pending: list = []
         following = _RingPass.apply(block, group, pending) if step < cp - 1 else None
         owner = (rank - step) % cp
         key_pos = local_positions(seq_len, cp, owner).to(q.device) if causal else None
         block_out, block_lse = _tiled_block_attention(q, block[0], block[1], query_pos, key_pos, scale)
-        if out is None:
+        if out is None or lse is None:
             out, lse = block_out, block_lse
         else:
             merged = torch.logaddexp(lse, block_lse)
@@ -154,7 +155,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             lse = merged
         for work in pending:
             work.wait()
-        block = following
+        if following is not None:  # the last step passes nothing on
+            block = following
+    assert out is not None  # cp >= 1 blocks were attended
     return out.to(dtype)
 
 

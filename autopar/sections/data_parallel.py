@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from autopar.sections.mesh import MeshAxis, ParallelDims
+from autopar.sections.mesh import MeshAxis, ParallelDims, axis_names
 from autopar.sections.contract import holds_parameters
 
 
@@ -49,16 +49,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, groups: list[list[str]], r
     # its gradient is averaged over the same ranks as FSDP averages the others'.
     scalars = {p for p in (root if root is not None else model).parameters() if p.dim() == 0}
     left = scalars | (ignored or set())
-    kept = {"ignored_params": left} if left else {}
     for group in groups:
         modules = [model.get_submodule(name) for name in group if holds_parameters(model, name)]
         modules = [m for m in modules if not _shares_parameters_outside(model, m, modules)]
         if modules:
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh,
-                        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, **kept)
+                        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ignored_params=left or None)
     # The root's parameters are needed first in backward, so they are never resharded early.
     fully_shard(root if root is not None else model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy,
-                **kept)
+                ignored_params=left or None)
     for parameter in scalars:
         if parameter.requires_grad:
             parameter.register_hook(averaged_over(dp_mesh))
@@ -83,7 +82,7 @@ def dp_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
         if dims.dp_replicate > 1:
             return mesh[MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value]
         return mesh[MeshAxis.DP_SHARD.value]
-    names = mesh.mesh_dim_names
+    names = axis_names(mesh)
     pair = tuple(sorted((MeshAxis.DP_SHARD.value, MeshAxis.CP.value), key=names.index))
     # Private, but the only route: torch 2.13 has no public DeviceMesh flatten, and a second mesh
     # over the same ranks would not do (FSDP wants its mesh and TP's to share one root mesh).
@@ -95,7 +94,7 @@ def dp_mesh_of(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip (or resume) the gradient reduction of a FSDP-wrapped model, for accumulation."""
-    if hasattr(model, "set_requires_gradient_sync"):
+    if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
 
 

@@ -181,7 +181,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
                          "plan.ep=1, or stack the experts' weights in such a module")
     for fqn, module in modules.items():
         routed = is_routed(fqn, module)
-        experts = None
+        experts = 0
         for name, param in list(module.named_parameters(recurse=False)):
             if param.shape[0] % ep:
                 raise ValueError(f"{param.shape[0]} experts cannot be split over ep={ep} ranks")
@@ -193,7 +193,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, nn.Module]:
             # The module's own forward, wrapped (an instance attribute: FSDP's hooks still run
             # around it, and the module keeps its FQN for checkpoints and recomputation).
             module.forward = RoutedExchange(module, group, ep, experts)
-            module.num_experts = experts // ep
+            setattr(module, "num_experts", experts // ep)  # what the experts' own loop reads
         else:
             # Forward hooks, so the module keeps its FQN (checkpoints, FSDP groups, recomputation).
             module.register_forward_pre_hook(lambda _, args: (_dispatch(args[0], group, ep), *args[1:]))

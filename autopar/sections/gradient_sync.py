@@ -28,13 +28,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.sections.mesh import axis_names
 from autopar.sections.optimizer import _local, all_gather_single, reduce_scatter_single
 
 
 def dp_groups(mesh: DeviceMesh, axis: str) -> list[list[int]]:
     """Every group of ranks along ``axis`` (all of them: new process groups are made collectively)."""
     grid = mesh.mesh
-    dim = mesh.mesh_dim_names.index(axis)
+    dim = axis_names(mesh).index(axis)
     return grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
 
 

@@ -97,6 +97,22 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
                             mesh_dim_names=tuple(name for name, _ in axes))
 
 
+def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The mesh's axis names (every mesh and sub-mesh of the plan is built with them)."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("a mesh without axis names: build it with build_mesh")
+    return names
+
+
+def coordinate_on(mesh: DeviceMesh) -> list[int]:
+    """This rank's coordinate on the mesh (every rank of the world is on the plan's mesh)."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("this rank is not on the mesh")
+    return list(coordinate)
+
+
 def dp_rank(mesh: DeviceMesh, dims: ParallelDims) -> int:
     """This rank's index among the data-parallel ranks (which slice of the batch it trains on)."""
     return (mesh[MeshAxis.DP_REPLICATE.value].get_local_rank() * dims.dp_shard

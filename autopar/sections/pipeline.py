@@ -36,6 +36,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from autopar.sections.contract import compute_loss, model_inputs
+from autopar.sections.mesh import axis_names
+
+# torch's config modules gain patch() when installed, which a type checker cannot see.
+SHAPE_CONFIG: Any = torch.fx.experimental._config
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -111,7 +115,7 @@ class SkippedLayer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A layer that selects rows by value (``nonzero``, a boolean mask: a mixture of experts'
         # loop) has no meta shapes unless every element is taken as selected, an upper bound.
-        with torch.no_grad(), MetaShapes(), torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
+        with torch.no_grad(), MetaShapes(), SHAPE_CONFIG.patch(meta_nonzero_assume_all_nonzero=True):
             shapes = self._shape_model[0](*_to_meta(args), **_to_meta(kwargs))
         return _zeros_like_meta(shapes, self.device)
 
@@ -272,7 +276,9 @@ def split_with_tracer(model: nn.Module, stages: list[list[str]], model_module: A
     split_spec = {f"model.{stage[0]}": SplitPoint.BEGINNING for stage in stages[1:]}
     pipe = pipeline(traced, mb_args=leaves, split_spec=split_spec)
     for index in range(pipe.num_stages):
-        send_contiguous(pipe.get_stage_module(index))
+        stage = pipe.get_stage_module(index)
+        assert isinstance(stage, torch.fx.GraphModule)  # a traced split's stages are graphs
+        send_contiguous(stage)
     return pipe
 
 
@@ -388,7 +394,7 @@ class TiedGradientSync:
     def __init__(self, tied_parameters: list[list[str]], stages: list[list[str]], mesh: DeviceMesh, pp: int):
         self.groups: list[tuple[list[str], dist.ProcessGroup | None]] = []
         ranks = mesh.mesh
-        pp_dim = mesh.mesh_dim_names.index("pp")
+        pp_dim = axis_names(mesh).index("pp")
         rows = ranks.movedim(pp_dim, -1).reshape(-1, pp)
         me = dist.get_rank()
         for names in tied_parameters:

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 # In a generated folder this is checkpointing.py beside the training module.
 from autopar.sections import checkpoint as checkpointing
+from autopar.sections.linear_like import bias_of, tensor_of
 from autopar.sections.tensor_parallel import RegionStyle, group_rows, hold_parameters, partial_input
 
 FUSED_PARTS = "_fused_parts"  # attribute of a fused output: its parts' global sizes along the last dim
@@ -106,16 +107,17 @@ class FusedKVGroupColwise(ParallelStyle):
         wanted = torch.tensor([rank * block + offsets[index] + row for index, share in shares.items()
                                for rank in ranks for row in range(share)])
 
-        def rows_of(parameter: DTensor) -> torch.Tensor:
-            share = parameter.to_local()
+        def rows_of(parameter: torch.Tensor) -> torch.Tensor:
+            share = parameter.to_local() if isinstance(parameter, DTensor) else parameter  # held sharded
             own = [share.narrow(0, start, size // tp) for start, size in zip(starts, self.parts)]
             kept = group_rows(torch.cat([own[index] for index in shares]), device_mesh, wanted.to(share.device))
             grouped = dict(zip(shares, kept.split([local_parts[index] for index in shares])))
             return torch.cat([grouped.get(index, piece) for index, piece in enumerate(own)])
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            bias = None if module.bias is None else rows_of(module.bias)
-            output = F.linear(partial_input(x, device_mesh), rows_of(module.weight), bias)
+            bias = bias_of(module)
+            output = F.linear(partial_input(x, device_mesh), rows_of(tensor_of(module, "weight")),
+                              None if bias is None else rows_of(bias))
             return tag_fused_output(output, self.parts, local_parts)
 
         module.forward = forward
@@ -143,7 +145,7 @@ class FusedCuts(TorchFunctionMode):
         kwargs = kwargs or {}
         tensor = args[0] if args else None
         parts = getattr(tensor, FUSED_PARTS, None) if isinstance(tensor, torch.Tensor) else None
-        if parts is None:
+        if parts is None or not isinstance(tensor, torch.Tensor):
             return func(*args, **kwargs)
         cut = requested_cut(func, tensor, args[1:], kwargs, sum(parts))
         if cut is None:
@@ -174,6 +176,8 @@ def requested_cut(func: Callable, tensor: torch.Tensor, rest: tuple, kwargs: dic
             return None
         request = kwargs.get("split_size_or_sections", kwargs.get("split_size", kwargs.get(
             "split_sizes", kwargs.get("chunks", rest[0] if rest else None))))
+        if request is None:
+            return None  # no size given: not a cut this knows
         if name == "chunk":
             request = -(-total // int(request))
         sizes = [int(request)] * -(-total // int(request)) if isinstance(request, int) else [int(s) for s in request]

@@ -76,6 +76,23 @@ def ensure_grads(parameters: list[nn.Parameter]) -> None:
             p.grad = torch.zeros_like(p)
 
 
+def local_grads(bucket: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The rank-local gradients of a bucket's parameters (`ensure_grads` gave each one)."""
+    found = []
+    for parameter in bucket:
+        if parameter.grad is None:
+            raise RuntimeError("a parameter of the bucket has no gradient: ensure_grads runs before the exchange")
+        found.append(_local(parameter.grad))
+    return found
+
+
+def wait_all(works: list[dist.Work | None]) -> None:
+    """Wait for the point-to-point operations this rank started (None: it was in no group)."""
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
 def flat_grads(bucket: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1).float()
                       for p in bucket])
@@ -115,7 +132,7 @@ class HierarchicalSync:
             reduce_scatter_single(shard, padded, group=self.intra)
             dist.all_reduce(shard, group=self.inter)
             all_gather_single(padded, shard, group=self.intra)
-            unflatten_into(padded[:flat.numel()] / self.dp, [_local(p.grad) for p in bucket])
+            unflatten_into(padded[:flat.numel()] / self.dp, local_grads(bucket))
         result = before_step() if before_step is not None else None
         self.optimizer.step()
         return result
@@ -126,8 +143,7 @@ class HierarchicalSync:
 
 def exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
     """Send ``send`` to global rank ``peer`` while receiving ``receive`` from it."""
-    for work in (dist.isend(send, dst=peer), dist.irecv(receive, src=peer)):
-        work.wait()
+    wait_all([dist.isend(send, dst=peer), dist.irecv(receive, src=peer)])
 
 
 def halving_doubling_all_reduce(flat: torch.Tensor, ranks: list[int]) -> None:
@@ -185,7 +201,7 @@ class HalvingDoublingSync:
         for bucket in self.buckets:
             flat = flat_grads(bucket)
             halving_doubling_all_reduce(flat, self.ranks)
-            unflatten_into(flat / len(self.ranks), [_local(p.grad) for p in bucket])
+            unflatten_into(flat / len(self.ranks), local_grads(bucket))
         result = before_step() if before_step is not None else None
         self.optimizer.step()
         return result
@@ -225,21 +241,19 @@ class ParameterServer:
             flat = flat_grads(bucket)
             if self.is_server:
                 received = [torch.empty_like(flat) for _ in workers]
-                for work in [dist.irecv(buf, src=w, group=self.group) for buf, w in zip(received, workers)]:
-                    work.wait()
+                wait_all([dist.irecv(buf, src=w, group=self.group) for buf, w in zip(received, workers)])
                 total = flat + sum(received)
                 ensure_grads(bucket)
-                unflatten_into(total / len(self.ranks), [_local(p.grad) for p in bucket])
+                unflatten_into(total / len(self.ranks), local_grads(bucket))
             else:
                 dist.send(flat, dst=self.server, group=self.group)
         result = before_step() if before_step is not None else None
-        if self.is_server:
+        if self.optimizer is not None:  # the server's
             self.optimizer.step()
         for bucket in self.buckets:
             flat = torch.cat([_local(p).detach().reshape(-1).float() for p in bucket])
             if self.is_server:
-                for work in [dist.isend(flat, dst=w, group=self.group) for w in workers]:
-                    work.wait()
+                wait_all([dist.isend(flat, dst=w, group=self.group) for w in workers])
             else:
                 dist.recv(flat, src=self.server, group=self.group)
                 unflatten_into(flat, [_local(p).data for p in bucket])

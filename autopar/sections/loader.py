@@ -55,7 +55,7 @@ class GlobalOrder:
         if size <= 0:
             raise ValueError("a dataset with no samples has no order")
         self.size, self.seed, self.shuffle = size, seed, shuffle
-        self._epoch, self._permutation = -1, None
+        self._epoch, self._permutation = -1, torch.arange(size)
 
     def epoch_permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:

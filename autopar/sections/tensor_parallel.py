@@ -15,6 +15,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from autopar.sections.linear_like import bias_of, tensor_of
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle],
              tied_parameters: list[list[str]]) -> None:
@@ -97,17 +99,18 @@ class KVGroupColwise(ParallelStyle):
         self.groups = groups
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
-        if tp % self.groups or module.weight.shape[0] % self.groups:
-            raise ValueError(f"{type(module).__name__} with {module.weight.shape[0]} outputs cannot be computed in "
+        tp, outputs = device_mesh.size(), tensor_of(module, "weight").shape[0]
+        if tp % self.groups or outputs % self.groups:
+            raise ValueError(f"{type(module).__name__} with {outputs} outputs cannot be computed in "
                              f"{self.groups} key/value groups over {tp} ranks")
         group = device_mesh.get_local_rank() // (tp // self.groups)
-        rows = slice(group * module.weight.shape[0] // self.groups, (group + 1) * module.weight.shape[0] // self.groups)
+        rows = slice(group * outputs // self.groups, (group + 1) * outputs // self.groups)
         hold_parameters(module, device_mesh, Shard(0))
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            bias = None if module.bias is None else group_rows(module.bias, device_mesh, rows)
-            return F.linear(partial_input(x, device_mesh), group_rows(module.weight, device_mesh, rows), bias)
+            bias = bias_of(module)
+            return F.linear(partial_input(x, device_mesh), group_rows(tensor_of(module, "weight"), device_mesh, rows),
+                            None if bias is None else group_rows(bias, device_mesh, rows))
 
         module.forward = forward
         return module
@@ -211,8 +214,9 @@ def tie_parameters(model: nn.Module, tied_parameters: list[list[str]]) -> None:
     held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     for group in tied_parameters:
         present = [name for name in group if name in held]
-        source = next((name for name in present if isinstance(model.get_parameter(name), DTensor)),
-                      present[0] if present else None)
+        if not present:
+            continue
+        source = next((name for name in present if isinstance(model.get_parameter(name), DTensor)), present[0])
         for name in present:
             if name != source:
                 owner, _, attribute = name.rpartition(".")
@@ -231,7 +235,8 @@ def reduce_partial_gradients(modules: list[nn.Module]) -> None:
     for module in modules:
         for parameter in module.parameters():
             grad = parameter.grad
-            if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            if isinstance(grad, DTensor) and isinstance(parameter, DTensor) \
+                    and any(p.is_partial() for p in grad.placements):
                 parameter.grad = grad.redistribute(grad.device_mesh, parameter.placements)
 
 

@@ -52,7 +52,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.trace.linear_like import affine_layout, bias_of, linear_stand_ins, tensor_of
+from autopar.sections.linear_like import bias_of, tensor_of
+from autopar.trace.linear_like import affine_layout, linear_stand_ins
 from autopar.solver.tp_fused import cutting_fused, recorded_parts
 from autopar.solver.tp_kv_groups import KVGroups, kv_groups
 from autopar.solver.tp_global_shapes import dtensor_region_error

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from autopar.sections.linear_like import bias_of, tensor_of
+
 # Weights above this many elements are not probed (the probe allocates the weight for real):
 # 64M floats, 256 MiB. Such a module is left to the class rule (it runs replicated).
 PROBE_LIMIT = 1 << 26
@@ -60,19 +62,6 @@ def affine_layout(module: nn.Module) -> AffineLayout | None:
     if key not in _PROBED:
         _PROBED[key] = _probe(module)
     return _PROBED[key]
-
-
-def tensor_of(module: nn.Module, name: str) -> torch.Tensor:
-    """A module's parameter or buffer by name (torch types a module's attributes as Tensor or
-    Module); what is not a tensor is a bug of the caller."""
-    value = getattr(module, name)
-    assert isinstance(value, torch.Tensor), f"{type(module).__name__}.{name} is not a tensor"
-    return value
-
-
-def bias_of(module: nn.Module) -> torch.Tensor | None:
-    """A linear-like module's bias, None where it has none."""
-    return tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
 
 
 # Probe results by what decides them (a model repeats one class and shape per block: GPT-2 XL's

@@ -22,7 +22,7 @@ from autopar.domain.bounds import Bound, out_of_range
 from autopar.domain.layout import ParallelLayout
 from autopar.domain.vocabulary import (DP_BUCKET_BYTES, CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle,
                                        ZeroStage)
-from autopar.domain.rules import Problem, stage_partition, structure_problems
+from autopar.domain.rules import structure_problems
 
 # The largest cluster the search handles in bounded time: 65,536 GPUs (GPT, 8192 DGX nodes) plan
 # in about 20 s end to end on a 2-core machine, the search finishing within a 5 s time limit,
@@ -307,10 +307,8 @@ class Plan(ParallelLayout):
         """The structure's rules (autopar.domain.rules, the same the pricer and codegen ask; a plan
         lists its stages even at pp=1), then what only a plan holds: its tensor-parallel styles."""
         found = [] if self.layer_names else ["it lists no layers (layer_names)"]
-        broken: list[Problem | None] = [*structure_problems(self, self.layer_names or None, self.global_batch_size)]
-        if not self.stages:
-            broken.append(stage_partition(self.stages, self.layer_names))
-        found += [problem.problem for problem in broken if problem]
+        found += [problem.problem for problem in structure_problems(self, self.layer_names or None,
+                                                                    self.global_batch_size, stages_listed=True)]
         styles = sorted({str(v) for v in self.tp_styles.values()} - set(TP_STYLES))
         if styles:
             found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")

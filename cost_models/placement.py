@@ -151,7 +151,7 @@ class Placement:
             return None
         pp_gpus = self.groups.pp_rank_gpus(layout)
         reference = pp_gpus[0][0]
-        if self._homogeneous and not getattr(layout, "dp_shares", ()):
+        if self.groups.homogeneous and not getattr(layout, "dp_shares", ()):
             # One GPU type, even shares: every pipeline rank runs at the reference's speed.
             return reference, [1.0] * layout.pp, [int(reference.memory_bytes
                                                       * (1 - self.cluster.memory_headroom_fraction))] * layout.pp
@@ -176,7 +176,7 @@ class Placement:
         data-parallel ranks mix GPU types (pp=1), shares in proportion to each GPU's speed
         (largest remainder, at least one each) so all finish together; () when even."""
         pinned = tuple(getattr(layout, "dp_shares", ()) or ())
-        if pinned or layout.pp > 1 or layout.dp == 1 or self._homogeneous:
+        if pinned or layout.pp > 1 or layout.dp == 1 or self.groups.homogeneous:
             return pinned
         gpus = self.groups.dp_rank_gpus(layout)
         if len({g.name for g in gpus}) == 1:

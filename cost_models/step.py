@@ -146,11 +146,9 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self._totals_cache: dict[int, tuple[list, list]] = {}
         self._devices: dict[tuple, Any] = {}
         self._scalar_all_reduce_s: dict[int, float] = {}
-        self._collectives: dict[tuple, Any] = {}
         self._peak_flops = sum(self.cluster.gpu_of_rank(r).flops(self.compute.dtype)
                                for r in range(cluster.world_size))
         self._row_cache: dict[tuple, list] = {}
-        self._homogeneous = cluster.homogeneous
         self.groups = LayoutGroups(cluster)  # where each layout's groups sit, and their collectives' cost
         self.sync = GradientSync(self.groups, self.compute, self.layers, self.grads_bytes, self.b0, train.precision)
         self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}

@@ -114,16 +114,18 @@ def recompute_choices(recompute: Any, layer_names: Sequence[str] | None, field: 
 
 
 def structure_problems(plan: Any, layer_names: Sequence[str] | None, global_batch_size: int,
-                       recompute_options: Sequence[str] = RECOMPUTE_OPTIONS) -> list[Problem]:
+                       recompute_options: Sequence[str] = RECOMPUTE_OPTIONS,
+                       stages_listed: bool = False) -> list[Problem]:
     """Every rule above that `plan` breaks, in the order a reader would fix them (mesh, expert
     groups, shares, batch, stages, recomputation). `layer_names` None: the layers are unknown, so
-    the stages are not checked against them."""
+    the stages are not checked against them. `stages_listed`: the plan must list its stages even
+    at pp=1 (a plan file does; a layout without them is split evenly)."""
     found = [mesh_axes(plan.mesh_order), ep_carving(plan.ep, plan.dp, plan.cp),
              uneven_shares(tuple(plan.dp_shares or ()), plan.dp, plan.micro_batch_size, plan.pp),
              batch_split(plan.dp, plan.micro_batch_size, plan.num_micro_batches, global_batch_size)]
     if plan.stages:
         found.append(stage_count(plan.stages, plan.pp, plan.chunks))
-        if layer_names is not None:
-            found.append(stage_partition(plan.stages, layer_names))
+    if (plan.stages or stages_listed) and layer_names is not None:
+        found.append(stage_partition(plan.stages, layer_names))
     found.append(recompute_choices(plan.recompute, layer_names, options=recompute_options))
     return [problem for problem in found if problem]

@@ -13,7 +13,15 @@ What DeepSpeed's stage-3 code of that time did each step (partition_parameters.p
   (cost_models.collectives: a ring over 1,536 ranks pays 1,535 per-step latencies per tensor).
 - A tensor is gathered for its forward, again when activation checkpointing re-runs the forward,
   and again for the backward (released after each); every gradient tensor is reduce-scattered
-  alone, with no bucket (overlap_comm off by default for stage 3).
+  alone (`_reduce_scatter_gradients`, the path of `contiguous_gradients: true`). overlap_comm
+  (on by default for stage 3 in v0.3.13-v0.5) runs the reduction on its own stream, but the
+  next gather's `torch.cuda.synchronize()` waits for it, so it is priced exposed too.
+- Not priced: v0.3.13-v0.4's default `contiguous_gradients: false`, under which stage 3 instead
+  all-reduces flattened buckets of whole gradients (`buffered_reduce_fallback`). Priced that way
+  (one all-reduce per 5e8-element bucket, six memory passes for flatten, divide and copy back)
+  A4's ZeRO-3 traffic comes out cheaper, not dearer (2240 GPUs, 529.6B: 81 s a step instead of
+  106 s; 1536 GPUs, 174.6B: 35 s instead of 55 s), further from what the paper measured, so the
+  reduce-scatter path is kept as the one the paper ran.
 - Both collectives take Python lists of one view per rank. DeepSpeed builds the views in a
   Python loop (HOST_VIEW_S per rank); torch's list reduce-scatter then copies every rank's piece
   into a flat buffer, one kernel launch per rank, before NCCL starts. The gather's copies out of

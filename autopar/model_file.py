@@ -270,12 +270,18 @@ def build_fake_for(model_file: ModelFile, kwargs: dict[str, Any], batch_size: in
     profile gave) goes straight to the real build."""
     if real_values is not None:
         return run(build_real(model_file, kwargs, batch_size, dtype, real_values))
-    build = build_fake(model_file, kwargs, batch_size, dtype)
     try:
-        return run(build)
-    except Exception as err:  # noqa: BLE001 - a stop at a value is retried with values; the rest for real
-        if not (is_data_dependent(err) or getattr(err, "data_dependent", False)):
-            return _run_for_real(model_file, kwargs, batch_size, run, dtype, build, err)
+        build: FakeBuild | None = build_fake(model_file, kwargs, batch_size, dtype)
+    except UserError as err:
+        if not is_data_dependent(err):
+            raise
+        build = None  # building read a value (ConvNeXt's drop-path rates, linspace(...).tolist())
+    if build is not None:
+        try:
+            return run(build)
+        except Exception as err:  # noqa: BLE001 - a stop at a value is retried with values; the rest for real
+            if not (is_data_dependent(err) or getattr(err, "data_dependent", False)):
+                return _run_for_real(model_file, kwargs, batch_size, run, dtype, build, err)
     build = build_fake(model_file, kwargs, batch_size, dtype, data_dependent=True)
     try:
         return run(build)

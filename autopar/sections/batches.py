@@ -13,7 +13,7 @@ import ast
 import contextlib
 import inspect
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,8 @@ from autopar.sections.mesh import MeshAxis, dp_rank
 from autopar.sections.pipeline import run_pipeline
 from autopar.sections.tensor_parallel import replicated_beside_shards
 
-# ParallelConfig, ParallelModel and TrainConfig, in annotations here, are train.py's (which imports
-# this section, so it cannot import them back).
+if TYPE_CHECKING:  # train.py imports this section, so its types are imported for the checker alone
+    from autopar.sections.train import ParallelConfig, ParallelModel, TrainConfig
 
 # Settings that are text whatever they look like (a file named 2024 is still a path).
 TEXT_SETTINGS = ("path", "val_path", "tokenizer", "text_field", "cache_dir", "bin_dtype")

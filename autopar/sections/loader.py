@@ -23,7 +23,7 @@ import itertools
 import math
 import multiprocessing
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
@@ -150,6 +150,9 @@ def rank_loader(dataset: Dataset, *, seed: int, start: int, steps: int, global_b
             options.pop("prefetch_factor", None)
             options.pop("persistent_workers", None)
         return DataLoader(SharedStream(stream_of(dataset), start, steps, global_batch, share), **options)
+    if not isinstance(dataset, Sized):
+        raise TypeError("the model's dataset() returned a map-style dataset without __len__: give it one, "
+                        "or make it a torch IterableDataset")
     order = GlobalOrder(len(dataset), seed, shuffle)
     return DataLoader(dataset, sampler=StepSampler(order, start, steps, global_batch, share), **options)
 
@@ -197,6 +200,7 @@ def batch_layout(example: Any, seq_len: int, forward_arguments: tuple[str, ...] 
     ``forward_arguments``: the forward's parameter names (a name it takes is an input, never a
     target, when the example cannot tell).
     """
+    leaves: list[tuple[tuple[Any, ...], Any]]
     if isinstance(example, dict):
         kind, leaves = "dict", [((key,), value) for key, value in example.items()]
     elif isinstance(example, (tuple, list)):
@@ -249,10 +253,18 @@ def batch_layout(example: Any, seq_len: int, forward_arguments: tuple[str, ...] 
     return BatchLayout(kind=kind, roles=ordered)
 
 
+class MapStyle(Protocol):
+    """A map-style dataset: a length and a sample per index."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
 class TokenSamples(Dataset):
     """Packed token sequences ((inputs, targets) per index) as samples of the model's structure."""
 
-    def __init__(self, sequences: Dataset, layout: BatchLayout):
+    def __init__(self, sequences: MapStyle, layout: BatchLayout):
         self.sequences, self.layout = sequences, layout
 
     def __len__(self) -> int:
@@ -265,6 +277,8 @@ class TokenSamples(Dataset):
 
 def epochs_of(position: int, dataset: Dataset) -> float:
     """How many passes over a map-style dataset ``position`` samples make (nan for a stream)."""
+    if not isinstance(dataset, Sized):
+        return math.nan
     try:
         return position / len(dataset)
     except TypeError:

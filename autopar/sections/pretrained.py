@@ -32,7 +32,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeGuard
 
 import torch
 from torch import nn
@@ -180,7 +180,7 @@ def ignored_unexpected(model: nn.Module) -> list[str]:
 
 
 def match_names(expected: dict[str, tuple[int, ...]], source: WeightSource, tied: list[list[str]],
-                ignored: list[str] = ()) -> tuple[dict[str, str], Mismatch]:
+                ignored: Sequence[str] = ()) -> tuple[dict[str, str], Mismatch]:
     """(model name -> the file's name for it, what does not match). A tied parameter is found under
     any of its names."""
     available = source.names()
@@ -227,7 +227,7 @@ def local_part(source: WeightSource, name: str, target: torch.Tensor,
 
 @torch.no_grad()
 def load_pretrained(path: str | Path, expected: dict[str, tuple[int, ...]], held: list[tuple[str, torch.Tensor]],
-                    tied: list[list[str]], ignored: list[str] = (),
+                    tied: list[list[str]], ignored: Sequence[str] = (),
                     permuted: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> int:
     """Copy the weights at ``path`` into this rank's tensors; returns how many tensors it set.
 
@@ -286,7 +286,7 @@ def check_paths(init_from: str | Path | None, export: str | Path | None) -> None
     check_export_folder(export)
 
 
-def is_folder_export(path: str | Path | None) -> bool:
+def is_folder_export(path: str | Path | None) -> TypeGuard[str | Path]:
     """Whether --export PATH asks for a folder: no suffix, or a folder already there (a path with
     a suffix keeps writing one file: safetensors for .safetensors, else torch.save)."""
     return path is not None and (Path(path).is_dir() or Path(path).suffix == "")
@@ -312,7 +312,7 @@ def check_export_folder(path: str | Path | None) -> None:
                            "which it never replaces. Fix: pass a new or empty folder (or move those files yourself)")
 
 
-def is_hugging_face(model: nn.Module | None) -> bool:
+def is_hugging_face(model: nn.Module | None) -> TypeGuard[nn.Module]:
     """Whether ``model`` is a transformers model: its config saves itself as config.json."""
     return callable(getattr(getattr(model, "config", None), "save_pretrained", None))
 
@@ -360,7 +360,7 @@ def write_folder(state: dict[str, torch.Tensor], path: str | Path, tied: list[li
 
 def write_hf_config(model: nn.Module, folder: Path) -> None:
     """config.json (naming the model's class, as save_pretrained does) and generation_config.json."""
-    config = model.config
+    config: Any = model.config
     config.architectures = [type(model).__name__]
     config.save_pretrained(folder)
     generation = getattr(model, "generation_config", None)

@@ -212,6 +212,8 @@ def _trace_error(err: Exception, module_stack: list[str], model_path: Path, retr
                "with standard torch ops.")
     error = TraceError(f"Tracing stopped in module '{module}' at {where}: {construct}.", fix)
     error.data_dependent = data_dependent and not retried
-    if not data_dependent:  # a real build may run it (autopar.model_file.build_real): say where and why
+    if not data_dependent or retried:
+        # A real build may run it (autopar.model_file.build_real): say where and why. A value read
+        # from the weights is there too: building may have made it (ConvNeXt's drop-path rates).
         error.fake_unsupported = f"{where}: {text}"
     return error

@@ -74,6 +74,30 @@ def test_weight_dependent_branch_is_guessed_and_said(tmp_path):
     assert sum(layer.flops_forward for layer in profile.layers) == 2 * (2 * 2 * 4 * 4)  # both linears priced
 
 
+
+def test_values_read_while_building_send_a_small_model_to_real_tensors(tmp_path):
+    """ConvNeXt's and many vision models' __init__ read a drop-path schedule's values
+    (``torch.linspace(...).tolist()``), which no fake tensor has; forward then branches on them.
+    The build is retried with symbols, and where forward still needs their values, the small
+    model is traced with real tensors instead of refused, and the profile says so."""
+    path = tmp_path / "schedule.py"
+    path.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.rates = torch.linspace(0, 0.0, 2).tolist()\n"
+        "        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in self.rates)\n"
+        "    def forward(self, x):\n"
+        "        for rate, block in zip(self.rates, self.blocks):\n"
+        "            x = block(x) if rate == 0.0 else x\n"
+        "        return x\n"
+        "def build_model():\n    return M()\n"
+        "def example_batch(batch_size):\n    return torch.randn(batch_size, 4)\n")
+    profile = profile_model(load_model_file(path), {}, 2)
+    assert profile.real_values  # the reason the plan gives for tracing with real tensors
+    assert sum(layer.flops_forward for layer in profile.layers) == 2 * (2 * 2 * 4 * 4)  # both blocks run
+
 def test_ordinary_models_take_the_plain_path(tmp_path):
     path = tmp_path / "plain.py"
     path.write_text("import torch\n"

@@ -543,34 +543,52 @@ def _check_eod(eod: int, vocab: int, what: str) -> None:
 
 
 @dataclass
-class _Pending:
-    """A tokenized corpus not yet handed out: in memory, cached already, or in a temporary file
-    that commit() renames into the cache (discard() removes it, leaving the cache as it was)."""
+class _Ready:
+    """A tokenized corpus in memory or cached already: nothing to commit or discard."""
 
-    count: int
-    tokens: np.ndarray | None = None
-    temp: Path | None = None
-    final: Path | None = None
-    sidecar: dict[str, Any] | None = None
-    made_folders: tuple[Path, ...] = ()
+    tokens: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
 
     def commit(self) -> np.ndarray:
-        if self.temp is None:
-            return self.tokens
+        return self.tokens
+
+    def discard(self) -> None:
+        pass
+
+
+@dataclass
+class _Staged:
+    """A tokenized corpus in a temporary file that commit() renames into the cache (discard()
+    removes it, leaving the cache as it was)."""
+
+    temp: Path
+    final: Path
+    made_folders: tuple[Path, ...] = ()
+    count: int = 0
+    sidecar: dict[str, Any] = field(default_factory=dict)
+    temp_gone: bool = False
+
+    def commit(self) -> np.ndarray:
         os.replace(self.temp, self.final)  # the .bin first: a sidecar never names a partial file
         _write_atomically(self.final.with_suffix(".json"), json.dumps(self.sidecar, indent=1))
-        self.temp = None
+        self.temp_gone = True
         return _open_cached(self.final, self.sidecar)
 
     def discard(self) -> None:
-        if self.temp is not None:
+        if not self.temp_gone:
             self.temp.unlink(missing_ok=True)
-            self.temp = None
+            self.temp_gone = True
         for folder in self.made_folders:  # deepest first; one that is not empty stays
             try:
                 folder.rmdir()
             except OSError:
                 break
+
+
+_Pending = _Ready | _Staged
 
 
 def _commit_all(pending: list[_Pending]) -> list[np.ndarray]:
@@ -584,19 +602,19 @@ def _commit_all(pending: list[_Pending]) -> list[np.ndarray]:
 
 def _build(source: _Source, tokenizer: _Tokenizer | None, config: DataConfig, role: str) -> _Pending:
     if source.kind == "bin":
-        dtype = _bin_dtype(source.root, config, role)
-        tokens = np.memmap(source.root, dtype=dtype, mode="r")
-        return _Pending(len(tokens), tokens=tokens)
+        return _Ready(np.memmap(source.root, dtype=_bin_dtype(source.root, config, role), mode="r"))
+    if tokenizer is None:
+        raise ValueError(f"{source.root}: a text corpus is read with a tokenizer (every caller makes one)")
     if config.cache_dir is None:
         chunks, documents = _tokenized_chunks(source, tokenizer, config, role)
         tokens = np.concatenate(list(chunks))
         _check_has_text(source, role, len(tokens), documents[0])
-        return _Pending(len(tokens), tokens=tokens)
+        return _Ready(tokens)
     folder = Path(config.cache_dir).expanduser()
     final = folder / f"tokens-{_corpus_fingerprint(source, config, tokenizer)}.bin"
     cached = _cached(final)
     if cached is not None:
-        return _Pending(len(cached), tokens=cached)
+        return _Ready(cached)
     return _write_temporary(source, tokenizer, config, role, final)
 
 
@@ -629,12 +647,12 @@ def _check_has_text(source: _Source, role: str, count: int, documents: int) -> N
 
 
 def _write_temporary(source: _Source, tokenizer: _Tokenizer, config: DataConfig, role: str,
-                     final: Path) -> _Pending:
+                     final: Path) -> _Staged:
     folder = final.parent
     made = tuple(p for p in (folder, *folder.parents) if not p.exists())
     folder.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=".tmp", dir=folder)
-    pending = _Pending(0, temp=Path(name), final=final, made_folders=made)
+    pending = _Staged(Path(name), final, made)
     try:
         chunks, documents = _tokenized_chunks(source, tokenizer, config, role)
         with os.fdopen(handle, "wb") as out:

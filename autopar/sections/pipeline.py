@@ -90,45 +90,50 @@ class MetaShapes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class SkippedLayer(nn.Module):
-    """Stands in for a layer of an earlier stage: zeros shaped like that layer's output.
+class _StandIn(nn.Module):
+    """Stands in for a layer of another stage. The model's code may still read the layer's
+    attributes (ViT reads its patch embedding's weight dtype, ModernBERT each layer's
+    ``attention_type`` before calling it): a meta copy of the layer answers them, holding no
+    memory and registered nowhere."""
 
-    Only shapes matter: the stage replaces its own first layer's input with the activation it
-    received, so these values are never used for anything but shape and dtype. The model's code
-    may still read the layer's attributes (ViT reads its patch embedding's weight dtype): a meta
-    copy of the layer answers them, holding no memory and registered nowhere.
-    """
-
-    def __init__(self, layer: nn.Module, device: torch.device):
+    def __init__(self, layer: nn.Module):
         super().__init__()
-        self._shape_model = [copy.deepcopy(layer).to("meta")]  # a list: not a registered submodule
-        self.device = device
+        self._meta_layer = [copy.deepcopy(layer).to("meta")]  # a list: not a registered submodule
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name.startswith("__") or "_shape_model" not in self.__dict__:
+            if name.startswith("__") or "_meta_layer" not in self.__dict__:
                 raise
-            return getattr(self._shape_model[0], name)
+            return getattr(self._meta_layer[0], name)
+
+
+class SkippedLayer(_StandIn):
+    """Stands in for a layer of an earlier stage: zeros shaped like that layer's output.
+
+    Only shapes matter: the stage replaces its own first layer's input with the activation it
+    received, so these values are never used for anything but shape and dtype.
+    """
+
+    def __init__(self, layer: nn.Module, device: torch.device):
+        super().__init__(layer)
+        self.device = device
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A layer that selects rows by value (``nonzero``, a boolean mask: a mixture of experts'
         # loop) has no meta shapes unless every element is taken as selected, an upper bound.
         with torch.no_grad(), MetaShapes(), SHAPE_CONFIG.patch(meta_nonzero_assume_all_nonzero=True):
-            shapes = self._shape_model[0](*_to_meta(args), **_to_meta(kwargs))
+            shapes = self._meta_layer[0](*_to_meta(args), **_to_meta(kwargs))
         return _zeros_like_meta(shapes, self.device)
 
 
-class StageExit(nn.Module):
-    """Stands in for the first layer of the next stage: ends this stage with the layer's input."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self._signature_of = [layer]
+class StageExit(_StandIn):
+    """Stands in for the first layer of the next stage (and every later one): ends this stage
+    with the layer's input."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _, activation = _first_input(self._signature_of[0], args, kwargs)
+        _, activation = _first_input(self._meta_layer[0], args, kwargs)
         raise StageBoundary(activation)
 
 

@@ -38,6 +38,30 @@ def test_skipped_layer_keeps_the_output_type_and_answers_attribute_reads_from_me
     assert list(skipped.parameters()) == []  # trained by the stage that owns it, not this one
 
 
+
+class _TypedLayers(nn.Module):
+    """ModernBERT's habit: forward reads each layer's attribute before calling it (which mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        for index, layer in enumerate(self.layers):
+            layer.attention_type = "global" if index % 2 == 0 else "sliding"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) * (1.0 if layer.attention_type == "global" else 0.5)
+        return x
+
+
+def test_a_stage_exit_answers_the_later_layers_attribute_reads_without_holding_their_weights():
+    stage = split_stage(_TypedLayers(), [["layers.0"], ["layers.1", "layers.2"]], 0, None, torch.randn(2, 4), CPU)
+    exits = list(stage.model.layers)[1:]
+    assert all(isinstance(layer, StageExit) for layer in exits)
+    assert [layer.attention_type for layer in exits] == ["sliding", "global"]
+    assert all(layer.weight.is_meta for layer in exits)  # read from a meta copy: no memory held
+    assert len(list(stage.parameters())) == 2  # layers.0's weight and bias only
+
 class _Experts(nn.Module):
     """A fp32 grouped GEMM, as Hugging Face's MoE experts run it."""
 

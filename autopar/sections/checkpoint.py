@@ -324,9 +324,9 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        metadata.storage_meta = storage
         return metadata
 
 
@@ -426,8 +426,10 @@ class RowOrders:
 
     def _parameter_of(self, key: str, value: Any) -> str | None:
         for prefix in ("model.", "optimizer.state."):
-            rest = key[len(prefix):] if key.startswith(prefix) else None
-            for name, (dim, order) in self.orders.items() if rest is not None else ():
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            for name, (dim, order) in self.orders.items():
                 if (rest == name or rest.startswith(name + ".")) and isinstance(value, torch.Tensor) \
                         and value.dim() > dim and value.shape[dim] == len(order):
                     return name
@@ -439,7 +441,7 @@ class RowOrders:
         convert = self.public if to_public else self.private
         if not isinstance(value, DTensor):
             return convert(name, value.detach())
-        full = convert(name, value.detach().full_tensor())
+        full = convert(name, value.full_tensor().detach())
         whole = DTensor.from_local(full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False)
         return whole.redistribute(value.device_mesh, value.placements)  # a local cut: no communication
 
@@ -449,8 +451,10 @@ def _tied_alias(key: str, available: set[str], tied_parameters: list[list[str]])
     None. (A pipeline's last stage asks for the state of ``lm_head.weight``; a run without
     pipeline saved the optimizer state of the one tensor under ``wte.weight`` only.)"""
     for section in ("model.", "optimizer.state.", "optimizer.param_groups."):
-        rest = key[len(section):] if key.startswith(section) else None
-        for group in tied_parameters if rest is not None else []:
+        if not key.startswith(section):
+            continue
+        rest = key[len(section):]
+        for group in tied_parameters:
             for name in (n for n in group if rest == n or rest.startswith(n + ".")):
                 suffix = rest[len(name):]
                 alias = next((f"{section}{other}{suffix}" for other in group
@@ -510,13 +514,19 @@ class Checkpointer:
             self.model = nn.ModuleList(modules)
         self.optimizer = optimizer
         self.tied_parameters = tied_parameters
-        self.pending: Future | None = None
-        self.pending_folder: tuple[Path, int] | None = None
+        self.pending: tuple[Future, Path, int] | None = None  # the save in flight: its future, folder, step
         self.last_saved: int | None = None
         self.samples: int | None = None  # the data position of the checkpoint resumed from
         # Async saves plan over their own gloo group from a background thread, so their
         # collectives never interleave with training's (and NCCL runs need a CPU group anyway).
         self.group = dist.new_group(backend="gloo") if options.enabled and options.async_save else None
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint folder (saving and resuming are asked for only when one is set)."""
+        if self.options.directory is None:
+            raise ValueError("checkpointing needs a checkpoint directory, and none was set")
+        return Path(self.options.directory)
 
     def _state(self, step: int, samples: int = 0) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
         """This rank's state under checkpoint keys, and where each key came from: (section, its
@@ -545,9 +555,9 @@ class Checkpointer:
         """Write ``DIR/step_<step>/`` and mark it complete once every rank's part is on disk;
         ``samples``: the data position after the step (None: not recorded)."""
         self.wait()  # one save in flight at a time
-        folder = Path(self.options.directory) / f"step_{step}"
+        folder = self.directory / f"step_{step}"
         if dist.get_rank() == 0:
-            refuse_link(Path(self.options.directory), "the checkpoint folder")
+            refuse_link(self.directory, "the checkpoint folder")
             refuse_link(folder, "checkpoint")
             # Leftovers of an attempt killed while writing this step: marker first, so a crash
             # half-way through the removal never leaves a marked, partial folder.
@@ -569,26 +579,29 @@ class Checkpointer:
         # The copy to CPU happens now; writing goes on in a thread. DCP's coordinator (rank 0)
         # finishes a save only after gathering every rank's write results and writing the
         # metadata, so rank 0's save being done means the whole checkpoint is on disk.
-        self.pending = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
-        self.pending_folder = folder, step
+        saving = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+        # A Future, or (with an asynchronous stager) a response holding the upload's Future.
+        pending = saving if isinstance(saving, Future) else saving.upload_completion
+        self.pending = pending, folder, step
         if dist.get_rank() == 0:
             def mark_when_written(done: Future) -> None:
                 if done.exception() is None:
                     _mark_complete(folder, step)
 
-            self.pending.add_done_callback(mark_when_written)
+            pending.add_done_callback(mark_when_written)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and marked."""
         if self.pending is None:
             return
+        pending, folder, step = self.pending
         try:
-            self.pending.result()
+            pending.result()
             self.pending = None
             if dist.get_rank() == 0:
-                _mark_complete(*self.pending_folder)  # its callback may still be on its way
+                _mark_complete(folder, step)  # its callback may still be on its way
         except _FAILURES as error:
-            raise _save_failed(self.pending_folder[0], error) from error
+            raise _save_failed(folder, error) from error
 
     def resume(self) -> int:
         """Load the latest usable checkpoint (complete, checksums matching), if any; returns the
@@ -597,8 +610,8 @@ class Checkpointer:
         choice: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                refuse_links(Path(self.options.directory))
-                choice = [usable_checkpoint(self.options.directory, self.options.allow_fresh_start)]
+                refuse_links(self.directory)
+                choice = [usable_checkpoint(self.directory, self.options.allow_fresh_start)]
             except RuntimeError as error:
                 choice = [str(error)]
         dist.broadcast_object_list(choice, src=0)

@@ -298,6 +298,8 @@ def plan_facts(plan: Plan, layout: Layout) -> dict[str, Any]:
         "NCCL_ALGORITHMS": tuple(NCCL_ALGORITHMS),
         "self.dp_shares": bool(plan.dp_shares),  # TrainConfig's
         "training.token_loss": plan.token_loss,
+        "parallel.token_counts is not None": plan.token_loss,
+        "parallel.tied_sync is not None": plan.pp > 1,
     })
     if plan.tp == 1:  # with TP, whether the head keeps loss parallelism is codegen's (tp_plan.build_tp_plan)
         facts["config.loss_parallel"] = False

@@ -215,10 +215,10 @@ def eval_step(parallel: ParallelModel, batch: Any, training: TrainConfig, config
     for module in parallel.modules:
         module.eval()
     try:
-        counting = parallel.token_counts.counting() if training.token_loss else contextlib.nullcontext()
+        counting = parallel.token_counts.counting() if parallel.token_counts is not None else contextlib.nullcontext()
         with counting:
             losses = micro_batch_losses(parallel, batch, training, config, model_module)
-        if training.token_loss:
+        if parallel.token_counts is not None:
             share = parallel.token_counts.share_of_mean(n, config.dims.dp * config.dims.cp, config.dims.tp)
             return None if losses is None else parallel.token_counts.summed(losses).sum() * share
         return None if losses is None else losses.mean()

@@ -79,6 +79,27 @@ class GlobalShapes(RegionStyle):
     def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
         return global_shapes_context(device_mesh.device_type)
 
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def forward_on_replicated(*args: Any, **kwargs: Any) -> Any:
+            # Floating-point tensors handed in (a rotary table, an additive mask) become replicated
+            # DTensors here, not only inside the forward's implicit replication: backward runs
+            # outside it, and a product's gradient with a plain factor (``q * cos``) would mix a
+            # DTensor with a plain tensor there (Persimmon under tp=2).
+            def replicated(t: torch.Tensor) -> torch.Tensor:
+                if isinstance(t, DTensor) or not t.is_floating_point():
+                    return t
+                return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+
+            return forward(*tree_map_only(torch.Tensor, replicated, args),
+                           **tree_map_only(torch.Tensor, replicated, kwargs))
+
+        module.forward = forward_on_replicated
+        return module
+
 
 class KVGroupColwise(ParallelStyle):
     """A key/value projection of grouped-query attention with fewer heads (``groups``) than

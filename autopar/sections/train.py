@@ -431,13 +431,14 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
     loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
     dtype = parallel.compute_dtype
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
-    if training.token_loss:
+    if parallel.token_counts is not None:
         parallel.token_counts.start()
     if config.dims.pp_enabled:
         with loss_context(), autocast:
             loss = run_pipeline(parallel.schedule, batch, parallel.is_last_stage,
                                 traced=config.pipeline_split == "tracer")
-        parallel.tied_sync(parallel.modules)
+        if parallel.tied_sync is not None:
+            parallel.tied_sync(parallel.modules)
     else:
         model = parallel.modules[0]
         n = training.num_micro_batches
@@ -458,7 +459,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
                     if config.loss_parallel:
                         output = replicated_beside_shards(output, parallel.mesh[MeshAxis.TP.value])
                     loss = compute_loss(model_module, output, micro) * weight
-                    if training.token_loss:
+                    if parallel.token_counts is not None:
                         loss = parallel.token_counts.weigh(loss)  # the sum over its counted targets
                     # Autograd keeps what backward needs; a name on the output (the logits, often
                     # the largest activation) would keep all of it through backward.
@@ -466,7 +467,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
                 (loss / n).backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
         loss = total / n
-    if training.token_loss:
+    if parallel.token_counts is not None:
         loss = parallel.token_counts.finish(parallel.modules, config.dims.dp * config.dims.cp,
                                             training.num_micro_batches, config.dims.tp, loss)
     if config.experts_split:
@@ -506,7 +507,7 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
         if config.experts_split:
             full = parallel.experts.full(name, full.detach())
         state[name] = full.detach().float().cpu()
-    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(state, parts, dst=0)
     if not parts:
         return None
@@ -523,7 +524,7 @@ def full_parameters(parallel: ParallelModel, config: ParallelConfig) -> dict[str
 
 def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
                step: int, batches: Batches | None = None, logger: metrics.MetricsLogger | None = None
-               ) -> dict[str, float]:
+               ) -> dict[str, Any]:
     """One optimizer step, timed; rank 0 prints it, and ``logger`` records it (run.jsonl,
     dashboards). The batch comes from ``batches`` (the run's data), else example_batch."""
     device = parallel.device
@@ -544,10 +545,11 @@ def timed_step(parallel: ParallelModel, training: TrainConfig, config: ParallelC
     tokens = training.global_batch_size * tokens_per_sample(batch) * config.dims.cp  # CP ranks hold 1/cp each
     # A restarted or resumed run repeats steps: the attempt (torchrun's restart count) and the
     # launch (torchrun's run id) tell the repeats apart in run.jsonl.
-    record = {"step": step, "loss": loss_value, "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
-              "peak_memory_bytes": int(memory), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-              "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lr": parallel.lr,
-              "grad_norm": None if parallel.grad_norm is None else float(parallel.grad_norm)}
+    record: dict[str, Any] = {
+        "step": step, "loss": loss_value, "step_time_s": step_time_s, "tokens_per_s": tokens / step_time_s,
+        "peak_memory_bytes": int(memory), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "lr": parallel.lr,
+        "grad_norm": None if parallel.grad_norm is None else float(parallel.grad_norm)}
     if batches is not None:
         record["samples"] = batches.position  # of the run's global order, consumed once this step is done
         record["data_wait_s"] = waited
@@ -577,18 +579,21 @@ def validation_loss(parallel: ParallelModel, training: TrainConfig, config: Para
 
 
 def export_trained_weights(parallel: ParallelModel, config: ParallelConfig,
-                           checkpoint: checkpointing.CheckpointConfig, step: int,
+                           checkpoint: checkpointing.CheckpointConfig, step: int | None,
                            build: Callable[[], nn.Module]) -> None:
     """Write the trained weights (`write_export`): read back from the final checkpoint (``step``)
     when there is one (rank 0 alone, from disk: no rank gathers the whole model), else gathered."""
-    if checkpoint.enabled:
+    path = checkpoint.export
+    if path is None:
+        return
+    if checkpoint.directory is not None and checkpoint.enabled and step is not None:
         if dist.get_rank() == 0:
             final = Path(checkpoint.directory) / f"step_{step}"
-            write_export(checkpointing.consolidated_weights(final), checkpoint.export, config.tied_parameters, build)
+            write_export(checkpointing.consolidated_weights(final), path, config.tied_parameters, build)
         return
     state = full_parameters(parallel, config)
-    if dist.get_rank() == 0:
-        write_export(state, checkpoint.export, config.tied_parameters, build)
+    if state is not None:  # rank 0's
+        write_export(state, path, config.tied_parameters, build)
 
 
 def write_export(state: dict[str, torch.Tensor], path: str, tied: list[list[str]],
@@ -612,6 +617,8 @@ def start_from_pretrained(parallel: ParallelModel, training: TrainConfig, config
                           first_step: int) -> None:
     """--init-from: this rank's part of every parameter and persistent buffer read from the file
     (pretrained.py), on a fresh start only: a resumed checkpoint wins."""
+    if training.init_from is None:
+        return
     if first_step > 0:
         if dist.get_rank() == 0:
             print(f"--init-from {training.init_from} not loaded: the checkpoint resumed ({first_step} steps done) wins",

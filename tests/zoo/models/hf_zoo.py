@@ -42,15 +42,19 @@ _CAUSAL = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16,
                        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+    # Fused query_key_value viewed by global sizes, norms over each head, rotary on part of a head.
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(intermediate_size=64)),
+    # A state-space model: no attention; a causal convolution and a scan along the sequence.
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(state_size=8, expand=2, conv_kernel=4)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(num_key_value_heads=HEADS, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
                          num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
                          kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
 }
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
-_EAGER_ONLY = {"bloom", "gemma2", "gptj"}
+_EAGER_ONLY = {"bloom", "gemma2", "gptj", "mamba"}
 CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
-OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip", "wav2vec2_ctc"]
+OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "t5", "vit", "convnext", "whisper", "clip", "wav2vec2_ctc"]
 ARCHS = CAUSAL_ARCHS + OTHER_ARCHS
 
 
@@ -74,6 +78,10 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
         config_cls = hf.RobertaConfig if arch == "roberta" else hf.BertConfig
         config = config_cls(**common, intermediate_size=64, pad_token_id=1)
         return (hf.RobertaForMaskedLM if arch == "roberta" else hf.BertForMaskedLM)(config)
+    if arch == "modernbert":  # a masked LM whose layers alternate global and sliding-window attention
+        config = hf.ModernBertConfig(**common, intermediate_size=64, local_attention=8, global_attn_every_n_layers=2,
+                                     pad_token_id=1, embedding_dropout=0.0, mlp_dropout=0.0)
+        return hf.ModernBertForMaskedLM(config)
     if arch == "t5":
         config = hf.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=layers, num_heads=HEADS,
                              dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
@@ -83,6 +91,10 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
                               intermediate_size=64, image_size=16, patch_size=4, num_labels=10,
                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         return hf.ViTForImageClassification(config)
+    if arch == "convnext":  # its __init__ reads a drop-path schedule's values (linspace(...).tolist())
+        config = hf.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10,
+                                   drop_path_rate=0.0, image_size=16)
+        return hf.ConvNextForImageClassification(config)
     if arch == "whisper":
         config = hf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=layers, decoder_layers=layers,
                                   encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, d_model=HIDDEN,
@@ -116,12 +128,12 @@ def example_batch(batch_size: int, arch: str = "llama", seq_len: int = 16) -> di
         return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
     if arch in ("bert", "roberta"):
         return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
-    if arch == "bert_mlm":  # BERT's masked LM: a quarter of the tokens masked, the rest not counted (-100)
+    if arch in ("bert_mlm", "modernbert"):  # masked LMs: a quarter of the tokens masked, the rest not counted (-100)
         inputs, masked = tokens[:, :-1], torch.rand(batch_size, seq_len) < 0.25
         return {"input_ids": inputs.masked_fill(masked, MASK_TOKEN), "labels": inputs.masked_fill(~masked, -100)}
     if arch == "t5":
         return {"input_ids": tokens[:, :-1], "decoder_input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
-    if arch == "vit":
+    if arch in ("vit", "convnext"):
         return {"pixel_values": torch.randn(batch_size, 3, 16, 16), "targets": torch.randint(0, 10, (batch_size,))}
     if arch == "whisper":
         return {"input_features": torch.randn(batch_size, 8, 32), "decoder_input_ids": tokens[:, :-1],

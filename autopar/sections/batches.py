@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 # In a generated folder these are training_data.py and data_loading.py beside the training module.
 from autopar.sections import data as training_data
@@ -30,7 +29,7 @@ from autopar.sections.contract import (accepted_kwargs, compute_loss, make_batch
                                                slice_batch, tokens_per_sample)
 from autopar.sections.mesh import MeshAxis, dp_rank
 from autopar.sections.pipeline import run_pipeline
-from autopar.sections.tensor_parallel import replicated_beside_shards
+from autopar.sections.tensor_parallel import replicated_beside_shards, sharded_logits
 
 if TYPE_CHECKING:  # train.py imports this section, so its types are imported for the checker alone
     from autopar.sections.train import ParallelConfig, ParallelModel, TrainConfig
@@ -232,7 +231,7 @@ def micro_batch_losses(parallel: ParallelModel, batch: Any, training: TrainConfi
                        model_module: Any) -> torch.Tensor | None:
     """Each micro-batch's loss of one batch, forward only (1-D, on ranks of the last pipeline
     stage; None on the others)."""
-    loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
+    loss_context = sharded_logits if config.loss_parallel else contextlib.nullcontext
     dtype = parallel.compute_dtype
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
     if config.dims.pp_enabled:

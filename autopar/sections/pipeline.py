@@ -192,13 +192,18 @@ class PipelineStageModule(nn.Module):
     def forward(self, *received: torch.Tensor, **batch_kwargs: torch.Tensor) -> torch.Tensor:
         batch = kwargs_to_batch(batch_kwargs, self._example_batch)
         self._received = received[0] if received else None
+        if self._received is not None and self._received.requires_grad:
+            # Sends take contiguous tensors only; the gradient of what was received has whatever
+            # layout the first layer leaves it (ConvNeXt's stages begin with a permute).
+            self._received.register_hook(torch.Tensor.contiguous)
         try:
             args, kwargs = model_inputs(self.model, batch)
             output = self.model(*args, **kwargs)
         except StageBoundary as boundary:
             activation = boundary.activation
-            # Activations travel as plain tensors; the next layer's input style re-wraps them.
-            return activation.to_local() if isinstance(activation, DTensor) else activation
+            # Activations travel as plain contiguous tensors (what sends take; ConvNeXt's layers
+            # end in a permute); the next layer's input style re-wraps them.
+            return (activation.to_local() if isinstance(activation, DTensor) else activation).contiguous()
         finally:
             self._received = None
         if not self._is_last:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autopar.sections.linear_like import bias_of, tensor_of
@@ -211,6 +211,16 @@ class WithAttributes(ParallelStyle):
         for name, value in self.attributes.items():
             setattr(module, name, value)
         return module
+
+
+
+@contextlib.contextmanager
+def sharded_logits() -> Iterator[None]:
+    """Loss parallelism: the LM head's logits stay vocabulary-sharded into the loss. Plain tensors
+    the model's code combines with them on the way (BART adds its ``final_logits_bias`` buffer)
+    are taken as replicated, which cuts each to the rank's part of the vocabulary."""
+    with loss_parallel(), implicit_replication():
+        yield
 
 
 @contextlib.contextmanager

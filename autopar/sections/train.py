@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 # In a generated folder this is checkpointing.py beside the training module (the same for every plan).
 from autopar.sections import checkpoint as checkpointing
@@ -44,7 +44,8 @@ from autopar.sections.pipeline import (PipelineStageModule, TiedGradientSync, bu
                                                local_stage_indices, module_stages, named_parameters_in_stage,
                                                run_pipeline, split_stage, split_with_tracer)
 from autopar.sections.recompute import apply_recompute
-from autopar.sections.tensor_parallel import apply_tp, reduce_partial_gradients, replicated_beside_shards
+from autopar.sections.tensor_parallel import (apply_tp, reduce_partial_gradients, replicated_beside_shards,
+                                              sharded_logits)
 from autopar.sections.token_loss import TokenCounts
 
 
@@ -428,7 +429,7 @@ def train_step(parallel: ParallelModel, batch: Any, training: TrainConfig, confi
     Returns the mean micro-batch loss on ranks of the last pipeline stage, else None (with a
     token-level loss, this rank's share of the batch's: see token_loss.py).
     """
-    loss_context = loss_parallel if config.loss_parallel else contextlib.nullcontext
+    loss_context = sharded_logits if config.loss_parallel else contextlib.nullcontext
     dtype = parallel.compute_dtype
     autocast = torch.autocast(parallel.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
     if parallel.token_counts is not None:

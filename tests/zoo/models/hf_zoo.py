@@ -54,7 +54,8 @@ _CAUSAL = {
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
 _EAGER_ONLY = {"bloom", "gemma2", "gptj", "mamba"}
 CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
-OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "t5", "vit", "convnext", "whisper", "clip", "wav2vec2_ctc"]
+OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "t5", "bart", "vit", "convnext", "whisper", "clip",
+               "wav2vec2_ctc"]
 ARCHS = CAUSAL_ARCHS + OTHER_ARCHS
 
 
@@ -86,6 +87,13 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
         config = hf.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=layers, num_heads=HEADS,
                              dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
         return hf.T5ForConditionalGeneration(config)
+    if arch == "bart":  # its logits get a bias buffer added after the head; labels= makes the decoder's inputs
+        config = hf.BartConfig(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=layers, decoder_layers=layers,
+                               encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=64,
+                               decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                               activation_dropout=0.0, use_cache=False, pad_token_id=1, bos_token_id=0,
+                               eos_token_id=2, decoder_start_token_id=2)
+        return hf.BartForConditionalGeneration(config)
     if arch == "vit":
         config = hf.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
                               intermediate_size=64, image_size=16, patch_size=4, num_labels=10,
@@ -131,6 +139,8 @@ def example_batch(batch_size: int, arch: str = "llama", seq_len: int = 16) -> di
     if arch in ("bert_mlm", "modernbert"):  # masked LMs: a quarter of the tokens masked, the rest not counted (-100)
         inputs, masked = tokens[:, :-1], torch.rand(batch_size, seq_len) < 0.25
         return {"input_ids": inputs.masked_fill(masked, MASK_TOKEN), "labels": inputs.masked_fill(~masked, -100)}
+    if arch == "bart":
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].contiguous()}
     if arch == "t5":
         return {"input_ids": tokens[:, :-1], "decoder_input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
     if arch in ("vit", "convnext"):

@@ -90,19 +90,11 @@ def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             imports.add(node)
-        elif not _for_type_checker(node):
-            continue
-        drop.update(range(node.lineno, last_line(node) + 1))
-        # A comment directly above an import explains the import: it goes with it.
-        drop.update(range(comments_above(lines, node.lineno, ""), node.lineno))
+            drop.update(range(node.lineno, last_line(node) + 1))
+            # A comment directly above an import explains the import: it goes with it.
+            drop.update(range(comments_above(lines, node.lineno, ""), node.lineno))
     lines = [line for number, line in enumerate(lines, start=1) if number not in drop]
     return summary, "\n".join(lines).strip("\n") + "\n"
-
-
-def _for_type_checker(node: ast.stmt) -> bool:
-    """`if TYPE_CHECKING:` naming another section's types for the checker: in the generated file
-    the sections share one namespace, so the block has nothing to do there."""
-    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
 BANNER = "# ===== "

@@ -13,7 +13,7 @@ import ast
 import contextlib
 import inspect
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,8 @@ from autopar.sections.mesh import MeshAxis, dp_rank
 from autopar.sections.pipeline import run_pipeline
 from autopar.sections.tensor_parallel import replicated_beside_shards, sharded_logits
 
-if TYPE_CHECKING:  # train.py imports this section, so its types are imported for the checker alone
-    from autopar.sections.train import ParallelConfig, ParallelModel, TrainConfig
+# ParallelConfig, ParallelModel and TrainConfig, in annotations here, are train.py's (which imports
+# this section, so it cannot import them back; the type checker is told so in pyproject.toml).
 
 # Settings that are text whatever they look like (a file named 2024 is still a path).
 TEXT_SETTINGS = ("path", "val_path", "tokenizer", "text_field", "cache_dir", "bin_dtype")

@@ -197,17 +197,6 @@ def test_sections_share_one_namespace_without_clashes():
 
 
 
-def test_type_checker_imports_stay_out_of_the_generated_module(tmp_path):
-    """A section names another's types for the checker under `if TYPE_CHECKING:` (batches.py
-    names train.py's); the generated file defines them itself, so the block and its import go."""
-    from autopar.codegen.assemble import ImportBlock, section_source, split_section
-
-    assert "if TYPE_CHECKING:" in section_source("batches")
-    _, code = split_section(section_source("batches"), ImportBlock())
-    assert "TYPE_CHECKING" not in code and "autopar.sections.train" not in code
-    source = generate(make_plan(GPT, dp=2), GPT.path, tmp_path).script.read_text()
-    assert "TYPE_CHECKING" not in source and "class TrainConfig" in source
-
 # What only other plans run: pipelines, context parallelism, TP, recomputation, ZeRO-1 and the
 # generated gradient exchanges, torch's private modules.
 NOT_FOR_DP_ONLY = ("pipelining", "PipelineStage", "split_stage", "shard_sequence", "ring_attention",

@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 
 from cost_models.collectives import Algorithm, Collective
-from autopar.domain.layout import ParallelLayout, fsdp_groups
-from cost_models.tp_layout import ModuleTree, sp_layer_layout
+from autopar.domain.layout import ParallelLayout
 from autopar.domain.vocabulary import CPStrategy, Recompute
 
 Counts = dict[str, int]
@@ -68,7 +67,7 @@ class IssuedCollectives:
         if layout.tp == 1:
             return {}
         reference = self._device_facts(layout)[0]
-        count = sum(len(self._slice_norm_params(layer.name)) if layout.sequence_parallel else 0
+        count = sum(len(self.structure.slice_norm_params(layer.name)) if layout.sequence_parallel else 0
                     for layer in self.layers)
         count += sum(self._head_norm_params(self.split(layer.name, layout, reference).styles) for layer in self.layers)
         if layout.zero_stage >= 2 and self.groups.grad_size(layout) > 1 and layout.pp == 1:
@@ -80,16 +79,6 @@ class IssuedCollectives:
         modules = {module for module, style in styles.items() if style == "head_norm"}
         return sum(name.rpartition(".")[0] in modules for name in self.profile.param_shapes) if modules else 0
 
-    def _slice_norm_params(self, layer: str) -> list[str]:
-        """Parameters of the norms that run on the sequence slice in ``layer`` under SP (the
-        roles of `cost_models.tp_layout`: a norm's role does not depend on the TP styles)."""
-        if not hasattr(self, "_module_tree"):
-            self._module_tree = ModuleTree.of_profile(self.profile)
-        names = [each.name for each in self.layers]
-        on_slice = sp_layer_layout(self._module_tree, layer, self.profile.block_containers, names, {}).on_slice
-        return [param for param in self.layers[self.layer_index[layer]].param_names
-                if param.rpartition(".")[0] in on_slice]
-
     # -- stages and FSDP units ------------------------------------------------------------------
 
     def stage_layers(self, layout: ParallelLayout) -> list[list[str]]:
@@ -98,28 +87,6 @@ class IssuedCollectives:
             return [list(stage) for stage in layout.stages]
         starts = self.stage_starts(layout) + [len(self.layers)]
         return [[layer.name for layer in self.layers[a:b]] for a, b in zip(starts, starts[1:])]
-
-    def fsdp_units(self, layers: list[str]) -> tuple[list[list[str]], list[str]]:
-        """(units, root) FSDP wraps on one pipeline stage holding ``layers``, as codegen's
-        `apply_fsdp` wraps them: the whole model's `fsdp_groups` cut to the stage, and the root
-        the rest (the embeddings). Layers without parameters of their own (a head tied to the
-        embedding) join no unit; a unit or root left without parameters issues nothing."""
-        held = [name for name in layers if self.layers[self.layer_index[name]].param_count > 0]
-        groups = fsdp_groups([layer.name for layer in self.layers],
-                             {layer.name for layer in self.layers if layer.is_block})
-        units = [unit for group in groups if (unit := [name for name in group if name in held])]
-        grouped = {name for unit in units for name in unit}
-        return units, [name for name in held if name not in grouped]
-
-    def fsdp_unit_of(self, name: str) -> tuple[tuple[str, ...], bool]:
-        """(the FSDP unit holding layer ``name``, whether it is the root) on an unsplit model:
-        what the per-layer prices share a message with. A layer without parameters is a unit
-        of its own (it moves nothing)."""
-        if not hasattr(self, "_unit_index"):
-            units, root = self.fsdp_units([layer.name for layer in self.layers])
-            self._unit_index = {member: (tuple(unit), False) for unit in units for member in unit}
-            self._unit_index.update({member: (tuple(root), True) for member in root})
-        return self._unit_index.get(name, ((name,), False))
 
     # -- data parallelism -----------------------------------------------------------------------
 
@@ -132,7 +99,7 @@ class IssuedCollectives:
         total: Counts = {}
         for rank_layers in self._pp_rank_layers(layout):
             for layers in rank_layers:
-                add(total, self._fsdp_collectives(layout, *self.fsdp_units(layers)))
+                add(total, self._fsdp_collectives(layout, *self.structure.fsdp_units(layers)))
             if layout.zero_stage == 1 and layout.dp > 1:
                 # ShardedAdamW: one all-gather of the flat parameter vector per pipeline rank and
                 # step (measured on dp2 GPT: 1, where 8 per-layer gathers were priced before).
@@ -220,30 +187,11 @@ class IssuedCollectives:
         # gradient all-reduced once per step on each rank holding a copy (measured: 1 all-reduce
         # on each of pp2 GPT's two ranks, none for Llama's untied head).
         rank_of = {name: index % layout.pp for index, stage in enumerate(self.stage_layers(layout)) for name in stage}
-        for reader, owner in self.tied_layers().items():
+        for reader, owner in self.structure.tied_layers().items():
             ranks = {rank_of[reader], rank_of[owner]}
             if len(ranks) > 1:
                 add(counts, {Collective.ALL_REDUCE.value: len(ranks)})
         return counts
-
-    def tied_layers(self) -> dict[str, str]:
-        """Layer -> the layer owning a weight it reads without holding it (a head tied to the
-        token embedding), from the traced forward ops: what the profile lists under no layer's
-        parameters."""
-        owner = {param: layer.name for layer in self.layers for param in layer.param_names}
-        by_name = {op.name: op for op in self.profile.ops}
-        tied: dict[str, str] = {}
-        for op in self.profile.ops:
-            if op.phase != "forward":
-                continue
-            for source in op.inputs:
-                view = by_name.get(source)
-                while view is not None and view.op_class == "view" and len(view.inputs) == 1:
-                    source, view = view.inputs[0], by_name.get(view.inputs[0])
-                param = self.profile.placeholders.get(source, "").removeprefix("param:")
-                if param in owner and owner[param] != op.layer and op.layer in self.layer_index:
-                    tied[op.layer] = owner[param]
-        return tied
 
     # -- context parallelism --------------------------------------------------------------------
 
@@ -258,7 +206,7 @@ class IssuedCollectives:
                     else {Collective.SEND_RECV.value: layout.cp - 1})
         total: Counts = {}
         for layer, option in zip(self.layers, self.layer_options(layout)):
-            if sum(self._attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0))) == 0:
+            if sum(self.structure.attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0))) == 0:
                 continue
             passes = cp_passes(layout.cp_strategy, self.recompute_options[option])
             add(total, per_pass, passes * layout.num_micro_batches)

@@ -40,18 +40,6 @@ OVERLAP_INTERFERENCE = 0.2
 FSDP_ALGORITHMS = (Algorithm.RING, Algorithm.TREE)
 
 
-def attention_io_bytes(op: Any) -> tuple[float, float]:
-    """(query bytes, key + value bytes) entering a fused attention op, at the element size of its
-    output (the compute dtype). Grouped-query attention has fewer K/V heads than query heads, which
-    is what makes ring attention's K/V traffic smaller than Ulysses' all-to-alls. Falls back to
-    thirds of the bytes read when shapes are missing."""
-    shapes = op.input_shapes[:3]
-    if len(shapes) < 3 or not op.output_shapes or not op.output_shapes[0]:
-        return op.bytes_read / 3, 2 * op.bytes_read / 3
-    element = op.output_bytes / max(1, math.prod(op.output_shapes[0]))
-    return element * math.prod(shapes[0]), element * (math.prod(shapes[1]) + math.prod(shapes[2]))
-
-
 # (forward passes, non-GEMM forward passes) a recompute option runs per micro-batch: selective
 # recomputation re-runs the forward's non-GEMM ops, full recomputation the whole forward.
 RECOMPUTE_PASSES = {Recompute.NONE: (1.0, 0.0), Recompute.SELECTIVE: (1.0, 1.0), Recompute.FULL: (2.0, 0.0)}
@@ -299,7 +287,7 @@ class LayerCost:
         if layout.cp == 1:
             return 0.0
         q, kv = (b * scale / (layout.cp * layout.tp)
-                 for b in self._attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0)))
+                 for b in self.structure.attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0)))
         if q + kv == 0:
             return 0.0
         group = self.groups.placement(layout, "cp")
@@ -398,7 +386,7 @@ class LayerCost:
             return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.groups.collective_s,
                                                                              3 if full_recompute else 2)
         overhead = gpu.launch_overhead_s
-        _, is_root = self.fsdp_unit_of(layer.name)
+        _, is_root = self.structure.fsdp_unit_of(layer.name)
         if layout.pp > 1 and (layout.zero_stage == 2 or is_root):
             return 0.0  # gathered and reduced once per step under a pipeline schedule (per_step_parts)
         group = self.groups.shard_group(layout)
@@ -435,7 +423,7 @@ class LayerCost:
         that hold several layers (the embeddings at the root, the final norm with the head)
         move them in one message, paying one latency."""
         params = self._tp_params(layer, split, layout)
-        unit, _ = self.fsdp_unit_of(layer.name)
+        unit, _ = self.structure.fsdp_unit_of(layer.name)
         unit_params = self._layers_params(layout, unit)
         if unit_params <= params:
             return self.groups.collective_s(op, params * bytes_per_param, group)
@@ -494,7 +482,7 @@ class LayerCost:
         if self.sync.cost(layout, 1.0).algorithm not in FSDP_ALGORITHMS:  # the generated exchange's buckets
             exposed = self.sync.exposed_s(self.sync.cost(layout, params * self.grads_bytes), backward_s)
         else:
-            unit, _ = self.fsdp_unit_of(layer.name)
+            unit, _ = self.structure.fsdp_unit_of(layer.name)
             unit_params = max(params, self._layers_params(layout, unit))
             cost = self.sync.cost(layout, unit_params * self.grads_bytes)
             exposed = self.sync.exposed_s(replace(cost, seconds=cost.seconds * params / unit_params), backward_s)
@@ -581,7 +569,7 @@ class LayerCost:
         # Transients of different moments: the larger counts, not their sum.
         ring = 0.0
         if self._ring_attention(layout):
-            block = 4 * self._score_elements * scale / layout.tp / layout.cp ** 2
+            block = 4 * self.structure.score_elements * scale / layout.tp / layout.cp ** 2
             ring = 2 * min(block, RING_TILE_SCORE_BYTES)  # codegen tiles a block's queries to this
         if layout.ep > 1 and self.experts.has_experts:
             # The tokens an MoE layer receives from its expert-parallel group and their outputs
@@ -589,56 +577,15 @@ class LayerCost:
             buffers["ep_dispatch"] = max(2 * dispatch_bytes(moe, scale, layout.cp,
                                                             self._pace(moe, layout))
                                          for moe in self.experts.layers.values())
-        buffers["working_set"] = max(self._largest_working_set * scale / layout.tp / layout.cp, ring)
+        buffers["working_set"] = max(self.structure.largest_working_set * scale / layout.tp / layout.cp, ring)
         return buffers
 
     def _largest_params_on_rank(self, ep: int) -> float:
         """The most parameters one layer holds on a rank before TP: its experts divided by ep."""
         if ep == 1 or not self.experts.has_experts:
-            return self._largest_params
+            return self.structure.largest_params
         return max(layer.param_count - (moe.expert_params - moe.expert_params / ep if (moe := self.experts.experts_of(
             layer.name)) else 0) for layer in self.layers)
-
-    def _working_set_bytes(self, layer: Any) -> float:
-        """What a layer's backward holds beyond the stored activations, at the profiled
-        micro-batch: its full activations (recomputed, or gradients as large) or, where more, its
-        two largest gradient temporaries alive together (an op's incoming and outgoing gradient:
-        a loss's logit gradients, twice what its log-softmax saved; on an H100 a 1B Llama at
-        micro-batch 8 held 2 GB more than the layer's activations there)."""
-        ops = self.compute.ops_by_layer.get(self.compute.kind(layer.name), [])
-        gradients = sorted((op.output_bytes for op in ops if op.phase == "backward"), reverse=True)
-        return max(float(layer.activation_bytes), float(sum(gradients[:2])))
-
-    def _attention_input_bytes(self) -> dict[str, tuple[float, float]]:
-        """Per layer, (query, key + value) bytes entering fused attention: what context
-        parallelism moves. Only those inputs: a mask the model materialised (Hugging Face builds
-        an S x S one when traced) is not part of the exchange."""
-        result: dict[str, tuple[float, float]] = {}
-        for op in self.profile.ops:
-            if op.op_class == "attention" and op.phase == "forward":
-                q, kv = attention_io_bytes(op)
-                before = result.get(op.layer, (0.0, 0.0))
-                result[op.layer] = (before[0] + q, before[1] + kv)
-        return result
-
-    def _attention_scores(self) -> float:
-        """Elements of the largest fused attention's score matrix (batch x heads x queries x
-        keys) at the profiled micro-batch: what ring attention's blocks materialise."""
-        largest = 0.0
-        for op in self.profile.ops:
-            if op.op_class == "attention" and op.phase == "forward" and len(op.input_shapes) >= 2 and \
-                    len(op.input_shapes[0]) == 4 and len(op.input_shapes[1]) == 4:
-                batch, heads, queries, _ = op.input_shapes[0]
-                largest = max(largest, float(batch * heads * queries * op.input_shapes[1][2]))
-        return largest
-
-    def _attention_heads(self) -> int | None:
-        """Attention heads (dim 1 of the first fused attention's query), for Ulysses' divisibility."""
-        for op in self.profile.ops:
-            if op.op_class == "attention" and op.phase == "forward" and op.input_shapes and \
-                    len(op.input_shapes[0]) == 4:
-                return int(op.input_shapes[0][1])
-        return None
 
     def tp_collectives(self, layout: ParallelLayout) -> dict[str, int]:
         """Collective -> how many the TP group issues per step under `layout`'s prices: each

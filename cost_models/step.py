@@ -47,7 +47,7 @@ from cost_models.expert_parallel import ExpertFacts
 from cost_models.hardware import GPUSpec
 from cost_models.issued import IssuedCollectives
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
-                                    RING_TILE_SCORE_BYTES, LayerCost, TPLayerSplit, TPSplitter, attention_io_bytes,
+                                    RING_TILE_SCORE_BYTES, LayerCost, TPLayerSplit, TPSplitter,
                                     exposed_s)
 from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.validate import validate, validate_layout, validate_train
@@ -56,6 +56,7 @@ from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_b
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.dp_sync import BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, GradientSync
 from cost_models.placement import LayoutGroups, Placement, proportional_shares
+from cost_models.structure import ModelStructure, attention_io_bytes
 from cost_models.topology import ClusterSpec
 
 SCALAR_BYTES = 8  # one float64: gradient clipping's sum of squares, a token-level loss's count
@@ -153,11 +154,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self.sync = GradientSync(self.groups, self.compute, self.layers, self.grads_bytes, self.b0, train.precision)
         self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}
         self._unit_params: dict[tuple, float] = {}
-        self._largest_params = max((layer.param_count for layer in self.layers), default=0)
-        self._largest_working_set = max((self._working_set_bytes(layer) for layer in self.layers), default=0)
-        self._attention_bytes = self._attention_input_bytes()
-        self._score_elements = self._attention_scores()
-        self.heads = self._attention_heads()
+        self.structure = ModelStructure(profile, self.compute)  # FSDP units, tied weights, attention sizes
         self.experts = ExpertFacts.of(profile)
 
     @property
@@ -317,7 +314,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         Raises:
             ValueError: the layout or the training settings cannot run.
         """
-        validate(layout, self.profile, self.cluster, self.train, self.heads, self.recompute_options)
+        validate(layout, self.profile, self.cluster, self.train, self.structure.heads, self.recompute_options)
         problem = self.partition_problem(layout)
         if problem is None:
             raise ValueError("a tensor-parallel group would mix GPU types; change the mesh order or tp")

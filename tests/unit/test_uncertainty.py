@@ -148,7 +148,7 @@ def test_the_pessimistic_price_of_ring_attention_is_its_whole_exchange(examples_
     group = nominal.groups.placement(layout, "cp")
     per_block = []
     for layer in blocks:
-        _, kv = nominal._attention_bytes[nominal.compute.kind(layer.name)]
+        _, kv = nominal.structure.attention_bytes[nominal.compute.kind(layer.name)]
         passes = cp_passes("ring", "none") * 3
         per_block.append(passes * nominal.groups.collective_s(Collective.SEND_RECV, kv / 4, group))
     hidden = nominal.estimate(layout).time_breakdown["cp_comm"]

@@ -1,0 +1,159 @@
+"""What the traced model fixes for every plan, read from its profile once.
+
+The pricer's per-layer prices and its collective counts both ask the same questions of the
+model, whatever the layout: which FSDP unit a layer belongs to (codegen wraps each block, and
+the rest at the root), which layer reads a weight another holds (a head tied to the embedding),
+which norms run on the sequence slice under sequence parallelism, how large the fused attention
+is (what context parallelism moves, ring attention's score blocks, the head count Ulysses
+divides) and the largest layer's parameters and backward working set. `ModelStructure` answers
+them from the profile and the compute model alone, so it is built and tested without a cluster.
+
+    structure = ModelStructure(profile, compute)
+    structure.fsdp_units(["blocks.0", "blocks.1", "ln_f"])   # ([["blocks.0"], ["blocks.1"], ["ln_f"]], [])
+    structure.tied_layers()                                   # {"lm_head": "wte"}
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+from autopar.domain.layout import fsdp_groups
+from cost_models.compute import ComputeModel
+from cost_models.tp_layout import ModuleTree, sp_layer_layout
+
+if TYPE_CHECKING:
+    from autopar.profile import ModelProfile
+
+
+def attention_io_bytes(op: Any) -> tuple[float, float]:
+    """(query bytes, key + value bytes) entering a fused attention op, at the element size of its
+    output (the compute dtype). Grouped-query attention has fewer K/V heads than query heads, which
+    is what makes ring attention's K/V traffic smaller than Ulysses' all-to-alls. Falls back to
+    thirds of the bytes read when shapes are missing."""
+    shapes = op.input_shapes[:3]
+    if len(shapes) < 3 or not op.output_shapes or not op.output_shapes[0]:
+        return op.bytes_read / 3, 2 * op.bytes_read / 3
+    element = op.output_bytes / max(1, math.prod(op.output_shapes[0]))
+    return element * math.prod(shapes[0]), element * (math.prod(shapes[1]) + math.prod(shapes[2]))
+
+
+class ModelStructure:
+    """The model's layers and attention as every layout sees them (see the module docstring)."""
+
+    def __init__(self, profile: "ModelProfile", compute: ComputeModel):
+        self.profile = profile
+        self.compute = compute
+        self.layers = profile.layers
+        self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
+        forward_attention = [op for op in profile.ops if op.op_class == "attention" and op.phase == "forward"]
+        self.attention_bytes = self._attention_input_bytes(forward_attention)
+        self.score_elements = self._attention_scores(forward_attention)
+        self.heads = self._attention_heads(forward_attention)
+        self.largest_params = max((layer.param_count for layer in self.layers), default=0)
+        self.largest_working_set = max((self.working_set_bytes(layer) for layer in self.layers), default=0.0)
+
+    # -- FSDP units and tied weights -------------------------------------------------------------
+
+    def fsdp_units(self, layers: list[str]) -> tuple[list[list[str]], list[str]]:
+        """(units, root) FSDP wraps on one pipeline stage holding ``layers``, as codegen's
+        `apply_fsdp` wraps them: the whole model's `fsdp_groups` cut to the stage, and the root
+        the rest (the embeddings). Layers without parameters of their own (a head tied to the
+        embedding) join no unit; a unit or root left without parameters issues nothing."""
+        held = [name for name in layers if self.layers[self.layer_index[name]].param_count > 0]
+        groups = fsdp_groups([layer.name for layer in self.layers],
+                             {layer.name for layer in self.layers if layer.is_block})
+        units = [unit for group in groups if (unit := [name for name in group if name in held])]
+        grouped = {name for unit in units for name in unit}
+        return units, [name for name in held if name not in grouped]
+
+    def fsdp_unit_of(self, name: str) -> tuple[tuple[str, ...], bool]:
+        """(the FSDP unit holding layer ``name``, whether it is the root) on an unsplit model:
+        what the per-layer prices share a message with. A layer without parameters is a unit
+        of its own (it moves nothing)."""
+        return self._unit_index.get(name, ((name,), False))
+
+    @functools.cached_property
+    def _unit_index(self) -> dict[str, tuple[tuple[str, ...], bool]]:
+        units, root = self.fsdp_units([layer.name for layer in self.layers])
+        index = {member: (tuple(unit), False) for unit in units for member in unit}
+        index.update({member: (tuple(root), True) for member in root})
+        return index
+
+    def tied_layers(self) -> dict[str, str]:
+        """Layer -> the layer owning a weight it reads without holding it (a head tied to the
+        token embedding), from the traced forward ops: what the profile lists under no layer's
+        parameters."""
+        return self._tied_layers
+
+    @functools.cached_property
+    def _tied_layers(self) -> dict[str, str]:
+        owner = {param: layer.name for layer in self.layers for param in layer.param_names}
+        by_name = {op.name: op for op in self.profile.ops}
+        tied: dict[str, str] = {}
+        for op in self.profile.ops:
+            if op.phase != "forward":
+                continue
+            for source in op.inputs:
+                view = by_name.get(source)
+                while view is not None and view.op_class == "view" and len(view.inputs) == 1:
+                    source, view = view.inputs[0], by_name.get(view.inputs[0])
+                param = self.profile.placeholders.get(source, "").removeprefix("param:")
+                if param in owner and owner[param] != op.layer and op.layer in self.layer_index:
+                    tied[op.layer] = owner[param]
+        return tied
+
+    # -- sequence parallelism -------------------------------------------------------------------
+
+    def slice_norm_params(self, layer: str) -> list[str]:
+        """Parameters of the norms that run on the sequence slice in ``layer`` under SP (the
+        roles of `cost_models.tp_layout`: a norm's role does not depend on the TP styles)."""
+        names = [each.name for each in self.layers]
+        on_slice = sp_layer_layout(self._module_tree, layer, self.profile.block_containers, names, {}).on_slice
+        return [param for param in self.layers[self.layer_index[layer]].param_names
+                if param.rpartition(".")[0] in on_slice]
+
+    @functools.cached_property
+    def _module_tree(self) -> ModuleTree:
+        return ModuleTree.of_profile(self.profile)
+
+    # -- sizes ------------------------------------------------------------------------------------
+
+    def working_set_bytes(self, layer: Any) -> float:
+        """What a layer's backward holds beyond the stored activations, at the profiled
+        micro-batch: its full activations (recomputed, or gradients as large) or, where more, its
+        two largest gradient temporaries alive together (an op's incoming and outgoing gradient:
+        a loss's logit gradients, twice what its log-softmax saved; on an H100 a 1B Llama at
+        micro-batch 8 held 2 GB more than the layer's activations there)."""
+        ops = self.compute.ops_by_layer.get(self.compute.kind(layer.name), [])
+        gradients = sorted((op.output_bytes for op in ops if op.phase == "backward"), reverse=True)
+        return max(float(layer.activation_bytes), float(sum(gradients[:2])))
+
+    @staticmethod
+    def _attention_input_bytes(attention: list[Any]) -> dict[str, tuple[float, float]]:
+        """Per layer, (query, key + value) bytes entering fused attention: what context
+        parallelism moves. Only those inputs: a mask the model materialised (Hugging Face builds
+        an S x S one when traced) is not part of the exchange."""
+        result: dict[str, tuple[float, float]] = {}
+        for op in attention:
+            q, kv = attention_io_bytes(op)
+            before = result.get(op.layer, (0.0, 0.0))
+            result[op.layer] = (before[0] + q, before[1] + kv)
+        return result
+
+    @staticmethod
+    def _attention_scores(attention: list[Any]) -> float:
+        """Elements of the largest fused attention's score matrix (batch x heads x queries x
+        keys) at the profiled micro-batch: what ring attention's blocks materialise."""
+        largest = 0.0
+        for op in attention:
+            if len(op.input_shapes) >= 2 and len(op.input_shapes[0]) == 4 and len(op.input_shapes[1]) == 4:
+                batch, heads, queries, _ = op.input_shapes[0]
+                largest = max(largest, float(batch * heads * queries * op.input_shapes[1][2]))
+        return largest
+
+    @staticmethod
+    def _attention_heads(attention: list[Any]) -> int | None:
+        """Attention heads (dim 1 of the first fused attention's query), for Ulysses' divisibility."""
+        return next((int(op.input_shapes[0][1]) for op in attention
+                     if op.input_shapes and len(op.input_shapes[0]) == 4), None)

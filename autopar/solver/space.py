@@ -65,8 +65,9 @@ class ModelShape:
             kv_heads = _key_heads_before_repeat(profile, attention[0])
         dims: set[int] = set()
         blocks = {layer.name for layer in profile.blocks}
+        multiplied = _matmul_weights(profile)
         for name, shape in profile.param_shapes.items():
-            if len(shape) == 2 and any(name.startswith(block + ".") for block in blocks):
+            if len(shape) == 2 and name in multiplied and any(name.startswith(block + ".") for block in blocks):
                 dims.update(shape)
         # Grouped-query attention: K/V projections have fewer heads than Q (HF repeats them
         # before attention), visible as projection widths that are a multiple of head_dim.
@@ -404,6 +405,25 @@ def distinct_mesh_orders(degrees: dict[str, int], gpus_per_node: int) -> list[tu
 def _group_span(order: tuple[str, ...], axis: str, degrees: dict[str, int], gpus_per_node: int) -> tuple[int, int]:
     """(nodes spanned, ranks per node) of one group of `axis` when axes are laid out in `order`."""
     return Mesh.from_degrees(order, degrees).span(axis, gpus_per_node)
+
+
+def _matmul_weights(profile: "ModelProfile") -> set[str]:
+    """Parameters a forward matrix multiply reads (through views: a linear's transpose): what
+    tensor parallelism splits, so what its degree must divide. A table the model indexes (Swin's
+    49-row relative position bias, T5's bucket embedding) is read whole on every rank."""
+    by_name = {op.name: op for op in profile.ops}
+    found: set[str] = set()
+    for op in profile.ops:
+        if op.phase != "forward" or op.op_class != "gemm":
+            continue
+        for source in op.inputs:
+            view = by_name.get(source)
+            while view is not None and view.op_class == "view" and len(view.inputs) == 1:
+                source, view = view.inputs[0], by_name.get(view.inputs[0])
+            placeholder = profile.placeholders.get(source, "")
+            if placeholder.startswith("param:"):
+                found.add(placeholder.removeprefix("param:"))
+    return found
 
 
 def _key_heads_before_repeat(profile: "ModelProfile", attention: "OpProfile") -> int:

@@ -89,6 +89,39 @@ def test_shape_from_profile_reads_heads_and_kv_heads(examples_dir):
     assert uneven.tp_problem(4) == "3 key/value heads are not divisible by tp=4 (nor is tp=4 a multiple of them)"
 
 
+
+def test_only_weights_a_matmul_reads_must_divide_by_tp(tmp_path):
+    """A table the block indexes (Swin's relative position bias: 49 rows) is read whole on every
+    rank; a linear with 49 outputs is what tp would split."""
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+
+    path = tmp_path / "tables.py"
+    path.write_text(
+        "import torch\n"
+        "class Block(torch.nn.Module):\n"
+        "    def __init__(self, out):\n"
+        "        super().__init__()\n"
+        "        self.proj = torch.nn.Linear(8, out)\n"
+        "        self.back = torch.nn.Linear(out, 8)\n"
+        "        self.table = torch.nn.Parameter(torch.zeros(49, 2))\n"
+        "    def forward(self, x):\n"
+        "        return x + self.back(self.proj(x)) + self.table[3, 0]\n"
+        "class Model(torch.nn.Module):\n"
+        "    def __init__(self, out):\n"
+        "        super().__init__()\n"
+        "        self.blocks = torch.nn.ModuleList(Block(out) for _ in range(2))\n"
+        "    def forward(self, x):\n"
+        "        for block in self.blocks:\n"
+        "            x = block(x)\n"
+        "        return x\n"
+        "def build_model(out=16):\n    return Model(out)\n"
+        "def example_batch(batch_size, out=16):\n    return torch.randn(batch_size, 8)\n")
+    tables = ModelShape.from_profile(profile_model(load_model_file(path), {"out": 16}, 2))
+    assert 49 not in tables.split_dims and tables.tp_problem(2) is None
+    odd = ModelShape.from_profile(profile_model(load_model_file(path), {"out": 49}, 2))
+    assert odd.tp_problem(2) == "weight dimension 49 is not divisible by tp=2"
+
 def test_solver_bounds_shrink_the_space_to_exactly_the_bounded_part():
     """solver.max_tp/max_pp/max_cp, zero_stages and interleave_chunks remove candidates outside
     them and keep every other one."""

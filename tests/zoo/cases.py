@@ -96,6 +96,7 @@ REFUSED: dict[str, str] = {
     'hf_wav2vec2_ctc-cp2': 'position_ids/positions/pos argument',
     'untraceable-cp2': 'position_ids/positions/pos argument',
     'hf_convnext-cp2': 'position_ids/positions/pos argument',
+    'hf_swin-cp2': 'position_ids/positions/pos argument',
     # Sequence mixing the analysis finds at profile: Mamba's causal convolution, ModernBERT's
     # sliding-window layers; BART shifts its labels into the decoder's inputs inside forward.
     'hf_mamba-cp2': 'a convolution over the sequence',

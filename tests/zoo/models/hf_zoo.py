@@ -54,8 +54,8 @@ _CAUSAL = {
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
 _EAGER_ONLY = {"bloom", "gemma2", "gptj", "mamba"}
 CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
-OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "t5", "bart", "vit", "convnext", "whisper", "clip",
-               "wav2vec2_ctc"]
+OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "t5", "bart", "vit", "swin", "convnext", "whisper",
+               "clip", "wav2vec2_ctc"]
 ARCHS = CAUSAL_ARCHS + OTHER_ARCHS
 
 
@@ -99,6 +99,11 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
                               intermediate_size=64, image_size=16, patch_size=4, num_labels=10,
                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         return hf.ViTForImageClassification(config)
+    if arch == "swin":  # windowed attention with a relative position bias table of (2 x 4 - 1)^2 = 49 rows
+        config = hf.SwinConfig(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                               window_size=4, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                               drop_path_rate=0.0)
+        return hf.SwinForImageClassification(config)
     if arch == "convnext":  # its __init__ reads a drop-path schedule's values (linspace(...).tolist())
         config = hf.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10,
                                    drop_path_rate=0.0, image_size=16)
@@ -143,7 +148,7 @@ def example_batch(batch_size: int, arch: str = "llama", seq_len: int = 16) -> di
         return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].contiguous()}
     if arch == "t5":
         return {"input_ids": tokens[:, :-1], "decoder_input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
-    if arch in ("vit", "convnext"):
+    if arch in ("vit", "swin", "convnext"):
         return {"pixel_values": torch.randn(batch_size, 3, 16, 16), "targets": torch.randint(0, 10, (batch_size,))}
     if arch == "whisper":
         return {"input_features": torch.randn(batch_size, 8, 32), "decoder_input_ids": tokens[:, :-1],

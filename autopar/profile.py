@@ -180,6 +180,19 @@ class ModelProfile:
         """Fields of an older profile file in today's terms (`from_jsonable` calls it)."""
         return upgrade_block_containers(data)
 
+    def params_read(self, op: OpProfile, by_name: dict[str, OpProfile]) -> list[str]:
+        """The parameters ``op`` reads, each input followed back through single-input views (a
+        linear's transpose) to its placeholder; ``by_name``: the profile's ops by name."""
+        found = []
+        for source in op.inputs:
+            view = by_name.get(source)
+            while view is not None and view.op_class == "view" and len(view.inputs) == 1:
+                source, view = view.inputs[0], by_name.get(view.inputs[0])
+            role = self.placeholders.get(source, "")
+            if role.startswith("param:"):
+                found.append(role.removeprefix("param:"))
+        return found
+
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:
             if layer.name == name:

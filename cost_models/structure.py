@@ -94,11 +94,7 @@ class ModelStructure:
         for op in self.profile.ops:
             if op.phase != "forward":
                 continue
-            for source in op.inputs:
-                view = by_name.get(source)
-                while view is not None and view.op_class == "view" and len(view.inputs) == 1:
-                    source, view = view.inputs[0], by_name.get(view.inputs[0])
-                param = self.profile.placeholders.get(source, "").removeprefix("param:")
+            for param in self.profile.params_read(op, by_name):
                 if param in owner and owner[param] != op.layer and op.layer in self.layer_index:
                     tied[op.layer] = owner[param]
         return tied

@@ -412,18 +412,8 @@ def _matmul_weights(profile: "ModelProfile") -> set[str]:
     tensor parallelism splits, so what its degree must divide. A table the model indexes (Swin's
     49-row relative position bias, T5's bucket embedding) is read whole on every rank."""
     by_name = {op.name: op for op in profile.ops}
-    found: set[str] = set()
-    for op in profile.ops:
-        if op.phase != "forward" or op.op_class != "gemm":
-            continue
-        for source in op.inputs:
-            view = by_name.get(source)
-            while view is not None and view.op_class == "view" and len(view.inputs) == 1:
-                source, view = view.inputs[0], by_name.get(view.inputs[0])
-            placeholder = profile.placeholders.get(source, "")
-            if placeholder.startswith("param:"):
-                found.add(placeholder.removeprefix("param:"))
-    return found
+    return {name for op in profile.ops if op.phase == "forward" and op.op_class == "gemm"
+            for name in profile.params_read(op, by_name)}
 
 
 def _key_heads_before_repeat(profile: "ModelProfile", attention: "OpProfile") -> int:

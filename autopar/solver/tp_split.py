@@ -433,13 +433,8 @@ def _tied_readers(profile: "ModelProfile") -> dict[str, tuple[str, str]]:
     for op in profile.ops:
         if op.phase != "forward" or op.op_class != "gemm" or op.module is None:
             continue
-        for source in op.inputs:
-            view = by_name.get(source)
-            while view is not None and view.op_class == "view" and len(view.inputs) == 1:
-                source, view = view.inputs[0], by_name.get(view.inputs[0])
-            role = profile.placeholders.get(source, "")
-            name = role[len("param:"):] if role.startswith("param:") else None
-            if name is not None and owner.get(name) not in (None, op.layer):
+        for name in profile.params_read(op, by_name):
+            if owner.get(name) not in (None, op.layer):
                 readers.setdefault(name, (op.layer, op.module))
     return readers
 

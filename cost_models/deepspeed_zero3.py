@@ -45,6 +45,17 @@ GATHER_MEMORY_PASSES = 4
 SCATTER_MEMORY_PASSES = 2
 
 
+def per_tensor_buffers(largest_numel: float, weights_bytes: int, grads_bytes: int) -> dict[str, float]:
+    """Memory beside the model states while one tensor is in flight, the largest: in forward the
+    gathered tensor and the all-gather's flat output (torch gathers into one buffer and copies
+    into the list's views), in backward its whole gradient and the reduce-scatter's flattened
+    input. Prefetching a further tensor waits while stage3_max_live_parameters (1e9 elements)
+    are gathered, so the largest tensor of a model this runtime was used for is held alone;
+    FSDP2's buffers are a whole block's, and two of them."""
+    return {"zero3_gathered_params": 2 * largest_numel * weights_bytes,
+            "gradient_reduce": 2 * largest_numel * grads_bytes}
+
+
 @dataclass(frozen=True)
 class PerTensorZero3:
     """One layer's ZeRO-3 traffic per micro-batch, one collective per tensor, nothing overlapped."""

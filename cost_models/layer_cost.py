@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from cost_models.collectives import Algorithm, Collective
 from cost_models.compute import LayerCompute
-from cost_models.deepspeed_zero3 import PerTensorZero3
+from cost_models.deepspeed_zero3 import PerTensorZero3, per_tensor_buffers
 from cost_models.expert_parallel import (COUNT_BYTES, all_to_alls, count_exchanges, dispatch_bytes, expert_tp_sums,
                                          routing_pace)
 from cost_models.hardware import GiB, GPUSpec
@@ -553,16 +553,22 @@ class LayerCost:
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
         largest = self._largest_params_on_rank(layout.ep) / layout.tp
         buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
-        if layout.zero_stage == 3 and self.groups.grad_size(layout) > 1 and layout.pp == 1:
-            # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
-            # a pipeline stage keeps all of its layers', see `trained_model_states`).
-            buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
-        if self.sync.uses_fsdp(layout):
-            # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).
-            buffers["gradient_reduce"] = largest * 4
-        elif self.groups.grad_size(layout) > 1:
-            # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
-            buffers["dp_buckets"] = 2 * self.sync.bucket_bytes(layout)
+        sharded = self.groups.grad_size(layout) > 1
+        if layout.zero_stage == 3 and sharded and self.train.zero3_runtime == "deepspeed_2021":
+            # One tensor at a time, not a block (cost_models.deepspeed_zero3).
+            buffers.update(per_tensor_buffers(self.structure.largest_tensor / layout.tp, self.weights_bytes,
+                                              self.grads_bytes))
+        else:
+            if layout.zero_stage == 3 and sharded and layout.pp == 1:
+                # This layer's and the prefetched next layer's gathered parameters (FSDP's default;
+                # a pipeline stage keeps all of its layers', see `trained_model_states`).
+                buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
+            if self.sync.uses_fsdp(layout):
+                # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).
+                buffers["gradient_reduce"] = largest * 4
+            elif sharded:
+                # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
+                buffers["dp_buckets"] = 2 * self.sync.bucket_bytes(layout)
         # A layer's full activations while its backward (or its recomputation) runs; under ring
         # attention, where more, one K/V block's fp32 scores and their exponentials, alive
         # together while the block runs (in forward, and in backward, which recomputes them).

@@ -5,7 +5,7 @@ model, whatever the layout: which FSDP unit a layer belongs to (codegen wraps ea
 the rest at the root), which layer reads a weight another holds (a head tied to the embedding),
 which norms run on the sequence slice under sequence parallelism, how large the fused attention
 is (what context parallelism moves, ring attention's score blocks, the head count Ulysses
-divides) and the largest layer's parameters and backward working set. `ModelStructure` answers
+divides) and the largest layer's parameters, tensor and backward working set. `ModelStructure` answers
 them from the profile and the compute model alone, so it is built and tested without a cluster.
 
     structure = ModelStructure(profile, compute)
@@ -51,6 +51,7 @@ class ModelStructure:
         self.score_elements = self._attention_scores(forward_attention)
         self.heads = self._attention_heads(forward_attention)
         self.largest_params = max((layer.param_count for layer in self.layers), default=0)
+        self.largest_tensor = max((math.prod(shape) for shape in profile.param_shapes.values()), default=0)
         self.largest_working_set = max((self.working_set_bytes(layer) for layer in self.layers), default=0.0)
 
     # -- FSDP units and tied weights -------------------------------------------------------------

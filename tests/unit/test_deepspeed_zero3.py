@@ -58,3 +58,28 @@ def test_the_pricer_prices_a_layout_as_deepspeed_2021_ran_it():
     zero2 = ParallelLayout(dp=16, zero_stage=2, micro_batch_size=1, num_micro_batches=1)
     assert estimate(profile, cluster, zero2, deepspeed).step_time_s == estimate(profile, cluster, zero2,
                                                                                 fsdp2).step_time_s
+
+
+def test_deepspeed_holds_one_tensor_in_flight_where_fsdp2_holds_two_blocks():
+    """Beside the model states DeepSpeed's 2021 stage 3 holds the largest tensor gathered (and the
+    all-gather's flat output) and its gradient (and the reduce-scatter's flat input); FSDP2 holds
+    a block gathered and the next prefetched, and the block's fp32 gradient."""
+    import math
+
+    from cost_models.step import ParallelLayout, TrainSpec, estimate
+    from cost_models.topology import ClusterConfig, ClusterSpec
+    from tests.profiles import gpt
+
+    profile = gpt()
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="A100-80GB", nodes=2, gpus_per_node=8))
+    zero3 = ParallelLayout(dp=16, zero_stage=3, micro_batch_size=1, num_micro_batches=1)
+    train = {runtime: TrainSpec(global_batch_size=16, zero3_runtime=runtime, precision="bf16")
+             for runtime in ("fsdp2", "deepspeed_2021")}
+    buffers = {runtime: estimate(profile, cluster, zero3, spec).memory_breakdown["buffers"]
+               for runtime, spec in train.items()}
+    block = max(layer.param_count for layer in profile.layers)
+    tensor = max(math.prod(shape) for shape in profile.param_shapes.values())
+    # bf16 weights and gradients (2 bytes each); FSDP2 reduces from fp32 (4 bytes).
+    fsdp2, deepspeed = 2 * block * 2 + block * 4, 2 * tensor * 2 + 2 * tensor * 2
+    assert buffers["fsdp2"] - buffers["deepspeed_2021"] == fsdp2 - deepspeed
+    assert buffers["deepspeed_2021"] < buffers["fsdp2"]

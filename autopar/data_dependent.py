@@ -32,10 +32,11 @@ from typing import Any, Callable, Iterator
 import sympy
 import torch
 import torch._functorch.config as functorch_config
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 import torch.fx.experimental._config as _shapes_config
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 # torch's config modules gain patch() when they are installed, which a type checker cannot see.
@@ -105,9 +106,19 @@ class ValueHints(dict):
         return user_frame(made.summary() if made is not None else None)
 
     def _bound(self, symbol: sympy.Symbol) -> int:
+        """A size at the upper bound torch proves for it (every token, for a ``nonzero``), and a
+        0/1 value (a branch's comparison) at 1, the branch taken: both can only overstate time
+        and memory. Any other value (an index a ``nonzero`` returned, a scalar read) at its lower
+        bound, which an index always reaches (DBRX indexes its experts by such values; their
+        upper bound is past the last expert). 0 where no bound is known."""
         value_range = self.shape_env.var_to_range.get(symbol)
-        upper = getattr(value_range, "upper", None)
-        return int(upper) if upper is not None and upper.is_finite else 0
+        lower, upper = getattr(value_range, "lower", None), getattr(value_range, "upper", None)
+        at_upper = symbol in self.shape_env.size_like or (lower == 0 and upper == 1)
+        bound = upper if at_upper else lower
+        try:  # torch's own infinities are sympy numbers that int() refuses
+            return int(bound) if bound is not None and bound.is_finite else 0
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            return 0
 
     def described(self) -> list[str]:
         """One line per place in the user's code where a value was needed: read from the batch,
@@ -124,7 +135,7 @@ class ValueHints(dict):
         for where, values in by_line.items():
             bounded = [value for value in values if value]
             taken = (f"taken at their upper bounds ({', '.join(map(str, sorted(set(bounded))))})" if bounded else "")
-            unbounded = (f"{len(values) - len(bounded)} with no known bound taken as 0"
+            unbounded = (f"{len(values) - len(bounded)} taken as 0 (an index at its lower bound, or no bound known)"
                          if len(bounded) < len(values) else "")
             lines.append(f"{len(values)} size(s) or value(s) that depend on the weights, made at {where}: "
                          + "; ".join(part for part in (taken, unbounded) if part))
@@ -209,10 +220,19 @@ class _AtenOnlyRealValues(TorchDispatchMode):
         self.fake_mode = fake_mode
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace in ("aten", "prims"):
-            return func(*args, **(kwargs or {}))
-        with real_values(self.fake_mode, False):
-            return func(*args, **(kwargs or {}))
+        if func.namespace not in ("aten", "prims"):
+            with real_values(self.fake_mode, False):
+                return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)]
+        if any(t.real_tensor is None for t in inputs):
+            # torch ran no real op (an input has no value: it depends on the weights), so a value
+            # an output already held is stale (an in-place op returns the tensor it wrote, whose
+            # value was a factory's, zeros or uninitialised memory): drop it.
+            for t in tree_leaves(out):
+                if isinstance(t, FakeTensor):
+                    t.real_tensor = None
+        return out
 
 
 def concrete(value: Any) -> Any:

@@ -98,6 +98,44 @@ def test_values_read_while_building_send_a_small_model_to_real_tensors(tmp_path)
     assert profile.real_values  # the reason the plan gives for tracing with real tensors
     assert sum(layer.flops_forward for layer in profile.layers) == 2 * (2 * 2 * 4 * 4)  # both blocks run
 
+
+PADDED_EXPERTS = (
+    "import torch\n"
+    "class Experts(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.router = torch.nn.Linear(8, 4)\n"
+    "        self.w = torch.nn.Parameter(torch.randn(4 * 8, 8))\n"
+    "    def forward(self, x):\n"
+    "        top = self.router(x).topk(2, dim=-1).indices\n"
+    "        mask = torch.nn.functional.one_hot(top, num_classes=5).permute(2, 1, 0)\n"
+    "        out = torch.zeros_like(x)\n"
+    "        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():\n"
+    "            _, tokens = torch.where(mask[e[0]])\n"
+    "            out = out.index_add(0, tokens, x[tokens] @ self.w.view(-1, 8, 8)[e[0]])\n"
+    "        return out\n"
+    "def build_model():\n    return Experts()\n"
+    "def example_batch(batch_size):\n    return torch.randn(batch_size, 8)\n")
+
+
+def test_an_expert_loop_over_a_padded_one_hot_is_guessed_the_same_every_time(tmp_path):
+    """DBRX's experts: a loop over ``nonzero`` of a one-hot padded by a class no token takes,
+    indexing the experts by what it returns. None of it has values (the router's weights have
+    none): torch once kept values a factory gave the one-hot (uninitialised memory) and the trace
+    differed run to run, or indexed expert 4 of 4. Now the sizes are taken at their upper bounds
+    (all five classes, every (token, choice) pair), the expert index at its lower bound, and the
+    plan says each came from the weights."""
+    path = tmp_path / "padded_experts.py"
+    path.write_text(PADDED_EXPERTS)
+    flops = set()
+    for _ in range(3):
+        profile = profile_model(load_model_file(path), {}, 4)
+        flops.add(sum(layer.flops_forward for layer in profile.layers))
+        assert all("read from the example batch" not in line for line in profile.estimated)
+        assert any("padded_experts.py:11" in line and "depend on the weights" in line for line in profile.estimated)
+    # The router (2 x 4 tokens x 8 x 4), then five passes of 8 rows (4 tokens x 2 choices) x 8 x 8.
+    assert flops == {2 * 4 * 8 * 4 + 5 * 2 * 8 * 8 * 8}
+
 def test_ordinary_models_take_the_plain_path(tmp_path):
     path = tmp_path / "plain.py"
     path.write_text("import torch\n"

@@ -78,7 +78,8 @@ def _hf(arch: str, **kwargs: Any) -> ZooModel:
 HF_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3", "phi", "gemma", "gemma2", "gpt2", "gpt_neox",
             "falcon", "opt", "stablelm", "bloom", "gptj", "olmo", "granite", "qwen2_moe", "deepseek_v3",
             "llama_labels", "llama_eager", "bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip",
-            "wav2vec2_ctc", "persimmon", "mamba", "modernbert", "convnext", "bart", "swin"]
+            "wav2vec2_ctc", "persimmon", "mamba", "modernbert", "convnext", "bart", "swin",
+            "dbrx"]
 MODELS = {m.name: m for m in [
     *(_hf(arch) for arch in HF_ARCHS),
     ZooModel("nanogpt", MODELS_DIR / "nanogpt.py"),

@@ -46,6 +46,13 @@ _CAUSAL = {
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(intermediate_size=64)),
     # A state-space model: no attention; a causal convolution and a scan along the sequence.
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(state_size=8, expand=2, conv_kernel=4)),
+    # Experts looped over by `nonzero` of a one-hot padded by a class no token takes.
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(d_model=HIDDEN, n_heads=HEADS, n_layers=2, max_seq_len=64,
+                                                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0,
+                                                                "clip_qkv": 8.0},
+                                                   ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4,
+                                                               "moe_top_k": 2},
+                                                   resid_pdrop=0.0, emb_pdrop=0.0)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(num_key_value_heads=HEADS, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
                          num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,

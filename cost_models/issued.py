@@ -79,7 +79,7 @@ class IssuedCollectives:
         modules = {module for module, style in styles.items() if style == "head_norm"}
         return sum(name.rpartition(".")[0] in modules for name in self.profile.param_shapes) if modules else 0
 
-    # -- stages and FSDP units ------------------------------------------------------------------
+    # -- stages ---------------------------------------------------------------------------------
 
     def stage_layers(self, layout: ParallelLayout) -> list[list[str]]:
         """Layer names of each (virtual) pipeline stage, in model order."""

@@ -41,7 +41,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
 
 class RegionStyle(ParallelStyle):
     """A style for a region (attention, an MLP) whose forward must run in a context: ``inner``,
-    the region's own input style, is applied first, then its forward is wrapped in `context`."""
+    the region's own input style, is applied first, then its forward is wrapped in `context`,
+    its arguments first passed through `arguments`."""
 
     def __init__(self, inner: ParallelStyle | None = None) -> None:
         super().__init__()
@@ -51,6 +52,10 @@ class RegionStyle(ParallelStyle):
     def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
         """The context the region's forward runs in, on ``device_mesh``."""
 
+    def arguments(self, args: tuple, kwargs: dict[str, Any], device_mesh: DeviceMesh) -> tuple[tuple, dict[str, Any]]:
+        """The region's arguments as its forward takes them (unchanged here)."""
+        return args, kwargs
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.inner is not None:
             module = self.inner._apply(module, device_mesh)
@@ -58,6 +63,7 @@ class RegionStyle(ParallelStyle):
 
         @functools.wraps(forward)
         def forward_in_context(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = self.arguments(args, kwargs, device_mesh)
             with self.context(device_mesh):
                 return forward(*args, **kwargs)
 
@@ -79,26 +85,17 @@ class GlobalShapes(RegionStyle):
     def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
         return global_shapes_context(device_mesh.device_type)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = super()._apply(module, device_mesh)
-        forward = module.forward
+    def arguments(self, args: tuple, kwargs: dict[str, Any], device_mesh: DeviceMesh) -> tuple[tuple, dict[str, Any]]:
+        """Floating-point tensors handed in (a rotary table, an additive mask) as replicated
+        DTensors, not only inside the forward's implicit replication: backward runs outside it,
+        and a product's gradient with a plain factor (``q * cos``) would mix a DTensor with a
+        plain tensor there (Persimmon under tp=2)."""
+        def replicated(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, DTensor) or not t.is_floating_point():
+                return t
+            return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
 
-        @functools.wraps(forward)
-        def forward_on_replicated(*args: Any, **kwargs: Any) -> Any:
-            # Floating-point tensors handed in (a rotary table, an additive mask) become replicated
-            # DTensors here, not only inside the forward's implicit replication: backward runs
-            # outside it, and a product's gradient with a plain factor (``q * cos``) would mix a
-            # DTensor with a plain tensor there (Persimmon under tp=2).
-            def replicated(t: torch.Tensor) -> torch.Tensor:
-                if isinstance(t, DTensor) or not t.is_floating_point():
-                    return t
-                return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
-
-            return forward(*tree_map_only(torch.Tensor, replicated, args),
-                           **tree_map_only(torch.Tensor, replicated, kwargs))
-
-        module.forward = forward_on_replicated
-        return module
+        return tree_map_only(torch.Tensor, replicated, args), tree_map_only(torch.Tensor, replicated, kwargs)
 
 
 class KVGroupColwise(ParallelStyle):
@@ -211,7 +208,6 @@ class WithAttributes(ParallelStyle):
         for name, value in self.attributes.items():
             setattr(module, name, value)
         return module
-
 
 
 @contextlib.contextmanager

@@ -617,8 +617,8 @@ def meta_model(model_module: Any, model_kwargs: dict[str, Any]) -> nn.Module:
 def start_from_pretrained(parallel: ParallelModel, training: TrainConfig, config: ParallelConfig, model_module: Any,
                           first_step: int) -> None:
     """--init-from: this rank's part of every parameter and persistent buffer read from the file
-    (pretrained.py), on a fresh start only: a resumed checkpoint wins."""
-    if training.init_from is None:
+    (pretrained.py), on a fresh start only: a resumed checkpoint wins. Nothing without one."""
+    if not training.init_from:
         return
     if first_step > 0:
         if dist.get_rank() == 0:
@@ -704,8 +704,7 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         batches = Batches(source, training, config, model_module, parallel.mesh, device, first_step, start)
         validation = (validation_batches(source, training, config, model_module, parallel.mesh, device)
                       if training.eval_every > 0 else [])
-        if training.init_from:
-            start_from_pretrained(parallel, training, config, model_module, first_step)
+        start_from_pretrained(parallel, training, config, model_module, first_step)
         records = []
         logger = metrics.open_logger(training.log_file, training.metrics, dist.get_rank())
         with attention_context(parallel, config, training, model_module):

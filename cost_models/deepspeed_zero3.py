@@ -28,6 +28,11 @@ What DeepSpeed's stage-3 code of that time did each step (partition_parameters.p
   NCCL's flat output are queued behind the ring (hidden), but move its bytes again: a zeroed
   buffer, NCCL's output and the copy (read and write) are 4 bytes of memory traffic per byte
   gathered, the reduce-scatter's copy in 2.
+- Before that, stage 3's own passes over each whole gradient (stage3.py): with
+  `contiguous_gradients` it is copied into the reduction bucket (`ipg_buffer`, read and write)
+  unless it alone exceeds the bucket (REDUCE_BUCKET_ELEMENTS; then it is reduced where it lies),
+  and `average_tensor` divides the bucket and any such gradient by the group size in place
+  (`tensor.div_`, read and write) before the reduce-scatter.
 """
 from __future__ import annotations
 
@@ -42,7 +47,10 @@ PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default
 # with torch 2.x on the 2-core CI machine (2021's dispatcher was no faster); not fitted to A4.
 HOST_VIEW_S = 1.6e-6
 GATHER_MEMORY_PASSES = 4
-SCATTER_MEMORY_PASSES = 2
+SCATTER_MEMORY_PASSES = 2  # torch's copy of the list into one flat input
+DIVIDE_MEMORY_PASSES = 2  # average_tensor's in-place division by the group size
+BUCKET_COPY_MEMORY_PASSES = 2  # the copy into the contiguous reduction bucket
+REDUCE_BUCKET_ELEMENTS = 500_000_000  # stage 3's reduce_bucket_size default
 
 
 def per_tensor_buffers(largest_numel: float, weights_bytes: int, grads_bytes: int) -> dict[str, float]:
@@ -54,6 +62,14 @@ def per_tensor_buffers(largest_numel: float, weights_bytes: int, grads_bytes: in
     FSDP2's buffers are a whole block's, and two of them."""
     return {"zero3_gathered_params": 2 * largest_numel * weights_bytes,
             "gradient_reduce": 2 * largest_numel * grads_bytes}
+
+
+def gradient_memory_passes(numel: float) -> int:
+    """Bytes of memory traffic per gradient byte before and around its reduce-scatter: the copy
+    into the reduction bucket (a gradient larger than the bucket is reduced in place), the
+    division by the group size and torch's flattening of the list."""
+    bucket_copy = BUCKET_COPY_MEMORY_PASSES if numel <= REDUCE_BUCKET_ELEMENTS else 0
+    return bucket_copy + DIVIDE_MEMORY_PASSES + SCATTER_MEMORY_PASSES
 
 
 @dataclass(frozen=True)
@@ -78,7 +94,7 @@ class PerTensorZero3:
             scatter_bytes = numel * self.grads_bytes
             total += (collective_s(Collective.REDUCE_SCATTER, scatter_bytes, self.group)
                       + n * (HOST_VIEW_S + self.launch_overhead_s)
-                      + SCATTER_MEMORY_PASSES * scatter_bytes / self.memory_bandwidth_Bps)
+                      + gradient_memory_passes(numel) * scatter_bytes / self.memory_bandwidth_Bps)
             if numel < PERSISTENCE_THRESHOLD:
                 continue
             gather_bytes = numel * self.weights_bytes

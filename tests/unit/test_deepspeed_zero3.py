@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from cost_models.collectives import Collective
-from cost_models.deepspeed_zero3 import HOST_VIEW_S, PERSISTENCE_THRESHOLD, PerTensorZero3
+from cost_models.deepspeed_zero3 import HOST_VIEW_S, PERSISTENCE_THRESHOLD, REDUCE_BUCKET_ELEMENTS, PerTensorZero3
 
 
 def _wire_s(op, nbytes, group):
@@ -21,15 +21,26 @@ def _traffic(numels, ranks=100):
 def test_a_large_tensor_is_gathered_per_pass_and_reduce_scattered_once():
     numel = 1_000_000  # 2 MB of weights, 4 MB of gradients
     gather = 2e6 * 1e-12 + 100 * HOST_VIEW_S + 4 * 2e6 / 1e12
-    scatter = 4e6 * 1e-12 + 1e-3 + 100 * (HOST_VIEW_S + 9e-6) + 2 * 4e6 / 1e12
+    # memory: the copy into the bucket, the division and torch's flattening, each a read and a write
+    scatter = 4e6 * 1e-12 + 1e-3 + 100 * (HOST_VIEW_S + 9e-6) + 6 * 4e6 / 1e12
     assert _traffic([numel]).seconds(_wire_s, gathers=3) == pytest.approx(3 * gather + scatter)
     assert _traffic([numel]).seconds(_wire_s, gathers=2) == pytest.approx(2 * gather + scatter)
 
 
 def test_a_tensor_below_the_persistence_threshold_is_only_reduce_scattered():
     small = PERSISTENCE_THRESHOLD - 1
-    scatter = small * 4 * 1e-12 + 1e-3 + 100 * (HOST_VIEW_S + 9e-6) + 2 * small * 4 / 1e12
+    scatter = small * 4 * 1e-12 + 1e-3 + 100 * (HOST_VIEW_S + 9e-6) + 6 * small * 4 / 1e12
     assert _traffic([small]).seconds(_wire_s, gathers=3) == pytest.approx(scatter)
+
+
+def test_a_gradient_larger_than_the_reduction_bucket_is_not_copied_into_it():
+    """Stage 3 reduces a gradient of more than reduce_bucket_size elements where it lies: divided
+    and flattened (4 bytes of traffic per byte), not copied into the bucket first (6)."""
+    large, fits = REDUCE_BUCKET_ELEMENTS + 1, REDUCE_BUCKET_ELEMENTS
+    per_byte = {numel: (_traffic([numel]).seconds(_wire_s, gathers=0) - 1e-3 - 100 * (HOST_VIEW_S + 9e-6))
+                / (numel * 4) for numel in (large, fits)}
+    assert per_byte[large] == pytest.approx(1e-12 + 4 / 1e12)
+    assert per_byte[fits] == pytest.approx(1e-12 + 6 / 1e12)
 
 
 def test_the_host_work_grows_with_the_ranks_and_one_rank_moves_nothing():

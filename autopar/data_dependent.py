@@ -191,8 +191,35 @@ def tracing_in(fake_mode: FakeTensorMode) -> Iterator[None]:
             yield
         return
     with fake_mode, real_values(fake_mode), fake_mode.shape_env.ignore_fresh_unbacked_symbols(), \
-            SHAPES_CONFIG.patch(meta_nonzero_assume_all_nonzero=True), _AtenOnlyRealValues(fake_mode):
+            SHAPES_CONFIG.patch(meta_nonzero_assume_all_nonzero=True), _AtenOnlyRealValues(fake_mode), \
+            _dtensor_shapes_without_values(fake_mode):
         yield
+
+
+@contextlib.contextmanager
+def _dtensor_shapes_without_values(fake_mode: FakeTensorMode) -> Iterator[None]:
+    """DTensor finds an op's global output shape by running the op on arguments it makes from
+    shapes alone (``torch.empty_strided``: uninitialised memory). With real values on, torch ran
+    the op on that memory too: a loss-parallel ``nll_loss_backward`` indexed with a garbage
+    target ("Target 140376092386032 is out of bounds"). Shapes need no values: off while DTensor
+    computes them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if original is None:  # another torch: nothing to turn off
+        yield
+        return
+
+    @functools.wraps(original)
+    def shapes_only(self: Any, op_schema: Any) -> Any:
+        with real_values(fake_mode, False):
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = shapes_only  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def _quiet_value_logging() -> None:

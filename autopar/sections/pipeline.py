@@ -60,6 +60,9 @@ def _first_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | in
     return name, kwargs[name]
 
 
+META_VALUE_READ = "cannot be called on meta tensors"  # torch's error for .item() and .tolist() on meta
+
+
 def _to_meta(value: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("meta"), value)
 
@@ -123,8 +126,17 @@ class SkippedLayer(_StandIn):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A layer that selects rows by value (``nonzero``, a boolean mask: a mixture of experts'
         # loop) has no meta shapes unless every element is taken as selected, an upper bound.
-        with torch.no_grad(), MetaShapes(), SHAPE_CONFIG.patch(meta_nonzero_assume_all_nonzero=True):
-            shapes = self._meta_layer[0](*_to_meta(args), **_to_meta(kwargs))
+        try:
+            with torch.no_grad(), MetaShapes(), SHAPE_CONFIG.patch(meta_nonzero_assume_all_nonzero=True):
+                shapes = self._meta_layer[0](*_to_meta(args), **_to_meta(kwargs))
+        except RuntimeError as err:
+            if META_VALUE_READ not in str(err):
+                raise
+            # A layer that reads a value as a number (DBRX indexes its experts' weights with a
+            # tensor: ``.item()``) has none on meta tensors. A residual block gives back its
+            # input's shape; were this one to give another, the stage's code after it would not
+            # run or would train something else, which compile's proof catches.
+            shapes = _to_meta(_first_input(self._meta_layer[0], args, kwargs)[1])
         return _zeros_like_meta(shapes, self.device)
 
 

@@ -236,3 +236,40 @@ def test_ctc_model_is_planned_without_loss_parallelism(tmp_path):
     gpt_ops = {op.name: op for op in gpt.ops}
     (gpt_log_softmax,) = [op for op in gpt.ops if op.target.startswith("aten._log_softmax.")]
     assert IntraOpSolver._feeds_nll_only(gpt_log_softmax, gpt_ops)
+
+
+def test_dtensor_finds_shapes_without_running_ops_on_placeholder_values(monkeypatch):
+    """Loss-parallel cross entropy on a fake group of 2 ranks, logits without values (they come
+    from the weights), targets with the batch's: DTensor finds an op's global shape by running it
+    on arguments made from shapes alone (uninitialised memory), which must not run for real (it
+    ran nll_loss's backward with a garbage target: DBRX's tensor-parallel proof)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    fake_mode, _ = data_dependent_fake_mode()
+    values_on = []
+    shapes = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def watched(self, op_schema):
+        values_on.append(fake_mode.propagate_real_tensors)
+        return shapes(self, op_schema)
+
+    monkeypatch.setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", watched)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with fake_mode:
+            local_logits = torch.randn(4, VOCAB // 2, requires_grad=True)
+            with real_values(fake_mode):
+                target = torch.randint(0, VOCAB, (4,))
+        with tracing_in(fake_mode), loss_parallel():
+            logits = DTensor.from_local(local_logits, mesh, [Shard(1)], run_check=False)
+            F.cross_entropy(logits, target).backward()
+    finally:
+        dist.destroy_process_group()
+    assert values_on and not any(values_on)
+    assert local_logits.grad is not None and local_logits.grad.shape == (4, VOCAB // 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
@@ -79,6 +80,36 @@ def test_skipped_fp32_grouped_gemm_is_shaped_although_its_meta_kernel_takes_only
     expected = _Experts()(tokens)  # the CPU kernel takes fp32
     output = SkippedLayer(_Experts(), CPU)(tokens)
     assert (output.shape, output.dtype) == (expected.shape, torch.float32)
+
+
+class _ExpertsByIndex(nn.Module):
+    """DBRX's expert loop: each expert's weight indexed with a 0-d tensor (``.item()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 8, 8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(tokens)
+        for expert in torch.tensor([0, 2]):
+            out = out + tokens @ self.weight[expert]
+        return out
+
+
+def test_a_layer_that_reads_a_value_is_shaped_like_its_input():
+    tokens = torch.randn(5, 8)
+    output = SkippedLayer(_ExpertsByIndex(), CPU)(tokens)
+    assert output.shape == _ExpertsByIndex()(tokens).shape and not output.is_meta and output.abs().sum() == 0
+
+
+class _Broken(nn.Module):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens @ torch.ones(3, 3)  # a shape error, not a value read
+
+
+def test_a_layer_failing_otherwise_on_meta_still_fails():
+    with pytest.raises(RuntimeError, match="same reduction dim"):
+        SkippedLayer(_Broken(), CPU)(torch.randn(5, 8))
 
 
 class _EncoderDecoder(nn.Module):

@@ -102,13 +102,6 @@ REFUSED: dict[str, str] = {
     'hf_mamba-cp2': 'a convolution over the sequence',
     'hf_modernbert-cp2': 'a sliding window or local attention',
     'hf_bart-cp2': 'would train a different model',
-    # DBRX's expert loop (values no fake tensor has) under tp and pp: compile's proof rejects each
-    # plan, so nothing is written. tp2: the full-scale fake step's loss reads a target value that
-    # real-value propagation left unset under tensor parallelism; pp2: a skipped stage's meta
-    # shapes cannot read the loop's values (Tensor.item() on meta tensors). Known limits, not
-    # wrong training: its dp, ZeRO-3, cp and first plans train.
-    'hf_dbrx-tp2': "No plan passed compile's proof",
-    'hf_dbrx-pp2': "No plan passed compile's proof",
 }
 
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters

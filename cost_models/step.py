@@ -61,7 +61,7 @@ from cost_models.memory import RECOMPUTE_OPTIONS, activation_bytes, state_bytes_
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.placement import LayoutGroups, proportional_shares
 from cost_models.ranks import PipelineRanks
-from cost_models.structure import ModelStructure, attention_io_bytes, even_stage_starts
+from cost_models.structure import ModelStructure, attention_io_bytes
 from cost_models.topology import ClusterSpec
 from cost_models.validate import validate, validate_layout, validate_train
 
@@ -75,7 +75,7 @@ Row = TypeVar("Row")
 __all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", "validate", "validate_layout",
            "TPLayerSplit", "TPSplitter", "CUDA_CONTEXT_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "OVERLAP_INTERFERENCE",
            "RING_TILE_SCORE_BYTES", "attention_io_bytes", "exposed_s", "BUCKET_CHOICES_BYTES", "DP_BUCKET_BYTES",
-           "POST_BACKWARD_SYNC", "proportional_shares", "even_stage_starts"]
+           "POST_BACKWARD_SYNC", "proportional_shares"]
 
 
 

@@ -172,10 +172,6 @@ class PlanPricer:
         """The layer kind under the layout's TP degree on `gpu` (`LayerSplits.split`)."""
         return self.splits.split(layer_name, layout, gpu)
 
-    def dp_shares(self, layout: ParallelLayout) -> tuple[int, ...]:
-        """Samples per micro-batch of each data-parallel rank (`PipelineRanks.dp_shares`)."""
-        return self.ranks.dp_shares(layout)
-
     def issued_collectives(self, layout: ParallelLayout) -> Counts:
         """Collective -> calls in one step on the counted ranks (`IssuedCollectives.per_step`)."""
         return self.issued.per_step(layout)
@@ -361,8 +357,8 @@ class PlanPricer:
         problem = self.partition_problem(layout)
         if problem is None:
             raise ValueError("a tensor-parallel group would mix GPU types; change the mesh order or tp")
-        starts = self.stage_starts(layout)
-        options = self.layer_options(layout)
+        starts = self.structure.stage_starts(layout)
+        options = self.structure.layer_options(layout, self.recompute_options)
         partition = evaluate(problem, starts, options)
         fits = partition is not None
         if partition is None:
@@ -372,9 +368,3 @@ class PlanPricer:
         reference = self.ranks.reference_gpu(layout)
         return self.assembler.assemble(layout, problem, partition, fits, self.time_parts_rows(layout, reference),
                                        self.per_step_rows(layout, reference), self.fixed_time_s(layout))
-
-    def stage_starts(self, layout: ParallelLayout) -> list[int]:
-        return self.structure.stage_starts(layout)
-
-    def layer_options(self, layout: ParallelLayout) -> list[int]:
-        return self.structure.layer_options(layout, self.recompute_options)

@@ -1,9 +1,9 @@
 """The collectives one training step issues, by kind, as the pricer prices them.
 
-`IssuedCollectives` (the pricer's `issued`) holds the counts. Each method counts the calls the generated module
-makes in one step (`train_step`: every micro-batch's forward and backward, gradient
-synchronisation and the optimizer step) on the ranks at coordinate 0 of every mesh axis but
-pp, one rank per pipeline stage, summed over them. A collective counts once per counted rank
+`IssuedCollectives` (the pricer's `issued`) holds the counts. Each method counts the calls the
+generated module makes in one step (`train_step`: every micro-batch's forward and backward,
+gradient synchronisation and the optimizer step) on the ranks at coordinate 0 of every mesh axis
+but pp, one rank per pipeline stage, summed over them. A collective counts once per counted rank
 taking part (a tied gradient's all-reduce between the first and last stage counts twice); a
 point-to-point exchange (`send_recv`) counts once per send and its matching receive on a
 counted rank (a stage boundary's activation counts on both of its stages).

@@ -14,7 +14,7 @@ priced by the split the planner chooses and codegen emits, passed in as ``tp_spl
 from cost_models.collectives import (Algorithm, Collective, CollectiveCost, Protocol, best_algorithm, bus_bandwidth,
                                      collective_time_s)
 from cost_models.compute import ComputeModel, LayerCompute, op_time_s
-from cost_models.layer_cost import TPLayerSplit, TPSplitter
+from cost_models.layer_split import TPLayerSplit, TPSplitter
 from cost_models.hardware import CATALOGUE, DEFAULT_EFFICIENCY, GPUSpec, get_gpu, known_gpus
 from cost_models.memory import (LayerActivations, ModelStates, activation_bytes, megatron_layer_activation_bytes,
                                 model_states)

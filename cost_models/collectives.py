@@ -356,3 +356,16 @@ def parameter_server_load_bytes(nbytes: float, workers: int) -> float:
 def ring_per_worker_bytes(nbytes: float, workers: int) -> float:
     """Bytes each worker sends in a ring all-reduce: 2(N-1)/N · M, flat in N."""
     return 2 * (workers - 1) / workers * nbytes
+
+
+# Slowdown of computation running beside NCCL kernels, as a share of the overlapped
+# communication time: NCCL's kernels occupy SMs and memory bandwidth. An assumption (overlapped
+# GEMMs typically lose 10-30%), not yet measured here: the committed H100 runs are single-GPU.
+OVERLAP_INTERFERENCE = 0.2
+
+
+def exposed_s(comm_s: float, compute_s: float) -> float:
+    """Time a collective adds when overlapped with `compute_s` of independent work: what does not
+    fit under the compute, plus OVERLAP_INTERFERENCE of what does (communication kernels take
+    SMs and memory bandwidth from the overlapped computation)."""
+    return max(0.0, comm_s - compute_s) + OVERLAP_INTERFERENCE * min(comm_s, compute_s)

@@ -12,9 +12,8 @@ from typing import Any, Sequence
 
 from autopar.domain.layout import ParallelLayout
 from autopar.domain.vocabulary import DP_BUCKET_BYTES, DPSync
-from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s
+from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s, exposed_s
 from cost_models.compute import ComputeModel
-from cost_models.layer_cost import exposed_s
 from cost_models.placement import LayoutGroups
 
 BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))

@@ -1,14 +1,15 @@
 """The collectives one training step issues, by kind, as the pricer prices them.
 
-A mixin of `cost_models.step.PlanPricer`. Each function counts the calls the generated module
-makes in one step (`train_step`: every micro-batch's forward and backward, gradient
-synchronisation and the optimizer step) on the ranks at coordinate 0 of every mesh axis but
-pp, one rank per pipeline stage, summed over them. A collective counts once per counted rank
+`IssuedCollectives` (the pricer's `issued`) holds the counts. Each method counts the calls the
+generated module makes in one step (`train_step`: every micro-batch's forward and backward,
+gradient synchronisation and the optimizer step) on the ranks at coordinate 0 of every mesh axis
+but pp, one rank per pipeline stage, summed over them. A collective counts once per counted rank
 taking part (a tied gradient's all-reduce between the first and last stage counts twice); a
 point-to-point exchange (`send_recv`) counts once per send and its matching receive on a
 counted rank (a stage boundary's activation counts on both of its stages).
 
     pricer.issued_collectives(plan.layout())   # {'all_gather': 11, 'reduce_scatter': 6, ...}
+    pricer.issued.tp_collectives(plan.layout())   # the tensor-parallel group's alone
 
 The counting rules follow codegen (autopar/sections: data_parallel.py, optimizer.py,
 gradient_sync.py, pipeline.py, context_parallel.py) and were measured on gloo ranks for every
@@ -19,10 +20,25 @@ all-reduces) is measurement, not training, and is not priced.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from cost_models.collectives import Algorithm, Collective
 from autopar.domain.layout import ParallelLayout
 from autopar.domain.vocabulary import CPStrategy, Recompute
+from cost_models.collectives import Algorithm, Collective
+from cost_models.compute import ComputeModel
+from cost_models.dp_sync import GradientSync
+from cost_models.expert_parallel import ExpertFacts, all_to_alls
+from cost_models.layer_cost import LayerPrices, cp_passes, tp_issued
+from cost_models.layer_split import LayerSplits
+from cost_models.placement import LayoutGroups
+from cost_models.ranks import PipelineRanks
+from cost_models.structure import ModelStructure
+
+if TYPE_CHECKING:
+    from autopar.domain.layout import TrainSpec
+    from autopar.profile import ModelProfile
+
+__all__ = ["Counts", "add", "IssuedCollectives", "cp_passes"]
 
 Counts = dict[str, int]
 
@@ -36,9 +52,39 @@ def add(total: Counts, more: Counts, times: int = 1) -> Counts:
 
 
 class IssuedCollectives:
-    """Counts of the collectives a generated step issues (mixed into PlanPricer)."""
+    """Counts of the collectives a generated step issues, as the pricer prices them.
 
-    def issued_collectives(self, layout: ParallelLayout) -> Counts:
+    Args:
+        profile: the traced model (its parameters' names, for per-head norms).
+        train: the training settings (gradient clipping).
+        compute: the model's compute prices (layer kinds).
+        structure: FSDP units, tied weights, attention, stages and recomputation per layer.
+        groups: where a layout's groups sit.
+        sync: the data-parallel gradient synchronisation (its buckets).
+        experts: the model's MoE layers.
+        splits: each layer kind's TP split (what its TP group issues).
+        ranks: the reference GPU of a layout's pipeline ranks.
+        layer_prices: a layer's parameters on one rank (what fills the gradient buckets).
+        recompute_options: the recompute choices a layout's options index.
+    """
+
+    def __init__(self, profile: "ModelProfile", train: "TrainSpec", compute: ComputeModel, structure: ModelStructure,
+                 groups: LayoutGroups, sync: GradientSync, experts: ExpertFacts, splits: LayerSplits,
+                 ranks: PipelineRanks, layer_prices: LayerPrices, recompute_options: tuple[str, ...]):
+        self.profile = profile
+        self.train = train
+        self.compute = compute
+        self.structure = structure
+        self.groups = groups
+        self.sync = sync
+        self.experts = experts
+        self.splits = splits
+        self.ranks = ranks
+        self.layer_prices = layer_prices
+        self.recompute_options = recompute_options
+        self.layers = profile.layers
+
+    def per_step(self, layout: ParallelLayout) -> Counts:
         """Collective -> calls in one step on the counted ranks (see the module docstring): every
         group's (tensor, expert, data, pipeline and context parallel) summed."""
         total: Counts = {}
@@ -48,11 +94,38 @@ class IssuedCollectives:
             add(total, counts)
         return total
 
+    def tp_collectives(self, layout: ParallelLayout) -> dict[str, int]:
+        """Collective -> how many the TP group issues per step under `layout`'s prices: each
+        layer's split (forward ones again where fully recomputed) and, under sequence
+        parallelism, its boundaries' gathers, times the micro-batches. What a test counts in a
+        generated step."""
+        if layout.tp == 1:
+            return {}
+        reference = self.ranks.reference_gpu(layout)
+        counts: dict[str, int] = {}
+        options = self._layer_options(layout)
+        for layer, option in zip(self.layers, options):
+            split = self.splits.split(layer.name, layout, reference)
+            for op, _ in tp_issued(split, layout, self.recompute_options[option] == Recompute.FULL):
+                counts[op] = counts.get(op, 0) + layout.num_micro_batches
+        return counts
+
+    def ep_collectives(self, layout: ParallelLayout) -> dict[str, int]:
+        """Collective -> how many the expert-parallel groups issue per step under `layout`'s
+        prices: each MoE layer's dispatch and combine all-to-alls (cost_models.expert_parallel),
+        times the micro-batches. What a test counts in a generated step."""
+        if layout.ep == 1:
+            return {}
+        options = self._layer_options(layout)
+        count = sum(all_to_alls(self.recompute_options[option], moe.dropless)
+                    for layer, option in zip(self.layers, options) if (moe := self.experts.experts_of(layer.name)))
+        return {"all_to_all": count * layout.num_micro_batches} if count else {}
+
     def scalar_collectives(self, layout: ParallelLayout) -> Counts:
         """Gradient clipping (the module's max_grad_norm > 0): one all-reduce of the squared norm
         over every rank per step (codegen's `clip_gradients`), and a token-level loss's count of
         counted targets (codegen's `TokenCounts.finish`), each counted on each pipeline rank."""
-        calls = int(self.train.clip_grad_norm) + int(self.weighs_tokens(layout))
+        calls = int(self.train.clip_grad_norm) + int(self.structure.weighs_tokens(layout))
         return {Collective.ALL_REDUCE.value: layout.pp * calls} if calls else {}
 
     def partial_gradient_collectives(self, layout: ParallelLayout) -> Counts:
@@ -66,10 +139,11 @@ class IssuedCollectives:
         all-reduces at 2 micro-batches)."""
         if layout.tp == 1:
             return {}
-        reference = self._device_facts(layout)[0]
+        reference = self.ranks.reference_gpu(layout)
         count = sum(len(self.structure.slice_norm_params(layer.name)) if layout.sequence_parallel else 0
                     for layer in self.layers)
-        count += sum(self._head_norm_params(self.split(layer.name, layout, reference).styles) for layer in self.layers)
+        count += sum(self._head_norm_params(self.splits.split(layer.name, layout, reference).styles)
+                     for layer in self.layers)
         if layout.zero_stage >= 2 and self.groups.grad_size(layout) > 1 and layout.pp == 1:
             count *= layout.num_micro_batches
         return {Collective.ALL_REDUCE.value: count} if count else {}
@@ -79,13 +153,16 @@ class IssuedCollectives:
         modules = {module for module, style in styles.items() if style == "head_norm"}
         return sum(name.rpartition(".")[0] in modules for name in self.profile.param_shapes) if modules else 0
 
+    def _layer_options(self, layout: ParallelLayout) -> list[int]:
+        return self.structure.layer_options(layout, self.recompute_options)
+
     # -- stages ---------------------------------------------------------------------------------
 
     def stage_layers(self, layout: ParallelLayout) -> list[list[str]]:
         """Layer names of each (virtual) pipeline stage, in model order."""
         if layout.stages:
             return [list(stage) for stage in layout.stages]
-        starts = self.stage_starts(layout) + [len(self.layers)]
+        starts = self.structure.stage_starts(layout) + [len(self.layers)]
         return [[layer.name for layer in self.layers[a:b]] for a, b in zip(starts, starts[1:])]
 
     # -- data parallelism -----------------------------------------------------------------------
@@ -151,7 +228,8 @@ class IssuedCollectives:
         """Flat gradient buckets of the generated exchange on one pipeline rank: its fp32
         gradients over the plan's bucket size (consecutive parameters fill a bucket; a bucket
         never splits a parameter, so this is a lower bound when parameters straddle buckets)."""
-        total = sum(self._tp_params(layer, self.split(layer.name, layout, self._device_facts(layout)[0]), layout)
+        reference = self.ranks.reference_gpu(layout)
+        total = sum(self.layer_prices.tp_params(layer, self.splits.split(layer.name, layout, reference), layout)
                     for layer in self.layers) * 4 / layout.pp
         return max(1, math.ceil(total / self.sync.bucket_bytes(layout)))
 
@@ -205,23 +283,9 @@ class IssuedCollectives:
         per_pass = ({Collective.ALL_TO_ALL.value: 4} if layout.cp_strategy == CPStrategy.ULYSSES
                     else {Collective.SEND_RECV.value: layout.cp - 1})
         total: Counts = {}
-        for layer, option in zip(self.layers, self.layer_options(layout)):
+        for layer, option in zip(self.layers, self._layer_options(layout)):
             if sum(self.structure.attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0))) == 0:
                 continue
             passes = cp_passes(layout.cp_strategy, self.recompute_options[option])
             add(total, per_pass, passes * layout.num_micro_batches)
         return total
-
-
-def cp_passes(strategy: str, recompute: str) -> int:
-    """Times a context-parallel attention layer exchanges per micro-batch: forward, backward, and
-    each forward a recomputation reruns. Measured on cp2 GPT (4 blocks, 2 micro-batches): 2
-    without recomputation; Ulysses 3 under full or selective recomputation (88 all-to-alls for
-    blocks recomputed full, selective, none, selective); ring attention 3 under full and 5 under
-    selective (24 and 40 exchanges with every block so: selective recomputation keeps nothing of
-    ring attention, `never_kept_by_selective`, and the backward reran its ring passes three
-    times, a cost of codegen's query tiles being checkpointed inside the recomputed layer that
-    is priced here as it runs)."""
-    if recompute == Recompute.NONE:
-        return 2
-    return 5 if strategy == CPStrategy.RING and recompute == Recompute.SELECTIVE else 3

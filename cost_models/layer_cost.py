@@ -2,162 +2,137 @@
 recomputation, TP / CP / ZeRO communication), its once-per-step parts (optimizer, exposed
 gradient sync), its model states, activations and the buffers beside them.
 
-A mixin of `cost_models.step.PlanPricer` (which holds the caches and the profile); the formulas
-are listed in step.py's docstring.
+`LayerPrices` answers these for one model on one cluster, from the collaborators `PlanPricer`
+holds (the groups, the gradient synchronisation, the model's structure, the TP splits, the
+pipeline ranks); the formulas are listed in step.py's docstring.
+
+    prices = LayerPrices(profile, cluster, train, compute, groups, sync, structure, experts, splits, ranks)
+    prices.layer_time_parts(layer, split, layout, 1.0, ("none", "full"), gpu)   # [{'compute': ...}, ...]
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from cost_models.collectives import Algorithm, Collective
-from cost_models.compute import LayerCompute
-from cost_models.deepspeed_zero3 import PerTensorZero3, per_tensor_buffers
-from cost_models.expert_parallel import (COUNT_BYTES, all_to_alls, count_exchanges, dispatch_bytes, expert_tp_sums,
-                                         routing_pace)
-from cost_models.hardware import GiB, GPUSpec
-from cost_models.host import dtensor_modules, host_s
-from cost_models.issued import cp_passes
 from autopar.domain.layout import ParallelLayout
-from cost_models.memory import (LayerActivations, ModelStates, activations_from_fraction, layer_activations,
-                                 trained_model_states)
-from cost_models.topology import GroupPlacement
-from cost_models.uncertainty import RING_ATTENTION
-from cost_models.tp_layout import SPParts
 from autopar.domain.vocabulary import CPStrategy, Recompute
+from cost_models.collectives import Algorithm, Collective, exposed_s
+from cost_models.compute import ComputeModel, LayerCompute
+from cost_models.deepspeed_zero3 import PerTensorZero3, per_tensor_buffers
+from cost_models.dp_sync import GradientSync
+from cost_models.expert_parallel import (COUNT_BYTES, ExpertFacts, MoELayer, all_to_alls, count_exchanges,
+                                         dispatch_bytes, expert_tp_sums, routing_pace)
+from cost_models.hardware import GiB, GPUSpec
+from cost_models.host import host_s
+from cost_models.layer_split import LayerSplits, TPLayerSplit
+from cost_models.memory import ModelStates, state_bytes_per_param, trained_model_states
+from cost_models.placement import LayoutGroups
+from cost_models.ranks import PipelineRanks
+from cost_models.structure import ModelStructure
+from cost_models.topology import ClusterSpec, GroupPlacement
+from cost_models.uncertainty import RING_ATTENTION
+
+if TYPE_CHECKING:
+    from autopar.domain.layout import TrainSpec
+    from autopar.profile import LayerProfile, ModelProfile
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
 # Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
 # momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
-# Slowdown of computation running beside NCCL kernels, as a share of the overlapped
-# communication time: NCCL's kernels occupy SMs and memory bandwidth. An assumption (overlapped
-# GEMMs typically lose 10-30%), not yet measured here: the committed H100 runs are single-GPU.
-OVERLAP_INTERFERENCE = 0.2
 # Gradient all-reduces FSDP runs itself, one per FSDP unit (the others are gradient_sync.py's).
 FSDP_ALGORITHMS = (Algorithm.RING, Algorithm.TREE)
 
 
 # (forward passes, non-GEMM forward passes) a recompute option runs per micro-batch: selective
 # recomputation re-runs the forward's non-GEMM ops, full recomputation the whole forward.
-RECOMPUTE_PASSES = {Recompute.NONE: (1.0, 0.0), Recompute.SELECTIVE: (1.0, 1.0), Recompute.FULL: (2.0, 0.0)}
+RECOMPUTE_PASSES: dict[str, tuple[float, float]] = {Recompute.NONE: (1.0, 0.0), Recompute.SELECTIVE: (1.0, 1.0),
+                                                    Recompute.FULL: (2.0, 0.0)}
 
 
-def exposed_s(comm_s: float, compute_s: float) -> float:
-    """Time a collective adds when overlapped with `compute_s` of independent work: what does not
-    fit under the compute, plus OVERLAP_INTERFERENCE of what does (communication kernels take
-    SMs and memory bandwidth from the overlapped computation)."""
-    return max(0.0, comm_s - compute_s) + OVERLAP_INTERFERENCE * min(comm_s, compute_s)
+def tp_issued(split: TPLayerSplit, layout: ParallelLayout, full_recompute: bool, boundaries: bool = True
+              ) -> tuple[tuple[str, float], ...]:
+    """(collective, bytes per token) a layer's TP group issues per micro-batch: its split's,
+    those full recomputation's re-run forward issues again, and under sequence parallelism
+    (``boundaries``) the gathers of the sequence into replicated modules
+    (tp_layout.SP_BOUNDARY). What is priced and what is counted."""
+    if layout.tp == 1:
+        return ()
+    sp = bool(layout.sequence_parallel)
+    issued = tuple(split.collectives(sp)[0]) + (tuple(split.recomputed_collectives(sp)) if full_recompute else ())
+    if sp and boundaries:
+        issued += tuple(split.sp.comm) + (tuple(split.sp.comm[:split.sp.forward_comm]) if full_recompute else ())
+    return issued
 
 
-@dataclass(frozen=True)
-class TPLayerSplit:
-    """A layer kind under tensor parallelism of degree t, at the profiled micro-batch.
+def ring_attention(layout: ParallelLayout) -> bool:
+    """Whether attention runs as ring attention: blockwise scores in the working set, and
+    nothing of it (scores or output) kept by selective recomputation, which reruns it whole."""
+    return layout.cp > 1 and layout.cp_strategy == CPStrategy.RING
 
-    Attributes:
-        compute: roofline and launches after sharding (sharded ops' work ÷ t).
-        replicated_forward_s, replicated_backward_s: roofline seconds of ops TP leaves
-            replicated.
-        comm: (collective, bytes) per micro-batch, forward then backward.
-        tp_sharded_activation_fraction: share of the saved bytes that TP shards.
-        tp_sharded_param_fraction: share of the layer's parameters TP splits.
-        styles: module FQN -> colwise | rowwise | vocab_parallel | sharded.
-        activations: per-op activation accounting (None: use the fraction above).
-        forward_comm: how many leading entries of `comm` are forward (None: half of them).
-        sp: what sequence parallelism changes (`cost_models.tp_layout`): the replicated work
-            that runs on the sequence slice and the collectives of the styles' boundaries.
-        rerun_comm, rerun_comm_under_sp: the forward collectives full recomputation issues
-            again, without and with sequence parallelism (None: every forward one). The re-run
-            forward stops at the last tensor the layer's backward reads (non-reentrant
-            checkpointing's early stop), so a collective after it (a block's last row-parallel
-            output) is not issued again.
+
+def expert_tp(layout: ParallelLayout) -> int:
+    """Ranks each expert's width is split over: tp under expert tensor parallelism, else 1."""
+    return layout.tp if getattr(layout, "expert_tp", False) and layout.tp > 1 else 1
+
+
+def cp_passes(strategy: str, recompute: str) -> int:
+    """Times a context-parallel attention layer exchanges per micro-batch: forward, backward, and
+    each forward a recomputation reruns. Measured on cp2 GPT (4 blocks, 2 micro-batches): 2
+    without recomputation; Ulysses 3 under full or selective recomputation (88 all-to-alls for
+    blocks recomputed full, selective, none, selective); ring attention 3 under full and 5 under
+    selective (24 and 40 exchanges with every block so: selective recomputation keeps nothing of
+    ring attention, `never_kept_by_selective`, and the backward reran its ring passes three
+    times, a cost of codegen's query tiles being checkpointed inside the recomputed layer that
+    is priced here as it runs)."""
+    if recompute == Recompute.NONE:
+        return 2
+    return 5 if strategy == CPStrategy.RING and recompute == Recompute.SELECTIVE else 3
+
+
+class LayerPrices:
+    """Prices one layer kind under a layout.
+
+    Args:
+        profile: the traced model (its parameters' shapes, for DeepSpeed's per-tensor ZeRO-3).
+        cluster: where it runs (its measured correction factors, the overlaps it leaves exposed).
+        train: batch, precision, optimizer and runtimes.
+        compute: the model's compute prices.
+        groups: where a layout's groups sit and what their collectives cost.
+        sync: the data-parallel gradient synchronisation.
+        structure: FSDP units, attention sizes and the largest layer of the model.
+        experts: the model's MoE layers (none for a dense model).
+        splits: each layer kind's TP split.
+        ranks: the reference GPU of a layout's pipeline ranks.
     """
 
-    compute: LayerCompute
-    replicated_forward_s: float
-    replicated_backward_s: float
-    comm: tuple[tuple[str, float], ...]
-    tp_sharded_activation_fraction: float
-    tp_sharded_param_fraction: float
-    styles: dict[str, str] = field(default_factory=dict)
-    activations: LayerActivations | None = None
-    forward_comm: int | None = None
-    sp: SPParts = SPParts()
-    comm_under_sp: tuple[tuple[str, float], ...] | None = None
-    forward_comm_under_sp: int | None = None
-    rerun_comm: tuple[tuple[str, float], ...] | None = None
-    rerun_comm_under_sp: tuple[tuple[str, float], ...] | None = None
+    def __init__(self, profile: "ModelProfile", cluster: ClusterSpec, train: "TrainSpec", compute: ComputeModel,
+                 groups: LayoutGroups, sync: GradientSync, structure: ModelStructure, experts: ExpertFacts,
+                 splits: LayerSplits, ranks: PipelineRanks):
+        self.profile = profile
+        self.cluster = cluster
+        self.train = train
+        self.compute = compute
+        self.groups = groups
+        self.sync = sync
+        self.structure = structure
+        self.experts = experts
+        self.splits = splits
+        self.ranks = ranks
+        self.layers = profile.layers
+        self._unit_params: dict[tuple, float] = {}
 
-    def collectives(self, sequence_parallel: bool) -> tuple[tuple[tuple[str, float], ...], int]:
-        """(comm, how many of it lead in forward) as the styles issue them, with or without
-        sequence parallelism (under it a split region gathers and reduce-scatters the sequence
-        where it would all-reduce)."""
-        if sequence_parallel and self.comm_under_sp is not None:
-            return self.comm_under_sp, self.forward_comm_under_sp or 0
-        return self.comm, len(self.comm) // 2 if self.forward_comm is None else self.forward_comm
+    @property
+    def weights_bytes(self) -> int:
+        return state_bytes_per_param(self.train.precision, self.train.optimizer)[0]
 
-    def dtensor_modules(self, sequence_parallel: bool) -> int:
-        """Modules of the layer that run on DTensors (what the host dispatches: cost_models.host)."""
-        return dtensor_modules(self.styles) + (self.sp.norms if sequence_parallel else 0)
+    @property
+    def grads_bytes(self) -> int:
+        return state_bytes_per_param(self.train.precision, self.train.optimizer)[1]
 
-    def recomputed_collectives(self, sequence_parallel: bool) -> tuple[tuple[str, float], ...]:
-        """The collectives full recomputation's re-run forward issues again (SP boundaries apart)."""
-        rerun = self.rerun_comm_under_sp if sequence_parallel and self.comm_under_sp is not None else self.rerun_comm
-        if rerun is not None:
-            return rerun
-        comm, forward_count = self.collectives(sequence_parallel)
-        return comm[:forward_count]
-
-
-class TPSplitter(Protocol):
-    """Chooses and prices a layer's operator-wise TP split."""
-
-    def split(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec) -> TPLayerSplit: ...
-
-
-class LayerCost:
-    """Prices one layer kind under a layout (mixed into PlanPricer)."""
-
-    def split(self, layer_name: str, layout: ParallelLayout, gpu: GPUSpec) -> TPLayerSplit:
-        """The layer kind under the layout's TP degree on `gpu` (cached)."""
-        kind = self.compute.kind(layer_name)
-        group = self.groups.placement(layout, "tp")
-        key = (kind, layout.tp, group.nodes, group.per_node, gpu.signature)
-        if key not in self._splits:
-            if layout.tp == 1:
-                compute = self.compute.layer(kind, gpu)
-                self._splits[key] = TPLayerSplit(
-                    compute=compute, replicated_forward_s=compute.forward_s, replicated_backward_s=compute.backward_s,
-                    comm=(), tp_sharded_activation_fraction=0.0, tp_sharded_param_fraction=0.0,
-                    activations=self._base_activations(kind))
-            elif self.tp_splitter is None:
-                raise ValueError("pricing tp > 1 needs a TP splitter: the planner's "
-                                 "(autopar.solver.tp_split.ILPSplitter, which reads the profile's per-op detail)")
-            else:
-                self._splits[key] = self.tp_splitter.split(kind, layout.tp, group, gpu)
-        return self._splits[key]
-
-    def _base_activations(self, kind: str) -> LayerActivations:
-        """Activation accounting without TP (every saved tensor whole)."""
-        if kind not in self._base_acts:
-            layer = self.profile.layer(kind)
-            if self.profile.ops:
-                forward = [op for op in self.compute.ops_by_layer.get(kind, []) if op.phase == "forward"]
-                self._base_acts[kind] = layer_activations(layer, forward)
-            else:  # no per-op detail: selective recomputation keeps everything
-                total = float(layer.activation_bytes)
-                self._base_acts[kind] = LayerActivations(0.0, total, 0.0, total, float(layer.input_bytes))
-        return self._base_acts[kind]
-
-    def layer_activations(self, layer: Any, split: TPLayerSplit) -> LayerActivations:
-        if split.activations is not None:
-            return split.activations
-        kind = self.compute.kind(layer.name)
-        return activations_from_fraction(layer, self._base_activations(kind), split.tp_sharded_activation_fraction)
-
-    def layer_time_parts(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, scale: float,
+    def layer_time_parts(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout, scale: float,
                          options: tuple[str, ...], gpu: GPUSpec) -> list[dict[str, float]]:
         """Seconds one micro-batch spends on a layer, by kind (compute, recompute, tp_comm,
         cp_comm, ep_comm, dp_comm), one dict per recompute option of `options`. What no option
@@ -176,7 +151,7 @@ class LayerCost:
             forward_passes, nongemm_passes = RECOMPUTE_PASSES[option]
             total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
             recompute = total - plain
-            if option == Recompute.SELECTIVE and self._ring_attention(layout):
+            if option == Recompute.SELECTIVE and ring_attention(layout):
                 # Selective recomputation keeps attention's output, but ring attention runs in a
                 # region it recomputes whole (its quadratic scores are never kept).
                 recompute += compute.attention_forward_s * per_token
@@ -187,27 +162,12 @@ class LayerCost:
                 "ep_comm": self._ep_time_s(layer, layout, scale, option), "dp_comm": zero_s[option == Recompute.FULL]}))
         return parts
 
-    @staticmethod
-    def tp_issued(split: TPLayerSplit, layout: ParallelLayout, full_recompute: bool, boundaries: bool = True
-                  ) -> tuple[tuple[str, float], ...]:
-        """(collective, bytes per token) a layer's TP group issues per micro-batch: its split's,
-        those full recomputation's re-run forward issues again, and under sequence parallelism
-        (``boundaries``) the gathers of the sequence into replicated modules
-        (tp_layout.SP_BOUNDARY). What is priced and what is counted."""
-        if layout.tp == 1:
-            return ()
-        sp = bool(layout.sequence_parallel)
-        issued = tuple(split.collectives(sp)[0]) + (tuple(split.recomputed_collectives(sp)) if full_recompute else ())
-        if sp and boundaries:
-            issued += tuple(split.sp.comm) + (tuple(split.sp.comm[:split.sp.forward_comm]) if full_recompute else ())
-        return issued
-
     def _tp_comm_s(self, split: TPLayerSplit, layout: ParallelLayout, per_token: float, full_recompute: bool,
                    boundaries: bool = True) -> float:
         """Seconds of `tp_issued` for one micro-batch."""
         group = self.groups.placement(layout, "tp")
         return sum(self.groups.collective_s(Collective(op), nbytes * per_token, group)
-                   for op, nbytes in self.tp_issued(split, layout, full_recompute, boundaries))
+                   for op, nbytes in tp_issued(split, layout, full_recompute, boundaries))
 
     def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
         """Parts times the cluster's measured correction factors (1 unless calibrated from runs)."""
@@ -233,56 +193,23 @@ class LayerCost:
             seconds = max(seconds, host_s(split.dtensor_modules(layout.sequence_parallel), forward_passes + rerun))
         return seconds
 
-    def compute_floor(self, layout: ParallelLayout) -> tuple[list[float], list[float]] | None:
-        """(per-layer seconds of a micro-batch below every recompute option's price, speed per
-        pipeline rank), or None when the layout cannot run: compute without recomputation plus
-        the least tensor- and context-parallel communication any option pays (no option avoids
-        its layer's exchanges), no data-parallel or ZeRO traffic. It costs a fraction of
-        `partition_problem` and is shared by layouts differing only in ZeRO stage, schedule or
-        sharding, so the search orders candidates by it and prices only those that could win
-        (communication in the floor keeps most context-parallel layouts from ever being priced)."""
-        # The mesh spelled as its order and degrees: the search asks once per candidate (hundreds
-        # of thousands), and building a Mesh for the key cost more than the lookup.
-        key = (tuple(layout.mesh_order), layout.dp, layout.tp, layout.pp, layout.cp, layout.micro_batch_size,
-               layout.sequence_parallel, layout.cp_strategy, tuple(getattr(layout, "dp_shares", ()) or ()), layout.ep,
-               self._expert_tp(layout))
-        if key not in self._floors:
-            devices = self._device_facts(layout)
-            if devices is None:
-                self._floors[key] = None
-                return None
-            reference, speed, _ = devices
-            scale = layout.micro_batch_size / self.b0
-            spans = (self.groups.span(layout, "tp"), self.groups.span(layout, "cp"))
-            rows = self._rows("compute_floor", layout, (layout.tp, spans[0], layout.sequence_parallel, layout.cp,
-                                                        layout.cp_strategy, spans[1], layout.micro_batch_size,
-                                                        self._ep_key(layout)),
-                              lambda layer, split: self._floor_s(layer, split, layout, scale, reference), reference)
-            self._floors[key] = (rows, speed)
-        return self._floors[key]
-
-    def _floor_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> float:
-        """A layer's micro-batch seconds below each option's `layer_time_parts` total."""
+    def floor_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout, scale: float,
+                options: tuple[str, ...], gpu: GPUSpec) -> float:
+        """A layer's micro-batch seconds below each of `options`' `layer_time_parts` total."""
         compute = (self._compute_s(split, layout, scale / layout.cp, gpu)
                    + self._ep_wait_s(layer, split, layout, scale / layout.cp)) * self.cluster.scale_of("compute")
         per_token = scale / layout.cp
         tp_comm_s = {rerun: self._tp_comm_s(split, layout, per_token, rerun, boundaries=False)
                      for rerun in (False, True)}
         comm = []
-        for option in self.recompute_options:
+        for option in options:
             comm.append(tp_comm_s[option == Recompute.FULL] * self.cluster.scale_of("tp_comm")
                         + self._cp_time_s(layer, layout, scale, split.compute, option)
                           * self.cluster.scale_of("cp_comm")
                         + self._ep_time_s(layer, layout, scale, option) * self.cluster.scale_of("ep_comm"))
         return compute + min(comm)
 
-    @staticmethod
-    def _ring_attention(layout: ParallelLayout) -> bool:
-        """Whether attention runs as ring attention: blockwise scores in the working set, and
-        nothing of it (scores or output) kept by selective recomputation, which reruns it whole."""
-        return layout.cp > 1 and layout.cp_strategy == CPStrategy.RING
-
-    def _cp_time_s(self, layer: Any, layout: ParallelLayout, scale: float, compute: LayerCompute,
+    def _cp_time_s(self, layer: "LayerProfile", layout: ParallelLayout, scale: float, compute: LayerCompute,
                    option: str = Recompute.NONE) -> float:
         if layout.cp == 1:
             return 0.0
@@ -312,18 +239,14 @@ class LayerCost:
                      or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)
 
-    def _ep_key(self, layout: ParallelLayout) -> tuple:
+    def ep_key(self, layout: ParallelLayout) -> tuple:
         """What expert parallelism's prices read of a layout (a cache key)."""
-        if not self.experts.has_experts or (layout.ep == 1 and not self._expert_tp(layout)):
+        if not self.experts.has_experts or (layout.ep == 1 and not expert_tp(layout)):
             return ()
-        return (layout.ep, self.groups.span(layout, "ep"), layout.cp, self._expert_tp(layout))
+        return (layout.ep, self.groups.span(layout, "ep"), layout.cp, expert_tp(layout))
 
-    @staticmethod
-    def _expert_tp(layout: ParallelLayout) -> int:
-        """Ranks each expert's width is split over: tp under expert tensor parallelism, else 1."""
-        return layout.tp if getattr(layout, "expert_tp", False) and layout.tp > 1 else 1
-
-    def _ep_time_s(self, layer: Any, layout: ParallelLayout, scale: float, option: str = Recompute.NONE) -> float:
+    def _ep_time_s(self, layer: "LayerProfile", layout: ParallelLayout, scale: float,
+                   option: str = Recompute.NONE) -> float:
         """Dispatch and combine all-to-alls of an MoE layer's micro-batch over the expert-parallel
         group (cost_models.expert_parallel), on the critical path: the experts need their
         tokens, the next op their outputs; and under expert tensor parallelism the sums of its
@@ -343,40 +266,40 @@ class LayerCost:
                 Collective.ALL_TO_ALL, COUNT_BYTES * moe.experts, group)
         return exchanges + sums
 
-    def _pace(self, moe: Any, layout: ParallelLayout) -> float:
+    def _pace(self, moe: MoELayer, layout: ParallelLayout) -> float:
         """The busiest expert-parallel rank's share of the mean (routing_pace), from the measured
         load of the layer's experts where the training settings hold one."""
         measured = dict(self.train.expert_load)
         load = tuple(sum(counts) for counts in zip(*(measured[m] for m in moe.modules if m in measured)))
         return routing_pace(layout.ep, self.train.moe_imbalance, moe.dropless, load)
 
-    def _expert_tp_time_s(self, moe: Any, layout: ParallelLayout, scale: float, option: str) -> float:
+    def _expert_tp_time_s(self, moe: MoELayer, layout: ParallelLayout, scale: float, option: str) -> float:
         """Expert tensor parallelism's all-reduces over the TP group per micro-batch
         (cost_models.expert_parallel.expert_tp_sums): the output's partial sums in each
         forward, the input's (and a dropless module's gates') partial gradients in backward."""
-        if self._expert_tp(layout) == 1:
+        if expert_tp(layout) == 1:
             return 0.0
         group = self.groups.placement(layout, "tp")
         return sum(count * self.groups.collective_s(Collective.ALL_REDUCE, nbytes, group)
                    for count, nbytes in expert_tp_sums(moe, scale, layout.cp, option))
 
-    def _ep_wait_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, per_token: float,
+    def _ep_wait_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout, per_token: float,
                    forward_passes: float = 1.0) -> float:
         """Seconds the experts' compute differs from the layer's traced share of it: waiting for
         the most-loaded rank (x pace), and under expert tensor parallelism a tp-th of it each
         (the experts are otherwise whole on every TP rank): the experts' share of the layer's
         compute times (pace / expert tp - 1)."""
         moe = self.experts.experts_of(layer.name)
-        if moe is None or (layout.ep == 1 and self._expert_tp(layout) == 1):
+        if moe is None or (layout.ep == 1 and expert_tp(layout) == 1):
             return 0.0
         pace = self._pace(moe, layout)
         compute = split.compute
         expert_s = (forward_passes * moe.expert_forward_share * compute.forward_s
                     + moe.expert_backward_share * compute.backward_s) * per_token
-        return (pace / self._expert_tp(layout) - 1.0) * expert_s
+        return (pace / expert_tp(layout) - 1.0) * expert_s
 
-    def _zero_micro_batch_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, compute: LayerCompute,
-                            per_token: float, gpu: GPUSpec, full_recompute: bool) -> float:
+    def _zero_micro_batch_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
+                            compute: LayerCompute, per_token: float, gpu: GPUSpec, full_recompute: bool) -> float:
         """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute: the layer's
         share of its FSDP unit's messages (`IssuedCollectives._fsdp_collectives` counts them);
         under train.zero3_runtime=deepspeed_2021, one exposed collective per tensor instead."""
@@ -407,22 +330,22 @@ class LayerCost:
         # ZeRO-3 gathers the unit's parameters before its forward and again before its backward.
         return exposed_s(gather, forward) + exposed_s(gather + rs, backward) + replicas
 
-    def _per_tensor_zero3(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout,
+    def _per_tensor_zero3(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
                           gpu: GPUSpec) -> PerTensorZero3:
         """The layer's tensors as DeepSpeed's stage 3 gathers them (cost_models.deepspeed_zero3),
         each shrunk by the layer's TP share."""
         numels = [math.prod(self.profile.param_shapes.get(name, [0])) for name in layer.param_names]
-        share = self._tp_params(layer, split, layout) / max(1, sum(numels))
+        share = self.tp_params(layer, split, layout) / max(1, sum(numels))
         return PerTensorZero3(tuple(n * share for n in numels), self.weights_bytes, self.grads_bytes,
                               self.groups.shard_group(layout), gpu.launch_overhead_s,
                               gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise"))
 
-    def _unit_share_s(self, op: Collective, layer: Any, split: TPLayerSplit, layout: ParallelLayout,
-                      bytes_per_param: float, group: Any) -> float:
+    def _unit_share_s(self, op: Collective, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
+                      bytes_per_param: float, group: GroupPlacement) -> float:
         """The layer's share (by parameters) of one collective over its whole FSDP unit: units
         that hold several layers (the embeddings at the root, the final norm with the head)
         move them in one message, paying one latency."""
-        params = self._tp_params(layer, split, layout)
+        params = self.tp_params(layer, split, layout)
         unit, _ = self.structure.fsdp_unit_of(layer.name)
         unit_params = self._layers_params(layout, unit)
         if unit_params <= params:
@@ -432,29 +355,29 @@ class LayerCost:
     def _layers_params(self, layout: ParallelLayout, names: tuple[str, ...]) -> float:
         """Parameters the named layers hold on one rank (after TP), memoised by what they depend
         on (the split of each layer, tp and ep): every layer of an FSDP unit asks for its unit's."""
-        reference = self._device_facts(layout)[0]
+        reference = self.ranks.reference_gpu(layout)
         group = self.groups.placement(layout, "tp")
         key = (names, layout.tp, layout.ep, group.nodes, group.per_node, reference.signature)
         if key not in self._unit_params:
-            self._unit_params[key] = sum(
-                self._tp_params(self.layers[self.layer_index[name]], self.split(name, layout, reference), layout)
-                for name in names)
+            layers = [self.layers[self.structure.layer_index[name]] for name in names]
+            self._unit_params[key] = sum(self.tp_params(layer, self.splits.split(layer.name, layout, reference), layout)
+                                         for layer in layers)
         return self._unit_params[key]
 
-    def _replica_reduce_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> float:
+    def _replica_reduce_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout) -> float:
         """Hybrid sharding's all-reduce of the layer's reduced shard across the replicas (FSDP
         runs it after each reduce-scatter: measured 12 on the 2 x 2 hybrid plan, 6 units x 2
         micro-batches)."""
         if not layout.hybrid_shard or self.groups.shard_size(layout) >= self.groups.grad_size(layout):
             return 0.0
-        params = self._tp_params(layer, split, layout)
+        params = self.tp_params(layer, split, layout)
         nbytes = params * self.grads_bytes / self.groups.shard_size(layout)
         return self.groups.collective_s(Collective.ALL_REDUCE, nbytes, self.groups.replica_group(layout))
 
-    def per_step_parts(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, scale: float,
+    def per_step_parts(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout, scale: float,
                        gpu: GPUSpec) -> dict[str, float]:
         """Seconds once per step for a layer: optimizer update and exposed gradient sync."""
-        params = self._tp_params(layer, split, layout)
+        params = self.tp_params(layer, split, layout)
         grad_size = self.groups.grad_size(layout)
         shard = self.groups.shard_size(layout) if layout.zero_stage >= 1 and grad_size > 1 else 1
         bandwidth = gpu.memory_bandwidth_Bps * gpu.efficiency_of("elementwise")
@@ -473,12 +396,13 @@ class LayerCost:
             return self._scaled({"optimizer": update, "dp_comm": 0.0})
         return self._scaled({"optimizer": update, "dp_comm": self._pipelined_zero_s(layer, split, layout, backward)})
 
-    def _replica_sync_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, backward_s: float) -> float:
+    def _replica_sync_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
+                        backward_s: float) -> float:
         """ZeRO-0/1: the gradients' all-reduce after the last micro-batch (per FSDP unit, or the
         generated exchange's buckets), and ZeRO-1's all-gather of the updated parameters: one
         flat message per pipeline rank (ShardedAdamW; the layer's share of the model's
         parameters over pp, as a stage's share is not known per layer)."""
-        params = self._tp_params(layer, split, layout)
+        params = self.tp_params(layer, split, layout)
         if self.sync.cost(layout, 1.0).algorithm not in FSDP_ALGORITHMS:  # the generated exchange's buckets
             exposed = self.sync.exposed_s(self.sync.cost(layout, params * self.grads_bytes), backward_s)
         else:
@@ -492,7 +416,8 @@ class LayerCost:
                                          self.groups.shard_group(layout)) * params / max(flat, params)
         return exposed
 
-    def _pipelined_zero_s(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout, backward_s: float) -> float:
+    def _pipelined_zero_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
+                          backward_s: float) -> float:
         """ZeRO-2/3 under a pipeline schedule, once per step: the schedule keeps gradients
         unreduced until the last micro-batch's backward (one reduce-scatter per unit, measured),
         ZeRO-2 and the root gather once, and ZeRO-3's other units once more for backward."""
@@ -501,7 +426,7 @@ class LayerCost:
         gather = self._unit_share_s(Collective.ALL_GATHER, layer, split, layout, self.weights_bytes, group)
         return gather + exposed_s(rs, backward_s) + self._replica_reduce_s(layer, split, layout)
 
-    def _tp_params(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> float:
+    def tp_params(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout) -> float:
         """Parameters of the layer on one rank (after TP and expert parallelism): what its
         gradient synchronisation and ZeRO gathers move. Expert gradients are summed over the
         expert-data-parallel group (dp / ep ranks), priced as the whole gradient group's
@@ -509,7 +434,7 @@ class LayerCost:
         (n-1)/n)."""
         return sum(self._rank_params(layer, split, layout))
 
-    def _rank_params(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> tuple[float, float]:
+    def _rank_params(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout) -> tuple[float, float]:
         """(dense, expert) parameters of the layer on one rank: TP's split applied to both
         alike, the stacked experts further divided by ep."""
         sharded = layer.param_count * split.tp_sharded_param_fraction
@@ -518,9 +443,9 @@ class LayerCost:
         if moe is None or not layer.param_count:
             return on_rank, 0.0
         expert_share = moe.expert_params / layer.param_count
-        return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep / self._expert_tp(layout)
+        return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep / expert_tp(layout)
 
-    def _states(self, layer: Any, split: TPLayerSplit, layout: ParallelLayout) -> ModelStates:
+    def states(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout) -> ModelStates:
         grad_size = self.groups.grad_size(layout)
         dense, experts = self._rank_params(layer, split, layout)
         zero = layout.zero_stage if grad_size > 1 else 0
@@ -536,7 +461,7 @@ class LayerCost:
                            states.optimizer_bytes + expert.optimizer_bytes,
                            states.compute_copy_bytes + expert.compute_copy_bytes)
 
-    def _send_s(self, layer: Any, layout: ParallelLayout, scale: float) -> float:
+    def send_s(self, layer: "LayerProfile", layout: ParallelLayout, scale: float) -> float:
         """Activation to the next stage forward and its gradient back (Narayanan et al. 2021:
         b·s·h per micro-batch; ÷ t under SP, ÷ cp)."""
         if layout.pp == 1:
@@ -545,14 +470,14 @@ class LayerCost:
         return 2 * self.groups.collective_s(Collective.SEND_RECV, nbytes, self.groups.placement(layout, "pp")) * \
             self.cluster.scale_of("pp_comm")
 
-    def _overhead_bytes(self, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> int:
+    def overhead_bytes(self, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> int:
         return int(sum(self._buffers(layout, scale, gpu).values()))
 
     def _buffers(self, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> dict[str, float]:
         """Memory besides model states and stored activations (the gathered compute copy of
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
         largest = self._largest_params_on_rank(layout.ep) / layout.tp
-        buffers = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
+        buffers: dict[str, float] = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
         sharded = self.groups.grad_size(layout) > 1
         if layout.zero_stage == 3 and sharded and self.train.zero3_runtime == "deepspeed_2021":
             # One tensor at a time, not a block (cost_models.deepspeed_zero3).
@@ -574,7 +499,7 @@ class LayerCost:
         # together while the block runs (in forward, and in backward, which recomputes them).
         # Transients of different moments: the larger counts, not their sum.
         ring = 0.0
-        if self._ring_attention(layout):
+        if ring_attention(layout):
             block = 4 * self.structure.score_elements * scale / layout.tp / layout.cp ** 2
             ring = 2 * min(block, RING_TILE_SCORE_BYTES)  # codegen tiles a block's queries to this
         if layout.ep > 1 and self.experts.has_experts:
@@ -592,30 +517,3 @@ class LayerCost:
             return self.structure.largest_params
         return max(layer.param_count - (moe.expert_params - moe.expert_params / ep if (moe := self.experts.experts_of(
             layer.name)) else 0) for layer in self.layers)
-
-    def tp_collectives(self, layout: ParallelLayout) -> dict[str, int]:
-        """Collective -> how many the TP group issues per step under `layout`'s prices: each
-        layer's split (forward ones again where fully recomputed) and, under sequence
-        parallelism, its boundaries' gathers, times the micro-batches. What a test counts in a
-        generated step."""
-        if layout.tp == 1:
-            return {}
-        reference = self._device_facts(layout)[0]
-        counts: dict[str, int] = {}
-        options = self.layer_options(layout)
-        for layer, option in zip(self.layers, options):
-            split = self.split(layer.name, layout, reference)
-            for op, _ in self.tp_issued(split, layout, self.recompute_options[option] == Recompute.FULL):
-                counts[op] = counts.get(op, 0) + layout.num_micro_batches
-        return counts
-
-    def ep_collectives(self, layout: ParallelLayout) -> dict[str, int]:
-        """Collective -> how many the expert-parallel groups issue per step under `layout`'s
-        prices: each MoE layer's dispatch and combine all-to-alls (cost_models.expert_parallel),
-        times the micro-batches. What a test counts in a generated step."""
-        if layout.ep == 1:
-            return {}
-        options = self.layer_options(layout)
-        count = sum(all_to_alls(self.recompute_options[option], moe.dropless)
-                    for layer, option in zip(self.layers, options) if (moe := self.experts.experts_of(layer.name)))
-        return {"all_to_all": count * layout.num_micro_batches} if count else {}

@@ -1,8 +1,8 @@
 """Where a layout's groups sit and what their collectives cost: the gradient, shard and replica
-groups, the GPU types of each pipeline and data-parallel rank, the gradient synchronisation
-algorithm and its buckets.
+groups, the GPU types of each pipeline and data-parallel rank (`LayoutGroups`, the pricer's
+`groups`), and how a mixed cluster shares a batch by speed (`proportional_shares`).
 
-A mixin of `cost_models.step.PlanPricer`; mesh arithmetic itself is `autopar.domain.mesh`'s.
+Mesh arithmetic itself is `autopar.domain.mesh`'s.
 """
 from __future__ import annotations
 
@@ -132,56 +132,3 @@ class LayoutGroups:
         if key not in self._collectives:
             self._collectives[key] = collective_time_s(op, nbytes, group)
         return self._collectives[key]
-
-
-class Placement:
-    """Gradient synchronisation and the speed and memory of each pipeline rank, for PlanPricer
-    (mixed into it; the groups themselves are its `groups`, a `LayoutGroups`)."""
-
-    def _device_facts(self, layout: ParallelLayout) -> tuple[GPUSpec, list[float], list[int]] | None:
-        """(reference GPU, speed factor and usable memory per pipeline rank), or None when a TP
-        group would mix GPU types. Cached per rank layout."""
-        key = (mesh_of(layout), layout.micro_batch_size, tuple(getattr(layout, "dp_shares", ()) or ()))
-        if key not in self._devices:
-            self._devices[key] = self._compute_device_facts(layout)
-        return self._devices[key]
-
-    def _compute_device_facts(self, layout: ParallelLayout):
-        if layout.tp > 1 and not self.groups.tp_groups_homogeneous(layout):
-            return None
-        pp_gpus = self.groups.pp_rank_gpus(layout)
-        reference = pp_gpus[0][0]
-        if self.groups.homogeneous and not getattr(layout, "dp_shares", ()):
-            # One GPU type, even shares: every pipeline rank runs at the reference's speed.
-            return reference, [1.0] * layout.pp, [int(reference.memory_bytes
-                                                      * (1 - self.cluster.memory_headroom_fraction))] * layout.pp
-        distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
-        total = {name: sum(self.split(each.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
-                           for each in self.layers) for name, gpu in distinct.items()}
-        # A pipeline rank's data-parallel replicas run in lockstep: the slowest GPU type paces it,
-        # unless each data-parallel rank gets a share of the batch (then the slowest share does).
-        slowest_gpu = [max(group, key=lambda g: total[g.name]) for group in pp_gpus]
-        speed = [total[g.name] / total[reference.name] if total[reference.name] else 1.0 for g in slowest_gpu]
-        shares = self.dp_shares(layout, total)
-        if shares and total[reference.name]:
-            gpus = self.groups.dp_rank_gpus(layout)
-            speed = [max(b * total[g.name] for b, g in zip(shares, gpus))
-                     / (layout.micro_batch_size * total[reference.name])]
-        capacity = [int(min(g.memory_bytes for g in group) * (1 - self.cluster.memory_headroom_fraction))
-                    for group in pp_gpus]
-        return reference, speed, capacity
-
-    def dp_shares(self, layout: ParallelLayout, total: dict[str, float] | None = None) -> tuple[int, ...]:
-        """Samples per micro-batch of each data-parallel rank: the layout's own, or, when its
-        data-parallel ranks mix GPU types (pp=1), shares in proportion to each GPU's speed
-        (largest remainder, at least one each) so all finish together; () when even."""
-        pinned = tuple(getattr(layout, "dp_shares", ()) or ())
-        if pinned or layout.pp > 1 or layout.dp == 1 or self.groups.homogeneous:
-            return pinned
-        gpus = self.groups.dp_rank_gpus(layout)
-        if len({g.name for g in gpus}) == 1:
-            return ()
-        if total is None:
-            total = {g.name: sum(self.split(each.name, layout, g).compute.time_s(1.0, g.launch_overhead_s)
-                                 for each in self.layers) for g in gpus}
-        return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)

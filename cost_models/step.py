@@ -1,9 +1,14 @@
 """Step assembly: price a parallel layout into per-layer times and memory, then a training step.
 
-`PlanPricer` is split by concern: where groups sit and what they cost (`placement.py`), what a
-layer costs under a layout (`layer_cost.py`), the estimate and the breakdowns the report reads
-(`breakdowns.py`); this module holds the caches (keyed by projections of the frozen
-`ParallelLayout`) and assembles the partition problem and the step.
+`PlanPricer` owns one collaborator per concern, each built from explicit dependencies and
+testable alone: where a layout's groups sit and what their collectives cost (`groups`,
+placement.py), the gradient synchronisation (`sync`, dp_sync.py), what the model fixes for every
+plan (`structure`, structure.py), each layer kind's TP split (`splits`, layer_split.py), the speed
+and memory of each pipeline rank (`ranks`, ranks.py), what a layer costs under a layout
+(`layer_prices`, layer_cost.py), the collectives a step issues (`issued`, issued.py) and the
+estimate and the breakdowns the report reads (`assembler`, breakdowns.py). This module holds the
+per-layer price tables (cached by projections of the frozen `ParallelLayout`) and assembles the
+partition problem and the step.
 
     from cost_models import estimate, ParallelLayout, TrainSpec, ClusterSpec
     est = estimate(profile, cluster, ParallelLayout(dp=8, zero_stage=1), TrainSpec(global_batch_size=64))
@@ -38,31 +43,34 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from cost_models.breakdowns import Breakdowns, Estimate
-from cost_models.collectives import Collective
+from autopar.domain.layout import ParallelLayout, TrainSpec
+from autopar.domain.vocabulary import DPSync, Recompute, Schedule
+from cost_models.breakdowns import Estimate, EstimateAssembler, PerStepRows, TimeRows
+from cost_models.collectives import OVERLAP_INTERFERENCE, Collective, exposed_s
 from cost_models.compute import ComputeModel
+from cost_models.dp_sync import BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, GradientSync
 from cost_models.expert_parallel import ExpertFacts
 from cost_models.hardware import GPUSpec
-from cost_models.issued import IssuedCollectives
-from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, OVERLAP_INTERFERENCE,
-                                    RING_TILE_SCORE_BYTES, LayerCost, TPLayerSplit, TPSplitter,
-                                    exposed_s)
-from autopar.domain.layout import ParallelLayout, TrainSpec
-from cost_models.validate import validate, validate_layout, validate_train
-from autopar.domain.vocabulary import DPSync, Recompute, Schedule
-from cost_models.memory import RECOMPUTE_OPTIONS, LayerActivations, activation_bytes, state_bytes_per_param
+from cost_models.issued import Counts, IssuedCollectives
+from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, RING_TILE_SCORE_BYTES, LayerPrices,
+                                    expert_tp, ring_attention)
+from cost_models.layer_split import LayerSplits, TPLayerSplit, TPSplitter
+from cost_models.memory import RECOMPUTE_OPTIONS, activation_bytes, state_bytes_per_param
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
-from cost_models.dp_sync import BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, POST_BACKWARD_SYNC, GradientSync
-from cost_models.placement import LayoutGroups, Placement, proportional_shares
+from cost_models.placement import LayoutGroups, proportional_shares
+from cost_models.ranks import PipelineRanks
 from cost_models.structure import ModelStructure, attention_io_bytes
 from cost_models.topology import ClusterSpec
+from cost_models.validate import validate, validate_layout, validate_train
 
 SCALAR_BYTES = 8  # one float64: gradient clipping's sum of squares, a token-level loss's count
 
 if TYPE_CHECKING:
-    from autopar.profile import ModelProfile
+    from autopar.profile import LayerProfile, ModelProfile
+
+Row = TypeVar("Row")
 
 __all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", "validate", "validate_layout",
            "TPLayerSplit", "TPSplitter", "CUDA_CONTEXT_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "OVERLAP_INTERFERENCE",
@@ -74,7 +82,7 @@ __all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", 
 # -- the module-level entry point ---------------------------------------------------------------
 
 _PRICERS: "OrderedDict[tuple, PlanPricer]" = OrderedDict()
-_SHARED: "OrderedDict[int, tuple[Any, ComputeModel]]" = OrderedDict()
+_SHARED: "OrderedDict[int, tuple[ModelProfile, ComputeModel]]" = OrderedDict()
 _CACHE_SIZE = 8
 
 
@@ -110,7 +118,7 @@ def _shared_compute(profile: "ModelProfile") -> ComputeModel:
     return entry[1]
 
 
-class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
+class PlanPricer:
     """Prices configurations of one model on one cluster; caches what repeats across calls.
 
     Args:
@@ -132,38 +140,41 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         self.tp_splitter = tp_splitter
         self.recompute_options = tuple(recompute_options)
         self.layers = profile.layers
-        self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
         # Each layer's kind, and the first layer of each kind in model order: what `_rows` prices.
         self._layer_kinds = [self.compute.kind(layer.name) for layer in self.layers]
-        self._first_of_kind: dict[str, Any] = {}
+        self._first_of_kind: dict[str, "LayerProfile"] = {}
         for kind, layer in zip(self._layer_kinds, self.layers):
             self._first_of_kind.setdefault(kind, layer)
         self.b0 = profile.micro_batch_size
-        self._splits: dict[tuple, TPLayerSplit] = {}
-        self._base_acts: dict[str, LayerActivations] = {}
         self._problems: dict[ParallelLayout, PartitionProblem | None] = {}
         self._shared_rows: dict[ParallelLayout, dict[str, Any] | None] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
         self._totals_cache: dict[int, tuple[list, list]] = {}
-        self._devices: dict[tuple, Any] = {}
         self._scalar_all_reduce_s: dict[int, float] = {}
-        self._peak_flops = sum(self.cluster.gpu_of_rank(r).flops(self.compute.dtype)
-                               for r in range(cluster.world_size))
         self._row_cache: dict[tuple, list] = {}
-        self.groups = LayoutGroups(cluster)  # where each layout's groups sit, and their collectives' cost
-        self.sync = GradientSync(self.groups, self.compute, self.layers, self.grads_bytes, self.b0, train.precision)
         self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}
-        self._unit_params: dict[tuple, float] = {}
+        grads_bytes = state_bytes_per_param(train.precision, train.optimizer)[1]
+        self.groups = LayoutGroups(cluster)  # where each layout's groups sit, and their collectives' cost
+        self.sync = GradientSync(self.groups, self.compute, self.layers, grads_bytes, self.b0, train.precision)
         self.structure = ModelStructure(profile, self.compute)  # FSDP units, tied weights, attention sizes
         self.experts = ExpertFacts.of(profile)
+        self.splits = LayerSplits(profile, self.compute, self.groups, tp_splitter)
+        self.ranks = PipelineRanks(cluster, self.groups, self.splits, self.layers)
+        self.layer_prices = LayerPrices(profile, cluster, train, self.compute, self.groups, self.sync, self.structure,
+                                        self.experts, self.splits, self.ranks)
+        self.issued = IssuedCollectives(profile, train, self.compute, self.structure, self.groups, self.sync,
+                                        self.experts, self.splits, self.ranks, self.layer_prices,
+                                        self.recompute_options)
+        self.assembler = EstimateAssembler(profile, cluster, train, self.groups, self.sync, self.splits, self.ranks,
+                                           self.layer_prices, self.compute.dtype)
 
-    @property
-    def weights_bytes(self) -> int:
-        return state_bytes_per_param(self.train.precision, self.train.optimizer)[0]
+    def split(self, layer_name: str, layout: ParallelLayout, gpu: GPUSpec) -> TPLayerSplit:
+        """The layer kind under the layout's TP degree on `gpu` (`LayerSplits.split`)."""
+        return self.splits.split(layer_name, layout, gpu)
 
-    @property
-    def grads_bytes(self) -> int:
-        return state_bytes_per_param(self.train.precision, self.train.optimizer)[1]
+    def issued_collectives(self, layout: ParallelLayout) -> Counts:
+        """Collective -> calls in one step on the counted ranks (`IssuedCollectives.per_step`)."""
+        return self.issued.per_step(layout)
 
     # -- per-layer price tables (cached) ------------------------------------------------------
 
@@ -176,7 +187,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
             return self._problems[key]
         rows = self._partition_rows(layout)
         in_flight = self._in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks)
-        shares = self.dp_shares(layout) if rows is not None else ()
+        shares = self.ranks.dp_shares(layout) if rows is not None else ()
         if shares:  # the rank with the largest share holds that many samples' activations
             in_flight = [held * max(shares) / layout.micro_batch_size for held in in_flight]
         problem = None if rows is None else PartitionProblem(
@@ -193,28 +204,29 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         if key in self._shared_rows:
             return self._shared_rows[key]
         validate_train(self.train, self.profile)
-        devices = self._device_facts(layout)
+        devices = self.ranks.device_facts(layout)
         if devices is None:
             self._shared_rows[key] = None
             return None
         reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
         times = self._totals(self.time_parts_rows(layout, reference))
-        keeps_attention = not self._ring_attention(layout)
+        keeps_attention = not ring_attention(layout)
         activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
                                                         layout.micro_batch_size, keeps_attention),
-                                 lambda layer, split: [int(activation_bytes(self.layer_activations(layer, split), scale,
-                                                                            layout.tp, layout.sequence_parallel,
+                                 lambda layer, split: [int(activation_bytes(self.splits.layer_activations(layer, split),
+                                                                            scale, layout.tp, layout.sequence_parallel,
                                                                             layout.cp, option, keeps_attention))
                                                        for option in self.recompute_options], reference)
         statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout), layout.ep,
-                                                self._expert_tp(layout)),
-                             lambda layer, split: int(self._states(layer, split, layout).total_bytes), reference)
+                                                expert_tp(layout)),
+                             lambda layer, split: int(self.layer_prices.states(layer, split, layout).total_bytes),
+                             reference)
         sends = self._rows("send", layout, (layout.pp, self.groups.span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
-                           lambda layer, split: self._send_s(layer, layout, scale), reference)
+                           lambda layer, split: self.layer_prices.send_s(layer, layout, scale), reference)
         per_step = self._totals(self.per_step_rows(layout, reference))
-        overhead = self._overhead_bytes(layout, scale, reference)
+        overhead = self.layer_prices.overhead_bytes(layout, scale, reference)
         rows = dict(time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
                     capacity_bytes=capacity, overhead_bytes=[overhead] * layout.pp, speed=speed, per_step_s=per_step)
         self._shared_rows[key] = rows
@@ -242,17 +254,18 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                                           for d in range(stages)]
         return self._in_flight_cache[key]
 
-    def time_parts_rows(self, layout: ParallelLayout, reference: GPUSpec) -> list[list[dict[str, float]]]:
+    def time_parts_rows(self, layout: ParallelLayout, reference: GPUSpec) -> TimeRows:
         """[layer][recompute option] -> seconds per micro-batch by kind (layer_time_parts)."""
         scale = layout.micro_batch_size / self.b0
         return self._rows("time", layout, (layout.tp, layout.cp, layout.sequence_parallel, layout.cp_strategy,
                                            layout.micro_batch_size, self._zero_key(layout),
                                            self.groups.span(layout, "tp"), self.groups.span(layout, "cp"),
-                                           self._ep_key(layout)),
-                          lambda layer, split: self.layer_time_parts(layer, split, layout, scale,
-                                                                     self.recompute_options, reference), reference)
+                                           self.layer_prices.ep_key(layout)),
+                          lambda layer, split: self.layer_prices.layer_time_parts(layer, split, layout, scale,
+                                                                                  self.recompute_options, reference),
+                          reference)
 
-    def per_step_rows(self, layout: ParallelLayout, reference: GPUSpec) -> list[dict[str, float]]:
+    def per_step_rows(self, layout: ParallelLayout, reference: GPUSpec) -> PerStepRows:
         """[layer] -> seconds once per step by kind (per_step_parts)."""
         scale = layout.micro_batch_size / self.b0
         return self._rows("per_step", layout, (layout.tp, layout.cp, layout.dp, layout.zero_stage,
@@ -260,15 +273,48 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
                                                self.groups.shard_size(layout), layout.micro_batch_size,
                                                getattr(layout, "dp_sync", DPSync.AUTO), tuple(layout.mesh_order),
                                                layout.ep,
-                                               self._expert_tp(layout), layout.pp, self.groups.span(layout, "tp")),
-                          lambda layer, split: self.per_step_parts(layer, split, layout, scale, reference), reference)
+                                               expert_tp(layout), layout.pp, self.groups.span(layout, "tp")),
+                          lambda layer, split: self.layer_prices.per_step_parts(layer, split, layout, scale, reference),
+                          reference)
 
-    def _rows(self, what: str, layout: ParallelLayout, key: tuple, price: Any, reference: GPUSpec) -> list:
+    def compute_floor(self, layout: ParallelLayout) -> tuple[list[float], list[float]] | None:
+        """(per-layer seconds of a micro-batch below every recompute option's price, speed per
+        pipeline rank), or None when the layout cannot run: compute without recomputation plus
+        the least tensor- and context-parallel communication any option pays (no option avoids
+        its layer's exchanges), no data-parallel or ZeRO traffic. It costs a fraction of
+        `partition_problem` and is shared by layouts differing only in ZeRO stage, schedule or
+        sharding, so the search orders candidates by it and prices only those that could win
+        (communication in the floor keeps most context-parallel layouts from ever being priced)."""
+        # The mesh spelled as its order and degrees: the search asks once per candidate (hundreds
+        # of thousands), and building a Mesh for the key cost more than the lookup.
+        key = (tuple(layout.mesh_order), layout.dp, layout.tp, layout.pp, layout.cp, layout.micro_batch_size,
+               layout.sequence_parallel, layout.cp_strategy, tuple(getattr(layout, "dp_shares", ()) or ()), layout.ep,
+               expert_tp(layout))
+        if key not in self._floors:
+            devices = self.ranks.device_facts(layout)
+            if devices is None:
+                self._floors[key] = None
+                return None
+            reference, speed, _ = devices
+            scale = layout.micro_batch_size / self.b0
+            spans = (self.groups.span(layout, "tp"), self.groups.span(layout, "cp"))
+            rows = self._rows("compute_floor", layout, (layout.tp, spans[0], layout.sequence_parallel, layout.cp,
+                                                        layout.cp_strategy, spans[1], layout.micro_batch_size,
+                                                        self.layer_prices.ep_key(layout)),
+                              lambda layer, split: self.layer_prices.floor_s(layer, split, layout, scale,
+                                                                             self.recompute_options, reference),
+                              reference)
+            self._floors[key] = (rows, speed)
+        return self._floors[key]
+
+
+    def _rows(self, what: str, layout: ParallelLayout, key: tuple,
+              price: Callable[["LayerProfile", TPLayerSplit], Row], reference: GPUSpec) -> list[Row]:
         """One value per layer, priced once per layer kind and cached by what the value depends on
         (the planner prices tens of thousands of configurations that share most of these)."""
         full_key = (what, reference.signature, key)
         if full_key not in self._row_cache:
-            by_kind = {kind: price(layer, self.split(layer.name, layout, reference))
+            by_kind = {kind: price(layer, self.splits.split(layer.name, layout, reference))
                        for kind, layer in self._first_of_kind.items()}
             self._row_cache[full_key] = [by_kind[kind] for kind in self._layer_kinds]
         return self._row_cache[full_key]
@@ -290,7 +336,7 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         rank that each pipeline rank waits for before its update (every other cost is attributed
         to a layer): gradient clipping's sum of squares, and a token-level loss's count of
         counted targets (`weighs_tokens`)."""
-        calls = int(self.train.clip_grad_norm) + int(self.weighs_tokens(layout))
+        calls = int(self.train.clip_grad_norm) + int(self.structure.weighs_tokens(layout))
         if not calls:
             return 0.0
         ranks = layout.world_size  # every rank: the mesh order does not change the group
@@ -298,13 +344,6 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
             group = self.cluster.group_links(list(range(ranks)))
             self._scalar_all_reduce_s[ranks] = self.groups.collective_s(Collective.ALL_REDUCE, SCALAR_BYTES, group)
         return calls * self._scalar_all_reduce_s[ranks]
-
-    def weighs_tokens(self, layout: ParallelLayout) -> bool:
-        """Whether the step weighs a token-level loss by counts: the loss is a mean over the
-        targets it counts (the profile's ``token_loss``) and the layout splits the batch (data or
-        context parallel ranks, or micro-batches), so parts count different numbers of them."""
-        splits = layout.dp * layout.cp > 1 or layout.num_micro_batches > 1
-        return splits and getattr(self.profile, "token_loss", None) is not None
 
     # -- a complete layout ----------------------------------------------------------------------
 
@@ -318,39 +357,14 @@ class PlanPricer(Placement, LayerCost, IssuedCollectives, Breakdowns):
         problem = self.partition_problem(layout)
         if problem is None:
             raise ValueError("a tensor-parallel group would mix GPU types; change the mesh order or tp")
-        starts = self.stage_starts(layout)
-        options = self.layer_options(layout)
+        starts = self.structure.stage_starts(layout)
+        options = self.structure.layer_options(layout, self.recompute_options)
         partition = evaluate(problem, starts, options)
         fits = partition is not None
         if partition is None:
             partition = evaluate(replace(problem, capacity_bytes=[2**62] * problem.devices), starts, options)
         if partition is None:  # without a memory limit every split evaluates
             raise ValueError("the stage split cannot be priced")
-        return self._assemble(layout, problem, partition, fits)
-
-    def stage_starts(self, layout: ParallelLayout) -> list[int]:
-        stages = layout.pp * layout.chunks
-        if layout.stages:
-            return [self.layer_index[stage[0]] for stage in layout.stages]
-        return even_stage_starts([layer.repeat_of or layer.name for layer in self.layers], stages)
-
-    def layer_options(self, layout: ParallelLayout) -> list[int]:
-        recompute = layout.recompute
-        names = [recompute.get(layer.name, "none") if isinstance(recompute, dict) else recompute
-                 for layer in self.layers]
-        return [self.recompute_options.index(name) for name in names]
-
-
-def even_stage_starts(kinds: list[str], stages: int) -> list[int]:
-    """First layer of each stage when none is pinned: the repeated blocks (the layers of the most
-    common kind) split evenly, what comes before the first block joining the first stage and what
-    comes after the last joining the last, as Megatron-LM and torchtitan split a model by hand
-    (embedding on the first stage, head on the last). Splitting every layer by count instead gave
-    a 1T GPT on 64 stages a stage of its own for the embeddings and three blocks to some others.
-    Falls back to an even split by count when the blocks are fewer than the stages or interrupted."""
-    count = len(kinds)
-    block_kind = max(dict.fromkeys(kinds), key=kinds.count)
-    blocks = [i for i, kind in enumerate(kinds) if kind == block_kind]
-    if len(blocks) < stages or blocks != list(range(blocks[0], blocks[-1] + 1)):
-        return [round(j * count / stages) for j in range(stages)]
-    return [0] + [blocks[0] + round(j * len(blocks) / stages) for j in range(1, stages)]
+        reference = self.ranks.reference_gpu(layout)
+        return self.assembler.assemble(layout, problem, partition, fits, self.time_parts_rows(layout, reference),
+                                       self.per_step_rows(layout, reference), self.fixed_time_s(layout))

@@ -5,8 +5,10 @@ model, whatever the layout: which FSDP unit a layer belongs to (codegen wraps ea
 the rest at the root), which layer reads a weight another holds (a head tied to the embedding),
 which norms run on the sequence slice under sequence parallelism, how large the fused attention
 is (what context parallelism moves, ring attention's score blocks, the head count Ulysses
-divides) and the largest layer's parameters, tensor and backward working set. `ModelStructure` answers
-them from the profile and the compute model alone, so it is built and tested without a cluster.
+divides) and the largest layer's parameters, tensor and backward working set; and, given a
+layout, where its stages start, how each layer is recomputed and whether the loss weighs tokens by
+counts. `ModelStructure` answers them from the profile and the compute model alone, so it is built
+and tested without a cluster.
 
     structure = ModelStructure(profile, compute)
     structure.fsdp_units(["blocks.0", "blocks.1", "ln_f"])   # ([["blocks.0"], ["blocks.1"], ["ln_f"]], [])
@@ -16,17 +18,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from autopar.domain.layout import fsdp_groups
+from autopar.domain.layout import ParallelLayout, fsdp_groups
 from cost_models.compute import ComputeModel
 from cost_models.tp_layout import ModuleTree, sp_layer_layout
 
 if TYPE_CHECKING:
-    from autopar.profile import ModelProfile
+    from autopar.profile import LayerProfile, ModelProfile, OpProfile
 
 
-def attention_io_bytes(op: Any) -> tuple[float, float]:
+def attention_io_bytes(op: "OpProfile") -> tuple[float, float]:
     """(query bytes, key + value bytes) entering a fused attention op, at the element size of its
     output (the compute dtype). Grouped-query attention has fewer K/V heads than query heads, which
     is what makes ring attention's K/V traffic smaller than Ulysses' all-to-alls. Falls back to
@@ -100,6 +102,34 @@ class ModelStructure:
                     tied[op.layer] = owner[param]
         return tied
 
+    # -- stages, recomputation and the loss under a layout ----------------------------------------
+
+    def stage_starts(self, layout: ParallelLayout) -> list[int]:
+        """Index of the first layer of each (virtual) stage: the layout's pinned stages, or
+        `even_stage_starts`."""
+        stages = layout.pp * layout.chunks
+        if layout.stages:
+            return [self.layer_index[stage[0]] for stage in layout.stages]
+        return even_stage_starts([layer.repeat_of or layer.name for layer in self.layers], stages)
+
+    def layer_options(self, layout: ParallelLayout, options: tuple[str, ...]) -> list[int]:
+        """Each layer's recompute option under the layout, as its index in ``options``.
+
+        Raises:
+            ValueError: the layout recomputes a layer in a way ``options`` does not offer.
+        """
+        recompute = layout.recompute
+        names = [recompute.get(layer.name, "none") if isinstance(recompute, dict) else recompute
+                 for layer in self.layers]
+        return [options.index(name) for name in names]
+
+    def weighs_tokens(self, layout: ParallelLayout) -> bool:
+        """Whether the step weighs a token-level loss by counts: the loss is a mean over the
+        targets it counts (the profile's ``token_loss``) and the layout splits the batch (data or
+        context parallel ranks, or micro-batches), so parts count different numbers of them."""
+        splits = layout.dp * layout.cp > 1 or layout.num_micro_batches > 1
+        return splits and getattr(self.profile, "token_loss", None) is not None
+
     # -- sequence parallelism -------------------------------------------------------------------
 
     def slice_norm_params(self, layer: str) -> list[str]:
@@ -116,7 +146,7 @@ class ModelStructure:
 
     # -- sizes ------------------------------------------------------------------------------------
 
-    def working_set_bytes(self, layer: Any) -> float:
+    def working_set_bytes(self, layer: "LayerProfile") -> float:
         """What a layer's backward holds beyond the stored activations, at the profiled
         micro-batch: its full activations (recomputed, or gradients as large) or, where more, its
         two largest gradient temporaries alive together (an op's incoming and outgoing gradient:
@@ -127,7 +157,7 @@ class ModelStructure:
         return max(float(layer.activation_bytes), float(sum(gradients[:2])))
 
     @staticmethod
-    def _attention_input_bytes(attention: list[Any]) -> dict[str, tuple[float, float]]:
+    def _attention_input_bytes(attention: list["OpProfile"]) -> dict[str, tuple[float, float]]:
         """Per layer, (query, key + value) bytes entering fused attention: what context
         parallelism moves. Only those inputs: a mask the model materialised (Hugging Face builds
         an S x S one when traced) is not part of the exchange."""
@@ -139,7 +169,7 @@ class ModelStructure:
         return result
 
     @staticmethod
-    def _attention_scores(attention: list[Any]) -> float:
+    def _attention_scores(attention: list["OpProfile"]) -> float:
         """Elements of the largest fused attention's score matrix (batch x heads x queries x
         keys) at the profiled micro-batch: what ring attention's blocks materialise."""
         largest = 0.0
@@ -150,7 +180,22 @@ class ModelStructure:
         return largest
 
     @staticmethod
-    def _attention_heads(attention: list[Any]) -> int | None:
+    def _attention_heads(attention: list["OpProfile"]) -> int | None:
         """Attention heads (dim 1 of the first fused attention's query), for Ulysses' divisibility."""
         return next((int(op.input_shapes[0][1]) for op in attention
                      if op.input_shapes and len(op.input_shapes[0]) == 4), None)
+
+
+def even_stage_starts(kinds: list[str], stages: int) -> list[int]:
+    """First layer of each stage when none is pinned: the repeated blocks (the layers of the most
+    common kind) split evenly, what comes before the first block joining the first stage and what
+    comes after the last joining the last, as Megatron-LM and torchtitan split a model by hand
+    (embedding on the first stage, head on the last). Splitting every layer by count instead gave
+    a 1T GPT on 64 stages a stage of its own for the embeddings and three blocks to some others.
+    Falls back to an even split by count when the blocks are fewer than the stages or interrupted."""
+    count = len(kinds)
+    block_kind = max(dict.fromkeys(kinds), key=kinds.count)
+    blocks = [i for i, kind in enumerate(kinds) if kind == block_kind]
+    if len(blocks) < stages or blocks != list(range(blocks[0], blocks[-1] + 1)):
+        return [round(j * count / stages) for j in range(stages)]
+    return [0] + [blocks[0] + round(j * len(blocks) / stages) for j in range(1, stages)]

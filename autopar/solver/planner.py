@@ -412,8 +412,8 @@ class Planner:
                               for module, style in self._tp_styles(scored.candidate.tp).items())
             and (self.profile.layers[-1].name, scored.candidate.tp) in self.splitter.loss_parallel,
             dp_sync=dp_sync, dp_bucket_bytes=self.pricer.sync.bucket_bytes(layout),
-            dp_shares=list(self.pricer.dp_shares(layout)),
-            token_loss=self.pricer.weighs_tokens(layout), data_dependent=self.profile.data_dependent,
+            dp_shares=list(self.pricer.ranks.dp_shares(layout)),
+            token_loss=self.pricer.structure.weighs_tokens(layout), data_dependent=self.profile.data_dependent,
             estimated=list(self.profile.estimated), real_values=self.profile.real_values, layer_names=names,
             block_containers=list(self.profile.block_containers), global_batch_size=self.train.global_batch_size,
             precision=self.train.precision, optimizer=self.train.optimizer,

@@ -25,7 +25,7 @@ from cost_models.tp_layout import ModuleTree, SPRole, after_blocks, paired_regio
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
-    from cost_models.layer_cost import TPSplitter
+    from cost_models.layer_split import TPSplitter
 
 _SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel", "head_norm"}
 _SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel", "head_norm"}  # saved outputs divide by t

@@ -10,7 +10,7 @@ pricer once divided by t and priced no gathers for), the generated module trains
 gloo ranks under the torch profiler, once at 2 and once at 4 micro-batches. Set-up and what a
 step issues once (the logged loss, the optimizer's reductions of replicated gradients) are the
 same in both runs, so their difference is 2 micro-batches' worth of collectives: what the pricer
-prices per micro-batch (`PlanPricer.tp_collectives`), by kind.
+prices per micro-batch (`IssuedCollectives.tp_collectives`), by kind.
 
 How they are made equal: a split region (attention, MLP with paired matmuls) receives its input
 as one replicated DTensor, so q, k and v share one reduction of their input gradient as the ILP
@@ -74,7 +74,7 @@ def _plan_and_price(model: TinyModel, sp: bool, latency_us: float):
     train = TrainSpec(global_batch_size=GLOBAL_BATCH, precision="fp32", optimizer="adam")
     pins = PlanPins(tp=2, sequence_parallel=sp, micro_batch_size=GLOBAL_BATCH // 2)
     plan = Planner(profile, cluster, train, SolverConfig(time_limit_s=60, top_k=0), pins).run().plan
-    priced = PlanPricer(profile, cluster, train, ILPSplitter(profile)).tp_collectives(plan.layout())
+    priced = PlanPricer(profile, cluster, train, ILPSplitter(profile)).issued.tp_collectives(plan.layout())
     return plan, priced, plan.with_updates(micro_batch_size=GLOBAL_BATCH // 4, num_micro_batches=4)
 
 

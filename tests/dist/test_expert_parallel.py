@@ -31,7 +31,7 @@ unless said:
   (ep=2) x tp=2 with sequence parallelism.
 - Expert tensor parallelism (each expert's width over the TP pair): Mixtral-like ep=2 x tp=2,
   Hugging Face Mixtral ep=2 x tp=2 with SP, aux-loss-free Mixtral-like pp=2 x tp=2 without EP.
-The all-to-alls every case with ep > 1 issues are those PlanPricer.ep_collectives prices. The
+The all-to-alls every case with ep > 1 issues are those IssuedCollectives.ep_collectives prices. The
 user-facing example examples/mixtral.py is compiled by `autopar compile` with plan.ep=2 on 2 CPU
 gloo ranks, in fp32 and in bf16, and both modules train in the 2-rank spawn.
 
@@ -246,7 +246,7 @@ def outcomes(request, tmp_path_factory) -> dict:
             split = "tracer" if MODELS[name].get("aux_loss", True) and model_file(name) == MOE else "modules"
             assert f"PIPELINE_SPLIT = {split!r}" in files.script.read_text()
         pricer = PlanPricer(moe_profile(name), plan_cluster(world), TrainSpec(GLOBAL_BATCH, precision="fp32"))
-        priced[case] = pricer.ep_collectives(plan.layout()).get("all_to_all", 0)
+        priced[case] = pricer.issued.ep_collectives(plan.layout()).get("all_to_all", 0)
         jobs.setdefault(world, []).append((case, str(files.script), str(out / "run.jsonl"), str(out / "final.pt")))
     for precision in PRECISIONS:
         if f"example_{precision}" not in wanted:

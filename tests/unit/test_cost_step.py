@@ -279,7 +279,8 @@ def test_zero2_gathers_parameters_every_micro_batch():
                  for m in (2, 4))
     layout = ParallelLayout(dp=2, micro_batch_size=1, num_micro_batches=4, zero_stage=2)
     group = pricer.groups.placement(layout, ("dp", "cp"))
-    by_hand = sum(collective_time_s(Collective.ALL_GATHER, layer.param_count * pricer.weights_bytes, group)
-                  + collective_time_s(Collective.REDUCE_SCATTER, layer.param_count * pricer.grads_bytes, group)
+    prices = pricer.layer_prices
+    by_hand = sum(collective_time_s(Collective.ALL_GATHER, layer.param_count * prices.weights_bytes, group)
+                  + collective_time_s(Collective.REDUCE_SCATTER, layer.param_count * prices.grads_bytes, group)
                   for layer in profile.layers if layer.param_count)
     assert four.time_breakdown["dp_comm"] - two.time_breakdown["dp_comm"] == pytest.approx(2 * by_hand, rel=0.02)

@@ -9,7 +9,7 @@ from autopar.domain.layout import ParallelLayout
 from cost_models.collectives import Algorithm, Collective, collective_time_s
 from cost_models.compute import ComputeModel
 from cost_models.dp_sync import BUCKET_CHOICES_BYTES, DP_BUCKET_BYTES, GradientSync
-from cost_models.layer_cost import OVERLAP_INTERFERENCE
+from cost_models.collectives import OVERLAP_INTERFERENCE
 from cost_models.placement import LayoutGroups
 from cost_models.topology import ClusterConfig, ClusterSpec
 from tests.profiles import gpt

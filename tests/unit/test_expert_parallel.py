@@ -89,10 +89,10 @@ def test_all_to_all_time_is_the_hand_count():
     # (imbalance 1.5 is for dropless experts; these are grouped with the model's capacity).
     nbytes = 2 * E * B0 * CAPACITY * moe.token_bytes
     group = p.cluster.group_links([0, 1, 2, 3])  # ep=4 consecutive data-parallel ranks, one node
-    assert p._ep_time_s(layer, layout, 2.0, "none") == pytest.approx(4 * all_to_all_s(nbytes, group))
-    assert p._ep_time_s(layer, layout, 2.0, "full") == pytest.approx(6 * all_to_all_s(nbytes, group))
-    assert p._ep_time_s(layer, replace(layout, ep=1), 2.0) == 0.0
-    assert p._ep_time_s(p.profile.layer("ln_f"), layout, 2.0) == 0.0
+    assert p.layer_prices._ep_time_s(layer, layout, 2.0, "none") == pytest.approx(4 * all_to_all_s(nbytes, group))
+    assert p.layer_prices._ep_time_s(layer, layout, 2.0, "full") == pytest.approx(6 * all_to_all_s(nbytes, group))
+    assert p.layer_prices._ep_time_s(layer, replace(layout, ep=1), 2.0) == 0.0
+    assert p.layer_prices._ep_time_s(p.profile.layer("ln_f"), layout, 2.0) == 0.0
 
 
 def test_an_expert_group_across_nodes_pays_the_network():
@@ -101,7 +101,8 @@ def test_an_expert_group_across_nodes_pays_the_network():
     assert one_node.groups.placement(layout, "ep").nodes == 1 and two_nodes.groups.placement(layout, "ep").nodes == 2
     layer = one_node.profile.layer("blocks.0")
     # Half of each rank's exchange leaves the node, through a NIC far slower than NVLink.
-    assert two_nodes._ep_time_s(layer, layout, 2.0) > 2 * one_node._ep_time_s(layer, layout, 2.0)
+    assert two_nodes.layer_prices._ep_time_s(layer, layout, 2.0) > \
+        2 * one_node.layer_prices._ep_time_s(layer, layout, 2.0)
 
 
 def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parallel_group():
@@ -110,7 +111,7 @@ def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parall
     dense = layer.param_count - EXPERT_PARAMS
     for zero, shard in ((0, 1), (3, 16)):
         layout = ParallelLayout(dp=16, ep=4, zero_stage=zero, micro_batch_size=4)
-        states = p._states(layer, p.split(layer.name, layout, p.cluster.node_gpus[0]), layout)
+        states = p.layer_prices.states(layer, p.split(layer.name, layout, p.cluster.node_gpus[0]), layout)
         kwargs = dict(fsdp=p.sync.uses_fsdp(layout), pipelined=False)
         want = (trained_model_states(dense, "fp32", "adam", zero, shard, **kwargs).total_bytes
                 + trained_model_states(EXPERT_PARAMS / 4, "fp32", "adam", zero, max(1, shard // 4),
@@ -119,7 +120,7 @@ def test_expert_states_are_divided_by_ep_and_sharded_over_the_expert_data_parall
     # ZeRO-0 by hand: fp32 weights, gradients and two Adam moments, 16 bytes a parameter.
     zero0 = ParallelLayout(dp=16, ep=4, micro_batch_size=4)
     split = p.split(layer.name, zero0, p.cluster.node_gpus[0])
-    assert p._states(layer, split, zero0).params_bytes == pytest.approx(4 * (dense + EXPERT_PARAMS / 4))
+    assert p.layer_prices.states(layer, split, zero0).params_bytes == pytest.approx(4 * (dense + EXPERT_PARAMS / 4))
 
 
 def test_estimate_shows_the_all_to_alls_and_the_dispatch_buffer():
@@ -130,12 +131,13 @@ def test_estimate_shows_the_all_to_alls_and_the_dispatch_buffer():
     assert without.time_breakdown["ep_comm"] == 0.0
     # 2 MoE layers x 2 micro-batches x 4 all-to-alls each, at the profiled micro-batch.
     layer = p.profile.layer("blocks.0")
-    assert with_ep.time_breakdown["ep_comm"] == pytest.approx(2 * 2 * p._ep_time_s(layer, replace(base, ep=4), 1.0))
+    assert with_ep.time_breakdown["ep_comm"] == \
+        pytest.approx(2 * 2 * p.layer_prices._ep_time_s(layer, replace(base, ep=4), 1.0))
     # Buffers: FSDP's two gathered layers hold a quarter of the experts (fp32, 4 bytes a
     # parameter), and the dispatch buffer holds one layer's received tokens and their outputs.
     gpu = p.cluster.node_gpus[0]
     moe = p.experts.layers["blocks.0"]
-    buffers = {ep: p._buffers(replace(base, ep=ep), 1.0, gpu) for ep in (1, 4)}
+    buffers = {ep: p.layer_prices._buffers(replace(base, ep=ep), 1.0, gpu) for ep in (1, 4)}
     assert buffers[1]["zero3_gathered_params"] - buffers[4]["zero3_gathered_params"] == \
         pytest.approx(2 * 4 * EXPERT_PARAMS * 3 / 4)
     assert buffers[4]["ep_dispatch"] == pytest.approx(2 * E * B0 * CAPACITY * moe.token_bytes)
@@ -161,7 +163,8 @@ def test_ep_where_the_generated_code_does_not_run_it_is_refused():
     with_sp = ParallelLayout(dp=8, tp=2, ep=2, zero_stage=3, micro_batch_size=8, sequence_parallel=True)
     assert not problems(with_sp, LayoutFacts(experts=E))
     layer = p.profile.layer("blocks.0")
-    assert p._ep_time_s(layer, with_sp, 4.0) == p._ep_time_s(layer, replace(with_sp, sequence_parallel=False), 4.0) > 0
+    ep_time_s = p.layer_prices._ep_time_s
+    assert ep_time_s(layer, with_sp, 4.0) == ep_time_s(layer, replace(with_sp, sequence_parallel=False), 4.0) > 0
 
 
 def test_ep_on_a_model_without_experts_is_refused():
@@ -366,14 +369,14 @@ def test_the_planner_offers_expert_parallelism_only_for_experts_it_can_run():
     layout = ParallelLayout(dp=4, ep=2, zero_stage=3, micro_batch_size=2)
     uneven = [PlanPricer(profile, cpu, TrainSpec(8, precision="fp32", moe_imbalance=m)) for m in (1.0, 1.5)]
     layer = profile.layer("model.layers.0")
-    assert uneven[1]._ep_time_s(layer, layout, 1.0) > uneven[0]._ep_time_s(layer, layout, 1.0)
+    assert uneven[1].layer_prices._ep_time_s(layer, layout, 1.0) > uneven[0].layer_prices._ep_time_s(layer, layout, 1.0)
     # By hand: 4 exchanges of the T·k rows, and one of the 4 experts' int64 counts first.
     even, group = uneven[0], uneven[0].groups.placement(layout, "ep")
     rows = even.groups.collective_s(Collective.ALL_TO_ALL, moe.dispatch_rows * moe.token_bytes, group)
     counts = even.groups.collective_s(Collective.ALL_TO_ALL, 8 * 4, group)
-    assert even._ep_time_s(layer, layout, 1.0) == pytest.approx(4 * rows + counts)
+    assert even.layer_prices._ep_time_s(layer, layout, 1.0) == pytest.approx(4 * rows + counts)
     mixtral_layers = sum(1 for layer in profile.layers if facts.experts_of(layer.name))
-    assert even.ep_collectives(replace(layout, num_micro_batches=2)) == {"all_to_all": 5 * mixtral_layers * 2}
+    assert even.issued.ep_collectives(replace(layout, num_micro_batches=2)) == {"all_to_all": 5 * mixtral_layers * 2}
 
 
 def test_the_experts_width_is_read_off_the_weights_beside_the_routers_width():
@@ -428,15 +431,16 @@ def test_expert_tensor_parallelism_is_priced_by_hand():
     sums = {option: forwards * p.groups.collective_s(Collective.ALL_REDUCE, rows, group)
             for option, forwards in (("none", 2), ("full", 3))}
     for option, want in sums.items():
-        assert p._ep_time_s(layer, etp, 2.0, option) == pytest.approx(p._ep_time_s(layer, base, 2.0, option) + want)
+        ep_time_s = p.layer_prices._ep_time_s
+        assert ep_time_s(layer, etp, 2.0, option) == pytest.approx(ep_time_s(layer, base, 2.0, option) + want)
     # A tp-th of the experts' compute: (pace / tp - 1) of it, pace 1 for grouped experts.
     split = p.split(layer.name, etp, p.cluster.node_gpus[0])
     expert_s = (moe.expert_forward_share * split.compute.forward_s + moe.expert_backward_share
                 * split.compute.backward_s) * 2.0
-    assert p._ep_wait_s(layer, split, etp, 2.0) == pytest.approx(-0.5 * expert_s)
-    dense, experts = p._rank_params(layer, split, etp)
-    assert experts == pytest.approx(p._rank_params(layer, split, base)[1] / 2) \
-        and dense == p._rank_params(layer, split, base)[0]
+    assert p.layer_prices._ep_wait_s(layer, split, etp, 2.0) == pytest.approx(-0.5 * expert_s)
+    dense, experts = p.layer_prices._rank_params(layer, split, etp)
+    assert experts == pytest.approx(p.layer_prices._rank_params(layer, split, base)[1] / 2) \
+        and dense == p.layer_prices._rank_params(layer, split, base)[0]
     shape = ModelShape.from_profile(moe_profile())
     assert shape.expert_width == FFN
     assert {c.expert_tp for c in enumerate_candidates(shape, 4, 4, 8, SolverConfig(), PlanPins(tp=2))} == {False, True}
@@ -513,7 +517,7 @@ def test_tokens_per_expert_are_measured_from_a_router_checkpoint(tmp_path):
     pricer = PlanPricer(moe_profile_hf(), ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", gpus_per_node=4)),
                         TrainSpec(8, precision="fp32", expert_load=tuple((f, tuple(c)) for f, c in load.items())))
     moe = ExpertFacts.of(pricer.profile).layers["model.layers.0"]
-    assert pricer._pace(moe, plan.layout()) == pytest.approx(pace)
+    assert pricer.layer_prices._pace(moe, plan.layout()) == pytest.approx(pace)
     with pytest.raises(ConfigError, match="is not a file"):
         measure_expert_load(model_file, {"arch": "mixtral"}, tmp_path / "missing.pt", 2, 1)
     with pytest.raises(ConfigError, match="does not match the model"):

@@ -101,14 +101,12 @@ def test_no_modules_import_each_other_in_a_circle():
     assert not circles, "\n".join(circles)
 
 
-def test_every_module_the_type_checker_still_skips_exists():
-    """pyproject.toml's [tool.mypy] list of modules whose errors are not reported yet names only
-    modules that exist (a renamed one must leave the list, not leave a hole in it)."""
+def test_the_type_checker_skips_no_module():
+    """pyproject.toml's [tool.mypy] reports every module's errors: no override hides a module
+    (`ignore_errors`), so a new or changed module cannot go in untyped."""
     import tomllib
 
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]
-    skipped = [module for override in config["overrides"] if override.get("ignore_errors")
+    skipped = [module for override in config.get("overrides", []) if override.get("ignore_errors")
                for module in override["module"]]
-    assert skipped, "the list is empty: drop the override"
-    missing = [module for module in skipped if not (REPO / (module.replace(".", "/") + ".py")).is_file()]
-    assert not missing, missing
+    assert not skipped, skipped

@@ -149,7 +149,7 @@ def test_replicated_tp_plan_under_sp_is_priced_as_it_runs():
     stream = profile.layer("blocks.0").input_bytes
     gather = collective_time_s(Collective.ALL_GATHER, stream, cluster.group_links([0, 1]))
     assert sp.time_breakdown["tp_comm"] == pytest.approx(2 * (4 * 4 + 2) * gather, rel=1e-6)
-    assert pricer.tp_collectives(ParallelLayout(tp=2, micro_batch_size=2, num_micro_batches=2,
+    assert pricer.issued.tp_collectives(ParallelLayout(tp=2, micro_batch_size=2, num_micro_batches=2,
                                                 sequence_parallel=True)) == {"all_gather": 2 * 18}
 
 
@@ -238,7 +238,7 @@ def test_loss_parallel_and_a_tied_embedding_are_priced_as_issued():
                                                     intra_node_latency_us=3.0, intra_node_bandwidth_GBps=1.5))
     pricer = PlanPricer(profile, cluster, TrainSpec(global_batch_size=8, precision="fp32"), ILPSplitter(profile))
     layout = ParallelLayout(dp=1, tp=2, pp=1, micro_batch_size=4, num_micro_batches=2)
-    gpu = pricer._device_facts(layout)[0]
+    gpu = pricer.ranks.reference_gpu(layout)
     head, embedding = pricer.split("lm_head", layout, gpu), pricer.split("wte", layout, gpu)
     assert head.styles.get("lm_head") == "colwise"
     comm, forward = head.collectives(False)

@@ -142,7 +142,7 @@ def test_unpinned_stages_split_the_blocks_evenly():
     blocks over 64 stages is 2 blocks each, the embeddings joining the first stage and the final
     norm and head the last (a split of all 132 layers by count gave the embeddings a stage of
     their own and 3 blocks to two stages)."""
-    from cost_models.step import even_stage_starts
+    from cost_models.structure import even_stage_starts
 
     kinds = ["wte", "wpe"] + ["blocks.0"] * 128 + ["ln_f", "lm_head"]
     starts = even_stage_starts(kinds, 64)

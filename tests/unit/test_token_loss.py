@@ -140,11 +140,11 @@ def test_plans_weigh_tokens_only_where_the_batch_is_split():
     whole = ParallelLayout(dp=1, tp=2, pp=1, cp=1, micro_batch_size=8, num_micro_batches=1)
     for layout in (ParallelLayout(dp=2, micro_batch_size=4),
                    ParallelLayout(dp=1, tp=2, micro_batch_size=2, num_micro_batches=4)):
-        assert pricer.weighs_tokens(layout)
+        assert pricer.structure.weighs_tokens(layout)
         assert pricer.fixed_time_s(layout) > 0
-        assert pricer.scalar_collectives(layout) == {"all_reduce": 1}
-    assert not pricer.weighs_tokens(whole)
-    assert pricer.fixed_time_s(whole) == 0 and pricer.scalar_collectives(whole) == {}
+        assert pricer.issued.scalar_collectives(layout) == {"all_reduce": 1}
+    assert not pricer.structure.weighs_tokens(whole)
+    assert pricer.fixed_time_s(whole) == 0 and pricer.issued.scalar_collectives(whole) == {}
 
 
 def test_validation_counts_are_recorded_without_autograd(one_rank_group):

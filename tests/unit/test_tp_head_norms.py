@@ -87,6 +87,6 @@ def test_the_step_counts_each_norm_weights_gradient_all_reduce(qwen3):
                                                         gpus_per_node=pins.dp * pins.tp))
         planner = Planner(qwen3, cluster, train, SolverConfig(time_limit_s=30, top_k=0), pins)
         layout = planner.run().plan.layout()
-        counts[name] = (planner.pricer.partial_gradient_collectives(layout), layout.num_micro_batches)
+        counts[name] = (planner.pricer.issued.partial_gradient_collectives(layout), layout.num_micro_batches)
     assert counts["tp2"] == ({"all_reduce": 4}, 4)
     assert counts["dp2_tp2_zero3"] == ({"all_reduce": 4 * 2}, 2)

@@ -42,7 +42,7 @@ TEST_THREADS ?= 1
 PYTEST = OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q
 test: setup
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests/unit
-	$(PYTEST) -n $(DIST_WORKERS) --dist loadfile tests/dist tests/zoo
+	$(PYTEST) -n $(DIST_WORKERS) --dist loadfile --no-loadscope-reorder tests/dist tests/zoo
 
 # Undefined and unused names and pycodestyle's errors (pyproject.toml [tool.ruff]), and types
 # ([tool.mypy]); CI runs it.

@@ -49,9 +49,11 @@ ATTENTION = {case: ({"self_attn.q_proj": "colwise", "self_attn.k_proj": "kv_grou
              for case, (model, _) in CASES.items() if model is not PHI3}
 ATTENTION["phi3-tp4"] = ({"self_attn.qkv_proj": "kv_group", "self_attn.o_proj": "rowwise"}, 2)
 
-# The default tier leaves out kv1-tp2, whose split kv1-tp2_sp holds under SP and kv1-dp2_tp2_zero3
-# without it.
-CASE_TIERS = tiered(list(CASES), default=[case for case in CASES if case != "kv1-tp2"])
+# The default tier runs a key/value projection of its own (kv1-tp2_sp) and one fused with the
+# query (phi3-tp4, at tp4); the extended tier adds kv1-tp2 (the same split without SP), kv2-tp4
+# (separate projections at tp4) and kv1-dp2_tp2_zero3 (FSDP sharding the row-split weights
+# further, as the equivalence suite's ZeRO-3 x TP case shards split weights).
+CASE_TIERS = tiered(list(CASES), default=["kv1-tp2_sp", "phi3-tp4"])
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,11 @@ ALL_CASES = ([f"{model}-{pin}" for model in MODELS for pin in TWO_RANK_PINS]
              # What `autopar compile` hands a new user: nothing pinned, on 2 ranks.
              + [f"{model}-first" for model in MODELS])
 
-# CI's subset (about a minute on two cores): the nanoGPT layout under three kinds of split in one
-# spawn of ranks, the frozen-parameter model, and context parallelism refused where it would
-# train something else (Hugging Face's Llama shifting its labels inside the model; the eager
-# Llama and the encoder-decoder are refused alike in the full zoo).
-CI_CASES = {"nanogpt-dp2", "nanogpt-zero3", "nanogpt-pp2", "frozen-zero3", "hf_llama_labels-cp2"}
+# CI's subset (about a minute on two cores): the nanoGPT layout split by the batch and by layers in
+# one spawn of ranks, the frozen-parameter model under ZeRO-3, and context parallelism refused
+# where it would train something else (Hugging Face's Llama shifting its labels inside the model;
+# the eager Llama and the encoder-decoder are refused alike in the full zoo).
+CI_CASES = {"nanogpt-dp2", "nanogpt-pp2", "frozen-zero3", "hf_llama_labels-cp2"}
 
 # Refused at compile, with words the one-paragraph reason contains. (Splits codegen cannot run are
 # no longer refusals: the planner keeps them out of the search, autopar.solver.tp_legality, and

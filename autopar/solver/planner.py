@@ -708,6 +708,11 @@ class Planner:
             raise UserError(f"The pinned degrees {listed} multiply to {product}, which does not divide the "
                             f"cluster's {world} GPUs (every GPU needs a place on the mesh).",
                             "pin degrees whose product divides the GPU count, or change cluster.nodes.")
+        if (self.pins.cp or 1) > 1 and not self.shape.tokens_per_sample:
+            raise UserError(f"plan.cp={self.pins.cp} has no sequence to split: context parallelism gives each rank "
+                            f"a shard of every sequence, and this model has "
+                            f"{self.shape.cp_blocker or 'no sequence of tokens in its batch'}.",
+                            "pin plan.cp=1 (or leave it unset).")
         if (self.pins.cp or 1) > 1 and self.shape.cp_blocker:
             raise UserError(f"plan.cp={self.pins.cp} would train a different model: context parallelism gives each "
                             f"rank a shard of every sequence, and this model computes something else on a shard: "

@@ -402,9 +402,13 @@ def position_blocker(captured: CapturedStep, seq_len: int | None, model: torch.n
     """Why the model cannot be given its tokens' global positions (None if it can): its forward has
     no position argument, so the generated code could not feed them (codegen refuses such a
     plan, autopar.codegen.generate.check_context_parallel); names the ``arange`` that numbers
-    the sequence inside the model where there is one."""
-    if not seq_len or seq_len < 2 or position_argument(model) is not None:
+    the sequence inside the model where there is one, and says so where the batch holds no
+    sequence of tokens at all (then the planner refuses a pinned cp before it plans)."""
+    if position_argument(model) is not None:
         return None
+    if not seq_len or seq_len < 2:  # an image classifier's batch, say: nothing for cp to shard either
+        return SequenceMixer("", "", f"no sequence of tokens in the batch to shard, and no {POSITION_ARGUMENT_NAMES} "
+                                     "argument in forward")
     reason = f"no {POSITION_ARGUMENT_NAMES} argument in forward to give each sequence shard its global positions"
     for node in captured.forward_calls():
         if "arange" in op_name(node.target).split("."):

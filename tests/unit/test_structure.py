@@ -83,6 +83,30 @@ def test_a_vocabulary_as_long_as_the_sequence_is_not_attention():
     assert profile.sequence_mixers == []
 
 
+def test_a_model_without_a_token_sequence_is_refused_cp_before_planning():
+    """An image classifier's batch holds no sequence of tokens: the profile says so, and a pinned
+    cp is refused by the pins' check, before any search or code generation (it once reached
+    codegen inside compile's proof), naming the missing position argument too."""
+    from autopar.config import PlanPins, SolverConfig
+    from autopar.errors import UserError
+    from autopar.solver.planner import Planner
+    from cost_models.step import TrainSpec
+    from cost_models.topology import ClusterConfig, ClusterSpec
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    profile = profile_model(load_model_file(examples / "cnn.py"), {"width": 8, "blocks": 2, "image": 16},
+                            micro_batch_size=2, precision="fp32")
+    assert profile.tokens_per_sample is None
+    assert profile.sequence_mixers == ["no sequence of tokens in the batch to shard, and no "
+                                       "position_ids/positions/pos argument in forward"]
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="cpu", nodes=1, gpus_per_node=2))
+    planner = Planner(profile, cluster, TrainSpec(global_batch_size=8, precision="fp32", optimizer="adam"),
+                      SolverConfig(), PlanPins(cp=2))
+    with pytest.raises(UserError, match="plan.cp=2 has no sequence to split") as refusal:
+        planner._check_pins()
+    assert "position_ids/positions/pos argument" in str(refusal.value) and "plan.cp=1" in refusal.value.fix
+
+
 def test_a_model_that_numbers_positions_itself_blocks_cp():
     """Without a position_ids/positions/pos argument the generated code cannot feed each sequence
     shard its global positions: the frozen GPT slices its table from 0, and an arange would

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu_plan_compare import faked_rank, plan_runs, predicted_compute_s, price_faked_tp_rank, priced
 from cost_models.compute import ComputeModel
 from cost_models.hardware import get_gpu
 from tests.profiles import traced
@@ -38,47 +39,11 @@ def test_saved_activation_bytes_match_cuda_allocator(run):
     assert profile.activation_bytes == pytest.approx(run["measured_activation_bytes"], rel=1e-3)
 
 
-# Compiled plans measured on an H100 (benchmarks/gpu_plan_check.py): every decision pinned, so the
-# cost model prices exactly what ran. One-GPU plans trained for real; 8-GPU plans as rank 0 with
-# the other ranks faked (their step time is compute alone, so only their memory is held here).
-PLAN_RUNS = [json.loads(line) for name in ("h100_plan_check.jsonl", "h200_plan_check.jsonl")
-             for line in (MEASURED.parent / name).read_text().splitlines()]
-REPO = MEASURED.parents[2]
-
-
-# Profiles by what `autopar.driver.run_profile` traces from (model file, its settings, micro-batch,
-# precision, pinned blocks): the runs of one model differ only in plan.* pins, which the trace
-# does not see, so each 1-8B model is traced once per session instead of once per run.
-_PROFILES: dict[tuple, object] = {}
-
-
-def _model_path(run) -> Path:
-    """The measured model file: an example, or a test model (written the ways users write them)."""
-    example = REPO / "examples" / run["model"]
-    return example if example.exists() else REPO / "tests" / "dist" / "models" / run["model"]
-
-
-def _traced(run):
-    """(model file, config, profile) of a measured run, each model traced once per session."""
-    from omegaconf import OmegaConf
-
-    from autopar.config import compose_config
-    from autopar.specs import model_kwargs
-    from autopar.driver import run_profile
-
-    path, cfg = _model_path(run), compose_config(run["overrides"])
-    key = (path, tuple(sorted(model_kwargs(cfg).items())), cfg.train.micro_batch_size, cfg.train.precision,
-           str(OmegaConf.select(cfg, "plan.blocks", default=None)))
-    if key not in _PROFILES:
-        _PROFILES[key] = run_profile(path, cfg)
-    return path, cfg, _PROFILES[key]
-
-
-def _priced(examples_dir, run):
-    from autopar.driver import run_estimate
-
-    path, cfg, profile = _traced(run)
-    return run_estimate(path, cfg, profile=profile)[2]
+# Compiled plans measured on an H100 and an H200 (benchmarks/gpu_plan_check.py), priced again by
+# benchmarks/gpu_plan_compare.py: every decision pinned, so the cost model prices exactly what ran.
+# One-GPU plans trained for real; multi-GPU plans as rank 0 with the other ranks faked (their step
+# time is compute alone).
+PLAN_RUNS = plan_runs()
 
 
 # Plans whose precision the profile sees as it runs: FSDP's bf16 weights, and a loss the model
@@ -92,19 +57,19 @@ FSDP_FP32_LOSS = ["llama1b_mb4", "llama1b_mb8_full", "llama3_8b_tp8_sp", "llama3
 
 
 @pytest.mark.parametrize("case", FSDP_FP32_LOSS)
-def test_plan_peak_memory_within_7_percent_of_gpu(examples_dir, case):
+def test_plan_peak_memory_within_7_percent_of_gpu(case):
     run = next(r for r in PLAN_RUNS if r["case"] == case)
-    assert _priced(examples_dir, run).peak_memory_bytes == pytest.approx(run["measured_peak_bytes"], rel=0.07)
+    assert priced(run).peak_memory_bytes == pytest.approx(run["measured_peak_bytes"], rel=0.07)
 
 
 @pytest.mark.parametrize("model", ["gpt.py", "llama_hf.py"])
-def test_one_gpu_plans_ordered_as_an_h100_ran_them(examples_dir, model):
+def test_one_gpu_plans_ordered_as_an_h100_ran_them(model):
     """Among one model's micro-batch / recomputation choices on one GPU, the plan the cost model
     prices fastest is the one that ran fastest, and the order agrees (Spearman >= 0.8)."""
     from cost_models.feedback import spearman
 
     runs = [r for r in PLAN_RUNS if r["model"] == model and "measured_step_s" in r and "H100" in r["device"]]
-    predicted = [_priced(examples_dir, run).step_time_s for run in runs]
+    predicted = [priced(run).step_time_s for run in runs]
     measured = [run["measured_step_s"] for run in runs]
     assert predicted.index(min(predicted)) == measured.index(min(measured))
     assert spearman(predicted, measured) >= 0.8
@@ -112,7 +77,7 @@ def test_one_gpu_plans_ordered_as_an_h100_ran_them(examples_dir, model):
 
 # Ranks of tensor-parallel plans with the other ranks faked: what they measure is the host issuing
 # the step (cost_models.host), the GPU idle much of the time.
-FAKED_TP_RUNS = [r for r in PLAN_RUNS if "measured_compute_s" in r and "plan.tp=1" not in r["overrides"]]
+FAKED_TP_RUNS = [r for r in PLAN_RUNS if faked_rank(r) and "plan.tp=1" not in r["overrides"]]
 
 
 _FAKED: dict[str, tuple[float, float, int]] = {}
@@ -122,33 +87,8 @@ def _faked_rank(run) -> tuple[float, float, int]:
     """(measured seconds, priced optimizer seconds, DTensor module micro-batches) of a faked TP rank
     (each run priced once per session: the fit and every leave-one-out refit read them all)."""
     if run["case"] not in _FAKED:
-        _FAKED[run["case"]] = _price_faked_rank(run)
+        _FAKED[run["case"]] = price_faked_tp_rank(run)
     return _FAKED[run["case"]]
-
-
-def _price_faked_rank(run) -> tuple[float, float, int]:
-    from autopar.specs import build_cluster, pinned_layout, train_spec
-    from autopar.solver.tp_split import ILPSplitter
-    from cost_models.step import PlanPricer
-
-    path, cfg, profile = _traced(run)
-    cluster = build_cluster(cfg)
-    pricer = PlanPricer(profile, cluster, train_spec(cfg, path), ILPSplitter(profile))
-    layout = pinned_layout(cfg, cluster)
-    gpu = cluster.node_gpus[0]
-    modules = sum(pricer.split(layer.name, layout, gpu).dtensor_modules(layout.sequence_parallel)
-                  for layer in profile.layers)
-    optimizer = pricer.estimate(layout).time_breakdown.get("optimizer", 0.0)
-    return run["measured_compute_s"], optimizer, modules * layout.num_micro_batches
-
-
-def _predicted_compute_s(run) -> float:
-    """What the cost model prices for the parts a faked rank still runs (its collectives return at once)."""
-    from autopar.driver import run_estimate
-
-    path, cfg, profile = _traced(run)
-    breakdown = run_estimate(path, cfg, profile=profile)[2].time_breakdown
-    return sum(breakdown.get(part, 0.0) for part in ("compute", "recompute", "optimizer"))
 
 
 def test_dtensor_host_time_is_what_the_measured_ranks_show():
@@ -166,7 +106,7 @@ def test_tp_rank_step_within_30_percent_out_of_sample(run, monkeypatch):
 
     others = [_faked_rank(other) for other in FAKED_TP_RUNS if other is not run]
     monkeypatch.setattr(host, "DTENSOR_MODULE_HOST_S", host.fit_per_module_s(others))
-    assert _predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.30)
+    assert predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.30)
 
 
 # Kernels and decoder layers at the shapes of the published H100 runs (Megatron-Core A6,
@@ -201,4 +141,4 @@ def test_fsdp_rank_of_torchtitan_llama_run_within_10_percent():
     """torchtitan's Llama-3.1-8B FSDP plan (dp 8, ZeRO-3, micro-batch 2 of 8192 tokens, selective
     recomputation) as rank 0 of 8 on an H200, the other ranks faked: compute priced within 10%."""
     run = next(r for r in PLAN_RUNS if r["case"] == "h200_llama3.1_8b_d7_fsdp8")
-    assert _predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.10)
+    assert predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.10)

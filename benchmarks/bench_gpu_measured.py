@@ -1,0 +1,89 @@
+"""Compiled plans measured on an H100 and an H200 beside today's cost model: one row per record of
+benchmarks/measured/h100_plan_check.jsonl and h200_plan_check.jsonl (`benchmarks.gpu_plan_check`),
+its pinned plan priced again as `autopar estimate` prices it (benchmarks/gpu_plan_compare.py).
+
+    python -m benchmarks.run gpu_measured
+
+`measured` says what a row's seconds are: a whole training step on one GPU, or one rank's compute
+where that rank of a multi-GPU plan ran with the other ranks faked (collectives return at once),
+priced as the estimate's compute, recomputation and optimizer. `generated_peak_gib` is what the
+device held at the peak (the allocator's peak plus what it holds outside the allocator, the CUDA
+context among it), what the cost model prices; the hand-written baseline (benchmarks/handwritten.py,
+H200 records) reports the allocator's peak alone, so compare it with `generated_allocator_peak_gib`.
+Errors are signed: negative where the cost model prices less than ran. The measured columns copy
+the records; only the priced columns and the errors move when the cost model changes.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from benchmarks import cases
+from benchmarks.gpu_plan_compare import faked_rank, model_path, plan_runs, priced_with_layout, rank_compute_s, traced
+
+GIB = 2**30
+GPUS = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200"}
+
+
+def _model_in_words(run: dict) -> str:
+    """The model file, its size and its sequence length, e.g. `llama_hf.py 8.0B, 4096 tokens`."""
+    _, cfg, profile = traced(run)
+    return f"{model_path(run).name} {profile.param_count / 1e9:.1f}B, {cfg.model.seq_len} tokens"
+
+
+def _pins_in_words(layout: Any) -> str:
+    """The plan's pins that are not the default, e.g. `tp 8, SP, micro-batch 2×4, recompute none`."""
+    degrees = [f"{axis} {getattr(layout, axis)}" for axis in ("dp", "tp", "pp", "cp") if getattr(layout, axis) > 1]
+    parts = degrees or ["one GPU"]
+    if layout.sequence_parallel:
+        parts.append("SP")
+    if layout.zero_stage:
+        parts.append(f"ZeRO-{int(layout.zero_stage)}")
+    parts.append(f"micro-batch {layout.micro_batch_size}×{layout.num_micro_batches}")
+    options = layout.recompute.values() if isinstance(layout.recompute, Mapping) else [layout.recompute]
+    parts.append("recompute " + "/".join(sorted({str(option) for option in options})))
+    return ", ".join(parts)
+
+
+def _error_pct(predicted: float, measured: float) -> float:
+    return round(100 * (predicted / measured - 1), 1)
+
+
+def _handwritten(run: dict) -> tuple[str, str]:
+    """(step seconds, allocator peak GiB) of the hand-written baseline: the error's type where it
+    failed, empty where the record has none."""
+    if "handwritten_error" in run:
+        return f"failed ({run['handwritten_error'].split(':')[0]})", ""
+    if "handwritten_step_s" not in run:
+        return "", ""
+    return f"{run['handwritten_step_s']:.3f}", f"{run['handwritten_peak_bytes'] / GIB:.1f}"
+
+
+def row(run: dict) -> dict:
+    """One record beside today's price of its pinned plan."""
+    layout, estimate = priced_with_layout(run)
+    rank = faked_rank(run)
+    measured_s = run["measured_compute_s"] if rank else run["measured_step_s"]
+    priced_s = rank_compute_s(estimate) if rank else estimate.step_time_s
+    handwritten_s, handwritten_peak = _handwritten(run)
+    return {
+        "gpu": GPUS.get(run["device"], run["device"]), "case": run["case"], "model": _model_in_words(run),
+        "plan": _pins_in_words(layout),
+        "measured": "rank compute, other ranks faked" if rank else "whole step, one GPU",
+        "generated_s": f"{measured_s:.3f}", "generated_peak_gib": f"{run['measured_peak_bytes'] / GIB:.1f}",
+        "generated_allocator_peak_gib": f"{run['memory_detail']['allocated_peak'] / GIB:.1f}",
+        "handwritten_s": handwritten_s, "handwritten_allocator_peak_gib": handwritten_peak,
+        "priced_s": f"{priced_s:.3f}", "priced_peak_gib": f"{estimate.peak_memory_bytes / GIB:.1f}",
+        "time_error_pct": f"{_error_pct(priced_s, measured_s):+.1f}",
+        "memory_error_pct": f"{_error_pct(estimate.peak_memory_bytes, run['measured_peak_bytes']):+.1f}",
+    }
+
+
+def run() -> list[dict]:
+    return [row(record) for record in cases(plan_runs())]
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=1))

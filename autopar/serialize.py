@@ -39,6 +39,28 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
+def compact_json(obj: Any) -> str:
+    """``json.dumps(to_jsonable(obj))`` without indentation, with json's C encoder walking the
+    tree: it calls back only for what JSON has no type for (a dataclass, an enum, a path), where
+    `to_jsonable` makes a Python call for every value (a 405B profile: 0.8 million calls, half a
+    second). The same text, except where a dict's keys are not strings, numbers or None, which it
+    leaves to `to_jsonable`."""
+    try:
+        return json.dumps(obj, default=_json_default, separators=(",", ":"), allow_nan=True)
+    except TypeError:  # keys json cannot write (tuples, enums): converted as to_jsonable does
+        return json.dumps(to_jsonable(obj), separators=(",", ":"))
+
+
+def _json_default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {name: getattr(obj, name) for name in _written_fields(type(obj))}
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON")
+
+
 def from_jsonable(cls: type[T], data: Any) -> T:
     """Rebuild a value of type ``cls`` (a dataclass or a typing annotation) from JSON data."""
     return _convert(cls, data)

@@ -116,10 +116,11 @@ IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES if model in 
 # dp x pp and tp x pp, which the dp x tp x pp case runs together), GPT's mixed split and cp2 ring
 # (the Llama runs them by default), GPT's plain tp2 (tp2_sp and the dp x tp x pp case split the
 # same way) and 1F1B (the Llama's), per-block recomputation under dp (the dp x tp x pp and cp2 ring
-# cases recompute block by block, full and selective), ZeRO-2 over dp2 (dp2_shares_3_1 runs it), dp x cp under ZeRO-3 (cp4 ring shards like
-# it), the Llama's tp2 SP (its mixed split runs SP), GPipe (a schedule class beside the default tier's 1F1B and
-# interleaved ones) and halving-doubling (its collective is test_gradient_sync.py's, its exchange
-# the one the parameter server and hierarchical cases run by default).
+# cases recompute block by block, full and selective), ZeRO-2 over dp2 (dp2_shares_3_1 runs it),
+# dp x cp under ZeRO-3 (cp4 ring shards like it), the Llama's tp2 SP (its mixed split runs SP),
+# GPipe (a schedule class beside the default tier's 1F1B and interleaved ones) and
+# halving-doubling (its collective is test_gradient_sync.py's, its exchange the one the parameter
+# server and hierarchical cases run by default).
 EXTENDED_GPT = {"cp4_ulysses", "cp2_tp2_ring", "cp2_pp2_ulysses", "cp2_ulysses_recompute", "zero1_dp4_hierarchical",
                 "dp2_tp2_parameter_server", "dp2_tp2", "dp2_pp2", "tp2_pp2_sp", "tp2_sp_mixed_split", "cp2_ring",
                 "tp2", "pp2_1f1b", "zero3_dp2_cp2_ring", "pp2_gpipe", "dp4_halving_doubling", "recompute_dp2",

@@ -5,15 +5,20 @@ efficiency times its shape's tile and wave share, plus a launch); each causal at
 profiled SDPA (the flop counter's full-square FLOPs at the attention efficiency); each example
 layer from its own profile (traced on meta tensors, as `autopar plan` does), by op class. The
 result says which class the model gets wrong, by how much, and where.
+tests/unit/test_cost_vs_gpu.py holds the cost model to these prices and
+benchmarks/bench_gpu_efficiency.py tabulates them.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.gpu_efficiency_check import HEAD_DIM
 from cost_models.compute import gemm_shape_efficiency, roofline_s
 from cost_models.hardware import GPUSpec, get_gpu
 
@@ -41,31 +46,41 @@ def price_gemm(m: int, n: int, k: int, gpu: GPUSpec) -> float:
     return roofline_s("gemm", 2 * m * n * k, moved, gpu, "bf16", shape) + gpu.launch_overhead_s
 
 
-def price_attention(record: dict, gpu: GPUSpec) -> tuple[float, float]:
+def price_attention(record: dict, gpu: GPUSpec, causal: bool = True) -> tuple[float, float]:
     """(forward, forward + backward) seconds of one causal SDPA as a profile holds it: torch's flop
     counter counts the full square (4·b·h·s²·d forward, 2.5x that backward), the op is marked
-    causal, and `op_time_s` prices the work its kernel computes."""
+    causal, and `op_time_s` prices the work its kernel computes (``causal=False``: the whole square,
+    as if the profile had not seen the mask). A record without `head_dim` (the attention grid of
+    `benchmarks.gpu_power_check`) was measured at HEAD_DIM."""
     from types import SimpleNamespace
 
     from cost_models.compute import op_time_s
 
-    shape = [record["batch"], record["heads"], record["seq"], record["head_dim"]]
-    forward_flops = 4 * record["batch"] * record["heads"] * record["seq"] ** 2 * record["head_dim"]
+    shape = [record["batch"], record["heads"], record["seq"], record.get("head_dim", HEAD_DIM)]
+    batch, heads, seq, head_dim = shape
+    forward_flops = 4 * batch * heads * seq**2 * head_dim
     moved = 4 * BF16 * math.prod(shape)
     forward, backward = (SimpleNamespace(op_class="attention", flops=flops, bytes_read=moved, bytes_written=moved // 4,
-                                         input_shapes=[shape], causal=True)
+                                         input_shapes=[shape], causal=causal)
                          for flops in (forward_flops, 2.5 * forward_flops))
     forward_s = op_time_s(forward, gpu, "bf16")
     return forward_s, forward_s + op_time_s(backward, gpu, "bf16")
 
 
-def layer_prediction(run: str, shape: dict, gpu: GPUSpec) -> dict[str, float]:
-    """Predicted forward + backward seconds of one block of the example at the run's sizes, by op
-    class (launch overhead counted in each class), from a profile traced on meta tensors."""
+def block_ops(shape: dict) -> list:
+    """The profiled ops (`autopar.profile.OpProfile`) of one block of the example at the run's
+    sizes, forward and backward, traced on meta tensors as `autopar plan` traces (once per process
+    and shape: every GPU prices the same trace)."""
+    return _block_ops(tuple(sorted(shape.items())))
+
+
+@functools.cache
+def _block_ops(shape_items: tuple) -> list:
     from autopar.model_file import load_model_file
     from autopar.profile import profile_model
-    from cost_models.compute import op_time_s, ops_by_layer
+    from cost_models.compute import ops_by_layer
 
+    shape = dict(shape_items)
     example = "llama_hf.py" if shape["gated"] else "gpt.py"
     sizes = {"layers": 2, "hidden": shape["hidden"], "heads": shape["heads"], "seq_len": shape["seq_len"],
              "vocab": shape["vocab"]}
@@ -74,11 +89,28 @@ def layer_prediction(run: str, shape: dict, gpu: GPUSpec) -> dict[str, float]:
     model_file = load_model_file(Path(__file__).resolve().parent.parent / "examples" / example)
     profile = profile_model(model_file, sizes, micro_batch_size=shape["micro_batch"], precision="bf16")
     block = next(layer for layer in profile.layers if layer.is_block)
+    return ops_by_layer(profile)[block.name]
+
+
+def layer_prediction(run: str, shape: dict, gpu: GPUSpec) -> dict[str, float]:
+    """Predicted forward + backward seconds of one block of the example at the run's sizes, by op
+    class (launch overhead counted in each class), from a profile traced on meta tensors."""
+    from cost_models.compute import op_time_s
+
     by_class: dict[str, float] = {}
-    for op in ops_by_layer(profile)[block.name]:
+    for op in block_ops(shape):
         kind = op.op_class if op.op_class in ("gemm", "attention") else "other"
         by_class[kind] = by_class.get(kind, 0.0) + op_time_s(op, gpu, "bf16")
     return by_class
+
+
+def full_square_attention_s(shape: dict, gpu: GPUSpec) -> float:
+    """The block's attention ops priced as if none were causal: the flop counter's whole square, what
+    the cost model prices where the profile does not see the causal mask."""
+    from cost_models.compute import op_time_s
+
+    return sum(op_time_s(dataclasses.replace(op, causal=False), gpu, "bf16")
+               for op in block_ops(shape) if op.op_class == "attention")
 
 
 def measured_layer(records: list[dict], run: str) -> tuple[float, dict[str, float]]:
@@ -90,10 +122,16 @@ def measured_layer(records: list[dict], run: str) -> tuple[float, dict[str, floa
     return (high["wall_s"] - low["wall_s"]) / layers, busy
 
 
-def _summary(name: str, priced: list[Priced]) -> str:
+def error_spread(priced: list[Priced]) -> tuple[float, float, float]:
+    """(median, smallest, largest) signed relative error of the priced pieces."""
     errors = [p.error for p in priced]
-    return (f"{name}: {len(priced)} measured, median error {100 * statistics.median(errors):+.1f}%, "
-            f"range {100 * min(errors):+.1f}..{100 * max(errors):+.1f}%")
+    return statistics.median(errors), min(errors), max(errors)
+
+
+def _summary(name: str, priced: list[Priced]) -> str:
+    median, low, high = error_spread(priced)
+    return (f"{name}: {len(priced)} measured, median error {100 * median:+.1f}%, "
+            f"range {100 * low:+.1f}..{100 * high:+.1f}%")
 
 
 def read_records(path: Path) -> tuple[list[dict], GPUSpec]:

@@ -12,14 +12,20 @@ context among it), what the cost model prices; the hand-written baseline (benchm
 H200 records) reports the allocator's peak alone, so compare it with `generated_allocator_peak_gib`.
 Errors are signed: negative where the cost model prices less than ran. The measured columns copy
 the records; only the priced columns and the errors move when the cost model changes.
+`held_out_time_error_pct`: a faked tensor-parallel rank (host-bound: DTensor's dispatch per split
+module, cost_models/host.py) priced with that host cost refitted on the other such ranks, out of
+sample; the last row gives the cost fitted on all of them.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import statistics
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from benchmarks import cases
-from benchmarks.gpu_plan_compare import faked_rank, model_path, plan_runs, priced_with_layout, rank_compute_s, traced
+from benchmarks.gpu_plan_compare import (faked_rank, model_path, plan_runs, predicted_compute_s, price_faked_tp_rank,
+                                         priced_with_layout, rank_compute_s, traced)
 
 GIB = 2**30
 GPUS = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200"}
@@ -59,7 +65,35 @@ def _handwritten(run: dict) -> tuple[str, str]:
     return f"{run['handwritten_step_s']:.3f}", f"{run['handwritten_peak_bytes'] / GIB:.1f}"
 
 
-def row(run: dict) -> dict:
+def _faked_tp(run: dict) -> bool:
+    """A faked rank that splits modules with DTensor: what the host's per-module cost is fitted to."""
+    return faked_rank(run) and "plan.tp=1" not in run["overrides"]
+
+
+@contextlib.contextmanager
+def _host_cost(per_module_s: float) -> Iterator[None]:
+    """Price with the host's per-module DTensor cost set to ``per_module_s`` (cost_models.host)."""
+    import cost_models.host as host
+
+    kept = host.DTENSOR_MODULE_HOST_S
+    host.DTENSOR_MODULE_HOST_S = per_module_s
+    try:
+        yield
+    finally:
+        host.DTENSOR_MODULE_HOST_S = kept
+
+
+def _held_out_error(run: dict, tp_runs: list[dict]) -> str:
+    """A faked TP rank's error with the host's per-module cost refitted without it: out of sample."""
+    from cost_models.host import fit_per_module_s
+
+    if not _faked_tp(run) or len(tp_runs) < 2:
+        return ""
+    with _host_cost(fit_per_module_s(price_faked_tp_rank(other) for other in tp_runs if other is not run)):
+        return f"{_error_pct(predicted_compute_s(run), run['measured_compute_s']):+.1f}"
+
+
+def row(run: dict, tp_runs: list[dict]) -> dict:
     """One record beside today's price of its pinned plan."""
     layout, estimate = priced_with_layout(run)
     rank = faked_rank(run)
@@ -76,11 +110,23 @@ def row(run: dict) -> dict:
         "priced_s": f"{priced_s:.3f}", "priced_peak_gib": f"{estimate.peak_memory_bytes / GIB:.1f}",
         "time_error_pct": f"{_error_pct(priced_s, measured_s):+.1f}",
         "memory_error_pct": f"{_error_pct(estimate.peak_memory_bytes, run['measured_peak_bytes']):+.1f}",
+        "held_out_time_error_pct": _held_out_error(run, tp_runs),
     }
 
 
 def run() -> list[dict]:
-    return [row(record) for record in cases(plan_runs())]
+    from cost_models.host import fit_per_module_s
+
+    records = cases(plan_runs())
+    tp_runs = [record for record in records if _faked_tp(record)]
+    rows = [row(record, tp_runs) for record in records]
+    if tp_runs:
+        fitted = fit_per_module_s(price_faked_tp_rank(record) for record in tp_runs)
+        held_out = [abs(float(r["held_out_time_error_pct"])) for r in rows if r["held_out_time_error_pct"]]
+        rows.append({"gpu": "host cost per DTensor module and micro-batch, fitted on the faked TP ranks",
+                     "case": f"{fitted * 1e3:.2f} ms", "model": f"{len(tp_runs)} runs",
+                     "held_out_time_error_pct": f"median absolute error {statistics.median(held_out):.1f}%"})
+    return rows
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ autopar would run it, where it is among the runners-up.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from benchmarks import cases
 from benchmarks.published.compare import cached_profile, load_runs, overrides, price
 
-REPO_EXAMPLES = "examples"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
@@ -39,16 +40,13 @@ def _rate(batch: int, step_s: float, gpus: int) -> float:
 
 def _planned(ptdp: dict, zero3: dict) -> Any:
     """autopar's plan for the model of the ZeRO-3 row on the PTD-P row's cluster and batch."""
-    from pathlib import Path
-
     from autopar.config import compose_config
     from autopar.driver import run_plan
 
     unpinned = {**ptdp, "model": zero3["model"], "plan": {}}
     settings = [word for word in overrides(unpinned) if not word.startswith("train.zero3_runtime")]
     cfg = compose_config(settings)
-    path = Path(__file__).resolve().parent.parent / REPO_EXAMPLES / unpinned["model"]["file"]
-    return run_plan(path, cfg, profile=cached_profile(unpinned, cfg))
+    return run_plan(EXAMPLES / unpinned["model"]["file"], cfg, profile=cached_profile(unpinned, cfg))
 
 
 def _flat_zero3(plan: Any) -> bool:

@@ -24,8 +24,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from benchmarks import cases
-from benchmarks.gpu_plan_compare import (faked_rank, model_path, plan_runs, predicted_compute_s, price_faked_tp_rank,
-                                         priced_with_layout, rank_compute_s, traced)
+from benchmarks.gpu_plan_compare import (faked_rank, faked_tp_rank, held_out_host_s, model_path, plan_runs,
+                                         predicted_compute_s, price_faked_tp_rank, priced_with_layout, rank_compute_s,
+                                         traced)
 
 GIB = 2**30
 GPUS = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200"}
@@ -65,11 +66,6 @@ def _handwritten(run: dict) -> tuple[str, str]:
     return f"{run['handwritten_step_s']:.3f}", f"{run['handwritten_peak_bytes'] / GIB:.1f}"
 
 
-def _faked_tp(run: dict) -> bool:
-    """A faked rank that splits modules with DTensor: what the host's per-module cost is fitted to."""
-    return faked_rank(run) and "plan.tp=1" not in run["overrides"]
-
-
 @contextlib.contextmanager
 def _host_cost(per_module_s: float) -> Iterator[None]:
     """Price with the host's per-module DTensor cost set to ``per_module_s`` (cost_models.host)."""
@@ -85,11 +81,9 @@ def _host_cost(per_module_s: float) -> Iterator[None]:
 
 def _held_out_error(run: dict, tp_runs: list[dict]) -> str:
     """A faked TP rank's error with the host's per-module cost refitted without it: out of sample."""
-    from cost_models.host import fit_per_module_s
-
-    if not _faked_tp(run) or len(tp_runs) < 2:
+    if not faked_tp_rank(run) or len(tp_runs) < 2:
         return ""
-    with _host_cost(fit_per_module_s(price_faked_tp_rank(other) for other in tp_runs if other is not run)):
+    with _host_cost(held_out_host_s(run, tp_runs)):
         return f"{_error_pct(predicted_compute_s(run), run['measured_compute_s']):+.1f}"
 
 
@@ -118,7 +112,7 @@ def run() -> list[dict]:
     from cost_models.host import fit_per_module_s
 
     records = cases(plan_runs())
-    tp_runs = [record for record in records if _faked_tp(record)]
+    tp_runs = [record for record in records if faked_tp_rank(record)]
     rows = [row(record, tp_runs) for record in records]
     if tp_runs:
         fitted = fit_per_module_s(price_faked_tp_rank(record) for record in tp_runs)

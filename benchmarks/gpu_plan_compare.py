@@ -30,6 +30,12 @@ def faked_rank(run: dict) -> bool:
     return "measured_compute_s" in run
 
 
+def faked_tp_rank(run: dict) -> bool:
+    """A faked rank of a tensor-parallel plan: what it measures is the host issuing the step
+    (DTensor's dispatch per split module, cost_models.host), the GPU idle much of the time."""
+    return faked_rank(run) and "plan.tp=1" not in run["overrides"]
+
+
 def model_path(run: dict) -> Path:
     """The measured model file: an example, or a test model (written the ways users write them)."""
     example = REPO / "examples" / run["model"]
@@ -82,9 +88,27 @@ def predicted_compute_s(run: dict) -> float:
     return rank_compute_s(priced(run))
 
 
+_FAKED_TP: dict[str, tuple[float, float, int]] = {}
+
+
 def price_faked_tp_rank(run: dict) -> tuple[float, float, int]:
     """(measured seconds, priced optimizer seconds, DTensor module micro-batches) of a faked TP
-    rank: what `cost_models.host.fit_per_module_s` fits the host's per-module cost to."""
+    rank: what `cost_models.host.fit_per_module_s` fits the host's per-module cost to. Each run
+    is priced once per process: the fit and every leave-one-out refit read them all."""
+    if run["case"] not in _FAKED_TP:
+        _FAKED_TP[run["case"]] = _price_faked_tp_rank(run)
+    return _FAKED_TP[run["case"]]
+
+
+def held_out_host_s(run: dict, tp_runs: list[dict]) -> float:
+    """The host's per-module cost fitted on the faked TP ranks other than ``run``: what pricing it
+    out of sample sets `cost_models.host.DTENSOR_MODULE_HOST_S` to."""
+    from cost_models.host import fit_per_module_s
+
+    return fit_per_module_s(price_faked_tp_rank(other) for other in tp_runs if other is not run)
+
+
+def _price_faked_tp_rank(run: dict) -> tuple[float, float, int]:
     from autopar.solver.tp_split import ILPSplitter
     from autopar.specs import build_cluster, pinned_layout, train_spec
     from cost_models.step import PlanPricer

@@ -74,8 +74,7 @@ class PipelineRanks:
             return reference, [1.0] * layout.pp, [int(reference.memory_bytes
                                                       * (1 - self.cluster.memory_headroom_fraction))] * layout.pp
         distinct = {gpu.name: gpu for group in pp_gpus for gpu in group}
-        total = {name: sum(self.splits.split(each.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
-                           for each in self.layers) for name, gpu in distinct.items()}
+        total = {name: self._model_time_s(layout, gpu) for name, gpu in distinct.items()}
         # A pipeline rank's data-parallel replicas run in lockstep: the slowest GPU type paces it,
         # unless each data-parallel rank gets a share of the batch (then the slowest share does).
         slowest_gpu = [max(group, key=lambda g: total[g.name]) for group in pp_gpus]
@@ -100,6 +99,10 @@ class PipelineRanks:
         if len({g.name for g in gpus}) == 1:
             return ()
         if total is None:
-            total = {g.name: sum(self.splits.split(each.name, layout, g).compute.time_s(1.0, g.launch_overhead_s)
-                                 for each in self.layers) for g in gpus}
+            total = {g.name: self._model_time_s(layout, g) for g in gpus}
         return proportional_shares([1 / total[g.name] for g in gpus], layout.dp * layout.micro_batch_size)
+
+    def _model_time_s(self, layout: ParallelLayout, gpu: GPUSpec) -> float:
+        """Every layer's compute under the layout's TP split on ``gpu`` (what sets the speeds)."""
+        return sum(self.splits.split(each.name, layout, gpu).compute.time_s(1.0, gpu.launch_overhead_s)
+                   for each in self.layers)

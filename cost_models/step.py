@@ -307,7 +307,6 @@ class PlanPricer:
             self._floors[key] = (rows, speed)
         return self._floors[key]
 
-
     def _rows(self, what: str, layout: ParallelLayout, key: tuple,
               price: Callable[["LayerProfile", TPLayerSplit], Row], reference: GPUSpec) -> list[Row]:
         """One value per layer, priced once per layer kind and cached by what the value depends on

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_plan_compare import faked_rank, plan_runs, predicted_compute_s, price_faked_tp_rank, priced
+from benchmarks.gpu_plan_compare import (faked_tp_rank, held_out_host_s, plan_runs, predicted_compute_s,
+                                         price_faked_tp_rank, priced)
 from cost_models.compute import ComputeModel
 from cost_models.hardware import get_gpu
 from tests.profiles import traced
@@ -77,25 +78,14 @@ def test_one_gpu_plans_ordered_as_an_h100_ran_them(model):
 
 # Ranks of tensor-parallel plans with the other ranks faked: what they measure is the host issuing
 # the step (cost_models.host), the GPU idle much of the time.
-FAKED_TP_RUNS = [r for r in PLAN_RUNS if faked_rank(r) and "plan.tp=1" not in r["overrides"]]
-
-
-_FAKED: dict[str, tuple[float, float, int]] = {}
-
-
-def _faked_rank(run) -> tuple[float, float, int]:
-    """(measured seconds, priced optimizer seconds, DTensor module micro-batches) of a faked TP rank
-    (each run priced once per session: the fit and every leave-one-out refit read them all)."""
-    if run["case"] not in _FAKED:
-        _FAKED[run["case"]] = price_faked_tp_rank(run)
-    return _FAKED[run["case"]]
+FAKED_TP_RUNS = [r for r in PLAN_RUNS if faked_tp_rank(r)]
 
 
 def test_dtensor_host_time_is_what_the_measured_ranks_show():
     """cost_models.host's per-module constant is the fit of today's measurements (refit: this)."""
     from cost_models.host import DTENSOR_MODULE_HOST_S, fit_per_module_s
 
-    assert fit_per_module_s(map(_faked_rank, FAKED_TP_RUNS)) == pytest.approx(DTENSOR_MODULE_HOST_S, rel=0.05)
+    assert fit_per_module_s(map(price_faked_tp_rank, FAKED_TP_RUNS)) == pytest.approx(DTENSOR_MODULE_HOST_S, rel=0.05)
 
 
 @pytest.mark.parametrize("run", FAKED_TP_RUNS, ids=lambda r: r["case"])
@@ -104,8 +94,7 @@ def test_tp_rank_step_within_30_percent_out_of_sample(run, monkeypatch):
     ran (the GPU work alone is priced at 16-48% of it)."""
     import cost_models.host as host
 
-    others = [_faked_rank(other) for other in FAKED_TP_RUNS if other is not run]
-    monkeypatch.setattr(host, "DTENSOR_MODULE_HOST_S", host.fit_per_module_s(others))
+    monkeypatch.setattr(host, "DTENSOR_MODULE_HOST_S", held_out_host_s(run, FAKED_TP_RUNS))
     assert predicted_compute_s(run) == pytest.approx(run["measured_compute_s"], rel=0.30)
 
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cases
+from benchmarks import cases, smoke
 from benchmarks.published.compare import cached_profile, load_runs, overrides, price
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SMOKE_WORK_LIMIT = 0.3
 
 
 def _pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
@@ -45,6 +46,8 @@ def _planned(ptdp: dict, zero3: dict) -> Any:
 
     unpinned = {**ptdp, "model": zero3["model"], "plan": {}}
     settings = [word for word in overrides(unpinned) if not word.startswith("train.zero3_runtime")]
+    if smoke():  # that it runs: a few seconds of the search's deterministic work, not its optimum
+        settings.append(f"solver.work_limit={SMOKE_WORK_LIMIT}")
     cfg = compose_config(settings)
     return run_plan(EXAMPLES / unpinned["model"]["file"], cfg, profile=cached_profile(unpinned, cfg))
 

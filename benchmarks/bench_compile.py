@@ -1,7 +1,9 @@
 """What `autopar compile` costs: a tiny GPT (examples/gpt.py, 4 layers of 128) for 4 gloo ranks,
 with compile's proof at full scale on fake tensors only (``check=off``) and with its numerical
 check on 4 local gloo ranks against one process as well (``check=on``), each compiled into a
-fresh folder in its own process (what a user's first command pays, importing torch included).
+fresh folder in its own process (what a user's first command pays, importing torch included);
+then the command of docs/reports.md's Llama-3-70B report (64 H100s, compile's default proof), and
+how soon a misspelt setting (`cluster.nodez=2`) ends in its one-line error (before torch loads).
 
     python -m benchmarks.run compile
 
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import cases, sized
@@ -23,25 +26,55 @@ from benchmarks import cases, sized
 REPO = Path(__file__).resolve().parent.parent
 OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=4", "model.layers=4", "model.hidden=128", "model.heads=4",
              "model.seq_len=64", "model.vocab=512", "train.global_batch_size=16", "train.precision=fp32"]
+# docs/reports.md's report: Llama-3-70B sizes on 8 DGX H100 nodes.
+LLAMA_70B = ["cluster=dgx_h100", "cluster.nodes=8", "model.layers=80", "model.hidden=8192", "model.heads=64",
+             "model.kv_heads=8", "model.ffn=28672", "model.vocab=128256", "model.seq_len=4096",
+             "train.global_batch_size=256"]
 REPEATS = sized(3, 1)
 
 
-def _compile_s(check: str) -> tuple[float, float]:
-    """(seconds, load average over the last minute when it ended) of one compile."""
+@dataclass(frozen=True)
+class Command:
+    """One timed command: what the row calls it, its arguments after `autopar`, its exit code."""
+
+    name: str
+    check: str
+    arguments: tuple[str, ...]
+    exit_code: int = 0
+
+
+COMMANDS = [
+    Command("examples/gpt.py 4 x 128, 4 gloo ranks", "off",
+            ("compile", str(REPO / "examples" / "gpt.py"), *OVERRIDES, "check=off")),
+    Command("examples/gpt.py 4 x 128, 4 gloo ranks", "on",
+            ("compile", str(REPO / "examples" / "gpt.py"), *OVERRIDES, "check=on")),
+    Command("examples/llama_hf.py Llama-3-70B sizes, 64 H100 (docs/reports.md)", "default",
+            ("compile", str(REPO / "examples" / "llama_hf.py"), *LLAMA_70B)),
+    Command("a misspelt setting: autopar plan examples/gpt.py cluster.nodez=2 (exit 1)", "",
+            ("plan", str(REPO / "examples" / "gpt.py"), "cluster.nodez=2"), exit_code=1),
+]
+
+
+def _seconds(command: Command) -> tuple[float, float]:
+    """(seconds, load average over the last minute when it ended) of one run, in a fresh folder."""
     with tempfile.TemporaryDirectory() as folder:
-        command = [sys.executable, "-m", "autopar.cli", "compile", str(REPO / "examples" / "gpt.py"), *OVERRIDES,
-                   f"check={check}", "--out-dir", str(Path(folder) / "out")]
+        out = ("--out-dir", str(Path(folder) / "out")) if command.arguments[0] == "compile" else ()
         start = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, cwd=folder)
-        return time.perf_counter() - start, os.getloadavg()[0]
+        done = subprocess.run([sys.executable, "-m", "autopar.cli", *command.arguments, *out],
+                              capture_output=True, text=True, cwd=folder)
+        seconds = time.perf_counter() - start
+        if done.returncode != command.exit_code:
+            raise RuntimeError(f"{command.name}: exit {done.returncode}, not {command.exit_code}:\n"
+                               f"{done.stderr[-2000:]}")
+        return seconds, os.getloadavg()[0]
 
 
 def run() -> list[dict]:
     rows = []
-    for check in cases(["off", "on"]):
-        runs = [_compile_s(check) for _ in range(REPEATS)]
+    for command in cases(COMMANDS):
+        runs = [_seconds(command) for _ in range(REPEATS if command.check in ("off", "on") else 1)]
         seconds = [s for s, _ in runs]
-        rows.append({"model": "examples/gpt.py 4 x 128, 4 gloo ranks", "check": check, "runs": len(runs),
+        rows.append({"model": command.name, "check": command.check, "runs": len(runs),
                      "median_s": round(statistics.median(seconds), 1), "min_s": round(min(seconds), 1),
                      "max_s": round(max(seconds), 1),
                      "load_average": " / ".join(f"{load:.1f}" for _, load in runs)})

@@ -1,34 +1,45 @@
-"""Data loading against what training consumes, on CPU ranks.
+"""`make demo`'s training run, measured: its losses, its step time, and data loading against what
+training consumes, on CPU ranks.
 
-Two measurements on a corpus of the standard library's own sources (UTF-8 bytes, packed into
-sequences of the planned length):
-- the loader alone: one rank's DataLoader (its share of a global batch per step, in the global
+The corpus is the standard library's `asyncio` sources (UTF-8 bytes, packed into sequences of the
+planned length), as `make demo` reads it. Measured:
+- the loader alone: one rank's DataLoader (its half of a global batch per step, in the global
   order, read by a worker process as runs do, and in the rank itself), in samples/s;
-- a training run: the tiny GPT compiled for 2 gloo ranks (dp2) trained on the corpus by
-  `autopar run`; each step's record says how long the step ran (``step_time_s``) and how long it
-  waited for its batch beyond what reading ahead hid (``data_wait_s``). The data's share of the
-  step is wait / (wait + step) over the steps after the first (which starts the worker).
+- the demo's run: examples/gpt.py compiled with `make demo`'s settings (`DEMO`, which
+  tests/unit/test_docs_figures.py holds to the Makefile's) and trained by `autopar run` for its
+  300 steps: the training loss at step 0, each validation loss, the median step, and the whole
+  command's wall time (torchrun's start included). Each step's record says how long it ran
+  (``step_time_s``) and how long it waited for its batch beyond what reading ahead hid
+  (``data_wait_s``); the data's share of a step is wait / (wait + step), the median over the
+  steps after the first (which starts the worker).
 
     python -m benchmarks.run data
 """
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-from autopar.codegen import generate
+from autopar.runtime.local import LOG_NAME, read_records
 from autopar.sections import data as training_data
 from autopar.sections import loader as data_loading
-from autopar.runtime import run_local
 from benchmarks import sized
-from tests.dist.plans import GLOBAL_BATCH, GPT, make_plan
 
-SEQ_LEN, STEPS, LOADER_STEPS = 128, sized(30, 3), sized(200, 10)
-KWARGS = {**GPT.kwargs, "vocab": 257, "seq_len": SEQ_LEN, "hidden": 128, "layers": 4}
+REPO = Path(__file__).resolve().parent.parent
+# `make demo`'s CPU compile, but for `data.path` (the same sources, copied).
+DEMO = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "model.layers=4", "model.hidden=128", "model.heads=4",
+        "model.seq_len=128", "model.vocab=257", "train.global_batch_size=16", "train.precision=fp32",
+        "data.val_fraction=0.05", "train.eval_every=50", "optim.lr=3e-3", "optim.warmup_steps=30",
+        "optim.min_lr=3e-4"]
+DEMO_STEPS = 300
+SEQ_LEN, GLOBAL_BATCH = 128, 16
+STEPS, LOADER_STEPS = sized(DEMO_STEPS, 3), sized(200, 10)
 
 
 def corpus_folder(root: Path) -> Path:
@@ -51,6 +62,35 @@ def loader_throughput(corpus: Path, cache: Path, workers: int) -> float:
     return count / (time.perf_counter() - start)
 
 
+def _autopar(*arguments: str, cwd: Path) -> float:
+    """Run an `autopar` command as a user would; its wall seconds."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "autopar.cli", *arguments], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"autopar {arguments[0]} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return time.perf_counter() - start
+
+
+def demo_rows(corpus: Path, root: Path) -> list[dict]:
+    """The demo compiled (check off: it does not change training) and trained for STEPS steps."""
+    folder = root / "gpt_cpu"
+    _autopar("compile", str(REPO / "examples" / "gpt.py"), *DEMO, f"data.path={corpus}", "check=off",
+             "--out-dir", str(folder), "-q", cwd=root)
+    wall_s = _autopar("run", str(folder), "--steps", str(STEPS), cwd=root)
+    records = read_records(folder / LOG_NAME)
+    steps = [r for r in records if "loss" in r]
+    later = steps[1:]
+    wait, step = median(r["data_wait_s"] for r in later), median(r["step_time_s"] for r in later)
+    rows = [{"measure": f"demo run: {len(steps)} steps on 2 ranks (median after the first)",
+             "samples/s": f"{GLOBAL_BATCH / step:,.0f} consumed", "step_time_s": f"{step:.3f}",
+             "data_wait_s": f"{wait:.5f}", "data share of the step": f"{wait / (wait + step):.2%}",
+             "autopar run wall_s": f"{wall_s:.0f}"},
+            {"measure": "demo run: training loss at step 0", "loss": f"{steps[0]['loss']:.2f}"}]
+    rows += [{"measure": f"demo run: validation loss after {r['step']} steps", "loss": f"{r['val_loss']:.2f}"}
+             for r in records if "val_loss" in r]
+    return rows
+
+
 def run() -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="bench-data-"))
     try:
@@ -58,18 +98,6 @@ def run() -> list[dict]:
         rows = [{"measure": f"loader alone, {w} worker(s)",
                  "samples/s": f"{loader_throughput(corpus, root / 'cache', w):,.0f}"}
                 for w in (0, 1)]
-        folder = root / "gpt"
-        plan = make_plan(GPT, dp=2)
-        generate(plan, GPT.path, folder, model_kwargs=KWARGS)
-        result = run_local(folder, steps=STEPS, extra_args=["--data", f"path={corpus}"], timeout_s=600)
-        if not result.ok:
-            raise RuntimeError(result.error)
-        steps = [r for r in result.records if "loss" in r][1:]
-        wait, step = median(r["data_wait_s"] for r in steps), median(r["step_time_s"] for r in steps)
-        rows.append({"measure": f"training dp2 (median of {len(steps)} steps)",
-                     "samples/s": f"{GLOBAL_BATCH / step:,.0f} consumed",
-                     "step_time_s": f"{step:.4f}", "data_wait_s": f"{wait:.5f}",
-                     "data share of the step": f"{wait / (wait + step):.2%}"})
-        return rows
+        return rows + demo_rows(corpus, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)

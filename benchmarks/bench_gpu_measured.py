@@ -14,7 +14,12 @@ Errors are signed: negative where the cost model prices less than ran. The measu
 the records; only the priced columns and the errors move when the cost model changes.
 `held_out_time_error_pct`: a faked tensor-parallel rank (host-bound: DTensor's dispatch per split
 module, cost_models/host.py) priced with that host cost refitted on the other such ranks, out of
-sample; the last row gives the cost fitted on all of them.
+sample; the last row gives the cost fitted on all of them. `host_ms_per_module`: what one such rank
+alone implies (its seconds less the priced optimizer, per DTensor module and micro-batch).
+`vs_handwritten_*_pct`: the generated module against the hand-written loop of the same plan (time,
+and allocator peak), and against that loop with autocast kept as the generated module keeps it;
+`vs_other_writing`: a model written another way (views by global sizes, fused q/k/v) against the
+record of the same plan and GPU whose case name it extends.
 """
 from __future__ import annotations
 
@@ -56,6 +61,47 @@ def _error_pct(predicted: float, measured: float) -> float:
     return round(100 * (predicted / measured - 1), 1)
 
 
+def _change_pct(value: float, base: float) -> str:
+    return f"{100 * (value / base - 1):+.1f}"
+
+
+def _against_handwritten(run: dict, measured_s: float) -> dict:
+    """The generated module's time and allocator peak against the hand-written loop's, plain and
+    with autocast (where measured): negative where the generated module is faster or smaller."""
+    if "handwritten_step_s" not in run:
+        return {}
+    peak = run["memory_detail"]["allocated_peak"]
+    found = {"vs_handwritten_time_pct": _change_pct(measured_s, run["handwritten_step_s"]),
+             "vs_handwritten_memory_pct": _change_pct(peak, run["handwritten_peak_bytes"])}
+    autocast = run.get("handwritten_autocast")
+    if autocast:
+        found["vs_handwritten_autocast_time_pct"] = _change_pct(measured_s, autocast["handwritten_step_s"])
+        found["vs_handwritten_autocast_peak_kib"] = f"{(peak - autocast['handwritten_peak_bytes']) / 1024:+.0f}"
+    return found
+
+
+def _against_other_writing(run: dict, records: list[dict], measured_s: float) -> str:
+    """``run``'s time against the record whose case name it extends where that record ran the
+    same plan on the same GPU with the model written another way (another model file), e.g.
+    `h200_gpt1.3b_tp4 +14.5%`; empty where there is none."""
+    bases = [other for other in records if run["case"].startswith(other["case"] + "_")
+             and other["overrides"] == run["overrides"] and other["device"] == run["device"]
+             and other["model"] != run["model"]]
+    if not bases:
+        return ""
+    base = max(bases, key=lambda other: len(other["case"]))
+    base_s = base.get("measured_compute_s", base.get("measured_step_s"))
+    return f"{base['case']} {_change_pct(measured_s, base_s)}%"
+
+
+def _host_ms_per_module(run: dict) -> str:
+    """What one faked TP rank alone implies the host costs per DTensor module and micro-batch."""
+    if not faked_tp_rank(run):
+        return ""
+    measured_s, optimizer_s, module_passes = price_faked_tp_rank(run)
+    return f"{(measured_s - optimizer_s) / module_passes * 1e3:.2f}"
+
+
 def _handwritten(run: dict) -> tuple[str, str]:
     """(step seconds, allocator peak GiB) of the hand-written baseline: the error's type where it
     failed, empty where the record has none."""
@@ -87,7 +133,7 @@ def _held_out_error(run: dict, tp_runs: list[dict]) -> str:
         return f"{_error_pct(predicted_compute_s(run), run['measured_compute_s']):+.1f}"
 
 
-def row(run: dict, tp_runs: list[dict]) -> dict:
+def row(run: dict, tp_runs: list[dict], records: list[dict]) -> dict:
     """One record beside today's price of its pinned plan."""
     layout, estimate = priced_with_layout(run)
     rank = faked_rank(run)
@@ -104,7 +150,8 @@ def row(run: dict, tp_runs: list[dict]) -> dict:
         "priced_s": f"{priced_s:.3f}", "priced_peak_gib": f"{estimate.peak_memory_bytes / GIB:.1f}",
         "time_error_pct": f"{_error_pct(priced_s, measured_s):+.1f}",
         "memory_error_pct": f"{_error_pct(estimate.peak_memory_bytes, run['measured_peak_bytes']):+.1f}",
-        "held_out_time_error_pct": _held_out_error(run, tp_runs),
+        "held_out_time_error_pct": _held_out_error(run, tp_runs), "host_ms_per_module": _host_ms_per_module(run),
+        **_against_handwritten(run, measured_s), "vs_other_writing": _against_other_writing(run, records, measured_s),
     }
 
 
@@ -113,7 +160,7 @@ def run() -> list[dict]:
 
     records = cases(plan_runs())
     tp_runs = [record for record in records if faked_tp_rank(record)]
-    rows = [row(record, tp_runs) for record in records]
+    rows = [row(record, tp_runs, records) for record in records]
     if tp_runs:
         fitted = fit_per_module_s(price_faked_tp_rank(record) for record in tp_runs)
         held_out = [abs(float(r["held_out_time_error_pct"])) for r in rows if r["held_out_time_error_pct"]]

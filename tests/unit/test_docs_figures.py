@@ -57,3 +57,16 @@ def test_a_paragraph_states_only_what_the_tables_it_cites_hold(doc, paragraph, c
     stale = [figure for figure in FIGURE.findall(paragraph) if _value(figure) not in held]
     assert not stale, (f"{doc}: figures {stale} are not in {', '.join(cited)} (the benchmark moved on, or the "
                        f"figure was typed by hand):\n{paragraph[:300]}")
+
+
+def test_the_demo_benchmark_trains_what_make_demo_trains():
+    """docs/compiling.md quotes `make demo`'s losses and step time from bench_data's table: the
+    benchmark compiles with the Makefile's settings (its corpus is a copy of the same sources)."""
+    from benchmarks.bench_data import DEMO, DEMO_STEPS
+
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    compile_line = next(line for line in makefile.splitlines() if "cluster=cpu_gloo" in line and "compile" in line)
+    words = [word.strip('"') for word in compile_line.split()]
+    settings = {word for word in words if "=" in word and not word.startswith("data.path=")}
+    assert settings == set(DEMO)
+    assert f"--steps {DEMO_STEPS}" in makefile

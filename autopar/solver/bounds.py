@@ -117,19 +117,39 @@ def memory_cannot_fit(problem: PartitionProblem) -> bool:
 def least_time_per_block(times: list[float], activations: list[float], budget: float) -> float:
     """Least time of a fractional mix of options whose mean activation is at most `budget`
     (the lower convex envelope of the (activation, time) points); inf if none fits."""
-    best = math.inf
-    for t, a in zip(times, activations):
-        if a <= budget:
-            best = min(best, t)
-    for i, (t_i, a_i) in enumerate(zip(times, activations)):
-        for t_j, a_j in zip(times[i + 1:], activations[i + 1:]):
-            low, high = (a_i, t_i), (a_j, t_j)
-            if low[0] > high[0]:
-                low, high = high, low
-            if low[0] < budget < high[0]:
-                share_high = (budget - low[0]) / (high[0] - low[0])
-                best = min(best, low[1] + share_high * (high[1] - low[1]))
-    return best
+    return _envelope_at(lower_envelope(times, activations), budget)
+
+
+def lower_envelope(times: list[float], activations: list[float]) -> list[tuple[float, float]]:
+    """The vertices (activation, time) of the options' lower convex envelope where time still
+    falls, by rising activation: below the first no mix fits, past the last none is faster, and
+    between two vertices the best mix is of those two (every other pair lies above the segment)."""
+    points = sorted(zip(activations, times))
+    hull: list[tuple[float, float]] = []
+    for a, t in points:
+        if hull and t >= hull[-1][1]:
+            continue  # no faster than an option that needs no more memory
+        while len(hull) >= 2 and _not_below(hull[-2], hull[-1], (a, t)):
+            hull.pop()
+        hull.append((a, t))
+    return hull
+
+
+def _not_below(first: tuple[float, float], middle: tuple[float, float], last: tuple[float, float]) -> bool:
+    """Whether `middle` lies on or above the segment from `first` to `last` (not a vertex)."""
+    return (middle[1] - first[1]) * (last[0] - first[0]) >= (last[1] - first[1]) * (middle[0] - first[0])
+
+
+def _envelope_at(hull: list[tuple[float, float]], budget: float) -> float:
+    """The envelope's time at mean activation `budget` (inf below its first vertex)."""
+    if not hull or budget < hull[0][0]:
+        return math.inf
+    for (low_a, low_t), (high_a, high_t) in zip(hull, hull[1:]):
+        if budget < high_a:
+            if budget == low_a:
+                return low_t
+            return low_t + (budget - low_a) / (high_a - low_a) * (high_t - low_t)
+    return hull[-1][1]
 
 
 def block_lower_bound_s(problem: PartitionProblem, run: "BlockRun") -> float:
@@ -139,6 +159,7 @@ def block_lower_bound_s(problem: PartitionProblem, run: "BlockRun") -> float:
     P = problem.num_stages
     prefix, suffix = range(0, f), range(f + K, problem.num_layers)
     times, acts = problem.time_s[f], [float(a) for a in problem.activation_bytes[f]]
+    envelope = lower_envelope(times, acts)
     static = problem.static_bytes[f]
     block_send = problem.send_s[f]
     if prefix:
@@ -157,7 +178,7 @@ def block_lower_bound_s(problem: PartitionProblem, run: "BlockRun") -> float:
         speed = problem.speed_of(d)
         row = [speed * fixed]
         for n in range(1, K + 1):
-            per_block = least_time_per_block(times, acts, (budget - n * static) / (in_flight * n))
+            per_block = _envelope_at(envelope, (budget - n * static) / (in_flight * n))
             if per_block == math.inf:
                 break
             row.append(speed * (fixed + n * per_block))

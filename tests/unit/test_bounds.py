@@ -63,6 +63,28 @@ def test_least_time_per_block_is_the_lower_envelope():
     assert least_time_per_block(times, acts, -1.0) == math.inf
 
 
+def _mix_by_pairs(times: list[float], acts: list[float], budget: float) -> float:
+    """The envelope by brute force: the best single option that fits, or the best mix of any two."""
+    best = min((t for t, a in zip(times, acts) if a <= budget), default=math.inf)
+    for i in range(len(times)):
+        for j in range(len(times)):
+            if acts[i] < budget < acts[j]:
+                share = (budget - acts[i]) / (acts[j] - acts[i])
+                best = min(best, times[i] + share * (times[j] - times[i]))
+    return best
+
+
+def test_least_time_per_block_equals_the_best_mix_of_two_options():
+    rng = random.Random(0)
+    for _ in range(500):
+        count = rng.randint(1, 5)
+        times = [rng.choice([1.0, 2.0, rng.uniform(0.5, 3.0)]) for _ in range(count)]
+        acts = [rng.choice([0.0, 4.0, rng.uniform(0.0, 8.0)]) for _ in range(count)]
+        for budget in [rng.uniform(-1.0, 9.0), *acts]:
+            assert least_time_per_block(times, acts, budget) == pytest.approx(_mix_by_pairs(times, acts, budget),
+                                                                              rel=1e-12, abs=0)
+
+
 def test_least_total_matches_exhaustive_split():
     rows = [[0.0, 1.0, 3.0, 6.0], [0.5, 1.0, 2.0, 4.0]]
     best = min(rows[0][a] + rows[1][3 - a] for a in range(4) if 3 - a < 4)

@@ -271,7 +271,12 @@ class TPLegality:
         inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
         run = (named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
                call_model if not inputs else None)
-        _, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
+        unsplit_error, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
+        if unsplit_error is not None:
+            # The layer fails on fake tensors unsplit too (Qwen3-MoE's experts take a grouped GEMM
+            # that wants bf16 there): a failure on a share would say nothing of the split, so the
+            # probe finds nothing and compile's proof, which runs the plan, judges it.
+            return {}
         for region, children in regions.items():
             linears = {name: style for name, style in children.items()
                        if style in ("colwise", "rowwise", "kv_group") and named.get(name) is not None

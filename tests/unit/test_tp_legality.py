@@ -295,3 +295,31 @@ def test_a_pin_of_sequence_parallelism_it_cannot_wrap_is_refused_naming_the_modu
                                         r"is a linear layer called directly on the residual stream"):
         Planner(_profile(model_path, "local"), cluster, TrainSpec(global_batch_size=4, precision="fp32"),
                 SolverConfig(top_k=0), PlanPins(tp=2, sequence_parallel=True)).run()
+
+
+def test_a_layer_that_fails_on_fake_tensors_unsplit_is_not_blamed_on_the_split(model_path, monkeypatch):
+    """Qwen3-MoE's experts take a grouped GEMM whose fake kernel wants bf16, so its decoder layer
+    fails on fake tensors whether or not its attention is split, on plain or DTensor activations:
+    the probe must not read that failure as the attention failing on a share (it kept Qwen3-MoE's
+    attention whole, 0% split at tp=2); it finds nothing and compile's proof, which runs the plan,
+    judges the split. The same failure on the shares alone is a finding."""
+    import autopar.solver.tp_legality as legality_module
+
+    real_run = legality_module._run_narrowed
+    grouped_gemm = "RuntimeError: Expected inputs of BF16 type"
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise"}
+    profile = _profile(model_path, "local")
+    monkeypatch.setattr(legality_module, "dtensor_region_error", lambda *args: grouped_gemm)
+
+    def failing(unsplit_too: bool):
+        def run(build, named, linears, *rest, **kwargs):
+            error, shapes = real_run(build, named, linears, *rest, **kwargs)
+            return (grouped_gemm if linears or unsplit_too else error), shapes
+        return run
+
+    monkeypatch.setattr(legality_module, "_run_narrowed", failing(unsplit_too=True))
+    assert TPLegality(profile).probe("blocks.0", 2, styles) == {}
+    monkeypatch.setattr(legality_module, "_run_narrowed", failing(unsplit_too=False))
+    found = TPLegality(profile).probe("blocks.0", 2, styles)
+    assert set(found) == set(styles) and {split.kind for split in found.values()} == {"local shapes"}

@@ -230,6 +230,10 @@ def _sdpa_mask_reason(node: torch.fx.Node, args: list[Any], seq_len: int,
         value = constant_value(mask_node, fed)
         if value is None or _is_causal(value):
             return None
+        allowed = value if value.dtype == torch.bool else value == 0  # boolean, or additive with 0 where allowed
+        if bool(allowed.all()):  # every query sees every key here: a padding mask read from the batch
+            return ("attention with a mask built from the batch (a padding mask such as attention_mask), which "
+                    "context parallelism's attention does not take")
         return "attention with a mask other than the causal one (a sliding window or local attention)"
     return "attention with a mask other than the causal one"
 

@@ -463,3 +463,37 @@ def test_attention_is_priced_causal_only_under_the_causal_mask(tmp_path, window,
     attention = [op for op in profile.ops if op.op_class == "attention"]
     assert {op.phase for op in attention} == {"forward", "backward"}
     assert all(op.causal == causal for op in attention)
+
+
+_PADDED = """
+import torch
+import transformers as hf
+from torch.nn import functional as F
+
+def build_model():
+    config = hf.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "sdpa"
+    return hf.BertForMaskedLM(config)
+
+def example_batch(batch_size):
+    tokens = torch.randint(3, 64, (batch_size, 17))
+    return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "attention_mask": torch.ones(batch_size, 16),
+            "position_ids": torch.arange(16).expand(batch_size, 16)}
+
+def loss_fn(output, batch):
+    return F.cross_entropy(output.logits.flatten(0, -2), batch["targets"].flatten())
+"""
+
+
+def test_a_padding_mask_from_the_batch_blocks_cp_in_its_own_words(tmp_path):
+    """BERT given `attention_mask` passes SDPA a mask read from the batch (here every token kept,
+    so every query sees every key): no causal mask, refused at profile, and named as the padding
+    mask it is, not as a sliding window (ALBERT's held-out cp2 said "sliding window")."""
+    path = tmp_path / "model.py"
+    path.write_text(_PADDED)
+    profile = profile_model(load_model_file(path), {}, micro_batch_size=1, precision="fp32")
+    assert [found.split(" (_")[0] for found in profile.sequence_mixers] == [
+        "attention with a mask built from the batch (a padding mask such as attention_mask), which context "
+        "parallelism's attention does not take"]

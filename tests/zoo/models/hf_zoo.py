@@ -53,6 +53,17 @@ _CAUSAL = {
                                                    ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4,
                                                                "moe_top_k": 2},
                                                    resid_pdrop=0.0, emb_pdrop=0.0)),
+    # Held out until the 2026-11-28 run (tests/zoo/TABLE.md): CodeGen's qkv_proj fused in mp_num
+    # groups of (q, v, k) parts; GPT-BigCode's multi-query c_attn (one key/value head fused beside
+    # the queries); Qwen3-MoE, head norms beside experts whose grouped GEMM wants bf16 on fake tensors.
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=HIDDEN, n_head=HEADS, rotary_dim=4, n_positions=64,
+                                                           n_ctx=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+                    dict(n_embd=HIDDEN, n_head=HEADS, n_positions=64, multi_query=True, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                       num_experts_per_tok=2, head_dim=8)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(num_key_value_heads=HEADS, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
                          num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,

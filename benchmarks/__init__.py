@@ -7,6 +7,10 @@ numbers are not the targets' (those come from `make bench`).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Sequence, TypeVar
 
 SMOKE_ENV = "AUTOPAR_BENCH_SMOKE"
@@ -26,3 +30,15 @@ def cases(items: Sequence[T], smallest: int = 0) -> list[T]:
 def sized(full: int, small: int) -> int:
     """A count (steps, repetitions) at full size, or in the smoke run ``small``."""
     return small if smoke() else full
+
+
+def timed_autopar(arguments: Sequence[str], cwd: Path, exit_code: int = 0) -> float:
+    """Wall seconds of one `autopar` command run as a user runs it (a fresh process in ``cwd``);
+    raises with its output when it exits otherwise than ``exit_code``."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "autopar.cli", *arguments], cwd=cwd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != exit_code:
+        raise RuntimeError(f"autopar {' '.join(arguments[:1])}: exit {done.returncode}, not {exit_code}:\n"
+                           f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return seconds

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import cases, sized
+from benchmarks import cases, sized, timed_autopar
 
 REPO = Path(__file__).resolve().parent.parent
 OVERRIDES = ["cluster=cpu_gloo", "cluster.gpus_per_node=4", "model.layers=4", "model.hidden=128", "model.heads=4",
@@ -41,13 +38,14 @@ class Command:
     check: str
     arguments: tuple[str, ...]
     exit_code: int = 0
+    repeats: int = 1
 
 
 COMMANDS = [
     Command("examples/gpt.py 4 x 128, 4 gloo ranks", "off",
-            ("compile", str(REPO / "examples" / "gpt.py"), *OVERRIDES, "check=off")),
+            ("compile", str(REPO / "examples" / "gpt.py"), *OVERRIDES, "check=off"), repeats=REPEATS),
     Command("examples/gpt.py 4 x 128, 4 gloo ranks", "on",
-            ("compile", str(REPO / "examples" / "gpt.py"), *OVERRIDES, "check=on")),
+            ("compile", str(REPO / "examples" / "gpt.py"), *OVERRIDES, "check=on"), repeats=REPEATS),
     Command("examples/llama_hf.py Llama-3-70B sizes, 64 H100 (docs/reports.md)", "default",
             ("compile", str(REPO / "examples" / "llama_hf.py"), *LLAMA_70B)),
     Command("a misspelt setting: autopar plan examples/gpt.py cluster.nodez=2 (exit 1)", "",
@@ -59,20 +57,14 @@ def _seconds(command: Command) -> tuple[float, float]:
     """(seconds, load average over the last minute when it ended) of one run, in a fresh folder."""
     with tempfile.TemporaryDirectory() as folder:
         out = ("--out-dir", str(Path(folder) / "out")) if command.arguments[0] == "compile" else ()
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "autopar.cli", *command.arguments, *out],
-                              capture_output=True, text=True, cwd=folder)
-        seconds = time.perf_counter() - start
-        if done.returncode != command.exit_code:
-            raise RuntimeError(f"{command.name}: exit {done.returncode}, not {command.exit_code}:\n"
-                               f"{done.stderr[-2000:]}")
+        seconds = timed_autopar([*command.arguments, *out], Path(folder), command.exit_code)
         return seconds, os.getloadavg()[0]
 
 
 def run() -> list[dict]:
     rows = []
     for command in cases(COMMANDS):
-        runs = [_seconds(command) for _ in range(REPEATS if command.check in ("off", "on") else 1)]
+        runs = [_seconds(command) for _ in range(command.repeats)]
         seconds = [s for s, _ in runs]
         rows.append({"model": command.name, "check": command.check, "runs": len(runs),
                      "median_s": round(statistics.median(seconds), 1), "min_s": round(min(seconds), 1),

@@ -18,8 +18,6 @@ planned length), as `make demo` reads it. Measured:
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
@@ -29,7 +27,7 @@ from statistics import median
 from autopar.runtime.local import LOG_NAME, read_records
 from autopar.sections import data as training_data
 from autopar.sections import loader as data_loading
-from benchmarks import sized
+from benchmarks import sized, timed_autopar
 
 REPO = Path(__file__).resolve().parent.parent
 # `make demo`'s CPU compile, but for `data.path` (the same sources, copied).
@@ -62,21 +60,12 @@ def loader_throughput(corpus: Path, cache: Path, workers: int) -> float:
     return count / (time.perf_counter() - start)
 
 
-def _autopar(*arguments: str, cwd: Path) -> float:
-    """Run an `autopar` command as a user would; its wall seconds."""
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "autopar.cli", *arguments], cwd=cwd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"autopar {arguments[0]} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return time.perf_counter() - start
-
-
 def demo_rows(corpus: Path, root: Path) -> list[dict]:
     """The demo compiled (check off: it does not change training) and trained for STEPS steps."""
     folder = root / "gpt_cpu"
-    _autopar("compile", str(REPO / "examples" / "gpt.py"), *DEMO, f"data.path={corpus}", "check=off",
-             "--out-dir", str(folder), "-q", cwd=root)
-    wall_s = _autopar("run", str(folder), "--steps", str(STEPS), cwd=root)
+    timed_autopar(["compile", str(REPO / "examples" / "gpt.py"), *DEMO, f"data.path={corpus}", "check=off",
+                   "--out-dir", str(folder), "-q"], root)
+    wall_s = timed_autopar(["run", str(folder), "--steps", str(STEPS)], root)
     records = read_records(folder / LOG_NAME)
     steps = [r for r in records if "loss" in r]
     later = steps[1:]

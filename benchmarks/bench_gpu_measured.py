@@ -62,7 +62,12 @@ def _error_pct(predicted: float, measured: float) -> float:
 
 
 def _change_pct(value: float, base: float) -> str:
-    return f"{100 * (value / base - 1):+.1f}"
+    return f"{_error_pct(value, base):+.1f}"
+
+
+def _measured_s(run: dict) -> float:
+    """A record's seconds: a faked rank's compute, or a whole step on one GPU."""
+    return run["measured_compute_s"] if faked_rank(run) else run["measured_step_s"]
 
 
 def _against_handwritten(run: dict, measured_s: float) -> dict:
@@ -90,8 +95,7 @@ def _against_other_writing(run: dict, records: list[dict], measured_s: float) ->
     if not bases:
         return ""
     base = max(bases, key=lambda other: len(other["case"]))
-    base_s = base.get("measured_compute_s", base.get("measured_step_s"))
-    return f"{base['case']} {_change_pct(measured_s, base_s)}%"
+    return f"{base['case']} {_change_pct(measured_s, _measured_s(base))}%"
 
 
 def _host_ms_per_module(run: dict) -> str:
@@ -137,7 +141,7 @@ def row(run: dict, tp_runs: list[dict], records: list[dict]) -> dict:
     """One record beside today's price of its pinned plan."""
     layout, estimate = priced_with_layout(run)
     rank = faked_rank(run)
-    measured_s = run["measured_compute_s"] if rank else run["measured_step_s"]
+    measured_s = _measured_s(run)
     priced_s = rank_compute_s(estimate) if rank else estimate.step_time_s
     handwritten_s, handwritten_peak = _handwritten(run)
     return {

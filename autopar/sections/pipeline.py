@@ -301,7 +301,36 @@ def split_with_tracer(model: nn.Module, stages: list[list[str]], model_module: A
         stage = pipe.get_stage_module(index)
         assert isinstance(stage, torch.fx.GraphModule)  # a traced split's stages are graphs
         send_contiguous(stage)
+    carry_unused_parameters(model, [pipe.get_stage_module(index) for index in range(pipe.num_stages)])
     return pipe
+
+
+def carry_unused_parameters(model: nn.Module, stages: list[nn.Module]) -> list[str]:
+    """Give the first stage every parameter of ``model`` that no traced stage holds,
+    under its own name; returns their names.
+
+    torch's split keeps a parameter only where a graph reads it, so one the forward and loss never
+    read (DeBERTa-v2's masked-LM head bias beside its untied decoder's own) would be in no stage:
+    missing from saved, exported and checkpointed weights and from --init-from. Carried unread, it
+    gets no gradient, and the optimizer leaves it as one process does."""
+    held = {name for stage in stages for name, _ in named_parameters_in_stage(stage)}
+    names_of: dict[int, list[str]] = {}
+    parameters: dict[int, nn.Parameter] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(parameter), []).append(name)
+        parameters[id(parameter)] = parameter
+    carried = []
+    for key, names in names_of.items():
+        if held.isdisjoint(names):  # a tied tensor held under another of its names is not missing
+            *path, leaf = f"model.{names[0]}".split(".")
+            owner = stages[0]
+            for atom in path:
+                if not hasattr(owner, atom):
+                    owner.add_module(atom, nn.Module())
+                owner = getattr(owner, atom)
+            owner.register_parameter(leaf, parameters[key])
+            carried.append(names[0])
+    return carried
 
 
 def send_contiguous(stage: torch.fx.GraphModule) -> None:

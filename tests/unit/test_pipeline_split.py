@@ -220,3 +220,47 @@ def test_a_traced_pipeline_refuses_a_read_past_a_stage():
     assert skipped_read(encoder_early, reads) == ("layer decoder.0 (stage 2) reads the output of embed "
                                                   "(stage 0) past the stages between")
     assert skipped_read([layers[:4], layers[4:]], reads) is None
+
+
+class _UnreadBias(nn.Module):
+    """A masked-LM head as DeBERTa-v2 writes it with untied embeddings: the head's own bias
+    beside a decoder that has one too, so the forward never reads it; the embedding is tied to
+    a second name (``tied_embed``) read by nothing either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.tied_embed = self.embed
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.decoder = nn.Linear(8, 16)
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.decoder(x)
+
+
+def test_a_traced_split_carries_a_parameter_no_graph_reads_on_the_first_stage_unchanged():
+    from types import SimpleNamespace
+
+    from autopar.sections.pipeline import named_parameters_in_stage, split_with_tracer
+
+    torch.manual_seed(0)
+    model = _UnreadBias()
+    bias = model.bias.detach().clone()
+    tokens = torch.randint(0, 16, (2, 5))
+    batch = {"tokens": tokens, "targets": tokens}
+    loss_of = SimpleNamespace(loss_fn=lambda output, b: nn.functional.cross_entropy(output.flatten(0, 1),
+                                                                                     b["targets"].flatten()))
+    pipe = split_with_tracer(model, [["layers.0"], ["layers.1"]], loss_of, batch)
+    stages = [dict(named_parameters_in_stage(pipe.get_stage_module(i))) for i in range(pipe.num_stages)]
+    every = {name for stage in stages for name in stage}
+    assert every | {"tied_embed.weight"} == {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    assert "bias" in stages[0] and "bias" not in stages[1] and torch.equal(stages[0]["bias"], bias)
+    # The stage still runs its graph, which reads none of it: no gradient, so no step changes it.
+    sent = pipe.get_stage_module(0)(tokens)
+    sent = sent[0] if isinstance(sent, tuple) else sent
+    sent.float().sum().backward()
+    assert stages[0]["bias"].grad is None and stages[0]["embed.weight"].grad is not None

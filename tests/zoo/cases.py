@@ -102,6 +102,8 @@ REFUSED: dict[str, str] = {
     'hf_mamba-cp2': 'a convolution over the sequence',
     'hf_modernbert-cp2': 'a sliding window or local attention',
     'hf_bart-cp2': 'would train a different model',
+    # DeBERTa's disentangled attention computes its own softmax over the sequence.
+    'hf_deberta_v2-cp2': 'attention computed outside scaled_dot_product_attention',
 }
 
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters

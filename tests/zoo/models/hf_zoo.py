@@ -72,8 +72,8 @@ _CAUSAL = {
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
 _EAGER_ONLY = {"bloom", "gemma2", "gptj", "mamba"}
 CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
-OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "t5", "bart", "vit", "swin", "convnext", "whisper",
-               "clip", "wav2vec2_ctc"]
+OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "deberta_v2", "t5", "bart", "vit", "swin", "convnext",
+               "whisper", "clip", "wav2vec2_ctc"]
 ARCHS = CAUSAL_ARCHS + OTHER_ARCHS
 
 
@@ -101,6 +101,12 @@ def build_model(arch: str = "llama", layers: int = 2, seq_len: int = 16) -> torc
         config = hf.ModernBertConfig(**common, intermediate_size=64, local_attention=8, global_attn_every_n_layers=2,
                                      pad_token_id=1, embedding_dropout=0.0, mlp_dropout=0.0)
         return hf.ModernBertForMaskedLM(config)
+    if arch == "deberta_v2":  # a masked LM with disentangled relative attention (v3's settings), embeddings untied:
+        # the head's own bias beside its decoder's is read by nothing (a traced pipeline stage must still carry it)
+        config = hf.DebertaV2Config(**common, intermediate_size=64, relative_attention=True, position_buckets=8,
+                                    pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True,
+                                    position_biased_input=False, max_relative_positions=-1, pad_token_id=1)
+        return hf.DebertaV2ForMaskedLM(config)
     if arch == "t5":
         config = hf.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=layers, num_heads=HEADS,
                              dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
@@ -159,7 +165,7 @@ def example_batch(batch_size: int, arch: str = "llama", seq_len: int = 16) -> di
         return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
     if arch in ("bert", "roberta"):
         return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
-    if arch in ("bert_mlm", "modernbert"):  # masked LMs: a quarter of the tokens masked, the rest not counted (-100)
+    if arch in ("bert_mlm", "modernbert", "deberta_v2"):  # masked LMs: a quarter of the tokens masked, the rest -100
         inputs, masked = tokens[:, :-1], torch.rand(batch_size, seq_len) < 0.25
         return {"input_ids": inputs.masked_fill(masked, MASK_TOKEN), "labels": inputs.masked_fill(~masked, -100)}
     if arch == "bart":

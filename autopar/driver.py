@@ -20,6 +20,7 @@ from autopar.model_file import load_model_file
 from autopar.profile import ModelProfile, profile_model
 from autopar.report.rebuild import rebuild_report, report_of
 from autopar.saved import load_saved_plan
+from autopar.serialize import compact_json
 from autopar.specs import (build_cluster, model_kwargs, pinned_layout, section_as, section_values, train_spec,
                            with_cluster_config)
 from cost_models.step import Estimate, ParallelLayout, PlanPricer
@@ -54,7 +55,9 @@ def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool
                             precision=settings["precision"], blocks=settings["blocks"],
                             trace_every_block=settings["trace_every_block"])
     if key is not None:
-        profile_cache.store(key, profile)
+        kept = dataclasses.replace(profile, kept_as=key)
+        if profile_cache.store(key, kept) is not None:
+            profile = kept
     return profile, False
 
 
@@ -96,7 +99,10 @@ def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = Non
                       section_as(cfg.plan, PlanPins),
                       progress=progress.search if progress else None,
                       excluded_splits=excluded_splits)
+    known = compact_json(profile.findings)
     result = planner.run()
+    if profile.kept_as is not None and compact_json(profile.findings) != known:
+        profile_cache.store_findings(profile.kept_as, profile.findings)
     result.plan = with_cluster_config(result.plan, cfg)
     return result
 

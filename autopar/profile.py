@@ -165,6 +165,13 @@ class ModelProfile:
     """Where and why fake tensors could not run the step: it was traced with real tensors at the
     profiled micro-batch (autopar.model_file.build_real), and every later run of the model must be
     real too (no full-scale fake step)."""
+    findings: dict[str, Any] = field(default_factory=dict)
+    """What planning worked out by running the model (which tensor-parallel splits its code runs:
+    autopar/solver/tp_legality.py), as JSON; kept beside a kept profile (autopar.profile_cache), so
+    that planning the same model again asks no question twice."""
+    kept_as: str | None = None
+    """The key it is kept under between runs (autopar.profile_cache), where its findings are kept
+    too; None: not kept."""
 
     @property
     def flops_total(self) -> int:

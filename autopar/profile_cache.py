@@ -10,6 +10,9 @@ was traced from is unchanged, named in its key:
 - the settings tracing reads (model.*, micro-batch size, precision, plan.blocks,
   plan.trace_every_block);
 - autopar's own code (a digest of its .py files): a profile traced by other code is traced again.
+Beside a profile, `<key>.findings.json` keeps what planning then worked out by running the model
+(ModelProfile.findings: which tensor-parallel splits its code runs, ~3 s of rebuilding the 405B
+model on fake tensors and probing its layers), valid as long as the profile is: same key.
 A stale or unreadable entry is traced again, never trusted; a cache that cannot be written
 (read-only home) costs nothing but the reuse. Entries live in `$AUTOPAR_PROFILE_CACHE`, else
 `$XDG_CACHE_HOME/autopar/profiles`, else `~/.cache/autopar/profiles`; `AUTOPAR_PROFILE_CACHE=off`
@@ -35,6 +38,7 @@ from autopar.profile import ModelProfile
 from autopar.serialize import compact_json
 
 CACHE_VARIABLE = "AUTOPAR_PROFILE_CACHE"
+FINDINGS_SUFFIX = ".findings.json"  # beside <key>.json: ModelProfile.findings of later plans
 PACKAGE = Path(__file__).resolve().parent
 
 
@@ -178,25 +182,44 @@ def load(key: str, model_path: Path, model_sha256: str) -> ModelProfile | None:
         return None
     if profile.model_sha256 != model_sha256:
         return None
-    return dataclasses.replace(profile, model_path=str(model_path))
+    return dataclasses.replace(profile, model_path=str(model_path), findings=_kept_findings(folder, key))
+
+
+def _kept_findings(folder: Path, key: str) -> dict[str, Any]:
+    try:
+        findings = json.loads((folder / f"{key}{FINDINGS_SUFFIX}").read_text())
+    except (OSError, ValueError):
+        return {}
+    return findings if isinstance(findings, dict) else {}
 
 
 def store(key: str, profile: ModelProfile) -> Path | None:
     """Keep a profile under `key`, written whole or not at all (None: not kept)."""
+    # Compact, and encoded by json's C encoder in one call (json.dump streams through the
+    # pure-Python one, 4x slower on a 405B profile's 11 MB).
+    return _write(f"{key}.json", compact_json(profile))
+
+
+def store_findings(key: str, findings: dict[str, Any]) -> Path | None:
+    """Keep what planning found about the profile of `key` (ModelProfile.findings) beside it, for
+    the next plan that reuses it; the profile's own file is not written again."""
+    return _write(f"{key}{FINDINGS_SUFFIX}", compact_json(findings))
+
+
+def _write(name: str, text: str) -> Path | None:
+    """Write a cache entry whole or not at all (None: not kept)."""
     folder = cache_folder()
     if folder is None:
         return None
     temporary: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".json")
+        handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
         with os.fdopen(handle, "w") as out:
-            # Compact, and encoded by json's C encoder in one call (json.dump streams through the
-            # pure-Python one, 4x slower on a 405B profile's 11 MB).
-            out.write(compact_json(profile))
-        os.replace(temporary, folder / f"{key}.json")
+            out.write(text)
+        os.replace(temporary, folder / name)
     except OSError:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
         return None
-    return folder / f"{key}.json"
+    return folder / name

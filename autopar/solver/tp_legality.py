@@ -84,6 +84,22 @@ class IllegalSplit:
     reason: str
 
 
+# Where TPLegality keeps its answers in ModelProfile.findings.
+FINDINGS = "tp_legality"
+
+
+def _regions_key(regions: dict[str, dict[str, str]]) -> frozenset:
+    return frozenset((region, frozenset(children.items())) for region, children in regions.items())
+
+
+def _illegal_json(found: dict[str, IllegalSplit]) -> dict[str, list[str]]:
+    return {module: [item.kind, item.reason] for module, item in found.items()}
+
+
+def _illegal_of(kept: dict[str, list[str]]) -> dict[str, IllegalSplit]:
+    return {module: IllegalSplit(module, kind, reason) for module, (kind, reason) in kept.items()}
+
+
 class _InputsCaptured(Exception):
     """Stops the forward `TPLegality._layer_inputs` runs once the layer's arguments are kept."""
 
@@ -103,6 +119,19 @@ class TPLegality:
     _kv_groups: dict[int, KVGroups | None] = field(default_factory=dict)
     _attributes: dict[tuple[str, int, frozenset], dict[str, dict[str, int]]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Answers found by an earlier plan of the same model and code (kept with its profile, or
+        # found earlier in this process): no rebuild of the model to ask them again.
+        kept = self.profile.findings.setdefault(FINDINGS, {"static": [], "probed": []})
+        for answer in kept["static"]:
+            self._static[(answer["layer"], answer["tp"])] = _illegal_of(answer["illegal"])
+            self._fused[(answer["layer"], answer["tp"])] = {m: list(parts) for m, parts in answer["fused"].items()}
+        for answer in kept["probed"]:
+            key = (answer["layer"], answer["tp"], _regions_key(answer["regions"]))
+            self._probed[key] = _illegal_of(answer["illegal"])
+            self._dtensor[key] = set(answer["dtensor"])
+            self._attributes[key] = {region: dict(found) for region, found in answer["attributes"].items()}
+
     def static(self, layer: str, tp: int) -> dict[str, IllegalSplit]:
         """Module -> why it cannot be split, by the class and graph rules (independent of styles)."""
         if tp <= 1:
@@ -119,6 +148,10 @@ class TPLegality:
                          *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
             self._static[(layer, tp)] = found
+            if self._build_failed():
+                return found
+            self.profile.findings[FINDINGS]["static"].append(
+                {"layer": layer, "tp": tp, "illegal": _illegal_json(found), "fused": dict(fused)})
         return self._static[(layer, tp)]
 
     def fused_parts(self, layer: str, tp: int) -> dict[str, list[int]]:
@@ -153,26 +186,29 @@ class TPLegality:
     def probe(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, IllegalSplit]:
         """Regions of ``styles`` whose code fails on one rank's share: region's linears -> why."""
         regions = self._regions(styles)
-        key = (layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))
+        key = (layer, tp, _regions_key(regions))
         if key not in self._probed:
             self._dtensor[key] = set()
             self._attributes[key] = {}
             self._probed[key] = self._probe_regions(layer, regions, tp, self._dtensor[key], self._attributes[key])
+            if self._build_failed():
+                return self._probed[key]
+            self.profile.findings[FINDINGS]["probed"].append(
+                {"layer": layer, "tp": tp, "regions": regions, "illegal": _illegal_json(self._probed[key]),
+                 "dtensor": sorted(self._dtensor[key]), "attributes": self._attributes[key]})
         return self._probed[key]
 
     def region_attributes(self, layer: str, tp: int, styles: dict[str, str]) -> dict[str, dict[str, int]]:
         """Regions of ``styles`` (probed) that run their key/value groups with an attribute set:
         region -> attribute -> value (see the module docstring)."""
-        regions = self._regions(styles)
         self.probe(layer, tp, styles)
-        key = (layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))
+        key = (layer, tp, _regions_key(self._regions(styles)))
         return {region: dict(found) for region, found in self._attributes[key].items()}
 
     def dtensor_regions(self, layer: str, tp: int, styles: dict[str, str]) -> set[str]:
         """Regions of ``styles`` (probed) that run only with DTensor activations."""
-        regions = self._regions(styles)
         self.probe(layer, tp, styles)
-        return set(self._dtensor[(layer, tp, frozenset((r, frozenset(c.items())) for r, c in regions.items()))])
+        return set(self._dtensor[(layer, tp, _regions_key(self._regions(styles)))])
 
     def _layer_inputs(self, layer: str, named: dict[str, nn.Module], call_model: Any) -> tuple[tuple, dict] | None:
         """The arguments the model's forward passes ``layer`` (one fake forward, kept), so a probe
@@ -200,6 +236,11 @@ class TPLegality:
         return self._inputs[layer]
 
     # -- rules needing the model -----------------------------------------------------------------
+
+    def _build_failed(self) -> bool:
+        """Whether the model's rebuild failed, so that its rules were skipped: answers kept for no
+        later plan (autopar.profile_cache), which may rebuild it."""
+        return self._built and self._build is None
 
     def _model(self) -> Any:
         if not self._built:

@@ -82,6 +82,19 @@ def test_a_damaged_entry_is_traced_again_and_replaced(model, traces, tmp_path):
     assert kept and len(traces) == 2
 
 
+def test_what_planning_found_is_kept_beside_the_profile_and_a_damaged_record_of_it_is_dropped(model, traces, tmp_path):
+    first, _ = _profile(model)
+    assert first.kept_as is not None and first.findings == {}
+    findings = {"tp_legality": {"static": [{"layer": "1", "tp": 2, "illegal": {}, "fused": {}}], "probed": []}}
+    profile_cache.store_findings(first.kept_as, findings)
+    second, kept = _profile(model)
+    assert kept and second.findings == findings and len(traces) == 1
+    (record,) = (tmp_path / "cache").glob(f"*{profile_cache.FINDINGS_SUFFIX}")
+    record.write_text('{"tp_legality": ')
+    third, kept = _profile(model)
+    assert kept and third.findings == {} and len(traces) == 1  # the profile still kept, the findings asked again
+
+
 def test_reuse_off_by_setting_or_variable_keeps_nothing(model, traces, tmp_path, monkeypatch):
     _profile(model, "plan.reuse_profile=false")
     _profile(model, "plan.reuse_profile=false")

@@ -5,6 +5,8 @@ or module decided each refusal.
 One small model file, its attention written five ways (as models in the wild write it)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -321,5 +323,30 @@ def test_a_layer_that_fails_on_fake_tensors_unsplit_is_not_blamed_on_the_split(m
     monkeypatch.setattr(legality_module, "_run_narrowed", failing(unsplit_too=True))
     assert TPLegality(profile).probe("blocks.0", 2, styles) == {}
     monkeypatch.setattr(legality_module, "_run_narrowed", failing(unsplit_too=False))
-    found = TPLegality(profile).probe("blocks.0", 2, styles)
+    found = TPLegality(dataclasses.replace(profile, findings={})).probe("blocks.0", 2, styles)  # not the answer kept
     assert set(found) == set(styles) and {split.kind for split in found.values()} == {"local shapes"}
+
+
+@pytest.mark.parametrize("style", ["fused", "hardcoded", "fused_heads"])
+def test_answers_kept_with_the_profile_are_given_again_without_building_the_model(model_path, style, monkeypatch):
+    """What a plan found by running the model (kept beside a kept profile as JSON,
+    autopar.profile_cache) answers the next plan of it exactly, with no rebuild of the model."""
+    from autopar.serialize import compact_json
+
+    profile = _profile(model_path, style)
+    first = TPLegality(profile)
+    styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
+              "blocks.0.attn.o": "rowwise"}
+    if style != "hardcoded":
+        styles = {"blocks.0.attn.qkv": "colwise", "blocks.0.attn.o": "rowwise"}
+
+    def answers(legality):
+        return (legality.static("blocks.0", 2), legality.fused_parts("blocks.0", 2),
+                legality.probe("blocks.0", 2, styles), legality.dtensor_regions("blocks.0", 2, styles),
+                legality.region_attributes("blocks.0", 2, styles))
+
+    found = answers(first)
+    assert any(found[:4])  # something was found that needed the model
+    kept = dataclasses.replace(profile, findings=json.loads(compact_json(profile.findings)))
+    monkeypatch.setattr(TPLegality, "_model", lambda self: pytest.fail("the model was built again"))
+    assert answers(TPLegality(kept)) == found

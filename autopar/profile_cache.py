@@ -13,6 +13,8 @@ was traced from is unchanged, named in its key:
 Beside a profile, `<key>.findings.json` keeps what planning then worked out by running the model
 (ModelProfile.findings: which tensor-parallel splits its code runs, ~3 s of rebuilding the 405B
 model on fake tensors and probing its layers), valid as long as the profile is: same key.
+The folder is kept under 2 GiB (`$AUTOPAR_PROFILE_CACHE_MAX_MB`): storing a profile removes the least
+recently used ones past that.
 A stale or unreadable entry is traced again, never trusted; a cache that cannot be written
 (read-only home) costs nothing but the reuse. Entries live in `$AUTOPAR_PROFILE_CACHE`, else
 `$XDG_CACHE_HOME/autopar/profiles`, else `~/.cache/autopar/profiles`; `AUTOPAR_PROFILE_CACHE=off`
@@ -27,6 +29,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +42,9 @@ from autopar.serialize import compact_json
 
 CACHE_VARIABLE = "AUTOPAR_PROFILE_CACHE"
 FINDINGS_SUFFIX = ".findings.json"  # beside <key>.json: ModelProfile.findings of later plans
+MAX_MB_VARIABLE = "AUTOPAR_PROFILE_CACHE_MAX_MB"
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")  # `profile_key`'s digests
+MAX_BYTES = 2 * 2**30  # the folder's size past which the least recently used profiles go (`prune`)
 PACKAGE = Path(__file__).resolve().parent
 
 
@@ -182,6 +188,10 @@ def load(key: str, model_path: Path, model_sha256: str) -> ModelProfile | None:
         return None
     if profile.model_sha256 != model_sha256:
         return None
+    try:
+        os.utime(folder / f"{key}.json")  # used now: the last to go when the folder is pruned
+    except OSError:
+        pass
     return dataclasses.replace(profile, model_path=str(model_path), findings=_kept_findings(folder, key))
 
 
@@ -197,7 +207,53 @@ def store(key: str, profile: ModelProfile) -> Path | None:
     """Keep a profile under `key`, written whole or not at all (None: not kept)."""
     # Compact, and encoded by json's C encoder in one call (json.dump streams through the
     # pure-Python one, 4x slower on a 405B profile's 11 MB).
-    return _write(f"{key}.json", compact_json(profile))
+    written = _write(f"{key}.json", compact_json(profile))
+    if written is not None:
+        prune(written.parent, max_bytes(), keep=key)
+    return written
+
+
+def max_bytes() -> int:
+    """How large the folder may grow (`$AUTOPAR_PROFILE_CACHE_MAX_MB`, else MAX_BYTES)."""
+    try:
+        return int(float(os.environ[MAX_MB_VARIABLE]) * 2**20)
+    except (KeyError, ValueError):
+        return MAX_BYTES
+
+
+def prune(folder: Path, limit: int, keep: str) -> list[str]:
+    """Remove the least recently used profiles, each with its findings, until the folder holds at
+    most `limit` bytes (a profile is used when kept or reused); `keep`, the one just written,
+    stays whatever its size, and findings left without their profile go. Returns the keys removed.
+    Every model or setting traced, and every autopar version, keys a new entry (a 405B Llama's
+    is 11 MB), so an unpruned folder only grows."""
+    entries = []
+    try:
+        for path in folder.glob("*.json"):
+            # Only autopar's own entries, named by their key: a folder set by hand may hold others.
+            key = path.name.removesuffix(FINDINGS_SUFFIX).removesuffix(".json")
+            if not KEY_PATTERN.fullmatch(key):
+                continue
+            if path.name.endswith(FINDINGS_SUFFIX):
+                if not (folder / f"{key}.json").exists():
+                    path.unlink(missing_ok=True)  # its profile is gone
+                continue
+            files = [path, folder / f"{key}{FINDINGS_SUFFIX}"]
+            entries.append((path.stat().st_mtime, key, sum(f.stat().st_size for f in files if f.exists()), files))
+    except OSError:
+        return []  # another process pruning or writing beside: its prune will do
+    total = sum(size for _, _, size, _ in entries)
+    removed = []
+    for _, key, size, files in sorted(entries):
+        if total <= limit:
+            break
+        if key == keep:
+            continue
+        for path in files:
+            path.unlink(missing_ok=True)
+        total -= size
+        removed.append(key)
+    return removed
 
 
 def store_findings(key: str, findings: dict[str, Any]) -> Path | None:

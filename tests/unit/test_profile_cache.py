@@ -3,6 +3,8 @@ only then: any change to the model file, a module beside it that it imports, or 
 tracing reads traces again; a damaged entry is traced again and an unwritable cache costs nothing."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from autopar import driver, profile_cache
@@ -154,3 +156,42 @@ def test_a_neighbour_that_does_not_parse_does_not_stop_planning(model, traces):
     model.write_text("try:\n    import broken\nexcept SyntaxError:\n    pass\n" + GPT)
     _, kept = _profile(model)
     assert not kept and len(traces) == 1
+
+
+def test_the_folder_is_pruned_to_its_size_least_recently_used_first_and_nothing_else_goes(tmp_path):
+    """Entries of 100 bytes (with findings 10 more), used at t = 1, 3, 2: at a 250-byte limit the
+    one used longest ago goes with its findings, the one just written stays whatever the size,
+    findings left without their profile go, and files that are not entries are never touched."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    keys = [f"{n:032x}" for n in (1, 2, 3)]
+    for used, key in zip((1, 3, 2), keys):
+        (folder / f"{key}.json").write_text("x" * 100)
+        (folder / f"{key}{profile_cache.FINDINGS_SUFFIX}").write_text("y" * 10)
+        os.utime(folder / f"{key}.json", (used, used))
+    orphan = folder / f"{4:032x}{profile_cache.FINDINGS_SUFFIX}"
+    orphan.write_text("z")
+    users = [folder / "notes.json", folder / "results.findings.json"]
+    for path in users:
+        path.write_text("a user's file" * 100)
+    assert profile_cache.prune(folder, 250, keep=keys[0]) == [keys[2]]  # keys[0] is oldest but just written
+    assert sorted(p.name for p in folder.iterdir() if p not in users) == sorted(
+        [f"{keys[0]}.json", f"{keys[0]}{profile_cache.FINDINGS_SUFFIX}", f"{keys[1]}.json",
+         f"{keys[1]}{profile_cache.FINDINGS_SUFFIX}"])
+    assert all(path.exists() for path in users) and not orphan.exists()
+    assert profile_cache.prune(folder, 10, keep=keys[0]) == [keys[1]]  # the written one alone stays
+
+
+def test_a_reused_profile_counts_as_used_and_the_limit_is_a_setting(model, traces, tmp_path, monkeypatch):
+    first, _ = _profile(model)
+    entry = tmp_path / "cache" / f"{first.kept_as}.json"
+    os.utime(entry, (1, 1))
+    _profile(model)
+    assert entry.stat().st_mtime > 1
+    monkeypatch.setenv(profile_cache.MAX_MB_VARIABLE, "0.5")
+    assert profile_cache.max_bytes() == 2**19
+    _profile(model, "model.layers=3")  # two small profiles, far under half a MiB: both kept
+    assert entry.exists()
+    monkeypatch.setenv(profile_cache.MAX_MB_VARIABLE, "0")
+    second, _ = _profile(model, "model.layers=4")
+    assert not entry.exists() and (tmp_path / "cache" / f"{second.kept_as}.json").exists()

@@ -242,6 +242,10 @@ class Planner:
         coverage = self.tp_coverage(plan.tp, plan.expert_tp) if plan.tp > 1 else None
         if coverage is not None and (self.pins.tp or 1) > 1:
             check_pinned_coverage(coverage)  # a pinned tp under which little splits is refused
+            if coverage.param_share == 0:  # legal to split, but the search found every linear faster whole
+                not_offered.append(f"warning: plan.tp={plan.tp} is pinned, but its best split of this model on this "
+                                   f"cluster replicates every linear layer ({FASTER_WHOLE}), so {plan.tp} GPUs compute "
+                                   "what one does: leave plan.tp unset to spend them on data parallelism")
         alternatives = [Alternative(self.to_plan(other, result)[0], self._why_lost(other, winner))
                         for other in result.best
                         if other.candidate != winner.candidate and other is not fastest][: self.solver.top_k]

@@ -22,9 +22,11 @@ def test_a_degree_that_splits_nothing_is_not_offered(tmp_path, capsys):
 
 
 def test_a_pinned_degree_is_planned_as_pinned(tmp_path, capsys):
-    """Pinned, the same degree is kept (its linears could split: the coverage check passes) and
-    the plan's words say how little it splits."""
+    """Pinned, the same degree is kept (its linears could split: the coverage check passes), the
+    plan's words say how little it splits, and a warning what the pin costs."""
     assert main(["plan", str(MODEL), *TWO_CPU_RANKS, "plan.tp=2", "--out", str(tmp_path / "plan.json")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert json.loads((tmp_path / "plan.json").read_text())["tp"] == 2
     assert "tensor parallel (tp=2) splits 0% of the blocks' linear parameters" in out
+    assert ("warning: plan.tp=2 is pinned, but its best split of this model on this cluster replicates every "
+            "linear layer") in out and "leave plan.tp unset" in out

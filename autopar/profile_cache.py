@@ -30,6 +30,7 @@ import importlib.metadata
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -188,9 +189,9 @@ def load(key: str, model_path: Path, model_sha256: str) -> ModelProfile | None:
         return None
     if profile.model_sha256 != model_sha256:
         return None
-    try:
-        os.utime(folder / f"{key}.json")  # used now: the last to go when the folder is pruned
-    except OSError:
+    try:  # used now: the last to go when the folder is pruned (a link's own time, never its target's)
+        os.utime(folder / f"{key}.json", follow_symlinks=False)
+    except (OSError, NotImplementedError):
         pass
     return dataclasses.replace(profile, model_path=str(model_path), findings=_kept_findings(folder, key))
 
@@ -229,30 +230,36 @@ def prune(folder: Path, limit: int, keep: str) -> list[str]:
     is 11 MB), so an unpruned folder only grows."""
     entries = []
     try:
-        for path in folder.glob("*.json"):
-            # Only autopar's own entries, named by their key: a folder set by hand may hold others.
-            key = path.name.removesuffix(FINDINGS_SUFFIX).removesuffix(".json")
-            if not KEY_PATTERN.fullmatch(key):
+        # Only autopar's own entries: regular files (it writes no links) named by their key, since a
+        # folder set by hand may hold others. Unlinking a name never follows it anyway.
+        named = {path.name: path.lstat() for path in folder.glob("*.json")
+                 if KEY_PATTERN.fullmatch(path.name.removesuffix(FINDINGS_SUFFIX).removesuffix(".json"))}
+        own = {name: facts for name, facts in named.items() if stat.S_ISREG(facts.st_mode)}
+        for name, facts in own.items():
+            key = name.removesuffix(FINDINGS_SUFFIX).removesuffix(".json")
+            if name.endswith(FINDINGS_SUFFIX):
+                if f"{key}.json" not in named:
+                    (folder / name).unlink(missing_ok=True)  # its profile is gone
                 continue
-            if path.name.endswith(FINDINGS_SUFFIX):
-                if not (folder / f"{key}.json").exists():
-                    path.unlink(missing_ok=True)  # its profile is gone
-                continue
-            files = [path, folder / f"{key}{FINDINGS_SUFFIX}"]
-            entries.append((path.stat().st_mtime, key, sum(f.stat().st_size for f in files if f.exists()), files))
+            findings = own.get(f"{key}{FINDINGS_SUFFIX}")
+            files = [folder / name] + ([folder / f"{key}{FINDINGS_SUFFIX}"] if findings else [])
+            entries.append((facts.st_mtime, key, facts.st_size + (findings.st_size if findings else 0), files))
     except OSError:
         return []  # another process pruning or writing beside: its prune will do
     total = sum(size for _, _, size, _ in entries)
     removed = []
-    for _, key, size, files in sorted(entries):
-        if total <= limit:
-            break
-        if key == keep:
-            continue
-        for path in files:
-            path.unlink(missing_ok=True)
-        total -= size
-        removed.append(key)
+    try:
+        for _, key, size, files in sorted(entries):
+            if total <= limit:
+                break
+            if key == keep:
+                continue
+            for path in files:
+                path.unlink(missing_ok=True)
+            total -= size
+            removed.append(key)
+    except OSError:
+        pass  # a folder that will not let go costs space, never the plan
     return removed
 
 

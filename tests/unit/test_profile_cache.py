@@ -182,6 +182,27 @@ def test_the_folder_is_pruned_to_its_size_least_recently_used_first_and_nothing_
     assert profile_cache.prune(folder, 10, keep=keys[0]) == [keys[1]]  # the written one alone stays
 
 
+def test_a_link_in_the_cache_folder_is_neither_removed_nor_followed(model, traces, tmp_path):
+    """An entry that is a link (to a file elsewhere, a user's) is read, but never counted as
+    autopar's: reuse touches the link's time, not its target's, and pruning leaves the link, its
+    target and the findings beside it alone."""
+    first, _ = _profile(model)
+    folder, elsewhere = tmp_path / "cache", tmp_path / "mine"
+    elsewhere.mkdir()
+    target = elsewhere / "results.json"
+    (folder / f"{first.kept_as}.json").rename(target)
+    (folder / f"{first.kept_as}.json").symlink_to(target)
+    (folder / f"{first.kept_as}{profile_cache.FINDINGS_SUFFIX}").write_text("{}")
+    os.utime(target, (5, 5))
+    content = target.read_text()
+    _, kept = _profile(model)
+    assert kept and len(traces) == 1 and target.stat().st_mtime == 5
+    (folder / f"{8:032x}.json").write_text("x" * 100)
+    assert profile_cache.prune(folder, 0, keep=f"{9:032x}") == [f"{8:032x}"]
+    assert (folder / f"{first.kept_as}.json").is_symlink() and target.read_text() == content
+    assert (folder / f"{first.kept_as}{profile_cache.FINDINGS_SUFFIX}").exists()  # beside a profile's name
+
+
 def test_a_reused_profile_counts_as_used_and_the_limit_is_a_setting(model, traces, tmp_path, monkeypatch):
     first, _ = _profile(model)
     entry = tmp_path / "cache" / f"{first.kept_as}.json"

@@ -297,30 +297,27 @@ def split_with_tracer(model: nn.Module, stages: list[list[str]], model_module: A
     leaves = tuple(batch_to_kwargs(example_micro_batch).values())
     split_spec = {f"model.{stage[0]}": SplitPoint.BEGINNING for stage in stages[1:]}
     pipe = pipeline(traced, mb_args=leaves, split_spec=split_spec)
-    for index in range(pipe.num_stages):
-        stage = pipe.get_stage_module(index)
+    stage_modules = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+    for stage in stage_modules:
         assert isinstance(stage, torch.fx.GraphModule)  # a traced split's stages are graphs
         send_contiguous(stage)
-    carry_unused_parameters(model, [pipe.get_stage_module(index) for index in range(pipe.num_stages)])
+    carry_unused_parameters(model, stage_modules)
     return pipe
 
 
-def carry_unused_parameters(model: nn.Module, stages: list[nn.Module]) -> list[str]:
-    """Give the first stage every parameter of ``model`` that no traced stage holds,
-    under its own name; returns their names.
+def carry_unused_parameters(model: nn.Module, stages: list[nn.Module]) -> None:
+    """Give the first stage every parameter of ``model`` that no traced stage holds, under its
+    own name.
 
     torch's split keeps a parameter only where a graph reads it, so one the forward and loss never
     read (DeBERTa-v2's masked-LM head bias beside its untied decoder's own) would be in no stage:
     missing from saved, exported and checkpointed weights and from --init-from. Carried unread, it
     gets no gradient, and the optimizer leaves it as one process does."""
     held = {name for stage in stages for name, _ in named_parameters_in_stage(stage)}
-    names_of: dict[int, list[str]] = {}
-    parameters: dict[int, nn.Parameter] = {}
+    names_of: dict[nn.Parameter, list[str]] = {}  # a tied tensor under each of its names
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(parameter), []).append(name)
-        parameters[id(parameter)] = parameter
-    carried = []
-    for key, names in names_of.items():
+        names_of.setdefault(parameter, []).append(name)
+    for parameter, names in names_of.items():
         if held.isdisjoint(names):  # a tied tensor held under another of its names is not missing
             *path, leaf = f"model.{names[0]}".split(".")
             owner = stages[0]
@@ -328,9 +325,7 @@ def carry_unused_parameters(model: nn.Module, stages: list[nn.Module]) -> list[s
                 if not hasattr(owner, atom):
                     owner.add_module(atom, nn.Module())
                 owner = getattr(owner, atom)
-            owner.register_parameter(leaf, parameters[key])
-            carried.append(names[0])
-    return carried
+            owner.register_parameter(leaf, parameter)
 
 
 def send_contiguous(stage: torch.fx.GraphModule) -> None:

@@ -234,8 +234,11 @@ class Planner:
             candidates = rest
         fastest, robust = winner, None
         if self.solver.objective == "robust":
-            robust = self._robust_choice(winner, candidates, result.work, search.floors) \
-                or self._better_known(winner, result.work, search.floors)
+            # The second searches start from what the first proved of each candidate it priced:
+            # most of them need no pricing again.
+            known = search.known_floors()
+            robust = self._robust_choice(winner, candidates, result.work, known) \
+                or self._better_known(winner, result.work, known)
             if robust is not None:
                 winner = robust[0]
         plan, estimate = self.to_plan(winner, result)

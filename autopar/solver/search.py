@@ -140,6 +140,7 @@ class PlanSearch:
         if floors is None:
             floors = self._floors(candidates, rejected)
         self.floors = floors
+        self.proven: dict[int, float] = {}  # index -> what pricing and solving proved of its price (`known_floors`)
         waiting: list[tuple[float, int, Candidate, PartitionProblem]] = []  # priced, by lower bound
         next_floor = 0
         best: list[Scored] = []  # max-heap by negated time, size top_k
@@ -186,8 +187,10 @@ class PlanSearch:
                     item = (lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index, candidate, problem)
                     if memory_cannot_fit(problem):
                         refuse_for_memory(*item)
+                        self.proven[index] = float("inf")
                     else:
                         heapq.heappush(waiting, item)
+                        self.proven[index] = item[0]
             if stopped_at is not None or not waiting or waiting[0][0] >= kth:
                 break
             if best and out_of_budget():
@@ -201,6 +204,7 @@ class PlanSearch:
             key = id(problem)
             if key not in solved:
                 tighter = self._memory_aware_bound(problem)
+                self.proven[index] = max(bound, tighter + fixed)
                 if tighter + fixed >= kth:
                     if tighter == float("inf"):
                         refuse_for_memory(bound, index, candidate, problem)
@@ -211,7 +215,10 @@ class PlanSearch:
             partition = solved[key]
             if partition is None:
                 refuse_for_memory(bound, index, candidate, problem)
+                self.proven[index] = float("inf")
                 continue
+            if partition.bound_s is not None:
+                self.proven[index] = max(self.proven[index], partition.bound_s + fixed)
             if partition.status != "OPTIMAL":
                 assert partition.bound_s is not None  # a stopped solve reports its proven bound
                 open_bounds.append(partition.bound_s + fixed)
@@ -242,6 +249,17 @@ class PlanSearch:
                             work=round(self._work(priced), 6), stopped_by=stopped_by, pruned=pruned,
                             priced=priced,
                             over_memory=sorted(over_memory, key=lambda item: item[:2])[:OVER_MEMORY_KEPT])
+
+    def known_floors(self) -> list[tuple[float, int, Candidate]]:
+        """The floors of the last run raised to what its pricing and solving proved of each
+        candidate (its partition problem's lower bound, a solve's proven bound), those that
+        cannot fit in memory left out. Still lower bounds under prices no lower than this
+        search's (the robust objective's pessimistic prices raise every time and leave memory
+        as it is), and far tighter for the candidates it priced: a later search over the same
+        candidates given these prices few of them again."""
+        raised = [(max(floor, self.proven.get(index, floor)), index, candidate)
+                  for floor, index, candidate in self.floors]
+        return sorted(entry for entry in raised if entry[0] != float("inf"))
 
     def _work(self, priced: int) -> float:
         """Deterministic work so far: CP-SAT's deterministic seconds plus the pricing charge."""

@@ -292,6 +292,43 @@ def test_robust_objective_prefers_the_plan_that_extrapolates_less(examples_dir):
     assert robust.alternatives[0].plan.summary() == fastest.plan.summary()
 
 
+def test_known_floors_bound_the_pessimistic_prices_and_keep_the_robust_answer(examples_dir):
+    """What the first search proved of each candidate it priced (its partition problem's bound, a
+    solve's bound) stays below that candidate's price under the robust objective's pessimistic
+    prices; the robust search started from these floors finds exactly the plan it finds from the
+    compute floors, pricing fewer candidates (here about half: the plan it finds was never priced
+    by the first search)."""
+    from autopar.solver.stage_partition import StagePartitioner
+    from cost_models.step import PlanPricer
+    from cost_models.uncertainty import pessimistic_cluster
+
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 12, "hidden": 6144, "heads": 48, "seq_len": 2048,
+                                                  "vocab": 8192})
+    planner = Planner(profile, cluster("A100-80GB", 128, 8), TrainSpec(global_batch_size=1024),
+                      SolverConfig(top_k=2), PlanPins())
+    candidates = planner.candidates()
+    first = PlanSearch(planner.pricer, top_k=2)
+    fastest = first.run(candidates).best[0]
+    known = first.known_floors()
+    raised = [entry for entry, floor in zip(sorted(known, key=lambda e: e[1]),
+                                            sorted((f for f in first.floors if f[1] in first.proven),
+                                                   key=lambda e: e[1]))
+              if entry[0] > floor[0]]
+    assert len(raised) > 10  # the bounds were tighter than the compute floors for many candidates
+    extrapolation = planner._extrapolation(planner._layout(fastest))
+    cautious = PlanPricer(profile, pessimistic_cluster(planner.cluster, extrapolation), planner.train,
+                          planner.splitter, recompute_options=planner.pricer.recompute_options)
+    for bound, _, candidate in raised[:: max(1, len(raised) // 12)]:
+        problem = cautious.partition_problem(candidate)
+        solved = StagePartitioner().solve(problem)
+        assert solved is not None and bound <= solved.step_time_s + cautious.fixed_time_s(candidate) + 1e-9
+    cutoff = planner.interval(fastest).pessimistic_s
+    plain = PlanSearch(cautious).run(candidates, cutoff_s=cutoff, floors=first.floors)
+    informed = PlanSearch(cautious).run(candidates, cutoff_s=cutoff, floors=known)
+    assert [(s.index, s.step_time_s) for s in informed.best] == [(s.index, s.step_time_s) for s in plain.best]
+    assert informed.best and informed.priced < plain.priced
+
+
 def test_robust_objective_prefers_the_plan_whose_cost_is_better_known(examples_dir, monkeypatch):
     """With a calibration whose out-of-sample error falls steeply beyond 2 data-parallel ranks, the
     fastest plan on one H100 node (the widest data-parallel group) gets the widest interval; the

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from autopar.cli import main
 
@@ -46,6 +47,27 @@ def test_console_script_is_installed():
     exe = shutil.which("autopar") or str(__import__("pathlib").Path(sys.executable).parent / "autopar")
     result = subprocess.run([exe, "profile", "--help"], capture_output=True, text=True, check=True)
     assert "examples:" in result.stdout and "model.<kwarg>" in result.stdout
+
+
+def test_the_command_freezes_what_it_leaves_and_keeps_main_s_exit_code(monkeypatch, capsys):
+    """`autopar` (the console script and `python -m autopar.cli`) runs `main` and then freezes the
+    objects left, so the interpreter's last collection skips them; its exit code is main's. `main`
+    itself, run by tests and callers whose process goes on, freezes nothing."""
+    import gc
+
+    from autopar.cli import command
+
+    installed = (Path(sys.executable).parent / "autopar").read_text()
+    assert "from autopar.cli import command" in installed  # the script runs `command`, not `main`
+    assert gc.get_freeze_count() == 0
+    assert main(["profile", "--no-such-option"]) == 1 and gc.get_freeze_count() == 0
+    monkeypatch.setattr(sys, "argv", ["autopar", "profile", "--no-such-option"])
+    try:
+        assert command() == 1
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert capsys.readouterr().err.count("the following arguments are required") == 2
 
 
 def test_stage_split_and_layer_recompute_pins_reach_the_plan(examples_dir, tmp_path):

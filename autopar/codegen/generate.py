@@ -595,6 +595,7 @@ def train_config_source(plan: Plan) -> str:
         seed=args.seed,
         log_file=args.log_file,
         save_final=args.save_final,
+        dropout_off=args.dropout_off,
         checkpoint=checkpointing.CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
                                                   async_save=args.async_checkpoint, export=args.export,
                                                   allow_fresh_start=args.allow_fresh_start),

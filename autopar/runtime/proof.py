@@ -163,7 +163,7 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
         generate(plan, model_path, folder, optimizer=optimizer)
         final = folder / "final.pt"
         result = run_local(folder, plan.world_size, CHECK_STEPS, timeout_s=CHECK_TIMEOUT_S,
-                           extra_args=["--seed", "0", "--save-final", str(final)])
+                           extra_args=["--seed", "0", "--save-final", str(final), "--dropout-off"])
         if result.returncode == 124:
             return f"on {plan.world_size} local gloo ranks: not finished within {CHECK_TIMEOUT_S:.0f} s", "", False
         if not result.ok:
@@ -172,7 +172,8 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
         losses = [record["loss"] for record in result.records]
         parameters = torch.load(final, weights_only=True) if final.is_file() else {}
     kwargs = dict(plan.provenance.model_kwargs)
-    reference = run_reference(model_path, kwargs, plan.global_batch_size, CHECK_STEPS, optimizer)
+    # Both runs with dropout off (contract.DropoutOff): a sharded run draws other masks.
+    reference = run_reference(model_path, kwargs, plan.global_batch_size, CHECK_STEPS, optimizer, dropout_off=True)
     tolerances = Tolerances.from_rounding(reference, *_float64_run(model_path, kwargs, plan.global_batch_size,
                                                                    optimizer))
     difference = compare_with_reference(losses, parameters, reference, tolerances)
@@ -191,7 +192,8 @@ def _float64_run(model_path: str | Path, kwargs: dict[str, Any], global_batch_si
     from autopar.runtime.reference import run_reference
 
     try:
-        run = run_reference(model_path, kwargs, global_batch_size, CHECK_STEPS, optimizer, dtype=torch.float64)
+        run = run_reference(model_path, kwargs, global_batch_size, CHECK_STEPS, optimizer, dtype=torch.float64,
+                            dropout_off=True)
     except Exception as err:  # noqa: BLE001 - any failure of the float64 run only leaves the widest tolerances
         return None, _last_line(f"{type(err).__name__}: {err}")
     if not all(math.isfinite(loss) for loss in run.losses):

@@ -8,6 +8,7 @@ machinery: one forward and backward over the whole global batch per step, torch'
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import default_collate
 
-from autopar.sections.contract import tokens_per_sample
+from autopar.sections.contract import DropoutOff, tokens_per_sample
 from autopar.sections.optimizer import decays, learning_rate, no_decay_names, set_learning_rate
 from autopar.model_file import accepted_kwargs, call_model, compute_loss, default_dtype, load_model_file
 
@@ -104,7 +105,8 @@ def _samples(dataset: Any, seed: int, start: int, count: int, shuffle: bool) -> 
 
 def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_batch_size: int, steps: int,
                   optimizer: dict[str, Any], seed: int = 0, data: ReferenceData | None = None,
-                  eval_every: int = 0, eval_batches: int = 4, dtype: torch.dtype | None = None) -> ReferenceRun:
+                  eval_every: int = 0, eval_batches: int = 4, dtype: torch.dtype | None = None,
+                  dropout_off: bool = False) -> ReferenceRun:
     """Train the unsharded model for ``steps`` steps on one process (CPU, fp32).
 
     Args:
@@ -123,6 +125,8 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
             the fp32 run, what compile's check sets its tolerances from); the weights are
             initialised as in fp32 and converted, floating inputs converted, and tensors the model
             makes itself are made in it.
+        dropout_off: train with the model's dropout off (autopar.sections.contract.DropoutOff), as
+            compile's check runs the plan.
     """
     model_file = load_model_file(model_path)
     torch.manual_seed(seed)
@@ -142,7 +146,7 @@ def run_reference(model_path: str | Path, model_kwargs: dict[str, Any], global_b
                 torch.manual_seed(seed + 1 + step)
                 batch = model_file.example_batch(global_batch_size,
                                                  **accepted_kwargs(model_file.example_batch, model_kwargs))
-        with default_dtype(dtype):
+        with default_dtype(dtype), DropoutOff() if dropout_off else contextlib.nullcontext():
             batch = floating_as(batch, dtype)
             loss = compute_loss(model_file, call_model(model, batch), batch)
             loss.backward()

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 
 def import_file(path: str | Path, name: str) -> Any:
@@ -118,6 +120,34 @@ def compute_loss(model_module: Any, output: Any, batch: Any) -> torch.Tensor:
         return output.float().mean()
     raise NoLoss(f"the model returned {type(output).__name__} with no loss and model.py "
                  "defines no loss_fn(output, batch)")
+
+
+_DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout})
+_SDPA_DROPOUT_P = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
+
+
+class DropoutOff(TorchFunctionMode):
+    """While active, the forward's dropout draws nothing: `F.dropout` and its variants (what
+    nn.Dropout and Hugging Face's eager attention call) return their input, and attention's own
+    dropout (scaled_dot_product_attention's ``dropout_p``, nn.MultiheadAttention's) is off.
+    Compile's check trains the sharded plan and the one-process reference under it: a mask drawn
+    for a slice of the batch or a shard of the activations is not the one a single process draws,
+    so with dropout on no sharded run could equal one process. Training runs with dropout on
+    unless the module is given --dropout-off. Random draws of other kinds (a router sampling its
+    experts, noise added to inputs) are left as they are."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            if len(args) > _SDPA_DROPOUT_P:
+                args = (*args[:_SDPA_DROPOUT_P], 0.0, *args[_SDPA_DROPOUT_P + 1:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        elif func is F.multi_head_attention_forward:
+            kwargs["training"] = False  # its only use of the flag is the attention weights' dropout
+        return func(*args, **kwargs)
 
 
 def map_batch(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

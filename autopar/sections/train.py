@@ -28,7 +28,7 @@ from autopar.sections import pretrained
 # In a generated folder this is metrics.py beside the training module (the same for every plan).
 from autopar.sections import metrics
 from autopar.sections.clipping import step_optimizer
-from autopar.sections.contract import (build_model, compute_loss, file_sha256, load_model_file,
+from autopar.sections.contract import (DropoutOff, build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
 from autopar.sections.context_parallel import context_parallel_attention, shard_sequence
@@ -131,6 +131,7 @@ class TrainConfig:
         steps, seed: optimizer steps to run; seed of the weights (seed) and of batch s (seed + 1 + s).
         log_file: JSON lines, one record per step (rank 0 appends), or None.
         save_final: where rank 0 saves the trained parameters as full tensors, or None.
+        dropout_off: train with the model's dropout off (contract.DropoutOff: compile's check).
         checkpoint: checkpoint folder and frequency, async saving, export (see checkpoint.py).
         fail_at_step: fault injection: the last rank kills itself at this step in torchrun's
             first attempt (see `checkpointing.inject_failure`), or None.
@@ -157,6 +158,7 @@ class TrainConfig:
     seed: int = 0
     log_file: str | None = None
     save_final: str | None = None
+    dropout_off: bool = False
     checkpoint: checkpointing.CheckpointConfig = field(default_factory=checkpointing.CheckpointConfig)
     fail_at_step: int | None = None
     dp_shares: list[int] = field(default_factory=list)
@@ -707,7 +709,8 @@ def train(training: TrainConfig, config: ParallelConfig, tp_plan: Callable[[], d
         start_from_pretrained(parallel, training, config, model_module, first_step)
         records = []
         logger = metrics.open_logger(training.log_file, training.metrics, dist.get_rank())
-        with attention_context(parallel, config, training, model_module):
+        dropout = DropoutOff() if training.dropout_off else contextlib.nullcontext()
+        with attention_context(parallel, config, training, model_module), dropout:
             for step in range(first_step, training.steps):
                 checkpointing.inject_failure(step, training.fail_at_step)
                 records.append(timed_step(parallel, training, config, model_module, step, batches, logger))
@@ -769,6 +772,9 @@ def parse_args(argv: list[str] | None, defaults: dict[str, Any]) -> argparse.Nam
     parser.add_argument("--model-file", default=defaults["model_file"], help="the model.py to train")
     parser.add_argument("--log-file", default=defaults["log_file"], help="append one JSON record per step here")
     parser.add_argument("--save-final", default=None, help="save the trained parameters (full tensors) here")
+    parser.add_argument("--dropout-off", action="store_true",
+                        help="train with the model's dropout off (what compile's check runs to compare the plan "
+                             "with one process, whose dropout masks no sharded run draws)")
     parser.add_argument("--checkpoint-dir", default=defaults.get("checkpoint_dir"),
                         help="checkpoint folder (DIR/step_<n>/); resuming starts from its latest complete one")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.get("checkpoint_every", 0), metavar="N",

@@ -20,6 +20,26 @@ MODELS = Path(__file__).resolve().parent / "models"
 TWO_CPU_RANKS = ["cluster=cpu_gloo", "cluster.gpus_per_node=2", "train.global_batch_size=8", "train.precision=fp32"]
 
 
+def test_a_model_with_dropout_is_checked_with_it_off_and_trains_with_it_on(tmp_path):
+    """Dropout (nn.Dropout, attention's dropout_p) draws other masks on every sharded rank than on
+    one process: compile's check runs both with dropout off (--dropout-off), so a data-parallel
+    plan of a model with dropout is proven instead of blamed on the batch split; the module it
+    writes trains with dropout on unless told otherwise (its losses differ from the check's)."""
+    from autopar.runtime import run_local
+
+    out = tmp_path / "out"
+    assert main(["compile", str(MODELS / "with_dropout.py"), *TWO_CPU_RANKS, "plan.dp=2", "check=on",
+                 "--out-dir", str(out)]) == 0
+    proof = (out / "report.md").read_text().split("## Proof at compile", 1)[1]
+    assert "steps on 2 local gloo ranks equal to one process" in proof
+    losses = {}
+    for name, extra in (("on", []), ("off", ["--dropout-off"])):
+        result = run_local(out, steps=2, extra_args=["--seed", "0", *extra])
+        assert result.ok, result.error
+        losses[name] = [record["loss"] for record in result.records]
+    assert losses["on"][0] != losses["off"][0]
+
+
 def test_a_plan_that_crashes_is_rejected_and_the_next_plan_is_written(tmp_path, capsys):
     out = tmp_path / "out"
     # dp and cp pinned to 1: the planner's fastest is a TP split (colwise/rowwise blocks at this

@@ -21,7 +21,9 @@ parallel sequence shards, micro-batches).
 """
 from __future__ import annotations
 
+import atexit
 import inspect
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,16 +94,24 @@ def parallelize(model: Any, plan: Any, *, model_file: ModelSource | None = None,
         raise UserError(f"The plan is for {plan.world_size} ranks; this job has {dist.get_world_size()}.",
                         f"launch {plan.world_size} ranks, or plan for {dist.get_world_size()}.")
     folder = Path(tempfile.mkdtemp(prefix="autopar-parallel-"))
-    gpus_per_node = plan.provenance.cluster_config.get("gpus_per_node") or None
-    files = generate(plan, path, folder, gpus_per_node=gpus_per_node)
-    if prove:
-        failure = on_rank_zero(lambda: _proof_failure(plan, path, folder))
-        if failure:
-            raise UserError(f"The plan {plan.summary()} fails compile's proof: {failure}.",
-                            "plan again (autopar.plan moves past nothing by itself: `autopar compile` does), "
-                            "or pin other plan.* settings.")
-    module = import_generated(files.script, f"autopar_parallel_{folder.name.replace('-', '_')}")
-    return ParallelTraining.of(module, model, _argv(options))
+    # The generated module is imported from this folder and may read the files beside it while it
+    # trains (checkpointing.py, training_data.py): the folder goes when the process ends, or at
+    # once if this call fails, so no call leaves one behind in the temporary directory.
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    try:
+        gpus_per_node = plan.provenance.cluster_config.get("gpus_per_node") or None
+        files = generate(plan, path, folder, gpus_per_node=gpus_per_node)
+        if prove:
+            failure = on_rank_zero(lambda: _proof_failure(plan, path, folder))
+            if failure:
+                raise UserError(f"The plan {plan.summary()} fails compile's proof: {failure}.",
+                                "plan again (autopar.plan moves past nothing by itself: `autopar compile` does), "
+                                "or pin other plan.* settings.")
+        module = import_generated(files.script, f"autopar_parallel_{folder.name.replace('-', '_')}")
+        return ParallelTraining.of(module, model, _argv(options))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 @dataclass

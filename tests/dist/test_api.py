@@ -4,6 +4,7 @@ process (autopar.runtime.reference's unsharded run on the same batches and optim
 module `autopar compile` writes for the same settings, run by `autopar run`."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,13 +30,19 @@ CASES = {"tp2": (2, ["plan.tp=2"]), "zero3_dp2": (2, ["plan.dp=2", "plan.zero_st
 
 
 def run_own_loop(ranks: int, pins: list[str], out: Path, *options: str) -> tuple[str, dict[str, torch.Tensor]]:
-    """The example under torchrun: (its output, the parameters it saved after STEPS steps)."""
+    """The example under torchrun: (its output, the parameters it saved after STEPS steps). Its
+    temporary directory is out/tmp, which must be empty again when the ranks have ended."""
     saved = out / "final.pt"
+    scratch = out / "tmp"
+    scratch.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                f"--master-port={free_port()}", str(EXAMPLE), "--steps", str(STEPS), "--save-final", str(saved),
                *options, *pins]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=out)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=out,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Each rank's generated module lived in a folder of its own there, removed as the rank ended.
+    assert not [path.name for path in scratch.iterdir() if path.name.startswith("autopar-parallel-")]
     return done.stdout, torch.load(saved, weights_only=True)
 
 

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autopar.data_dependent import (ValueHints, data_dependent_fake_mode, is_data_dependent, real_values,
                                     register_missing_fake_kernels, tracing_in, user_frame)
 from autopar.sections import contract
-from autopar.sections.contract import accepted_kwargs, model_inputs
+from autopar.sections.contract import accepted_kwargs, model_inputs, signature_module
 from autopar.errors import ModelFileError, UserError
 from autopar.user_code import (IMPORT_TIMEOUT_ENV, TimeLimitReached, describe_exit, exits_refused, import_timeout_s,
                                time_limit)
@@ -340,6 +340,29 @@ def build_real(model_file: ModelFile, kwargs: dict[str, Any], batch_size: int, d
             model = model.to_empty(device="cpu")
         batch = make_batch(model_file, batch_size, kwargs)
     return FakeBuild(fake_mode=None, model=model, batch=batch, real_values=reason)
+
+
+def check_batch_feeds(model: torch.nn.Module, batch: Any, model_file: ModelFile) -> None:
+    """Refuse a batch forward cannot take, as the contract feeds it (a dict's items by keyword,
+    only those forward names; a tuple's positionally; a tensor alone), before tracing: inside the
+    trace the TypeError would read as an op that fake tensors cannot run."""
+    forward = signature_module(model).forward
+    args, kwargs = model_inputs(model, batch)
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):  # a forward without a signature to check: the trace will tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        given = (f"a dict with keys {', '.join(map(repr, batch))}" if isinstance(batch, dict)
+                 else f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
+                 else f"a {type(batch).__name__}")
+        raise ModelFileError(f"example_batch in {model_file.path.name} returns {given}, which "
+                             f"{type(signature_module(model)).__name__}.forward"
+                             f"{signature.replace(return_annotation=inspect.Signature.empty)} cannot take ({err}).",
+                             "name a dict batch's keys after forward's arguments (they are passed by keyword; "
+                             "other keys ride along for loss_fn), or return a tuple (passed positionally).") from None
 
 
 def call_model(model: torch.nn.Module, batch: Any) -> Any:

@@ -27,7 +27,7 @@ from autopar.data_dependent import is_data_dependent, user_frame
 from autopar.errors import TraceError
 from autopar.trace.grouped_mm import allow_fp32_grouped_mm_on_fake_tensors
 from autopar.trace.ops import op_name
-from autopar.model_file import FakeBuild, ModelFile, compute_loss, model_inputs
+from autopar.model_file import FakeBuild, ModelFile, check_batch_feeds, compute_loss, model_inputs
 
 MODULE_KEY = "autopar_module"
 PHASE_KEY = "autopar_phase"
@@ -96,6 +96,7 @@ def capture_training_step(model_file: ModelFile, build: FakeBuild) -> CapturedSt
             grads = torch.autograd.grad(loss, [params[name] for name in trainable], allow_unused=True)
         return loss, grads
 
+    check_batch_feeds(model, build.batch, model_file)
     with fx_traceback.preserve_node_meta(), build.active():
         try:
             graph_module = make_fx(training_step)(params, buffers, build.batch)
@@ -188,6 +189,13 @@ def _attribute_nodes(graph_module: torch.fx.GraphModule) -> tuple[dict[str, str 
     return node_module, node_phase
 
 
+def _raised_in(err: Exception, model_path: Path, function: str) -> bool:
+    """Whether the innermost frame of the user's model.py that ``err`` passed through is ``function``."""
+    mine = [frame for frame in traceback.extract_tb(err.__traceback__)
+            if Path(frame.filename).resolve() == Path(model_path).resolve()]
+    return bool(mine) and mine[-1].name == function
+
+
 def _trace_error(err: Exception, module_stack: list[str], model_path: Path, retried: bool) -> TraceError:
     """Name the module and the construct that stopped tracing, and how to fix it.
 
@@ -206,6 +214,10 @@ def _trace_error(err: Exception, module_stack: list[str], model_path: Path, retr
         construct = "data-dependent control flow (a Python branch or .item() on a tensor's value)"
         fix = ("make the branch depend on shapes or configuration instead of tensor values, use "
                "torch.where / torch._check, or move the check out of forward().")
+    elif isinstance(err, TypeError) and "object is not callable" in str(err) and _raised_in(err, model_path, "loss_fn"):
+        construct = (f"loss_fn called its first argument ({text}), but autopar calls loss_fn(output, batch) with what "
+                     "the model's forward returned, not with the model")
+        fix = "compute the loss from the output in loss_fn(output, batch); autopar runs the model itself."
     else:
         construct = f"an operation that cannot run on fake tensors ({text})"
         fix = ("register a fake kernel for a custom op (torch.library.register_fake), or write the module "

@@ -51,6 +51,33 @@ def test_batch_that_is_not_tensors_is_refused(tmp_path):
         build_fake(load_model_file(write_model_file(tmp_path, source)), {}, 1)
 
 
+def test_batch_that_forward_cannot_take_names_the_keys_and_the_signature(tmp_path):
+    """A dict batch is fed by keyword: keys that name none of forward's required arguments are
+    refused before tracing, with both spelled out (inside the trace the TypeError read as an op
+    fake tensors cannot run)."""
+    from autopar.errors import UserError
+    from autopar.profile import profile_model
+
+    source = GOOD.replace("return (torch.randn(batch_size, width),)",
+                          "return {'x': torch.randn(batch_size, width), 'y': torch.zeros(batch_size)}")
+    with pytest.raises(UserError, match=r"returns a dict with keys 'x', 'y', which Linear.forward\(input: "
+                                        r".*\) cannot take \(missing a required argument: 'input'\)"):
+        profile_model(load_model_file(write_model_file(tmp_path, source)), {}, 2)
+
+
+def test_loss_fn_that_calls_the_model_is_told_what_it_receives(tmp_path):
+    """loss_fn(output, batch) gets what forward returned; one written as loss_fn(model, batch)
+    that calls its first argument is told so, not that an op cannot run on fake tensors."""
+    from autopar.errors import TraceError
+    from autopar.profile import profile_model
+
+    source = GOOD + "def loss_fn(model, batch):\n    return model(batch[0]).sum()\n"
+    with pytest.raises(TraceError, match=r"loss_fn called its first argument .*not callable.*with what the "
+                                         r"model's forward returned, not with the model") as raised:
+        profile_model(load_model_file(write_model_file(tmp_path, source)), {}, 2)
+    assert "fake kernel" not in str(raised.value)
+
+
 def test_build_model_returning_non_module_is_refused(tmp_path):
     source = GOOD.replace("return torch.nn.Linear(width, 2)", "return 42")
     with pytest.raises(ModelFileError, match="returned int, not a torch.nn.Module"):

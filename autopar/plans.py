@@ -179,6 +179,8 @@ class Plan(ParallelLayout):
         real_values: where and why fake tensors could not run the model: it was traced with real
             tensors at one micro-batch (autopar.model_file.build_real), and compile's proof runs it
             only for real (no full-scale step on fake tensors).
+        random_draws: the forward's random draws other than dropout's ("<op> in <module>"):
+            compile's check cannot compare such a model's sharded run with one process.
         layer_names, block_containers: the profile's layer order and the FQNs of its stacks of
             blocks (containers whose children are layers), in the order their blocks run.
         global_batch_size, precision, optimizer, moe_imbalance: the
@@ -201,6 +203,7 @@ class Plan(ParallelLayout):
     data_dependent: bool = False
     estimated: list[str] = field(default_factory=list)
     real_values: str | None = None
+    random_draws: list[str] = field(default_factory=list)
     layer_names: list[str] = field(default_factory=list)
     block_containers: list[str] = field(default_factory=list)
     global_batch_size: int = 1

@@ -13,6 +13,7 @@ them to other micro-batch sizes and parallel splits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections import Counter, defaultdict
@@ -42,6 +43,12 @@ from autopar.trace.sequence import SequenceMixer, causal_mask_attention, positio
 # (priced by the cost model from parameter counts).
 PRECISION_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+
+# ATen ops that draw random numbers, by packet name; dropout's (native_dropout) are not among them:
+# compile's check runs with dropout off (autopar.sections.contract.DropoutOff).
+RANDOM_DRAWS = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "bernoulli",
+                          "normal", "uniform", "exponential", "multinomial", "randperm", "poisson",
+                          "cauchy", "geometric", "log_normal", "random"})
 
 @dataclass(frozen=True)
 class OpProfile:
@@ -199,6 +206,17 @@ class ModelProfile:
             if role.startswith("param:"):
                 found.append(role.removeprefix("param:"))
         return found
+
+    @functools.cached_property
+    def random_draws(self) -> list[str]:
+        """The forward's random draws other than dropout's (a router sampling its experts, noise
+        added to its inputs), each as "<op> in <module>" once: a sharded run draws other numbers
+        than one process, which compile's check turns only dropout off for."""
+        seen: dict[str, None] = {}
+        for op in self.ops:
+            if op.phase == "forward" and op.target.split(".")[1:2] and op.target.split(".")[1] in RANDOM_DRAWS:
+                seen.setdefault(f"{op.target.rsplit('.', 1)[0]} in {op.module or 'the loss'}", None)
+        return list(seen)
 
     def layer(self, name: str) -> LayerProfile:
         for layer in self.layers:

@@ -40,6 +40,19 @@ def test_a_model_with_dropout_is_checked_with_it_off_and_trains_with_it_on(tmp_p
     assert losses["on"][0] != losses["off"][0]
 
 
+def test_a_model_drawing_other_random_numbers_is_run_but_not_compared(tmp_path):
+    """Noise drawn in forward (not dropout) differs on every sharded rank whatever the plan: the
+    check runs the plan on gloo ranks but compares nothing, says why in the report, and blames
+    no way of splitting (the data-parallel plan is written)."""
+    out = tmp_path / "out"
+    assert main(["compile", str(MODELS / "with_dropout.py"), *TWO_CPU_RANKS, "model.noise=0.5", "plan.dp=2",
+                 "check=on", "--out-dir", str(out)]) == 0
+    assert json.loads((out / "plan.json").read_text())["dp"] == 2
+    proof = " ".join((out / "report.md").read_text().split("## Proof at compile", 1)[1].split())
+    assert "ran, not compared with one process: the model draws random numbers in forward besides dropout " \
+           "(aten.randn_like in blocks.0" in proof
+
+
 def test_a_plan_that_crashes_is_rejected_and_the_next_plan_is_written(tmp_path, capsys):
     out = tmp_path / "out"
     # dp and cp pinned to 1: the planner's fastest is a TP split (colwise/rowwise blocks at this

@@ -43,3 +43,18 @@ def test_other_random_draws_are_left_as_they_are():
     with DropoutOff():
         noise = torch.rand_like(x)
     assert noise.std() > 0.1
+
+
+def test_the_profile_lists_random_draws_other_than_dropout():
+    """What DropoutOff leaves on is what the profile lists as random draws (compile's check then
+    runs the plan without comparing it): the noise a block draws, once per op and module; dropout
+    (nn.Dropout, attention's dropout_p) is not listed."""
+    from pathlib import Path
+
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
+
+    model_file = load_model_file(Path(__file__).resolve().parents[1] / "dist" / "models" / "with_dropout.py")
+    assert profile_model(model_file, {"p": 0.2}, 2).random_draws == []
+    assert profile_model(model_file, {"p": 0.2, "noise": 0.5}, 2).random_draws == \
+        ["aten.randn_like in blocks.0", "aten.randn_like in blocks.1"]

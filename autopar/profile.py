@@ -50,6 +50,7 @@ RANDOM_DRAWS = frozenset({"rand", "rand_like", "randn", "randn_like", "randint",
                           "normal", "uniform", "exponential", "multinomial", "randperm", "poisson",
                           "cauchy", "geometric", "log_normal", "random"})
 
+
 @dataclass(frozen=True)
 class OpProfile:
     """One ATen op of the training step. Bytes are logical tensor sizes; views move nothing."""
@@ -214,7 +215,8 @@ class ModelProfile:
         than one process, which compile's check turns only dropout off for."""
         seen: dict[str, None] = {}
         for op in self.ops:
-            if op.phase == "forward" and op.target.split(".")[1:2] and op.target.split(".")[1] in RANDOM_DRAWS:
+            packet = op.target.split(".")[1] if op.target.startswith("aten.") else ""
+            if op.phase == "forward" and packet in RANDOM_DRAWS:
                 seen.setdefault(f"{op.target.rsplit('.', 1)[0]} in {op.module or 'the loss'}", None)
         return list(seen)
 

@@ -177,7 +177,7 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
     tolerances = Tolerances.from_rounding(reference, *_float64_run(model_path, kwargs, plan.global_batch_size,
                                                                    optimizer))
     difference = compare_with_reference(losses, parameters, reference, tolerances)
-    draws = list(getattr(plan, "random_draws", []) or [])
+    draws = plan.random_draws
     if difference and draws:
         # No sharded run draws what one process draws: a difference says nothing of the plan.
         return "", (f"{CHECK_STEPS} steps on {plan.world_size} local gloo ranks ran, not compared with one process: "

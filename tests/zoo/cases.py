@@ -104,6 +104,9 @@ REFUSED: dict[str, str] = {
     'hf_bart-cp2': 'would train a different model',
     # DeBERTa's disentangled attention computes its own softmax over the sequence.
     'hf_deberta_v2-cp2': 'attention computed outside scaled_dot_product_attention',
+    # Gemma-3's sliding-window layers; LFM2's short causal convolution beside its attention.
+    'hf_gemma3-cp2': 'a sliding window or local attention',
+    'hf_lfm2-cp2': 'a convolution over the sequence',
 }
 
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters

@@ -68,6 +68,29 @@ _CAUSAL = {
                     dict(num_key_value_heads=HEADS, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
                          num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
                          kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+    # Held out until the 2026-11-28 probe (tests/zoo/TABLE.md): Starcoder2 (biased projections, plain
+    # LayerNorm), Cohere (parallel attention and MLP, logit scale), OLMo-2 (norms over the whole
+    # query and key projections), Gemma-3 (head norms, sliding and global layers), Nemotron (squared
+    # ReLU, LayerNorm1P), GLM-4 (fused gate_up_proj, sandwich norms), GraniteMoE and OLMoE (experts),
+    # SmolLM3, EXAONE-4 and LFM2 (short convolutions beside attention).
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64,
+                                                                   residual_dropout=0.0, embedding_dropout=0.0)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64, head_dim=8,
+                                                            sliding_window=8)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64, head_dim=8,
+                                                   pad_token_id=0)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_key_value_heads=2, intermediate_size=64,
+                                                                   num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_key_value_heads=2, intermediate_size=64, num_experts=4,
+                                                     num_experts_per_tok=2)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64,
+                                                           pad_token_id=0)),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64,
+                                                   layer_types=["conv", "full_attention"])),
 }
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
 _EAGER_ONLY = {"bloom", "gemma2", "gptj", "mamba"}

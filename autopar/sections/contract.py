@@ -124,12 +124,15 @@ def compute_loss(model_module: Any, output: Any, batch: Any) -> torch.Tensor:
 
 _DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout})
 _SDPA_DROPOUT_P = 4  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
+_RNNS = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})  # what nn.LSTM, nn.GRU, nn.RNN call
+_RNN_DROPOUT = 5
 
 
 class DropoutOff(TorchFunctionMode):
     """While active, the forward's dropout draws nothing: `F.dropout` and its variants (what
     nn.Dropout and Hugging Face's eager attention call) return their input, and attention's own
-    dropout (scaled_dot_product_attention's ``dropout_p``, nn.MultiheadAttention's) is off.
+    dropout (scaled_dot_product_attention's ``dropout_p``, nn.MultiheadAttention's) and the
+    dropout between a stacked nn.LSTM's, nn.GRU's or nn.RNN's layers are off.
     Compile's check trains the sharded plan and the one-process reference under it: a mask drawn
     for a slice of the batch or a shard of the activations is not the one a single process draws,
     so with dropout on no sharded run could equal one process. Training runs with dropout on
@@ -147,6 +150,12 @@ class DropoutOff(TorchFunctionMode):
                 kwargs["dropout_p"] = 0.0
         elif func is F.multi_head_attention_forward:
             kwargs["training"] = False  # its only use of the flag is the attention weights' dropout
+        elif func in _RNNS:
+            # (input, hx, params, has_biases, layers, dropout, ...), or packed (data, batch_sizes,
+            # hx, params, ...): the dropout between stacked layers, one place later when packed
+            packed = isinstance(args[1], torch.Tensor) and args[1].dtype == torch.int64 and args[1].dim() == 1
+            at = _RNN_DROPOUT + packed
+            args = (*args[:at], 0.0, *args[at + 1:])
         return func(*args, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """contract.DropoutOff, what compile's check trains both runs under: every dropout of a forward
-(nn.Dropout, F.dropout and its variants, attention's dropout_p, nn.MultiheadAttention's) draws
-nothing while it is active, and draws again once it is not; other random draws are left alone."""
+(nn.Dropout, F.dropout and its variants, attention's dropout_p, nn.MultiheadAttention's, a
+stacked RNN's between its layers) draws nothing while it is active, and draws again once it is
+not; other random draws are left alone."""
 from __future__ import annotations
 
 import torch
@@ -36,6 +37,20 @@ def test_attention_dropout_is_off_by_position_or_keyword_and_in_multihead_attent
     with DropoutOff():
         assert torch.allclose(attention(x, x, x)[0], expected)
     assert not torch.allclose(attention(x, x, x)[0], expected)
+
+
+def test_dropout_between_stacked_recurrent_layers_is_off_padded_or_packed():
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 8)
+    packed = nn.utils.rnn.pack_padded_sequence(x, [6, 4, 2])
+    for layer in (nn.LSTM(8, 8, num_layers=2, dropout=0.5), nn.GRU(8, 8, num_layers=2, dropout=0.5),
+                  nn.RNN(8, 8, num_layers=2, dropout=0.5)):
+        expected, expected_packed = layer.eval()(x)[0], layer(packed)[0].data
+        layer.train()
+        with DropoutOff():
+            assert torch.allclose(layer(x)[0], expected)
+            assert torch.allclose(layer(packed)[0].data, expected_packed)
+        assert not torch.allclose(layer(x)[0], expected)
 
 
 def test_other_random_draws_are_left_as_they_are():

@@ -77,7 +77,8 @@ def parallelize(model: Any, plan: Any, *, model_file: ModelSource | None = None,
             learning-rate schedule, ``max_grad_norm``, ``warmup_steps``, ``schedule``, ``seed``;
             ``checkpoint_dir`` and ``checkpoint_every``: save every N steps there, as DCP
             checkpoints any plan can load, and resume from the latest complete one now, with
-            ``steps_done`` set to its step).
+            ``steps_done`` set to its step; a frequency without a folder is refused: the generated
+            module lives in a temporary folder, removed when the process ends).
         prove: run compile's proof (one step at full scale on fake tensors) before training.
     """
     import torch.distributed as dist
@@ -86,6 +87,11 @@ def parallelize(model: Any, plan: Any, *, model_file: ModelSource | None = None,
     from autopar.runtime.generated import import_generated
 
     path = model_path(model_file) if model_file is not None else Path(plan.provenance.model_path)
+    if (options or {}).get("checkpoint_every") and not (options or {}).get("checkpoint_dir"):
+        # The generated module's own folder (its default checkpoint folder) is removed at exit.
+        raise UserError("checkpoint_every needs a checkpoint_dir: the module autopar.parallelize generates lives "
+                        "in a temporary folder that is removed when the process ends, checkpoints with it.",
+                        "pass options={'checkpoint_dir': <a folder of yours>, 'checkpoint_every': N}.")
     if not dist.is_initialized():
         raise UserError("autopar.parallelize needs the process group of the ranks that train.",
                         "call torch.distributed.init_process_group() first (launched with torchrun: "

@@ -53,6 +53,15 @@ def test_parallelize_without_a_process_group_says_how_to_start_one():
         autopar.parallelize(torch.nn.Linear(2, 2), plan)
 
 
+def test_checkpoints_without_a_folder_of_the_users_are_refused():
+    """Checkpoints would default into the generated module's temporary folder, which goes when
+    the process ends: a checkpoint frequency without a checkpoint_dir is refused before anything
+    else, naming both."""
+    plan = run_plan(GPT, compose_config(SMALL)).plan
+    with pytest.raises(UserError, match="checkpoint_every needs a checkpoint_dir.*removed when the process ends"):
+        autopar.parallelize(torch.nn.Linear(2, 2), plan, options={"checkpoint_every": 2})
+
+
 def test_a_batch_of_another_size_than_the_plans_is_refused():
     api.check_batch_size({"ids": torch.zeros(8, 4)}, 8)
     with pytest.raises(UserError, match=r"\[4\] samples .* global batches of 8"):

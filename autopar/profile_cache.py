@@ -23,6 +23,7 @@ or `plan.reuse_profile=false` turns reuse off. Entries are JSON (no code, no pic
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -189,10 +190,9 @@ def load(key: str, model_path: Path, model_sha256: str) -> ModelProfile | None:
         return None
     if profile.model_sha256 != model_sha256:
         return None
-    try:  # used now: the last to go when the folder is pruned (a link's own time, never its target's)
+    # Used now: the last to go when the folder is pruned (a link's own time, never its target's).
+    with contextlib.suppress(OSError, NotImplementedError):
         os.utime(folder / f"{key}.json", follow_symlinks=False)
-    except (OSError, NotImplementedError):
-        pass
     return dataclasses.replace(profile, model_path=str(model_path), findings=_kept_findings(folder, key))
 
 
@@ -232,11 +232,10 @@ def prune(folder: Path, limit: int, keep: str) -> list[str]:
     try:
         # Only autopar's own entries: regular files (it writes no links) named by their key, since a
         # folder set by hand may hold others. Unlinking a name never follows it anyway.
-        named = {path.name: path.lstat() for path in folder.glob("*.json")
-                 if KEY_PATTERN.fullmatch(path.name.removesuffix(FINDINGS_SUFFIX).removesuffix(".json"))}
+        named = {path.name: path.lstat() for path in folder.glob("*.json") if KEY_PATTERN.fullmatch(_key_of(path.name))}
         own = {name: facts for name, facts in named.items() if stat.S_ISREG(facts.st_mode)}
         for name, facts in own.items():
-            key = name.removesuffix(FINDINGS_SUFFIX).removesuffix(".json")
+            key = _key_of(name)
             if name.endswith(FINDINGS_SUFFIX):
                 if f"{key}.json" not in named:
                     (folder / name).unlink(missing_ok=True)  # its profile is gone
@@ -261,6 +260,11 @@ def prune(folder: Path, limit: int, keep: str) -> list[str]:
     except OSError:
         pass  # a folder that will not let go costs space, never the plan
     return removed
+
+
+def _key_of(name: str) -> str:
+    """The key a cache file is named by (<key>.json, <key>.findings.json)."""
+    return name.removesuffix(FINDINGS_SUFFIX).removesuffix(".json")
 
 
 def store_findings(key: str, findings: dict[str, Any]) -> Path | None:

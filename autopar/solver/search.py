@@ -165,6 +165,7 @@ class PlanSearch:
         def refuse_for_memory(bound: float, index: int, candidate: Candidate, problem: PartitionProblem) -> None:
             rejected["memory"] = rejected.get("memory", 0) + 1
             over_memory.append((bound, index, candidate, problem))
+            self.proven[index] = float("inf")  # no partition fits: out of any later search
 
         while stopped_at is None:
             kth = -best[0].step_time_s if len(best) == self.top_k else cutoff_s
@@ -187,7 +188,6 @@ class PlanSearch:
                     item = (lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index, candidate, problem)
                     if memory_cannot_fit(problem):
                         refuse_for_memory(*item)
-                        self.proven[index] = float("inf")
                     else:
                         heapq.heappush(waiting, item)
                         self.proven[index] = item[0]
@@ -215,7 +215,6 @@ class PlanSearch:
             partition = solved[key]
             if partition is None:
                 refuse_for_memory(bound, index, candidate, problem)
-                self.proven[index] = float("inf")
                 continue
             if partition.bound_s is not None:
                 self.proven[index] = max(self.proven[index], partition.bound_s + fixed)

@@ -475,16 +475,16 @@ def _input_order(name: str) -> tuple[int, int]:
 
 def _fx_names(order: list[Key], graph: torch.fx.Graph, inputs: list[str]) -> dict[Key, str]:
     """The names an fx graph gives these ops created in this order after these inputs, which are
-    a full trace's names: made in a scratch graph from the traced nodes' name candidates."""
+    a full trace's names: asked of the namespace an fx graph names its nodes with (`Graph.create_node`
+    asks it for every node), without building the nodes: tens of thousands at frontier scale."""
     nodes = {node.name: node for node in graph.nodes}
-    scratch = torch.fx.Graph()
+    names = torch.fx.Graph()._graph_namespace
     for name in inputs:
-        scratch.placeholder(name)
+        names.create_name(name, None)
     for node in graph.nodes:
         if node.op == "get_attr":
-            scratch.create_node("get_attr", node.target, name=node.name)
-    return {key: scratch.create_node("call_function", nodes[key[1]].target, name=_candidate(nodes[key[1]])).name
-            for key in order}
+            names.create_name(node.name, None)
+    return {key: names.create_name(_candidate(nodes[key[1]]), None) for key in order}
 
 
 def _candidate(node: torch.fx.Node) -> str:

@@ -374,15 +374,28 @@ def cp_fed_inputs(captured: CapturedStep, batch: Any) -> dict[str, torch.Tensor]
     return fed
 
 
+_CAUSAL_CHECK_ROWS = 256  # rows of a mask judged at a time: temporaries that stay in cache
+
+
 def _is_causal(mask: torch.Tensor) -> bool:
     """Whether ``mask`` passes the generated attention's own test of a causal mask
     (`is_local_causal_mask`: boolean, or additive with 0 where allowed), and holds no finite
-    non-zero entry (a bias, which that test would take for masked)."""
-    from autopar.sections.context_parallel import is_local_causal_mask
-
-    if mask.dtype != torch.bool and bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any()):
-        return False
-    return is_local_causal_mask(mask, *mask.shape[-2:])
+    non-zero entry (a bias, which that test would take for masked). Judged a few rows at a time:
+    an 8192-token mask is 67M entries, and whole-mask temporaries made this check cost twice as long."""
+    queries, keys = mask.shape[-2:]
+    columns = torch.arange(keys)
+    additive = mask.dtype != torch.bool
+    masked_below = torch.finfo(mask.dtype).min / 2 if additive else None
+    for matrix in mask.reshape(-1, queries, keys):
+        for first in range(0, queries, _CAUSAL_CHECK_ROWS):
+            rows = matrix[first:first + _CAUSAL_CHECK_ROWS]
+            causal = columns <= torch.arange(first, first + rows.shape[0])[:, None]
+            allowed = rows == 0 if additive else rows
+            if not torch.equal(allowed, causal):
+                return False
+            if additive and not bool((allowed | (rows <= masked_below)).all()):
+                return False  # an entry neither 0 nor masked: a bias
+    return True
 
 
 def _native_attention_modules(model: torch.nn.Module) -> set[str]:

@@ -465,6 +465,40 @@ def test_attention_is_priced_causal_only_under_the_causal_mask(tmp_path, window,
     assert all(op.causal == causal for op in attention)
 
 
+
+def _masks() -> dict[str, torch.Tensor]:
+    """Masks of 600 queries (three row chunks of the check, the last short) as models build them."""
+    q, k = 600, 600
+    causal = torch.ones(q, k, dtype=torch.bool).tril()
+    minimum = torch.finfo(torch.bfloat16).min
+    additive = torch.zeros(q, k, dtype=torch.bfloat16).masked_fill(~causal, minimum)
+    negative_zero = ((1.0 - causal.to(torch.bfloat16)) * minimum)[None, None]  # -0.0 where allowed
+    late = causal.clone()
+    late[513, 520] = True  # one key past the diagonal, in the third chunk
+    biased = additive.clone()
+    biased[300, 2] = -1.0  # a finite bias where the causal mask allows
+    window = causal & ~torch.ones(q, k, dtype=torch.bool).tril(-8)
+    return {"bool": causal, "additive": additive, "negative zero": negative_zero,
+            "batched": additive.expand(2, 1, q, k), "rectangular": causal[:300], "late key": late,
+            "bias": biased, "window": window, "full": torch.ones(q, k, dtype=torch.bool),
+            "second batch differs": torch.stack([causal, late])}
+
+
+@pytest.mark.parametrize("name", list(_masks()))
+def test_causal_mask_judged_as_the_runtime_judges_it(name):
+    """The profile's judgement of a mask (a few rows at a time) is the runtime's
+    (`is_local_causal_mask` over the whole mask) together with the absence of any finite bias."""
+    from autopar.sections.context_parallel import is_local_causal_mask
+    from autopar.trace.sequence import _is_causal
+
+    mask = _masks()[name]
+    q, k = mask.shape[-2:]
+    no_bias = mask.dtype == torch.bool or not bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
+    expected = no_bias and is_local_causal_mask(mask, q, k)
+    assert _is_causal(mask) == expected
+    assert expected == (name in {"bool", "additive", "negative zero", "batched", "rectangular"})
+
+
 _PADDED = """
 import torch
 import transformers as hf

@@ -85,6 +85,13 @@ def resolved_hydra_setting(overrides: list[str], key: str) -> str:
     from hydra.core.utils import setup_globals
     from omegaconf import OmegaConf
 
+    given = [item for item in overrides if item.startswith(f"{key}=")]
+    if len(given) == 1:  # a value without interpolations is what it says: no composition to read it
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        value = OverridesParser.create().parse_override(given[0]).value()
+        if isinstance(value, str) and "${" not in value:
+            return value
     setup_globals()  # the ${now:...} resolver
     cfg = compose_config(overrides, hydra=True)
     HydraConfig.instance().set_config(cfg)

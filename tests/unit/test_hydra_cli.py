@@ -201,6 +201,29 @@ def test_a_missing_plugin_names_the_extra_that_installs_it(examples_dir, tmp_pat
     assert not (tmp_path / "s").exists()
 
 
+
+@pytest.mark.parametrize("value", ["/tmp/runs/a", "runs", "runs [1], it's a b", "true", "1e3",
+                                   "runs/${hydra.job.name}", "out/${now:%Y}"])
+def test_a_run_folder_read_without_composing_is_the_composed_one(value, monkeypatch):
+    """A hydra.run.dir given without interpolation is read from the override alone (a composition
+    less per command); the answer is the composed configuration's for every value, including those
+    Hydra reads as a bool or a number, and those it must resolve."""
+    from hydra.core.utils import setup_globals
+    from omegaconf import OmegaConf
+
+    from autopar import hydra_app
+
+    override = hydra_app.setting("hydra.run.dir", value)
+    setup_globals()
+    composed = str(OmegaConf.select(compose_config([override, "hydra.job.name=plan"], hydra=True), "hydra.run.dir"))
+    composes = []
+    monkeypatch.setattr(hydra_app, "compose_config", lambda *a, **k: composes.append(1) or compose_config(*a, **k))
+    read = hydra_app.resolved_hydra_setting([override, "hydra.job.name=plan"], "hydra.run.dir")
+    if "${now" not in value:
+        assert read == composed
+    assert bool(composes) == (value in {"true", "1e3"} or "${" in value)
+
+
 def test_folders_with_spaces_commas_and_quotes_reach_hydra_whole(examples_dir, tmp_path):
     """autopar passes --out's folder and --out-dir to Hydra as overrides: quoted, so a comma is
     not a sweep and a space not a parse error."""

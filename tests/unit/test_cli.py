@@ -50,23 +50,28 @@ def test_console_script_is_installed():
 
 
 def test_the_command_freezes_what_it_leaves_and_keeps_main_s_exit_code(monkeypatch, capsys):
-    """`autopar` (the console script and `python -m autopar.cli`) runs `main` and then freezes the
-    objects left, so the interpreter's last collection skips them; its exit code is main's. `main`
-    itself, run by tests and callers whose process goes on, freezes nothing."""
+    """`autopar` (the console script and `python -m autopar.cli`) runs `main` with young
+    collections less frequent and then freezes the objects left, so the interpreter's last
+    collection skips them; its exit code is main's. `main` itself, run by tests and callers whose
+    process goes on, changes neither."""
     import gc
 
     from autopar.cli import command
 
     installed = (Path(sys.executable).parent / "autopar").read_text()
     assert "from autopar.cli import command" in installed  # the script runs `command`, not `main`
+    thresholds = gc.get_threshold()
     assert gc.get_freeze_count() == 0
     assert main(["profile", "--no-such-option"]) == 1 and gc.get_freeze_count() == 0
+    assert gc.get_threshold() == thresholds
     monkeypatch.setattr(sys, "argv", ["autopar", "profile", "--no-such-option"])
     try:
         assert command() == 1
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] > thresholds[0] and gc.get_threshold()[1:] == thresholds[1:]
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
     assert capsys.readouterr().err.count("the following arguments are required") == 2
 
 

@@ -891,7 +891,7 @@ def write_report_atomically(report, out_dir: Path, force: bool = False, flag: st
 # Allocations between young-generation collections in the `autopar` process (CPython's default is
 # 700): tracing and planning keep millions of objects alive (torch, the traced graphs, the search's
 # candidates), and at the default the collector ran eight full collections over all of them (0.85 s
-# of the 70B `autopar plan`'s 9.9 s; none at this threshold, 0.3 s of young collections left).
+# of the 70B `autopar plan`'s 9.9 s; none at this threshold, 0.4 s of young collections left).
 YOUNG_COLLECTION_ALLOCATIONS = 10_000
 
 

@@ -137,7 +137,8 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int, fed: dict[str, 
         return _sdpa_mask_reason(node, args, seq_len, fed) if first is not None else None
     if name in _SOFTMAX:
         dim = _dim(args, 1, first)
-        if first.dim() >= 2 and first.shape[dim] == seq_len and first.shape[-2] == seq_len:
+        if first.dim() >= 2 and first.shape[-2] == seq_len \
+                and (first.shape[dim] == seq_len or _scores_with_columns_beside(node, dim, seq_len)):
             return "attention computed outside scaled_dot_product_attention (a softmax over the sequence)"
     # Integer cumulative ops are position bookkeeping (positions from a padding mask, Hugging
     # Face's packed-sequence check), which CP replaces by feeding the global positions and a
@@ -163,6 +164,28 @@ def _mixing_reason(name: str, node: torch.fx.Node, seq_len: int, fed: dict[str, 
         if weight is not None and weight.shape[-1] > 1:
             return "a convolution over the sequence"
     return _sdpa_mask_reason(node, args, seq_len, fed)
+
+
+def _scores_with_columns_beside(softmax: torch.fx.Node, dim: int, seq_len: int, hops: int = 4) -> bool:
+    """Whether a softmax's input is S x S scores with columns concatenated beside them along the
+    softmax's dim (attention sinks: gpt-oss appends a learned logit per head, so the softmax runs
+    over S + 1 entries), reached back through ops that keep its shape (the max subtracted first)."""
+    current = softmax.args[0] if softmax.args and isinstance(softmax.args[0], torch.fx.Node) else None
+    shape = tuple(_value(current).shape) if current is not None else ()
+    for _ in range(hops):
+        if current is None or current.op != "call_function":
+            return False
+        if op_name(current.target).split(".")[-2:-1] == ["cat"]:
+            parts = current.args[0] if current.args and isinstance(current.args[0], (list, tuple)) else []
+            along = current.args[1] if len(current.args) > 1 and isinstance(current.args[1], int) else 0
+            if along % len(shape) != dim % len(shape):
+                return False
+            values = [_value(part) for part in parts if isinstance(part, torch.fx.Node)]
+            return any(isinstance(v, torch.Tensor) and v.dim() == len(shape) and v.shape[dim] == seq_len
+                       and v.shape[-2] == seq_len for v in values)
+        current = next((a for a in current.args if isinstance(a, torch.fx.Node)
+                        and tuple(getattr(_value(a), "shape", ())) == shape), None)
+    return False
 
 
 def _cuts_sequence(name: str, args: list[Any], first: torch.Tensor, seq_len: int) -> bool:

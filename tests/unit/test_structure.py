@@ -64,11 +64,15 @@ HF_ZOO = ZOO / "hf_zoo.py"
                 "embedding, where context parallelism would feed plain positions 0..S-1) (cumsum in module "
                 "'roberta.embeddings')"),
     ("bert", None),
+    # gpt-oss's attention sinks: a learned logit per head beside the S x S scores (softmax over S + 1).
+    ("gpt_oss", "attention computed outside scaled_dot_product_attention (a softmax over the sequence) "
+                "(_softmax in module 'model.layers.0.self_attn')"),
 ])
 def test_ops_mixing_sequence_positions_are_found(arch, expected):
-    """Hugging Face's in-model label shift and eager attention read other positions, and
-    RoBERTa's positions numbered from its tokens would not be the plain ones CP feeds; SDPA
-    attention (which CP replaces) and position bookkeeping on integer ids do not count."""
+    """Hugging Face's in-model label shift and eager attention (also with sink logits concatenated
+    beside the scores) read other positions, and RoBERTa's positions numbered from its tokens would
+    not be the plain ones CP feeds; SDPA attention (which CP replaces) and position bookkeeping on
+    integer ids do not count."""
     profile = profile_model(load_model_file(HF_ZOO), {"arch": arch}, micro_batch_size=1, precision="fp32")
     assert next(iter(profile.sequence_mixers), None) == expected
 

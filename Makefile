@@ -65,7 +65,7 @@ test-full: setup
 wheel-check: setup
 	TORCH_SPEC="$(TORCH_SPEC)" .ci/wheel-check $(PY)
 
-# Every zoo case (63 models x 6 on 2 ranks: 5 pins and the first plan; 50 on 4 ranks: 8 models x 5 pins, TP layouts, GQA at tp4, the masked LM); `make test` runs a subset.
+# Every zoo case (75 models x 6 on 2 ranks: 5 pins and the first plan; 50 on 4 ranks: 8 models x 5 pins, TP layouts, GQA at tp4, the masked LM); `make test` runs a subset.
 test-zoo: setup
 	AUTOPAR_ZOO=all $(PY) -m pytest -q tests/zoo
 

@@ -80,7 +80,8 @@ HF_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "phi3", "phi", "gem
             "llama_labels", "llama_eager", "bert", "roberta", "bert_mlm", "t5", "vit", "whisper", "clip",
             "wav2vec2_ctc", "persimmon", "mamba", "modernbert", "convnext", "bart", "swin",
             "dbrx", "codegen", "gpt_bigcode", "qwen3_moe", "deberta_v2", "starcoder2", "cohere", "olmo2", "gemma3",
-            "nemotron", "glm4", "granitemoe", "olmoe", "smollm3", "exaone4", "lfm2"]
+            "nemotron", "glm4", "granitemoe", "olmoe", "smollm3", "exaone4", "lfm2", "mpt", "gpt_neo", "biogpt",
+            "xglm", "diffllama", "deepseek_v2", "jetmoe", "ernie4_5", "cohere2", "gpt_oss", "apertus", "arcee"]
 MODELS = {m.name: m for m in [
     *(_hf(arch) for arch in HF_ARCHS),
     ZooModel("nanogpt", MODELS_DIR / "nanogpt.py"),

@@ -91,9 +91,40 @@ _CAUSAL = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64,
                                                    layer_types=["conv", "full_attention"])),
+    # Probed 2026-11-28, second round: MPT (ALiBi biases, no positions), GPT-Neo (local and global
+    # layers), BioGPT and XGLM (learned or sinusoidal positions offset by the padding index),
+    # DiffLlama (differential attention), DeepSeek-V2 (latent attention, experts), JetMoE
+    # (mixtures of attention heads and of MLPs), ERNIE-4.5, Cohere2 (sliding and global layers),
+    # gpt-oss (attention sinks, experts as 3-d parameters), Apertus (xIELU, head norms), Arcee (ReLU^2).
+    "mpt": ("MptConfig", "MptForCausalLM", dict(d_model=HIDDEN, n_heads=HEADS, n_layers=2, max_seq_len=64,
+                                                expansion_ratio=2, resid_pdrop=0.0, emb_pdrop=0.0,
+                                                attn_config={"attn_pdrop": 0, "alibi": True})),
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(num_layers=2, num_heads=HEADS, intermediate_size=64,
+                                                         attention_types=[[["global", "local"], 1]], window_size=8,
+                                                         resid_dropout=0.0, embed_dropout=0.0)),
+    "biogpt": ("BioGptConfig", "BioGptForCausalLM", dict(intermediate_size=64, layerdrop=0.0, activation_dropout=0.0)),
+    "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(d_model=HIDDEN, attention_heads=HEADS, num_layers=2, ffn_dim=64,
+                                                   layerdrop=0.0, activation_dropout=0.0)),
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(num_key_value_heads=HEADS, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1)),
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(num_key_value_heads=2, kv_channels=8, intermediate_size=64,
+                                                        num_local_experts=4, num_experts_per_tok=2)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64,
+                                                              head_dim=8)),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(num_key_value_heads=2, intermediate_size=64,
+                                                           sliding_window=8)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_key_value_heads=2, intermediate_size=16, head_dim=8,
+                                                         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                                         layer_types=["sliding_attention", "full_attention"],
+                                                         rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(num_key_value_heads=2, intermediate_size=64)),
 }
 # Architectures whose Hugging Face code has no SDPA path: they run their eager softmax(QK^T).
-_EAGER_ONLY = {"bloom", "gemma2", "gptj", "mamba"}
+_EAGER_ONLY = {"bloom", "gemma2", "gptj", "mamba", "gpt_neo", "xglm", "gpt_oss", "mpt"}
 CAUSAL_ARCHS = sorted(_CAUSAL) + ["llama_labels", "llama_eager"]
 OTHER_ARCHS = ["bert", "roberta", "bert_mlm", "modernbert", "deberta_v2", "t5", "bart", "vit", "swin", "convnext",
                "whisper", "clip", "wav2vec2_ctc"]

@@ -346,10 +346,10 @@ def check_batch_feeds(model: torch.nn.Module, batch: Any, model_file: ModelFile)
     """Refuse a batch forward cannot take, as the contract feeds it (a dict's items by keyword,
     only those forward names; a tuple's positionally; a tensor alone), before tracing: inside the
     trace the TypeError would read as an op that fake tensors cannot run."""
-    forward = signature_module(model).forward
+    module = signature_module(model)
     args, kwargs = model_inputs(model, batch)
     try:
-        signature = inspect.signature(forward)
+        signature = inspect.signature(module.forward)
     except (TypeError, ValueError):  # a forward without a signature to check: the trace will tell
         return
     try:
@@ -359,7 +359,7 @@ def check_batch_feeds(model: torch.nn.Module, batch: Any, model_file: ModelFile)
                  else f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
                  else f"a {type(batch).__name__}")
         raise ModelFileError(f"example_batch in {model_file.path.name} returns {given}, which "
-                             f"{type(signature_module(model)).__name__}.forward"
+                             f"{type(module).__name__}.forward"
                              f"{signature.replace(return_annotation=inspect.Signature.empty)} cannot take ({err}).",
                              "name a dict batch's keys after forward's arguments (they are passed by keyword; "
                              "other keys ride along for loss_fn), or return a tuple (passed positionally).") from None

@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
 from autopar.trace.capture import CapturedStep
-from autopar.trace.ops import op_name, schema_argument
+from autopar.trace.ops import op_name, packet_of, schema_argument
 
 _SOFTMAX = {"_softmax", "softmax", "_safe_softmax", "_log_softmax", "log_softmax"}
 _CUMULATIVE = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
@@ -175,7 +175,7 @@ def _scores_with_columns_beside(softmax: torch.fx.Node, dim: int, seq_len: int, 
     for _ in range(hops):
         if current is None or current.op != "call_function":
             return False
-        if op_name(current.target).split(".")[-2:-1] == ["cat"]:
+        if packet_of(current.target) is torch.ops.aten.cat:
             parts = current.args[0] if current.args and isinstance(current.args[0], (list, tuple)) else []
             along = current.args[1] if len(current.args) > 1 and isinstance(current.args[1], int) else 0
             if along % len(shape) != dim % len(shape):

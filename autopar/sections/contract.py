@@ -140,16 +140,16 @@ class DropoutOff(TorchFunctionMode):
     experts, noise added to inputs) are left as they are."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = dict(kwargs or {})
+        kwargs = kwargs or {}  # copied only where changed: this runs for every torch call of the step
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
         if func is F.scaled_dot_product_attention:
             if len(args) > _SDPA_DROPOUT_P:
                 args = (*args[:_SDPA_DROPOUT_P], 0.0, *args[_SDPA_DROPOUT_P + 1:])
             else:
-                kwargs["dropout_p"] = 0.0
+                kwargs = {**kwargs, "dropout_p": 0.0}
         elif func is F.multi_head_attention_forward:
-            kwargs["training"] = False  # its only use of the flag is the attention weights' dropout
+            kwargs = {**kwargs, "training": False}  # its only use of the flag is the attention weights' dropout
         elif func in _RNNS:
             # (input, hx, params, has_biases, layers, dropout, ...), or packed (data, batch_sizes,
             # hx, params, ...): the dropout between stacked layers, one place later when packed

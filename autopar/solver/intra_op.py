@@ -37,6 +37,9 @@ embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); a
 elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
 feature dim) need R, except a per-head norm's (Qwen3's q_norm: over each head's features), which
 may run on head shards for an all-reduce of its weight's gradient (autopar.solver.tp_head_norms);
+an op computing with a parameter that no split style shards (xIELU's trainable scalars inside
+Apertus's MLP, DiffLlama's lambdas, a layer scale) runs R: on a rank's share its parameter's
+gradient would be that share's part, never summed over the group;
 ops no split strategy covers (sorting, scans, FFTs along a dimension,
 and ops of unknown kind) fall back to R and are listed in the solution (`replicated_ops`) so the
 report can say so; the loss may take vocabulary-sharded logits (loss parallel) for three
@@ -164,6 +167,8 @@ class OpIndex:
     by_layer: dict[str | None, list]
     forward_readers: dict[str, set]
     derived: set[str]
+    trainable: dict[str, frozenset[str]] = field(default_factory=dict)
+    split_modules: set[str] = field(default_factory=set)
 
     @classmethod
     def of(cls, profile: "ModelProfile") -> "OpIndex":
@@ -174,7 +179,10 @@ class OpIndex:
             if op.phase == "forward":
                 for source in op.inputs:
                     readers.setdefault(source, set()).add(op.layer)
-        return cls(by_layer, readers, parameter_derived(profile))
+        derived, trainable = _parameter_sources(profile)
+        split = {op.module for op in profile.ops if op.phase == "forward" and op.module is not None
+                 and (op.op_class == "gemm" or "embedding" in op.target) and any(name in derived for name in op.inputs)}
+        return cls(by_layer, readers, derived, trainable, split)
 
 
 class IntraOpSolver:
@@ -211,6 +219,8 @@ class IntraOpSolver:
         # Shared by a caller that solves many layers of one profile (building it scans every op)
         self.index = index if index is not None else OpIndex.of(profile)
         self._params = self.index.derived
+        self._head_norm_owners = ({op.module for op in profile.ops if op.name in self.head_norms}
+                                  if self.head_norms else set())
 
     def solve(self, layer: str) -> IntraOpSolution:
         ops = [op for op in self.index.by_layer.get(layer, []) if op.phase == "forward" and op.name not in self._params]
@@ -368,11 +378,22 @@ class IntraOpSolver:
             return [_ALL_R, _LOSS_PARALLEL] if self._feeds_nll_only(op, by_name) else [_ALL_R]
         if op.name in self.head_norms:
             return [_ALL_R, _HEAD_NORM]
+        if self._reads_unsplit_parameter(op):
+            return [_ALL_R]
         if op.op_class in ("reduction", "norm") or unsplittable(op):
             return [_ALL_R]
         if op.op_class == "view":
             return [_ALL_R, _ALL_S, _VIEW_P]
         return [_ALL_R, _ALL_S]
+
+    def _reads_unsplit_parameter(self, op: "OpProfile") -> bool:
+        """Whether ``op`` computes with a parameter no split style shards: xIELU's alpha_p, a
+        layer scale. On a rank's shard of the activations it would run on a whole, plain copy of
+        the parameter and leave that rank's share of its gradient, never summed over the group
+        (a column-split module's own bias, added beside its GEMM, is sharded with it; a per-head
+        norm's weight runs on head shards only under its head_norm style, which sums its gradient)."""
+        owners = {fqn.rpartition(".")[0] for name in op.inputs for fqn in self.index.trainable.get(name, ())}
+        return bool(owners - ({op.module} & (self.index.split_modules | self._head_norm_owners)))
 
     @staticmethod
     def _feeds_nll_only(op: "OpProfile", by_name: dict[str, "OpProfile"]) -> bool:
@@ -486,12 +507,23 @@ def parameter_derived(profile: "ModelProfile") -> set[str]:
     """Graph inputs, and forward ops computed from them alone without creating activations
     (weight transposes and casts, position ids, masks, rotary tables): they are sharded with
     their parameter or are cheap constants, never resharded as activations."""
+    return _parameter_sources(profile)[0]
+
+
+def _parameter_sources(profile: "ModelProfile") -> tuple[set[str], dict[str, frozenset[str]]]:
+    """`parameter_derived`, and those of its tensors that a parameter flows into -> the
+    parameters' FQNs (xIELU's ``softplus(self.alpha_p)``, DiffLlama's ``lambda_full``)."""
+    sources: dict[str, frozenset[str]] = {name: frozenset([role.removeprefix("param:")])
+                                          for name, role in profile.placeholders.items() if role.startswith("param:")}
     derived = set(profile.placeholders)
     for op in profile.ops:
         if (op.phase == "forward" and op.op_class not in ("gemm", "attention") and "embedding" not in op.target
                 and all(name in derived for name in op.inputs)):
             derived.add(op.name)
-    return derived
+            found = frozenset().union(*(sources.get(name, frozenset()) for name in op.inputs))
+            if found:
+                sources[op.name] = found
+    return derived, sources
 
 
 def _view_root(name: str, by_name: dict[str, "OpProfile"]) -> str:

@@ -16,7 +16,8 @@ import pytest
 from autopar.model_file import load_model_file
 from autopar.profile import profile_model
 from autopar.solver.tp_legality import TPLegality
-from autopar.solver.tp_split import ILPSplitter, illegal_splits
+from autopar.solver.intra_op import IntraOpSolver
+from autopar.solver.tp_split import ILPSplitter, _GroupCosts, illegal_splits
 from cost_models.hardware import get_gpu
 from cost_models.topology import ClusterConfig, ClusterSpec
 
@@ -68,18 +69,39 @@ MODEL = textwrap.dedent('''
             return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
+    class LearnedActivation(nn.Module):
+        """Apertus's xIELU, shortened: trainable scalars, a constant buffer."""
+
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.tensor([0.5]))
+            self.register_buffer("beta", torch.tensor(0.5))
+
+        def forward(self, x):
+            return F.softplus(self.alpha) * x * torch.sigmoid(x) + self.beta * x
+
+
+    class BiasAfter(nn.Linear):
+        """Falcon's linear: its bias added beside the matmul, not inside it."""
+
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+
     class Block(nn.Module):
         def __init__(self, style, hidden, heads):
             super().__init__()
             self.norm = nn.LayerNorm(hidden)
             self.attn = Attention(style, hidden, heads)
-            self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+            linear = BiasAfter if style == "bias_after" else nn.Linear
+            self.up, self.down = linear(hidden, 4 * hidden), linear(4 * hidden, hidden)
+            self.act = LearnedActivation() if style == "learned_activation" else nn.GELU()
             self.in_place = style == "in_place"
             self.gate = nn.Linear(hidden, 1) if style == "gated" else None  # Qwen2-MoE's shared-expert gate
 
         def forward(self, x):
             x = x + self.attn(self.norm(x))
-            y = self.down(F.gelu(self.up(x)))
+            y = self.down(self.act(self.up(x)))
             if self.gate is not None:
                 y = torch.sigmoid(self.gate(x)) * y
             if self.in_place:
@@ -239,6 +261,27 @@ def test_the_ilp_replicates_what_is_illegal_and_says_why(model_path, style):
     assert any(s in ("colwise", "rowwise") for s in styles.values()), styles  # the MLP still splits
     lines = illegal_splits(splitter, 2)
     assert len(lines) == len({item.kind for item in refused.values()})
+
+
+def test_a_parameter_no_style_shards_keeps_the_ops_reading_it_whole(model_path):
+    """A learned activation between the MLP's projections (Apertus's xIELU) would run on each
+    rank's share of the features with a whole, plain copy of its scalars, leaving each rank its
+    share of their gradient, never summed: its ops run replicated, so the MLP cannot pair around
+    it, and the attention still pairs. A column-parallel linear whose bias is added beside its
+    matmul (Falcon's) still adds it on the rank's share: that bias is split with its module."""
+    styles, splitter = _styles(_profile(model_path, "learned_activation"))
+    assert (styles["blocks.0.attn.q"], styles["blocks.0.attn.o"]) == ("colwise", "rowwise")
+    assert styles.get("blocks.0.down") != "rowwise"
+    activation = [op.name for op in splitter.profile.ops if op.module == "blocks.0.act" and op.phase == "forward"]
+    assert activation and not set(activation) & splitter.sharded_ops[("blocks.0", 2)]
+    control, _ = _styles(_profile(model_path, "local"))
+    assert (control["blocks.0.up"], control["blocks.0.down"]) == ("colwise", "rowwise")
+    beside = _profile(model_path, "bias_after")
+    pair = ClusterSpec.from_config(ClusterConfig(name="pair", gpu="H100-SXM", nodes=1, gpus_per_node=2))
+    solver = IntraOpSolver(beside, _GroupCosts(get_gpu("H100-SXM"), "fp32", pair.group_links([0, 1])), 2)
+    ops = {op.name: op for op in beside.ops if op.layer == "blocks.0" and op.phase == "forward"}
+    bias_add = [op for op in ops.values() if op.module == "blocks.0.up" and op.target.startswith("aten.add")]
+    assert len(bias_add) == 1 and {s.name for s in solver._strategies(bias_add[0], ops)} == {"R", "S"}
 
 
 def test_sequence_parallelism_is_not_searched_where_a_block_calls_a_linear_on_the_stream(model_path):

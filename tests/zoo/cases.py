@@ -115,11 +115,9 @@ REFUSED: dict[str, str] = {
     'hf_gpt_oss-cp2': 'attention computed outside scaled_dot_product_attention',
     'hf_cohere2-cp2': 'a sliding window or local attention',
     # Open: refused by compile's check, which runs only where the cluster's ranks are local.
-    # JetMoE's pipeline stage fails on the meta tensors the schedule infers shapes with; Apertus's
-    # xIELU activation holds two trainable scalars inside the split MLP, replicated, so each rank
-    # keeps its share's part of their gradient (tests/zoo/TABLE.md, "Twelve more").
+    # JetMoE's pipeline stage fails on the meta tensors the schedule infers shapes with
+    # (tests/zoo/TABLE.md, "Twelve more").
     'hf_jetmoe-pp2': 'Cannot copy out of meta tensor',
-    'hf_apertus-tp2': 'act_fn.alpha_p differs from one process',
 }
 
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters

@@ -73,3 +73,32 @@ def test_a_restarted_run_meets_in_a_fresh_store(tmp_path):
     assert len({port for _, attempt, _, port, _ in seen if attempt == "0"}) == 1
     assert {port for _, attempt, _, port, _ in seen if attempt == "0"} \
         != {port for _, a, _, port, _ in seen if a == "1"}
+
+
+def test_the_launcher_imports_no_code_generation():
+    """The process torchrun runs in imports torch's launcher, not autopar's code generation (which
+    took 2 of its 4 seconds of CPU at every launch, in `autopar run` and in compile's check)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, autopar.runtime.loopback; print(sorted(m for m in sys.modules if m.startswith('autopar')))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert "autopar.runtime.loopback" in loaded
+    assert "autopar.codegen" not in loaded and "autopar.runtime.local" not in loaded
+
+
+def test_the_rendezvous_event_names_are_torchs():
+    """The launcher names rendezvous events from the calling frame, as torch's get_method_name
+    does from the whole stack (which it reads, with every frame's source file, twice an event)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
+
+    from autopar.runtime.loopback import _calling_method_name
+
+    def caller(name_of):
+        return name_of()
+
+    def outer(name_of):
+        return caller(name_of)
+
+    assert outer(_calling_method_name) == outer(get_method_name) == "outer"
+    assert _calling_method_name(10_000) == get_method_name(10_000) == "no_method_name"

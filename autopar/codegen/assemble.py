@@ -7,6 +7,7 @@ keeps only the names the finished module uses (see `ImportBlock.source`).
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 from importlib import resources
 from typing import Callable
@@ -78,6 +79,16 @@ def _from_line(module: str, names: set[str]) -> str:
 
 def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
     """(first line of the module docstring, code without docstring and imports); imports go to ``imports``."""
+    summary, code, nodes = _split(source)
+    for node in nodes:
+        imports.add(node)
+    return summary, code
+
+
+@functools.lru_cache(maxsize=64)
+def _split(source: str) -> tuple[str, str, tuple[ast.Import | ast.ImportFrom, ...]]:
+    """`split_section`, its imports as nodes: parsed once per section and process (every
+    generate split each of the 21 sections again: 0.15 s)."""
     tree = ast.parse(source)
     drop: set[int] = set()
     summary = ""
@@ -87,14 +98,13 @@ def split_section(source: str, imports: ImportBlock) -> tuple[str, str]:
         summary = first.value.value.strip().splitlines()[0]
         drop.update(range(first.lineno, last_line(first) + 1))
     lines = source.splitlines()
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            imports.add(node)
-            drop.update(range(node.lineno, last_line(node) + 1))
-            # A comment directly above an import explains the import: it goes with it.
-            drop.update(range(comments_above(lines, node.lineno, ""), node.lineno))
+    imports = tuple(node for node in body if isinstance(node, (ast.Import, ast.ImportFrom)))
+    for node in imports:
+        drop.update(range(node.lineno, last_line(node) + 1))
+        # A comment directly above an import explains the import: it goes with it.
+        drop.update(range(comments_above(lines, node.lineno, ""), node.lineno))
     lines = [line for number, line in enumerate(lines, start=1) if number not in drop]
-    return summary, "\n".join(lines).strip("\n") + "\n"
+    return summary, "\n".join(lines).strip("\n") + "\n", imports
 
 
 BANNER = "# ===== "

@@ -92,3 +92,33 @@ def test_comparisons_of_known_values_and_conditional_expressions_fold():
     assert "styles = {}" in folded and 'label = "π" + ("dp")' in folded
     assert "if config.zero_stage < model.depth:" in folded
     assert "styles = tp_plan()" in fold(source, {"config.tp_enabled": True})
+
+
+def test_a_section_folds_the_same_under_its_own_facts_as_under_all(monkeypatch):
+    """fold keeps one result per section and the facts its tests can look up (`_test_texts`):
+    for every section and the facts of plans of every kind, that result is the one folding under
+    all the plan's facts gives, and asking again gives it without folding."""
+    from autopar.codegen import specialize
+    from autopar.codegen.assemble import SECTIONS, ImportBlock, section_source, split_section
+    from autopar.codegen.generate import derive_layout, plan_facts
+    from autopar.codegen.model_facts import inspect_model
+    from tests.dist.plans import GPT, make_plan
+
+    facts = inspect_model(GPT.path, GPT.kwargs)
+    plans = [make_plan(GPT, **pins) for pins in (dict(dp=2), dict(dp=4, zero=3), dict(tp=2, sp=True),
+                                                 dict(tp=2, pp=2), dict(cp=2, cp_strategy="ring", zero=2))]
+    codes = [split_section(section_source(name), ImportBlock())[1] for name in SECTIONS]
+    changed = 0
+    for plan in plans:
+        plan_fact_values = plan_facts(plan, derive_layout(plan, facts, 8))
+        everything = {specialize._normalised(test): value for test, value in plan_fact_values.items()}
+        for code in codes:
+            expected = specialize._fold(code, everything)
+            assert fold(code, plan_fact_values) == expected
+            changed += expected != code
+    assert changed > len(plans)  # the plans' facts do fold their sections
+    folds = []
+    unkept = specialize._fold
+    monkeypatch.setattr(specialize, "_fold", lambda source, facts: folds.append(source) or unkept(source, facts))
+    fold(codes[-1], plan_facts(plans[0], derive_layout(plans[0], facts, 8)))
+    assert folds == []

@@ -60,7 +60,9 @@ def _first_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str | in
     return name, kwargs[name]
 
 
-META_VALUE_READ = "cannot be called on meta tensors"  # torch's error for .item() and .tolist() on meta
+# torch's errors for a value read on meta tensors: .item(); .tolist() and other copies to the
+# host (.cpu(): JetMoE's expert counts)
+META_VALUE_READS = ("cannot be called on meta tensors", "Cannot copy out of meta tensor")
 
 
 def _to_meta(value: Any) -> Any:
@@ -129,13 +131,14 @@ class SkippedLayer(_StandIn):
         try:
             with torch.no_grad(), MetaShapes(), SHAPE_CONFIG.patch(meta_nonzero_assume_all_nonzero=True):
                 shapes = self._meta_layer[0](*_to_meta(args), **_to_meta(kwargs))
-        except RuntimeError as err:
-            if META_VALUE_READ not in str(err):
+        except (RuntimeError, NotImplementedError) as err:  # .tolist() raises the second
+            if not any(words in str(err) for words in META_VALUE_READS):
                 raise
             # A layer that reads a value as a number (DBRX indexes its experts' weights with a
-            # tensor: ``.item()``) has none on meta tensors. A residual block gives back its
-            # input's shape; were this one to give another, the stage's code after it would not
-            # run or would train something else, which compile's proof catches.
+            # tensor: ``.item()``; JetMoE copies its experts' token counts to the host) has none
+            # on meta tensors. A residual block gives back its input's shape; were this one to
+            # give another, the stage's code after it would not run or would train something
+            # else, which compile's proof catches.
             shapes = _to_meta(_first_input(self._meta_layer[0], args, kwargs)[1])
         return _zeros_like_meta(shapes, self.device)
 

@@ -114,10 +114,6 @@ REFUSED: dict[str, str] = {
     'hf_xglm-cp2': 'attention computed outside scaled_dot_product_attention',
     'hf_gpt_oss-cp2': 'attention computed outside scaled_dot_product_attention',
     'hf_cohere2-cp2': 'a sliding window or local attention',
-    # Open: refused by compile's check, which runs only where the cluster's ranks are local.
-    # JetMoE's pipeline stage fails on the meta tensors the schedule infers shapes with
-    # (tests/zoo/TABLE.md, "Twelve more").
-    'hf_jetmoe-pp2': 'Cannot copy out of meta tensor',
 }
 
 # A pinned tp under which the model's code lets less than half of the blocks' linear parameters

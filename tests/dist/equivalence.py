@@ -22,6 +22,7 @@ from autopar.codegen.generate import DEFAULT_OPTIMIZER
 from autopar.plans import Plan
 from autopar.runtime import read_records, run_reference
 from autopar.runtime.generated import import_generated
+from autopar.runtime.measure import host_events
 from autopar.solver.planner import Planner
 from autopar.domain.mesh import Mesh
 from tests.dist.harness import RankFailure, run_ranks
@@ -158,7 +159,7 @@ def count_collectives(module: Any, step: int) -> dict[str, int]:
             return inner(*args, **kwargs)
         with profile(activities=[ProfilerActivity.CPU]) as trace:
             result = inner(*args, **kwargs)
-        counts.update(Counter(e.name for e in trace.events() if "c10d" in e.name or "gloo" in e.name))
+        counts.update(Counter(name for name, _, _ in host_events(trace) if "c10d" in name or "gloo" in name))
         return result
 
     module.train_step = train_step

@@ -41,6 +41,7 @@ import torch
 from autopar.codegen import generate
 from autopar.config import PlanPins, SolverConfig
 from autopar.runtime.generated import import_generated
+from autopar.runtime.measure import host_events
 from autopar.solver.planner import Planner
 from autopar.solver.tp_split import ILPSplitter
 from cost_models.step import PlanPricer, TrainSpec
@@ -88,7 +89,7 @@ def _count_step(rank: int, world_size: int, jobs: list[tuple[str, str]]) -> dict
         module = import_generated(script, f"counted_{Path(folder).name}")
         with profile(activities=[ProfilerActivity.CPU]) as trace:
             module.main(["--steps", "1", "--seed", "0", "--log-file", str(Path(folder) / "run.jsonl")])
-        found[script] = dict(Counter(EVENTS[e.name] for e in trace.events() if e.name in EVENTS))
+        found[script] = dict(Counter(EVENTS[name] for name, _, _ in host_events(trace) if name in EVENTS))
     return found
 
 

@@ -162,6 +162,9 @@ class OpIndex:
         by_layer: each layer's ops (both phases) in trace order.
         forward_readers: tensor name -> the layers whose forward ops read it.
         derived: `parameter_derived(profile)`.
+        trainable: those of them a parameter flows into -> the parameters' FQNs.
+        split_modules: modules whose own GEMM or embedding reads a parameter: what a split
+            style shards (its weight, and a bias it adds beside the GEMM).
     """
 
     by_layer: dict[str | None, list]
@@ -181,7 +184,8 @@ class OpIndex:
                     readers.setdefault(source, set()).add(op.layer)
         derived, trainable = _parameter_sources(profile)
         split = {op.module for op in profile.ops if op.phase == "forward" and op.module is not None
-                 and (op.op_class == "gemm" or "embedding" in op.target) and any(name in derived for name in op.inputs)}
+                 and (op.op_class == "gemm" or "embedding" in op.target)
+                 and any(name in trainable for name in op.inputs)}
         return cls(by_layer, readers, derived, trainable, split)
 
 

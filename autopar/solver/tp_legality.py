@@ -20,6 +20,11 @@ something else. The rules, each naming the op or module that decided it:
   parts). An op that drops a dim counts as a cut of the split dim unless the shapes say it
   dropped another: BLOOM's per-head interleaved ``query_key_value`` is cut along its ``3``
   after a view into heads, which a split by heads keeps whole.
+- *joined output along the split dim* (read from the traced graph): a projection whose output is
+  concatenated along the dimension a column split shards (``torch.cat([self.up1(x),
+  self.up2(x)], -1)`` before a down projection) would join each rank's shares of the parts, which
+  a row split after it reads as its share of the whole: it trains something else and no shape
+  says so, so the projection runs replicated.
 - *local shapes* (a probe on fake tensors): each paired region (a module whose linear children
   are split column- then row-wise) is run with its linears narrowed to one rank's share; code
   that reshapes by a hard-coded head count (StableLM's ``view(bsz, q_len, self.num_heads, ...)``)
@@ -45,7 +50,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -66,6 +71,7 @@ if TYPE_CHECKING:
 _CUTTING = ("aten.slice.", "aten.split.", "aten.split_with_sizes.", "aten.chunk.", "aten.narrow.",
             "aten.select.", "aten.index.", "aten.unbind.", "aten.index_select.")
 _RESHAPING = ("aten.view.", "aten._unsafe_view.", "aten.reshape.")
+_JOINING = ("aten.cat.",)
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,7 @@ class TPLegality:
             fused = self._fused.setdefault((layer, tp), {})
             for item in [*self._class_rule(split_modules),
                          *self._fused_parts(layer, tp, _fused_rule(ops, split_modules), fused),
+                         *_joined_rule(ops, split_modules),
                          *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
             self._static[(layer, tp)] = found
@@ -368,40 +375,67 @@ def _split_candidates(profile: "ModelProfile", ops: list["OpProfile"]) -> set[st
             and op.name not in derived and any(name in derived for name in op.inputs)}
 
 
-def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
-    """Projections whose output is cut along the dim a column split shards (the last one),
-    followed through reshapes; a transpose or any other op ends the walk (past it the dims are
-    heads or head features, which a split by heads keeps whole)."""
+def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str]
+                       ) -> Iterator[tuple[str, "OpProfile", int, int, list[int]]]:
+    """(projection's module, an op reading its output, which input of that op it is, the dim a column
+    split shards in what the op reads, that input's shape), following the output through
+    reshapes and the module's own shape-keeping ops; a transpose or any other op ends the walk
+    (past it the dims are heads or head features, which a split by heads keeps whole)."""
     consumers: dict[str, list["OpProfile"]] = {}
     for op in ops:
         for source in dict.fromkeys(op.inputs):
             consumers.setdefault(source, []).append(op)
-    found = []
     for op in ops:
-        if op.module not in split_modules or op.op_class != "gemm" or not op.output_shapes:
+        module = op.module
+        if module is None or module not in split_modules or op.op_class != "gemm" or not op.output_shapes:
             continue
         frontier = [(op, len(op.output_shapes[0]) - 1)]
         while frontier:
             current, dim = frontier.pop()
             for user in consumers.get(current.name, []):
-                if not user.input_shapes or user.inputs[0] != current.name:
+                position = user.inputs.index(current.name)
+                if position >= len(user.input_shapes):
                     continue
-                shape = user.input_shapes[0]
-                if user.target.startswith(_CUTTING):
-                    if any(_cuts_dim(shape, out, dim) for out in user.output_shapes if out):
-                        found.append(IllegalSplit(op.module, "fused output",
-                                                  f"{op.module}'s output is cut along its split dimension by "
-                                                  f"{user.target} in {user.module or op.layer}: a fused projection"))
-                        frontier = []
-                        break
-                elif user.target.startswith(_RESHAPING) and user.output_shapes:
+                shape = user.input_shapes[position]
+                yield module, user, position, dim, shape
+                if position != 0:
+                    continue
+                if user.target.startswith(_RESHAPING) and user.output_shapes:
                     mapped = _reshaped_dim(shape, user.output_shapes[0], dim)
                     if mapped is not None:
                         frontier.append((user, mapped))
-                elif user.module == op.module and user.op_class in ("view", "elementwise") \
-                        and user.output_shapes and user.output_shapes[0] == shape:
+                elif not user.target.startswith(_CUTTING) and user.module == module \
+                        and user.op_class in ("view", "elementwise") and user.output_shapes \
+                        and user.output_shapes[0] == shape:
                     frontier.append((user, dim))  # the module's own bias add or cast
-    return found
+
+
+def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
+    """Projections whose output is cut along the dim a column split shards (`_split_dim_readers`)."""
+    found: dict[str, IllegalSplit] = {}
+    for module, user, position, dim, shape in _split_dim_readers(ops, split_modules):
+        if module in found or position != 0 or not user.target.startswith(_CUTTING):
+            continue
+        if any(_cuts_dim(shape, out, dim) for out in user.output_shapes if out):
+            found[module] = IllegalSplit(module, "fused output",
+                                         f"{module}'s output is cut along its split dimension by "
+                                         f"{user.target} in {user.module or user.layer}: a fused projection")
+    return list(found.values())
+
+
+def _joined_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
+    """Projections whose output is concatenated along the dim a column split shards: on each
+    rank the concatenation joins the rank's shares of the parts, which a row-parallel projection
+    after it reads as the share of the whole (rank 0 would multiply the second part's first
+    features by the rows of the first part's last ones), and no shape says so."""
+    found: dict[str, IllegalSplit] = {}
+    for module, user, _, dim, shape in _split_dim_readers(ops, split_modules):
+        joined = user.output_shapes[0] if user.target.startswith(_JOINING) and user.output_shapes else None
+        if module not in found and joined and len(joined) == len(shape) and joined[dim] != shape[dim]:
+            found[module] = IllegalSplit(module, "joined output",
+                                         f"{module}'s output is concatenated along its split dimension by "
+                                         f"{user.target} in {user.module or user.layer}")
+    return list(found.values())
 
 
 def _cuts_dim(shape: list[int], out: list[int], dim: int) -> bool:

@@ -375,12 +375,13 @@ def _split_candidates(profile: "ModelProfile", ops: list["OpProfile"]) -> set[st
             and op.name not in derived and any(name in derived for name in op.inputs)}
 
 
-def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str]
+def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str], any_module: bool = False
                        ) -> Iterator[tuple[str, "OpProfile", int, int, list[int]]]:
     """(projection's module, an op reading its output, which input of that op it is, the dim a column
     split shards in what the op reads, that input's shape), following the output through
-    reshapes and the module's own shape-keeping ops; a transpose or any other op ends the walk
-    (past it the dims are heads or head features, which a split by heads keeps whole)."""
+    reshapes and the module's own shape-keeping ops (``any_module``: any module's, such as the
+    block's activation); a transpose or any other op ends the walk (past it the dims are heads or
+    head features, which a split by heads keeps whole)."""
     consumers: dict[str, list["OpProfile"]] = {}
     for op in ops:
         for source in dict.fromkeys(op.inputs):
@@ -404,7 +405,7 @@ def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str]
                     mapped = _reshaped_dim(shape, user.output_shapes[0], dim)
                     if mapped is not None:
                         frontier.append((user, mapped))
-                elif not user.target.startswith(_CUTTING) and user.module == module \
+                elif not user.target.startswith(_CUTTING) and (any_module or user.module == module) \
                         and user.op_class in ("view", "elementwise") and user.output_shapes \
                         and user.output_shapes[0] == shape:
                     frontier.append((user, dim))  # the module's own bias add or cast
@@ -427,9 +428,10 @@ def _joined_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Illega
     """Projections whose output is concatenated along the dim a column split shards: on each
     rank the concatenation joins the rank's shares of the parts, which a row-parallel projection
     after it reads as the share of the whole (rank 0 would multiply the second part's first
-    features by the rows of the first part's last ones), and no shape says so."""
+    features by the rows of the first part's last ones), and no shape says so. Followed through
+    any module's shape-keeping ops: the block's activation often comes first."""
     found: dict[str, IllegalSplit] = {}
-    for module, user, _, dim, shape in _split_dim_readers(ops, split_modules):
+    for module, user, _, dim, shape in _split_dim_readers(ops, split_modules, any_module=True):
         joined = user.output_shapes[0] if user.target.startswith(_JOINING) and user.output_shapes else None
         if module not in found and joined and len(joined) == len(shape) and joined[dim] != shape[dim]:
             found[module] = IllegalSplit(module, "joined output",

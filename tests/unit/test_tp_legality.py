@@ -103,7 +103,8 @@ MODEL = textwrap.dedent('''
 
         def forward(self, x):
             x = x + self.attn(self.norm(x))
-            up = self.up(x) if self.up_other is None else torch.cat([self.up(x), self.up_other(x)], dim=-1)
+            # joined: one half activated first (the walk goes through the block's own ops), one not
+            up = self.up(x) if self.up_other is None else torch.cat([F.gelu(self.up(x)), self.up_other(x)], -1)
             y = self.down(self.act(up))
             if self.gate is not None:
                 y = torch.sigmoid(self.gate(x)) * y

@@ -375,13 +375,14 @@ def _split_candidates(profile: "ModelProfile", ops: list["OpProfile"]) -> set[st
             and op.name not in derived and any(name in derived for name in op.inputs)}
 
 
-def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str], any_module: bool = False
+def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str]
                        ) -> Iterator[tuple[str, "OpProfile", int, int, list[int]]]:
     """(projection's module, an op reading its output, which input of that op it is, the dim a column
     split shards in what the op reads, that input's shape), following the output through
-    reshapes and the module's own shape-keeping ops (``any_module``: any module's, such as the
-    block's activation); a transpose or any other op ends the walk (past it the dims are heads or
-    head features, which a split by heads keeps whole)."""
+    reshapes and shape-keeping elementwise ops of any module (its own bias add or cast, the
+    block's activation: DBRX clamps its fused qkv before cutting it); a transpose or any other op
+    ends the walk (past it the dims are heads or head features, which a split by heads keeps
+    whole)."""
     consumers: dict[str, list["OpProfile"]] = {}
     for op in ops:
         for source in dict.fromkeys(op.inputs):
@@ -391,8 +392,12 @@ def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str], any_modu
         if module is None or module not in split_modules or op.op_class != "gemm" or not op.output_shapes:
             continue
         frontier = [(op, len(op.output_shapes[0]) - 1)]
+        seen: set[tuple[str, int]] = set()  # an output reached again by another path (a residual add)
         while frontier:
             current, dim = frontier.pop()
+            if (current.name, dim) in seen:
+                continue
+            seen.add((current.name, dim))
             for user in consumers.get(current.name, []):
                 position = user.inputs.index(current.name)
                 if position >= len(user.input_shapes):
@@ -405,10 +410,9 @@ def _split_dim_readers(ops: list["OpProfile"], split_modules: set[str], any_modu
                     mapped = _reshaped_dim(shape, user.output_shapes[0], dim)
                     if mapped is not None:
                         frontier.append((user, mapped))
-                elif not user.target.startswith(_CUTTING) and (any_module or user.module == module) \
-                        and user.op_class in ("view", "elementwise") and user.output_shapes \
-                        and user.output_shapes[0] == shape:
-                    frontier.append((user, dim))  # the module's own bias add or cast
+                elif not user.target.startswith(_CUTTING) and user.op_class in ("view", "elementwise") \
+                        and user.output_shapes and user.output_shapes[0] == shape:
+                    frontier.append((user, dim))
 
 
 def _fused_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[IllegalSplit]:
@@ -428,10 +432,9 @@ def _joined_rule(ops: list["OpProfile"], split_modules: set[str]) -> list[Illega
     """Projections whose output is concatenated along the dim a column split shards: on each
     rank the concatenation joins the rank's shares of the parts, which a row-parallel projection
     after it reads as the share of the whole (rank 0 would multiply the second part's first
-    features by the rows of the first part's last ones), and no shape says so. Followed through
-    any module's shape-keeping ops: the block's activation often comes first."""
+    features by the rows of the first part's last ones), and no shape says so."""
     found: dict[str, IllegalSplit] = {}
-    for module, user, _, dim, shape in _split_dim_readers(ops, split_modules, any_module=True):
+    for module, user, _, dim, shape in _split_dim_readers(ops, split_modules):
         joined = user.output_shapes[0] if user.target.startswith(_JOINING) and user.output_shapes else None
         if module not in found and joined and len(joined) == len(shape) and joined[dim] != shape[dim]:
             found[module] = IllegalSplit(module, "joined output",

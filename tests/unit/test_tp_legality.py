@@ -99,13 +99,18 @@ MODEL = textwrap.dedent('''
             self.up_other = nn.Linear(hidden, width) if style == "joined" else None
             self.act = LearnedActivation() if style == "learned_activation" else nn.GELU()
             self.in_place = style == "in_place"
+            self.activated_fused = style == "activated_fused"
             self.gate = nn.Linear(hidden, 1) if style == "gated" else None  # Qwen2-MoE's shared-expert gate
 
         def forward(self, x):
             x = x + self.attn(self.norm(x))
             # joined: one half activated first (the walk goes through the block's own ops), one not
             up = self.up(x) if self.up_other is None else torch.cat([F.gelu(self.up(x)), self.up_other(x)], -1)
-            y = self.down(self.act(up))
+            if self.activated_fused:  # a fused gate and value, activated together, then cut
+                gate, value = self.act(up).chunk(2, dim=-1)
+                y = self.down(torch.cat([gate * value, gate], dim=-1))
+            else:
+                y = self.down(self.act(up))
             if self.gate is not None:
                 y = torch.sigmoid(self.gate(x)) * y
             if self.in_place:
@@ -302,6 +307,17 @@ def test_projections_concatenated_along_their_split_dimension_stay_whole(model_p
     assert styles.get("blocks.0.up", "replicate") == styles.get("blocks.0.up_other", "replicate") == "replicate"
     assert styles.get("blocks.0.down") != "rowwise"
     assert (styles["blocks.0.attn.q"], styles["blocks.0.attn.o"]) == ("colwise", "rowwise")
+
+
+def test_a_fused_projection_cut_after_the_block_activates_it_is_read_as_fused(model_path):
+    """`act(up(x)).chunk(2, -1)`: the cut comes after an op of the block, not of `up`; read as a
+    fused projection all the same (split as its parts, or kept whole), never a plain column
+    split whose ranks would each take the first half of their own share."""
+    profile = _profile(model_path, "activated_fused")
+    legality = TPLegality(profile)
+    refused = legality.static("blocks.0", 2)
+    parts = legality.fused_parts("blocks.0", 2)
+    assert parts.get("blocks.0.up") == [128, 128] or refused["blocks.0.up"].kind == "fused output"
 
 
 def test_sequence_parallelism_is_not_searched_where_a_block_calls_a_linear_on_the_stream(model_path):

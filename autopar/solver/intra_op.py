@@ -223,15 +223,13 @@ class IntraOpSolver:
         # Shared by a caller that solves many layers of one profile (building it scans every op)
         self.index = index if index is not None else OpIndex.of(profile)
         self._params = self.index.derived
-        self._head_norm_owners = ({op.module for op in profile.ops if op.name in self.head_norms}
-                                  if self.head_norms else set())
 
     def solve(self, layer: str) -> IntraOpSolution:
         ops = [op for op in self.index.by_layer.get(layer, []) if op.phase == "forward" and op.name not in self._params]
         by_name = {op.name: op for op in ops}
         backward_ratio = self._backward_ratio(layer)
-        strategies = {op.name: self._strategies(op, by_name) for op in ops}
         norms = self._head_norm_modules(ops)
+        strategies = {op.name: self._strategies(op, by_name, frozenset(norms)) for op in ops}
         model = cp_model.CpModel()
         choice = self._add_strategy_choice(model, strategies)
         objective: list[tuple[int, cp_model.IntVar]] = []
@@ -357,14 +355,17 @@ class IntraOpSolver:
 
     # -- graph reading -----------------------------------------------------------------------
 
-    def _strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"]) -> list[Strategy]:
-        options = self._candidate_strategies(op, by_name)
+    def _strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"],
+                    head_norm_modules: frozenset[str] = frozenset()) -> list[Strategy]:
+        """What ``op`` may run as; ``head_norm_modules``: the layer's per-head norms (`_head_norm_modules`)."""
+        options = self._candidate_strategies(op, by_name, head_norm_modules)
         # Activations from other layers arrive replicated and cannot be re-sharded in place.
         if any(name not in by_name and not self._is_param(name) for name in op.inputs):
             options = [s for s in options if s.inputs == State.R]
         return options
 
-    def _candidate_strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"]) -> list[Strategy]:
+    def _candidate_strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"],
+                              head_norm_modules: frozenset[str]) -> list[Strategy]:
         activation_inputs = [name for name in op.inputs if name in by_name or not self._is_param(name)]
         has_param = any(self._is_param(name) for name in op.inputs)
         if has_param and op.module in self.replicated_modules and \
@@ -382,7 +383,7 @@ class IntraOpSolver:
             return [_ALL_R, _LOSS_PARALLEL] if self._feeds_nll_only(op, by_name) else [_ALL_R]
         if op.name in self.head_norms:
             return [_ALL_R, _HEAD_NORM]
-        if self._reads_unsplit_parameter(op):
+        if self._reads_unsplit_parameter(op, head_norm_modules):
             return [_ALL_R]
         if op.op_class in ("reduction", "norm") or unsplittable(op):
             return [_ALL_R]
@@ -390,14 +391,14 @@ class IntraOpSolver:
             return [_ALL_R, _ALL_S, _VIEW_P]
         return [_ALL_R, _ALL_S]
 
-    def _reads_unsplit_parameter(self, op: "OpProfile") -> bool:
+    def _reads_unsplit_parameter(self, op: "OpProfile", head_norm_modules: frozenset[str]) -> bool:
         """Whether ``op`` computes with a parameter no split style shards: xIELU's alpha_p, a
         layer scale. On a rank's shard of the activations it would run on a whole, plain copy of
         the parameter and leave that rank's share of its gradient, never summed over the group
         (a column-split module's own bias, added beside its GEMM, is sharded with it; a per-head
         norm's weight runs on head shards only under its head_norm style, which sums its gradient)."""
         owners = {fqn.rpartition(".")[0] for name in op.inputs for fqn in self.index.trainable.get(name, ())}
-        return bool(owners - ({op.module} & (self.index.split_modules | self._head_norm_owners)))
+        return bool(owners - ({op.module} & (self.index.split_modules | head_norm_modules)))
 
     @staticmethod
     def _feeds_nll_only(op: "OpProfile", by_name: dict[str, "OpProfile"]) -> bool:

@@ -51,6 +51,7 @@ SCATTER_MEMORY_PASSES = 2  # torch's copy of the list into one flat input
 DIVIDE_MEMORY_PASSES = 2  # average_tensor's in-place division by the group size
 BUCKET_COPY_MEMORY_PASSES = 2  # the copy into the contiguous reduction bucket
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # stage 3's reduce_bucket_size default
+REDUCE_BUCKETS = 2  # ipg_buffer: one, and a second to fill while the first reduces under overlap_comm
 
 
 def per_tensor_buffers(largest_numel: float, weights_bytes: int, grads_bytes: int) -> dict[str, float]:
@@ -59,9 +60,12 @@ def per_tensor_buffers(largest_numel: float, weights_bytes: int, grads_bytes: in
     into the list's views), in backward its whole gradient and the reduce-scatter's flattened
     input. Prefetching a further tensor waits while stage3_max_live_parameters (1e9 elements)
     are gathered, so the largest tensor of a model this runtime was used for is held alone;
-    FSDP2's buffers are a whole block's, and two of them."""
+    FSDP2's buffers are a whole block's, and two of them. Beside them, all through the step, the
+    two contiguous reduction buckets (`ipg_buffer`, two with overlap_comm) the gradients are
+    copied into."""
     return {"zero3_gathered_params": 2 * largest_numel * weights_bytes,
-            "gradient_reduce": 2 * largest_numel * grads_bytes}
+            "gradient_reduce": 2 * largest_numel * grads_bytes,
+            "reduce_buckets": REDUCE_BUCKETS * REDUCE_BUCKET_ELEMENTS * grads_bytes}
 
 
 def gradient_memory_passes(numel: float) -> int:

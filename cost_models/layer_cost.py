@@ -508,7 +508,7 @@ class LayerPrices:
             buffers["ep_dispatch"] = max(2 * dispatch_bytes(moe, scale, layout.cp,
                                                             self._pace(moe, layout))
                                          for moe in self.experts.layers.values())
-        buffers["working_set"] = max(self.structure.largest_working_set * scale / layout.tp / layout.cp, ring)
+        buffers["working_set"] = max(self.structure.largest_working_set(scale, layout.tp, layout.cp), ring)
         return buffers
 
     def _largest_params_on_rank(self, ep: int) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopar.domain.layout import ParallelLayout, fsdp_groups
@@ -40,6 +41,24 @@ def attention_io_bytes(op: "OpProfile") -> tuple[float, float]:
     return element * math.prod(shapes[0]), element * (math.prod(shapes[1]) + math.prod(shapes[2]))
 
 
+@dataclass(frozen=True)
+class WorkingSet:
+    """A layer's backward transients at the profiled micro-batch: its activations, and its two
+    largest gradient temporaries of each kind, those that grow with the micro-batch and the
+    parameter gradients, which do not (a 530B layer's two 1.7B-element weight gradients are
+    6 GiB at any micro-batch; scaled with it, they refused plans that fit)."""
+
+    activation_bytes: float
+    batch_temporaries: tuple[float, ...]
+    parameter_gradients: tuple[float, ...]
+
+    def at(self, scale: float, tp: int = 1, cp: int = 1) -> float:
+        per_token = scale / tp / cp
+        temporaries = sorted([*(b * per_token for b in self.batch_temporaries),
+                              *(g / tp for g in self.parameter_gradients)], reverse=True)
+        return max(self.activation_bytes * per_token, sum(temporaries[:2]))
+
+
 class ModelStructure:
     """The model's layers and attention as every layout sees them (see the module docstring)."""
 
@@ -54,7 +73,7 @@ class ModelStructure:
         self.heads = self._attention_heads(forward_attention)
         self.largest_params = max((layer.param_count for layer in self.layers), default=0)
         self.largest_tensor = max((math.prod(shape) for shape in profile.param_shapes.values()), default=0)
-        self.largest_working_set = max((self.working_set_bytes(layer) for layer in self.layers), default=0.0)
+        self.working_sets = frozenset(self.working_set(layer) for layer in self.layers)  # repeats priced once
 
     # -- FSDP units and tied weights -------------------------------------------------------------
 
@@ -146,15 +165,35 @@ class ModelStructure:
 
     # -- sizes ------------------------------------------------------------------------------------
 
-    def working_set_bytes(self, layer: "LayerProfile") -> float:
+    def working_set(self, layer: "LayerProfile") -> "WorkingSet":
         """What a layer's backward holds beyond the stored activations, at the profiled
         micro-batch: its full activations (recomputed, or gradients as large) or, where more, its
         two largest gradient temporaries alive together (an op's incoming and outgoing gradient:
         a loss's logit gradients, twice what its log-softmax saved; on an H100 a 1B Llama at
-        micro-batch 8 held 2 GB more than the layer's activations there)."""
+        micro-batch 8 held 2 GB more than the layer's activations there). A temporary shaped as
+        one of the parameters the layer holds or reads (a tied head: the embedding's) is that
+        parameter's gradient, as large at any micro-batch; shaped as it, dimension by dimension: a
+        loss's tokens x vocabulary gradient is not a vocabulary x hidden weight's transposed when
+        the sequence is as long as the model is wide (Llama 1B at 2048 tokens)."""
         ops = self.compute.ops_by_layer.get(self.compute.kind(layer.name), [])
-        gradients = sorted((op.output_bytes for op in ops if op.phase == "backward"), reverse=True)
-        return max(float(layer.activation_bytes), float(sum(gradients[:2])))
+        tied = self.tied_layers().get(layer.name)
+        owners = [layer, *([self.layers[self.layer_index[tied]]] if tied else [])]
+        shapes = {tuple(self.profile.param_shapes.get(name, ()))
+                  for owner in owners for name in owner.param_names}
+        batch: list[float] = []
+        parameter: list[float] = []
+        for op in ops:
+            if op.phase != "backward":
+                continue
+            is_parameter = len(op.output_shapes) == 1 and tuple(op.output_shapes[0]) in shapes
+            (parameter if is_parameter else batch).append(float(op.output_bytes))
+        return WorkingSet(float(layer.activation_bytes), tuple(sorted(batch, reverse=True)[:2]),
+                          tuple(sorted(parameter, reverse=True)[:2]))
+
+    def largest_working_set(self, scale: float, tp: int = 1, cp: int = 1) -> float:
+        """The largest layer's working set at ``scale`` times the profiled micro-batch, on a rank
+        holding 1/tp of each layer and 1/cp of the sequence (parameter gradients: 1/tp)."""
+        return max((ws.at(scale, tp, cp) for ws in self.working_sets), default=0.0)
 
     @staticmethod
     def _attention_input_bytes(attention: list["OpProfile"]) -> dict[str, tuple[float, float]]:

@@ -55,3 +55,23 @@ def test_attention_sizes(structure):
     # Each block: 4 x 32 x 32 attention (qkv and out) + 2 x 4 x 32 x 32 MLP weights, their
     # 3 x 32 + 32 + 4 x 32 + 32 biases and two norms' 4 x 32: 12,704 parameters.
     assert structure.largest_params == 12 * 32 * 32 + 3 * 32 + 32 + 4 * 32 + 32 + 4 * 32
+
+
+def test_parameter_gradients_do_not_grow_with_the_micro_batch():
+    """A wide block over a short sequence (h = 256, 4 tokens, fp32): its backward's largest
+    temporaries are the MLP's two 4h x h weight gradients, 1 MiB each at any micro-batch. Scaled
+    with the micro-batch as activations are (8 MiB each at 8), they refused plans that fit (a
+    530B layer's two weight gradients are 6 GiB; at micro-batch 4 they were priced 25 GiB)."""
+    hidden, vocab = 256, 64
+    profile = profile_model(load_model_file(GPT), {"layers": 2, "hidden": hidden, "heads": 4, "seq_len": 4,
+                                                   "vocab": vocab}, 1)
+    wide = ModelStructure(profile, ComputeModel(profile))
+    weight_gradient = 4 * hidden * hidden * 4
+    block = wide.working_set(wide.layers[wide.layer_index["blocks.0"]])
+    assert block.parameter_gradients == (weight_gradient, weight_gradient)
+    assert 8 * block.activation_bytes < 2 * weight_gradient
+    assert wide.largest_working_set(1) == wide.largest_working_set(8) == 2 * weight_gradient
+    assert wide.largest_working_set(8, tp=2) == weight_gradient  # each rank computes its share
+    # The head holds no parameter but computes the tied embedding's gradient, V x h.
+    head = wide.working_set(wide.layers[wide.layer_index["lm_head"]])
+    assert head.parameter_gradients[0] == vocab * hidden * 4

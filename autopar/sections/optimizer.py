@@ -157,15 +157,25 @@ class ShardedAdamW:
         self.decay_ranges = self._decay_ranges()
         self.inner = torch.optim.AdamW([self.shard], weight_decay=0.0, **options)
 
-    def _decay_ranges(self) -> list[tuple[int, int]]:
-        """(start, stop) in the shard of each decayed parameter's elements it holds."""
-        ranges, offset = [], 0
-        for p, decayed in zip(self.parameters, self.decayed):
+    def _covered(self) -> list[tuple[int, int, int]]:
+        """(parameter index, first, end) of each parameter's elements this rank's slice holds,
+        counted within the parameter's flattened local storage."""
+        covered, offset = [], 0
+        for index, p in enumerate(self.parameters):
             size = _local(p).numel()
             low, high = max(offset, self.start), min(offset + size, self.stop)
-            if decayed and low < high:
-                ranges.append((low - self.start, high - self.start))
+            if low < high:
+                covered.append((index, low - offset, high - offset))
             offset += size
+        return covered
+
+    def _decay_ranges(self) -> list[tuple[int, int]]:
+        """(start, stop) in the shard of each decayed parameter's elements it holds."""
+        ranges, position = [], 0
+        for index, first, end in self._covered():
+            if self.decayed[index]:
+                ranges.append((position, position + end - first))
+            position += end - first
         return ranges
 
     @property
@@ -179,9 +189,7 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.parameters]
-        flat_grad = torch.cat([g.reshape(-1).float() for g in grads])
-        self.shard.grad = flat_grad[self.start:self.stop].clone()
+        self.shard.grad = self._shard_of_gradients()
         if self.weight_decay:
             factor = 1 - self.inner.param_groups[0]["lr"] * self.weight_decay
             for low, high in self.decay_ranges:
@@ -189,6 +197,17 @@ class ShardedAdamW:
         self.inner.step()
         for p, value in zip(self.parameters, self._per_parameter(self._gather(self.shard))):
             _local(p).copy_(value)
+
+    def _shard_of_gradients(self) -> torch.Tensor:
+        """This rank's slice of the flattened gradients, in fp32, built from the pieces of the
+        gradients it covers: a flat copy of every gradient would be 4 bytes per parameter more at
+        the step, when the all-gather's output is already that much."""
+        pieces = []
+        for index, first, end in self._covered():
+            grad = self.parameters[index].grad
+            pieces.append(_local(grad).reshape(-1)[first:end].float() if grad is not None else
+                          torch.zeros(end - first, dtype=self.shard.dtype, device=self.shard.device))
+        return torch.cat(pieces) if pieces else torch.zeros_like(self.shard)
 
     @torch.no_grad()
     def reload_parameters(self) -> None:

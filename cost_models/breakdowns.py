@@ -42,8 +42,10 @@ class Estimate:
         tflops_per_gpu: model FLOPs (no recomputation) per second per GPU, in TFLOP/s.
         mfu, hfu: model / hardware (with recomputation) FLOPs over the GPUs' dense peak.
         peak_memory_bytes: most any rank allocates (max over pipeline ranks).
-        memory_breakdown: the peak rank's bytes: params, grads, optimizer, activations,
-            buffers; headroom (kept free) and capacity (what may be allocated).
+        memory_breakdown: the peak rank's bytes: params, grads, optimizer, activations, buffers;
+            headroom (kept free) and capacity (what may be allocated). At the rank's peak moment:
+            backward, or the optimizer step (then activations are 0 and optimizer_step holds the
+            step's transients).
         time_breakdown: seconds per step: compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm,
             dp_comm (exposed), bubble, optimizer; they add up to step_time_s.
         dp_sync_algorithm: the gradient synchronisation chosen.
@@ -170,12 +172,20 @@ class EstimateAssembler:
             states["grads"] += s.grads_bytes
             states["optimizer"] += s.optimizer_bytes
             states["compute_copy"] += s.compute_copy_bytes
+        held = self._device_layers(layout, stages, device)
         activations = sum(problem.in_flight[device] * problem.activation_bytes[index][partition.options[index]]
-                          for index in self._device_layers(layout, stages, device))
+                          for index in held)
         memory = min(g.memory_bytes for g in self.groups.pp_rank_gpus(layout)[device])
         copy = states.pop("compute_copy")
-        return {**{k: int(v) for k, v in states.items()}, "activations": int(activations),
-                "buffers": int(problem.overhead_bytes[device] + copy),
+        moment = {"activations": int(activations), "buffers": int(problem.overhead_bytes[device] + copy)}
+        if problem.step_bytes:
+            step = sum(problem.step_bytes[index] for index in held)  # the step's transients less the copy
+            if step + problem.step_overhead_bytes[device] > sum(moment.values()) - copy:  # beyond the static bytes
+                # The rank's peak is its optimizer step: activations, backward's buffers and the
+                # compute copy are gone.
+                moment = {"activations": 0, "buffers": int(problem.step_overhead_bytes[device]),
+                          "optimizer_step": int(step + copy)}
+        return {**{k: int(v) for k, v in states.items()}, **moment,
                 "headroom": int(memory * self.cluster.memory_headroom_fraction),
                 "capacity": int(problem.capacity_bytes[device])}
 

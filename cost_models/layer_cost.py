@@ -26,7 +26,7 @@ from cost_models.expert_parallel import (COUNT_BYTES, ExpertFacts, MoELayer, all
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.host import host_s
 from cost_models.layer_split import LayerSplits, TPLayerSplit
-from cost_models.memory import ModelStates, state_bytes_per_param, trained_model_states
+from cost_models.memory import ModelStates, optimizer_step_bytes, state_bytes_per_param, trained_model_states
 from cost_models.placement import LayoutGroups
 from cost_models.ranks import PipelineRanks
 from cost_models.structure import ModelStructure
@@ -44,6 +44,11 @@ RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query t
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
 # Gradient all-reduces FSDP runs itself, one per FSDP unit (the others are gradient_sync.py's).
 FSDP_ALGORITHMS = (Algorithm.RING, Algorithm.TREE)
+
+
+def cuda_context_bytes(gpu: GPUSpec) -> int:
+    """What a GPU process holds before any tensor (none on a CPU rank)."""
+    return CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0
 
 
 # (forward passes, non-GEMM forward passes) a recompute option runs per micro-batch: selective
@@ -446,10 +451,8 @@ class LayerPrices:
         return on_rank * (1 - expert_share), on_rank * expert_share / layout.ep / expert_tp(layout)
 
     def states(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout) -> ModelStates:
-        grad_size = self.groups.grad_size(layout)
         dense, experts = self._rank_params(layer, split, layout)
-        zero = layout.zero_stage if grad_size > 1 else 0
-        shard = self.groups.shard_size(layout) if grad_size > 1 else 1
+        zero, shard = self._zero_and_shard(layout)
         kwargs = dict(fsdp=self.sync.uses_fsdp(layout), pipelined=layout.pp > 1)
         states = trained_model_states(dense, self.train.precision, self.train.optimizer, zero, shard, **kwargs)
         if not experts:
@@ -461,6 +464,24 @@ class LayerPrices:
                            states.optimizer_bytes + expert.optimizer_bytes,
                            states.compute_copy_bytes + expert.compute_copy_bytes)
 
+    def step_bytes(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout) -> float:
+        """What the layer adds to its static bytes at the optimizer step: its share of the step's
+        transients (`optimizer_step_bytes`, sharded as `states` shards its states), less its
+        compute copy, freed after backward (negative where the copy is the larger)."""
+        dense, experts = self._rank_params(layer, split, layout)
+        zero, shard = self._zero_and_shard(layout)
+        step = optimizer_step_bytes(dense, self.train.optimizer, zero, shard)
+        if experts:
+            step += optimizer_step_bytes(experts, self.train.optimizer, zero, max(1, shard // layout.ep))
+        return step - self.states(layer, split, layout).compute_copy_bytes
+
+    def _zero_and_shard(self, layout: ParallelLayout) -> tuple[int, int]:
+        """(ZeRO stage, ranks the states are sharded over) as the rank keeps them: none without
+        a gradient group."""
+        if self.groups.grad_size(layout) == 1:
+            return 0, 1
+        return layout.zero_stage, self.groups.shard_size(layout)
+
     def send_s(self, layer: "LayerProfile", layout: ParallelLayout, scale: float) -> float:
         """Activation to the next stage forward and its gradient back (Narayanan et al. 2021:
         b·s·h per micro-batch; ÷ t under SP, ÷ cp)."""
@@ -470,6 +491,12 @@ class LayerPrices:
         return 2 * self.groups.collective_s(Collective.SEND_RECV, nbytes, self.groups.placement(layout, "pp")) * \
             self.cluster.scale_of("pp_comm")
 
+    @staticmethod
+    def step_overhead_bytes(gpu: GPUSpec) -> int:
+        """Memory beside the model states at the optimizer step whatever the layers: the CUDA
+        context (backward's buffers and working set are freed by then)."""
+        return cuda_context_bytes(gpu)
+
     def overhead_bytes(self, layout: ParallelLayout, scale: float, gpu: GPUSpec) -> int:
         return int(sum(self._buffers(layout, scale, gpu).values()))
 
@@ -477,7 +504,7 @@ class LayerPrices:
         """Memory besides model states and stored activations (the gathered compute copy of
         ZeRO-0..2 parameters scales with a stage's layers: it is in `trained_model_states`)."""
         largest = self._largest_params_on_rank(layout.ep) / layout.tp
-        buffers: dict[str, float] = {"cuda_context": CUDA_CONTEXT_BYTES if gpu.name != "cpu" else 0}
+        buffers: dict[str, float] = {"cuda_context": cuda_context_bytes(gpu)}
         sharded = self.groups.grad_size(layout) > 1
         if layout.zero_stage == 3 and sharded and self.train.zero3_runtime == "deepspeed_2021":
             # One tensor at a time, not a block (cost_models.deepspeed_zero3).

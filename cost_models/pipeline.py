@@ -105,6 +105,9 @@ class PartitionProblem:
         speed: [device] time multiplier (1.0 = reference device; 2.0 = twice as slow).
         option_names: names of the recompute options, e.g. ("none", "selective", "full").
         per_step_s: [layer] time once per step (exposed gradient sync, optimizer update).
+        step_bytes: [layer] bytes the optimizer step holds beside the layer's static bytes, when
+            no activations are (empty: that moment is not priced).
+        step_overhead_bytes: [device] memory used at the optimizer step whatever the layers.
     """
 
     time_s: list[list[float]]
@@ -120,6 +123,8 @@ class PartitionProblem:
     speed: list[float] = field(default_factory=list)
     option_names: tuple[str, ...] = ("none",)
     per_step_s: list[float] = field(default_factory=list)
+    step_bytes: list[int] = field(default_factory=list)
+    step_overhead_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -131,6 +136,14 @@ class PartitionProblem:
 
     def speed_of(self, device: int) -> float:
         return self.speed[device] if self.speed else 1.0
+
+    def backward_bytes(self, layer: int, device: int, option: int) -> int:
+        """A layer's bytes on `device` in backward: its static bytes and in-flight activations."""
+        return int(self.static_bytes[layer] + self.in_flight[device] * self.activation_bytes[layer][option])
+
+    def at_step_bytes(self, layer: int) -> int:
+        """A layer's bytes at the optimizer step: its static bytes and the step's transients."""
+        return int(self.static_bytes[layer] + self.step_bytes[layer])
 
 
 @dataclass(frozen=True)
@@ -158,6 +171,8 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
     per_step_units = [0] * problem.devices
     device_mib = [mib_up(overhead) for overhead in problem.overhead_bytes]
     device_bytes = list(problem.overhead_bytes)
+    step_mib = [mib_up(overhead) for overhead in problem.step_overhead_bytes]
+    step_bytes = list(problem.step_overhead_bytes)
     for j, layers in enumerate(stages):
         device = j % problem.devices
         speed = problem.speed_of(device)
@@ -167,12 +182,17 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
         if problem.per_step_s:
             per_step_units[device] += sum(time_units(speed * problem.per_step_s[layer]) for layer in layers)
         for layer in layers:
-            layer_bytes = (problem.static_bytes[layer]
-                           + problem.in_flight[device] * problem.activation_bytes[layer][options[layer]])
+            layer_bytes = problem.backward_bytes(layer, device, options[layer])
             device_mib[device] += mib_up(layer_bytes)
-            device_bytes[device] += int(layer_bytes)
-    if any(used > mib_down(cap) for used, cap in zip(device_mib, problem.capacity_bytes)):
+            device_bytes[device] += layer_bytes
+            if problem.step_bytes:
+                step_mib[device] += mib_up(problem.at_step_bytes(layer))
+                step_bytes[device] += problem.at_step_bytes(layer)
+    moments = [device_mib, step_mib] if problem.step_bytes else [device_mib]
+    if any(used > mib_down(cap) for mib in moments for used, cap in zip(mib, problem.capacity_bytes)):
         return None
+    if problem.step_bytes:
+        device_bytes = [max(pair) for pair in zip(device_bytes, step_bytes)]
     v, m = problem.chunks, problem.micro_batches
     objective = ((m - 1) * v + (v - 1)) * max(device_units) + sum(device_units) + v * max(per_step_units)
     return Partition(list(stage_starts), list(options), objective / v / TIME_UNITS_PER_S,

@@ -222,13 +222,17 @@ class PlanPricer:
                                                 expert_tp(layout)),
                              lambda layer, split: int(self.layer_prices.states(layer, split, layout).total_bytes),
                              reference)
+        steps = self._rows("step", layout, (layout.tp, self._zero_key_static(layout), layout.ep, expert_tp(layout)),
+                           lambda layer, split: int(self.layer_prices.step_bytes(layer, split, layout)), reference)
         sends = self._rows("send", layout, (layout.pp, self.groups.span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
                            lambda layer, split: self.layer_prices.send_s(layer, layout, scale), reference)
         per_step = self._totals(self.per_step_rows(layout, reference))
         overhead = self.layer_prices.overhead_bytes(layout, scale, reference)
+        step_overhead = self.layer_prices.step_overhead_bytes(reference)
         rows = dict(time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
-                    capacity_bytes=capacity, overhead_bytes=[overhead] * layout.pp, speed=speed, per_step_s=per_step)
+                    capacity_bytes=capacity, overhead_bytes=[overhead] * layout.pp, speed=speed, per_step_s=per_step,
+                    step_bytes=steps, step_overhead_bytes=[step_overhead] * layout.pp)
         self._shared_rows[key] = rows
         return rows
 

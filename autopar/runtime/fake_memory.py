@@ -403,7 +403,7 @@ def predict_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], in
     breakdown = details["memory_breakdown"]
     context = CUDA_CONTEXT_BYTES if any(gpu != "cpu" for gpu in details["gpu"]) else 0
     predicted = {c: int(breakdown[c]) for c in CATEGORIES}
-    predicted["buffers"] -= context
+    predicted["buffers"] += int(breakdown.get("optimizer_step", 0)) - context  # the step's transients, if its peak
     predicted["total"] = sum(predicted[c] for c in CATEGORIES)
     return predicted, context
 

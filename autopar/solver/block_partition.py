@@ -37,7 +37,8 @@ def find_block_run(problem: PartitionProblem) -> BlockRun | None:
     """The longest run of layers with identical prices (time, memory, send, per-step)."""
     def key(layer: int) -> tuple:
         return (tuple(problem.time_s[layer]), tuple(problem.activation_bytes[layer]), problem.static_bytes[layer],
-                problem.send_s[layer], problem.per_step_s[layer] if problem.per_step_s else 0.0)
+                problem.send_s[layer], problem.per_step_s[layer] if problem.per_step_s else 0.0,
+                problem.step_bytes[layer] if problem.step_bytes else 0)
 
     best = BlockRun(0, 0)
     start = 0
@@ -105,12 +106,13 @@ class BlockPartitioner:
         device_time: list[list[Any]] = [[] for _ in range(p)]
         per_step: list[list[Any]] = [[] for _ in range(p)]
         memory: list[list[Any]] = [[] for _ in range(p)]
+        step_memory: list[list[Any]] = [[] for _ in range(p)]
         for d in range(p):
             speed = problem.speed_of(d)
             device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][r] for r in range(options)]
-            memory[d] += [mib_up(problem.static_bytes[block]
-                                 + problem.in_flight[d] * problem.activation_bytes[block][r])
-                          * k[d][r] for r in range(options)]
+            memory[d] += [mib_up(problem.backward_bytes(block, d, r)) * k[d][r] for r in range(options)]
+            if problem.step_bytes:
+                step_memory[d] += [mib_up(problem.at_step_bytes(block)) * k[d][r] for r in range(options)]
             if problem.per_step_s:
                 per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d])
             block_send = time_units(speed * problem.send_s[block])
@@ -123,9 +125,9 @@ class BlockPartitioner:
             edge_layers = (prefix if d == 0 else []) + (suffix if d == (P - 1) % p else [])
             for layer in edge_layers:
                 device_time[d] += [time_units(speed * problem.time_s[layer][r]) * y[layer][r] for r in range(options)]
-                memory[d] += [mib_up(problem.static_bytes[layer]
-                                     + problem.in_flight[d] * problem.activation_bytes[layer][r])
-                              * y[layer][r] for r in range(options)]
+                memory[d] += [mib_up(problem.backward_bytes(layer, d, r)) * y[layer][r] for r in range(options)]
+                if problem.step_bytes:
+                    step_memory[d] += [mib_up(problem.at_step_bytes(layer)) * y[layer][r] for r in range(options)]
                 if problem.per_step_s:
                     per_step[d].append(time_units(speed * problem.per_step_s[layer]))
 
@@ -139,6 +141,9 @@ class BlockPartitioner:
             model.add(slowest >= var)
             model.add(once >= sum(per_step[d]))
             model.add(sum(memory[d]) + mib_up(problem.overhead_bytes[d]) <= mib_down(problem.capacity_bytes[d]))
+            if problem.step_bytes:
+                model.add(sum(step_memory[d]) + mib_up(problem.step_overhead_bytes[d])
+                          <= mib_down(problem.capacity_bytes[d]))
             device_vars.append(var)
         m = problem.micro_batches
         model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_vars) + v * once)

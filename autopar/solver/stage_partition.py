@@ -19,6 +19,8 @@ The program (`StagePartitioner.solve`):
                                                                  (`_add_contiguity`)
                Σ_{l,r,j on d} (static_bytes[l] + in_flight[d]·activation_bytes[l][r])·w[l,j,r]
                    + overhead_bytes[d] ≤ capacity[d]             (`_add_memory_limits`)
+               Σ_{l,r,j on d} (static_bytes[l] + step_bytes[l])·w[l,j,r]
+                   + step_overhead_bytes[d] ≤ capacity[d]        (the optimizer step, where priced)
                E ≥ speed[d]·Σ_{l, j on d} per_step_s[l]·x[l,j] for all d
     objective  min (m - 1)·M + (1/v)·Σ_d D_d + (1 - 1/v)·M + E, with D_d = speed[d]·Σ_{j on d} T_j
                and T_j = Σ_{l,r} time_s[l][r]·w[l,j,r] + send_s[l]·(l is the last layer of j)
@@ -168,15 +170,19 @@ class StagePartitioner:
             model.add(stage[layer + 1] <= stage[layer] + 1)
 
     def _add_memory_limits(self, model, problem, w, L, P, options):
+        """Each device's memory in backward and, where priced, at the optimizer step."""
         for device in range(problem.devices):
-            terms = []
+            terms, step_terms = [], []
             for j in range(device, P, problem.devices):
                 for layer in range(L):
                     for r in range(options):
-                        layer_bytes = (problem.static_bytes[layer]
-                                       + problem.in_flight[device] * problem.activation_bytes[layer][r])
-                        terms.append(mib_up(layer_bytes) * w[(layer, j, r)])
-            model.add(sum(terms) + mib_up(problem.overhead_bytes[device]) <= mib_down(problem.capacity_bytes[device]))
+                        terms.append(mib_up(problem.backward_bytes(layer, device, r)) * w[(layer, j, r)])
+                        if problem.step_bytes:
+                            step_terms.append(mib_up(problem.at_step_bytes(layer)) * w[(layer, j, r)])
+            capacity = mib_down(problem.capacity_bytes[device])
+            model.add(sum(terms) + mib_up(problem.overhead_bytes[device]) <= capacity)
+            if problem.step_bytes:
+                model.add(sum(step_terms) + mib_up(problem.step_overhead_bytes[device]) <= capacity)
 
     def _add_device_times(self, model, problem, w, last, L, P, options):
         fastest = max(problem.speed or [1.0])

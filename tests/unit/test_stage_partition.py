@@ -3,6 +3,7 @@ uneven models, memory limits respected."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -29,6 +30,13 @@ def random_problem(rng: random.Random, layers: int, devices: int, chunks: int, o
         per_step_s=[rng.uniform(0.0, 1.0) for _ in range(layers)] if rng.random() < 0.5 else [])
 
 
+def with_optimizer_step(problem: PartitionProblem, rng: random.Random) -> PartitionProblem:
+    """The problem with an optimizer-step moment priced: per layer up to 8 GiB more than its static
+    bytes (ZeRO-1's gathered vector), or less (its compute copy freed), at times the tighter limit."""
+    return replace(problem, step_bytes=[int(rng.uniform(-0.3, 8.0) * GiB) for _ in range(problem.num_layers)],
+                   step_overhead_bytes=[GiB // 4] * problem.devices)
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_ilp_equals_brute_force(seed):
     rng = random.Random(seed)
@@ -36,6 +44,8 @@ def test_ilp_equals_brute_force(seed):
     chunks = rng.choice([1, 1, 2]) if devices == 2 else 1
     problem = random_problem(rng, layers=rng.randint(devices * chunks, 6), devices=devices, chunks=chunks,
                              options=rng.choice([1, 2]))
+    if seed % 2:
+        problem = with_optimizer_step(problem, rng)
     expected = brute_force_partition(problem)
     found = StagePartitioner().solve(problem)
     if expected is None:
@@ -113,6 +123,10 @@ def test_compressed_block_partition_equals_brute_force(seed):
     chunks = 2 if devices == 2 and rng.random() < 0.5 else 1
     problem = block_problem(rng, blocks=rng.randint(3, 6), devices=devices, chunks=chunks,
                             options=rng.choice([1, 2]))
+    if seed % 2:  # the same step bytes for every block, so that they stay one run
+        step = [int(rng.uniform(-0.3, 6.0) * GiB) for _ in range(3)]
+        problem = replace(problem, step_bytes=[step[0]] + [step[1]] * (problem.num_layers - 3) + [0, step[2]],
+                          step_overhead_bytes=[GiB // 4] * problem.devices)
     run = find_block_run(problem)
     assert run is not None and run.first == 1
     allowed = set(range(run.first, run.first + run.count + 1))
@@ -167,3 +181,22 @@ def test_tiny_per_step_times_rounded_one_by_one_stay_feasible():
     expected = brute_force_partition(problem)
     assert found is not None and found.status == "OPTIMAL"
     assert found.step_time_s == expected.step_time_s
+
+
+def test_the_optimizer_step_can_be_the_tighter_limit():
+    """Two devices, four equal layers: in backward any split fits, but at the optimizer step a
+    device holding three layers' transients (3 GiB each) does not; the ILP, the block solver and
+    the evaluation all split two and two, and report the step's bytes as the device's memory."""
+    from autopar.solver.block_partition import BlockPartitioner, find_block_run
+    from cost_models.pipeline import evaluate
+
+    problem = PartitionProblem(time_s=[[1.0], [1.0], [1.0], [2.5]], activation_bytes=[[GiB]] * 4,
+                               static_bytes=[GiB] * 4, send_s=[0.0] * 4, devices=2, chunks=1, micro_batches=4,
+                               in_flight=[1.0, 1.0], capacity_bytes=[10 * GiB] * 2, overhead_bytes=[0, 0])
+    assert StagePartitioner().solve(problem).stage_starts == [0, 3]  # the slow last layer alone
+    stepped = replace(problem, step_bytes=[3 * GiB] * 4, step_overhead_bytes=[0, 0])
+    assert evaluate(stepped, [0, 3], [0] * 4) is None  # 3 x (1 + 3) GiB = 12 GiB at the step
+    found = StagePartitioner().solve(stepped)
+    assert found.stage_starts == [0, 2] and found.device_memory_bytes == [8 * GiB, 8 * GiB]
+    run = find_block_run(stepped)
+    assert BlockPartitioner().solve(stepped, run).stage_starts == [0, 2]

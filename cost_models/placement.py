@@ -41,13 +41,18 @@ class LayoutGroups:
         self._collectives: dict[tuple, float] = {}
 
     def placement(self, layout: ParallelLayout, axes: str | tuple[str, ...]) -> GroupPlacement:
-        """Where the group through rank 0 along one mesh axis (or several) sits."""
+        """Where the slowest group along one mesh axis (or several) sits: the one spanning the
+        most nodes with the fewest ranks on one of them (every group waits for it). The group
+        through rank 0 where all groups sit alike."""
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         if axes == ("ep",):
             return self.expert_group(layout)
         key = (axes, mesh_of(layout))
         if key not in self._placements:
-            self._placements[key] = self.cluster.group_links(mesh_of(layout).group_ranks(axes))
+            mesh = mesh_of(layout)
+            placements = [self.cluster.group_links(mesh.group_ranks(axes, base))
+                          for base in mesh.group_bases(axes, self.cluster.gpus_per_node)]
+            self._placements[key] = max(placements, key=lambda group: (group.nodes, -group.min_per_node))
         return self._placements[key]
 
     def expert_group(self, layout: ParallelLayout) -> GroupPlacement:

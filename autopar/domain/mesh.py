@@ -110,17 +110,54 @@ class Mesh:
         """Nodes the group of `axis` through rank 0 touches."""
         return sorted({rank // gpus_per_node for rank in self.group_ranks(axis)})
 
+    def group_bases(self, axes: str | tuple[str, ...], gpus_per_node: int) -> list[int]:
+        """The first rank of one group of `axes` per distinct offset from a node's first rank,
+        the lowest of each: groups at the same offset cross the same node boundaries. One base
+        (rank 0) when every group sits as rank 0's does; with degrees that do not divide the
+        node (tp=3 on 8-GPU nodes), groups {0,1,2} and {6,7,8} do not."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        if self.tiles_nodes(gpus_per_node):
+            return [0]
+        bases = {0: 0}
+        for axis in self.order:
+            if axis in axes:
+                continue
+            stride = self._strides[axis]
+            spread: dict[int, int] = {}
+            # i * stride modulo the node repeats within gpus_per_node steps of i.
+            for base in bases.values():
+                for i in range(min(self._degree_of[axis], gpus_per_node)):
+                    rank = base + i * stride
+                    if rank % gpus_per_node not in spread or rank < spread[rank % gpus_per_node]:
+                        spread[rank % gpus_per_node] = rank
+            bases = spread
+        return sorted(bases.values())
+
+    def tiles_nodes(self, gpus_per_node: int) -> bool:
+        """Whether every group of every axis sits on the nodes as rank 0's does: each product of
+        the innermost degrees divides the node or is a multiple of it (powers of two on 8-GPU
+        nodes), so groups tile the nodes alike."""
+        inner = 1
+        for degree in self.degrees:
+            inner *= degree
+            if gpus_per_node % inner and inner % gpus_per_node:
+                return False
+        return True
+
     def span(self, axis: str, gpus_per_node: int) -> tuple[int, int]:
-        """(nodes spanned, ranks per node) of the group of `axis` through rank 0."""
+        """(nodes spanned, ranks per node) of the group of `axis` spanning the most nodes."""
         size = self.degree(axis)
         if size == 1:
             return (1, 1)
         stride = self.stride(axis)
-        # The group's ranks are i * stride for i < size. With stride >= gpus_per_node each lands on
-        # its own node; with a smaller stride consecutive ranks' nodes differ by at most one, so the
-        # nodes are the contiguous range up to the last rank's (counted, not listed: a data-parallel
-        # group can have millions of ranks).
-        nodes = size if stride >= gpus_per_node else (size - 1) * stride // gpus_per_node + 1
+        # A group's ranks are base + i * stride for i < size. With stride >= gpus_per_node each
+        # lands on its own node; with a smaller stride consecutive ranks' nodes differ by at most
+        # one, so the nodes are the contiguous range from the base's to the last rank's (counted,
+        # not listed: a data-parallel group can have millions of ranks).
+        if stride >= gpus_per_node:
+            return (size, 1)
+        nodes = max((base % gpus_per_node + (size - 1) * stride) // gpus_per_node + 1
+                    for base in self.group_bases(axis, gpus_per_node))
         return (nodes, size // nodes)
 
     def shape(self) -> tuple[int, ...]:

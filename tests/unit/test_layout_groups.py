@@ -52,3 +52,19 @@ def test_gpu_types_of_each_rank_on_a_mixed_cluster():
     assert [gpu.name for gpu in groups.dp_rank_gpus(replicas)] == ["H100-SXM", "A100-80GB"]
     spanning = ParallelLayout(dp=4, tp=2, mesh_order=("dp", "cp", "pp", "tp"))  # tp steps by 4: across the nodes
     assert not groups.tp_groups_homogeneous(spanning)
+
+
+def test_a_degree_that_does_not_divide_the_node_is_priced_by_its_straddling_groups():
+    """tp=3 on three nodes of eight GPUs: the TP group through rank 0 ({0, 1, 2}) stays on NVLink,
+    but {6, 7, 8} crosses to the next node, and every TP collective waits for it: the placement is
+    that group's, across two nodes with one rank on one of them, and a TP all-reduce costs what
+    it costs over the network."""
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="H100-SXM", nodes=3, gpus_per_node=8))
+    groups = LayoutGroups(cluster)
+    layout = ParallelLayout(dp=8, tp=3, mesh_order=("tp", "cp", "pp", "dp"))
+    tp = groups.placement(layout, "tp")
+    assert (tp.size, tp.nodes, tp.per_node, tp.min_per_node) == (3, 2, 2, 1) and tp.link == cluster.inter
+    assert tp == cluster.group_links([6, 7, 8])
+    on_nvlink = cluster.group_links([0, 1, 2])
+    assert groups.collective_s(Collective.ALL_REDUCE, 2**26, tp) > 2 * collective_time_s(
+        Collective.ALL_REDUCE, 2**26, on_nvlink)

@@ -46,6 +46,45 @@ def test_mesh_coordinates_are_the_device_mesh_grid(order):
         assert mesh.group_ranks(("dp", "tp"), rank) == same
 
 
+def _node_spread(group: list[int], gpus_per_node: int) -> tuple[int, int]:
+    """(nodes a group touches, fewest of its ranks on one of them)."""
+    counts: dict[int, int] = {}
+    for rank in group:
+        counts[rank // gpus_per_node] = counts.get(rank // gpus_per_node, 0) + 1
+    return len(counts), min(counts.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_slowest_group_of_every_axis_is_found_among_the_bases(seed):
+    """Against every group of random meshes (degrees 1-8, 2- to 8-GPU nodes): the groups through
+    `group_bases` include one spreading over the most nodes with the fewest ranks on one, `span`
+    counts that group's nodes, and where `tiles_nodes` holds all groups sit alike. With tp=3 on
+    8-GPU nodes the group through rank 0 stays in a node while {6, 7, 8} crosses one boundary:
+    tensor parallelism priced on NVLink ran partly over the network."""
+    import random
+
+    rng = random.Random(seed)
+    checked = 0
+    while checked < 150:
+        gpus_per_node = rng.choice([2, 4, 6, 8])
+        mesh = Mesh(("tp", "cp", "pp", "dp"), tuple(rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(4)))
+        if mesh.world_size > 600:
+            continue
+        checked += 1
+        for axes in (("tp",), ("cp",), ("pp",), ("dp",), ("dp", "cp")):
+            spreads = {_node_spread(group, gpus_per_node) for group in mesh.groups(axes)}
+            worst = max(spreads, key=lambda spread: (spread[0], -spread[1]))
+            found = {_node_spread(mesh.group_ranks(axes, base), gpus_per_node)
+                     for base in mesh.group_bases(axes, gpus_per_node)}
+            assert max(found, key=lambda spread: (spread[0], -spread[1])) == worst
+            if len(axes) == 1:
+                assert mesh.span(axes[0], gpus_per_node)[0] == worst[0]
+            if mesh.tiles_nodes(gpus_per_node):
+                assert len(spreads) == 1
+    three = Mesh(("tp", "dp"), (3, 8))
+    assert _node_spread(three.group_ranks("tp"), 8) == (1, 3) and three.span("tp", 8) == (2, 1)
+
+
 def test_mesh_arithmetic_lives_in_one_module():
     """No stride or coordinate arithmetic outside autopar/domain/mesh.py: a rank's coordinate,
     a stride built by multiplying degrees, or a rank stepped by a stride."""

@@ -257,8 +257,15 @@ def test_divisors_and_group_spans_match_brute_force():
                     stride = 1
                     for inner in order[: order.index(axis)]:
                         stride *= degrees[inner]
-                    nodes = {i * stride // gpus_per_node for i in range(degrees[axis])}
-                    want = (1, 1) if degrees[axis] == 1 else (len(nodes), degrees[axis] // len(nodes))
+                    world = 1
+                    for degree in degrees.values():
+                        world *= degree
+                    # Every group (the ranks at coordinate 0 on the axis, each with its stride
+                    # steps); the one touching the most nodes is the span.
+                    firsts = [r for r in range(world) if (r // stride) % degrees[axis] == 0]
+                    most = max(len({(first + i * stride) // gpus_per_node for i in range(degrees[axis])})
+                               for first in firsts)
+                    want = (1, 1) if degrees[axis] == 1 else (most, degrees[axis] // most)
                     assert _group_span(order, axis, degrees, gpus_per_node) == want
 
 

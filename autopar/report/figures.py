@@ -5,9 +5,10 @@ import base64
 from pathlib import Path
 from typing import Any
 
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+# A rank's bytes at its peak moment: in backward, or at the optimizer step (its transients).
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step")
 MEMORY_COLOURS = {"params": "#4C78A8", "grads": "#72B7B2", "optimizer": "#F58518", "activations": "#E45756",
-                  "buffers": "#B279A2"}
+                  "buffers": "#B279A2", "optimizer_step": "#EECA3B"}
 TIME_COLOURS = {"compute": "#4C78A8", "recompute": "#9ECAE9", "tp_comm": "#F58518", "cp_comm": "#FFBF79",
                 "ep_comm": "#72B7B2", "pp_comm": "#54A24B", "dp_comm": "#E45756", "bubble": "#BAB0AC",
                 "optimizer": "#B279A2"}
@@ -23,16 +24,19 @@ def _pyplot():
 
 
 def memory_figure(stage_details: list[dict[str, Any]], path: str | Path) -> None:
-    """Stacked bar per pipeline rank: params, grads, optimizer, activations, buffers vs the
-    memory the plan may use (capacity) and the GPU's size."""
+    """Stacked bar per pipeline rank at its peak moment (backward, or the optimizer step and its
+    transients) vs the memory the plan may use (capacity) and the GPU's size."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(max(5.0, 1.0 + 0.7 * len(stage_details)), 3.6))
     gib = 2**30
+    labels: set[str] = set()
     for d, detail in enumerate(stage_details):
         bottom = 0.0
         for part in MEMORY_PARTS:
             value = detail["memory_breakdown"].get(part, 0) / gib
-            axes.bar(d, value, bottom=bottom, color=MEMORY_COLOURS[part], label=part if d == 0 else None, width=0.6)
+            labelled = part not in labels and part in detail["memory_breakdown"]
+            labels.update([part] if labelled else [])
+            axes.bar(d, value, bottom=bottom, color=MEMORY_COLOURS[part], label=part if labelled else None, width=0.6)
             bottom += value
         capacity = detail["memory_breakdown"]["capacity"] / gib
         total = (detail["memory_breakdown"]["capacity"] + detail["memory_breakdown"]["headroom"]) / gib

@@ -159,11 +159,12 @@ def stages_section(report: PlanReport) -> Section:
                      _ms(detail["time_per_micro_batch_s"]), f"{detail['in_flight_micro_batches']:.3g}",
                      *(format_bytes(breakdown[part]) for part in ("params", "grads", "optimizer", "activations",
                                                                   "buffers")),
+                     format_bytes(breakdown["optimizer_step"]) if "optimizer_step" in breakdown else "",
                      f"{format_bytes(detail['memory_bytes'])} / {format_bytes(detail['capacity_bytes'])}",
                      str(len(members.get(detail["pp_rank"], [])))])
     return Section("Pipeline stages and memory per rank", [
         Table(["PP rank", "GPU", "layers", "time / micro-batch", "in flight", "params", "grads", "optimizer",
-               "activations", "buffers", "total / usable", "ranks"], rows),
+               "activations", "buffers", "at the optimizer step", "total / usable", "ranks"], rows),
         Image("memory.png", "memory per rank")])
 
 

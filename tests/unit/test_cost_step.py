@@ -284,3 +284,24 @@ def test_zero2_gathers_parameters_every_micro_batch():
                   + collective_time_s(Collective.REDUCE_SCATTER, layer.param_count * prices.grads_bytes, group)
                   for layer in profile.layers if layer.param_count)
     assert four.time_breakdown["dp_comm"] - two.time_breakdown["dp_comm"] == pytest.approx(2 * by_hand, rel=0.02)
+
+
+def test_the_peak_moment_is_reported_whole():
+    """The breakdown adds up to the peak rank's memory at its peak moment: in backward for the
+    test GPT at micro-batch 2 (ZeRO-3 on 8 ranks), at the optimizer step for a 16-block GPT over
+    32 tokens under ZeRO-1, where the step's all-gathered fp32 vector and slices (5 bytes a
+    parameter on 8 ranks) outweigh the activations; activations are gone then."""
+    from cost_models.memory import optimizer_step_bytes
+
+    deep = traced("gpt.py", "bf16", 2, layers=16, hidden=512, heads=8, seq_len=32, vocab=1024)
+    parts = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step")
+    for profile, zero, at_step in ((gpt(), 3, False), (deep, 1, True)):
+        est = estimate(profile, spec(), ParallelLayout(dp=8, zero_stage=zero, micro_batch_size=2),
+                       TrainSpec(global_batch_size=16))
+        got = est.memory_breakdown
+        assert sum(got.get(part, 0) for part in parts) == pytest.approx(est.peak_memory_bytes, abs=4 * GPT_LAYERS * 2)
+        assert ("optimizer_step" in got) == at_step
+        if at_step:
+            assert got["activations"] == 0 and got["buffers"] == CUDA_CONTEXT_BYTES
+            assert got["optimizer_step"] == pytest.approx(optimizer_step_bytes(profile.param_count, "adam", 1, 8),
+                                                          abs=4 * len(profile.layers))

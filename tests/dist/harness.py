@@ -21,6 +21,7 @@ import shutil
 import socket
 import tempfile
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,6 +55,10 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
            "torch.distributed.pipelining", "torch.distributed.checkpoint", "autopar.runtime.generated",
            "autopar.codegen", "autopar.solver.planner"]
 _CONTEXT = mp.get_context("forkserver")
+# How long one collective may wait for its peers before gloo raises (its default is 30 minutes): a
+# rank stuck in a collective (seen once: rank 0 spinning in a ring all-reduce whose last message
+# never came) fails its test in minutes instead of holding the suite until the harness's timeout.
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
@@ -106,7 +111,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, r
     os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit from user code

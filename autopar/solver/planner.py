@@ -804,15 +804,26 @@ class Planner:
         tp = self.pins.tp
         if tp is None:
             return
-        node = self.cluster.gpus_per_node
-        legal = [t for t in divisors(self.cluster.world_size) if not self.shape.tp_problem(t)
-                 and (t <= node or self.solver.allow_cross_node_tp)]
+        node, world = self.cluster.gpus_per_node, self.cluster.world_size
+
+        def inside_nodes(t: int) -> bool:
+            """Every TP group of t consecutive ranks stays on one node: t divides the node's GPUs
+            (or the cluster is one node); tp=3 on 8-GPU nodes puts ranks 6, 7 and 8 together."""
+            return t <= node and (node % t == 0 or world <= node)
+
+        legal = [t for t in divisors(world) if not self.shape.tp_problem(t)
+                 and (inside_nodes(t) or self.solver.allow_cross_node_tp)]
         if self.shape.tp_problem(tp):
             raise UserError(f"plan.tp={tp} cannot split this model: {self.shape.tp_problem(tp)}.",
                             f"use one of tp={', '.join(map(str, legal))} (legal on this cluster) or leave "
                             "plan.tp unset.")
         if tp > node and not self.solver.allow_cross_node_tp:
             raise UserError(f"plan.tp={tp} spans nodes of {node} GPUs; tensor parallelism is kept inside a node.",
+                            f"use one of tp={', '.join(map(str, legal))}, or set solver.allow_cross_node_tp=true.")
+        if not inside_nodes(tp) and not self.solver.allow_cross_node_tp:
+            raise UserError(f"plan.tp={tp} does not divide the {node} GPUs of a node: some of its groups (ranks "
+                            f"{node - node % tp} to {node - node % tp + tp - 1}) cross from one node to the next, and "
+                            "tensor parallelism is kept inside a node.",
                             f"use one of tp={', '.join(map(str, legal))}, or set solver.allow_cross_node_tp=true.")
 
     def _check_pinned_batching(self) -> None:

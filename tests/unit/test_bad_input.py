@@ -277,6 +277,16 @@ def test_tp_that_does_not_divide_the_heads_lists_legal_degrees(examples_dir, tmp
     assert json.loads(out.read_text())["tp"] == 8
 
 
+def test_tp_that_does_not_divide_the_node_names_the_groups_that_cross(examples_dir, tmp_path, capsys):
+    """tp=3 divides the 48 heads and the 24 GPUs of three 8-GPU nodes, but ranks 6, 7 and 8 would
+    form a TP group across two nodes: refused before the search, with the degrees that stay in one."""
+    heads_48 = [*HEADS_32, "model.heads=48", "model.hidden=384"]
+    fails(capsys, ["plan", str(examples_dir / "gpt.py"), *heads_48, "cluster.nodes=3", "plan.tp=3",
+                   "--out", str(tmp_path / "plan.json")],
+          "plan.tp=3 does not divide the 8 GPUs of a node", "ranks 6 to 8", "use one of tp=1, 2, 4, 8, or set",
+          unwritten=outputs(tmp_path))
+
+
 def test_dp_that_does_not_divide_the_batch(examples_dir, tmp_path, capsys):
     fails(capsys, ["plan", str(examples_dir / "gpt.py"), *HEADS_32, "cluster.gpus_per_node=6", "plan.dp=3",
                    "train.global_batch_size=8", "--out", str(tmp_path / "plan.json")],

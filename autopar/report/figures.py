@@ -35,7 +35,8 @@ def memory_figure(stage_details: list[dict[str, Any]], path: str | Path) -> None
         for part in MEMORY_PARTS:
             value = detail["memory_breakdown"].get(part, 0) / gib
             labelled = part not in labels and part in detail["memory_breakdown"]
-            labels.update([part] if labelled else [])
+            if labelled:
+                labels.add(part)
             axes.bar(d, value, bottom=bottom, color=MEMORY_COLOURS[part], label=part if labelled else None, width=0.6)
             bottom += value
         capacity = detail["memory_breakdown"]["capacity"] / gib

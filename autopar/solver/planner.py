@@ -807,9 +807,9 @@ class Planner:
         node, world = self.cluster.gpus_per_node, self.cluster.world_size
 
         def inside_nodes(t: int) -> bool:
-            """Every TP group of t consecutive ranks stays on one node: t divides the node's GPUs
-            (or the cluster is one node); tp=3 on 8-GPU nodes puts ranks 6, 7 and 8 together."""
-            return t <= node and (node % t == 0 or world <= node)
+            """Every TP group of t consecutive ranks stays on one node, as the search's mesh orders
+            require (tp=3 on 8-GPU nodes puts ranks 6, 7 and 8 together)."""
+            return Mesh(("tp", "dp"), (t, world // t)).span("tp", node)[0] == 1
 
         legal = [t for t in divisors(world) if not self.shape.tp_problem(t)
                  and (inside_nodes(t) or self.solver.allow_cross_node_tp)]

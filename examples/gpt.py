@@ -3,6 +3,12 @@
 Size comes from keyword arguments (Hydra overrides ``model.<name>=<value>``):
 
     autopar profile examples/gpt.py model.layers=24 model.hidden=2048 model.heads=16
+
+``attention=unfused`` writes attention as Megatron-LM did before fused attention kernels (2021-22,
+the runs of its papers): every query's scores against every key in one batched matmul, a softmax
+over them, dropout on the probabilities, a second batched matmul. ``attention_dropout`` is the rate
+of that dropout, ``hidden_dropout`` the one on each block's two residual branches (Megatron-LM's
+defaults are 0.1 for both).
 """
 from __future__ import annotations
 
@@ -11,12 +17,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+ATTENTION_KINDS = ("sdpa", "unfused")
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int, fused_qkv: bool = False):
+    def __init__(self, hidden: int, heads: int, fused_qkv: bool = False, attention: str = "sdpa",
+                 attention_dropout: float = 0.0):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, not {attention!r}")
         self.heads = heads
+        self.attention = attention
+        self.dropout = attention_dropout
         if fused_qkv:  # one [3h, h] projection, as Megatron-LM's GPT holds it
             self.qkv_proj = nn.Linear(hidden, 3 * hidden)
         else:
@@ -36,8 +50,26 @@ class CausalSelfAttention(nn.Module):
             q = self.q_proj(x).view(shape).transpose(1, 2)
             k = self.k_proj(x).view(shape).transpose(1, 2)
             v = self.v_proj(x).view(shape).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "unfused":
+            y = self._unfused(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scores of every query against every key (the causal mask added by the same matmul,
+        as a -inf bias above the diagonal), softmax, dropout, then the weighted values."""
+        batch, heads, seq, head_dim = q.shape
+
+        def heads_first(x: torch.Tensor) -> torch.Tensor:
+            # Heads outermost in the merged dimension, so a split of the heads is a split of it.
+            return x.transpose(0, 1).reshape(heads * batch, seq, head_dim)
+
+        mask = torch.full((seq, seq), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        scores = torch.baddbmm(mask, heads_first(q), heads_first(k).transpose(1, 2), alpha=head_dim ** -0.5)
+        probs = F.dropout(scores.softmax(dim=-1), self.dropout, self.training)
+        return torch.bmm(probs, heads_first(v)).view(heads, batch, seq, head_dim).transpose(0, 1)
 
 
 class MLP(nn.Module):
@@ -51,24 +83,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, fused_qkv: bool = False):
+    def __init__(self, hidden: int, heads: int, fused_qkv: bool = False, attention: str = "sdpa",
+                 attention_dropout: float = 0.0, hidden_dropout: float = 0.0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(hidden)
-        self.attn = CausalSelfAttention(hidden, heads, fused_qkv)
+        self.attn = CausalSelfAttention(hidden, heads, fused_qkv, attention, attention_dropout)
         self.ln_2 = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden)
+        self.dropout = hidden_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self._residual(self.attn(self.ln_1(x)))
+        return x + self._residual(self.mlp(self.ln_2(x)))
+
+    def _residual(self, branch: torch.Tensor) -> torch.Tensor:
+        return F.dropout(branch, self.dropout, self.training) if self.dropout else branch
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int, fused_qkv: bool = False):
+    def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int, fused_qkv: bool = False,
+                 attention: str = "sdpa", attention_dropout: float = 0.0, hidden_dropout: float = 0.0):
         super().__init__()
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seq_len, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads, fused_qkv) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, fused_qkv, attention, attention_dropout, hidden_dropout)
+                                    for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
@@ -86,8 +125,9 @@ class GPT(nn.Module):
 
 
 def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int = 128,
-                vocab: int = 1024, fused_qkv: bool = False) -> nn.Module:
-    return GPT(layers, hidden, heads, seq_len, vocab, fused_qkv)
+                vocab: int = 1024, fused_qkv: bool = False, attention: str = "sdpa", attention_dropout: float = 0.0,
+                hidden_dropout: float = 0.0) -> nn.Module:
+    return GPT(layers, hidden, heads, seq_len, vocab, fused_qkv, attention, attention_dropout, hidden_dropout)
 
 
 def example_batch(batch_size: int, seq_len: int = 128, vocab: int = 1024):

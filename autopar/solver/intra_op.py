@@ -36,7 +36,10 @@ split, which would cut a head, is not offered; an
 embedding may replicate, split its vocabulary (→P) or its hidden dim (→S); attention, views,
 elementwise and memory ops run all-R or all-S; reductions and norms (which reduce over the
 feature dim) need R, except a per-head norm's (Qwen3's q_norm: over each head's features), which
-may run on head shards for an all-reduce of its weight's gradient (autopar.solver.tp_head_norms);
+may run on head shards for an all-reduce of its weight's gradient (autopar.solver.tp_head_norms),
+and a softmax of attention scores written out (a product of two activations, the causal mask a
+constant beside them: Megatron-LM's attention before fused kernels, Hugging Face's "eager" one),
+which stays inside each head;
 an op computing with a parameter that no split style shards (xIELU's trainable scalars inside
 Apertus's MLP, DiffLlama's lambdas, a layer scale) runs R: on a rank's share its parameter's
 gradient would be that share's part, never summed over the group;
@@ -367,7 +370,11 @@ class IntraOpSolver:
     def _candidate_strategies(self, op: "OpProfile", by_name: dict[str, "OpProfile"],
                               head_norm_modules: frozenset[str]) -> list[Strategy]:
         activation_inputs = [name for name in op.inputs if name in by_name or not self._is_param(name)]
-        has_param = any(self._is_param(name) for name in op.inputs)
+        # A product of two activations (attention scores, the weighted values) reads no weight
+        # even where a constant joins it (a causal mask added by the same baddbmm).
+        has_param = any(self._is_param(name) for name in op.inputs) and not (
+            op.op_class == "gemm" and len(activation_inputs) >= 2
+            and not any(name in self.index.trainable for name in op.inputs))
         if has_param and op.module in self.replicated_modules and \
                 (op.op_class == "gemm" or "embedding" in op.target and "backward" not in op.target):
             return [_REPLICATE]
@@ -383,6 +390,8 @@ class IntraOpSolver:
             return [_ALL_R, _LOSS_PARALLEL] if self._feeds_nll_only(op, by_name) else [_ALL_R]
         if op.name in self.head_norms:
             return [_ALL_R, _HEAD_NORM]
+        if self._normalises_scores(op, by_name):
+            return [_ALL_R, _ALL_S]
         if self._reads_unsplit_parameter(op, head_norm_modules):
             return [_ALL_R]
         if op.op_class in ("reduction", "norm") or unsplittable(op):
@@ -390,6 +399,26 @@ class IntraOpSolver:
         if op.op_class == "view":
             return [_ALL_R, _ALL_S, _VIEW_P]
         return [_ALL_R, _ALL_S]
+
+    def _normalises_scores(self, op: "OpProfile", by_name: dict[str, "OpProfile"]) -> bool:
+        """Whether ``op`` is a softmax of attention scores: its input comes, through element-wise
+        ops and views, from a product of two activations (a batched matmul of queries and keys).
+        Sharded, such a product is split along a batch dim (the heads: both operands carry it),
+        and a softmax over queries or keys stays inside each head, so it may run on the rank's
+        heads, as a fused attention kernel does."""
+        if op.target.split(".")[1:2] != ["_softmax"] or len(op.inputs) != 1:
+            return False
+        name = op.inputs[0]
+        while name in by_name and by_name[name].op_class in ("view", "elementwise"):
+            source = by_name[name]
+            activations = [inp for inp in source.inputs if inp in by_name]
+            if len(activations) != 1:
+                return False
+            name = activations[0]
+        producer = by_name.get(name)
+        return (producer is not None and producer.op_class == "gemm"
+                and sum(inp in by_name for inp in producer.inputs) >= 2
+                and not any(inp in self.index.trainable for inp in producer.inputs))
 
     def _reads_unsplit_parameter(self, op: "OpProfile", head_norm_modules: frozenset[str]) -> bool:
         """Whether ``op`` computes with a parameter no split style shards: xIELU's alpha_p, a

@@ -111,15 +111,17 @@ def overrides(run: dict[str, Any]) -> list[str]:
 
 
 def cached_profile(run: dict[str, Any], cfg: Any):
-    """Trace once per model shape and precision (kept under benchmarks/results/, not committed)."""
+    """Trace once per model file, shape and precision (kept under benchmarks/results/, not committed)."""
     from autopar.driver import run_profile
 
-    key = hashlib.sha256(json.dumps([run["model"], run["precision"], tracing_code_digest()],
+    model_file = REPO / "examples" / run["model"]["file"]
+    model_digest = hashlib.sha256(model_file.read_bytes()).hexdigest()
+    key = hashlib.sha256(json.dumps([run["model"], run["precision"], tracing_code_digest(), model_digest],
                                     sort_keys=True).encode()).hexdigest()[:16]
     path = PROFILE_CACHE / f"{run['model']['file'].removesuffix('.py')}-{key}.json"
     if path.exists():
         return _load_profile(str(path))
-    profile = run_profile(REPO / "examples" / run["model"]["file"], cfg)
+    profile = run_profile(model_file, cfg)
     PROFILE_CACHE.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     return profile

@@ -162,6 +162,9 @@ class Plan(ParallelLayout):
         tp_dtensor_regions: paired regions whose code views activations by global sizes
             (``b, s, h = x.shape``): their column-parallel outputs stay DTensors (see
             autopar.solver.tp_global_shapes); the other regions hand on local shards.
+        tp_random_regions: paired regions drawing random numbers on the rank's shards (dropout on
+            its heads): the generated code runs each with its generators seeded per rank
+            (``RankRandomNumbers``), so ranks draw their own numbers and recomputation the same.
         tp_fused: column-parallel fused projections (one linear for q, k and v, or gate and up)
             -> the global sizes of the parts the model's code cuts its output into; each rank
             holds its share of every part (autopar.solver.tp_fused).
@@ -193,6 +196,7 @@ class Plan(ParallelLayout):
     dp_sync: str = DPSync.RING
     tp_styles: dict[str, str] = field(default_factory=dict)
     tp_dtensor_regions: list[str] = field(default_factory=list)
+    tp_random_regions: list[str] = field(default_factory=list)
     tp_fused: dict[str, list[int]] = field(default_factory=dict)
     tp_grouped_parts: dict[str, list[int]] = field(default_factory=dict)
     tp_kv_heads: int = 0

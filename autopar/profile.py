@@ -32,6 +32,7 @@ from autopar.trace import BACKWARD, FORWARD, CapturedStep, LayerGrouping, captur
 from autopar.trace.batch import batch_statistics
 from autopar.trace.loss_tokens import token_mean_loss
 from autopar.trace.experts import experts_inputs
+from autopar.trace.fused_dropout import fuse_dropouts
 from autopar.trace.layers import find_block_containers
 from autopar.trace.ops import OpClass, attention_is_causal, classify, flop_count, op_name
 from autopar.trace.repeated_blocks import (NotExpandable, TraceSelection, expand, expand_mixers, full_input_names,
@@ -500,6 +501,7 @@ def profile_ops(captured: CapturedStep, grouping: LayerGrouping,
             size = sum(_nbytes(t) for t in _tensors(arg.meta.get("val")))
             boundary_in[layer][arg.name] = size
             boundary_out[source][arg.name] = size
+    ops = fuse_dropouts(ops, saved_by_layer)
     return GraphFacts(ops=ops, saved_by_layer=dict(saved_by_layer), boundary_in=dict(boundary_in),
                       boundary_out=dict(boundary_out))
 

@@ -5,14 +5,15 @@ measured), as per-GPU rates in the order the paper measured them.
 
     python -m benchmarks.run a4_planner
 
-The planner plans Megatron's GPT (fused q/k/v) on the PTD-P run's cluster and global batch, with
+The planner plans Megatron's GPT (fused q/k/v, attention written out with its dropouts) on the
+PTD-P run's cluster and global batch, with
 nothing pinned and its own runtime (FSDP2's ZeRO-3, not DeepSpeed's). Rates are samples per
 second per GPU (the 529.6B ZeRO-3 row ran 640 GPUs and batch 2560 where PTD-P ran 560 and 2240).
 `planner_vs_ptdp` is the planner's predicted rate over PTD-P's predicted one: what the chosen
 plan gains over the paper's layout by the same cost model; no run of the chosen plans is published.
 `robust_passed_over`: the fastest plan on paper, where the robust objective chose another (its
 cost rests on terms beyond the calibrated runs); `fsdp2_flat_zero3_runner_up_s`: flat ZeRO-3 as
-autopar would run it, where it is among the runners-up.
+autopar would run it, where it is among the runners-up (marked when memory refused it).
 """
 from __future__ import annotations
 
@@ -63,8 +64,11 @@ def _runner_up_notes(result: Any) -> tuple[str, str]:
     if result.binding and result.binding[0].constraint.startswith("robust"):
         fastest = result.alternatives[0].plan
         passed = f"{fastest.summary()} ({fastest.predicted.step_time_s:.2f} s)"
-    flat = [a.plan for a in result.alternatives if _flat_zero3(a.plan)]
-    return passed, (f"{flat[0].predicted.step_time_s:.2f}" if flat else "")
+    flat = [a for a in result.alternatives if _flat_zero3(a.plan)]
+    if not flat:
+        return passed, ""
+    over = " (over memory)" if "over memory" in flat[0].reason else ""  # the planner's own mark
+    return passed, f"{flat[0].plan.predicted.step_time_s:.2f}{over}"
 
 
 def run() -> list[dict]:

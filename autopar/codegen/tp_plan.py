@@ -16,6 +16,8 @@ follows from those choices and the model's structure:
 - A paired region whose code views by global sizes (``plan.tp_dtensor_regions``) keeps its
   activations as DTensors instead: global shapes, local shards (autopar.solver.tp_global_shapes);
   the region itself is wrapped in ``GlobalShapes``, around any input style it has.
+- A paired region drawing random numbers on the rank's shards (``plan.tp_random_regions``: dropout
+  on its heads) runs with its generators seeded per rank (``RankRandomNumbers``).
 - A fused projection whose output the region's code cuts into parts (``plan.tp_fused``: one
   linear for q, k and v) is split as its parts (``FusedColwise``, its region under ``CutsFused``):
   each rank holds its share of every part.
@@ -221,6 +223,7 @@ def build_tp_plan(plan: Plan, facts: ModelFacts) -> TPPlan:
         out.update(_sequence_parallel_styles(plan, facts, styles, regions, blocks, block_set, after_last_block, head))
     _keep_dtensors(out, dtensor_regions)
     _set_region_attributes(out, {r: a for r, a in plan.tp_region_attributes.items() if r in regions})
+    _seed_per_rank(out, set(plan.tp_random_regions) & regions)
     out = with_transposed_styles(out, facts)
     result.fused_parameters = _split_fused(out, {m: p for m, p in plan.tp_fused.items() if _parent(m) in regions})
     result.styles = {name: out[name] for name in facts.modules if name in out}
@@ -313,6 +316,16 @@ def _set_region_attributes(out: dict[str, StyleSpec], attributes: dict[str, dict
                      + ((("inner", inner.source()),) if inner else ()))
         out[region] = StyleSpec("WithAttributes", arguments,
                                 "its attention repeats this rank's key/value head to its query heads"
+                                + (f"; {inner.why}" if inner and inner.why else ""))
+
+
+def _seed_per_rank(out: dict[str, StyleSpec], random_regions: set[str]) -> None:
+    """Regions drawing random numbers on the rank's shards run with their generators seeded per
+    rank (``RankRandomNumbers``), around any style the region has."""
+    for region in sorted(random_regions):
+        inner = out.get(region)
+        out[region] = StyleSpec("RankRandomNumbers", (("inner", inner.source()),) if inner else (),
+                                "dropout on this rank's shards: this rank draws its own numbers"
                                 + (f"; {inner.why}" if inner and inner.why else ""))
 
 

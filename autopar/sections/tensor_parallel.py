@@ -98,6 +98,33 @@ class GlobalShapes(RegionStyle):
         return tree_map_only(torch.Tensor, replicated, args), tree_map_only(torch.Tensor, replicated, kwargs)
 
 
+class RankRandomNumbers(RegionStyle):
+    """A paired region that draws random numbers on this rank's shards (dropout on its heads):
+    each rank must draw its own, while draws on activations every rank holds whole (a residual
+    branch's dropout) must stay equal on every rank. The region runs with its generators seeded
+    from one draw of the global CPU generator, equal on every rank, and this rank's place on the
+    tensor-parallel mesh; the global states come back after it. Activation recomputation restores
+    the states the layer's forward began with, so a recomputed region draws the same numbers
+    (Megatron-LM keeps a second generator for the same reason). ``inner`` is the region's own
+    style, applied first."""
+
+    def context(self, device_mesh: DeviceMesh) -> contextlib.AbstractContextManager:
+        return rank_random_numbers(device_mesh.get_local_rank())
+
+
+@contextlib.contextmanager
+def rank_random_numbers(rank: int) -> Iterator[None]:
+    """Within: the CPU generator and the current accelerator's seeded for ``rank`` (see
+    RankRandomNumbers); after: both as they were, less the one draw that made the seed."""
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()) + rank
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        yield
+
+
 class KVGroupColwise(ParallelStyle):
     """A key/value projection of grouped-query attention with fewer heads (``groups``) than
     tensor-parallel ranks: rank r computes head ``r // (tp / groups)``, the one its query heads

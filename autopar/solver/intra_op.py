@@ -40,6 +40,7 @@ may run on head shards for an all-reduce of its weight's gradient (autopar.solve
 and a softmax of attention scores written out (a product of two activations, the causal mask a
 constant beside them: Megatron-LM's attention before fused kernels, Hugging Face's "eager" one),
 which stays inside each head;
+a random draw (dropout) may run on the rank's shard, its region then seeded per rank;
 an op computing with a parameter that no split style shards (xIELU's trainable scalars inside
 Apertus's MLP, DiffLlama's lambdas, a layer scale) runs R: on a rank's share its parameter's
 gradient would be that share's part, never summed over the group;
@@ -131,6 +132,9 @@ _LOSS_PARALLEL = Strategy("loss_parallel", State.S, State.R, True, extra_comm="l
 _VIEW_P = Strategy("P", State.P, State.P, False)
 # Compute divided by the key/value heads, not t (each rank computes its group's head)
 _KV_GROUP = Strategy("kv_group", State.R, State.S, False, Style.KV_GROUP, splits_input=True, extra_comm="kv_group")
+# An op reading only its input's shape (dropout's empty_like): a pending sum's shape is the
+# whole's, so it makes a whole, replicated tensor without the sum being taken
+_SHAPE_OF_PARTIAL = Strategy("shape", State.P, State.R, False)
 # A norm over each head's features on the rank's heads: its weight's gradient all-reduced
 _HEAD_NORM = Strategy("head_norm", State.S, State.S, True, Style.HEAD_NORM, extra_comm="head_norm")
 
@@ -147,6 +151,29 @@ _LOSS_TARGETS = ("_log_softmax", "nll_loss_forward", "cross_entropy")
 _UNSPLITTABLE_OPS = {"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian", "mode", "cumsum",
                      "cumprod", "cummax", "cummin", "logcumsumexp", "searchsorted", "unique_dim",
                      "unique_consecutive", "_unique2"}
+
+
+# Draws of one number per element of their input's shape (dropout's bernoulli_, noise): a shard's
+# are as good as the whole's, given their own generator. A draw across a dim (multinomial) is not.
+_ELEMENTWISE_DRAWS = {"bernoulli", "rand_like", "randn_like", "normal", "uniform", "exponential", "cauchy",
+                      "geometric", "log_normal", "random", "poisson"}
+
+
+# Ops whose output takes only the shape (and dtype) of their input, never its values.
+_SHAPE_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"}
+
+
+def _reads_shape_only(op: "OpProfile") -> bool:
+    return len(op.inputs) == 1 and op.target.split(".")[1:2] in ([name] for name in _SHAPE_ONLY)
+
+
+def draws_random(op: "OpProfile") -> bool:
+    """Whether ``op`` draws random numbers (dropout's ``bernoulli_``, ``rand_like``...). On a
+    rank's shard it must draw its own numbers: the generated code runs the paired region holding
+    it with the generators seeded per rank (``RankRandomNumbers``; the plan's
+    ``tp_random_regions``). It is never a partial sum's op: a mask of a sum is no sum of masks."""
+    packet = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
+    return packet.rstrip("_") in _ELEMENTWISE_DRAWS or packet == "native_dropout"
 
 
 def unsplittable(op: "OpProfile") -> bool:
@@ -256,6 +283,7 @@ class IntraOpSolver:
         for (source, target, state_out, state_in), var in edge_vars.items():
             objective.append((_units(self._reshard_s(state_out, state_in, by_name[source])), var))
         self._add_gathered_outputs(model, edge_vars, by_name)
+        self._add_column_shards_stay_in_region(model, edge_vars, by_name)
         all_reduce_vars = self._add_backward_all_reduce(model, edges, strategies, choice, by_name)
         for source, var in all_reduce_vars.items():
             objective.append((_units(self.costs.all_reduce_s(self._bytes(by_name[source]))), var))
@@ -309,6 +337,22 @@ class IntraOpSolver:
         module's output, as codegen places it, not further down the graph."""
         for (source, _, _, state_in), var in edge_vars.items():
             if by_name[source].module in self.gathered_modules and state_in != State.R:
+                model.add(var == 0)
+
+    def _add_column_shards_stay_in_region(self, model, edge_vars, by_name):
+        """A split module's shards reach only ops of the module around it (its region): codegen
+        gathers a column-parallel output at the module's boundary unless a row-parallel sibling
+        pairs it, so shards never reach the layer beyond (a residual branch's dropout). Without
+        this the ILP priced an output projection column-parallel with its dropout on shards and
+        one gather after it, which no code runs, and the rounds that then gathered every unpaired
+        column left the whole attention replicated."""
+        for (source, target, state_out, state_in), var in edge_vars.items():
+            module = by_name[source].module
+            if state_out != State.S or state_in != State.S or module not in self.index.split_modules:
+                continue
+            region = module.rpartition(".")[0]
+            reader = by_name[target].module or ""
+            if region and reader != region and not reader.startswith(region + "."):
                 model.add(var == 0)
 
     def _add_backward_all_reduce(self, model, edges, strategies, choice, by_name):
@@ -386,6 +430,10 @@ class IntraOpSolver:
             return [_REPLICATE, _VOCAB, _HIDDEN]
         if not activation_inputs or self.tp == 1:
             return [_ALL_R]
+        if _reads_shape_only(op):
+            return [_ALL_R, _ALL_S, _SHAPE_OF_PARTIAL]
+        if draws_random(op):
+            return [_ALL_R, _ALL_S]
         if any(word in op.target for word in _LOSS_TARGETS):
             return [_ALL_R, _LOSS_PARALLEL] if self._feeds_nll_only(op, by_name) else [_ALL_R]
         if op.name in self.head_norms:

@@ -410,7 +410,8 @@ class Planner:
         dp_sync = estimate.dp_sync_algorithm if scored.candidate.zero_stage <= 1 else DPSync.REDUCE_SCATTER
         plan = Plan.of(
             layout, recompute=recompute, tp_styles=self._tp_styles(scored.candidate.tp),
-            tp_dtensor_regions=self._tp_dtensor_regions(scored.candidate.tp),
+            tp_dtensor_regions=self._tp_regions(self.splitter.dtensor_regions, scored.candidate.tp),
+            tp_random_regions=self._tp_regions(self.splitter.random_regions, scored.candidate.tp),
             tp_fused=self._tp_fused(scored.candidate.tp),
             tp_grouped_parts=self._by_layer(self.splitter.grouped_parts, scored.candidate.tp),
             tp_kv_heads=self._tp_kv_heads(scored.candidate.tp),
@@ -485,12 +486,13 @@ class Planner:
                 found[layer.name + region[len(kind):] if region.startswith(kind) else region] = dict(attributes)
         return found
 
-    def _tp_dtensor_regions(self, tp: int) -> list[str]:
-        """Paired regions keeping DTensor activations, for every layer (as `_tp_styles`)."""
+    def _tp_regions(self, by_kind: dict[tuple[str, int], set[str]], tp: int) -> list[str]:
+        """Paired regions of the splitter's ``by_kind`` (keeping DTensor activations, drawing
+        random numbers on shards), for every layer (as `_tp_styles`)."""
         found: list[str] = []
         for layer in self.profile.layers:
             kind = layer.repeat_of or layer.name
-            for region in sorted(self.splitter.dtensor_regions.get((kind, tp), ())):
+            for region in sorted(by_kind.get((kind, tp), ())):
                 found.append(layer.name + region[len(kind):] if region.startswith(kind) else region)
         return found
 

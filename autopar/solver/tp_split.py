@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes
+from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes, draws_random
 from autopar.solver.tp_head_norms import head_norm_reductions
 from autopar.solver.tp_kv_groups import KVGroups, attention_producers, kv_groups, parameter_bytes
 from autopar.solver.tp_legality import IllegalSplit, TPLegality
@@ -83,6 +83,9 @@ class ILPSplitter:
         # (layer, tp) -> paired regions of its solution that keep DTensor activations (their code
         # views by global sizes: autopar.solver.tp_global_shapes)
         self.dtensor_regions: dict[tuple[str, int], set[str]] = {}
+        # (layer, tp) -> paired regions drawing random numbers on the rank's shards (their
+        # generators seeded per rank in the generated code: RankRandomNumbers)
+        self.random_regions: dict[tuple[str, int], set[str]] = {}
         # (layer, tp) -> fused projections of its solution split as their parts (column-parallel in
         # a paired region): FQN -> the parts' global sizes (autopar.solver.tp_fused)
         self.fused_parts: dict[tuple[str, int], dict[str, list[int]]] = {}
@@ -198,6 +201,9 @@ class ILPSplitter:
             self.dtensor_regions[(layer_name, tp)] = self.legality.dtensor_regions(layer_name, tp, styles)
             self.region_attributes[(layer_name, tp)] = self.legality.region_attributes(layer_name, tp, styles)
             regions = paired_regions(styles, self.tree.children, self.tree.kind)
+            self.random_regions[(layer_name, tp)] = _drawing_regions(
+                [op for op in self.index.by_layer.get(layer_name, []) if solution.op_strategy.get(op.name) == "S"
+                 and draws_random(op)], regions, layer_name)
             self.fused_parts[(layer_name, tp)] = {
                 module: parts for module, parts in self.legality.fused_parts(layer_name, tp).items()
                 if styles.get(module) in ("colwise", "kv_group") and module.rpartition(".")[0] in regions}
@@ -490,3 +496,18 @@ def _split_params(profile: "ModelProfile", module: str, style: str) -> int:
     torch's RowwiseParallel keeps whole on every rank (added once, after the reduction)."""
     return sum(math.prod(shape) for name, shape in profile.param_shapes.items()
                if name.rsplit(".", 1)[0] == module and not (style == "rowwise" and name.endswith(".bias")))
+
+
+def _drawing_regions(draws: list["OpProfile"], regions: set[str], layer_name: str) -> set[str]:
+    """The paired regions holding ``draws`` (random draws the split runs on shards), each the
+    innermost region around its op's module. Shards exist only inside paired regions (a column
+    output outside one is gathered at once), so every such draw has one."""
+    found = set()
+    for op in draws:
+        module = op.module or layer_name
+        while module and module not in regions:
+            module = module.rpartition(".")[0]
+        if not module:
+            raise RuntimeError(f"{op.target} in {op.module} draws random numbers on shards outside a paired region")
+        found.add(module)
+    return found

@@ -180,11 +180,12 @@ def test_each_key_value_parameter_is_gathered_and_reduced_on_its_own():
 
 
 def test_key_value_groups_left_unpaired_are_kept_by_pairing_the_region_when_that_is_cheaper():
-    """Granite multiplies o_proj's output by a residual multiplier, and at the zoo's widths the
-    ILP's first split gathers o_proj's column shards after it, leaving the attention unpaired and
-    its key/value groups unread. The splitter then also solves with o_proj offered no column
-    split: the region pairs (o_proj row-parallel), keeps k and v by group, and is priced below
-    the split that replicates them, which it chooses."""
+    """Granite multiplies o_proj's output by a residual multiplier in the block, and at the zoo's
+    widths the ILP's first split once gathered o_proj's column shards after that multiply, leaving
+    the attention unpaired and its key/value groups unread (the splitter then also solved with
+    o_proj offered no column split). A split module's shards now stay in its region, so the first
+    split already pairs (o_proj row-parallel) and keeps k and v by group; that split is priced
+    below the one that replicates them, and is the one chosen."""
     from autopar.solver.intra_op import IntraOpSolver
     from autopar.solver.tp_split import _GroupCosts
     from cost_models.compute import compute_dtype
@@ -198,7 +199,7 @@ def test_key_value_groups_left_unpaired_are_kept_by_pairing_the_region_when_that
     attention = f"{block}.self_attn"
     first = IntraOpSolver(granite, costs, 4, index=splitter.index, kv_group_modules=splitter.kv_group_modules(block, 4),
                           head_norms=splitter.head_norms).solve(block)
-    assert first.module_style[f"{attention}.o_proj"].value == "colwise"  # unpaired: the case at hand
+    assert first.module_style[f"{attention}.o_proj"].value == "rowwise"  # paired at once
     styles = {m.rsplit(".", 1)[-1]: s for m, s in tp_split(granite, block, 4).styles.items() if m.startswith(attention)}
     assert styles == {"q_proj": "colwise", "k_proj": "kv_group", "v_proj": "kv_group", "o_proj": "rowwise"}
     whole = IntraOpSolver(granite, costs, 4, index=splitter.index, head_norms=splitter.head_norms,

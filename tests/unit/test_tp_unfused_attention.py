@@ -13,7 +13,7 @@ from autopar.profile import profile_model
 from autopar.solver.tp_split import ILPSplitter
 from cost_models.hardware import get_gpu
 from cost_models.topology import ClusterConfig, ClusterSpec
-from tests.profiles import tp_split, traced
+from tests.profiles import planner_splitter, tp_split, traced
 
 SHAPE = dict(layers=2, hidden=256, heads=4, seq_len=256, vocab=512)
 
@@ -92,3 +92,18 @@ def test_a_softmax_over_a_projections_features_keeps_them_whole(tmp_path: Path):
     splitter.split("blocks.0", 2, cluster.group_links([0, 1]), get_gpu("H100-SXM"))
     styles = splitter.solutions[("blocks.0", 2)]
     assert styles.get("blocks.0.down") != "rowwise"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dropouts_leave_the_pairs_split_and_mark_the_attention_drawing_on_shards(tp):
+    """Dropout on the probabilities runs on the rank's heads (its region listed as drawing random
+    numbers on shards, seeded per rank by the generated code); dropout on the residual branches
+    runs on the whole output after the all-reduce. The residual one once made the ILP keep each
+    output projection column-parallel, its dropout on shards and a gather after it (code that
+    does not exist), and the rounds that then gathered every unpaired column left all whole."""
+    dropped = traced("gpt.py", "bf16", 2, attention="unfused", attention_dropout=0.1, hidden_dropout=0.1, **SHAPE)
+    block = _block(dropped)
+    styles = {module.rsplit(".", 1)[-1]: style for module, style in tp_split(dropped, block, tp).styles.items()}
+    assert styles == {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise",
+                      "fc_in": "colwise", "fc_out": "rowwise"}
+    assert planner_splitter(dropped).random_regions[(block, tp)] == {f"{block}.attn"}

@@ -227,8 +227,12 @@ class IntraOpSolver:
                  gathered_modules: frozenset[str] = frozenset(), index: "OpIndex | None" = None,
                  kv_group_modules: dict[str, tuple[float, tuple[float, ...]]] | None = None,
                  head_norms: dict[str, tuple[float, ...]] | None = None,
-                 not_colwise: frozenset[str] = frozenset()):
+                 not_colwise: frozenset[str] = frozenset(), whole_draws: bool = False):
         self.profile = profile
+        # Random draws run on whole activations only (a region keeping DTensor activations: its
+        # draws would go through DTensor's own generator offsets, which recomputation does not
+        # replay; autopar.solver.tp_split.ILPSplitter.split)
+        self.whole_draws = whole_draws
         # Modules offered no column split (a region's output projection, held to pair with its
         # key/value groups: autopar.solver.tp_split.ILPSplitter._solve)
         self.not_colwise = not_colwise
@@ -430,10 +434,10 @@ class IntraOpSolver:
             return [_REPLICATE, _VOCAB, _HIDDEN]
         if not activation_inputs or self.tp == 1:
             return [_ALL_R]
+        if draws_random(op):
+            return [_ALL_R] if self.whole_draws else [_ALL_R, _ALL_S]
         if _reads_shape_only(op):
             return [_ALL_R, _ALL_S, _SHAPE_OF_PARTIAL]
-        if draws_random(op):
-            return [_ALL_R, _ALL_S]
         if any(word in op.target for word in _LOSS_TARGETS):
             return [_ALL_R, _LOSS_PARALLEL] if self._feeds_nll_only(op, by_name) else [_ALL_R]
         if op.name in self.head_norms:

@@ -86,6 +86,9 @@ class ILPSplitter:
         # (layer, tp) -> paired regions drawing random numbers on the rank's shards (their
         # generators seeded per rank in the generated code: RankRandomNumbers)
         self.random_regions: dict[tuple[str, int], set[str]] = {}
+        # (layer, tp) solved with random draws on whole activations: a region of its first
+        # solution both kept DTensor activations and drew on shards (see `split`)
+        self._whole_draws: set[tuple[str, int]] = set()
         # (layer, tp) -> fused projections of its solution split as their parts (column-parallel in
         # a paired region): FQN -> the parts' global sizes (autopar.solver.tp_fused)
         self.fused_parts: dict[tuple[str, int], dict[str, list[int]]] = {}
@@ -144,7 +147,7 @@ class ILPSplitter:
             solver = IntraOpSolver(self.profile, _GroupCosts(gpu, self.dtype, group), tp, self.time_limit_s,
                                    replicated_modules=frozenset(illegal), gathered_modules=gathered,
                                    index=self.index, kv_group_modules=kv_modules, head_norms=self.head_norms,
-                                   not_colwise=not_colwise)
+                                   not_colwise=not_colwise, whole_draws=(layer_name, tp) in self._whole_draws)
             solution = solver.solve(layer_name)
             if tp <= 1:
                 return solution, illegal
@@ -204,6 +207,12 @@ class ILPSplitter:
             self.random_regions[(layer_name, tp)] = _drawing_regions(
                 [op for op in self.index.by_layer.get(layer_name, []) if solution.op_strategy.get(op.name) == "S"
                  and draws_random(op)], regions, layer_name)
+            if self.random_regions[(layer_name, tp)] & self.dtensor_regions[(layer_name, tp)]:
+                # Seeded per rank, a DTensor region's draws would still go through DTensor's own
+                # generator offsets, which activation recomputation does not replay: such a
+                # region draws on whole activations, as before draws could run on shards.
+                self._whole_draws.add((layer_name, tp))
+                return self.split(layer_name, tp, group, gpu)
             self.fused_parts[(layer_name, tp)] = {
                 module: parts for module, parts in self.legality.fused_parts(layer_name, tp).items()
                 if styles.get(module) in ("colwise", "kv_group") and module.rpartition(".")[0] in regions}

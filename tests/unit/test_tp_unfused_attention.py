@@ -107,3 +107,37 @@ def test_dropouts_leave_the_pairs_split_and_mark_the_attention_drawing_on_shards
     assert styles == {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "out_proj": "rowwise",
                       "fc_in": "colwise", "fc_out": "rowwise"}
     assert planner_splitter(dropped).random_regions[(block, tp)] == {f"{block}.attn"}
+
+
+GLOBAL_VIEWS_DROPOUT = FEATURE_SOFTMAX.replace('''class Block(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(self.up(x).softmax(dim=-1))''', '''class Block(nn.Module):
+    def __init__(self, hidden, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        b, s, h = x.shape  # global sizes: the region keeps DTensor activations
+        q, k, v = (p(x).view(b, s, self.heads, h // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        probs = torch.nn.functional.dropout((q @ k.transpose(-2, -1)).softmax(dim=-1), 0.1, self.training)
+        return x + self.o((probs @ v).transpose(1, 2).reshape(b, s, h))''')
+
+
+def test_a_region_keeping_dtensors_draws_on_whole_activations(tmp_path: Path):
+    """Dropout in attention that views by global sizes: the region runs on DTensors, whose random
+    ops go through DTensor's own generator offsets (not replayed by recomputation), so its draws
+    run on whole activations and the region is not listed as drawing on shards."""
+    path = tmp_path / "global_views_dropout.py"
+    path.write_text(GLOBAL_VIEWS_DROPOUT)
+    profile = profile_model(load_model_file(path), {}, 1, "fp32")
+    cluster = ClusterSpec.from_config(ClusterConfig(name="pair", gpu="H100-SXM", nodes=1, gpus_per_node=2))
+    splitter = ILPSplitter(profile)
+    splitter.split("blocks.0", 2, cluster.group_links([0, 1]), get_gpu("H100-SXM"))
+    assert ("blocks.0", 2) in splitter._whole_draws  # its first split drew on shards in a DTensor region
+    assert not splitter.random_regions[("blocks.0", 2)] & splitter.dtensor_regions[("blocks.0", 2)]

@@ -84,14 +84,18 @@ def test_unfused_attention_splits_like_sdpa(tp):
 def test_a_softmax_over_a_projections_features_keeps_them_whole(tmp_path: Path):
     """Offered a split, the softmax over `up`'s features would normalise each rank's share alone;
     it is not offered one, so `up` cannot pair with `down` through it."""
-    path = tmp_path / "feature_softmax.py"
-    path.write_text(FEATURE_SOFTMAX)
+    splitter = _first_block_split_on_a_pair(tmp_path / "feature_softmax.py", FEATURE_SOFTMAX)
+    assert splitter.solutions[("blocks.0", 2)].get("blocks.0.down") != "rowwise"
+
+
+def _first_block_split_on_a_pair(path: Path, source: str) -> ILPSplitter:
+    """The splitter after splitting ``source``'s first block over an H100 pair."""
+    path.write_text(source)
     profile = profile_model(load_model_file(path), {}, 1, "fp32")
     cluster = ClusterSpec.from_config(ClusterConfig(name="pair", gpu="H100-SXM", nodes=1, gpus_per_node=2))
     splitter = ILPSplitter(profile)
     splitter.split("blocks.0", 2, cluster.group_links([0, 1]), get_gpu("H100-SXM"))
-    styles = splitter.solutions[("blocks.0", 2)]
-    assert styles.get("blocks.0.down") != "rowwise"
+    return splitter
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -133,11 +137,6 @@ def test_a_region_keeping_dtensors_draws_on_whole_activations(tmp_path: Path):
     """Dropout in attention that views by global sizes: the region runs on DTensors, whose random
     ops go through DTensor's own generator offsets (not replayed by recomputation), so its draws
     run on whole activations and the region is not listed as drawing on shards."""
-    path = tmp_path / "global_views_dropout.py"
-    path.write_text(GLOBAL_VIEWS_DROPOUT)
-    profile = profile_model(load_model_file(path), {}, 1, "fp32")
-    cluster = ClusterSpec.from_config(ClusterConfig(name="pair", gpu="H100-SXM", nodes=1, gpus_per_node=2))
-    splitter = ILPSplitter(profile)
-    splitter.split("blocks.0", 2, cluster.group_links([0, 1]), get_gpu("H100-SXM"))
+    splitter = _first_block_split_on_a_pair(tmp_path / "global_views_dropout.py", GLOBAL_VIEWS_DROPOUT)
     assert ("blocks.0", 2) in splitter._whole_draws  # its first split drew on shards in a DTensor region
     assert not splitter.random_regions[("blocks.0", 2)] & splitter.dtensor_regions[("blocks.0", 2)]

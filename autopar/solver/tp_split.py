@@ -170,6 +170,15 @@ class ILPSplitter:
             failed = self.legality.probe(layer_name, tp, {m: s.value for m, s in solution.module_style.items()})
             if not failed or set(failed) <= set(illegal):
                 return solution, illegal
+            unpair = {m for m in failed if m not in illegal and solution.module_style.get(m) is not None
+                      and solution.module_style[m].value == "colwise"} - gathered
+            if unpair:
+                # A region whose code fails on a rank's share still runs with its columns gathered
+                # at once (whole activations inside, as codegen gathers an unpaired column): tried
+                # before its linears are ruled out (BLOOM's attention, paired since its scores'
+                # product reads no weight, fails on shards and ran whole; gathered, it splits).
+                gathered |= unpair
+                continue
             illegal.update(failed)
 
     def _output_projections(self, lone_groups: set[str], solution: IntraOpSolution) -> frozenset[str]:

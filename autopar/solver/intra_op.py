@@ -159,12 +159,19 @@ _ELEMENTWISE_DRAWS = {"bernoulli", "rand_like", "randn_like", "normal", "uniform
                       "geometric", "log_normal", "random", "poisson"}
 
 
-# Ops whose output takes only the shape (and dtype) of their input, never its values.
-_SHAPE_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"}
+# Ops whose output takes only the shape (and dtype) of their input, never its values (the
+# shape-only draws, rand_like and randn_like, are taken as draws: `draws_random` first).
+_SHAPE_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like"}
+
+
+def _packet(op: "OpProfile") -> str:
+    """The op's overload packet name ("aten.bernoulli_.float" -> "bernoulli_"); a non-ATen
+    target as it is."""
+    return op.target.split(".")[1] if op.target.startswith("aten.") else op.target
 
 
 def _reads_shape_only(op: "OpProfile") -> bool:
-    return len(op.inputs) == 1 and op.target.split(".")[1:2] in ([name] for name in _SHAPE_ONLY)
+    return len(op.inputs) == 1 and _packet(op) in _SHAPE_ONLY
 
 
 def draws_random(op: "OpProfile") -> bool:
@@ -172,13 +179,13 @@ def draws_random(op: "OpProfile") -> bool:
     rank's shard it must draw its own numbers: the generated code runs the paired region holding
     it with the generators seeded per rank (``RankRandomNumbers``; the plan's
     ``tp_random_regions``). It is never a partial sum's op: a mask of a sum is no sum of masks."""
-    packet = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
+    packet = _packet(op)
     return packet.rstrip("_") in _ELEMENTWISE_DRAWS or packet == "native_dropout"
 
 
 def unsplittable(op: "OpProfile") -> bool:
     """Whether no TP strategy covers the op (it must see whole activations)."""
-    packet = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
+    packet = _packet(op)
     return op.op_class == "other" or packet in _UNSPLITTABLE_OPS or "fft" in packet
 
 
@@ -458,7 +465,7 @@ class IntraOpSolver:
         Sharded, such a product is split along a batch dim (the heads: both operands carry it),
         and a softmax over queries or keys stays inside each head, so it may run on the rank's
         heads, as a fused attention kernel does."""
-        if op.target.split(".")[1:2] != ["_softmax"] or len(op.inputs) != 1:
+        if _packet(op) != "_softmax" or len(op.inputs) != 1:
             return False
         name = op.inputs[0]
         while name in by_name and by_name[name].op_class in ("view", "elementwise"):

@@ -47,7 +47,7 @@ def fuse_dropouts(ops: list[OpProfile], saved_by_layer: dict[str, int]) -> list[
         traced_mask = allocation.bytes_written
         mask = elements * MASK_BYTES_PER_ELEMENT
         saved = mask if allocation.saved_for_backward_bytes else 0
-        if allocation.saved_for_backward_bytes:
+        if saved:
             saved_by_layer[allocation.layer] = saved_by_layer.get(allocation.layer, 0) - (traced_mask - mask)
         rewritten[allocation.name] = _free(allocation, output_bytes=mask, saved_for_backward_bytes=saved)
         rewritten[draw.name] = _free(draw)

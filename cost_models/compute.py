@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Sequence
 
+from cost_models.weights import activation_products
 from cost_models.hardware import GPUSpec
 
 if TYPE_CHECKING:
@@ -159,8 +160,9 @@ class LayerCompute:
 
     Attributes:
         forward_s, backward_s: roofline seconds (scale with the micro-batch).
-        forward_nongemm_s: the part of forward that selective recomputation runs again (every
-            op but GEMMs and attention, whose outputs it keeps).
+        selective_rerun_s: the part of forward that selective recomputation runs again (every
+            op but attention and the products with a weight, whose outputs it keeps: products of
+            two activations, an attention written out, are run again).
         *_launches: ops launched (each costs the GPU's launch overhead, independent of size).
         attention_s: the fused attention kernels' share of forward + backward (what ring
             attention overlaps its K/V transfers with).
@@ -169,46 +171,50 @@ class LayerCompute:
 
     forward_s: float
     backward_s: float
-    forward_nongemm_s: float
+    selective_rerun_s: float
     forward_launches: int
     backward_launches: int
-    forward_nongemm_launches: int
+    selective_rerun_launches: int
     attention_s: float = 0.0
     attention_forward_s: float = 0.0
 
     def time_s(self, scale: float, overhead_s: float, forward_passes: float = 1.0,
-               nongemm_passes: float = 0.0) -> float:
+               rerun_passes: float = 0.0) -> float:
         """Forward(s) + backward (+ selective re-forward) at `scale` x the profiled micro-batch."""
-        return (scale * (forward_passes * self.forward_s + self.backward_s + nongemm_passes * self.forward_nongemm_s)
+        return (scale * (forward_passes * self.forward_s + self.backward_s + rerun_passes * self.selective_rerun_s)
                 + overhead_s * (forward_passes * self.forward_launches + self.backward_launches
-                                + nongemm_passes * self.forward_nongemm_launches))
+                                + rerun_passes * self.selective_rerun_launches))
 
 
-def compute_of_ops(forward: Sequence[Any], backward: Sequence[Any],
-                   seconds: Callable[[Sequence[Any]], float]) -> LayerCompute:
+def compute_of_ops(forward: Sequence[Any], backward: Sequence[Any], seconds: Callable[[Sequence[Any]], float],
+                   activation_products: AbstractSet[str] = frozenset()) -> LayerCompute:
     """LayerCompute of a layer's forward and backward ops (views left out by the caller),
-    ``seconds`` pricing a list of them (a TP split divides the ops it shards)."""
-    nongemm = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES]
+    ``seconds`` pricing a list of them (a TP split divides the ops it shards);
+    ``activation_products``: the products selective recomputation runs again
+    (`cost_models.weights.activation_products`)."""
+    rerun = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES or op.name in activation_products]
     attention_forward = [op for op in forward if op.op_class == "attention"]
     attention_forward_s = seconds(attention_forward)
     return LayerCompute(
-        forward_s=seconds(forward), backward_s=seconds(backward), forward_nongemm_s=seconds(nongemm),
-        forward_launches=len(forward), backward_launches=len(backward), forward_nongemm_launches=len(nongemm),
+        forward_s=seconds(forward), backward_s=seconds(backward), selective_rerun_s=seconds(rerun),
+        forward_launches=len(forward), backward_launches=len(backward), selective_rerun_launches=len(rerun),
         attention_s=attention_forward_s + seconds([op for op in backward if op.op_class == "attention"]),
         attention_forward_s=attention_forward_s)
 
 
-def price_ops(ops: list, gpu: GPUSpec, dtype: str) -> LayerCompute:
+def price_ops(ops: list, gpu: GPUSpec, dtype: str, activation_products: AbstractSet[str] = frozenset()
+              ) -> LayerCompute:
     """LayerCompute of a layer's ops."""
     priced = [op for op in ops if op.op_class != "view"]
     return compute_of_ops([op for op in priced if op.phase == "forward"],
                           [op for op in priced if op.phase == "backward"],
-                          lambda selected: sum(op_roofline_s(op, gpu, dtype) for op in selected))
+                          lambda selected: sum(op_roofline_s(op, gpu, dtype) for op in selected), activation_products)
 
 
 def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
     """LayerCompute from a layer's per-class aggregates, for profiles saved without ops (each
-    class priced as one kernel of its summed work, launches counted per op)."""
+    class priced as one kernel of its summed work, launches counted per op; every GEMM counted
+    as kept by selective recomputation, which these aggregates cannot tell apart)."""
     def total(by_class: dict, classes=None) -> tuple[float, int]:
         seconds, launches = 0.0, 0
         for op_class, cost in by_class.items():
@@ -220,11 +226,11 @@ def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
 
     forward, forward_n = total(layer.forward_by_class)
     backward, backward_n = total(layer.backward_by_class)
-    nongemm, nongemm_n = total(layer.forward_by_class,
-                               [c for c in layer.forward_by_class if c not in FLOP_BOUND_CLASSES])
+    rerun, rerun_n = total(layer.forward_by_class,
+                           [c for c in layer.forward_by_class if c not in FLOP_BOUND_CLASSES])
     attention_forward = total(layer.forward_by_class, ["attention"])[0]
     attention = attention_forward + total(layer.backward_by_class, ["attention"])[0]
-    return LayerCompute(forward, backward, nongemm, forward_n, backward_n, nongemm_n, attention, attention_forward)
+    return LayerCompute(forward, backward, rerun, forward_n, backward_n, rerun_n, attention, attention_forward)
 
 
 class ComputeModel:
@@ -234,6 +240,7 @@ class ComputeModel:
         self.profile = profile
         self.dtype = compute_dtype(profile.precision)
         self.ops_by_layer = ops_by_layer(profile) if profile.ops else {}
+        self.activation_products = activation_products(profile) if profile.ops else frozenset()
         self._layers = {layer.name: layer for layer in profile.layers}
         self._kinds = {layer.name: layer.repeat_of or layer.name for layer in profile.layers}
         self._cache: dict[tuple, LayerCompute] = {}
@@ -247,7 +254,8 @@ class ComputeModel:
         key = (kind, gpu.signature)
         if key not in self._cache:
             if self.profile.ops:
-                self._cache[key] = price_ops(self.ops_by_layer.get(kind, []), gpu, self.dtype)
+                self._cache[key] = price_ops(self.ops_by_layer.get(kind, []), gpu, self.dtype,
+                                                self.activation_products)
             else:
                 self._cache[key] = price_classes(self._layers[kind], gpu, self.dtype)
         return self._cache[key]

@@ -153,8 +153,8 @@ class LayerPrices:
         zero_s = {full: self._zero_micro_batch_s(layer, split, layout, compute, per_token, gpu, full) for full in fulls}
         parts = []
         for option in options:
-            forward_passes, nongemm_passes = RECOMPUTE_PASSES[option]
-            total = self._compute_s(split, layout, per_token, gpu, forward_passes, nongemm_passes)
+            forward_passes, rerun_passes = RECOMPUTE_PASSES[option]
+            total = self._compute_s(split, layout, per_token, gpu, forward_passes, rerun_passes)
             recompute = total - plain
             if option == Recompute.SELECTIVE and ring_attention(layout):
                 # Selective recomputation keeps attention's output, but ring attention runs in a
@@ -181,9 +181,9 @@ class LayerPrices:
         return {part: seconds * self.cluster.scale_of(part) for part, seconds in parts.items()}
 
     def _compute_s(self, split: TPLayerSplit, layout: ParallelLayout, per_token: float, gpu: GPUSpec,
-                   forward_passes: float = 1.0, nongemm_passes: float = 0.0) -> float:
+                   forward_passes: float = 1.0, rerun_passes: float = 0.0) -> float:
         """Compute seconds of a layer's micro-batch, recomputation included as asked."""
-        seconds = split.compute.time_s(per_token, gpu.launch_overhead_s, forward_passes, nongemm_passes)
+        seconds = split.compute.time_s(per_token, gpu.launch_overhead_s, forward_passes, rerun_passes)
         if layout.sequence_parallel and layout.tp > 1:
             # The replicated ops that run on the rank's slice of the sequence (norms, residual
             # adds, dropout; not a replicated module's, which gathers the whole sequence: see
@@ -194,7 +194,7 @@ class LayerPrices:
             # Recomputation dispatches again what it re-runs: the forward (full), or the share of
             # its ops that selective recomputation runs again.
             compute = split.compute
-            rerun = nongemm_passes * compute.forward_nongemm_launches / max(compute.forward_launches, 1)
+            rerun = rerun_passes * compute.selective_rerun_launches / max(compute.forward_launches, 1)
             seconds = max(seconds, host_s(split.dtensor_modules(layout.sequence_parallel), forward_passes + rerun))
         return seconds
 

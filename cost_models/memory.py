@@ -37,10 +37,11 @@ Measured with fake tensors and PyTorch's MemTracker (autopar.runtime.fake_memory
 
 Recomputation (`LayerActivations`):
   none       everything autograd saves;
-  selective  what the generated code's checkpoint policy keeps (autopar/codegen recompute
-             section, torch selective checkpointing): the layer input plus every GEMM and
-             attention output, recomputing the element-wise ops, norms and the like. With an
-             unfused attention this also drops the a·s² score/softmax tensors (Megatron's
+  selective  what the generated code's checkpoint policy keeps (autopar/sections/recompute.py,
+             torch selective checkpointing): the layer input plus the output of every product
+             with a weight and every attention kernel, recomputing the element-wise ops, norms
+             and the like, and the products of two activations. With an attention written out
+             that drops its a·s² scores and probabilities and reruns its core (Megatron's
              selective recomputation); with flash attention those are never stored. The policy
              also keeps collective outputs: a row-parallel GEMM's partial sums (whole) and their
              reduced copy, and under sequence parallelism the all-gathered GEMM inputs (whole):
@@ -204,7 +205,8 @@ class LayerActivations:
 
 def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: AbstractSet[str] = frozenset(),
                       row_parallel: AbstractSet[str] = frozenset(), tp: int = 1,
-                      gathered: AbstractSet[str] = frozenset()) -> LayerActivations:
+                      gathered: AbstractSet[str] = frozenset(),
+                      activation_products: AbstractSet[str] = frozenset()) -> LayerActivations:
     """Account a layer's activations from its forward ops.
 
     Args:
@@ -216,6 +218,8 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: A
         tp: the TP degree (row-parallel doubling applies only when tp > 1).
         gathered: names of ops whose (replicated) output a column-parallel GEMM reads: under
             sequence parallelism that input is all-gathered and kept whole.
+        activation_products: products of two activations, which selective recomputation runs
+            again rather than keeps (`cost_models.weights.activation_products`).
     """
     ops = list(forward_ops)
     total = float(layer.activation_bytes)
@@ -230,7 +234,8 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: A
     for op in ops:
         if tp > 1 and op.name in gathered and op.name not in sharded_outputs:
             kept_gathered += op.output_bytes
-        if op.op_class not in KEPT_BY_SELECTIVE or not runs_inside(op.module, layer.name):
+        if (op.op_class not in KEPT_BY_SELECTIVE or op.name in activation_products
+                or not runs_inside(op.module, layer.name)):
             continue
         if op.op_class == "attention":
             if op.name in sharded_outputs:

@@ -1,6 +1,7 @@
 """Activation recomputation per layer: full (keep only the layer input) or selective."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from typing import Any, Callable, Iterator
@@ -13,9 +14,10 @@ from autopar.sections.contract import holds_parameters
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.checkpoint import checkpoint as checkpointed
 
-# Selective recomputation keeps what is expensive to redo (matrix products, attention and the
-# tensor-parallel collectives) and recomputes the cheap element-wise work: the split the cost
-# model prices (kept = GEMM and attention outputs).
+# Selective recomputation keeps what is expensive to redo (products with a weight, attention and
+# the tensor-parallel collectives) and recomputes the rest: element-wise work, norms, and the
+# products of two activations (an attention written out: its scores and weighted values), as
+# Megatron-LM's selective recomputation reruns the attention core. The planner priced this split.
 _SAVED_OP_NAMES = (
     "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
@@ -23,12 +25,13 @@ _SAVED_OP_NAMES = (
     "_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",
     "_c10d_functional.reduce_scatter_tensor",
 )
+_PRODUCT_OP_NAMES = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
 
 
-def _saved_ops() -> set:
-    """The ops above that this torch build has (attention kernels differ between builds)."""
+def _ops(names: tuple[str, ...]) -> set:
+    """The ops named that this torch build has (attention kernels differ between builds)."""
     ops = set()
-    for name in _SAVED_OP_NAMES:
+    for name in names:
         namespace, _, op = name.partition(".")
         packet = getattr(getattr(torch.ops, namespace), op, None)
         if packet is not None:
@@ -36,7 +39,48 @@ def _saved_ops() -> set:
     return ops
 
 
-_SAVED_OPS = _saved_ops()
+_SAVED_OPS = _ops(_SAVED_OP_NAMES)
+_PRODUCT_OPS = _ops(_PRODUCT_OP_NAMES)
+
+# Autograd nodes that make an activation: products, attention and embedding lookups (what the
+# planner does not count as computed from parameters alone).
+_ACTIVATION_NODES = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "AddbmmBackward", "MvBackward",
+                     "AddmvBackward", "DotBackward", "GroupedMmBackward", "ConvolutionBackward", "EmbeddingBackward",
+                     "EmbeddingBagBackward", "MkldnnRnnLayerBackward")
+# A weight's history is a few casts and views; a longer one is an activation's.
+_WEIGHT_HISTORY_NODES = 256
+
+
+def _is_activation(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is computed from the layer's input rather than from parameters and
+    constants alone: its autograd history reaches a product, an attention or an embedding, or a
+    leaf that is not a parameter (a layer or stage input). Searched breadth-first, so the nearest
+    such node ends the search (the residual stream leads through every earlier layer)."""
+    if tensor.grad_fn is None:
+        return tensor.requires_grad and not isinstance(tensor, nn.Parameter)
+    queue, seen = collections.deque([tensor.grad_fn]), 0
+    while queue:
+        node = queue.popleft()
+        seen += 1
+        if seen > _WEIGHT_HISTORY_NODES:
+            return True
+        name = node.name()
+        if name.endswith("AccumulateGrad"):
+            if not isinstance(getattr(node, "variable", None), nn.Parameter):
+                return True
+            continue
+        if name.startswith(_ACTIVATION_NODES) or "Attention" in name:
+            return True
+        queue.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return False
+
+
+def _multiplies_activations(args: tuple) -> bool:
+    """A product of two activations reading no weight: attention scores, weighted values."""
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    activations = [_is_activation(tensor) for tensor in tensors]
+    reads_weight = any(tensor.requires_grad and not activation for tensor, activation in zip(tensors, activations))
+    return sum(activations) >= 2 and not reads_weight
 
 
 # Set while code runs whose every op selective recomputation must rerun rather than keep.
@@ -59,7 +103,9 @@ def never_kept_by_selective() -> Iterator[None]:
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if _recomputed_regions:
         return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in _SAVED_OPS or op in _PRODUCT_OPS and _multiplies_activations(args):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 def _selective_context():

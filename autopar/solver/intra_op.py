@@ -66,6 +66,7 @@ from ortools.sat.python import cp_model
 
 from autopar.solver.stage_partition import solve_interruptibly
 from autopar.domain.vocabulary import TPStyle
+from cost_models.weights import parameter_sources
 
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
@@ -198,7 +199,7 @@ class OpIndex:
     Attributes:
         by_layer: each layer's ops (both phases) in trace order.
         forward_readers: tensor name -> the layers whose forward ops read it.
-        derived: `parameter_derived(profile)`.
+        derived: `cost_models.weights.parameter_derived(profile)`.
         trainable: those of them a parameter flows into -> the parameters' FQNs.
         split_modules: modules whose own GEMM or embedding reads a parameter: what a split
             style shards (its weight, and a bias it adds beside the GEMM).
@@ -219,7 +220,7 @@ class OpIndex:
             if op.phase == "forward":
                 for source in op.inputs:
                     readers.setdefault(source, set()).add(op.layer)
-        derived, trainable = _parameter_sources(profile)
+        derived, trainable = parameter_sources(profile)
         split = {op.module for op in profile.ops if op.phase == "forward" and op.module is not None
                  and (op.op_class == "gemm" or "embedding" in op.target)
                  and any(name in trainable for name in op.inputs)}
@@ -594,29 +595,6 @@ def _chosen(solver: cp_model.CpSolver, choice: dict, op_name: str, strategies: d
 def activation_bytes(op: "OpProfile") -> int:
     """Bytes of an op's output as the ILP's collectives move it (the whole, unsharded tensor)."""
     return op.bytes_written or op.output_bytes or _shape_bytes(op)
-
-
-def parameter_derived(profile: "ModelProfile") -> set[str]:
-    """Graph inputs, and forward ops computed from them alone without creating activations
-    (weight transposes and casts, position ids, masks, rotary tables): they are sharded with
-    their parameter or are cheap constants, never resharded as activations."""
-    return _parameter_sources(profile)[0]
-
-
-def _parameter_sources(profile: "ModelProfile") -> tuple[set[str], dict[str, frozenset[str]]]:
-    """`parameter_derived`, and those of its tensors that a parameter flows into -> the
-    parameters' FQNs (xIELU's ``softplus(self.alpha_p)``, DiffLlama's ``lambda_full``)."""
-    sources: dict[str, frozenset[str]] = {name: frozenset([role.removeprefix("param:")])
-                                          for name, role in profile.placeholders.items() if role.startswith("param:")}
-    derived = set(profile.placeholders)
-    for op in profile.ops:
-        if (op.phase == "forward" and op.op_class not in ("gemm", "attention") and "embedding" not in op.target
-                and all(name in derived for name in op.inputs)):
-            derived.add(op.name)
-            found = frozenset().union(*(sources.get(name, frozenset()) for name in op.inputs))
-            if found:
-                sources[op.name] = found
-    return derived, sources
 
 
 def _view_root(name: str, by_name: dict[str, "OpProfile"]) -> str:

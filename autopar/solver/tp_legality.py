@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.sections.linear_like import bias_of, tensor_of
 from autopar.trace.linear_like import affine_layout, linear_stand_ins
+from cost_models.weights import parameter_derived
 from autopar.solver.tp_fused import cutting_fused, recorded_parts
 from autopar.solver.tp_kv_groups import KVGroups, kv_groups
 from autopar.solver.tp_global_shapes import dtensor_region_error
@@ -366,9 +367,7 @@ class TPLegality:
 
 def _split_candidates(profile: "ModelProfile", ops: list["OpProfile"]) -> set[str]:
     """Modules with a forward GEMM or embedding lookup reading a parameter or something computed
-    from parameters alone (what the ILP may split: `intra_op.parameter_derived`)."""
-    from autopar.solver.intra_op import parameter_derived
-
+    from parameters alone (what the ILP may split: `cost_models.weights.parameter_derived`)."""
     derived = parameter_derived(profile)
     return {op.module for op in ops if op.module is not None
             and (op.op_class == "gemm" or "embedding" in op.target and "backward" not in op.target)

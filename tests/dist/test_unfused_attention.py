@@ -14,6 +14,9 @@ splits, its region listed in ``tp_random_regions``, and the generated code seeds
 generators per rank (``RankRandomNumbers``): recorded on 2 ranks, each rank draws its own mask
 for its heads, every rank the same mask for the replicated residual branch, and full
 recomputation draws, for every region it runs again, the mask its forward drew.
+
+Under selective recomputation each rank keeps its projections' outputs and reruns the scores
+and the weighted values on its heads (products of two activations), as the cost model prices.
 """
 from __future__ import annotations
 
@@ -145,3 +148,35 @@ def test_recomputation_draws_the_masks_its_forward_drew(dropout_runs):
     recomputation stops inside it, at the last tensor backward reads.)"""
     for masks in dropout_runs["tp2_full_recompute"]["masks"]:
         assert set(Counter(_of("attention", masks)).values()) == {2}
+
+
+def _record_products(rank: int, world_size: int, script: str, log_file: str) -> list[tuple[str, str]]:
+    """Each product the checkpoint policy saw in one step on this rank: (op, decision)."""
+    torch.set_num_threads(1)
+    module = import_generated(script, "generated_selective_products")
+    policy = module._selective_policy
+    seen: list[tuple[str, str]] = []
+
+    def recording(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        if op in module._PRODUCT_OPS:
+            seen.append((op.__name__.split(".")[0], decision.name))
+        return decision
+
+    module._selective_policy = recording
+    module.main(["--steps", "1", "--seed", "0", "--log-file", log_file])
+    return seen
+
+
+def test_selective_recomputation_reruns_the_attention_core_on_each_ranks_heads(tmp_path):
+    """Split by heads, selective recomputation keeps the projections' outputs and reruns the
+    scores and the weighted values (Megatron-LM's attention core), as the cost model prices it
+    (tests/unit/test_selective_products.py): the policy tells a product of two activations from
+    one with a weight on each rank's shards too."""
+    plan = make_planner(UNFUSED, tp=2, recompute={"blocks.0": "selective", "blocks.1": "selective"}).run().plan
+    files = generate(plan, UNFUSED.path, tmp_path, optimizer=OPTIMIZER)
+    for seen in run_ranks(_record_products, 2, str(files.script), str(tmp_path / "run.jsonl"), timeout_s=600):
+        per_block = [("mm", "MUST_SAVE")] * 3 + [("baddbmm", "PREFER_RECOMPUTE"), ("bmm", "PREFER_RECOMPUTE")] + \
+            [("mm", "MUST_SAVE")] * 3
+        calls = len(seen) // len(per_block)  # each block once per micro-batch
+        assert calls >= 2 and [(op.replace("addmm", "mm"), decision) for op, decision in seen] == per_block * calls

@@ -1,0 +1,176 @@
+"""Selective recomputation reruns products of two activations (an attention written out: its
+scores and weighted values, Megatron-LM's attention core) and keeps products with a weight: the
+generated code's checkpoint policy (autopar/sections/recompute.py) decides it from autograd
+history, the cost model (cost_models.weights.activation_products) from the trace, and the two
+agree on what a block keeps."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.model_file import build_model, load_model_file
+from autopar.sections import recompute
+from cost_models.compute import ComputeModel, op_roofline_s
+from cost_models.hardware import get_gpu
+from cost_models.memory import layer_activations
+from cost_models.weights import activation_products
+from tests.profiles import EXAMPLES, traced
+
+aten = torch.ops.aten
+SHAPE = dict(layers=2, hidden=64, heads=4, seq_len=32, vocab=128, attention="unfused",
+             attention_dropout=0.1, hidden_dropout=0.1)
+BATCH = 2
+
+
+class WrittenOutAttention(nn.Module):
+    """Scores by baddbmm with a constant causal bias, softmax, weighted values by bmm, and a
+    product with stacked weights in bmm form (as grouped experts are written)."""
+
+    def __init__(self, hidden: int = 8, tokens: int = 4):
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.stacked = nn.Parameter(torch.randn(2, hidden, hidden) / hidden ** 0.5)
+        self.register_buffer("bias", torch.full((tokens, tokens), float("-inf")).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        scores = torch.baddbmm(self.bias.expand(x.shape[0], -1, -1), q, k.transpose(1, 2))
+        mixed = self.out(torch.bmm(scores.softmax(dim=-1), v))
+        return torch.bmm(mixed, self.stacked)
+
+
+class Decisions:
+    """The policy's decision for each product the forward ran, in order."""
+
+    def __enter__(self) -> list[tuple[str, str]]:
+        self.seen: list[tuple[str, str]] = []
+        self.policy = recompute._selective_policy
+
+        def spy(ctx, op, *args, **kwargs):
+            decision = self.policy(ctx, op, *args, **kwargs)
+            if op in recompute._PRODUCT_OPS:
+                self.seen.append((op.__name__.split(".")[0], decision.name))
+            return decision
+
+        recompute._selective_policy = spy
+        return self.seen
+
+    def __exit__(self, *exc) -> None:
+        recompute._selective_policy = self.policy
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _run(block: nn.Module, leaf: torch.Tensor, selective: bool, autocast: bool = False):
+    """Forward and backward of ``block`` on a tensor computed from ``leaf`` (it has a history)."""
+    forward = recompute.recomputed(block.forward, selective=True) if selective else block.forward
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = forward(leaf * 2)
+    out.float().pow(2).sum().backward()
+    return out.detach(), [p.grad.clone() for p in block.parameters()]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_products_of_two_activations_are_rerun_and_products_with_a_weight_kept(autocast):
+    torch.manual_seed(0)
+    block = WrittenOutAttention()
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    with Decisions() as seen, CountOps() as counter:
+        out, grads = _run(block, x, selective=True, autocast=autocast)
+    assert seen == [("addmm", "MUST_SAVE"), ("baddbmm", "PREFER_RECOMPUTE"), ("bmm", "PREFER_RECOMPUTE"),
+                    ("addmm", "MUST_SAVE"), ("bmm", "MUST_SAVE")]
+    # Forward ran each product once; backward reran the scores and the weighted values only
+    # (and runs its own bmm for the gradients: two per bmm, two for the baddbmm).
+    assert counter.counts["addmm"] == 2
+    assert counter.counts["baddbmm"] == 2
+    assert counter.counts["bmm"] == 2 + 1 + 2 * 3
+    for p in block.parameters():
+        p.grad = None
+    reference, reference_grads = _run(block, x, selective=False, autocast=autocast)
+    torch.testing.assert_close(out, reference)
+    for grad, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, expected)
+
+
+def test_a_leaf_input_is_an_activation_and_a_frozen_weight_a_constant():
+    """A pipeline stage's input is a leaf that requires grad: its Gram product is rerun. A frozen
+    weight has no history: the product with it reads one activation and is kept."""
+    frozen = nn.Linear(8, 8).requires_grad_(False)
+
+    def gram(x):
+        return torch.bmm(x, x.transpose(1, 2)).sum(-1, keepdim=True) * frozen(x)
+
+    with Decisions() as seen:
+        out = recompute.recomputed(gram, selective=True)(torch.randn(2, 4, 8, requires_grad=True))
+        out.sum().backward()
+    assert seen == [("bmm", "PREFER_RECOMPUTE"), ("addmm", "MUST_SAVE")]
+
+
+@pytest.fixture(scope="module")
+def written_out_gpt():
+    return traced("gpt.py", "fp32", BATCH, **SHAPE)
+
+
+def test_the_trace_names_the_attention_cores_products(written_out_gpt):
+    by_name = {op.name: op for op in written_out_gpt.ops}
+    found = sorted((by_name[name].layer, by_name[name].target) for name in activation_products(written_out_gpt))
+    assert found == [(f"blocks.{i}", target) for i in range(2) for target in ("aten.baddbmm.default", "aten.bmm.default")]
+
+
+def test_the_cost_model_keeps_what_the_policy_keeps(written_out_gpt):
+    """A block of examples/gpt.py with its attention written out and both dropouts: the bytes the
+    cost model says selective recomputation keeps are those the policy saves, plus the input."""
+    profile = written_out_gpt
+    compute = ComputeModel(profile)
+    layer = profile.layer("blocks.0")
+    forward = [op for op in compute.ops_by_layer["blocks.0"] if op.phase == "forward"]
+    predicted = layer_activations(layer, forward, activation_products=compute.activation_products)
+    kept_predicted = predicted.selective_replicated_bytes + predicted.selective_sharded_bytes
+
+    torch.manual_seed(0)
+    model = build_model(load_model_file(EXAMPLES / "gpt.py"), SHAPE)
+    block = model.blocks[0]
+    x = torch.randn(BATCH, SHAPE["seq_len"], SHAPE["hidden"], requires_grad=True) * 1.0
+    kept = [x.numel() * x.element_size()]
+    policy = recompute._selective_policy
+
+    def measuring(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        if decision == recompute.CheckpointPolicy.MUST_SAVE:
+            kept.append(ctx.op_output.numel() * ctx.op_output.element_size())
+        return decision
+
+    recompute._selective_policy = measuring
+    try:
+        recompute.recomputed(block.forward, selective=True)(x).sum().backward()
+    finally:
+        recompute._selective_policy = policy
+    assert kept_predicted == sum(kept)
+    # The scores alone (b x a x s x s floats) are more than the rest of what is kept here: keeping
+    # them, as the policy did before, is what this accounting tells apart.
+    scores = BATCH * SHAPE["heads"] * SHAPE["seq_len"] ** 2 * 4
+    assert layer_activations(layer, forward).selective_replicated_bytes >= kept_predicted + scores
+
+
+def test_selective_reruns_the_attention_cores_products(written_out_gpt):
+    compute = ComputeModel(written_out_gpt)
+    gpu = get_gpu("A100-80GB")
+    ops = [op for op in compute.ops_by_layer["blocks.0"] if op.phase == "forward" and op.op_class != "view"]
+    element_wise = sum(op_roofline_s(op, gpu, compute.dtype) for op in ops if op.op_class not in ("gemm", "attention"))
+    core = sum(op_roofline_s(op, gpu, compute.dtype) for op in ops if op.name in compute.activation_products)
+    priced = compute.layer("blocks.0", gpu)
+    assert core > 0
+    assert priced.selective_rerun_s == pytest.approx(element_wise + core)
+    assert priced.selective_rerun_launches == len([op for op in ops if op.op_class not in ("gemm", "attention")]) + 2

@@ -126,7 +126,8 @@ def written_out_gpt():
 def test_the_trace_names_the_attention_cores_products(written_out_gpt):
     by_name = {op.name: op for op in written_out_gpt.ops}
     found = sorted((by_name[name].layer, by_name[name].target) for name in activation_products(written_out_gpt))
-    assert found == [(f"blocks.{i}", target) for i in range(2) for target in ("aten.baddbmm.default", "aten.bmm.default")]
+    core = ("aten.baddbmm.default", "aten.bmm.default")
+    assert found == [(f"blocks.{i}", target) for i in range(2) for target in core]
 
 
 def test_the_cost_model_keeps_what_the_policy_keeps(written_out_gpt):

@@ -134,12 +134,12 @@ def _gpu(name: str, *, peaks_tflops: dict[str, float], memory_gb: float, bandwid
 # writes it to cost_models/calibration.json): per GPU family, the factor on compute-bound seconds
 # (compute, recomputation, bubble, optimizer) minimising the squared relative step-time errors
 # of its calibration rows, communication priced as is (`benchmarks.published.refit.fit_scale`).
-# A100 (18 Megatron-LM rows, A1 and B4): 1.06. It was 1.19 while those runs were priced with a
+# A100 (18 Megatron-LM rows, A1 and B4): 1.04. It was 1.19 while those runs were priced with a
 # fused attention kernel; they ran Megatron-LM's attention of 2021-22, written out (scores by a
 # batched matmul, a softmax over them, dropout, a second matmul: a*s^2 values through memory
-# several times a layer), and priced so (examples/gpt.py attention=unfused, with its dropouts)
-# the factor left comes mostly from B4's selective rows, priced with the fused kernel because
-# autopar's selective recomputation keeps the scores' products where Megatron-LM's recomputes them.
+# several times a layer), and are priced so (examples/gpt.py attention=unfused, with its
+# dropouts), their selective rows with the attention core rerun as Megatron-LM's selective
+# recomputation reruns it (so does autopar's, cost_models/weights.py).
 # Hopper is not fitted: Megatron-Core's nine H100 rows (A6) would take 0.91 and torchtitan's two
 # rows on 500 W, 2.4 TB/s Grand Teton H100s (D7) 1.20 (their op-level selective checkpointing
 # recomputes every other matmul, which the plan priced does not), both within their interval as

@@ -76,8 +76,9 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     tp_runtime = OmegaConf.select(cfg, "train.tp_runtime", default=None) or engine_tp_runtime(cfg)
     if tp_runtime not in TP_RUNTIMES:
         raise ConfigError(f"Unknown train.tp_runtime '{tp_runtime}'.",
-                          "use dtensor (the generated module's tensor parallelism) or plain (Megatron-style, on "
-                          "plain tensors: for pricing runs of such engines).")
+                          "use dtensor (the generated module's tensor parallelism), plain (Megatron-style, on "
+                          "plain tensors) or megatron_core (plain, with Megatron-Core's communication overlaps): "
+                          "the last two for pricing runs of such engines.")
     zero3_runtime = OmegaConf.select(cfg, "train.zero3_runtime", default="fsdp2")
     if zero3_runtime not in ZERO3_RUNTIMES:
         raise ConfigError(f"Unknown train.zero3_runtime '{zero3_runtime}'.",

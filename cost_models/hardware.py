@@ -140,10 +140,13 @@ def _gpu(name: str, *, peaks_tflops: dict[str, float], memory_gb: float, bandwid
 # several times a layer), and are priced so (examples/gpt.py attention=unfused, with its
 # dropouts), their selective rows with the attention core rerun as Megatron-LM's selective
 # recomputation reruns it (so does autopar's, cost_models/weights.py).
-# Hopper is not fitted: Megatron-Core's nine H100 rows (A6) would take 0.91 and torchtitan's two
-# rows on 500 W, 2.4 TB/s Grand Teton H100s (D7) 1.20 (their op-level selective checkpointing
-# recomputes every other matmul, which the plan priced does not), both within their interval as
-# priced from the datasheets, the measured attention and power laws (`GPUSpec.clock_share`).
+# Hopper is not fitted: Megatron-Core's nine H100 rows (A6, priced with the overlaps they ran:
+# cost_models/engine_overlap.py) would take 1.14 and torchtitan's two rows on 500 W, 2.4 TB/s
+# Grand Teton H100s (D7) 1.19 (their op-level selective checkpointing recomputes every other
+# matmul, which the plan priced does not), one direction for both engines; the layer compute
+# they would scale measured within a few percent on an H100 (docs/measuring.md), so the factor is
+# not read as the GPU's. Priced from the datasheets, the measured attention and power laws
+# (`GPUSpec.clock_share`).
 COMPUTE_TIME_SCALE: dict[str, float] = dict(load_calibration()["compute_time_scale"])
 UNSCALED_EFFICIENCY: dict[str, dict[str, float]] = {"A100": {"gemm": 0.87}}
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from autopar.domain.layout import ParallelLayout
 from autopar.domain.vocabulary import CPStrategy, Recompute
+from cost_models.engine_overlap import MEGATRON_CORE, param_gather_exposed_s, tp_comm_exposed_s
 from cost_models.collectives import Algorithm, Collective, exposed_s
 from cost_models.compute import ComputeModel, LayerCompute
 from cost_models.deepspeed_zero3 import PerTensorZero3, per_tensor_buffers
@@ -171,8 +172,11 @@ class LayerPrices:
                    boundaries: bool = True) -> float:
         """Seconds of `tp_issued` for one micro-batch."""
         group = self.groups.placement(layout, "tp")
-        return sum(self.groups.collective_s(Collective(op), nbytes * per_token, group)
-                   for op, nbytes in tp_issued(split, layout, full_recompute, boundaries))
+        seconds = sum(self.groups.collective_s(Collective(op), nbytes * per_token, group)
+                      for op, nbytes in tp_issued(split, layout, full_recompute, boundaries))
+        if self.train.tp_runtime == MEGATRON_CORE and layout.sequence_parallel:
+            return tp_comm_exposed_s(seconds, layout.tp)
+        return seconds
 
     def _scaled(self, parts: dict[str, float]) -> dict[str, float]:
         """Parts times the cluster's measured correction factors (1 unless calibrated from runs)."""
@@ -396,19 +400,28 @@ class LayerPrices:
         per_token = scale / layout.cp
         backward = split.compute.backward_s * per_token + split.compute.backward_launches * gpu.launch_overhead_s
         if layout.zero_stage <= 1:
-            return self._scaled({"optimizer": update, "dp_comm": self._replica_sync_s(layer, split, layout, backward)})
+            forward = split.compute.forward_s * per_token + split.compute.forward_launches * gpu.launch_overhead_s
+            return self._scaled({"optimizer": update,
+                                 "dp_comm": self._replica_sync_s(layer, split, layout, backward, forward)})
         if layout.pp == 1:  # ZeRO-2/3 reduce every micro-batch (_zero_micro_batch_s)
             return self._scaled({"optimizer": update, "dp_comm": 0.0})
         return self._scaled({"optimizer": update, "dp_comm": self._pipelined_zero_s(layer, split, layout, backward)})
 
     def _replica_sync_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
-                        backward_s: float) -> float:
+                        backward_s: float, forward_s: float) -> float:
         """ZeRO-0/1: the gradients' all-reduce after the last micro-batch (per FSDP unit, or the
         generated exchange's buckets), and ZeRO-1's all-gather of the updated parameters: one
         flat message per pipeline rank (ShardedAdamW; the layer's share of the model's
-        parameters over pp, as a stage's share is not known per layer)."""
+        parameters over pp, as a stage's share is not known per layer), exposed. Megatron-Core's
+        distributed optimizer (`cost_models.engine_overlap`) reduce-scatters the gradients
+        instead, under the backward, and gathers the parameters behind the forward (`forward_s`)."""
         params = self.tp_params(layer, split, layout)
-        if self.sync.cost(layout, 1.0).algorithm not in FSDP_ALGORITHMS:  # the generated exchange's buckets
+        megatron_core = self.train.tp_runtime == MEGATRON_CORE
+        if megatron_core and layout.zero_stage == 1:  # its distributed optimizer reduce-scatters, under backward
+            scatter = self.groups.collective_s(Collective.REDUCE_SCATTER, params * self.grads_bytes,
+                                               self.groups.shard_group(layout))
+            exposed = exposed_s(scatter, backward_s)
+        elif self.sync.cost(layout, 1.0).algorithm not in FSDP_ALGORITHMS:  # the generated exchange's buckets
             exposed = self.sync.exposed_s(self.sync.cost(layout, params * self.grads_bytes), backward_s)
         else:
             unit, _ = self.structure.fsdp_unit_of(layer.name)
@@ -417,8 +430,9 @@ class LayerPrices:
             exposed = self.sync.exposed_s(replace(cost, seconds=cost.seconds * params / unit_params), backward_s)
         if layout.zero_stage == 1:  # updated shards gathered back to every replica
             flat = self._layers_params(layout, tuple(layer.name for layer in self.layers)) / layout.pp
-            exposed += self.groups.collective_s(Collective.ALL_GATHER, max(flat, params) * self.weights_bytes,
-                                         self.groups.shard_group(layout)) * params / max(flat, params)
+            gather = self.groups.collective_s(Collective.ALL_GATHER, max(flat, params) * self.weights_bytes,
+                                              self.groups.shard_group(layout)) * params / max(flat, params)
+            exposed += param_gather_exposed_s(gather, forward_s) if megatron_core else gather
         return exposed
 
     def _pipelined_zero_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,

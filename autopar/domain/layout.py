@@ -41,7 +41,9 @@ class TrainSpec:
         clip_grad_norm: whether each step clips gradients by their global norm (the generated
             module's optim.max_grad_norm > 0): one scalar all-reduce over every rank per step.
         tp_runtime: dtensor (each TP-split module dispatches through DTensor on the host, a
-            floor under its compute: cost_models.host) or plain (Megatron-style, no such floor).
+            floor under its compute: cost_models.host), plain (Megatron-style, no such floor)
+            or megatron_core (plain, with the overlaps Megatron-Core's published runs enabled:
+            `cost_models.engine_overlap`), the last for pricing published runs of that engine.
         zero3_runtime: fsdp2 (the generated module) or deepspeed_2021 (one exposed collective
             per tensor: cost_models.deepspeed_zero3), for pricing published runs of that engine.
     """

@@ -22,7 +22,8 @@ Per layer and micro-batch, on the pipeline rank's GPU (compute from `compute.py`
 from `collectives.py`, TP split from a `TPSplitter`, sequence parallelism from `tp_layout.py`):
     time = compute / cp (sharded ops ÷ tp; under SP the replicated ops that run on a sequence
            slice ÷ tp, and the gathers into replicated modules priced)
-           + recomputation (selective: the non-GEMM forward again; full: the forward again)
+           + recomputation (selective: the forward but its products with a weight and its
+             attention kernels again; full: the forward again)
            + TP collectives, on the critical path (forward ones again under full recompute)
            + CP exchange (Ulysses: 4 all-to-alls each way; ring: K/V passed cp-1 times,
              overlapped with attention, only the excess exposed)

@@ -191,9 +191,10 @@ class LayerPrices:
         if layout.sequence_parallel and layout.tp > 1:
             # The replicated ops that run on the rank's slice of the sequence (norms, residual
             # adds, dropout; not a replicated module's, which gathers the whole sequence: see
-            # cost_models/tp_layout.py) do 1/t of the work.
+            # cost_models/tp_layout.py) do 1/t of the work, and so does selective
+            # recomputation's rerun of them (element-wise work, never kept).
             share = (1 - 1 / layout.tp) * per_token
-            seconds -= share * (forward_passes * split.sp.forward_s + split.sp.backward_s)
+            seconds -= share * ((forward_passes + rerun_passes) * split.sp.forward_s + split.sp.backward_s)
         if layout.tp > 1 and self.train.tp_runtime == "dtensor":  # the host dispatching DTensor modules: a floor
             # Recomputation dispatches again what it re-runs: the forward (full), or the share of
             # its ops that selective recomputation runs again.

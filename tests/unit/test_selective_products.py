@@ -175,3 +175,24 @@ def test_selective_reruns_the_attention_cores_products(written_out_gpt):
     assert core > 0
     assert priced.selective_rerun_s == pytest.approx(element_wise + core)
     assert priced.selective_rerun_launches == len([op for op in ops if op.op_class not in ("gemm", "attention")]) + 2
+
+
+def test_under_sequence_parallelism_the_rerun_of_the_slices_ops_is_a_slices_too(written_out_gpt):
+    """Selective recomputation reruns the norms, residual adds and dropouts that sequence
+    parallelism runs on the rank's slice of the sequence: 1/t of them, as their first run."""
+    from cost_models.step import ParallelLayout, PlanPricer, TrainSpec
+    from cost_models.topology import ClusterConfig, ClusterSpec
+    from tests.profiles import planner_splitter
+
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="A100-80GB", nodes=1, gpus_per_node=2))
+    pricer = PlanPricer(written_out_gpt, cluster, TrainSpec(global_batch_size=4, tp_runtime="plain"),
+                        planner_splitter(written_out_gpt), recompute_options=("none", "selective"))
+    layout = ParallelLayout(tp=2, micro_batch_size=BATCH, num_micro_batches=2, sequence_parallel=True)
+    gpu = pricer.ranks.reference_gpu(layout)
+    split = pricer.split("blocks.0", layout, gpu)
+    assert split.sp.forward_s > 0
+    rerun = pricer.layer_prices._compute_s(split, layout, 1.0, gpu, 1.0, 1.0) - \
+        pricer.layer_prices._compute_s(split, layout, 1.0, gpu, 1.0, 0.0)
+    expected = split.compute.selective_rerun_s - split.sp.forward_s / 2 + \
+        split.compute.selective_rerun_launches * gpu.launch_overhead_s
+    assert rerun == pytest.approx(expected)

@@ -48,6 +48,11 @@ class TrainConfig:
     prefetched) or deepspeed_2021 (DeepSpeed's stage 3 as published 2021 runs ran it: one
     collective per tensor, none overlapped; cost_models.deepspeed_zero3). Compile always
     generates fsdp2; deepspeed_2021 prices runs of that engine (benchmarks/published)."""
+    selective_runtime: str | None = None
+    """What selective recomputation keeps, for pricing: autopar (the generated module: products
+    with a weight, attention and collectives) or torchtitan_op (torchtitan's op-level policy:
+    every second matrix product of a layer rerun). Unset: plan.engine's (torchtitan's is
+    torchtitan_op), else autopar. Compile always generates autopar's policy."""
     router_checkpoint: str | None = None
     """A state dict of the model (torch.save; read with weights_only) whose routers' tokens per
     expert are measured over router_batches example batches and price the busiest

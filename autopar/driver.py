@@ -71,7 +71,8 @@ def run_estimate(model_path: str | Path, cfg: Any,
     layout = pinned_layout(cfg, cluster)  # and pins that do not divide the cluster or the batch
     if profile is None:
         profile = run_profile(model_path, cfg)
-    pricer = PlanPricer(profile, cluster, train_spec(cfg, model_path), ILPSplitter(profile))
+    train = train_spec(cfg, model_path)
+    pricer = PlanPricer(profile, cluster, train, ILPSplitter(profile, selective_runtime=train.selective_runtime))
     try:
         return profile, layout, pricer.estimate(layout)
     except ValueError as err:

@@ -13,7 +13,8 @@ from autopar.errors import ConfigError
 from autopar.model_file import load_model_file
 from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.topology import ClusterSpec
-from autopar.domain.vocabulary import TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, Recompute, Schedule
+from autopar.domain.vocabulary import (SELECTIVE_RUNTIMES, TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, Recompute,
+                                       Schedule)
 
 T = TypeVar("T")
 
@@ -61,12 +62,17 @@ def build_cluster(cfg: Any) -> ClusterSpec:
 def engine_tp_runtime(cfg: Any) -> str:
     """How the engine plan.engine names runs tensor parallelism (autopar.emit), else the generated
     module's DTensor."""
+    return _engine_setting(cfg, "tp_runtime", "dtensor")
+
+
+def _engine_setting(cfg: Any, name: str, generated: str) -> str:
+    """A runtime setting of the engine plan.engine names (autopar.emit), else the generated module's."""
     engine = OmegaConf.select(cfg, "plan.engine", default=None)
     if not engine:
-        return "dtensor"
+        return generated
     from autopar.emit import writer
 
-    return writer(engine).tp_runtime
+    return getattr(writer(engine), name)
 
 
 def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
@@ -84,6 +90,12 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
         raise ConfigError(f"Unknown train.zero3_runtime '{zero3_runtime}'.",
                           "use fsdp2 (the generated module's ZeRO-3) or deepspeed_2021 (DeepSpeed's stage 3 of "
                           "2021: for pricing runs of that engine).")
+    selective_runtime = (OmegaConf.select(cfg, "train.selective_runtime", default=None)
+                         or _engine_setting(cfg, "selective_runtime", "autopar"))
+    if selective_runtime not in SELECTIVE_RUNTIMES:
+        raise ConfigError(f"Unknown train.selective_runtime '{selective_runtime}'.",
+                          "use autopar (the generated module's selective recomputation) or torchtitan_op "
+                          "(torchtitan's op-level policy: for pricing that engine's runs).")
     checkpoint = OmegaConf.select(cfg, "train.router_checkpoint", default=None)
     if checkpoint and model_path is not None:
         load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
@@ -91,7 +103,7 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
                      optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
                      clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0,
-                     tp_runtime=tp_runtime, zero3_runtime=zero3_runtime)
+                     tp_runtime=tp_runtime, zero3_runtime=zero3_runtime, selective_runtime=selective_runtime)
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Sequence
 
-from cost_models.weights import activation_products
+from cost_models.weights import selective_reruns
 from cost_models.hardware import GPUSpec
 
 if TYPE_CHECKING:
@@ -187,12 +187,12 @@ class LayerCompute:
 
 
 def compute_of_ops(forward: Sequence[Any], backward: Sequence[Any], seconds: Callable[[Sequence[Any]], float],
-                   activation_products: AbstractSet[str] = frozenset()) -> LayerCompute:
+                   rerun_products: AbstractSet[str] = frozenset()) -> LayerCompute:
     """LayerCompute of a layer's forward and backward ops (views left out by the caller),
     ``seconds`` pricing a list of them (a TP split divides the ops it shards);
-    ``activation_products``: the products selective recomputation runs again
-    (`cost_models.weights.activation_products`)."""
-    rerun = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES or op.name in activation_products]
+    ``rerun_products``: the products selective recomputation runs again
+    (`cost_models.weights.selective_reruns`)."""
+    rerun = [op for op in forward if op.op_class not in FLOP_BOUND_CLASSES or op.name in rerun_products]
     attention_forward = [op for op in forward if op.op_class == "attention"]
     attention_forward_s = seconds(attention_forward)
     return LayerCompute(
@@ -202,13 +202,13 @@ def compute_of_ops(forward: Sequence[Any], backward: Sequence[Any], seconds: Cal
         attention_forward_s=attention_forward_s)
 
 
-def price_ops(ops: list, gpu: GPUSpec, dtype: str, activation_products: AbstractSet[str] = frozenset()
+def price_ops(ops: list, gpu: GPUSpec, dtype: str, rerun_products: AbstractSet[str] = frozenset()
               ) -> LayerCompute:
     """LayerCompute of a layer's ops."""
     priced = [op for op in ops if op.op_class != "view"]
     return compute_of_ops([op for op in priced if op.phase == "forward"],
                           [op for op in priced if op.phase == "backward"],
-                          lambda selected: sum(op_roofline_s(op, gpu, dtype) for op in selected), activation_products)
+                          lambda selected: sum(op_roofline_s(op, gpu, dtype) for op in selected), rerun_products)
 
 
 def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
@@ -236,11 +236,12 @@ def price_classes(layer: Any, gpu: GPUSpec, dtype: str) -> LayerCompute:
 class ComputeModel:
     """Per-layer compute for one profile, cached per (layer kind, GPU signature)."""
 
-    def __init__(self, profile: "ModelProfile"):
+    def __init__(self, profile: "ModelProfile", selective_runtime: str = "autopar"):
         self.profile = profile
+        self.selective_runtime = selective_runtime
         self.dtype = compute_dtype(profile.precision)
         self.ops_by_layer = ops_by_layer(profile) if profile.ops else {}
-        self.activation_products = activation_products(profile) if profile.ops else frozenset()
+        self.rerun_products = selective_reruns(profile, selective_runtime) if profile.ops else frozenset()
         self._layers = {layer.name: layer for layer in profile.layers}
         self._kinds = {layer.name: layer.repeat_of or layer.name for layer in profile.layers}
         self._cache: dict[tuple, LayerCompute] = {}
@@ -255,7 +256,7 @@ class ComputeModel:
         if key not in self._cache:
             if self.profile.ops:
                 self._cache[key] = price_ops(self.ops_by_layer.get(kind, []), gpu, self.dtype,
-                                                self.activation_products)
+                                                self.rerun_products)
             else:
                 self._cache[key] = price_classes(self._layers[kind], gpu, self.dtype)
         return self._cache[key]

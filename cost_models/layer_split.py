@@ -133,7 +133,7 @@ class LayerSplits:
             if self.profile.ops:
                 forward = [op for op in self.compute.ops_by_layer.get(kind, []) if op.phase == "forward"]
                 self._base_acts[kind] = layer_activations(layer, forward,
-                                                          activation_products=self.compute.activation_products)
+                                                          rerun_products=self.compute.rerun_products)
             else:  # no per-op detail: selective recomputation keeps everything
                 total = float(layer.activation_bytes)
                 self._base_acts[kind] = LayerActivations(0.0, total, 0.0, total, float(layer.input_bytes))

@@ -206,7 +206,7 @@ class LayerActivations:
 def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: AbstractSet[str] = frozenset(),
                       row_parallel: AbstractSet[str] = frozenset(), tp: int = 1,
                       gathered: AbstractSet[str] = frozenset(),
-                      activation_products: AbstractSet[str] = frozenset()) -> LayerActivations:
+                      rerun_products: AbstractSet[str] = frozenset()) -> LayerActivations:
     """Account a layer's activations from its forward ops.
 
     Args:
@@ -218,8 +218,8 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: A
         tp: the TP degree (row-parallel doubling applies only when tp > 1).
         gathered: names of ops whose (replicated) output a column-parallel GEMM reads: under
             sequence parallelism that input is all-gathered and kept whole.
-        activation_products: products of two activations, which selective recomputation runs
-            again rather than keeps (`cost_models.weights.activation_products`).
+        rerun_products: products selective recomputation runs again rather than keeps
+            (`cost_models.weights.selective_reruns`: products of two activations).
     """
     ops = list(forward_ops)
     total = float(layer.activation_bytes)
@@ -234,7 +234,7 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: A
     for op in ops:
         if tp > 1 and op.name in gathered and op.name not in sharded_outputs:
             kept_gathered += op.output_bytes
-        if (op.op_class not in KEPT_BY_SELECTIVE or op.name in activation_products
+        if (op.op_class not in KEPT_BY_SELECTIVE or op.name in rerun_products
                 or not runs_inside(op.module, layer.name)):
             continue
         if op.op_class == "attention":

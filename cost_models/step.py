@@ -83,7 +83,7 @@ __all__ = ["TrainSpec", "ParallelLayout", "Estimate", "PlanPricer", "estimate", 
 # -- the module-level entry point ---------------------------------------------------------------
 
 _PRICERS: "OrderedDict[tuple, PlanPricer]" = OrderedDict()
-_SHARED: "OrderedDict[int, tuple[ModelProfile, ComputeModel]]" = OrderedDict()
+_SHARED: "OrderedDict[tuple[int, str], tuple[ModelProfile, ComputeModel]]" = OrderedDict()
 _CACHE_SIZE = 8
 
 
@@ -108,12 +108,13 @@ def estimate(profile: "ModelProfile", cluster: ClusterSpec, layout: ParallelLayo
     return pricer.estimate(layout)
 
 
-def _shared_compute(profile: "ModelProfile") -> ComputeModel:
-    """The compute model of a profile, shared by every pricer of it."""
-    entry = _SHARED.get(id(profile))
+def _shared_compute(profile: "ModelProfile", selective_runtime: str) -> ComputeModel:
+    """The compute model of a profile, shared by every pricer of it (per selective runtime)."""
+    key = (id(profile), selective_runtime)
+    entry = _SHARED.get(key)
     if entry is None or entry[0] is not profile:
-        entry = (profile, ComputeModel(profile))
-        _SHARED[id(profile)] = entry
+        entry = (profile, ComputeModel(profile, selective_runtime))
+        _SHARED[key] = entry
         while len(_SHARED) > _CACHE_SIZE:
             _SHARED.popitem(last=False)
     return entry[1]
@@ -137,7 +138,11 @@ class PlanPricer:
         self.profile = profile
         self.cluster = cluster
         self.train = train
-        self.compute = _shared_compute(profile)
+        self.compute = _shared_compute(profile, train.selective_runtime)
+        splitter_runtime = getattr(tp_splitter, "selective_runtime", train.selective_runtime)
+        if splitter_runtime != train.selective_runtime:
+            raise ValueError(f"the TP splitter prices selective recomputation as {splitter_runtime} runs it, the "
+                             f"training settings as {train.selective_runtime}: build it with the same runtime")
         self.tp_splitter = tp_splitter
         self.recompute_options = tuple(recompute_options)
         self.layers = profile.layers

@@ -9,10 +9,13 @@ A product reading two activations and no weight (an attention written out: its s
 weighted values) is what selective recomputation reruns rather than keeps, as Megatron-LM's
 reruns its attention core. The generated code's checkpoint policy makes the same decision at run
 time from autograd history (autopar/sections/recompute.py), and the cost model prices it from
-`activation_products`.
+`activation_products`. torchtitan's op-level policy, which its published runs and the plans
+autopar writes for it run, keeps matrix products (`aten.mm`) but every second one of a layer,
+counted in forward order, and reruns every other product (`selective_reruns`).
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -57,3 +60,24 @@ def activation_products(profile: "ModelProfile",
     derived, trainable = sources or parameter_sources(profile)
     return frozenset(op.name for op in profile.ops
                      if op.phase == "forward" and multiplies_activations(op, derived, trainable))
+
+
+def selective_reruns(profile: "ModelProfile", runtime: str = "autopar",
+                     sources: tuple[set[str], dict[str, frozenset[str]]] | None = None) -> frozenset[str]:
+    """Names of the forward products selective recomputation reruns under ``runtime``
+    (`autopar.domain.layout.TrainSpec.selective_runtime`)."""
+    if runtime == "autopar":
+        return activation_products(profile, sources)
+    if runtime != "torchtitan_op":
+        raise ValueError(f"unknown selective runtime {runtime!r}")
+    counted: Counter = Counter()
+    reruns = set()
+    for op in profile.ops:
+        if op.phase != "forward" or op.op_class != "gemm":
+            continue
+        if op.target == "aten.mm.default":
+            counted[op.layer] += 1
+            if counted[op.layer] % 2:  # the first, third, ... of the layer are kept
+                continue
+        reruns.add(op.name)
+    return frozenset(reruns)

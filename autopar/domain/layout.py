@@ -46,6 +46,10 @@ class TrainSpec:
             `cost_models.engine_overlap`), the last for pricing published runs of that engine.
         zero3_runtime: fsdp2 (the generated module) or deepspeed_2021 (one exposed collective
             per tensor: cost_models.deepspeed_zero3), for pricing published runs of that engine.
+        selective_runtime: which products selective recomputation keeps: autopar (the generated
+            module: products with a weight) or torchtitan_op (torchtitan's op-level policy: every
+            second matrix product of a layer rerun), for pricing that engine's runs and plans
+            (`cost_models.weights.selective_reruns`).
     """
 
     global_batch_size: int
@@ -56,6 +60,7 @@ class TrainSpec:
     clip_grad_norm: bool = True
     tp_runtime: str = "dtensor"
     zero3_runtime: str = "fsdp2"
+    selective_runtime: str = "autopar"
 
 
 def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:

@@ -94,5 +94,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd", "sgd_plain")  # adam: two fp32 states, sgd: momentum, sgd_plain: none
 TP_RUNTIMES = ("dtensor", "plain", "megatron_core")  # see TrainSpec.tp_runtime
 ZERO3_RUNTIMES = ("fsdp2", "deepspeed_2021")  # see TrainSpec.zero3_runtime
+SELECTIVE_RUNTIMES = ("autopar", "torchtitan_op")  # see TrainSpec.selective_runtime
 # Gradient bytes per bucket of a plan's exchange where none was sized (DDP's default bucket_cap_mb).
 DP_BUCKET_BYTES = 25 * 2**20

@@ -37,6 +37,7 @@ class EngineWriter:
     # What the engine itself would reject of a file read back, once the world size is known.
     rules: Callable[["EngineSettings", int], list[str]] = lambda settings, world_size: []
     tp_runtime: str = "dtensor"  # how it runs tensor parallelism (cost_models TrainSpec.tp_runtime)
+    selective_runtime: str = "autopar"  # what its selective recomputation keeps (TrainSpec.selective_runtime)
 
 
 @dataclass

@@ -171,4 +171,5 @@ def rules(settings: EngineSettings, world_size: int) -> list[str]:
     return []
 
 
-WRITER = EngineWriter("torchtitan", "torchtitan_args.txt", refusal, render, layout_refusal, read, rules)
+WRITER = EngineWriter("torchtitan", "torchtitan_args.txt", refusal, render, layout_refusal, read, rules,
+                      selective_runtime="torchtitan_op")

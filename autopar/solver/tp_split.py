@@ -15,7 +15,7 @@ from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, act
 from autopar.solver.tp_head_norms import head_norm_reductions
 from autopar.solver.tp_kv_groups import KVGroups, attention_producers, kv_groups, parameter_bytes
 from autopar.solver.tp_legality import IllegalSplit, TPLegality
-from cost_models.weights import activation_products
+from cost_models.weights import selective_reruns
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
 from cost_models.hardware import GPUSpec
@@ -59,15 +59,17 @@ class _GroupCosts:
 
 
 class ILPSplitter:
-    """TPSplitter for cost_models.step.PlanPricer."""
+    """TPSplitter for cost_models.step.PlanPricer; ``selective_runtime``: the pricer's
+    (`TrainSpec.selective_runtime`: which products selective recomputation reruns)."""
 
-    def __init__(self, profile: "ModelProfile", time_limit_s: float = 10.0):
+    def __init__(self, profile: "ModelProfile", time_limit_s: float = 10.0, selective_runtime: str = "autopar"):
         self.profile = profile
         self.time_limit_s = time_limit_s
         self.dtype = compute_dtype(profile.precision)
         self.index = OpIndex.of(profile)
         self.parameter_derived = self.index.derived
-        self.activation_products = activation_products(profile, (self.index.derived, self.index.trainable))
+        self.selective_runtime = selective_runtime
+        self.rerun_products = selective_reruns(profile, selective_runtime, (self.index.derived, self.index.trainable))
         self.solutions: dict[tuple[str, int], dict[str, str]] = {}
         # (layer, tp) -> (op target, module) of ops no split strategy covers, run replicated
         self.replicated: dict[tuple[str, int], list[tuple[str, str]]] = {}
@@ -255,7 +257,7 @@ class ILPSplitter:
         def seconds(selected) -> float:
             return sum(op_roofline_s(op, gpu, self.dtype) / divisor(op) for op in selected)
 
-        compute = compute_of_ops(forward, backward, seconds, self.activation_products)
+        compute = compute_of_ops(forward, backward, seconds, self.rerun_products)
         layer = self.profile.layer(layer_name)
         by_name = {op.name: op for op in ops}
         strategy = solution.op_strategy
@@ -265,7 +267,7 @@ class ILPSplitter:
                                                   if strategy.get(op.name) in _SHARDED_OUTPUT},
                                  row_parallel={op.name for op in forward if strategy.get(op.name) in _PARTIAL_OUTPUT},
                                  tp=tp, gathered=_column_inputs(by_name, colwise, self.parameter_derived),
-                                 activation_products=self.activation_products)
+                                 rerun_products=self.rerun_products)
         params = layer.param_count
         split_params = sum(_split_params(self.profile, module, style.value)
                            for module, style in solution.module_style.items() if style.value not in _WHOLE)

@@ -106,7 +106,8 @@ def overrides(run: dict[str, Any]) -> list[str]:
             + [f"cluster={run['cluster']['preset']}", f"cluster.nodes={run['cluster']['nodes']}",
                f"train.precision={run['precision']}", f"train.global_batch_size={run['global_batch_size']}",
                f"train.tp_runtime={run.get('tp_runtime', 'plain')}",
-               f"train.zero3_runtime={run.get('zero3_runtime', 'fsdp2')}"]
+               f"train.zero3_runtime={run.get('zero3_runtime', 'fsdp2')}",
+               f"train.selective_runtime={run.get('selective_runtime', 'autopar')}"]
             + [f"plan.{k}={v}" for k, v in run["plan"].items()])
 
 
@@ -160,7 +161,8 @@ def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None) -
     profile = cached_profile(run, cfg)
     layout = pinned_layout(cfg, cluster)
     recompute = (layout.recompute,)
-    pricer = PlanPricer(profile, cluster, train_spec(cfg), ILPSplitter(profile),
+    train = train_spec(cfg)
+    pricer = PlanPricer(profile, cluster, train, ILPSplitter(profile, selective_runtime=train.selective_runtime),
                         recompute_options=tuple(dict.fromkeys(("none", *recompute))))
     estimate = pricer.estimate(layout)
     step, work = measured_step_s(run, cluster.world_size)

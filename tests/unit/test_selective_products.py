@@ -137,7 +137,7 @@ def test_the_cost_model_keeps_what_the_policy_keeps(written_out_gpt):
     compute = ComputeModel(profile)
     layer = profile.layer("blocks.0")
     forward = [op for op in compute.ops_by_layer["blocks.0"] if op.phase == "forward"]
-    predicted = layer_activations(layer, forward, activation_products=compute.activation_products)
+    predicted = layer_activations(layer, forward, rerun_products=compute.rerun_products)
     kept_predicted = predicted.selective_replicated_bytes + predicted.selective_sharded_bytes
 
     torch.manual_seed(0)
@@ -170,7 +170,7 @@ def test_selective_reruns_the_attention_cores_products(written_out_gpt):
     gpu = get_gpu("A100-80GB")
     ops = [op for op in compute.ops_by_layer["blocks.0"] if op.phase == "forward" and op.op_class != "view"]
     element_wise = sum(op_roofline_s(op, gpu, compute.dtype) for op in ops if op.op_class not in ("gemm", "attention"))
-    core = sum(op_roofline_s(op, gpu, compute.dtype) for op in ops if op.name in compute.activation_products)
+    core = sum(op_roofline_s(op, gpu, compute.dtype) for op in ops if op.name in compute.rerun_products)
     priced = compute.layer("blocks.0", gpu)
     assert core > 0
     assert priced.selective_rerun_s == pytest.approx(element_wise + core)
@@ -196,3 +196,56 @@ def test_under_sequence_parallelism_the_rerun_of_the_slices_ops_is_a_slices_too(
     expected = split.compute.selective_rerun_s - split.sp.forward_s / 2 + \
         split.compute.selective_rerun_launches * gpu.launch_overhead_s
     assert rerun == pytest.approx(expected)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return traced("llama_hf.py", "bf16", 1)
+
+
+def test_torchtitans_op_policy_reruns_every_second_matrix_product(llama):
+    """torchtitan's op-level selective AC (its published D7 runs, and plans written for it) keeps
+    `aten.mm` outputs but every second one of a layer: in a Llama layer, forward order q, k, v, o,
+    gate, up, down, it reruns k, o and up."""
+    from cost_models.weights import selective_reruns
+
+    by_name = {op.name: op for op in llama.ops}
+    rerun = selective_reruns(llama, "torchtitan_op")
+    first_layer = sorted(by_name[name].module.rpartition(".")[2] for name in rerun
+                         if by_name[name].layer == "model.layers.0")
+    assert first_layer == ["k_proj", "o_proj", "up_proj"]
+    assert selective_reruns(llama, "autopar") == frozenset()  # fused attention: every product has a weight
+
+
+def test_the_pricer_and_its_splitter_price_one_selective_runtime(llama):
+    from autopar.solver.tp_split import ILPSplitter
+    from cost_models.step import PlanPricer, TrainSpec
+    from cost_models.topology import ClusterConfig, ClusterSpec
+
+    cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="H100-SXM", nodes=1, gpus_per_node=2))
+    train = TrainSpec(global_batch_size=2, selective_runtime="torchtitan_op")
+    with pytest.raises(ValueError, match="same runtime"):
+        PlanPricer(llama, cluster, train, ILPSplitter(llama))
+    pricer = PlanPricer(llama, cluster, train, ILPSplitter(llama, selective_runtime="torchtitan_op"))
+    gpu = get_gpu("H100-SXM")
+    ops = [op for op in pricer.compute.ops_by_layer["model.layers.0"] if op.phase == "forward"]
+    theirs = pricer.compute.layer("model.layers.0", gpu)
+    ours = ComputeModel(llama).layer("model.layers.0", gpu)
+    rerun = pricer.compute.rerun_products
+    rerun_mm = sum(op_roofline_s(op, gpu, pricer.compute.dtype) for op in ops if op.name in rerun)
+    assert theirs.selective_rerun_s == pytest.approx(ours.selective_rerun_s + rerun_mm)
+    kept = layer_activations(llama.layer("model.layers.0"), ops, rerun_products=pricer.compute.rerun_products)
+    assert kept.selective_replicated_bytes < layer_activations(llama.layer("model.layers.0"), ops).selective_replicated_bytes
+
+
+def test_plans_for_torchtitan_are_priced_with_its_policy_and_a_wrong_runtime_is_named():
+    from autopar.config import compose_config
+    from autopar.errors import ConfigError
+    from autopar.specs import train_spec
+
+    assert train_spec(compose_config([])).selective_runtime == "autopar"
+    assert train_spec(compose_config(["plan.engine=torchtitan"])).selective_runtime == "torchtitan_op"
+    assert train_spec(compose_config(["plan.engine=torchtitan", "train.selective_runtime=autopar"])
+                      ).selective_runtime == "autopar"
+    with pytest.raises(ConfigError, match="torchtitan_op"):
+        train_spec(compose_config(["train.selective_runtime=megatron"]))

@@ -234,8 +234,9 @@ def test_the_pricer_and_its_splitter_price_one_selective_runtime(llama):
     rerun = pricer.compute.rerun_products
     rerun_mm = sum(op_roofline_s(op, gpu, pricer.compute.dtype) for op in ops if op.name in rerun)
     assert theirs.selective_rerun_s == pytest.approx(ours.selective_rerun_s + rerun_mm)
-    kept = layer_activations(llama.layer("model.layers.0"), ops, rerun_products=pricer.compute.rerun_products)
-    assert kept.selective_replicated_bytes < layer_activations(llama.layer("model.layers.0"), ops).selective_replicated_bytes
+    layer = llama.layer("model.layers.0")
+    kept = layer_activations(layer, ops, rerun_products=rerun)
+    assert kept.selective_replicated_bytes < layer_activations(layer, ops).selective_replicated_bytes
 
 
 def test_plans_for_torchtitan_are_priced_with_its_policy_and_a_wrong_runtime_is_named():

@@ -7,15 +7,35 @@ What DeepSpeed's stage-3 code of that time did each step (partition_parameters.p
 - Every parameter tensor of at least PERSISTENCE_THRESHOLD elements is partitioned over the
   whole data-parallel group and gathered alone: one NCCL all-gather per tensor, not one per
   block. Smaller tensors (biases, norms) stay whole on every rank and are never gathered.
-- Before each gather the host calls `torch.cuda.synchronize()`: the gather waits for every
-  queued kernel, and the next kernel waits for the gather. Nothing overlaps; each collective is
-  priced whole, after the compute, by the same alpha-beta model as every other collective
-  (cost_models.collectives: a ring over 1,536 ranks pays 1,535 per-step latencies per tensor).
-- A tensor is gathered for its forward, again when activation checkpointing re-runs the forward,
-  and again for the backward (released after each); every gradient tensor is reduce-scattered
-  alone (`_reduce_scatter_gradients`, the path of `contiguous_gradients: true`). overlap_comm
-  (on by default for stage 3 in v0.3.13-v0.5) runs the reduction on its own stream, but the
-  next gather's `torch.cuda.synchronize()` waits for it, so it is priced exposed too.
+- Before each gather the host calls `torch.cuda.synchronize()`, so a gather never overlaps the
+  compute queued before it. What overlaps is the coordinator's prefetch (stage3.py
+  `PartitionedParameterCoordinator`, from the second step, when the first step's module trace
+  is complete): right after a module's own fetch it starts the gather of the next module's
+  tensors (until PREFETCH_BUCKET_ELEMENTS are in flight) on its communication stream, which
+  then runs beside that module's compute; the next fetch waits for all of it. The prefetch is
+  skipped while the tensors gathered and not yet released hold MAX_LIVE_PARAMETERS elements or
+  more: a model whose single weight matrices exceed 1e9 elements (A4's 529.6B: 1.26e9 and
+  1.68e9) prefetches almost nothing, a 174.6B one nearly every gather. A module's tensors are
+  released after its use unless the elements the module trace uses before their next use are
+  fewer than MAX_REUSE_DISTANCE (`_keep_for_later`): under full recomputation, a layer's last
+  module runs its backward right after its re-run forward and keeps its tensor for it.
+  `exposed_gather_s` walks one layer's uses in that order (a layer's forward compute split
+  over its gathered tensors by their size, its backward likewise); each collective is priced by
+  the same alpha-beta model as every other collective (cost_models.collectives: a ring over
+  1,536 ranks pays 1,535 per-step latencies per tensor).
+- A tensor is otherwise gathered for its forward, again when activation checkpointing re-runs
+  the forward, and again for the backward; every gradient tensor is reduce-scattered alone
+  (`_reduce_scatter_gradients`, the path of `contiguous_gradients: true`). overlap_comm (on by
+  default for stage 3 in v0.3.13-v0.5) runs the reduction on its own stream, but the next
+  gather's `torch.cuda.synchronize()` waits for it, so it is priced exposed.
+- Tensors under PERSISTENCE_THRESHOLD stay whole and are never gathered in forward or
+  backward, but the optimizer's step rewrites only each rank's partition, so every step ends by
+  gathering all of them again (`_post_step`, v0.3.13-v0.5: `persistent_parameters[0].all_gather`)
+  through the blocking coalesced path `_allgather_params`, which copies every rank's piece of
+  every such tensor into place from a Python loop: per tensor, one narrow, a view, a narrow and
+  a copy launch for each rank whose piece lies inside it (`persistent_regather_s`). Every bias
+  and norm of the model, times the ranks: 1.8 million launches a step for A4's 529.6B on 2240
+  GPUs.
 - Not priced: v0.3.13-v0.4's default `contiguous_gradients: false`, under which stage 3 instead
   all-reduces flattened buckets of whole gradients (`buffered_reduce_fallback`). Priced that way
   (one all-reduce per 5e8-element bucket, six memory passes for flatten, divide and copy back)
@@ -36,10 +56,11 @@ What DeepSpeed's stage-3 code of that time did each step (partition_parameters.p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
-from cost_models.collectives import Collective
+from cost_models.collectives import Collective, exposed_s
 from cost_models.topology import GroupPlacement
 
 PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default
@@ -52,18 +73,24 @@ DIVIDE_MEMORY_PASSES = 2  # average_tensor's in-place division by the group size
 BUCKET_COPY_MEMORY_PASSES = 2  # the copy into the contiguous reduction bucket
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # stage 3's reduce_bucket_size default
 REDUCE_BUCKETS = 2  # ipg_buffer: one, and a second to fill while the first reduces under overlap_comm
+MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters' default: no prefetch at or above it
+MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance's default: kept if reused within it
+PREFETCH_BUCKET_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size's default
+# One pass of `_allgather_params`' copy loop: narrow, view, narrow (HOST_VIEW_S each) and a copy launch.
+REGATHER_VIEWS_PER_PIECE = 3
 
 
 def per_tensor_buffers(largest_numel: float, weights_bytes: int, grads_bytes: int) -> dict[str, float]:
-    """Memory beside the model states while one tensor is in flight, the largest: in forward the
+    """Memory beside the model states while the largest tensor is in flight: in forward the
     gathered tensor and the all-gather's flat output (torch gathers into one buffer and copies
     into the list's views), in backward its whole gradient and the reduce-scatter's flattened
-    input. Prefetching a further tensor waits while stage3_max_live_parameters (1e9 elements)
-    are gathered, so the largest tensor of a model this runtime was used for is held alone;
-    FSDP2's buffers are a whole block's, and two of them. Beside them, all through the step, the
-    two contiguous reduction buckets (`ipg_buffer`, two with overlap_comm) the gradients are
-    copied into."""
-    return {"zero3_gathered_params": 2 * largest_numel * weights_bytes,
+    input. Below stage3_max_live_parameters the coordinator prefetches the next tensor while it
+    is live, so a second one is gathered beside it (priced as large: the bound); at or above it
+    (A4's 529.6B) it is held alone. FSDP2's buffers are a whole block's, and two of them. Beside
+    them, all through the step, the two contiguous reduction buckets (`ipg_buffer`, two with
+    overlap_comm) the gradients are copied into."""
+    gathered = 3 if largest_numel < MAX_LIVE_PARAMETERS else 2
+    return {"zero3_gathered_params": gathered * largest_numel * weights_bytes,
             "gradient_reduce": 2 * largest_numel * grads_bytes,
             "reduce_buckets": REDUCE_BUCKETS * REDUCE_BUCKET_ELEMENTS * grads_bytes}
 
@@ -77,8 +104,76 @@ def gradient_memory_passes(numel: float) -> int:
 
 
 @dataclass(frozen=True)
+class TensorUse:
+    """One module's use of a gathered tensor, in the order the coordinator's trace sees it."""
+
+    tensor: tuple[int, int]  # (which copy of the layer, which of its gathered tensors)
+    compute_s: float
+
+
+def _reuse_distance(uses: list[TensorUse], at: int, numels: dict[tuple[int, int], float]) -> float:
+    """Elements the uses between `at` and the next use of the same tensor gather (infinite if
+    it is not used again), as `get_reuse_distance_in_numel` counts them."""
+    for later in range(at + 1, len(uses)):
+        if uses[later].tensor == uses[at].tensor:
+            return sum(numels[use.tensor] for use in uses[at + 1:later])
+    return float("inf")
+
+
+def exposed_gather_s(uses: list[TensorUse], numels: dict[tuple[int, int], float],
+                     gather_s: dict[tuple[int, int], float], host_s: dict[tuple[int, int], float]) -> float:
+    """Seconds the gathers of `uses` leave exposed under stage 3's coordinator: a fetch waits for
+    what is in flight (less the compute it ran beside, plus the interference of running beside it:
+    `collectives.exposed_s`) and gathers what is missing; then, unless
+    MAX_LIVE_PARAMETERS elements are live, the next tensors are prefetched beside this use's
+    compute; after the use the tensor is released unless reused within MAX_REUSE_DISTANCE. The
+    host's per-rank views of every gather (`host_s`) run while the GPU waits."""
+    exposed = 0.0
+    live: set[tuple[int, int]] = set()
+    in_flight: list[tuple[int, int]] = []
+    overlap = 0.0
+    for at, use in enumerate(uses):
+        if in_flight:
+            exposed += exposed_s(sum(gather_s[t] for t in in_flight), overlap)
+            live.update(in_flight)
+            in_flight = []
+        if use.tensor not in live:
+            exposed += gather_s[use.tensor] + host_s[use.tensor]
+            live.add(use.tensor)
+        if sum(numels[t] for t in live) < MAX_LIVE_PARAMETERS:
+            queued = 0.0
+            for later in uses[at + 1:]:
+                if queued >= PREFETCH_BUCKET_ELEMENTS:
+                    break
+                if later.tensor not in live and later.tensor not in in_flight:
+                    in_flight.append(later.tensor)
+                    queued += numels[later.tensor]
+                    exposed += host_s[later.tensor]
+        overlap = use.compute_s
+        if _reuse_distance(uses, at, numels) >= MAX_REUSE_DISTANCE:
+            live.discard(use.tensor)
+    return exposed
+
+
+def persistent_regather_s(numels: tuple[float, ...], group_size: int, launch_overhead_s: float) -> float:
+    """Host seconds of the step-end gather of the tensors stage 3 keeps whole (`_post_step`'s
+    `_allgather_params`): for each, a Python narrow, view, narrow and copy launch per rank whose
+    piece (ceil(numel / ranks) elements) starts inside it. The gather's bytes are a few
+    megabytes, priced with the reduce-scatters of the same tensors as negligible beside this."""
+    per_piece = REGATHER_VIEWS_PER_PIECE * HOST_VIEW_S + launch_overhead_s
+    pieces = 0
+    for numel in numels:
+        if numel >= PERSISTENCE_THRESHOLD or numel <= 0:
+            continue
+        piece = math.ceil(numel / group_size)
+        pieces += min(group_size, math.ceil(numel / piece))
+    return pieces * per_piece
+
+
+@dataclass(frozen=True)
 class PerTensorZero3:
-    """One layer's ZeRO-3 traffic per micro-batch, one collective per tensor, nothing overlapped."""
+    """One layer's ZeRO-3 traffic per micro-batch, one collective per tensor, gathers overlapped
+    only by the coordinator's prefetch."""
 
     tensor_numels: tuple[float, ...]
     weights_bytes: float
@@ -87,9 +182,29 @@ class PerTensorZero3:
     launch_overhead_s: float
     memory_bandwidth_Bps: float
 
-    def seconds(self, collective_s: Callable[[Collective, float, GroupPlacement], float], gathers: int) -> float:
-        """Seconds the layer's gathers (`gathers` per tensor: 3 under full recomputation, else 2)
-        and gradient reduce-scatters add to a micro-batch."""
+    def gathered(self) -> list[int]:
+        """The tensors stage 3 gathers (the others stay whole), in the layer's order."""
+        return [i for i, numel in enumerate(self.tensor_numels) if numel >= PERSISTENCE_THRESHOLD]
+
+    def uses(self, forward_s: float, backward_s: float, full_recompute: bool) -> tuple[list[TensorUse], int]:
+        """Two consecutive identical layers' module uses in forward, then in backward (re-run
+        forward, if any, then backward in reverse), each use carrying its share (by size) of the
+        layer's compute; and where the second layer's forward uses start, so that a layer is
+        priced in steady state (prefetch across the layer boundary)."""
+        gathered = self.gathered()
+        total = sum(self.tensor_numels[i] for i in gathered) or 1.0
+        forward = [(i, forward_s * self.tensor_numels[i] / total) for i in gathered]
+        backward = [(i, backward_s * self.tensor_numels[i] / total) for i in reversed(gathered)]
+        forward_uses = [TensorUse((copy, i), s) for copy in range(2) for i, s in forward]
+        backward_uses = [TensorUse((copy, i), s) for copy in range(2)
+                         for i, s in ((forward if full_recompute else []) + backward)]
+        return forward_uses + backward_uses, len(forward)
+
+    def seconds(self, collective_s: Callable[[Collective, float, GroupPlacement], float],
+                forward_s: float, backward_s: float, full_recompute: bool) -> float:
+        """Seconds the layer's gathers (walked by `exposed_gather_s`: forward, the re-run forward
+        under full recomputation, backward) and gradient reduce-scatters add to a micro-batch in
+        which it computes `forward_s` and `backward_s`."""
         n = self.group.size
         if n <= 1:
             return 0.0
@@ -99,9 +214,24 @@ class PerTensorZero3:
             total += (collective_s(Collective.REDUCE_SCATTER, scatter_bytes, self.group)
                       + n * (HOST_VIEW_S + self.launch_overhead_s)
                       + gradient_memory_passes(numel) * scatter_bytes / self.memory_bandwidth_Bps)
-            if numel < PERSISTENCE_THRESHOLD:
-                continue
-            gather_bytes = numel * self.weights_bytes
-            total += gathers * (collective_s(Collective.ALL_GATHER, gather_bytes, self.group) + n * HOST_VIEW_S
-                                + GATHER_MEMORY_PASSES * gather_bytes / self.memory_bandwidth_Bps)
-        return total
+        gather_s, host_s, numels = {}, {}, {}
+        for copy in range(2):
+            for i in self.gathered():
+                gather_bytes = self.tensor_numels[i] * self.weights_bytes
+                gather_s[(copy, i)] = (collective_s(Collective.ALL_GATHER, gather_bytes, self.group)
+                                       + GATHER_MEMORY_PASSES * gather_bytes / self.memory_bandwidth_Bps)
+                host_s[(copy, i)] = n * HOST_VIEW_S
+                numels[(copy, i)] = self.tensor_numels[i]
+        uses, forward_count = self.uses(forward_s, backward_s, full_recompute)
+        forward_uses, backward_uses = uses[:2 * forward_count], uses[2 * forward_count:]
+        # One layer's share: the two-layer walk less the first layer's walk alone.
+        both = exposed_gather_s(forward_uses, numels, gather_s, host_s) \
+            + exposed_gather_s(backward_uses, numels, gather_s, host_s)
+        half = len(backward_uses) // 2
+        first = exposed_gather_s(forward_uses[:forward_count], numels, gather_s, host_s) \
+            + exposed_gather_s(backward_uses[:half], numels, gather_s, host_s)
+        return total + both - first
+
+    def persistent_regather_s(self) -> float:
+        """This layer's part of the step-end gather of the tensors kept whole."""
+        return persistent_regather_s(self.tensor_numels, self.group.size, self.launch_overhead_s)

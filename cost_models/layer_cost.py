@@ -312,13 +312,16 @@ class LayerPrices:
                             compute: LayerCompute, per_token: float, gpu: GPUSpec, full_recompute: bool) -> float:
         """ZeRO-2/3 traffic every micro-batch, prefetched behind the layer's compute: the layer's
         share of its FSDP unit's messages (`IssuedCollectives._fsdp_collectives` counts them);
-        under train.zero3_runtime=deepspeed_2021, one exposed collective per tensor instead."""
+        under train.zero3_runtime=deepspeed_2021, one collective per tensor instead, overlapped only by
+        its coordinator's prefetch."""
         if layout.zero_stage < 2 or self.groups.grad_size(layout) == 1:
             return 0.0
-        if layout.zero_stage == 3 and self.train.zero3_runtime == "deepspeed_2021":
-            return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.groups.collective_s,
-                                                                             3 if full_recompute else 2)
         overhead = gpu.launch_overhead_s
+        if self._deepspeed_2021(layout):
+            forward = compute.forward_s * per_token + compute.forward_launches * overhead
+            backward = compute.backward_s * per_token + compute.backward_launches * overhead
+            return self._per_tensor_zero3(layer, split, layout, gpu).seconds(self.groups.collective_s, forward,
+                                                                             backward, full_recompute)
         _, is_root = self.structure.fsdp_unit_of(layer.name)
         if layout.pp > 1 and (layout.zero_stage == 2 or is_root):
             return 0.0  # gathered and reduced once per step under a pipeline schedule (per_step_parts)
@@ -339,6 +342,10 @@ class LayerPrices:
             return exposed_s(gather, forward) + exposed_s(rs, backward) + replicas
         # ZeRO-3 gathers the unit's parameters before its forward and again before its backward.
         return exposed_s(gather, forward) + exposed_s(gather + rs, backward) + replicas
+
+    def _deepspeed_2021(self, layout: ParallelLayout) -> bool:
+        """ZeRO-3 priced as DeepSpeed's stage 3 of 2021 ran it (cost_models.deepspeed_zero3)."""
+        return layout.zero_stage == 3 and self.train.zero3_runtime == "deepspeed_2021"
 
     def _per_tensor_zero3(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
                           gpu: GPUSpec) -> PerTensorZero3:
@@ -405,7 +412,9 @@ class LayerPrices:
             return self._scaled({"optimizer": update,
                                  "dp_comm": self._replica_sync_s(layer, split, layout, backward, forward)})
         if layout.pp == 1:  # ZeRO-2/3 reduce every micro-batch (_zero_micro_batch_s)
-            return self._scaled({"optimizer": update, "dp_comm": 0.0})
+            regather = (self._per_tensor_zero3(layer, split, layout, gpu).persistent_regather_s()
+                        if self._deepspeed_2021(layout) else 0.0)
+            return self._scaled({"optimizer": update, "dp_comm": regather})
         return self._scaled({"optimizer": update, "dp_comm": self._pipelined_zero_s(layer, split, layout, backward)})
 
     def _replica_sync_s(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout,
@@ -521,7 +530,7 @@ class LayerPrices:
         largest = self._largest_params_on_rank(layout.ep) / layout.tp
         buffers: dict[str, float] = {"cuda_context": cuda_context_bytes(gpu)}
         sharded = self.groups.grad_size(layout) > 1
-        if layout.zero_stage == 3 and sharded and self.train.zero3_runtime == "deepspeed_2021":
+        if sharded and self._deepspeed_2021(layout):
             # One tensor at a time, not a block (cost_models.deepspeed_zero3).
             buffers.update(per_tensor_buffers(self.structure.largest_tensor / layout.tp, self.weights_bytes,
                                               self.grads_bytes))

@@ -1,11 +1,13 @@
 """DeepSpeed's 2021 ZeRO-3 priced per tensor (cost_models/deepspeed_zero3.py), against hand-worked
-numbers, and as the A4 runs behaved: at a fixed batch, more GPUs do not shorten its step."""
+numbers: its coordinator's prefetch and reuse, and the gather of the whole tensors every step."""
 from types import SimpleNamespace
 
 import pytest
 
-from cost_models.collectives import Collective
-from cost_models.deepspeed_zero3 import HOST_VIEW_S, PERSISTENCE_THRESHOLD, REDUCE_BUCKET_ELEMENTS, PerTensorZero3
+from cost_models.collectives import OVERLAP_INTERFERENCE, Collective
+from cost_models.deepspeed_zero3 import (HOST_VIEW_S, MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, PERSISTENCE_THRESHOLD,
+                                         REDUCE_BUCKET_ELEMENTS, PerTensorZero3, per_tensor_buffers,
+                                         persistent_regather_s)
 
 
 def _wire_s(op, nbytes, group):
@@ -18,37 +20,81 @@ def _traffic(numels, ranks=100):
                           launch_overhead_s=9e-6, memory_bandwidth_Bps=1e12)
 
 
-def test_a_large_tensor_is_gathered_per_pass_and_reduce_scattered_once():
-    numel = 1_000_000  # 2 MB of weights, 4 MB of gradients
-    gather = 2e6 * 1e-12 + 100 * HOST_VIEW_S + 4 * 2e6 / 1e12
-    # memory: the copy into the bucket, the division and torch's flattening, each a read and a write
-    scatter = 4e6 * 1e-12 + 1e-3 + 100 * (HOST_VIEW_S + 9e-6) + 6 * 4e6 / 1e12
-    assert _traffic([numel]).seconds(_wire_s, gathers=3) == pytest.approx(3 * gather + scatter)
-    assert _traffic([numel]).seconds(_wire_s, gathers=2) == pytest.approx(2 * gather + scatter)
+def _scatter_s(numel, ranks=100, memory_passes=6):
+    return numel * 4 * 1e-12 + 1e-3 + ranks * (HOST_VIEW_S + 9e-6) + memory_passes * numel * 4 / 1e12
+
+
+def _gather_s(numel, ranks=100):
+    """Wire, the per-rank views on the host, and four bytes of memory traffic per byte gathered."""
+    return numel * 2 * 1e-12 + ranks * HOST_VIEW_S + 4 * numel * 2 / 1e12
+
+
+def test_a_tensor_reused_right_away_is_kept_between_its_rerun_and_its_backward():
+    """Without compute to hide behind: one tensor is gathered for forward and once more for the
+    re-run forward, whose gather the backward right after it reuses (reuse distance 0); two
+    tensors of 6e8 elements: the first's reuse distance (the second's re-run and backward, 1.2e9
+    elements) passes stage3_max_reuse_distance, so it is gathered a third time."""
+    one = 1_000_000
+    assert _traffic([one]).seconds(_wire_s, 0.0, 0.0, full_recompute=True) == pytest.approx(
+        2 * _gather_s(one) + _scatter_s(one))
+    assert _traffic([one]).seconds(_wire_s, 0.0, 0.0, full_recompute=False) == pytest.approx(
+        2 * _gather_s(one) + _scatter_s(one))
+    big = 600_000_000  # above the reduction bucket: reduced where it lies (4 passes, not 6)
+    assert 2 * big >= MAX_REUSE_DISTANCE > big
+    assert _traffic([big, big]).seconds(_wire_s, 0.0, 0.0, full_recompute=True) == pytest.approx(
+        5 * _gather_s(big) + 2 * _scatter_s(big, memory_passes=4))
+
+
+def test_the_prefetch_hides_a_gather_behind_the_module_before_it_unless_too_much_is_live():
+    """With compute far longer than any gather, every gather is hidden: each module prefetches the
+    next one's tensor, the last one the next layer's first; both tensors are reused within
+    stage3_max_reuse_distance, so the backward gathers nothing. What is left is the host's views
+    of the forward's and the re-run's gathers (they run while the GPU waits) and the
+    reduce-scatters, and the overlapped gathers' interference with the compute beside them
+    (collectives.OVERLAP_INTERFERENCE). Tensors of stage3_max_live_parameters elements are never
+    prefetched (and never kept): nothing is hidden."""
+    small = [1_000_000, 2_000_000]
+    hidden = _traffic(small).seconds(_wire_s, 10.0, 20.0, full_recompute=True)
+    host = sum(2 * 100 * HOST_VIEW_S for _ in small)
+    wire = sum(2 * (_gather_s(n) - 100 * HOST_VIEW_S) for n in small)
+    assert hidden == pytest.approx(host + OVERLAP_INTERFERENCE * wire + sum(_scatter_s(n) for n in small))
+    large = [MAX_LIVE_PARAMETERS, MAX_LIVE_PARAMETERS]
+    exposed = _traffic(large).seconds(_wire_s, 10.0, 20.0, full_recompute=True)
+    assert exposed == pytest.approx(_traffic(large).seconds(_wire_s, 0.0, 0.0, full_recompute=True))
 
 
 def test_a_tensor_below_the_persistence_threshold_is_only_reduce_scattered():
     small = PERSISTENCE_THRESHOLD - 1
-    scatter = small * 4 * 1e-12 + 1e-3 + 100 * (HOST_VIEW_S + 9e-6) + 6 * small * 4 / 1e12
-    assert _traffic([small]).seconds(_wire_s, gathers=3) == pytest.approx(scatter)
+    assert _traffic([small]).seconds(_wire_s, 1.0, 2.0, full_recompute=True) == pytest.approx(_scatter_s(small))
 
 
 def test_a_gradient_larger_than_the_reduction_bucket_is_not_copied_into_it():
     """Stage 3 reduces a gradient of more than reduce_bucket_size elements where it lies: divided
     and flattened (4 bytes of traffic per byte), not copied into the bucket first (6)."""
     large, fits = REDUCE_BUCKET_ELEMENTS + 1, REDUCE_BUCKET_ELEMENTS
-    per_byte = {numel: (_traffic([numel]).seconds(_wire_s, gathers=0) - 1e-3 - 100 * (HOST_VIEW_S + 9e-6))
-                / (numel * 4) for numel in (large, fits)}
-    assert per_byte[large] == pytest.approx(1e-12 + 4 / 1e12)
-    assert per_byte[fits] == pytest.approx(1e-12 + 6 / 1e12)
+    assert _traffic([large]).seconds(_wire_s, 0.0, 0.0, False) - 2 * _gather_s(large) == pytest.approx(
+        _scatter_s(large, memory_passes=4))
+    assert _traffic([fits]).seconds(_wire_s, 0.0, 0.0, False) - 2 * _gather_s(fits) == pytest.approx(
+        _scatter_s(fits, memory_passes=6))
 
 
 def test_the_host_work_grows_with_the_ranks_and_one_rank_moves_nothing():
     """Each collective builds one view per rank (and the reduce-scatter copies one piece per rank)."""
     few, many = _traffic([10**6], ranks=10), _traffic([10**6], ranks=1000)
-    per_rank = 3 * HOST_VIEW_S + HOST_VIEW_S + 9e-6
-    assert many.seconds(_wire_s, 3) - few.seconds(_wire_s, 3) == pytest.approx(990 * per_rank)
-    assert _traffic([10**6], ranks=1).seconds(_wire_s, 3) == 0.0
+    per_rank = 2 * HOST_VIEW_S + HOST_VIEW_S + 9e-6
+    assert many.seconds(_wire_s, 0.0, 0.0, True) - few.seconds(_wire_s, 0.0, 0.0, True) == pytest.approx(
+        990 * per_rank)
+    assert _traffic([10**6], ranks=1).seconds(_wire_s, 0.0, 0.0, True) == 0.0
+
+
+def test_every_step_ends_regathering_the_whole_tensors_one_piece_per_rank_from_python():
+    """`_post_step` gathers every tensor kept whole again, copying each rank's piece (ceil(numel /
+    ranks) elements) into place: a 20480-element norm on 2240 ranks has pieces of 10, 2048 of them
+    inside it, each a narrow, a view, a narrow and a copy launch. Gathered tensors are not in it."""
+    per_piece = 3 * HOST_VIEW_S + 9e-6
+    assert persistent_regather_s((20480,), 2240, 9e-6) == pytest.approx(2048 * per_piece)
+    assert persistent_regather_s((20480, PERSISTENCE_THRESHOLD), 8, 9e-6) == pytest.approx(8 * per_piece)
+    assert _traffic([20480, 10**6], ranks=2240).persistent_regather_s() == pytest.approx(2048 * per_piece)
 
 
 def test_the_pricer_prices_a_layout_as_deepspeed_2021_ran_it():
@@ -71,11 +117,12 @@ def test_the_pricer_prices_a_layout_as_deepspeed_2021_ran_it():
                                                                                 fsdp2).step_time_s
 
 
-def test_deepspeed_holds_one_tensor_in_flight_where_fsdp2_holds_two_blocks():
-    """Beside the model states DeepSpeed's 2021 stage 3 holds the largest tensor gathered (and the
-    all-gather's flat output) and its gradient (and the reduce-scatter's flat input), and all the
-    while its two 5e8-element gradient buckets; FSDP2 holds a block gathered and the next
-    prefetched, and the block's fp32 gradient."""
+def test_deepspeed_holds_its_largest_tensors_in_flight_where_fsdp2_holds_two_blocks():
+    """Beside the model states DeepSpeed's 2021 stage 3 holds the largest tensor gathered, a second
+    one prefetched beside it (below stage3_max_live_parameters elements) and that gather's flat
+    output, the largest gradient (and the reduce-scatter's flat input), and all the while its two
+    5e8-element gradient buckets; FSDP2 holds a block gathered and the next prefetched, and the
+    block's fp32 gradient. A tensor of stage3_max_live_parameters elements is held alone."""
     import math
 
     from cost_models.step import ParallelLayout, TrainSpec, estimate
@@ -92,5 +139,8 @@ def test_deepspeed_holds_one_tensor_in_flight_where_fsdp2_holds_two_blocks():
     block = max(layer.param_count for layer in profile.layers)
     tensor = max(math.prod(shape) for shape in profile.param_shapes.values())
     # bf16 weights and gradients (2 bytes each); FSDP2 reduces from fp32 (4 bytes).
-    fsdp2, deepspeed = 2 * block * 2 + block * 4, 2 * tensor * 2 + 2 * tensor * 2 + 2 * 500_000_000 * 2
+    fsdp2, deepspeed = 2 * block * 2 + block * 4, 3 * tensor * 2 + 2 * tensor * 2 + 2 * 500_000_000 * 2
     assert buffers["fsdp2"] - buffers["deepspeed_2021"] == fsdp2 - deepspeed
+    alone, prefetched = (per_tensor_buffers(n, 2, 2)["zero3_gathered_params"]
+                         for n in (MAX_LIVE_PARAMETERS, MAX_LIVE_PARAMETERS - 1))
+    assert (alone, prefetched) == (2 * MAX_LIVE_PARAMETERS * 2, 3 * (MAX_LIVE_PARAMETERS - 1) * 2)

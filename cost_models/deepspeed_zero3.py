@@ -22,7 +22,7 @@ What DeepSpeed's stage-3 code of that time did each step (partition_parameters.p
   `exposed_gather_s` walks one layer's uses in that order (a layer's forward compute split
   over its gathered tensors by their size, its backward likewise); each collective is priced by
   the same alpha-beta model as every other collective (cost_models.collectives: a ring over
-  1,536 ranks pays 1,535 per-step latencies per tensor).
+  1,536 ranks on 192 nodes pays 191 network latencies per tensor and 1,344 intra-node steps).
 - A tensor is otherwise gathered for its forward, again when activation checkpointing re-runs
   the forward, and again for the backward; every gradient tensor is reduce-scattered alone
   (`_reduce_scatter_gradients`, the path of `contiguous_gradients: true`). overlap_comm (on by

@@ -47,7 +47,10 @@ class NetworkSpec:
     `fall_measured` says whether a published node-count curve fixes the falls at all (False: they
     are 0, not because bandwidth holds with nodes but because nothing published says how it
     falls). `ll128` says whether NCCL runs its LL128 protocol across this fabric
-    (cost_models/collectives.py, PROTOCOLS)."""
+    (cost_models/collectives.py, PROTOCOLS). `ring_step_overhead_s` is what a step of a ring
+    spanning nodes costs at least when it stays inside a node (NCCL's per-step network overhead,
+    `collectives.intra_step_saving_s`); None: every step of such a ring is priced at the
+    network's latency, as the fabric's per-step latency was fitted."""
 
     name: str
     efficiency: float
@@ -58,6 +61,7 @@ class NetworkSpec:
     curve: str
     fall_measured: bool = False
     ll128: bool = True
+    ring_step_overhead_s: float | None = None
 
     def describe(self) -> str:
         """One line for reports: what the preset is fitted to and what is not measured."""
@@ -77,6 +81,10 @@ class NetworkSpec:
 # src/graph/tuning.cc, maxTreeBw): its interior ranks receive from two children and send to a
 # parent through one channel pair. Networks without a measured all-reduce curve keep that cap.
 NCCL_TREE_BUSBW_CAP_GBps = 80.0
+# NCCL's tuning model (src/graph/tuning.cc, getNetOverhead) charges every step of a ring that
+# spans nodes at least a network post overhead: 1 us on Intel hosts, 2 us on AMD ones (DGX A100);
+# three times that under the Simple protocol. Hosts are not described here: the larger.
+NCCL_NET_STEP_OVERHEAD_S = 2e-6
 
 NETWORKS: dict[str, NetworkSpec] = {spec.name: spec for spec in (
     # PUBLISHED.md E4 (NVIDIA GTC24 S62129): nccl-tests all-reduce busbw of multi-node DGX
@@ -87,14 +95,16 @@ NETWORKS: dict[str, NetworkSpec] = {spec.name: spec for spec in (
     # NCCL runs LL128 over InfiniBand (its verbs transport writes each 128-byte line in order).
     NetworkSpec("infiniband", NETWORK_EFFICIENCY, 0.0, 0.0, NCCL_TREE_BUSBW_CAP_GBps, 48,
                 "PUBLISHED.md E4 (GTC24 S62129 multi-node all-reduce busbw: DGX A100 192 GB/s, DGX H100 380 GB/s, "
-                "node count not stated); no node-count curve", fall_measured=False, ll128=True),
+                "node count not stated); no node-count curve", fall_measured=False, ll128=True,
+                ring_step_overhead_s=NCCL_NET_STEP_OVERHEAD_S),
     # PUBLISHED.md E4: RoCE at 200/400 Gb/s reaches the same busbw per NIC ("200 Gb RDMA (IB/RoCE)
     # 24 GB/s, 400 Gb 48"). No node-count curve and no training run on RoCE: every group across
     # nodes is an extrapolation.
     # RoCE is the same verbs transport to NCCL as InfiniBand: LL128 as there.
     NetworkSpec("roce", NETWORK_EFFICIENCY, 0.0, 0.0, NCCL_TREE_BUSBW_CAP_GBps, 0,
                 "PUBLISHED.md E4 (GTC24 S62129 RDMA busbw: 200 Gb IB/RoCE 24 GB/s, 400 Gb 48 GB/s); "
-                "no node-count curve", fall_measured=False, ll128=True),
+                "no node-count curve", fall_measured=False, ll128=True,
+                ring_step_overhead_s=NCCL_NET_STEP_OVERHEAD_S),
     # PUBLISHED.md D10 (Ultra-Scale Playbook, nccl busbw at 256 MB on 1-64 nodes of 8 H100 on AWS
     # EFA): the ring's fall and per-step latency (conf/cluster/p5_h100_efa.yaml: 43 us) fitted to
     # all-gather and reduce-scatter, the tree's fall to all-reduce, each never faster than the

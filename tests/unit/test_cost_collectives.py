@@ -11,7 +11,7 @@ from cost_models.collectives import (P2P_LL_THRESHOLD_BYTES, PROTOCOLS, SIMPLE_S
                                      Protocol, best_algorithm, best_protocol, bus_bandwidth, collective_time_s,
                                      protocol_time_s, protocols_for, flat_time_s, parameter_server_load_bytes,
                                      ring_per_worker_bytes)
-from cost_models.topology import ClusterConfig, ClusterSpec, Link, NetworkSpec
+from cost_models.topology import NCCL_NET_STEP_OVERHEAD_S, ClusterConfig, ClusterSpec, Link, NetworkSpec
 
 GB = 1e9
 LINK = Link(bandwidth_Bps=100 * GB, latency_s=5e-6, name="test")
@@ -83,15 +83,44 @@ def test_hierarchical_all_reduce_is_three_phases():
 def test_large_all_reduce_is_the_ring_over_every_nic(gpu, nodes, nic_GBps, link_GBps):
     """Hand count of a 16 GiB all-reduce over whole DGX nodes: NCCL's choice is the ring (a tree
     across more than two nodes is capped at 80 GB/s), one channel per NIC, so its busbw is the
-    ring's link less 2(n-1) latencies. (The published busbw of these systems, GTC24, is compared
-    in `python -m benchmarks.run collectives`.)"""
+    ring's link less its steps' latencies: across nodes 2(k-1) of its 2(n-1) steps cross a node at
+    the network's latency, the others at the NVLink's but at least three network post overheads
+    under Simple (NCCL's tuning model). (The published busbw of these systems, GTC24, is
+    compared in `python -m benchmarks.run collectives`.)"""
     spec = cluster(gpu, nodes, nic_GBps=nic_GBps)
     group = spec.group_links(list(range(spec.world_size)))
     n, size = group.size, 16 * 2**30
     cost = best_algorithm(Collective.ALL_REDUCE, size, group)
-    latency = spec.inter.latency_s if nodes > 1 else spec.intra.latency_s
+    if nodes > 1:
+        intra_step = max(spec.intra.latency_s, 3 * NCCL_NET_STEP_OVERHEAD_S)
+        latency = 2 * (nodes - 1) * spec.inter.latency_s + (2 * (n - 1) - 2 * (nodes - 1)) * intra_step
+    else:
+        latency = 2 * (n - 1) * spec.intra.latency_s
     assert cost.algorithm is Algorithm.RING
-    assert cost.seconds == pytest.approx(2 * (n - 1) * latency + 2 * (n - 1) / n * size / (link_GBps * GB))
+    assert cost.seconds == pytest.approx(latency + 2 * (n - 1) / n * size / (link_GBps * GB))
+
+
+def test_a_ring_across_nodes_pays_the_network_latency_only_where_it_crosses_a_node():
+    """An all-gather over 4 nodes of 8 GPUs takes 31 steps, 3 of them across a node boundary: at
+    Simple those pay the network's latency and the 28 others the NVLink's, but at least three
+    network post overheads. A fabric whose per-step latency was fitted with every step at it
+    (EFA) and a group of one rank per node keep 31 network latencies."""
+    spec = cluster("H100-SXM", 4, nic_GBps=50)
+    group = spec.group_links(list(range(spec.world_size)))
+    s = 2**30
+    intra_step = max(spec.intra.latency_s, 3 * NCCL_NET_STEP_OVERHEAD_S)
+    flat = flat_time_s(Collective.ALL_GATHER, Algorithm.RING, s, 32, group.ring_link)
+    split = protocol_time_s(Collective.ALL_GATHER, Algorithm.RING, Protocol.SIMPLE, s, group)
+    assert split == pytest.approx(flat - 28 * (spec.inter.latency_s - intra_step))
+    assert intra_step < spec.inter.latency_s
+    efa = ClusterSpec.from_config(ClusterConfig(name="efa", gpu="H100-SXM", nodes=4, gpus_per_node=8,
+                                                network="efa", inter_node_latency_us=43))
+    efa_group = efa.group_links(list(range(efa.world_size)))
+    assert protocol_time_s(Collective.ALL_GATHER, Algorithm.RING, Protocol.SIMPLE, s, efa_group) == pytest.approx(
+        flat_time_s(Collective.ALL_GATHER, Algorithm.RING, s, 32, efa_group.ring_link))
+    one_per_node = spec.group_links([0, 8, 16, 24])
+    assert protocol_time_s(Collective.ALL_GATHER, Algorithm.RING, Protocol.SIMPLE, s, one_per_node) == pytest.approx(
+        flat_time_s(Collective.ALL_GATHER, Algorithm.RING, s, 4, one_per_node.ring_link))
 
 
 def test_small_messages_across_nodes_take_the_tree():

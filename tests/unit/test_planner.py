@@ -203,11 +203,12 @@ class _SlowPricer:
         return self.pricer.fixed_time_s(candidate)
 
 
-def _gpt_on_64_h100(examples_dir) -> Planner:
-    """A 16-layer GPT on 8 nodes of 8 H100: a search big enough to stop early."""
+def _gpt_on_128_h100(examples_dir) -> Planner:
+    """A 16-layer GPT on 16 nodes of 8 H100: a search big enough to stop early (on 8 nodes the
+    search proves its optimum after pricing 34 candidates, before any work limit is checked)."""
     profile = profile_of(examples_dir, "gpt.py", {"layers": 16, "hidden": 1024, "heads": 16, "seq_len": 512,
                                                   "vocab": 4096})
-    return Planner(profile, cluster("H100-SXM", 8, 8), TrainSpec(global_batch_size=512), SolverConfig(top_k=1),
+    return Planner(profile, cluster("H100-SXM", 16, 8), TrainSpec(global_batch_size=512), SolverConfig(top_k=1),
                    PlanPins())
 
 
@@ -215,7 +216,7 @@ def test_work_limit_gives_the_same_plan_on_a_slow_machine(examples_dir):
     """A search stopped by its deterministic work budget returns the same plan, gap and priced
     count whether pricing is fast or 1 ms slower per candidate (wall time is only a safety cap,
     here never reached); the unstopped search proves optimal a plan at least as fast."""
-    planner = _gpt_on_64_h100(examples_dir)
+    planner = _gpt_on_128_h100(examples_dir)
     candidates = planner.candidates()
     full = PlanSearch(planner.pricer).run(candidates)
     budget = full.work / 2
@@ -235,7 +236,7 @@ def test_cutoff_search_looks_only_below_the_cutoff(examples_dir):
     """The robust objective's second search is cut off at the pessimistic price of the plan it
     would replace: above the optimum it finds the same plan pricing fewer candidates; at the
     optimum it finds nothing (no plan is faster than a cutoff just below it) and says so without a plan."""
-    planner = _gpt_on_64_h100(examples_dir)
+    planner = _gpt_on_128_h100(examples_dir)
     candidates = planner.candidates()
     full = PlanSearch(planner.pricer).run(candidates)
     best = full.best[0].step_time_s

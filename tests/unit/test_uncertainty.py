@@ -7,7 +7,7 @@ import math
 import pytest
 
 from cost_models.collectives import Algorithm, Collective, Protocol, collective_time_s
-from cost_models.topology import ClusterConfig, ClusterSpec
+from cost_models.topology import NCCL_NET_STEP_OVERHEAD_S, ClusterConfig, ClusterSpec
 from cost_models.uncertainty import (NETWORK_FALL_PER_DOUBLING, RESIDUAL_HIGH, RESIDUAL_LOW, UNCALIBRATED_GPU_SLOWDOWN,
                                      PredictionInterval,
                                      extrapolations, pessimistic_cluster)
@@ -35,14 +35,18 @@ def test_groups_beyond_the_measured_nodes_are_extrapolated():
 
 def test_pessimistic_price_slows_only_the_extrapolated_groups():
     """Hand count: a ring all-gather over all 1536 ranks (192 nodes) loses 1.8^log2(192/48) of its
-    bandwidth; one over 32 nodes and a point-to-point send keep their nominal price."""
+    bandwidth (its 191 steps across a node pay the network's latency, the 1344 others the
+    NVLink's, at least three network post overheads at Simple); one over 32 nodes and a
+    point-to-point send keep their nominal price."""
     spec = cluster()
     slow = pessimistic_cluster(spec, extrapolations(spec, 192))
     s = 1e9
     everyone = list(range(spec.world_size))
     nominal = spec.group_links(everyone).ring_link.bandwidth_Bps
     n = spec.world_size
-    expected = (n - 1) * spec.inter.latency_s + (n - 1) / n * s / (nominal / NETWORK_FALL_PER_DOUBLING ** math.log2(4))
+    intra_step = max(spec.intra.latency_s, 3 * NCCL_NET_STEP_OVERHEAD_S)
+    expected = (191 * spec.inter.latency_s + (n - 1 - 191) * intra_step
+                + (n - 1) / n * s / (nominal / NETWORK_FALL_PER_DOUBLING ** math.log2(4)))
     simple = (Algorithm.RING, Protocol.SIMPLE)  # the hand count is Simple's
     assert collective_time_s(Collective.ALL_GATHER, s, slow.group_links(everyone), *simple) == pytest.approx(expected)
     within = list(range(0, 256))

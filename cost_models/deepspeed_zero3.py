@@ -2,8 +2,15 @@
 (`train.zero3_runtime=deepspeed_2021`; Narayanan et al. 2021, Table 2, PUBLISHED.md A4), not
 one autopar generates (its ZeRO-3 is FSDP2: one all-gather per block, prefetched behind compute).
 
-What DeepSpeed's stage-3 code of that time did each step (partition_parameters.py `_allgather_param`,
-`_reduce_scatter_gradient`; stage3.py's parameter coordinator), and what each costs here:
+What DeepSpeed's stage-3 code of that time (v0.3.12, the first with stage 3, to v0.5) did each
+step (partition_parameters.py `_allgather_param`, `_reduce_scatter_gradient`; stage3.py's
+parameter coordinator), and what each costs here, with stage 3's settings as DeepSpeed's own
+Megatron GPT example set them when stage 3 came out (DeepSpeedExamples,
+Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_3_config.json, 2021-03-08): live parameters and
+reuse distance 1e8 elements, prefetch bucket 2.5e7, reduce bucket 5e7, overlap_comm and
+contiguous_gradients on; its persistence threshold is misspelt there (`persitance`), so the
+library's 1e5 holds. The paper does not publish its configuration; the library's own defaults
+(1e9, 1e9, 5e7, 5e8) let a 174.6B model prefetch nearly every gather.
 - Every parameter tensor of at least PERSISTENCE_THRESHOLD elements is partitioned over the
   whole data-parallel group and gathered alone: one NCCL all-gather per tensor, not one per
   block. Smaller tensors (biases, norms) stay whole on every rank and are never gathered.
@@ -14,8 +21,8 @@ What DeepSpeed's stage-3 code of that time did each step (partition_parameters.p
   tensors (until PREFETCH_BUCKET_ELEMENTS are in flight) on its communication stream, which
   then runs beside that module's compute; the next fetch waits for all of it. The prefetch is
   skipped while the tensors gathered and not yet released hold MAX_LIVE_PARAMETERS elements or
-  more: a model whose single weight matrices exceed 1e9 elements (A4's 529.6B: 1.26e9 and
-  1.68e9) prefetches almost nothing, a 174.6B one nearly every gather. A module's tensors are
+  more: a model whose single weight matrices exceed it (every matrix of A4's models: 0.15e9 to
+  1.68e9 elements) prefetches only what follows a module without one. A module's tensors are
   released after its use unless the elements the module trace uses before their next use are
   fewer than MAX_REUSE_DISTANCE (`_keep_for_later`): under full recomputation, a layer's last
   module runs its backward right after its re-run forward and keeps its tensor for it.
@@ -36,9 +43,11 @@ What DeepSpeed's stage-3 code of that time did each step (partition_parameters.p
   a copy launch for each rank whose piece lies inside it (`persistent_regather_s`). Every bias
   and norm of the model, times the ranks: 1.8 million launches a step for A4's 529.6B on 2240
   GPUs.
-- Not priced: v0.3.13-v0.4's default `contiguous_gradients: false`, under which stage 3 instead
+- Not priced: v0.3.13-v0.4's default `contiguous_gradients: false` (the example sets it true),
+  under which stage 3 instead
   all-reduces flattened buckets of whole gradients (`buffered_reduce_fallback`). Priced that way
-  (one all-reduce per 5e8-element bucket, six memory passes for flatten, divide and copy back)
+  (one all-reduce per 5e8-element bucket, the default then, six memory passes for flatten,
+  divide and copy back)
   A4's ZeRO-3 traffic comes out cheaper, not dearer (2240 GPUs, 529.6B: 81 s a step instead of
   106 s; 1536 GPUs, 174.6B: 35 s instead of 55 s), further from what the paper measured, so the
   reduce-scatter path is kept as the one the paper ran.
@@ -63,7 +72,7 @@ from typing import Callable
 from cost_models.collectives import Collective, exposed_s
 from cost_models.topology import GroupPlacement
 
-PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default
+PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default (the example misspells it)
 # One `flat.narrow(0, offset, size)` and `list.append` from Python, per rank: 1.6 us measured
 # with torch 2.x on the 2-core CI machine (2021's dispatcher was no faster); not fitted to A4.
 HOST_VIEW_S = 1.6e-6
@@ -71,11 +80,11 @@ GATHER_MEMORY_PASSES = 4
 SCATTER_MEMORY_PASSES = 2  # torch's copy of the list into one flat input
 DIVIDE_MEMORY_PASSES = 2  # average_tensor's in-place division by the group size
 BUCKET_COPY_MEMORY_PASSES = 2  # the copy into the contiguous reduction bucket
-REDUCE_BUCKET_ELEMENTS = 500_000_000  # stage 3's reduce_bucket_size default
+REDUCE_BUCKET_ELEMENTS = 50_000_000  # reduce_bucket_size, the example's (default 5e8)
 REDUCE_BUCKETS = 2  # ipg_buffer: one, and a second to fill while the first reduces under overlap_comm
-MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters' default: no prefetch at or above it
-MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance's default: kept if reused within it
-PREFETCH_BUCKET_ELEMENTS = 50_000_000  # stage3_prefetch_bucket_size's default
+MAX_LIVE_PARAMETERS = 100_000_000  # stage3_max_live_parameters, the example's (default 1e9): no prefetch at it
+MAX_REUSE_DISTANCE = 100_000_000  # stage3_max_reuse_distance, the example's (default 1e9): kept if reused within it
+PREFETCH_BUCKET_ELEMENTS = 25_000_000  # stage3_prefetch_bucket_size, the example's (default 5e7)
 # One pass of `_allgather_params`' copy loop: narrow, view, narrow (HOST_VIEW_S each) and a copy launch.
 REGATHER_VIEWS_PER_PIECE = 3
 
@@ -86,7 +95,7 @@ def per_tensor_buffers(largest_numel: float, weights_bytes: int, grads_bytes: in
     into the list's views), in backward its whole gradient and the reduce-scatter's flattened
     input. Below stage3_max_live_parameters the coordinator prefetches the next tensor while it
     is live, so a second one is gathered beside it (priced as large: the bound); at or above it
-    (A4's 529.6B) it is held alone. FSDP2's buffers are a whole block's, and two of them. Beside
+    (every matrix of A4's models) it is held alone. FSDP2's buffers are a whole block's, and two of them. Beside
     them, all through the step, the two contiguous reduction buckets (`ipg_buffer`, two with
     overlap_comm) the gradients are copied into."""
     gathered = 3 if largest_numel < MAX_LIVE_PARAMETERS else 2

@@ -32,15 +32,15 @@ def _gather_s(numel, ranks=100):
 def test_a_tensor_reused_right_away_is_kept_between_its_rerun_and_its_backward():
     """Without compute to hide behind: one tensor is gathered for forward and once more for the
     re-run forward, whose gather the backward right after it reuses (reuse distance 0); two
-    tensors of 6e8 elements: the first's reuse distance (the second's re-run and backward, 1.2e9
-    elements) passes stage3_max_reuse_distance, so it is gathered a third time."""
+    tensors of 6e7 elements: the first's reuse distance (the second's re-run and backward, 1.2e8
+    elements) passes stage3_max_reuse_distance (1e8), so it is gathered a third time."""
     one = 1_000_000
     assert _traffic([one]).seconds(_wire_s, 0.0, 0.0, full_recompute=True) == pytest.approx(
         2 * _gather_s(one) + _scatter_s(one))
     assert _traffic([one]).seconds(_wire_s, 0.0, 0.0, full_recompute=False) == pytest.approx(
         2 * _gather_s(one) + _scatter_s(one))
-    big = 600_000_000  # above the reduction bucket: reduced where it lies (4 passes, not 6)
-    assert 2 * big >= MAX_REUSE_DISTANCE > big
+    big = 60_000_000  # above the reduction bucket: reduced where it lies (4 passes, not 6)
+    assert 2 * big >= MAX_REUSE_DISTANCE > big > REDUCE_BUCKET_ELEMENTS
     assert _traffic([big, big]).seconds(_wire_s, 0.0, 0.0, full_recompute=True) == pytest.approx(
         5 * _gather_s(big) + 2 * _scatter_s(big, memory_passes=4))
 
@@ -121,7 +121,7 @@ def test_deepspeed_holds_its_largest_tensors_in_flight_where_fsdp2_holds_two_blo
     """Beside the model states DeepSpeed's 2021 stage 3 holds the largest tensor gathered, a second
     one prefetched beside it (below stage3_max_live_parameters elements) and that gather's flat
     output, the largest gradient (and the reduce-scatter's flat input), and all the while its two
-    5e8-element gradient buckets; FSDP2 holds a block gathered and the next prefetched, and the
+    gradient buckets (reduce_bucket_size elements each); FSDP2 holds a block gathered and the next prefetched, and the
     block's fp32 gradient. A tensor of stage3_max_live_parameters elements is held alone."""
     import math
 
@@ -139,7 +139,7 @@ def test_deepspeed_holds_its_largest_tensors_in_flight_where_fsdp2_holds_two_blo
     block = max(layer.param_count for layer in profile.layers)
     tensor = max(math.prod(shape) for shape in profile.param_shapes.values())
     # bf16 weights and gradients (2 bytes each); FSDP2 reduces from fp32 (4 bytes).
-    fsdp2, deepspeed = 2 * block * 2 + block * 4, 3 * tensor * 2 + 2 * tensor * 2 + 2 * 500_000_000 * 2
+    fsdp2, deepspeed = 2 * block * 2 + block * 4, 3 * tensor * 2 + 2 * tensor * 2 + 2 * REDUCE_BUCKET_ELEMENTS * 2
     assert buffers["fsdp2"] - buffers["deepspeed_2021"] == fsdp2 - deepspeed
     alone, prefetched = (per_tensor_buffers(n, 2, 2)["zero3_gathered_params"]
                          for n in (MAX_LIVE_PARAMETERS, MAX_LIVE_PARAMETERS - 1))

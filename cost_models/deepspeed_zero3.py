@@ -112,15 +112,18 @@ def gradient_memory_passes(numel: float) -> int:
     return bucket_copy + DIVIDE_MEMORY_PASSES + SCATTER_MEMORY_PASSES
 
 
+TensorId = tuple[int, int]  # (which copy of the layer, which of its gathered tensors)
+
+
 @dataclass(frozen=True)
 class TensorUse:
     """One module's use of a gathered tensor, in the order the coordinator's trace sees it."""
 
-    tensor: tuple[int, int]  # (which copy of the layer, which of its gathered tensors)
+    tensor: TensorId
     compute_s: float
 
 
-def _reuse_distance(uses: list[TensorUse], at: int, numels: dict[tuple[int, int], float]) -> float:
+def _reuse_distance(uses: list[TensorUse], at: int, numels: dict[TensorId, float]) -> float:
     """Elements the uses between `at` and the next use of the same tensor gather (infinite if
     it is not used again), as `get_reuse_distance_in_numel` counts them."""
     for later in range(at + 1, len(uses)):
@@ -129,8 +132,8 @@ def _reuse_distance(uses: list[TensorUse], at: int, numels: dict[tuple[int, int]
     return float("inf")
 
 
-def exposed_gather_s(uses: list[TensorUse], numels: dict[tuple[int, int], float],
-                     gather_s: dict[tuple[int, int], float], host_s: dict[tuple[int, int], float]) -> float:
+def exposed_gather_s(uses: list[TensorUse], numels: dict[TensorId, float],
+                     gather_s: dict[TensorId, float], host_s: dict[TensorId, float]) -> float:
     """Seconds the gathers of `uses` leave exposed under stage 3's coordinator: a fetch waits for
     what is in flight (less the compute it ran beside, plus the interference of running beside it:
     `collectives.exposed_s`) and gathers what is missing; then, unless
@@ -138,8 +141,8 @@ def exposed_gather_s(uses: list[TensorUse], numels: dict[tuple[int, int], float]
     compute; after the use the tensor is released unless reused within MAX_REUSE_DISTANCE. The
     host's per-rank views of every gather (`host_s`) run while the GPU waits."""
     exposed = 0.0
-    live: set[tuple[int, int]] = set()
-    in_flight: list[tuple[int, int]] = []
+    live: set[TensorId] = set()
+    in_flight: list[TensorId] = []
     overlap = 0.0
     for at, use in enumerate(uses):
         if in_flight:

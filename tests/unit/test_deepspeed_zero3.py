@@ -6,8 +6,8 @@ import pytest
 
 from cost_models.collectives import OVERLAP_INTERFERENCE, Collective
 from cost_models.deepspeed_zero3 import (HOST_VIEW_S, MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, PERSISTENCE_THRESHOLD,
-                                         REDUCE_BUCKET_ELEMENTS, PerTensorZero3, per_tensor_buffers,
-                                         persistent_regather_s)
+                                         REDUCE_BUCKET_ELEMENTS, PerTensorZero3, TensorUse, exposed_gather_s,
+                                         per_tensor_buffers, persistent_regather_s)
 
 
 def _wire_s(op, nbytes, group):
@@ -144,3 +144,29 @@ def test_deepspeed_holds_its_largest_tensors_in_flight_where_fsdp2_holds_two_blo
     alone, prefetched = (per_tensor_buffers(n, 2, 2)["zero3_gathered_params"]
                          for n in (MAX_LIVE_PARAMETERS, MAX_LIVE_PARAMETERS - 1))
     assert (alone, prefetched) == (2 * MAX_LIVE_PARAMETERS * 2, 3 * (MAX_LIVE_PARAMETERS - 1) * 2)
+
+
+def test_two_layers_price_a_layer_in_steady_state():
+    """`PerTensorZero3.seconds` prices a layer as the walk over two identical layers less the walk
+    over one: exact when every further layer costs the same, which the walk over three layers
+    shows (forward, and re-run forward then backward), with tensors below and above the live
+    limit and compute that hides some gathers and not others. A layer's first gather is
+    prefetched behind the layer before only when that layer's last tensor is under the limit."""
+    compute = (0.003, 0.0005, 0.02)
+
+    def walk(numels: tuple[float, ...], layers: int, backward: bool) -> float:
+        order = [(i, compute[i]) for i in range(3)]
+        if backward:
+            order = order + [(i, 2 * compute[i]) for i in reversed(range(3))]
+        uses = [TensorUse((copy, i), s) for copy in range(layers) for i, s in order]
+        keys = {(copy, i) for copy in range(layers) for i in range(3)}
+        return exposed_gather_s(uses, {k: numels[k[1]] for k in keys}, {k: 1e-3 * (1 + k[1]) for k in keys},
+                                {k: 1e-4 for k in keys})
+
+    last_large, last_small = (4e7, 2e7, 1.5 * MAX_LIVE_PARAMETERS), (4e7, 1.5 * MAX_LIVE_PARAMETERS, 2e7)
+    for numels in (last_large, last_small):
+        for backward in (False, True):
+            one, two, three = (walk(numels, n, backward) for n in (1, 2, 3))
+            assert three - two == pytest.approx(two - one)
+    assert walk(last_large, 2, False) - walk(last_large, 1, False) == pytest.approx(walk(last_large, 1, False))
+    assert walk(last_small, 2, False) - walk(last_small, 1, False) < walk(last_small, 1, False)

@@ -59,12 +59,6 @@ def build_cluster(cfg: Any) -> ClusterSpec:
                           "`autopar plan --help` lists the cluster presets and fields.") from None
 
 
-def engine_tp_runtime(cfg: Any) -> str:
-    """How the engine plan.engine names runs tensor parallelism (autopar.emit), else the generated
-    module's DTensor."""
-    return _engine_setting(cfg, "tp_runtime", "dtensor")
-
-
 def _engine_setting(cfg: Any, name: str, generated: str) -> str:
     """A runtime setting of the engine plan.engine names (autopar.emit), else the generated module's."""
     engine = OmegaConf.select(cfg, "plan.engine", default=None)
@@ -79,7 +73,8 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     """The training settings the cost model reads; with train.router_checkpoint, the tokens per
     expert measured from it (once per model, checkpoint and settings)."""
     load: tuple = ()
-    tp_runtime = OmegaConf.select(cfg, "train.tp_runtime", default=None) or engine_tp_runtime(cfg)
+    tp_runtime = (OmegaConf.select(cfg, "train.tp_runtime", default=None)
+                  or _engine_setting(cfg, "tp_runtime", "dtensor"))
     if tp_runtime not in TP_RUNTIMES:
         raise ConfigError(f"Unknown train.tp_runtime '{tp_runtime}'.",
                           "use dtensor (the generated module's tensor parallelism), plain (Megatron-style, on "

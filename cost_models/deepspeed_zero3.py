@@ -198,25 +198,26 @@ class PerTensorZero3:
         """The tensors stage 3 gathers (the others stay whole), in the layer's order."""
         return [i for i, numel in enumerate(self.tensor_numels) if numel >= PERSISTENCE_THRESHOLD]
 
-    def uses(self, forward_s: float, backward_s: float, full_recompute: bool) -> tuple[list[TensorUse], int]:
-        """Two consecutive identical layers' module uses in forward, then in backward (re-run
+    def passes(self, forward_s: float, backward_s: float, full_recompute: bool,
+               layers: int) -> tuple[list[TensorUse], list[TensorUse]]:
+        """`layers` consecutive identical layers' module uses in forward, and in backward (re-run
         forward, if any, then backward in reverse), each use carrying its share (by size) of the
-        layer's compute; and where the second layer's forward uses start, so that a layer is
-        priced in steady state (prefetch across the layer boundary)."""
+        layer's compute."""
         gathered = self.gathered()
         total = sum(self.tensor_numels[i] for i in gathered) or 1.0
         forward = [(i, forward_s * self.tensor_numels[i] / total) for i in gathered]
         backward = [(i, backward_s * self.tensor_numels[i] / total) for i in reversed(gathered)]
-        forward_uses = [TensorUse((copy, i), s) for copy in range(2) for i, s in forward]
-        backward_uses = [TensorUse((copy, i), s) for copy in range(2)
-                         for i, s in ((forward if full_recompute else []) + backward)]
-        return forward_uses + backward_uses, len(forward)
+        backward = (forward if full_recompute else []) + backward
+        return ([TensorUse((copy, i), s) for copy in range(layers) for i, s in forward],
+                [TensorUse((copy, i), s) for copy in range(layers) for i, s in backward])
 
     def seconds(self, collective_s: Callable[[Collective, float, GroupPlacement], float],
                 forward_s: float, backward_s: float, full_recompute: bool) -> float:
         """Seconds the layer's gathers (walked by `exposed_gather_s`: forward, the re-run forward
         under full recomputation, backward) and gradient reduce-scatters add to a micro-batch in
-        which it computes `forward_s` and `backward_s`."""
+        which it computes `forward_s` and `backward_s`. A layer is priced in steady state, the
+        prefetch across the layer boundary included: the walk over two layers less the walk over
+        one."""
         n = self.group.size
         if n <= 1:
             return 0.0
@@ -226,23 +227,19 @@ class PerTensorZero3:
             total += (collective_s(Collective.REDUCE_SCATTER, scatter_bytes, self.group)
                       + n * (HOST_VIEW_S + self.launch_overhead_s)
                       + gradient_memory_passes(numel) * scatter_bytes / self.memory_bandwidth_Bps)
-        gather_s, host_s, numels = {}, {}, {}
-        for copy in range(2):
-            for i in self.gathered():
-                gather_bytes = self.tensor_numels[i] * self.weights_bytes
-                gather_s[(copy, i)] = (collective_s(Collective.ALL_GATHER, gather_bytes, self.group)
-                                       + GATHER_MEMORY_PASSES * gather_bytes / self.memory_bandwidth_Bps)
-                host_s[(copy, i)] = n * HOST_VIEW_S
-                numels[(copy, i)] = self.tensor_numels[i]
-        uses, forward_count = self.uses(forward_s, backward_s, full_recompute)
-        forward_uses, backward_uses = uses[:2 * forward_count], uses[2 * forward_count:]
-        # One layer's share: the two-layer walk less the first layer's walk alone.
-        both = exposed_gather_s(forward_uses, numels, gather_s, host_s) \
-            + exposed_gather_s(backward_uses, numels, gather_s, host_s)
-        half = len(backward_uses) // 2
-        first = exposed_gather_s(forward_uses[:forward_count], numels, gather_s, host_s) \
-            + exposed_gather_s(backward_uses[:half], numels, gather_s, host_s)
-        return total + both - first
+        gather_bytes = {i: self.tensor_numels[i] * self.weights_bytes for i in self.gathered()}
+        wire_s = {i: collective_s(Collective.ALL_GATHER, size, self.group)
+                  + GATHER_MEMORY_PASSES * size / self.memory_bandwidth_Bps for i, size in gather_bytes.items()}
+        keys = [(copy, i) for copy in range(2) for i in gather_bytes]
+        gather_s = {key: wire_s[key[1]] for key in keys}
+        host_s = {key: n * HOST_VIEW_S for key in keys}
+        numels = {key: self.tensor_numels[key[1]] for key in keys}
+
+        def walked_s(layers: int) -> float:
+            return sum(exposed_gather_s(uses, numels, gather_s, host_s)
+                       for uses in self.passes(forward_s, backward_s, full_recompute, layers))
+
+        return total + walked_s(2) - walked_s(1)
 
     def persistent_regather_s(self) -> float:
         """This layer's part of the step-end gather of the tensors kept whole."""

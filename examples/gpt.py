@@ -8,7 +8,9 @@ Size comes from keyword arguments (Hydra overrides ``model.<name>=<value>``):
 the runs of its papers): every query's scores against every key in one batched matmul, a softmax
 over them, dropout on the probabilities, a second batched matmul. ``attention_dropout`` is the rate
 of that dropout, ``hidden_dropout`` the one on each block's two residual branches (Megatron-LM's
-defaults are 0.1 for both).
+defaults are 0.1 for both). ``logits_fp32`` returns the logits in fp32, so the loss is computed in
+fp32 as Megatron-LM computes it (its GPT casts the logits with ``.float()`` before the cross-entropy
+unless ``--fp16-lm-cross-entropy``; Megatron-Core's vocab-parallel cross-entropy casts them itself).
 """
 from __future__ import annotations
 
@@ -102,8 +104,10 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int, fused_qkv: bool = False,
-                 attention: str = "sdpa", attention_dropout: float = 0.0, hidden_dropout: float = 0.0):
+                 attention: str = "sdpa", attention_dropout: float = 0.0, hidden_dropout: float = 0.0,
+                 logits_fp32: bool = False):
         super().__init__()
+        self.logits_fp32 = logits_fp32
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seq_len, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads, fused_qkv, attention, attention_dropout, hidden_dropout)
@@ -121,13 +125,15 @@ class GPT(nn.Module):
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        return logits.float() if self.logits_fp32 else logits
 
 
 def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int = 128,
                 vocab: int = 1024, fused_qkv: bool = False, attention: str = "sdpa", attention_dropout: float = 0.0,
-                hidden_dropout: float = 0.0) -> nn.Module:
-    return GPT(layers, hidden, heads, seq_len, vocab, fused_qkv, attention, attention_dropout, hidden_dropout)
+                hidden_dropout: float = 0.0, logits_fp32: bool = False) -> nn.Module:
+    return GPT(layers, hidden, heads, seq_len, vocab, fused_qkv, attention, attention_dropout, hidden_dropout,
+               logits_fp32)
 
 
 def example_batch(batch_size: int, seq_len: int = 128, vocab: int = 1024):

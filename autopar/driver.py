@@ -72,7 +72,7 @@ def run_estimate(model_path: str | Path, cfg: Any,
     if profile is None:
         profile = run_profile(model_path, cfg)
     train = train_spec(cfg, model_path)
-    pricer = PlanPricer(profile, cluster, train, ILPSplitter(profile, selective_runtime=train.selective_runtime))
+    pricer = PlanPricer(profile, cluster, train, ILPSplitter.for_training(profile, train))
     try:
         return profile, layout, pricer.estimate(layout)
     except ValueError as err:

@@ -121,8 +121,7 @@ def price_saved_plan(plan: Any, model_path: str | Path,
     train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer,
                       moe_imbalance=plan.moe_imbalance,
                       expert_load=tuple((fqn, tuple(counts)) for fqn, counts in sorted(plan.expert_load.items())))
-    splitter = ILPSplitter(profile)
-    pricer = PlanPricer(profile, cluster, train, splitter)
+    pricer = PlanPricer(profile, cluster, train, ILPSplitter.for_training(profile, train))
     try:
         return pricer, pricer.estimate(plan.layout())
     except ValueError as err:

@@ -115,7 +115,8 @@ def _price_faked_tp_rank(run: dict) -> tuple[float, float, int]:
 
     path, cfg, profile = traced(run)
     cluster = build_cluster(cfg)
-    pricer = PlanPricer(profile, cluster, train_spec(cfg, path), ILPSplitter(profile))
+    train = train_spec(cfg, path)
+    pricer = PlanPricer(profile, cluster, train, ILPSplitter.for_training(profile, train))
     layout = pinned_layout(cfg, cluster)
     gpu = cluster.node_gpus[0]
     modules = sum(pricer.split(layer.name, layout, gpu).dtensor_modules(layout.sequence_parallel)

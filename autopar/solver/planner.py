@@ -154,7 +154,7 @@ class Planner:
         self.pins = pins
         self.progress = progress
         self.shape = ModelShape.from_profile(profile)
-        self.splitter = ILPSplitter(profile, selective_runtime=train.selective_runtime)
+        self.splitter = ILPSplitter.for_training(profile, train)
         options = (pins.recompute,) if pins.recompute and not pins.layer_recompute else tuple(solver.recompute_options)
         if pins.layer_recompute:
             options = tuple(dict.fromkeys([*options, Recompute.NONE.value, *pins.layer_recompute.values()]))

@@ -27,6 +27,7 @@ from cost_models.tp_layout import ModuleTree, SPRole, after_blocks, paired_regio
 if TYPE_CHECKING:
     from autopar.profile import ModelProfile, OpProfile
     from cost_models.layer_split import TPSplitter
+    from autopar.domain.layout import TrainSpec
 
 _SHARDED = {"colwise", "rowwise", "vocab_parallel", "hidden_parallel", "S", "loss_parallel", "head_norm"}
 _SHARDED_OUTPUT = {"colwise", "hidden_parallel", "S", "loss_parallel", "head_norm"}  # saved outputs divide by t
@@ -107,6 +108,12 @@ class ILPSplitter:
         # reductions of per-head norms that may run on head shards (autopar.solver.tp_head_norms)
         self.head_norms = head_norm_reductions(profile)
         self._attention_inputs: set[str] | None = None  # modules computing an attention's inputs, found once
+
+    @classmethod
+    def for_training(cls, profile: "ModelProfile", train: "TrainSpec") -> "ILPSplitter":
+        """The splitter a pricer of `train` needs: its selective recomputation reruns what
+        `train.selective_runtime` reruns."""
+        return cls(profile, selective_runtime=train.selective_runtime)
 
     def kv_group_modules(self, layer_name: str, tp: int) -> dict[str, tuple[float, tuple[float, ...]]]:
         """The layer's key/value projections offered the kv_group style at ``tp`` -> (how many

@@ -162,7 +162,7 @@ def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None) -
     layout = pinned_layout(cfg, cluster)
     recompute = (layout.recompute,)
     train = train_spec(cfg)
-    pricer = PlanPricer(profile, cluster, train, ILPSplitter(profile, selective_runtime=train.selective_runtime),
+    pricer = PlanPricer(profile, cluster, train, ILPSplitter.for_training(profile, train),
                         recompute_options=tuple(dict.fromkeys(("none", *recompute))))
     estimate = pricer.estimate(layout)
     step, work = measured_step_s(run, cluster.world_size)

@@ -11,7 +11,8 @@ call (and, as any multiprocessing child, its sys.path and working folder), as a 
 Ranks meet through a file store in a fresh temporary folder (``file://`` init method), so two
 runs at once never race for a TCP port. When any rank raises, the others are stopped and
 `RankFailure` carries the failing rank's traceback, so a test failure shows the real error
-instead of a hung or silent process group.
+instead of a hung or silent process group. Ranks that fail to set up gloo itself (inside
+init_process_group, before the function runs) are started again once (INIT_ATTEMPTS).
 """
 from __future__ import annotations
 
@@ -62,8 +63,28 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
+# Setting up gloo's full mesh over loopback TCP fails now and then on a loaded machine ("Connection
+# closed by peer" inside init_process_group, before any test code runs): such a run is started
+# again, all ranks afresh, this many times in all. A failure in the function itself never is.
+INIT_ATTEMPTS = 2
+
+
+class _InitFailure(RankFailure):
+    """A rank failed inside init_process_group: the transport, not the code under test."""
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; results by rank."""
+    for attempt in range(1, INIT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout_s)
+        except _InitFailure:
+            if attempt == INIT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
     context = _CONTEXT
     results = context.Queue()
     folder = Path(tempfile.mkdtemp(prefix="ranks_"))
@@ -79,14 +100,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     try:
         while len(outcome) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
+                rank, stage, value = results.get(timeout=timeout_s)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(outcome))
                 raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
-            if not ok:
+            if stage != "done":
                 killed = _killed_by_signal(processes)
                 note = "".join(f"\nrank {r} died by signal {-processes[r].exitcode}" for r in killed)
-                raise RankFailure(f"rank {rank} of {world_size} failed:{note}\n{value}", killed)
+                failure = _InitFailure if stage == "init" and not killed else RankFailure
+                raise failure(f"rank {rank} of {world_size} failed:{note}\n{value}", killed)
             outcome[rank] = value
     finally:
         for process in processes:
@@ -110,13 +132,15 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, r
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    stage = "init"
     try:
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
+        stage = "call"
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        results.put((rank, "done", value))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit from user code
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, stage, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

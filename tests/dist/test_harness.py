@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.dist import harness
 from tests.dist.harness import RankFailure, run_ranks
 
 
@@ -27,9 +28,32 @@ def test_all_reduce_over_four_ranks():
     assert results == [[6.0, 4.0]] * 4
 
 
-def test_failing_rank_traceback_is_surfaced():
+def _counted_runs(monkeypatch) -> list[int]:
+    """How many times run_ranks starts the ranks (its attempts), recorded as they start."""
+    attempts: list[int] = []
+    run_once = harness._run_once
+
+    def counted(*args, **kwargs):
+        attempts.append(1)
+        return run_once(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "_run_once", counted)
+    return attempts
+
+
+def test_failing_rank_traceback_is_surfaced(monkeypatch):
+    attempts = _counted_runs(monkeypatch)
     with pytest.raises(RankFailure, match=r"rank 1 of 2 failed:(.|\n)*ValueError: rank one is broken on purpose"):
         run_ranks(_fail_on_rank_one, 2, timeout_s=60)
+    assert len(attempts) == 1  # a failure of the code under test is never run again
+
+
+def test_ranks_that_cannot_set_up_gloo_are_started_again_then_reported(monkeypatch):
+    attempts = _counted_runs(monkeypatch)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # every rank's init_process_group fails
+    with pytest.raises(RankFailure, match=r"rank \d of 2 failed:(.|\n)*init_process_group"):
+        run_ranks(_all_reduce_rank_ids, 2, timeout_s=60)
+    assert len(attempts) == harness.INIT_ATTEMPTS
 
 
 def _abort_on_rank_one(rank: int, world_size: int) -> None:

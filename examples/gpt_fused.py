@@ -1,7 +1,8 @@
 """The GPT of examples/gpt.py written as Megatron-LM, nanoGPT and minGPT write attention: one fused
 ``c_attn`` projection for q, k and v, cut by ``split(hidden, dim=2)``, then viewed by the global
 head count (``view(b, s, self.heads, hidden // self.heads)``). Tensor parallelism splits it as its
-parts: each rank holds its heads' rows of q, k and v (autopar.solver.tp_fused).
+parts: each rank holds its heads' rows of q, k and v (autopar.solver.tp_fused). ``logits_fp32``
+returns the logits in fp32, so the loss is computed in fp32, as examples/gpt.py's does.
 
     autopar plan examples/gpt_fused.py model.layers=24 model.hidden=2048 model.heads=16 plan.tp=4
 """
@@ -54,8 +55,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int):
+    def __init__(self, layers: int, hidden: int, heads: int, seq_len: int, vocab: int, logits_fp32: bool = False):
         super().__init__()
+        self.logits_fp32 = logits_fp32
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seq_len, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
@@ -72,12 +74,13 @@ class GPT(nn.Module):
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        return logits.float() if self.logits_fp32 else logits
 
 
 def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, seq_len: int = 128,
-                vocab: int = 1024) -> nn.Module:
-    return GPT(layers, hidden, heads, seq_len, vocab)
+                vocab: int = 1024, logits_fp32: bool = False) -> nn.Module:
+    return GPT(layers, hidden, heads, seq_len, vocab, logits_fp32)
 
 
 def example_batch(batch_size: int, seq_len: int = 128, vocab: int = 1024):

@@ -13,8 +13,8 @@ from autopar.errors import ConfigError
 from autopar.model_file import load_model_file
 from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.topology import ClusterSpec
-from autopar.domain.vocabulary import (SELECTIVE_RUNTIMES, TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy, DPSync, Recompute,
-                                       Schedule)
+from autopar.domain.vocabulary import (GRAD_REDUCE_DTYPES, SELECTIVE_RUNTIMES, TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy,
+                                       DPSync, Recompute, Schedule)
 
 T = TypeVar("T")
 
@@ -91,6 +91,11 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
         raise ConfigError(f"Unknown train.selective_runtime '{selective_runtime}'.",
                           "use autopar (the generated module's selective recomputation) or torchtitan_op "
                           "(torchtitan's op-level policy: for pricing that engine's runs).")
+    grad_reduce_dtype = OmegaConf.select(cfg, "train.grad_reduce_dtype", default="fp32")
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ConfigError(f"Unknown train.grad_reduce_dtype '{grad_reduce_dtype}'.",
+                          "use fp32 (the generated module reduces gradients in fp32) or compute (16-bit gradients "
+                          "reduced as computed: for pricing runs of engines that do so).")
     checkpoint = OmegaConf.select(cfg, "train.router_checkpoint", default=None)
     if checkpoint and model_path is not None:
         load = measured_expert_load(str(model_path), str(checkpoint), tuple(sorted(model_kwargs(cfg).items())),
@@ -98,7 +103,8 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     return TrainSpec(global_batch_size=cfg.train.global_batch_size, precision=cfg.train.precision,
                      optimizer=cfg.train.optimizer, moe_imbalance=cfg.train.moe_imbalance, expert_load=load,
                      clip_grad_norm=float(OmegaConf.select(cfg, "optim.max_grad_norm", default=1.0)) > 0,
-                     tp_runtime=tp_runtime, zero3_runtime=zero3_runtime, selective_runtime=selective_runtime)
+                     tp_runtime=tp_runtime, zero3_runtime=zero3_runtime, selective_runtime=selective_runtime,
+                     grad_reduce_dtype=grad_reduce_dtype)
 
 
 @functools.lru_cache(maxsize=4)

@@ -46,7 +46,9 @@ def _planned(ptdp: dict, zero3: dict) -> Any:
     from autopar.driver import run_plan
 
     unpinned = {**ptdp, "model": zero3["model"], "plan": {}}
-    settings = [word for word in overrides(unpinned) if not word.startswith("train.zero3_runtime")]
+    # Priced as the generated module runs: FSDP2's ZeRO-3 and gradients reduced in fp32.
+    settings = [word for word in overrides(unpinned)
+                if not word.startswith(("train.zero3_runtime", "train.grad_reduce_dtype"))]
     if smoke():  # that it runs: a few seconds of the search's deterministic work, not its optimum
         settings.append(f"solver.work_limit={SMOKE_WORK_LIMIT}")
     cfg = compose_config(settings)

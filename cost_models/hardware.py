@@ -141,9 +141,9 @@ def _gpu(name: str, *, peaks_tflops: dict[str, float], memory_gb: float, bandwid
 # dropouts), their selective rows with the attention core rerun as Megatron-LM's selective
 # recomputation reruns it (so does autopar's, cost_models/weights.py).
 # Hopper is not fitted: Megatron-Core's nine H100 rows (A6, priced with the overlaps they ran:
-# cost_models/engine_overlap.py) would take 1.14 and torchtitan's two rows on 500 W, 2.4 TB/s
-# Grand Teton H100s (D7, priced with torchtitan's op-level selective checkpointing) 1.14: one
-# factor for both engines; the layer compute
+# cost_models/engine_overlap.py, and the fp32 gradient reductions Megatron-LM runs under bf16)
+# would take 1.06 and torchtitan's two rows on 500 W, 2.4 TB/s Grand Teton H100s (D7, priced with
+# torchtitan's op-level selective checkpointing and fp32 reductions) 1.13; the layer compute
 # they would scale measured within a few percent on an H100 (docs/measuring.md), so the factor is
 # not read as the GPU's. Priced from the datasheets, the measured attention and power laws
 # (`GPUSpec.clock_share`).

@@ -27,7 +27,8 @@ from cost_models.expert_parallel import (COUNT_BYTES, ExpertFacts, MoELayer, all
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.host import host_s
 from cost_models.layer_split import LayerSplits, TPLayerSplit
-from cost_models.memory import ModelStates, optimizer_step_bytes, state_bytes_per_param, trained_model_states
+from cost_models.memory import (ModelStates, optimizer_step_bytes, reduced_gradient_bytes, state_bytes_per_param,
+                                 trained_model_states)
 from cost_models.placement import LayoutGroups
 from cost_models.ranks import PipelineRanks
 from cost_models.structure import ModelStructure
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
+FP32_BYTES = 4  # what the generated ZeRO-1 optimizer shards and gathers its parameters in
 # Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
 # momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
@@ -136,7 +138,8 @@ class LayerPrices:
 
     @property
     def grads_bytes(self) -> int:
-        return state_bytes_per_param(self.train.precision, self.train.optimizer)[1]
+        """Bytes of one parameter's gradient as the run reduces it."""
+        return reduced_gradient_bytes(self.train.precision, self.train.grad_reduce_dtype)
 
     def layer_time_parts(self, layer: "LayerProfile", split: TPLayerSplit, layout: ParallelLayout, scale: float,
                          options: tuple[str, ...], gpu: GPUSpec) -> list[dict[str, float]]:
@@ -440,7 +443,9 @@ class LayerPrices:
             exposed = self.sync.exposed_s(replace(cost, seconds=cost.seconds * params / unit_params), backward_s)
         if layout.zero_stage == 1:  # updated shards gathered back to every replica
             flat = self._layers_params(layout, tuple(layer.name for layer in self.layers)) / layout.pp
-            gather = self.groups.collective_s(Collective.ALL_GATHER, max(flat, params) * self.weights_bytes,
+            # Megatron-Core gathers its 16-bit parameters; the generated ShardedAdamW its fp32 shards.
+            gathered_bytes = self.weights_bytes if megatron_core else FP32_BYTES
+            gather = self.groups.collective_s(Collective.ALL_GATHER, max(flat, params) * gathered_bytes,
                                               self.groups.shard_group(layout)) * params / max(flat, params)
             exposed += param_gather_exposed_s(gather, forward_s) if megatron_core else gather
         return exposed

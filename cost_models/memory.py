@@ -90,6 +90,13 @@ def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int
         raise ValueError(f"Unknown optimizer '{optimizer}': use one of {', '.join(OPTIMIZERS)}.") from None
 
 
+def reduced_gradient_bytes(precision: str, grad_reduce_dtype: str) -> int:
+    """Bytes per parameter a gradient reduction moves: 4 when gradients are reduced in fp32 (fp32
+    training; the generated module's FSDP2 reduce_dtype and fp32 exchange under mixed precision),
+    else the 16-bit gradients as computed (`TrainSpec.grad_reduce_dtype`)."""
+    return 4 if precision == "fp32" or grad_reduce_dtype == "fp32" else 2
+
+
 def model_states(params: float, precision: str, optimizer: str, zero_stage: int, shard_ranks: int) -> ModelStates:
     """Model states of `params` parameters under a ZeRO stage sharded over `shard_ranks`."""
     if zero_stage not in (0, 1, 2, 3):

@@ -58,7 +58,7 @@ from cost_models.issued import Counts, IssuedCollectives
 from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARAM, RING_TILE_SCORE_BYTES, LayerPrices,
                                     expert_tp, ring_attention)
 from cost_models.layer_split import LayerSplits, TPLayerSplit, TPSplitter
-from cost_models.memory import RECOMPUTE_OPTIONS, activation_bytes, state_bytes_per_param
+from cost_models.memory import RECOMPUTE_OPTIONS, activation_bytes, reduced_gradient_bytes
 from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.placement import LayoutGroups, proportional_shares
 from cost_models.ranks import PipelineRanks
@@ -159,7 +159,7 @@ class PlanPricer:
         self._scalar_all_reduce_s: dict[int, float] = {}
         self._row_cache: dict[tuple, list] = {}
         self._floors: dict[tuple, tuple[list[float], list[float]] | None] = {}
-        grads_bytes = state_bytes_per_param(train.precision, train.optimizer)[1]
+        grads_bytes = reduced_gradient_bytes(train.precision, train.grad_reduce_dtype)
         self.groups = LayoutGroups(cluster)  # where each layout's groups sit, and their collectives' cost
         self.sync = GradientSync(self.groups, self.compute, self.layers, grads_bytes, self.b0, train.precision)
         self.structure = ModelStructure(profile, self.compute)  # FSDP units, tied weights, attention sizes

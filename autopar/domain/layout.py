@@ -50,6 +50,11 @@ class TrainSpec:
             module: products with a weight) or torchtitan_op (torchtitan's op-level policy: every
             second matrix product of a layer rerun), for pricing that engine's runs and plans
             (`cost_models.weights.selective_reruns`).
+        grad_reduce_dtype: what gradients are reduced in under mixed precision: fp32 (the
+            generated module: FSDP2's reduce_dtype, the generated exchange's fp32 gradients;
+            torchtitan's default; Megatron-LM under bf16, which turns on
+            --accumulate-allreduce-grads-in-fp32 itself) or compute (the 16-bit gradients as
+            computed: Megatron-LM and DeepSpeed under fp16), for pricing runs of those engines.
     """
 
     global_batch_size: int
@@ -61,6 +66,7 @@ class TrainSpec:
     tp_runtime: str = "dtensor"
     zero3_runtime: str = "fsdp2"
     selective_runtime: str = "autopar"
+    grad_reduce_dtype: str = "fp32"
 
 
 def fsdp_groups(layers: list[str], blocks: set[str]) -> list[list[str]]:

@@ -95,5 +95,6 @@ OPTIMIZERS = ("adam", "sgd", "sgd_plain")  # adam: two fp32 states, sgd: momentu
 TP_RUNTIMES = ("dtensor", "plain", "megatron_core")  # see TrainSpec.tp_runtime
 ZERO3_RUNTIMES = ("fsdp2", "deepspeed_2021")  # see TrainSpec.zero3_runtime
 SELECTIVE_RUNTIMES = ("autopar", "torchtitan_op")  # see TrainSpec.selective_runtime
+GRAD_REDUCE_DTYPES = ("fp32", "compute")  # see TrainSpec.grad_reduce_dtype
 # Gradient bytes per bucket of a plan's exchange where none was sized (DDP's default bucket_cap_mb).
 DP_BUCKET_BYTES = 25 * 2**20

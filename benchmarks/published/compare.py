@@ -107,7 +107,8 @@ def overrides(run: dict[str, Any]) -> list[str]:
                f"train.precision={run['precision']}", f"train.global_batch_size={run['global_batch_size']}",
                f"train.tp_runtime={run.get('tp_runtime', 'plain')}",
                f"train.zero3_runtime={run.get('zero3_runtime', 'fsdp2')}",
-               f"train.selective_runtime={run.get('selective_runtime', 'autopar')}"]
+               f"train.selective_runtime={run.get('selective_runtime', 'autopar')}",
+               f"train.grad_reduce_dtype={run.get('grad_reduce_dtype', 'fp32')}"]
             + [f"plan.{k}={v}" for k, v in run["plan"].items()])
 
 

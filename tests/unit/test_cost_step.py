@@ -99,9 +99,14 @@ def test_gradient_sync_hides_behind_backward_until_the_network_is_slow():
     train = TrainSpec(global_batch_size=16)
     fast = estimate(profile, spec(nodes=2, per_node=1, inter_node_bandwidth_GBps=400), layout, train)
     slow = estimate(profile, spec(nodes=2, per_node=1, inter_node_bandwidth_GBps=0.05), layout, train)
-    # Gradients: 2 bytes per parameter over 2 ranks by ring, 2(n-1)/n·M = M bytes on the wire.
-    wire_s = 2 * profile.param_count / (0.05e9 * 0.96)
+    # Gradients reduced in fp32 (as the generated module reduces them under bf16): 4 bytes per
+    # parameter over 2 ranks by ring, 2(n-1)/n·M = M bytes on the wire.
+    wire_s = 4 * profile.param_count / (0.05e9 * 0.96)
     assert slow.time_breakdown["dp_comm"] == pytest.approx(wire_s, rel=0.15)  # minus the backward it overlaps
+    # An engine reducing the 16-bit gradients as computed moves half.
+    halved = estimate(profile, spec(nodes=2, per_node=1, inter_node_bandwidth_GBps=0.05), layout,
+                      TrainSpec(global_batch_size=16, grad_reduce_dtype="compute"))
+    assert halved.time_breakdown["dp_comm"] == pytest.approx(wire_s / 2, rel=0.15)
     assert fast.time_breakdown["dp_comm"] < 0.02 * slow.time_breakdown["dp_comm"]
     pinned = estimate(profile, spec(nodes=8, per_node=1, inter_node_bandwidth_GBps=1),
                       ParallelLayout(dp=8, micro_batch_size=2, num_micro_batches=1, dp_sync="ps"), train)
@@ -109,6 +114,19 @@ def test_gradient_sync_hides_behind_backward_until_the_network_is_slow():
                     ParallelLayout(dp=8, micro_batch_size=2, num_micro_batches=1, dp_sync="ring"), train)
     assert pinned.dp_sync_algorithm == "ps" and ring.dp_sync_algorithm == "ring"
     assert pinned.time_breakdown["dp_comm"] > 3 * ring.time_breakdown["dp_comm"]
+
+
+def test_zero1_gathers_the_optimizers_fp32_shards_back():
+    """The generated ZeRO-1 optimizer updates fp32 shards and all-gathers them, exposed, after the
+    gradients' all-reduce: over 2 ranks (n-1)/n of 4 bytes per parameter on the wire."""
+    profile = gpt()
+    train = TrainSpec(global_batch_size=16)
+    slow = spec(nodes=2, per_node=1, inter_node_bandwidth_GBps=0.05)
+    zero = {stage: estimate(profile, slow, ParallelLayout(dp=2, micro_batch_size=2, num_micro_batches=4,
+                                                          zero_stage=stage), train)
+            for stage in (0, 1)}
+    gather_s = 2 * profile.param_count / (0.05e9 * 0.96)
+    assert zero[1].time_breakdown["dp_comm"] - zero[0].time_breakdown["dp_comm"] == pytest.approx(gather_s, rel=0.15)
 
 
 def test_halving_doubling_runs_after_backward_so_nothing_hides_it():

@@ -132,8 +132,10 @@ def test_deepspeed_holds_its_largest_tensors_in_flight_where_fsdp2_holds_two_blo
     profile = gpt()
     cluster = ClusterSpec.from_config(ClusterConfig(name="t", gpu="A100-80GB", nodes=2, gpus_per_node=8))
     zero3 = ParallelLayout(dp=16, zero_stage=3, micro_batch_size=1, num_micro_batches=1)
-    train = {runtime: TrainSpec(global_batch_size=16, zero3_runtime=runtime, precision="bf16")
-             for runtime in ("fsdp2", "deepspeed_2021")}
+    # DeepSpeed reduces its 16-bit gradients as computed; FSDP2 from an fp32 copy.
+    train = {"fsdp2": TrainSpec(global_batch_size=16, zero3_runtime="fsdp2", precision="bf16"),
+             "deepspeed_2021": TrainSpec(global_batch_size=16, zero3_runtime="deepspeed_2021", precision="bf16",
+                                         grad_reduce_dtype="compute")}
     buffers = {runtime: estimate(profile, cluster, zero3, spec).memory_breakdown["buffers"]
                for runtime, spec in train.items()}
     block = max(layer.param_count for layer in profile.layers)

@@ -443,6 +443,12 @@ def test_unknown_zero3_runtime_names_the_choices(examples_dir, capsys):
           "unknown train.zero3_runtime 'deepspeed'", "fsdp2", "deepspeed_2021")
 
 
+def test_unknown_grad_reduce_dtype_names_the_choices(examples_dir, capsys):
+    """train.grad_reduce_dtype says what gradients are reduced in; a value neither is refused, naming both."""
+    fails(capsys, ["estimate", str(examples_dir / "gpt.py"), "train.grad_reduce_dtype=bf16"],
+          "unknown train.grad_reduce_dtype 'bf16'", "fp32", "compute")
+
+
 def test_unknown_tp_runtime_names_the_choices(examples_dir, capsys):
     """train.tp_runtime picks how TP is priced; a value no runtime has is refused, naming both."""
     fails(capsys, ["estimate", str(examples_dir / "gpt.py"), "train.tp_runtime=megatron", "plan.tp=2"],

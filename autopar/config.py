@@ -48,10 +48,11 @@ class TrainConfig:
     prefetched) or deepspeed_2021 (DeepSpeed's stage 3 as published 2021 runs ran it: one
     collective per tensor, none overlapped; cost_models.deepspeed_zero3). Compile always
     generates fsdp2; deepspeed_2021 prices runs of that engine (benchmarks/published)."""
-    grad_reduce_dtype: str = "fp32"
+    grad_reduce_dtype: str | None = None
     """What gradients are reduced in under mixed precision, for pricing: fp32 (the generated
     module, torchtitan, Megatron-LM under bf16) or compute (16-bit gradients as computed:
-    Megatron-LM and DeepSpeed under fp16). Compile always generates fp32 reductions."""
+    Megatron-LM and DeepSpeed under fp16). Unset: what plan.engine reduces in under this
+    precision, else fp32. Compile always generates fp32 reductions."""
     selective_runtime: str | None = None
     """What selective recomputation keeps, for pricing: autopar (the generated module: products
     with a weight, attention and collectives) or torchtitan_op (torchtitan's op-level policy:

@@ -91,7 +91,9 @@ def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
         raise ConfigError(f"Unknown train.selective_runtime '{selective_runtime}'.",
                           "use autopar (the generated module's selective recomputation) or torchtitan_op "
                           "(torchtitan's op-level policy: for pricing that engine's runs).")
-    grad_reduce_dtype = OmegaConf.select(cfg, "train.grad_reduce_dtype", default="fp32")
+    grad_reduce_dtype = (OmegaConf.select(cfg, "train.grad_reduce_dtype", default=None)
+                         or (_engine_setting(cfg, "fp16_grad_reduce_dtype", "fp32")
+                             if cfg.train.precision == "fp16" else "fp32"))
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ConfigError(f"Unknown train.grad_reduce_dtype '{grad_reduce_dtype}'.",
                           "use fp32 (the generated module reduces gradients in fp32) or compute (16-bit gradients "

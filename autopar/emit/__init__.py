@@ -38,6 +38,8 @@ class EngineWriter:
     rules: Callable[["EngineSettings", int], list[str]] = lambda settings, world_size: []
     tp_runtime: str = "dtensor"  # how it runs tensor parallelism (cost_models TrainSpec.tp_runtime)
     selective_runtime: str = "autopar"  # what its selective recomputation keeps (TrainSpec.selective_runtime)
+    # What it reduces gradients in under fp16 (TrainSpec.grad_reduce_dtype; under bf16 every engine here reduces fp32).
+    fp16_grad_reduce_dtype: str = "fp32"
 
 
 @dataclass

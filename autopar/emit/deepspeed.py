@@ -52,7 +52,7 @@ def render(plan: Any) -> str:
 
 KNOWN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
          "bf16", "fp16", "gradient_clipping", "activation_checkpointing", "optimizer", "scheduler",
-         "steps_per_print", "wall_clock_breakdown")
+         "steps_per_print", "wall_clock_breakdown", "communication_data_type", "fp32_allreduce")
 
 
 def read(text: str) -> EngineSettings:
@@ -85,6 +85,12 @@ def read(text: str) -> EngineSettings:
             settings.pin("train.precision", precision)
     if "activation_checkpointing" in values:
         settings.pin("plan.recompute", Recompute.FULL)
+    # What gradients are reduced in (unset: the 16-bit gradients under fp16, the engine's default).
+    reduced = values.get("communication_data_type")
+    if values.get("fp32_allreduce") or reduced in ("fp32", "float32"):
+        settings.pin("train.grad_reduce_dtype", "fp32")
+    elif reduced in ("fp16", "bf16"):
+        settings.pin("train.grad_reduce_dtype", "compute")
     return settings
 
 
@@ -104,4 +110,6 @@ def rules(settings: EngineSettings, world_size: int) -> list[str]:
     return []
 
 
-WRITER = EngineWriter("deepspeed", "deepspeed.json", refusal, render, layout_refusal, read, rules)
+# Under fp16 DeepSpeed's ZeRO reduces the 16-bit gradients (fp32_allreduce is off by default).
+WRITER = EngineWriter("deepspeed", "deepspeed.json", refusal, render, layout_refusal, read, rules,
+                      fp16_grad_reduce_dtype="compute")

@@ -151,4 +151,7 @@ def rules(settings: EngineSettings, world_size: int) -> list[str]:
 
 # Megatron-LM's tensor parallelism runs on plain tensors with explicit collectives: no DTensor
 # dispatch on the host (cost_models.host), priced so under plan.engine=megatron.
-WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render, layout_refusal, read, rules, tp_runtime="plain")
+# Under fp16 Megatron-LM all-reduces the 16-bit gradients unless --accumulate-allreduce-grads-in-fp32
+# (under bf16 it turns that on itself).
+WRITER = EngineWriter("megatron", "megatron_args.txt", refusal, render, layout_refusal, read, rules, tp_runtime="plain",
+                      fp16_grad_reduce_dtype="compute")

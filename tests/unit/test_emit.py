@@ -260,6 +260,21 @@ def test_estimate_from_a_file_prints_it_beside_the_best_engine_config_and_the_be
     assert "not priced (not parallelism or batch settings): wandb" in out
 
 
+@pytest.mark.parametrize("keys, reduced", [({"communication_data_type": "fp32"}, "fp32"),
+                                            ({"fp32_allreduce": True}, "fp32"),
+                                            ({"communication_data_type": "fp16"}, "compute"), ({}, None)])
+def test_a_deepspeed_config_says_what_its_gradients_are_reduced_in(tmp_path, keys, reduced):
+    """communication_data_type / fp32_allreduce pin train.grad_reduce_dtype; neither leaves it to
+    the engine's default (the 16-bit gradients under fp16)."""
+    from autopar.emit import read_engine_file
+
+    file = tmp_path / "deepspeed.json"
+    file.write_text(json.dumps({"fp16": {"enabled": True}, **keys}))
+    settings = read_engine_file(file)
+    assert settings.pins.get("train.grad_reduce_dtype") == reduced
+    assert not settings.ignored
+
+
 def test_a_file_autopar_cannot_read_is_named(examples_dir, tmp_path, capsys):
     from autopar.cli import main
 
@@ -366,6 +381,22 @@ def test_megatron_sequence_parallel_without_tp_is_priced_as_megatron_runs_it(tmp
     both.write_text(json.dumps({"bf16": {"enabled": True}, "fp16": {"enabled": True}}))
     with pytest.raises(UserError, match="bf16 and fp16 both enabled"):
         read_engine_file(both)
+
+
+@pytest.mark.parametrize("engine, precision, reduced", [
+    ("megatron", "fp16", "compute"), ("megatron", "bf16", "fp32"), ("deepspeed", "fp16", "compute"),
+    ("torchtitan", "fp16", "fp32"), ("", "fp16", "fp32")])
+def test_a_named_engine_is_priced_reducing_gradients_in_its_dtype(engine, precision, reduced):
+    """Megatron-LM and DeepSpeed all-reduce the 16-bit gradients under fp16 (Megatron-LM turns on
+    fp32 reductions itself under bf16); torchtitan and the generated module reduce in fp32. An
+    explicit train.grad_reduce_dtype wins."""
+    from autopar.config import compose_config
+    from autopar.specs import train_spec
+
+    pins = [f"train.precision={precision}", "train.global_batch_size=8"] + ([f"plan.engine={engine}"] if engine else [])
+    assert train_spec(compose_config(pins)).grad_reduce_dtype == reduced
+    explicit = "fp32" if reduced == "compute" else "compute"
+    assert train_spec(compose_config([*pins, f"train.grad_reduce_dtype={explicit}"])).grad_reduce_dtype == explicit
 
 
 def test_a_named_engine_is_priced_as_it_runs_tensor_parallelism(examples_dir, tmp_path):

@@ -71,7 +71,8 @@ SIZES = {"tensor-model-parallel-size": "tp", "pipeline-model-parallel-size": "pp
          "expert-model-parallel-size": "ep", "micro-batch-size": "micro_batch_size",
          "num-virtual-stages-per-pipeline-rank": "chunks"}
 # --checkpoint-activations: the 2021 spelling of full recomputation (Megatron-LM's SC21 scripts).
-FLAGS = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "checkpoint-activations")
+FLAGS = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "checkpoint-activations",
+         "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16")
 OTHERS = ("global-batch-size", "expert-tensor-parallel-size", "cp-comm-type", "recompute-granularity",
           "recompute-method", "recompute-num-layers", "num-layers-per-virtual-pipeline-stage", "num-layers")
 
@@ -126,6 +127,11 @@ def read(text: str) -> EngineSettings:
     for precision in ("bf16", "fp16"):
         if precision in values:
             settings.pin("train.precision", precision)
+    # What gradients are reduced in (unset: the engine's default, 16-bit under fp16, fp32 under bf16).
+    if "grad-reduce-in-bf16" in values:
+        settings.pin("train.grad_reduce_dtype", "compute")
+    elif "accumulate-allreduce-grads-in-fp32" in values:
+        settings.pin("train.grad_reduce_dtype", "fp32")
     return settings
 
 

@@ -275,6 +275,18 @@ def test_a_deepspeed_config_says_what_its_gradients_are_reduced_in(tmp_path, key
     assert not settings.ignored
 
 
+@pytest.mark.parametrize("flag, reduced", [("--accumulate-allreduce-grads-in-fp32", "fp32"),
+                                          ("--grad-reduce-in-bf16", "compute"), ("", None)])
+def test_megatron_arguments_say_what_its_gradients_are_reduced_in(tmp_path, flag, reduced):
+    from autopar.emit import read_engine_file
+
+    file = tmp_path / "megatron_args.txt"
+    file.write_text(f"--fp16\n--micro-batch-size 1\n{flag}\n")
+    settings = read_engine_file(file)
+    assert settings.pins.get("train.grad_reduce_dtype") == reduced
+    assert not settings.ignored
+
+
 def test_a_file_autopar_cannot_read_is_named(examples_dir, tmp_path, capsys):
     from autopar.cli import main
 

@@ -27,8 +27,8 @@ from cost_models.expert_parallel import (COUNT_BYTES, ExpertFacts, MoELayer, all
 from cost_models.hardware import GiB, GPUSpec
 from cost_models.host import host_s
 from cost_models.layer_split import LayerSplits, TPLayerSplit
-from cost_models.memory import (ModelStates, optimizer_step_bytes, reduced_gradient_bytes, state_bytes_per_param,
-                                 trained_model_states)
+from cost_models.memory import (FP32_BYTES, ModelStates, optimizer_step_bytes, reduced_gradient_bytes,
+                                 state_bytes_per_param, trained_model_states)
 from cost_models.placement import LayoutGroups
 from cost_models.ranks import PipelineRanks
 from cost_models.structure import ModelStructure
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)
-FP32_BYTES = 4  # what the generated ZeRO-1 optimizer shards and gathers its parameters in
 # Fused AdamW streams p, g, m, v in and p, m, v out in fp32 (7 x 4 bytes per parameter); SGD with
 # momentum p, g, buf in and p, buf out; plain SGD p, g in and p out.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 28, "sgd": 20, "sgd_plain": 12}
@@ -546,7 +545,7 @@ class LayerPrices:
                 buffers["zero3_gathered_params"] = 2 * largest * self.weights_bytes
             if self.sync.uses_fsdp(layout):
                 # FSDP reduces one layer's gradients at a time, from an fp32 copy (reduce_dtype).
-                buffers["gradient_reduce"] = largest * 4
+                buffers["gradient_reduce"] = largest * FP32_BYTES
             elif sharded:
                 # The generated hierarchical / parameter-server exchange: a flat bucket and its result.
                 buffers["dp_buckets"] = 2 * self.sync.bucket_bytes(layout)

@@ -57,6 +57,7 @@ from typing import AbstractSet, Any, Iterable
 
 from autopar.domain.vocabulary import OPTIMIZERS, RECOMPUTE_OPTIONS, Recompute
 
+FP32_BYTES = 4
 STATE_BYTES_PER_PARAM = {
     # precision kind -> optimizer -> (weights, gradients, optimizer states K) bytes per parameter
     "mixed": {"adam": (2, 2, 12), "sgd": (2, 2, 8), "sgd_plain": (2, 2, 4)},
@@ -91,10 +92,10 @@ def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int
 
 
 def reduced_gradient_bytes(precision: str, grad_reduce_dtype: str) -> int:
-    """Bytes per parameter a gradient reduction moves: 4 when gradients are reduced in fp32 (fp32
-    training; the generated module's FSDP2 reduce_dtype and fp32 exchange under mixed precision),
-    else the 16-bit gradients as computed (`TrainSpec.grad_reduce_dtype`)."""
-    return 4 if precision == "fp32" or grad_reduce_dtype == "fp32" else 2
+    """Bytes per parameter a gradient reduction moves: fp32's when gradients are reduced in fp32
+    (fp32 training; the generated module's FSDP2 reduce_dtype and fp32 exchange under mixed
+    precision), else the 16-bit gradients as computed (`TrainSpec.grad_reduce_dtype`)."""
+    return FP32_BYTES if precision == "fp32" or grad_reduce_dtype == "fp32" else 2
 
 
 def model_states(params: float, precision: str, optimizer: str, zero_stage: int, shard_ranks: int) -> ModelStates:

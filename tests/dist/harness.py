@@ -75,13 +75,12 @@ class _InitFailure(RankFailure):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; results by rank."""
-    for attempt in range(1, INIT_ATTEMPTS + 1):
+    for _ in range(INIT_ATTEMPTS - 1):
         try:
             return _run_once(fn, world_size, args, timeout_s)
         except _InitFailure:
-            if attempt == INIT_ATTEMPTS:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return _run_once(fn, world_size, args, timeout_s)
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:

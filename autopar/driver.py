@@ -37,14 +37,26 @@ def run_profile(model_path: str | Path, cfg: Any) -> ModelProfile:
 
 def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool]:
     """(profile, whether it was kept from an earlier run of the same model and settings:
-    autopar.profile_cache) for `run_profile`."""
-    model_file = load_model_file(model_path)
+    autopar.profile_cache) for `run_profile`. A kept profile is looked up by the file's bytes
+    before the file is imported: its key already holds what the import could change (the bytes,
+    the neighbours' and packages' versions), and importing the model's library (transformers:
+    about a second) is what reusing a profile saves besides tracing."""
     blocks = OmegaConf.select(cfg, "plan.blocks", default=None)
     settings = dict(model=model_kwargs(cfg), micro_batch_size=cfg.train.micro_batch_size,
                     precision=cfg.train.precision, blocks=list(blocks) if blocks else None,
                     trace_every_block=bool(OmegaConf.select(cfg, "plan.trace_every_block", default=False)))
+    reuse = bool(OmegaConf.select(cfg, "plan.reuse_profile", default=True))
+    path = Path(model_path).resolve()
+    if reuse and path.is_file():
+        source = path.read_bytes()
+        digest = hashlib.sha256(source).hexdigest()
+        key = profile_cache.profile_key(path, source, digest, settings, imported=False)
+        kept = profile_cache.load(key, path, digest) if key is not None else None
+        if kept is not None:
+            return kept, True
+    model_file = load_model_file(model_path)
     key = None
-    if OmegaConf.select(cfg, "plan.reuse_profile", default=True):
+    if reuse:
         source = model_file.path.read_bytes()
         if hashlib.sha256(source).hexdigest() == model_file.sha256:  # not edited since it was imported
             key = profile_cache.profile_key(model_file.path, source, model_file.sha256, settings)

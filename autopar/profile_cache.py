@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -106,20 +107,32 @@ def _digest(files: list[Path]) -> str | None:
 
 
 def _installed_version(name: str) -> str | None:
-    """The version of an imported package, by its own `__version__` or the distribution of its
-    name, with where it was imported from; a module of no known version (one on a path the model
-    file added) by its files' bytes; None for the standard library."""
+    """The version of an imported package, by the distribution of its name, with where it is
+    imported from; a module of no known version (one on a path the model file added) by its
+    files' bytes; None for the standard library. Read from the installed metadata, never from the
+    module itself, so that it reads the same before the model file imports it as after."""
     if name in sys.stdlib_module_names:
         return None
+    file = _module_file(name)
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return _distribution_versions(name) if _installed(file) else _files_digest(file)
+    return f"{version} at {file}"
+
+
+def _module_file(name: str) -> str | None:
+    """Where a module is (or would be) imported from: its own `__file__` once imported, else
+    where the import system finds it, without running it (the same path either way, so a key
+    computed before the model file's import equals one computed after)."""
     module = sys.modules.get(name)
-    version = getattr(module, "__version__", None)
-    if version is None:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            file = getattr(module, "__file__", None)
-            return _distribution_versions(name) if _installed(file) else _files_digest(file)
-    return f"{version} at {getattr(module, '__file__', None)}"
+    if module is not None:
+        return getattr(module, "__file__", None)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.has_location else None
 
 
 def _installed(file: str | None) -> bool:
@@ -169,10 +182,18 @@ def dependencies(model_path: Path, source: bytes) -> dict[str, Any]:
     return found
 
 
-def profile_key(model_path: Path, source: bytes, model_sha256: str, settings: dict[str, Any]) -> str:
+def profile_key(model_path: Path, source: bytes, model_sha256: str, settings: dict[str, Any],
+                imported: bool = True) -> str | None:
     """The cache key of a profile (module docstring says what it holds); `model_sha256` is the
-    digest of `source`, the model file's bytes."""
-    facts = {"model": model_sha256, "imports": dependencies(model_path, source),
+    digest of `source`, the model file's bytes. Before the model file is imported
+    (`imported=False`), None where one of its imports cannot be found yet (a module on a path
+    the file adds to sys.path as it runs): nothing would key that module's bytes, so the caller
+    imports the file first and asks again."""
+    found = dependencies(model_path, source)
+    if not imported and any(version is None and name not in sys.stdlib_module_names
+                            for name, version in found.items()):
+        return None
+    facts = {"model": model_sha256, "imports": found,
              "settings": settings, "python": sys.version, "torch": torch.__version__,
              "autopar": autopar_code_digest()}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -58,6 +58,31 @@ def test_the_second_profile_of_the_same_model_is_the_first_one_kept(model, trace
     assert len(list((tmp_path / "cache").glob("*.json"))) == 1
 
 
+def test_a_kept_profile_is_found_without_importing_the_model_file(model, traces, monkeypatch):
+    first, _ = _profile(model)
+    imports = []
+    real = driver.load_model_file
+    monkeypatch.setattr(driver, "load_model_file", lambda *a, **k: imports.append(1) or real(*a, **k))
+    second, kept = _profile(model)
+    assert kept and not imports and second.to_json() == first.to_json()
+    model.write_text(GPT + "\n# edited\n")  # other bytes: imported and traced again
+    _, kept = _profile(model)
+    assert not kept and len(imports) == 1 and len(traces) == 2
+
+
+@pytest.mark.parametrize("package", ["yaml", "omegaconf"])
+def test_a_package_is_keyed_the_same_before_it_is_imported_as_after(package, monkeypatch):
+    """A fresh process looks a kept profile up before importing the model file: a package the file
+    imports must key the same then (PyYAML: a module named unlike its distribution)."""
+    import importlib
+    import sys
+
+    importlib.import_module(package)
+    after = profile_cache._installed_version(package)
+    monkeypatch.delitem(sys.modules, package)
+    assert profile_cache._installed_version(package) == after is not None
+
+
 @pytest.mark.parametrize("change", ["model file", "imported neighbour", "model setting", "precision"])
 def test_any_change_tracing_reads_traces_again(model, traces, change):
     _profile(model)

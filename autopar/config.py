@@ -283,7 +283,9 @@ class PlanPins:
     $AUTOPAR_PROFILE_CACHE, else ~/.cache/autopar/profiles); false traces again."""
     engine: str | None = None
     """Search only what this engine runs: torchtitan, megatron, deepspeed or accelerate (their rules
-    in autopar/emit/; the plan is still priced as autopar's module runs it)."""
+    in autopar/emit/). `autopar plan` and `estimate` price the plan as that engine runs it (its
+    train.* runtimes, where unset); `autopar compile` prices it as the module it writes runs, and
+    refuses a train.* runtime the module does not run (autopar.specs.generated_module_settings)."""
     layer_recompute: dict[str, str] = field(default_factory=dict)
     """Per-layer recomputation (layer name -> none/selective/full; unlisted layers: none), e.g.
     plan.layer_recompute='{blocks.0: full}'; with pp > 1 it needs plan.stages as well."""

@@ -21,8 +21,8 @@ from autopar.profile import ModelProfile, profile_model
 from autopar.report.rebuild import rebuild_report, report_of
 from autopar.saved import load_saved_plan
 from autopar.serialize import compact_json
-from autopar.specs import (build_cluster, model_kwargs, pinned_layout, section_as, section_values, train_spec,
-                           with_cluster_config)
+from autopar.specs import (build_cluster, generated_module_settings, model_kwargs, pinned_layout, section_as,
+                           section_values, train_spec, with_cluster_config)
 from cost_models.step import Estimate, ParallelLayout, PlanPricer
 from cost_models.topology import ClusterSpec
 
@@ -60,7 +60,7 @@ def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool
         source = model_file.path.read_bytes()
         if hashlib.sha256(source).hexdigest() == model_file.sha256:  # not edited since it was imported
             key = profile_cache.profile_key(model_file.path, source, model_file.sha256, settings)
-            kept = profile_cache.load(key, model_file.path, model_file.sha256)
+            kept = profile_cache.load(key, model_file.path, model_file.sha256) if key is not None else None
             if kept is not None:
                 return kept, True
     profile = profile_model(model_file, settings["model"], micro_batch_size=settings["micro_batch_size"],
@@ -162,6 +162,7 @@ def run_compile(model_path: str | Path, cfg: Any, out_dir: str | Path, plan_path
     """
     from autopar.output_dir import check_out_dir, writing_lock
 
+    cfg = generated_module_settings(cfg)  # priced as the module it writes runs, before anything is written
     out_dir = Path(out_dir)
     provenance = dict(provenance or {})
     from autopar.emit import writer

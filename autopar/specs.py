@@ -3,6 +3,7 @@ the training settings the cost model reads and a fully pinned layout. Built from
 (autopar/config.py) by the CLI, the API, the driver and the benchmarks alike."""
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any, TypeVar
@@ -69,30 +70,57 @@ def _engine_setting(cfg: Any, name: str, generated: str) -> str:
     return getattr(writer(engine), name)
 
 
+# How the module autopar generates runs what the train.* runtime settings describe for pricing
+# (TrainSpec): the other values of those settings price runs of other engines.
+GENERATED_RUNTIMES = {"train.tp_runtime": "dtensor", "train.zero3_runtime": "fsdp2",
+                      "train.selective_runtime": "autopar", "train.grad_reduce_dtype": "fp32"}
+
+
+def generated_module_settings(cfg: Any) -> Any:
+    """``cfg`` with the runtime settings pinned to how the generated module runs, for `autopar
+    compile`: its plan is priced as the module it writes runs (plan.engine still narrows the search
+    to what that engine runs, but no longer sets how the plan is priced). A setting given another
+    value prices another engine's run and is refused: compile would promise a step time the
+    module it writes does not run."""
+    for key, generated in GENERATED_RUNTIMES.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and value != generated:
+            raise ConfigError(f"{key}={value} prices a run of another engine, but compile writes autopar's module, "
+                              f"which runs {key}={generated}: its plan and report would promise a step time the "
+                              "module does not run.",
+                              f"leave {key} unset to compile; to price that engine's run, use `autopar plan` or "
+                              f"`autopar estimate` with {key}={value}.")
+    pinned = copy.deepcopy(cfg)
+    for key, generated in GENERATED_RUNTIMES.items():
+        OmegaConf.update(pinned, key, generated)
+    return pinned
+
+
 def train_spec(cfg: Any, model_path: str | Path | None = None) -> TrainSpec:
     """The training settings the cost model reads; with train.router_checkpoint, the tokens per
     expert measured from it (once per model, checkpoint and settings)."""
     load: tuple = ()
     tp_runtime = (OmegaConf.select(cfg, "train.tp_runtime", default=None)
-                  or _engine_setting(cfg, "tp_runtime", "dtensor"))
+                  or _engine_setting(cfg, "tp_runtime", GENERATED_RUNTIMES["train.tp_runtime"]))
     if tp_runtime not in TP_RUNTIMES:
         raise ConfigError(f"Unknown train.tp_runtime '{tp_runtime}'.",
                           "use dtensor (the generated module's tensor parallelism), plain (Megatron-style, on "
                           "plain tensors) or megatron_core (plain, with Megatron-Core's communication overlaps): "
                           "the last two for pricing runs of such engines.")
-    zero3_runtime = OmegaConf.select(cfg, "train.zero3_runtime", default="fsdp2")
+    zero3_runtime = OmegaConf.select(cfg, "train.zero3_runtime", default=GENERATED_RUNTIMES["train.zero3_runtime"])
     if zero3_runtime not in ZERO3_RUNTIMES:
         raise ConfigError(f"Unknown train.zero3_runtime '{zero3_runtime}'.",
                           "use fsdp2 (the generated module's ZeRO-3) or deepspeed_2021 (DeepSpeed's stage 3 of "
                           "2021: for pricing runs of that engine).")
     selective_runtime = (OmegaConf.select(cfg, "train.selective_runtime", default=None)
-                         or _engine_setting(cfg, "selective_runtime", "autopar"))
+                         or _engine_setting(cfg, "selective_runtime", GENERATED_RUNTIMES["train.selective_runtime"]))
     if selective_runtime not in SELECTIVE_RUNTIMES:
         raise ConfigError(f"Unknown train.selective_runtime '{selective_runtime}'.",
                           "use autopar (the generated module's selective recomputation) or torchtitan_op "
                           "(torchtitan's op-level policy: for pricing that engine's runs).")
     grad_reduce_dtype = (OmegaConf.select(cfg, "train.grad_reduce_dtype", default=None)
-                         or (_engine_setting(cfg, "fp16_grad_reduce_dtype", "fp32")
+                         or (_engine_setting(cfg, "fp16_grad_reduce_dtype",
+                                             GENERATED_RUNTIMES["train.grad_reduce_dtype"])
                              if cfg.train.precision == "fp16" else "fp32"))
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ConfigError(f"Unknown train.grad_reduce_dtype '{grad_reduce_dtype}'.",

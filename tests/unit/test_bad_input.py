@@ -449,6 +449,35 @@ def test_unknown_grad_reduce_dtype_names_the_choices(examples_dir, capsys):
           "unknown train.grad_reduce_dtype 'bf16'", "fp32", "compute")
 
 
+@pytest.mark.parametrize("setting", ["train.tp_runtime=plain", "train.tp_runtime=megatron_core",
+                                     "train.zero3_runtime=deepspeed_2021", "train.selective_runtime=torchtitan_op",
+                                     "train.grad_reduce_dtype=compute"])
+def test_compile_refuses_a_runtime_only_another_engine_runs(examples_dir, tmp_path, capsys, setting):
+    """These settings price other engines' runs; compile writes autopar's module, which runs none of
+    them, so its plan would promise a step time that module does not run: refused before anything is
+    traced or written, naming the setting and where it belongs."""
+    out = tmp_path / "out"
+    key = setting.split("=")[0]
+    fails(capsys, ["compile", str(examples_dir / "gpt.py"), "cluster=cpu_gloo", "train.precision=fp16", setting,
+                   "--out-dir", str(out)], key, "prices a run of another engine", f"leave {key} unset",
+          "autopar estimate", unwritten=(out,))
+
+
+def test_compile_prices_the_generated_module_whatever_engine_narrows_the_search():
+    """plan.engine still narrows compile's search, but compile prices the module it writes: the engine's
+    runtimes (Megatron-LM's plain TP and 16-bit fp16 reductions) give way to the generated ones."""
+    from autopar.config import compose_config
+    from autopar.specs import generated_module_settings, train_spec
+
+    cfg = compose_config(["plan.engine=megatron", "train.precision=fp16"])
+    engine = train_spec(cfg)
+    compiled = train_spec(generated_module_settings(cfg))
+    assert (engine.tp_runtime, engine.grad_reduce_dtype) == ("plain", "compute")
+    assert (compiled.tp_runtime, compiled.zero3_runtime, compiled.selective_runtime, compiled.grad_reduce_dtype) \
+        == ("dtensor", "fsdp2", "autopar", "fp32")
+    assert generated_module_settings(cfg).plan.engine == "megatron"
+
+
 def test_unknown_tp_runtime_names_the_choices(examples_dir, capsys):
     """train.tp_runtime picks how TP is priced; a value no runtime has is refused, naming both."""
     fails(capsys, ["estimate", str(examples_dir / "gpt.py"), "train.tp_runtime=megatron", "plan.tp=2"],

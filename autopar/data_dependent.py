@@ -27,22 +27,26 @@ import functools
 import logging
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import sympy
 import torch
 import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 import torch.fx.experimental._config as _shapes_config
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+if TYPE_CHECKING:
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+# sympy and torch's symbolic shapes (about half a second to import) are imported where a fake
+# mode with symbolic sizes is made or read, not with this module: planning from a kept profile
+# imports it (autopar.model_file, autopar.profile) without tracing anything.
 
 # torch's config modules gain patch() when they are installed, which a type checker cannot see.
 SHAPES_CONFIG: Any = _shapes_config
 
-_UNBACKED = (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)
 
 # What fake tensors stop at when a value is needed (exception class names, checked by name:
 # several live in private modules whose paths move between torch releases).
@@ -95,6 +99,8 @@ class ValueHints(dict):
             return super().__getitem__(symbol)
         value = self._bound(symbol)
         self.guesses.setdefault(symbol, (value, self._made_at(symbol)))
+        import sympy
+
         return sympy.Integer(value)
 
     def get(self, symbol: Any, default: Any = None) -> Any:
@@ -149,12 +155,17 @@ class ValueHints(dict):
 
 
 def _is_unbacked(symbol: object) -> bool:
-    return isinstance(symbol, sympy.Symbol) and symbol_is_type(symbol, _UNBACKED)
+    import sympy
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    return isinstance(symbol, sympy.Symbol) and symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
 
 
 def data_dependent_fake_mode(allow_non_fake_inputs: bool = False) -> tuple[FakeTensorMode, ValueHints]:
     """A FakeTensorMode with symbolic sizes for value-dependent ops and real-value propagation
     (off until `real_values` turns it on, so building the model allocates nothing)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     _quiet_value_logging()
     shape_env = ShapeEnv()
     with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
@@ -308,6 +319,8 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
 def user_frame(stack: traceback.StackSummary | None = None) -> str:
     """The innermost frame of ``stack`` (default: the current one) outside torch, sympy and
     autopar, as 'file.py:12 (`code`)'."""
+    import sympy
+
     skipped = (str(Path(torch.__file__).parent), str(Path(sympy.__file__).parent), str(Path(__file__).parent))
     frames = [frame for frame in (stack if stack is not None else traceback.extract_stack())
               if not frame.filename.startswith(skipped) and "importlib" not in frame.filename

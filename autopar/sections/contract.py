@@ -189,3 +189,16 @@ def holds_parameters(model: nn.Module, name: str) -> bool:
         return bool(list(model.get_submodule(name).parameters()))
     except AttributeError:
         return False
+
+
+def tensor_of(module: nn.Module, name: str) -> torch.Tensor:
+    """A module's parameter or buffer by name (torch types a module's attributes as Tensor or
+    Module); what is not a tensor is a bug of the caller."""
+    value = getattr(module, name)
+    assert isinstance(value, torch.Tensor), f"{type(module).__name__}.{name} is not a tensor"
+    return value
+
+
+def bias_of(module: nn.Module) -> torch.Tensor | None:
+    """A linear-like module's bias, None where it has none."""
+    return tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None

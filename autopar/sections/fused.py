@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 # In a generated folder this is checkpointing.py beside the training module.
 from autopar.sections import checkpoint as checkpointing
-from autopar.sections.linear_like import bias_of, tensor_of
+from autopar.sections.contract import bias_of, tensor_of
 from autopar.sections.tensor_parallel import RegionStyle, group_rows, hold_parameters, partial_input
 
 FUSED_PARTS = "_fused_parts"  # attribute of a fused output: its parts' global sizes along the last dim

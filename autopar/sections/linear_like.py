@@ -10,19 +10,6 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
-def tensor_of(module: nn.Module, name: str) -> torch.Tensor:
-    """A module's parameter or buffer by name (torch types a module's attributes as Tensor or
-    Module); what is not a tensor is a bug of the caller."""
-    value = getattr(module, name)
-    assert isinstance(value, torch.Tensor), f"{type(module).__name__}.{name} is not a tensor"
-    return value
-
-
-def bias_of(module: nn.Module) -> torch.Tensor | None:
-    """A linear-like module's bias, None where it has none."""
-    return tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
-
-
 def shard_transposed(weight_placement: Placement, bias_placement: Placement, src_data_rank: int | None,
                      name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
     """Replace ``module``'s weight and bias by DTensors with the given placements (the names stay,

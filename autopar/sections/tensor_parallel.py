@@ -15,7 +15,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from autopar.sections.linear_like import bias_of, tensor_of
+from autopar.sections.contract import bias_of, tensor_of
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle],

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autopar.sections.fused import FUSED_PARTS, FusedCuts, FusedCutError, requested_cut, tag_fused_output
 
 # Calls that read a tensor's metadata only: no use of its values.
 _METADATA = frozenset({"__get__", "size", "dim", "numel", "__len__", "is_contiguous", "element_size",
@@ -28,6 +27,15 @@ _METADATA = frozenset({"__get__", "size", "dim", "numel", "__len__", "is_contigu
 
 
 _HEAD_SLOTS = "_fused_head_slots"  # attribute of a fused output viewed as (..., slots, features per slot)
+
+
+def _section() -> Any:
+    """autopar.sections.fused, the generated code's fused-projection runtime whose tags and cuts the
+    probes here reuse. Imported when a layer is probed: it imports DTensor (with sympy, most of a
+    second), which planning from a kept profile never needs."""
+    from autopar.sections import fused
+
+    return fused
 
 
 class _CutRecorder(TorchFunctionMode):
@@ -38,6 +46,7 @@ class _CutRecorder(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.fused = _section()
         self.bounds: set[tuple[int, int]] = set()
         self.other_use: str | None = None
 
@@ -55,11 +64,11 @@ class _CutRecorder(TorchFunctionMode):
             elif name not in _METADATA and self.other_use is None:
                 self.other_use = name
             return func(*args, **kwargs)
-        if getattr(tensor, FUSED_PARTS, None) is None:
+        if getattr(tensor, self.fused.FUSED_PARTS, None) is None:
             return func(*args, **kwargs)
         try:
-            cut = requested_cut(func, tensor, args[1:], kwargs, tensor.shape[-1])
-        except FusedCutError as err:
+            cut = self.fused.requested_cut(func, tensor, args[1:], kwargs, tensor.shape[-1])
+        except self.fused.FusedCutError as err:
             cut, self.other_use = None, str(err)
         result = func(*args, **kwargs)
         if cut is not None:
@@ -103,7 +112,8 @@ def recorded_parts(module: nn.Module, run: Callable[[], Any]) -> list[int] | Non
     """The parts ``run`` (a forward of the layer holding ``module``) cuts ``module``'s output
     into, in order; None when it uses the output otherwise, or cuts nothing."""
     recorder = _CutRecorder()
-    handle = module.register_forward_hook(lambda _m, _i, out: tag_fused_output(out, [out.shape[-1]]))
+    tag = _section().tag_fused_output
+    handle = module.register_forward_hook(lambda _m, _i, out: tag(out, [out.shape[-1]]))
     try:
         with recorder:
             run()
@@ -147,14 +157,16 @@ def cutting_fused(named: dict[str, nn.Module], fused: dict[str, list[int]],
     running under `FusedCuts`, as the generated code runs them; ``local``: the parts' sizes on
     one rank where they are not 1/tp of each (key/value parts computed by group)."""
     local = local or {}
+    fused_section = _section()
     with contextlib.ExitStack() as stack:
         regions: list[nn.Module] = []
         for name, parts in fused.items():
             handle = named[name].register_forward_hook(
-                lambda _m, _i, out, parts=parts, shares=local.get(name): tag_fused_output(out, parts, shares))
+                lambda _m, _i, out, parts=parts, shares=local.get(name): fused_section.tag_fused_output(out, parts,
+                                                                                                      shares))
             stack.callback(handle.remove)
             region = named[name.rpartition(".")[0]]
             if all(region is not seen for seen in regions):
                 regions.append(region)
-                stack.enter_context(forward_within(region, FusedCuts))
+                stack.enter_context(forward_within(region, fused_section.FusedCuts))
         yield

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from autopar.sections.linear_like import bias_of, tensor_of
+from autopar.sections.contract import bias_of, tensor_of
 
 
 def dtensor_region_error(build: Any, named: dict[str, nn.Module], region: str, linears: dict[str, str], tp: int,

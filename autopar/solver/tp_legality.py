@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.sections.linear_like import bias_of, tensor_of
+from autopar.sections.contract import bias_of, tensor_of
 from autopar.trace.linear_like import affine_layout, linear_stand_ins
 from cost_models.weights import parameter_derived
 from autopar.solver.tp_fused import cutting_fused, recorded_parts

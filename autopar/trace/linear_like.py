@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from autopar.sections.linear_like import bias_of, tensor_of
+from autopar.sections.contract import bias_of, tensor_of
 
 # Weights above this many elements are not probed (the probe allocates the weight for real):
 # 64M floats, 256 MiB. Such a module is left to the class rule (it runs replicated).

@@ -41,3 +41,28 @@ def test_keys_json_cannot_write_are_converted_as_to_jsonable_does():
     """A dict keyed by tuples or enums falls back to `to_jsonable`'s str(key)."""
     for value in ({(1, 2): "a"}, {_Colour.RED: [1.5, None, (True, "x")]}):
         assert compact_json(value) == _old(value)
+
+
+def test_values_read_as_they_are_only_where_their_json_type_is_the_fields():
+    """Fields whose JSON value already is the field's value are taken as read (the fast path for a
+    profile's ops); any other value still goes through the checked conversion: an int for a float
+    becomes a float, a boolean for a count or a fraction in a list of sizes is refused, naming it."""
+    from dataclasses import dataclass, field
+
+    import pytest
+
+    from autopar.serialize import FieldError, from_jsonable
+
+    @dataclass
+    class Op:
+        name: str
+        flops: int
+        share: float
+        shapes: list[list[int]] = field(default_factory=list)
+
+    read = from_jsonable(Op, {"name": "mm", "flops": 4, "share": 1, "shapes": [[2, 3], [3]]})
+    assert read == Op("mm", 4, 1.0, [[2, 3], [3]]) and type(read.share) is float
+    with pytest.raises(FieldError, match="flops"):
+        from_jsonable(Op, {"name": "mm", "flops": True, "share": 0.5})
+    with pytest.raises(FieldError, match=r"shapes\.0\.1"):
+        from_jsonable(Op, {"name": "mm", "flops": 4, "share": 0.5, "shapes": [[2, 2.5]]})

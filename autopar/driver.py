@@ -19,7 +19,7 @@ from autopar.errors import ConfigError, UserError
 from autopar.model_file import load_model_file
 from autopar.profile import ModelProfile, profile_model
 from autopar.report.rebuild import rebuild_report, report_of
-from autopar.saved import load_saved_plan
+from autopar.saved import load_saved_plan, price_saved_plan, priced_as_generated
 from autopar.serialize import compact_json
 from autopar.specs import (build_cluster, generated_module_settings, model_kwargs, pinned_layout, section_as,
                            section_values, train_spec, with_cluster_config)
@@ -185,8 +185,14 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                          {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
+        priced = price_saved_plan(plan, model_path, None)
+        saved_s = plan.predicted.step_time_s
+        plan = priced_as_generated(plan, priced[1])
+        if progress and plan.predicted.step_time_s != saved_s:
+            progress.phase(f"priced {plan_path} again as the module compile writes runs it: {saved_s:.4g} s a step "
+                           f"in the file (priced as another engine runs it), {plan.predicted.step_time_s:.4g} s")
         files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force,
-                                        defaults, provenance, emit)
+                                        defaults, provenance, emit, priced)
         if rejection is not None:
             raise UserError(f"The saved plan {plan_path} ({plan.summary()}) fails compile's proof: {rejection.reason}.",
                             "plan again without --plan (the planner moves past plans that fail), or pass check=off "
@@ -282,12 +288,12 @@ def check_corpus(data: dict[str, Any], cfg: Any, model_path: str | Path) -> None
 
 def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, cluster: ClusterSpec, check: bool,
                  rejected: list[Any], progress: "Reporter | None", force: bool, defaults: dict[str, Any],
-                 provenance: dict[str, str], emit: tuple[str, ...] = ()):
+                 provenance: dict[str, str], emit: tuple[str, ...] = (), priced: tuple[Any, Any] | None = None):
     """Generate ``plan`` into a staging folder, prove it and, when it passes, write its report
     and install everything into ``out_dir``: (files, None), or (None, the rejection);
     ``defaults``: generate()'s run defaults (optimizer, data, validation); ``provenance``:
     Hydra's record of the settings (``.hydra/config.yaml``, ...), installed and listed in the
-    manifest like every other file."""
+    manifest like every other file; ``priced``: a saved plan's (pricer, estimate), its report's."""
     from autopar.codegen import generate
     from autopar.codegen.errors import CodegenError
     from autopar.emit import EngineRefusal, engine_files
@@ -324,7 +330,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
             return None, RejectedPlan(plan.summary(), outcome.failure, differs=outcome.differs)
         if progress:
             progress.phase(f"writing the module, launch scripts and report into {out_dir}")
-        report = report_of(result) if result is not None else rebuild_report(plan, model_path, None)
+        report = report_of(result) if result is not None else rebuild_report(plan, model_path, None, priced)
         report.proof = outcome.proven
         report.rejected = list(rejected)
         write_report(report, staging)

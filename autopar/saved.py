@@ -3,6 +3,7 @@ cluster, and priced again from their provenance with the model file the user nam
 path a plan records)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,25 @@ def read_plan(plan_path: str | Path):
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise ConfigError(f"{path} is not a valid plan: {problems[0]}{more}.", fix)
     return plan
+
+
+def priced_as_generated(plan: Any, estimate: Estimate) -> Any:
+    """``plan`` with its prediction replaced by ``estimate`` (`price_saved_plan`'s: the plan priced
+    as the generated module runs it) where they differ: a plan made with plan.engine (or another
+    engine's train.* runtime) was priced as that engine runs it, and compile writes autopar's
+    module. The interval keeps its width relative to the prediction; what it extrapolates stays."""
+    old = plan.predicted
+    if old.step_time_s == estimate.step_time_s and old.peak_memory_bytes == estimate.peak_memory_bytes:
+        return plan
+    ratio = estimate.step_time_s / old.step_time_s if old.step_time_s > 0 else 1.0
+    predicted = dataclasses.replace(old, step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
+                                    samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
+                                    peak_memory_bytes=estimate.peak_memory_bytes,
+                                    time_breakdown=estimate.time_breakdown,
+                                    memory_breakdown=estimate.memory_breakdown,
+                                    step_time_low_s=old.step_time_low_s * ratio,
+                                    step_time_high_s=old.step_time_high_s * ratio)
+    return dataclasses.replace(plan, predicted=predicted)
 
 
 def price_saved_plan(plan: Any, model_path: str | Path,

@@ -17,14 +17,16 @@ def report_of(result: Any) -> Any:
                         notes=replication_notes(result.replicated_ops, result.plan.tp) + list(result.illegal_splits))
 
 
-def rebuild_report(plan: Any, model_path: str | Path, model_option: str | None = "--model") -> Any:
+def rebuild_report(plan: Any, model_path: str | Path, model_option: str | None = "--model",
+                   priced: tuple[Any, Any] | None = None) -> Any:
     """Price a saved plan again from its provenance (its model settings, the cluster) with the
     model file ``model_path`` and build its report; runners-up are not part of a plan file, so
     the report has none. ``model_option``: the verb's option that named the model file (None:
-    the file is a compiled folder's copy, or the verb's argument), for the messages' fixes."""
+    the file is a compiled folder's copy, or the verb's argument), for the messages' fixes;
+    ``priced``: `price_saved_plan`'s answer where the caller has it already."""
     from autopar.solver.tp_split import replicated_ops
 
-    pricer, estimate = price_saved_plan(plan, model_path, model_option)
+    pricer, estimate = priced or price_saved_plan(plan, model_path, model_option)
     report = build_report(plan, estimate, pricer,
                           notes=["Rebuilt from plan.json alone: the runners-up, binding limits and the search's "
                                  "wall time are recorded only when the report is written by `autopar compile` or "

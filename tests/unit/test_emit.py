@@ -432,3 +432,25 @@ def test_a_named_engine_is_priced_as_it_runs_tensor_parallelism(examples_dir, tm
     file = tmp_path / "megatron_args.txt"
     file.write_text("--tensor-model-parallel-size 2\n--micro-batch-size 1\n--global-batch-size 8\n")
     assert read_engine_file(file).pins["plan.engine"] == "megatron"
+
+
+def test_a_saved_plan_priced_as_an_engine_runs_it_is_compiled_with_the_modules_price(examples_dir, tmp_path):
+    """`autopar plan` with plan.engine=megatron prices a tp=2 plan as Megatron-LM runs it (plain TP,
+    16-bit fp16 reductions); compiling that plan file writes autopar's module, so compile prices it
+    again as that module runs (plan.json, report and the interval scaled with it), not as the file says."""
+    from autopar.cli import main
+    from autopar.saved import price_saved_plan, read_plan
+
+    pins = ["cluster=dgx_h100", "cluster.nodes=1", "model.layers=2", "model.hidden=64", "model.heads=4",
+            "model.seq_len=32", "model.vocab=128", "train.global_batch_size=8", "train.precision=fp16", "plan.tp=2"]
+    saved = tmp_path / "plan.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *pins, "plan.engine=megatron", "--out", str(saved)]) == 0
+    assert main(["compile", str(examples_dir / "gpt.py"), *pins, "--plan", str(saved),
+                 "--out-dir", str(tmp_path / "out")]) == 0
+    engine, compiled = read_plan(saved).predicted, read_plan(tmp_path / "out" / "plan.json").predicted
+    generated = price_saved_plan(read_plan(saved), examples_dir / "gpt.py")[1].step_time_s
+    assert compiled.step_time_s == generated > engine.step_time_s
+    width = engine.step_time_high_s / engine.step_time_s
+    assert compiled.step_time_high_s / compiled.step_time_s == pytest.approx(width)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["estimate"]["step_time_s"] == report["plan"]["predicted"]["step_time_s"] == generated

@@ -190,7 +190,8 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
         plan = priced_as_generated(plan, priced[1])
         if progress and plan.predicted.step_time_s != saved_s:
             progress.phase(f"priced {plan_path} again as the module compile writes runs it: {saved_s:.4g} s a step "
-                           f"in the file (priced as another engine runs it), {plan.predicted.step_time_s:.4g} s")
+                           f"in the file (priced with other settings, such as another engine's runtime), "
+                           f"{plan.predicted.step_time_s:.4g} s now")
         files, rejection = _compile_one(plan, None, model_path, out_dir, cluster, check, [], progress, force,
                                         defaults, provenance, emit, priced)
         if rejection is not None:

@@ -14,6 +14,7 @@ from autopar.domain.layout import ParallelLayout
 from autopar.domain.vocabulary import DP_BUCKET_BYTES, DPSync
 from cost_models.collectives import Algorithm, Collective, CollectiveCost, collective_time_s, exposed_s
 from cost_models.compute import ComputeModel
+from cost_models.memory import FP32_BYTES
 from cost_models.placement import LayoutGroups
 
 BUCKET_CHOICES_BYTES = tuple(mib * 2**20 for mib in (4, 16, 25, 64, 256, 1024))
@@ -92,7 +93,8 @@ class GradientSync:
         if group.size == 1:
             return DP_BUCKET_BYTES
         algorithm = self.cost(layout, 1.0).algorithm
-        total = sum(layer.param_count for layer in self.layers) * 4 / layout.tp / layout.pp  # fp32 gradients
+        # The generated exchange flattens the gradients to fp32 whatever they are reduced in elsewhere.
+        total = sum(layer.param_count for layer in self.layers) * FP32_BYTES / layout.tp / layout.pp
         whole = collective_time_s(Collective.ALL_REDUCE, total, group, algorithm)
         latency = collective_time_s(Collective.ALL_REDUCE, 1.0, group, algorithm)
         for bucket in BUCKET_CHOICES_BYTES:

@@ -12,7 +12,9 @@ search, the report), is timed separately for the Llama-3-405B case (target 15 s)
 (target 10 s): cli_s traces the model, cli_again_s is the same command run again, reusing the
 profile the first kept (autopar.profile_cache). The search's budget is deterministic work
 (`solver.work_limit`), so the plan, status and
-gap printed here are the same on any machine load; only the seconds change.
+gap printed here are the same on any machine load; only the seconds change, and reference_s
+(`benchmarks.machine_reference_s`, a fixed pure-Python workload timed beside the same busy core)
+says how fast the machine was: read a time against its target with it.
 
     python -m benchmarks.bench_planner
 """
@@ -24,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import cases, smoke
+from benchmarks import cases, machine_reference_s, smoke
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,6 +88,12 @@ def run() -> list[dict]:
     from autopar.driver import run_plan, run_profile
 
     rows = []
+    busy = subprocess.Popen([sys.executable, "-c", "pass" if smoke() else "while True: pass"])
+    try:
+        reference_s = machine_reference_s()  # this machine's speed, measured as the cases are
+    finally:
+        busy.kill()
+        busy.wait()
     for name, example, overrides, target_s in cases(CASES, smallest=2):
         # the other core's job (not in the smoke run, which runs another benchmark beside this one)
         busy = subprocess.Popen([sys.executable, "-c", "pass" if smoke() else "while True: pass"])
@@ -111,7 +119,7 @@ def run() -> list[dict]:
                      "robust": "switched" if result.binding and result.binding[0].constraint.startswith("robust")
                      else "", "mfu": round(plan.predicted.mfu, 3),
                      "peak_GiB": round(plan.predicted.peak_memory_bytes / 2**30, 1),
-                     "target_s": target_s,
+                     "target_s": target_s, "reference_s": reference_s,
                      # the targets are on planning (tracing and profiling come before it, in trace_s):
                      # the search, the robust objective's second search and the report's explanations
                      "met": plan_s < target_s and (plan.solver.status == "OPTIMAL" or plan.solver.gap <= 0.01)})

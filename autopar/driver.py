@@ -185,7 +185,7 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                          {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
-        priced = price_saved_plan(plan, model_path, None)
+        priced = price_saved_plan(plan, model_path, None, train=train_spec(cfg))  # with compile's own settings
         saved_s = plan.predicted.step_time_s
         plan = priced_as_generated(plan, priced[1])
         if progress and plan.predicted.step_time_s != saved_s:

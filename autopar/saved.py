@@ -109,8 +109,8 @@ def priced_as_generated(plan: Any, estimate: Estimate) -> Any:
     return dataclasses.replace(plan, predicted=predicted)
 
 
-def price_saved_plan(plan: Any, model_path: str | Path,
-                     model_option: str | None = "--model") -> tuple[PlanPricer, Estimate]:
+def price_saved_plan(plan: Any, model_path: str | Path, model_option: str | None = "--model",
+                     train: TrainSpec | None = None) -> tuple[PlanPricer, Estimate]:
     """The pricer and estimate of a saved plan, priced again from its provenance (its model
     settings, the cluster) with the model file ``model_path``: what the report shows and what a
     measurement is compared with.
@@ -138,9 +138,13 @@ def price_saved_plan(plan: Any, model_path: str | Path,
                             precision=plan.precision, blocks=list(plan.block_containers) or None)
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
-    train = TrainSpec(global_batch_size=plan.global_batch_size, precision=plan.precision, optimizer=plan.optimizer,
-                      moe_imbalance=plan.moe_imbalance,
-                      expert_load=tuple((fqn, tuple(counts)) for fqn, counts in sorted(plan.expert_load.items())))
+    # What the plan fixes, over what it does not record (``train``: the settings it runs with, such as
+    # whether each step clips gradients; else the generated module's defaults).
+    train = dataclasses.replace(train or TrainSpec(global_batch_size=plan.global_batch_size),
+                                global_batch_size=plan.global_batch_size, precision=plan.precision,
+                                optimizer=plan.optimizer, moe_imbalance=plan.moe_imbalance,
+                                expert_load=tuple((fqn, tuple(counts))
+                                                  for fqn, counts in sorted(plan.expert_load.items())))
     pricer = PlanPricer(profile, cluster, train, ILPSplitter.for_training(profile, train))
     try:
         return pricer, pricer.estimate(plan.layout())

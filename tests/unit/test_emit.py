@@ -454,3 +454,21 @@ def test_a_saved_plan_priced_as_an_engine_runs_it_is_compiled_with_the_modules_p
     assert compiled.step_time_high_s / compiled.step_time_s == pytest.approx(width)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["estimate"]["step_time_s"] == report["plan"]["predicted"]["step_time_s"] == generated
+
+
+def test_a_saved_plan_is_compiled_at_its_own_price_under_the_settings_it_was_planned_with(examples_dir, tmp_path):
+    """Settings a plan file does not record (here: no gradient clipping, optim.max_grad_norm=0) are
+    compile's own: planned and compiled with them, the plan keeps the planner's price, which
+    re-pricing with the defaults (clipping: one more all-reduce a step) would have changed."""
+    from autopar.cli import main
+    from autopar.saved import price_saved_plan, read_plan
+
+    pins = ["cluster=dgx_h100", "cluster.nodes=1", "model.layers=2", "model.hidden=64", "model.heads=4",
+            "model.seq_len=32", "model.vocab=128", "train.global_batch_size=8", "plan.tp=2", "optim.max_grad_norm=0"]
+    saved = tmp_path / "plan.json"
+    assert main(["plan", str(examples_dir / "gpt.py"), *pins, "--out", str(saved)]) == 0
+    assert main(["compile", str(examples_dir / "gpt.py"), *pins, "--plan", str(saved),
+                 "--out-dir", str(tmp_path / "out")]) == 0
+    planned = read_plan(saved).predicted.step_time_s
+    assert read_plan(tmp_path / "out" / "plan.json").predicted.step_time_s == planned
+    assert price_saved_plan(read_plan(saved), examples_dir / "gpt.py")[1].step_time_s > planned

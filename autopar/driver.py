@@ -185,9 +185,10 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                          {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
-        priced = price_saved_plan(plan, model_path, None, train=train_spec(cfg))  # with compile's own settings
+        train = train_spec(cfg)  # compile's own settings
+        priced = price_saved_plan(plan, model_path, None, train=train)
         saved_s = plan.predicted.step_time_s
-        plan = priced_as_generated(plan, priced[1])
+        plan = priced_as_generated(plan, priced[1], train)
         if progress and plan.predicted.step_time_s != saved_s:
             progress.phase(f"priced {plan_path} again as the module compile writes runs it: {saved_s:.4g} s a step "
                            f"in the file (priced with other settings, such as another engine's runtime), "

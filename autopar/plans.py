@@ -20,7 +20,8 @@ from typing import Any
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.domain.bounds import Bound, out_of_range
 from autopar.domain.layout import ParallelLayout
-from autopar.domain.vocabulary import (DP_BUCKET_BYTES, CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle,
+from autopar.domain.vocabulary import (DP_BUCKET_BYTES, GRAD_REDUCE_DTYPES, SELECTIVE_RUNTIMES, TP_RUNTIMES,
+                                       ZERO3_RUNTIMES, CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle,
                                        ZeroStage)
 from autopar.domain.rules import structure_problems
 
@@ -99,6 +100,15 @@ def software_versions() -> dict[str, str]:
         except PackageNotFoundError:
             found[package] = "not installed"
     return found
+
+
+# TrainSpec's settings a plan records beside its batch, precision and optimizer (Plan's docstring).
+PRICED_WITH = ("clip_grad_norm", "tp_runtime", "zero3_runtime", "selective_runtime", "grad_reduce_dtype")
+
+
+def priced_with(train: Any) -> dict[str, Any]:
+    """The settings of ``train`` (a TrainSpec) a plan records to be priced again as it was."""
+    return {name: getattr(train, name) for name in PRICED_WITH}
 
 
 # The range of every numeric field of a plan and its parts (Plan.problems checks them when a
@@ -190,6 +200,11 @@ class Plan(ParallelLayout):
             training settings planned for.
         expert_load: experts module FQN -> tokens each expert received, measured from a router
             checkpoint (train.router_checkpoint); empty: moe_imbalance priced the routing.
+        clip_grad_norm, tp_runtime, zero3_runtime, selective_runtime, grad_reduce_dtype: the rest
+            of the training settings the plan was priced with (TrainSpec's), so that a plan read back
+            is priced again as it was: a plan of plan.engine=megatron as Megatron-LM runs it, a
+            compiled one as the generated module runs it. A plan written before them reads as the
+            generated module's.
     """
 
     recompute: dict[str, str] = field(default_factory=dict)
@@ -215,6 +230,11 @@ class Plan(ParallelLayout):
     optimizer: str = "adam"
     moe_imbalance: float = 1.0
     expert_load: dict[str, list[int]] = field(default_factory=dict)
+    clip_grad_norm: bool = True
+    tp_runtime: str = "dtensor"
+    zero3_runtime: str = "fsdp2"
+    selective_runtime: str = "autopar"
+    grad_reduce_dtype: str = "fp32"
     predicted: Predicted = field(default_factory=Predicted)
     solver: SolverInfo = field(default_factory=SolverInfo)
     provenance: Provenance = field(default_factory=Provenance)
@@ -316,6 +336,10 @@ class Plan(ParallelLayout):
         found = [] if self.layer_names else ["it lists no layers (layer_names)"]
         found += [problem.problem for problem in structure_problems(self, self.layer_names or None,
                                                                     self.global_batch_size, stages_listed=True)]
+        for name, known in (("tp_runtime", TP_RUNTIMES), ("zero3_runtime", ZERO3_RUNTIMES),
+                            ("selective_runtime", SELECTIVE_RUNTIMES), ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
+            if getattr(self, name) not in known:
+                found.append(f"{name} '{getattr(self, name)}' is not one of {', '.join(known)}")
         styles = sorted({str(v) for v in self.tp_styles.values()} - set(TP_STYLES))
         if styles:
             found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")

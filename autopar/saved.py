@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from autopar.errors import ConfigError
+from autopar.plans import PRICED_WITH, priced_with
 from autopar.model_file import file_sha256, load_model_file
 from autopar.profile import profile_model
 from autopar.specs import build_cluster, model_kwargs
@@ -90,12 +91,14 @@ def read_plan(plan_path: str | Path):
     return plan
 
 
-def priced_as_generated(plan: Any, estimate: Estimate) -> Any:
+def priced_as_generated(plan: Any, estimate: Estimate, train: TrainSpec) -> Any:
     """``plan`` with its prediction replaced by ``estimate`` (`price_saved_plan`'s: the plan priced
     as the generated module runs it) where they differ: a plan made with plan.engine (or another
     engine's train.* runtime) was priced as that engine runs it, and compile writes autopar's
-    module. The interval keeps its width relative to the prediction; what it extrapolates stays."""
+    module. The interval keeps its width relative to the prediction; what it extrapolates stays; the
+    settings it records are ``train``'s, the ones it was priced with now."""
     old = plan.predicted
+    plan = dataclasses.replace(plan, **priced_with(train))  # and says so
     if old.step_time_s == estimate.step_time_s and old.peak_memory_bytes == estimate.peak_memory_bytes:
         return plan
     ratio = estimate.step_time_s / old.step_time_s if old.step_time_s > 0 else 1.0
@@ -138,9 +141,11 @@ def price_saved_plan(plan: Any, model_path: str | Path, model_option: str | None
                             precision=plan.precision, blocks=list(plan.block_containers) or None)
     schema = OmegaConf.structured(ClusterConfig)
     cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
-    # What the plan fixes, over what it does not record (``train``: the settings it runs with, such as
-    # whether each step clips gradients; else the generated module's defaults).
-    train = dataclasses.replace(train or TrainSpec(global_batch_size=plan.global_batch_size),
+    # What the plan fixes, over ``train``'s other settings (compile's own: whether each step clips
+    # gradients, the generated runtimes), else over those the plan was priced with.
+    recorded = TrainSpec(global_batch_size=plan.global_batch_size,
+                         **{name: getattr(plan, name) for name in PRICED_WITH})
+    train = dataclasses.replace(train or recorded,
                                 global_batch_size=plan.global_batch_size, precision=plan.precision,
                                 optimizer=plan.optimizer, moe_imbalance=plan.moe_imbalance,
                                 expert_load=tuple((fqn, tuple(counts))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from autopar.errors import UserError
-from autopar.plans import MAX_WORLD_SIZE, Plan, Predicted, Provenance, SolverInfo, software_versions
+from autopar.plans import MAX_WORLD_SIZE, Plan, Predicted, Provenance, SolverInfo, priced_with, software_versions
 from autopar.solver.search import PlanSearch, Scored, SearchProgress, SearchResult
 from autopar.solver.space import Candidate, ModelShape, divisors, enumerate_candidates
 from autopar.solver.tp_coverage import FASTER_WHOLE, TPCoverage, check_pinned_coverage, tp_coverage
@@ -428,6 +428,7 @@ class Planner:
             precision=self.train.precision, optimizer=self.train.optimizer,
             moe_imbalance=self.train.moe_imbalance,
             expert_load={fqn: list(counts) for fqn, counts in self.train.expert_load},
+            **priced_with(self.train),
             predicted=Predicted(step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                                 samples_per_s=estimate.samples_per_s, mfu=estimate.mfu,
                                 peak_memory_bytes=estimate.peak_memory_bytes,

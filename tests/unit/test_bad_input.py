@@ -336,11 +336,14 @@ def saved_plan(examples_dir, tmp_path_factory) -> Path:
 
 
 def corrupted(saved_plan: Path, folder: Path, how: str) -> Path:
-    """plan.json cut in half, or parsable but inconsistent (a layer dropped from its stages)."""
+    """plan.json cut in half, or parsable but inconsistent (a layer dropped from its stages, or
+    priced with a runtime no engine has)."""
     folder.mkdir(parents=True, exist_ok=True)
     text = saved_plan.read_text()
     if how == "truncated":
         text = text[: len(text) // 2]
+    elif how == "unknown runtime":
+        text = json.dumps({**json.loads(text), "tp_runtime": "nccl"})
     else:
         data = json.loads(text)
         data["stages"][0] = data["stages"][0][1:]
@@ -351,7 +354,9 @@ def corrupted(saved_plan: Path, folder: Path, how: str) -> Path:
 
 
 CORRUPTION = pytest.mark.parametrize("how, words", [("truncated", ("not a readable plan", "JSONDecodeError")),
-                                                    ("inconsistent", ("not a valid plan", "stages"))])
+                                                    ("inconsistent", ("not a valid plan", "stages")),
+                                                    ("unknown runtime", ("not a valid plan", "tp_runtime 'nccl'",
+                                                                         "dtensor"))])
 
 
 @CORRUPTION

@@ -436,8 +436,9 @@ def test_a_named_engine_is_priced_as_it_runs_tensor_parallelism(examples_dir, tm
 
 def test_a_saved_plan_priced_as_an_engine_runs_it_is_compiled_with_the_modules_price(examples_dir, tmp_path):
     """`autopar plan` with plan.engine=megatron prices a tp=2 plan as Megatron-LM runs it (plain TP,
-    16-bit fp16 reductions); compiling that plan file writes autopar's module, so compile prices it
-    again as that module runs (plan.json, report and the interval scaled with it), not as the file says."""
+    16-bit fp16 reductions) and the file says so, so it is priced again the same way; compiling it
+    writes autopar's module, so compile prices it again as that module runs (plan.json, report and
+    the interval scaled with it) and the compiled plan.json records the module's runtimes."""
     from autopar.cli import main
     from autopar.saved import price_saved_plan, read_plan
 
@@ -447,11 +448,14 @@ def test_a_saved_plan_priced_as_an_engine_runs_it_is_compiled_with_the_modules_p
     assert main(["plan", str(examples_dir / "gpt.py"), *pins, "plan.engine=megatron", "--out", str(saved)]) == 0
     assert main(["compile", str(examples_dir / "gpt.py"), *pins, "--plan", str(saved),
                  "--out-dir", str(tmp_path / "out")]) == 0
-    engine, compiled = read_plan(saved).predicted, read_plan(tmp_path / "out" / "plan.json").predicted
-    generated = price_saved_plan(read_plan(saved), examples_dir / "gpt.py")[1].step_time_s
-    assert compiled.step_time_s == generated > engine.step_time_s
-    width = engine.step_time_high_s / engine.step_time_s
-    assert compiled.step_time_high_s / compiled.step_time_s == pytest.approx(width)
+    file, compiled = read_plan(saved), read_plan(tmp_path / "out" / "plan.json")
+    assert (file.tp_runtime, file.grad_reduce_dtype) == ("plain", "compute")
+    assert (compiled.tp_runtime, compiled.grad_reduce_dtype) == ("dtensor", "fp32")
+    assert price_saved_plan(file, examples_dir / "gpt.py")[1].step_time_s == file.predicted.step_time_s
+    generated = price_saved_plan(compiled, examples_dir / "gpt.py")[1].step_time_s
+    assert compiled.predicted.step_time_s == generated > file.predicted.step_time_s
+    width = file.predicted.step_time_high_s / file.predicted.step_time_s
+    assert compiled.predicted.step_time_high_s / compiled.predicted.step_time_s == pytest.approx(width)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["estimate"]["step_time_s"] == report["plan"]["predicted"]["step_time_s"] == generated
 
@@ -469,6 +473,11 @@ def test_a_saved_plan_is_compiled_at_its_own_price_under_the_settings_it_was_pla
     assert main(["plan", str(examples_dir / "gpt.py"), *pins, "--out", str(saved)]) == 0
     assert main(["compile", str(examples_dir / "gpt.py"), *pins, "--plan", str(saved),
                  "--out-dir", str(tmp_path / "out")]) == 0
+    from cost_models.step import TrainSpec
+
     planned = read_plan(saved).predicted.step_time_s
+    assert read_plan(saved).clip_grad_norm is False  # recorded, so priced again without clipping
+    assert price_saved_plan(read_plan(saved), examples_dir / "gpt.py")[1].step_time_s == planned
     assert read_plan(tmp_path / "out" / "plan.json").predicted.step_time_s == planned
-    assert price_saved_plan(read_plan(saved), examples_dir / "gpt.py")[1].step_time_s > planned
+    defaults = TrainSpec(global_batch_size=8)  # clipping
+    assert price_saved_plan(read_plan(saved), examples_dir / "gpt.py", train=defaults)[1].step_time_s > planned

@@ -47,6 +47,7 @@ def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool
                     trace_every_block=bool(OmegaConf.select(cfg, "plan.trace_every_block", default=False)))
     reuse = bool(OmegaConf.select(cfg, "plan.reuse_profile", default=True))
     path = Path(model_path).resolve()
+    key, digest = None, None
     if reuse and path.is_file():
         source = path.read_bytes()
         digest = hashlib.sha256(source).hexdigest()
@@ -55,14 +56,14 @@ def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool
         if kept is not None:
             return kept, True
     model_file = load_model_file(model_path)
-    key = None
-    if reuse:
-        source = model_file.path.read_bytes()
-        if hashlib.sha256(source).hexdigest() == model_file.sha256:  # not edited since it was imported
-            key = profile_cache.profile_key(model_file.path, source, model_file.sha256, settings)
-            kept = profile_cache.load(key, model_file.path, model_file.sha256) if key is not None else None
-            if kept is not None:
-                return kept, True
+    if model_file.sha256 != digest:
+        key = None  # edited between reading and importing: not kept under the older bytes' key
+    elif reuse and key is None:
+        # A module only the import could find (on a path the file adds) keys the profile now.
+        key = profile_cache.profile_key(model_file.path, source, model_file.sha256, settings)
+        kept = profile_cache.load(key, model_file.path, model_file.sha256) if key is not None else None
+        if kept is not None:
+            return kept, True
     profile = profile_model(model_file, settings["model"], micro_batch_size=settings["micro_batch_size"],
                             precision=settings["precision"], blocks=settings["blocks"],
                             trace_every_block=settings["trace_every_block"])

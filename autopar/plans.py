@@ -20,9 +20,8 @@ from typing import Any
 from autopar.serialize import TRANSIENT, from_jsonable, to_jsonable, upgrade_block_containers
 from autopar.domain.bounds import Bound, out_of_range
 from autopar.domain.layout import ParallelLayout
-from autopar.domain.vocabulary import (DP_BUCKET_BYTES, GRAD_REDUCE_DTYPES, SELECTIVE_RUNTIMES, TP_RUNTIMES,
-                                       ZERO3_RUNTIMES, CPStrategy, DPSync, MeshAxis, Recompute, Schedule, TPStyle,
-                                       ZeroStage)
+from autopar.domain.vocabulary import (DP_BUCKET_BYTES, RUNTIME_CHOICES, CPStrategy, DPSync, MeshAxis, Recompute,
+                                       Schedule, TPStyle, ZeroStage, unknown_choices)
 from autopar.domain.rules import structure_problems
 
 # The largest cluster the search handles in bounded time: 65,536 GPUs (GPT, 8192 DGX nodes) plan
@@ -103,7 +102,7 @@ def software_versions() -> dict[str, str]:
 
 
 # TrainSpec's settings a plan records beside its batch, precision and optimizer (Plan's docstring).
-PRICED_WITH = ("clip_grad_norm", "tp_runtime", "zero3_runtime", "selective_runtime", "grad_reduce_dtype")
+PRICED_WITH = ("clip_grad_norm", *RUNTIME_CHOICES)
 
 
 def priced_with(train: Any) -> dict[str, Any]:
@@ -336,10 +335,7 @@ class Plan(ParallelLayout):
         found = [] if self.layer_names else ["it lists no layers (layer_names)"]
         found += [problem.problem for problem in structure_problems(self, self.layer_names or None,
                                                                     self.global_batch_size, stages_listed=True)]
-        for name, known in (("tp_runtime", TP_RUNTIMES), ("zero3_runtime", ZERO3_RUNTIMES),
-                            ("selective_runtime", SELECTIVE_RUNTIMES), ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
-            if getattr(self, name) not in known:
-                found.append(f"{name} '{getattr(self, name)}' is not one of {', '.join(known)}")
+        found += unknown_choices(self, RUNTIME_CHOICES)
         styles = sorted({str(v) for v in self.tp_styles.values()} - set(TP_STYLES))
         if styles:
             found.append(f"tp style '{styles[0]}' is not one of {', '.join(TP_STYLES)}")

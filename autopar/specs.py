@@ -14,8 +14,8 @@ from autopar.errors import ConfigError
 from autopar.model_file import load_model_file
 from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.topology import ClusterSpec
-from autopar.domain.vocabulary import (GRAD_REDUCE_DTYPES, SELECTIVE_RUNTIMES, TP_RUNTIMES, ZERO3_RUNTIMES, CPStrategy,
-                                       DPSync, Recompute, Schedule)
+from autopar.domain.vocabulary import (GRAD_REDUCE_DTYPES, RUNTIME_CHOICES, SELECTIVE_RUNTIMES, TP_RUNTIMES,
+                                       ZERO3_RUNTIMES, CPStrategy, DPSync, Recompute, Schedule)
 
 T = TypeVar("T")
 
@@ -70,10 +70,9 @@ def _engine_setting(cfg: Any, name: str, generated: str) -> str:
     return getattr(writer(engine), name)
 
 
-# How the module autopar generates runs what the train.* runtime settings describe for pricing
-# (TrainSpec): the other values of those settings price runs of other engines.
-GENERATED_RUNTIMES = {"train.tp_runtime": "dtensor", "train.zero3_runtime": "fsdp2",
-                      "train.selective_runtime": "autopar", "train.grad_reduce_dtype": "fp32"}
+# How the module autopar generates runs what the train.* runtime settings describe for pricing:
+# TrainSpec's defaults; the other values of those settings price runs of other engines.
+GENERATED_RUNTIMES: dict[str, str] = {f"train.{name}": getattr(TrainSpec, name) for name in RUNTIME_CHOICES}
 
 
 def generated_module_settings(cfg: Any) -> Any:
@@ -82,6 +81,7 @@ def generated_module_settings(cfg: Any) -> Any:
     to what that engine runs, but no longer sets how the plan is priced). A setting given another
     value prices another engine's run and is refused: compile would promise a step time the
     module it writes does not run."""
+    pinned = copy.deepcopy(cfg)
     for key, generated in GENERATED_RUNTIMES.items():
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and value != generated:
@@ -90,8 +90,6 @@ def generated_module_settings(cfg: Any) -> Any:
                               "module does not run.",
                               f"leave {key} unset to compile; to price that engine's run, use `autopar plan` or "
                               f"`autopar estimate` with {key}={value}.")
-    pinned = copy.deepcopy(cfg)
-    for key, generated in GENERATED_RUNTIMES.items():
         OmegaConf.update(pinned, key, generated)
     return pinned
 

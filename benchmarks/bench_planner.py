@@ -20,11 +20,13 @@ says how fast the machine was: read a time against its target with it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from benchmarks import cases, machine_reference_s, smoke
 
@@ -83,21 +85,27 @@ def whole_command_s(example: str, overrides: list[str]) -> tuple[float, float]:
     return seconds[0], seconds[1]
 
 
+@contextlib.contextmanager
+def busy_other_core() -> Iterator[None]:
+    """The other core's job while the body runs (not in the smoke run, which runs another benchmark
+    beside this one)."""
+    busy = subprocess.Popen([sys.executable, "-c", "pass" if smoke() else "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def run() -> list[dict]:
     from autopar.config import compose_config
     from autopar.driver import run_plan, run_profile
 
     rows = []
-    busy = subprocess.Popen([sys.executable, "-c", "pass" if smoke() else "while True: pass"])
-    try:
+    with busy_other_core():
         reference_s = machine_reference_s()  # this machine's speed, measured as the cases are
-    finally:
-        busy.kill()
-        busy.wait()
     for name, example, overrides, target_s in cases(CASES, smallest=2):
-        # the other core's job (not in the smoke run, which runs another benchmark beside this one)
-        busy = subprocess.Popen([sys.executable, "-c", "pass" if smoke() else "while True: pass"])
-        try:
+        with busy_other_core():
             cfg = compose_config([*overrides, "plan.reuse_profile=false"])  # trace_s: tracing, not a kept profile
             start = time.perf_counter()
             profile = run_profile(REPO / "examples" / example, cfg)
@@ -105,9 +113,6 @@ def run() -> list[dict]:
             result = run_plan(REPO / "examples" / example, cfg, profile=profile)
             planned = time.perf_counter()
             whole = whole_command_s(example, overrides) if name in WHOLE_COMMAND_TARGETS_S else None
-        finally:
-            busy.kill()
-            busy.wait()
         plan = result.plan
         plan_s = planned - traced
         rows.append({"case": name, "wall_s": round(planned - start, 1), "trace_s": round(traced - start, 1),

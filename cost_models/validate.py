@@ -12,25 +12,15 @@ from typing import Any
 
 from autopar.domain import rules
 from autopar.domain.layout import ParallelLayout, TrainSpec
-from autopar.domain.vocabulary import (AXES, GRAD_REDUCE_DTYPES, OPTIMIZERS, PRECISIONS, RECOMPUTE_OPTIONS,
-                                       SELECTIVE_RUNTIMES, TP_RUNTIMES, ZERO3_RUNTIMES)
+from autopar.domain.vocabulary import AXES, OPTIMIZERS, PRECISIONS, RECOMPUTE_OPTIONS, RUNTIME_CHOICES, unknown_choices
 from cost_models.topology import ClusterSpec
 
 
 def validate_train(train: TrainSpec, profile: Any) -> None:
     """Clear errors for training settings the cost model cannot price."""
-    if train.precision not in PRECISIONS:
-        raise ValueError(f"precision '{train.precision}' is not one of {', '.join(PRECISIONS)}")
-    if train.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer '{train.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
-    if train.tp_runtime not in TP_RUNTIMES:
-        raise ValueError(f"tp_runtime '{train.tp_runtime}' is not one of {', '.join(TP_RUNTIMES)}")
-    if train.zero3_runtime not in ZERO3_RUNTIMES:
-        raise ValueError(f"zero3_runtime '{train.zero3_runtime}' is not one of {', '.join(ZERO3_RUNTIMES)}")
-    if train.selective_runtime not in SELECTIVE_RUNTIMES:
-        raise ValueError(f"selective_runtime '{train.selective_runtime}' is not one of {', '.join(SELECTIVE_RUNTIMES)}")
-    if train.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-        raise ValueError(f"grad_reduce_dtype '{train.grad_reduce_dtype}' is not one of {', '.join(GRAD_REDUCE_DTYPES)}")
+    unknown = unknown_choices(train, {"precision": PRECISIONS, "optimizer": OPTIMIZERS, **RUNTIME_CHOICES})
+    if unknown:
+        raise ValueError(unknown[0])
     if train.global_batch_size < 1:
         raise ValueError(f"global batch size must be at least 1, got {train.global_batch_size}")
     if train.moe_imbalance < 1:

@@ -96,5 +96,15 @@ TP_RUNTIMES = ("dtensor", "plain", "megatron_core")  # see TrainSpec.tp_runtime
 ZERO3_RUNTIMES = ("fsdp2", "deepspeed_2021")  # see TrainSpec.zero3_runtime
 SELECTIVE_RUNTIMES = ("autopar", "torchtitan_op")  # see TrainSpec.selective_runtime
 GRAD_REDUCE_DTYPES = ("fp32", "compute")  # see TrainSpec.grad_reduce_dtype
+# The settings that say how a run executes what a plan decides, for pricing (TrainSpec's; a plan
+# records them): their values.
+RUNTIME_CHOICES = {"tp_runtime": TP_RUNTIMES, "zero3_runtime": ZERO3_RUNTIMES,
+                   "selective_runtime": SELECTIVE_RUNTIMES, "grad_reduce_dtype": GRAD_REDUCE_DTYPES}
+
+
+def unknown_choices(settings: object, choices: dict[str, tuple[str, ...]]) -> list[str]:
+    """One sentence per attribute of ``settings`` named in ``choices`` whose value is not among its."""
+    return [f"{name} '{getattr(settings, name)}' is not one of {', '.join(known)}"
+            for name, known in choices.items() if getattr(settings, name) not in known]
 # Gradient bytes per bucket of a plan's exchange where none was sized (DDP's default bucket_cap_mb).
 DP_BUCKET_BYTES = 25 * 2**20

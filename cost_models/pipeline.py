@@ -88,6 +88,19 @@ MEMORY_UNIT_BYTES = 2**20  # memory constraints in MiB (rounded up, so feasibili
 
 
 @dataclass(frozen=True)
+class MemoryRows:
+    """What a partition problem's memory check reads (`autopar.solver.bounds.memory_cannot_fit`),
+    priced before its per-layer times: most candidates a large search prices cannot fit, and
+    their times are never needed (fields as `PartitionProblem`'s)."""
+
+    activation_bytes: list[list[int]]
+    static_bytes: list[int]
+    in_flight: list[float]
+    capacity_bytes: list[int]
+    overhead_bytes: list[int]
+
+
+@dataclass(frozen=True)
 class PartitionProblem:
     """Everything the partitioner needs, priced per layer by the cost model.
 

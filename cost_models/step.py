@@ -59,7 +59,7 @@ from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARA
                                     expert_tp, ring_attention)
 from cost_models.layer_split import LayerSplits, TPLayerSplit, TPSplitter
 from cost_models.memory import RECOMPUTE_OPTIONS, activation_bytes, reduced_gradient_bytes
-from cost_models.pipeline import PartitionProblem, evaluate, in_flight_micro_batches
+from cost_models.pipeline import MemoryRows, PartitionProblem, evaluate, in_flight_micro_batches
 from cost_models.placement import LayoutGroups, proportional_shares
 from cost_models.ranks import PipelineRanks
 from cost_models.structure import ModelStructure, attention_io_bytes
@@ -154,6 +154,7 @@ class PlanPricer:
         self.b0 = profile.micro_batch_size
         self._problems: dict[ParallelLayout, PartitionProblem | None] = {}
         self._shared_rows: dict[ParallelLayout, dict[str, Any] | None] = {}
+        self._memory_parts: dict[ParallelLayout, tuple[GPUSpec, dict[str, Any]] | None] = {}
         self._in_flight_cache: dict[tuple, list[float]] = {}
         self._totals_cache: dict[int, tuple[list, list]] = {}
         self._scalar_all_reduce_s: dict[int, float] = {}
@@ -192,31 +193,50 @@ class PlanPricer:
         if key in self._problems:
             return self._problems[key]
         rows = self._partition_rows(layout)
-        in_flight = self._in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks)
-        shares = self.ranks.dp_shares(layout) if rows is not None else ()
-        if shares:  # the rank with the largest share holds that many samples' activations
-            in_flight = [held * max(shares) / layout.micro_batch_size for held in in_flight]
         problem = None if rows is None else PartitionProblem(
             **rows, devices=layout.pp, chunks=layout.chunks, micro_batches=layout.num_micro_batches,
-            in_flight=in_flight, option_names=self.recompute_options)
+            in_flight=self._held_in_flight(layout), option_names=self.recompute_options)
         self._problems[key] = problem
         return problem
 
-    def _partition_rows(self, layout: ParallelLayout) -> dict[str, Any] | None:
-        """The schedule-independent part of a partition problem (per-layer prices, memory per
-        device, speeds), shared by the layouts that differ only in pipeline schedule and chunks."""
-        key = replace(layout, stages=(), recompute=Recompute.NONE, num_micro_batches=1, schedule=Schedule.ONE_F_ONE_B,
-                      chunks=1)
-        if key in self._shared_rows:
-            return self._shared_rows[key]
+    def memory_rows(self, layout: ParallelLayout) -> MemoryRows | None:
+        """The memory part of `partition_problem` (None if the layout cannot run), without its
+        per-layer times: what the search checks before pricing a candidate in full."""
+        part = self._memory_part(layout)
+        if part is None:
+            return None
+        rows = part[1]
+        return MemoryRows(rows["activation_bytes"], rows["static_bytes"], self._held_in_flight(layout),
+                          rows["capacity_bytes"], rows["overhead_bytes"])
+
+    def _held_in_flight(self, layout: ParallelLayout) -> list[float]:
+        """Micro-batches each pipeline rank holds at its peak, in micro-batches of the layout's
+        size: the rank with the largest data-parallel share holds that many samples' activations."""
+        in_flight = self._in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks)
+        shares = self.ranks.dp_shares(layout)
+        if shares:
+            in_flight = [held * max(shares) / layout.micro_batch_size for held in in_flight]
+        return in_flight
+
+    @staticmethod
+    def _shared_key(layout: ParallelLayout) -> ParallelLayout:
+        """What the partition rows do not depend on left out (schedule, chunks, micro-batches)."""
+        return replace(layout, stages=(), recompute=Recompute.NONE, num_micro_batches=1,
+                       schedule=Schedule.ONE_F_ONE_B, chunks=1)
+
+    def _memory_part(self, layout: ParallelLayout) -> tuple[GPUSpec, dict[str, Any]] | None:
+        """(reference GPU, the schedule-independent memory rows: activations, static and step bytes,
+        capacity and overheads per device, speeds), or None if the layout cannot run."""
+        key = self._shared_key(layout)
+        if key in self._memory_parts:
+            return self._memory_parts[key]
         validate_train(self.train, self.profile)
         devices = self.ranks.device_facts(layout)
         if devices is None:
-            self._shared_rows[key] = None
+            self._memory_parts[key] = None
             return None
         reference, speed, capacity = devices
         scale = layout.micro_batch_size / self.b0
-        times = self._totals(self.time_parts_rows(layout, reference))
         keeps_attention = not ring_attention(layout)
         activations = self._rows("activation", layout, (layout.tp, layout.sequence_parallel, layout.cp,
                                                         layout.micro_batch_size, keeps_attention),
@@ -230,15 +250,32 @@ class PlanPricer:
                              reference)
         steps = self._rows("step", layout, (layout.tp, self._zero_key_static(layout), layout.ep, expert_tp(layout)),
                            lambda layer, split: int(self.layer_prices.step_bytes(layer, split, layout)), reference)
+        overhead = self.layer_prices.overhead_bytes(layout, scale, reference)
+        step_overhead = self.layer_prices.step_overhead_bytes(reference)
+        rows = dict(activation_bytes=activations, static_bytes=statics, capacity_bytes=capacity,
+                    overhead_bytes=[overhead] * layout.pp, speed=speed, step_bytes=steps,
+                    step_overhead_bytes=[step_overhead] * layout.pp)
+        self._memory_parts[key] = (reference, rows)
+        return self._memory_parts[key]
+
+    def _partition_rows(self, layout: ParallelLayout) -> dict[str, Any] | None:
+        """The schedule-independent part of a partition problem (per-layer prices, memory per
+        device, speeds), shared by the layouts that differ only in pipeline schedule and chunks."""
+        key = self._shared_key(layout)
+        if key in self._shared_rows:
+            return self._shared_rows[key]
+        part = self._memory_part(layout)
+        if part is None:
+            self._shared_rows[key] = None
+            return None
+        reference, memory = part
+        scale = layout.micro_batch_size / self.b0
+        times = self._totals(self.time_parts_rows(layout, reference))
         sends = self._rows("send", layout, (layout.pp, self.groups.span(layout, "pp"), layout.micro_batch_size,
                                             layout.cp, layout.tp if layout.sequence_parallel else 1),
                            lambda layer, split: self.layer_prices.send_s(layer, layout, scale), reference)
         per_step = self._totals(self.per_step_rows(layout, reference))
-        overhead = self.layer_prices.overhead_bytes(layout, scale, reference)
-        step_overhead = self.layer_prices.step_overhead_bytes(reference)
-        rows = dict(time_s=times, activation_bytes=activations, static_bytes=statics, send_s=sends,
-                    capacity_bytes=capacity, overhead_bytes=[overhead] * layout.pp, speed=speed, per_step_s=per_step,
-                    step_bytes=steps, step_overhead_bytes=[step_overhead] * layout.pp)
+        rows = dict(memory, time_s=times, send_s=sends, per_step_s=per_step)
         self._shared_rows[key] = rows
         return rows
 

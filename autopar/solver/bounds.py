@@ -24,7 +24,7 @@ import heapq
 import math
 from typing import TYPE_CHECKING
 
-from cost_models.pipeline import TIME_UNITS_PER_S, PartitionProblem
+from cost_models.pipeline import TIME_UNITS_PER_S, MemoryRows, PartitionProblem
 
 if TYPE_CHECKING:
     from autopar.solver.block_partition import BlockRun
@@ -108,8 +108,9 @@ def _floor_summary(layer_s: list[float]) -> tuple[float, int, float]:
     return cached[1], cached[2], cached[3]
 
 
-def memory_cannot_fit(problem: PartitionProblem) -> bool:
-    """Even with the least activation memory, the layers' bytes exceed all devices together."""
+def memory_cannot_fit(problem: PartitionProblem | MemoryRows) -> bool:
+    """Even with the least activation memory, the layers' bytes exceed all devices together
+    (read from a problem, or from its memory rows before its times are priced)."""
     need = table_sum(problem.static_bytes) + table_sum(problem.activation_bytes) * min(problem.in_flight)
     return need + sum(problem.overhead_bytes) > sum(problem.capacity_bytes)
 

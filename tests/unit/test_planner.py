@@ -71,6 +71,36 @@ def test_search_matches_brute_force(examples_dir, seed):
     assert all(used <= cap for used, cap in zip(found.best[0].partition.device_memory_bytes, problem.capacity_bytes))
 
 
+@pytest.mark.parametrize("room", [0.35, 0.2, 0.1])
+def test_memory_rows_refuse_exactly_what_the_whole_problem_refuses(examples_dir, room):
+    """The search refuses a candidate for memory from its memory rows alone, before its times are
+    priced: the verdict must be the whole problem's for every candidate (none lost, none let
+    through), and the rows the problem's own."""
+    from autopar.solver.bounds import memory_cannot_fit
+
+    profile = profile_of(examples_dir, "gpt.py", {"layers": 3, "hidden": 512, "heads": 8, "seq_len": 512,
+                                                  "vocab": 2048})
+    spec = cluster("A100-40GB", nodes=2, per_node=4)
+    gpu = spec.node_gpus[0]
+    need = 16 * profile.param_count + 8 * profile.activation_bytes
+    squeezed = gpu.with_overrides(memory_bytes=int((0.8 * 2**30 + room * need) / 0.95))
+    spec = ClusterSpec(name=spec.name, gpus_per_node=4, node_gpus=(squeezed,) * 2, intra=spec.intra,
+                       inter=spec.inter, memory_headroom_fraction=0.05)
+    solver = SolverConfig(recompute_options=["none", "full"], schedules=["1f1b", "gpipe"], max_micro_batch_size=4)
+    planner = Planner(profile, spec, TrainSpec(global_batch_size=8), solver, PlanPins())
+    verdicts = []
+    for candidate in planner.candidates():
+        rows, problem = planner.pricer.memory_rows(candidate), planner.pricer.partition_problem(candidate)
+        assert (rows is None) == (problem is None)
+        if problem is None:
+            continue
+        assert (rows.static_bytes, rows.activation_bytes, rows.in_flight, rows.capacity_bytes,
+                rows.overhead_bytes) == (problem.static_bytes, problem.activation_bytes, problem.in_flight,
+                                         problem.capacity_bytes, problem.overhead_bytes)
+        verdicts.append(memory_cannot_fit(rows))
+    assert any(verdicts) and not all(verdicts)  # the instance has candidates on both sides
+
+
 GPT_1B = {"layers": 8, "hidden": 2048, "heads": 16, "seq_len": 2048, "vocab": 50304}
 
 
@@ -198,6 +228,9 @@ class _SlowPricer:
 
     def compute_floor(self, candidate):
         return self.pricer.compute_floor(candidate)
+
+    def memory_rows(self, candidate):
+        return self.pricer.memory_rows(candidate)
 
     def fixed_time_s(self, candidate):
         return self.pricer.fixed_time_s(candidate)

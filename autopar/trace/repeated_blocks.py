@@ -193,7 +193,7 @@ def expand_mixers(mixers: list, selection: TraceSelection) -> list:
         expanded.append(mixer)
         for run, seconds in own.items():
             if seconds and mixer is seconds[-1]:
-                expanded.extend(replace(m, module=_renamed(m.module, run.second, block))
+                expanded.extend(replace(m, module=renamed(m.module, run.second, block))
                                 for block in run.left_out for m in seconds)
     return expanded
 
@@ -202,7 +202,7 @@ def _inside(name: str | None, block: str) -> bool:
     return name is not None and (name == block or name.startswith(block + "."))
 
 
-def _renamed(name: str | None, old: str, new: str) -> str | None:
+def renamed(name: str | None, old: str, new: str) -> str | None:
     """``name`` with the block prefix ``old`` replaced by ``new`` (other names unchanged)."""
     if name is None or not _inside(name, old):
         return name
@@ -304,12 +304,12 @@ def expand(selection: TraceSelection, ops: list, grouping: Any, facts: Any, grap
         if key[0] is not None or role is None or role.startswith("input:"):
             return key
         kind, _, fqn = role.partition(":")
-        renamed = _renamed(fqn, second, block)
-        if renamed == fqn:
+        own = renamed(fqn, second, block)
+        if own == fqn:
             return key
-        if f"{kind}:{renamed}" not in full_name_of_role:
-            raise NotExpandable(f"{block} has no {renamed} (shared with another block?)")
-        return FULL_INPUT, full_name_of_role[f"{kind}:{renamed}"]
+        if f"{kind}:{own}" not in full_name_of_role:
+            raise NotExpandable(f"{block} has no {own} (shared with another block?)")
+        return FULL_INPUT, full_name_of_role[f"{kind}:{own}"]
 
     # Where the copies go: forward after the second block's forward, in order; backward before
     # the second block's backward, in reverse.
@@ -351,7 +351,7 @@ def expand(selection: TraceSelection, ops: list, grouping: Any, facts: Any, grap
         else:
             op, block, second, keys = copied[key]
             full_ops.append(replace(op, name=names[key], inputs=[name_of(k) for k in keys],
-                                    module=_renamed(op.module, second, block), layer=_renamed(op.layer, second, block)))
+                                    module=renamed(op.module, second, block), layer=renamed(op.layer, second, block)))
     return _full_grouping(runs, grouping, facts, full_ops, name_of,
                           added_nodes=len(order) - len(ops) + len(full_roles) - len(traced_roles))
 
@@ -445,12 +445,12 @@ def _full_input_names(traced: dict[str, str], full: dict[str, str]) -> dict[str,
     make_fx names the flattened inputs ``params_<i>``, ``buffers_<i>``, ``batch_<i>``: checked on
     the traced graph)."""
     expected = full_input_names(list(traced.values()))
-    renamed = {}
+    names = {}
     for (name, role), named in zip(traced.items(), expected):
         if named != name or role not in full:
             raise NotExpandable(f"input {name} ({role}) is not named as expected")
-        renamed[name] = full[role]
-    return renamed
+        names[name] = full[role]
+    return names
 
 
 _INPUT_PREFIX = {"param": "params", "buffer": "buffers", "input": "batch"}
@@ -515,7 +515,7 @@ def _full_grouping(runs: list[_RunCopies], grouping: Any, facts: Any, full_ops: 
         second_params = [param for param, layer in grouping.param_layer.items() if layer == run.second]
         for j, block in enumerate(run.left_out, start=1):
             copies_of.add(block)
-            param_layer.update({_renamed(param, run.second, block): block for param in second_params})
+            param_layer.update({renamed(param, run.second, block): block for param in second_params})
             repeat_of[block] = grouping.repeat_of.get(run.second, run.first)
             saved[block] = facts.saved_by_layer.get(run.second, 0)
             boundary_in[block] = {name_of(copies.copy_input(j, k)): v

@@ -303,6 +303,13 @@ def extrapolations(cluster: ClusterSpec, widest_nodes: int, all_to_all_nodes: in
     return Extrapolation(network_factor, compute_factor, tuple(reasons), measured, unmeasured, exposed, low, high)
 
 
+def pessimistic_cluster_key(extrapolation: Extrapolation) -> tuple:
+    """What `pessimistic_cluster` reads of an extrapolation: equal keys, equal clusters."""
+    network = (extrapolation.measured_nodes, extrapolation.unmeasured_ops) if extrapolation.network_factor != 1.0 \
+        else None
+    return network, extrapolation.compute_factor, extrapolation.exposed
+
+
 def pessimistic_cluster(cluster: ClusterSpec, extrapolation: Extrapolation) -> ClusterSpec:
     """The cluster as the pessimistic price sees it: every group over more nodes than were measured
     loses NETWORK_FALL_PER_DOUBLING of bandwidth per doubling beyond (groups within the measured

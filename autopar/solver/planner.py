@@ -29,7 +29,7 @@ from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec
 from cost_models.topology import ClusterSpec
 from autopar.domain.vocabulary import DPSync, Recompute
 from cost_models.uncertainty import (RESIDUAL_LOW, Extrapolation, PredictionInterval, extrapolations,
-                                     pessimistic_cluster, techniques_of)
+                                     pessimistic_cluster, pessimistic_cluster_key, techniques_of)
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
@@ -160,6 +160,7 @@ class Planner:
             options = tuple(dict.fromkeys([*options, Recompute.NONE.value, *pins.layer_recompute.values()]))
         self.pricer = PlanPricer(profile, cluster, train, self.splitter, recompute_options=options)
         self._intervals: dict[ParallelLayout, PredictionInterval] = {}
+        self._pessimistic: dict[tuple, PlanPricer] = {}
 
     def candidates(self, cluster: ClusterSpec | None = None) -> list[Candidate]:
         cluster = cluster or self.cluster
@@ -301,11 +302,20 @@ class Planner:
         extrapolation = self._extrapolation(layout)
         pessimistic_s = predicted
         if extrapolation.reprices:
-            pessimistic = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation), self.train,
-                                     self.splitter, recompute_options=self.pricer.recompute_options)
-            pessimistic_s = pessimistic.estimate(layout).step_time_s
+            pessimistic_s = self._pessimistic_pricer(extrapolation).estimate(layout).step_time_s
         return PredictionInterval(predicted, pessimistic_s, extrapolation.reasons, extrapolation.residual_low,
                                   extrapolation.residual_high)
+
+    def _pessimistic_pricer(self, extrapolation: Extrapolation) -> PlanPricer:
+        """The pricer of the cluster as `extrapolation`'s pessimistic price sees it, one per such
+        cluster: the plan's runners-up and the robust search mostly extrapolate alike, and a
+        pricer shares its prices between the layouts it is asked about."""
+        key = pessimistic_cluster_key(extrapolation)
+        if key not in self._pessimistic:
+            self._pessimistic[key] = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation),
+                                                self.train, self.splitter,
+                                                recompute_options=self.pricer.recompute_options)
+        return self._pessimistic[key]
 
     def _robust_choice(self, fastest: Scored, candidates: list[Candidate], spent: float,
                        floors: list[tuple[float, int, Candidate]]) -> tuple[Scored, str] | None:
@@ -316,8 +326,7 @@ class Planner:
         if extrapolation.network_factor == 1.0 and not extrapolation.exposed:
             return None  # an uncalibrated GPU's compute weighs on every plan alike: nothing to trade
         mine = self.interval(fastest)
-        cautious = PlanPricer(self.profile, pessimistic_cluster(self.cluster, extrapolation),
-                              self.train, self.splitter, recompute_options=self.pricer.recompute_options)
+        cautious = self._pessimistic_pricer(extrapolation)
         # The first search's work bounds this one's: a better-hedged plan need not be proven
         # optimal under pessimistic prices to be worth comparing, and planning time at most doubles.
         # Only plans whose pessimistic price beats the fastest plan's can be chosen: the search is

@@ -528,9 +528,6 @@ class Planner:
         for bound, index, candidate, problem in result.over_memory:
             if len(found) == min(3, self.solver.top_k) or bound >= winner.step_time_s:
                 break
-            problem = problem or search.pricer.partition_problem(candidate)
-            if problem is None:
-                continue
             unbounded = replace(problem, capacity_bytes=[UNBOUNDED_BYTES] * problem.devices)
             partition = search.solve_partition(unbounded)
             if partition is None or not partition.stage_starts:

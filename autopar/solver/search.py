@@ -57,8 +57,9 @@ class CandidatePricer(Protocol):
         """(per-layer seconds below every option's price, speed per pipeline rank), or None."""
 
     def memory_rows(self, candidate: Candidate) -> MemoryRows | None:
-        """The memory part of `partition_problem` (None when the candidate cannot run), dearer
-        than the floor and far cheaper than the whole problem."""
+        """The memory part of `partition_problem`, dearer than the floor and far cheaper than the
+        whole problem (None when the candidate cannot run, or the pricer has no such part: then
+        its memory is checked on the whole problem)."""
 
     def fixed_time_s(self, candidate: Candidate) -> float:
         """Step time that does not depend on the partition (e.g. the optimizer's launch)."""
@@ -88,8 +89,7 @@ class SearchResult:
     pruned: int = 0  # excluded by the memory-aware bound without a partition solve
     priced: int = 0  # candidates priced past their floor (in full, or their memory alone where it cannot fit)
     # (bound, index, candidate, problem) of candidates refused for memory, fastest bound first:
-    # what the report shows as "would be faster, but does not fit". The problem is None where its
-    # memory alone refused it (the bound is then its floor): priced in full when it is shown.
+    # what the report shows as "would be faster, but does not fit".
     over_memory: list = field(default_factory=list)
 
 
@@ -199,8 +199,11 @@ class PlanSearch:
                     rejected["cannot run"] = rejected.get("cannot run", 0) + 1
                 else:
                     item = (lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index, candidate, problem)
-                    heapq.heappush(waiting, item)
-                    self.proven[index] = item[0]
+                    if memory is None and memory_cannot_fit(problem):  # a pricer without memory rows
+                        refuse_for_memory(*item)
+                    else:
+                        heapq.heappush(waiting, item)
+                        self.proven[index] = item[0]
             if stopped_at is not None or not waiting or waiting[0][0] >= kth:
                 break
             if best and out_of_budget():
@@ -257,7 +260,26 @@ class PlanSearch:
                             partitions_solved=len(solved), gap=gap, rejected=rejected,
                             work=round(self._work(priced), 6), stopped_by=stopped_by, pruned=pruned,
                             priced=priced,
-                            over_memory=sorted(over_memory, key=lambda item: item[:2])[:OVER_MEMORY_KEPT])
+                            over_memory=self._fastest_over_memory(over_memory))
+
+    def _fastest_over_memory(self, refused: list[tuple[float, int, Candidate, PartitionProblem | None]]
+                             ) -> list[tuple[float, int, Candidate, PartitionProblem]]:
+        """The OVER_MEMORY_KEPT refused candidates of lowest bound, each with its problem and
+        bound: those refused on their memory rows carry their floor, below their bound, so they
+        are priced in floor order until the next floor is above the last one kept (the same
+        list as had each been priced in full when refused)."""
+        kept = sorted(((bound, index, candidate, problem) for bound, index, candidate, problem in refused
+                       if problem is not None), key=lambda item: item[:2])[:OVER_MEMORY_KEPT]
+        for floor, index, candidate, _ in sorted((item for item in refused if item[3] is None),
+                                                 key=lambda item: item[:2]):
+            if len(kept) == OVER_MEMORY_KEPT and floor > kept[-1][0]:
+                break
+            problem = self.pricer.partition_problem(candidate)
+            if problem is None:
+                continue
+            kept.append((lower_bound_s(problem) + self.pricer.fixed_time_s(candidate), index, candidate, problem))
+            kept = sorted(kept, key=lambda item: item[:2])[:OVER_MEMORY_KEPT]
+        return kept
 
     def known_floors(self) -> list[tuple[float, int, Candidate]]:
         """The floors of the last run raised to what its pricing and solving proved of each

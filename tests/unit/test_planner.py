@@ -99,6 +99,13 @@ def test_memory_rows_refuse_exactly_what_the_whole_problem_refuses(examples_dir,
                                          problem.capacity_bytes, problem.overhead_bytes)
         verdicts.append(memory_cannot_fit(rows))
     assert any(verdicts) and not all(verdicts)  # the instance has candidates on both sides
+    # The search refusing on the rows finds what it found refusing each only once priced in full:
+    # the same plan, and the same fastest refused candidates with the same bounds.
+    early = PlanSearch(planner.pricer, time_limit_s=60).run(planner.candidates())
+    late = PlanSearch(_PricedInFull(planner.pricer), time_limit_s=60).run(planner.candidates())
+    assert [(b.step_time_s, b.index) for b in early.best] == [(b.step_time_s, b.index) for b in late.best]
+    assert [item[:2] for item in early.over_memory] == [item[:2] for item in late.over_memory]
+    assert early.rejected == late.rejected and early.priced == late.priced
 
 
 GPT_1B = {"layers": 8, "hidden": 2048, "heads": 16, "seq_len": 2048, "vocab": 50304}
@@ -212,6 +219,20 @@ def test_faster_plans_that_do_not_fit_are_named_with_their_overage(examples_dir)
         assert alternative.plan.predicted.step_time_s < result.plan.predicted.step_time_s
         assert alternative.plan.predicted.peak_memory_bytes > 40e9
     assert result.plan.predicted.peak_memory_bytes <= 40e9
+
+
+class _PricedInFull:
+    """The planner's pricer without memory rows: every candidate is priced in full before its
+    memory is checked (as the search did before it read the rows first)."""
+
+    def __init__(self, pricer):
+        self.pricer = pricer
+
+    def memory_rows(self, candidate):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.pricer, name)
 
 
 class _SlowPricer:

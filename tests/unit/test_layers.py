@@ -13,7 +13,7 @@ LAYERS = [
     ["autopar/errors.py", "autopar/serialize.py", "autopar/data_dependent.py", "autopar/domain"],
     ["autopar/sections"],
     ["autopar/user_code.py", "autopar/model_file.py", "autopar/output_dir.py", "autopar/emit"],
-    ["autopar/trace", "autopar/profile.py", "autopar/profile_cache.py"],
+    ["autopar/trace", "autopar/profile.py", "autopar/profile_cache.py", "autopar/kept_ops.py"],
     ["cost_models"],
     ["autopar/config.py", "autopar/plans.py", "autopar/specs.py"],
     ["autopar/solver", "autopar/codegen"],

@@ -180,7 +180,7 @@ class SolverConfig:
     """Throughput to reach with objective=min_gpus."""
     work_limit: float = 60.0
     """Deterministic work budget for the whole search (about seconds on an idle 2-core laptop:
-    CP-SAT's deterministic seconds plus 0.1 ms per configuration priced in full). It does not
+    CP-SAT's deterministic seconds plus 0.1 ms per configuration priced past its floor). It does not
     depend on machine load, so the same inputs give the same plan anywhere; when it runs out the
     best plan so far is returned with its gap (the search always runs until it has one plan)."""
     time_limit_s: float = 600.0

@@ -70,7 +70,7 @@ class SolverInfo:
     seconds: float = field(default=0.0, compare=False, metadata={TRANSIENT: True})
     candidates: int = 0
     gap: float = 0.0
-    priced: int = 0  # candidates priced in full; the others were excluded by a cheaper bound
+    priced: int = 0  # candidates priced past their floor (memory, then times); the rest fell to it
     work: float = 0.0  # deterministic work units spent (solver.work_limit): the same on any machine load
     stopped_by: str = ""  # "", "work_limit" or "time_limit" (the wall-clock safety cap)
 

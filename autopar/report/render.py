@@ -65,7 +65,7 @@ def sections(report: PlanReport) -> list[Section]:
         ["peak memory (fullest rank)", format_bytes(predicted.peak_memory_bytes)],
         ["cost per million tokens", f"{cost:,.4f} (at {report.cluster.price_per_gpu_hour}/GPU-hour)" if cost
          else "set cluster.price_per_gpu_hour"],
-        ["solver", f"{solver.status}, {solver.candidates:,} candidates ({solver.priced:,} priced in full), "
+        ["solver", f"{solver.status}, {solver.candidates:,} candidates ({solver.priced:,} priced past their floor), "
                    + (f"{report.solver_seconds:.1f} s" if report.solver_seconds is not None
                       else "search time not recorded (priced again from plan.json)")
                    + (f", gap {solver.gap:.1%}" if solver.gap else "")]])]))

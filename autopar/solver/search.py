@@ -3,9 +3,11 @@
 Branch and bound with three bounds, cheapest first (autopar.solver.bounds):
 1. every candidate gets a floor from compute alone (`compute_floor`, `floor_bound_s`) and the
    candidates are taken in floor order;
-2. a candidate is priced in full (per-layer times and memory for its configuration, a
-   `PartitionProblem`) only when its floor is below the best priced bound still waiting, and
-   its `lower_bound_s` (balanced stages, fastest options) orders the priced ones;
+2. a candidate is priced past its floor only when its floor is below the best priced bound
+   still waiting: its memory first (`memory_rows`: a candidate that cannot fit however its
+   layers are split and recomputed is refused there), then per-layer times (the whole
+   `PartitionProblem`), whose `lower_bound_s` (balanced stages, fastest options) orders the
+   priced ones;
 3. before its partition ILP is solved, the memory-aware `block_lower_bound_s` may exclude it.
 The loop stops when the smallest bound left cannot beat the k-th best plan found: the best
 plan is then optimal within the space (status OPTIMAL). Each partition solve has a
@@ -14,7 +16,7 @@ candidate if it cannot beat the best plan.
 
 The budget is deterministic work, not wall time, so the same inputs give the same plan on a busy
 laptop and an idle server: work = CP-SAT's deterministic seconds over every partition solve +
-`PRICING_WORK` per candidate priced in full. A wall-clock `time_limit_s` remains only as a
+`PRICING_WORK` per candidate priced past its floor. A wall-clock `time_limit_s` remains only as a
 generous safety cap; `SearchResult.stopped_by` says which limit (if any) stopped the loop, and
 a plan stopped by the wall clock is reported as depending on machine load. If a limit stops the
 loop, or a stopped solve could still beat the best plan, the status is FEASIBLE with
@@ -39,7 +41,7 @@ from cost_models.pipeline import MemoryRows, Partition, PartitionProblem
 
 
 OVER_MEMORY_KEPT = 16
-# Work units charged per candidate priced in full: about its wall seconds on a 2-core laptop when
+# Work units charged per candidate priced past its floor: about its wall seconds on a 2-core laptop when
 # it was set (~0.1 ms: 166,380 candidates priced in ~17 s for a 145.6B GPT on 1536 A100), so one
 # unit of `work_limit` is roughly a second there, as one CP-SAT deterministic second roughly is.
 # Pricing is faster now; the constant stays, since it is part of the deterministic budget (the

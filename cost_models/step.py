@@ -224,10 +224,12 @@ class PlanPricer:
         return replace(layout, stages=(), recompute=Recompute.NONE, num_micro_batches=1,
                        schedule=Schedule.ONE_F_ONE_B, chunks=1)
 
-    def _memory_part(self, layout: ParallelLayout) -> tuple[GPUSpec, dict[str, Any]] | None:
+    def _memory_part(self, layout: ParallelLayout, key: ParallelLayout | None = None
+                     ) -> tuple[GPUSpec, dict[str, Any]] | None:
         """(reference GPU, the schedule-independent memory rows: activations, static and step bytes,
-        capacity and overheads per device, speeds), or None if the layout cannot run."""
-        key = self._shared_key(layout)
+        capacity and overheads per device, speeds), or None if the layout cannot run; ``key``: the
+        layout's `_shared_key` where the caller has it already."""
+        key = self._shared_key(layout) if key is None else key
         if key in self._memory_parts:
             return self._memory_parts[key]
         validate_train(self.train, self.profile)
@@ -264,7 +266,7 @@ class PlanPricer:
         key = self._shared_key(layout)
         if key in self._shared_rows:
             return self._shared_rows[key]
-        part = self._memory_part(layout)
+        part = self._memory_part(layout, key)
         if part is None:
             self._shared_rows[key] = None
             return None

@@ -98,16 +98,13 @@ with torch.device("meta"):
 """
 
 
-def floor_s(example: str, overrides: list[str]) -> float:
+def floor_s(example: str, model_kwargs: dict) -> float:
     """Seconds of a fresh process that starts Python, imports torch and the model file and builds
-    the model on the meta device: what planning the model costs before autopar's own work."""
-    from autopar.config import compose_config
-    from autopar.specs import model_kwargs
-
-    kwargs = json.dumps(model_kwargs(compose_config(overrides)))
+    the model (``model_kwargs``: its model.* settings) on the meta device: what planning the model
+    costs before autopar's own work."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", FLOOR_SCRIPT, str(REPO / "examples" / example), kwargs], check=True,
-                   capture_output=True, cwd=REPO)
+    subprocess.run([sys.executable, "-c", FLOOR_SCRIPT, str(REPO / "examples" / example), json.dumps(model_kwargs)],
+                   check=True, capture_output=True, cwd=REPO)
     return time.perf_counter() - start
 
 
@@ -126,6 +123,7 @@ def busy_other_core() -> Iterator[None]:
 def run() -> list[dict]:
     from autopar.config import compose_config
     from autopar.driver import run_plan, run_profile
+    from autopar.specs import model_kwargs
 
     rows = []
     with busy_other_core():
@@ -138,7 +136,7 @@ def run() -> list[dict]:
             traced = time.perf_counter()
             result = run_plan(REPO / "examples" / example, cfg, profile=profile)
             planned = time.perf_counter()
-            whole = (*whole_command_s(example, overrides), floor_s(example, overrides)) \
+            whole = (*whole_command_s(example, overrides), floor_s(example, model_kwargs(cfg))) \
                 if name in WHOLE_COMMAND_TARGETS_S else None
         plan = result.plan
         plan_s = planned - traced

@@ -6,16 +6,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
-
-from omegaconf import OmegaConf
+from typing import TYPE_CHECKING, Any
 
 from autopar.errors import ConfigError
 from autopar.plans import PRICED_WITH, priced_with
-from autopar.model_file import file_sha256, load_model_file
-from autopar.profile import profile_model
-from autopar.specs import build_cluster, model_kwargs
-from cost_models.step import Estimate, PlanPricer, TrainSpec
+
+if TYPE_CHECKING:
+    from cost_models.step import Estimate, PlanPricer, TrainSpec
+
+# Reading a plan back is also what `autopar run` does before it starts torchrun, in a process that
+# trains nothing: the model file, profiling and pricing (torch, the cost models: seconds of
+# imports) are imported by the functions that price or check a model, not by the module.
+
 
 def check_prediction(plan: Any, plan_path: str | Path) -> None:
     """Refuse, before any work, a saved plan whose predicted step time is no time at all (0,
@@ -32,6 +34,9 @@ def check_prediction(plan: Any, plan_path: str | Path) -> None:
 def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
     """A plan from `autopar plan --out`, refused when it was made for another model file,
     other model settings or another cluster (replaying it would train something unplanned)."""
+    from autopar.model_file import file_sha256, load_model_file
+    from autopar.specs import build_cluster, model_kwargs
+
     plan = read_plan(plan_path)
     check_prediction(plan, plan_path)
     made_for = plan.provenance
@@ -60,6 +65,8 @@ def load_saved_plan(plan_path: str | Path, model_path: str | Path, cfg: Any):
 def check_model_sha256(path: Path, expected: str, made_for: str, model_option: str | None = "--model") -> None:
     """Refuse, before importing it, a model file whose bytes are not the ones ``expected``
     (``model_option``: the verb's option that named it, or None)."""
+    from autopar.model_file import file_sha256
+
     sha = file_sha256(path)
     if expected and sha != expected:
         fix = (f"pass {model_option} with the original model.py, or plan again." if model_option else
@@ -122,7 +129,13 @@ def price_saved_plan(plan: Any, model_path: str | Path, model_option: str | None
     named), never the path recorded in the plan: a plan can come from anywhere, and importing
     the file it names would run whatever that file does. Its sha256 is checked against the plan
     before it is imported."""
+    from omegaconf import OmegaConf
+
+    from autopar.model_file import load_model_file
+    from autopar.profile import profile_model
     from autopar.solver.tp_split import ILPSplitter
+    from autopar.specs import build_cluster
+    from cost_models.step import PlanPricer, TrainSpec
     from cost_models.topology import ClusterConfig
 
     made_for = plan.provenance

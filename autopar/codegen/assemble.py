@@ -14,9 +14,9 @@ from typing import Callable
 
 from autopar.codegen.specialize import comments_above, last_line
 
-SECTIONS = ("contract", "mesh", "tensor_parallel", "linear_like", "fused", "recompute", "pipeline", "data_parallel",
-            "context_parallel", "expert_parallel", "gradient_sync", "optimizer", "clipping", "token_loss",
-            "checkpoint", "pretrained", "metrics", "data", "loader", "batches", "train")
+SECTIONS = ("markers", "contract", "mesh", "tensor_parallel", "linear_like", "fused", "recompute", "pipeline",
+            "data_parallel", "context_parallel", "expert_parallel", "gradient_sync", "optimizer", "clipping",
+            "token_loss", "checkpoint", "pretrained", "metrics", "data", "loader", "batches", "train")
 # Sections that depend on no plan: written once beside the training module as their own file
 # (section -> file name), which the module imports by path where the section would stand.
 BESIDE = {"checkpoint": "checkpointing.py", "pretrained": "pretrained.py", "metrics": "metrics.py",

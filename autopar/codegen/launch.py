@@ -4,12 +4,10 @@ from __future__ import annotations
 import re
 import shlex
 
-# Restarted ranks must not meet in the store of the attempt before: torchrun's agent shares one
-# TCPStore across attempts by default, and the new process group then reads the dead ranks'
-# addresses (pytorch/pytorch#135712). With sharing off, every attempt gets a fresh store.
-STORE_PER_ATTEMPT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-STORE_PER_ATTEMPT = ("# A fresh rendezvous store per restart (a shared one hands restarted ranks stale addresses).\n"
-                     "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}")
+from autopar.launch_env import STORE_PER_ATTEMPT_ENV
+
+STORE_PER_ATTEMPT = "# A fresh rendezvous store per restart (a shared one hands restarted ranks stale addresses).\n" + \
+    "\n".join(f"export {name}=${{{name}:-{value}}}" for name, value in STORE_PER_ATTEMPT_ENV.items())
 
 
 def shell_word(name: str) -> str:

@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import gc
 import json
-import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -440,4 +439,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from autopar.runtime.lifeline import end_process
+
+    end_process(main())

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from autopar.sections.contract import import_file
 from autopar.errors import UserError
 
 
@@ -22,6 +21,8 @@ def import_generated(script: str | Path, name: str) -> ModuleType:
     """Import ``parallel_<model>.py`` from its file under ``name`` (its top level only defines
     things; ``main()`` is guarded), the way the generated module imports checkpointing.py beside
     it (registered first: its dataclasses look their module up while the file executes)."""
+    from autopar.sections.contract import import_file  # torch: not for the launcher, which only finds the file
+
     return import_file(script, name)
 
 

@@ -12,10 +12,11 @@ a child whose parent is gone before the call ends at once; elsewhere than Linux 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 PARENT_ENV = "AUTOPAR_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -41,3 +42,12 @@ def die_with_parent() -> bool:
     if str(os.getppid()) != expected:  # the parent ended before the request: nobody will signal
         os.kill(os.getpid(), signal.SIGTERM)
     return True
+
+
+def end_process(code: int | None) -> NoReturn:
+    """End a child process with ``code``, its work done: what it still holds is frozen out of the
+    collector first, so the interpreter's last collection on the way out does not walk everything
+    torch loaded (over a second of every launcher's and proof step's exit; 0.4 s then). Its
+    objects are freed as the process ends either way."""
+    gc.freeze()
+    sys.exit(code)

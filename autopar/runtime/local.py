@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from autopar.codegen.launch import STORE_PER_ATTEMPT_ENV
-from autopar.sections.train import FINISHED_MARKER
+from autopar.sections.markers import FINISHED_MARKER
 from autopar.errors import UserError
 from autopar.output_dir import open_no_follow, refuse_link
 from autopar.runtime.generated import find_script
+from autopar.launch_env import STORE_PER_ATTEMPT_ENV, torchrun_arguments
 from autopar.runtime.progress import PEER_GONE
 
 LOG_NAME = "run.jsonl"
@@ -166,10 +166,6 @@ def run_local(out_dir: str | Path, nproc: int | None = None, steps: int | None =
     # only once its ranks have started).
     for written in (log, out_dir / LOCK_NAME, out_dir / "checkpoints", out_dir / "tensorboard"):
         refuse_link(written)
-    # Imported here, not at the top: the package imports this module, and a module already
-    # imported when ``python -m`` runs it makes runpy print a warning into every run's output.
-    from autopar.runtime.loopback import torchrun_arguments
-
     with folder_lock(out_dir) as lock_fd:
         # torchrun's own logs and error files, otherwise left in /tmp/torchelastic_* after every run
         logs = Path(tempfile.mkdtemp(prefix="autopar-torchrun-"))

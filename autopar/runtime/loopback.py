@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import socket
 import sys
-import uuid
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -24,8 +23,8 @@ from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as 
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-LOOPBACK = "127.0.0.1"
-BACKEND = "autopar-loopback"
+from autopar.launch_env import BACKEND, LOOPBACK
+
 
 
 class LoopbackBackend(C10dRendezvousBackend):
@@ -93,13 +92,6 @@ def loopback_handler(params: RendezvousParameters) -> FreshStorePerAttempt:
     return FreshStorePerAttempt(create_handler(store, LoopbackBackend(store, params.run_id), params), timeout)
 
 
-def torchrun_arguments(nproc: int) -> list[str]:
-    """The torchrun options of a one-machine run on the loopback rendezvous (what
-    ``--standalone`` sets, with this backend)."""
-    return [f"--nproc-per-node={nproc}", "--nnodes=1", f"--rdzv-backend={BACKEND}",
-            f"--rdzv-endpoint={LOOPBACK}:0", f"--rdzv-id={uuid.uuid4()}", f"--local-addr={LOOPBACK}"]
-
-
 def _calling_method_name(depth: int = 2) -> str:
     """What torch's ``dynamic_rendezvous.get_method_name`` returns (the function ``depth`` frames
     up), read from the frame itself: torch's asks ``inspect.stack()`` twice, which reads the
@@ -124,4 +116,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from autopar.runtime.lifeline import end_process
+
     main(sys.argv[1:])
+    end_process(0)

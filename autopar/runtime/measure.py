@@ -143,4 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from autopar.runtime.lifeline import end_process
+
     main(sys.argv[1:])
+    end_process(0)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from autopar.sections.train import FINISHED_MARKER
+from autopar.sections.markers import FINISHED_MARKER
 
 # The generated module's rank-0 step line (train.py's timed_step), maybe under torchrun's [rankN]: prefix.
 STEP_LINE = re.compile(r"^(?:\[rank\d+\]:)?step (\d+)  loss (\S+)  [\d.]+ ms  ([\d,.]+) tokens/s")

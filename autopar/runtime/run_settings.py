@@ -124,15 +124,18 @@ def _literal(text: str) -> Any:
 def check_run_data(out_dir: Path, script: Path, data_overrides: list[str], global_batch_size: int) -> str | None:
     """Read the run's corpus (the compiled DATA with ``data_overrides``) into the folder's cache,
     refusing what cannot be trained on; the corpus's path, or None when the run has none."""
-    from autopar.sections import data as training_data
-    from autopar.sections.batches import corpus, data_overrides as merged, data_settings
-
     constants = module_constants(script, ("DATA", "SEQ_LEN", "VOCAB_ROWS"))
     if "SEQ_LEN" not in constants:
         if data_overrides:
             raise UserError(f"{script.name} was compiled before runs took data settings.",
                             "compile the model again, then pass data.path=... to autopar run.")
         return None
+    compiled = constants.get("DATA", {})
+    if not data_overrides and not (isinstance(compiled, dict) and compiled.get("path")):
+        return None  # no corpus: its reader (torch, numpy) is not imported into the launching process
+    from autopar.sections import data as training_data
+    from autopar.sections.batches import corpus, data_overrides as merged, data_settings
+
     try:
         data = merged({"cache_dir": str(out_dir / "data_cache"), "seq_len": constants["SEQ_LEN"],
                        **constants.get("DATA", {})}, data_overrides)

@@ -28,6 +28,7 @@ from autopar.sections import pretrained
 # In a generated folder this is metrics.py beside the training module (the same for every plan).
 from autopar.sections import metrics
 from autopar.sections.clipping import step_optimizer
+from autopar.sections.markers import FINISHED_MARKER
 from autopar.sections.contract import (DropoutOff, build_model, compute_loss, file_sha256, load_model_file,
                                                make_batch, map_batch, model_inputs, slice_batch,
                                                tokens_per_sample)
@@ -643,7 +644,6 @@ def start_from_pretrained(parallel: ParallelModel, training: TrainConfig, config
         print(f"initialised from {training.init_from}", flush=True)
 
 
-FINISHED_MARKER = "rank-finished:"
 LOOPBACK = "127.0.0.1"
 
 

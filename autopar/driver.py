@@ -325,7 +325,7 @@ def _compile_one(plan: Any, result: Any, model_path: str | Path, out_dir: Path, 
             progress.phase(f"proving {plan.summary()}: "
                            + ("2 steps on local gloo ranks against one process (fake tensors cannot run it)"
                               if plan.real_values else "one step at full scale on fake tensors"
-                              + (", then 2 steps on local gloo ranks against one process" if check else "")))
+                              + (" beside 2 steps on local gloo ranks against one process" if check else "")))
         outcome = prove(plan, model_path, staging, check)
         if not outcome.ok:
             if progress:

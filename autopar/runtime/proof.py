@@ -20,6 +20,9 @@ planner's next plan):
    CLIP's key bias 1.2e-5 in 2 steps, past the tolerance, and refused a correct TP plan; at 1e-5
    it stays under 2e-6, while real gradients (1e-3 and up) are normalised as AdamW does.
 
+The two run at the same time (`FakeSteps`); where both fail, the full-scale failure is the one
+reported, as when they ran one after the other.
+
 What neither sees: behaviour only CUDA has (NCCL, CUDA kernels and their autocast lists, the
 caching allocator, out-of-memory), and at full scale the values themselves (fake tensors carry
 shapes and dtypes) and the exchange of a pipeline schedule (its stages run one micro-batch each,
@@ -32,6 +35,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,44 +110,91 @@ def proof_ranks(plan: Any) -> list[int]:
 
 def prove(plan: Any, model_path: str | Path, folder: str | Path, check: bool) -> ProofOutcome:
     """Prove the module generated into ``folder`` for ``plan``: one fake-tensor step at full
-    scale for `proof_ranks`, then (``check``) the small-scale run against one process. A model
-    fake tensors cannot run (``plan.real_values``) is proven by the small-scale run alone."""
-    proven = []
+    scale for `proof_ranks`, and (``check``) the small-scale run against one process beside them;
+    a full-scale failure is the one reported. A model fake tensors cannot run
+    (``plan.real_values``) is proven by the small-scale run alone."""
     if getattr(plan, "real_values", None) and check:  # no fake run of this model: the real one proves it
         failure, note, differs = numerical_check(plan, model_path)
         if failure:
             return ProofOutcome(failure=failure, differs=differs)
         return ProofOutcome(proven=f"not run on fake tensors (they cannot run it: {plan.real_values}); {note}")
-    for rank in proof_ranks(plan):
-        failure, note = fake_step(folder, rank)
+    steps = FakeSteps(folder, proof_ranks(plan))
+    steps.start()
+    try:
+        checked = numerical_check(plan, model_path) if check else None
+        steps.join()
+    finally:
+        steps.stop()
+    for rank, failure, _ in steps.outcomes:
         if failure:
             return ProofOutcome(failure=f"at full scale on fake tensors, rank {rank}: {failure}")
-        proven.append(note)
-    fake = f"one step at full scale ({plan.world_size} ranks) on fake tensors: " + "; ".join(proven)
-    if not check:
+    fake = f"one step at full scale ({plan.world_size} ranks) on fake tensors: " + \
+        "; ".join(note for _, _, note in steps.outcomes)
+    if checked is None:
         return ProofOutcome(proven=fake)
-    failure, note, differs = numerical_check(plan, model_path)
+    failure, note, differs = checked
     if failure:
         return ProofOutcome(failure=failure, differs=differs)
     return ProofOutcome(proven=f"{fake}; {note}")
 
 
-def fake_step(folder: str | Path, rank: int, timeout_s: float = FAKE_TIMEOUT_S) -> tuple[str, str]:
-    """(failure, what ran) of one fake-tensor step of ``rank`` in a process of its own; a step
-    that does not finish in time is not a failure (the plan is kept, the note says so)."""
-    from autopar.runtime.lifeline import child_environment
+class FakeSteps(threading.Thread):
+    """The full-scale fake-tensor steps of ``ranks``, each in a process of its own, one after
+    another until one fails, in a thread beside the small-scale check: each is mostly a second
+    interpreter importing torch, on a core the check's launcher leaves idle (5 of the 31 s a tiny
+    GPT's compile took). `stop` kills the one running (the compile was interrupted)."""
 
-    command = [sys.executable, "-m", "autopar.runtime.proof", str(Path(folder).resolve()), "--rank", str(rank)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=child_environment())
-    except subprocess.TimeoutExpired:
-        return "", f"rank {rank}: not finished within {timeout_s:.0f} s (not proven at full scale)"
-    marked = [line for line in done.stdout.splitlines() if line.startswith(FAILED_MARKER)]
-    if marked:
-        return marked[-1][len(FAILED_MARKER):].strip(), ""
-    if done.returncode != 0:
-        return f"the process died ({_exit_words(done.returncode)}): {_last_line(done.stderr)}", ""
-    return "", done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"rank {rank}"
+    def __init__(self, folder: str | Path, ranks: list[int], timeout_s: float = FAKE_TIMEOUT_S):
+        super().__init__(name="autopar-fake-steps", daemon=True)
+        self.folder = Path(folder).resolve()
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.outcomes: list[tuple[int, str, str]] = []  # (rank, failure, what ran), in rank order
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._process: subprocess.Popen | None = None
+
+    def run(self) -> None:
+        for rank in self.ranks:
+            outcome = self._step(rank)
+            if outcome is None:
+                return
+            self.outcomes.append((rank, *outcome))
+            if outcome[0]:
+                return
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self._process is not None and self._process.poll() is None:
+                self._process.kill()
+        self.join()
+
+    def _step(self, rank: int) -> tuple[str, str] | None:
+        """(failure, what ran) of ``rank``'s step, None once stopped; a step that does not finish in
+        time is not a failure (the plan is kept, the note says so)."""
+        from autopar.runtime.lifeline import child_environment
+
+        command = [sys.executable, "-m", "autopar.runtime.proof", str(self.folder), "--rank", str(rank)]
+        with self._lock:
+            if self._stopped:
+                return None
+            process = self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                       text=True, env=child_environment())
+        try:
+            stdout, stderr = process.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            return "", f"rank {rank}: not finished within {self.timeout_s:.0f} s (not proven at full scale)"
+        if self._stopped:
+            return None
+        marked = [line for line in stdout.splitlines() if line.startswith(FAILED_MARKER)]
+        if marked:
+            return marked[-1][len(FAILED_MARKER):].strip(), ""
+        if process.returncode != 0:
+            return f"the process died ({_exit_words(process.returncode)}): {_last_line(stderr)}", ""
+        return "", stdout.strip().splitlines()[-1] if stdout.strip() else f"rank {rank}"
 
 
 def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
@@ -322,4 +373,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from autopar.runtime.lifeline import end_process
+
+    end_process(main())

@@ -133,8 +133,10 @@ def assemble_sections(imports: ImportBlock, transform: Callable[[str], str] = la
     return "\n\n".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
 def module_beside(name: str) -> str:
-    """Section ``name`` as a module of its own (`BESIDE`): its docstring, its imports, its code."""
+    """Section ``name`` as a module of its own (`BESIDE`): its docstring, its imports, its code.
+    The same for every plan, so built once per process (every generate parsed the five again)."""
     source = section_source(name)
     imports = ImportBlock()
     _, code = split_section(source, imports)

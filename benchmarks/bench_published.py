@@ -48,6 +48,7 @@ def run() -> list[dict]:
     rows = [_run_row(compared[run["id"]], held.get(run["id"])) for run in runs]
     rows += _summary(result, calibration)
     rows += _ptdp_against_zero3(compared)
+    rows += _a4_network_what_if(runs)
     rows += _held_out_coverage([compared[run["id"]] for run in runs if not run["calibration"]])
     rows.append({"id": "median |error| of the factors refitted over the catalogue's prices (the older figure)",
                  "factors_loo": f"{median_abs([c.loo_error for c in in_sample_scale]):.1%}"})
@@ -92,6 +93,29 @@ def _ptdp_against_zero3(compared: dict) -> list[dict]:
         rows.append({"id": f"A4 {ptdp.run['id'].split('-')[1]} on {ptdp.gpus} GPUs: PTD-P / ZeRO-3 per-GPU rate",
                      "error": f"measured {measured:.2f}, predicted {predicted:.2f}"
                               f" ({'same order' if (measured > 1) == (predicted > 1) else 'order reversed'})"})
+    return rows
+
+
+# Shares of the datasheet's rate between nodes the A4 rows are priced at again (`_a4_network_what_if`).
+NETWORK_FRACTIONS = (1 / 2, 1 / 3)
+
+
+def _a4_network_what_if(runs: list[dict]) -> list[dict]:
+    """A4 priced again with the links between nodes at a share of their datasheet rate: a what-if,
+    not the model. No published measurement gives the rate of one ring over 48-280 DGX A100 nodes
+    (the 192 GB/s per node of PUBLISHED.md E4 states no node count); the paper's own figure for its
+    1T run, a 12.9 TB/s effective bisection bandwidth of the data-parallel all-reduce on 384
+    nodes (A3), is 67 GB/s for each node of one half, a third of eight HDR links' 200 GB/s."""
+    a4 = [run for run in runs if run["table"] == "A4"]
+    rows = []
+    for fraction in NETWORK_FRACTIONS:
+        errors: dict[str, list[str]] = {}
+        for run in a4:
+            scheme, size = run["id"].split("-")[2], run["id"].split("-")[1]
+            key = f"{'ZeRO-3' if scheme == 'zero3' else 'PTD-P'} {size}"
+            errors.setdefault(key, []).append(f"{price(run, network_fraction=fraction).error:+.1%}")
+        rows.append({"id": f"A4 with the links between nodes at {fraction:.2f} of their rate (what-if, not the model)",
+                     "error": "; ".join(f"{key} {'/'.join(values)}" for key, values in errors.items())})
     return rows
 
 

@@ -147,9 +147,11 @@ def with_compute_scales(cluster: Any, scales: dict[str, float]) -> Any:
     return replace(cluster, node_gpus=gpus)
 
 
-def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None) -> Comparison:
+def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None,
+          network_fraction: float = 1.0) -> Comparison:
     """The run priced with its pinned plan; `compute_scales` (GPU family -> scale) replaces the
-    catalogue's fitted compute time scales (1.0: nothing fitted)."""
+    catalogue's fitted compute time scales (1.0: nothing fitted); `network_fraction` prices the
+    links between nodes at that share of their rate (a what-if, `bench_published`)."""
     from autopar.config import compose_config
     from autopar.specs import build_cluster, pinned_layout, train_spec
     from autopar.solver.tp_split import ILPSplitter
@@ -159,6 +161,9 @@ def price(run: dict[str, Any], compute_scales: dict[str, float] | None = None) -
     cluster = build_cluster(cfg)
     if compute_scales:
         cluster = with_compute_scales(cluster, compute_scales)
+    if network_fraction != 1.0:
+        slower = replace(cluster.inter, bandwidth_Bps=cluster.inter.bandwidth_Bps * network_fraction)
+        cluster = replace(cluster, inter=slower)
     profile = cached_profile(run, cfg)
     layout = pinned_layout(cfg, cluster)
     recompute = (layout.recompute,)

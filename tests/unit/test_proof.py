@@ -123,3 +123,29 @@ def test_a_failed_full_scale_step_reports_the_first_line_of_a_torch_error(tmp_pa
     assert proof.main([str(tmp_path)]) == 1
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(proof.FAILED_MARKER)]
     assert line.endswith("RuntimeError: Cannot call numel() on tensor with symbolic sizes/strides")
+
+
+def test_a_full_scale_failure_is_reported_over_the_check_run_beside_it(tmp_path, monkeypatch):
+    """The fake steps run beside the small-scale check: a folder with no module fails its step
+    (the process reports it), and that, not the check's own failure, rejects the plan; a step
+    that cannot even start is a failure too, never a pass."""
+    import subprocess
+
+    import autopar.runtime.proof as proof
+
+    checked = []
+    monkeypatch.setattr(proof, "numerical_check",
+                        lambda plan, model_path: checked.append(plan) or ("losses differ", "", True))
+    plan = ParallelLayout(dp=2)
+    outcome = proof.prove(plan, tmp_path / "model.py", tmp_path, check=True)
+    assert checked == [plan]  # the check ran, beside the step
+    assert outcome.failure.startswith("at full scale on fake tensors, rank 0:"), outcome.failure
+    assert "losses differ" not in outcome.failure
+
+    def no_process(*args, **kwargs):
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    outcome = proof.prove(plan, tmp_path / "model.py", tmp_path, check=False)
+    assert outcome.failure == ("at full scale on fake tensors, rank 0: the step could not be started "
+                               "(OSError: no more processes)")

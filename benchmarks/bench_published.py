@@ -111,7 +111,7 @@ def _a4_network_what_if(runs: list[dict]) -> list[dict]:
     for fraction in NETWORK_FRACTIONS:
         errors: dict[str, list[str]] = {}
         for run in a4:
-            scheme, size = run["id"].split("-")[2], run["id"].split("-")[1]
+            _, size, scheme, _ = run["id"].split("-")  # A4-<size>-<scheme>-<gpus>
             key = f"{'ZeRO-3' if scheme == 'zero3' else 'PTD-P'} {size}"
             errors.setdefault(key, []).append(f"{price(run, network_fraction=fraction).error:+.1%}")
         rows.append({"id": f"A4 with the links between nodes at {fraction:.2f} of their rate (what-if, not the model)",

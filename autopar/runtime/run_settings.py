@@ -138,7 +138,7 @@ def check_run_data(out_dir: Path, script: Path, data_overrides: list[str], globa
 
     try:
         data = merged({"cache_dir": str(out_dir / "data_cache"), "seq_len": constants["SEQ_LEN"],
-                       **constants.get("DATA", {})}, data_overrides)
+                       **compiled}, data_overrides)
         if not data.get("path"):
             return None
         settings = data_settings(data, constants["SEQ_LEN"])

@@ -16,8 +16,7 @@ from omegaconf import OmegaConf
 from autopar import profile_cache
 from autopar.config import optimizer_settings
 from autopar.errors import ConfigError, UserError
-from autopar.model_file import load_model_file
-from autopar.profile import ModelProfile, profile_model
+from autopar.domain.model_profile import ModelProfile
 from autopar.report.rebuild import rebuild_report, report_of
 from autopar.saved import load_saved_plan, price_saved_plan, priced_as_generated
 from autopar.serialize import compact_json
@@ -55,6 +54,9 @@ def traced_or_kept(model_path: str | Path, cfg: Any) -> tuple[ModelProfile, bool
         kept = profile_cache.load(key, path, digest) if key is not None else None
         if kept is not None:
             return kept, True
+    from autopar.model_file import load_model_file  # torch, and the model's own library: only to trace
+    from autopar.profile import profile_model
+
     model_file = load_model_file(model_path)
     if model_file.sha256 != digest:
         key = None  # edited between reading and importing: not kept under the older bytes' key
@@ -273,7 +275,7 @@ def check_corpus(data: dict[str, Any], cfg: Any, model_path: str | Path) -> None
     from autopar.sections import data as training_data
     from autopar.sections.batches import corpus, data_settings
     from autopar.sections.loader import DataLayoutError, batch_layout
-    from autopar.model_file import accepted_kwargs
+    from autopar.model_file import accepted_kwargs, load_model_file
 
     kwargs = model_kwargs(cfg)
     facts = inspect_model(model_path, kwargs, batch_size=1)

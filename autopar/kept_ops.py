@@ -14,8 +14,7 @@ import functools
 from collections import defaultdict
 from typing import Any
 
-from autopar.profile import LayerProfile, OpProfile
-from autopar.trace.repeated_blocks import renamed
+from autopar.domain.model_profile import LayerProfile, OpProfile, renamed
 
 Folded = list[Any]  # [layer index, name, inputs: an int for an op of the same block, else the name]
 

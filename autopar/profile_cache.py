@@ -39,10 +39,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from autopar.kept_ops import fold, unfold
-from autopar.profile import ModelProfile, OpProfile
+from autopar.domain.model_profile import ModelProfile, OpProfile
 from autopar.serialize import compact_json, from_jsonable
 
 CACHE_VARIABLE = "AUTOPAR_PROFILE_CACHE"
@@ -196,7 +194,7 @@ def profile_key(model_path: Path, source: bytes, model_sha256: str, settings: di
                             for name, version in found.items()):
         return None
     facts = {"model": model_sha256, "imports": found,
-             "settings": settings, "python": sys.version, "torch": torch.__version__,
+             "settings": settings, "python": sys.version, "torch": _installed_version("torch"),
              "autopar": autopar_code_digest()}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

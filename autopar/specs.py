@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 
 from autopar.errors import ConfigError
-from autopar.model_file import load_model_file
 from autopar.domain.layout import ParallelLayout, TrainSpec
 from cost_models.topology import ClusterSpec
 from autopar.domain.vocabulary import (GRAD_REDUCE_DTYPES, RUNTIME_CHOICES, SELECTIVE_RUNTIMES, TP_RUNTIMES,
@@ -140,6 +139,7 @@ def measured_expert_load(model_path: str, checkpoint: str, kwargs: tuple, batch_
                          batches: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(experts module FQN, tokens each expert received) from the router checkpoint
     (autopar/trace/routing.py), as TrainSpec keeps them."""
+    from autopar.model_file import load_model_file
     from autopar.trace.routing import measure_expert_load
 
     load = measure_expert_load(load_model_file(model_path), dict(kwargs), Path(checkpoint), batch_size, batches)

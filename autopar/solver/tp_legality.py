@@ -46,27 +46,18 @@ A rule that cannot be checked (no model file to build) is skipped, never guessed
 from __future__ import annotations
 
 import functools
-import itertools
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
-from autopar.sections.contract import bias_of, tensor_of
-from autopar.trace.linear_like import affine_layout, linear_stand_ins
 from cost_models.weights import parameter_derived
-from autopar.solver.tp_fused import cutting_fused, recorded_parts
 from autopar.solver.tp_kv_groups import KVGroups, kv_groups
-from autopar.solver.tp_global_shapes import dtensor_region_error
 from cost_models.tp_layout import pairs
 
 if TYPE_CHECKING:
-    from autopar.profile import ModelProfile, OpProfile
+    from torch import nn
+
+    from autopar.domain.model_profile import ModelProfile, OpProfile
 
 # Ops that cut a tensor along a dimension (their output is smaller there than their input).
 _CUTTING = ("aten.slice.", "aten.split.", "aten.split_with_sizes.", "aten.chunk.", "aten.narrow.",
@@ -176,6 +167,8 @@ class TPLegality:
         if build is None:
             return cut
         from autopar.model_file import call_model
+        from autopar.solver.tp_fused import recorded_parts
+        from autopar.solver.tp_probe import run_fake
 
         named = dict(build.model.named_modules())
         inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
@@ -183,7 +176,7 @@ class TPLegality:
         for item in cut:
             module = named.get(item.module)
             parts = None if module is None else recorded_parts(module, functools.partial(
-                _run_fake, build, named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
+                run_fake, build, named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
                 call_model if not inputs else None))
             if parts is not None and all(part % tp == 0 for part in parts):
                 fused[item.module] = parts
@@ -222,6 +215,8 @@ class TPLegality:
         """The arguments the model's forward passes ``layer`` (one fake forward, kept), so a probe
         runs that layer alone."""
         if layer not in self._inputs:
+            import torch
+
             captured: list[tuple[tuple, dict]] = []
 
             def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -272,6 +267,10 @@ class TPLegality:
         build = self._model()
         if build is None:
             return []
+        from torch import nn
+
+        from autopar.trace.linear_like import affine_layout
+
         named = dict(build.model.named_modules())
         found = []
         for module in sorted(split_modules):
@@ -309,6 +308,10 @@ class TPLegality:
         if build is None or not regions:
             return {}
         from autopar.model_file import call_model
+        from autopar.solver.tp_fused import cutting_fused
+        from autopar.solver.tp_global_shapes import dtensor_region_error
+        from autopar.solver.tp_probe import group_count_attribute, narrowed_error, run_narrowed
+        from autopar.trace.linear_like import affine_layout
 
         named = dict(build.model.named_modules())
         found: dict[str, IllegalSplit] = {}
@@ -320,7 +323,7 @@ class TPLegality:
         inputs = self._layer_inputs(layer, named, call_model) if layer in named else None
         run = (named[layer] if inputs else build.model, inputs or ((build.batch,), {}),
                call_model if not inputs else None)
-        unsplit_error, whole = _run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
+        unsplit_error, whole = run_narrowed(build, named, {}, tp, *run)  # the unsplit shapes, op by op
         if unsplit_error is not None:
             # The layer fails on fake tensors unsplit too (Qwen3-MoE's experts take a grouped GEMM
             # that wants bf16 there): a failure on a share would say nothing of the split, so the
@@ -340,11 +343,11 @@ class TPLegality:
                      if linears.get(name) in ("colwise", "kv_group")}
             # a fused projection with parts computed by group: its output's parts at their local sizes
             shares = {name: groups.local_parts(name) for name in fused if name in rows} if groups is not None else {}
-            narrowed = functools.partial(_narrowed_error, build, named, linears, tp, run, rows, whole,
+            narrowed = functools.partial(narrowed_error, build, named, linears, tp, run, rows, whole,
                                          self.profile.tokens_per_sample, fused, shares)
             error = narrowed()
             if error is not None and rows and groups is not None:
-                adjusted = _group_count_attribute(named[region], groups, tp, narrowed)
+                adjusted = group_count_attribute(named[region], groups, tp, narrowed)
                 if adjusted is not None:
                     attributes[region] = adjusted
                     continue
@@ -483,147 +486,3 @@ def _too_small_rule(profile: "ModelProfile", split_modules: set[str], tp: int) -
             found.append(IllegalSplit(module, "too small", f"{module}'s weight {list(shape)} has a dim of {small[0]}, "
                                                          f"fewer than tp={tp} ranks to split it over"))
     return found
-
-
-def _narrowed_error(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int,
-                    run: tuple[nn.Module, tuple[tuple, dict], Any],
-                    rows: dict[str, int], whole: list, seq_len: int | None, fused: dict[str, list[int]],
-                    shares: dict[str, list[int]]) -> str | None:
-    """Why the layer fails with ``linears`` narrowed and its ``fused`` projections cut as their
-    parts (``shares``: their local sizes where not 1/tp), as `TPLegality._probe_regions` runs
-    it, or None."""
-    with linear_stand_ins(build.model, named, linears) as probed, cutting_fused(probed, fused, shares):
-        error, local = _run_narrowed(build, probed, linears, tp, *run, group_rows=rows)
-    return error or _folded_sequence(whole, local, seq_len)
-
-
-def _group_count_attribute(region: nn.Module, groups: KVGroups, tp: int,
-                           error: Callable[[], str | None]) -> dict[str, int] | None:
-    """The integer attributes of ``region`` holding a head count, set to one rank's count, that
-    let the region run on one rank's share (``error()`` None), as {name: value}; None when no set
-    does. Each attribute is found by its value: the query heads (set to ``heads / tp``), the
-    key/value heads (set to 1: a rank computes one) or the query heads per key/value head (set to
-    the query heads per rank, so a repeat by it gives the rank's query heads their keys).
-    Hugging Face's Llama needs only the last; StableLM, viewing queries by ``num_heads`` and keys
-    by ``num_key_value_heads``, needs all three. Fewest changes are tried first."""
-    per_rank = groups.heads // tp
-    local = {groups.heads: {per_rank}, groups.kv_heads: {1}, groups.heads // groups.kv_heads: {per_rank}}
-    if groups.heads == groups.kv_heads * groups.kv_heads:  # a count that is both kv heads and a group
-        local[groups.kv_heads] = {1, per_rank}
-    options = [(name, sorted(local[value] - {value})) for name, value in sorted(vars(region).items())
-               if type(value) is int and value in local and local[value] - {value}]
-    tries = 0
-    for size in range(1, min(len(options), _MOST_HEAD_ATTRIBUTES) + 1):
-        for chosen in itertools.combinations(options, size):
-            for values in itertools.product(*(choices for _, choices in chosen)):
-                tries += 1
-                if tries > _MOST_HEAD_ATTRIBUTE_TRIES:
-                    return None
-                setting = {name: value for (name, _), value in zip(chosen, values)}
-                kept = {name: getattr(region, name) for name in setting}
-                for name, value in setting.items():
-                    setattr(region, name, value)
-                try:
-                    if error() is None:
-                        return setting
-                finally:
-                    for name, value in kept.items():
-                        setattr(region, name, value)
-    return None
-
-
-_MOST_HEAD_ATTRIBUTES = 3  # query heads, key/value heads, and their ratio
-_MOST_HEAD_ATTRIBUTE_TRIES = 64  # each a fake forward of one layer
-
-
-class _Shapes(TorchDispatchMode):
-    """Records, in order, the output shapes of every op that reads an activation (a tensor
-    computed from ``inputs``): weights' transposes and constants are left out, since their
-    sizes may equal the sequence length by coincidence (hidden 2048, sequence 2048)."""
-
-    def __init__(self, inputs: Any) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, tuple[int, ...]]] = []
-        self._kept = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]  # ids stay unique
-        self._activations = {id(t) for t in self._kept}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if any(id(t) in self._activations for t in tree_flatten((args, kwargs))[0]):
-            for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, torch.Tensor):
-                    self.seen.append((str(func), tuple(tensor.shape)))
-                    self._kept.append(tensor)
-                    self._activations.add(id(tensor))
-        return out
-
-
-def _folded_sequence(full: list[tuple[str, tuple[int, ...]]], local: list[tuple[str, tuple[int, ...]]],
-                     seq_len: int | None) -> str | None:
-    """The first op whose output lost part of the sequence on one rank's share (a view with -1
-    for the sequence and a hard-coded head count: OPT's ``view(bsz, -1, self.num_heads, d)``),
-    or None. A correct split shrinks heads or features only, never the sequence."""
-    if len(full) != len(local) or not seq_len:
-        # A share may run a different number of ops and be right: Llama with as many KV heads
-        # as ranks (8 of 8) repeats one local KV head, and torch elides views of size-1 dims.
-        # Only a cut sequence, read op by op, is evidence; the proof at compile checks values.
-        return None
-    for (target, whole), (_, share) in zip(full, local):
-        # The last dim is features (a column split shrinks it; its size may equal the sequence
-        # length by coincidence), so only the others are read as positions.
-        if len(whole) == len(share) and any(w == seq_len and s != w for w, s in zip(whole[:-1], share[:-1])):
-            return f"{target} gives {list(share)} where the whole model has {list(whole)}, a cut sequence"
-    return None
-
-
-def _run_fake(build: Any, module: nn.Module, inputs: tuple[tuple, dict], call_model: Any | None) -> Any:
-    """One forward of ``module`` (a layer on its captured inputs, or the model on its batch through
-    ``call_model``) on fake tensors."""
-    with build.active(), torch.no_grad():
-        return call_model(module, build.batch) if call_model is not None else module(*inputs[0], **inputs[1])
-
-
-def _run_narrowed(build: Any, named: dict[str, nn.Module], linears: dict[str, str], tp: int, module: nn.Module,
-                  inputs: tuple[tuple, dict], call_model: Any | None,
-                  group_rows: dict[str, int] | None = None) -> tuple[str | None, list]:
-    """Run ``module`` (a layer with its captured inputs, or the model on its batch through
-    ``call_model``) on fake tensors with ``linears`` narrowed to one rank's share (colwise:
-    out_features / tp, rowwise: in_features / tp, kv_group: its ``group_rows``); the error it
-    raised (or None) and the shapes its ops produced."""
-    saved: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    shapes = _Shapes(build.batch if call_model is not None else inputs)
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # a failure here is the finding, not an error to log
-    try:
-        with build.active():
-            for name, style in linears.items():
-                linear = named[name]
-                weight, bias = tensor_of(linear, "weight"), bias_of(linear)
-                out_features, in_features = weight.shape
-                if style == "kv_group":
-                    shape = ((group_rows or {})[name], in_features)
-                elif (out_features if style == "colwise" else in_features) % tp:
-                    return f"{name}'s {'out' if style == 'colwise' else 'in'} features do not divide by {tp}", []
-                else:
-                    shape = ((out_features // tp, in_features) if style == "colwise"
-                             else (out_features, in_features // tp))
-                saved[name] = (weight, bias)
-                linear.weight = nn.Parameter(torch.empty(shape, dtype=weight.dtype),
-                                             requires_grad=weight.requires_grad)
-                if bias is not None and style in ("colwise", "kv_group"):
-                    linear.bias = nn.Parameter(torch.empty(shape[0], dtype=bias.dtype),
-                                               requires_grad=bias.requires_grad)
-            with torch.no_grad(), shapes:
-                if call_model is not None:
-                    call_model(module, build.batch)
-                else:
-                    module(*inputs[0], **inputs[1])
-    except Exception as err:  # noqa: BLE001 - any failure of the model's code on a share is the finding
-        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}", shapes.seen
-    finally:
-        quiet.setLevel(level)
-        for name, (kept_weight, kept_bias) in saved.items():
-            setattr(named[name], "weight", kept_weight)  # the module's own Parameters, put back
-            setattr(named[name], "bias", kept_bias)
-    return None, shapes.seen

@@ -15,16 +15,13 @@ the output and the mask, each backward reader of the mask reads it at one byte, 
 autograd keeps is counted at one byte per element. The draw keeps its name: the tensor-parallel
 ILP still knows it for a random draw (autopar.solver.intra_op.draws_random), split only inside a
 region the generated code seeds per rank.
-
-Ops are autopar.profile.OpProfile (typed loosely here: the profile imports this module).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
 
-OpProfile = Any  # autopar.profile.OpProfile
+from autopar.domain.model_profile import OpProfile
 
 MASK_BYTES_PER_ELEMENT = 1  # native_dropout's mask is torch.bool
 

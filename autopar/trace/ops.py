@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import inspect
 import math
-
 import operator
-from enum import StrEnum
 from typing import Any, Callable
 
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
+from autopar.domain.model_profile import OpClass
 from autopar.trace.grouped_mm import grouped_mm_flop
 
 aten = torch.ops.aten
-
-
-class OpClass(StrEnum):
-    """Roofline classes: each gets its own achievable-efficiency factor in the cost model."""
-
-    GEMM = "gemm"
-    ATTENTION = "attention"
-    ELEMENTWISE = "elementwise"
-    NORM = "norm"
-    REDUCTION = "reduction"
-    MEMORY = "memory"  # copies, gathers, embedding lookups, concatenation: bandwidth-bound
-    VIEW = "view"  # aliasing ops: no data moved
-    OTHER = "other"  # no formula and no known class: listed in the coverage report
 
 
 def rnn_layer_flop(input_shape: Any, input_weights: Any, hidden_weights: Any, *args: Any, **kwargs: Any) -> int:

@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from autopar.domain.model_profile import inside, renamed
 from autopar.trace.layers import _join
 
 # Runs shorter than this are traced whole: eliding one block saves little and the three traced
@@ -187,7 +188,7 @@ def narrowed(model: nn.Module, selection: TraceSelection) -> Iterator[None]:
 def expand_mixers(mixers: list, selection: TraceSelection) -> list:
     """The sequence mixers a full trace lists (one per module and reason, in graph order): the
     second block's, again for each left-out block after it."""
-    own = {run: [m for m in mixers if _inside(m.module, run.second)] for run in selection.runs}
+    own = {run: [m for m in mixers if inside(m.module, run.second)] for run in selection.runs}
     expanded = []
     for mixer in mixers:
         expanded.append(mixer)
@@ -196,17 +197,6 @@ def expand_mixers(mixers: list, selection: TraceSelection) -> list:
                 expanded.extend(replace(m, module=renamed(m.module, run.second, block))
                                 for block in run.left_out for m in seconds)
     return expanded
-
-
-def _inside(name: str | None, block: str) -> bool:
-    return name is not None and (name == block or name.startswith(block + "."))
-
-
-def renamed(name: str | None, old: str, new: str) -> str | None:
-    """``name`` with the block prefix ``old`` replaced by ``new`` (other names unchanged)."""
-    if name is None or not _inside(name, old):
-        return name
-    return new + name[len(old):]
 
 
 @dataclass(frozen=True)

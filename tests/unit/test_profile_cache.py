@@ -4,10 +4,13 @@ tracing reads traces again; a damaged entry is traced again and an unwritable ca
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from autopar import driver, profile_cache
+from autopar import driver, model_file, profile, profile_cache
+from tests.conftest import REPO
 from autopar.cli import main
 from autopar.config import compose_config
 
@@ -41,8 +44,8 @@ def model(tmp_path, monkeypatch):
 def traces(monkeypatch):
     """How many times a profile was traced (not reused)."""
     count = []
-    real = driver.profile_model
-    monkeypatch.setattr(driver, "profile_model", lambda *a, **k: count.append(1) or real(*a, **k))
+    real = profile.profile_model  # the driver imports it when it must trace
+    monkeypatch.setattr(profile, "profile_model", lambda *a, **k: count.append(1) or real(*a, **k))
     return count
 
 
@@ -61,8 +64,8 @@ def test_the_second_profile_of_the_same_model_is_the_first_one_kept(model, trace
 def test_a_kept_profile_is_found_without_importing_the_model_file(model, traces, monkeypatch):
     first, _ = _profile(model)
     imports = []
-    real = driver.load_model_file
-    monkeypatch.setattr(driver, "load_model_file", lambda *a, **k: imports.append(1) or real(*a, **k))
+    real = model_file.load_model_file
+    monkeypatch.setattr(model_file, "load_model_file", lambda *a, **k: imports.append(1) or real(*a, **k))
     second, kept = _profile(model)
     assert kept and not imports and second.to_json() == first.to_json()
     model.write_text(GPT + "\n# edited\n")  # other bytes: imported and traced again
@@ -145,6 +148,26 @@ def test_plan_says_when_it_reused_a_profile(model, tmp_path, capsys):
     assert (tmp_path / "first.json").read_text() == (tmp_path / "second.json").read_text()
     output = capsys.readouterr()
     assert (output.out + output.err).count("reused: traced before") == 1
+
+
+# A plan in a fresh process, as a user runs it; it fails if torch or the model's library was imported.
+PLAN_WITHOUT_TORCH = """
+import sys
+from autopar.cli import main
+code = main(["plan", sys.argv[1], "cluster=cpu_gloo", "--out", sys.argv[2]])
+loaded = sorted(name for name in ("torch", "helpers") if name in sys.modules)
+sys.exit(code or (f"imported {loaded}" if loaded else 0))
+"""
+
+
+def test_a_plan_from_a_kept_profile_imports_neither_torch_nor_the_model(model, tmp_path):
+    """Reusing a profile saves what importing torch and the model's library cost (seconds for
+    transformers), not just tracing: nothing on that path may import them."""
+    assert main(["plan", str(model), "cluster=cpu_gloo", "--out", str(tmp_path / "first.json")]) == 0
+    again = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_TORCH, str(model), str(tmp_path / "second.json")],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "first.json").read_text() == (tmp_path / "second.json").read_text()
 
 
 def test_imports_are_read_from_the_source_at_any_depth():

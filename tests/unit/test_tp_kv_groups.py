@@ -149,7 +149,7 @@ def test_probe_sets_every_head_count_the_region_views_by(views_by_heads, expecte
     fewest attributes that make the region run on that share, found by value (``layer_idx``,
     equal to a head count here by chance, is tried and left alone since changing it fixes nothing)."""
     from autopar.solver.tp_kv_groups import KVGroups
-    from autopar.solver.tp_legality import _group_count_attribute
+    from autopar.solver.tp_probe import group_count_attribute
 
     region = _HeadViews(views_by_heads)
     q, k = torch.zeros(1, 3, HEAD_DIM), torch.zeros(1, 3, HEAD_DIM)  # one head each
@@ -163,7 +163,7 @@ def test_probe_sets_every_head_count_the_region_views_by(views_by_heads, expecte
 
     assert error() is not None
     groups = KVGroups(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, tp=4, modules={})
-    assert _group_count_attribute(region, groups, 4, error) == expected
+    assert group_count_attribute(region, groups, 4, error) == expected
     assert (region.num_heads, region.num_key_value_heads, region.num_key_value_groups) == (HEADS, KV_HEADS, 2)
 
 

@@ -384,14 +384,15 @@ def test_a_layer_that_fails_on_fake_tensors_unsplit_is_not_blamed_on_the_split(m
     the probe must not read that failure as the attention failing on a share (it kept Qwen3-MoE's
     attention whole, 0% split at tp=2); it finds nothing and compile's proof, which runs the plan,
     judges the split. The same failure on the shares alone is a finding."""
-    import autopar.solver.tp_legality as legality_module
+    import autopar.solver.tp_global_shapes as global_shapes
+    import autopar.solver.tp_probe as probes
 
-    real_run = legality_module._run_narrowed
+    real_run = probes.run_narrowed
     grouped_gemm = "RuntimeError: Expected inputs of BF16 type"
     styles = {"blocks.0.attn.q": "colwise", "blocks.0.attn.k": "colwise", "blocks.0.attn.v": "colwise",
               "blocks.0.attn.o": "rowwise", "blocks.0.up": "colwise", "blocks.0.down": "rowwise"}
     profile = _profile(model_path, "local")
-    monkeypatch.setattr(legality_module, "dtensor_region_error", lambda *args: grouped_gemm)
+    monkeypatch.setattr(global_shapes, "dtensor_region_error", lambda *args: grouped_gemm)
 
     def failing(unsplit_too: bool):
         def run(build, named, linears, *rest, **kwargs):
@@ -399,9 +400,9 @@ def test_a_layer_that_fails_on_fake_tensors_unsplit_is_not_blamed_on_the_split(m
             return (grouped_gemm if linears or unsplit_too else error), shapes
         return run
 
-    monkeypatch.setattr(legality_module, "_run_narrowed", failing(unsplit_too=True))
+    monkeypatch.setattr(probes, "run_narrowed", failing(unsplit_too=True))
     assert TPLegality(profile).probe("blocks.0", 2, styles) == {}
-    monkeypatch.setattr(legality_module, "_run_narrowed", failing(unsplit_too=False))
+    monkeypatch.setattr(probes, "run_narrowed", failing(unsplit_too=False))
     found = TPLegality(dataclasses.replace(profile, findings={})).probe("blocks.0", 2, styles)  # not the answer kept
     assert set(found) == set(styles) and {split.kind for split in found.values()} == {"local shapes"}
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from autopar import profile_cache
 from autopar.config import optimizer_settings
 from autopar.errors import ConfigError, UserError
-from autopar.domain.model_profile import ModelProfile
+from autopar.model_profile import ModelProfile
 from autopar.report.rebuild import rebuild_report, report_of
 from autopar.saved import load_saved_plan, price_saved_plan, priced_as_generated
 from autopar.serialize import compact_json

@@ -14,7 +14,7 @@ import functools
 from collections import defaultdict
 from typing import Any
 
-from autopar.domain.model_profile import LayerProfile, OpProfile, renamed
+from autopar.model_profile import LayerProfile, OpProfile, renamed
 
 Folded = list[Any]  # [layer index, name, inputs: an int for an op of the same block, else the name]
 

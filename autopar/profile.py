@@ -21,7 +21,7 @@ from typing import AbstractSet, Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autopar.domain.model_profile import (CoverageEntry, LayerProfile, ModelProfile, OpClass, OpClassCost,
+from autopar.model_profile import (CoverageEntry, LayerProfile, ModelProfile, OpClass, OpClassCost,
                                           OpProfile)
 from autopar.errors import TraceError
 from autopar.data_dependent import concrete

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.kept_ops import fold, unfold
-from autopar.domain.model_profile import ModelProfile, OpProfile
+from autopar.model_profile import ModelProfile, OpProfile
 from autopar.serialize import compact_json, from_jsonable
 
 CACHE_VARIABLE = "AUTOPAR_PROFILE_CACHE"

@@ -68,7 +68,7 @@ def price_attention(record: dict, gpu: GPUSpec, causal: bool = True) -> tuple[fl
 
 
 def block_ops(shape: dict) -> list:
-    """The profiled ops (`autopar.domain.model_profile.OpProfile`) of one block of the example at the run's
+    """The profiled ops (`autopar.model_profile.OpProfile`) of one block of the example at the run's
     sizes, forward and backward, traced on meta tensors as `autopar plan` traces (once per process
     and shape: every GPU prices the same trace)."""
     return _block_ops(tuple(sorted(shape.items())))

@@ -23,7 +23,7 @@ from cost_models.topology import ClusterSpec
 
 if TYPE_CHECKING:
     from autopar.domain.layout import TrainSpec
-    from autopar.domain.model_profile import LayerProfile, ModelProfile
+    from autopar.model_profile import LayerProfile, ModelProfile
 
 # [layer][recompute option] -> seconds per micro-batch by kind (`LayerPrices.layer_time_parts`)
 TimeRows = list[list[dict[str, float]]]

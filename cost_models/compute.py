@@ -27,7 +27,7 @@ from cost_models.weights import selective_reruns
 from cost_models.hardware import GPUSpec
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
 
 FLOP_BOUND_CLASSES = ("gemm", "attention")
 

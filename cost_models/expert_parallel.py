@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from autopar.domain.vocabulary import Recompute
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
 
 # The traced op whose output's last dimension is the number of experts each token visits.
 TOPK_TARGETS = ("aten.topk.default", "aten.topk")

@@ -36,7 +36,7 @@ from cost_models.structure import ModelStructure
 
 if TYPE_CHECKING:
     from autopar.domain.layout import TrainSpec
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
 
 __all__ = ["Counts", "add", "IssuedCollectives", "cp_passes"]
 

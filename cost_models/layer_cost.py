@@ -37,7 +37,7 @@ from cost_models.uncertainty import RING_ATTENTION
 
 if TYPE_CHECKING:
     from autopar.domain.layout import TrainSpec
-    from autopar.domain.model_profile import LayerProfile, ModelProfile
+    from autopar.model_profile import LayerProfile, ModelProfile
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, typical on H100/A100
 RING_TILE_SCORE_BYTES = 256 * 2**20  # fp32 scores of one ring-attention query tile (codegen's context_parallel)

@@ -20,7 +20,7 @@ from cost_models.topology import GroupPlacement
 from cost_models.tp_layout import SPParts
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import LayerProfile, ModelProfile
+    from autopar.model_profile import LayerProfile, ModelProfile
 
 
 @dataclass(frozen=True)

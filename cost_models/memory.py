@@ -55,7 +55,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Iterable
 
-from autopar.domain.model_profile import inside
 from autopar.domain.vocabulary import OPTIMIZERS, RECOMPUTE_OPTIONS, Recompute
 
 FP32_BYTES = 4
@@ -236,7 +235,7 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: A
     full = float(sum(op.saved_for_backward_bytes for op in ops
                      if op.name in gathered and op.name not in sharded_outputs))
     full = min(full, total - sharded) if tp > 1 else 0.0
-    unwrapped = [op for op in ops if not inside(op.module, layer.name)]
+    unwrapped = [op for op in ops if not runs_inside(op.module, layer.name)]
     unwrapped_sharded = float(sum(op.saved_for_backward_bytes for op in unwrapped if op.name in sharded_outputs))
     unwrapped_replicated = float(sum(op.saved_for_backward_bytes for op in unwrapped)) - unwrapped_sharded
     kept_sharded = kept_replicated = kept_full = kept_gathered = attention_sharded = attention_replicated = 0.0
@@ -244,7 +243,7 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: A
         if tp > 1 and op.name in gathered and op.name not in sharded_outputs:
             kept_gathered += op.output_bytes
         if (op.op_class not in KEPT_BY_SELECTIVE or op.name in rerun_products
-                or not inside(op.module, layer.name)):
+                or not runs_inside(op.module, layer.name)):
             continue
         if op.op_class == "attention":
             if op.name in sharded_outputs:
@@ -272,6 +271,11 @@ def layer_activations(layer: Any, forward_ops: Iterable[Any], sharded_outputs: A
                             unwrapped_sharded_bytes=unwrapped_sharded, unwrapped_replicated_bytes=unwrapped_replicated,
                             selective_attention_sharded_bytes=attention_sharded,
                             selective_attention_replicated_bytes=attention_replicated)
+
+
+def runs_inside(module: str | None, layer: str) -> bool:
+    """Whether an op ran inside the layer's module (what its recomputation wrapper reruns)."""
+    return module is not None and (module == layer or module.startswith(layer + "."))
 
 
 def activations_from_fraction(layer: Any, base: LayerActivations, sharded_fraction: float) -> LayerActivations:

@@ -20,7 +20,7 @@ from cost_models.placement import LayoutGroups, proportional_shares
 from cost_models.topology import ClusterSpec
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import LayerProfile
+    from autopar.model_profile import LayerProfile
 
 # (reference GPU, speed factor per pipeline rank, usable memory per pipeline rank in bytes)
 DeviceFacts = tuple[GPUSpec, list[float], list[int]]

@@ -69,7 +69,7 @@ from cost_models.validate import validate, validate_layout, validate_train
 SCALAR_BYTES = 8  # one float64: gradient clipping's sum of squares, a token-level loss's count
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import LayerProfile, ModelProfile
+    from autopar.model_profile import LayerProfile, ModelProfile
 
 Row = TypeVar("Row")
 
@@ -124,7 +124,7 @@ class PlanPricer:
     """Prices configurations of one model on one cluster; caches what repeats across calls.
 
     Args:
-        profile: the traced model (autopar.domain.model_profile.ModelProfile).
+        profile: the traced model (autopar.model_profile.ModelProfile).
         cluster: where it runs.
         train: batch, precision, optimizer.
         tp_splitter: chooses and prices a layer's split under TP: the planner's operator-wise ILP

@@ -26,7 +26,7 @@ from cost_models.compute import ComputeModel
 from cost_models.tp_layout import ModuleTree, sp_layer_layout
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import LayerProfile, ModelProfile, OpProfile
+    from autopar.model_profile import LayerProfile, ModelProfile, OpProfile
 
 
 def attention_io_bytes(op: "OpProfile") -> tuple[float, float]:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 from cost_models.collectives import Collective
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
 
 SPLIT_STYLES = ("colwise", "rowwise")
 # Styles that hand a paired region's attention its heads as a column-parallel linear does: a

@@ -19,7 +19,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile, OpProfile
+    from autopar.model_profile import ModelProfile, OpProfile
 
 
 def parameter_sources(profile: "ModelProfile") -> tuple[set[str], dict[str, frozenset[str]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from autopar.domain.model_profile import LayerProfile, ModelProfile
+from autopar.model_profile import LayerProfile, ModelProfile
 from autopar.report.units import format_bytes, format_count
 from autopar.report.words import REAL_VALUES_WORDS
 from autopar.solver.tp_coverage import coverage_notes

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
 
 
 @dataclass(frozen=True)

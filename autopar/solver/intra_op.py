@@ -69,7 +69,7 @@ from autopar.domain.vocabulary import TPStyle
 from cost_models.weights import parameter_sources
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile, OpProfile
+    from autopar.model_profile import ModelProfile, OpProfile
 
 TIME_UNITS_PER_S = 1e9  # CP-SAT needs integers: costs are scaled to nanoseconds
 

@@ -33,7 +33,7 @@ from cost_models.uncertainty import (RESIDUAL_LOW, Extrapolation, PredictionInte
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
 
 
 UNBOUNDED_BYTES = 2**60  # memory limit for "how much would it need" re-solves

@@ -25,7 +25,7 @@ from autopar.domain.techniques import zero_stages_for
 
 if TYPE_CHECKING:
     from autopar.config import PlanPins, SolverConfig
-    from autopar.domain.model_profile import ModelProfile, OpProfile
+    from autopar.model_profile import ModelProfile, OpProfile
 
 AXES = ("tp", "cp", "pp", "dp")
 

@@ -25,7 +25,7 @@ from autopar.errors import UserError
 from cost_models.tp_layout import ModuleTree
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
     from autopar.solver.tp_legality import IllegalSplit
 
 # A key/value projection computed by group holds its weight split by rows like a column-parallel

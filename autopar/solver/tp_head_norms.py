@@ -32,7 +32,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile, OpProfile
+    from autopar.model_profile import ModelProfile, OpProfile
 
 
 def head_norm_reductions(profile: "ModelProfile") -> dict[str, tuple[float, ...]]:

@@ -57,7 +57,7 @@ from cost_models.tp_layout import pairs
 if TYPE_CHECKING:
     from torch import nn
 
-    from autopar.domain.model_profile import ModelProfile, OpProfile
+    from autopar.model_profile import ModelProfile, OpProfile
 
 # Ops that cut a tensor along a dimension (their output is smaller there than their input).
 _CUTTING = ("aten.slice.", "aten.split.", "aten.split_with_sizes.", "aten.chunk.", "aten.narrow.",

@@ -25,7 +25,7 @@ from cost_models.topology import GroupPlacement
 from cost_models.tp_layout import ModuleTree, SPRole, after_blocks, paired_regions, sp_parts, stack_of
 
 if TYPE_CHECKING:
-    from autopar.domain.model_profile import ModelProfile, OpProfile
+    from autopar.model_profile import ModelProfile, OpProfile
     from cost_models.layer_split import TPSplitter
     from autopar.domain.layout import TrainSpec
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from autopar.domain.model_profile import OpProfile
+from autopar.model_profile import OpProfile
 
 MASK_BYTES_PER_ELEMENT = 1  # native_dropout's mask is torch.bool
 

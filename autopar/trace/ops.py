@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
-from autopar.domain.model_profile import OpClass
+from autopar.model_profile import OpClass
 from autopar.trace.grouped_mm import grouped_mm_flop
 
 aten = torch.ops.aten

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from autopar.domain.model_profile import inside, renamed
+from autopar.model_profile import inside, renamed
 from autopar.trace.layers import _join
 
 # Runs shorter than this are traced whole: eliding one block saves little and the three traced

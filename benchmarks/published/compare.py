@@ -132,7 +132,7 @@ def cached_profile(run: dict[str, Any], cfg: Any):
 @functools.lru_cache(maxsize=2)
 def _load_profile(path: str):
     """A cached profile read once for the several prices of one run (loading dominates a price)."""
-    from autopar.domain.model_profile import ModelProfile
+    from autopar.model_profile import ModelProfile
 
     return ModelProfile.load(Path(path))
 

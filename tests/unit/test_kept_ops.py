@@ -9,7 +9,7 @@ import pytest
 from autopar import profile_cache
 from autopar.kept_ops import fold, unfold
 from autopar.model_file import load_model_file
-from autopar.domain.model_profile import ModelProfile
+from autopar.model_profile import ModelProfile
 from autopar.profile import profile_model
 from autopar.serialize import compact_json
 

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Ground first; a module's layer is that of the longest prefix naming it.
 LAYERS = [
     ["autopar/errors.py", "autopar/serialize.py", "autopar/data_dependent.py", "autopar/launch_env.py",
-     "autopar/domain"],
+     "autopar/model_profile.py", "autopar/domain"],
     ["autopar/sections"],
     ["autopar/user_code.py", "autopar/model_file.py", "autopar/output_dir.py", "autopar/emit"],
     ["autopar/trace", "autopar/profile.py", "autopar/profile_cache.py", "autopar/kept_ops.py"],

@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.model_file import build_fake, call_model, compute_loss, load_model_file
-from autopar.domain.model_profile import ModelProfile
+from autopar.model_profile import ModelProfile
 from autopar.profile import profile_model
 from autopar.trace.ops import EXTRA_FLOP_FORMULAS, OpClass
 from tests.conftest import write_model_file

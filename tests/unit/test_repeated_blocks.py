@@ -9,7 +9,7 @@ import pytest
 from torch import nn
 
 from autopar.model_file import build_fake, load_model_file
-from autopar.domain.model_profile import ModelProfile
+from autopar.model_profile import ModelProfile
 from autopar.profile import profile_model
 from autopar.trace.layers import find_block_containers
 from autopar.trace.repeated_blocks import select_traced_blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from enum import Enum
 
-from autopar.domain.model_profile import ModelProfile
+from autopar.model_profile import ModelProfile
 from autopar.serialize import compact_json, to_jsonable
 from tests.profiles import traced
 

@@ -171,7 +171,8 @@ class ModelProfile:
     real too (no full-scale fake step)."""
     findings: dict[str, Any] = field(default_factory=dict)
     """What planning worked out by running the model (which tensor-parallel splits its code runs:
-    autopar/solver/tp_legality.py), as JSON; kept beside a kept profile (autopar.profile_cache), so
+    autopar/solver/tp_legality.py) and the tensor-parallel splits it proved optimal
+    (autopar/solver/tp_split.py), as JSON; kept beside a kept profile (autopar.profile_cache), so
     that planning the same model again asks no question twice."""
     kept_as: str | None = None
     """The key it is kept under between runs (autopar.profile_cache), where its findings are kept

@@ -90,11 +90,13 @@ def _regions_key(regions: dict[str, dict[str, str]]) -> frozenset:
     return frozenset((region, frozenset(children.items())) for region, children in regions.items())
 
 
-def _illegal_json(found: dict[str, IllegalSplit]) -> dict[str, list[str]]:
+def illegal_json(found: dict[str, IllegalSplit]) -> dict[str, list[str]]:
+    """Module -> [kind, reason]: how a kept answer (ModelProfile.findings) holds illegal splits."""
     return {module: [item.kind, item.reason] for module, item in found.items()}
 
 
-def _illegal_of(kept: dict[str, list[str]]) -> dict[str, IllegalSplit]:
+def illegal_of(kept: dict[str, list[str]]) -> dict[str, IllegalSplit]:
+    """The illegal splits `illegal_json` wrote."""
     return {module: IllegalSplit(module, kind, reason) for module, (kind, reason) in kept.items()}
 
 
@@ -122,11 +124,11 @@ class TPLegality:
         # found earlier in this process): no rebuild of the model to ask them again.
         kept = self.profile.findings.setdefault(FINDINGS, {"static": [], "probed": []})
         for answer in kept["static"]:
-            self._static[(answer["layer"], answer["tp"])] = _illegal_of(answer["illegal"])
+            self._static[(answer["layer"], answer["tp"])] = illegal_of(answer["illegal"])
             self._fused[(answer["layer"], answer["tp"])] = {m: list(parts) for m, parts in answer["fused"].items()}
         for answer in kept["probed"]:
             key = (answer["layer"], answer["tp"], _regions_key(answer["regions"]))
-            self._probed[key] = _illegal_of(answer["illegal"])
+            self._probed[key] = illegal_of(answer["illegal"])
             self._dtensor[key] = set(answer["dtensor"])
             self._attributes[key] = {region: dict(found) for region, found in answer["attributes"].items()}
 
@@ -147,10 +149,10 @@ class TPLegality:
                          *_too_small_rule(self.profile, split_modules, tp)]:
                 found.setdefault(item.module, item)
             self._static[(layer, tp)] = found
-            if self._build_failed():
+            if self.build_failed():
                 return found
             self.profile.findings[FINDINGS]["static"].append(
-                {"layer": layer, "tp": tp, "illegal": _illegal_json(found), "fused": dict(fused)})
+                {"layer": layer, "tp": tp, "illegal": illegal_json(found), "fused": dict(fused)})
         return self._static[(layer, tp)]
 
     def fused_parts(self, layer: str, tp: int) -> dict[str, list[int]]:
@@ -192,10 +194,10 @@ class TPLegality:
             self._dtensor[key] = set()
             self._attributes[key] = {}
             self._probed[key] = self._probe_regions(layer, regions, tp, self._dtensor[key], self._attributes[key])
-            if self._build_failed():
+            if self.build_failed():
                 return self._probed[key]
             self.profile.findings[FINDINGS]["probed"].append(
-                {"layer": layer, "tp": tp, "regions": regions, "illegal": _illegal_json(self._probed[key]),
+                {"layer": layer, "tp": tp, "regions": regions, "illegal": illegal_json(self._probed[key]),
                  "dtensor": sorted(self._dtensor[key]), "attributes": self._attributes[key]})
         return self._probed[key]
 
@@ -240,7 +242,7 @@ class TPLegality:
 
     # -- rules needing the model -----------------------------------------------------------------
 
-    def _build_failed(self) -> bool:
+    def build_failed(self) -> bool:
         """Whether the model's rebuild failed, so that its rules were skipped: answers kept for no
         later plan (autopar.profile_cache), which may rebuild it."""
         return self._built and self._build is None

@@ -11,10 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopar.solver.intra_op import IntraOpSolution, IntraOpSolver, OpIndex, activation_bytes, draws_random
+from autopar.solver.intra_op import (IntraOpSolution, IntraOpSolver, OpIndex, Style, activation_bytes,
+                                     draws_random)
 from autopar.solver.tp_head_norms import head_norm_reductions
 from autopar.solver.tp_kv_groups import KVGroups, attention_producers, kv_groups, parameter_bytes
-from autopar.solver.tp_legality import IllegalSplit, TPLegality
+from autopar.solver.tp_legality import IllegalSplit, TPLegality, illegal_json, illegal_of
 from cost_models.weights import selective_reruns
 from cost_models.collectives import Collective, collective_time_s
 from cost_models.compute import compute_dtype, compute_of_ops, op_roofline_s, op_time_s
@@ -57,6 +58,13 @@ class _GroupCosts:
 
     def reduce_scatter_s(self, nbytes: float) -> float:
         return collective_time_s(Collective.REDUCE_SCATTER, nbytes, self.group)
+
+
+# ModelProfile.findings' entry of the ILP's proven splits: (layer, tp, dtype, what selective
+# recomputation reruns, whether draws stay whole, the tp group's placement, the GPU) -> the
+# solution and the splits found illegal on the way, so that a plan from a kept profile solves
+# no layer twice (autopar.profile_cache keeps the findings beside the profile).
+SOLUTIONS = "tp_solutions"
 
 
 class ILPSplitter:
@@ -142,8 +150,19 @@ class ILPSplitter:
         region are either ruled out, or kept with their region's output projections offered no
         column split (so that it pairs): the cheaper of the two."""
         key = (layer_name, tp)
+        kept_key = repr((layer_name, tp, self.dtype, self.selective_runtime, key in self._whole_draws, group,
+                         gpu.signature))
+        kept = self.profile.findings.get(SOLUTIONS, {})
+        if kept_key in kept:
+            self.illegal[key] = illegal_of(kept[kept_key]["illegal"])
+            return _solution_of(kept[kept_key], layer_name, tp)
         illegal = self.illegal.setdefault(key, dict(self.legality.static(layer_name, tp)))
         solution, self.illegal[key] = self._solve_under(layer_name, tp, group, gpu, illegal, frozenset())
+        if solution.status == "OPTIMAL" and not self.legality.build_failed():
+            # Proven optimal on rules that all ran: the same answer for every later plan of the
+            # same profile, priced alike (a solve stopped by its time limit is asked again).
+            self.profile.findings.setdefault(SOLUTIONS, {})[kept_key] = {
+                **_solution_json(solution), "illegal": illegal_json(self.illegal[key])}
         return solution
 
     def _solve_under(self, layer_name: str, tp: int, group: GroupPlacement, gpu: GPUSpec,
@@ -352,6 +371,24 @@ class IssuedCollectives:
     forward_under_sp: int
     rerun_without_sp: tuple[tuple[str, float], ...] = ()
     rerun_under_sp: tuple[tuple[str, float], ...] = ()
+
+
+def _solution_json(solution: IntraOpSolution) -> dict[str, Any]:
+    """What a kept solution holds (ModelProfile.findings[SOLUTIONS]), as JSON."""
+    return {"op_strategy": dict(solution.op_strategy),
+            "module_style": {module: style.value for module, style in solution.module_style.items()},
+            "compute_s": solution.compute_s, "comm_s": solution.comm_s,
+            "comm_events": [list(event) for event in solution.comm_events],
+            "replicated_ops": [list(op) for op in solution.replicated_ops]}
+
+
+def _solution_of(kept: dict[str, Any], layer_name: str, tp: int) -> IntraOpSolution:
+    """The solution `_solution_json` kept."""
+    return IntraOpSolution(layer=layer_name, tp=tp, op_strategy=dict(kept["op_strategy"]),
+                           module_style={module: Style(style) for module, style in kept["module_style"].items()},
+                           compute_s=kept["compute_s"], comm_s=kept["comm_s"],
+                           comm_events=[tuple(event) for event in kept["comm_events"]],
+                           replicated_ops=[tuple(op) for op in kept["replicated_ops"]])
 
 
 def _in_region(module: str | None, regions: set[str]) -> bool:

@@ -150,6 +150,22 @@ def test_plan_says_when_it_reused_a_profile(model, tmp_path, capsys):
     assert (output.out + output.err).count("reused: traced before") == 1
 
 
+def test_a_plan_from_a_kept_profile_solves_no_tensor_parallel_split_again(model, tmp_path, monkeypatch):
+    """The ILP's proven splits are kept with the legality answers (ModelProfile.findings): a
+    second plan of the same model and cluster solves none and writes the same plan."""
+    from autopar.solver import intra_op
+
+    solves = []
+    real = intra_op.IntraOpSolver.solve
+    monkeypatch.setattr(intra_op.IntraOpSolver, "solve", lambda self, *a: solves.append(1) or real(self, *a))
+    overrides = ["cluster=cpu_gloo", "cluster.gpus_per_node=4", "model.hidden=64"]
+    assert main(["plan", str(model), *overrides, "--out", str(tmp_path / "first.json")]) == 0
+    first = len(solves)
+    assert main(["plan", str(model), *overrides, "--out", str(tmp_path / "second.json")]) == 0
+    assert first > 0 and len(solves) == first
+    assert (tmp_path / "first.json").read_text() == (tmp_path / "second.json").read_text()
+
+
 # A plan in a fresh process, as a user runs it; it fails if torch or the model's library was imported.
 PLAN_WITHOUT_TORCH = """
 import sys

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containers
 
@@ -16,6 +16,11 @@ from autopar.serialize import from_jsonable, to_jsonable, upgrade_block_containe
 def inside(name: str | None, block: str) -> bool:
     """Whether module or layer ``name`` is ``block`` or lies within it."""
     return name is not None and (name == block or name.startswith(block + "."))
+
+
+def inside_any(name: str | None, blocks: Iterable[str]) -> bool:
+    """Whether module or layer ``name`` is one of ``blocks`` or lies within one."""
+    return any(inside(name, block) for block in blocks)
 
 
 def renamed(name: str | None, old: str, new: str) -> str | None:

@@ -26,7 +26,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from autopar.launch_env import BACKEND, LOOPBACK
 
 
-
 class LoopbackBackend(C10dRendezvousBackend):
     """torch's c10d rendezvous state, under this backend's name (torch checks the two agree)."""
 

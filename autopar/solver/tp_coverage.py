@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autopar.errors import UserError
+from autopar.model_profile import inside, inside_any
 from cost_models.tp_layout import ModuleTree
 
 if TYPE_CHECKING:
@@ -133,9 +134,9 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
         if op.layer in counts:
             ops_of.setdefault(op.layer, []).append(op)
     for kind, count in counts.items():
-        modules = sorted(name for name, what in tree.kinds.items() if _under(name, kind)
+        modules = sorted(name for name, what in tree.kinds.items() if inside(name, kind)
                          and (what == "linear" or name.rpartition(".")[2] == "experts"))
-        modules = [m for m in modules if not any(_under(m, other) and m != other for other in modules)]
+        modules = [m for m in modules if not any(inside(m, other) and m != other for other in modules)]
         for module in modules:
             experts = module.rpartition(".")[2] == "experts"
             style = ("colwise" if expert_tp else "replicate") if experts else styles.get(module, "replicate")
@@ -157,17 +158,13 @@ def tp_coverage(profile: "ModelProfile", styles: dict[str, str], tp: int,
             if op.phase != "forward" or op.op_class == "view":
                 continue
             flops += count * op.flops
-            if any(_under(op.module or "", m) for m in split_experts):
+            if inside_any(op.module or "", split_experts):
                 split_flops += count * op.flops  # each expert's width over the TP group
             elif sharded is not None:
                 split_flops += count * op.flops if op.name in sharded else 0
             elif op.op_class == "gemm" and styles.get(op.module or "", "replicate") in SPLIT:
                 split_flops += count * op.flops
     return TPCoverage(tp, linear_params, split_params, refused_params, flops, split_flops, replicated)
-
-
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
 
 
 def _params_under(profile: "ModelProfile", module: str) -> dict[str, int]:

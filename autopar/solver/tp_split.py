@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autopar.model_profile import inside_any
 from autopar.solver.intra_op import (IntraOpSolution, IntraOpSolver, OpIndex, Style, activation_bytes,
                                      draws_random)
 from autopar.solver.tp_head_norms import head_norm_reductions
@@ -391,10 +392,6 @@ def _solution_of(kept: dict[str, Any], layer_name: str, tp: int) -> IntraOpSolut
                            replicated_ops=[tuple(op) for op in kept["replicated_ops"]])
 
 
-def _in_region(module: str | None, regions: set[str]) -> bool:
-    return module is not None and any(module == r or module.startswith(r + ".") for r in regions)
-
-
 def _readers_through_views(source: str, by_name: dict[str, Any]) -> list[Any]:
     """The ops reading ``source``'s output, directly or through views of it."""
     found, frontier, seen = [], [source], {source}
@@ -456,8 +453,8 @@ def issued_collectives(events: list[tuple[str, str, int]] | list[tuple[str, str,
             readers = [o for o in _readers_through_views(source, by_name)
                        if strategy.get(o.name) in ("colwise", "kv_group")]
             producer = _producer_through_views(source, by_name)
-            entering = {o.module for o in readers if _in_region(o.module, regions)
-                        and not (producer is not None and _in_region(producer.module, regions))}
+            entering = {o.module for o in readers if inside_any(o.module, regions)
+                        and not (producer is not None and inside_any(producer.module, regions))}
             alone = sorted({o.module for o in readers} - entering)
             # Matmuls fed the region's input as one DTensor share a reduction; any other
             # column-parallel module gets a plain tensor and all-reduces its own input gradient.
@@ -471,7 +468,7 @@ def issued_collectives(events: list[tuple[str, str, int]] | list[tuple[str, str,
             continue
         forward.append(item)
         rerun += [item] if again else []
-        if kind == "P->R" and op is not None and _in_region(op.module, regions):
+        if kind == "P->R" and op is not None and inside_any(op.module, regions):
             forward_sp.append((Collective.REDUCE_SCATTER.value, float(nbytes)))
             rerun_sp += [forward_sp[-1]] if again else []
             backward_sp.append((Collective.ALL_GATHER.value, float(nbytes)))

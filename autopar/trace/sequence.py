@@ -49,6 +49,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
+from autopar.model_profile import inside_any
 from autopar.trace.capture import CapturedStep
 from autopar.trace.ops import op_name, packet_of, schema_argument
 
@@ -115,9 +116,9 @@ def sequence_mixers(captured: CapturedStep, seq_len: int | None, model: torch.nn
         if module is None and name in _SOFTMAX:
             continue
         reason = _mixing_reason(name, node, seq_len, fed)
-        if reason is None and "scaled_dot_product" in name and _inside(module, native):
+        if reason is None and "scaled_dot_product" in name and inside_any(module, native):
             reason = "attention inside nn.MultiheadAttention, which context parallelism does not replace"
-        if reason and _inside(module, recurrent):
+        if reason and inside_any(module, recurrent):
             reason = RECURRENCE  # a recurrent module's steps, whichever ops its kernel runs as
         if reason:
             found.setdefault((module, reason), SequenceMixer(module, name, reason))
@@ -423,10 +424,6 @@ def _is_causal(mask: torch.Tensor) -> bool:
 
 def _native_attention_modules(model: torch.nn.Module) -> set[str]:
     return {name for name, module in model.named_modules() if isinstance(module, torch.nn.MultiheadAttention)}
-
-
-def _inside(module: str | None, names: set[str]) -> bool:
-    return module is not None and any(module == n or module.startswith(n + ".") for n in names)
 
 
 def _dim(args: list[Any], index: int, tensor: torch.Tensor) -> int:

@@ -52,11 +52,13 @@ library's 1e5 holds. The paper does not publish its configuration; the library's
   106 s; 1536 GPUs, 174.6B: 35 s instead of 55 s), further from what the paper measured, so the
   reduce-scatter path is kept as the one the paper ran.
 - Both collectives take Python lists of one view per rank. DeepSpeed builds the views in a
-  Python loop (HOST_VIEW_S per rank); torch's list reduce-scatter then copies every rank's piece
-  into a flat buffer, one kernel launch per rank, before NCCL starts. The gather's copies out of
-  NCCL's flat output are queued behind the ring (hidden), but move its bytes again: a zeroed
-  buffer, NCCL's output and the copy (read and write) are 4 bytes of memory traffic per byte
-  gathered, the reduce-scatter's copy in 2.
+  Python loop (HOST_VIEW_S per rank; the gather's loop also asks
+  `torch.distributed.get_rank(group=...)` at every rank to find its own piece, GROUP_RANK_S, so
+  GATHER_VIEW_S a rank, in each release read, v0.3.12 to v0.5.5); torch's list reduce-scatter
+  then copies every rank's piece into a flat buffer, one kernel launch per rank, before NCCL
+  starts. The gather's copies out of NCCL's flat output are queued behind the ring (hidden),
+  but move its bytes again: a zeroed buffer, NCCL's output and the copy (read and write) are 4
+  bytes of memory traffic per byte gathered, the reduce-scatter's copy in 2.
 - Before that, stage 3's own passes over each whole gradient (stage3.py): with
   `contiguous_gradients` it is copied into the reduction bucket (`ipg_buffer`, read and write)
   unless it alone exceeds the bucket (REDUCE_BUCKET_ELEMENTS; then it is reduced where it lies),
@@ -76,6 +78,12 @@ PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default 
 # One `flat.narrow(0, offset, size)` and `list.append` from Python, per rank: 1.6 us measured
 # with torch 2.x on the 2-core CI machine (2021's dispatcher was no faster); not fitted to A4.
 HOST_VIEW_S = 1.6e-6
+# `torch.distributed.get_rank(group=g)` for a group that is not the default one (Megatron hands
+# stage 3 its data-parallel group), once per rank inside `_allgather_param`'s views loop: that
+# loop measured 1.6x the views alone (median of eight runs) with torch 2.x on the same machine (its lookups of the
+# default group and of the group's rank table, as torch 1.8's `_get_group_rank` made them).
+GROUP_RANK_S = 1.0e-6
+GATHER_VIEW_S = HOST_VIEW_S + GROUP_RANK_S  # one rank of a gather's loop: a view, an append, a get_rank
 GATHER_MEMORY_PASSES = 4
 SCATTER_MEMORY_PASSES = 2  # torch's copy of the list into one flat input
 DIVIDE_MEMORY_PASSES = 2  # average_tensor's in-place division by the group size
@@ -232,7 +240,7 @@ class PerTensorZero3:
                   + GATHER_MEMORY_PASSES * size / self.memory_bandwidth_Bps for i, size in gather_bytes.items()}
         keys = [(copy, i) for copy in range(2) for i in gather_bytes]
         gather_s = {key: wire_s[key[1]] for key in keys}
-        host_s = {key: n * HOST_VIEW_S for key in keys}
+        host_s = {key: n * GATHER_VIEW_S for key in keys}
         numels = {key: self.tensor_numels[key[1]] for key in keys}
 
         def walked_s(layers: int) -> float:

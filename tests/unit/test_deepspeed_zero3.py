@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 
 from cost_models.collectives import OVERLAP_INTERFERENCE, Collective
-from cost_models.deepspeed_zero3 import (HOST_VIEW_S, MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE, PERSISTENCE_THRESHOLD,
-                                         REDUCE_BUCKET_ELEMENTS, PerTensorZero3, TensorUse, exposed_gather_s,
-                                         per_tensor_buffers, persistent_regather_s)
+from cost_models.deepspeed_zero3 import (GATHER_VIEW_S, HOST_VIEW_S, MAX_LIVE_PARAMETERS, MAX_REUSE_DISTANCE,
+                                         PERSISTENCE_THRESHOLD, REDUCE_BUCKET_ELEMENTS, PerTensorZero3, TensorUse,
+                                         exposed_gather_s, per_tensor_buffers, persistent_regather_s)
 
 
 def _wire_s(op, nbytes, group):
@@ -25,8 +25,9 @@ def _scatter_s(numel, ranks=100, memory_passes=6):
 
 
 def _gather_s(numel, ranks=100):
-    """Wire, the per-rank views on the host, and four bytes of memory traffic per byte gathered."""
-    return numel * 2 * 1e-12 + ranks * HOST_VIEW_S + 4 * numel * 2 / 1e12
+    """Wire, the per-rank views (and get_rank) on the host, and four bytes of memory traffic per
+    byte gathered."""
+    return numel * 2 * 1e-12 + ranks * GATHER_VIEW_S + 4 * numel * 2 / 1e12
 
 
 def test_a_tensor_reused_right_away_is_kept_between_its_rerun_and_its_backward():
@@ -55,8 +56,8 @@ def test_the_prefetch_hides_a_gather_behind_the_module_before_it_unless_too_much
     prefetched (and never kept): nothing is hidden."""
     small = [1_000_000, 2_000_000]
     hidden = _traffic(small).seconds(_wire_s, 10.0, 20.0, full_recompute=True)
-    host = sum(2 * 100 * HOST_VIEW_S for _ in small)
-    wire = sum(2 * (_gather_s(n) - 100 * HOST_VIEW_S) for n in small)
+    host = sum(2 * 100 * GATHER_VIEW_S for _ in small)
+    wire = sum(2 * (_gather_s(n) - 100 * GATHER_VIEW_S) for n in small)
     assert hidden == pytest.approx(host + OVERLAP_INTERFERENCE * wire + sum(_scatter_s(n) for n in small))
     large = [MAX_LIVE_PARAMETERS, MAX_LIVE_PARAMETERS]
     exposed = _traffic(large).seconds(_wire_s, 10.0, 20.0, full_recompute=True)
@@ -79,9 +80,10 @@ def test_a_gradient_larger_than_the_reduction_bucket_is_not_copied_into_it():
 
 
 def test_the_host_work_grows_with_the_ranks_and_one_rank_moves_nothing():
-    """Each collective builds one view per rank (and the reduce-scatter copies one piece per rank)."""
+    """Each collective builds one view per rank (the gather asks its rank in the group at each of
+    them, and the reduce-scatter copies one piece per rank)."""
     few, many = _traffic([10**6], ranks=10), _traffic([10**6], ranks=1000)
-    per_rank = 2 * HOST_VIEW_S + HOST_VIEW_S + 9e-6
+    per_rank = 2 * GATHER_VIEW_S + HOST_VIEW_S + 9e-6
     assert many.seconds(_wire_s, 0.0, 0.0, True) - few.seconds(_wire_s, 0.0, 0.0, True) == pytest.approx(
         990 * per_rank)
     assert _traffic([10**6], ranks=1).seconds(_wire_s, 0.0, 0.0, True) == 0.0

@@ -13,6 +13,7 @@ from autopar.plans import PRICED_WITH, priced_with
 
 if TYPE_CHECKING:
     from cost_models.step import Estimate, PlanPricer, TrainSpec
+    from cost_models.topology import ClusterSpec
 
 # Reading a plan back is also what `autopar run` does before it starts torchrun, in a process that
 # trains nothing: the model file, profiling and pricing (torch, the cost models: seconds of
@@ -129,14 +130,10 @@ def price_saved_plan(plan: Any, model_path: str | Path, model_option: str | None
     named), never the path recorded in the plan: a plan can come from anywhere, and importing
     the file it names would run whatever that file does. Its sha256 is checked against the plan
     before it is imported."""
-    from omegaconf import OmegaConf
-
     from autopar.model_file import load_model_file
     from autopar.profile import profile_model
     from autopar.solver.tp_split import ILPSplitter
-    from autopar.specs import build_cluster
     from cost_models.step import PlanPricer, TrainSpec
-    from cost_models.topology import ClusterConfig
 
     made_for = plan.provenance
     path = Path(model_path)
@@ -152,8 +149,7 @@ def price_saved_plan(plan: Any, model_path: str | Path, model_option: str | None
     model_file = load_model_file(path)
     profile = profile_model(model_file, dict(made_for.model_kwargs), micro_batch_size=made_for.traced_micro_batch_size,
                             precision=plan.precision, blocks=list(plan.block_containers) or None)
-    schema = OmegaConf.structured(ClusterConfig)
-    cluster = build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, made_for.cluster_config)}))
+    cluster = recorded_cluster(made_for.cluster_config)
     # What the plan fixes, over ``train``'s other settings (compile's own: whether each step clips
     # gradients, the generated runtimes), else over those the plan was priced with.
     recorded = TrainSpec(global_batch_size=plan.global_batch_size,
@@ -168,3 +164,14 @@ def price_saved_plan(plan: Any, model_path: str | Path, model_option: str | None
         return pricer, pricer.estimate(plan.layout())
     except ValueError as err:
         raise ConfigError(f"The plan cannot be priced on its cluster: {err}.", "plan again.") from None
+
+
+def recorded_cluster(cluster_config: dict[str, Any]) -> ClusterSpec:
+    """The cluster a plan records (its provenance's cluster settings), checked as cluster.* settings are."""
+    from omegaconf import OmegaConf
+
+    from autopar.specs import build_cluster
+    from cost_models.topology import ClusterConfig
+
+    schema = OmegaConf.structured(ClusterConfig)
+    return build_cluster(OmegaConf.create({"cluster": OmegaConf.merge(schema, cluster_config)}))

@@ -34,6 +34,9 @@ Not seen on the CPU: the CUDA caching allocator's rounding and fragmentation, an
 autocast op lists, which differ from the CPU's (CUDA runs layer_norm in fp32, so a GPT block's
 q, k and v projections each cast and keep their own bf16 copy of its output; the CPU keeps one).
 
+Compile's proof takes the same measurement of every GPU rank it proves, after its own step in the
+same fake world (`memory_floor`), and rejects a plan whose measured floor passes the GPU's memory.
+
 The prediction is ``stage_details[pp_rank]["memory_breakdown"]`` of the plan priced again from
 plan.json (`autopar.saved.price_saved_plan`). The CUDA context it includes holds no tensors
 (nothing to measure on fake tensors) and is left out of both totals.
@@ -48,13 +51,16 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
-from autopar.runtime.fake_step import (ShardingPropagation, fake_rank, finish_stage_step, stage_inputs,
-                                       stage_micro_batch)
+from autopar.runtime.fake_step import (AfterStep, FakeRank, ShardingPropagation, StepRun, fake_rank, finish_stage_step,
+                                       stage_micro_batch, step_on)
+
+if TYPE_CHECKING:
+    from cost_models.hardware import GPUSpec
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 # MemTracker's and FSDPMemTracker's reference types -> the cost model's categories; every other
@@ -116,20 +122,27 @@ def measure_rank(out_dir: str | Path, rank: int = 0) -> tuple[dict[str, int], di
     """
     propagation = ShardingPropagation()
     with fake_rank(out_dir, rank, propagation) as r:
-        if r.parallel.schedule is None:
-            measured, details = _measure_step(r.generated, r.parallel, r.batch, r.training, r.config,
-                                              r.model_module, r.fake_mode, propagation)
-        else:
-            measured, details = _measure_stages(r.generated, r.parallel, r.batch, r.training, r.config,
-                                                r.model_module, r.fake_mode, r.pp_rank, propagation)
+        run = step_on(r, rank)  # a whole step first: the optimizer state exists after it
+        return measure_after(r, run, propagation)
+
+
+def measure_after(r: FakeRank, run: StepRun, propagation: ShardingPropagation
+                  ) -> tuple[dict[str, int], dict[str, Any]]:
+    """`measure_rank` of a rank that has run one whole step (`fake_step.step_on`), so that its
+    optimizer state exists, as on every step but the first."""
+    if r.parallel.schedule is None:
+        measured, details = _measure_step(r.generated, r.parallel, r.batch, r.training, r.config,
+                                          r.model_module, r.fake_mode, propagation)
+    else:
+        measured, details = _measure_stages(r.generated, r.parallel, run, r.training, r.config, r.fake_mode,
+                                            r.pp_rank, propagation)
     return measured, {"pp_rank": r.pp_rank, **details}
 
 
 def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any,
                   model_module: Any, fake_mode: Any, propagation: ShardingPropagation
                   ) -> tuple[dict[str, int], dict[str, Any]]:
-    """The generated train_step, tracked after a warm-up step (pp = 1)."""
-    generated.train_step(parallel, batch, training, config, model_module)  # optimizer state exists after it
+    """The generated train_step, tracked (pp = 1)."""
     model = parallel.modules[0]
     tracker = _tracker(model, parallel.optimizer, propagation)
     with _one_forward_per_root(tracker, model), tracker:
@@ -142,16 +155,12 @@ def _measure_step(generated: ModuleType, parallel: Any, batch: Any, training: An
                       "what_was_measured": what}
 
 
-def _measure_stages(generated: ModuleType, parallel: Any, batch: Any, training: Any, config: Any, model_module: Any,
+def _measure_stages(generated: ModuleType, parallel: Any, run: StepRun, training: Any, config: Any,
                     fake_mode: Any, pp_rank: int, propagation: ShardingPropagation
                     ) -> tuple[dict[str, int], dict[str, Any]]:
     """One micro-batch through each local stage module, its activations scaled by the
     schedule's in-flight micro-batches (pp > 1; see the module docstring)."""
-    micro = generated.slice_batch(batch, 0, training.micro_batch_size)
-    indices = generated.local_stage_indices(len(config.stages), config.dims.pp, pp_rank)
-    received = stage_inputs(generated, training, config, model_module, parallel.mesh, fake_mode, micro, indices)
-    stage_micro_batch(generated, parallel, micro, received, config, indices)  # a whole step first: the
-    finish_stage_step(parallel)                                               # optimizer state exists
+    micro, indices, received = run.micro, run.indices, run.received
     stage_micro_batch(generated, parallel, micro, received, config, indices)  # gradients accumulating
     trackers: dict[int, _StageTracking] = {}
 
@@ -425,6 +434,56 @@ def check_rank(out_dir: str | Path, rank: int = 0) -> RankMemory:
                       error_pct=error_pct(measured, predicted), what_was_measured=details["what_was_measured"],
                       tracker=details["tracker"], untracked_bytes=details["untracked_bytes"],
                       cuda_context_bytes=context, in_flight=details["in_flight"])
+
+
+class OverMemory(Exception):
+    """A rank's tensors alone, measured on fake tensors at full scale, need more than its GPU has."""
+
+
+def rank_gpu(out_dir: str | Path, rank: int) -> GPUSpec | None:
+    """The GPU rank ``rank`` of the compiled folder's plan runs on, from the cluster its plan
+    records; None on a CPU rank (its memory is the host's) and for a plan that records no cluster."""
+    from autopar.plans import Plan
+    from autopar.saved import recorded_cluster
+
+    plan = Plan.load(Path(out_dir) / "plan.json")
+    if not plan.provenance.cluster_config:  # a plan of an older autopar
+        return None
+    gpu = recorded_cluster(plan.provenance.cluster_config).gpu_of_rank(rank)
+    return None if gpu.name == "cpu" else gpu
+
+
+def memory_floor(out_dir: str | Path, rank: int) -> AfterStep:
+    """What compile's proof runs after its full-scale step of ``rank`` (fake_step.train_fake_step's
+    ``after``): on a GPU rank (`rank_gpu`), the rank's memory, measured as `measure_rank` measures
+    it (one more tracked step in the same fake world), against the GPU's whole memory. What fake
+    tensors see is a floor of what CUDA holds (its caching allocator's rounding and fragmentation
+    and its autocast copies come on top), so a plan whose floor with the CUDA context passes the
+    GPU's memory fails there for certain, whatever the cost model said: OverMemory is raised and
+    the plan rejected. A measurement that cannot run only says so."""
+    from autopar.plans import Plan
+    from cost_models.hardware import GiB
+    from cost_models.layer_cost import cuda_context_bytes
+
+    def after(r: FakeRank, run: StepRun, propagation: ShardingPropagation) -> str:
+        gpu = rank_gpu(out_dir, rank)
+        if gpu is None:
+            return run.words
+        predicted = Plan.load(Path(out_dir) / "plan.json").predicted.peak_memory_bytes  # its busiest rank's
+        try:
+            measured, _ = measure_after(r, run, propagation)
+        except Exception as err:  # noqa: BLE001 - the step passed; only its measurement failed
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            return f"{run.words}; its memory not measured ({type(err).__name__}: {first})"
+        need = measured["total"] + cuda_context_bytes(gpu)
+        gpu_gib = gpu.memory_bytes / GiB
+        said = f"; the plan's busiest rank was predicted {predicted / GiB:.1f} GiB" if predicted else ""
+        if need > gpu.memory_bytes:
+            raise OverMemory(f"its tensors alone need {need / GiB:.1f} GiB on this rank, more than the {gpu_gib:.1f} "
+                             f"GiB of its {gpu.name} (measured on fake tensors, CUDA context included{said})")
+        return f"{run.words}; memory at least {need / GiB:.1f} of {gpu_gib:.1f} GiB (measured{said})"
+
+    return after
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator, Protocol
@@ -99,10 +99,27 @@ def fake_rank(out_dir: str | Path, rank: int, propagation: "ShardingPropagation"
             yield FakeRank(generated, parallel, batch, training, config, model_module, fake_mode, pp_rank)
 
 
-def train_fake_step(out_dir: str | Path, rank: int = 0) -> str:
+@dataclass
+class StepRun:
+    """What one rank's training step on fake tensors ran: in words, and for pp > 1 the micro-batch,
+    the rank's local stages and the inputs they received (a measurement that goes on in the same
+    fake world, autopar/runtime/fake_memory.py, runs them again)."""
+
+    words: str
+    micro: Any = None
+    indices: list[int] = field(default_factory=list)
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+# What goes on after the step in the same fake world (the memory check), given the rank, what the
+# step ran and the sharding propagation in force; it returns what it did, in words.
+AfterStep = Callable[[FakeRank, StepRun, "ShardingPropagation"], str]
+
+
+def train_fake_step(out_dir: str | Path, rank: int = 0, after: AfterStep | None = None) -> str:
     """One training step of rank ``rank`` of the compiled folder's plan on fake tensors, untracked
-    (compile's proof at full scale, autopar/runtime/proof.py); what ran, in words. Raises
-    whatever the generated module raises.
+    (compile's proof at full scale, autopar/runtime/proof.py), then ``after`` (if given) in the
+    same fake world; what ran, in words. Raises whatever the generated module raises.
 
     pp = 1 runs the generated ``train_step``; pp > 1 runs each local stage module's forward and
     backward of a micro-batch, then the schedule's gradient reduction and optimizer step, as
@@ -113,17 +130,25 @@ def train_fake_step(out_dir: str | Path, rank: int = 0) -> str:
         # torch.export of the whole model cuts these stages, and it cannot run on fake tensors
         return (f"rank {rank}: not run on fake tensors (its pipeline stages are cut by torch.export, which "
                 "needs real tensors)")
-    with fake_rank(out_dir, rank, ShardingPropagation()) as r:
-        if r.parallel.schedule is None:
-            r.generated.train_step(r.parallel, r.batch, r.training, r.config, r.model_module)
-            return f"rank {rank}: train_step"
-        micro = r.generated.slice_batch(r.batch, 0, r.training.micro_batch_size)
-        indices = r.generated.local_stage_indices(len(r.config.stages), r.config.dims.pp, r.pp_rank)
-        received = stage_inputs(r.generated, r.training, r.config, r.model_module, r.parallel.mesh, r.fake_mode,
-                                 micro, indices)
-        stage_micro_batch(r.generated, r.parallel, micro, received, r.config, indices)
-        finish_stage_step(r.parallel)
-        return f"rank {rank} (pipeline rank {r.pp_rank}): stage(s) {indices} forward, backward and optimizer step"
+    propagation = ShardingPropagation()
+    with fake_rank(out_dir, rank, propagation) as r:
+        run = step_on(r, rank)
+        return run.words if after is None else after(r, run, propagation)
+
+
+def step_on(r: FakeRank, rank: int) -> StepRun:
+    """One training step of the set-up rank ``r`` (see `train_fake_step`)."""
+    if r.parallel.schedule is None:
+        r.generated.train_step(r.parallel, r.batch, r.training, r.config, r.model_module)
+        return StepRun(f"rank {rank}: train_step")
+    micro = r.generated.slice_batch(r.batch, 0, r.training.micro_batch_size)
+    indices = r.generated.local_stage_indices(len(r.config.stages), r.config.dims.pp, r.pp_rank)
+    received = stage_inputs(r.generated, r.training, r.config, r.model_module, r.parallel.mesh, r.fake_mode,
+                            micro, indices)
+    stage_micro_batch(r.generated, r.parallel, micro, received, r.config, indices)
+    finish_stage_step(r.parallel)
+    return StepRun(f"rank {rank} (pipeline rank {r.pp_rank}): stage(s) {indices} forward, backward and optimizer "
+                   "step", micro, indices, received)
 
 
 def stage_inputs(generated: ModuleType, training: Any, config: Any, model_module: Any, mesh: Any, fake_mode: Any,

@@ -8,7 +8,10 @@ planner's next plan):
    that run different code: rank 0 (first pipeline stage) and the first rank of the last
    pipeline stage. Each runs in its own process (``python -m autopar.runtime.proof DIR --rank
    R``), so a crash inside torch (a segfault, an abort) rejects the plan instead of taking the
-   compiler down.
+   compiler down. On a GPU rank, a second step in the same fake world is tracked
+   (`fake_memory.memory_floor`): what its tensors hold, with the CUDA context, is a floor of
+   what the GPU will hold, and a floor past the GPU's memory rejects the plan however the cost
+   model priced it.
 2. Small scale, real numbers (``check=on``; ``auto`` where every rank of the cluster runs on
    this machine, i.e. CPU gloo ranks): the plan's module trains `CHECK_STEPS` steps on local
    gloo ranks and its losses and final parameters are compared with the unsharded model on one
@@ -24,9 +27,9 @@ The two run at the same time (`FakeSteps`); where both fail, the full-scale fail
 reported, as when they ran one after the other.
 
 What neither sees: behaviour only CUDA has (NCCL, CUDA kernels and their autocast lists, the
-caching allocator, out-of-memory), and at full scale the values themselves (fake tensors carry
-shapes and dtypes) and the exchange of a pipeline schedule (its stages run one micro-batch each,
-as fake_step.py explains).
+caching allocator's rounding and fragmentation: an out-of-memory the floor does not reach), and
+at full scale the values themselves (fake tensors carry shapes and dtypes) and the exchange of a
+pipeline schedule (its stages run one micro-batch each, as fake_step.py explains).
 """
 from __future__ import annotations
 
@@ -358,13 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", help="a folder holding the generated module and plan.json")
     parser.add_argument("--rank", type=int, default=0)
     args = parser.parse_args(argv)
+    from autopar.runtime.fake_memory import memory_floor
     from autopar.runtime.fake_step import train_fake_step
     from autopar.runtime.lifeline import die_with_parent
 
     die_with_parent()  # a compile killed by SIGKILL leaves no proof step running
 
     try:
-        print(train_fake_step(args.folder, args.rank), flush=True)
+        print(train_fake_step(args.folder, args.rank, after=memory_floor(args.folder, args.rank)), flush=True)
     except BaseException as err:  # noqa: BLE001 - any failure of the generated code rejects the plan
         # The message's first line: torch's C++ errors go on with "Exception raised from ..." and frames.
         message = (str(err).strip().splitlines() or [""])[0]

@@ -121,3 +121,41 @@ def test_a_large_model_is_measured_without_its_memory(examples_dir, tmp_path):
     params = 8 * 12 * 4096 ** 2 + (32000 + 512) * 4096  # blocks' matrices + embeddings, to within 1%
     assert result.measured["params"] == pytest.approx(4 * params / 8, rel=0.01)
     assert grown < 0.5 * result.measured["params"]
+
+
+def test_compiles_proof_says_a_gpu_ranks_memory_and_refuses_a_plan_past_it(examples_dir, tmp_path, capsys,
+                                                                          monkeypatch):
+    """Compile's proof at full scale tracks a GPU rank's second step (fake_memory.memory_floor):
+    the floor it says (tensors plus the CUDA context) is this module's measurement of the rank, and
+    the same folder on a GPU with less memory than that floor is refused, naming both sizes,
+    whatever the plan's price said. Pipeline rank 0 of pp2 x tp2 x dp2: the harder path (one
+    micro-batch per stage times torch's in-flight count)."""
+    import dataclasses
+    import re
+
+    from autopar import saved
+    from autopar.runtime import proof
+    from cost_models.hardware import GiB
+
+    out = compile_plan(examples_dir, tmp_path / "pp2_tp2_dp2", PLANS["pp2_tp2_dp2"])
+    monkeypatch.setattr("autopar.runtime.lifeline.die_with_parent", lambda: None)
+    assert proof.main([str(out), "--rank", "0"]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    floor_gib, gpu_gib = map(float, re.search(r"memory at least ([\d.]+) of ([\d.]+) GiB", said).groups())
+    result = check_rank(out, rank=0)
+    assert floor_gib == pytest.approx((result.measured["total"] + result.cuda_context_bytes) / GiB, abs=0.051)
+    assert gpu_gib == pytest.approx(80e9 / GiB, abs=0.051) and "pipeline rank 0" in said
+
+    recorded = saved.recorded_cluster
+
+    def smaller_gpus(config):
+        cluster = recorded(config)
+        gpu = dataclasses.replace(cluster.node_gpus[0], memory_bytes=int(0.9 * floor_gib * GiB))
+        return dataclasses.replace(cluster, node_gpus=(gpu,) * cluster.nodes)
+
+    monkeypatch.setattr(saved, "recorded_cluster", smaller_gpus)
+    assert proof.main([str(out), "--rank", "0"]) == 1
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(proof.FAILED_MARKER)]
+    smaller_gib = int(0.9 * floor_gib * GiB) / GiB
+    assert (f"OverMemory: its tensors alone need {floor_gib:.1f} GiB on this rank, more than the {smaller_gib:.1f} "
+            "GiB of its H100-SXM") in line, line

@@ -4,6 +4,8 @@ which plans a rejection excludes (autopar/solver/planner.py split_of). The proof
 tests/dist/test_proof.py."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,7 +117,7 @@ def test_a_failed_full_scale_step_reports_the_first_line_of_a_torch_error(tmp_pa
     import autopar.runtime.fake_step as fake_step
     from autopar.runtime import proof
 
-    def fails(folder, rank):
+    def fails(folder, rank, after=None):
         raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides\nException raised from "
                            "throw_cannot_call_with_symbolic at c10/core/TensorImpl.cpp:340\nframe #0: c10::Error")
     monkeypatch.setattr(fake_step, "train_fake_step", fails)
@@ -149,3 +151,25 @@ def test_a_full_scale_failure_is_reported_over_the_check_run_beside_it(tmp_path,
     outcome = proof.prove(plan, tmp_path / "model.py", tmp_path, check=False)
     assert outcome.failure == ("at full scale on fake tensors, rank 0: the step could not be started "
                                "(OSError: no more processes)")
+
+
+def test_the_memory_floor_is_measured_on_gpu_ranks_only(tmp_path):
+    """A CPU rank's memory is the host's (the small-scale check runs it for real), and a plan
+    made before plans recorded their cluster names no GPU: neither is measured; a rank of a mixed
+    cluster is measured against its own GPU."""
+    import dataclasses
+
+    from autopar.plans import Plan, Provenance
+    from autopar.runtime.fake_memory import rank_gpu
+
+    def folder(name: str, cluster_config: dict) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        Plan(dp=2, provenance=dataclasses.replace(Provenance(), cluster_config=cluster_config)).save(out / "plan.json")
+        return out
+
+    assert rank_gpu(folder("cpu", {"name": "cpu_gloo", "gpu": "cpu", "nodes": 1, "gpus_per_node": 2}), 1) is None
+    assert rank_gpu(folder("old", {}), 0) is None
+    mixed = folder("mixed", {"name": "mixed", "gpu": "cpu", "nodes": 2, "gpus_per_node": 1,
+                             "node_groups": [{"gpu": "cpu", "nodes": 1}, {"gpu": "H100-SXM", "nodes": 1}]})
+    assert rank_gpu(mixed, 0) is None and rank_gpu(mixed, 1).name == "H100-SXM"

@@ -22,6 +22,7 @@ from autopar.codegen.errors import CodegenError
 from autopar.codegen.launch import launch_script, sbatch_script
 from autopar.codegen.model_facts import ModelFacts, inspect_model
 from autopar.codegen.reading_order import in_reading_order
+from autopar.model_profile import inside_any
 from autopar.sections.train import GRADIENT_SYNC_ALGORITHMS, NCCL_ALGORITHMS
 from autopar.codegen.specialize import fold, prune, referenced_names
 from autopar.codegen.stage_flow import LayerReads, layer_reads, skipped_read, uncarried_read
@@ -198,9 +199,9 @@ def module_split_problem(plan: Plan, facts: ModelFacts, reads: LayerReads | None
         if first not in blocks and order.index(first) < first_block:
             return f"stage {index} starts at {first}, before the first block ({order[first_block]})"
     for name, module in facts.modules.items():
-        inside = any(name == layer or name.startswith(layer + ".") for layer in order)
+        in_layer = inside_any(name, order)
         ancestor = name == "" or any(layer.startswith(name + ".") for layer in order)
-        if module.has_parameters and not inside and not ancestor:
+        if module.has_parameters and not in_layer and not ancestor:
             return f"module {name} holds parameters outside every layer"
     return uncarried_read(plan.stages, reads) if reads is not None else None
 

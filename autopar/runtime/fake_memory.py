@@ -60,6 +60,7 @@ from autopar.runtime.fake_step import (AfterStep, FakeRank, ShardingPropagation,
                                        stage_micro_batch, step_on)
 
 if TYPE_CHECKING:
+    from autopar.plans import Plan
     from cost_models.hardware import GPUSpec
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -440,13 +441,11 @@ class OverMemory(Exception):
     """A rank's tensors alone, measured on fake tensors at full scale, need more than its GPU has."""
 
 
-def rank_gpu(out_dir: str | Path, rank: int) -> GPUSpec | None:
-    """The GPU rank ``rank`` of the compiled folder's plan runs on, from the cluster its plan
-    records; None on a CPU rank (its memory is the host's) and for a plan that records no cluster."""
-    from autopar.plans import Plan
+def rank_gpu(plan: Plan, rank: int) -> GPUSpec | None:
+    """The GPU rank ``rank`` of ``plan`` runs on, from the cluster the plan records; None on a CPU
+    rank (its memory is the host's) and for a plan that records no cluster."""
     from autopar.saved import recorded_cluster
 
-    plan = Plan.load(Path(out_dir) / "plan.json")
     if not plan.provenance.cluster_config:  # a plan of an older autopar
         return None
     gpu = recorded_cluster(plan.provenance.cluster_config).gpu_of_rank(rank)
@@ -466,10 +465,11 @@ def memory_floor(out_dir: str | Path, rank: int) -> AfterStep:
     from cost_models.layer_cost import cuda_context_bytes
 
     def after(r: FakeRank, run: StepRun, propagation: ShardingPropagation) -> str:
-        gpu = rank_gpu(out_dir, rank)
+        plan = Plan.load(Path(out_dir) / "plan.json")
+        gpu = rank_gpu(plan, rank)
         if gpu is None:
             return run.words
-        predicted = Plan.load(Path(out_dir) / "plan.json").predicted.peak_memory_bytes  # its busiest rank's
+        predicted = plan.predicted.peak_memory_bytes  # the plan's busiest rank's
         try:
             measured, _ = measure_after(r, run, propagation)
         except Exception as err:  # noqa: BLE001 - the step passed; only its measurement failed

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ortools.sat.python import cp_model
 
+from autopar.model_profile import inside
 from autopar.solver.stage_partition import solve_interruptibly
 from autopar.domain.vocabulary import TPStyle
 from cost_models.weights import parameter_sources
@@ -364,7 +365,7 @@ class IntraOpSolver:
                 continue
             region = module.rpartition(".")[0]
             reader = by_name[target].module or ""
-            if region and reader != region and not reader.startswith(region + "."):
+            if region and not inside(reader, region):
                 model.add(var == 0)
 
     def _add_backward_all_reduce(self, model, edges, strategies, choice, by_name):

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autopar.model_profile import inside_any
+from autopar.model_profile import inside, inside_any
 from autopar.solver.intra_op import (IntraOpSolution, IntraOpSolver, OpIndex, Style, activation_bytes,
                                      draws_random)
 from autopar.solver.tp_head_norms import head_norm_reductions
@@ -134,7 +134,7 @@ class ILPSplitter:
             return {}
         return {module: (groups.work_divisor(module), parameter_bytes(self.profile, module,
                                                                       share=groups.gathered_share(module)))
-                for module in groups.modules if module == layer_name or module.startswith(layer_name + ".")}
+                for module in groups.modules if inside(module, layer_name)}
 
     def groups_of(self, layer_name: str, tp: int) -> KVGroups | None:
         """The key/value groups at ``tp``, with the layer's fused projections among them."""

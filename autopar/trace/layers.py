@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.model_profile import inside
 from autopar.trace.capture import BACKWARD, CapturedStep
 from autopar.trace.ops import op_name
 
@@ -212,7 +213,7 @@ def _unit_of(module: str | None, units: list[str]) -> str | None:
     if module is None:
         return None
     for unit in units:
-        if module == unit or module.startswith(unit + "."):
+        if inside(module, unit):
             return unit
     return None
 

@@ -4,8 +4,6 @@ which plans a rejection excludes (autopar/solver/planner.py split_of). The proof
 tests/dist/test_proof.py."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -153,7 +151,7 @@ def test_a_full_scale_failure_is_reported_over_the_check_run_beside_it(tmp_path,
                                "(OSError: no more processes)")
 
 
-def test_the_memory_floor_is_measured_on_gpu_ranks_only(tmp_path):
+def test_the_memory_floor_is_measured_on_gpu_ranks_only():
     """A CPU rank's memory is the host's (the small-scale check runs it for real), and a plan
     made before plans recorded their cluster names no GPU: neither is measured; a rank of a mixed
     cluster is measured against its own GPU."""
@@ -162,14 +160,11 @@ def test_the_memory_floor_is_measured_on_gpu_ranks_only(tmp_path):
     from autopar.plans import Plan, Provenance
     from autopar.runtime.fake_memory import rank_gpu
 
-    def folder(name: str, cluster_config: dict) -> Path:
-        out = tmp_path / name
-        out.mkdir()
-        Plan(dp=2, provenance=dataclasses.replace(Provenance(), cluster_config=cluster_config)).save(out / "plan.json")
-        return out
+    def plan(cluster_config: dict) -> Plan:
+        return Plan(dp=2, provenance=dataclasses.replace(Provenance(), cluster_config=cluster_config))
 
-    assert rank_gpu(folder("cpu", {"name": "cpu_gloo", "gpu": "cpu", "nodes": 1, "gpus_per_node": 2}), 1) is None
-    assert rank_gpu(folder("old", {}), 0) is None
-    mixed = folder("mixed", {"name": "mixed", "gpu": "cpu", "nodes": 2, "gpus_per_node": 1,
-                             "node_groups": [{"gpu": "cpu", "nodes": 1}, {"gpu": "H100-SXM", "nodes": 1}]})
+    assert rank_gpu(plan({"name": "cpu_gloo", "gpu": "cpu", "nodes": 1, "gpus_per_node": 2}), 1) is None
+    assert rank_gpu(plan({}), 0) is None
+    mixed = plan({"name": "mixed", "gpu": "cpu", "nodes": 2, "gpus_per_node": 1,
+                  "node_groups": [{"gpu": "cpu", "nodes": 1}, {"gpu": "H100-SXM", "nodes": 1}]})
     assert rank_gpu(mixed, 0) is None and rank_gpu(mixed, 1).name == "H100-SXM"

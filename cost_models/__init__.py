@@ -18,7 +18,8 @@ from cost_models.layer_split import TPLayerSplit, TPSplitter
 from cost_models.hardware import CATALOGUE, DEFAULT_EFFICIENCY, GPUSpec, get_gpu, known_gpus
 from cost_models.memory import (LayerActivations, ModelStates, activation_bytes, megatron_layer_activation_bytes,
                                 model_states)
-from cost_models.pipeline import bubble_fraction, in_flight_micro_batches, pipeline_step_time_s
+from cost_models.held_activations import held_moments
+from cost_models.pipeline import bubble_fraction, pipeline_step_time_s
 from cost_models.step import Estimate, ParallelLayout, PlanPricer, TrainSpec, estimate, validate_layout
 from cost_models.topology import ClusterConfig, ClusterSpec, GroupPlacement, Link, NodeGroupConfig
 
@@ -27,7 +28,7 @@ __all__ = [
     "ComputeModel", "LayerCompute", "op_time_s",
     "CATALOGUE", "DEFAULT_EFFICIENCY", "GPUSpec", "get_gpu", "known_gpus",
     "LayerActivations", "ModelStates", "activation_bytes", "megatron_layer_activation_bytes", "model_states",
-    "bubble_fraction", "in_flight_micro_batches", "pipeline_step_time_s",
+    "bubble_fraction", "held_moments", "pipeline_step_time_s",
     "Estimate", "ParallelLayout", "PlanPricer", "TrainSpec", "estimate", "validate_layout",
     "ClusterConfig", "ClusterSpec", "GroupPlacement", "Link", "NodeGroupConfig",
     "TPLayerSplit", "TPSplitter",

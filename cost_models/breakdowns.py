@@ -16,7 +16,7 @@ from autopar.domain.vocabulary import Recompute
 from cost_models.dp_sync import GradientSync
 from cost_models.layer_cost import LayerPrices, ring_attention
 from cost_models.layer_split import LayerSplits
-from cost_models.pipeline import Partition, PartitionProblem
+from cost_models.pipeline import Partition, PartitionProblem, held_activation_bytes
 from cost_models.placement import LayoutGroups
 from cost_models.ranks import PipelineRanks
 from cost_models.topology import ClusterSpec
@@ -173,8 +173,7 @@ class EstimateAssembler:
             states["optimizer"] += s.optimizer_bytes
             states["compute_copy"] += s.compute_copy_bytes
         held = self._device_layers(layout, stages, device)
-        activations = sum(problem.in_flight[device] * problem.activation_bytes[index][partition.options[index]]
-                          for index in held)
+        activations = held_activation_bytes(problem, partition, device)[0]
         memory = min(g.memory_bytes for g in self.groups.pp_rank_gpus(layout)[device])
         copy = states.pop("compute_copy")
         moment = {"activations": int(activations), "buffers": int(problem.overhead_bytes[device] + copy)}
@@ -222,7 +221,8 @@ class EstimateAssembler:
                  "memory_bytes": partition.device_memory_bytes[d],
                  "capacity_bytes": problem.capacity_bytes[d],
                  "memory_breakdown": self._memory_breakdown(layout, problem, partition, d, stages),
-                 "in_flight_micro_batches": problem.in_flight[d], "speed": problem.speed_of(d),
+                 "in_flight_micro_batches": list(held_activation_bytes(problem, partition, d)[1]),
+                 "speed": problem.speed_of(d),
                  "dp_comm_s": per_step[d]["dp_comm"], "optimizer_s": per_step[d]["optimizer"]}
                 for d in range(layout.pp)]
 

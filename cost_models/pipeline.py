@@ -12,13 +12,14 @@ Fill and drain pass every stage once; the steady state is paced by the slowest d
 equal stages this is (m + (p-1)/v) · D, i.e. the bubble fraction (p-1)/m of GPipe and 1F1B and
 (p-1)/(v·m) of interleaved 1F1B (Narayanan et al. 2021, §2.2). The schedules differ in memory:
 GPipe keeps all m micro-batches' activations, 1F1B at most p - d on device d, interleaved
-1F1B that times 1 + (p-1)/(p·m) (Korthikanti et al. 2022, §4.2.3).
+1F1B a count per chunk that shifts as its schedule plays (`cost_models.held_activations`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from autopar.domain.vocabulary import Schedule
+from cost_models.held_activations import Moment, least_held
 
 
 def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks: int = 1) -> float:
@@ -30,18 +31,6 @@ def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks:
 def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
     """Idle share relative to the ideal m·D for equal stages."""
     return (stages - 1) / (chunks * micro_batches)
-
-
-def in_flight_micro_batches(schedule: str, stages: int, micro_batches: int, device: int, chunks: int = 1) -> float:
-    """Micro-batches whose activations device `device` (0 = first stage) holds at its peak."""
-    if stages == 1:
-        return 1.0
-    if schedule == Schedule.GPIPE:
-        return float(micro_batches)
-    held = float(min(micro_batches, stages - device))
-    if schedule == Schedule.INTERLEAVED_1F1B:
-        held *= 1 + (stages - 1) / (stages * micro_batches)
-    return held
 
 
 def simulate_schedule(forward_s: list[float], backward_s: list[float], micro_batches: int, schedule: str = "1f1b",
@@ -95,7 +84,7 @@ class MemoryRows:
 
     activation_bytes: list[list[int]]
     static_bytes: list[int]
-    in_flight: list[float]
+    in_flight: list[tuple[Moment, ...]]
     capacity_bytes: list[int]
     overhead_bytes: list[int]
 
@@ -112,7 +101,9 @@ class PartitionProblem:
         devices: p, the number of pipeline ranks.
         chunks: v, model chunks per device (1 unless interleaved).
         micro_batches: m.
-        in_flight: [device] micro-batches whose activations the device holds at its peak.
+        in_flight: [device] the moments that can be its activation peak, each the micro-batches
+            held per local chunk (`cost_models.held_activations.held_moments`); a number stands
+            for one moment holding that many on every chunk.
         capacity_bytes: [device] memory available for the model on that device.
         overhead_bytes: [device] memory used regardless of the layers it gets (buffers, headroom).
         speed: [device] time multiplier (1.0 = reference device; 2.0 = twice as slow).
@@ -130,7 +121,7 @@ class PartitionProblem:
     devices: int
     chunks: int
     micro_batches: int
-    in_flight: list[float]
+    in_flight: list[tuple[Moment, ...]] | list[float]
     capacity_bytes: list[int]
     overhead_bytes: list[int]
     speed: list[float] = field(default_factory=list)
@@ -138,6 +129,11 @@ class PartitionProblem:
     per_step_s: list[float] = field(default_factory=list)
     step_bytes: list[int] = field(default_factory=list)
     step_overhead_bytes: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        moments = [((float(held),) * self.chunks,) if isinstance(held, (int, float)) else held
+                   for held in self.in_flight]
+        object.__setattr__(self, "in_flight", moments)
 
     @property
     def num_layers(self) -> int:
@@ -150,9 +146,14 @@ class PartitionProblem:
     def speed_of(self, device: int) -> float:
         return self.speed[device] if self.speed else 1.0
 
-    def backward_bytes(self, layer: int, device: int, option: int) -> int:
-        """A layer's bytes on `device` in backward: its static bytes and in-flight activations."""
-        return int(self.static_bytes[layer] + self.in_flight[device] * self.activation_bytes[layer][option])
+    def held_bytes(self, layer: int, option: int, held: float) -> int:
+        """A layer's bytes while `held` micro-batches of its activations are in flight, with its
+        static bytes."""
+        return int(self.static_bytes[layer] + held * self.activation_bytes[layer][option])
+
+    def least_held(self, device: int) -> float:
+        """Micro-batches `device` holds on every layer at least, whatever the partition."""
+        return least_held(self.in_flight[device])
 
     def at_step_bytes(self, layer: int) -> int:
         """A layer's bytes at the optimizer step: its static bytes and the step's transients."""
@@ -182,8 +183,8 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
     stages = Partition(stage_starts, options, 0.0, [], []).stages(problem.num_layers)
     device_units = [0] * problem.devices
     per_step_units = [0] * problem.devices
-    device_mib = [mib_up(overhead) for overhead in problem.overhead_bytes]
-    device_bytes = list(problem.overhead_bytes)
+    moment_mib = [[0] * len(moments) for moments in problem.in_flight]
+    moment_bytes = [[0] * len(moments) for moments in problem.in_flight]
     step_mib = [mib_up(overhead) for overhead in problem.step_overhead_bytes]
     step_bytes = list(problem.step_overhead_bytes)
     for j, layers in enumerate(stages):
@@ -195,12 +196,15 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
         if problem.per_step_s:
             per_step_units[device] += sum(time_units(speed * problem.per_step_s[layer]) for layer in layers)
         for layer in layers:
-            layer_bytes = problem.backward_bytes(layer, device, options[layer])
-            device_mib[device] += mib_up(layer_bytes)
-            device_bytes[device] += layer_bytes
+            for q, moment in enumerate(problem.in_flight[device]):
+                layer_bytes = problem.held_bytes(layer, options[layer], moment[j // problem.devices])
+                moment_mib[device][q] += mib_up(layer_bytes)
+                moment_bytes[device][q] += layer_bytes
             if problem.step_bytes:
                 step_mib[device] += mib_up(problem.at_step_bytes(layer))
                 step_bytes[device] += problem.at_step_bytes(layer)
+    device_mib = [mib_up(overhead) + max(mib) for overhead, mib in zip(problem.overhead_bytes, moment_mib)]
+    device_bytes = [overhead + max(held) for overhead, held in zip(problem.overhead_bytes, moment_bytes)]
     moments = [device_mib, step_mib] if problem.step_bytes else [device_mib]
     if any(used > mib_down(cap) for mib in moments for used, cap in zip(mib, problem.capacity_bytes)):
         return None
@@ -210,6 +214,16 @@ def evaluate(problem: PartitionProblem, stage_starts: list[int], options: list[i
     objective = ((m - 1) * v + (v - 1)) * max(device_units) + sum(device_units) + v * max(per_step_units)
     return Partition(list(stage_starts), list(options), objective / v / TIME_UNITS_PER_S,
                      [units / TIME_UNITS_PER_S for units in device_units], device_bytes)
+
+
+def held_activation_bytes(problem: PartitionProblem, partition: Partition, device: int) -> tuple[int, Moment]:
+    """The activation bytes `device` holds at its peak under `partition`, and the micro-batches
+    each of its chunks holds then (the moment of its schedule where those bytes are most)."""
+    stages = partition.stages(problem.num_layers)
+    per_chunk = [sum(problem.activation_bytes[layer][partition.options[layer]] for layer in stages[j])
+                 for j in range(device, problem.num_stages, problem.devices)]
+    return max((int(sum(held * nbytes for held, nbytes in zip(moment, per_chunk))), moment)
+               for moment in problem.in_flight[device])
 
 
 def time_units(seconds: float) -> int:

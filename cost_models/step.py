@@ -59,7 +59,8 @@ from cost_models.layer_cost import (CUDA_CONTEXT_BYTES, OPTIMIZER_BYTES_PER_PARA
                                     expert_tp, ring_attention)
 from cost_models.layer_split import LayerSplits, TPLayerSplit, TPSplitter
 from cost_models.memory import RECOMPUTE_OPTIONS, activation_bytes, reduced_gradient_bytes
-from cost_models.pipeline import MemoryRows, PartitionProblem, evaluate, in_flight_micro_batches
+from cost_models.held_activations import Moment, held_moments
+from cost_models.pipeline import MemoryRows, PartitionProblem, evaluate
 from cost_models.placement import LayoutGroups, proportional_shares
 from cost_models.ranks import PipelineRanks
 from cost_models.structure import ModelStructure, attention_io_bytes
@@ -155,7 +156,7 @@ class PlanPricer:
         self._problems: dict[ParallelLayout, PartitionProblem | None] = {}
         self._shared_rows: dict[ParallelLayout, dict[str, Any] | None] = {}
         self._memory_parts: dict[ParallelLayout, tuple[GPUSpec, dict[str, Any]] | None] = {}
-        self._in_flight_cache: dict[tuple, list[float]] = {}
+        self._in_flight_cache: dict[tuple, list[tuple[Moment, ...]]] = {}
         self._totals_cache: dict[int, tuple[list, list]] = {}
         self._scalar_all_reduce_s: dict[int, float] = {}
         self._row_cache: dict[tuple, list] = {}
@@ -209,13 +210,15 @@ class PlanPricer:
         return MemoryRows(rows["activation_bytes"], rows["static_bytes"], self._held_in_flight(layout),
                           rows["capacity_bytes"], rows["overhead_bytes"])
 
-    def _held_in_flight(self, layout: ParallelLayout) -> list[float]:
-        """Micro-batches each pipeline rank holds at its peak, in micro-batches of the layout's
-        size: the rank with the largest data-parallel share holds that many samples' activations."""
+    def _held_in_flight(self, layout: ParallelLayout) -> list[tuple[Moment, ...]]:
+        """Micro-batches each pipeline rank's chunks hold at the moments that can be its peak, in
+        micro-batches of the layout's size: the rank with the largest data-parallel share holds
+        that many samples' activations."""
         in_flight = self._in_flight(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks)
         shares = self.ranks.dp_shares(layout)
         if shares:
-            in_flight = [held * max(shares) / layout.micro_batch_size for held in in_flight]
+            scale = max(shares) / layout.micro_batch_size
+            in_flight = [tuple(tuple(held * scale for held in moment) for moment in moments) for moments in in_flight]
         return in_flight
 
     @staticmethod
@@ -296,10 +299,10 @@ class PlanPricer:
             self._totals_cache[id(rows)] = cached
         return cached[1]
 
-    def _in_flight(self, schedule: str, stages: int, micro_batches: int, chunks: int) -> list[float]:
+    def _in_flight(self, schedule: str, stages: int, micro_batches: int, chunks: int) -> list[tuple[Moment, ...]]:
         key = (schedule, stages, micro_batches, chunks)
         if key not in self._in_flight_cache:
-            self._in_flight_cache[key] = [in_flight_micro_batches(schedule, stages, micro_batches, d, chunks)
+            self._in_flight_cache[key] = [held_moments(schedule, stages, micro_batches, d, chunks)
                                           for d in range(stages)]
         return self._in_flight_cache[key]
 

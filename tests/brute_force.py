@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from autopar.solver.block_partition import find_block_run
+from autopar.solver.block_partition import BlockRun, find_block_run
 from autopar.solver.space import Candidate
 from cost_models.pipeline import Partition, PartitionProblem, evaluate
 
@@ -32,7 +32,7 @@ def brute_force_plan(pricer, candidates: list[Candidate]) -> BruteForceBest | No
         allowed = None
         if run is not None and problem.num_layers - run.count <= 4:
             allowed = set(range(run.first, run.first + run.count + 1))
-        partition = brute_force_partition(problem, allowed_starts=allowed)
+        partition = brute_force_partition(problem, allowed_starts=allowed, even_chunks=run if allowed else None)
         if partition is None:
             continue
         step = partition.step_time_s + pricer.fixed_time_s(candidate)
@@ -41,16 +41,33 @@ def brute_force_plan(pricer, candidates: list[Candidate]) -> BruteForceBest | No
     return best
 
 
-def brute_force_partition(problem: PartitionProblem, allowed_starts: set[int] | None = None) -> Partition | None:
-    """Every contiguous partition (cuts only at `allowed_starts` if given) and option per
-    layer, priced by `evaluate`: the oracle the stage-partition ILP is checked against."""
+def brute_force_partition(problem: PartitionProblem, allowed_starts: set[int] | None = None,
+                          even_chunks: BlockRun | None = None) -> Partition | None:
+    """Every contiguous partition (cuts only at `allowed_starts` if given; with `even_chunks`,
+    only those whose device's chunks hold as many of the run's blocks as each other, one more
+    at most, bar a first/last stage holding none) and option per layer, priced by `evaluate`:
+    the oracle the partition ILPs are checked against."""
     L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
     best: Partition | None = None
     positions = [start for start in range(1, L) if allowed_starts is None or start in allowed_starts]
     for cuts in itertools.combinations(positions, P - 1):
         starts = [0, *cuts]
+        if even_chunks is not None and not _chunks_even(problem, even_chunks, starts):
+            continue
         for chosen in itertools.product(range(options), repeat=L):
             candidate = evaluate(problem, starts, list(chosen))
             if candidate is not None and (best is None or candidate.step_time_s < best.step_time_s - 1e-12):
                 best = candidate
     return best
+
+
+def _chunks_even(problem: PartitionProblem, run: BlockRun, starts: list[int]) -> bool:
+    bounds = starts + [problem.num_layers]
+    blocks = [len(set(range(bounds[j], bounds[j + 1])) & set(range(run.first, run.first + run.count)))
+              for j in range(problem.num_stages)]
+    for device in range(problem.devices):
+        counts = [blocks[j] for j in range(device, problem.num_stages, problem.devices)
+                  if not (blocks[j] == 0 and j in (0, problem.num_stages - 1))]
+        if counts and max(counts) - min(counts) > 1:
+            return False
+    return True

@@ -46,6 +46,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.2f} s"
 
 
+def _held(in_flight: float | list[float]) -> str:
+    """Micro-batches held at the rank's peak: one count, or one per model chunk ("15/8/8/8")."""
+    counts = in_flight if isinstance(in_flight, list) else [in_flight]
+    return "/".join(f"{count:.3g}" for count in counts) if len(set(counts)) > 1 else f"{counts[0]:.3g}"
+
+
 def sections(report: PlanReport) -> list[Section]:
     plan, estimate, predicted = report.plan, report.estimate, report.plan.predicted
     words: list[str | Table | Image] = list(describe_plan(report))
@@ -156,7 +162,7 @@ def stages_section(report: PlanReport) -> Section:
         shown = ", ".join(layers) if len(layers) <= 4 else f"{layers[0]} … {layers[-1]}"
         breakdown = detail["memory_breakdown"]
         rows.append([str(detail["pp_rank"]), ", ".join(detail["gpu"]), f"{len(layers)}: {shown}",
-                     _ms(detail["time_per_micro_batch_s"]), f"{detail['in_flight_micro_batches']:.3g}",
+                     _ms(detail["time_per_micro_batch_s"]), _held(detail["in_flight_micro_batches"]),
                      *(format_bytes(breakdown[part]) for part in ("params", "grads", "optimizer", "activations",
                                                                   "buffers")),
                      format_bytes(breakdown["optimizer_step"]) if "optimizer_step" in breakdown else "",

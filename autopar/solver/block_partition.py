@@ -10,7 +10,10 @@ recompute option; the order inside a stage does not change time or memory.
     variables  n[j] ∈ [0, K]  blocks on virtual stage j;  k[j,r] ∈ [0, K] of them with option r;
                y[l,r] ∈ {0,1} option of each prefix/suffix layer; z ∈ {0,1}: n[0] = 0
     constraints Σ_j n[j] = K, Σ_r k[j,r] = n[j], n[j] ≥ 1 for stages that hold nothing else,
-               memory per device as in `stage_partition`, D_d, M, E as there
+               the n[j] of one device's chunks within one of each other (bar an empty
+               first/last stage), memory per device at every moment of its schedule as in
+               `stage_partition` (a device's chunks are held unevenly, so where its blocks with
+               each option sit matters), D_d, M, E as there
     objective  identical to `stage_partition` (same integer units), so `evaluate` prices the
                decoded partition to exactly the optimum's value.
 """
@@ -68,53 +71,63 @@ class BlockPartitioner:
         if P - 2 > K or (P == 1 and not K):
             return None
         model = cp_model.CpModel()
-        # Per device, not per chunk: how a device's blocks spread over its v chunks changes no
-        # cost term (its time and memory are sums over its blocks), so only totals are decided.
-        n = [model.new_int_var(0, K, f"n[{d}]") for d in range(p)]
-        k = [[model.new_int_var(0, K, f"k[{d},{r}]") for r in range(options)] for d in range(p)]
+        # Per virtual stage j = c·p + d (chunk c of device d): a device's time is the sum over its
+        # chunks, but its memory is not, as its schedule holds its chunks' activations unevenly.
+        n = [[model.new_int_var(0, K, f"n[{d},{c}]") for c in range(v)] for d in range(p)]
+        k = [[[model.new_int_var(0, K, f"k[{d},{c},{r}]") for r in range(options)] for c in range(v)]
+             for d in range(p)]
         y = {layer: [model.new_bool_var(f"y[{layer},{r}]") for r in range(options)] for layer in prefix + suffix}
         empty_first = model.new_bool_var("first_stage_without_blocks")
         empty_last = model.new_bool_var("last_stage_without_blocks")
-        if not prefix:
+        if not prefix or P == 1:
             model.add(empty_first == 0)
-        if not suffix:
+        if not suffix or P == 1:
             model.add(empty_last == 0)
-        model.add(sum(n) == K)
+        model.add(sum(n[d][c] for d in range(p) for c in range(v)) == K)
         for d in range(p):
-            model.add(sum(k[d]) == n[d])
-            # Every chunk holds at least one block, except a first/last stage that holds the
-            # prefix/suffix and may hold nothing else.
-            minimum = v - (empty_first if d == 0 else 0) - (empty_last if d == p - 1 else 0)
-            model.add(n[d] >= minimum)
-        if v == 1:  # the empty stage is the device's only chunk: the device holds no block
-            model.add(n[0] == 0).only_enforce_if(empty_first)
-            model.add(n[p - 1] == 0).only_enforce_if(empty_last)
-        if P == 1:
-            model.add(empty_first == 0)
-            model.add(empty_last == 0)
+            fewest = model.new_int_var(0, K, f"fewest[{d}]")
+            for c in range(v):
+                model.add(sum(k[d][c]) == n[d][c])
+                # Every stage holds at least one block, except a first/last stage that holds the
+                # prefix/suffix and may hold nothing else.
+                empty = [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if c * p + d == stage]
+                model.add(n[d][c] >= 1 - sum(empty))
+                for flag in empty:
+                    model.add(n[d][c] == 0).only_enforce_if(flag)
+                # A device's chunks hold as many blocks as each other (one more at most), as
+                # interleaving runs them in turn: the step time prices a device's total, which
+                # uneven chunks would keep while stalling the stages that wait on them.
+                even = [fewest <= n[d][c], n[d][c] <= fewest + 1]
+                for constraint in even:
+                    model.add(constraint).only_enforce_if([flag.Not() for flag in empty])
         for choices in y.values():
             model.add_exactly_one(choices)
         # Hint: blocks spread evenly, fastest option (a good start for the search; not a constraint).
-        for d in range(p):
-            share = K // p + (1 if d < K % p else 0)
-            model.add_hint(n[d], share)
-            fastest = min(range(options), key=lambda r: problem.time_s[f][r])
+        fastest = min(range(options), key=lambda r: problem.time_s[f][r])
+        for j in range(P):
+            d, c = j % p, j // p
+            share = K // P + (1 if j < K % P else 0)
+            model.add_hint(n[d][c], share)
             for r in range(options):
-                model.add_hint(k[d][r], share if r == fastest else 0)
+                model.add_hint(k[d][c][r], share if r == fastest else 0)
 
         block = f  # any block's prices stand for all of them
         device_time: list[list[Any]] = [[] for _ in range(p)]
         per_step: list[list[Any]] = [[] for _ in range(p)]
-        memory: list[list[Any]] = [[] for _ in range(p)]
+        memory: list[list[list[Any]]] = [[[] for _ in problem.in_flight[d]] for d in range(p)]
         step_memory: list[list[Any]] = [[] for _ in range(p)]
         for d in range(p):
             speed = problem.speed_of(d)
-            device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][r] for r in range(options)]
-            memory[d] += [mib_up(problem.backward_bytes(block, d, r)) * k[d][r] for r in range(options)]
-            if problem.step_bytes:
-                step_memory[d] += [mib_up(problem.at_step_bytes(block)) * k[d][r] for r in range(options)]
-            if problem.per_step_s:
-                per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d])
+            moments = problem.in_flight[d]
+            for c in range(v):
+                device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][c][r] for r in range(options)]
+                for q, moment in enumerate(moments):
+                    memory[d][q] += [mib_up(problem.held_bytes(block, r, moment[c])) * k[d][c][r]
+                                     for r in range(options)]
+                if problem.step_bytes:
+                    step_memory[d] += [mib_up(problem.at_step_bytes(block)) * n[d][c]]
+                if problem.per_step_s:
+                    per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d][c])
             block_send = time_units(speed * problem.send_s[block])
             senders = v - (1 if d == p - 1 else 0)  # every stage but the last sends its output
             if d == 0 and prefix and P > 1:
@@ -122,10 +135,13 @@ class BlockPartitioner:
                 device_time[d].append(senders * block_send + (prefix_send - block_send) * empty_first)
             else:
                 device_time[d].append(senders * block_send)
-            edge_layers = (prefix if d == 0 else []) + (suffix if d == (P - 1) % p else [])
-            for layer in edge_layers:
+            edge_layers = [(layer, 0) for layer in prefix if d == 0]
+            edge_layers += [(layer, v - 1) for layer in suffix if d == (P - 1) % p]
+            for layer, c in edge_layers:
                 device_time[d] += [time_units(speed * problem.time_s[layer][r]) * y[layer][r] for r in range(options)]
-                memory[d] += [mib_up(problem.backward_bytes(layer, d, r)) * y[layer][r] for r in range(options)]
+                for q, moment in enumerate(moments):
+                    memory[d][q] += [mib_up(problem.held_bytes(layer, r, moment[c])) * y[layer][r]
+                                     for r in range(options)]
                 if problem.step_bytes:
                     step_memory[d] += [mib_up(problem.at_step_bytes(layer)) * y[layer][r] for r in range(options)]
                 if problem.per_step_s:
@@ -140,7 +156,8 @@ class BlockPartitioner:
             model.add(var == sum(device_time[d]))
             model.add(slowest >= var)
             model.add(once >= sum(per_step[d]))
-            model.add(sum(memory[d]) + mib_up(problem.overhead_bytes[d]) <= mib_down(problem.capacity_bytes[d]))
+            for terms in memory[d]:  # every moment that can be the device's peak
+                model.add(sum(terms) + mib_up(problem.overhead_bytes[d]) <= mib_down(problem.capacity_bytes[d]))
             if problem.step_bytes:
                 model.add(sum(step_memory[d]) + mib_up(problem.step_overhead_bytes[d])
                           <= mib_down(problem.capacity_bytes[d]))
@@ -152,23 +169,14 @@ class BlockPartitioner:
         self.work_s += solver.deterministic_time
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return unresolved(problem, solver, status)
-        starts, chosen = self._decode(solver, problem, run, n, k, y, prefix, suffix,
-                                      solver.value(empty_first), solver.value(empty_last))
+        starts, chosen = self._decode(solver, problem, run, n, k, y, prefix, suffix)
         return priced_solution(problem, starts, chosen, solver, status)
 
     @staticmethod
-    def _decode(solver, problem, run, n, k, y, prefix, suffix, empty_first, empty_last) -> tuple[list[int], list[int]]:
-        """Spread each device's blocks over its chunks (evenly, first chunks get the remainder;
-        an empty first/last stage gets none), then lay the stages out in order. Within a device,
+    def _decode(solver, problem, run, n, k, y, prefix, suffix) -> tuple[list[int], list[int]]:
+        """Lay the stages out in order, each with its solved block count; within a stage,
         option 0's blocks come first, then option 1's, ..."""
         P, p = problem.num_stages, problem.devices
-        counts = [0] * P
-        for d in range(p):
-            chunks = [j for j in range(d, P, p) if not (j == 0 and empty_first) and not (j == P - 1 and empty_last)]
-            total = solver.value(n[d])
-            for position, j in enumerate(chunks):
-                counts[j] = total // len(chunks) + (1 if position < total % len(chunks) else 0)
-        options_left = [[solver.value(var) for var in k[d]] for d in range(p)]
         starts, chosen = [0], [0] * problem.num_layers
         for layer in prefix + suffix:
             chosen[layer] = next(r for r, var in enumerate(y[layer]) if solver.value(var))
@@ -176,10 +184,8 @@ class BlockPartitioner:
         for j in range(P):
             if j > 0:
                 starts.append(position)
-            left = options_left[j % p]
-            for _ in range(counts[j]):
-                option = next(r for r, count in enumerate(left) if count > 0)
-                left[option] -= 1
-                chosen[position] = option
-                position += 1
+            for option, var in enumerate(k[j % p][j // p]):
+                for _ in range(solver.value(var)):
+                    chosen[position] = option
+                    position += 1
         return starts, chosen

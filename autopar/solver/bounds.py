@@ -24,6 +24,7 @@ import heapq
 import math
 from typing import TYPE_CHECKING
 
+from cost_models.held_activations import least_held
 from cost_models.pipeline import TIME_UNITS_PER_S, MemoryRows, PartitionProblem
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ def _floor_summary(layer_s: list[float]) -> tuple[float, int, float]:
 def memory_cannot_fit(problem: PartitionProblem | MemoryRows) -> bool:
     """Even with the least activation memory, the layers' bytes exceed all devices together
     (read from a problem, or from its memory rows before its times are priced)."""
-    need = table_sum(problem.static_bytes) + table_sum(problem.activation_bytes) * min(problem.in_flight)
+    held = min(least_held(moments) for moments in problem.in_flight)
+    need = table_sum(problem.static_bytes) + table_sum(problem.activation_bytes) * held
     return need + sum(problem.overhead_bytes) > sum(problem.capacity_bytes)
 
 
@@ -168,7 +170,7 @@ def block_lower_bound_s(problem: PartitionProblem, run: "BlockRun") -> float:
     device_times: list[list[float]] = []
     for d in range(p):
         edges = (list(prefix) if d == 0 else []) + (list(suffix) if d == (P - 1) % p else [])
-        in_flight = problem.in_flight[d]
+        in_flight = least_held(problem.in_flight[d])  # the fewest micro-batches any of its layers holds
         edge_bytes = sum(problem.static_bytes[layer] + in_flight * min(problem.activation_bytes[layer])
                          for layer in edges)
         budget = problem.capacity_bytes[d] - problem.overhead_bytes[d] - edge_bytes
@@ -179,7 +181,9 @@ def block_lower_bound_s(problem: PartitionProblem, run: "BlockRun") -> float:
         speed = problem.speed_of(d)
         row = [speed * fixed]
         for n in range(1, K + 1):
-            per_block = _envelope_at(envelope, (budget - n * static) / (in_flight * n))
+            room = budget - n * static
+            per_block = _envelope_at(envelope, room / (in_flight * n)) if in_flight else \
+                (min(times) if room >= 0 else math.inf)
             if per_block == math.inf:
                 break
             row.append(speed * (fixed + n * per_block))

@@ -7,7 +7,9 @@ reference device, its activation bytes per in-flight micro-batch `activation_byt
 and its micro-batch-independent bytes `static_bytes[l]` (parameters, gradients, optimizer
 states as the ZeRO stage shards them). Each pipeline stage j (virtual stage with interleaving)
 runs on device d(j) = j mod p, which has a speed factor (time multiplier; heterogeneous
-clusters), a memory capacity and holds `in_flight[d]` micro-batches of activations.
+clusters) and a memory capacity; at each moment q of its schedule that can be its activation
+peak it holds `in_flight[d][q][c]` micro-batches of its chunk c's activations
+(`cost_models.held_activations`; chunk c of device d is virtual stage j = c·p + d).
 
 The program (`StagePartitioner.solve`):
 
@@ -17,8 +19,8 @@ The program (`StagePartitioner.solve`):
     constraints every layer on one stage and one option; stages contiguous and non-empty:
                s(l) = Σ_j j·x[l,j], s(0) = 0, s(L-1) = P-1, s(l) ≤ s(l+1) ≤ s(l) + 1
                                                                  (`_add_contiguity`)
-               Σ_{l,r,j on d} (static_bytes[l] + in_flight[d]·activation_bytes[l][r])·w[l,j,r]
-                   + overhead_bytes[d] ≤ capacity[d]             (`_add_memory_limits`)
+               Σ_{l,r,j on d} (static_bytes[l] + in_flight[d][q][j div p]·activation_bytes[l][r])·w[l,j,r]
+                   + overhead_bytes[d] ≤ capacity[d]  for every q (`_add_memory_limits`)
                Σ_{l,r,j on d} (static_bytes[l] + step_bytes[l])·w[l,j,r]
                    + step_overhead_bytes[d] ≤ capacity[d]        (the optimizer step, where priced)
                E ≥ speed[d]·Σ_{l, j on d} per_step_s[l]·x[l,j] for all d
@@ -172,16 +174,14 @@ class StagePartitioner:
     def _add_memory_limits(self, model, problem, w, L, P, options):
         """Each device's memory in backward and, where priced, at the optimizer step."""
         for device in range(problem.devices):
-            terms, step_terms = [], []
-            for j in range(device, P, problem.devices):
-                for layer in range(L):
-                    for r in range(options):
-                        terms.append(mib_up(problem.backward_bytes(layer, device, r)) * w[(layer, j, r)])
-                        if problem.step_bytes:
-                            step_terms.append(mib_up(problem.at_step_bytes(layer)) * w[(layer, j, r)])
             capacity = mib_down(problem.capacity_bytes[device])
-            model.add(sum(terms) + mib_up(problem.overhead_bytes[device]) <= capacity)
+            for moment in problem.in_flight[device]:  # every moment that can be the peak
+                terms = [mib_up(problem.held_bytes(layer, r, moment[j // problem.devices])) * w[(layer, j, r)]
+                         for j in range(device, P, problem.devices) for layer in range(L) for r in range(options)]
+                model.add(sum(terms) + mib_up(problem.overhead_bytes[device]) <= capacity)
             if problem.step_bytes:
+                step_terms = [mib_up(problem.at_step_bytes(layer)) * w[(layer, j, r)]
+                              for j in range(device, P, problem.devices) for layer in range(L) for r in range(options)]
                 model.add(sum(step_terms) + mib_up(problem.step_overhead_bytes[device]) <= capacity)
 
     def _add_device_times(self, model, problem, w, last, L, P, options):

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from cost_models.pipeline import bubble_fraction, in_flight_micro_batches, pipeline_step_time_s, simulate_schedule
+from cost_models.held_activations import covers, held_moments, interleaved_order, least_held
+from cost_models.pipeline import bubble_fraction, pipeline_step_time_s, simulate_schedule
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 1), (4, 8, 2), (8, 32, 4), (2, 2, 1)])
@@ -47,11 +48,48 @@ def test_closed_form_brackets_the_played_schedule_on_uneven_stages(spread, gpipe
         with_p2p = [f + b + (2 * hop if s < p - 1 else 0.0) for s, (f, b) in enumerate(zip(forward, backward))]
         assert simulate_schedule(forward, backward, m, "1f1b", hop) <= pipeline_step_time_s(with_p2p, m) * (1 + 1e-9)
 
+def test_held_micro_batches_without_interleaving():
+    assert [held_moments("1f1b", 4, 8, d) for d in range(4)] == [((4.0,),), ((3.0,),), ((2.0,),), ((1.0,),)]
+    assert held_moments("1f1b", 4, 2, 0) == ((2.0,),)  # never more than exist
+    assert held_moments("gpipe", 4, 8, 3) == ((8.0,),)  # all m
+    assert held_moments("gpipe", 1, 8, 0) == ((1.0,),)  # no pipeline: accumulation frees each
 
-def test_in_flight_micro_batches_per_schedule():
-    assert [in_flight_micro_batches("1f1b", 4, 8, d) for d in range(4)] == [4, 3, 2, 1]  # p - stage index
-    assert in_flight_micro_batches("1f1b", 4, 2, 0) == 2  # never more than exist
-    assert in_flight_micro_batches("gpipe", 4, 8, 3) == 8  # all m
-    # Korthikanti et al. 2022 §4.2.3: interleaving multiplies the first stage's by 1 + (p-1)/(p·m).
-    assert in_flight_micro_batches("interleaved_1f1b", 4, 8, 0, 2) == pytest.approx(4 * (1 + 3 / 32))
-    assert in_flight_micro_batches("gpipe", 1, 8, 0) == 1  # no pipeline: accumulation frees each
+
+def torch_interleaved_order(p: int, v: int, m: int, device: int) -> list[tuple[str, int]]:
+    """("F"/"B", local chunk) of torch's ScheduleInterleaved1F1B on rank `device`: the rank's
+    list of its pipeline_order, built by the schedule's own per-rank method (no process group)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages, schedule.rank, schedule._n_microbatches = p, v, device, m
+    schedule.number_of_rounds = max(1, m // p)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    order = []
+    for action in schedule._calculate_single_rank_operations(device):
+        if action is not None:
+            kind = str(getattr(action.computation_type, "value", action.computation_type))
+            order.append(("F" if kind.startswith("F") else "B", action.stage_index // p))
+    return order
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (3, 2), (4, 2), (4, 3), (8, 4)])
+def test_interleaved_order_is_torchs(p, v):
+    for m in (1, 2, 3, 4, 6, 8, 16, 32):
+        if m % max(1, m // p) == 0:  # torch's condition on the rounds
+            for device in range(p):
+                assert interleaved_order(p, v, m, device) == torch_interleaved_order(p, v, m, device)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (8, 4, 32), (8, 2, 16)])
+def test_interleaved_first_rank_holds_korthikantis_count_with_its_first_chunk_heaviest(p, v, m):
+    """Korthikanti et al. 2022 §4.2.3: the first rank holds p·(1 + (p-1)/(p·v)) micro-batches'
+    worth of its layers, i.e. p·v + p - 1 chunk-micro-batches; the first chunk holds 2p - 1 of
+    them at the end of the warm-up, every other chunk p. Later moments trade the last chunk's
+    for the first ones', so the per-chunk maxima are not reached at once."""
+    moments = held_moments("interleaved_1f1b", p, m, 0, v)
+    assert max(sum(moment) for moment in moments) == p * v + p - 1
+    assert (2 * p - 1,) + (p,) * (v - 1) in moments
+    assert all(covers(moment, other) is False or moment == other for moment in moments for other in moments)
+    most = [max(moment[c] for moment in moments) for c in range(v)]
+    assert most[0] == 2 * p and sum(most) > p * v + p - 1
+    assert least_held(moments) == p

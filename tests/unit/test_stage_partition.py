@@ -9,10 +9,18 @@ import pytest
 
 from autopar.solver.stage_partition import StagePartitioner
 from tests.brute_force import brute_force_partition
+from cost_models.held_activations import held_moments
 from cost_models.pipeline import PartitionProblem
 from cost_models.pipeline import pipeline_step_time_s
 
 GiB = 2**30
+
+
+def schedule_moments(devices: int, chunks: int, micro_batches: int) -> list:
+    """What each device holds as its schedule plays: 1F1B's p - d, or interleaved 1F1B's counts
+    per chunk, which differ from chunk to chunk and moment to moment."""
+    schedule = "interleaved_1f1b" if chunks > 1 else "1f1b"
+    return [held_moments(schedule, devices, micro_batches, d, chunks) for d in range(devices)]
 
 
 def random_problem(rng: random.Random, layers: int, devices: int, chunks: int, options: int) -> PartitionProblem:
@@ -20,10 +28,11 @@ def random_problem(rng: random.Random, layers: int, devices: int, chunks: int, o
     activation = [[int(rng.uniform(0.5, 3.0) * GiB / (1 + r)) for r in range(options)] for _ in range(layers)]
     static = [int(rng.uniform(0.5, 4.0) * GiB) for _ in range(layers)]
     total = sum(static) + sum(max(a) for a in activation)
+    m = rng.choice([2, 4, 8])
     return PartitionProblem(
         time_s=time, activation_bytes=activation, static_bytes=static,
         send_s=[rng.uniform(0.0, 0.2) for _ in range(layers)], devices=devices, chunks=chunks,
-        micro_batches=rng.choice([2, 4, 8]), in_flight=[float(devices - d) for d in range(devices)],
+        micro_batches=m, in_flight=schedule_moments(devices, chunks, m),
         capacity_bytes=[int(total * rng.uniform(0.4, 1.0))] * devices, overhead_bytes=[GiB // 2] * devices,
         speed=[rng.choice([1.0, 1.0, 1.7]) for _ in range(devices)],
         option_names=("none", "selective", "full")[:options],
@@ -105,10 +114,11 @@ def block_problem(rng: random.Random, blocks: int, devices: int, chunks: int, op
         [[GiB // 8] * options, [2 * GiB // (1 + r) for r in range(options)]]
     static = [2 * GiB] + [GiB] * blocks + [0, 2 * GiB]
     total = sum(static) + sum(max(a) for a in activation)
+    m = rng.choice([4, 8])
     return PartitionProblem(
         time_s=time, activation_bytes=activation, static_bytes=static,
         send_s=[0.05] + [0.02] * blocks + [0.02, 0.0], devices=devices, chunks=chunks,
-        micro_batches=rng.choice([4, 8]), in_flight=[float(devices - d) for d in range(devices)],
+        micro_batches=m, in_flight=schedule_moments(devices, chunks, m),
         capacity_bytes=[int(total * rng.uniform(0.5, 1.0))] * devices, overhead_bytes=[GiB // 4] * devices,
         speed=[rng.choice([1.0, 1.5]) for _ in range(devices)],
         per_step_s=[0.01] * layers if rng.random() < 0.5 else [])
@@ -130,7 +140,7 @@ def test_compressed_block_partition_equals_brute_force(seed):
     run = find_block_run(problem)
     assert run is not None and run.first == 1
     allowed = set(range(run.first, run.first + run.count + 1))
-    expected = brute_force_partition(problem, allowed_starts=allowed)
+    expected = brute_force_partition(problem, allowed_starts=allowed, even_chunks=run)
     found = BlockPartitioner().solve(problem, run)
     if expected is None:
         assert found is None
@@ -200,3 +210,29 @@ def test_the_optimizer_step_can_be_the_tighter_limit():
     assert found.stage_starts == [0, 2] and found.device_memory_bytes == [8 * GiB, 8 * GiB]
     run = find_block_run(stepped)
     assert BlockPartitioner().solve(stepped, run).stage_starts == [0, 2]
+
+
+def test_interleaving_keeps_the_blocks_it_does_not_recompute_where_they_are_held_least():
+    """Rank 0 of p = 2, v = 2, m = 8 holds its first chunk's activations for 3-4 micro-batches and
+    its second's for 1-2: with room for some blocks without recomputation, the partition puts
+    them in the second chunk, keeps each device's chunks even, and every moment under capacity."""
+    from autopar.solver.block_partition import BlockPartitioner, find_block_run
+
+    blocks, m = 8, 8
+    moments = [held_moments("interleaved_1f1b", 2, m, d, 2) for d in range(2)]
+    assert moments[0] == ((3.0, 2.0), (4.0, 1.0))
+    problem = PartitionProblem(  # blocks, then a head (no prefix: stage 0 holds blocks)
+        time_s=[[1.0, 1.3]] * blocks + [[0.01, 0.01]],
+        activation_bytes=[[GiB, GiB // 16]] * blocks + [[GiB // 64] * 2],
+        static_bytes=[GiB // 8] * (blocks + 1), send_s=[0.0] * (blocks + 1), devices=2, chunks=2,
+        micro_batches=m, in_flight=moments, capacity_bytes=[9 * GiB] * 2, overhead_bytes=[0, 0],
+        option_names=("none", "full"))
+    run = find_block_run(problem)
+    found = BlockPartitioner().solve(problem, run)
+    assert found is not None and found.status == "OPTIMAL"
+    stages = found.stages(problem.num_layers)
+    kept = [sum(1 for layer in stages[j] if layer < blocks and found.options[layer] == 0) for j in range(4)]
+    assert kept[0] < kept[2]  # device 0: fewer kept in its first chunk (held 3-4x) than its second
+    counts = [sum(1 for layer in stages[j] if layer < blocks) for j in range(4)]
+    assert abs(counts[0] - counts[2]) <= 1
+    assert found.step_time_s == brute_force_partition(problem, set(range(1, blocks + 1)), run).step_time_s

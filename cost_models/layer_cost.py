@@ -28,7 +28,7 @@ from cost_models.hardware import GiB, GPUSpec
 from cost_models.host import host_s
 from cost_models.layer_split import LayerSplits, TPLayerSplit
 from cost_models.memory import (FP32_BYTES, ModelStates, optimizer_step_bytes, reduced_gradient_bytes,
-                                 state_bytes_per_param, trained_model_states)
+                                 ring_attention_extra_bytes, state_bytes_per_param, trained_model_states)
 from cost_models.placement import LayoutGroups
 from cost_models.ranks import PipelineRanks
 from cost_models.structure import ModelStructure
@@ -243,13 +243,30 @@ class LayerPrices:
         # Ring attention (Liu et al. 2023): cp-1 steps pass this rank's stacked K/V block forward
         # (again in a recomputed forward); backward passes its gradient back the same way; each
         # transfer overlaps the attention of the block in hand, so at long sequences (attention
-        # quadratic, transfers linear) it hides.
-        exchange = passes * (layout.cp - 1) * self.groups.collective_s(Collective.SEND_RECV, kv, group)
+        # quadratic, transfers linear) it hides. The generated ring passes its block in fp32 with
+        # K and V expanded to the queries' heads: twice the queries' bytes in fp32.
+        block = 2 * q * FP32_BYTES / self.element_bytes
+        exchange = passes * (layout.cp - 1) * self.groups.collective_s(Collective.SEND_RECV, block, group)
         if RING_ATTENTION in self.cluster.exposed_overlap:
             return exchange  # the pessimistic price: no published run measured this overlap
         attention = (compute.attention_s + (forwards - 1) * compute.attention_forward_s
                      or 0.5 * (compute.forward_s + compute.backward_s))
         return exposed_s(exchange, attention * scale / layout.cp)
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of an element in the profile's activations (its precision)."""
+        return 2 if self.profile.precision in ("bf16", "fp16") else FP32_BYTES
+
+    def ring_kept_bytes(self, layer: "LayerProfile", layout: ParallelLayout, scale: float) -> float:
+        """What ring attention keeps for backward beyond the profiled attention
+        (`memory.ring_attention_extra_bytes`) in one micro-batch of `scale` profiled ones, on
+        one rank of a layer kept without recomputation; 0 without ring attention."""
+        if not ring_attention(layout):
+            return 0.0
+        q, kv = self.structure.attention_bytes.get(self.compute.kind(layer.name), (0.0, 0.0))
+        share = scale / (layout.cp * layout.tp)
+        return ring_attention_extra_bytes(q * share, kv * share, layout.cp, self.element_bytes) if q else 0.0
 
     def ep_key(self, layout: ParallelLayout) -> tuple:
         """What expert parallelism's prices read of a layout (a cache key)."""

@@ -325,6 +325,19 @@ def activation_bytes(acts: LayerActivations, scale: float, tp: int, sequence_par
     return scale * kept / cp
 
 
+def ring_attention_extra_bytes(query_bytes: float, key_value_bytes: float, cp: int, element_bytes: float) -> float:
+    """What ring attention (the generated `context_parallel.ring_attention`) keeps for backward
+    beyond what the profiled attention kept, for a rank's queries and keys + values of
+    `query_bytes` and `key_value_bytes` in the model's dtype (`element_bytes` an element).
+
+    It runs in fp32: it keeps its queries, each of its cp K/V blocks (K and V expanded to the
+    queries' heads: two query-sized tensors) and the outputs its cp - 1 merges multiply (two a
+    merge), (4cp - 1) fp32 query-sized tensors; it keeps none of the model-dtype queries, keys,
+    values and output the profiled attention kept (its log-sum-exps, 1% of that, left out)."""
+    fp32_query = query_bytes * FP32_BYTES / element_bytes
+    return (4 * cp - 1) * fp32_query - (2 * query_bytes + key_value_bytes)
+
+
 def megatron_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                                     flash: bool = False, dropout: bool = True) -> float:
     """Korthikanti et al. 2022, Table 2 (16-bit): sbh(34 + 5as/h) without parallelism,

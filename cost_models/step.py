@@ -247,7 +247,9 @@ class PlanPricer:
                                                         layout.micro_batch_size, keeps_attention),
                                  lambda layer, split: [int(activation_bytes(self.splits.layer_activations(layer, split),
                                                                             scale, layout.tp, layout.sequence_parallel,
-                                                                            layout.cp, option, keeps_attention))
+                                                                            layout.cp, option, keeps_attention)
+                                                           + (self.layer_prices.ring_kept_bytes(layer, layout, scale)
+                                                              if option == Recompute.NONE else 0.0))
                                                        for option in self.recompute_options], reference)
         statics = self._rows("static", layout, (layout.tp, self._zero_key_static(layout), layout.ep,
                                                 expert_tp(layout)),

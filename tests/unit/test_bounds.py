@@ -24,7 +24,8 @@ def test_bounds_never_exceed_the_optimum(seed):
     if rng.random() < 0.5:  # GPipe: every device holds every micro-batch
         problem = PartitionProblem(**{**problem.__dict__, "in_flight": [float(problem.micro_batches)] * devices})
     run = find_block_run(problem)
-    optimum = brute_force_partition(problem, allowed_starts=set(range(run.first, run.first + run.count + 1)))
+    optimum = brute_force_partition(problem, allowed_starts=set(range(run.first, run.first + run.count + 1)),
+                                    even_chunks=run)
     bound = block_lower_bound_s(problem, run)
     if optimum is None:
         return  # nothing to stay under (the bound may or may not see the infeasibility)

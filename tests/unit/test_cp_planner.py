@@ -45,10 +45,10 @@ def test_128k_tokens_on_64_h100_use_context_parallelism(examples_dir):
 
 
 @pytest.mark.parametrize("heads, kv_heads, seq_len, nodes, per_node, cp, inter_GBps, expected", [
-    # CP inside one NVLink node: ring attention's exchanges (one per pass since its backward
-    # passes only the K/V gradient, as generated) hide behind attention -> ring. (Ulysses won
-    # here while ring's backward was priced with two exchanges.)
-    (32, 8, 32768, 1, 8, 8, 50.0, "ring"),
+    # CP inside one NVLink node: Ulysses. The generated ring passes its K/V block in fp32 with
+    # K and V at the queries' heads (4x the queries' bf16 bytes a pass, cp - 1 passes), more
+    # than Ulysses' all-to-alls move, and at 32k tokens attention does not hide all of it.
+    (32, 8, 32768, 1, 8, 8, 50.0, "ulysses"),
     # 12 heads do not split over cp=8: Ulysses is illegal -> ring.
     (12, 4, 32768, 1, 8, 8, 50.0, "ring"),
     # CP across a slow network: short sequences without grouped K/V heads -> Ulysses (ring passes
@@ -73,13 +73,13 @@ def test_cp_strategy_is_the_cheaper_one(examples_dir, heads, kv_heads, seq_len, 
 
 
 def test_robust_objective_hedges_ring_attentions_unmeasured_overlap(examples_dir):
-    """Within one H100 node at 32k tokens ring attention is priced fastest, but only because its
+    """Across two H100 nodes at 64k tokens ring attention is priced fastest, but only because its
     K/V exchange hides behind attention, which no published run measured; priced exposed, it is
     slower than Ulysses, whose all-to-alls are priced on the critical path either way. Their
     intervals overlap, so the robust objective takes Ulysses and says why, listing ring beside it."""
-    profile = llama(examples_dir, 32, 8, 32768)
-    cluster = h100s(1, 8, 50.0)
-    pins = PlanPins(cp=8, tp=1, pp=1, zero_stage=3, micro_batch_size=1)
+    profile = llama(examples_dir, 32, 8, 65536)
+    cluster = h100s(2, 1, 50.0)
+    pins = PlanPins(cp=2, tp=1, pp=1, zero_stage=3, micro_batch_size=1)
     result = Planner(profile, cluster, TrainSpec(global_batch_size=1), SolverConfig(top_k=1), pins).run()
     assert result.plan.cp_strategy == "ulysses"
     assert result.binding[0].constraint.startswith("robust objective")

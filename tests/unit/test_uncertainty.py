@@ -132,7 +132,7 @@ def test_the_pessimistic_price_of_ring_attention_is_its_whole_exchange(examples_
     """Hand count on a 2-layer Llama at 32k tokens, cp=4 ring on one H100 node: nominally the K/V
     exchange hides behind attention (cp_comm is what does not fit plus the interference share);
     pessimistically cp_comm is every step's exchange: passes x (cp - 1) sends of a rank's K/V
-    block per layer."""
+    block per layer (fp32, K and V at the queries' heads, as the generated ring passes it)."""
     from autopar.model_file import load_model_file
     from autopar.profile import profile_model
     from cost_models.issued import cp_passes
@@ -152,9 +152,10 @@ def test_the_pessimistic_price_of_ring_attention_is_its_whole_exchange(examples_
     group = nominal.groups.placement(layout, "cp")
     per_block = []
     for layer in blocks:
-        _, kv = nominal.structure.attention_bytes[nominal.compute.kind(layer.name)]
+        q, _ = nominal.structure.attention_bytes[nominal.compute.kind(layer.name)]
         passes = cp_passes("ring", "none") * 3
-        per_block.append(passes * nominal.groups.collective_s(Collective.SEND_RECV, kv / 4, group))
+        block = 2 * (q / 4) * 4 / 2  # K and V at the queries' heads, in fp32 (the profile's are bf16)
+        per_block.append(passes * nominal.groups.collective_s(Collective.SEND_RECV, block, group))
     hidden = nominal.estimate(layout).time_breakdown["cp_comm"]
     whole = exposed.estimate(layout).time_breakdown["cp_comm"]
     assert whole == pytest.approx(sum(per_block), rel=1e-6)

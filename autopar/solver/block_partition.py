@@ -36,6 +36,10 @@ class BlockRun:
     count: int
 
 
+def _earlier_chunks_held_longer(moments: tuple[tuple[float, ...], ...]) -> bool:
+    return all(moment[c] >= moment[c + 1] for moment in moments for c in range(len(moment) - 1))
+
+
 def find_block_run(problem: PartitionProblem) -> BlockRun | None:
     """The longest run of layers with identical prices (time, memory, send, per-step)."""
     def key(layer: int) -> tuple:
@@ -71,10 +75,14 @@ class BlockPartitioner:
         if P - 2 > K or (P == 1 and not K):
             return None
         model = cp_model.CpModel()
-        # Per virtual stage j = c·p + d (chunk c of device d): a device's time is the sum over its
-        # chunks, but its memory is not, as its schedule holds its chunks' activations unevenly.
-        n = [[model.new_int_var(0, K, f"n[{d},{c}]") for c in range(v)] for d in range(p)]
-        k = [[[model.new_int_var(0, K, f"k[{d},{c},{r}]") for r in range(options)] for c in range(v)]
+        # Per virtual stage j = c·p + d (chunk c of device d) where the schedule holds a device's
+        # chunks unevenly (interleaving, m > p): its time is the sum over its chunks, its memory
+        # is not. Otherwise per device, which solves far faster (a device's chunks are one group,
+        # spread evenly when decoded).
+        per_chunk = any(len(set(moment)) > 1 for moments in problem.in_flight for moment in moments)
+        groups = v if per_chunk else 1
+        n = [[model.new_int_var(0, K, f"n[{d},{g}]") for g in range(groups)] for d in range(p)]
+        k = [[[model.new_int_var(0, K, f"k[{d},{g},{r}]") for r in range(options)] for g in range(groups)]
              for d in range(p)]
         y = {layer: [model.new_bool_var(f"y[{layer},{r}]") for r in range(options)] for layer in prefix + suffix}
         empty_first = model.new_bool_var("first_stage_without_blocks")
@@ -83,33 +91,33 @@ class BlockPartitioner:
             model.add(empty_first == 0)
         if not suffix or P == 1:
             model.add(empty_last == 0)
-        model.add(sum(n[d][c] for d in range(p) for c in range(v)) == K)
+        model.add(sum(n[d][g] for d in range(p) for g in range(groups)) == K)
         for d in range(p):
-            fewest = model.new_int_var(0, K, f"fewest[{d}]")
-            for c in range(v):
-                model.add(sum(k[d][c]) == n[d][c])
-                # Every stage holds at least one block, except a first/last stage that holds the
-                # prefix/suffix and may hold nothing else.
-                empty = [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if c * p + d == stage]
-                model.add(n[d][c] >= 1 - sum(empty))
-                for flag in empty:
-                    model.add(n[d][c] == 0).only_enforce_if(flag)
-                # A device's chunks hold as many blocks as each other (one more at most), as
-                # interleaving runs them in turn: the step time prices a device's total, which
-                # uneven chunks would keep while stalling the stages that wait on them.
-                even = [fewest <= n[d][c], n[d][c] <= fewest + 1]
-                for constraint in even:
-                    model.add(constraint).only_enforce_if([flag.Not() for flag in empty])
+            for g in range(groups):
+                model.add(sum(k[d][g]) == n[d][g])
+            if per_chunk:
+                self._even_chunks(model, problem, d, n[d], empty_first, empty_last, K)
+                if _earlier_chunks_held_longer(problem.in_flight[d]):
+                    self._canonical_chunks(model, problem, d, n[d], k[d], f, empty_first, empty_last)
+                continue
+            # Every chunk holds at least one block, except a first/last stage that holds the
+            # prefix/suffix and may hold nothing else.
+            flags = [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if stage % p == d]
+            model.add(n[d][0] >= v - sum(flags))
+            if v == 1:  # the empty stage is the device's only chunk: the device holds no block
+                for flag in flags:
+                    model.add(n[d][0] == 0).only_enforce_if(flag)
         for choices in y.values():
             model.add_exactly_one(choices)
         # Hint: blocks spread evenly, fastest option (a good start for the search; not a constraint).
         fastest = min(range(options), key=lambda r: problem.time_s[f][r])
-        for j in range(P):
-            d, c = j % p, j // p
-            share = K // P + (1 if j < K % P else 0)
-            model.add_hint(n[d][c], share)
-            for r in range(options):
-                model.add_hint(k[d][c][r], share if r == fastest else 0)
+        for d in range(p):
+            for g in range(groups):
+                stages = [c * p + d for c in range(v)] if not per_chunk else [g * p + d]
+                share = sum(K // P + (1 if j < K % P else 0) for j in stages)
+                model.add_hint(n[d][g], share)
+                for r in range(options):
+                    model.add_hint(k[d][g][r], share if r == fastest else 0)
 
         block = f  # any block's prices stand for all of them
         device_time: list[list[Any]] = [[] for _ in range(p)]
@@ -119,15 +127,15 @@ class BlockPartitioner:
         for d in range(p):
             speed = problem.speed_of(d)
             moments = problem.in_flight[d]
-            for c in range(v):
-                device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][c][r] for r in range(options)]
+            for g in range(groups):
+                device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][g][r] for r in range(options)]
                 for q, moment in enumerate(moments):
-                    memory[d][q] += [mib_up(problem.held_bytes(block, r, moment[c])) * k[d][c][r]
+                    memory[d][q] += [mib_up(problem.held_bytes(block, r, moment[g])) * k[d][g][r]
                                      for r in range(options)]
                 if problem.step_bytes:
-                    step_memory[d] += [mib_up(problem.at_step_bytes(block)) * n[d][c]]
+                    step_memory[d] += [mib_up(problem.at_step_bytes(block)) * n[d][g]]
                 if problem.per_step_s:
-                    per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d][c])
+                    per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d][g])
             block_send = time_units(speed * problem.send_s[block])
             senders = v - (1 if d == p - 1 else 0)  # every stage but the last sends its output
             if d == 0 and prefix and P > 1:
@@ -136,7 +144,7 @@ class BlockPartitioner:
             else:
                 device_time[d].append(senders * block_send)
             edge_layers = [(layer, 0) for layer in prefix if d == 0]
-            edge_layers += [(layer, v - 1) for layer in suffix if d == (P - 1) % p]
+            edge_layers += [(layer, groups - 1) for layer in suffix if d == (P - 1) % p]
             for layer, c in edge_layers:
                 device_time[d] += [time_units(speed * problem.time_s[layer][r]) * y[layer][r] for r in range(options)]
                 for q, moment in enumerate(moments):
@@ -169,14 +177,73 @@ class BlockPartitioner:
         self.work_s += solver.deterministic_time
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return unresolved(problem, solver, status)
-        starts, chosen = self._decode(solver, problem, run, n, k, y, prefix, suffix)
+        counts = [[solver.value(var) for var in k[d][g]] for g in range(groups) for d in range(p)]
+        if not per_chunk:
+            counts = self._spread(problem, [[solver.value(var) for var in k[d][0]] for d in range(p)],
+                                  solver.value(empty_first), solver.value(empty_last))
+        starts, chosen = self._decode(solver, problem, run, counts, y, prefix, suffix)
         return priced_solution(problem, starts, chosen, solver, status)
 
     @staticmethod
-    def _decode(solver, problem, run, n, k, y, prefix, suffix) -> tuple[list[int], list[int]]:
-        """Lay the stages out in order, each with its solved block count; within a stage,
-        option 0's blocks come first, then option 1's, ..."""
+    def _canonical_chunks(model, problem, d, n, k, block, empty_first, empty_last) -> None:
+        """Of a device's arrangements of its blocks over its chunks, allow only the one that holds
+        least, where the schedule holds its earlier chunks at least as long as its later ones at
+        every moment (as torch's interleaved schedule does): larger chunks last, and blocks with
+        more activations in later chunks than blocks with fewer (the rearrangement inequality).
+        Time does not depend on the arrangement, so the optimum stays; the search space shrinks
+        to one arrangement per device's totals."""
+        P, p, v = problem.num_stages, problem.devices, problem.chunks
+        flags = {c: [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if c * p + d == stage]
+                 for c in range(v)}
+        heaviest_first = sorted(range(len(k[0])), key=lambda r: -problem.activation_bytes[block][r])
+        for c in range(v - 1):
+            unflagged = [flag.Not() for flag in flags[c] + flags[c + 1]]
+            model.add(n[c] <= n[c + 1]).only_enforce_if(unflagged)
+            # Where chunk c holds any of the heaviest `depth` options, chunk c + 1 holds only them.
+            for depth in range(1, len(heaviest_first)):
+                heavier = heaviest_first[:depth]
+                spills = model.new_bool_var(f"spills[{d},{c},{depth}]")
+                model.add(sum(k[c][r] for r in heavier) == 0).only_enforce_if(spills.Not())
+                model.add(sum(k[c + 1][r] for r in heavier) == n[c + 1]).only_enforce_if(spills)
+
+    @staticmethod
+    def _even_chunks(model, problem, d, n, empty_first, empty_last, K) -> None:
+        """Every chunk of device d holds at least one block, except a first/last stage that holds
+        the prefix/suffix and may hold nothing else; and its chunks hold as many blocks as each
+        other (one more at most), as interleaving runs them in turn: the step time prices a
+        device's total, which uneven chunks would keep while stalling the stages waiting on them."""
         P, p = problem.num_stages, problem.devices
+        fewest = model.new_int_var(0, K, f"fewest[{d}]")
+        for c, blocks in enumerate(n):
+            empty = [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if c * p + d == stage]
+            model.add(blocks >= 1 - sum(empty))
+            for flag in empty:
+                model.add(blocks == 0).only_enforce_if(flag)
+            for constraint in (fewest <= blocks, blocks <= fewest + 1):
+                model.add(constraint).only_enforce_if([flag.Not() for flag in empty])
+
+    @staticmethod
+    def _spread(problem, device_options, empty_first, empty_last) -> list[list[int]]:
+        """Each device's blocks (per option) spread over its chunks: evenly, first chunks get the
+        remainder, an empty first/last stage none; option 0's blocks first. Per virtual stage."""
+        P, p = problem.num_stages, problem.devices
+        counts = [[0] * len(device_options[0]) for _ in range(P)]
+        for d in range(p):
+            chunks = [j for j in range(d, P, p) if not (j == 0 and empty_first) and not (j == P - 1 and empty_last)]
+            left = list(device_options[d])
+            total = sum(left)
+            for position, j in enumerate(chunks):
+                for _ in range(total // len(chunks) + (1 if position < total % len(chunks) else 0)):
+                    option = next(r for r, count in enumerate(left) if count > 0)
+                    left[option] -= 1
+                    counts[j][option] += 1
+        return counts
+
+    @staticmethod
+    def _decode(solver, problem, run, counts, y, prefix, suffix) -> tuple[list[int], list[int]]:
+        """Lay the stages out in order, each with its blocks per option (`counts[j]`); within a
+        stage, option 0's blocks come first, then option 1's, ..."""
+        P = problem.num_stages
         starts, chosen = [0], [0] * problem.num_layers
         for layer in prefix + suffix:
             chosen[layer] = next(r for r, var in enumerate(y[layer]) if solver.value(var))
@@ -184,8 +251,8 @@ class BlockPartitioner:
         for j in range(P):
             if j > 0:
                 starts.append(position)
-            for option, var in enumerate(k[j % p][j // p]):
-                for _ in range(solver.value(var)):
+            for option, count in enumerate(counts[j]):
+                for _ in range(count):
                     chosen[position] = option
                     position += 1
         return starts, chosen

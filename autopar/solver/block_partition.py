@@ -19,7 +19,7 @@ recompute option; the order inside a stage does not change time or memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -109,15 +109,22 @@ class BlockPartitioner:
                     model.add(n[d][0] == 0).only_enforce_if(flag)
         for choices in y.values():
             model.add_exactly_one(choices)
-        # Hint: blocks spread evenly, fastest option (a good start for the search; not a constraint).
-        fastest = min(range(options), key=lambda r: problem.time_s[f][r])
-        for d in range(p):
-            for g in range(groups):
-                stages = [c * p + d for c in range(v)] if not per_chunk else [g * p + d]
-                share = sum(K // P + (1 if j < K % P else 0) for j in stages)
-                model.add_hint(n[d][g], share)
-                for r in range(options):
-                    model.add_hint(k[d][g][r], share if r == fastest else 0)
+        hint = self._hint(problem, run) if per_chunk else None
+        if hint is not None:  # the cautious per-device program's answer, arranged as the program allows
+            for d in range(p):
+                for g in range(groups):
+                    model.add_hint(n[d][g], sum(hint[g * p + d]))
+                    for r in range(options):
+                        model.add_hint(k[d][g][r], hint[g * p + d][r])
+        else:  # blocks spread evenly, fastest option (a good start for the search; not a constraint)
+            fastest = min(range(options), key=lambda r: problem.time_s[f][r])
+            for d in range(p):
+                for g in range(groups):
+                    stages = [c * p + d for c in range(v)] if not per_chunk else [g * p + d]
+                    share = sum(K // P + (1 if j < K % P else 0) for j in stages)
+                    model.add_hint(n[d][g], share)
+                    for r in range(options):
+                        model.add_hint(k[d][g][r], share if r == fastest else 0)
 
         block = f  # any block's prices stand for all of them
         device_time: list[list[Any]] = [[] for _ in range(p)]
@@ -183,6 +190,32 @@ class BlockPartitioner:
                                   solver.value(empty_first), solver.value(empty_last))
         starts, chosen = self._decode(solver, problem, run, counts, y, prefix, suffix)
         return priced_solution(problem, starts, chosen, solver, status)
+
+    def _hint(self, problem: PartitionProblem, run: BlockRun) -> list[list[int]] | None:
+        """Blocks per option of each virtual stage from the per-device program with every chunk
+        held as long as the device's chunks on average at its fullest moment (it solves in
+        milliseconds), arranged heaviest options last; None if that program finds nothing."""
+        cautious = replace(problem, in_flight=[((max(sum(moment) for moment in moments) / problem.chunks,)
+                                                 * problem.chunks,) for moments in problem.in_flight])
+        found = self.solve(cautious, run)
+        if found is None or found.status not in ("OPTIMAL", "FEASIBLE"):
+            return None
+        P, p, v = problem.num_stages, problem.devices, problem.chunks
+        options = len(problem.time_s[0])
+        stages = found.stages(problem.num_layers)
+        blocks = range(run.first, run.first + run.count)
+        heaviest_first = sorted(range(options), key=lambda r: -problem.activation_bytes[run.first][r])
+        counts = [[0] * options for _ in range(P)]
+        for d in range(p):
+            chunks = list(range(d, P, p))
+            sizes = sorted(sum(1 for layer in stages[j] if layer in blocks) for j in chunks)
+            pool = [r for r in heaviest_first for layer in blocks
+                    if found.options[layer] == r and any(layer in stages[j] for j in chunks)]
+            for j, size in zip(reversed(chunks), reversed(sizes)):  # the last chunk first
+                for r in pool[:size]:
+                    counts[j][r] += 1
+                pool = pool[size:]
+        return counts
 
     @staticmethod
     def _canonical_chunks(model, problem, d, n, k, block, empty_first, empty_last) -> None:

@@ -121,7 +121,7 @@ class PartitionProblem:
     devices: int
     chunks: int
     micro_batches: int
-    in_flight: list[tuple[Moment, ...]] | list[float]
+    in_flight: list[tuple[Moment, ...]]  # a number per device is read as one moment (__post_init__)
     capacity_bytes: list[int]
     overhead_bytes: list[int]
     speed: list[float] = field(default_factory=list)

@@ -200,7 +200,7 @@ class BlockPartitioner:
         found = self.solve(cautious, run)
         if found is None or found.status not in ("OPTIMAL", "FEASIBLE"):
             return None
-        P, p, v = problem.num_stages, problem.devices, problem.chunks
+        P, p = problem.num_stages, problem.devices
         options = len(problem.time_s[0])
         stages = found.stages(problem.num_layers)
         blocks = range(run.first, run.first + run.count)

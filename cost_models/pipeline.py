@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.domain.vocabulary import Schedule
-from cost_models.held_activations import Moment, least_held
+from cost_models.held_activations import Moment
 
 
 def pipeline_step_time_s(device_time_s: list[float], micro_batches: int, chunks: int = 1) -> float:
@@ -150,10 +150,6 @@ class PartitionProblem:
         """A layer's bytes while `held` micro-batches of its activations are in flight, with its
         static bytes."""
         return int(self.static_bytes[layer] + held * self.activation_bytes[layer][option])
-
-    def least_held(self, device: int) -> float:
-        """Micro-batches `device` holds on every layer at least, whatever the partition."""
-        return least_held(self.in_flight[device])
 
     def at_step_bytes(self, layer: int) -> int:
         """A layer's bytes at the optimizer step: its static bytes and the step's transients."""

@@ -40,6 +40,18 @@ def _earlier_chunks_held_longer(moments: tuple[tuple[float, ...], ...]) -> bool:
     return all(moment[c] >= moment[c + 1] for moment in moments for c in range(len(moment) - 1))
 
 
+def _empty_flags(problem: PartitionProblem, device: int, chunk: int, empty_first, empty_last) -> list:
+    """The flags saying that chunk `chunk` of `device` is the first or last stage left without
+    blocks (it holds the prefix or the suffix alone); none for any other stage."""
+    stage = chunk * problem.devices + device
+    return [flag for flag, edge in ((empty_first, 0), (empty_last, problem.num_stages - 1)) if stage == edge]
+
+
+def _heaviest_first(problem: PartitionProblem, block: int) -> list[int]:
+    """The recompute options, those keeping the most activation bytes of a block first."""
+    return sorted(range(len(problem.time_s[block])), key=lambda r: -problem.activation_bytes[block][r])
+
+
 def find_block_run(problem: PartitionProblem) -> BlockRun | None:
     """The longest run of layers with identical prices (time, memory, send, per-step)."""
     def key(layer: int) -> tuple:
@@ -102,7 +114,7 @@ class BlockPartitioner:
                 continue
             # Every chunk holds at least one block, except a first/last stage that holds the
             # prefix/suffix and may hold nothing else.
-            flags = [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if stage % p == d]
+            flags = [flag for c in range(v) for flag in _empty_flags(problem, d, c, empty_first, empty_last)]
             model.add(n[d][0] >= v - sum(flags))
             if v == 1:  # the empty stage is the device's only chunk: the device holds no block
                 for flag in flags:
@@ -204,7 +216,7 @@ class BlockPartitioner:
         options = len(problem.time_s[0])
         stages = found.stages(problem.num_layers)
         blocks = range(run.first, run.first + run.count)
-        heaviest_first = sorted(range(options), key=lambda r: -problem.activation_bytes[run.first][r])
+        heaviest_first = _heaviest_first(problem, run.first)
         counts = [[0] * options for _ in range(P)]
         for d in range(p):
             chunks = list(range(d, P, p))
@@ -225,10 +237,9 @@ class BlockPartitioner:
         more activations in later chunks than blocks with fewer (the rearrangement inequality).
         Time does not depend on the arrangement, so the optimum stays; the search space shrinks
         to one arrangement per device's totals."""
-        P, p, v = problem.num_stages, problem.devices, problem.chunks
-        flags = {c: [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if c * p + d == stage]
-                 for c in range(v)}
-        heaviest_first = sorted(range(len(k[0])), key=lambda r: -problem.activation_bytes[block][r])
+        v = problem.chunks
+        flags = {c: _empty_flags(problem, d, c, empty_first, empty_last) for c in range(v)}
+        heaviest_first = _heaviest_first(problem, block)
         for c in range(v - 1):
             unflagged = [flag.Not() for flag in flags[c] + flags[c + 1]]
             model.add(n[c] <= n[c + 1]).only_enforce_if(unflagged)
@@ -245,10 +256,9 @@ class BlockPartitioner:
         the prefix/suffix and may hold nothing else; and its chunks hold as many blocks as each
         other (one more at most), as interleaving runs them in turn: the step time prices a
         device's total, which uneven chunks would keep while stalling the stages waiting on them."""
-        P, p = problem.num_stages, problem.devices
         fewest = model.new_int_var(0, K, f"fewest[{d}]")
         for c, blocks in enumerate(n):
-            empty = [flag for flag, stage in ((empty_first, 0), (empty_last, P - 1)) if c * p + d == stage]
+            empty = _empty_flags(problem, d, c, empty_first, empty_last)
             model.add(blocks >= 1 - sum(empty))
             for flag in empty:
                 model.add(blocks == 0).only_enforce_if(flag)

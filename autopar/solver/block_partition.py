@@ -1,31 +1,42 @@
 """Pipeline partition for models made of identical blocks: the same program as
-`stage_partition`, compressed so a 96-layer model on 64 stages solves in milliseconds.
+`stage_partition`, compressed so a 126-block model on 64 stages solves in milliseconds.
 
 Transformers are a prefix (embeddings), K identical blocks and a suffix (final norm, head).
 Cuts fall at block boundaries; the prefix stays with the first stage and the suffix with the
 last, and either of those stages may hold no block at all (the uneven embedding/head stages).
-Because the blocks are identical, a stage is described by how many blocks it holds with each
-recompute option; the order inside a stage does not change time or memory.
+Because the blocks are identical, a device is described by how many blocks it holds with each
+recompute option; its chunks hold as many blocks as each other (one more at most, the larger
+ones last), as interleaving runs them in turn and the step time prices the device's total.
 
-    variables  n[j] ∈ [0, K]  blocks on virtual stage j;  k[j,r] ∈ [0, K] of them with option r;
-               y[l,r] ∈ {0,1} option of each prefix/suffix layer; z ∈ {0,1}: n[0] = 0
-    constraints Σ_j n[j] = K, Σ_r k[j,r] = n[j], n[j] ≥ 1 for stages that hold nothing else,
-               the n[j] of one device's chunks within one of each other (bar an empty
-               first/last stage), memory per device at every moment of its schedule as in
-               `stage_partition` (a device's chunks are held unevenly, so where its blocks with
-               each option sit matters), D_d, M, E as there
-    objective  identical to `stage_partition` (same integer units), so `evaluate` prices the
-               decoded partition to exactly the optimum's value.
+Memory and time are separable by device: what device d holds decides only its own memory and
+its own time D_d, and the step time grows with every D_d. So the program is solved in two parts:
+
+1. `DeviceTable`, per device and block count n: the least time of any way to hold n blocks that
+   fits at every moment of its schedule (options per block, the edge layers' options, whether
+   its first/last stage holds the prefix/suffix alone), enumerated exactly with numpy. Where
+   the schedule holds the device's earlier chunks at least as long as its later ones at every
+   moment (torch's interleaved 1F1B always does: `held_activations`), the arrangement that holds
+   least is known without search: heavier options in later chunks (the rearrangement
+   inequality), so a device's option totals decide its memory.
+2. How many blocks each device holds (`block_counts.allocate`, exact): Σ n[d] = K, each n[d]
+   one its table priced, minimising the objective of `stage_partition` (same integer units), so
+   `evaluate` prices the decoded partition to exactly the optimum's value. Tables are priced up
+   to a little above an even share first and extended as far as the answer shows a device could
+   usefully go.
+
+tests/unit/test_stage_partition.py checks the optimum against brute force over every
+even-chunked partition and option (tests/brute_force.py).
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass, replace
-from typing import Any
 
-from ortools.sat.python import cp_model
-
-from autopar.solver.stage_partition import priced_solution, solve_deterministically, unresolved
-from cost_models.pipeline import Partition, PartitionProblem, mib_down, mib_up, time_units
+import numpy as np
+from autopar.solver.block_counts import WORK_PER_PRICE, DeviceRow, allocate
+from cost_models.pipeline import (TIME_UNITS_PER_S, Partition, PartitionProblem, evaluate, mib_down, mib_up,
+                                   time_units)
 
 
 @dataclass(frozen=True)
@@ -36,20 +47,16 @@ class BlockRun:
     count: int
 
 
-def _earlier_chunks_held_longer(moments: tuple[tuple[float, ...], ...]) -> bool:
-    return all(moment[c] >= moment[c + 1] for moment in moments for c in range(len(moment) - 1))
+@dataclass(frozen=True)
+class DeviceChoice:
+    """How a device holds a given number of blocks at its least time."""
 
-
-def _empty_flags(problem: PartitionProblem, device: int, chunk: int, empty_first, empty_last) -> list:
-    """The flags saying that chunk `chunk` of `device` is the first or last stage left without
-    blocks (it holds the prefix or the suffix alone); none for any other stage."""
-    stage = chunk * problem.devices + device
-    return [flag for flag, edge in ((empty_first, 0), (empty_last, problem.num_stages - 1)) if stage == edge]
-
-
-def _heaviest_first(problem: PartitionProblem, block: int) -> list[int]:
-    """The recompute options, those keeping the most activation bytes of a block first."""
-    return sorted(range(len(problem.time_s[block])), key=lambda r: -problem.activation_bytes[block][r])
+    units: int  # its time per micro-batch (`time_units`), sends and edge layers included
+    per_step_units: int  # its once-per-step time
+    chunk_options: tuple[tuple[int, ...], ...]  # [local chunk][option] blocks
+    edge_options: dict[int, int]  # option of each prefix/suffix layer it holds
+    empty_first: bool  # the first stage holds the prefix alone
+    empty_last: bool  # the last stage holds the suffix alone
 
 
 def find_block_run(problem: PartitionProblem) -> BlockRun | None:
@@ -69,233 +76,277 @@ def find_block_run(problem: PartitionProblem) -> BlockRun | None:
     return best if best.count >= 2 else None
 
 
+@functools.lru_cache(maxsize=512)
+def _cumulative_counts(blocks: int, options: int) -> np.ndarray:
+    """Every split of `blocks` over `options` as cumulative counts A[0] <= ... <= A[-1] = blocks
+    (one row each): A[t] blocks take one of the t + 1 heaviest options."""
+    inner = list(itertools.combinations_with_replacement(range(blocks + 1), options - 1))
+    rows = np.array([row + (blocks,) for row in inner], dtype=np.int64).reshape(-1, options)
+    rows.setflags(write=False)
+    return rows
+
+
+def _chunk_sizes(blocks: int, holding: list[int], chunks: int) -> list[int]:
+    """Blocks per local chunk: spread evenly over the chunks in `holding`, the later ones taking
+    the remainder (where they are held least); none on the others."""
+    sizes = [0] * chunks
+    base, extra = divmod(blocks, len(holding)) if holding else (0, 0)
+    for position, chunk in enumerate(holding):
+        sizes[chunk] = base + (1 if position >= len(holding) - extra else 0)
+    return sizes
+
+
+@dataclass
+class _Layout:
+    """A device's first/last stage left empty (holding the prefix/suffix alone) or not, the
+    local chunks holding blocks then, and the next count of blocks its table prices (None:
+    no more fit)."""
+
+    empty_first: bool
+    empty_last: bool
+    holding: list[int]
+    next_count: int | None = None
+
+    def __post_init__(self):
+        if self.next_count is None:
+            self.next_count = len(self.holding)  # one block on each chunk holding any (none if none)
+
+
+def _earlier_chunks_held_longer(moments: tuple[tuple[float, ...], ...]) -> bool:
+    return all(moment[c] >= moment[c + 1] for moment in moments for c in range(len(moment) - 1))
+
+
+class DeviceTable:
+    """For one device: the least-time way to hold each feasible number of blocks (module
+    docstring, part 1), built upwards from the fewest blocks on demand (`extend`): a device
+    holding far more than its share cannot be in the optimum, and the search need not price it."""
+
+    def __init__(self, problem: PartitionProblem, run: BlockRun, device: int):
+        self.problem, self.run, self.device = problem, run, device
+        P, p, v = problem.num_stages, problem.devices, problem.chunks
+        moments = problem.in_flight[device]
+        if not _earlier_chunks_held_longer(moments):
+            # No schedule of ours does this; hold every chunk as long as the longest (safe, not least).
+            moments = tuple((max(moment),) * v for moment in moments)
+        self.moments = moments
+        block = run.first
+        options = len(problem.time_s[block])
+        self.heaviest_first = sorted(range(options), key=lambda r: -problem.activation_bytes[block][r])
+        speed = problem.speed_of(device)
+        self.speed = speed
+        self.block_units = np.array([time_units(speed * problem.time_s[block][r]) for r in self.heaviest_first])
+        # mib[t, c, q]: one block with the t-th heaviest option on local chunk c at moment q
+        self.block_mib = np.array([[[mib_up(problem.held_bytes(block, r, moment[c])) for moment in moments]
+                                    for c in range(v)] for r in self.heaviest_first], dtype=np.int64)
+        prefix = list(range(0, run.first)) if device == 0 else []
+        suffix = list(range(run.first + run.count, problem.num_layers)) if device == (P - 1) % p else []
+        self.edges = [(layer, 0) for layer in prefix] + [(layer, v - 1) for layer in suffix]
+        self.edge_choices, self.edge_units, self.edge_mib = self._edge_layouts()
+        self.room = mib_down(problem.capacity_bytes[device]) - mib_up(problem.overhead_bytes[device])
+        self.choices: dict[int, DeviceChoice] = {}
+        self._work = 0.0
+        self._layouts = [_Layout(first, last, self._holding(first, last))
+                         for first in (False, True)[:1 + (bool(prefix) and P > 1)]
+                         for last in (False, True)[:1 + (bool(suffix) and P > 1)]]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every count of blocks that can fit is priced."""
+        return all(layout.next_count is None or layout.next_count > self.run.count for layout in self._layouts)
+
+    def extend(self, most: int) -> None:
+        """Price every count of blocks up to `most` (those that fit)."""
+        for layout in self._layouts:
+            while layout.next_count is not None and layout.next_count <= min(most, self.run.count):
+                fits = self._price(layout, layout.next_count)
+                # A device without blocks on its chunks holds none; more blocks only hold more.
+                layout.next_count = layout.next_count + 1 if fits and layout.holding else None
+
+    def row(self) -> DeviceRow:
+        """The priced counts with their times, for `block_counts.allocate`."""
+        counts = sorted(self.choices)
+        return DeviceRow(np.array(counts), np.array([self.choices[n].units for n in counts], dtype=np.int64),
+                         np.array([self.choices[n].per_step_units for n in counts], dtype=np.int64))
+
+    def most_useful(self, units: float) -> int:
+        """The most blocks whose least conceivable time (every block at its fastest option, the
+        cheapest edges and sends) is within `units`."""
+        fastest = int(self.block_units.min())
+        fixed = min(self._fixed_units(layout.empty_first) for layout in self._layouts) + int(self.edge_units.min())
+        if fastest <= 0:
+            return self.run.count
+        return max(0, min(self.run.count, int((units - fixed) // fastest)))
+
+    def take_work(self) -> float:
+        """Deterministic seconds spent pricing since last asked."""
+        work, self._work = self._work, 0.0
+        return work
+
+    def _holding(self, empty_first: bool, empty_last: bool) -> list[int]:
+        """The device's local chunks that hold blocks with the first/last stage left empty or not."""
+        problem = self.problem
+        return [c for c in range(problem.chunks)
+                if not (empty_first and c * problem.devices + self.device == 0)
+                and not (empty_last and c * problem.devices + self.device == problem.num_stages - 1)]
+
+    def _edge_layouts(self) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray]:
+        """Every option of the edge layers: (options, time units, MiB per moment) each."""
+        problem = self.problem
+        choices = list(itertools.product(range(len(problem.time_s[0])), repeat=len(self.edges)))
+
+        def units_of(options: tuple[int, ...]) -> int:
+            return sum(time_units(self.speed * problem.time_s[layer][r]) for (layer, _), r in zip(self.edges, options))
+
+        def mib_of(options: tuple[int, ...], moment: tuple[float, ...]) -> int:
+            return sum(mib_up(problem.held_bytes(layer, r, moment[c])) for (layer, c), r in zip(self.edges, options))
+
+        units = np.array([units_of(options) for options in choices], dtype=np.int64)
+        mib = np.array([[mib_of(options, moment) for moment in self.moments] for options in choices],
+                       dtype=np.int64).reshape(len(choices), -1)
+        return choices, units, mib
+
+    def _fixed_units(self, empty_first: bool) -> int:
+        """Sends: every stage of the device but the pipeline's last sends its output."""
+        problem, p, v = self.problem, self.problem.devices, self.problem.chunks
+        if problem.num_stages == 1:
+            return 0
+        block_send = time_units(self.speed * problem.send_s[self.run.first])
+        senders = v - (1 if self.device == p - 1 else 0)
+        units = senders * block_send
+        if empty_first:
+            units += time_units(self.speed * problem.send_s[self.run.first - 1]) - block_send
+        return units
+
+    def _once(self, blocks: int) -> tuple[int, int]:
+        """(once-per-step time units, MiB at the optimizer step) of the edges and `blocks` blocks."""
+        problem = self.problem
+        layers = [layer for layer, _ in self.edges]
+        once = 0
+        if problem.per_step_s:
+            once = sum(time_units(self.speed * problem.per_step_s[layer]) for layer in layers) \
+                + blocks * time_units(self.speed * problem.per_step_s[self.run.first])
+        step = 0
+        if problem.step_bytes:
+            step = mib_up(problem.step_overhead_bytes[self.device]) \
+                + sum(mib_up(problem.at_step_bytes(layer)) for layer in layers) \
+                + blocks * mib_up(problem.at_step_bytes(self.run.first))
+        return once, step
+
+    def _price(self, layout: _Layout, blocks: int) -> bool:
+        """The least-time way to hold `blocks` blocks in this first/last-stage layout, kept if it
+        beats another layout's; False when no way fits."""
+        problem, v = self.problem, self.problem.chunks
+        options = len(self.heaviest_first)
+        self._work += WORK_PER_PRICE
+        once, step_mib = self._once(blocks)
+        if problem.step_bytes and step_mib > mib_down(problem.capacity_bytes[self.device]):
+            return False
+        sizes = _chunk_sizes(blocks, layout.holding, v)
+        chunk_of = np.repeat(np.arange(v), sizes)  # local chunk of each position, first to last
+        # prefix[t, x, q]: MiB of the first x positions all holding the t-th heaviest option
+        prefix = np.concatenate([np.zeros((options, 1, len(self.moments)), dtype=np.int64),
+                                 np.cumsum(self.block_mib[:, chunk_of, :], axis=1)], axis=1)
+        counts = _cumulative_counts(blocks, options)  # the t + 1 heaviest options fill the last positions
+        before = np.concatenate([np.zeros((len(counts), 1), dtype=np.int64), counts[:, :-1]], axis=1)
+        mib = sum(prefix[t, blocks - before[:, t], :] - prefix[t, blocks - counts[:, t], :] for t in range(options))
+        units = (counts - before) @ self.block_units
+        total_mib = mib[:, None, :] + self.edge_mib[None, :, :]  # [split, edge choice, moment]
+        peak = total_mib.max(axis=2)
+        fits = peak <= self.room
+        if not fits.any():
+            return False
+        total_units = np.where(fits, units[:, None] + self.edge_units[None, :], np.iinfo(np.int64).max // 2)
+        best = int(np.lexsort((np.where(fits, peak, 0).ravel(), total_units.ravel()))[0])  # then least memory
+        split, edge = divmod(best, len(self.edge_choices))
+        found = DeviceChoice(int(total_units.ravel()[best]) + self._fixed_units(layout.empty_first), once,
+                             self._chunk_options(counts[split], sizes),
+                             {layer: r for (layer, _), r in zip(self.edges, self.edge_choices[edge])},
+                             layout.empty_first, layout.empty_last)
+        known = self.choices.get(blocks)
+        if known is None or found.units < known.units:
+            self.choices[blocks] = found
+        return True
+
+    def _chunk_options(self, cumulative: np.ndarray, sizes: list[int]) -> tuple[tuple[int, ...], ...]:
+        """Blocks per option on each chunk: the heaviest options fill the last positions."""
+        per_option = np.diff(np.concatenate([[0], cumulative]))
+        order = [r for t, r in enumerate(self.heaviest_first) for _ in range(int(per_option[t]))]
+        order.reverse()  # first position to last: lightest first
+        counts, position = [], 0
+        for size in sizes:
+            row = [0] * len(self.heaviest_first)
+            for r in order[position:position + size]:
+                row[r] += 1
+            counts.append(tuple(row))
+            position += size
+        return tuple(counts)
+
+
 class BlockPartitioner:
     """Solves the compressed program for a problem whose middle layers are identical."""
 
-    def __init__(self, time_limit_s: float = 10.0, seed: int = 0, workers: int = 1):
-        self.time_limit_s = time_limit_s  # CP-SAT deterministic seconds per solve
-        self.seed = seed
-        self.workers = workers
+    def __init__(self, time_limit_s: float = 10.0):
+        self.time_limit_s = time_limit_s  # deterministic seconds per solve (`block_counts` counts them)
         self.work_s = 0.0  # deterministic seconds spent by all solves so far (the search's budget)
 
     def solve(self, problem: PartitionProblem, run: BlockRun) -> Partition | None:
-        P, p, v = problem.num_stages, problem.devices, problem.chunks
-        K, f = run.count, run.first
-        prefix = list(range(0, f))
-        suffix = list(range(f + K, problem.num_layers))
-        options = len(problem.time_s[0])
+        """Optimal partition, or None when no partition fits in memory. The tables are priced up
+        to a little above an even share first; the allocation over them then bounds how many
+        blocks any device can hold in the optimum (W·D_d + D_d <= the objective, W the slowest
+        device's weight), and the tables are extended to that before the answer is taken."""
+        P, p, v, K = problem.num_stages, problem.devices, problem.chunks, run.count
         if P - 2 > K or (P == 1 and not K):
             return None
-        model = cp_model.CpModel()
-        # Per virtual stage j = c·p + d (chunk c of device d) where the schedule holds a device's
-        # chunks unevenly (interleaving, m > p): its time is the sum over its chunks, its memory
-        # is not. Otherwise per device, which solves far faster (a device's chunks are one group,
-        # spread evenly when decoded).
-        per_chunk = any(len(set(moment)) > 1 for moments in problem.in_flight for moment in moments)
-        groups = v if per_chunk else 1
-        n = [[model.new_int_var(0, K, f"n[{d},{g}]") for g in range(groups)] for d in range(p)]
-        k = [[[model.new_int_var(0, K, f"k[{d},{g},{r}]") for r in range(options)] for g in range(groups)]
-             for d in range(p)]
-        y = {layer: [model.new_bool_var(f"y[{layer},{r}]") for r in range(options)] for layer in prefix + suffix}
-        empty_first = model.new_bool_var("first_stage_without_blocks")
-        empty_last = model.new_bool_var("last_stage_without_blocks")
-        if not prefix or P == 1:
-            model.add(empty_first == 0)
-        if not suffix or P == 1:
-            model.add(empty_last == 0)
-        model.add(sum(n[d][g] for d in range(p) for g in range(groups)) == K)
-        for d in range(p):
-            for g in range(groups):
-                model.add(sum(k[d][g]) == n[d][g])
-            if per_chunk:
-                self._even_chunks(model, problem, d, n[d], empty_first, empty_last, K)
-                if _earlier_chunks_held_longer(problem.in_flight[d]):
-                    self._canonical_chunks(model, problem, d, n[d], k[d], f, empty_first, empty_last)
-                continue
-            # Every chunk holds at least one block, except a first/last stage that holds the
-            # prefix/suffix and may hold nothing else.
-            flags = [flag for c in range(v) for flag in _empty_flags(problem, d, c, empty_first, empty_last)]
-            model.add(n[d][0] >= v - sum(flags))
-            if v == 1:  # the empty stage is the device's only chunk: the device holds no block
-                for flag in flags:
-                    model.add(n[d][0] == 0).only_enforce_if(flag)
-        for choices in y.values():
-            model.add_exactly_one(choices)
-        hint = self._hint(problem, run) if per_chunk else None
-        if hint is not None:  # the cautious per-device program's answer, arranged as the program allows
-            for d in range(p):
-                for g in range(groups):
-                    model.add_hint(n[d][g], sum(hint[g * p + d]))
-                    for r in range(options):
-                        model.add_hint(k[d][g][r], hint[g * p + d][r])
-        else:  # blocks spread evenly, fastest option (a good start for the search; not a constraint)
-            fastest = min(range(options), key=lambda r: problem.time_s[f][r])
-            for d in range(p):
-                for g in range(groups):
-                    stages = [c * p + d for c in range(v)] if not per_chunk else [g * p + d]
-                    share = sum(K // P + (1 if j < K % P else 0) for j in stages)
-                    model.add_hint(n[d][g], share)
-                    for r in range(options):
-                        model.add_hint(k[d][g][r], share if r == fastest else 0)
-
-        block = f  # any block's prices stand for all of them
-        device_time: list[list[Any]] = [[] for _ in range(p)]
-        per_step: list[list[Any]] = [[] for _ in range(p)]
-        memory: list[list[list[Any]]] = [[[] for _ in problem.in_flight[d]] for d in range(p)]
-        step_memory: list[list[Any]] = [[] for _ in range(p)]
-        for d in range(p):
-            speed = problem.speed_of(d)
-            moments = problem.in_flight[d]
-            for g in range(groups):
-                device_time[d] += [time_units(speed * problem.time_s[block][r]) * k[d][g][r] for r in range(options)]
-                for q, moment in enumerate(moments):
-                    memory[d][q] += [mib_up(problem.held_bytes(block, r, moment[g])) * k[d][g][r]
-                                     for r in range(options)]
-                if problem.step_bytes:
-                    step_memory[d] += [mib_up(problem.at_step_bytes(block)) * n[d][g]]
-                if problem.per_step_s:
-                    per_step[d].append(time_units(speed * problem.per_step_s[block]) * n[d][g])
-            block_send = time_units(speed * problem.send_s[block])
-            senders = v - (1 if d == p - 1 else 0)  # every stage but the last sends its output
-            if d == 0 and prefix and P > 1:
-                prefix_send = time_units(speed * problem.send_s[prefix[-1]])
-                device_time[d].append(senders * block_send + (prefix_send - block_send) * empty_first)
-            else:
-                device_time[d].append(senders * block_send)
-            edge_layers = [(layer, 0) for layer in prefix if d == 0]
-            edge_layers += [(layer, groups - 1) for layer in suffix if d == (P - 1) % p]
-            for layer, c in edge_layers:
-                device_time[d] += [time_units(speed * problem.time_s[layer][r]) * y[layer][r] for r in range(options)]
-                for q, moment in enumerate(moments):
-                    memory[d][q] += [mib_up(problem.held_bytes(layer, r, moment[c])) * y[layer][r]
-                                     for r in range(options)]
-                if problem.step_bytes:
-                    step_memory[d] += [mib_up(problem.at_step_bytes(layer)) * y[layer][r] for r in range(options)]
-                if problem.per_step_s:
-                    per_step[d].append(time_units(speed * problem.per_step_s[layer]))
-
-        horizon = 10**15
-        slowest = model.new_int_var(0, horizon, "slowest")
-        once = model.new_int_var(0, horizon, "per_step")
-        device_vars = []
-        for d in range(p):
-            var = model.new_int_var(0, horizon, f"D[{d}]")
-            model.add(var == sum(device_time[d]))
-            model.add(slowest >= var)
-            model.add(once >= sum(per_step[d]))
-            for terms in memory[d]:  # every moment that can be the device's peak
-                model.add(sum(terms) + mib_up(problem.overhead_bytes[d]) <= mib_down(problem.capacity_bytes[d]))
-            if problem.step_bytes:
-                model.add(sum(step_memory[d]) + mib_up(problem.step_overhead_bytes[d])
-                          <= mib_down(problem.capacity_bytes[d]))
-            device_vars.append(var)
-        m = problem.micro_batches
-        model.minimize(((m - 1) * v + (v - 1)) * slowest + sum(device_vars) + v * once)
-
-        solver, status = solve_deterministically(model, self.time_limit_s, self.seed, self.workers)
-        self.work_s += solver.deterministic_time
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return unresolved(problem, solver, status)
-        counts = [[solver.value(var) for var in k[d][g]] for g in range(groups) for d in range(p)]
-        if not per_chunk:
-            counts = self._spread(problem, [[solver.value(var) for var in k[d][0]] for d in range(p)],
-                                  solver.value(empty_first), solver.value(empty_last))
-        starts, chosen = self._decode(solver, problem, run, counts, y, prefix, suffix)
-        return priced_solution(problem, starts, chosen, solver, status)
-
-    def _hint(self, problem: PartitionProblem, run: BlockRun) -> list[list[int]] | None:
-        """Blocks per option of each virtual stage from the per-device program with every chunk
-        held as long as the device's chunks on average at its fullest moment (it solves in
-        milliseconds), arranged heaviest options last; None if that program finds nothing."""
-        cautious = replace(problem, in_flight=[((max(sum(moment) for moment in moments) / problem.chunks,)
-                                                 * problem.chunks,) for moments in problem.in_flight])
-        found = self.solve(cautious, run)
-        if found is None or found.status not in ("OPTIMAL", "FEASIBLE"):
-            return None
-        P, p = problem.num_stages, problem.devices
-        options = len(problem.time_s[0])
-        stages = found.stages(problem.num_layers)
-        blocks = range(run.first, run.first + run.count)
-        heaviest_first = _heaviest_first(problem, run.first)
-        counts = [[0] * options for _ in range(P)]
-        for d in range(p):
-            chunks = list(range(d, P, p))
-            sizes = sorted(sum(1 for layer in stages[j] if layer in blocks) for j in chunks)
-            pool = [r for r in heaviest_first for layer in blocks
-                    if found.options[layer] == r and any(layer in stages[j] for j in chunks)]
-            for j, size in zip(reversed(chunks), reversed(sizes)):  # the last chunk first
-                for r in pool[:size]:
-                    counts[j][r] += 1
-                pool = pool[size:]
-        return counts
+        tables = [DeviceTable(problem, run, d) for d in range(p)]
+        weight = (problem.micro_batches - 1) * v + (v - 1)
+        most = [-(-K // p) + v + 1] * p
+        while True:
+            for table, upto in zip(tables, most):
+                table.extend(upto)
+            self.work_s += sum(table.take_work() for table in tables)
+            if any(not table.choices for table in tables):
+                return None
+            rows = [table.row() for table in tables]
+            found = allocate(rows, K, weight, v, self.time_limit_s)
+            self.work_s += found.work_s
+            if found.picks is None:
+                if not all(table.complete or upto >= K for table, upto in zip(tables, most)):
+                    most = [K] * p  # nothing within the share: let every device take any count
+                    continue
+                if found.optimal:
+                    return None
+                return Partition([], [], float("inf"), [], [], "UNKNOWN", self._seconds(problem, found.bound))
+            assert found.objective is not None
+            useful = [table.most_useful(found.objective / (weight + 1)) for table in tables]
+            if all(need <= upto or table.complete for table, need, upto in zip(tables, useful, most)):
+                chosen = [table.choices[int(row.counts[i])] for table, row, i in zip(tables, rows, found.picks)]
+                starts, options = self._decode(problem, run, chosen)
+                priced = evaluate(problem, starts, options)
+                if priced is None:  # the tables price memory as evaluate() does: this would be a bug
+                    raise AssertionError("block partition breaks a memory limit")
+                status = "OPTIMAL" if found.optimal else "FEASIBLE"
+                return replace(priced, status=status, bound_s=min(priced.step_time_s,
+                                                                  self._seconds(problem, found.bound)))
+            most = [max(upto, need) for upto, need in zip(most, useful)]
 
     @staticmethod
-    def _canonical_chunks(model, problem, d, n, k, block, empty_first, empty_last) -> None:
-        """Of a device's arrangements of its blocks over its chunks, allow only the one that holds
-        least, where the schedule holds its earlier chunks at least as long as its later ones at
-        every moment (as torch's interleaved schedule does): larger chunks last, and blocks with
-        more activations in later chunks than blocks with fewer (the rearrangement inequality).
-        Time does not depend on the arrangement, so the optimum stays; the search space shrinks
-        to one arrangement per device's totals."""
-        v = problem.chunks
-        flags = {c: _empty_flags(problem, d, c, empty_first, empty_last) for c in range(v)}
-        heaviest_first = _heaviest_first(problem, block)
-        for c in range(v - 1):
-            unflagged = [flag.Not() for flag in flags[c] + flags[c + 1]]
-            model.add(n[c] <= n[c + 1]).only_enforce_if(unflagged)
-            # Where chunk c holds any of the heaviest `depth` options, chunk c + 1 holds only them.
-            for depth in range(1, len(heaviest_first)):
-                heavier = heaviest_first[:depth]
-                spills = model.new_bool_var(f"spills[{d},{c},{depth}]")
-                model.add(sum(k[c][r] for r in heavier) == 0).only_enforce_if(spills.Not())
-                model.add(sum(k[c + 1][r] for r in heavier) == n[c + 1]).only_enforce_if(spills)
+    def _seconds(problem: PartitionProblem, units: int) -> float:
+        """An objective in the program's units (v·µs) as step seconds."""
+        return units / problem.chunks / TIME_UNITS_PER_S
 
     @staticmethod
-    def _even_chunks(model, problem, d, n, empty_first, empty_last, K) -> None:
-        """Every chunk of device d holds at least one block, except a first/last stage that holds
-        the prefix/suffix and may hold nothing else; and its chunks hold as many blocks as each
-        other (one more at most), as interleaving runs them in turn: the step time prices a
-        device's total, which uneven chunks would keep while stalling the stages waiting on them."""
-        fewest = model.new_int_var(0, K, f"fewest[{d}]")
-        for c, blocks in enumerate(n):
-            empty = _empty_flags(problem, d, c, empty_first, empty_last)
-            model.add(blocks >= 1 - sum(empty))
-            for flag in empty:
-                model.add(blocks == 0).only_enforce_if(flag)
-            for constraint in (fewest <= blocks, blocks <= fewest + 1):
-                model.add(constraint).only_enforce_if([flag.Not() for flag in empty])
-
-    @staticmethod
-    def _spread(problem, device_options, empty_first, empty_last) -> list[list[int]]:
-        """Each device's blocks (per option) spread over its chunks: evenly, first chunks get the
-        remainder, an empty first/last stage none; option 0's blocks first. Per virtual stage."""
-        P, p = problem.num_stages, problem.devices
-        counts = [[0] * len(device_options[0]) for _ in range(P)]
-        for d in range(p):
-            chunks = [j for j in range(d, P, p) if not (j == 0 and empty_first) and not (j == P - 1 and empty_last)]
-            left = list(device_options[d])
-            total = sum(left)
-            for position, j in enumerate(chunks):
-                for _ in range(total // len(chunks) + (1 if position < total % len(chunks) else 0)):
-                    option = next(r for r, count in enumerate(left) if count > 0)
-                    left[option] -= 1
-                    counts[j][option] += 1
-        return counts
-
-    @staticmethod
-    def _decode(solver, problem, run, counts, y, prefix, suffix) -> tuple[list[int], list[int]]:
-        """Lay the stages out in order, each with its blocks per option (`counts[j]`); within a
-        stage, option 0's blocks come first, then option 1's, ..."""
-        P = problem.num_stages
-        starts, chosen = [0], [0] * problem.num_layers
-        for layer in prefix + suffix:
-            chosen[layer] = next(r for r, var in enumerate(y[layer]) if solver.value(var))
-        position = run.first
-        for j in range(P):
+    def _decode(problem: PartitionProblem, run: BlockRun, chosen: list[DeviceChoice]) -> tuple[list[int], list[int]]:
+        """Lay the stages out in order, each with its blocks per option; within a stage, option
+        0's blocks come first, then option 1's, ..."""
+        options = [0] * problem.num_layers
+        for choice in chosen:
+            for layer, r in choice.edge_options.items():
+                options[layer] = r
+        starts, position = [0], run.first
+        for j in range(problem.num_stages):
             if j > 0:
                 starts.append(position)
-            for option, count in enumerate(counts[j]):
-                for _ in range(count):
-                    chosen[position] = option
-                    position += 1
-        return starts, chosen
+            for r, count in enumerate(chosen[j % problem.devices].chunk_options[j // problem.devices]):
+                options[position:position + count] = [r] * count
+                position += count
+        return starts, options

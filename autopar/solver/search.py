@@ -15,8 +15,9 @@ deterministic work limit; one that stops early still proves a lower bound, which
 candidate if it cannot beat the best plan.
 
 The budget is deterministic work, not wall time, so the same inputs give the same plan on a busy
-laptop and an idle server: work = CP-SAT's deterministic seconds over every partition solve +
-`PRICING_WORK` per candidate priced past its floor. A wall-clock `time_limit_s` remains only as a
+laptop and an idle server: work = CP-SAT's deterministic seconds over every general partition
+solve + the block program's counted steps (`block_counts`) + `PRICING_WORK` per candidate priced
+past its floor. A wall-clock `time_limit_s` remains only as a
 generous safety cap; `SearchResult.stopped_by` says which limit (if any) stopped the loop, and
 a plan stopped by the wall clock is reported as depending on machine load. If a limit stops the
 loop, or a stopped solve could still beat the best plan, the status is FEASIBLE with
@@ -128,7 +129,7 @@ class PlanSearch:
         self.work_limit = work_limit  # deterministic budget (module docstring)
         self.top_k = max(1, top_k)
         self.general = StagePartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
-        self.blocks = BlockPartitioner(time_limit_s=solve_work_limit, seed=seed, workers=workers)
+        self.blocks = BlockPartitioner(time_limit_s=solve_work_limit)
         self.progress = progress
 
     def run(self, candidates: list[Candidate], cutoff_s: float = float("inf"),
@@ -295,7 +296,8 @@ class PlanSearch:
         return sorted(entry for entry in raised if entry[0] != float("inf"))
 
     def _work(self, priced: int) -> float:
-        """Deterministic work so far: CP-SAT's deterministic seconds plus the pricing charge."""
+        """Deterministic work so far: the partition solves' deterministic seconds plus the pricing
+        charge."""
         return self.general.work_s + self.blocks.work_s + priced * PRICING_WORK
 
     def _floors(self, candidates: list[Candidate], rejected: dict[str, int]) -> list[tuple[float, int, Candidate]]:

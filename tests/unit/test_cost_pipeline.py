@@ -93,3 +93,15 @@ def test_interleaved_first_rank_holds_korthikantis_count_with_its_first_chunk_he
     most = [max(moment[c] for moment in moments) for c in range(v)]
     assert most[0] == 2 * p and sum(most) > p * v + p - 1
     assert least_held(moments) == p
+
+
+def test_interleaving_holds_earlier_chunks_at_least_as_long_as_later_ones():
+    """What the block partition's least-held arrangement rests on (heavier options in later
+    chunks): at every moment torch's interleaved schedule can peak, every rank holds each chunk
+    at least as many micro-batches as the chunk after it, whatever p, v and m."""
+    for p in range(2, 11):
+        for v in range(2, 6):
+            for m in sorted({p, p + 1, 2 * p - 1, 2 * p, 3 * p + 2}):
+                for device in range(p):
+                    for moment in held_moments("interleaved_1f1b", p, m, device, v):
+                        assert all(moment[c] >= moment[c + 1] for c in range(v - 1)), (p, v, m, device, moment)

@@ -236,3 +236,30 @@ def test_interleaving_keeps_the_blocks_it_does_not_recompute_where_they_are_held
     counts = [sum(1 for layer in stages[j] if layer < blocks) for j in range(4)]
     assert abs(counts[0] - counts[2]) <= 1
     assert found.step_time_s == brute_force_partition(problem, set(range(1, blocks + 1)), run).step_time_s
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_block_partition_equals_brute_force_on_every_chunk_layout(seed):
+    """Interleaving on one device (its first chunk holds the prefix, its last the suffix), on two
+    or three devices with two or three chunks, three recompute options: the per-device tables
+    (each count of blocks at its least time, chunks held unevenly) and the program over them
+    find the brute-force optimum over every even-chunked partition and option."""
+    from autopar.solver.block_partition import BlockPartitioner, find_block_run
+
+    rng = random.Random(900 + seed)
+    devices, chunks = [(1, 2), (1, 3), (2, 2), (3, 2), (2, 3), (2, 2)][seed % 6]
+    stages = devices * chunks
+    problem = block_problem(rng, blocks=rng.randint(max(2, stages - 2), max(3, stages - 1)), devices=devices,
+                            chunks=chunks, options=3 if stages <= 4 else 2)
+    if seed % 4 == 1:
+        problem = replace(problem, step_bytes=[GiB] + [GiB // 2] * (problem.num_layers - 3) + [0, GiB],
+                          step_overhead_bytes=[GiB // 4] * devices)
+    run = find_block_run(problem)
+    expected = brute_force_partition(problem, allowed_starts=set(range(run.first, run.first + run.count + 1)),
+                                     even_chunks=run)
+    found = BlockPartitioner().solve(problem, run)
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and found.status == "OPTIMAL"
+        assert found.step_time_s == expected.step_time_s

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from autopar.solver.block_counts import WORK_PER_PRICE, DeviceRow, allocate
@@ -105,11 +105,10 @@ class _Layout:
     empty_first: bool
     empty_last: bool
     holding: list[int]
-    next_count: int | None = None
+    next_count: int | None = field(init=False)
 
     def __post_init__(self):
-        if self.next_count is None:
-            self.next_count = len(self.holding)  # one block on each chunk holding any (none if none)
+        self.next_count = len(self.holding)  # one block on each chunk holding any (none if none)
 
 
 def _earlier_chunks_held_longer(moments: tuple[tuple[float, ...], ...]) -> bool:

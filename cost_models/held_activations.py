@@ -17,6 +17,8 @@ every chunk.
 """
 from __future__ import annotations
 
+import functools
+
 from autopar.domain.vocabulary import Schedule
 
 Moment = tuple[float, ...]  # micro-batches held per local chunk (0 = the rank's first chunk)
@@ -42,9 +44,12 @@ def interleaved_order(stages: int, chunks: int, micro_batches: int, device: int)
     return order
 
 
+@functools.lru_cache(maxsize=4096)
 def held_moments(schedule: str, stages: int, micro_batches: int, device: int, chunks: int = 1) -> tuple[Moment, ...]:
     """Rank `device`'s candidate activation peaks (module docstring): the counts per local chunk
-    after each forward, keeping those no other moment covers on every chunk."""
+    after each forward, keeping those no other moment covers on every chunk. Kept per arguments:
+    a search asks for the same ranks' moments for every candidate sharing a pipeline shape (the
+    145.6B GPT's: 693 calls, 2.2 s uncached)."""
     if stages == 1:
         return ((1.0,) * chunks,)  # no pipeline: gradient accumulation frees each micro-batch
     if schedule == Schedule.GPIPE:
@@ -57,8 +62,12 @@ def held_moments(schedule: str, stages: int, micro_batches: int, device: int, ch
         counts[chunk] += 1 if kind == "F" else -1
         if kind == "F":
             seen.add(tuple(float(c) for c in counts))
-    return tuple(sorted(moment for moment in seen if not any(other != moment and covers(other, moment)
-                                                              for other in seen)))
+    # Largest totals first: a moment covered by another is covered by one kept before it.
+    kept: list[Moment] = []
+    for moment in sorted(seen, key=sum, reverse=True):
+        if not any(covers(other, moment) for other in kept):
+            kept.append(moment)
+    return tuple(sorted(kept))
 
 
 def covers(moment: Moment, other: Moment) -> bool:

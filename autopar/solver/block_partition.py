@@ -76,14 +76,30 @@ def find_block_run(problem: PartitionProblem) -> BlockRun | None:
     return best if best.count >= 2 else None
 
 
+@dataclass(frozen=True)
+class _Splits:
+    """Every split of `blocks` over the options, heaviest option first: `cumulative[s, t]` blocks
+    take one of the t + 1 heaviest options (the last column is every block), `before[s, t]` is
+    the column before it (0 first) and `each[s, t]` the blocks with the t-th heaviest."""
+
+    cumulative: np.ndarray
+    before: np.ndarray
+    each: np.ndarray
+
+
 @functools.lru_cache(maxsize=512)
-def _cumulative_counts(blocks: int, options: int) -> np.ndarray:
-    """Every split of `blocks` over `options` as cumulative counts A[0] <= ... <= A[-1] = blocks
-    (one row each): A[t] blocks take one of the t + 1 heaviest options."""
+def _splits(blocks: int, options: int) -> _Splits:
     inner = list(itertools.combinations_with_replacement(range(blocks + 1), options - 1))
-    rows = np.array([row + (blocks,) for row in inner], dtype=np.int64).reshape(-1, options)
-    rows.setflags(write=False)
-    return rows
+    cumulative = np.array([row + (blocks,) for row in inner], dtype=np.int64).reshape(-1, options)
+    before = np.concatenate([np.zeros((len(cumulative), 1), dtype=np.int64), cumulative[:, :-1]], axis=1)
+    for array in (cumulative, before):
+        array.setflags(write=False)
+    each = cumulative - before
+    each.setflags(write=False)
+    return _Splits(cumulative, before, each)
+
+
+_NO_SPLIT = np.iinfo(np.int64).max  # a split that does not fit, in `_price`'s ordering key
 
 
 def _chunk_sizes(blocks: int, holding: list[int], chunks: int) -> list[int]:
@@ -243,22 +259,23 @@ class DeviceTable:
         sizes = _chunk_sizes(blocks, layout.holding, v)
         chunk_of = np.repeat(np.arange(v), sizes)  # local chunk of each position, first to last
         # prefix[t, x, q]: MiB of the first x positions all holding the t-th heaviest option
-        prefix = np.concatenate([np.zeros((options, 1, len(self.moments)), dtype=np.int64),
-                                 np.cumsum(self.block_mib[:, chunk_of, :], axis=1)], axis=1)
-        counts = _cumulative_counts(blocks, options)  # the t + 1 heaviest options fill the last positions
-        before = np.concatenate([np.zeros((len(counts), 1), dtype=np.int64), counts[:, :-1]], axis=1)
-        mib = sum(prefix[t, blocks - before[:, t], :] - prefix[t, blocks - counts[:, t], :] for t in range(options))
-        units = (counts - before) @ self.block_units
+        prefix = np.zeros((options, blocks + 1, len(self.moments)), dtype=np.int64)
+        np.cumsum(self.block_mib[:, chunk_of, :], axis=1, out=prefix[:, 1:, :])
+        splits = _splits(blocks, options)  # the t + 1 heaviest options fill the last positions
+        option = np.arange(options)[None, :]
+        mib = (prefix[option, blocks - splits.before] - prefix[option, blocks - splits.cumulative]).sum(axis=1)
+        units = splits.each @ self.block_units
         total_mib = mib[:, None, :] + self.edge_mib[None, :, :]  # [split, edge choice, moment]
         peak = total_mib.max(axis=2)
         fits = peak <= self.room
         if not fits.any():
             return False
-        total_units = np.where(fits, units[:, None] + self.edge_units[None, :], np.iinfo(np.int64).max // 2)
-        best = int(np.lexsort((np.where(fits, peak, 0).ravel(), total_units.ravel()))[0])  # then least memory
+        total_units = units[:, None] + self.edge_units[None, :]
+        # least time, then least memory (peaks are MiB, far below 2**24 of them)
+        best = int(np.where(fits, total_units * 2**24 + peak, _NO_SPLIT).argmin())
         split, edge = divmod(best, len(self.edge_choices))
-        found = DeviceChoice(int(total_units.ravel()[best]) + self._fixed_units(layout.empty_first), once,
-                             self._chunk_options(counts[split], sizes),
+        found = DeviceChoice(int(total_units[split, edge]) + self._fixed_units(layout.empty_first), once,
+                             self._chunk_options(splits.each[split], sizes),
                              {layer: r for (layer, _), r in zip(self.edges, self.edge_choices[edge])},
                              layout.empty_first, layout.empty_last)
         known = self.choices.get(blocks)
@@ -266,10 +283,10 @@ class DeviceTable:
             self.choices[blocks] = found
         return True
 
-    def _chunk_options(self, cumulative: np.ndarray, sizes: list[int]) -> tuple[tuple[int, ...], ...]:
-        """Blocks per option on each chunk: the heaviest options fill the last positions."""
-        per_option = np.diff(np.concatenate([[0], cumulative]))
-        order = [r for t, r in enumerate(self.heaviest_first) for _ in range(int(per_option[t]))]
+    def _chunk_options(self, each: np.ndarray, sizes: list[int]) -> tuple[tuple[int, ...], ...]:
+        """Blocks per option on each chunk (`each`: blocks per option, heaviest first): the
+        heaviest options fill the last positions."""
+        order = [r for t, r in enumerate(self.heaviest_first) for _ in range(int(each[t]))]
         order.reverse()  # first position to last: lightest first
         counts, position = [], 0
         for size in sizes:

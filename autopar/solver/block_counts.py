@@ -10,8 +10,9 @@ with W = (m - 1)·v + (v - 1), the pipeline step of `stage_partition` in its uni
 threshold M on the slowest device and E on the once-per-step time, every device may take the
 counts whose D and E stay within them, and the least Σ_d D_d over those is a dynamic program over
 the blocks handed out so far (one numpy vector of K + 1 per device and count). Thresholds are
-taken in increasing order, and the first whose W·M + Σ_d min D_d + v·E reaches the best
-objective found ends the search: no later threshold can do better, so the answer is optimal.
+taken in increasing order, and the first whose W·M + (least Σ_d D_d of any allocation) + v·E
+reaches the best objective found ends the search: no later threshold can do better, so the answer
+is optimal.
 (CP-SAT solved the same program, a multiple-choice knapsack, in ~0.2 s whatever its size; a
 frontier-scale search solves dozens.)
 
@@ -68,13 +69,14 @@ def allocate(rows: list[DeviceRow], blocks: int, weight: int, chunks: int,
     floor_once = int(max(row.once.min() for row in rows))
     best: tuple[int, list[int]] | None = None
     for slowest in np.unique(np.concatenate([row.units for row in rows])):
-        if best is not None and weight * int(slowest) + floor_sum + chunks * floor_once >= best[0]:
+        bound = weight * int(slowest) + floor_sum + chunks * floor_once
+        if best is not None and bound >= best[0]:
             break  # every allocation not yet seen has a device at least this slow
         within = [row.units <= slowest for row in rows]
         if not _can_hold(rows, within, blocks):
             continue
         if work > work_limit_s:
-            return _stopped(best, weight * int(slowest) + floor_sum + chunks * floor_once, work)
+            return _stopped(best, bound, work)
         fastest, steps = _least_sum(rows, within, blocks)
         work += steps * WORK_PER_STEP
         if fastest is None:

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 from autopar.solver.block_counts import WORK_PER_PRICE, DeviceRow, allocate
-from cost_models.pipeline import (TIME_UNITS_PER_S, Partition, PartitionProblem, evaluate, mib_down, mib_up,
-                                   time_units)
+from autopar.solver.stage_partition import priced_solution, unresolved
+from cost_models.pipeline import Partition, PartitionProblem, mib_down, mib_up, time_units
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,6 @@ class DeviceChoice:
     per_step_units: int  # its once-per-step time
     chunk_options: tuple[tuple[int, ...], ...]  # [local chunk][option] blocks
     edge_options: dict[int, int]  # option of each prefix/suffix layer it holds
-    empty_first: bool  # the first stage holds the prefix alone
-    empty_last: bool  # the last stage holds the suffix alone
 
 
 def find_block_run(problem: PartitionProblem) -> BlockRun | None:
@@ -157,7 +155,9 @@ class DeviceTable:
         suffix = list(range(run.first + run.count, problem.num_layers)) if device == (P - 1) % p else []
         self.edges = [(layer, 0) for layer in prefix] + [(layer, v - 1) for layer in suffix]
         self.edge_choices, self.edge_units, self.edge_mib = self._edge_layouts()
-        self.room = mib_down(problem.capacity_bytes[device]) - mib_up(problem.overhead_bytes[device])
+        self.edge_once = self._edge_once()
+        self.capacity_mib = mib_down(problem.capacity_bytes[device])
+        self.room = self.capacity_mib - mib_up(problem.overhead_bytes[device])
         self.choices: dict[int, DeviceChoice] = {}
         self._work = 0.0
         self._layouts = [_Layout(first, last, self._holding(first, last))
@@ -232,19 +232,22 @@ class DeviceTable:
             units += time_units(self.speed * problem.send_s[self.run.first - 1]) - block_send
         return units
 
+    def _edge_once(self) -> tuple[int, int]:
+        """(once-per-step time units, MiB at the optimizer step) of the edge layers and the
+        device's step overhead: what `_once` adds to every count's."""
+        problem, layers = self.problem, [layer for layer, _ in self.edges]
+        once = sum(time_units(self.speed * problem.per_step_s[layer]) for layer in layers) if problem.per_step_s else 0
+        step = mib_up(problem.step_overhead_bytes[self.device]) \
+            + sum(mib_up(problem.at_step_bytes(layer)) for layer in layers) if problem.step_bytes else 0
+        return once, step
+
     def _once(self, blocks: int) -> tuple[int, int]:
         """(once-per-step time units, MiB at the optimizer step) of the edges and `blocks` blocks."""
-        problem = self.problem
-        layers = [layer for layer, _ in self.edges]
-        once = 0
+        problem, (once, step) = self.problem, self.edge_once
         if problem.per_step_s:
-            once = sum(time_units(self.speed * problem.per_step_s[layer]) for layer in layers) \
-                + blocks * time_units(self.speed * problem.per_step_s[self.run.first])
-        step = 0
+            once += blocks * time_units(self.speed * problem.per_step_s[self.run.first])
         if problem.step_bytes:
-            step = mib_up(problem.step_overhead_bytes[self.device]) \
-                + sum(mib_up(problem.at_step_bytes(layer)) for layer in layers) \
-                + blocks * mib_up(problem.at_step_bytes(self.run.first))
+            step += blocks * mib_up(problem.at_step_bytes(self.run.first))
         return once, step
 
     def _price(self, layout: _Layout, blocks: int) -> bool:
@@ -254,7 +257,7 @@ class DeviceTable:
         options = len(self.heaviest_first)
         self._work += WORK_PER_PRICE
         once, step_mib = self._once(blocks)
-        if problem.step_bytes and step_mib > mib_down(problem.capacity_bytes[self.device]):
+        if problem.step_bytes and step_mib > self.capacity_mib:
             return False
         sizes = _chunk_sizes(blocks, layout.holding, v)
         chunk_of = np.repeat(np.arange(v), sizes)  # local chunk of each position, first to last
@@ -276,8 +279,7 @@ class DeviceTable:
         split, edge = divmod(best, len(self.edge_choices))
         found = DeviceChoice(int(total_units[split, edge]) + self._fixed_units(layout.empty_first), once,
                              self._chunk_options(splits.each[split], sizes),
-                             {layer: r for (layer, _), r in zip(self.edges, self.edge_choices[edge])},
-                             layout.empty_first, layout.empty_last)
+                             {layer: r for (layer, _), r in zip(self.edges, self.edge_choices[edge])})
         known = self.choices.get(blocks)
         if known is None or found.units < known.units:
             self.choices[blocks] = found
@@ -329,26 +331,15 @@ class BlockPartitioner:
                 if not all(table.complete or upto >= K for table, upto in zip(tables, most)):
                     most = [K] * p  # nothing within the share: let every device take any count
                     continue
-                if found.optimal:
-                    return None
-                return Partition([], [], float("inf"), [], [], "UNKNOWN", self._seconds(problem, found.bound))
+                return unresolved(problem, "INFEASIBLE" if found.optimal else "UNKNOWN", found.bound)
             assert found.objective is not None
             useful = [table.most_useful(found.objective / (weight + 1)) for table in tables]
             if all(need <= upto or table.complete for table, need, upto in zip(tables, useful, most)):
                 chosen = [table.choices[int(row.counts[i])] for table, row, i in zip(tables, rows, found.picks)]
                 starts, options = self._decode(problem, run, chosen)
-                priced = evaluate(problem, starts, options)
-                if priced is None:  # the tables price memory as evaluate() does: this would be a bug
-                    raise AssertionError("block partition breaks a memory limit")
-                status = "OPTIMAL" if found.optimal else "FEASIBLE"
-                return replace(priced, status=status, bound_s=min(priced.step_time_s,
-                                                                  self._seconds(problem, found.bound)))
+                return priced_solution(problem, starts, options, "OPTIMAL" if found.optimal else "FEASIBLE",
+                                       found.bound)
             most = [max(upto, need) for upto, need in zip(most, useful)]
-
-    @staticmethod
-    def _seconds(problem: PartitionProblem, units: int) -> float:
-        """An objective in the program's units (v·µs) as step seconds."""
-        return units / problem.chunks / TIME_UNITS_PER_S
 
     @staticmethod
     def _decode(problem: PartitionProblem, run: BlockRun, chosen: list[DeviceChoice]) -> tuple[list[int], list[int]]:

@@ -78,17 +78,17 @@ def solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel) -> i
     return outcome[0]
 
 
-def priced_solution(problem: PartitionProblem, starts: list[int], options: list[int], solver: cp_model.CpSolver,
-                    status: int) -> Partition:
-    """Price the decoded solution with `evaluate` and attach the solver's status and proven
-    lower bound (objective units are v·µs, as in the models' objectives)."""
+def priced_solution(problem: PartitionProblem, starts: list[int], options: list[int], status: str,
+                    bound_units: float) -> Partition:
+    """Price the decoded solution with `evaluate` and attach the solver's status and its proven
+    lower bound (`bound_units` in the programs' objective units, v·µs)."""
     result = evaluate(problem, starts, options)
-    if result is None:  # evaluate() uses the ILP's own units: this would be a bug
-        raise AssertionError("ILP partition breaks a memory limit")
-    bound = solver.best_objective_bound / problem.chunks / TIME_UNITS_PER_S
+    if result is None:  # evaluate() uses the programs' own units: this would be a bug
+        raise AssertionError("partition program's answer breaks a memory limit")
+    bound = bound_units / problem.chunks / TIME_UNITS_PER_S
     return Partition(result.stage_starts, result.options, result.step_time_s, result.device_time_s,
-                     result.device_memory_bytes, solver.status_name(status),
-                     result.step_time_s if status == cp_model.OPTIMAL else min(bound, result.step_time_s))
+                     result.device_memory_bytes, status,
+                     result.step_time_s if status == "OPTIMAL" else min(bound, result.step_time_s))
 
 
 def units_bound(seconds: list[float], speed: float) -> int:
@@ -99,13 +99,12 @@ def units_bound(seconds: list[float], speed: float) -> int:
     return sum(time_units(speed * s) for s in seconds) + 1
 
 
-def unresolved(problem: PartitionProblem, solver: cp_model.CpSolver, status: int) -> Partition | None:
+def unresolved(problem: PartitionProblem, status: str, bound_units: float) -> Partition | None:
     """None when the problem is proven infeasible; otherwise (work limit reached before any
-    solution) a placeholder with no partition and the proven lower bound."""
-    if status == cp_model.INFEASIBLE:
+    solution) a placeholder with no partition and the proven lower bound (objective units)."""
+    if status == "INFEASIBLE":
         return None
-    bound = max(0.0, solver.best_objective_bound) / problem.chunks / TIME_UNITS_PER_S
-    return Partition([], [], float("inf"), [], [], solver.status_name(status), bound)
+    return Partition([], [], float("inf"), [], [], status, max(0.0, bound_units) / problem.chunks / TIME_UNITS_PER_S)
 
 
 class StagePartitioner:
@@ -134,12 +133,12 @@ class StagePartitioner:
         solver, status = solve_deterministically(model, self.time_limit_s, self.seed, self.workers)
         self.work_s += solver.deterministic_time
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return unresolved(problem, solver, status)
+            return unresolved(problem, solver.status_name(status), solver.best_objective_bound)
         starts = [layer for layer in range(L)
                   if layer == 0 or any(solver.value(last[(layer - 1, j)]) for j in range(P - 1))]
         chosen = [next(r for j in range(P) for r in range(options) if solver.value(w[(layer, j, r)]))
                   for layer in range(L)]
-        return priced_solution(problem, starts, chosen, solver, status)
+        return priced_solution(problem, starts, chosen, solver.status_name(status), solver.best_objective_bound)
 
     def _add_assignment(self, model, problem, L, P, options):
         x = {(layer, j): model.new_bool_var(f"x[{layer},{j}]") for layer in range(L) for j in range(P)}

@@ -36,19 +36,19 @@ demo: setup
 		optim.lr=3e-3 optim.warmup_steps=30 optim.min_lr=3e-4 --out-dir demo/gpt_cpu
 	$(VENV)/bin/autopar run demo/gpt_cpu --steps 300
 
-# The default tier (CI's): one process a test, spread over TEST_WORKERS processes (pytest-xdist,
-# a file's tests together), then the suites that start ranks, two files at a time (0.6 of the
-# time of one at a time; DIST_WORKERS=0 runs one test at a time). test-full adds the extended
-# tier (tests marked `extended`, tests/tiers.py).
+# The default tier (CI's): one pytest run spread over TEST_WORKERS processes (pytest-xdist, a
+# file's tests together, in the order given): the suites that start ranks first, their longest
+# files leading, and the single-process unit files after them, which fill in wherever a worker is
+# free, so that neither worker waits at the end of one suite for the other to finish it
+# (TEST_WORKERS=0 runs one test at a time). test-full adds the extended tier (tests marked
+# `extended`, tests/tiers.py).
 # One intra-op thread a process: the tests' tensors are tiny, and a second thread only spins beside
 # the other worker (the unit suite 217 s -> 185 s); torchrun's ranks run so already.
 TEST_WORKERS ?= 2
-DIST_WORKERS ?= 2
 TEST_THREADS ?= 1
 PYTEST = OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q
 test: setup
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests/unit
-	$(PYTEST) -n $(DIST_WORKERS) --dist loadfile --no-loadscope-reorder tests/dist tests/zoo
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/dist tests/zoo tests/unit
 
 # Undefined and unused names and pycodestyle's errors (pyproject.toml [tool.ruff]), and types
 # ([tool.mypy]); CI runs it.

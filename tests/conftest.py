@@ -39,8 +39,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 # The suites that start ranks, longest first (seconds on 2 cores, `--durations`): `make test`
-# hands files to its two workers in this order (--no-loadscope-reorder), so that the last file a
-# worker starts is a short one, not the zoo's 75 s while the other worker idles.
+# hands files to its two workers in this order (--no-loadscope-reorder), the unit files after
+# them, so that the last file a worker starts is a short one, not the zoo's while the other
+# worker idles.
 LONGEST_FIRST = ["dist/test_equivalence.py",  # about 150
                  "dist/test_expert_parallel.py",  # 95
                  "zoo/test_zoo.py",  # 75

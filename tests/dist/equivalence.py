@@ -112,8 +112,8 @@ IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES if model in 
 # the tiny Llama (grouped-query attention, an untied head, Hugging Face's code) under each kind
 # of split (data, tensor with its own operator-wise split, pipeline, context). The extended tier
 # adds the remaining Llama cases and the GPT cases whose kinds a default case already combines
-# (cp4 Ulysses beside cp4 ring and cp2 Ulysses, a second cp x tp and cp x pp, Ulysses under
-# recomputation, hierarchical sync under ZeRO-1, the parameter server beside tp, dp x tp and
+# (Ulysses alone and at cp4, which cp2 x tp2 Ulysses and cp4 ring run, a second cp x tp and cp x
+# pp, Ulysses under recomputation, hierarchical sync under ZeRO-1, the parameter server beside tp, dp x tp and
 # dp x pp and tp x pp, which the dp x tp x pp case runs together), GPT's mixed split and cp2 ring
 # (the Llama runs them by default), GPT's plain tp2 (tp2_sp and the dp x tp x pp case split the
 # same way) and 1F1B (the Llama's), per-block recomputation under dp (the dp x tp x pp and cp2 ring
@@ -122,10 +122,10 @@ IDS = [f"{model}-{case.name}" for model in MODELS for case in CASES if model in 
 # GPipe (a schedule class beside the default tier's 1F1B and interleaved ones) and
 # halving-doubling (its collective is test_gradient_sync.py's, its exchange the one the parameter
 # server and hierarchical cases run by default).
-EXTENDED_GPT = {"cp4_ulysses", "cp2_tp2_ring", "cp2_pp2_ulysses", "cp2_ulysses_recompute", "zero1_dp4_hierarchical",
-                "dp2_tp2_parameter_server", "dp2_tp2", "dp2_pp2", "tp2_pp2_sp", "tp2_sp_mixed_split", "cp2_ring",
-                "tp2", "pp2_1f1b", "zero3_dp2_cp2_ring", "pp2_gpipe", "dp4_halving_doubling", "recompute_dp2",
-                "zero2_dp2"}
+EXTENDED_GPT = {"cp2_ulysses", "cp4_ulysses", "cp2_tp2_ring", "cp2_pp2_ulysses", "cp2_ulysses_recompute",
+                "zero1_dp4_hierarchical", "dp2_tp2_parameter_server", "dp2_tp2", "dp2_pp2", "tp2_pp2_sp",
+                "tp2_sp_mixed_split", "cp2_ring", "tp2", "pp2_1f1b", "zero3_dp2_cp2_ring", "pp2_gpipe",
+                "dp4_halving_doubling", "recompute_dp2", "zero2_dp2"}
 DEFAULT_LLAMA = {"zero3_dp4", "tp2_sp_mixed_split", "pp2_1f1b", "cp2_ring"}
 DEFAULT_IDS = [f"gpt-{case.name}" for case in CASES if case.name not in EXTENDED_GPT] + \
     [f"llama_hf-{name}" for name in sorted(DEFAULT_LLAMA)]

@@ -97,6 +97,7 @@ def test_the_api_trains_what_the_compiled_module_trains(api_tp2, tmp_path):
         torch.testing.assert_close(api_parameters[name], tensor, rtol=0, atol=0, msg=name)
 
 
+@EXTENDED  # resuming from DCP runs by default through `autopar run` (test_data_resume.py, test_fused_projections.py)
 def test_a_loop_resumed_from_its_checkpoint_ends_where_the_whole_run_ended(api_tp2, reference, tmp_path):
     """The run stopped after step 2 (its last checkpoint removed) and started again: it resumes at
     step 2 from DCP, trains the last step, and ends with the uninterrupted run's parameters."""

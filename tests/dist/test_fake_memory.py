@@ -54,9 +54,10 @@ PLANS = {
     "tp2_unfused_selective": ["plan.dp=4", "plan.tp=2", "plan.pp=1", "plan.zero_stage=3", "plan.micro_batch_size=2",
                               "plan.recompute=selective"],
 }
-# The default run (tests/tiers.py): ZeRO-3 and ZeRO-1 alone and the pipeline x TP x SP hybrid; the extended
-# tier adds TP x SP under ZeRO-3, ring attention and written-out attention under selective recomputation.
-DEFAULT_PLANS = ["zero3_dp8", "zero1_dp8", "zero1_dp8_step_peak", "pp2_tp2_dp2"]
+# The default run (tests/tiers.py): ZeRO-3 and ZeRO-1 alone (ZeRO-1 where its step is the peak) and the
+# pipeline x TP x SP hybrid; the extended tier adds ZeRO-1 where backward peaks, TP x SP under ZeRO-3,
+# ring attention and written-out attention under selective recomputation.
+DEFAULT_PLANS = ["zero3_dp8", "zero1_dp8_step_peak", "pp2_tp2_dp2"]
 MODEL_OF_PLAN = {"cp2_ring_selective": {**GPT, "seq_len": 2048},
                  "tp2_unfused_selective": {**GPT, "seq_len": 1024, "attention": "unfused"},
                  "zero1_dp8_step_peak": {**GPT, "layers": 16, "seq_len": 32, "vocab": 1024}}

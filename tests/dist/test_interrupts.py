@@ -23,7 +23,7 @@ from autopar.cli import main as autopar_main
 from autopar.codegen import generate
 from autopar.runtime.local import LOCK_NAME, LOG_NAME
 from tests.dist.plans import GPT, REPO, make_plan
-from tests.tiers import tiered
+from tests.tiers import EXTENDED, tiered
 
 pytestmark = pytest.mark.slow  # 3 to 4 minutes on a busy 2-core machine
 
@@ -35,6 +35,10 @@ def dp2(tmp_path_factory) -> Path:
     return folder
 
 
+# A rank killed, torchrun's restart and the resume run by default in test_data_resume.py (held to the
+# uninterrupted run's samples and parameters); a checkpoint failing its checksum is skipped by default in
+# test_run_safety.py; the lines run prints for those events, test_progress.py.
+@EXTENDED
 def test_run_says_a_rank_death_its_restart_a_resume_and_a_skipped_checkpoint(dp2, tmp_path, monkeypatch, capsys):
     folder = tmp_path / "dp2"
     shutil.copytree(dp2, folder)

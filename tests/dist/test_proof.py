@@ -137,6 +137,7 @@ def test_a_saved_plan_that_fails_is_refused_with_its_reason(tmp_path, capsys):
     assert not out.exists()
 
 
+@EXTENDED  # a regression of one model's pipeline (the zoo's frozen GPT, whose ZeRO-3 case runs by default)
 def test_a_pipeline_stage_of_frozen_parameters_only_passes_the_full_scale_step(tmp_path):
     # The zoo's frozen GPT (embeddings and the first block frozen) trains under pp=2 on gloo
     # ranks; its first stage's output needs no gradient, which the fake-tensor step once took for
@@ -148,6 +149,7 @@ def test_a_pipeline_stage_of_frozen_parameters_only_passes_the_full_scale_step(t
     assert "rank 0 (pipeline rank 0): stage(s) [0]" in json.loads((out / "report.json").read_text())["proof"]
 
 
+@EXTENDED  # the blame of a batch split runs by default (test_a_plan_that_trains_something_else_...), on 2 ranks
 def test_a_plan_splitting_several_ways_is_diagnosed_split_by_split(tmp_path, capsys):
     """dp=2 x tp=2 of the batch-mixing model trains something else, and the check alone cannot
     tell which split is to blame; compile checks the batch split alone (dp=2 on 2 ranks), which

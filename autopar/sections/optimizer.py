@@ -40,13 +40,73 @@ def decays(name: str, settings: dict, no_decay: AbstractSet[str]) -> bool:
     return settings.get("weight_decay", 0.0) != 0 and (settings.get("decay_all", False) or name not in no_decay)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a (possibly distributed) tensor; writes go through to it."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def build_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, no_decay: AbstractSet[str] = frozenset()
                     ) -> torch.optim.Optimizer:
     """AdamW over ``named`` parameters (one pipeline stage's, possibly sharded) with ``settings``
     (lr, betas, eps, weight_decay, decay_all); ``no_decay``: the FQNs `no_decay_names` exempts."""
     # foreach (CUDA's default, forced here so CPU runs take the same path): one fused update per
     # group, and a DTensor op refuses plain tensors or another mesh's DTensors beside it.
-    return torch.optim.AdamW(uniform_groups(named, settings, no_decay), foreach=True, **adamw_options(settings))
+    return LocalAdamW(uniform_groups(named, settings, no_decay), foreach=True, **adamw_options(settings))
+
+
+class LocalAdamW(torch.optim.AdamW):
+    """torch's AdamW, its update run on each rank's local shards where that is the same update.
+
+    AdamW is elementwise, so where every gradient of a group is laid out as its parameter is
+    (same placements, nothing pending a reduction), updating the local tensors in place is what
+    DTensor's dispatch of the same foreach ops does on each rank, with no collective either way.
+    Dispatching them costs DTensor a sharding strategy per op and tensor the first time
+    (measured on 2 CPU ranks: a tiny GPT's first step 3.7 s under DP, 6.8 s under ZeRO-3 over 4
+    ranks, against 0.24 and 0.83 s so) and host time every step. The state stays torch's
+    (DTensors, initialised by AdamW itself), so checkpoints are unchanged; a group with a
+    gradient laid out otherwise, and torch releases whose Adam lacks the decoupled form, take
+    AdamW's own step."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        special = any(group["capturable"] or group["fused"] or group["differentiable"] for group in self.param_groups)
+        if special or "decoupled_weight_decay" not in self.defaults or not hasattr(self, "_init_group"):
+            return super().step(closure)
+        from torch.optim.adam import adam
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            max_exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            if all(_same_layout(p, g) for p, g in zip(params, grads)):
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = (
+                    [_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs))
+            beta1, beta2 = group["betas"]
+            adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
+                 has_complex=has_complex,
+                 grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+                 decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"], beta1=beta1,
+                 beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                 maximize=group["maximize"])
+        return loss
+
+
+def _same_layout(parameter: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` sits on each rank as ``parameter`` does (plain tensors, or DTensors of one
+    mesh and placements with no partial sum pending), so that their local tensors correspond."""
+    if not isinstance(parameter, DTensor):
+        return not isinstance(grad, DTensor)
+    return (isinstance(grad, DTensor) and grad.device_mesh == parameter.device_mesh
+            and tuple(grad.placements) == tuple(parameter.placements)
+            and not any(placement.is_partial() for placement in grad.placements))
 
 
 def build_zero1_optimizer(named: list[tuple[str, nn.Parameter]], settings: dict, group: dist.ProcessGroup,
@@ -120,11 +180,6 @@ def set_learning_rate(optimizer: Any, lr: float) -> None:
 # releases, which the generated module also runs on, have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of a (possibly distributed) tensor; writes go through to it."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ShardedAdamW:

@@ -71,7 +71,7 @@ def _total_numel() -> int:
 def test_zero0_and_zero1_replicate_parameters_and_only_zero1_shards_optimizer_state(layouts):
     total = _total_numel()
     for rank in layouts:
-        assert rank["zero0"]["local_numel"] == total and rank["zero0"]["optimizer"] == "AdamW"
+        assert rank["zero0"]["local_numel"] == total and rank["zero0"]["optimizer"] == "LocalAdamW"
         assert rank["zero1"]["local_numel"] == total and rank["zero1"]["optimizer"] == "ShardedAdamW"
         assert rank["zero1"]["shard_numel"] == pytest.approx(total / 2, abs=1)
 

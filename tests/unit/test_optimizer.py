@@ -131,6 +131,49 @@ def test_sharded_adamw_with_a_decay_mask_is_torch_adamw(one_rank_group):
     assert again.decay_ranges == sharded.decay_ranges and again.inner.param_groups[0]["weight_decay"] == 0.0
 
 
+@pytest.mark.parametrize("grad_placement", ["as_parameter", "partial"])
+def test_local_adamw_is_torch_adamw_on_dtensors(one_rank_group, grad_placement):
+    """The generated optimizer (`build_optimizer`: AdamW's update run on the local shards where
+    each gradient is laid out as its parameter) equals torch's AdamW on the same DTensors bit for
+    bit over 4 steps, a decayed and an exempt group, sharded and replicated parameters, through a
+    learning-rate change; where a gradient is a pending partial sum it takes torch's own step
+    (the sum's reduction is DTensor's), equal too. Its state is torch's: DTensors placed as their
+    parameters (what DCP checkpoints)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    shapes = {"a.weight": ((4, 3), Shard(0)), "a.bias": ((3,), Replicate()), "b.weight": ((5, 2), Shard(1))}
+    values = {name: torch.randn(shape) for name, (shape, _) in shapes.items()}
+
+    def parameters() -> dict[str, nn.Parameter]:
+        return {name: nn.Parameter(distribute_tensor(values[name].clone(), mesh, [placement]))
+                for name, (_, placement) in shapes.items()}
+
+    ours, theirs = parameters(), parameters()
+    settings = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    optimizer = build_optimizer(list(ours.items()), settings, no_decay={"a.bias"})
+    reference = torch.optim.AdamW([{"params": [theirs["a.weight"], theirs["b.weight"]]},
+                                   {"params": [theirs["a.bias"]], "weight_decay": 0.0}], foreach=True, **settings)
+    for step in range(4):
+        for name, (shape, placement) in shapes.items():
+            grad = torch.randn(shape)
+            for params in (ours, theirs):
+                params[name].grad = (DTensor.from_local(grad.clone(), mesh, [Partial()]) if grad_placement == "partial"
+                                     else distribute_tensor(grad.clone(), mesh, [placement]))
+        set_learning_rate(optimizer, 0.01 / (step + 1))
+        set_learning_rate(reference, 0.01 / (step + 1))
+        optimizer.step()
+        reference.step()
+    for name in shapes:
+        torch.testing.assert_close(ours[name].full_tensor(), theirs[name].full_tensor(), rtol=0, atol=0)
+        state = optimizer.state[ours[name]]
+        assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == ours[name].placements
+        torch.testing.assert_close(state["exp_avg_sq"].full_tensor(),
+                                   reference.state[theirs[name]]["exp_avg_sq"].full_tensor(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("start, stop", [(0, 26), (5, 14), (12, 20), (13, 14), (20, 26)])
 def test_sharded_adamw_takes_its_slice_of_the_gradients_and_decay_without_a_flat_copy(one_rank_group, start, stop):
     """A rank's slice of the flattened parameters (here set by hand: 12, 3, 10 and 1 elements,

@@ -62,14 +62,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from ortools.sat.python import cp_model
-
 from autopar.model_profile import inside
 from autopar.solver.stage_partition import solve_interruptibly
 from autopar.domain.vocabulary import TPStyle
 from cost_models.weights import parameter_sources
 
 if TYPE_CHECKING:
+    from ortools.sat.python import cp_model  # imported where a model is built (stage_partition says why)
+
     from autopar.model_profile import ModelProfile, OpProfile
 
 TIME_UNITS_PER_S = 1e9  # CP-SAT needs integers: costs are scaled to nanoseconds
@@ -273,6 +273,8 @@ class IntraOpSolver:
         backward_ratio = self._backward_ratio(layer)
         norms = self._head_norm_modules(ops)
         strategies = {op.name: self._strategies(op, by_name, frozenset(norms)) for op in ops}
+        from ortools.sat.python import cp_model
+
         model = cp_model.CpModel()
         choice = self._add_strategy_choice(model, strategies)
         objective: list[tuple[int, cp_model.IntVar]] = []

@@ -39,9 +39,13 @@ tests/brute_force.py enumerates every partition and option to check it.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ortools.sat.python import cp_model
+# CP-SAT is imported where a model is built: it imports pandas (about 1 s of a planning process),
+# which a plan that solves no CP-SAT model (identical blocks, tensor-parallel splits kept with the
+# profile: autopar.profile_cache) never needs.
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 from cost_models.pipeline import (TIME_UNITS_PER_S, Partition, PartitionProblem, evaluate, mib_down, mib_up,
                                    time_units)
@@ -50,6 +54,8 @@ from cost_models.pipeline import (TIME_UNITS_PER_S, Partition, PartitionProblem,
 def solve_deterministically(model: cp_model.CpModel, time_limit_s: float, seed: int, workers: int):
     """Solve with a deterministic work limit (CP-SAT's deterministic seconds) rather than wall
     time, so the same inputs give the same answer on any machine load."""
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = time_limit_s
     solver.parameters.random_seed = seed
@@ -121,6 +127,8 @@ class StagePartitioner:
         L, P, options = problem.num_layers, problem.num_stages, len(problem.time_s[0])
         if L < P:
             return None
+        from ortools.sat.python import cp_model
+
         model = cp_model.CpModel()
         x, w, last = self._add_assignment(model, problem, L, P, options)
         self._add_contiguity(model, x, last, L, P)

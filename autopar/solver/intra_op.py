@@ -63,7 +63,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from autopar.model_profile import inside
-from autopar.solver.stage_partition import solve_interruptibly
+from autopar.solver.stage_partition import solve_deterministically
 from autopar.domain.vocabulary import TPStyle
 from cost_models.weights import parameter_sources
 
@@ -306,12 +306,9 @@ class IntraOpSolver:
         self._add_head_norms_whole(model, norms, strategies, choice)
         model.minimize(sum(coefficient * var for coefficient, var in objective))
 
-        solver = cp_model.CpSolver()
-        # A deterministic work limit, not wall time: the same split on a busy or an idle machine.
-        solver.parameters.max_deterministic_time = self.time_limit_s
-        solver.parameters.random_seed = self.seed
-        solver.parameters.num_workers = 1  # deterministic and fast enough for one layer
-        status = solve_interruptibly(solver, model)
+        # A deterministic work limit, not wall time: the same split on a busy or an idle machine;
+        # one worker, deterministic and fast enough for one layer.
+        solver, status = solve_deterministically(model, self.time_limit_s, self.seed, workers=1)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"intra-op ILP for {layer} at tp={self.tp}: {solver.status_name(status)}")
         solution = self._read_solution(layer, solver, status, ops, strategies, choice, compute_terms, edge_vars,

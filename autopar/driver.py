@@ -180,7 +180,10 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
                   progress: "Reporter | None", force: bool, provenance: dict[str, str],
                   profile: ModelProfile | None, emit: tuple[str, ...]):
     """`run_compile` once the folder is checked and held."""
+    from autopar.runtime.forked_ranks import start_server
     from autopar.runtime.proof import check_wanted
+
+    start_server()  # the proof's processes fork from it: its imports run beside the planning
 
     defaults = {**run_defaults(cfg, model_path), "optimizer": optimizer_settings(cfg.optim)}
     cluster = build_cluster(cfg)

@@ -27,10 +27,12 @@ def child_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
 
 
-def die_with_parent() -> bool:
+def die_with_parent(parent: int | None = None) -> bool:
     """Ask for SIGTERM when the parent named in `PARENT_ENV` ends (removed from the environment,
-    so grandchildren do not inherit it); whether that was arranged."""
-    expected = os.environ.pop(PARENT_ENV, None)
+    so grandchildren do not inherit it), or ``parent`` (a pid) where given; whether that was
+    arranged."""
+    named = os.environ.pop(PARENT_ENV, None)
+    expected = str(parent) if parent is not None else named
     if expected is None or not sys.platform.startswith("linux"):
         return False
     try:

@@ -6,22 +6,24 @@ planner's next plan):
 1. Full scale, fake tensors: one training step of the generated module at the plan's whole
    world size on torch's ``fake`` process group (`fake_step.train_fake_step`), for the ranks
    that run different code: rank 0 (first pipeline stage) and the first rank of the last
-   pipeline stage. Each runs in its own process (``python -m autopar.runtime.proof DIR --rank
-   R``), so a crash inside torch (a segfault, an abort) rejects the plan instead of taking the
-   compiler down. On a GPU rank, a second step in the same fake world is tracked
-   (`fake_memory.memory_floor`): what its tensors hold, with the CUDA context, is a floor of
-   what the GPU will hold, and a floor past the GPU's memory rejects the plan however the cost
-   model priced it.
+   pipeline stage. Each runs in its own process (forked_ranks.py), so a crash inside torch (a
+   segfault, an abort) rejects the plan instead of taking the compiler down. On a GPU rank, a
+   second step in the same fake world is tracked (`fake_memory.memory_floor`): what its tensors
+   hold, with the CUDA context, is a floor of what the GPU will hold, and a floor past the GPU's
+   memory rejects the plan however the cost model priced it.
 2. Small scale, real numbers (``check=on``; ``auto`` where every rank of the cluster runs on
    this machine, i.e. CPU gloo ranks): the plan's module trains `CHECK_STEPS` steps on local
    gloo ranks and its losses and final parameters are compared with the unsharded model on one
-   process (autopar/runtime/reference.py). The module is generated again for this run with
-   AdamW's eps at 1e-5: AdamW turns a gradient's float noise (a different reduction order) into
-   steps of up to lr * noise / eps, and a gradient that is zero in exact arithmetic (a key
-   projection's bias: softmax ignores one shift of every key) is all noise, 3e-9 to 3e-8 in
-   CLIP's text and vision towers. At eps 1e-8 that is a step of lr/3; at 1e-6 it still moved
-   CLIP's key bias 1.2e-5 in 2 steps, past the tolerance, and refused a correct TP plan; at 1e-5
-   it stays under 2e-6, while real gradients (1e-3 and up) are normalised as AdamW does.
+   process (autopar/runtime/reference.py). The ranks call the module's ``main`` as torchrun's
+   workers would, forked from one process that imported torch once (forked_ranks.py: each
+   worker importing torch was most of a small check's time); `autopar run` keeps torchrun. The
+   module is generated again for this run with AdamW's eps at 1e-5: AdamW turns a gradient's
+   float noise (a different reduction order) into steps of up to lr * noise / eps, and a
+   gradient that is zero in exact arithmetic (a key projection's bias: softmax ignores one shift
+   of every key) is all noise, 3e-9 to 3e-8 in CLIP's text and vision towers. At eps 1e-8 that
+   is a step of lr/3; at 1e-6 it still moved CLIP's key bias 1.2e-5 in 2 steps, past the
+   tolerance, and refused a correct TP plan; at 1e-5 it stays under 2e-6, while real gradients
+   (1e-3 and up) are normalised as AdamW does.
 
 The two run at the same time (`FakeSteps`); where both fail, the full-scale failure is the one
 reported, as when they ran one after the other.
@@ -33,10 +35,7 @@ pipeline schedule (its stages run one micro-batch each, as fake_step.py explains
 """
 from __future__ import annotations
 
-import argparse
 import math
-import subprocess
-import sys
 import tempfile
 import threading
 import traceback
@@ -62,7 +61,6 @@ LOSS_RTOL_FLOOR = 1e-6
 PARAM_RTOL_FLOOR, PARAM_ATOL_FLOOR = 1e-5, 1e-7
 FAKE_TIMEOUT_S = 600.0
 CHECK_TIMEOUT_S = 600.0
-FAILED_MARKER = "proof-failed:"
 CHECK_SETTINGS = ("auto", "on", "off")
 
 
@@ -142,10 +140,10 @@ def prove(plan: Any, model_path: str | Path, folder: str | Path, check: bool) ->
 
 
 class FakeSteps(threading.Thread):
-    """The full-scale fake-tensor steps of ``ranks``, each in a process of its own, one after
-    another until one fails, in a thread beside the small-scale check: each is mostly a second
-    interpreter importing torch, on a core the check's launcher leaves idle (5 of the 31 s a tiny
-    GPT's compile took). `stop` kills the one running (the compile was interrupted)."""
+    """The full-scale fake-tensor steps of ``ranks``, each in a process of its own (forked from
+    the fork server the small-scale check's ranks come from: forked_ranks.py), one after another
+    until one fails, in a thread beside the small-scale check. `stop` kills the one running (the
+    compile was interrupted)."""
 
     def __init__(self, folder: str | Path, ranks: list[int], timeout_s: float = FAKE_TIMEOUT_S):
         super().__init__(name="autopar-fake-steps", daemon=True)
@@ -153,9 +151,7 @@ class FakeSteps(threading.Thread):
         self.ranks = ranks
         self.timeout_s = timeout_s
         self.outcomes: list[tuple[int, str, str]] = []  # (rank, failure, what ran), in rank order
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._process: subprocess.Popen | None = None
+        self._stopped = threading.Event()
 
     def run(self) -> None:
         for rank in self.ranks:
@@ -170,37 +166,53 @@ class FakeSteps(threading.Thread):
                 return
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            if self._process is not None and self._process.poll() is None:
-                self._process.kill()
+        self._stopped.set()
         self.join()
 
     def _step(self, rank: int) -> tuple[str, str] | None:
         """(failure, what ran) of ``rank``'s step, None once stopped; a step that does not finish in
         time is not a failure (the plan is kept, the note says so)."""
-        from autopar.runtime.lifeline import child_environment
+        from autopar.runtime.forked_ranks import Cancelled, RankFailure, run_ranks
 
-        command = [sys.executable, "-m", "autopar.runtime.proof", str(self.folder), "--rank", str(rank)]
-        with self._lock:
-            if self._stopped:
-                return None
-            process = self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                       text=True, env=child_environment())
-        try:
-            stdout, stderr = process.communicate(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            return "", f"rank {rank}: not finished within {self.timeout_s:.0f} s (not proven at full scale)"
-        if self._stopped:
+        if self._stopped.is_set():
             return None
-        marked = [line for line in stdout.splitlines() if line.startswith(FAILED_MARKER)]
-        if marked:
-            return marked[-1][len(FAILED_MARKER):].strip(), ""
-        if process.returncode != 0:
-            return f"the process died ({_exit_words(process.returncode)}): {_last_line(stderr)}", ""
-        return "", stdout.strip().splitlines()[-1] if stdout.strip() else f"rank {rank}"
+        with tempfile.TemporaryDirectory(prefix="autopar-fake-step-") as logs:
+            try:
+                (outcome,) = run_ranks(_full_scale_step_process, 1, str(self.folder), rank, timeout_s=self.timeout_s,
+                                       join_group=False, cancel=self._stopped, output=Path(logs))
+            except Cancelled:
+                return None
+            except RankFailure as failure:
+                if failure.rank is None:  # not finished in time
+                    return "", f"rank {rank}: not finished within {self.timeout_s:.0f} s (not proven at full scale)"
+                return f"the process {failure.error}: {_last_line(_read_log(Path(logs)))}", ""
+        return outcome
+
+
+def full_scale_step(folder: str | Path, rank: int) -> tuple[str, str]:
+    """(failure, what ran) of one fake-tensor step of ``rank`` of the module in ``folder`` at its
+    full world size (and, on a GPU rank, of the memory floor of a second one); the failure is
+    the error's first line."""
+    from autopar.runtime.fake_memory import memory_floor
+    from autopar.runtime.fake_step import train_fake_step
+
+    try:
+        return "", train_fake_step(folder, rank, after=memory_floor(folder, rank))
+    except BaseException as err:  # noqa: BLE001 - any failure of the generated code rejects the plan
+        traceback.print_exc()  # into the step's log
+        # The message's first line: torch's C++ errors go on with "Exception raised from ..." and frames.
+        message = (str(err).strip().splitlines() or [""])[0]
+        line = f"{type(err).__name__}: {message}" if message else type(err).__name__
+        return " ".join(line.split())[:300], ""
+
+
+def _full_scale_step_process(_: int, __: int, folder: str, rank: int) -> tuple[str, str]:
+    """`full_scale_step` as the one process of a `run_ranks` call."""
+    return full_scale_step(folder, rank)
+
+
+def _read_log(folder: Path) -> str:
+    return "".join(path.read_text(errors="replace") for path in sorted(folder.glob("*.log")))
 
 
 def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
@@ -211,22 +223,26 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
 
     from autopar.codegen import generate
     from autopar.codegen.generate import DEFAULT_OPTIMIZER
-    from autopar.runtime.local import run_local
+    from autopar.runtime.forked_ranks import RankFailure, run_ranks
+    from autopar.runtime.generated import find_script
+    from autopar.runtime.local import read_records
     from autopar.runtime.reference import run_reference
 
     optimizer = {**DEFAULT_OPTIMIZER, "eps": CHECK_EPS}
     with tempfile.TemporaryDirectory(prefix="autopar-check-") as work:
         folder = Path(work)
         generate(plan, model_path, folder, optimizer=optimizer)
-        final = folder / "final.pt"
-        result = run_local(folder, plan.world_size, CHECK_STEPS, timeout_s=CHECK_TIMEOUT_S,
-                           extra_args=["--seed", "0", "--save-final", str(final), "--dropout-off"])
-        if result.returncode == 124:
-            return f"on {plan.world_size} local gloo ranks: not finished within {CHECK_TIMEOUT_S:.0f} s", "", False
-        if not result.ok:
-            where = f"rank {result.failed_rank}" if result.failed_rank is not None else "a rank"
-            return f"on {plan.world_size} local gloo ranks, {where}: {_last_line(result.error)}", "", False
-        losses = [record["loss"] for record in result.records]
+        final, log = folder / "final.pt", folder / "run.jsonl"
+        argv = ["--steps", str(CHECK_STEPS), "--log-file", str(log), "--seed", "0", "--save-final", str(final),
+                "--dropout-off"]
+        try:
+            run_ranks(_check_rank, plan.world_size, str(find_script(folder)), argv, timeout_s=CHECK_TIMEOUT_S,
+                      output=folder)
+        except RankFailure as failure:
+            if failure.rank is None:
+                return f"on {plan.world_size} local gloo ranks: not finished within {CHECK_TIMEOUT_S:.0f} s", "", False
+            return f"on {plan.world_size} local gloo ranks, rank {failure.rank}: {_last_line(failure.error)}", "", False
+        losses = [record["loss"] for record in read_records(log)]
         parameters = torch.load(final, weights_only=True) if final.is_file() else {}
     kwargs = dict(plan.provenance.model_kwargs)
     # Both runs with dropout off (contract.DropoutOff): a sharded run draws other masks.
@@ -243,6 +259,21 @@ def numerical_check(plan: Any, model_path: str | Path) -> tuple[str, str, bool]:
     if difference:
         return difference, "", True
     return "", (f"{CHECK_STEPS} steps on {plan.world_size} local gloo ranks equal to one process ({tolerances})"), False
+
+
+def _check_rank(rank: int, world_size: int, script: str, argv: list[str]) -> None:
+    """One rank of the small-scale check: the generated module's ``main`` in the process group the
+    rank joined, with one intra-op thread where ranks share the machine (torchrun's default)."""
+    import os
+
+    import torch
+
+    from autopar.runtime.generated import import_generated
+
+    if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    os.chdir(Path(script).parent)  # where torchrun's workers run (`run_local`)
+    import_generated(script, "autopar_checked_module").main(argv)
 
 
 def _float64_run(model_path: str | Path, kwargs: dict[str, Any], global_batch_size: int,
@@ -339,47 +370,3 @@ def _last_line(text: str) -> str:
     errors = [line for line in lines if ("Error" in line or "Exception" in line) and ":" in line
               and not line.startswith(("File ", "Traceback", "raise "))]
     return " ".join((errors or lines or ["no error text"])[-1].split())[:300]
-
-
-def _exit_words(returncode: int) -> str:
-    import signal
-
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit {returncode}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """One fake-tensor step of one rank (the child process of `fake_step`); a failure is printed
-    as one line after FAILED_MARKER."""
-    parser = argparse.ArgumentParser(prog="python -m autopar.runtime.proof",
-                                     description="One training step of one rank of a compiled folder on fake "
-                                                 "tensors at its full world size.")
-    parser.add_argument("folder", help="a folder holding the generated module and plan.json")
-    parser.add_argument("--rank", type=int, default=0)
-    args = parser.parse_args(argv)
-    from autopar.runtime.fake_memory import memory_floor
-    from autopar.runtime.fake_step import train_fake_step
-    from autopar.runtime.lifeline import die_with_parent
-
-    die_with_parent()  # a compile killed by SIGKILL leaves no proof step running
-
-    try:
-        print(train_fake_step(args.folder, args.rank, after=memory_floor(args.folder, args.rank)), flush=True)
-    except BaseException as err:  # noqa: BLE001 - any failure of the generated code rejects the plan
-        # The message's first line: torch's C++ errors go on with "Exception raised from ..." and frames.
-        message = (str(err).strip().splitlines() or [""])[0]
-        line = f"{type(err).__name__}: {message}" if message else type(err).__name__
-        print(f"{FAILED_MARKER} {' '.join(line.split())[:300]}", flush=True)
-        print(traceback.format_exc(), file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    from autopar.runtime.lifeline import end_process
-
-    end_process(main())

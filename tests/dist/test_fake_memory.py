@@ -124,7 +124,7 @@ def test_a_large_model_is_measured_without_its_memory(examples_dir, tmp_path):
     assert grown < 0.5 * result.measured["params"]
 
 
-def test_compiles_proof_says_a_gpu_ranks_memory_and_refuses_a_plan_past_it(examples_dir, tmp_path, capsys,
+def test_compiles_proof_says_a_gpu_ranks_memory_and_refuses_a_plan_past_it(examples_dir, tmp_path,
                                                                           monkeypatch):
     """Compile's proof at full scale tracks a GPU rank's second step (fake_memory.memory_floor):
     the floor it says (tensors plus the CUDA context) is this module's measurement of the rank, and
@@ -139,9 +139,8 @@ def test_compiles_proof_says_a_gpu_ranks_memory_and_refuses_a_plan_past_it(examp
     from cost_models.hardware import GiB
 
     out = compile_plan(examples_dir, tmp_path / "pp2_tp2_dp2", PLANS["pp2_tp2_dp2"])
-    monkeypatch.setattr("autopar.runtime.lifeline.die_with_parent", lambda: None)
-    assert proof.main([str(out), "--rank", "0"]) == 0
-    said = capsys.readouterr().out.strip().splitlines()[-1]
+    failure, said = proof.full_scale_step(out, 0)
+    assert failure == ""
     floor_gib, gpu_gib = map(float, re.search(r"memory at least ([\d.]+) of ([\d.]+) GiB", said).groups())
     result = check_rank(out, rank=0)
     assert floor_gib == pytest.approx((result.measured["total"] + result.cuda_context_bytes) / GiB, abs=0.051)
@@ -155,8 +154,7 @@ def test_compiles_proof_says_a_gpu_ranks_memory_and_refuses_a_plan_past_it(examp
         return dataclasses.replace(cluster, node_gpus=(gpu,) * cluster.nodes)
 
     monkeypatch.setattr(saved, "recorded_cluster", smaller_gpus)
-    assert proof.main([str(out), "--rank", "0"]) == 1
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(proof.FAILED_MARKER)]
+    line, _ = proof.full_scale_step(out, 0)
     smaller_gib = int(0.9 * floor_gib * GiB) / GiB
     assert (f"OverMemory: its tensors alone need {floor_gib:.1f} GiB on this rank, more than the {smaller_gib:.1f} "
             "GiB of its H100-SXM") in line, line

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import harness
+from autopar.runtime import forked_ranks as harness
 from tests.dist.harness import RankFailure, run_ranks
 
 
@@ -77,3 +78,57 @@ def test_ranks_meet_without_a_tcp_port():
     """A port picked free and bound later can be taken in between by another run (two test
     test runs at once); the file store needs none."""
     assert run_ranks(_rendezvous_port, 2) == [os.environ.get("MASTER_PORT")] * 2
+
+
+def _exit_quietly_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)  # no exception, no result: as a library calling exit() from C
+    return rank
+
+
+def test_rank_that_exits_without_a_result_is_named_at_once():
+    """Not after the timeout: the wait notices the process is gone."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited with status 3 without a result") as failure:
+        run_ranks(_exit_quietly_on_rank_one, 2, timeout_s=120, join_group=False)
+    assert failure.value.rank == 1 and time.monotonic() - start < 30
+
+
+def _say_and_wait(rank: int, world_size: int, seconds: float) -> None:
+    import time
+
+    print(f"rank {rank} here", flush=True)
+    time.sleep(seconds)
+
+
+def test_ranks_write_their_output_to_the_folder_given_and_stop_when_cancelled(tmp_path):
+    import threading
+
+    cancel = threading.Event()
+    timer = threading.Timer(3.0, cancel.set)
+    timer.start()
+    with pytest.raises(harness.Cancelled):
+        run_ranks(_say_and_wait, 2, 600.0, join_group=False, cancel=cancel, output=tmp_path)
+    assert sorted(path.read_text() for path in tmp_path.glob("rank*.log")) == ["rank 0 here\n", "rank 1 here\n"]
+
+
+def _rank_id(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_ranks_start_where_the_fork_servers_socket_cannot(tmp_path):
+    """A TMPDIR deeper than an AF_UNIX socket's path allows (107 bytes) stops the fork server from
+    listening: the ranks are spawned instead (a fresh process, so that no server runs yet)."""
+    import subprocess
+    import sys
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    code = ("from autopar.runtime.forked_ranks import _context, run_ranks; "
+            "from tests.dist.test_harness import _rank_id; "
+            "print(_context().get_start_method(), run_ranks(_rank_id, 2))")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(deep)}, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.split() == ["spawn", "[0,", "1]"], done.stderr[-2000:]

@@ -160,8 +160,8 @@ def _proving(tmp_path: Path) -> bool:
 
 
 def _checking(tmp_path: Path) -> bool:
-    """The numerical check's torchrun has started (its log folder exists)."""
-    return any(p.name.startswith("autopar-torchrun-") for p in (tmp_path / "tmp").iterdir())
+    """The numerical check's ranks have started (their logs exist in its folder)."""
+    return any(p.name.startswith("autopar-check-") and any(p.glob("rank*.log")) for p in (tmp_path / "tmp").iterdir())
 
 
 @pytest.mark.parametrize("when, group", tiered([(_proving, False), (_checking, True)], default=[(_checking, True)],
@@ -181,7 +181,7 @@ def test_ctrl_c_during_compile_exits_130_and_leaves_nothing(tmp_path, when, grou
         _wait_for(lambda: not _session(cli.pid), 30, "the proof's processes to end")
         assert not (tmp_path / "out").exists()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["cli.out", "tmp"]  # no .autopar-staging.*
-        assert _leftovers(tmp_path) == []  # no autopar-check-*, autopar-torchrun-*
+        assert _leftovers(tmp_path) == []  # no autopar-check-*, autopar-ranks-*
     finally:
         for pid in _session(cli.pid):
             os.kill(pid, signal.SIGKILL)

@@ -23,17 +23,20 @@ the process that started it (even by SIGKILL: lifeline.py), so a killed compile 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from autopar.runtime.lifeline import PARENT_ENV, die_with_parent
 
@@ -83,7 +86,8 @@ def _context() -> Any:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # no effect once the server runs: it has them already
     try:
-        forkserver.ensure_running()
+        with _main_hidden():
+            forkserver.ensure_running()
     except OSError:  # its socket's path is too long (AF_UNIX allows 107 bytes): a deep TMPDIR
         return multiprocessing.get_context("spawn")
     return context
@@ -135,8 +139,9 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
                                  args=(fn, rank, world_size, store, results, args, environment,
                                        None if output is None else Path(output) / f"rank{rank}.log"))
                  for rank in range(world_size)]
-    for process in processes:
-        process.start()
+    with _main_hidden():
+        for process in processes:
+            process.start()
     outcome: dict[int, Any] = {}
     try:
         deadline = time.monotonic() + timeout_s
@@ -169,6 +174,24 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
                 process.join()
         shutil.rmtree(folder, ignore_errors=True)
     return [outcome[rank] for rank in range(world_size)]
+
+
+_STARTING = threading.Lock()  # one start at a time hides __main__ (the proof starts from two threads)
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """The caller's ``__main__`` hidden while processes start. A multiprocessing child imports the
+    main module again (what the ``if __name__ == "__main__":`` idiom guards against): a user's
+    script calling autopar's API from its top level would run again in every rank. The ranks'
+    functions live in importable modules and need none of it."""
+    with _STARTING:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__: nothing to import
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 def _check_alive(processes: list, outcome: dict[int, Any], deadline: float, timeout_s: float) -> None:

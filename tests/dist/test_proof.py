@@ -163,3 +163,31 @@ def test_a_plan_splitting_several_ways_is_diagnosed_split_by_split(tmp_path, cap
     assert "to blame: splitting the batch" in error
     assert "with its batch split alone (dp=2 tp=1 pp=1 cp=1" in error and "split several ways" in error
     assert "autopar bug" not in error and not out.exists()
+
+
+USER_SCRIPT = """
+from pathlib import Path
+with Path({marker!r}).open("a") as marker:
+    marker.write("ran\\n")
+from autopar.cli import main
+raise SystemExit(main(["compile", {model!r}, *{settings!r}, "check=on", "--out-dir", {out!r}, "-q"]))
+"""
+
+
+def test_a_script_compiling_from_its_top_level_runs_once(tmp_path):
+    """A user's script that calls autopar at its top level (no ``if __name__ == "__main__":``): the
+    proof's processes (the check's ranks, the fake step) do not import it again, as
+    multiprocessing's children otherwise do, so it runs once and compile succeeds."""
+    import os
+    import subprocess
+    import sys
+
+    marker, script = tmp_path / "ran.txt", tmp_path / "train_it.py"
+    script.write_text(USER_SCRIPT.format(marker=str(marker), model=str(MODELS / "with_dropout.py"),
+                                         settings=[*TWO_CPU_RANKS, "plan.dp=2"], out=str(tmp_path / "out")))
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert marker.read_text() == "ran\n"
+    assert "equal to one process" in (tmp_path / "out" / "report.md").read_text()

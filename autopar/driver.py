@@ -9,7 +9,7 @@ import copy
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from omegaconf import OmegaConf
 
@@ -95,10 +95,11 @@ def run_estimate(model_path: str | Path, cfg: Any,
 
 
 def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = None,
-             profile: ModelProfile | None = None, excluded_splits: frozenset[tuple] = frozenset()):
+             profile: ModelProfile | None = None, excluded_splits: frozenset[tuple] = frozenset(),
+             on_traced: Callable[[], None] | None = None):
     """Stages 1-4: profile (unless given), then search for the fastest plan that fits (`autopar plan`);
     ``progress`` hears of each phase and search step; ``excluded_splits`` are never planned
-    (compile's proof rejected them)."""
+    (compile's proof rejected them); ``on_traced`` is called once the model is profiled."""
     from autopar.config import PlanPins, SolverConfig
     from autopar.solver.planner import Planner
 
@@ -108,6 +109,8 @@ def run_plan(model_path: str | Path, cfg: Any, progress: "Reporter | None" = Non
         if progress:
             progress.phase(f"tracing one training step of {model_path} on fake tensors")
         profile, kept = traced_or_kept(model_path, cfg)
+    if on_traced is not None:
+        on_traced()
     if progress:
         again = " (reused: traced before from the same files and settings; plan.reuse_profile=false traces again)"
         progress.phase(f"traced {profile.traced_words()}{again if kept else ''}; building the search space")
@@ -183,14 +186,13 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
     from autopar.runtime.forked_ranks import start_server
     from autopar.runtime.proof import check_wanted
 
-    start_server()  # the proof's processes fork from it: its imports run beside the planning
-
     defaults = {**run_defaults(cfg, model_path), "optimizer": optimizer_settings(cfg.optim)}
     cluster = build_cluster(cfg)
     check = check_wanted(str(OmegaConf.select(cfg, "check", default="auto")),
                          {gpu.name for gpu in cluster.node_gpus}, cluster.nodes)
     if plan_path is not None:
         plan = with_cluster_config(load_saved_plan(plan_path, model_path, cfg), cfg)
+        start_server()  # the proof's processes fork from it: its imports run beside the pricing
         train = train_spec(cfg)  # compile's own settings
         priced = price_saved_plan(plan, model_path, None, train=train)
         saved_s = plan.predicted.step_time_s
@@ -215,8 +217,10 @@ def _compile_held(model_path: str | Path, cfg: Any, out_dir: Path, plan_path: st
         files = None
         while len(rejected) < MAX_PLANS_TRIED and sum(r.ran for r in rejected) < MAX_PLANS_PROVEN:
             try:
+                # The proof's processes fork from the server: once the model traced (most bad input
+                # is refused by then), its imports run beside the search.
                 result = run_plan(model_path, cfg, progress=progress, profile=profile,
-                                  excluded_splits=frozenset(excluded))
+                                  excluded_splits=frozenset(excluded), on_traced=start_server)
             except UserError:
                 if not rejected:
                     raise

@@ -95,7 +95,7 @@ def _context() -> Any:
 
 def start_server() -> None:
     """Start the fork server now, so that its imports run beside the caller's work (compile's
-    tracing and search) instead of before its first rank."""
+    search) instead of before its first rank."""
     _context()
 
 

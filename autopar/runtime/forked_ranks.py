@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from autopar.runtime.lifeline import PARENT_ENV, die_with_parent
+from autopar.runtime.local import LOOPBACK_ENV
 
 # Imported once by the fork server (torch, what generated modules import, and the autopar modules
 # rank functions import); one that fails to import there is imported by the rank.
@@ -53,8 +54,6 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # started again, all ranks afresh, this many times in all. A failure in the function itself never is.
 INIT_ATTEMPTS = 2
 POLL_S = 0.5  # how often a wait for results looks for ranks that died without a word
-# Local ranks reach each other over the loopback interface only (gloo binds its pairs there).
-LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 class RankFailure(RuntimeError):
@@ -146,20 +145,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
     try:
         deadline = time.monotonic() + timeout_s
         while len(outcome) < world_size:
-            if cancel is not None and cancel.is_set():
-                raise Cancelled("stopped by the caller")
-            try:
-                rank, stage, value = results.get(timeout=POLL_S)
-            except queue.Empty:
-                # a result put just before its process ended can still be in the pipe: one more look
-                if not any(p.exitcode is not None for r, p in enumerate(processes) if r not in outcome):
-                    _check_alive(processes, outcome, deadline, timeout_s)
-                    continue
-                try:
-                    rank, stage, value = results.get(timeout=POLL_S)
-                except queue.Empty:
-                    _check_alive(processes, outcome, deadline, timeout_s)
-                    continue
+            rank, stage, value = _next_result(results, processes, outcome, deadline, timeout_s, cancel)
             if stage != "done":
                 killed = _killed_by_signal(processes)
                 note = "".join(f"\nrank {r} died by signal {-processes[r].exitcode}" for r in killed)
@@ -194,18 +180,31 @@ def _main_hidden() -> Iterator[None]:
             sys.modules["__main__"] = main
 
 
-def _check_alive(processes: list, outcome: dict[int, Any], deadline: float, timeout_s: float) -> None:
-    """Raise for a rank that ended without a result (killed by a signal, or os._exit) once its
-    result could no longer be on its way, or for ranks still running past the deadline."""
-    ended = [rank for rank, process in enumerate(processes) if rank not in outcome and process.exitcode is not None]
-    if ended:
-        rank, code = ended[0], processes[ended[0]].exitcode
-        how = f"died by signal {-code}" if code < 0 else f"exited with status {code} without a result"
-        killed = [r for r in ended if processes[r].exitcode < 0]
-        raise RankFailure(f"rank {rank} of {len(processes)} failed:\nrank {rank} {how}", killed, rank, how)
-    if time.monotonic() > deadline:
-        missing = sorted(set(range(len(processes))) - set(outcome))
-        raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+def _next_result(results: Any, processes: list, outcome: dict[int, Any], deadline: float, timeout_s: float,
+                 cancel: threading.Event | None) -> tuple[int, str, Any]:
+    """The next (rank, stage, value) a rank put. Raises `Cancelled` once ``cancel`` is set, and
+    `RankFailure` for a rank that ended without a result (killed by a signal, or os._exit) once
+    its result could no longer be on its way, or for ranks still running past the deadline."""
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("stopped by the caller")
+        try:
+            return results.get(timeout=POLL_S)
+        except queue.Empty:
+            pass
+        ended = [rank for rank, process in enumerate(processes) if rank not in outcome and process.exitcode is not None]
+        if ended:
+            try:  # a result put just before its process ended can still be in the pipe: one more look
+                return results.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+            rank, code = ended[0], processes[ended[0]].exitcode
+            how = f"died by signal {-code}" if code < 0 else f"exited with status {code} without a result"
+            killed = [r for r in ended if processes[r].exitcode < 0]
+            raise RankFailure(f"rank {rank} of {len(processes)} failed:\nrank {rank} {how}", killed, rank, how)
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(processes))) - set(outcome))
+            raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
 
 
 def _killed_by_signal(processes: list, wait_s: float = 2.0) -> list[int]:
